@@ -108,12 +108,16 @@ class _End:
             raise IpcError(f"{info.name} is a {info.kind}, not a ring")
         return cls(info)
 
+    def _peer_alive(self, pid_off: int, start_off: int) -> bool:
+        pid = self._r.load64(pid_off)
+        return not pid or pid_alive(pid, self._r.load64(start_off))
+
     def _peer_gone(self, pid_off: int, start_off: int, peer: str) -> None:
         """Raise if the ring is closed or the peer process is dead."""
         if self._r.load64(_CLOSED):
             raise ChannelClosed(f"ring {self.name} is closed")
-        pid = self._r.load64(pid_off)
-        if pid and not pid_alive(pid, self._r.load64(start_off)):
+        if not self._peer_alive(pid_off, start_off):
+            pid = self._r.load64(pid_off)
             raise PeerDead(f"ring {self.name}: {peer} (pid {pid}) is dead")
 
     def _wait(self, ready, sleep_off: int, bell: Doorbell, timeout: float, what: str,
@@ -186,32 +190,15 @@ class Producer(_End):
         self._mm = self._seg.mm
 
     def _room_for(self, need: int) -> bool:
+        return self._room_for_at(self._tail, need)
+
+    def _room_for_at(self, tail: int, need: int) -> bool:
         self._head_cache = self._r.load64(_HEAD)
-        return self.capacity - (self._tail - self._head_cache) >= need
+        return self.capacity - (tail - self._head_cache) >= need
 
-    def _need(self, n: int) -> int:
-        """Bytes a record of payload size n consumes at the current tail (wrap included)."""
-        if n > self.max_record:
-            raise RecordTooLarge(f"ring {self.name}: record of {n} bytes exceeds the maximum "
-                                 f"{self.max_record} (capacity {self.capacity})")
-        size = _align8(n + 4)
-        rest = self.capacity - (self._tail & self._mask)
-        return size if size <= rest else rest + size
-
-    def _write(self, data: bytes) -> None:
-        n = len(data)
-        size = _align8(n + 4)
-        off = self._tail & self._mask
-        rest = self.capacity - off
-        mm = self._mm
-        if size > rest:
-            _LEN.pack_into(mm, HEADER + off, _WRAP)
-            self._tail += rest
-            off = 0
-        base = HEADER + off
-        _LEN.pack_into(mm, base, n)
-        mm[base + 4: base + 4 + n] = data
-        self._tail += size
+    def _refuse(self, n: int) -> None:
+        raise RecordTooLarge(f"ring {self.name}: record of {n} bytes exceeds the maximum "
+                             f"{self.max_record} (capacity {self.capacity})")
 
     def _publish(self, records: int) -> None:
         self._count += records
@@ -229,7 +216,7 @@ class Producer(_End):
         # The hot path, written out in full: each avoided Python call is ~50 ns of ~1 us.
         n = len(data)
         if n > self.max_record:
-            self._need(n)
+            self._refuse(n)
         size = (n + 11) & ~7
         tail = self._tail
         off = tail & self._mask
@@ -256,18 +243,33 @@ class Producer(_End):
         """Append records in order, publishing once per run that fits (one fence per batch)."""
         for rec in records:  # refuse oversize before anything is written
             if len(rec) > self.max_record:
-                self._need(len(rec))
+                self._refuse(len(rec))
         deadline = time.monotonic() + timeout
         pending = 0
+        mm, cap, mask, pack = self._mm, self.capacity, self._mask, _LEN.pack_into
+        tail = self._tail
         for rec in records:
-            need = self._need(len(rec))
-            if self.capacity - (self._tail - self._head_cache) < need and not self._room_for(need):
+            n = len(rec)
+            size = (n + 11) & ~7
+            off = tail & mask
+            rest = cap - off
+            need = size if size <= rest else rest + size
+            if cap - (tail - self._head_cache) < need and not self._room_for_at(tail, need):
+                self._tail = tail
                 if pending:
                     self._publish(pending)
                     pending = 0
                 self._wait_room(need, max(deadline - time.monotonic(), 0.0))
-            self._write(rec)
+            if size > rest:
+                pack(mm, HEADER + off, _WRAP)
+                tail += rest
+                off = 0
+            base = HEADER + off
+            pack(mm, base, n)
+            mm[base + 4: base + 4 + n] = rec
+            tail += size
             pending += 1
+        self._tail = tail
         if pending:
             self._publish(pending)
 
@@ -349,13 +351,57 @@ class Consumer(_End):
         if self._head == self._tail_cache and not self._readable():
             self.wait_readable(timeout)
         out = []
-        read = self._read
+        append = out.append
+        mm, mask, cap, unpack = self._mm, self._mask, self.capacity, _LEN.unpack_from
+        head, tail = self._head, self._tail_cache
         while len(out) < max_records:
-            if self._head == self._tail_cache and not self._readable():
-                break
-            out.append(read())
+            if head == tail:
+                tail = self._tail_cache = self._r.load64(_TAIL)
+                if head == tail:
+                    break
+            off = head & mask
+            (n,) = unpack(mm, HEADER + off)
+            if n == _WRAP:
+                head += cap - off
+                off = 0
+                (n,) = unpack(mm, HEADER)
+            base = HEADER + off + 4
+            append(mm[base: base + n])
+            head += (n + 11) & ~7
+        self._head = head
         self._release(len(out))
         return out
+
+    def pending(self) -> bool:
+        """True if records are waiting (without taking one)."""
+        return self._head != self._tail_cache or self._readable()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._r.load64(_CLOSED))
+
+    def producer_alive(self) -> bool:
+        """False once an attached producer died; True while none ever attached."""
+        return self._peer_alive(_PROD_PID, _PROD_START)
+
+    @property
+    def producer_pid(self) -> int:
+        return self._r.load64(_PROD_PID)
+
+    def check_producer(self) -> None:
+        """Raise ChannelClosed / PeerDead if no record can come any more."""
+        self._peer_gone(_PROD_PID, _PROD_START, "producer")
+
+    def set_sleeping(self, on: bool) -> None:
+        """Eventcount announcement, for waiters (FanIn) that sleep on a shared doorbell."""
+        if on:
+            self._r.exchange64(_CONS_SLEEP, 1)
+        else:
+            self._r.store64(_CONS_SLEEP, 0)
+
+    @property
+    def doorbell(self) -> Doorbell:
+        return self._bell
 
     def count_protocol_error(self) -> None:
         """Record that a message from this ring could not be decoded (shown by `kvrt status`)."""
