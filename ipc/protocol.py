@@ -1,0 +1,140 @@
+"""The wire contract of a node: object names, process slots and message types.
+
+Both sides of every channel import this module and nothing of each other (runtime/ and
+workers/ never import each other), so the contract has exactly one home.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from .codec import Codec
+from .shm import Segment
+
+PROTOCOL = Codec()
+
+# ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
+CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
+PROCS = "procs"              # int64[slots, PROC_FIELDS]: pid, role, rank, start_ms
+HEARTBEAT = "heartbeat"      # int64[slots]: CLOCK_MONOTONIC ns of each process's last beat
+READY = "ready"              # int32[slots]: 1 once a process is up
+NODE_STATUS = "node_status"  # int64[STATUS_FIELDS]: node state, prefix-tree state, ...
+ENGINE_BELL = "engine.bell"  # the doorbell every ring into the engine shares (fan-in)
+OWNERS_DEVICE = "owners.device"  # int32[tp, blocks] debug ownership table (KVRT_CHECK_OWNERSHIP=1)
+OWNERS_HOST = "owners.host"
+
+
+def device_pool(rank: int) -> str:
+    return f"pool.device.{rank}"
+
+
+def host_pool(rank: int) -> str:
+    return f"pool.host.{rank}"
+
+
+def to_transfer(rank: int) -> str:
+    return f"engine.to.transfer.{rank}"
+
+
+def from_transfer(rank: int) -> str:
+    return f"transfer.{rank}.to.engine"
+
+
+def to_worker(rank: int) -> str:
+    return f"engine.to.worker.{rank}"
+
+
+def from_worker(rank: int) -> str:
+    return f"worker.{rank}.to.engine"
+
+
+# ---- processes -------------------------------------------------------------------------
+ROLE_ENGINE, ROLE_WORKER, ROLE_TRANSFER, ROLE_MESSAGER = 1, 2, 3, 4
+ROLE_NAMES = {ROLE_ENGINE: "engine", ROLE_WORKER: "worker", ROLE_TRANSFER: "cache-transfer",
+              ROLE_MESSAGER: "cache-messager"}
+PROC_PID, PROC_ROLE, PROC_RANK, PROC_START = range(4)
+PROC_FIELDS = 4
+
+
+def proc_slots(tp: int) -> list[tuple[int, int]]:
+    """(role, rank) of every process slot: engine, workers, cache-transfer, cache-messager."""
+    return ([(ROLE_ENGINE, 0)] + [(ROLE_WORKER, r) for r in range(tp)]
+            + [(ROLE_TRANSFER, r) for r in range(tp)] + [(ROLE_MESSAGER, r) for r in range(tp)])
+
+
+def slot_of(tp: int, role: int, rank: int) -> int:
+    return proc_slots(tp).index((role, rank))
+
+
+# ---- status words (NODE_STATUS indices and values) ----------------------------------------
+ST_NODE, ST_PREFIX_TREE = 0, 1
+STATUS_FIELDS = 8
+NODE_STARTING, NODE_RUNNING, NODE_STOPPING = 0, 1, 2
+# prefix tree / KV cache status words, as in the reference system
+TREE_NORMAL, TREE_UPDATING, TREE_CLEARING, TREE_CLEARED = 0, 1, -1, -2
+
+# ---- block owners (debug ownership table) -------------------------------------------------
+OWNER_FREE, OWNER_WORKER, OWNER_TRANSFER, OWNER_MESSAGER, OWNER_CACHE = 0, 1, 2, 3, 4
+OWNER_NAMES = {OWNER_FREE: "free", OWNER_WORKER: "worker", OWNER_TRANSFER: "cache-transfer",
+               OWNER_MESSAGER: "cache-messager", OWNER_CACHE: "prefix-cache"}
+
+# ---- engine <-> cache-transfer ------------------------------------------------------------
+SWAP2CPU, SWAP2GPU, STORAGE2GPU, GPU2STORAGE = "swap2cpu", "swap2gpu", "storage2gpu", "gpu2storage"
+TASK_KINDS = (SWAP2CPU, SWAP2GPU, STORAGE2GPU, GPU2STORAGE)
+
+
+@PROTOCOL.message("transfer_task")
+@dataclass
+class TransferTask:
+    """Engine -> every cache-transfer rank. Swaps pair device_blocks[i] with host_blocks[i];
+    storage tasks pair device_blocks[i] with keys[i] (keys computed by the engine)."""
+
+    task_id: int
+    kind: str
+    device_blocks: np.ndarray
+    host_blocks: np.ndarray
+    keys: list = field(default_factory=list)
+
+
+@PROTOCOL.message("transfer_done")
+@dataclass
+class TransferDone:
+    """A rank's answer. For STORAGE2GPU, `blocks` is how many leading blocks were read (a
+    missing or corrupt object ends the prefix); for the others, all or nothing."""
+
+    task_id: int
+    rank: int
+    ok: bool
+    blocks: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@PROTOCOL.message("shutdown")
+@dataclass
+class Shutdown:
+    """Engine -> a child: finish what you hold, then exit."""
+
+    reason: str = ""
+
+
+# ---- the node configuration, published once by the launcher ---------------------------------
+def publish_config(reg, config: dict) -> None:
+    """Write the node's configuration (a plain dict) into the CONFIG segment, length-prefixed."""
+    data = msgpack.packb(config, use_bin_type=True)
+    seg = reg.create_segment(CONFIG, len(data) + 8, kind="segment", meta={"format": "msgpack"})
+    seg.mm[:8] = len(data).to_bytes(8, "little")
+    seg.mm[8:8 + len(data)] = data
+    seg.close()
+
+
+def read_config(reg) -> dict:
+    seg = Segment.attach(reg.name_of(CONFIG))
+    try:
+        n = int.from_bytes(seg.mm[:8], "little")
+        return msgpack.unpackb(seg.mm[8:8 + n], raw=False)
+    finally:
+        seg.close()

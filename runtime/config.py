@@ -1,0 +1,101 @@
+"""The node configuration: one dataclass, validated once by the launcher, published to every
+child through the CONFIG segment as a plain dict (so workers/ never imports runtime/)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+ROLES = ("mixed", "prefill", "decode")
+DEVICES = ("cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the option and the value."""
+
+
+@dataclass
+class NodeConfig:
+    node: str
+    role: str = "mixed"
+    tp: int = 1
+    device: str = "cpu"
+    block_size: int = 16
+    num_gpu_blocks: int = 512
+    num_cpu_blocks: int = 0
+    storage: str = ""
+    port: int = 0
+    metrics_port: int = 0
+    log_dir: str = ""
+    # model shape (the KV pools' block shape follows from it)
+    num_layers: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    dtype: str = "float32"
+    check_ownership: bool = False
+    ready_timeout: float = 60.0
+    rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
+
+    def validate(self) -> "NodeConfig":
+        from ipc.shm import validate_node_name
+
+        try:
+            validate_node_name(self.node)
+        except ValueError as e:
+            raise ConfigError(f"--node: {e}") from None
+        _choice("--role", self.role, ROLES)
+        _choice("--device", self.device, DEVICES)
+        _positive("--tp", self.tp)
+        _positive("--block-size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
+        _positive("--num-gpu-blocks", self.num_gpu_blocks)
+        if self.num_cpu_blocks < 0:
+            raise ConfigError(f"--num-cpu-blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.storage and not self.storage.startswith("file:"):
+            raise ConfigError(f"--storage {self.storage!r}: only file:DIR is supported")
+        if self.storage == "file:":
+            raise ConfigError("--storage file: needs a directory, e.g. file:/var/kvrt")
+        for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{name} must be 0..65535, got {port}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            _positive("--" + name.replace("_", "-"), getattr(self, name))
+        if self.num_kv_heads % self.tp:
+            raise ConfigError(f"--tp {self.tp} must divide the {self.num_kv_heads} KV heads")
+        try:
+            np.dtype(self.dtype)
+        except TypeError:
+            raise ConfigError(f"--dtype {self.dtype!r} is not a numpy dtype") from None
+        return self
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of one rank: [layers, K/V, block_size, kv_heads_per_rank, head_dim]."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads // self.tp, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        return int(np.prod(self.block_shape)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def needs_transfer(self) -> bool:
+        return self.num_cpu_blocks > 0 or bool(self.storage)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NodeConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _choice(name: str, value: str, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
