@@ -33,6 +33,77 @@ def _dispatch(table: dict, kind: str, argv: list[str]) -> int:
     return importlib.import_module(module).main(argv[1:])
 
 
+def _detect_device() -> str:
+    """cuda when CuPy is installed and sees a GPU, else cpu."""
+    try:
+        import cupy
+
+        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+    except Exception:  # not installed, no driver, no device: all mean "use the CPU"
+        return "cpu"
+
+
+def _add_launch(sub) -> None:
+    from runtime.config import NodeConfig
+
+    d = NodeConfig(node="")
+    p = sub.add_parser("launch", help="start a node: engine, workers, cache-transfer processes",
+                       description="Start one kvrt node and supervise it until SIGINT/SIGTERM. Creates every "
+                       "shared-memory object of the node, starts its processes, waits until each is ready, and "
+                       "stops the node cleanly (exit 1) if any process dies.")
+    p.add_argument("--node", default="", help="node name, unique on this machine (default: kvrt<port> or kvrt<pid>)")
+    p.add_argument("--role", default=d.role, choices=["mixed", "prefill", "decode"], help="PD role (default mixed)")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks for the KV cache (default 1)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the device KV pool lives (default: cuda if CuPy sees a GPU, else cpu)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
+    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help=f"device blocks per rank (default {d.num_gpu_blocks})")
+    p.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks,
+                   help="host (swap) blocks per rank; > 0 starts cache-transfer processes (default 0)")
+    p.add_argument("--storage", default="", help="storage tier URI: file:DIR (default: none)")
+    p.add_argument("--port", type=int, default=d.port, help="client API port (engine; 0 = none)")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus metrics port on 127.0.0.1 (0 = off)")
+    p.add_argument("--log-dir", default="", help="write each process's log to DIR/<role>-<rank>.log (default: stderr)")
+    p.add_argument("--num-layers", type=int, default=d.num_layers, help=f"model layers (default {d.num_layers})")
+    p.add_argument("--num-kv-heads", type=int, default=d.num_kv_heads, help=f"KV heads, split over --tp (default {d.num_kv_heads})")
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help=f"head dimension (default {d.head_dim})")
+    p.add_argument("--dtype", default=d.dtype, help=f"KV dtype (default {d.dtype})")
+    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for every process to be ready")
+    p.add_argument("--rank-timeout", type=float, default=d.rank_timeout, help="seconds to wait for a rank's answer to a task")
+
+
+def launch(args) -> int:
+    import os
+
+    from ipc.errors import NodeLive
+    from runtime.config import ConfigError, NodeConfig
+    from runtime.node import Node
+    from workers import kv_pool
+
+    node = args.node or (f"kvrt{args.port}" if args.port else f"kvrt{os.getpid()}")
+    cfg = NodeConfig(node=node, role=args.role, tp=args.tp,
+                     device=_detect_device() if args.device == "auto" else args.device,
+                     block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                     num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, port=args.port,
+                     metrics_port=args.metrics_port, log_dir=args.log_dir, num_layers=args.num_layers,
+                     num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                     check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1",
+                     ready_timeout=args.ready_timeout, rank_timeout=args.rank_timeout)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        print(f"kvrt launch: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return Node(cfg, kv_pool.PoolMaker(), progress=lambda m: print(m, file=sys.stderr, flush=True)).run()
+    except NodeLive as e:
+        print(f"kvrt launch: error: {e}", file=sys.stderr)
+        return 1
+    except (RuntimeError, TimeoutError) as e:
+        print(f"kvrt launch: error: {e}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
@@ -42,11 +113,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_launch(sub)
+    st = sub.add_parser("status", help="inspect live nodes from their shared memory (read-only)")
+    st.add_argument("--node", help="node name (default: every node found)")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    cl = sub.add_parser("clean", help="reclaim the shared memory of dead nodes (refuses live ones)")
+    cl.add_argument("--node", help="node name (default: every dead node found)")
+    cl.add_argument("--dry-run", action="store_true", help="list what would be removed")
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES), add_help=False)
     sub.add_parser("stress", help="stress tests: " + ", ".join(STRESS), add_help=False)
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in ("launch", "status", "clean"):
+        args = parser.parse_args(argv)
+    if args.command == "launch":
+        return launch(args)
+    if args.command == "status":
+        from runtime.status import status_main
+
+        try:
+            return status_main(args.node, args.json, args.watch)
+        except KeyboardInterrupt:
+            return 0
+    if args.command == "clean":
+        from runtime.status import clean_main
+
+        return clean_main(args.node, args.dry_run)
     if args.command == "bench":
         return _dispatch(BENCHES, "bench", rest)
     if args.command == "stress":

@@ -138,3 +138,16 @@ def read_config(reg) -> dict:
         return msgpack.unpackb(seg.mm[8:8 + n], raw=False)
     finally:
         seg.close()
+
+
+# ---- engine statistics, published for `kvrt status` (float64[len(STATS)]) -----------------------
+ENGINE_STATS = "engine.stats"
+STATS = (
+    "device_total", "device_free", "device_cached", "device_used",
+    "host_total", "host_free", "host_cached", "host_used",
+    "requests", "hit_requests", "query_tokens",
+    "hit_tokens_device", "hit_tokens_host", "hit_tokens_storage",
+    "tasks_inflight", "tasks_done", "tasks_failed", "swap_bytes",
+    "evictions", "protocol_errors",
+)
+STAT = {name: i for i, name in enumerate(STATS)}

@@ -136,6 +136,10 @@ class Registry:
         return self._region.load64(_OFF_PID)
 
     @property
+    def owner_start_ms(self) -> int:
+        return self._region.load64(_OFF_START)
+
+    @property
     def created_ns(self) -> int:
         return self._region.load64(_OFF_CREATED)
 

@@ -411,3 +411,14 @@ class Consumer(_End):
     def drain(self) -> Iterable[bytes]:
         while (rec := self.try_get()) is not None:
             yield rec
+
+
+def peek_stats(info: ObjectInfo) -> dict:
+    """A ring's counters read from outside (status readers): neither end is touched."""
+    seg = Segment.attach(info.name)
+    r = Region(seg.mm)
+    try:
+        return ring_stats(r)
+    finally:
+        r.release()
+        seg.close()

@@ -1,0 +1,78 @@
+"""A process's membership in a node: its row in the process table, its heartbeat, its ready
+flag, and the checks that tell it the node is gone.
+
+Every child (engine, worker, cache-transfer, cache-messager) joins the same way, so status
+readers find every process in one table and a child whose launcher died notices by itself
+(an orphan must exit, not spin: REFERENCE_SYSTEM.md §6, #4401).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from . import protocol as P
+from .registry import Registry, pid_alive, process_start_ms
+from .signals import Signal
+
+log = logging.getLogger(__name__)
+
+
+class Member:
+    def __init__(self, reg: Registry, config: dict, role: int, rank: int):
+        self.reg = reg
+        self.config = config
+        self.role = role
+        self.rank = rank
+        self.tp = int(config["tp"])
+        self.slot = P.slot_of(self.tp, role, rank)
+        self.procs = Signal.attach(reg, P.PROCS)
+        self.heartbeat = Signal.attach(reg, P.HEARTBEAT)
+        self.ready = Signal.attach(reg, P.READY)
+        self.status = Signal.attach(reg, P.NODE_STATUS)
+        self._launcher = (reg.owner_pid, reg.owner_start_ms)
+        pid = os.getpid()
+        row = self.procs.array[self.slot]
+        row[P.PROC_ROLE], row[P.PROC_RANK], row[P.PROC_START] = role, rank, process_start_ms(pid)
+        row[P.PROC_PID] = pid
+        self.beat()
+
+    @classmethod
+    def join(cls, node: str, role: int, rank: int) -> "Member":
+        reg = Registry.attach(node)
+        return cls(reg, P.read_config(reg), role, rank)
+
+    @property
+    def name(self) -> str:
+        return f"{P.ROLE_NAMES[self.role]}[{self.rank}]"
+
+    def beat(self) -> None:
+        self.heartbeat.array[self.slot] = time.monotonic_ns()
+
+    def set_ready(self) -> None:
+        self.ready.array[self.slot] = 1
+        log.info("%s ready (pid %d)", self.name, os.getpid())
+
+    def stopping(self) -> bool:
+        return int(self.status.array[P.ST_NODE]) == P.NODE_STOPPING
+
+    def launcher_alive(self) -> bool:
+        return pid_alive(*self._launcher)
+
+    def engine_alive(self) -> bool:
+        row = self.procs.array[P.slot_of(self.tp, P.ROLE_ENGINE, 0)]
+        return pid_alive(int(row[P.PROC_PID]), int(row[P.PROC_START]))
+
+    def orphaned(self) -> str:
+        """Why this process should exit on its own ('' while its node is alive)."""
+        if not self.launcher_alive():
+            return f"launcher (pid {self._launcher[0]}) is gone"
+        if self.role != P.ROLE_ENGINE and self.ready.array[0] and not self.engine_alive():
+            return "engine is gone"
+        return ""
+
+    def leave(self) -> None:
+        self.ready.array[self.slot] = 0
+        for s in (self.procs, self.heartbeat, self.ready, self.status):
+            s.close()
+        self.reg.close()

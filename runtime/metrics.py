@@ -1,0 +1,61 @@
+"""Prometheus metrics of a node, served by the engine on --metrics-port.
+
+Why a custom collector: the engine already keeps its counters in the ENGINE_STATS signal
+(for `kvrt status`, which must work even when the engine is hung). Reading that array at
+scrape time gives Prometheus the same numbers with no second set of counters to keep in step.
+The swap latency histogram is the one metric with its own state.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ipc.protocol import STAT
+
+log = logging.getLogger(__name__)
+
+
+class _StatsCollector:
+    def __init__(self, stats, rings: Callable[[], dict[str, dict]]):
+        self._stats = stats
+        self._rings = rings
+
+    def collect(self):
+        s = self._stats
+        hit = CounterMetricFamily("kvrt_prefix_hit_tokens", "prompt tokens served from a cache tier", labels=["tier"])
+        for tier in ("device", "host", "storage"):
+            hit.add_metric([tier], float(s[STAT[f"hit_tokens_{tier}"]]))
+        yield hit
+        yield CounterMetricFamily("kvrt_prefix_query_tokens", "prompt tokens looked up in the prefix cache",
+                                  value=float(s[STAT["query_tokens"]]))
+        yield CounterMetricFamily("kvrt_requests", "requests admitted", value=float(s[STAT["requests"]]))
+        blocks = GaugeMetricFamily("kvrt_blocks", "KV blocks by tier and state", labels=["tier", "state"])
+        for tier in ("device", "host"):
+            for state in ("free", "cached", "used", "total"):
+                blocks.add_metric([tier, state], float(s[STAT[f"{tier}_{state}"]]))
+        yield blocks
+        yield CounterMetricFamily("kvrt_swap_bytes", "bytes moved by cache-transfer tasks", value=float(s[STAT["swap_bytes"]]))
+        yield CounterMetricFamily("kvrt_transfer_tasks_failed", "transfer tasks that failed or timed out",
+                                  value=float(s[STAT["tasks_failed"]]))
+        yield GaugeMetricFamily("kvrt_transfer_tasks_inflight", "transfer tasks in flight",
+                                value=float(s[STAT["tasks_inflight"]]))
+        depth = GaugeMetricFamily("kvrt_ring_depth_bytes", "bytes waiting in a ring", labels=["ring"])
+        for name, st in self._rings().items():
+            depth.add_metric([name], float(st["depth_bytes"]))
+        yield depth
+
+
+class Metrics:
+    def __init__(self, stats, rings: Callable[[], dict[str, dict]]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(stats, rings))
+        self.swap_seconds = Histogram("kvrt_transfer_task_seconds", "transfer task latency (all ranks)",
+                                      ["kind"], registry=self.registry,
+                                      buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10))
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        log.info("metrics on http://127.0.0.1:%d/metrics", port)

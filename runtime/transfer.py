@@ -1,0 +1,92 @@
+"""The engine's side of the cache-transfer ranks: send every task to every rank, complete a
+task only when all ranks answered, fail it (never hang) when one does not answer in time.
+
+Why per-task accounting instead of `Broadcast.gather`: several tasks are in flight at once
+and ranks answer in their own time; the engine must keep scheduling meanwhile, so answers
+are matched to tasks by id as they arrive through the engine's fan-in.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ipc.protocol import PROTOCOL, TransferDone, TransferTask
+from ipc.ring import Producer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskResult:
+    """A finished task: ok only if every rank succeeded; `blocks` is the minimum any rank did
+    (for STORAGE2GPU, the prefix every rank has)."""
+
+    task: TransferTask
+    ok: bool
+    blocks: int
+    nbytes: int
+    seconds: float
+    error: str = ""
+
+
+@dataclass
+class _Pending:
+    task: TransferTask
+    deadline: float
+    started: float
+    answers: dict[int, TransferDone] = field(default_factory=dict)
+
+
+class TransferClient:
+    def __init__(self, rings: list[Producer], rank_timeout: float, send_timeout: float = 5.0):
+        self.rings = rings
+        self.rank_timeout = rank_timeout
+        self.send_timeout = send_timeout
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    def submit(self, kind: str, device_blocks, host_blocks=(), keys: list[bytes] | None = None) -> int:
+        task = TransferTask(next(self._ids), kind, np.asarray(device_blocks, dtype=np.int32),
+                            np.asarray(host_blocks, dtype=np.int32), list(keys or []))
+        data = PROTOCOL.encode(task)
+        now = time.monotonic()
+        self._pending[task.task_id] = _Pending(task, now + self.rank_timeout, now)
+        for ring in self.rings:
+            ring.put(data, self.send_timeout)
+        return task.task_id
+
+    def on_answer(self, done: TransferDone) -> TaskResult | None:
+        """Record one rank's answer; returns the result once every rank has answered."""
+        p = self._pending.get(done.task_id)
+        if p is None:
+            log.warning("answer for unknown or expired task %d from rank %d", done.task_id, done.rank)
+            return None
+        p.answers[done.rank] = done
+        if len(p.answers) < len(self.rings):
+            return None
+        del self._pending[done.task_id]
+        answers = list(p.answers.values())
+        errors = [f"rank {a.rank}: {a.error}" for a in answers if not a.ok]
+        return TaskResult(p.task, not errors, min(a.blocks for a in answers), sum(a.nbytes for a in answers),
+                          time.monotonic() - p.started, "; ".join(errors))
+
+    def expire(self, now: float | None = None) -> list[TaskResult]:
+        """Fail every task whose deadline passed, naming the ranks that did not answer."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for tid in [t for t, p in self._pending.items() if p.deadline <= now]:
+            p = self._pending.pop(tid)
+            missing = sorted(set(range(len(self.rings))) - set(p.answers))
+            err = (f"task {tid} ({p.task.kind}, {len(p.task.device_blocks)} blocks): no answer from "
+                   f"cache-transfer rank(s) {missing} within {self.rank_timeout:.3g}s")
+            log.error(err)
+            out.append(TaskResult(p.task, False, 0, 0, now - p.started, err))
+        return out
