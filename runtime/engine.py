@@ -22,6 +22,7 @@ from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from runtime.config import NodeConfig
 from runtime.metrics import Metrics
+from runtime.ownership import OwnerTable
 from runtime.transfer import TaskResult, TransferClient
 
 log = logging.getLogger("kvrt.engine")
@@ -43,9 +44,17 @@ class Engine:
             inbound += [Consumer.attach(reg, P.from_transfer(r)) for r in range(tp)]
         self.inbound = inbound
         self.fan = FanIn(inbound)
-        self.transfer = TransferClient(self.to_transfer, self.cfg.rank_timeout)
+        self.transfer = TransferClient(self.to_transfer, self.cfg.rank_timeout, owners=self._owner_tables())
         self.metrics = Metrics(self.stats.array, self.ring_stats)
         self._set_block_totals()
+
+    def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:
+        """KVRT_CHECK_OWNERSHIP=1: the shared owner arrays the launcher created for this check."""
+        if not self.cfg.check_ownership:
+            return None
+        reg = self.member.reg
+        return (OwnerTable(Signal.attach(reg, P.OWNERS_DEVICE).array, "device"),
+                OwnerTable(Signal.attach(reg, P.OWNERS_HOST).array, "host"))
 
     def _set_block_totals(self) -> None:
         s, c = self.stats.array, self.cfg

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.protocol import PROTOCOL, TransferDone, TransferTask
+from ipc.protocol import OWNER_TRANSFER, PROTOCOL, TransferDone, TransferTask
 from ipc.ring import Producer
+from runtime.ownership import TASK_SOURCES, OwnerTable
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,10 @@ class _Pending:
 
 
 class TransferClient:
-    def __init__(self, rings: list[Producer], rank_timeout: float, send_timeout: float = 5.0):
+    def __init__(self, rings: list[Producer], rank_timeout: float, send_timeout: float = 5.0,
+                 owners: tuple[OwnerTable, OwnerTable] | None = None):
         self.rings = rings
+        self.owners = owners  # (device, host) tables in KVRT_CHECK_OWNERSHIP mode
         self.rank_timeout = rank_timeout
         self.send_timeout = send_timeout
         self._ids = itertools.count(1)
@@ -56,6 +59,11 @@ class TransferClient:
     def submit(self, kind: str, device_blocks, host_blocks=(), keys: list[bytes] | None = None) -> int:
         task = TransferTask(next(self._ids), kind, np.asarray(device_blocks, dtype=np.int32),
                             np.asarray(host_blocks, dtype=np.int32), list(keys or []))
+        if self.owners is not None:
+            dev_from, host_from = TASK_SOURCES[kind]
+            order = f"task {task.task_id} ({kind})"
+            self.owners[0].hand_over(task.device_blocks, OWNER_TRANSFER, dev_from, order)
+            self.owners[1].hand_over(task.host_blocks, OWNER_TRANSFER, host_from, order)
         data = PROTOCOL.encode(task)
         now = time.monotonic()
         self._pending[task.task_id] = _Pending(task, now + self.rank_timeout, now)
