@@ -14,6 +14,7 @@ import sys
 BENCHES = {
     "ipc": ("bench.ipc", "ring vs multiprocessing.Queue, BaseManager over TCP and pyzmq ipc://"),
     "cache": ("bench.cache", "replay a request trace through the prefix cache (hit rates, blocks/s)"),
+    "copy": ("bench.copy", "KV block swaps device<->host vs the memcpy limit, and end-to-end through cache-transfer"),
 }
 STRESS = {
     "ring": ("bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),

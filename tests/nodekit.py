@@ -1,0 +1,159 @@
+"""A node built by hand for tests: what the launcher creates, with this process as the launcher
+and the engine, and real child processes started with subprocess (no fork, no pickle).
+
+    with NodeKit.create(node, tmp_path, tp=2, num_cpu_blocks=32) as kit:
+        kit.start_transfer()
+        answers = kit.request(TransferTask(...))
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ipc import protocol
+from ipc.broadcast import Broadcast
+from ipc.errors import IpcError
+from ipc.protocol import PROTOCOL, Shutdown, TransferDone
+from ipc.registry import Registry, process_start_ms
+from ipc.ring import Consumer, Producer, Ring
+from ipc.signals import Signal
+from runtime.config import NodeConfig
+from tests.conftest import REPO
+from workers.kv_pool import CreatedPools, create_pools
+
+SMALL = dict(num_gpu_blocks=64, num_cpu_blocks=64, num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
+
+
+@dataclass
+class NodeKit:
+    reg: Registry
+    cfg: dict
+    log_dir: str
+    signals: dict[str, Signal]
+    pools: CreatedPools
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> cache-transfer
+    _ends: dict[int, tuple[Producer, Consumer]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, node: str, log_dir, **overrides) -> "NodeKit":
+        """Registry, config, PROCS/HEARTBEAT/READY/NODE_STATUS, ownership tables (if asked),
+        pools, and the task/answer rings of every rank; this process registers as the engine."""
+        cfg = NodeConfig(node=node, **{**SMALL, **overrides}).validate().to_dict()
+        reg = Registry.create(node)
+        try:
+            protocol.publish_config(reg, cfg)
+            slots = len(protocol.proc_slots(cfg["tp"]))
+            sig = {
+                protocol.PROCS: Signal.create(reg, protocol.PROCS, (slots, protocol.PROC_FIELDS), np.int64),
+                protocol.HEARTBEAT: Signal.create(reg, protocol.HEARTBEAT, slots, np.int64),
+                protocol.READY: Signal.create(reg, protocol.READY, slots, np.int32),
+                protocol.NODE_STATUS: Signal.create(reg, protocol.NODE_STATUS, protocol.STATUS_FIELDS, np.int64),
+            }
+            if cfg["check_ownership"]:
+                for obj, n in ((protocol.OWNERS_DEVICE, cfg["num_gpu_blocks"]),
+                               (protocol.OWNERS_HOST, max(cfg["num_cpu_blocks"], 1))):  # as the launcher
+                    sig[obj] = Signal.create(reg, obj, n, np.int32)
+            pools = create_pools(reg, cfg, lambda line: None)
+            reg.create_doorbell(protocol.ENGINE_BELL)
+            for r in range(cfg["tp"]):
+                Ring.create(reg, protocol.to_transfer(r), capacity=1 << 16)
+                Ring.create(reg, protocol.from_transfer(r), capacity=1 << 16, bell=protocol.ENGINE_BELL)
+            engine = sig[protocol.PROCS].array[0]
+            engine[protocol.PROC_ROLE] = protocol.ROLE_ENGINE
+            engine[protocol.PROC_START] = process_start_ms(os.getpid())
+            engine[protocol.PROC_PID] = os.getpid()
+            sig[protocol.READY].array[0] = 1
+        except BaseException:
+            reg.unlink_all()
+            raise
+        return cls(reg, cfg, str(log_dir), sig, pools)
+
+    # ---- children -------------------------------------------------------------------------
+    def slot(self, rank: int) -> int:
+        return protocol.slot_of(self.cfg["tp"], protocol.ROLE_TRANSFER, rank)
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.log_dir, f"cache-transfer.{rank}.log")
+
+    def log_text(self, rank: int) -> str:
+        with open(self.log_path(rank)) as f:
+            return f.read()
+
+    def start_transfer(self, ranks: list[int] | None = None, timeout: float = 30.0) -> None:
+        """Start cache-transfer for `ranks` (default: all) and wait until each is READY."""
+        ranks = list(range(self.cfg["tp"])) if ranks is None else ranks
+        for r in ranks:
+            with open(self.log_path(r), "ab") as log:
+                self.procs[r] = subprocess.Popen(
+                    [sys.executable, "-m", "workers.cache_transfer", "--node", self.reg.node, "--rank", str(r)],
+                    cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        for r in ranks:
+            self.wait_ready(r, timeout)
+
+    def wait_ready(self, rank: int, timeout: float) -> None:
+        ready = self.signals[protocol.READY].array
+        deadline = time.monotonic() + timeout
+        while not ready[self.slot(rank)]:
+            try:
+                code = self.procs[rank].wait(0.02)  # doubles as the pause between looks
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None:
+                raise AssertionError(f"cache-transfer[{rank}] exited {code}:\n{self.log_text(rank)}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cache-transfer[{rank}] not READY within {timeout}s:\n{self.log_text(rank)}")
+
+    # ---- the engine's side of the rings -----------------------------------------------------
+    def ends(self, rank: int) -> tuple[Producer, Consumer]:
+        if rank not in self._ends:
+            self._ends[rank] = (Producer.attach(self.reg, protocol.to_transfer(rank)),
+                                Consumer.attach(self.reg, protocol.from_transfer(rank)))
+        return self._ends[rank]
+
+    def send(self, msg, ranks: list[int] | None = None) -> None:
+        data = msg if isinstance(msg, bytes) else PROTOCOL.encode(msg)
+        for r in range(self.cfg["tp"]) if ranks is None else ranks:
+            self.ends(r)[0].put(data, 5.0)
+
+    def request(self, task, timeout: float = 20.0) -> list[TransferDone]:
+        """Send `task` to every rank and return every rank's TransferDone, in rank order."""
+        ranks = range(self.cfg["tp"])
+        bc = Broadcast([self.ends(r)[0] for r in ranks], [self.ends(r)[1] for r in ranks])
+        return [PROTOCOL.decode(a) for a in bc.request(PROTOCOL.encode(task), timeout)]
+
+    # ---- teardown ---------------------------------------------------------------------------
+    def stop(self, timeout: float = 10.0) -> None:
+        """Shut down the children still running (Shutdown, then SIGKILL after `timeout`)."""
+        live = [r for r, p in self.procs.items() if p.poll() is None]
+        for r in live:
+            try:
+                self.send(Shutdown("test teardown"), [r])
+            except IpcError:
+                pass
+        for r in live:
+            try:
+                self.procs[r].wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.procs[r].kill()
+                self.procs[r].wait()
+
+    def close(self) -> None:
+        self.stop()
+        for p, c in self._ends.values():
+            p.detach()
+            c.detach()
+        for s in self.signals.values():
+            s.close()
+        self.pools.close()
+        self.reg.unlink_all()
+
+    def __enter__(self) -> "NodeKit":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,79 @@
+import os
+
+import numpy as np
+import pytest
+
+from workers.storage import FileStorage, StorageError, open_storage
+
+KEY = bytes(range(16))
+
+
+def block(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).random((2, 2, 4, 8), dtype=np.float32)
+
+
+def test_round_trip_per_rank_and_layout(tmp_path):
+    s0, s1 = FileStorage(str(tmp_path), 0), FileStorage(str(tmp_path), 1)
+    a, b = block(0), block(1)
+    assert not s0.contains(KEY)
+    s0.put(KEY, a)
+    s1.put(KEY, b)
+    assert s0.path(KEY) == os.path.join(str(tmp_path), "00", KEY.hex() + ".r0.kvb")
+    assert s0.contains(KEY) and s1.contains(KEY)
+    out = np.zeros_like(a)
+    assert s0.get(KEY, out) and np.array_equal(out, a)
+    assert s1.get(KEY, out) and np.array_equal(out, b)
+    s0.put(KEY, b)  # overwrite is atomic: no temporary file is left behind
+    assert s0.get(KEY, out) and np.array_equal(out, b)
+    assert sorted(os.listdir(tmp_path / "00")) == [KEY.hex() + ".r0.kvb", KEY.hex() + ".r1.kvb"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "empty", "flipped", "magic", "longer", "renamed"])
+def test_damaged_objects_are_misses_not_crashes(tmp_path, damage):
+    s = FileStorage(str(tmp_path), 0)
+    a = block(2)
+    s.put(KEY, a)
+    path = s.path(KEY)
+    key = KEY
+    data = open(path, "rb").read()
+    if damage == "missing":
+        os.unlink(path)
+    elif damage == "truncated":
+        open(path, "wb").write(data[:-100])
+    elif damage == "empty":
+        open(path, "wb").close()
+    elif damage == "flipped":
+        open(path, "wb").write(data[:50] + bytes([data[50] ^ 1]) + data[51:])
+    elif damage == "magic":
+        open(path, "wb").write(b"X" + data[1:])
+    elif damage == "longer":
+        open(path, "wb").write(data + b"\0")
+    elif damage == "renamed":  # another key's intact object under this key's name
+        key = bytes(16)
+        os.makedirs(os.path.dirname(s.path(key)), exist_ok=True)
+        os.rename(path, s.path(key))
+    out = np.ones_like(a)
+    assert s.get(key, out) is False
+
+
+def test_a_block_of_another_size_is_a_miss(tmp_path):
+    s = FileStorage(str(tmp_path), 0)
+    s.put(KEY, block(3))
+    assert not s.get(KEY, np.zeros((2, 2, 4, 4), np.float32))
+
+
+def test_write_failure_raises_storage_error(tmp_path):
+    s = FileStorage(str(tmp_path), 0)
+    open(os.path.dirname(s.path(KEY)), "w").close()  # a file where the shard directory goes
+    with pytest.raises(StorageError, match="storage write"):
+        s.put(KEY, block(4))
+    assert not s.get(KEY, block(4))
+
+
+def test_open_storage_uri(tmp_path):
+    assert open_storage("", 0) is None
+    s = open_storage(f"file:{tmp_path}/kv", 3)
+    assert isinstance(s, FileStorage) and s.rank == 3 and s.directory == f"{tmp_path}/kv"
+    for bad in ("mooncake://x", "file:"):
+        with pytest.raises(ValueError, match="unsupported storage"):
+            open_storage(bad, 0)

@@ -1,0 +1,271 @@
+"""Array backends: the one place that knows whether a KV pool lives in host shared memory
+(numpy) or in GPU memory (CuPy), so the rest of workers/ has one code path (ARCHITECTURE.md §6).
+
+A backend allocates and opens a rank's device pool, opens its host pool, and copies runs of
+blocks between pools. Pools are block-major, so a run of n consecutive blocks is one contiguous
+byte range in both pools: one `np.copyto` on a CPU machine, one `cudaMemcpyAsync` on a GPU
+machine. Fancy indexing (`host[dst] = dev[src]`) gathers into a temporary first and measured
+2-3x slower, so it is never used.
+
+CuPy is imported only when the cuda backend is asked for: kvrt imports and runs without it.
+"""
+from __future__ import annotations
+
+import mmap
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ipc.errors import IpcError
+from ipc.registry import Registry
+from ipc.shm import Segment
+
+Run = tuple[int, int, int]  # (first source block, first destination block, block count)
+_HANDLE_LEN = 8  # length prefix of the CUDA IPC handle stored in a device pool's segment
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.13 names it
+# CUDA runtime ABI constants (stable across releases; not every CuPy build exports them)
+_MEMCPY_DEFAULT, _HOST_REGISTER_PORTABLE, _STREAM_NON_BLOCKING = 4, 1, 1
+
+
+class BackendUnavailable(RuntimeError):
+    """The configured device needs a library or a device this machine does not have."""
+
+
+@dataclass
+class Pool:
+    """One rank's KV pool in one tier, `[num_blocks, *block_shape]`, opened in this process.
+
+    `array` is a numpy or a cupy array; `release` undoes what opening did (unmap, unpin,
+    close the IPC mapping). Pools are opened only through a backend."""
+
+    name: str
+    array: Any
+    backend: "ArrayBackend"
+    on_device: bool
+    release: Callable[[], None]
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.array.shape[0])
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.array.nbytes) // max(self.num_blocks, 1)
+
+    def close(self) -> None:
+        if self.array is not None:
+            self.release()
+            self.array = None
+
+
+# ---- pools in shared memory (host pools everywhere, device pools on CPU machines) ---------
+
+def create_shm_pool(reg: Registry, obj: str, shape: tuple, dtype: str, meta: dict) -> None:
+    """Create, register and pre-fault (MAP_POPULATE) a pool segment, then unmap it.
+
+    The pages stay allocated in /dev/shm after the unmap, so the first swap does not pay the
+    first-touch cost (5-6 s per 2 GiB here); the registry owner unlinks the segment at exit."""
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dt.itemsize
+    seg = reg.create_segment(obj, nbytes, kind="pool", dtype=dt.str, shape=tuple(shape), meta=meta,
+                             prefault=True)
+    seg.close()
+
+
+def _open_shm_array(reg: Registry, obj: str) -> tuple[np.ndarray, Segment]:
+    """Map a pool and build this process's page tables for it now.
+
+    The creator's MAP_POPULATE allocated the pages, but every process that maps them still
+    takes a minor fault per 4 KiB page on first touch (measured: 370 us for one 512 KiB block
+    instead of 30 us), so without this the first swap of each block pays it."""
+    info = reg.find(obj)
+    if info.kind != "pool":
+        raise IpcError(f"{info.name} is a {info.kind}, not a pool")
+    seg = Segment.attach(info.name)
+    try:
+        seg.mm.madvise(_MADV_POPULATE_WRITE)
+    except OSError:
+        pass  # a kernel older than 5.14: pages are mapped on first touch instead
+    return np.ndarray(info.shape, dtype=np.dtype(info.dtype), buffer=seg.mm), seg
+
+
+class ArrayBackend(ABC):
+    """What a tier of KV blocks needs from an array library. Subclasses: numpy, CuPy."""
+
+    name = ""
+
+    @abstractmethod
+    def create_device_pool(self, reg: Registry, obj: str, shape: tuple, dtype: str, rank: int) -> Any:
+        """Allocate and register rank `rank`'s device pool; returns what the creator must
+        keep alive for as long as the node runs (None when the registry owns it all)."""
+
+    @abstractmethod
+    def open_device_pool(self, reg: Registry, obj: str) -> Pool:
+        """Open a device pool that another process created (never the creator itself: CUDA
+        refuses to open an IPC handle in the process that exported it)."""
+
+    @abstractmethod
+    def open_host_pool(self, reg: Registry, obj: str) -> Pool:
+        """Open a host pool, made ready for fast copies to and from the device pool."""
+
+    @abstractmethod
+    def copy_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> None:
+        """Copy every run (src block, dst block, count) and return once all bytes landed."""
+
+    @abstractmethod
+    def read_block(self, pool: Pool, block: int) -> np.ndarray:
+        """A host array holding `block`'s bytes, valid until the next call."""
+
+    @abstractmethod
+    def write_target(self, pool: Pool, block: int) -> np.ndarray:
+        """A host array to fill with `block`'s new bytes; `commit` then makes them land."""
+
+    @abstractmethod
+    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
+        """Make the bytes written into `write_target(pool, block)` land in the block."""
+
+
+class NumpyBackend(ArrayBackend):
+    """CPU machines: both tiers are shared-memory segments and copies are memcpys."""
+
+    name = "numpy"
+
+    def create_device_pool(self, reg: Registry, obj: str, shape: tuple, dtype: str, rank: int) -> None:
+        create_shm_pool(reg, obj, shape, dtype, {"backend": self.name, "tier": "device", "rank": rank})
+        return None
+
+    def open_device_pool(self, reg: Registry, obj: str) -> Pool:
+        return self._open(reg, obj, on_device=True)
+
+    def open_host_pool(self, reg: Registry, obj: str) -> Pool:
+        return self._open(reg, obj, on_device=False)
+
+    def _open(self, reg: Registry, obj: str, on_device: bool) -> Pool:
+        arr, seg = _open_shm_array(reg, obj)
+        return Pool(seg.name, arr, self, on_device, seg.close)
+
+    def copy_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> None:
+        d, s = dst.array, src.array
+        for sb, db, n in runs:
+            np.copyto(d[db:db + n], s[sb:sb + n])
+
+    def read_block(self, pool: Pool, block: int) -> np.ndarray:
+        return pool.array[block]  # the block itself: no copy
+
+    def write_target(self, pool: Pool, block: int) -> np.ndarray:
+        return pool.array[block]  # filled in place, so `commit` has nothing left to do
+
+    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
+        return None
+
+
+class CupyBackend(ArrayBackend):
+    """GPU machines: the device pool is one cudaMalloc per rank, exported by a CUDA IPC handle
+    kept in a registered segment; the host pool is the shared-memory segment, pinned with
+    cudaHostRegister in each process that copies; copies are cudaMemcpyAsync on one stream,
+    synchronised before `copy_runs` returns (the answer must not precede the bytes)."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        try:
+            import cupy
+        except ImportError as e:
+            raise BackendUnavailable("device 'cuda' needs CuPy: pip install 'kvrt[gpu]' "
+                                     f"(import failed: {e})") from None
+        self.cp = cupy
+        self.rt = cupy.cuda.runtime
+        self._stream = 0
+        self._staging: np.ndarray | None = None
+
+    def create_device_pool(self, reg: Registry, obj: str, shape: tuple, dtype: str, rank: int) -> Any:
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dt.itemsize
+        device = rank % self.rt.getDeviceCount()
+        with self.cp.cuda.Device(device):
+            mem = self.cp.cuda.Memory(nbytes)  # a plain cudaMalloc: IPC exports whole allocations
+            self.rt.memset(mem.ptr, 0, nbytes)
+            handle = bytes(self.rt.ipcGetMemHandle(mem.ptr))
+        meta = {"backend": self.name, "tier": "device", "rank": rank, "device": device, "nbytes": nbytes}
+        seg = reg.create_segment(obj, _HANDLE_LEN + len(handle), kind="pool", dtype=dt.str,
+                                 shape=tuple(shape), meta=meta)
+        seg.mm[:_HANDLE_LEN] = len(handle).to_bytes(_HANDLE_LEN, "little")
+        seg.mm[_HANDLE_LEN:_HANDLE_LEN + len(handle)] = handle
+        seg.close()
+        return mem
+
+    def open_device_pool(self, reg: Registry, obj: str) -> Pool:
+        info = reg.find(obj)
+        seg = Segment.attach(info.name)
+        try:
+            n = int.from_bytes(seg.mm[:_HANDLE_LEN], "little")
+            handle = bytes(seg.mm[_HANDLE_LEN:_HANDLE_LEN + n])
+        finally:
+            seg.close()
+        device = int(info.meta["device"])
+        self.rt.setDevice(device)
+        ptr = self.rt.ipcOpenMemHandle(handle)  # lazy peer access by default
+        mem = self.cp.cuda.UnownedMemory(ptr, int(info.meta["nbytes"]), None, device)
+        arr = self.cp.ndarray(info.shape, np.dtype(info.dtype), self.cp.cuda.MemoryPointer(mem, 0))
+        return Pool(info.name, arr, self, True, lambda: self.rt.ipcCloseMemHandle(ptr))
+
+    def open_host_pool(self, reg: Registry, obj: str) -> Pool:
+        arr, seg = _open_shm_array(reg, obj)
+        ptr = arr.ctypes.data
+        self.rt.hostRegister(ptr, arr.nbytes, _HOST_REGISTER_PORTABLE)
+
+        def release() -> None:
+            self.rt.hostUnregister(ptr)
+            seg.close()
+
+        return Pool(seg.name, arr, self, False, release)
+
+    def _ptr(self, pool: Pool) -> int:
+        return int(pool.array.data.ptr) if pool.on_device else int(pool.array.ctypes.data)
+
+    def _stream_ptr(self) -> int:
+        if not self._stream:
+            self._stream = self.rt.streamCreateWithFlags(_STREAM_NON_BLOCKING)
+        return self._stream
+
+    def copy_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> None:
+        bb = src.block_bytes
+        d, s, stream = self._ptr(dst), self._ptr(src), self._stream_ptr()
+        for sb, db, n in runs:
+            self.rt.memcpyAsync(d + db * bb, s + sb * bb, n * bb, _MEMCPY_DEFAULT, stream)
+        self.rt.streamSynchronize(stream)
+
+    def _stage(self, pool: Pool) -> np.ndarray:
+        """One pinned block-sized host buffer for storage reads and writes, made on first use."""
+        if self._staging is None or self._staging.nbytes != pool.block_bytes:
+            mem = self.cp.cuda.alloc_pinned_memory(pool.block_bytes)
+            self._staging = np.frombuffer(mem, np.uint8, pool.block_bytes)
+        return self._staging
+
+    def read_block(self, pool: Pool, block: int) -> np.ndarray:
+        host = self._stage(pool)
+        stream = self._stream_ptr()
+        self.rt.memcpyAsync(host.ctypes.data, self._ptr(pool) + block * pool.block_bytes, host.nbytes,
+                            _MEMCPY_DEFAULT, stream)
+        self.rt.streamSynchronize(stream)
+        return host
+
+    def write_target(self, pool: Pool, block: int) -> np.ndarray:
+        return self._stage(pool)
+
+    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
+        stream = self._stream_ptr()
+        self.rt.memcpyAsync(self._ptr(pool) + block * pool.block_bytes, data.ctypes.data, data.nbytes,
+                            _MEMCPY_DEFAULT, stream)
+        self.rt.streamSynchronize(stream)
+
+
+def get_backend(device: str) -> ArrayBackend:
+    """The backend for a node's `device` setting ("cpu" or "cuda")."""
+    if device == "cpu":
+        return NumpyBackend()
+    if device == "cuda":
+        return CupyBackend()
+    raise ValueError(f"unknown device {device!r}: expected 'cpu' or 'cuda'")

@@ -1,0 +1,221 @@
+"""cache-transfer[r]: the process that moves rank r's KV blocks between tiers.
+
+It executes the engine's TransferTasks (every rank gets every task, ARCHITECTURE.md §2):
+SWAP2CPU / SWAP2GPU copy blocks between the rank's device and host pools, GPU2STORAGE and
+STORAGE2GPU move them to and from the storage backend. It answers each task with one
+TransferDone. It decides nothing: the block ids and storage keys come in the task, and it
+touches a block only between receiving the order and publishing the answer (§3).
+
+A bad task (ids out of range, no host pool, a storage failure, an ownership violation in
+debug mode) is answered ok=False with the reason and the process goes on; a malformed message
+is counted on the ring and skipped. Run as `python -m workers.cache_transfer --node N --rank R`.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import numpy as np
+
+from ipc import protocol
+from ipc.errors import ProtocolError, WaitTimeout
+from ipc.protocol import PROTOCOL, Shutdown, TransferDone, TransferTask
+from ipc.ring import Consumer, Producer
+from ipc.signals import Signal
+
+from .child import Child, run_child
+from .kv_pool import OwnershipError, PoolError, attach_pools, check_blocks, check_owners, copy_blocks
+from .storage import StorageError, open_storage
+
+log = logging.getLogger("workers.cache_transfer")  # not __main__ under python -m
+
+WAIT_S = 0.2  # longest ring wait between heartbeats and orphan checks
+
+
+class CacheTransfer:
+    """One rank's pools, storage and rings, and the loop that serves the engine's tasks."""
+
+    def __init__(self, child: Child):
+        self.child = child
+        cfg, reg, rank = child.cfg, child.reg, child.rank
+        self.rank = rank
+        self.device, self.host = attach_pools(reg, rank, cfg)
+        self.storage = open_storage(cfg.get("storage", ""), rank)
+        self.owners: dict[str, np.ndarray] = {}
+        if cfg.get("check_ownership"):
+            self.owners = {"device": _owner_table(reg, protocol.OWNERS_DEVICE, rank),
+                           "host": _owner_table(reg, protocol.OWNERS_HOST, rank)}
+        self.tasks = Consumer.attach(reg, protocol.to_transfer(rank))
+        self.answers = Producer.attach(reg, protocol.from_transfer(rank))
+
+    def close(self) -> None:
+        """Close the answer ring (the engine's wait ends at once), detach everything else."""
+        self.answers.close()
+        self.tasks.detach()
+        for pool in (self.device, self.host):
+            if pool is not None:
+                pool.close()
+
+    # ---- the loop -----------------------------------------------------------------------
+    def serve(self) -> int:
+        log.info("serving %s: device pool %d blocks, host pool %s, storage %s, ownership checks %s",
+                 self.tasks.name, self.device.num_blocks,
+                 f"{self.host.num_blocks} blocks" if self.host is not None else "none",
+                 self.child.cfg.get("storage") or "none", "on" if self.owners else "off")
+        self.child.set_ready()
+        while True:
+            msg = self._next_message()
+            if isinstance(msg, Shutdown):
+                log.info("shutdown ordered (%s)", msg.reason or "no reason given")
+                return 0
+            self._answer(self.execute(msg))
+
+    def _next_message(self) -> TransferTask | Shutdown:
+        """Wait for the next well-formed order, beating and checking for orphanhood meanwhile."""
+        while True:
+            self.child.tick()
+            try:
+                rec = self.tasks.get(WAIT_S)
+            except WaitTimeout:
+                continue
+            msg = self._decode(rec)
+            if msg is not None:
+                return msg
+
+    def _decode(self, rec: bytes) -> TransferTask | Shutdown | None:
+        try:
+            msg = PROTOCOL.decode(rec)
+            if not isinstance(msg, (TransferTask, Shutdown)):
+                raise ProtocolError(f"unexpected {type(msg).__name__} on the task ring")
+            if isinstance(msg, TransferTask) and not isinstance(msg.task_id, int):
+                raise ProtocolError(f"task id {msg.task_id!r} is not an integer")
+        except ProtocolError as e:
+            self.tasks.count_protocol_error()
+            log.warning("malformed message on %s skipped: %s", self.tasks.name, e)
+            return None
+        return msg
+
+    def _answer(self, done: TransferDone) -> None:
+        """Publish the answer; a full ring waits (never drops) while the engine is alive."""
+        data = PROTOCOL.encode(done)
+        while True:
+            try:
+                self.answers.put(data, WAIT_S)
+                return
+            except WaitTimeout:
+                self.child.tick()
+
+    # ---- tasks --------------------------------------------------------------------------
+    def execute(self, task: TransferTask) -> TransferDone:
+        """Run one task; any failure becomes ok=False with the reason, never an exit."""
+        t0 = time.perf_counter()
+        what = f"task {task.task_id} ({task.kind}) on cache-transfer[{self.rank}]"
+        try:
+            blocks, nbytes = self._run(task, what)
+        except OwnershipError as e:
+            log.error("%s", e)
+            return self._failed(task, t0, str(e))
+        except (StorageError, ValueError) as e:  # bad ids, no such tier, a failed write
+            log.warning("%s failed: %s", what, e)
+            return self._failed(task, t0, f"{what}: {e}")
+        except Exception as e:  # a task must never take the process down
+            log.exception("%s failed unexpectedly", what)
+            return self._failed(task, t0, f"{what}: {type(e).__name__}: {e}")
+        return TransferDone(task.task_id, self.rank, True, blocks, nbytes, time.perf_counter() - t0)
+
+    def _failed(self, task: TransferTask, t0: float, error: str) -> TransferDone:
+        return TransferDone(task.task_id, self.rank, False, 0, 0, time.perf_counter() - t0, error)
+
+    def _run(self, task: TransferTask, what: str) -> tuple[int, int]:
+        dev = check_blocks(task.device_blocks, self.device.num_blocks, "device")
+        if task.kind in (protocol.SWAP2CPU, protocol.SWAP2GPU):
+            return self._swap(task, dev, what)
+        if task.kind in (protocol.STORAGE2GPU, protocol.GPU2STORAGE):
+            return self._storage_task(task, dev, what)
+        raise ValueError(f"unknown task kind {task.kind!r}; expected one of {protocol.TASK_KINDS}")
+
+    def _check_owned(self, what: str, dev: np.ndarray, host: np.ndarray | None) -> None:
+        if not self.owners:
+            return
+        check_owners(self.owners["device"], dev, "device", what)
+        if host is not None:
+            check_owners(self.owners["host"], host, "host", what)
+
+    def _swap(self, task: TransferTask, dev: np.ndarray, what: str) -> tuple[int, int]:
+        if self.host is None:
+            raise PoolError("this node has no host pool (num_cpu_blocks is 0)")
+        host = check_blocks(task.host_blocks, self.host.num_blocks, "host")
+        if host.size != dev.size:
+            raise PoolError(f"{dev.size} device blocks paired with {host.size} host blocks")
+        self._check_owned(what, dev, host)
+        if task.kind == protocol.SWAP2CPU:
+            nbytes = copy_blocks(self.host, self.device, host, dev, self.child.beat)
+        else:
+            nbytes = copy_blocks(self.device, self.host, dev, host, self.child.beat)
+        self._check_owned(f"{what}, after the copy", dev, host)
+        return int(dev.size), nbytes
+
+    def _storage_task(self, task: TransferTask, dev: np.ndarray, what: str) -> tuple[int, int]:
+        if self.storage is None:
+            raise StorageError("this node has no storage backend (--storage is not set)")
+        keys = task.keys
+        if len(keys) != dev.size or not all(isinstance(k, bytes) and k for k in keys):
+            raise ValueError(f"a storage task needs one non-empty bytes key per device block "
+                             f"({dev.size} blocks, {len(keys)} keys)")
+        self._check_owned(what, dev, None)
+        if task.kind == protocol.STORAGE2GPU:
+            done = self._read(dev, keys)
+            nbytes = done * self.device.block_bytes
+        else:
+            done, nbytes = self._write(dev, keys)
+        self._check_owned(f"{what}, after the copy", dev, None)
+        return done, nbytes
+
+    def _read(self, dev: np.ndarray, keys: list[bytes]) -> int:
+        """Read the leading blocks whose objects exist and are intact; the first miss ends it.
+
+        A miss may leave its block half-written (numpy reads in place); the engine uses only
+        the first `blocks` blocks of the answer, and owns the rest again once it has it."""
+        backend = self.device.backend
+        for i, (block, key) in enumerate(zip(dev.tolist(), keys)):
+            buf = backend.write_target(self.device, block)
+            if not self.storage.get(key, buf):
+                return i
+            backend.commit(self.device, block, buf)
+            self.child.beat()
+        return len(keys)
+
+    def _write(self, dev: np.ndarray, keys: list[bytes]) -> tuple[int, int]:
+        """Write every block whose key the storage does not hold yet; returns (blocks, bytes)."""
+        backend = self.device.backend
+        written = 0
+        for block, key in zip(dev.tolist(), keys):
+            if not self.storage.contains(key):
+                self.storage.put(key, backend.read_block(self.device, block))
+                written += self.device.block_bytes
+            self.child.beat()
+        return len(keys), written
+
+
+def _owner_table(reg, obj: str, rank: int) -> np.ndarray:
+    """The debug ownership array of one tier: one int32 per block (a [tp, blocks] table
+    gives this rank's row)."""
+    table = Signal.attach(reg, obj).array
+    return table[rank] if table.ndim == 2 else table
+
+
+def _serve(child: Child) -> int:
+    ct = CacheTransfer(child)
+    try:
+        return ct.serve()
+    finally:
+        ct.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_child(protocol.ROLE_TRANSFER, _serve, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

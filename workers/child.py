@@ -1,0 +1,167 @@
+"""The life of a child process of a node, shared by every role in workers/.
+
+A child is started by the launcher as `python -m workers.<role> --node NAME --rank R
+--log-level L` (no fork, nothing pickled). It joins the node through `ipc.member.Member`
+(PROCS row, HEARTBEAT, READY), serves, and leaves cleanly however it stops: an order
+(Shutdown), a closed ring, SIGTERM (also what PR_SET_PDEATHSIG sends when the launcher dies),
+or orphanhood.
+
+It must never outlive its node: if the engine or the launcher is gone, nobody will send it an
+order or unlink its memory, so it exits once either has been gone for ORPHAN_GRACE_S. `tick()`
+is cheap enough for every loop iteration: it beats, and looks at other processes only every
+CHECK_EVERY_S (a psutil look costs ~50 us).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ipc import protocol
+from ipc.errors import ChannelClosed, IpcError, PeerDead
+from ipc.member import Member
+from ipc.registry import Registry
+
+log = logging.getLogger(__name__)
+
+ORPHAN_GRACE_S = 2.0
+CHECK_EVERY_S = 0.5
+EXIT_OK, EXIT_FAILED, EXIT_ORPHAN = 0, 1, 3
+
+
+class Orphaned(IpcError):
+    """The engine or the launcher is gone: nobody will send orders or unlink our memory."""
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGINT came. A BaseException so that no `except Exception` swallows it."""
+
+
+@dataclass
+class StopSignals:
+    """SIGTERM and SIGINT ask for a stop between tasks, never in the middle of one.
+
+    The handler only records the signal, and the main thread blocks both signals, so they are
+    delivered to another thread (a helper parked for that) and never interrupt the main
+    thread's semaphore waits, which posix_ipc would turn into an exception from inside a ring
+    wait. CPython runs the handler in the main thread at its next bytecode, and the serving
+    loop sees `requested` at its next tick (<= one ring wait slice)."""
+
+    requested: threading.Event = field(default_factory=threading.Event)
+    name: str = ""
+
+    def start(self) -> "StopSignals":
+        sigs = {signal.SIGTERM, signal.SIGINT}
+        for s in sigs:
+            signal.signal(s, self._record)
+        threading.Thread(target=self.requested.wait, name="signals", daemon=True).start()
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # after the helper started: it keeps them open
+        return self
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.name = signal.Signals(signum).name
+        self.requested.set()
+
+
+@dataclass
+class Child:
+    """This process's membership plus the orphan watch with its grace period."""
+
+    member: Member
+    stop: StopSignals
+    _gone_since: float | None = None
+    _next_check: float = 0.0
+
+    @property
+    def reg(self) -> Registry:
+        return self.member.reg
+
+    @property
+    def cfg(self) -> dict:
+        return self.member.config
+
+    @property
+    def rank(self) -> int:
+        return self.member.rank
+
+    @property
+    def name(self) -> str:
+        return self.member.name
+
+    def beat(self) -> None:
+        self.member.beat()
+
+    def set_ready(self) -> None:
+        self.member.set_ready()
+
+    def tick(self) -> None:
+        """Beat; raise Terminated once SIGTERM/SIGINT came; at most every CHECK_EVERY_S, raise
+        Orphaned once the engine or the launcher has been gone for ORPHAN_GRACE_S."""
+        self.member.beat()
+        if self.stop.requested.is_set():
+            raise Terminated(self.stop.name)
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + CHECK_EVERY_S
+        why = self.member.orphaned()
+        if not why:
+            self._gone_since = None
+            return
+        if self._gone_since is None:
+            self._gone_since = now
+        if now - self._gone_since >= ORPHAN_GRACE_S:
+            raise Orphaned(f"{why} (for {now - self._gone_since:.1f}s)")
+
+
+def parse_args(role: int, argv: list[str] | None) -> argparse.Namespace:
+    name = protocol.ROLE_NAMES[role]
+    p = argparse.ArgumentParser(prog=f"python -m workers.{name.replace('-', '_')}",
+                                description=f"kvrt {name} process of one rank (started by kvrt launch)")
+    p.add_argument("--node", required=True, help="node name (its registry is kvrt.NODE.registry)")
+    p.add_argument("--rank", type=int, required=True, help="tensor-parallel rank")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return p.parse_args(argv)
+
+
+def setup_logging(tag: str, level: str) -> None:
+    """One line per record on stderr, tagged with the process (the launcher decides where a
+    child's stderr goes: the terminal or --log-dir)."""
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format=f"%(asctime)s %(levelname)s {tag} %(name)s: %(message)s")
+
+
+def run_child(role: int, body: Callable[[Child], int], argv: list[str] | None = None) -> int:
+    """Parse the command line, join the node, run `body`, and leave cleanly (READY lowered,
+    mappings closed) whatever happened. Returns the exit status: EXIT_OK for an ordered stop
+    (Shutdown, a closed ring, SIGTERM), EXIT_ORPHAN when the engine or the launcher is gone,
+    EXIT_FAILED when joining or `body` failed."""
+    args = parse_args(role, argv)
+    tag = f"{protocol.ROLE_NAMES[role]}[{args.rank}]"
+    setup_logging(tag, args.log_level)
+    stop = StopSignals().start()
+    try:
+        member = Member.join(args.node, role, args.rank)
+    except (IpcError, KeyError, ValueError) as e:
+        log.error("cannot join node %s: %s", args.node, e)
+        return EXIT_FAILED
+    try:
+        return body(Child(member, stop))
+    except Terminated as e:
+        log.info("stopping: %s", e)
+        return EXIT_OK
+    except ChannelClosed as e:
+        log.info("stopping: %s (the node is shutting down)", e)
+        return EXIT_OK
+    except (Orphaned, PeerDead) as e:
+        log.error("orphaned, exiting: %s", e)
+        return EXIT_ORPHAN
+    except Exception:
+        log.exception("%s failed", tag)
+        return EXIT_FAILED
+    finally:
+        member.leave()
