@@ -41,6 +41,8 @@ class Doorbell:
             return True
         except posix_ipc.BusyError:
             return False
+        except posix_ipc.SignalError:  # a signal interrupted the wait: an early wake-up
+            return False
 
     def close(self) -> None:
         try:

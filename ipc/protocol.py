@@ -22,7 +22,7 @@ HEARTBEAT = "heartbeat"      # int64[slots]: CLOCK_MONOTONIC ns of each process'
 READY = "ready"              # int32[slots]: 1 once a process is up
 NODE_STATUS = "node_status"  # int64[STATUS_FIELDS]: node state, prefix-tree state, ...
 ENGINE_BELL = "engine.bell"  # the doorbell every ring into the engine shares (fan-in)
-OWNERS_DEVICE = "owners.device"  # int32[tp, blocks] debug ownership table (KVRT_CHECK_OWNERSHIP=1)
+OWNERS_DEVICE = "owners.device"  # int32[blocks] debug ownership table (KVRT_CHECK_OWNERSHIP=1)
 OWNERS_HOST = "owners.host"
 
 

@@ -62,7 +62,7 @@ class Engine:
         s[P.STAT["host_total"]] = s[P.STAT["host_free"]] = c.num_cpu_blocks
 
     def ring_stats(self) -> dict[str, dict]:
-        return {r.name: r.stats() for r in self.to_workers + self.to_transfer + self.inbound}
+        return {r.name.split(".", 2)[2]: r.stats() for r in self.to_workers + self.to_transfer + self.inbound}
 
     # ---- answers ----------------------------------------------------------------------
     def _on_record(self, rec: bytes, ring: Consumer) -> None:

@@ -238,7 +238,8 @@ def _check_shm_room(need: int, cfg: NodeConfig) -> None:
 
     free = shm_free_bytes()
     if need > free:
+        pools = (f"{cfg.num_cpu_blocks} host" if cfg.device == "cuda"
+                 else f"{cfg.num_gpu_blocks} device + {cfg.num_cpu_blocks} host")
         raise RuntimeError(f"/dev/shm has {free / 2**20:.0f} MiB free but node {cfg.node} needs "
-                           f"{need / 2**20:.0f} MiB for its KV pools ({cfg.tp} rank(s) × "
-                           f"{cfg.num_gpu_blocks} device + {cfg.num_cpu_blocks} host blocks × "
+                           f"{need / 2**20:.0f} MiB for its KV pools ({cfg.tp} rank(s) × {pools} blocks × "
                            f"{cfg.block_bytes} bytes); lower --num-gpu-blocks/--num-cpu-blocks")
