@@ -1,0 +1,248 @@
+"""kvrt bench cache: replay a request trace through the prefix cache (no model, no processes).
+
+Each request runs to completion before the next starts: its prompt is expanded to tokens
+(runtime/trace.py), hashed into block keys, matched, allocated, recorded as computed, and
+released; swap tasks are applied as done at once, as if the cache-transfer ranks were
+infinitely fast. The timed loop includes token expansion and hashing. Reported per device
+capacity:
+- hit_token_rate: prompt tokens served from any tier / all prompt tokens (a whole-prompt match
+  gives its last block back, which counts as a miss), with the per-tier rates;
+- ideal_hit_token_rate: the same for an unlimited cache, computed from hash_ids alone
+  (runtime.trace.ideal_hit_tokens) — with no --capacity-blocks the replay must equal it;
+- blocks_per_s: prompt blocks processed (matched + computed, a partial last block included);
+- peak_rss_mb: the process's peak resident set (getrusage; tracemalloc would slow the replay
+  several-fold).
+`--evict-scaling` fills caches of 10k, 100k and 1M blocks and times evicting a fixed number of
+blocks, to show the cost per evicted block does not grow with the cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from runtime.hashing import BlockHasher
+from runtime.prefix_cache import PrefixCache
+from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens,
+                           ideal_hit_tokens, load_trace, num_blocks)
+
+EVICT_SIZES = (10_000, 100_000, 1_000_000)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvrt bench cache", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", type=Path, default=None,
+                   help=f"trace file (JSON lines with hash_ids); default: {default_trace_path()}")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per block; must divide 512 (default 64)")
+    p.add_argument("--capacity-blocks", type=int, nargs="+", default=None, metavar="N",
+                   help="device capacities to replay, one run each (default: unlimited)")
+    p.add_argument("--host-blocks", type=int, default=0, metavar="M", help="host tier blocks (default 0)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
+    p.add_argument("--json", action="store_true", help='print {"results": [...]} instead of a table')
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="draw hit rate vs capacity (needs matplotlib: pip install 'kvrt[plot]')")
+    p.add_argument("--evict-scaling", action="store_true",
+                   help="also time eviction per block at 10k, 100k and 1M cached blocks")
+    p.add_argument("--evict-sizes", type=int, nargs="+", default=list(EVICT_SIZES), metavar="N",
+                   help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.block_size <= 0 or TRACE_BLOCK % args.block_size:
+        p.error(f"--block-size {args.block_size} must divide {TRACE_BLOCK}")
+    if args.capacity_blocks and min(args.capacity_blocks) <= 0:
+        p.error("--capacity-blocks must be positive")
+    if args.host_blocks < 0:
+        p.error("--host-blocks must be >= 0")
+    if args.trace is None:
+        args.trace = default_trace_path()
+        if not args.trace.exists():
+            p.error(f"no --trace given and the bundled trace is not at {args.trace}")
+    elif not args.trace.exists():
+        p.error(f"--trace {args.trace}: no such file")
+    return args
+
+
+def settle(cache: PrefixCache) -> None:
+    """Apply every task the cache issues as done (infinitely fast cache-transfer ranks)."""
+    while tasks := cache.take_tasks():
+        for t in tasks:
+            cache.apply_task_result(t.task_id, True)
+
+
+def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
+           host_blocks: int) -> dict:
+    """One pass over the trace; returns the row for this capacity (without the ideal)."""
+    total = sum(num_blocks(r, block_size) for r in requests)
+    cache = PrefixCache(block_size, capacity or total, host_blocks)
+    rejected = 0
+    start = time.perf_counter()
+    for i, req in enumerate(requests):
+        tokens = expand_tokens(req)
+        n = req.input_length
+        if not cache.match(i, BlockHasher(block_size).update(tokens), n).ready:
+            settle(cache)  # swap-ins, and the swap-outs they wait for
+        if cache.allocate(i, n) is None:
+            settle(cache)
+            if not cache.is_ready(i) or cache.allocate(i, n) is None:
+                rejected += 1  # larger than the device: skipped
+                cache.release(i)
+                continue
+        cache.update(i, n)
+        cache.release(i)
+        settle(cache)
+    seconds = time.perf_counter() - start
+    m = cache.metrics
+    return {
+        "requests": len(requests),
+        "blocks": total,
+        "capacity_blocks": capacity,
+        "host_blocks": host_blocks,
+        "hit_token_rate": m.hit_rate(),
+        "hit_token_rate_device": m.hit_rate("device"),
+        "hit_token_rate_host": m.hit_rate("host"),
+        "request_hit_rate": m.hit_requests / m.requests if m.requests else 0.0,
+        "blocks_per_s": total / seconds,
+        "seconds": seconds,
+        "evicted_device_blocks": m.evicted_device_blocks,
+        "evicted_host_blocks": m.evicted_host_blocks,
+        "swap_out_blocks": m.swap_out_blocks,
+        "swap_in_blocks": m.swap_in_blocks,
+        "partial_block_tokens": m.partial_block_tokens,
+        "rejected_requests": rejected,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def evict_cost(size: int, block_size: int, host: bool, batch: int = 10_000, rounds: int = 3) -> float:
+    """Microseconds per evicted block when the device holds `size` cached blocks: fill it with
+    chains of 256 blocks, then time allocations that each evict `batch` blocks (the best of
+    `rounds`; each round caches its blocks again, so the next one evicts as many). With `host`,
+    victims are swapped to free host blocks instead of dropped."""
+    batch = min(batch, size // 2)
+    cache = PrefixCache(block_size, size, batch * rounds if host else 0)
+    rng = np.random.default_rng(size)
+
+    def request(rid, n: int) -> float:
+        raw = rng.bytes(16 * n)
+        keys = [raw[j:j + 16] for j in range(0, 16 * n, 16)]
+        cache.match(rid, keys, n * block_size + 1)
+        t0 = time.perf_counter()
+        got = cache.allocate(rid, n * block_size)
+        dt = time.perf_counter() - t0
+        if got is None:  # swapped out: the blocks come back when the swap reports done
+            settle(cache)
+            got = cache.allocate(rid, n * block_size)
+        assert got is not None and len(got) == n
+        cache.update(rid, n * block_size)
+        cache.release(rid)
+        return dt
+
+    chain = 256
+    for i in range(size // chain):
+        request(("fill", i), chain)
+    if size % chain:
+        request(("fill", "rest"), size % chain)
+    return min(request(("evict", r), batch) for r in range(rounds)) / batch * 1e6
+
+def run_evict_scaling(sizes: list[int], block_size: int) -> list[dict]:
+    return [{"cached_blocks": size,
+             "drop_us_per_block": evict_cost(size, block_size, host=False),
+             "swap_us_per_block": evict_cost(size, block_size, host=True),
+             "peak_rss_mb": peak_rss_mb()} for size in sizes]
+
+
+def table(results: list[dict], scaling: list[dict], trace: Path, block_size: int) -> str:
+    r0 = results[0]
+    lines = [f"trace {trace}: {r0['requests']:,} requests, {r0['blocks']:,} prompt blocks of "
+             f"{block_size} tokens; ideal (unlimited) token hit rate {r0['ideal_hit_token_rate']:.2%}", ""]
+    head = (f"{'capacity':>10} {'host':>8} {'hit rate':>9} {'device':>8} {'host':>8} {'ideal':>8} "
+            f"{'blocks/s':>10} {'evicted':>10} {'swapped':>9} {'peak RSS':>9}")
+    lines += [head, "-" * len(head)]
+    for r in results:
+        cap = "unlimited" if r["capacity_blocks"] is None else f"{r['capacity_blocks']:,}"
+        host = f"{r['hit_token_rate_host']:.2%}" if r["host_blocks"] else "-"
+        lines.append(f"{cap:>10} {r['host_blocks']:>8,} {r['hit_token_rate']:>9.2%} "
+                     f"{r['hit_token_rate_device']:>8.2%} {host:>8} {r['ideal_hit_token_rate']:>8.2%} "
+                     f"{r['blocks_per_s'] / 1e6:>9.2f}M {r['evicted_device_blocks']:>10,} "
+                     f"{r['swap_out_blocks']:>9,} {r['peak_rss_mb']:>6.0f} MB")
+        if r["rejected_requests"]:
+            lines.append(f"{'':>10} ({r['rejected_requests']} requests larger than the device were skipped)")
+    if scaling:
+        lines += ["", f"eviction cost per block ({block_size}-token blocks; best of 3 rounds)",
+                  f"{'cached blocks':>14} {'drop us/block':>14} {'swap us/block':>14}"]
+        lines += [f"{s['cached_blocks']:>14,} {s['drop_us_per_block']:>14.2f} {s['swap_us_per_block']:>14.2f}"
+                  for s in scaling]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path, trace: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted((r for r in results if r["capacity_blocks"] is not None), key=lambda r: r["capacity_blocks"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if rows:
+        ax.plot([r["capacity_blocks"] for r in rows], [100 * r["hit_token_rate"] for r in rows], "o-",
+                label="LRU, replayed")
+        ax.set_xscale("log")
+    ax.axhline(100 * results[0]["ideal_hit_token_rate"], color="gray", ls="--", label="unlimited (ideal)")
+    ax.set_xlabel("device capacity (blocks)")
+    ax.set_ylabel("prompt token hit rate (%)")
+    ax.set_title(f"prefix cache hit rate: {trace.name}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("kvrt bench cache: --plot needs matplotlib: pip install 'kvrt[plot]'", file=sys.stderr)
+            return 2
+    try:
+        requests = load_trace(args.trace, args.limit)
+    except (OSError, TraceError) as e:
+        print(f"kvrt bench cache: {e}", file=sys.stderr)
+        return 2
+    if not requests:
+        print(f"kvrt bench cache: {args.trace} has no requests", file=sys.stderr)
+        return 2
+    ideal = ideal_hit_tokens(requests, args.block_size) / sum(r.input_length for r in requests)
+    results = []
+    for capacity in args.capacity_blocks or [None]:
+        row = replay(requests, args.block_size, capacity, args.host_blocks)
+        row["ideal_hit_token_rate"] = ideal
+        results.append(row)
+    scaling = run_evict_scaling(args.evict_sizes, args.block_size) if args.evict_scaling else []
+    if args.plot is not None:
+        plot(results, args.plot, args.trace)
+    if args.json:
+        out: dict = {"results": results}
+        if scaling:
+            out["evict_scaling"] = scaling
+        print(json.dumps(out, indent=1))
+    else:
+        print(table(results, scaling, args.trace, args.block_size))
+        if args.plot is not None:
+            print(f"\nplot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,119 @@
+"""Request traces in the Mooncake format (shared/data/traces/README.md) and their token ids.
+
+One JSON object a line: `timestamp` (ms), `input_length`, `output_length`, and `hash_ids`, one id
+per 512-token block of the prompt (the last may be partial). Equal ids at equal positions mean
+equal prompts up to the end of that block.
+
+Token expansion: token `p` of id `h` is `((h * 512 + p) * 0x9E3779B1) mod 2**32`, read as int32
+(then `% vocab_size` when one is given, for a model that needs valid ids). Multiplying by an odd
+constant is a bijection on 32-bit words, so distinct (id, position) pairs get distinct tokens for
+every id below 2**23: any block size dividing 512 reproduces the trace's sharing exactly, down to
+single tokens. It costs one vectorised pass per request (~8 us for a 12k-token prompt, 0.1 s for
+the whole bundled trace), which is cheaper than caching 2 KiB per id (183k ids, 370 MB).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+TRACE_BLOCK = 512
+_MIX = np.uint32(0x9E3779B1)
+_MAX_ID = 1 << 23
+_POSITIONS = np.arange(TRACE_BLOCK, dtype=np.uint32)
+
+
+class TraceError(ValueError):
+    """A trace line is malformed; the message names the file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """The first `limit` requests (all if None) of a trace file, validated."""
+    out: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            out.append(_parse(line, f"{path}:{lineno}"))
+    return out
+
+
+def _parse(line: str, where: str) -> TraceRequest:
+    try:
+        obj = json.loads(line)
+        req = TraceRequest(int(obj["timestamp"]), int(obj["input_length"]),
+                           int(obj["output_length"]), tuple(int(h) for h in obj["hash_ids"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise TraceError(f"{where}: not a trace request ({e})") from None
+    n = len(req.hash_ids)
+    if not n or not (n - 1) * TRACE_BLOCK < req.input_length <= n * TRACE_BLOCK:
+        raise TraceError(f"{where}: input_length {req.input_length} does not fit {n} blocks of {TRACE_BLOCK}")
+    if min(req.hash_ids) < 0 or max(req.hash_ids) >= _MAX_ID:
+        raise TraceError(f"{where}: hash ids must be in [0, {_MAX_ID})")
+    return req
+
+
+def expand_tokens(req: TraceRequest, vocab_size: int | None = None) -> np.ndarray:
+    """The request's prompt as int32 token ids (see the module docstring for the formula)."""
+    ids = np.array(req.hash_ids, dtype=np.uint32) * np.uint32(TRACE_BLOCK)
+    tokens = np.add.outer(ids, _POSITIONS).ravel()[:req.input_length]
+    np.multiply(tokens, _MIX, out=tokens)
+    if vocab_size is not None:
+        np.remainder(tokens, np.uint32(vocab_size), out=tokens)
+    return tokens.view(np.int32)
+
+
+def num_blocks(req: TraceRequest, block_size: int) -> int:
+    """Prompt blocks of the request, the partial last one included."""
+    return -(-req.input_length // block_size)
+
+
+def ideal_hit_tokens(requests: Iterable[TraceRequest], block_size: int) -> int:
+    """Prompt tokens an unlimited prefix cache serves when requests run one after another.
+
+    Computed from hash_ids alone, independently of the cache: a block is identified by the trie
+    node of the ids up to its own and its offset inside that 512-token id; a request hits its
+    leading full blocks seen before, except that a prompt matching entirely gives its last block
+    back (its last token is recomputed).
+    """
+    if TRACE_BLOCK % block_size:
+        raise ValueError(f"block size {block_size} does not divide {TRACE_BLOCK}")
+    per_id = TRACE_BLOCK // block_size
+    offsets = np.arange(per_id)
+    trie: dict[tuple[int, int], int] = {}
+    seen = np.zeros(1024, dtype=bool)  # by trie node * per_id + offset, grown as needed
+    hits = 0
+    for req in requests:
+        node, nodes = 0, []
+        for h in req.hash_ids:
+            node = trie.setdefault((node, h), len(trie))
+            nodes.append(node)
+        full = req.input_length // block_size
+        blocks = (np.array(nodes)[:, None] * per_id + offsets).ravel()[:full]
+        if len(trie) * per_id > len(seen):
+            seen = np.concatenate([seen, np.zeros(len(trie) * per_id * 2 - len(seen), dtype=bool)])
+        new = np.flatnonzero(~seen[blocks])
+        matched = int(new[0]) if len(new) else full
+        if matched * block_size == req.input_length:
+            matched -= 1
+        hits += matched * block_size
+        seen[blocks] = True
+    return hits
+
+
+def default_trace_path() -> Path:
+    """The bundled conversation trace: ../shared/data/traces/ next to the repository."""
+    return Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -1,0 +1,114 @@
+"""Block keys: deterministic, chained, incremental, multimodal-aware."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+
+from runtime.hashing import KEY_BYTES, ROOT_KEY, BlockHasher, as_token_array, chain_keys, mm_extras
+from tests.conftest import run_py
+
+BS = 16
+
+
+def tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.int32)
+
+
+def keys_of(toks, block_size=BS, **mm) -> list[bytes]:
+    return BlockHasher(block_size, **mm).update(toks)
+
+
+def test_golden_keys_pin_the_format():
+    """A decode node, a storage tier and a later kvrt version must derive these exact keys: any
+    change to the root, the byte order or the chaining shows up here."""
+    toks = np.arange(2 * BS, dtype=np.int32)
+    k0, k1 = keys_of(toks)
+    assert k0 == xxhash.xxh3_128_digest(ROOT_KEY + np.arange(BS, dtype="<i4").tobytes())
+    assert k1 == xxhash.xxh3_128_digest(k0 + np.arange(BS, 2 * BS, dtype="<i4").tobytes())
+    assert ROOT_KEY.hex() == xxhash.xxh3_128_digest(b"kvrt.prefix-cache.root.v1").hex()
+    assert len(k0) == len(k1) == KEY_BYTES
+
+
+def test_same_keys_in_another_process():
+    code = ("import numpy as np; from runtime.hashing import BlockHasher;"
+            "t = np.random.default_rng(7).integers(0, 50000, 100, dtype=np.int32);"
+            "print(','.join(k.hex() for k in BlockHasher(16).update(t)))")
+    r = run_py(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().split(",") == [k.hex() for k in keys_of(tokens(100, seed=7))]
+
+
+def test_only_full_blocks_get_keys():
+    assert len(keys_of(tokens(BS - 1))) == 0
+    assert len(keys_of(tokens(3 * BS))) == 3
+    assert len(keys_of(tokens(3 * BS + 5))) == 3
+
+
+def test_keys_chain_the_prefix():
+    a = tokens(4 * BS)
+    b = a.copy()
+    b[BS + 3] += 1  # block 1 differs
+    ka, kb = keys_of(a), keys_of(b)
+    assert ka[0] == kb[0]
+    assert all(x != y for x, y in zip(ka[1:], kb[1:]))  # every later key differs too
+    # equal block tokens after different prefixes give different keys
+    c = np.concatenate([tokens(BS, seed=1), a[BS:2 * BS]])
+    assert keys_of(c)[1] != ka[1]
+
+
+def test_incremental_equals_one_shot():
+    full = tokens(10 * BS + 7)
+    h = BlockHasher(BS)
+    got = []
+    for n in (5, BS, 3 * BS + 1, 3 * BS + 2, 7 * BS, 10 * BS + 7):
+        got += h.update(full[:n])
+    assert got == h.keys == keys_of(full)
+    assert h.num_hashed_tokens == 10 * BS
+    assert h.update(full) == []  # nothing new: nothing hashed twice
+
+
+def test_input_types_agree():
+    t = tokens(3 * BS)
+    assert keys_of(t.tolist()) == keys_of(t) == keys_of(t.astype(np.int64))
+    assert keys_of(t) == chain_keys(t.astype("<i4").tobytes(), BS)
+    with pytest.raises(ValueError):
+        as_token_array(np.zeros((2, 2)))
+
+
+def test_block_size_changes_keys():
+    t = tokens(4 * BS)
+    assert keys_of(t, BS)[1] != keys_of(t, 2 * BS)[0]
+
+
+def test_multimodal_extra_keys_touch_only_overlapping_blocks():
+    t = tokens(6 * BS)
+    plain = keys_of(t)
+    # one image over tokens [BS+4, 3*BS+2): blocks 1, 2 and 3
+    img = keys_of(t, mm_positions=[(BS + 4, 2 * BS - 2)], mm_hashes=["img-a"])
+    assert img[0] == plain[0]
+    assert all(img[i] != plain[i] for i in range(1, 6))  # blocks 1..3 differ, later ones chain
+    other = keys_of(t, mm_positions=[(BS + 4, 2 * BS - 2)], mm_hashes=["img-b"])
+    assert other[0] == img[0] and other[1] != img[1]
+    # an item only in a later block leaves the earlier ones alone
+    late = keys_of(t, mm_positions=[(5 * BS, 3)], mm_hashes=[b"\x01\x02"])
+    assert late[:5] == plain[:5] and late[5] != plain[5]
+
+
+def test_multimodal_incremental_and_validation():
+    t = tokens(5 * BS)
+    mm = dict(mm_positions=[(2 * BS - 1, 2)], mm_hashes=["x"])
+    h = BlockHasher(BS, **mm)
+    h.update(t[:2 * BS + 3])
+    h.update(t)
+    assert h.keys == keys_of(t, **mm)
+    extras = mm_extras(BS, [(0, BS + 1)], ["ab"])
+    assert set(extras) == {0, 1}
+    # two items in one block: both mixed in, length-prefixed so no concatenation is ambiguous
+    assert mm_extras(BS, [(0, 1), (2, 1)], ["ab", "c"])[0] != mm_extras(BS, [(0, 1), (2, 1)], ["a", "bc"])[0]
+    with pytest.raises(ValueError):
+        mm_extras(BS, [(0, 1)], [])
+    with pytest.raises(ValueError):
+        mm_extras(BS, [(0, 0)], ["a"])
+    with pytest.raises(ValueError):
+        BlockHasher(0)
