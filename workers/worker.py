@@ -2,66 +2,55 @@
 and only the blocks of the step batch the engine just sent it (the ownership rule).
 
 This process joins the node, maps its device pool and serves its ring; step batches arrive
-with the engine and model (issue: engine and worker)."""
+with the engine and model (the engine-and-worker issue)."""
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 from ipc import protocol as P
-from ipc.errors import ChannelClosed, ProtocolError, WaitTimeout
-from ipc.member import Member
+from ipc.errors import ProtocolError, WaitTimeout
 from ipc.ring import Consumer, Producer
 
-log = logging.getLogger("kvrt.worker")
-TICK_S = 0.5
+from .child import Child, run_child
+from .kv_pool import attach_pools
+
+log = logging.getLogger("workers.worker")
+WAIT_S = 0.2  # longest ring wait between heartbeats and orphan checks
 
 
-def serve(member: Member) -> int:
-    reg = member.reg
-    orders = Consumer.attach(reg, P.to_worker(member.rank))
-    answers = Producer.attach(reg, P.from_worker(member.rank))
-    member.set_ready()
+def serve(child: Child) -> int:
+    device, host = attach_pools(child.reg, child.rank, child.cfg)
+    orders = Consumer.attach(child.reg, P.to_worker(child.rank))
+    answers = Producer.attach(child.reg, P.from_worker(child.rank))
+    child.set_ready()
     try:
         while True:
-            member.beat()
+            child.tick()
             try:
-                rec = orders.get(TICK_S)
+                rec = orders.get(WAIT_S)
             except WaitTimeout:
-                if why := member.orphaned():
-                    log.error("exiting: %s", why)
-                    return 1
                 continue
-            except ChannelClosed:
-                return 0
             try:
                 msg = P.PROTOCOL.decode(rec)
             except ProtocolError as e:
                 orders.count_protocol_error()
-                log.warning("bad message: %s", e)
+                log.warning("malformed message on %s skipped: %s", orders.name, e)
                 continue
             if isinstance(msg, P.Shutdown):
-                log.info("%s stopping: %s", member.name, msg.reason)
+                log.info("shutdown ordered (%s)", msg.reason or "no reason given")
                 return 0
-            log.warning("unexpected %s", type(msg).__name__)
+            log.warning("unexpected %s on %s", type(msg).__name__, orders.name)
     finally:
+        answers.close()
         orders.detach()
-        answers.detach()
+        for pool in (device, host):
+            if pool is not None:
+                pool.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workers.worker", description="kvrt worker process (started by kvrt launch)")
-    p.add_argument("--node", required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s worker[{args.rank}]: %(message)s")
-    member = Member.join(args.node, P.ROLE_WORKER, args.rank)
-    try:
-        return serve(member)
-    finally:
-        member.leave()
+    return run_child(P.ROLE_WORKER, serve, argv)
 
 
 if __name__ == "__main__":
