@@ -23,10 +23,14 @@ from ipc.signals import Signal
 from runtime.config import NodeConfig
 from runtime.metrics import Metrics
 from runtime.ownership import OwnerTable
+from runtime.prefix_cache import PrefixCache
 from runtime.transfer import TaskResult, TransferClient
 
 log = logging.getLogger("kvrt.engine")
 TICK_S = 0.1
+_CACHE_STATS = ("device_total", "device_free", "device_cached", "device_used", "host_total", "host_free",
+                "host_cached", "host_used", "requests", "hit_requests", "query_tokens", "hit_tokens_device",
+                "hit_tokens_host", "hit_tokens_storage")
 
 
 class Engine:
@@ -46,7 +50,9 @@ class Engine:
         self.fan = FanIn(inbound)
         self.transfer = TransferClient(self.to_transfer, self.cfg.rank_timeout, owners=self._owner_tables())
         self.metrics = Metrics(self.stats.array, self.ring_stats)
-        self._set_block_totals()
+        self.cache = PrefixCache(self.cfg.block_size, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
+        self._cache_task_of: dict[int, int] = {}  # transfer task id -> prefix-cache task id
+        self.publish_stats()
 
     def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:
         """KVRT_CHECK_OWNERSHIP=1: the shared owner arrays the launcher created for this check."""
@@ -56,10 +62,19 @@ class Engine:
         return (OwnerTable(Signal.attach(reg, P.OWNERS_DEVICE).array, "device"),
                 OwnerTable(Signal.attach(reg, P.OWNERS_HOST).array, "host"))
 
-    def _set_block_totals(self) -> None:
-        s, c = self.stats.array, self.cfg
-        s[P.STAT["device_total"]] = s[P.STAT["device_free"]] = c.num_gpu_blocks
-        s[P.STAT["host_total"]] = s[P.STAT["host_free"]] = c.num_cpu_blocks
+    def publish_stats(self) -> None:
+        """Copy the prefix cache's counters into ENGINE_STATS (read by status and Prometheus)."""
+        snap, s = self.cache.snapshot(), self.stats.array
+        for name in _CACHE_STATS:
+            s[P.STAT[name]] = snap[name]
+        s[P.STAT["evictions"]] = snap["evicted_device_blocks"] + snap["evicted_host_blocks"]
+        s[P.STAT["tasks_inflight"]] = self.transfer.inflight
+
+    def issue_cache_tasks(self) -> None:
+        """Send the swap/storage tasks the prefix cache asked for to every cache-transfer rank."""
+        for t in self.cache.take_tasks():
+            tid = self.transfer.submit(t.kind.value, t.device_blocks, t.host_blocks, t.keys)
+            self._cache_task_of[tid] = t.task_id
 
     def ring_stats(self) -> dict[str, dict]:
         return {r.name.split(".", 2)[2]: r.stats() for r in self.to_workers + self.to_transfer + self.inbound}
@@ -87,6 +102,11 @@ class Engine:
         self.metrics.swap_seconds.labels(result.task.kind).observe(result.seconds)
         if not result.ok:
             log.error("transfer task %d (%s) failed: %s", result.task.task_id, result.task.kind, result.error)
+        cache_id = self._cache_task_of.pop(result.task.task_id, None)
+        if cache_id is not None:
+            outcome = self.cache.apply_task_result(cache_id, result.ok, result.blocks)
+            for rid in outcome.failed:
+                log.error("request %s lost its cached prefix (task %d failed)", rid, cache_id)
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -113,7 +133,8 @@ class Engine:
             log.error("%s", e)  # the launcher notices the death too and stops the node
         for result in self.transfer.expire():
             self._on_task_result(result)
-        self.stats.array[P.STAT["tasks_inflight"]] = self.transfer.inflight
+        self.issue_cache_tasks()
+        self.publish_stats()
 
     def shutdown(self, grace_s: float = 5.0) -> int:
         """Let in-flight tasks finish (bounded), then tell every child to exit."""
