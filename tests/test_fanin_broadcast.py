@@ -23,10 +23,11 @@ def test_fan_in_is_fair_and_wakes_on_any_ring(node):
             fan.get(0.1)
         prods[2].put(b"late", 1)
         assert fan.get(1) == (2, b"late")
-        with pytest.raises(ValueError):
-            Ring.create(reg, "own", capacity=4096)
-            FanIn([cons[0], Consumer.attach(reg, "own")])
-        for x in prods + cons:
+        Ring.create(reg, "own", capacity=4096)  # its own doorbell: cannot join this fan-in
+        own = Consumer.attach(reg, "own")
+        with pytest.raises(ValueError, match="share one doorbell"):
+            FanIn([cons[0], own])
+        for x in prods + cons + [own]:
             x.detach()
 
 
