@@ -1,0 +1,356 @@
+"""A small decoder-only transformer over the paged KV cache: the worker's model.
+
+kvrt ships no weights, so the model is a real transformer (RMSNorm, multi-head attention with
+rotary embeddings and optional GQA, SiLU-gated MLP, LM head) with fixed-seed random weights.
+Greedy decoding of such a model is a deterministic function of the prompt, so a test can
+compare what the runtime produced through the paged pool (chunked prefill, shared prefixes,
+swapped and restored blocks) with a dense forward that never touches a cache.
+
+Exactness, not speed, is the design goal:
+- everything is computed in float64;
+- K and V are rounded to the pool dtype when stored, and the dense reference rounds its K/V
+  through the same dtype, so both paths attend over bit-identical K/V values; what is left is
+  summation order (~1e-15 relative), far below the gap between the two best logits;
+- RoPE angles are computed elementwise from absolute positions, so a token's rotation does not
+  depend on how its sequence was chunked.
+
+The same code runs on numpy or cupy (`xp`); results come back as host numpy arrays.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any, Sequence
+
+import numpy as np
+
+log = logging.getLogger("workers.model")
+
+_EPS = 1e-6        # RMSNorm epsilon
+_DENSE_CHUNK = 512  # query rows per attention call in the dense reference (bounds its memory)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of the model one rank runs. `num_kv_heads` is the number of KV heads in this
+    rank's pool; `num_heads` query heads share them in groups (GQA) when larger."""
+
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    vocab_size: int = 512
+    mlp_dim: int = 256
+    rope_theta: float = 10000.0
+    max_model_len: int = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name not in ("rope_theta", "seed") and getattr(self, f.name) <= 0:
+                raise ValueError(f"ModelShape.{f.name} must be positive, got {getattr(self, f.name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelShape: num_heads {self.num_heads} must be a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelShape: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_theta <= 1:
+            raise ValueError(f"ModelShape: rope_theta must be > 1, got {self.rope_theta}")
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelShape":
+        """The shape of one rank's model from the node config (a plain dict): each rank holds
+        num_kv_heads // tp KV heads and, without GQA, as many query heads."""
+        tp = int(cfg.get("tp", 1))
+        if tp <= 0 or cfg["num_kv_heads"] % tp:
+            raise ValueError(f"tp {tp} must be positive and divide num_kv_heads {cfg['num_kv_heads']}")
+        heads = cfg["num_kv_heads"] // tp
+        return cls(num_layers=int(cfg["num_layers"]), num_heads=heads, num_kv_heads=heads,
+                   head_dim=int(cfg["head_dim"]),
+                   vocab_size=int(cfg.get("vocab_size", cls.vocab_size)),
+                   max_model_len=int(cfg.get("max_model_len", cls.max_model_len)),
+                   seed=int(cfg.get("model_seed", cls.seed)))
+
+
+@dataclass
+class SeqInput:
+    """One sequence of a step batch.
+
+    tokens: int32 ids computed this step (a prefill chunk, or one token for decode).
+    start: position of tokens[0]; the KV of positions < start is already in the pool.
+    block_table: int32 device block ids in token order, covering >= start + len(tokens) positions.
+    """
+
+    tokens: np.ndarray
+    start: int
+    block_table: np.ndarray
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Any
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    mlp_norm: Any
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+
+
+@dataclass
+class _Planned:
+    """A validated SeqInput: where its rows sit in the batch and its block table on xp."""
+
+    row0: int
+    n: int
+    start: int
+    table: Any  # xp int array, the blocks covering 0..start+n-1
+
+
+def _init_weights(shape: ModelShape) -> tuple[np.ndarray, list[dict], np.ndarray, np.ndarray]:
+    """Random float64 weights, scaled so activations stay O(1) through the layers and the
+    logits spread over a few units (large top-2 gaps, so argmax never hinges on rounding)."""
+    rng = np.random.default_rng(shape.seed)
+    d, hd, m = shape.hidden_dim, shape.head_dim, shape.mlp_dim
+    kv = shape.num_kv_heads * hd
+
+    def normal(rows: int, cols: int, scale: float) -> np.ndarray:
+        return rng.standard_normal((rows, cols)) * (scale / np.sqrt(rows))
+
+    embed = rng.standard_normal((shape.vocab_size, d))
+    layers = []
+    for _ in range(shape.num_layers):
+        layers.append(dict(
+            attn_norm=1.0 + 0.1 * rng.standard_normal(d),
+            wq=normal(d, d, 2.0),   # sharper attention than unit-scale scores
+            wk=normal(d, kv, 1.0),
+            wv=normal(d, kv, 1.0),
+            wo=normal(d, d, 1.0),
+            mlp_norm=1.0 + 0.1 * rng.standard_normal(d),
+            w_gate=normal(d, m, 1.0),
+            w_up=normal(d, m, 1.0),
+            w_down=normal(m, d, 1.0),
+        ))
+    final_norm = 1.0 + 0.1 * rng.standard_normal(d)
+    lm_head = normal(d, shape.vocab_size, 4.0)
+    return embed, layers, final_norm, lm_head
+
+
+class Model:
+    """The transformer: `step` runs a batch over the paged pool, `dense_logits` and
+    `generate_dense` are the cache-free reference the runtime is checked against."""
+
+    def __init__(self, shape: ModelShape, xp: Any = np, kv_dtype: str = "float32") -> None:
+        self.shape = shape
+        self.xp = xp
+        self.kv_dtype = np.dtype(kv_dtype)
+        embed, layers, final_norm, lm_head = _init_weights(shape)
+        self.embed = xp.asarray(embed)
+        self.layers = [LayerWeights(**{k: xp.asarray(v) for k, v in lw.items()}) for lw in layers]
+        self.final_norm = xp.asarray(final_norm)
+        self.lm_head = xp.asarray(lm_head)
+        half = shape.head_dim // 2
+        self.inv_freq = xp.asarray(shape.rope_theta ** (-np.arange(half, dtype=np.float64) / half))
+        log.debug("model %s on %s, kv dtype %s", shape, xp.__name__, self.kv_dtype)
+
+    # ---- building blocks (shared by the paged and the dense path) ----
+
+    def _host(self, a: Any) -> np.ndarray:
+        return a if isinstance(a, np.ndarray) else a.get()
+
+    def _rms(self, x: Any, w: Any) -> Any:
+        return x / self.xp.sqrt(self.xp.mean(x * x, axis=-1, keepdims=True) + _EPS) * w
+
+    def _rope(self, x: Any, positions: Any) -> Any:
+        """Rotate-half rotary embedding of x [T, heads, hd] at absolute positions [T]."""
+        xp = self.xp
+        ang = positions.astype(xp.float64)[:, None] * self.inv_freq[None, :]
+        cos, sin = xp.cos(ang)[:, None, :], xp.sin(ang)[:, None, :]
+        half = self.shape.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return xp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+    def _qkv(self, h: Any, w: LayerWeights, positions: Any) -> tuple[Any, Any, Any]:
+        """Projections of the normed hidden states h [T, d]: q [T, H, hd] (scaled), and k, v
+        [T, KVH, hd] rounded to the KV dtype, as the pool will hold them."""
+        s, t = self.shape, h.shape[0]
+        q = self._rope((h @ w.wq).reshape(t, s.num_heads, s.head_dim), positions)
+        k = self._rope((h @ w.wk).reshape(t, s.num_kv_heads, s.head_dim), positions)
+        v = (h @ w.wv).reshape(t, s.num_kv_heads, s.head_dim)
+        q = q * (float(s.head_dim) ** -0.5)
+        return q, self._round_kv(k), self._round_kv(v)
+
+    def _round_kv(self, a: Any) -> Any:
+        return a.astype(self.kv_dtype).astype(self.xp.float64)
+
+    def _attend(self, q: Any, k: Any, v: Any, start: int) -> Any:
+        """Causal attention of queries q [n, H, hd] at positions start.. over keys/values
+        k, v [L, KVH, hd] at positions 0..L-1; returns [n, H*hd]."""
+        xp, s = self.xp, self.shape
+        n, L, kvh, g, hd = q.shape[0], k.shape[0], s.num_kv_heads, s.group, s.head_dim
+        qg = q.reshape(n, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * n, hd)
+        scores = (qg @ k.transpose(1, 2, 0)).reshape(kvh, g, n, L)
+        visible = xp.arange(L)[None, :] <= (start + xp.arange(n))[:, None]
+        scores = xp.where(visible, scores, -xp.inf)
+        scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+        out = probs.reshape(kvh, g * n, L) @ v.transpose(1, 0, 2)
+        return out.reshape(kvh, g, n, hd).transpose(2, 0, 1, 3).reshape(n, s.hidden_dim)
+
+    def _mlp(self, x: Any, w: LayerWeights) -> Any:
+        h = self._rms(x, w.mlp_norm)
+        gate = h @ w.w_gate
+        return (gate / (1.0 + self.xp.exp(-gate)) * (h @ w.w_up)) @ w.w_down
+
+    def _logits(self, x: Any) -> np.ndarray:
+        return self._host(self._rms(x, self.final_norm) @ self.lm_head)
+
+    # ---- validation ----
+
+    def _check_pool(self, pool: Any) -> int:
+        """Raise ValueError unless pool is this model's block-major KV pool; returns block_size."""
+        s = self.shape
+        if pool.ndim != 6:
+            raise ValueError(f"KV pool must be [blocks, layers, 2, block_size, kv_heads, head_dim], "
+                             f"got shape {tuple(pool.shape)}")
+        _, layers, two, bs, kvh, hd = pool.shape
+        for what, got, want in (("layers", layers, s.num_layers), ("K/V axis", two, 2),
+                                ("kv_heads", kvh, s.num_kv_heads), ("head_dim", hd, s.head_dim)):
+            if got != want:
+                raise ValueError(f"KV pool {what} is {got}, the model needs {want} "
+                                 f"(pool shape {tuple(pool.shape)})")
+        if np.dtype(pool.dtype) != self.kv_dtype:
+            raise ValueError(f"KV pool dtype {pool.dtype} differs from the model's kv_dtype {self.kv_dtype}")
+        if bs <= 0:
+            raise ValueError(f"KV pool block_size must be positive, got {bs}")
+        return int(bs)
+
+    def _check_tokens(self, tokens: np.ndarray, start: int, who: str) -> np.ndarray:
+        s = self.shape
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or len(tokens) == 0:
+            raise ValueError(f"{who}: tokens must be a non-empty 1-D array, got shape {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"{who}: token ids must be integers, got dtype {tokens.dtype}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= s.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{who}: token id {bad} out of range [0, {s.vocab_size})")
+        if start < 0:
+            raise ValueError(f"{who}: start must be >= 0, got {start}")
+        if start + len(tokens) > s.max_model_len:
+            raise ValueError(f"{who}: positions up to {start + len(tokens) - 1} exceed "
+                             f"max_model_len {s.max_model_len}")
+        return tokens
+
+    def _plan(self, seqs: Sequence[SeqInput], num_blocks: int, bs: int) -> tuple[list[_Planned], np.ndarray, np.ndarray]:
+        """Validate the batch; returns the per-seq plans, all tokens and their positions."""
+        plans, toks, poss, slots, row = [], [], [], [], 0
+        for i, seq in enumerate(seqs):
+            who = f"seq {i}"
+            start = int(seq.start)
+            tokens = self._check_tokens(seq.tokens, start, who)
+            end = start + len(tokens)
+            nblk = -(-end // bs)
+            table = np.asarray(seq.block_table)
+            if table.ndim != 1 or not np.issubdtype(table.dtype, np.integer):
+                raise ValueError(f"{who}: block_table must be a 1-D integer array, got "
+                                 f"{table.dtype} shape {table.shape}")
+            if len(table) < nblk:
+                raise ValueError(f"{who}: block_table has {len(table)} blocks, positions 0..{end - 1} "
+                                 f"need {nblk} blocks of {bs}")
+            table = table[:nblk]
+            if int(table.min()) < 0 or int(table.max()) >= num_blocks:
+                raise ValueError(f"{who}: block_table holds block ids outside [0, {num_blocks}): "
+                                 f"{table.min()}..{table.max()}")
+            if len(np.unique(table)) != nblk:
+                raise ValueError(f"{who}: block_table repeats a block id: {table.tolist()}")
+            positions = np.arange(start, end, dtype=np.int64)
+            slots.append(table[positions // bs].astype(np.int64) * bs + positions % bs)
+            plans.append(_Planned(row, len(tokens), start, self.xp.asarray(table.astype(np.int64))))
+            toks.append(tokens.astype(np.int64))
+            poss.append(positions)
+            row += len(tokens)
+        written = np.concatenate(slots)
+        if len(np.unique(written)) != len(written):
+            raise ValueError("two seqs of the batch would write the same pool slot "
+                             "(block tables overlap beyond a shared prefix)")
+        return plans, np.concatenate(toks), np.concatenate(poss)
+
+    # ---- the paged path ----
+
+    def step_logits(self, pool: Any, seqs: Sequence[SeqInput]) -> np.ndarray:
+        """`step`, returning the logits of each seq's last position [len(seqs), vocab] (float64)."""
+        xp, s = self.xp, self.shape
+        if not seqs:
+            return np.empty((0, s.vocab_size))
+        bs = self._check_pool(pool)
+        plans, tokens, positions = self._plan(seqs, int(pool.shape[0]), bs)
+        pos = xp.asarray(positions)
+        blk = xp.concatenate([p.table[(pos[p.row0:p.row0 + p.n]) // bs] for p in plans])
+        slot = pos % bs
+        x = self.embed[xp.asarray(tokens)]
+        for li, w in enumerate(self.layers):
+            q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
+            pool[blk, li, 0, slot] = k.astype(pool.dtype)
+            pool[blk, li, 1, slot] = v.astype(pool.dtype)
+            outs = []
+            for p in plans:
+                ctx = p.start + p.n
+                kv = pool[p.table, li].astype(xp.float64)  # [nblk, 2, bs, kvh, hd]
+                kc = kv[:, 0].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
+                vc = kv[:, 1].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
+                outs.append(self._attend(q[p.row0:p.row0 + p.n], kc, vc, p.start))
+            x = x + xp.concatenate(outs) @ w.wo
+            x = x + self._mlp(x, w)
+        last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
+        return self._logits(x[last])
+
+    def step(self, pool: Any, seqs: Sequence[SeqInput]) -> np.ndarray:
+        """Run one batch: store each seq's new K/V into `pool` at its positions (block =
+        block_table[pos // block_size], slot = pos % block_size), attend causally over the pool
+        through the block table, and return the greedy next token per seq (host int32)."""
+        return self.step_logits(pool, seqs).argmax(axis=-1).astype(np.int32)
+
+    # ---- the dense reference ----
+
+    def dense_logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Reference forward with no cache: logits [len(tokens), vocab] (host float64). K/V
+        are rounded through kv_dtype exactly as the pool would store them."""
+        xp = self.xp
+        tokens = self._check_tokens(tokens, 0, "dense_logits")
+        n = len(tokens)
+        pos = xp.arange(n)
+        x = self.embed[xp.asarray(tokens.astype(np.int64))]
+        for w in self.layers:
+            q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
+            outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i)
+                    for i in range(0, n, _DENSE_CHUNK)]
+            x = x + xp.concatenate(outs) @ w.wo
+            x = x + self._mlp(x, w)
+        return self._logits(x)
+
+    def generate_dense(self, prompt: np.ndarray, max_new_tokens: int, eos_token_id: int = -1) -> list[int]:
+        """Greedy generation with dense_logits only: the oracle the runtime is compared with.
+        Stops after max_new_tokens, after emitting eos_token_id (included), or when prompt plus
+        output reach max_model_len."""
+        seq = [int(t) for t in np.asarray(prompt)]
+        out: list[int] = []
+        while len(out) < max_new_tokens and len(seq) < self.shape.max_model_len:
+            tok = int(self.dense_logits(np.array(seq, dtype=np.int32))[-1].argmax())
+            out.append(tok)
+            seq.append(tok)
+            if tok == eos_token_id:
+                break
+        return out
