@@ -15,6 +15,7 @@ BENCHES = {
     "ipc": ("bench.ipc", "ring vs multiprocessing.Queue, BaseManager over TCP and pyzmq ipc://"),
     "cache": ("bench.cache", "replay a request trace through the prefix cache (hit rates, blocks/s)"),
     "copy": ("bench.copy", "KV block swaps device<->host vs the memcpy limit, and end-to-end through cache-transfer"),
+    "replay": ("bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
 }
 STRESS = {
     "ring": ("bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),
@@ -54,7 +55,10 @@ def _add_launch(sub) -> None:
                        "stops the node cleanly (exit 1) if any process dies.")
     p.add_argument("--node", default="", help="node name, unique on this machine (default: kvrt<port> or kvrt<pid>)")
     p.add_argument("--role", default=d.role, choices=["mixed", "prefill", "decode"], help="PD role (default mixed)")
-    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks for the KV cache (default 1)")
+    p.add_argument("--tp", type=int, default=d.tp,
+                   help="tensor-parallel ranks for the KV cache (default 1). The reference model is not split "
+                   "across ranks yet: each rank runs it over its share of the KV heads and rank 0's tokens "
+                   "are the answer, so outputs depend on --tp")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the device KV pool lives (default: cuda if CuPy sees a GPU, else cpu)")
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
@@ -62,13 +66,25 @@ def _add_launch(sub) -> None:
     p.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks,
                    help="host (swap) blocks per rank; > 0 starts cache-transfer processes (default 0)")
     p.add_argument("--storage", default="", help="storage tier URI: file:DIR (default: none)")
-    p.add_argument("--port", type=int, default=d.port, help="client API port (engine; 0 = none)")
+    p.add_argument("--host", default=d.host, help=f"interface the client API listens on (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port,
+                   help="client API port (ZeroMQ; used by kvrt generate/replay and runtime.client; 0 = none)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus metrics port on 127.0.0.1 (0 = off)")
     p.add_argument("--log-dir", default="", help="write each process's log to DIR/<role>-<rank>.log (default: stderr)")
     p.add_argument("--num-layers", type=int, default=d.num_layers, help=f"model layers (default {d.num_layers})")
     p.add_argument("--num-kv-heads", type=int, default=d.num_kv_heads, help=f"KV heads, split over --tp (default {d.num_kv_heads})")
     p.add_argument("--head-dim", type=int, default=d.head_dim, help=f"head dimension (default {d.head_dim})")
     p.add_argument("--dtype", default=d.dtype, help=f"KV dtype (default {d.dtype})")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help=f"model vocabulary (default {d.vocab_size})")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help=f"longest prompt + output in tokens (default {d.max_model_len})")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"sequences per step (default {d.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help=f"tokens per step: prefill chunks + decodes (default {d.max_num_batched_tokens})")
+    p.add_argument("--demo", action="store_true",
+                   help="run the built-in demo: a multi-turn workload with shared system prompts through this "
+                   "node, a results table, a status snapshot, then a clean stop (picks a free --port if none)")
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for every process to be ready")
     p.add_argument("--rank-timeout", type=float, default=d.rank_timeout, help="seconds to wait for a rank's answer to a task")
 
@@ -81,13 +97,16 @@ def launch(args) -> int:
     from runtime.node import Node
     from workers import kv_pool
 
-    node = args.node or (f"kvrt{args.port}" if args.port else f"kvrt{os.getpid()}")
+    port = args.port or (_free_port(args.host) if args.demo else 0)
+    node = args.node or (f"kvrt{port}" if port else f"kvrt{os.getpid()}")
     cfg = NodeConfig(node=node, role=args.role, tp=args.tp,
                      device=_detect_device() if args.device == "auto" else args.device,
                      block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-                     num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, port=args.port,
+                     num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, host=args.host, port=port,
                      metrics_port=args.metrics_port, log_dir=args.log_dir, num_layers=args.num_layers,
                      num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                     vocab_size=args.vocab_size, max_model_len=args.max_model_len,
+                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1",
                      ready_timeout=args.ready_timeout, rank_timeout=args.rank_timeout)
     try:
@@ -95,14 +114,28 @@ def launch(args) -> int:
     except ConfigError as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 2
+    job = None
+    if args.demo:
+        from runtime.demo import demo_job
+
+        job = demo_job(cfg)
     try:
-        return Node(cfg, kv_pool.PoolMaker(), progress=lambda m: print(m, file=sys.stderr, flush=True)).run()
+        return Node(cfg, kv_pool.PoolMaker(), progress=lambda m: print(m, file=sys.stderr, flush=True)).run(job)
     except NodeLive as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 1
-    except (RuntimeError, TimeoutError) as e:
+    except (RuntimeError, TimeoutError, OSError) as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 1
+
+
+def _free_port(host: str) -> int:
+    """A TCP port the OS says is free now (for --demo without --port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     cl = sub.add_parser("clean", help="reclaim the shared memory of dead nodes (refuses live ones)")
     cl.add_argument("--node", help="node name (default: every dead node found)")
     cl.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    sub.add_parser("generate", help="send one request to a running node and stream its tokens", add_help=False)
+    sub.add_parser("replay", help="replay a request trace against a running node (TTFT, hit rates)", add_help=False)
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES), add_help=False)
     sub.add_parser("stress", help="stress tests: " + ", ".join(STRESS), add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -142,6 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.status import clean_main
 
         return clean_main(args.node, args.dry_run)
+    if args.command == "generate":
+        from runtime.client import generate_main
+
+        return generate_main(rest)
+    if args.command == "replay":
+        from runtime.replay import main as replay_main
+
+        return replay_main(rest)
     if args.command == "bench":
         return _dispatch(BENCHES, "bench", rest)
     if args.command == "stress":

@@ -6,6 +6,10 @@ starve the others. Sleeping: the rings are created with one shared doorbell, so 
 announces sleep on every ring and blocks on that single semaphore; whichever producer
 publishes first wakes it.
 
+Waking from outside: `poke()` (from any thread of the consumer's process, e.g. a socket I/O
+thread that queued work) makes the current or next `get` return None at once; it rings the
+doorbell only while the consumer sleeps, so it costs nothing on a busy consumer.
+
 Liveness: a producer that closed its ring has finished normally; a producer's death is reported once its ring is drained, at most every
 `check_every` seconds even while other producers keep the consumer busy, as PeerDead with
 `.index` naming the ring. A replacement producer can then attach and the fan-in goes on.
@@ -33,6 +37,14 @@ class FanIn:
         self._check_every = check_every
         self._next_check = time.monotonic() + check_every
         self._reported: dict[int, int] = {}  # ring index -> dead producer pid already reported
+        self._poked = False
+        self._sleeping = False
+
+    def poke(self) -> None:
+        """Make `get` return None now (thread-safe: a flag, then a ring if the reader sleeps)."""
+        self._poked = True
+        if self._sleeping:
+            self._bell.ring()
 
     def try_get(self) -> tuple[int, bytes] | None:
         """(ring index, record) from the next non-empty ring in round-robin order, or None."""
@@ -59,8 +71,12 @@ class FanIn:
             err.index = i
             raise err
 
-    def get(self, timeout: float) -> tuple[int, bytes]:
-        """Wait up to `timeout` s for a record from any ring; returns (ring index, record)."""
+    def get(self, timeout: float) -> tuple[int, bytes] | None:
+        """Wait up to `timeout` s for a record from any ring; returns (ring index, record), or
+        None when poked."""
+        if self._poked:
+            self._poked = False
+            return None
         if time.monotonic() >= self._next_check:
             self._check_peers()
         for _ in range(SPINS // 4):
@@ -74,9 +90,14 @@ class FanIn:
                 return got
         deadline = time.monotonic() + timeout
         while True:
+            self._sleeping = True
             for c in self.consumers:
                 c.set_sleeping(True)
             got = self.try_get()
+            if got is None and self._poked:
+                self._poked = False
+                self._wake_all()
+                return None
             if got is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -91,5 +112,6 @@ class FanIn:
             self._check_peers()
 
     def _wake_all(self) -> None:
+        self._sleeping = False
         for c in self.consumers:
             c.set_sleeping(False)

@@ -149,5 +149,37 @@ STATS = (
     "hit_tokens_device", "hit_tokens_host", "hit_tokens_storage",
     "tasks_inflight", "tasks_done", "tasks_failed", "swap_bytes",
     "evictions", "protocol_errors",
+    "seqs_running", "seqs_waiting", "seqs_loading", "steps", "preemptions",
+    "generated_tokens", "computed_prompt_tokens", "finished_requests", "failed_requests",
 )
 STAT = {name: i for i, name in enumerate(STATS)}
+
+
+# ---- engine <-> worker ---------------------------------------------------------------------
+@PROTOCOL.message("step_batch")
+@dataclass
+class StepBatch:
+    """Engine -> every worker rank: one forward step over several sequences, flattened.
+    Sequence i computes tokens[sum(query_lens[:i]) : ...] at positions starts[i].. and owns the
+    block table tables[sum(table_lens[:i]) : ...] (only the blocks it needs, in token order)."""
+
+    step_id: int
+    tokens: np.ndarray
+    query_lens: np.ndarray
+    starts: np.ndarray
+    tables: np.ndarray
+    table_lens: np.ndarray
+
+
+@PROTOCOL.message("step_result")
+@dataclass
+class StepResult:
+    """A rank's answer to a step: rank 0 sends the greedy next token of every sequence (the
+    engine ignores it for a prefill chunk that does not end the known tokens); other ranks only
+    acknowledge. A non-empty `error` fails the step."""
+
+    step_id: int
+    rank: int
+    tokens: np.ndarray
+    seconds: float = 0.0
+    error: str = ""

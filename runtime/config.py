@@ -24,6 +24,7 @@ class NodeConfig:
     num_gpu_blocks: int = 512
     num_cpu_blocks: int = 0
     storage: str = ""
+    host: str = "127.0.0.1"  # interface the client API (and the PD handshake) listen on
     port: int = 0
     metrics_port: int = 0
     log_dir: str = ""
@@ -32,6 +33,12 @@ class NodeConfig:
     num_kv_heads: int = 4
     head_dim: int = 32
     dtype: str = "float32"
+    vocab_size: int = 512
+    max_model_len: int = 4096
+    model_seed: int = 0
+    # scheduling
+    max_num_seqs: int = 32             # sequences in one step
+    max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
     check_ownership: bool = False
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
@@ -59,7 +66,8 @@ class NodeConfig:
         for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{name} must be 0..65535, got {port}")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len",
+                     "max_num_seqs", "max_num_batched_tokens"):
             _positive("--" + name.replace("_", "-"), getattr(self, name))
         if self.num_kv_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} must divide the {self.num_kv_heads} KV heads")

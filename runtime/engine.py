@@ -1,11 +1,13 @@
 """The engine process: the only process that decides who may touch a block.
 
-It owns the prefix cache and the scheduler, sends orders to the worker and cache-transfer
-ranks over SPSC rings, reads every answer through one fan-in, and publishes its counters in
-the ENGINE_STATS signal (for `kvrt status`) and to Prometheus.
+It owns request intake (the client API), the scheduler and the prefix cache, sends orders to
+the worker and cache-transfer ranks over SPSC rings, reads every answer through one fan-in,
+and publishes its counters in the ENGINE_STATS signal (for `kvrt status`) and to Prometheus.
 
-The loop never blocks without a timeout: it waits on the fan-in for at most one tick, then
-beats its heartbeat, expires tasks whose ranks went silent, and checks the node status word.
+The loop never blocks without a timeout: it waits on the fan-in for at most one tick (the
+client I/O thread pokes it awake when requests arrive), then beats its heartbeat, expires
+tasks whose ranks went silent, and checks the node status word. One step is in flight at a
+time; the next is scheduled the moment every worker rank has answered.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import argparse
 import logging
 import sys
 import time
+
+import numpy as np
 
 from ipc import protocol as P
 from ipc.errors import ChannelClosed, PeerDead, ProtocolError, WaitTimeout
@@ -22,8 +26,13 @@ from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from runtime.config import NodeConfig
 from runtime.metrics import Metrics
-from runtime.ownership import OwnerTable
+from runtime import api
+from runtime.intake import validate
+from runtime.ownership import OwnerTable, check_step
 from runtime.prefix_cache import PrefixCache
+from runtime.scheduler import Scheduler, Step, StepOutcome
+from runtime.sequence import Sequence
+from runtime.server import ApiServer
 from runtime.transfer import TaskResult, TransferClient
 
 log = logging.getLogger("kvrt.engine")
@@ -31,6 +40,10 @@ TICK_S = 0.1
 _CACHE_STATS = ("device_total", "device_free", "device_cached", "device_used", "host_total", "host_free",
                 "host_cached", "host_used", "requests", "hit_requests", "query_tokens", "hit_tokens_device",
                 "hit_tokens_host", "hit_tokens_storage")
+
+
+class StepTimeout(RuntimeError):
+    """A worker rank did not answer a step in time: the node is unhealthy; the engine exits."""
 
 
 class Engine:
@@ -48,10 +61,16 @@ class Engine:
             inbound += [Consumer.attach(reg, P.from_transfer(r)) for r in range(tp)]
         self.inbound = inbound
         self.fan = FanIn(inbound)
-        self.transfer = TransferClient(self.to_transfer, self.cfg.rank_timeout, owners=self._owner_tables())
+        self.owners = self._owner_tables()
+        self.transfer = TransferClient(self.to_transfer, self.cfg.rank_timeout, owners=self.owners)
         self.metrics = Metrics(self.stats.array, self.ring_stats)
         self.cache = PrefixCache(self.cfg.block_size, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
+        self.sched = Scheduler(self.cache, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         self._cache_task_of: dict[int, int] = {}  # transfer task id -> prefix-cache task id
+        self._answers: dict[int, P.StepResult] = {}  # rank -> answer to the step in flight
+        self._step_deadline = 0.0
+        self.server: ApiServer | None = None
+        self.accepting = True
         self.publish_stats()
 
     def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:
@@ -62,16 +81,31 @@ class Engine:
         return (OwnerTable(Signal.attach(reg, P.OWNERS_DEVICE).array, "device"),
                 OwnerTable(Signal.attach(reg, P.OWNERS_HOST).array, "host"))
 
+    def _sync_owners(self) -> np.ndarray | None:
+        """Debug mode: owners from the prefix cache's account of every block (see ownership)."""
+        if self.owners is None:
+            return None
+        dev, host = self.cache.block_roles()
+        self.owners[0].sync(dev)
+        if len(host):
+            self.owners[1].sync(host)
+        return dev
+
     def publish_stats(self) -> None:
-        """Copy the prefix cache's counters into ENGINE_STATS (read by status and Prometheus)."""
+        """Copy the prefix cache's and the scheduler's counters into ENGINE_STATS."""
         snap, s = self.cache.snapshot(), self.stats.array
         for name in _CACHE_STATS:
             s[P.STAT[name]] = snap[name]
         s[P.STAT["evictions"]] = snap["evicted_device_blocks"] + snap["evicted_host_blocks"]
         s[P.STAT["tasks_inflight"]] = self.transfer.inflight
+        s[P.STAT["seqs_running"]] = len(self.sched.running)
+        s[P.STAT["seqs_waiting"]] = len(self.sched.waiting)
+        s[P.STAT["seqs_loading"]] = len(self.sched.loading)
+        s[P.STAT["preemptions"]] = self.sched.preemptions
 
     def issue_cache_tasks(self) -> None:
         """Send the swap/storage tasks the prefix cache asked for to every cache-transfer rank."""
+        self._sync_owners()
         for t in self.cache.take_tasks():
             tid = self.transfer.submit(t.kind.value, t.device_blocks, t.host_blocks, t.keys)
             self._cache_task_of[tid] = t.task_id
@@ -79,7 +113,132 @@ class Engine:
     def ring_stats(self) -> dict[str, dict]:
         return {r.name.split(".", 2)[2]: r.stats() for r in self.to_workers + self.to_transfer + self.inbound}
 
-    # ---- answers ----------------------------------------------------------------------
+    # ---- clients ----------------------------------------------------------------------------
+    def _reply(self, client: bytes, msg) -> None:
+        if self.server is not None and client:
+            self.server.send(client, api.API.encode(msg))
+
+    def _intake(self) -> None:
+        """Handle every queued client message (the I/O thread only queues bytes)."""
+        if self.server is None:
+            return
+        inbox = self.server.inbox
+        while inbox:
+            client, data = inbox.popleft()
+            try:
+                msg = api.API.decode(data)
+            except ProtocolError as e:
+                self.stats.array[P.STAT["protocol_errors"]] += 1
+                self._reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"malformed message: {e}"))
+                continue
+            if isinstance(msg, api.GenerateRequest):
+                self._on_generate(client, msg)
+            elif isinstance(msg, api.CancelRequest):
+                self._on_cancel(client, msg)
+            elif isinstance(msg, api.InfoRequest):
+                c = self.cfg
+                self._reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len,
+                                                  c.block_size, -1))
+            else:
+                self._reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"{type(msg).__name__} is not a request"))
+
+    def _on_generate(self, client: bytes, req: api.GenerateRequest) -> None:
+        rid = req.request_id
+        if not self.accepting:
+            self._reply(client, api.ErrorEvent(rid, api.STOPPING, "the node is stopping and takes no new requests"))
+            return
+        if isinstance(rid, str) and rid in self.sched.seqs:
+            self._reply(client, api.ErrorEvent(rid, api.DUPLICATE, f"request id {rid!r} is already in flight"))
+            return
+        problem = validate(req, self.cfg)
+        if problem:
+            self._reply(client, api.ErrorEvent(rid if isinstance(rid, str) else "", api.BAD_REQUEST, problem))
+            return
+        self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size, client=client,
+                                    eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream))
+
+    def _on_cancel(self, client: bytes, req: api.CancelRequest) -> None:
+        try:
+            seq = self.sched.cancel(req.request_id)
+        except (KeyError, TypeError):
+            self._reply(client, api.ErrorEvent(str(req.request_id), api.UNKNOWN,
+                                               f"no request {req.request_id!r} in flight"))
+            return
+        if seq is not None:
+            self._finished(seq)
+
+    def _finished(self, seq: Sequence) -> None:
+        now = time.monotonic()
+        s = self.stats.array
+        s[P.STAT["finished_requests"]] += 1
+        s[P.STAT["computed_prompt_tokens"]] += seq.computed_prompt_tokens
+        ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
+        self._reply(seq.client, api.FinishedEvent(
+            seq.request_id, seq.output.copy(), seq.finish_reason, seq.prompt_len, *seq.cached,
+            seq.computed_prompt_tokens, seq.preemptions, ttft, (now - seq.arrival) * 1e3))
+
+    def _apply(self, out: StepOutcome) -> None:
+        s = self.stats.array
+        for seq, index in out.emitted:
+            s[P.STAT["generated_tokens"]] += 1
+            if seq.stream:
+                self._reply(seq.client, api.TokenEvent(seq.request_id, index, [int(seq.output[index])]))
+        for seq in out.finished:
+            self._finished(seq)
+        for seq, why in out.failed:
+            s[P.STAT["failed_requests"]] += 1
+            self._reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
+
+    # ---- steps ------------------------------------------------------------------------------
+    def _launch_step(self) -> None:
+        step = self.sched.schedule()
+        self.issue_cache_tasks()  # admission may have asked for swaps or storage reads
+        if step is None:
+            return
+        roles = self._sync_owners()
+        bs = self.cfg.block_size
+        tokens, tables = [], []
+        for seq, chunk, start, table in zip(step.seqs, step.chunks, step.starts, step.tables):
+            tokens.append(seq.tokens[start:start + chunk])
+            tables.append(table)
+            if roles is not None:
+                t = np.asarray(table, dtype=np.int64)
+                check_step(roles, t[start // bs:], t[:start // bs], f"step {step.step_id} ({seq.request_id})")
+        batch = P.StepBatch(step.step_id, np.concatenate(tokens), np.array(step.chunks, dtype=np.int32),
+                            np.array(step.starts, dtype=np.int32), np.concatenate(tables).astype(np.int32),
+                            np.array([len(t) for t in tables], dtype=np.int32))
+        data = P.PROTOCOL.encode(batch)
+        for ring in self.to_workers:
+            ring.put(data, self.cfg.rank_timeout)
+        self._answers.clear()
+        self._step_deadline = time.monotonic() + self.cfg.rank_timeout
+        self.stats.array[P.STAT["steps"]] += 1
+
+    def _on_step_result(self, res: P.StepResult) -> None:
+        step = self.sched.inflight
+        if step is None or res.step_id != step.step_id:
+            log.warning("answer to step %d from worker[%d] for no step in flight", res.step_id, res.rank)
+            return
+        self._answers[res.rank] = res
+        if len(self._answers) < self.cfg.tp:
+            return
+        errors = [a.error for a in self._answers.values() if a.error]
+        if errors:
+            self._apply(self.sched.fail_step(step, "; ".join(errors)))
+        else:
+            self._apply(self.sched.finish_step(step, self._answers[0].tokens))
+
+    def _check_step_deadline(self) -> None:
+        step = self.sched.inflight
+        if step is None or time.monotonic() < self._step_deadline:
+            return
+        missing = sorted(set(range(self.cfg.tp)) - set(self._answers))
+        why = f"worker rank(s) {missing} did not answer step {step.step_id} within {self.cfg.rank_timeout:.3g}s"
+        for seq in step.seqs:
+            self._reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
+        raise StepTimeout(why)
+
+    # ---- answers ----------------------------------------------------------------------------
     def _on_record(self, rec: bytes, ring: Consumer) -> None:
         try:
             msg = P.PROTOCOL.decode(rec)
@@ -88,7 +247,9 @@ class Engine:
             self.stats.array[P.STAT["protocol_errors"]] += 1
             log.warning("bad message on %s: %s", ring.name, e)
             return
-        if isinstance(msg, P.TransferDone):
+        if isinstance(msg, P.StepResult):
+            self._on_step_result(msg)
+        elif isinstance(msg, P.TransferDone):
             result = self.transfer.on_answer(msg)
             if result is not None:
                 self._on_task_result(result)
@@ -104,45 +265,62 @@ class Engine:
             log.error("transfer task %d (%s) failed: %s", result.task.task_id, result.task.kind, result.error)
         cache_id = self._cache_task_of.pop(result.task.task_id, None)
         if cache_id is not None:
-            outcome = self.cache.apply_task_result(cache_id, result.ok, result.blocks)
-            for rid in outcome.failed:
-                log.error("request %s lost its cached prefix (task %d failed)", rid, cache_id)
+            self.sched.on_task_outcome(self.cache.apply_task_result(cache_id, result.ok, result.blocks))
 
-    # ---- the loop ----------------------------------------------------------------------
+    # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> int:
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.metrics_port)
+        if self.cfg.port:
+            self.server = ApiServer(self.cfg.host, self.cfg.port, self.fan.poke)
         self.member.set_ready()
-        while not self.member.stopping():
-            self.step()
-            if why := self.member.orphaned():
-                log.error("exiting: %s", why)
-                return 1
-        return self.shutdown()
+        try:
+            while not self.member.stopping():
+                self.step()
+                if why := self.member.orphaned():
+                    log.error("exiting: %s", why)
+                    return 1
+            return self.shutdown()
+        except StepTimeout as e:
+            log.error("exiting: %s", e)
+            return 1
+        finally:
+            if self.server is not None:
+                self.server.close()
 
     def step(self) -> None:
         self.member.beat()
+        self._intake()
+        if self.sched.inflight is None:
+            self._launch_step()
         try:
-            idx, rec = self.fan.get(TICK_S)
-            self._on_record(rec, self.inbound[idx])
-            for idx, rec in iter(self.fan.try_get, None):
-                self._on_record(rec, self.inbound[idx])
+            got = self.fan.get(TICK_S)
+            if got is not None:
+                self._on_record(got[1], self.inbound[got[0]])
+                for idx, rec in iter(self.fan.try_get, None):
+                    self._on_record(rec, self.inbound[idx])
         except WaitTimeout:
             pass
         except PeerDead as e:
             log.error("%s", e)  # the launcher notices the death too and stops the node
         for result in self.transfer.expire():
             self._on_task_result(result)
+        self._check_step_deadline()
         self.issue_cache_tasks()
         self.publish_stats()
 
     def shutdown(self, grace_s: float = 5.0) -> int:
-        """Let in-flight tasks finish (bounded), then tell every child to exit."""
+        """Stop intake, let running requests and tasks finish (bounded), fail what is left,
+        then tell every child to exit."""
+        self.accepting = False
         deadline = time.monotonic() + grace_s
-        while self.transfer.inflight and time.monotonic() < deadline:
+        while (self.transfer.inflight or not self.sched.idle) and time.monotonic() < deadline:
             self.step()
         for result in self.transfer.expire(now=float("inf")):
             self._on_task_result(result)
+        for seq in list(self.sched.seqs.values()):
+            self._reply(seq.client, api.ErrorEvent(seq.request_id, api.STOPPING,
+                                                   f"the node stopped before the request finished (grace {grace_s:.3g}s)"))
         bye = P.PROTOCOL.encode(P.Shutdown("node stopping"))
         for ring in self.to_workers + self.to_transfer:
             try:

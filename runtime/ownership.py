@@ -1,17 +1,21 @@
 """The ownership rule's race detector (KVRT_CHECK_OWNERSHIP=1).
 
 Every block has one owner at a time (ARCHITECTURE.md §3) and only the engine changes it, by
-sending an order. In debug mode the engine records each block's owner in a shared int32
-array and checks every hand-over against the owners it may come from; the process that
-receives an order checks it really owns the blocks before touching them. A wrong order
-(swapping out a block the worker is computing into, say) fails loudly at once instead of
-producing silently wrong KV, the bug class the reference system's lock used to hide.
+sending an order. In debug mode the engine keeps each block's owner in a shared int32 array:
+before it sends anything it syncs the array from the prefix cache's own account of every
+block (`PrefixCache.block_roles`), then checks each new hand-over against the owners it may
+come from, and each step against what a step may touch; the process that receives an order
+checks it really owns the blocks before touching them. A wrong order (swapping out a block the
+worker is computing into, recording a block before its KV is written, scheduling a block that
+is still being swapped in) fails loudly at once instead of producing silently wrong KV, the
+bug class the reference system's lock used to hide.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ipc import protocol as P
+from runtime import prefix_cache as pc
 
 
 class OwnershipError(AssertionError):
@@ -25,6 +29,29 @@ TASK_SOURCES = {
     P.STORAGE2GPU: ({P.OWNER_FREE}, set()),
     P.GPU2STORAGE: ({P.OWNER_CACHE}, set()),
 }
+
+
+# the owner each block role means; blocks a task reads are the task's until it answers too
+ROLE_OWNERS = np.array([0] * 5, dtype=np.int32)
+ROLE_OWNERS[[pc.ROLE_FREE, pc.ROLE_TREE, pc.ROLE_PRIVATE, pc.ROLE_LOADING, pc.ROLE_SAVING]] = [
+    P.OWNER_FREE, P.OWNER_CACHE, P.OWNER_WORKER, P.OWNER_TRANSFER, P.OWNER_TRANSFER]
+
+
+def check_step(roles: np.ndarray, writes: np.ndarray, reads: np.ndarray, order: str) -> None:
+    """A step may write only blocks private to its requests and read only written ones
+    (tree blocks, its own, or tree blocks a task is copying out), never a block being filled."""
+    for blocks, allowed, what in ((writes, (pc.ROLE_PRIVATE,), "write"),
+                                  (reads, (pc.ROLE_TREE, pc.ROLE_PRIVATE, pc.ROLE_SAVING), "read")):
+        bad = ~np.isin(roles[blocks], allowed)
+        if bad.any():
+            b = int(blocks[int(np.argmax(bad))])
+            raise OwnershipError(f"{order}: would {what} device block {b}, which is "
+                                 f"{_ROLE_NAMES[int(roles[b])]} ({int(bad.sum())} block(s) wrong)")
+
+
+_ROLE_NAMES = {pc.ROLE_FREE: "free (never written)", pc.ROLE_TREE: "in the prefix tree (immutable)",
+               pc.ROLE_PRIVATE: "private to a request", pc.ROLE_LOADING: "being filled by a transfer task",
+               pc.ROLE_SAVING: "being copied out by a transfer task"}
 
 
 class OwnerTable:
@@ -48,6 +75,10 @@ class OwnerTable:
                 f"may only come from {sorted(P.OWNER_NAMES[o] for o in allowed_from)} to go to "
                 f"{P.OWNER_NAMES[to]} ({int(bad.sum())} block(s) wrong)")
         self.owners[blocks] = to
+
+    def sync(self, roles: np.ndarray) -> None:
+        """Set every block's owner from its role in the prefix cache (the engine's truth)."""
+        self.owners[:] = ROLE_OWNERS[roles]
 
     def owned_by(self, blocks: np.ndarray, owner: int) -> bool:
         return bool((self.owners[np.asarray(blocks)] == owner).all())

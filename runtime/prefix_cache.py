@@ -98,6 +98,12 @@ PARENT, CHILD, DEV, REF, NDEV, STATE, CONT, NEXT, PREV, HOST = range(10)
 NEW_ROWS = 7
 # a free node's column: no links, no blocks, no references, no device children, FREE
 _RESET = np.array([-1, -1, -1, 0, 0, FREE, -1, -1, -1, -1], dtype=np.int32)
+# block roles (PrefixCache.block_roles): free, in the tree (readable, immutable), private to a
+# request (its worker computes into it), being written by a task, being read by a task
+ROLE_FREE, ROLE_TREE, ROLE_PRIVATE, ROLE_LOADING, ROLE_SAVING = range(5)
+# which tier each task kind reads and which it writes ("" = the storage tier)
+_TASK_SIDES = {TaskKind.SWAP2CPU: ("device", "host"), TaskKind.SWAP2GPU: ("host", "device"),
+               TaskKind.STORAGE2GPU: ("", "device"), TaskKind.GPU2STORAGE: ("device", "")}
 _NO_NODES = np.empty(0, dtype=np.int32)
 _NO_NODES.flags.writeable = False
 
@@ -407,6 +413,32 @@ class PrefixCache:
             out[f"{tier}_cached"] = cached
             out[f"{tier}_used"] = pool.num_blocks - pool.num_free - cached
         return out
+
+    def block_roles(self) -> tuple[np.ndarray, np.ndarray]:
+        """What every device and host block is for, as int8 arrays of ROLE_* codes: the truth
+        the ownership race detector (KVRT_CHECK_OWNERSHIP=1) syncs its shared owner table from.
+
+        Tasks not yet taken by the engine count as not started (their sources are still tree
+        blocks, their destinations still free), so the engine can sync, then hand each new
+        task's blocks over and have the hand-over check where they come from. O(blocks):
+        debug mode only."""
+        dev = np.full(self.device_pool.num_blocks, ROLE_PRIVATE, dtype=np.int8)
+        host = np.full(self.host_pool.num_blocks, ROLE_PRIVATE, dtype=np.int8)
+        for roles, row in ((dev, self._f[DEV]), (host, self._f[HOST])):
+            live = (self._f[STATE] != FREE) & (self._f[STATE] != DETACHED) & (row >= 0)
+            roles[row[live]] = ROLE_TREE
+        dev[self.device_pool.free_blocks()] = ROLE_FREE
+        host[self.host_pool.free_blocks()] = ROLE_FREE
+        for t in self._tasks.values():
+            reads, writes = _TASK_SIDES[t.task.kind]
+            sides = {"device": (dev, t.task.device_blocks), "host": (host, t.task.host_blocks)}
+            if t.issued and reads in sides:
+                roles, blocks = sides[reads]
+                roles[[b for b in blocks if b >= 0]] = ROLE_SAVING
+            if writes in sides:
+                roles, blocks = sides[writes]
+                roles[[b for b in blocks if b >= 0]] = ROLE_LOADING if t.issued else ROLE_FREE
+        return dev, host
 
     def snapshot(self) -> dict[str, float]:
         """Counters, rates and block usage as one flat dict (for status and Prometheus)."""

@@ -6,7 +6,12 @@ import subprocess
 import sys
 import uuid
 
-import pytest
+# single-threaded BLAS in the test process and every process it starts, as `kvrt launch` does
+# for its children (a BLAS thread pool on a loaded 2-core machine makes small matmuls ~100x slower)
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

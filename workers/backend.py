@@ -96,6 +96,11 @@ class ArrayBackend(ABC):
 
     name = ""
 
+    @property
+    @abstractmethod
+    def xp(self) -> Any:
+        """The array module of the device pool (numpy or cupy), for code that computes on it."""
+
     @abstractmethod
     def create_device_pool(self, reg: Registry, obj: str, shape: tuple, dtype: str, rank: int) -> Any:
         """Allocate and register rank `rank`'s device pool; returns what the creator must
@@ -131,6 +136,10 @@ class NumpyBackend(ArrayBackend):
     """CPU machines: both tiers are shared-memory segments and copies are memcpys."""
 
     name = "numpy"
+
+    @property
+    def xp(self) -> Any:
+        return np
 
     def create_device_pool(self, reg: Registry, obj: str, shape: tuple, dtype: str, rank: int) -> None:
         create_shm_pool(reg, obj, shape, dtype, {"backend": self.name, "tier": "device", "rank": rank})
@@ -168,6 +177,10 @@ class CupyBackend(ArrayBackend):
     synchronised before `copy_runs` returns (the answer must not precede the bytes)."""
 
     name = "cupy"
+
+    @property
+    def xp(self) -> Any:
+        return self.cp
 
     def __init__(self) -> None:
         try:

@@ -196,18 +196,21 @@ def copy_blocks(dst: Pool, src: Pool, dst_ids: np.ndarray, src_ids: np.ndarray,
 # ---- debug ownership check (ARCHITECTURE.md §3) -----------------------------------------------
 
 def check_owners(owners: np.ndarray, blocks: np.ndarray, tier: str, task: str,
-                 expected: int = protocol.OWNER_TRANSFER) -> None:
-    """Raise OwnershipError unless every block in `blocks` is owned by `expected`.
+                 expected: int | tuple[int, ...] = protocol.OWNER_TRANSFER) -> None:
+    """Raise OwnershipError unless every block in `blocks` is owned by `expected` (one owner
+    or a tuple of allowed owners).
 
     The race detector the old cross-process lock used to hide: a process may touch a block
     only between the engine's order and its own answer, and the engine records the owner
     before it sends the order. `task` names the order in the message."""
+    allowed = (expected,) if isinstance(expected, int) else expected
     got = owners[np.asarray(blocks, dtype=np.int64)]
-    bad = np.flatnonzero(got != expected)
+    bad = np.flatnonzero(~np.isin(got, allowed))
     if not bad.size:
         return
     b, o = int(blocks[bad[0]]), int(got[bad[0]])
+    names = " or ".join(protocol.OWNER_NAMES[a] for a in allowed)
     raise OwnershipError(
         f"ownership violation in {task}: {tier} block {b} is owned by "
-        f"{protocol.OWNER_NAMES.get(o, f'unknown owner {o}')}, not {protocol.OWNER_NAMES[expected]} "
+        f"{protocol.OWNER_NAMES.get(o, f'unknown owner {o}')}, not {names} "
         f"({bad.size} of {got.size} blocks wrong: {np.asarray(blocks)[bad[:8]].tolist()})")

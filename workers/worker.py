@@ -1,56 +1,136 @@
 """worker[r]: the model runner of rank r. It reads and writes only its rank's device KV pool,
-and only the blocks of the step batch the engine just sent it (the ownership rule).
+and only the blocks of the step batch the engine just sent it (the ownership rule): between
+receiving a step and publishing its answer, nothing else touches those blocks.
 
-This process joins the node, maps its device pool and serves its ring; step batches arrive
-with the engine and model (the engine-and-worker issue)."""
+The model is the reference transformer (workers/model.py). Tensor parallelism is not split
+inside the model yet: with --tp N every rank runs the same model over its N-th of the KV
+heads and its own pool, so every rank's pool holds real KV (swaps and P->D sends of each rank
+carry meaningful bytes); rank 0's tokens are the answer, the others acknowledge.
+"""
 from __future__ import annotations
 
 import logging
 import sys
+import time
+
+import numpy as np
 
 from ipc import protocol as P
 from ipc.errors import ProtocolError, WaitTimeout
 from ipc.ring import Consumer, Producer
+from ipc.signals import Signal
 
+from .backend import get_backend
 from .child import Child, run_child
-from .kv_pool import attach_pools
+from .kv_pool import OwnershipError, attach_pools, check_owners
+from .model import Model, ModelShape, SeqInput
 
 log = logging.getLogger("workers.worker")
 WAIT_S = 0.2  # longest ring wait between heartbeats and orphan checks
+_NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
-def serve(child: Child) -> int:
-    device, host = attach_pools(child.reg, child.rank, child.cfg)
-    orders = Consumer.attach(child.reg, P.to_worker(child.rank))
-    answers = Producer.attach(child.reg, P.from_worker(child.rank))
-    child.set_ready()
-    try:
+class Worker:
+    def __init__(self, child: Child):
+        self.child = child
+        cfg = child.cfg
+        self.device, self.host = attach_pools(child.reg, child.rank, cfg)
+        self.xp = get_backend(cfg["device"]).xp
+        self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg["dtype"])
+        self.block_size = cfg["block_size"]
+        self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.get("check_ownership") else None
+        self.orders = Consumer.attach(child.reg, P.to_worker(child.rank))
+        self.answers = Producer.attach(child.reg, P.from_worker(child.rank))
+
+    def serve(self) -> int:
+        log.info("serving %s: %d device blocks, model %s, ownership checks %s", self.orders.name,
+                 self.device.num_blocks, self.model.shape, "on" if self.owners is not None else "off")
+        self.child.set_ready()
         while True:
-            child.tick()
+            self.child.tick()
             try:
-                rec = orders.get(WAIT_S)
+                rec = self.orders.get(WAIT_S)
             except WaitTimeout:
                 continue
             try:
                 msg = P.PROTOCOL.decode(rec)
             except ProtocolError as e:
-                orders.count_protocol_error()
-                log.warning("malformed message on %s skipped: %s", orders.name, e)
+                self.orders.count_protocol_error()
+                log.warning("malformed message on %s skipped: %s", self.orders.name, e)
                 continue
             if isinstance(msg, P.Shutdown):
                 log.info("shutdown ordered (%s)", msg.reason or "no reason given")
                 return 0
-            log.warning("unexpected %s on %s", type(msg).__name__, orders.name)
-    finally:
-        answers.close()
-        orders.detach()
-        for pool in (device, host):
+            if isinstance(msg, P.StepBatch):
+                self._answer(self.run_step(msg))
+            else:
+                log.warning("unexpected %s on %s", type(msg).__name__, self.orders.name)
+
+    def run_step(self, step: P.StepBatch) -> P.StepResult:
+        """Compute one step; any failure becomes an error answer, never an exit."""
+        t0 = time.perf_counter()
+        try:
+            seqs = self._inputs(step)
+            if self.owners is not None:
+                self._check_owned(step.step_id, seqs)
+            tokens = self.model.step(self.device.array, seqs)
+        except (ValueError, OwnershipError) as e:
+            log.error("step %d failed: %s", step.step_id, e)
+            return P.StepResult(step.step_id, self.child.rank, _NO_TOKENS, time.perf_counter() - t0,
+                                f"worker[{self.child.rank}] step {step.step_id}: {e}")
+        if self.child.rank != 0:
+            tokens = _NO_TOKENS
+        return P.StepResult(step.step_id, self.child.rank, np.asarray(tokens, dtype=np.int32),
+                            time.perf_counter() - t0)
+
+    def _inputs(self, step: P.StepBatch) -> list[SeqInput]:
+        n = len(step.query_lens)
+        if not (len(step.starts) == len(step.table_lens) == n and int(step.query_lens.sum()) == len(step.tokens)
+                and int(step.table_lens.sum()) == len(step.tables)):
+            raise ValueError("step batch fields do not agree in length")
+        q_off = np.concatenate([[0], np.cumsum(step.query_lens)])
+        t_off = np.concatenate([[0], np.cumsum(step.table_lens)])
+        return [SeqInput(step.tokens[q_off[i]:q_off[i + 1]], int(step.starts[i]), step.tables[t_off[i]:t_off[i + 1]])
+                for i in range(n)]
+
+    def _check_owned(self, step_id: int, seqs: list[SeqInput]) -> None:
+        """Debug mode: blocks this step writes must be the worker's; blocks it reads must hold
+        written KV (the worker's own, or the prefix cache's, possibly being copied out)."""
+        bs = self.block_size
+        what = f"step {step_id} on worker[{self.child.rank}]"
+        for s in seqs:
+            first = s.start // bs
+            check_owners(self.owners, s.block_table[first:], "device", what, P.OWNER_WORKER)
+            check_owners(self.owners, s.block_table[:first], "device", what,
+                         (P.OWNER_WORKER, P.OWNER_CACHE, P.OWNER_TRANSFER))
+
+    def _answer(self, result: P.StepResult) -> None:
+        data = P.PROTOCOL.encode(result)
+        while True:
+            try:
+                self.answers.put(data, WAIT_S)
+                return
+            except WaitTimeout:
+                self.child.tick()
+
+    def close(self) -> None:
+        self.answers.close()
+        self.orders.detach()
+        for pool in (self.device, self.host):
             if pool is not None:
                 pool.close()
 
 
+def _serve(child: Child) -> int:
+    worker = Worker(child)
+    try:
+        return worker.serve()
+    finally:
+        worker.close()
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_child(P.ROLE_WORKER, serve, argv)
+    return run_child(P.ROLE_WORKER, _serve, argv)
 
 
 if __name__ == "__main__":

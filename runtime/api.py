@@ -1,0 +1,107 @@
+"""The client API contract: messages between a client and the engine over ZeroMQ.
+
+The engine binds a ROUTER socket on `tcp://HOST:PORT`; a client connects a DEALER socket and
+sends single-frame messages (this codec: msgpack maps with a type and a version, token lists as
+int32 bytes; never pickle). Answers are routed back by the client's socket identity and carry
+the request id, so one client socket can keep many requests in flight.
+
+A request's life on the wire: GenerateRequest -> TokenEvent* -> FinishedEvent, or ErrorEvent at
+any point (bad request, failed cache transfer, node stopping). CancelRequest ends it early with
+a FinishedEvent whose finish_reason is "cancelled".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ipc.codec import Codec
+
+API = Codec()
+
+# ErrorEvent codes
+BAD_REQUEST = "bad_request"    # the request itself is invalid; nothing else changed
+DUPLICATE = "duplicate"        # a request with this id is already in flight
+UNKNOWN = "unknown_request"    # cancel of a request the engine does not know
+FAILED = "failed"              # the engine could not finish it (lost KV, transfer failure)
+STOPPING = "stopping"          # the node is shutting down and takes no new requests
+
+
+@API.message("generate")
+@dataclass
+class GenerateRequest:
+    """Greedy generation of up to `max_new_tokens` tokens after `prompt`. `eos_token_id` >= 0
+    stops early when sampled. `use_cache` False neither matches nor records prefix-cache blocks
+    (the cache-off side of a comparison). `stream` False sends only the FinishedEvent."""
+
+    request_id: str
+    prompt: np.ndarray
+    max_new_tokens: int
+    eos_token_id: int = -1
+    use_cache: bool = True
+    stream: bool = True
+
+
+@API.message("cancel")
+@dataclass
+class CancelRequest:
+    request_id: str
+
+
+@API.message("info")
+@dataclass
+class InfoRequest:
+    """Ask for the node's model limits (vocab size, longest sequence) before sending work."""
+
+    nonce: int = 0
+
+
+@API.message("info_reply")
+@dataclass
+class InfoReply:
+    nonce: int
+    node: str
+    role: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    eos_token_id: int
+
+
+@API.message("tokens")
+@dataclass
+class TokenEvent:
+    """New output tokens of a streaming request, in order; `index` is the position of the first
+    of them in the output."""
+
+    request_id: str
+    index: int
+    token_ids: list = field(default_factory=list)
+
+
+@API.message("finished")
+@dataclass
+class FinishedEvent:
+    """The whole answer and what it cost. `cached_*` are prompt tokens served by each tier at
+    admission; `computed_prompt_tokens` counts prompt tokens the model actually ran (more than
+    prompt - cached after a preemption). Times are measured by the engine from intake."""
+
+    request_id: str
+    output_token_ids: np.ndarray
+    finish_reason: str           # "length", "eos" or "cancelled"
+    prompt_tokens: int
+    cached_device: int = 0
+    cached_host: int = 0
+    cached_storage: int = 0
+    computed_prompt_tokens: int = 0
+    preemptions: int = 0
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+
+
+@API.message("error")
+@dataclass
+class ErrorEvent:
+    request_id: str
+    code: str
+    message: str

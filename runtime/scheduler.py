@@ -1,0 +1,221 @@
+"""Continuous batching over the paged KV cache: which sequences compute which tokens next.
+
+One step at a time is in flight (the engine sends it to every worker rank and waits for the
+answers before scheduling the next), so everything here runs between steps and no block a
+step uses can change under it. A step is built from:
+1. running sequences in admission order: a decode token each, or the next prefill chunk;
+   when the device runs out of blocks the most recently admitted running sequence not yet in
+   the step is preempted (released, queued again at the front, recomputed later: most of its
+   blocks are then found again in the prefix cache);
+2. waiting sequences, admitted in arrival order while the token budget and seats last:
+   matched against the prefix cache; one whose cached prefix must first be swapped in or read
+   from storage waits (LOADING) until every task it needs is done, then is admitted first.
+A chunk's KV is recorded in the prefix cache right after the step that wrote it, never before
+(a block is matchable only once its KV exists).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .prefix_cache import PrefixCache, TaskOutcome
+from .sequence import Sequence, SeqState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Step:
+    """A scheduled step: sequence i computes `chunks[i]` tokens from its num_computed."""
+
+    step_id: int
+    seqs: list[Sequence] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class StepOutcome:
+    """What a finished step means for clients: new tokens (sequence, its output index) and
+    sequences that are done (finish_reason set) or failed (with a reason)."""
+
+    emitted: list[tuple[Sequence, int]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.loading: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}
+        self.inflight: Step | None = None
+        self._step_ids = itertools.count(1)
+        self.preemptions = 0
+
+    # ---- intake -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already in flight")
+        self.seqs[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def cancel(self, request_id: str) -> Sequence | None:
+        """Cancel a request: returns it finished now, or None when it is in the step in flight
+        (it finishes, cancelled, when that step ends). KeyError if unknown."""
+        seq = self.seqs[request_id]
+        seq.cancelled = True
+        if self.inflight is not None and seq in self.inflight.seqs:
+            return None
+        self._finish(seq, "cancelled")
+        return seq
+
+    @property
+    def idle(self) -> bool:
+        return not self.seqs
+
+    # ---- building a step ------------------------------------------------------------------
+    def schedule(self) -> Step | None:
+        """The next step, or None when nothing can run now (idle, or waiting for tasks/blocks)."""
+        step = Step(next(self._step_ids))
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget <= 0 or len(step.seqs) >= self.max_num_seqs:
+                break
+            if seq.state is not SeqState.RUNNING:
+                continue  # preempted while this step was being built
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            if self._grow(seq, seq.num_computed + chunk, step):
+                self._add(step, seq, chunk)
+                budget -= chunk
+        while self.waiting and budget > 0 and len(step.seqs) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.matched:
+                self._match(seq)
+                if seq.state is SeqState.LOADING:
+                    self.waiting.popleft()
+                    self.loading[seq.request_id] = seq
+                    continue
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            if self.cache.allocate(seq.request_id, seq.num_computed + chunk) is None:
+                break
+            self.waiting.popleft()
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
+            self._add(step, seq, chunk)
+            budget -= chunk
+        if not step.seqs:
+            return None
+        self.inflight = step
+        return step
+
+    def _add(self, step: Step, seq: Sequence, chunk: int) -> None:
+        start = seq.num_computed
+        step.seqs.append(seq)
+        step.chunks.append(chunk)
+        step.starts.append(start)
+        step.tables.append(self.cache.block_table(seq.request_id)[:-(-(start + chunk) // self.block_size)])
+        seq.computed_prompt_tokens += max(0, min(chunk, seq.prompt_len - start))
+
+    def _grow(self, seq: Sequence, num_tokens: int, step: Step) -> bool:
+        """Blocks for `num_tokens` of `seq`, preempting later running sequences if needed."""
+        while self.cache.allocate(seq.request_id, num_tokens) is None:
+            victims = [s for s in reversed(self.running) if s is not seq and s not in step.seqs]
+            if not victims:
+                return False  # blocks come back when tasks finish; try again next step
+            self._preempt(victims[0])
+        return True
+
+    def _match(self, seq: Sequence) -> None:
+        res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens)
+        seq.matched = True
+        if seq.preemptions == 0 and seq.computed_prompt_tokens == 0:
+            seq.cached = (res.device_tokens, res.host_tokens, res.storage_tokens)
+        seq.num_computed = res.cached_tokens
+        seq.state = SeqState.RUNNING if res.ready else SeqState.LOADING
+
+    def _preempt(self, seq: Sequence) -> None:
+        log.info("preempting %s (%d tokens computed) to free device blocks", seq.request_id, seq.num_computed)
+        self.running.remove(seq)
+        self._requeue(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Drop the sequence's blocks and queue it first: it is recomputed (prefix hits help)."""
+        self.cache.release(seq.request_id)
+        seq.matched = False
+        seq.num_computed = 0
+        seq.state = SeqState.WAITING
+        self.waiting.appendleft(seq)
+
+    # ---- results --------------------------------------------------------------------------
+    def finish_step(self, step: Step, tokens: np.ndarray) -> StepOutcome:
+        """Apply rank 0's sampled tokens: advance, record written blocks, emit, finish."""
+        self.inflight = None
+        out = StepOutcome()
+        for seq, chunk, token in zip(step.seqs, step.chunks, tokens.tolist()):
+            seq.num_computed += chunk
+            if seq.cancelled:
+                self._finish(seq, "cancelled")
+                out.finished.append(seq)
+                continue
+            if seq.num_computed == seq.num_tokens:  # the chunk ended the known tokens
+                seq.append(token)
+                out.emitted.append((seq, seq.num_output - 1))
+            self.cache.update(seq.request_id, seq.num_computed, seq.keys if seq.use_cache else None)
+            if seq.done():
+                self._finish(seq, seq.finish_reason)
+                out.finished.append(seq)
+        return out
+
+    def fail_step(self, step: Step, reason: str) -> StepOutcome:
+        """A rank failed the step: its sequences fail; their blocks are released."""
+        self.inflight = None
+        out = StepOutcome()
+        for seq in step.seqs:
+            self._finish(seq, "error")
+            out.failed.append((seq, reason))
+        return out
+
+    def on_task_outcome(self, outcome: TaskOutcome) -> None:
+        """A swap-in or storage read finished: sequences it completes may run; sequences that
+        lost the KV they waited for are recomputed from scratch instead of failing."""
+        for rid, tokens in outcome.ready.items():
+            seq = self.loading.pop(rid, None)
+            if seq is None:
+                continue
+            seq.num_computed = tokens
+            seq.state = SeqState.WAITING
+            self.waiting.appendleft(seq)
+        for rid in outcome.failed:
+            seq = self.loading.pop(rid, None)
+            if seq is not None:
+                log.warning("%s lost its cached prefix (%s task failed); recomputing it",
+                            rid, outcome.task.kind.value)
+                self._requeue(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = seq.finish_reason or reason
+        seq.state = SeqState.FINISHED
+        self.seqs.pop(seq.request_id, None)
+        self.loading.pop(seq.request_id, None)
+        if seq in self.running:
+            self.running.remove(seq)
+        try:
+            self.waiting.remove(seq)
+        except ValueError:
+            pass
+        if seq.matched:
+            self.cache.release(seq.request_id)
+            seq.matched = False

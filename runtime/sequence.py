@@ -1,0 +1,84 @@
+"""One request as the scheduler sees it: its tokens, how many have KV written, and its stats.
+
+Why one preallocated token array per request: the prompt and every output token live in
+`tokens[:num_tokens]`, sized for prompt + max_new_tokens at intake, so appending a token is
+one store, a step's slice is a view, and the block hasher reads the same buffer.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .hashing import BlockHasher
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"    # not admitted, or preempted and queued again
+    LOADING = "loading"    # admitted; its cached prefix is still being swapped in or read
+    RUNNING = "running"    # prefilling in chunks, then decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+    tokens: np.ndarray               # int32[prompt_len + max_new_tokens]
+    hasher: BlockHasher
+    client: bytes = b""              # the client socket identity answers go to
+    eos_token_id: int = -1
+    use_cache: bool = True
+    stream: bool = True
+    num_tokens: int = 0              # prompt + output tokens known so far
+    num_computed: int = 0            # tokens whose KV is written
+    state: SeqState = SeqState.WAITING
+    matched: bool = False            # holds a prefix-cache entry (matched, maybe blocks)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
+    cached: tuple[int, int, int] = (0, 0, 0)  # prompt tokens served by device, host, storage
+    computed_prompt_tokens: int = 0
+    preemptions: int = 0
+    finish_reason: str = ""
+    cancelled: bool = False
+
+    @classmethod
+    def new(cls, request_id: str, prompt: np.ndarray, max_new_tokens: int, block_size: int, **kw) -> "Sequence":
+        tokens = np.empty(len(prompt) + max_new_tokens, dtype=np.int32)
+        tokens[:len(prompt)] = prompt
+        return cls(request_id, len(prompt), max_new_tokens, tokens, BlockHasher(block_size),
+                   num_tokens=len(prompt), **kw)
+
+    @property
+    def output(self) -> np.ndarray:
+        return self.tokens[self.prompt_len:self.num_tokens]
+
+    @property
+    def num_output(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def keys(self) -> list[bytes]:
+        """Keys of every full block of the known tokens (hashed once each, as they complete);
+        none when the request opted out of the prefix cache."""
+        if not self.use_cache:
+            return []
+        self.hasher.update(self.tokens[:self.num_tokens])
+        return self.hasher.keys
+
+    def append(self, token: int) -> None:
+        self.tokens[self.num_tokens] = token
+        self.num_tokens += 1
+        if self.first_token_at == 0.0:
+            self.first_token_at = time.monotonic()
+
+    def done(self) -> bool:
+        """Finished by length or end-of-sequence (sets finish_reason)."""
+        if self.num_output and self.eos_token_id >= 0 and self.tokens[self.num_tokens - 1] == self.eos_token_id:
+            self.finish_reason = "eos"
+        elif self.num_output >= self.max_new_tokens:
+            self.finish_reason = "length"
+        return bool(self.finish_reason)
