@@ -105,7 +105,11 @@ def render(snap: dict) -> str:
                       f"token hit rate device {e['hit_rate_device']:.1%} host {e['hit_rate_host']:.1%} "
                       f"storage {e['hit_rate_storage']:.1%} (of {e['query_tokens']:.0f} tokens)",
                   f"transfer tasks in flight {e['tasks_inflight']:.0f}  done {e['tasks_done']:.0f}  "
-                  f"failed {e['tasks_failed']:.0f}  bytes {e['swap_bytes']:.0f}  evictions {e['evictions']:.0f}"]
+                  f"failed {e['tasks_failed']:.0f}  bytes {e['swap_bytes']:.0f}  evictions {e['evictions']:.0f}",
+                  f"sequences running {e['seqs_running']:.0f}  waiting {e['seqs_waiting']:.0f}  loading "
+                  f"{e['seqs_loading']:.0f}  steps {e['steps']:.0f}  preemptions {e['preemptions']:.0f}  "
+                  f"finished {e['finished_requests']:.0f}  failed {e['failed_requests']:.0f}  generated tokens "
+                  f"{e['generated_tokens']:.0f}  prompt tokens computed {e['computed_prompt_tokens']:.0f}"]
     return "\n".join(lines)
 
 

@@ -1,0 +1,101 @@
+"""A real node for end-to-end tests: `kvrt launch` in a subprocess with its client API on a
+free port, a connected client, and a clean SIGINT stop that must exit 0.
+
+    with launched(node, tmp_path, "--num-gpu-blocks", "32") as ln:
+        result = ln.client.generate([1, 2, 3], 4)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.client import Client, ClientError
+from runtime.status import snapshot
+from tests.conftest import REPO
+from workers.model import Model, ModelShape
+
+# a model small enough for the dense oracle to be quick, blocks small enough to have many
+SMALL = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16", "--block-size", "8")
+
+
+@dataclass
+class Launched:
+    node: str
+    port: int
+    proc: subprocess.Popen
+    client: Client
+    log_dir: str
+
+    def engine_stats(self) -> dict:
+        return snapshot(self.node)["engine"]
+
+    def logs(self) -> str:
+        out = []
+        for name in sorted(os.listdir(self.log_dir)):
+            with open(os.path.join(self.log_dir, name), errors="replace") as f:
+                out.append(f"--- {name}\n{f.read()[-4000:]}")
+        return "\n".join(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: float = 60.0):
+    port = free_port()
+    cmd = [sys.executable, "-m", "launcher", "launch", "--node", node, "--port", str(port),
+           "--log-dir", str(log_dir), *opts]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    client = Client(port, timeout=60)
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"kvrt launch exited with {proc.returncode}: {proc.stdout.read()}")
+            try:
+                client.info(timeout=0.5)
+                break
+            except ClientError:
+                if time.monotonic() > deadline:
+                    raise
+        yield Launched(node, port, proc, client, str(log_dir))
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            raise AssertionError(f"node {node} did not stop within 30 s after SIGINT:\n{out}")
+    assert proc.returncode == 0, f"kvrt launch exited with {proc.returncode}:\n{out}"
+
+
+def oracle(tp: int = 1) -> Model:
+    """The model a node launched with SMALL (and `--tp tp`) runs, for dense reference answers."""
+    return Model(ModelShape.from_config({"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "tp": tp}))
+
+
+def shared_prefix_prompts(seed: int, systems: int = 3, users: int = 4, sys_len=(40, 90),
+                          user_len=(5, 40), vocab: int = 512) -> list[np.ndarray]:
+    """Prompts that share a few system prefixes, in an order that interleaves them."""
+    rng = np.random.default_rng(seed)
+    heads = [rng.integers(0, vocab, rng.integers(*sys_len)) for _ in range(systems)]
+    out = []
+    for u in range(users):
+        for h in heads:
+            out.append(np.concatenate([h, rng.integers(0, vocab, rng.integers(*user_len))]).astype(np.int32))
+    return out
