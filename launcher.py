@@ -54,7 +54,16 @@ def _add_launch(sub) -> None:
                        "shared-memory object of the node, starts its processes, waits until each is ready, and "
                        "stops the node cleanly (exit 1) if any process dies.")
     p.add_argument("--node", default="", help="node name, unique on this machine (default: kvrt<port> or kvrt<pid>)")
-    p.add_argument("--role", default=d.role, choices=["mixed", "prefill", "decode"], help="PD role (default mixed)")
+    p.add_argument("--role", default=d.role, choices=["mixed", "prefill", "decode"],
+                   help="mixed (default): prefill and decode here; prefill: compute prompts and hand their KV "
+                   "to --decode-peer; decode: continue requests a prefill node handed over")
+    p.add_argument("--decode-peer", default="", metavar="tcp://HOST:PORT",
+                   help="prefill role: the decode node's client API address (its --host/--port)")
+    p.add_argument("--pd-transport", default=d.pd_transport, choices=["shm", "mooncake"],
+                   help="how KV blocks travel P->D: shm (same machine) or mooncake (TCP/RDMA, any machines); "
+                   "both nodes must use the same (default shm)")
+    p.add_argument("--pd-timeout", type=float, default=d.pd_timeout,
+                   help=f"seconds P waits for D's blocks and D holds blocks for P's KV (default {d.pd_timeout:g})")
     p.add_argument("--tp", type=int, default=d.tp,
                    help="tensor-parallel ranks for the KV cache (default 1). The reference model is not split "
                    "across ranks yet: each rank runs it over its share of the KV heads and rank 0's tokens "
@@ -99,7 +108,8 @@ def launch(args) -> int:
 
     port = args.port or (_free_port(args.host) if args.demo else 0)
     node = args.node or (f"kvrt{port}" if port else f"kvrt{os.getpid()}")
-    cfg = NodeConfig(node=node, role=args.role, tp=args.tp,
+    cfg = NodeConfig(node=node, role=args.role, tp=args.tp, decode_peer=args.decode_peer,
+                     pd_transport=args.pd_transport, pd_timeout=args.pd_timeout,
                      device=_detect_device() if args.device == "auto" else args.device,
                      block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                      num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, host=args.host, port=port,

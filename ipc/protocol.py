@@ -42,6 +42,14 @@ def from_transfer(rank: int) -> str:
     return f"transfer.{rank}.to.engine"
 
 
+def to_messager(rank: int) -> str:
+    return f"engine.to.messager.{rank}"
+
+
+def from_messager(rank: int) -> str:
+    return f"messager.{rank}.to.engine"
+
+
 def to_worker(rank: int) -> str:
     return f"engine.to.worker.{rank}"
 
@@ -151,6 +159,7 @@ STATS = (
     "evictions", "protocol_errors",
     "seqs_running", "seqs_waiting", "seqs_loading", "steps", "preemptions",
     "generated_tokens", "computed_prompt_tokens", "finished_requests", "failed_requests",
+    "pd_sent_bytes",
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 
@@ -181,5 +190,40 @@ class StepResult:
     step_id: int
     rank: int
     tokens: np.ndarray
+    seconds: float = 0.0
+    error: str = ""
+
+
+# ---- engine <-> cache-messager (P->D handoff) ---------------------------------------------------
+@PROTOCOL.message("messager_hello")
+@dataclass
+class MessagerHello:
+    """A cache-messager rank, once its transport is open: how a P node reaches this rank's
+    device pool (the transport's descriptor, sent to P in the handshake)."""
+
+    rank: int
+    descriptor: dict
+
+
+@PROTOCOL.message("send_blocks")
+@dataclass
+class SendBlocks:
+    """Engine (P) -> every cache-messager rank: write src_blocks[i] of this rank's pool into
+    block dst_blocks[i] of the D node's pool of the same rank (peers[rank] describes it)."""
+
+    task_id: int
+    request_id: str
+    peers: list
+    src_blocks: np.ndarray
+    dst_blocks: np.ndarray
+
+
+@PROTOCOL.message("send_done")
+@dataclass
+class SendDone:
+    task_id: int
+    rank: int
+    ok: bool
+    nbytes: int = 0
     seconds: float = 0.0
     error: str = ""

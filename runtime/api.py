@@ -105,3 +105,52 @@ class ErrorEvent:
     request_id: str
     code: str
     message: str
+
+
+# ---- between a prefill engine (P) and a decode engine (D), on D's client socket --------------
+# P -> D: PdPrealloc, then PdKvReady or PdAbort (and CancelRequest, relayed from P's client).
+# D -> P: PdAllocated or ErrorEvent, then TokenEvent* and FinishedEvent, which P relays.
+
+@API.message("pd_prealloc")
+@dataclass
+class PdPrealloc:
+    """P asks D to hold blocks for a request's prompt (D matches its own prefix cache first:
+    only blocks past `cached_tokens` of D's answer travel)."""
+
+    request_id: str
+    prompt: np.ndarray
+    max_new_tokens: int
+    eos_token_id: int = -1
+    use_cache: bool = True
+
+
+@API.message("pd_allocated")
+@dataclass
+class PdAllocated:
+    """D's answer: its block ids for the prompt (in token order), the prompt tokens it already
+    has, how each of its ranks is reached (transport descriptors), and how long it holds the
+    blocks before taking them back (the lease)."""
+
+    request_id: str
+    block_ids: np.ndarray
+    cached_tokens: int
+    descriptors: list
+    lease_s: float
+
+
+@API.message("pd_kv_ready")
+@dataclass
+class PdKvReady:
+    """P -> D: every rank wrote the blocks; the request continues on D after `first_token`."""
+
+    request_id: str
+    first_token: int
+
+
+@API.message("pd_abort")
+@dataclass
+class PdAbort:
+    """P -> D: give the request's blocks back now (P failed or the client cancelled)."""
+
+    request_id: str
+    reason: str = ""

@@ -8,6 +8,7 @@ import numpy as np
 
 ROLES = ("mixed", "prefill", "decode")
 DEVICES = ("cpu", "cuda")
+PD_TRANSPORTS = ("shm", "mooncake")
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,10 @@ class NodeConfig:
     # scheduling
     max_num_seqs: int = 32             # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
+    # prefill/decode disaggregation
+    decode_peer: str = ""        # P: the D node's client API address, tcp://HOST:PORT
+    pd_transport: str = "shm"    # how P's cache-messagers write into D's pools: shm or mooncake
+    pd_timeout: float = 30.0     # P's wait for D's blocks; D's lease on blocks awaiting KV
     check_ownership: bool = False
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
@@ -52,6 +57,19 @@ class NodeConfig:
             raise ConfigError(f"--node: {e}") from None
         _choice("--role", self.role, ROLES)
         _choice("--device", self.device, DEVICES)
+        _choice("--pd-transport", self.pd_transport, PD_TRANSPORTS)
+        if self.role == "prefill" and not self.decode_peer:
+            raise ConfigError("--role prefill needs --decode-peer tcp://HOST:PORT (the decode node's --port)")
+        if self.decode_peer and self.role != "prefill":
+            raise ConfigError(f"--decode-peer is for --role prefill, not {self.role}")
+        if self.decode_peer and not self.decode_peer.startswith("tcp://"):
+            raise ConfigError(f"--decode-peer must look like tcp://HOST:PORT, got {self.decode_peer!r}")
+        if self.role == "decode" and not self.port:
+            raise ConfigError("--role decode needs --port: prefill nodes reach it there")
+        if self.role == "prefill" and not self.port:
+            raise ConfigError("--role prefill needs --port: clients send their requests there")
+        if self.pd_timeout <= 0:
+            raise ConfigError(f"--pd-timeout must be positive, got {self.pd_timeout}")
         _positive("--tp", self.tp)
         _positive("--block-size", self.block_size)
         if self.block_size & (self.block_size - 1):
@@ -85,6 +103,10 @@ class NodeConfig:
     @property
     def block_bytes(self) -> int:
         return int(np.prod(self.block_shape)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.role != "mixed"
 
     @property
     def needs_transfer(self) -> bool:

@@ -25,14 +25,16 @@ from ipc.member import Member
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from runtime.config import NodeConfig
+from runtime.disagg import DecodeSide, PrefillSide
 from runtime.metrics import Metrics
 from runtime import api
 from runtime.intake import validate
 from runtime.ownership import OwnerTable, check_step
+from runtime import prefix_cache as pc
 from runtime.prefix_cache import PrefixCache
 from runtime.scheduler import Scheduler, Step, StepOutcome
 from runtime.sequence import Sequence
-from runtime.server import ApiServer
+from runtime.server import PEER, ApiServer
 from runtime.transfer import TaskResult, TransferClient
 
 log = logging.getLogger("kvrt.engine")
@@ -59,6 +61,10 @@ class Engine:
         if self.cfg.needs_transfer:
             self.to_transfer = [Producer.attach(reg, P.to_transfer(r)) for r in range(tp)]
             inbound += [Consumer.attach(reg, P.from_transfer(r)) for r in range(tp)]
+        self.to_messagers: list[Producer] = []
+        if self.cfg.disaggregated:
+            self.to_messagers = [Producer.attach(reg, P.to_messager(r)) for r in range(tp)]
+            inbound += [Consumer.attach(reg, P.from_messager(r)) for r in range(tp)]
         self.inbound = inbound
         self.fan = FanIn(inbound)
         self.owners = self._owner_tables()
@@ -71,6 +77,8 @@ class Engine:
         self._step_deadline = 0.0
         self.server: ApiServer | None = None
         self.accepting = True
+        self.prefill = PrefillSide(self) if self.cfg.role == "prefill" else None
+        self.decode = DecodeSide(self) if self.cfg.role == "decode" else None
         self.publish_stats()
 
     def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:
@@ -86,6 +94,8 @@ class Engine:
         if self.owners is None:
             return None
         dev, host = self.cache.block_roles()
+        if self.decode is not None:  # blocks a P node is writing into: the cache-messager's
+            dev[self.decode.remote_blocks()] = pc.ROLE_LOADING
         self.owners[0].sync(dev)
         if len(host):
             self.owners[1].sync(host)
@@ -111,12 +121,25 @@ class Engine:
             self._cache_task_of[tid] = t.task_id
 
     def ring_stats(self) -> dict[str, dict]:
-        return {r.name.split(".", 2)[2]: r.stats() for r in self.to_workers + self.to_transfer + self.inbound}
+        return {r.name.split(".", 2)[2]: r.stats()
+                for r in self.to_workers + self.to_transfer + self.to_messagers + self.inbound}
 
     # ---- clients ----------------------------------------------------------------------------
-    def _reply(self, client: bytes, msg) -> None:
+    def reply(self, client: bytes, msg) -> None:
         if self.server is not None and client:
             self.server.send(client, api.API.encode(msg))
+
+    def send_peer(self, msg) -> None:
+        """To the decode node (prefill role only)."""
+        self.reply(PEER, msg)
+
+    def count_finished(self, seq: Sequence) -> None:
+        s = self.stats.array
+        s[P.STAT["finished_requests"]] += 1
+        s[P.STAT["computed_prompt_tokens"]] += seq.computed_prompt_tokens
+
+    def count_failed(self) -> None:
+        self.stats.array[P.STAT["failed_requests"]] += 1
 
     def _intake(self) -> None:
         """Handle every queued client message (the I/O thread only queues bytes)."""
@@ -129,51 +152,70 @@ class Engine:
                 msg = api.API.decode(data)
             except ProtocolError as e:
                 self.stats.array[P.STAT["protocol_errors"]] += 1
-                self._reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"malformed message: {e}"))
+                self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"malformed message: {e}"))
                 continue
-            if isinstance(msg, api.GenerateRequest):
+            if client == PEER and self.prefill is not None:
+                self.prefill.on_peer(msg)
+            elif isinstance(msg, (api.PdPrealloc, api.PdKvReady, api.PdAbort)):
+                self._on_pd(client, msg)
+            elif isinstance(msg, api.GenerateRequest):
                 self._on_generate(client, msg)
             elif isinstance(msg, api.CancelRequest):
                 self._on_cancel(client, msg)
             elif isinstance(msg, api.InfoRequest):
                 c = self.cfg
-                self._reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len,
+                self.reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len,
                                                   c.block_size, -1))
             else:
-                self._reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"{type(msg).__name__} is not a request"))
+                self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"{type(msg).__name__} is not a request"))
+
+    def _on_pd(self, client: bytes, msg) -> None:
+        if self.decode is None:
+            self.reply(client, api.ErrorEvent(msg.request_id, api.BAD_REQUEST,
+                                              f"node {self.cfg.node} is not a decode node (role {self.cfg.role})"))
+        elif isinstance(msg, api.PdPrealloc):
+            self.decode.on_prealloc(client, msg) if self.accepting else self.reply(
+                client, api.ErrorEvent(msg.request_id, api.STOPPING, "the decode node is stopping"))
+        elif isinstance(msg, api.PdKvReady):
+            self.decode.on_kv_ready(client, msg)
+        else:
+            self.decode.on_abort(msg)
 
     def _on_generate(self, client: bytes, req: api.GenerateRequest) -> None:
         rid = req.request_id
         if not self.accepting:
-            self._reply(client, api.ErrorEvent(rid, api.STOPPING, "the node is stopping and takes no new requests"))
+            self.reply(client, api.ErrorEvent(rid, api.STOPPING, "the node is stopping and takes no new requests"))
             return
-        if isinstance(rid, str) and rid in self.sched.seqs:
-            self._reply(client, api.ErrorEvent(rid, api.DUPLICATE, f"request id {rid!r} is already in flight"))
+        if isinstance(rid, str) and (rid in self.sched.seqs or (self.prefill is not None and self.prefill.busy(rid))):
+            self.reply(client, api.ErrorEvent(rid, api.DUPLICATE, f"request id {rid!r} is already in flight"))
             return
         problem = validate(req, self.cfg)
         if problem:
-            self._reply(client, api.ErrorEvent(rid if isinstance(rid, str) else "", api.BAD_REQUEST, problem))
+            self.reply(client, api.ErrorEvent(rid if isinstance(rid, str) else "", api.BAD_REQUEST, problem))
+            return
+        if self.prefill is not None and req.max_new_tokens > 1:
+            self.prefill.on_generate(client, req)
             return
         self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size, client=client,
                                     eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream))
 
     def _on_cancel(self, client: bytes, req: api.CancelRequest) -> None:
+        if self.prefill is not None and self.prefill.on_cancel(client, req.request_id):
+            return
         try:
             seq = self.sched.cancel(req.request_id)
         except (KeyError, TypeError):
-            self._reply(client, api.ErrorEvent(str(req.request_id), api.UNKNOWN,
+            self.reply(client, api.ErrorEvent(str(req.request_id), api.UNKNOWN,
                                                f"no request {req.request_id!r} in flight"))
             return
         if seq is not None:
-            self._finished(seq)
+            self.finished(seq)
 
-    def _finished(self, seq: Sequence) -> None:
+    def finished(self, seq: Sequence) -> None:
         now = time.monotonic()
-        s = self.stats.array
-        s[P.STAT["finished_requests"]] += 1
-        s[P.STAT["computed_prompt_tokens"]] += seq.computed_prompt_tokens
+        self.count_finished(seq)
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
-        self._reply(seq.client, api.FinishedEvent(
+        self.reply(seq.client, api.FinishedEvent(
             seq.request_id, seq.output.copy(), seq.finish_reason, seq.prompt_len, *seq.cached,
             seq.computed_prompt_tokens, seq.preemptions, ttft, (now - seq.arrival) * 1e3))
 
@@ -182,12 +224,14 @@ class Engine:
         for seq, index in out.emitted:
             s[P.STAT["generated_tokens"]] += 1
             if seq.stream:
-                self._reply(seq.client, api.TokenEvent(seq.request_id, index, [int(seq.output[index])]))
+                self.reply(seq.client, api.TokenEvent(seq.request_id, index, [int(seq.output[index])]))
         for seq in out.finished:
-            self._finished(seq)
+            self.finished(seq)
         for seq, why in out.failed:
-            s[P.STAT["failed_requests"]] += 1
-            self._reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
+            self.count_failed()
+            self.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
+        for seq in out.handoff:
+            self.prefill.start_send(seq)
 
     # ---- steps ------------------------------------------------------------------------------
     def _launch_step(self) -> None:
@@ -235,7 +279,7 @@ class Engine:
         missing = sorted(set(range(self.cfg.tp)) - set(self._answers))
         why = f"worker rank(s) {missing} did not answer step {step.step_id} within {self.cfg.rank_timeout:.3g}s"
         for seq in step.seqs:
-            self._reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
+            self.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
         raise StepTimeout(why)
 
     # ---- answers ----------------------------------------------------------------------------
@@ -249,6 +293,11 @@ class Engine:
             return
         if isinstance(msg, P.StepResult):
             self._on_step_result(msg)
+        elif isinstance(msg, P.SendDone) and self.prefill is not None:
+            self.prefill.on_send_done(msg)
+        elif isinstance(msg, P.MessagerHello):
+            if self.decode is not None:
+                self.decode.on_hello(msg)
         elif isinstance(msg, P.TransferDone):
             result = self.transfer.on_answer(msg)
             if result is not None:
@@ -272,7 +321,7 @@ class Engine:
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.metrics_port)
         if self.cfg.port:
-            self.server = ApiServer(self.cfg.host, self.cfg.port, self.fan.poke)
+            self.server = ApiServer(self.cfg.host, self.cfg.port, self.fan.poke, peer=self.cfg.decode_peer)
         self.member.set_ready()
         try:
             while not self.member.stopping():
@@ -291,6 +340,8 @@ class Engine:
     def step(self) -> None:
         self.member.beat()
         self._intake()
+        if self.decode is not None:
+            self.decode.pump()  # answer P as soon as blocks are held, before any wait
         if self.sched.inflight is None:
             self._launch_step()
         try:
@@ -305,6 +356,10 @@ class Engine:
             log.error("%s", e)  # the launcher notices the death too and stops the node
         for result in self.transfer.expire():
             self._on_task_result(result)
+        if self.prefill is not None:
+            self.prefill.expire()
+        if self.decode is not None:
+            self.decode.pump()
         self._check_step_deadline()
         self.issue_cache_tasks()
         self.publish_stats()
@@ -314,15 +369,18 @@ class Engine:
         then tell every child to exit."""
         self.accepting = False
         deadline = time.monotonic() + grace_s
-        while (self.transfer.inflight or not self.sched.idle) and time.monotonic() < deadline:
+        while (self.transfer.inflight or not self.sched.idle or (self.prefill and self.prefill.sends)) \
+                and time.monotonic() < deadline:
             self.step()
+        if self.prefill is not None:
+            self.prefill.fail_all("the prefill node is stopping")
         for result in self.transfer.expire(now=float("inf")):
             self._on_task_result(result)
         for seq in list(self.sched.seqs.values()):
-            self._reply(seq.client, api.ErrorEvent(seq.request_id, api.STOPPING,
+            self.reply(seq.client, api.ErrorEvent(seq.request_id, api.STOPPING,
                                                    f"the node stopped before the request finished (grace {grace_s:.3g}s)"))
         bye = P.PROTOCOL.encode(P.Shutdown("node stopping"))
-        for ring in self.to_workers + self.to_transfer:
+        for ring in self.to_workers + self.to_transfer + self.to_messagers:
             try:
                 ring.put(bye, 1.0)
             except (WaitTimeout, PeerDead, ChannelClosed) as e:

@@ -96,6 +96,9 @@ class Node:
                 if cfg.needs_transfer:
                     Ring.create(reg, P.to_transfer(r), RING_BYTES)
                     Ring.create(reg, P.from_transfer(r), RING_BYTES, bell=P.ENGINE_BELL)
+                if cfg.disaggregated:
+                    Ring.create(reg, P.to_messager(r), RING_BYTES)
+                    Ring.create(reg, P.from_messager(r), RING_BYTES, bell=P.ENGINE_BELL)
             self.pools.create(reg, cfg.to_dict(), self.progress)
         except BaseException:
             self.unlink()
@@ -114,6 +117,8 @@ class Node:
         plan += [(P.ROLE_WORKER, r, "workers.worker") for r in range(cfg.tp)]
         if cfg.needs_transfer:
             plan += [(P.ROLE_TRANSFER, r, "workers.cache_transfer") for r in range(cfg.tp)]
+        if cfg.disaggregated:
+            plan += [(P.ROLE_MESSAGER, r, "workers.cache_messager") for r in range(cfg.tp)]
         level = logging.getLevelName(logging.getLogger().level)
         for role, rank, module in plan:
             cmd = [sys.executable, "-m", module, "--node", cfg.node, "--log-level", level]

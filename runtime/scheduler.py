@@ -12,6 +12,13 @@ step uses can change under it. A step is built from:
    from storage waits (LOADING) until every task it needs is done, then is admitted first.
 A chunk's KV is recorded in the prefix cache right after the step that wrote it, never before
 (a block is matchable only once its KV exists).
+
+Disaggregation adds two life cycles. On a prefill node a request marked `handoff` leaves the
+running set after its first token, holding its blocks (SENDING) until the engine has written
+them into the decode node. On a decode node a request first only holds blocks for its prompt
+(`reserve`, matched against the local prefix cache so only missing blocks travel), stays
+REMOTE while P writes them, and joins the running set at `resume_remote`, when its received
+blocks are recorded in the prefix cache (not before: their KV did not exist here until then).
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ class StepOutcome:
     emitted: list[tuple[Sequence, int]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
+    handoff: list[Sequence] = field(default_factory=list)  # P: prefilled, to send to D
 
 
 class Scheduler:
@@ -58,6 +66,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}
+        self.reserving: deque[Sequence] = deque()  # D: waiting for blocks to hold
+        self.remote_ids: set[str] = set()  # D: requests held for a P node, until resumed
         self.seqs: dict[str, Sequence] = {}
         self.inflight: Step | None = None
         self._step_ids = itertools.count(1)
@@ -75,7 +85,7 @@ class Scheduler:
         (it finishes, cancelled, when that step ends). KeyError if unknown."""
         seq = self.seqs[request_id]
         seq.cancelled = True
-        if self.inflight is not None and seq in self.inflight.seqs:
+        if (self.inflight is not None and seq in self.inflight.seqs) or seq.state is SeqState.SENDING:
             return None
         self._finish(seq, "cancelled")
         return seq
@@ -177,7 +187,55 @@ class Scheduler:
             if seq.done():
                 self._finish(seq, seq.finish_reason)
                 out.finished.append(seq)
+            elif seq.handoff and seq.num_output:
+                self.running.remove(seq)
+                seq.state = SeqState.SENDING
+                out.handoff.append(seq)
         return out
+
+    # ---- the decode side of a handoff -------------------------------------------------------
+    def reserve(self, seq: Sequence) -> None:
+        """D: hold blocks for `seq`'s prompt as soon as they can be had (see `take_reserved`)."""
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already in flight")
+        self.seqs[seq.request_id] = seq
+        self.remote_ids.add(seq.request_id)
+        self._match(seq)
+        if seq.state is SeqState.LOADING:
+            self.loading[seq.request_id] = seq
+        else:
+            seq.state = SeqState.RESERVING
+            self.reserving.append(seq)
+
+    def take_reserved(self) -> list[Sequence]:
+        """D: sequences that now hold blocks for their whole prompt, in arrival order (REMOTE)."""
+        out = []
+        while self.reserving:
+            seq = self.reserving[0]
+            if self.cache.allocate(seq.request_id, seq.prompt_len) is None:
+                break
+            self.reserving.popleft()
+            seq.state = SeqState.REMOTE
+            out.append(seq)
+        return out
+
+    def resume_remote(self, seq: Sequence, first_token: int) -> bool:
+        """D: P wrote the prompt's KV and sampled `first_token`: record the received blocks and
+        decode from here. False if the request is already done (then it is finished)."""
+        self.remote_ids.discard(seq.request_id)
+        seq.num_computed = seq.prompt_len
+        seq.append(first_token)
+        self.cache.update(seq.request_id, seq.num_computed, seq.keys if seq.use_cache else None)
+        if seq.done():
+            self._finish(seq, seq.finish_reason)
+            return False
+        seq.state = SeqState.RUNNING
+        self.running.append(seq)
+        return True
+
+    def drop(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence outside a step (handed off, aborted, lease expired)."""
+        self._finish(seq, reason)
 
     def fail_step(self, step: Step, reason: str) -> StepOutcome:
         """A rank failed the step: its sequences fail; their blocks are released."""
@@ -196,26 +254,43 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed = tokens
+            if rid in self.remote_ids:
+                seq.state = SeqState.RESERVING  # D: the local prefix is in place; now hold the rest
+                self.reserving.append(seq)
+                continue
             seq.state = SeqState.WAITING
             self.waiting.appendleft(seq)
         for rid in outcome.failed:
             seq = self.loading.pop(rid, None)
-            if seq is not None:
-                log.warning("%s lost its cached prefix (%s task failed); recomputing it",
-                            rid, outcome.task.kind.value)
-                self._requeue(seq)
+            if seq is None:
+                continue
+            log.warning("%s lost its cached prefix (%s task failed); recomputing it",
+                        rid, outcome.task.kind.value)
+            if rid in self.remote_ids:
+                self.cache.release(seq.request_id)
+                seq.matched = False
+                self._match(seq)  # D: match again (what is left), then hold blocks
+                if seq.state is SeqState.LOADING:
+                    self.loading[seq.request_id] = seq
+                else:
+                    seq.state = SeqState.RESERVING
+                    self.reserving.append(seq)
+                continue
+            self._requeue(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = seq.finish_reason or reason
         seq.state = SeqState.FINISHED
         self.seqs.pop(seq.request_id, None)
+        self.remote_ids.discard(seq.request_id)
         self.loading.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
-        try:
-            self.waiting.remove(seq)
-        except ValueError:
-            pass
+        for queue in (self.waiting, self.reserving):
+            try:
+                queue.remove(seq)
+            except ValueError:
+                pass
         if seq.matched:
             self.cache.release(seq.request_id)
             seq.matched = False

@@ -20,10 +20,15 @@ log = logging.getLogger(__name__)
 POLL_MS = 100  # longest the I/O thread blocks before checking whether it should stop
 
 
-class ApiServer:
-    """Listens on tcp://host:port; `inbox` holds (client identity, message bytes)."""
+PEER = b"\x00peer!"  # the identity under which messages from the decode peer (a P node's D) arrive
 
-    def __init__(self, host: str, port: int, wake: Callable[[], None]):
+
+class ApiServer:
+    """Listens on tcp://host:port; `inbox` holds (client identity, message bytes). With a
+    `peer` address (a prefill node's decode node) it also keeps a DEALER connected there:
+    its messages arrive with identity PEER, and `send(PEER, ...)` goes to it."""
+
+    def __init__(self, host: str, port: int, wake: Callable[[], None], peer: str = ""):
         self.address = f"tcp://{host}:{port}"
         self.inbox: deque[tuple[bytes, bytes]] = deque()
         self._wake = wake
@@ -40,6 +45,11 @@ class ApiServer:
         self._pull.bind(f"inproc://answers-{id(self)}")
         self._push = self._ctx.socket(zmq.PUSH)  # used by the engine thread only
         self._push.connect(f"inproc://answers-{id(self)}")
+        self._dealer = None
+        if peer:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.connect(peer)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="api-io", daemon=True)
         self._thread.start()
@@ -53,10 +63,14 @@ class ApiServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
+        if self._dealer is not None:
+            poller.register(self._dealer, zmq.POLLIN)
         while not self._stop.is_set():
             for sock, _ in poller.poll(POLL_MS):
                 if sock is self._router:
                     self._receive()
+                elif sock is self._dealer:
+                    self._receive_peer()
                 else:
                     self._forward()
         self._forward()  # answers queued before close still go out
@@ -64,9 +78,25 @@ class ApiServer:
     def _forward(self) -> None:
         while True:
             try:
-                self._router.send_multipart(self._pull.recv_multipart(zmq.NOBLOCK))
+                client, data = self._pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if client == PEER and self._dealer is not None:
+                try:
+                    self._dealer.send(data, zmq.NOBLOCK)
+                except zmq.Again:  # the peer is gone and its queue is full: P's timeouts fail the requests
+                    log.warning("decode peer not reachable: a message to it was dropped")
+            else:
+                self._router.send_multipart([client, data])
+
+    def _receive_peer(self) -> None:
+        while True:
+            try:
+                data = self._dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.inbox.append((PEER, data))
+        self._wake()
 
     def _receive(self) -> None:
         got = False
@@ -75,7 +105,7 @@ class ApiServer:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) != 2:
+            if len(frames) != 2 or not frames[0]:
                 log.warning("dropped a client message of %d frames (expected identity + 1)", len(frames))
                 continue
             self.inbox.append((frames[0], frames[1]))

@@ -1,0 +1,114 @@
+"""cache-messager[r]: the P->D transport of rank r (ARCHITECTURE.md §1).
+
+On both sides it opens the configured transport (workers/transport.py) over its rank's
+device pool and tells its engine how peers reach that pool (MessagerHello: the transport's
+descriptor, which a D engine hands to P in the handshake). On a P node it then executes
+SendBlocks orders: write these local blocks into those blocks of the D node's pool, and
+answer with done or failed. Between the order and the answer, the source blocks are this
+process's to read (P's engine holds the request, so nothing frees or rewrites them) and the
+destination blocks on D are held under D's lease (nothing on D reads them before kv-ready).
+
+A failed write (D gone, unreachable, a bad id) is an answer with the reason, never an exit:
+one bad peer fails its requests, not the node.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from ipc import protocol as P
+from ipc.errors import ProtocolError, WaitTimeout
+from ipc.ring import Consumer, Producer
+
+from .child import Child, run_child
+from .kv_pool import attach_pools
+from .transport import TransferError, open_transport
+
+log = logging.getLogger("workers.cache_messager")
+WAIT_S = 0.2  # longest ring wait between heartbeats and orphan checks
+
+
+class CacheMessager:
+    def __init__(self, child: Child):
+        self.child = child
+        cfg, reg, rank = child.cfg, child.reg, child.rank
+        self.rank = rank
+        self.device, self.host = attach_pools(reg, rank, cfg)
+        self.transport = open_transport(cfg["pd_transport"], self.device,
+                                        {"node": cfg["node"], "rank": rank, "host": cfg["host"]})
+        self.orders = Consumer.attach(reg, P.to_messager(rank))
+        self.answers = Producer.attach(reg, P.from_messager(rank))
+
+    def serve(self) -> int:
+        self._answer(P.MessagerHello(self.rank, self.transport.descriptor()))
+        log.info("serving %s over the %s transport", self.orders.name, self.transport.name)
+        self.child.set_ready()
+        while True:
+            self.child.tick()
+            try:
+                rec = self.orders.get(WAIT_S)
+            except WaitTimeout:
+                continue
+            try:
+                msg = P.PROTOCOL.decode(rec)
+            except ProtocolError as e:
+                self.orders.count_protocol_error()
+                log.warning("malformed message on %s skipped: %s", self.orders.name, e)
+                continue
+            if isinstance(msg, P.Shutdown):
+                log.info("shutdown ordered (%s)", msg.reason or "no reason given")
+                return 0
+            if isinstance(msg, P.SendBlocks):
+                self._answer(self.send(msg))
+            else:
+                log.warning("unexpected %s on %s", type(msg).__name__, self.orders.name)
+
+    def send(self, order: P.SendBlocks) -> P.SendDone:
+        t0 = time.perf_counter()
+        what = f"send {order.task_id} ({order.request_id}, {len(order.src_blocks)} blocks) from rank {self.rank}"
+        try:
+            if not 0 <= self.rank < len(order.peers):
+                raise TransferError(f"no peer descriptor for rank {self.rank} ({len(order.peers)} given)")
+            nbytes = self.transport.write_blocks(order.peers[self.rank], order.src_blocks, order.dst_blocks)
+        except TransferError as e:
+            log.warning("%s failed: %s", what, e)
+            return P.SendDone(order.task_id, self.rank, False, 0, time.perf_counter() - t0, f"{what}: {e}")
+        except Exception as e:  # an order must never take the process down
+            log.exception("%s failed unexpectedly", what)
+            return P.SendDone(order.task_id, self.rank, False, 0, time.perf_counter() - t0,
+                              f"{what}: {type(e).__name__}: {e}")
+        return P.SendDone(order.task_id, self.rank, True, nbytes, time.perf_counter() - t0)
+
+    def _answer(self, msg) -> None:
+        data = P.PROTOCOL.encode(msg)
+        while True:
+            try:
+                self.answers.put(data, WAIT_S)
+                return
+            except WaitTimeout:
+                self.child.tick()
+
+    def close(self) -> None:
+        self.answers.close()
+        self.orders.detach()
+        self.transport.close()
+        for pool in (self.device, self.host):
+            if pool is not None:
+                pool.close()
+
+
+def _serve(child: Child) -> int:
+    messager = CacheMessager(child)
+    try:
+        return messager.serve()
+    finally:
+        messager.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_child(P.ROLE_MESSAGER, _serve, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
