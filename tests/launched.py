@@ -37,6 +37,18 @@ class Launched:
     def engine_stats(self) -> dict:
         return snapshot(self.node)["engine"]
 
+    def idle_stats(self, timeout: float = 5.0) -> dict:
+        """Engine counters once nothing is in flight and no block is in use (the engine
+        publishes them once per loop, just after its answers went out), or the last ones seen
+        when that does not happen within `timeout` s (a leak: the caller's asserts say which)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            e = self.engine_stats()
+            busy = e["seqs_running"] + e["seqs_waiting"] + e["seqs_loading"] + e["tasks_inflight"]
+            if (not busy and not e["device_used"] and not e["host_used"]) or time.monotonic() > deadline:
+                return e
+            time.sleep(0.05)  # a test waiting for another process's counters, not a hot path
+
     def logs(self) -> str:
         out = []
         for name in sorted(os.listdir(self.log_dir)):

@@ -62,7 +62,7 @@ def test_cache_on_off_and_dense_agree(node, tmp_path, prompts, expected, env):
         assert all(r.computed_prompt_tokens == r.prompt_tokens for r in off)
         on = run_all(ln.client, prompts)
         assert tokens(on) == expected
-        stats = ln.engine_stats()
+        stats = ln.idle_stats()
         assert stats["device_used"] == 0, "finished requests must hold no blocks"
 
 
@@ -76,7 +76,7 @@ def test_tiny_pool_swaps_evicts_preempts(node, tmp_path, prompts, expected, env,
         assert tokens(first) == expected, ln.logs()
         second = run_all(ln.client, prompts, concurrent=False)
         assert tokens(second) == expected, ln.logs()
-        stats = ln.engine_stats()
+        stats = ln.idle_stats()
         assert stats["device_used"] == 0 and stats["host_used"] == 0
         assert stats["preemptions"] > 0, "40 blocks for 12 concurrent requests must preempt"
         if host_blocks:
@@ -123,5 +123,5 @@ def test_bad_requests_get_clear_errors_and_change_nothing(node, tmp_path):
         assert ok.output_token_ids.tolist() == oracle().generate_dense(np.array([5, 6, 7]), 3)
         cancelled = [ev for ev in c.poll(timeout=10) if getattr(ev, "request_id", "") == long_id]
         assert cancelled and cancelled[-1].finish_reason == "cancelled"
-        stats = ln.engine_stats()
+        stats = ln.idle_stats()
         assert stats["device_used"] == 0 and stats["failed_requests"] == 0
