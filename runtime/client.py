@@ -1,0 +1,539 @@
+"""The kvrt client: talks to a node's engine over ZeroMQ, speaking runtime/api.py.
+
+One DEALER socket per client; every message is one frame of the API codec (msgpack, never
+pickle). Answers carry the request id, so one client keeps many requests in flight:
+
+    with Client(5555) as c:                      # or Client("tcp://host:5555")
+        print(c.info().vocab_size)
+        r = c.generate([1, 2, 3], 8)             # blocking; r.output_token_ids, r.ttft_ms, ...
+        for tok in (g := c.stream([1, 2, 3], 8)):  # tokens as they arrive
+            print(tok)
+        print(g.result.finish_reason)
+        rid = c.submit([4, 5, 6], 8)             # many in flight: submit ...
+        for ev in c.poll(1.0): ...               # ... and poll: TokenEvent, Result or ErrorEvent
+
+Every wait has a timeout (the client's `timeout` unless given): the longest silence tolerated
+while waiting for one answer. A node that does not answer raises `ClientError` naming the address
+and the wait, never a hang; an ErrorEvent from the engine raises `RequestError(code, message)`.
+`ttft_ms` and `e2e_ms` of a `Result` are measured here, from the send to the first token and to
+the FinishedEvent; the engine's own figures are kept as `engine_ttft_ms` / `engine_e2e_ms`.
+
+A client is not thread-safe (neither is a ZeroMQ socket): use one per thread.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import operator
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import zmq
+
+from ipc.errors import ProtocolError
+from runtime.api import (API, CancelRequest, ErrorEvent, FinishedEvent, GenerateRequest, InfoReply,
+                         InfoRequest, TokenEvent)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_TIMEOUT = 30.0
+_I32 = np.iinfo(np.int32)
+
+
+class ClientError(Exception):
+    """The node could not be reached or did not answer in time; the message names the address
+    and what was awaited."""
+
+
+class RequestError(ClientError):
+    """The engine answered a request with an ErrorEvent (see the codes in runtime/api.py)."""
+
+    def __init__(self, code: str, message: str, request_id: str = ""):
+        super().__init__(f"{code}: {message}" + (f" (request {request_id})" if request_id else ""))
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass
+class Result:
+    """A finished request: the FinishedEvent's fields, with the engine's times renamed
+    `engine_*`, and the times measured by this client from the send."""
+
+    request_id: str
+    output_token_ids: np.ndarray
+    finish_reason: str
+    prompt_tokens: int
+    cached_device: int = 0
+    cached_host: int = 0
+    cached_storage: int = 0
+    computed_prompt_tokens: int = 0
+    preemptions: int = 0
+    engine_ttft_ms: float = 0.0
+    engine_e2e_ms: float = 0.0
+    ttft_ms: float = 0.0   # send -> first token (-> the FinishedEvent when no token was streamed)
+    e2e_ms: float = 0.0    # send -> FinishedEvent
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_device + self.cached_host + self.cached_storage
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than two tokens)."""
+        n = self.num_output_tokens
+        return (self.e2e_ms - self.ttft_ms) / (n - 1) if n > 1 else None
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "output_token_ids": [int(t) for t in self.output_token_ids],
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": {"device": self.cached_device, "host": self.cached_host,
+                              "storage": self.cached_storage},
+            "computed_prompt_tokens": self.computed_prompt_tokens,
+            "preemptions": self.preemptions,
+            "ttft_ms": self.ttft_ms,
+            "e2e_ms": self.e2e_ms,
+            "tpot_ms": self.tpot_ms,
+            "engine_ttft_ms": self.engine_ttft_ms,
+            "engine_e2e_ms": self.engine_e2e_ms,
+        }
+
+
+@dataclass
+class _Req:
+    t_send: float
+    owned: bool                     # consumed by a Generation, never returned by poll()
+    t_first: float | None = None
+    queue: deque = field(default_factory=deque)  # events of an owned request
+
+
+def address_of(address: str | int, host: str = DEFAULT_HOST) -> str:
+    """A port, "host:port" or a full ZeroMQ address -> the ZeroMQ address to connect."""
+    if isinstance(address, int) and not isinstance(address, bool):
+        port = address
+    elif isinstance(address, str) and "://" in address:
+        return address
+    elif isinstance(address, str) and address.rpartition(":")[2].isdigit():
+        host, _, p = address.rpartition(":")
+        port = int(p)
+    else:
+        raise ValueError(f"not a client address: {address!r} (want a port, host:port or tcp://host:port)")
+    if not 0 < port <= 65535:
+        raise ValueError(f"port must be 1..65535, got {port}")
+    return f"tcp://{host or DEFAULT_HOST}:{port}"
+
+
+def as_prompt(prompt: Iterable[int] | np.ndarray) -> np.ndarray:
+    """A prompt as the int32 array the wire carries; ValueError for anything that is not a flat
+    sequence of integers that fit int32 (range checks against the vocabulary are the engine's)."""
+    arr = np.asarray(prompt if isinstance(prompt, np.ndarray) else list(prompt))
+    if arr.ndim != 1:
+        raise ValueError(f"a prompt is a flat sequence of token ids, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"prompt token ids must be integers, got {arr.dtype}")
+    if arr.min() < _I32.min or arr.max() > _I32.max:
+        raise ValueError("prompt token ids must fit in int32")
+    return arr.astype(np.int32)
+
+
+class Client:
+    """A connection to one node's client API. See the module docstring."""
+
+    def __init__(self, address: str | int, timeout: float = DEFAULT_TIMEOUT, *, host: str = DEFAULT_HOST):
+        self.address = address_of(address, host)
+        self.timeout = float(timeout)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # A ROUTER drops what a peer's full pipe cannot take: never let ours fill up.
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        try:
+            self._sock.connect(self.address)
+        except zmq.ZMQError as e:
+            self.close()
+            raise ClientError(f"cannot connect to {self.address}: {e}") from None
+        self._prefix = uuid.uuid4().hex[:8]
+        self._ids = itertools.count(1)
+        self._nonces = itertools.count(1)
+        self._reqs: dict[str, _Req] = {}
+        self._pending: deque = deque()    # events for poll()
+        self._infos: dict[int, InfoReply] = {}
+        self.protocol_errors = 0
+        self.last_protocol_error = ""
+        self.dropped_events = 0           # events of requests this client no longer tracks
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the socket at once (linger 0: nothing unsent is kept)."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+            self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.address!r}, in_flight={len(self._reqs)})"
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._reqs)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def info(self, timeout: float | None = None) -> InfoReply:
+        """The node's model limits; ClientError if it does not answer within `timeout` s."""
+        timeout = self._timeout(timeout)
+        nonce = next(self._nonces)
+        self._send(InfoRequest(nonce=nonce), "info request")
+        deadline = time.monotonic() + timeout
+        while nonce not in self._infos:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ClientError(f"no info reply from {self.address} within {timeout:g} s: is a kvrt node "
+                                  f"serving its client API there (kvrt launch --port P)?{self._proto_note()}")
+            self._pump(left)
+        reply = self._infos.pop(nonce)
+        self._infos.clear()
+        return reply
+
+    def submit(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
+               use_cache: bool = True, request_id: str | None = None, stream: bool = True) -> str:
+        """Send a request without waiting; its events come from poll(). Returns its id."""
+        return self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned=False)
+
+    def poll(self, timeout: float = 0.0) -> list:
+        """Events of submitted requests, in arrival order: TokenEvent (new tokens), Result (the
+        request finished; it is no longer in flight) or ErrorEvent (it failed; no longer in
+        flight). Waits up to `timeout` s for the first one; [] if none came."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while not self._pending:
+            left = deadline - time.monotonic()
+            if not self._pump(max(left, 0.0)) and left <= 0:
+                break
+        else:
+            self._pump(0.0)  # also take what already arrived
+        out = list(self._pending)
+        self._pending.clear()
+        return out
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the engine to stop a request; it ends with a Result whose finish_reason is
+        "cancelled" (or an ErrorEvent "unknown_request" if the engine does not know it)."""
+        self._send(CancelRequest(request_id=request_id), f"cancel of request {request_id}")
+
+    def stream(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
+               use_cache: bool = True, request_id: str | None = None,
+               timeout: float | None = None) -> "Generation":
+        """Start a request and iterate its output token ids as they arrive; `.result` holds the
+        Result once the iteration ends. Leaving the loop early cancels the request."""
+        rid = self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, True, owned=True)
+        return Generation(self, rid, self._timeout(timeout))
+
+    def generate(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
+                 use_cache: bool = True, request_id: str | None = None, timeout: float | None = None,
+                 on_token: Callable[[int], None] | None = None) -> Result:
+        """Run one request to the end (calling `on_token` for each token as it arrives) and
+        return its Result. RequestError if the engine fails it, ClientError if the node falls
+        silent for `timeout` s (the request is then cancelled)."""
+        with self.stream(prompt, max_new_tokens, eos_token_id=eos_token_id, use_cache=use_cache,
+                         request_id=request_id, timeout=timeout) as gen:
+            for tok in gen:
+                if on_token is not None:
+                    on_token(tok)
+            return gen.result
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _timeout(self, timeout: float | None) -> float:
+        t = self.timeout if timeout is None else float(timeout)
+        if not t > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        return t
+
+    def _submit(self, prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned) -> str:
+        arr = as_prompt(prompt)
+        try:
+            max_new_tokens, eos_token_id = operator.index(max_new_tokens), operator.index(eos_token_id)
+        except TypeError:
+            raise ValueError("max_new_tokens and eos_token_id must be integers") from None
+        rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
+        if not isinstance(rid, str):
+            raise ValueError(f"request_id must be a string, got {type(rid).__name__}")
+        if rid in self._reqs:
+            raise ValueError(f"request {rid!r} is already in flight on this client")
+        msg = GenerateRequest(request_id=rid, prompt=arr, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_token_id, use_cache=bool(use_cache), stream=bool(stream))
+        self._reqs[rid] = _Req(time.perf_counter(), owned)
+        try:
+            self._send(msg, f"request {rid}")
+        except BaseException:
+            del self._reqs[rid]
+            raise
+        return rid
+
+    def _send(self, msg, what: str) -> None:
+        if self._sock is None:
+            raise ClientError(f"client for {self.address} is closed")
+        try:
+            self._sock.send(API.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # Again included: with unlimited HWM only a broken socket
+            raise ClientError(f"could not send the {what} to {self.address}: {e}") from None
+
+    def _proto_note(self) -> str:
+        if not self.protocol_errors:
+            return ""
+        return (f" ({self.protocol_errors} undecodable answers; last: {self.last_protocol_error}"
+                " - does the node speak this version of runtime/api.py?)")
+
+    def _pump(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for messages, then route every one already queued. True if any
+        message arrived (routed somewhere or dropped)."""
+        if self._sock is None:
+            raise ClientError(f"client for {self.address} is closed")
+        if not self._sock.poll(int(timeout * 1000) if timeout > 0 else 0, zmq.POLLIN):
+            return False
+        for _ in range(10_000):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._route(frames[-1], time.perf_counter())
+        return True
+
+    def _route(self, data: bytes, now: float) -> None:
+        try:
+            msg = API.decode(data)
+        except ProtocolError as e:
+            self.protocol_errors += 1
+            self.last_protocol_error = str(e)
+            return
+        if isinstance(msg, InfoReply):
+            self._infos[msg.nonce] = msg
+            return
+        if not isinstance(msg, (TokenEvent, FinishedEvent, ErrorEvent)):
+            self.protocol_errors += 1
+            self.last_protocol_error = f"unexpected message {type(msg).__name__} from the node"
+            return
+        req = self._reqs.get(msg.request_id)
+        if req is None:
+            if isinstance(msg, ErrorEvent):  # e.g. unknown_request for a cancel: the caller's to see
+                self._pending.append(msg)
+            else:
+                self.dropped_events += 1
+            return
+        if isinstance(msg, TokenEvent):
+            if req.t_first is None and msg.token_ids:
+                req.t_first = now
+            ev = msg
+        elif isinstance(msg, FinishedEvent):
+            del self._reqs[msg.request_id]
+            ev = _result(msg, req, now)
+        else:
+            del self._reqs[msg.request_id]
+            ev = msg
+        (req.queue if req.owned else self._pending).append(ev)
+
+    def _forget(self, request_id: str) -> None:
+        """Stop tracking an owned request: its late events are dropped."""
+        self._reqs.pop(request_id, None)
+
+    def _next_owned(self, request_id: str, req: _Req, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while not req.queue:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ClientError(f"no answer from {self.address} within {timeout:g} s: waited for {what} "
+                                  f"of request {request_id}{self._proto_note()}")
+            self._pump(left)
+        return req.queue.popleft()
+
+
+def _result(msg: FinishedEvent, req: _Req, now: float) -> Result:
+    e2e = (now - req.t_send) * 1000
+    first = req.t_first if req.t_first is not None and len(msg.output_token_ids) else now
+    return Result(request_id=msg.request_id, output_token_ids=np.asarray(msg.output_token_ids, dtype=np.int32),
+                  finish_reason=msg.finish_reason, prompt_tokens=int(msg.prompt_tokens),
+                  cached_device=int(msg.cached_device), cached_host=int(msg.cached_host),
+                  cached_storage=int(msg.cached_storage), computed_prompt_tokens=int(msg.computed_prompt_tokens),
+                  preemptions=int(msg.preemptions), engine_ttft_ms=float(msg.ttft_ms),
+                  engine_e2e_ms=float(msg.e2e_ms), ttft_ms=(first - req.t_send) * 1000, e2e_ms=e2e)
+
+
+class Generation:
+    """Iterator over the output token ids of one streaming request (from Client.stream)."""
+
+    def __init__(self, client: Client, request_id: str, timeout: float):
+        self.client = client
+        self.request_id = request_id
+        self.timeout = timeout
+        self.result: Result | None = None
+        self._req = client._reqs[request_id]
+        self._buf: deque[int] = deque()
+        self._seen = 0  # tokens received so far
+        self._closed = False
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        while not self._buf:
+            if self.result is not None or self._closed:
+                raise StopIteration
+            what = "the first token" if self._seen == 0 else f"token {self._seen} or the end"
+            ev = self.client._next_owned(self.request_id, self._req, self.timeout, what)
+            if isinstance(ev, TokenEvent):
+                skip = max(self._seen - int(ev.index), 0)  # a resent overlap is not repeated
+                new = [int(t) for t in ev.token_ids[skip:]]
+                self._buf.extend(new)
+                self._seen += len(new)
+            elif isinstance(ev, Result):
+                self.result = ev
+                rest = [int(t) for t in ev.output_token_ids[self._seen:]]  # not streamed (or lost)
+                self._buf.extend(rest)
+                self._seen += len(rest)
+            else:
+                raise RequestError(ev.code, ev.message, ev.request_id)
+        return self._buf.popleft()
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def close(self) -> None:
+        """Cancel the request if it has not finished (best effort) and drop its late events."""
+        self._closed = True
+        if self.request_id in self.client._reqs:
+            self.client._forget(self.request_id)
+            try:
+                self.client.cancel(self.request_id)
+            except ClientError:
+                pass
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- kvrt generate ---------------------------------------------------------------------------
+
+def _parse_ids(text: str) -> list[int]:
+    parts = [p for p in text.replace(",", " ").split()]
+    out = []
+    for p in parts:
+        try:
+            out.append(int(p))
+        except ValueError:
+            raise ValueError(f"--prompt-ids: {p!r} is not an integer") from None
+    return out
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvrt generate",
+        description="Send one request to a running node (kvrt launch --port P) and print its tokens as they "
+                    "stream in, then what it cost (TTFT, prompt tokens served by each cache tier).")
+    p.add_argument("--port", type=int, required=True, help="the node's client API port")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"the node's host (default {DEFAULT_HOST})")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma-separated: 1,2,3")
+    src.add_argument("--text", help="prompt text (byte-level tokenizer: one token per UTF-8 byte)")
+    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate at most")
+    p.add_argument("--eos", type=int, default=-1, metavar="ID", help="stop at this token id (default: none)")
+    p.add_argument("--no-cache", action="store_true", help="neither use nor fill the prefix cache")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"seconds to wait for each answer of the node (default {DEFAULT_TIMEOUT:g})")
+    return p
+
+
+def generate_main(argv: list[str]) -> int:
+    """`kvrt generate`: exit 0 done, 1 engine error or no answer, 2 bad input."""
+    from runtime import tokenizer
+
+    p = generate_parser()
+    args = p.parse_args(argv)
+    if args.prompt_ids is not None:
+        try:
+            prompt = _parse_ids(args.prompt_ids)
+        except ValueError as e:
+            p.error(str(e))
+    else:
+        prompt = tokenizer.encode(args.text)
+    if not prompt:
+        p.error("the prompt is empty")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be > 0, got {args.timeout}")
+    if not 0 < args.port <= 65535:
+        p.error(f"--port must be 1..65535, got {args.port}")
+    try:
+        prompt_arr = as_prompt(prompt)
+    except ValueError as e:
+        p.error(str(e))
+    err = sys.stderr
+    try:
+        with Client(args.port, args.timeout, host=args.host) as c:
+            info = c.info()
+            bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+            if bad:
+                what = "--text needs a vocabulary of at least 256 ids" if args.text is not None else "--prompt-ids"
+                p.error(f"{what}: token id {bad[0]} is outside the node's vocabulary 0..{info.vocab_size - 1}")
+            decoder = tokenizer.StreamDecoder()
+
+            def show(tok: int) -> None:
+                if args.json:
+                    return
+                sys.stdout.write(decoder.feed([tok]) if args.text is not None else f"{tok} ")
+                sys.stdout.flush()
+
+            gen = c.stream(prompt_arr, args.max_new_tokens, eos_token_id=args.eos,
+                           use_cache=not args.no_cache)
+            try:
+                with gen:
+                    for tok in gen:
+                        show(tok)
+            except KeyboardInterrupt:
+                print("\nkvrt generate: interrupted (request cancelled)", file=err)
+                return 130
+            r = gen.result
+    except RequestError as e:
+        print(f"\nkvrt generate: engine error ({e.code}): {e.message}", file=err)
+        return 1
+    except ClientError as e:
+        print(f"\nkvrt generate: error: {e}", file=err)
+        return 1
+    if args.json:
+        out = r.to_dict()
+        if args.text is not None:
+            out["text"] = tokenizer.decode(r.output_token_ids)
+        print(json.dumps(out))
+    else:
+        if args.text is not None:
+            sys.stdout.write(decoder.flush())
+        print()
+        tpot = f", TPOT {r.tpot_ms:.1f} ms" if r.tpot_ms is not None else ""
+        print(f"[{r.finish_reason}] {r.num_output_tokens} tokens; TTFT {r.ttft_ms:.1f} ms{tpot}, "
+              f"total {r.e2e_ms:.1f} ms; prompt {r.prompt_tokens} tokens, cached: device {r.cached_device}, "
+              f"host {r.cached_host}, storage {r.cached_storage}; computed {r.computed_prompt_tokens}", file=err)
+    return 0
