@@ -121,6 +121,17 @@ class TransferDone:
     error: str = ""
 
 
+@PROTOCOL.message("storage_keys")
+@dataclass
+class StorageKeys:
+    """cache-transfer rank -> engine at start-up, in batches: the keys its storage holds
+    (`last` marks the final batch). The engine's storage index starts from what every rank has."""
+
+    rank: int
+    keys: list
+    last: bool
+
+
 @PROTOCOL.message("shutdown")
 @dataclass
 class Shutdown:

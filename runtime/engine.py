@@ -35,6 +35,7 @@ from runtime.prefix_cache import PrefixCache
 from runtime.scheduler import Scheduler, Step, StepOutcome
 from runtime.sequence import Sequence
 from runtime.server import PEER, ApiServer
+from runtime.storage_index import StorageIndex
 from runtime.transfer import TaskResult, TransferClient
 
 log = logging.getLogger("kvrt.engine")
@@ -70,7 +71,10 @@ class Engine:
         self.owners = self._owner_tables()
         self.transfer = TransferClient(self.to_transfer, self.cfg.rank_timeout, owners=self.owners)
         self.metrics = Metrics(self.stats.array, self.ring_stats)
-        self.cache = PrefixCache(self.cfg.block_size, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
+        self.storage = StorageIndex(tp) if self.cfg.storage else None
+        self.cache = PrefixCache(self.cfg.block_size, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks,
+                                 storage_lookup=self.storage.lookup if self.storage is not None else None,
+                                 write_through=self.storage is not None)
         self.sched = Scheduler(self.cache, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         self._cache_task_of: dict[int, int] = {}  # transfer task id -> prefix-cache task id
         self._answers: dict[int, P.StepResult] = {}  # rank -> answer to the step in flight
@@ -298,6 +302,10 @@ class Engine:
         elif isinstance(msg, P.MessagerHello):
             if self.decode is not None:
                 self.decode.on_hello(msg)
+        elif isinstance(msg, P.StorageKeys) and self.storage is not None:
+            self.storage.listed(msg.rank, msg.keys, msg.last)
+            if self.storage.ready:
+                log.info("storage tier %s: %d blocks on every rank", self.cfg.storage, len(self.storage))
         elif isinstance(msg, P.TransferDone):
             result = self.transfer.on_answer(msg)
             if result is not None:
@@ -312,6 +320,12 @@ class Engine:
         self.metrics.swap_seconds.labels(result.task.kind).observe(result.seconds)
         if not result.ok:
             log.error("transfer task %d (%s) failed: %s", result.task.task_id, result.task.kind, result.error)
+        if self.storage is not None:
+            task = result.task
+            if task.kind == P.GPU2STORAGE and result.ok:
+                self.storage.add(task.keys)
+            elif task.kind == P.STORAGE2GPU:
+                self.storage.forget(task.keys[result.blocks if result.ok else 0:])  # missing or corrupt
         cache_id = self._cache_task_of.pop(result.task.task_id, None)
         if cache_id is not None:
             self.sched.on_task_outcome(self.cache.apply_task_result(cache_id, result.ok, result.blocks))
@@ -342,8 +356,8 @@ class Engine:
         self._intake()
         if self.decode is not None:
             self.decode.pump()  # answer P as soon as blocks are held, before any wait
-        if self.sched.inflight is None:
-            self._launch_step()
+        if self.sched.inflight is None and (self.storage is None or self.storage.ready):
+            self._launch_step()  # (requests wait for the storage listing: it can only hit more)
         try:
             got = self.fan.get(TICK_S)
             if got is not None:

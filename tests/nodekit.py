@@ -94,6 +94,18 @@ class NodeKit:
                     cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         for r in ranks:
             self.wait_ready(r, timeout)
+            if self.cfg["storage"]:
+                self.storage_listing(r)
+
+    def storage_listing(self, rank: int) -> list[bytes]:
+        """The keys rank `rank` listed at start (it does that before it is READY)."""
+        keys: list[bytes] = []
+        while True:
+            msg = PROTOCOL.decode(self.ends(rank)[1].get(5.0))
+            assert isinstance(msg, protocol.StorageKeys), f"expected the storage listing first, got {msg}"
+            keys += msg.keys
+            if msg.last:
+                return keys
 
     def wait_ready(self, rank: int, timeout: float) -> None:
         ready = self.signals[protocol.READY].array

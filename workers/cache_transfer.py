@@ -20,7 +20,7 @@ import numpy as np
 
 from ipc import protocol
 from ipc.errors import ProtocolError, WaitTimeout
-from ipc.protocol import PROTOCOL, Shutdown, TransferDone, TransferTask
+from ipc.protocol import PROTOCOL, Shutdown, StorageKeys, TransferDone, TransferTask
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 
@@ -63,6 +63,7 @@ class CacheTransfer:
                  self.tasks.name, self.device.num_blocks,
                  f"{self.host.num_blocks} blocks" if self.host is not None else "none",
                  self.child.cfg.get("storage") or "none", "on" if self.owners else "off")
+        self._list_storage()
         self.child.set_ready()
         while True:
             msg = self._next_message()
@@ -70,6 +71,18 @@ class CacheTransfer:
                 log.info("shutdown ordered (%s)", msg.reason or "no reason given")
                 return 0
             self._answer(self.execute(msg))
+
+    def _list_storage(self, batch: int = 2048) -> None:
+        """Tell the engine which keys this rank's storage holds (its storage index starts there)."""
+        if self.storage is None:
+            return
+        keys: list[bytes] = []
+        for key in self.storage.keys():
+            keys.append(key)
+            if len(keys) == batch:
+                self._answer(StorageKeys(self.rank, keys, False))
+                keys = []
+        self._answer(StorageKeys(self.rank, keys, True))
 
     def _next_message(self) -> TransferTask | Shutdown:
         """Wait for the next well-formed order, beating and checking for orphanhood meanwhile."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from typing import Iterator
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -44,6 +45,10 @@ class Storage(ABC):
     @abstractmethod
     def put(self, key: bytes, data: np.ndarray) -> None:
         """Store `data` (contiguous) under `key`; raises StorageError if it cannot."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]:
+        """Every key with an object for this rank (the engine's storage index starts from it)."""
 
 
 def _digest(key: bytes, payload: memoryview) -> int:
@@ -76,6 +81,19 @@ class FileStorage(Storage):
 
     def contains(self, key: bytes) -> bool:
         return os.path.exists(self.path(key))
+
+    def keys(self) -> Iterator[bytes]:
+        suffix = f".r{self.rank}.kvb"
+        for sub in sorted(os.listdir(self.directory)):
+            folder = os.path.join(self.directory, sub)
+            if len(sub) != 2 or not os.path.isdir(folder):
+                continue
+            for name in os.listdir(folder):
+                if name.endswith(suffix):
+                    try:
+                        yield bytes.fromhex(name[:-len(suffix)])
+                    except ValueError:
+                        continue  # not one of ours
 
     def get(self, key: bytes, out: np.ndarray) -> bool:
         path = self.path(key)
