@@ -15,8 +15,10 @@ BENCHES = {
     "ipc": ("bench.ipc", "ring vs multiprocessing.Queue, BaseManager over TCP and pyzmq ipc://"),
     "cache": ("bench.cache", "replay a request trace through the prefix cache (hit rates, blocks/s)"),
     "copy": ("bench.copy", "KV block swaps device<->host vs the memcpy limit, and end-to-end through cache-transfer"),
+    "pd": ("bench.pd", "P->D KV block transfer: shm and Mooncake transports vs memcpy and a raw TCP socket"),
     "replay": ("bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
 }
+DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 STRESS = {
     "ring": ("bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),
 }
@@ -93,7 +95,9 @@ def _add_launch(sub) -> None:
                    help=f"tokens per step: prefill chunks + decodes (default {d.max_num_batched_tokens})")
     p.add_argument("--demo", action="store_true",
                    help="run the built-in demo: a multi-turn workload with shared system prompts through this "
-                   "node, a results table, a status snapshot, then a clean stop (picks a free --port if none)")
+                   "node, a results table, a status snapshot, then a clean stop (picks a free --port if none; "
+                   "with the default pool sizes it uses %d device + %d host blocks so swaps show; child logs "
+                   "at WARNING unless -v)" % DEMO_BLOCKS)
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for every process to be ready")
     p.add_argument("--rank-timeout", type=float, default=d.rank_timeout, help="seconds to wait for a rank's answer to a task")
 
@@ -107,6 +111,9 @@ def launch(args) -> int:
     from workers import kv_pool
 
     port = args.port or (_free_port(args.host) if args.demo else 0)
+    d = NodeConfig(node="")
+    if args.demo and args.num_gpu_blocks == d.num_gpu_blocks and args.num_cpu_blocks == d.num_cpu_blocks:
+        args.num_gpu_blocks, args.num_cpu_blocks = DEMO_BLOCKS  # small enough that the host tier works too
     node = args.node or (f"kvrt{port}" if port else f"kvrt{os.getpid()}")
     cfg = NodeConfig(node=node, role=args.role, tp=args.tp, decode_peer=args.decode_peer,
                      pd_transport=args.pd_transport, pd_timeout=args.pd_timeout,
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES), add_help=False)
     sub.add_parser("stress", help="stress tests: " + ", ".join(STRESS), add_help=False)
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    quiet = args.command == "launch" and "--demo" in argv and not args.verbose
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in ("launch", "status", "clean"):
         args = parser.parse_args(argv)

@@ -192,6 +192,9 @@ def demo_job(cfg) -> Callable[[], int]:
             say(f"kvrt demo: error: {e}")
             return 1
         print(render(result), flush=True)
+        from runtime.status import render as render_status, snapshot
+
+        print("\nkvrt status --node " + cfg.node + "\n" + render_status(snapshot(cfg.node)), flush=True)
         return 1 if result.summary["errors"] else 0
 
     return job
