@@ -321,3 +321,21 @@ def test_replay_cli_no_node_exits_1(tmp_path):
     write_trace(trace, small_trace()[:1])
     r = kvrt("replay", "--port", "1", "--trace", str(trace), "--timeout", "0.5")
     assert r.returncode == 1 and "tcp://127.0.0.1:1" in r.stderr
+
+
+def test_progress_bar_on_a_terminal_and_in_a_log():
+    import io
+
+    from runtime.replay import Progress, ProgressBar
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        bar = ProgressBar("x", stream, every_s=0)
+        bar(Progress(0, 4, 0, 2, 0.0))
+        bar(Progress(4, 4, 1, 0, 2.0))
+    assert tty.getvalue().startswith("\r[") and "4/4 done" in tty.getvalue() and tty.getvalue().endswith("\n")
+    assert log.getvalue().splitlines()[-1] == "x: 4/4 done, 0 in flight, 2.0 req/s, ETA 0 s, 1 errors"
