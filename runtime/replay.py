@@ -31,7 +31,8 @@ import numpy as np
 
 from runtime.api import TokenEvent
 from runtime.client import DEFAULT_HOST, Client, ClientError, Result
-from runtime.trace import TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens, load_trace
+from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens, load_trace,
+                           to_vocab)
 
 TIERS = ("device", "host", "storage")
 
@@ -75,25 +76,6 @@ def scaled_tokens(req: TraceRequest, tokens_per_id: int, vocab_size: int | None 
     if vocab_size is None:
         return np.ascontiguousarray(tokens)
     return to_vocab(tokens, vocab_size)
-
-
-def to_vocab(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
-    """32-bit token words -> ids in 0..vocab_size-1: scrambled by a bijective 32-bit finalizer
-    (MurmurHash3's fmix32), then scaled by their high bits (word * vocab >> 32).
-
-    The trace words are (id * 512 + position) * odd, so neither their low bits (`% vocab`
-    depends on the position alone for a power-of-two vocabulary up to 512) nor their high bits
-    (two ids whose difference times 512 * odd is small mod 2**32 give nearly equal words at every
-    position) separate ids once reduced to a small vocabulary: both give unrelated trace prefixes
-    equal tokens. After the finalizer, distinct words are independent: two different 16-token
-    blocks agree with probability vocab**-16."""
-    x = np.asarray(tokens).view(np.uint32).copy()
-    x ^= x >> np.uint32(16)
-    x *= np.uint32(0x85EBCA6B)
-    x ^= x >> np.uint32(13)
-    x *= np.uint32(0xC2B2AE35)
-    x ^= x >> np.uint32(16)
-    return ((x.astype(np.uint64) * np.uint64(vocab_size)) >> np.uint64(32)).astype(np.int32)
 
 
 def _check_tpi(tokens_per_id: int) -> None:

@@ -36,6 +36,7 @@ class ApiServer:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client: drop, never block
+        self._router.setsockopt(zmq.SNDHWM, 0)  # a slow client queues; a ROUTER drops past its HWM
         try:
             self._router.bind(self.address)
         except zmq.ZMQError as e:
