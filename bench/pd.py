@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from bench import pd_e2e
 from ipc import protocol
 from ipc.registry import Registry
 from workers.backend import NumpyBackend, Pool, create_shm_pool
@@ -56,20 +57,6 @@ class Row:
     vs_socket: float | None = None
     target: str = ""
     ok: bool | None = None
-
-
-# ---- end-to-end section (hook) ------------------------------------------------------------
-# Each entry takes the parsed arguments and returns rows for a second table: plain dicts with a
-# "case" key and any metrics (e.g. TTFT p50/p99 of a P+D pair against a mixed node). The table
-# printer takes whatever columns the rows have; `--json` puts them under "e2e".
-E2E_SECTIONS: list[Callable[[argparse.Namespace], list[dict]]] = []
-
-
-def e2e_rows(args: argparse.Namespace) -> list[dict]:
-    rows: list[dict] = []
-    for section in E2E_SECTIONS:
-        rows += section(args)
-    return rows
 
 
 def print_extra(rows: list[dict]) -> None:
@@ -325,12 +312,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--head-dim", type=int, default=128, help="block shape: head dim (default 128)")
     p.add_argument("--dtype", default="float16", help="KV dtype (default float16: 512 KiB blocks)")
     p.add_argument("--repeat", type=int, default=9, help="timed transfers per case (default 9)")
+    p.add_argument("--e2e-requests", type=int, default=12, help="end to end: requests per case (default 12)")
+    p.add_argument("--e2e-prompt", type=int, default=1024, help="end to end: prompt tokens (default 1024)")
+    p.add_argument("--e2e-new", type=int, default=8, help="end to end: new tokens per request (default 8)")
+    p.add_argument("--no-e2e", action="store_true", help="only the transfer table (no nodes launched)")
     args = p.parse_args(argv)
     if args.blocks > args.pool_blocks or args.blocks < 1:
         p.error(f"--blocks must be 1..--pool-blocks ({args.pool_blocks})")
     args.repeat = max(args.repeat, 1)
     rows, notes = measure(args)
-    extra = e2e_rows(args)
+    extra = [] if args.no_e2e else pd_e2e.rows(args)
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "e2e": extra, "notes": notes}))
     else:

@@ -17,21 +17,16 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
+from bench.nodes import LaunchedNode, free_port
 from runtime.client import Client, ClientError
 from runtime.replay import (ProgressBar, add_trace_args, check_trace_args, fmt, ideal_hit_tokens_scaled, load_requests,
                             pct, replay, scaled_length, trace_prompts)
 
-REPO = Path(__file__).resolve().parents[1]
 AUTO_BLOCKS_MAX = 16384
 
 
@@ -58,79 +53,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Names
     if args.port and not 0 < args.port <= 65535:
         p.error(f"--port must be 1..65535, got {args.port}")
     return p, args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LaunchedNode:
-    """`kvrt launch` in a subprocess; stopped with SIGINT (then SIGKILL and `kvrt clean`) on exit."""
-
-    def __init__(self, args: argparse.Namespace, say):
-        self.port = args.port or free_port()
-        self.name = f"bench{os.getpid()}"
-        self.say = say
-        self.cmd = [sys.executable, "-m", "launcher", "launch", "--node", self.name, "--port", str(self.port),
-                    "--block-size", str(args.block_size), "--num-gpu-blocks", str(args.num_gpu_blocks),
-                    "--num-cpu-blocks", str(args.num_cpu_blocks), *shlex.split(args.launch_args)]
-        self._tmp = None
-        if args.log is None:
-            self._tmp = tempfile.NamedTemporaryFile("w+", prefix="kvrt-bench-replay-", suffix=".log", delete=False)
-            self.log_path = Path(self._tmp.name)
-            log = self._tmp
-        else:
-            self.log_path = args.log
-            log = open(args.log, "w")
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        log.close()
-        self.ready_timeout = args.ready_timeout
-
-    def log_tail(self, lines: int = 25) -> str:
-        try:
-            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
-        except OSError:
-            return ""
-
-    def wait_ready(self) -> None:
-        """Until the node answers info(); RuntimeError if it exits or the timeout passes."""
-        t0 = time.monotonic()
-        next_line = t0 + 2.0
-        with Client(self.port, timeout=1.0) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the node exited with code {self.proc.returncode} before answering; "
-                                       f"its log ({self.log_path}) ends:\n{self.log_tail()}")
-                try:
-                    c.info(timeout=0.5)
-                    return
-                except ClientError:
-                    pass
-                now = time.monotonic()
-                if now - t0 > self.ready_timeout:
-                    raise RuntimeError(f"the node did not answer info() on port {self.port} within "
-                                       f"{self.ready_timeout:g} s; its log ({self.log_path}) ends:\n{self.log_tail()}")
-                if now >= next_line:
-                    self.say(f"waiting for node {self.name} on port {self.port} ({now - t0:.0f} s)")
-                    next_line = now + 2.0
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.say(f"node {self.name} did not stop within 30 s of SIGINT: killing it")
-                self.proc.kill()
-                self.proc.wait(10)
-                subprocess.run([sys.executable, "-m", "launcher", "clean", "--node", self.name], cwd=REPO,
-                               capture_output=True, timeout=60)
-        if self._tmp is not None and self.proc.returncode == 0:
-            self.log_path.unlink(missing_ok=True)
-        return self.proc.returncode
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -187,7 +109,10 @@ def main(argv: list[str]) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    node = LaunchedNode(args, say)
+    node = LaunchedNode(f"bench{os.getpid()}", args.port or free_port(),
+                        ["--block-size", str(args.block_size), "--num-gpu-blocks", str(args.num_gpu_blocks),
+                         "--num-cpu-blocks", str(args.num_cpu_blocks), *shlex.split(args.launch_args)],
+                        say, args.ready_timeout, args.log)
     say(f"launching node {node.name} on port {node.port}: {' '.join(node.cmd[1:])}")
     results: dict[str, dict | None] = {"on": None, "off": None}
     try:

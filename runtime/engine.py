@@ -32,7 +32,7 @@ from runtime.intake import validate
 from runtime.ownership import OwnerTable, check_step
 from runtime import prefix_cache as pc
 from runtime.prefix_cache import PrefixCache
-from runtime.scheduler import Scheduler, Step, StepOutcome
+from runtime.scheduler import Scheduler, StepOutcome
 from runtime.sequence import Sequence
 from runtime.server import PEER, ApiServer
 from runtime.storage_index import StorageIndex

@@ -15,7 +15,6 @@ import numpy as np
 import psutil
 import pytest
 
-from runtime.client import RequestError
 from tests.conftest import REPO
 from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
 from tests.test_oracle import NEW, run_all, tokens
