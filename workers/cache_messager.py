@@ -14,6 +14,7 @@ one bad peer fails its requests, not the node.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 
@@ -36,7 +37,7 @@ class CacheMessager:
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
         self.transport = open_transport(cfg["pd_transport"], self.device,
-                                        {"node": cfg["node"], "rank": rank, "host": cfg["host"]})
+                                        {"node": cfg["node"], "rank": rank, "host": _reachable(cfg["host"])})
         self.orders = Consumer.attach(reg, P.to_messager(rank))
         self.answers = Producer.attach(reg, P.from_messager(rank))
 
@@ -96,6 +97,14 @@ class CacheMessager:
         for pool in (self.device, self.host):
             if pool is not None:
                 pool.close()
+
+
+def _reachable(host: str) -> str:
+    """The address peers use to reach this machine: `host`, unless it is a wildcard (a node
+    listening on every interface still has to publish one address that P can dial)."""
+    if host in ("", "0.0.0.0", "::", "*"):
+        return socket.gethostbyname(socket.gethostname())
+    return host
 
 
 def _serve(child: Child) -> int:
