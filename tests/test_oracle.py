@@ -141,3 +141,16 @@ def test_storage_tier_survives_a_restart(node, tmp_path, prompts, expected, env)
         assert again[0].cached_storage > 0, "the first request after a restart reads its prefix from storage"
         stats = ln.idle_stats()
         assert stats["hit_tokens_storage"] > 0 and stats["tasks_failed"] == 0
+
+
+def test_two_ranks_with_swaps(node, tmp_path, prompts):
+    """--tp 2: both workers compute, both cache-transfer ranks swap; rank 0's tokens are the
+    answer of the model over one rank's share of the KV heads."""
+    model = oracle(tp=2)
+    want = [model.generate_dense(p, NEW) for p in prompts]
+    opts = (*SMALL, "--tp", "2", "--num-gpu-blocks", "48", "--num-cpu-blocks", "64", "--max-num-batched-tokens", "64")
+    with launched(node, tmp_path, *opts, env={"KVRT_CHECK_OWNERSHIP": "1"}) as ln:
+        assert tokens(run_all(ln.client, prompts)) == want, ln.logs()
+        assert tokens(run_all(ln.client, prompts, concurrent=False)) == want
+        stats = ln.idle_stats()
+        assert stats["tasks_done"] > 0 and stats["tasks_failed"] == 0 and stats["device_used"] == 0
