@@ -95,9 +95,11 @@ def test_launch_ready_status_and_clean_stop(launched, node, tmp_path):
     assert not leftovers(node)
 
 
-@pytest.mark.parametrize("victim", ["engine[0]", "worker[0]", "cache-transfer[0]"])
+@pytest.mark.parametrize("victim", ["engine[0]", "worker[0]", "cache-transfer[0]", "cache-messager[0]"])
 def test_sigkill_of_a_child_stops_the_node_nonzero_and_clean(launched, node, victim):
-    n = launched("--num-cpu-blocks", "8")
+    from tests.launched import free_port
+
+    n = launched("--num-cpu-blocks", "8", "--role", "decode", "--port", str(free_port()))
     n.wait_for("ready:")
     pids = n.child_pids()
     t = time.monotonic()
@@ -149,6 +151,10 @@ def test_second_launch_of_a_live_name_is_refused(launched, node):
     (["--tp", "3"], "divide"),
     (["--port", "70000"], "--port"),
     (["--dtype", "floatx"], "--dtype"),
+    (["--role", "prefill", "--port", "7000"], "--decode-peer"),
+    (["--role", "decode"], "--port"),
+    (["--decode-peer", "tcp://127.0.0.1:1"], "--role prefill"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--num-gpu-blocks", "100000000"], "/dev/shm"),
 ])
 def test_bad_configuration_gets_a_clear_error(node, args, text):
