@@ -118,7 +118,7 @@ def wait_for(cond, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.02)  # polling another process's counters in a test, not a hot path
 
 
-LONG = ("--max-num-batched-tokens", "16", "--max-model-len", "8192", "--num-gpu-blocks", "1024")
+LONG = ("--max-num-batched-tokens", "4", "--max-model-len", "8192", "--num-gpu-blocks", "1024")
 
 
 def test_killing_d_mid_handoff_fails_the_request_and_frees_p(pd_node, tmp_path):
@@ -164,6 +164,7 @@ def test_killing_p_after_d_preallocated_returns_ds_blocks(pd_node, tmp_path):
                 kill_node(plauncher)
         wait_for(lambda: d.engine_stats()["device_used"] == 0, "D's lease to return the blocks", timeout=15)
         stats = d.idle_stats()
+        assert stats["finished_requests"] == 0, "P was killed before its handoff: D never decoded"
         assert stats["failed_requests"] >= 1 and stats["device_used"] == 0
 
 
