@@ -51,7 +51,7 @@ def _add_launch(sub) -> None:
     from runtime.config import NodeConfig
 
     d = NodeConfig(node="")
-    p = sub.add_parser("launch", help="start a node: engine, workers, cache-transfer processes",
+    p = sub.add_parser("launch", help="start a node (engine, workers, cache-transfer/messager processes); --demo runs the demo",
                        description="Start one kvrt node and supervise it until SIGINT/SIGTERM. Creates every "
                        "shared-memory object of the node, starts its processes, waits until each is ready, and "
                        "stops the node cleanly (exit 1) if any process dies.")

@@ -110,6 +110,9 @@ def render(snap: dict) -> str:
                   f"{e['seqs_loading']:.0f}  steps {e['steps']:.0f}  preemptions {e['preemptions']:.0f}  "
                   f"finished {e['finished_requests']:.0f}  failed {e['failed_requests']:.0f}  generated tokens "
                   f"{e['generated_tokens']:.0f}  prompt tokens computed {e['computed_prompt_tokens']:.0f}"]
+        if cfg.get("role", "mixed") != "mixed":
+            lines.append(f"PD role {cfg['role']}  transport {cfg.get('pd_transport', '?')}  "
+                         f"KV bytes sent to the decode node {e['pd_sent_bytes']:.0f}")
     return "\n".join(lines)
 
 
