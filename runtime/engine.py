@@ -219,6 +219,8 @@ class Engine:
         now = time.monotonic()
         self.count_finished(seq)
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
+        if seq.first_token_at:
+            self.metrics.ttft_seconds.observe(ttft / 1e3)
         self.reply(seq.client, api.FinishedEvent(
             seq.request_id, seq.output.copy(), seq.finish_reason, seq.prompt_len, *seq.cached,
             seq.computed_prompt_tokens, seq.preemptions, ttft, (now - seq.arrival) * 1e3))

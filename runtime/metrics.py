@@ -42,6 +42,18 @@ class _StatsCollector:
                                   value=float(s[STAT["tasks_failed"]]))
         yield GaugeMetricFamily("kvrt_transfer_tasks_inflight", "transfer tasks in flight",
                                 value=float(s[STAT["tasks_inflight"]]))
+        for name, stat, what in (("kvrt_requests_finished", "finished_requests", "requests answered to the end"),
+                                 ("kvrt_requests_failed", "failed_requests", "requests that ended in an error"),
+                                 ("kvrt_generated_tokens", "generated_tokens", "output tokens sampled"),
+                                 ("kvrt_prompt_tokens_computed", "computed_prompt_tokens", "prompt tokens the model ran"),
+                                 ("kvrt_preemptions", "preemptions", "sequences preempted for blocks"),
+                                 ("kvrt_steps", "steps", "forward steps sent to the workers"),
+                                 ("kvrt_pd_sent_bytes", "pd_sent_bytes", "KV bytes written into the decode node")):
+            yield CounterMetricFamily(name, what, value=float(s[STAT[stat]]))
+        seqs = GaugeMetricFamily("kvrt_sequences", "sequences by scheduler state", labels=["state"])
+        for state in ("running", "waiting", "loading"):
+            seqs.add_metric([state], float(s[STAT[f"seqs_{state}"]]))
+        yield seqs
         depth = GaugeMetricFamily("kvrt_ring_depth_bytes", "bytes waiting in a ring", labels=["ring"])
         for name, st in self._rings().items():
             depth.add_metric([name], float(st["depth_bytes"]))
@@ -55,6 +67,8 @@ class Metrics:
         self.swap_seconds = Histogram("kvrt_transfer_task_seconds", "transfer task latency (all ranks)",
                                       ["kind"], registry=self.registry,
                                       buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10))
+        self.ttft_seconds = Histogram("kvrt_ttft_seconds", "time from intake to the first token", registry=self.registry,
+                                      buckets=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30))
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="127.0.0.1", registry=self.registry)

@@ -192,6 +192,8 @@ def test_prometheus_metrics_served(launched):
     assert 'kvrt_prefix_hit_tokens_total{tier="host"}' in body
     assert 'kvrt_ring_depth_bytes{ring="engine.to.transfer.0"}' in body
     assert "# TYPE kvrt_transfer_task_seconds histogram" in body
+    assert "# TYPE kvrt_ttft_seconds histogram" in body
+    assert 'kvrt_sequences{state="running"} 0.0' in body and "kvrt_generated_tokens_total 0.0" in body
     n.proc.send_signal(signal.SIGTERM)
     assert n.proc.wait(20) == 0
 
