@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 log = logging.getLogger(__name__)
+LEASE_MARGIN_S = 1.0  # P starts a send only if it ends (at worst) this long before D's lease does
 
 
 @dataclass
@@ -74,6 +75,8 @@ class PrefillSide:
         self.pending: dict[str, _Pending] = {}
         self.sends: dict[int, _Send] = {}
         self.relays: dict[str, _Relay] = {}
+        self.leases: dict[str, float] = {}  # request -> when D's hold on its blocks ends (P's clock)
+        self.lost: dict[str, api.ErrorEvent] = {}  # requests D gave up on while P still prefills
         self._task_ids = itertools.count(1)
 
     def busy(self, request_id: str) -> bool:
@@ -95,7 +98,15 @@ class PrefillSide:
         if request_id in self.relays:
             self.e.send_peer(api.CancelRequest(request_id))
             return True
+        self.ended_here(request_id)  # still prefilling here (if at all): D can let go now
         return False
+
+    def ended_here(self, request_id: str) -> None:
+        """A handoff request ended on P before its handoff (EOS as the first token, a failed
+        step, a cancel): D can give its blocks back now instead of at the lease's end."""
+        if self.leases.pop(request_id, None) is not None:
+            self.lost.pop(request_id, None)
+            self.e.send_peer(api.PdAbort(request_id, "the request ended on the prefill node"))
 
     # ---- messages from D ------------------------------------------------------------------
     def on_peer(self, msg) -> None:
@@ -134,6 +145,7 @@ class PrefillSide:
         seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size, client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
                            handoff=True, remote=msg, arrival=p.arrival)
+        self.leases[req.request_id] = p.arrival + msg.lease_s  # D's lease began after our ask: safe side
         self.e.sched.add(seq)
 
     def _peer_error(self, msg: api.ErrorEvent) -> None:
@@ -143,6 +155,9 @@ class PrefillSide:
         elif (r := self.relays.pop(rid, None)) is not None:
             self.e.count_failed()
             self.e.reply(r.seq.client, msg)
+        elif rid in self.leases:  # D let the blocks go while P prefills: never write into them
+            log.warning("decode node gave up %s before the handoff: %s", rid, msg.message)
+            self.lost[rid] = msg
         else:
             log.warning("decode node error for %s: %s: %s", rid or "(no request)", msg.code, msg.message)
 
@@ -155,6 +170,19 @@ class PrefillSide:
     def start_send(self, seq: Sequence) -> None:
         """The prefill is done (first token out): write the blocks D lacks into D's blocks."""
         alloc: api.PdAllocated = seq.remote
+        rid = seq.request_id
+        lease_end = self.leases.pop(rid, 0.0)
+        lost = self.lost.pop(rid, None)
+        if lost is not None or time.monotonic() + self.e.cfg.rank_timeout + LEASE_MARGIN_S > lease_end:
+            why = (f"decode node: {lost.message}" if lost is not None else
+                   f"the decode node's lease on the blocks of {rid} ends before a handoff could finish "
+                   f"(prefill took too long; raise --pd-timeout)")
+            if lost is None:
+                self.e.send_peer(api.PdAbort(rid, why))
+            self.e.sched.drop(seq, "error")
+            self.e.count_failed()
+            self.e.reply(seq.client, api.ErrorEvent(rid, api.FAILED, why))
+            return
         bs = self.e.cfg.block_size
         first, last = alloc.cached_tokens // bs, -(-seq.prompt_len // bs)
         src = np.asarray(self.e.cache.block_table(seq.request_id)[first:last], dtype=np.int32)

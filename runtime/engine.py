@@ -218,6 +218,8 @@ class Engine:
     def finished(self, seq: Sequence) -> None:
         now = time.monotonic()
         self.count_finished(seq)
+        if self.prefill is not None:
+            self.prefill.ended_here(seq.request_id)
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
         if seq.first_token_at:
             self.metrics.ttft_seconds.observe(ttft / 1e3)
@@ -234,6 +236,8 @@ class Engine:
         for seq in out.finished:
             self.finished(seq)
         for seq, why in out.failed:
+            if self.prefill is not None:
+                self.prefill.ended_here(seq.request_id)
             self.count_failed()
             self.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
         for seq in out.handoff:

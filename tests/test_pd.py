@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
+from runtime.client import RequestError
 from tests.conftest import REPO
 from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
 from tests.test_oracle import NEW, run_all, tokens
@@ -177,3 +178,15 @@ def _answers(client) -> bool:
     except ClientError:
         return False
 
+
+
+def test_a_lease_too_short_for_the_handoff_fails_cleanly(pd_node, tmp_path):
+    """P never writes into blocks whose lease may end mid-write: with a 1 s lease and a 1 s
+    bound on a send, every handoff is refused; the request fails naming the lease, and both
+    sides end with no block in use."""
+    with pd_pair(pd_node, tmp_path, d_opts=("--pd-timeout", "1"), p_opts=("--rank-timeout", "1")) as (p, d):
+        with pytest.raises(RequestError) as e:
+            p.client.generate(np.arange(40, dtype=np.int32), 4)
+        assert e.value.code == "failed" and "lease" in str(e.value), str(e.value)
+        assert p.idle_stats()["device_used"] == 0 and d.idle_stats()["device_used"] == 0
+        assert p.client.generate([1, 2, 3], 1).finish_reason == "length"

@@ -36,8 +36,11 @@ class CacheMessager:
         cfg, reg, rank = child.cfg, child.reg, child.rank
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
+        # a write must end before the engine gives up on it (and so before D's lease ends)
+        options = {"timeout_s": cfg["rank_timeout"]} if cfg["pd_transport"] == "mooncake" else {}
         self.transport = open_transport(cfg["pd_transport"], self.device,
-                                        {"node": cfg["node"], "rank": rank, "host": _reachable(cfg["host"])})
+                                        {"node": cfg["node"], "rank": rank, "host": _reachable(cfg["host"])},
+                                        **options)
         self.orders = Consumer.attach(reg, P.to_messager(rank))
         self.answers = Producer.attach(reg, P.from_messager(rank))
 
