@@ -19,7 +19,6 @@ import sys
 import time
 
 from ipc import protocol as P
-from ipc.errors import ProtocolError, WaitTimeout
 from ipc.ring import Consumer, Producer
 
 from .child import Child, run_child
@@ -27,7 +26,6 @@ from .kv_pool import attach_pools
 from .transport import TransferError, open_transport
 
 log = logging.getLogger("workers.cache_messager")
-WAIT_S = 0.2  # longest ring wait between heartbeats and orphan checks
 
 
 class CacheMessager:
@@ -45,28 +43,10 @@ class CacheMessager:
         self.answers = Producer.attach(reg, P.from_messager(rank))
 
     def serve(self) -> int:
-        self._answer(P.MessagerHello(self.rank, self.transport.descriptor()))
+        self.child.answer(self.answers, P.MessagerHello(self.rank, self.transport.descriptor()))
         log.info("serving %s over the %s transport", self.orders.name, self.transport.name)
         self.child.set_ready()
-        while True:
-            self.child.tick()
-            try:
-                rec = self.orders.get(WAIT_S)
-            except WaitTimeout:
-                continue
-            try:
-                msg = P.PROTOCOL.decode(rec)
-            except ProtocolError as e:
-                self.orders.count_protocol_error()
-                log.warning("malformed message on %s skipped: %s", self.orders.name, e)
-                continue
-            if isinstance(msg, P.Shutdown):
-                log.info("shutdown ordered (%s)", msg.reason or "no reason given")
-                return 0
-            if isinstance(msg, P.SendBlocks):
-                self._answer(self.send(msg))
-            else:
-                log.warning("unexpected %s on %s", type(msg).__name__, self.orders.name)
+        return self.child.serve_orders(self.orders, self.answers, {P.SendBlocks: self.send})
 
     def send(self, order: P.SendBlocks) -> P.SendDone:
         t0 = time.perf_counter()
@@ -83,15 +63,6 @@ class CacheMessager:
             return P.SendDone(order.task_id, self.rank, False, 0, time.perf_counter() - t0,
                               f"{what}: {type(e).__name__}: {e}")
         return P.SendDone(order.task_id, self.rank, True, nbytes, time.perf_counter() - t0)
-
-    def _answer(self, msg) -> None:
-        data = P.PROTOCOL.encode(msg)
-        while True:
-            try:
-                self.answers.put(data, WAIT_S)
-                return
-            except WaitTimeout:
-                self.child.tick()
 
     def close(self) -> None:
         self.answers.close()
@@ -110,16 +81,8 @@ def _reachable(host: str) -> str:
     return host
 
 
-def _serve(child: Child) -> int:
-    messager = CacheMessager(child)
-    try:
-        return messager.serve()
-    finally:
-        messager.close()
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_child(P.ROLE_MESSAGER, _serve, argv)
+    return run_child(P.ROLE_MESSAGER, CacheMessager, argv)
 
 
 if __name__ == "__main__":

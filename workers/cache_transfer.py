@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 from ipc import protocol
-from ipc.errors import ProtocolError, WaitTimeout
-from ipc.protocol import PROTOCOL, Shutdown, StorageKeys, TransferDone, TransferTask
+from ipc.errors import ProtocolError
+from ipc.protocol import StorageKeys, TransferDone, TransferTask
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 
@@ -29,8 +29,6 @@ from .kv_pool import OwnershipError, PoolError, attach_pools, check_blocks, chec
 from .storage import StorageError, open_storage
 
 log = logging.getLogger("workers.cache_transfer")  # not __main__ under python -m
-
-WAIT_S = 0.2  # longest ring wait between heartbeats and orphan checks
 
 
 class CacheTransfer:
@@ -65,12 +63,7 @@ class CacheTransfer:
                  self.child.cfg.get("storage") or "none", "on" if self.owners else "off")
         self._list_storage()
         self.child.set_ready()
-        while True:
-            msg = self._next_message()
-            if isinstance(msg, Shutdown):
-                log.info("shutdown ordered (%s)", msg.reason or "no reason given")
-                return 0
-            self._answer(self.execute(msg))
+        return self.child.serve_orders(self.tasks, self.answers, {TransferTask: self.execute})
 
     def _list_storage(self, batch: int = 2048) -> None:
         """Tell the engine which keys this rank's storage holds (its storage index starts there)."""
@@ -80,48 +73,15 @@ class CacheTransfer:
         for key in self.storage.keys():
             keys.append(key)
             if len(keys) == batch:
-                self._answer(StorageKeys(self.rank, keys, False))
+                self.child.answer(self.answers, StorageKeys(self.rank, keys, False))
                 keys = []
-        self._answer(StorageKeys(self.rank, keys, True))
-
-    def _next_message(self) -> TransferTask | Shutdown:
-        """Wait for the next well-formed order, beating and checking for orphanhood meanwhile."""
-        while True:
-            self.child.tick()
-            try:
-                rec = self.tasks.get(WAIT_S)
-            except WaitTimeout:
-                continue
-            msg = self._decode(rec)
-            if msg is not None:
-                return msg
-
-    def _decode(self, rec: bytes) -> TransferTask | Shutdown | None:
-        try:
-            msg = PROTOCOL.decode(rec)
-            if not isinstance(msg, (TransferTask, Shutdown)):
-                raise ProtocolError(f"unexpected {type(msg).__name__} on the task ring")
-            if isinstance(msg, TransferTask) and not isinstance(msg.task_id, int):
-                raise ProtocolError(f"task id {msg.task_id!r} is not an integer")
-        except ProtocolError as e:
-            self.tasks.count_protocol_error()
-            log.warning("malformed message on %s skipped: %s", self.tasks.name, e)
-            return None
-        return msg
-
-    def _answer(self, done: TransferDone) -> None:
-        """Publish the answer; a full ring waits (never drops) while the engine is alive."""
-        data = PROTOCOL.encode(done)
-        while True:
-            try:
-                self.answers.put(data, WAIT_S)
-                return
-            except WaitTimeout:
-                self.child.tick()
+        self.child.answer(self.answers, StorageKeys(self.rank, keys, True))
 
     # ---- tasks --------------------------------------------------------------------------
     def execute(self, task: TransferTask) -> TransferDone:
         """Run one task; any failure becomes ok=False with the reason, never an exit."""
+        if not isinstance(task.task_id, int):
+            raise ProtocolError(f"task id {task.task_id!r} is not an integer")  # cannot be answered
         t0 = time.perf_counter()
         what = f"task {task.task_id} ({task.kind}) on cache-transfer[{self.rank}]"
         try:
@@ -218,16 +178,8 @@ def _owner_table(reg, obj: str, rank: int) -> np.ndarray:
     return table[rank] if table.ndim == 2 else table
 
 
-def _serve(child: Child) -> int:
-    ct = CacheTransfer(child)
-    try:
-        return ct.serve()
-    finally:
-        ct.close()
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_child(protocol.ROLE_TRANSFER, _serve, argv)
+    return run_child(protocol.ROLE_TRANSFER, CacheTransfer, argv)
 
 
 if __name__ == "__main__":

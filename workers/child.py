@@ -19,17 +19,19 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from ipc import protocol
-from ipc.errors import ChannelClosed, IpcError, PeerDead
+from ipc.errors import ChannelClosed, IpcError, PeerDead, ProtocolError, WaitTimeout
 from ipc.member import Member
 from ipc.registry import Registry
+from ipc.ring import Consumer, Producer
 
 log = logging.getLogger(__name__)
 
 ORPHAN_GRACE_S = 2.0
 CHECK_EVERY_S = 0.5
+WAIT_S = 0.2  # longest ring wait between heartbeats and orphan checks
 EXIT_OK, EXIT_FAILED, EXIT_ORPHAN = 0, 1, 3
 
 
@@ -117,6 +119,51 @@ class Child:
         if now - self._gone_since >= ORPHAN_GRACE_S:
             raise Orphaned(f"{why} (for {now - self._gone_since:.1f}s)")
 
+    def answer(self, ring: Producer, msg: Any) -> None:
+        """Publish `msg`; a full ring waits (never drops) while this process stays a member."""
+        data = protocol.PROTOCOL.encode(msg)
+        while True:
+            try:
+                ring.put(data, WAIT_S)
+                return
+            except WaitTimeout:
+                self.tick()
+
+    def serve_orders(self, orders: Consumer, answers: Producer, handlers: dict[type, Callable[[Any], Any]]) -> int:
+        """Until Shutdown: take each order (beating and watching for orphanhood meanwhile), run
+        the handler of its type and publish what it returns. A malformed order, or one of a type
+        this role does not take, is counted on the ring and skipped; a handler may refuse an
+        order the same way by raising ProtocolError."""
+        while True:
+            self.tick()
+            try:
+                rec = orders.get(WAIT_S)
+            except WaitTimeout:
+                continue
+            try:
+                msg = protocol.PROTOCOL.decode(rec)
+                if isinstance(msg, protocol.Shutdown):
+                    log.info("shutdown ordered (%s)", msg.reason or "no reason given")
+                    return EXIT_OK
+                handler = handlers.get(type(msg))
+                if handler is None:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} on {orders.name}")
+                reply = handler(msg)
+            except ProtocolError as e:
+                orders.count_protocol_error()
+                log.warning("malformed message on %s skipped: %s", orders.name, e)
+                continue
+            self.answer(answers, reply)
+
+
+class Server(Protocol):
+    """What a role's process is: built from its Child, then `serve()` until stopped; `close()`
+    always runs after."""
+
+    def serve(self) -> int: ...
+
+    def close(self) -> None: ...
+
 
 def parse_args(role: int, argv: list[str] | None) -> argparse.Namespace:
     name = protocol.ROLE_NAMES[role]
@@ -135,11 +182,11 @@ def setup_logging(tag: str, level: str) -> None:
                         format=f"%(asctime)s %(levelname)s {tag} %(name)s: %(message)s")
 
 
-def run_child(role: int, body: Callable[[Child], int], argv: list[str] | None = None) -> int:
-    """Parse the command line, join the node, run `body`, and leave cleanly (READY lowered,
-    mappings closed) whatever happened. Returns the exit status: EXIT_OK for an ordered stop
+def run_child(role: int, make: Callable[[Child], Server], argv: list[str] | None = None) -> int:
+    """Parse the command line, join the node, build the role's server and serve, and leave
+    cleanly (server closed, READY lowered) whatever happened. Returns the exit status: EXIT_OK for an ordered stop
     (Shutdown, a closed ring, SIGTERM), EXIT_ORPHAN when the engine or the launcher is gone,
-    EXIT_FAILED when joining or `body` failed."""
+    EXIT_FAILED when joining or serving failed."""
     args = parse_args(role, argv)
     tag = f"{protocol.ROLE_NAMES[role]}[{args.rank}]"
     setup_logging(tag, args.log_level)
@@ -150,7 +197,11 @@ def run_child(role: int, body: Callable[[Child], int], argv: list[str] | None = 
         log.error("cannot join node %s: %s", args.node, e)
         return EXIT_FAILED
     try:
-        return body(Child(member, stop))
+        server = make(Child(member, stop))
+        try:
+            return server.serve()
+        finally:
+            server.close()
     except Terminated as e:
         log.info("stopping: %s", e)
         return EXIT_OK

@@ -16,7 +16,6 @@ import time
 import numpy as np
 
 from ipc import protocol as P
-from ipc.errors import ProtocolError, WaitTimeout
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 
@@ -26,7 +25,6 @@ from .kv_pool import OwnershipError, attach_pools, check_owners
 from .model import Model, ModelShape, SeqInput
 
 log = logging.getLogger("workers.worker")
-WAIT_S = 0.2  # longest ring wait between heartbeats and orphan checks
 _NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
@@ -46,25 +44,7 @@ class Worker:
         log.info("serving %s: %d device blocks, model %s, ownership checks %s", self.orders.name,
                  self.device.num_blocks, self.model.shape, "on" if self.owners is not None else "off")
         self.child.set_ready()
-        while True:
-            self.child.tick()
-            try:
-                rec = self.orders.get(WAIT_S)
-            except WaitTimeout:
-                continue
-            try:
-                msg = P.PROTOCOL.decode(rec)
-            except ProtocolError as e:
-                self.orders.count_protocol_error()
-                log.warning("malformed message on %s skipped: %s", self.orders.name, e)
-                continue
-            if isinstance(msg, P.Shutdown):
-                log.info("shutdown ordered (%s)", msg.reason or "no reason given")
-                return 0
-            if isinstance(msg, P.StepBatch):
-                self._answer(self.run_step(msg))
-            else:
-                log.warning("unexpected %s on %s", type(msg).__name__, self.orders.name)
+        return self.child.serve_orders(self.orders, self.answers, {P.StepBatch: self.run_step})
 
     def run_step(self, step: P.StepBatch) -> P.StepResult:
         """Compute one step; any failure becomes an error answer, never an exit."""
@@ -104,15 +84,6 @@ class Worker:
             check_owners(self.owners, s.block_table[:first], "device", what,
                          (P.OWNER_WORKER, P.OWNER_CACHE, P.OWNER_TRANSFER))
 
-    def _answer(self, result: P.StepResult) -> None:
-        data = P.PROTOCOL.encode(result)
-        while True:
-            try:
-                self.answers.put(data, WAIT_S)
-                return
-            except WaitTimeout:
-                self.child.tick()
-
     def close(self) -> None:
         self.answers.close()
         self.orders.detach()
@@ -121,16 +92,8 @@ class Worker:
                 pool.close()
 
 
-def _serve(child: Child) -> int:
-    worker = Worker(child)
-    try:
-        return worker.serve()
-    finally:
-        worker.close()
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_child(P.ROLE_WORKER, _serve, argv)
+    return run_child(P.ROLE_WORKER, Worker, argv)
 
 
 if __name__ == "__main__":
