@@ -24,8 +24,9 @@ import numpy as np
 
 from bench.nodes import LaunchedNode, free_port
 from runtime.client import Client, ClientError
-from runtime.replay import (ProgressBar, add_trace_args, check_trace_args, fmt, ideal_hit_tokens_scaled, load_requests,
-                            pct, replay, scaled_length, trace_prompts)
+from runtime.replay import (ProgressBar, add_trace_args, check_trace_args, fmt, load_requests, pct, replay,
+                            scaled_length, trace_prompts)
+from runtime.trace import ideal_hit_tokens
 
 AUTO_BLOCKS_MAX = 16384
 
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> int:
         say(f"kvrt bench replay: note: the node exited with code {rc} at stop; log: {node.log_path}")
     scaled = [s.trace for s in specs]
     total = sum(t.input_length for t in scaled)
-    ideal = ideal_hit_tokens_scaled(scaled, args.tokens_per_id, info.block_size) / total if total else None
+    ideal = ideal_hit_tokens(scaled, info.block_size, args.tokens_per_id) / total if total else None
     on, off = results["on"], results["off"]
 
     def get(s, *path):

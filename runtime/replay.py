@@ -11,8 +11,8 @@ T tokens of its 512-token expansion (runtime/trace.py's formula), so equal ids g
 and input_length scales by T/512 (rounded up, so a request keeps all its ids). Token words are
 scrambled before they are brought into the model's vocabulary (`to_vocab`): a plain
 `% vocab_size` of them makes unrelated ids share tokens.
-`ideal_hit_tokens_scaled` is runtime.trace.ideal_hit_tokens for such a scaled trace, at any
-block size (a block may end inside an id or span several).
+runtime.trace.ideal_hit_tokens(requests, block_size, T) gives the ideal hit count of such a
+scaled trace, at any block size (a block may end inside an id or span several).
 
 `kvrt replay --port P [...]` is `main` below.
 """
@@ -25,14 +25,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence, TextIO
+from typing import Any, Callable, Protocol, Sequence, TextIO
 
 import numpy as np
 
 from runtime.api import TokenEvent
 from runtime.client import DEFAULT_HOST, Client, ClientError, Result
-from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens, load_trace,
-                           to_vocab)
+from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens, ideal_hit_tokens,
+                           load_trace, to_vocab)
 
 TIERS = ("device", "host", "storage")
 
@@ -81,43 +81,6 @@ def scaled_tokens(req: TraceRequest, tokens_per_id: int, vocab_size: int | None 
 def _check_tpi(tokens_per_id: int) -> None:
     if not 1 <= tokens_per_id <= TRACE_BLOCK:
         raise ValueError(f"tokens per trace id must be 1..{TRACE_BLOCK}, got {tokens_per_id}")
-
-
-def ideal_hit_tokens_scaled(requests: Iterable[TraceRequest], tokens_per_id: int, block_size: int) -> int:
-    """Prompt tokens an unlimited prefix cache serves, requests one after another, when each
-    trace id stands for `tokens_per_id` tokens and `input_length` is already scaled (as from
-    scale_request). With 512 tokens per id this equals runtime.trace.ideal_hit_tokens.
-
-    A full block is identified by the prefix it ends: the trie node of the id holding its last
-    token and that token's offset in the id. A request hits its leading blocks seen before,
-    except that a prompt matching entirely gives its last block back (its last token is
-    recomputed), as in the prefix cache.
-    """
-    _check_tpi(tokens_per_id)
-    if block_size <= 0:
-        raise ValueError(f"block size must be positive, got {block_size}")
-    trie: dict[tuple[int, int], int] = {}
-    seen = np.zeros(4096, dtype=bool)
-    hits = 0
-    for req in requests:
-        full = req.input_length // block_size
-        if full == 0:
-            continue
-        node, nodes = -1, []
-        for h in req.hash_ids[:-(-req.input_length // tokens_per_id)]:
-            node = trie.setdefault((node, h), len(trie))
-            nodes.append(node)
-        ends = np.arange(1, full + 1, dtype=np.int64) * block_size - 1
-        keys = np.asarray(nodes, dtype=np.int64)[ends // tokens_per_id] * tokens_per_id + ends % tokens_per_id
-        if len(trie) * tokens_per_id > len(seen):
-            seen = np.concatenate([seen, np.zeros(len(trie) * tokens_per_id * 2 - len(seen), dtype=bool)])
-        new = np.flatnonzero(~seen[keys])
-        matched = int(new[0]) if len(new) else full
-        if matched * block_size == req.input_length:
-            matched -= 1
-        hits += matched * block_size
-        seen[keys] = True
-    return hits
 
 
 def trace_prompts(requests: Sequence[TraceRequest], tokens_per_id: int = TRACE_BLOCK, *,
@@ -552,7 +515,7 @@ def main(argv: list[str]) -> int:
     scaled = [s.trace for s in specs]
     cut = sum(s.trace.input_length < scaled_length(r.input_length, args.tokens_per_id)
               for s, r in zip(specs, requests))
-    ideal = ideal_hit_tokens_scaled(scaled, args.tokens_per_id, info.block_size)
+    ideal = ideal_hit_tokens(scaled, info.block_size, args.tokens_per_id)
     total = sum(t.input_length for t in scaled)
     out = res.summary()
     out["ideal_hit_rate"] = ideal / total if total else None

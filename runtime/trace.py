@@ -102,36 +102,42 @@ def num_blocks(req: TraceRequest, block_size: int) -> int:
     return -(-req.input_length // block_size)
 
 
-def ideal_hit_tokens(requests: Iterable[TraceRequest], block_size: int) -> int:
-    """Prompt tokens an unlimited prefix cache serves when requests run one after another.
+def ideal_hit_tokens(requests: Iterable[TraceRequest], block_size: int, tokens_per_id: int = TRACE_BLOCK) -> int:
+    """Prompt tokens an unlimited prefix cache serves, requests one after another, when each
+    trace id stands for `tokens_per_id` tokens (512 in the trace itself; fewer for a trace scaled
+    by runtime.replay.scale_request, whose `input_length` is already scaled). Computed from
+    hash_ids alone, independently of the cache.
 
-    Computed from hash_ids alone, independently of the cache: a block is identified by the trie
-    node of the ids up to its own and its offset inside that 512-token id; a request hits its
-    leading full blocks seen before, except that a prompt matching entirely gives its last block
-    back (its last token is recomputed).
+    A full block is identified by the prefix it ends: the trie node of the id holding its last
+    token and that token's offset in the id. A request hits its leading blocks seen before,
+    except that a prompt matching entirely gives its last block back (its last token is
+    recomputed), as in the prefix cache.
     """
-    if TRACE_BLOCK % block_size:
-        raise ValueError(f"block size {block_size} does not divide {TRACE_BLOCK}")
-    per_id = TRACE_BLOCK // block_size
-    offsets = np.arange(per_id)
+    if not 1 <= tokens_per_id <= TRACE_BLOCK:
+        raise ValueError(f"tokens per trace id must be 1..{TRACE_BLOCK}, got {tokens_per_id}")
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
     trie: dict[tuple[int, int], int] = {}
-    seen = np.zeros(1024, dtype=bool)  # by trie node * per_id + offset, grown as needed
+    seen = np.zeros(4096, dtype=bool)
     hits = 0
     for req in requests:
-        node, nodes = 0, []
-        for h in req.hash_ids:
+        full = req.input_length // block_size
+        if full == 0:
+            continue
+        node, nodes = -1, []
+        for h in req.hash_ids[:-(-req.input_length // tokens_per_id)]:
             node = trie.setdefault((node, h), len(trie))
             nodes.append(node)
-        full = req.input_length // block_size
-        blocks = (np.array(nodes)[:, None] * per_id + offsets).ravel()[:full]
-        if len(trie) * per_id > len(seen):
-            seen = np.concatenate([seen, np.zeros(len(trie) * per_id * 2 - len(seen), dtype=bool)])
-        new = np.flatnonzero(~seen[blocks])
+        ends = np.arange(1, full + 1, dtype=np.int64) * block_size - 1
+        keys = np.asarray(nodes, dtype=np.int64)[ends // tokens_per_id] * tokens_per_id + ends % tokens_per_id
+        if len(trie) * tokens_per_id > len(seen):
+            seen = np.concatenate([seen, np.zeros(len(trie) * tokens_per_id * 2 - len(seen), dtype=bool)])
+        new = np.flatnonzero(~seen[keys])
         matched = int(new[0]) if len(new) else full
         if matched * block_size == req.input_length:
             matched -= 1
         hits += matched * block_size
-        seen[blocks] = True
+        seen[keys] = True
     return hits
 
 

@@ -18,8 +18,8 @@ import pytest
 from runtime.api import TokenEvent
 from runtime.client import Client, RequestError, Result
 from runtime.demo import render, run_demo
-from runtime.replay import ideal_hit_tokens_scaled, replay, trace_prompts
-from runtime.trace import TraceRequest
+from runtime.replay import replay, trace_prompts
+from runtime.trace import TraceRequest, ideal_hit_tokens
 from tests.conftest import REPO, leftovers
 from tests.launched import SMALL, launched, oracle
 from tests.test_demo_workload import small_trace, write_trace
@@ -121,7 +121,7 @@ def test_replay_hits_the_ideal_at_concurrency_1(ln, tmp_path):
     write_trace(trace, reqs)
     info = ln.client.info()
     specs = trace_prompts(reqs, 32, vocab_size=info.vocab_size, max_new_tokens_cap=3)
-    ideal = ideal_hit_tokens_scaled([s.trace for s in specs], 32, info.block_size)
+    ideal = ideal_hit_tokens([s.trace for s in specs], info.block_size, 32)
     with Client(ln.port, timeout=30) as c:
         res = replay(c, specs, concurrency=1)
     assert res.completed == len(reqs) and not res.errors

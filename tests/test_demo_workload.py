@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from runtime.api import GenerateRequest
 from runtime.client import Client
 from runtime.demo import ConversationSource, Workload, build_workload, render, run_demo
-from runtime.replay import (PromptSpec, ReplayResult, TraceSource, ideal_hit_tokens_scaled, replay, scale_request,
+from runtime.replay import (PromptSpec, ReplayResult, TraceSource, replay, scale_request,
                             scaled_length, scaled_tokens, trace_prompts)
 from runtime.trace import TRACE_BLOCK, TraceRequest, default_trace_path, expand_tokens, ideal_hit_tokens, load_trace
 from tests.test_client import BLOCK, FAIL_TOKEN, FakeNode, kvrt
@@ -163,7 +163,7 @@ def test_scaling_keeps_sharing_and_the_ideal_matches_a_naive_count(ids_lists, da
             if n < min(len(pa), len(pb)):
                 assert pa[n] != pb[n]
     scaled = [scale_request(r, tpi) for r in reqs]
-    assert ideal_hit_tokens_scaled(scaled, tpi, block) == naive_ideal(prompts, block)
+    assert ideal_hit_tokens(scaled, block, tpi) == naive_ideal(prompts, block)
 
 
 def test_full_scale_is_the_trace_formula_and_ideal():
@@ -173,15 +173,16 @@ def test_full_scale_is_the_trace_formula_and_ideal():
     reqs = load_trace(path, 300)
     for r in reqs[:20]:
         assert np.array_equal(scaled_tokens(r, TRACE_BLOCK), expand_tokens(r))
+    prompts = [expand_tokens(r) for r in reqs[:100]]
     for block in (16, 64, 512):
-        assert ideal_hit_tokens_scaled(reqs, TRACE_BLOCK, block) == ideal_hit_tokens(reqs, block)
+        assert ideal_hit_tokens(reqs[:100], block) == naive_ideal(prompts, block)
     # in a small vocabulary, token prefixes are shared exactly where id prefixes are
     for tpi, vocab in ((16, 512), (8, 256), (4, 1000)):
         specs = trace_prompts(reqs[:200], tpi, vocab_size=vocab)
-        assert naive_ideal([s.prompt for s in specs], 16) == ideal_hit_tokens_scaled([s.trace for s in specs], tpi, 16)
+        assert naive_ideal([s.prompt for s in specs], 16) == ideal_hit_tokens([s.trace for s in specs], 16, tpi)
     # scaled by 1/32: the same fraction of reusable tokens, up to the partial last blocks
     t16 = [scale_request(r, 16) for r in reqs]
-    rate16 = ideal_hit_tokens_scaled(t16, 16, 16) / sum(r.input_length for r in t16)
+    rate16 = ideal_hit_tokens(t16, 16, 16) / sum(r.input_length for r in t16)
     rate512 = ideal_hit_tokens(reqs, 512) / sum(r.input_length for r in reqs)
     assert abs(rate16 - rate512) < 0.02
 
@@ -233,7 +234,7 @@ def test_replay_at_concurrency_1_reaches_the_ideal_hit_rate():
         res = replay(c, specs, speed=0, concurrency=1)
     s = res.summary()
     assert s["completed"] == s["requests"] == len(reqs) and s["errors"] == 0
-    ideal = ideal_hit_tokens_scaled([sp.trace for sp in specs], 32, BLOCK)
+    ideal = ideal_hit_tokens([sp.trace for sp in specs], BLOCK, 32)
     assert s["cached_tokens"]["device"] == ideal > 0
     assert s["prompt_tokens"] == sum(len(sp.prompt) for sp in specs)
     assert s["computed_prompt_tokens"] == s["prompt_tokens"] - ideal
