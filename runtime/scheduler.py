@@ -152,7 +152,7 @@ class Scheduler:
         if seq.preemptions == 0 and seq.computed_prompt_tokens == 0:
             seq.cached = (res.device_tokens, res.host_tokens, res.storage_tokens)
         seq.num_computed = res.cached_tokens
-        seq.state = SeqState.RUNNING if res.ready else SeqState.LOADING
+        seq.state = SeqState.WAITING if res.ready else SeqState.LOADING
 
     def _preempt(self, seq: Sequence) -> None:
         log.info("preempting %s (%d tokens computed) to free device blocks", seq.request_id, seq.num_computed)
@@ -279,18 +279,16 @@ class Scheduler:
             self._requeue(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """Take the sequence out of the one queue its state says it is in, and release it."""
+        state, seq.state = seq.state, SeqState.FINISHED
         seq.finish_reason = seq.finish_reason or reason
-        seq.state = SeqState.FINISHED
         self.seqs.pop(seq.request_id, None)
         self.remote_ids.discard(seq.request_id)
         self.loading.pop(seq.request_id, None)
-        if seq in self.running:
-            self.running.remove(seq)
-        for queue in (self.waiting, self.reserving):
-            try:
-                queue.remove(seq)
-            except ValueError:
-                pass
+        queue = {SeqState.RUNNING: self.running, SeqState.WAITING: self.waiting,
+                 SeqState.RESERVING: self.reserving}.get(state)
+        if queue is not None:
+            queue.remove(seq)
         if seq.matched:
             self.cache.release(seq.request_id)
             seq.matched = False
