@@ -183,7 +183,7 @@ class Scheduler:
             if seq.num_computed == seq.num_tokens:  # the chunk ended the known tokens
                 seq.append(token)
                 out.emitted.append((seq, seq.num_output - 1))
-            self.cache.update(seq.request_id, seq.num_computed, seq.keys if seq.use_cache else None)
+            self.cache.update(seq.request_id, seq.num_computed, seq.keys)
             if seq.done():
                 self._finish(seq, seq.finish_reason)
                 out.finished.append(seq)
@@ -225,7 +225,7 @@ class Scheduler:
         self.remote_ids.discard(seq.request_id)
         seq.num_computed = seq.prompt_len
         seq.append(first_token)
-        self.cache.update(seq.request_id, seq.num_computed, seq.keys if seq.use_cache else None)
+        self.cache.update(seq.request_id, seq.num_computed, seq.keys)
         if seq.done():
             self._finish(seq, seq.finish_reason)
             return False
