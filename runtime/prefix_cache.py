@@ -163,9 +163,9 @@ class _Request:
     positions whose node holds another copy."""
 
     __slots__ = ("keys", "num_tokens", "path", "blocks", "dups", "num_matched", "cached_tokens",
-                 "waiting", "load", "frozen")
+                 "waiting", "load", "frozen", "admitted", "counted", "host_hits", "storage_hits")
 
-    def __init__(self, keys: Sequence[bytes], num_tokens: int, frozen: bool):
+    def __init__(self, keys: Sequence[bytes], num_tokens: int, frozen: bool, counted: bool):
         self.keys = keys
         self.num_tokens = num_tokens
         self.path: np.ndarray = _NO_NODES
@@ -176,6 +176,10 @@ class _Request:
         self.waiting: set[int] = set()  # ids of tasks it must wait for
         self.load = -1                  # id of its in-flight storage read, if any
         self.frozen = frozen            # records nothing more (reset, detached path)
+        self.admitted = False           # has allocated beyond its match: it is computing
+        self.counted = counted          # its match is in the hit counters
+        self.host_hits = 0              # blocks matched on the host tier / in storage
+        self.storage_hits = 0
 
 
 class _Task:
@@ -244,19 +248,36 @@ class PrefixCache:
         self._dev_cached = 0     # blocks held by nodes, per tier
         self._host_cached = 0
         self._dev_returning = 0  # device blocks that in-flight swap-outs free when done
+        self._idle = 0           # unreferenced GPU nodes: what eviction can still free
+        self._storing: set[bytes] = set()  # keys of in-flight write-through tasks
 
     # ---- engine-facing API -------------------------------------------------------------------
-    def match(self, request_id: Hashable, keys: Sequence[bytes], num_tokens: int) -> MatchResult:
+    def match(self, request_id: Hashable, keys: Sequence[bytes], num_tokens: int,
+              count: bool = True) -> MatchResult:
         """Start a request of `num_tokens` tokens whose full blocks have `keys`, and match its
         cached prefix. At least the last token is always left to compute (its logits are needed),
-        so a prompt that matches entirely gives its last block back."""
+        so a prompt that matches entirely gives its last block back.
+
+        `keys` must be chained (each key hashes its parent's key, as runtime/hashing.py makes
+        them): a key is found only under the node of the key before it. `count=False` keeps the
+        match out of the hit counters: a request matched again after preemption or after a
+        failed allocation is still one request. If anything raises, the request is undone."""
         if request_id in self._reqs:
             raise ValueError(f"request {request_id!r} is already in the prefix cache")
         if num_tokens <= 0:
             raise ValueError(f"request {request_id!r}: num_tokens must be positive, got {num_tokens}")
+        try:
+            return self._match(request_id, keys, num_tokens, count)
+        except BaseException:
+            if request_id in self._reqs:
+                self.release(request_id)
+            raise
+
+    def _match(self, request_id: Hashable, keys: Sequence[bytes], num_tokens: int,
+               count: bool) -> MatchResult:
         bs = self.block_size
         normal = self.status is NORMAL
-        req = _Request(keys, num_tokens, frozen=not normal)
+        req = _Request(keys, num_tokens, frozen=not normal, counted=count)
         self._reqs[request_id] = req
         limit = min(len(keys), (num_tokens - 1) // bs) if normal else 0
         path = self._walk(keys, limit)
@@ -269,22 +290,49 @@ class PrefixCache:
         if self.storage_lookup is not None and matched < limit:
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
         req.cached_tokens = len(req.path) * bs
-        self._count_match(req, keys, limit, dev_hits, host_hits, storage_hits)
+        req.host_hits, req.storage_hits = host_hits, storage_hits
+        if count:
+            self._count_match(req, keys, limit, dev_hits, host_hits, storage_hits)
         return MatchResult(list(req.blocks), dev_hits * bs, host_hits * bs, storage_hits * bs,
                            sorted(req.waiting))
 
     def allocate(self, request_id: Hashable, num_tokens: int) -> list[int] | None:
         """Grow the request's block table to hold `num_tokens` tokens (prompt and any decode
-        room); returns the new block ids, or None when the device cannot supply them yet
-        (nothing changes then; retry after applying task results or releasing requests)."""
+        room); returns the new block ids, or None when the device cannot supply them now.
+
+        None changes nothing when free and evictable blocks could not cover the request anyway
+        (no flush of the cache for an allocation that fails regardless); when they could, it
+        starts the evictions (swap-outs to the host tier finish later) and the retry after
+        their results succeeds. The first allocation of a request queues behind deferred
+        swap-ins (arrival order); a request already computing grows ahead of them, so a
+        swap-in never waits for blocks the request it would block holds."""
         req = self._request(request_id)
         need = -(-num_tokens // self.block_size) - len(req.blocks)
         if need <= 0:
             return []
-        got = self._take_device(need)
+        got = self._take_device(need, urgent=req.admitted)
         if got is not None:
             req.blocks += got
+            req.admitted = True
         return got
+
+    def reclaimable(self, request_id: Hashable, num_tokens: int) -> bool:
+        """Could `allocate(request_id, num_tokens)` succeed once in-flight tasks finish,
+        without any other request giving up blocks? (Free blocks, blocks swap-outs are
+        returning and unreferenced cached blocks cover it.) The scheduler waits then instead
+        of preempting."""
+        req = self._request(request_id)
+        need = -(-num_tokens // self.block_size) - len(req.blocks)
+        if not req.admitted:
+            need += self._deferred_need
+        return need <= self.device_pool.num_free + self._dev_returning + self._idle
+
+    @property
+    def stalled_swap_ins(self) -> bool:
+        """Deferred swap-ins exist and nothing in flight or evictable can make room for them:
+        only a request giving up blocks can (the scheduler then preempts a loading request)."""
+        return bool(self._deferred) and not self._dev_returning and (
+            self._deferred_need > self.device_pool.num_free + self._idle)
 
     def update(self, request_id: Hashable, num_computed_tokens: int,
                keys: Sequence[bytes] | None = None) -> int:
@@ -316,15 +364,21 @@ class PrefixCache:
             load = self._tasks[req.load]
             load.request = None
             private = req.blocks[n + len(load.task.device_blocks):]
+        unwanted = []
         for task_id in req.waiting:
-            self._tasks[task_id].waiters.discard(request_id)
+            t = self._tasks[task_id]
+            t.waiters.discard(request_id)
+            if not t.waiters and t in self._deferred:
+                unwanted.append(t)
         private += req.dups
         self.device_pool.free(private)
         if self.write_through and self.status is NORMAL and n > req.num_matched:
             self._write_back(req)
         else:
             self._deref(req.path)
-        self._start_deferred()
+        for t in unwanted:
+            self._cancel_deferred(t)
+        self._pump_deferred()
 
     def block_table(self, request_id: Hashable) -> list[int]:
         """The request's device block ids in token order (final once the request is ready)."""
@@ -364,6 +418,7 @@ class PrefixCache:
             self._finish_storage_read(t, loaded, out)
         else:
             self._deref(t.path)
+            self._storing.difference_update(t.task.keys)
             if ok:
                 self.metrics.storage_write_blocks += len(t.task.keys)
         if ok:
@@ -373,6 +428,7 @@ class PrefixCache:
             log.warning("%s task %d failed (%d blocks)", kind.value, task_id, len(t.task.device_blocks))
         if self.status is CacheStatus.CLEARING and not self._tasks:
             self._drop_all()
+        self._pump_deferred()
         return out
 
     # ---- reset ---------------------------------------------------------------------------------
@@ -456,7 +512,7 @@ class PrefixCache:
         each node's continuation while its key matches, ask the key map where it does not."""
         path = np.empty(limit, dtype=np.int32)
         out = memoryview(path)
-        cont, node_keys, get = self._cont_v, self._keys, self._map.get
+        cont, node_keys, get, parent = self._cont_v, self._keys, self._map.get, self._parent_v
         n = ROOT
         i = 0
         for i in range(limit):
@@ -464,7 +520,7 @@ class PrefixCache:
             c = cont[n]
             if c < 0 or node_keys[c] != key:
                 c = get(key)
-                if c is None:
+                if c is None or parent[c] != n:  # (a key that was not chained: another branch)
                     return path[:i]
             out[i] = n = c
         return path[:limit]
@@ -474,7 +530,8 @@ class PrefixCache:
         c = self._cont_v[n]
         if c >= 0 and self._keys[c] == key:
             return c
-        return self._map.get(key, -1)
+        c = self._map.get(key, -1)
+        return c if c >= 0 and self._parent_v[c] == n else -1
 
     def _touch(self, request_id: Hashable, req: _Request, a: np.ndarray) -> tuple[int, int]:
         """Take a reference on each matched node (`a`) and make it usable by the request; sets
@@ -483,13 +540,17 @@ class PrefixCache:
         (device hits, host hits)."""
         f = self._f
         g = f[DEV:STATE + 1, a]
-        f[REF, a] = g[REF - DEV] + 1
+        refs = g[REF - DEV]
+        f[REF, a] = refs + 1
         self._dev_lru.discard(a)
         st = g[STATE - DEV]
+        unused = refs == 0
         if not st.any():  # all on the device: the common case, fully vectorised
+            self._idle -= int(np.count_nonzero(unused))
             req.path = a
             req.blocks = g[0].tolist()
             return len(a), 0
+        self._idle -= int(np.count_nonzero(unused & (st == GPU)))
         self._host_lru.discard(a)  # before eviction below can pick a host hit
         states = st.tolist()
         ncpu = states.count(CPU)
@@ -528,6 +589,26 @@ class PrefixCache:
         req.blocks = f[DEV, a].tolist()
         return dev_hits, host_hits
 
+    def _cancel_deferred(self, t: _Task) -> None:
+        """A deferred swap-in nobody waits for any more: its nodes stay on the host (CPU) and
+        its device blocks, never taken, are not needed."""
+        self._deferred.remove(t)
+        self._deferred_need -= len(t.nodes)
+        del self._tasks[t.task.task_id]
+        for n in t.nodes:
+            self._task_v[n] = -1
+            if self._state_v[n] == DETACHED:
+                if self._ref_v[n] == 0:
+                    devs: list[int] = []
+                    hosts: list[int] = []
+                    self._free_node(n, devs, hosts)
+                    self.host_pool.free(hosts)
+                continue
+            self._state_v[n] = CPU
+            self._device_child_gone(self._parent_v[n])
+            if self._child_v[n] < 0 and self._ref_v[n] == 0:
+                self._host_lru.push_front(n)
+
     def _start_swap_in(self, n: int, dev_block: int) -> None:
         if dev_block >= 0:
             self._dev_v[n] = dev_block
@@ -551,7 +632,11 @@ class PrefixCache:
     def _read_storage(self, request_id: Hashable, req: _Request, rest: Sequence[bytes]) -> int:
         """Look the keys after the tree's match up in storage; read the hits into new device
         blocks (a STORAGE2GPU task the request waits for). Returns the blocks to be read."""
-        hits = max(0, min(int(self.storage_lookup(rest)), len(rest)))
+        try:
+            hits = max(0, min(int(self.storage_lookup(rest)), len(rest)))
+        except Exception as e:  # the storage tier is an optimisation: a failing lookup is a miss
+            log.warning("storage lookup failed, treated as a miss: %s", e)
+            hits = 0
         if not hits:
             return 0
         dest = self._take_device(hits)
@@ -663,6 +748,7 @@ class PrefixCache:
         refs = self._ref_v[n]
         self._ref_v[n] = refs + 1
         if s == GPU:
+            self._idle -= refs == 0
             self._dev_lru.discard_one(n)
         elif s == SWAP2CPU:
             self._flip_back(n)
@@ -681,12 +767,17 @@ class PrefixCache:
     def _write_back(self, req: _Request) -> None:
         """Write-through: store the blocks this request computed; the task keeps the request's
         references (the whole path, so LRU order stays ancestors-after-descendants) until done."""
-        own = [n for n in req.path[req.num_matched:].tolist() if self._state_v[n] == GPU]
+        """Blocks already stored, or being stored for another request that computed them too,
+        are not written again."""
+        stored, storing, keys = self.storage_lookup, self._storing, self._keys
+        own = [n for n in req.path[req.num_matched:].tolist() if self._state_v[n] == GPU
+               and keys[n] not in storing and not stored([keys[n]])]
         if not own:
             self._deref(req.path)
             return
         t = self._new_task(TaskKind.GPU2STORAGE, [], [self._dev_v[n] for n in own], [],
-                           [self._keys[n] for n in own])
+                           [keys[n] for n in own])
+        storing.update(t.task.keys)
         t.path = req.path
 
     # ---- references ----------------------------------------------------------------------------
@@ -705,8 +796,11 @@ class PrefixCache:
         st = f[STATE, zero]
         if not st.any():
             self._dev_lru.push(zero)
+            self._idle += len(zero)
             return
-        self._dev_lru.push(zero[st == GPU])
+        on_device = zero[st == GPU]
+        self._dev_lru.push(on_device)
+        self._idle += len(on_device)
         devs: list[int] = []
         hosts: list[int] = []
         for n in zero[st == DETACHED].tolist():
@@ -717,20 +811,37 @@ class PrefixCache:
         self.host_pool.free(hosts)
 
     # ---- allocation and eviction ---------------------------------------------------------------
-    def _take_device(self, n: int) -> list[int] | None:
-        """`n` free device blocks, evicting only what is missing (deferred swap-ins come first);
-        None if not possible now."""
+    def _take_device(self, n: int, urgent: bool = False) -> list[int] | None:
+        """`n` free device blocks, evicting only what is missing; None if not possible now.
+        Deferred swap-ins come first unless `urgent`. Nothing is evicted when free, returning
+        and evictable blocks together cannot cover the need: that allocation fails anyway."""
         pool = self.device_pool
-        self._start_deferred()
-        short = n + self._deferred_need - pool.num_free
+        if not urgent:
+            self._start_deferred()
+        ahead = 0 if urgent else self._deferred_need
+        short = n + ahead - pool.num_free
         if short > 0:
             short -= self._dev_returning
+            if short > self._idle:
+                return None
             if short > 0:
                 self._evict_device(short)
+            if pool.num_free < n + ahead:
                 self._start_deferred()
-            if self._deferred or pool.num_free < n:
                 return None
-        return pool.allocate(n)
+        got = pool.allocate(n)
+        self._start_deferred()
+        return got
+
+    def _pump_deferred(self) -> None:
+        """Issue deferred swap-ins that fit, and start the evictions the rest need (a deferred
+        swap-in whose request just waits must not depend on some other allocation to make its
+        room)."""
+        self._start_deferred()
+        short = self._deferred_need - self.device_pool.num_free - self._dev_returning
+        if self._deferred and 0 < short <= self._idle:
+            self._evict_device(short)
+            self._start_deferred()
 
     def _start_deferred(self) -> None:
         """Issue deferred swap-ins, oldest first, while free device blocks cover them."""
@@ -781,6 +892,7 @@ class PrefixCache:
                     task_id = next(self._task_ids)
                 self._host_v[v] = hosts.pop()
                 self._host_cached += 1
+                self._idle -= 1
                 self._state_v[v] = SWAP2CPU
                 # the task is known at once, so a parent dropped later in this loop sees its
                 # child in flight and detaches it instead of freeing it under the copy
@@ -813,6 +925,7 @@ class PrefixCache:
             prev_v[after] = before
         devs.append(dev_v[v])
         self._dev_cached -= 1
+        self._idle -= 1
         parent_v[v] = dev_v[v] = next_v[v] = prev_v[v] = -1
         state = self._state_v
         state[v] = FREE
@@ -950,7 +1063,10 @@ class PrefixCache:
         """Give n's blocks to the batches `devs` / `hosts` and its id back to the stack. Every
         field is reset here, so a node id on the stack is clean and creating a node writes only
         the fields that differ (the checker verifies this)."""
-        cached = self._state_v[n] != DETACHED
+        state = self._state_v[n]
+        cached = state != DETACHED
+        if state == GPU and self._ref_v[n] == 0:
+            self._idle -= 1
         d = self._dev_v[n]
         if d >= 0:
             devs.append(d)
@@ -1000,6 +1116,7 @@ class PrefixCache:
         self._child_v[ROOT] = self._cont_v[ROOT] = -1
         self._ndev_v[ROOT] = 0
         self._map.clear()
+        self._idle = 0
         self._dev_lru.clear()
         self._host_lru.clear()
         self.status = CacheStatus.CLEARED
@@ -1022,9 +1139,11 @@ class PrefixCache:
         return t
 
     def _finish_swap_out(self, t: _Task, ok: bool) -> None:
-        """Done: the node is CPU and its device block is free. Failed: the node is GPU again
-        (its device copy never left) and the host block is free. Nodes matched again meanwhile
-        were already GPU; their host blocks are the task's orphans."""
+        """Done: the node is CPU and its device block is free. Failed: the node is dropped
+        (with its host-only descendants) and both its blocks are free: the swap-out was asked
+        for to free device blocks, and a host tier that fails or times out must not have the
+        same blocks offered to it again and again while requests wait for them. Nodes matched
+        again meanwhile were already GPU; their host blocks are the task's orphans."""
         task_id = t.task.task_id
         devs: list[int] = []
         hosts = t.orphans
@@ -1044,16 +1163,10 @@ class PrefixCache:
                 self._state_v[n] = CPU
                 on_host.append(n)
             else:
-                hosts.append(self._host_v[n])
-                self._host_v[n] = -1
-                self._host_cached -= 1
-                self._state_v[n] = GPU
-                self._ndev_v[self._parent_v[n]] += 1
-                self._dev_lru.push_front(n)
+                self._drop_subtree(n, devs, hosts)
         self._host_lru.push(np.array(on_host, dtype=np.int32))
         self.device_pool.free(devs)
         self.host_pool.free(hosts)
-        self._start_deferred()
 
     def _finish_swap_in(self, t: _Task, ok: bool, out: TaskOutcome) -> None:
         """Done: the nodes are GPU and their host blocks free. Failed: the nodes and everything
@@ -1080,6 +1193,7 @@ class PrefixCache:
                 self._state_v[n] = GPU
                 if self._ref_v[n] == 0:  # its requests left before it arrived
                     self._dev_lru.push_front(n)
+                    self._idle += 1
         self.device_pool.free(devs)
         self.host_pool.free(hosts)
         task_id = t.task.task_id
@@ -1089,6 +1203,9 @@ class PrefixCache:
             if not ok:
                 req.frozen = True
                 out.failed.append(rid)
+                if req.counted:
+                    self.metrics.hit_tokens_host -= req.host_hits * self.block_size
+                    req.counted = False
             elif not req.waiting:
                 out.ready[rid] = req.cached_tokens
 
@@ -1103,10 +1220,13 @@ class PrefixCache:
         req.load = -1
         req.waiting.discard(t.task.task_id)
         self.metrics.storage_read_blocks += loaded
+        if req.counted:  # the hit counters count what was read, not what was hoped for
+            self.metrics.hit_tokens_storage -= (len(t.task.device_blocks) - loaded) * self.block_size
         if loaded:
             req.cached_tokens += loaded * self.block_size
             if not req.frozen and self.status is NORMAL:
                 self._record(req, len(req.path) + loaded)
+                req.num_matched = len(req.path)  # read, not computed: not written back
         if not req.waiting:
             out.ready[rid] = req.cached_tokens
 
@@ -1247,6 +1367,8 @@ class _Checker:
                 dev_used += t.task.device_blocks
             host_used += t.orphans
         _expect(c._dev_cached == len(dev_nodes), f"device cached count {c._dev_cached} != {len(dev_nodes)}")
+        idle = sum(1 for n in in_tree if c._state_v[n] == GPU and c._ref_v[n] == 0)
+        _expect(c._idle == idle, f"idle device node count {c._idle} != {idle}")
         _expect(c._host_cached == len(host_nodes), f"host cached count {c._host_cached} != {len(host_nodes)}")
         returning = sum(1 for t in c._tasks.values() if t.task.kind is TaskKind.SWAP2CPU
                         for n in t.nodes if c._task_v[n] == t.task.task_id)

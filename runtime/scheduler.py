@@ -4,14 +4,23 @@ One step at a time is in flight (the engine sends it to every worker rank and wa
 answers before scheduling the next), so everything here runs between steps and no block a
 step uses can change under it. A step is built from:
 1. running sequences in admission order: a decode token each, or the next prefill chunk;
-   when the device runs out of blocks the most recently admitted running sequence not yet in
-   the step is preempted (released, queued again at the front, recomputed later: most of its
-   blocks are then found again in the prefix cache);
+   when the device runs out of blocks, a sequence waits if blocks are on their way back
+   (swap-outs in flight), else the most recently started loading sequence, then the most
+   recently admitted running sequence not yet in the step, is preempted (released, queued
+   again at the front, recomputed later: most of its blocks are then found again in the
+   prefix cache);
 2. waiting sequences, admitted in arrival order while the token budget and seats last:
    matched against the prefix cache; one whose cached prefix must first be swapped in or read
    from storage waits (LOADING) until every task it needs is done, then is admitted first.
+   A sequence that cannot get its blocks gives its match back at once (it holds nothing while
+   it waits, so it can never keep a running sequence from growing) and is matched again later.
 A chunk's KV is recorded in the prefix cache right after the step that wrote it, never before
 (a block is matchable only once its KV exists).
+
+Liveness: a request that fits the device alone (checked at intake) always finishes. Waiting
+sequences hold no blocks; loading ones are preempted before running ones and whenever their
+swap-ins can get no room otherwise; running sequences are preempted newest first, so the
+oldest always progresses.
 
 Disaggregation adds two life cycles. On a prefill node a request marked `handoff` leaves the
 running set after its first token, holding its blocks (SENDING) until the engine has written
@@ -99,16 +108,21 @@ class Scheduler:
         """The next step, or None when nothing can run now (idle, or waiting for tasks/blocks)."""
         step = Step(next(self._step_ids))
         budget = self.max_num_batched_tokens
+        short = False  # a running sequence lacked blocks: admit nobody new in this step
         for seq in list(self.running):
             if budget <= 0 or len(step.seqs) >= self.max_num_seqs:
                 break
             if seq.state is not SeqState.RUNNING:
                 continue  # preempted while this step was being built
             chunk = min(seq.num_tokens - seq.num_computed, budget)
+            preemptions = self.preemptions
             if self._grow(seq, seq.num_computed + chunk, step):
                 self._add(step, seq, chunk)
                 budget -= chunk
-        while self.waiting and budget > 0 and len(step.seqs) < self.max_num_seqs:
+            else:
+                short = True
+            short |= self.preemptions != preemptions
+        while not short and self.waiting and budget > 0 and len(step.seqs) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.matched:
                 self._match(seq)
@@ -118,6 +132,7 @@ class Scheduler:
                     continue
             chunk = min(seq.num_tokens - seq.num_computed, budget)
             if self.cache.allocate(seq.request_id, seq.num_computed + chunk) is None:
+                self._unmatch(seq)
                 break
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
@@ -125,6 +140,8 @@ class Scheduler:
             self._add(step, seq, chunk)
             budget -= chunk
         if not step.seqs:
+            if self.loading and self.cache.stalled_swap_ins:
+                self._preempt(next(reversed(self.loading.values())))
             return None
         self.inflight = step
         return step
@@ -138,23 +155,62 @@ class Scheduler:
         seq.computed_prompt_tokens += max(0, min(chunk, seq.prompt_len - start))
 
     def _grow(self, seq: Sequence, num_tokens: int, step: Step) -> bool:
-        """Blocks for `num_tokens` of `seq`, preempting later running sequences if needed."""
+        """Blocks for `num_tokens` of `seq`. When the device cannot supply them now: wait if
+        they are on their way back (no preemption for blocks in-flight tasks return), else
+        preempt the newest loading sequence, then later running ones."""
         while self.cache.allocate(seq.request_id, num_tokens) is None:
-            victims = [s for s in reversed(self.running) if s is not seq and s not in step.seqs]
-            if not victims:
+            if self.cache.reclaimable(seq.request_id, num_tokens):
+                return False  # swap-outs in flight return the blocks; try again next step
+            victim = self._victim(seq, step)
+            if victim is None:
                 return False  # blocks come back when tasks finish; try again next step
-            self._preempt(victims[0])
+            self._preempt(victim)
         return True
 
+    def _victim(self, seq: Sequence, step: Step) -> Sequence | None:
+        """Who gives blocks up for `seq`: the newest loading sequence (nothing computed yet),
+        then a waiting one that holds the match it was loaded for, then the newest running
+        sequence not in this step."""
+        if self.loading:
+            return next(reversed(self.loading.values()))
+        for other in self.waiting:
+            if other.matched:
+                return other
+        return next((s for s in reversed(self.running) if s is not seq and s not in step.seqs), None)
+
     def _match(self, seq: Sequence) -> None:
-        res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens)
-        seq.matched = True
-        if seq.preemptions == 0 and seq.computed_prompt_tokens == 0:
+        first = not seq.counted
+        res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens, count=first)
+        seq.matched = seq.counted = True
+        if seq.computed_prompt_tokens == 0:  # what served the prompt: the match that runs it
             seq.cached = (res.device_tokens, res.host_tokens, res.storage_tokens)
         seq.num_computed = res.cached_tokens
         seq.state = SeqState.WAITING if res.ready else SeqState.LOADING
 
+    def _unmatch(self, seq: Sequence) -> None:
+        """Give a waiting sequence's match back (it could not get its blocks): it holds no
+        block while it waits, and is matched again when it is next in line."""
+        self.cache.release(seq.request_id)
+        seq.matched = False
+        seq.num_computed = 0
+
     def _preempt(self, seq: Sequence) -> None:
+        """Take `seq`'s blocks back. Only a running sequence loses computed work (and counts
+        as a preemption); a loading or loaded-but-waiting one just gives its match back."""
+        if seq.state is SeqState.WAITING:  # holds a loaded match: give it back, keep its place
+            log.debug("%s gives its loaded match back to free device blocks", seq.request_id)
+            self._unmatch(seq)
+            return
+        if seq.state is SeqState.LOADING:
+            log.debug("%s stops loading to free device blocks", seq.request_id)
+            del self.loading[seq.request_id]
+            if seq.request_id in self.remote_ids:  # D: back to waiting for blocks to hold
+                self._unmatch(seq)
+                seq.state = SeqState.RESERVING
+                self.reserving.appendleft(seq)
+            else:
+                self._requeue(seq)
+            return
         log.info("preempting %s (%d tokens computed) to free device blocks", seq.request_id, seq.num_computed)
         self.running.remove(seq)
         self._requeue(seq)
@@ -163,9 +219,7 @@ class Scheduler:
 
     def _requeue(self, seq: Sequence) -> None:
         """Drop the sequence's blocks and queue it first: it is recomputed (prefix hits help)."""
-        self.cache.release(seq.request_id)
-        seq.matched = False
-        seq.num_computed = 0
+        self._unmatch(seq)
         seq.state = SeqState.WAITING
         self.waiting.appendleft(seq)
 
@@ -200,19 +254,25 @@ class Scheduler:
             raise ValueError(f"request id {seq.request_id!r} is already in flight")
         self.seqs[seq.request_id] = seq
         self.remote_ids.add(seq.request_id)
-        self._match(seq)
-        if seq.state is SeqState.LOADING:
-            self.loading[seq.request_id] = seq
-        else:
-            seq.state = SeqState.RESERVING
-            self.reserving.append(seq)
+        seq.state = SeqState.RESERVING
+        self.reserving.append(seq)
 
     def take_reserved(self) -> list[Sequence]:
-        """D: sequences that now hold blocks for their whole prompt, in arrival order (REMOTE)."""
+        """D: sequences that now hold blocks for their whole prompt, in arrival order (REMOTE).
+        Like a waiting sequence, one is matched only when it is next in line and gives its
+        match back when the blocks for the rest cannot be had yet."""
         out = []
         while self.reserving:
             seq = self.reserving[0]
+            if not seq.matched:
+                self._match(seq)
+                if seq.state is SeqState.LOADING:
+                    self.reserving.popleft()
+                    self.loading[seq.request_id] = seq
+                    continue
+                seq.state = SeqState.RESERVING
             if self.cache.allocate(seq.request_id, seq.prompt_len) is None:
+                self._unmatch(seq)
                 break
             self.reserving.popleft()
             seq.state = SeqState.REMOTE
@@ -256,7 +316,7 @@ class Scheduler:
             seq.num_computed = tokens
             if rid in self.remote_ids:
                 seq.state = SeqState.RESERVING  # D: the local prefix is in place; now hold the rest
-                self.reserving.append(seq)
+                self.reserving.appendleft(seq)
                 continue
             seq.state = SeqState.WAITING
             self.waiting.appendleft(seq)
@@ -267,14 +327,9 @@ class Scheduler:
             log.warning("%s lost its cached prefix (%s task failed); recomputing it",
                         rid, outcome.task.kind.value)
             if rid in self.remote_ids:
-                self.cache.release(seq.request_id)
-                seq.matched = False
-                self._match(seq)  # D: match again (what is left), then hold blocks
-                if seq.state is SeqState.LOADING:
-                    self.loading[seq.request_id] = seq
-                else:
-                    seq.state = SeqState.RESERVING
-                    self.reserving.append(seq)
+                self._unmatch(seq)  # D: match again (what is left), then hold blocks
+                seq.state = SeqState.RESERVING
+                self.reserving.appendleft(seq)
                 continue
             self._requeue(seq)
 

@@ -248,7 +248,9 @@ def test_rematch_during_swap_out_flips_back():
     c.check()
 
 
-def test_failed_swap_out_keeps_the_device_copy():
+def test_failed_swap_out_drops_the_blocks_it_was_to_free():
+    """A failing (or timed-out) host tier must not be offered the same blocks for ever while
+    the request that needs them waits: the victims are dropped and their blocks are free."""
     c = host_cache()
     a = toks(0, 3 * BS + 1)
     run(c, "a", a)
@@ -256,11 +258,14 @@ def test_failed_swap_out_keeps_the_device_copy():
     assert c.allocate("b", 6 * BS) is None
     finish(c, ok=False)
     assert c.metrics.tasks_failed == 1
+    assert c.allocate("b", 6 * BS) is not None, "the dropped victims' blocks serve the request"
+    assert not c.take_tasks(), "no second swap-out of the same blocks"
     m = c.match("a2", keys(a), len(a))
-    assert m.device_tokens == 3 * BS
+    assert m.cached_tokens < 3 * BS
     c.release("a2")
     c.release("b")
     assert usage(c)["host_free"] == 8
+    c.check()
 
 
 def swap_in_task(c: PrefixCache):
@@ -434,7 +439,7 @@ def test_clear_waits_for_tasks_then_drops_everything():
     c = host_cache()
     a = toks(0, 3 * BS + 1)
     run(c, "a", a)
-    run(c, "live", toks(300, 2 * BS + 1), release=False)
+    run(c, "live", toks(300, BS + 1), release=False)
     c.match("b", [], 4 * BS)
     c.allocate("b", 4 * BS)  # a swap-out in flight
     (t,) = c.take_tasks()
@@ -450,7 +455,7 @@ def test_clear_waits_for_tasks_then_drops_everything():
     assert c.status is CacheStatus.UPDATING
     c.finish_update()
     assert c.status is CacheStatus.NORMAL
-    c.update("live", 2 * BS + 1)  # computed under the old weights: never cached
+    c.update("live", BS + 1)  # computed under the old weights: never cached
     for rid in ("live", "b", "c"):
         c.release(rid)
     u = usage(c)

@@ -64,9 +64,10 @@ def test_cancel_in_every_state_releases_everything():
     running, head, queued = seq("r", 40, new=20), seq("h", 40, seed=1), seq("q", 8, seed=2)
     for q in (running, head, queued):
         s.add(q)
-    step = s.schedule()  # "r" takes 10 of 12 blocks; "h" is matched but cannot get its blocks
-    assert step.seqs == [running] and s.waiting[0] is head and head.matched
-    assert s.cancel("h") is head and s.cancel("q") is queued  # a matched waiting head, a plain one
+    step = s.schedule()  # "r" takes 10 of 12 blocks; "h" cannot get its blocks
+    assert step.seqs == [running] and s.waiting[0] is head
+    assert not head.matched, "a waiting sequence that cannot get its blocks holds no match"
+    assert s.cancel("h") is head and s.cancel("q") is queued
     assert s.cancel("r") is None  # in the step in flight: finishes when the step ends
     out = s.finish_step(step, np.array([7], dtype=np.int32))
     assert out.finished == [running] and running.finish_reason == "cancelled"
@@ -88,7 +89,7 @@ def test_decode_side_holds_blocks_then_resumes_and_records():
     assert d.finish_reason == "length" and d.output.tolist()[0] == 7
     again = seq("again", 18)
     s.reserve(again)  # the same prompt: D's own cache now serves its full blocks
-    assert again.num_computed == 16
+    assert s.take_reserved() == [again] and again.num_computed == 16
     s.drop(again, "aborted")
     assert cache.block_usage()["device_used"] == 0
     cache.check()

@@ -1,0 +1,172 @@
+"""Liveness of the real scheduler over the real prefix cache: every request the intake would
+accept finishes, whatever arrives together, whatever the tiers and however transfer tasks end.
+
+Hypothesis plays the engine and the cache-transfer ranks: requests with shared prefixes arrive
+at random steps (each fits the device alone, as intake guarantees), some are cancelled in any
+state, swap and storage tasks complete in any order, late, short or failed. After every step
+the cache's invariant checker runs. A run fails when some accepted request is still unfinished
+after a generous bound on steps (a stall or a livelock), or when any block is left in use at
+the end. Examples: KVRT_LIVENESS_EXAMPLES (default 150; the closing note of the change that
+added this test ran thousands).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.prefix_cache import PrefixCache, TaskKind
+from runtime.scheduler import Scheduler
+from runtime.sequence import Sequence, SeqState
+
+EXAMPLES = int(os.environ.get("KVRT_LIVENESS_EXAMPLES", "150"))
+BASES = [np.arange(1000 * b, 1000 * b + 200, dtype=np.int32) for b in range(3)]
+
+
+class _Store:
+    """A storage tier: keys written through become readable; reads may come back short."""
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+
+    def lookup(self, keys) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.keys:
+            n += 1
+        return n
+
+
+def _request(rng: random.Random, i: int, bs: int, device: int) -> Sequence:
+    """A prompt that shares a prefix with others (or not), sized so that prompt + output fit
+    the device alone, as intake guarantees."""
+    cap = device * bs
+    new = rng.randint(1, max(1, cap // 3))
+    plen = rng.randint(1, cap - new)
+    base = BASES[rng.randrange(len(BASES))]
+    shared = rng.randint(0, min(plen, len(base)))
+    tail = np.arange(100_000 + 1000 * i, 100_000 + 1000 * i + plen - shared, dtype=np.int32)
+    prompt = np.concatenate((base[:shared], tail))
+    return Sequence.new(f"r{i}", prompt, new, bs, use_cache=rng.random() > 0.1)
+
+
+def _drive(seed: int, bs: int, device: int, host: int, storage: bool, seqs: int, batch: int,
+           n_req: int, p_done: float, p_fail: float, p_cancel: float) -> None:
+    rng = random.Random(seed)
+    store = _Store()
+    cache = PrefixCache(bs, device, host, storage_lookup=store.lookup if storage else None,
+                        write_through=storage)
+    sched = Scheduler(cache, max_num_seqs=seqs, max_num_batched_tokens=batch)
+    pending = [_request(rng, i, bs, device) for i in range(n_req)]
+    arrivals = sorted(rng.randint(0, 3 * n_req) for _ in pending)
+    accepted: list[Sequence] = []
+    inflight = []
+    work = sum(q.num_tokens + q.max_new_tokens for q in pending)
+    bound = 40 * work + 400
+    for it in range(bound):
+        while pending and arrivals[0] <= it:
+            arrivals.pop(0)
+            q = pending.pop(0)
+            sched.add(q)
+            accepted.append(q)
+        if rng.random() < p_cancel and sched.seqs:
+            sched.cancel(rng.choice(sorted(sched.seqs)))
+        step = sched.schedule()
+        inflight += cache.take_tasks()
+        if step is not None:
+            sched.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
+            inflight += cache.take_tasks()
+        rng.shuffle(inflight)
+        keep = []
+        for t in inflight:
+            if rng.random() >= p_done:
+                keep.append(t)
+                continue
+            ok = rng.random() >= p_fail
+            blocks = None
+            if t.kind is TaskKind.STORAGE2GPU and ok:
+                blocks = rng.randint(0, len(t.device_blocks))
+            if t.kind is TaskKind.GPU2STORAGE and ok:
+                store.keys.update(t.keys)
+            sched.on_task_outcome(cache.apply_task_result(t.task_id, ok, blocks))
+        inflight = keep
+        cache.check()
+        if not pending and sched.idle and not inflight:
+            break
+    stuck = [(q.request_id, q.state.value, q.num_computed, q.num_tokens) for q in accepted
+             if q.state is not SeqState.FINISHED]
+    assert not stuck, f"requests never finished within {bound} steps (a stall): {stuck[:8]}"
+    for t in inflight + cache.take_tasks():  # write-through tasks issued by the last releases
+        cache.apply_task_result(t.task_id, True)
+    usage = cache.check()
+    assert usage["device_used"] == 0 and usage["host_used"] == 0, usage
+    for q in accepted:
+        assert q.finish_reason in ("length", "cancelled"), (q.request_id, q.finish_reason)
+        if q.finish_reason == "length":
+            assert q.num_output == q.max_new_tokens
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), bs=st.sampled_from([2, 4]), device=st.integers(6, 24),
+       host=st.sampled_from([0, 0, 4, 16]), storage=st.booleans(), seqs=st.integers(1, 8),
+       batch=st.sampled_from([4, 16, 64]), n_req=st.integers(1, 10),
+       p_done=st.sampled_from([0.2, 0.6, 1.0]), p_fail=st.sampled_from([0.0, 0.0, 0.2]),
+       p_cancel=st.sampled_from([0.0, 0.0, 0.02]))
+def test_every_accepted_request_finishes(seed, bs, device, host, storage, seqs, batch, n_req,
+                                         p_done, p_fail, p_cancel):
+    _drive(seed, bs, device, host, storage, seqs, batch, n_req, p_done, p_fail, p_cancel)
+
+
+def test_long_decodes_that_fit_one_at_a_time_all_finish_together():
+    """Eight requests of 16 prompt + 3,000 new tokens on a 512-block device (189 blocks each):
+    they used to preempt each other for ever; one at a time each fits."""
+    for host in (0, 256):
+        cache = PrefixCache(16, 512, host)
+        sched = Scheduler(cache, max_num_seqs=256, max_num_batched_tokens=2048)
+        seqs = [Sequence.new(str(i), np.arange(16, dtype=np.int32) + 100 * i, 3000, 16) for i in range(8)]
+        for q in seqs:
+            sched.add(q)
+        for _ in range(20_000):
+            if sched.idle:
+                break
+            step = sched.schedule()
+            if step is not None:
+                sched.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
+            for t in cache.take_tasks():
+                sched.on_task_outcome(cache.apply_task_result(t.task_id, True))
+        assert all(q.finish_reason == "length" for q in seqs), [q.num_output for q in seqs]
+        assert sched.preemptions <= 16, f"{sched.preemptions} preemptions (host blocks: {host})"
+        cache.check()
+
+
+def test_a_waiting_match_never_keeps_a_running_request_from_growing():
+    """16-block device: the running request needs its last free blocks; a waiting request whose
+    match pins cached blocks the running one would otherwise evict must not stall it."""
+    bs = 4
+    cache = PrefixCache(bs, 16)
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=64)
+    shared = np.arange(500, 540, dtype=np.int32)  # 10 blocks, cached by a finished request
+    first = Sequence.new("first", shared, 1, bs)
+    sched.add(first)
+    while not sched.idle:
+        sched.finish_step(sched.schedule(), np.array([7], dtype=np.int32))
+    runner = Sequence.new("runner", np.arange(20, dtype=np.int32), 40, bs)  # 15 blocks in the end
+    sched.add(runner)
+    sched.finish_step(sched.schedule(), np.array([7], dtype=np.int32))
+    waiter = Sequence.new("waiter", np.concatenate((shared, [1, 2, 3])), 20, bs)
+    sched.add(waiter)
+    for _ in range(500):
+        if runner.state is SeqState.FINISHED:
+            break
+        step = sched.schedule()
+        assert step is not None, "no step could be scheduled: the waiting match pins the device"
+        sched.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
+    assert runner.finish_reason == "length"
+    for _ in range(500):
+        if sched.idle:
+            break
+        sched.finish_step(sched.schedule(), np.full(1, 7, dtype=np.int32))
+    assert waiter.finish_reason == "length"
+    cache.check()
