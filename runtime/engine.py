@@ -297,9 +297,8 @@ class Engine:
         try:
             msg = P.PROTOCOL.decode(rec)
         except ProtocolError as e:
-            ring.count_protocol_error()
+            ring.report_protocol_error(log, e)
             self.stats.array[P.STAT["protocol_errors"]] += 1
-            log.warning("bad message on %s: %s", ring.name, e)
             return
         if isinstance(msg, P.StepResult):
             self._on_step_result(msg)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ipc import protocol
-from ipc.errors import ChannelClosed, IpcError, PeerDead, ProtocolError, WaitTimeout
+from ipc.errors import ChannelClosed, IpcError, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
 from ipc.member import Member
 from ipc.registry import Registry
 from ipc.ring import Consumer, Producer
@@ -150,8 +150,7 @@ class Child:
                     raise ProtocolError(f"unexpected {type(msg).__name__} on {orders.name}")
                 reply = handler(msg)
             except ProtocolError as e:
-                orders.count_protocol_error()
-                log.warning("malformed message on %s skipped: %s", orders.name, e)
+                orders.report_protocol_error(log, e)
                 continue
             self.answer(answers, reply)
 
@@ -205,6 +204,9 @@ def run_child(role: int, make: Callable[[Child], Server], argv: list[str] | None
     except Terminated as e:
         log.info("stopping: %s", e)
         return EXIT_OK
+    except RingCorrupt as e:  # before ChannelClosed: a broken ring is a failure, not a stop
+        log.error("exiting: %s", e)
+        return EXIT_FAILED
     except ChannelClosed as e:
         log.info("stopping: %s (the node is shutting down)", e)
         return EXIT_OK
