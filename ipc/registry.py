@@ -237,7 +237,7 @@ class Registry:
 
     # ---- creating registered objects ----------------------------------------------
     def create_segment(self, obj: str, size: int, kind: str = "segment", dtype: str = "",
-                       shape: tuple = (), meta: dict | None = None, prefault: bool = False) -> Segment:
+                       shape: tuple = (), meta: dict | None = None, prefault: bool = True) -> Segment:
         name = self.name_of(obj)
         self.add(ObjectInfo(name, kind, dtype, tuple(shape), os.getpid(), time.time(), meta or {}))
         return Segment.create(name, size, prefault=prefault)

@@ -100,6 +100,24 @@ class Ring:
         return reg.find(obj)
 
 
+    @staticmethod
+    def assign(info: ObjectInfo, producer: int = 0, consumer: int = 0) -> None:
+        """Name the process (pid) that will be the producer or consumer of a ring, before it
+        attaches: the creator knows who it started, so a process killed before it attached is
+        seen dead by its peer's waits (and by a fan-in) like one killed after. The process
+        writes the same facts again when it attaches."""
+        seg = Segment.attach(info.name)
+        r = Region(seg.mm)
+        try:
+            for pid, pid_off, start_off in ((producer, _PROD_PID, _PROD_START), (consumer, _CONS_PID, _CONS_START)):
+                if pid:
+                    r.store64(start_off, process_start_ms(pid))
+                    r.store64(pid_off, pid)
+        finally:
+            r.release()
+            seg.close()
+
+
 class _End:
     """What the producer and consumer ends share: the mapping, indices and doorbells."""
 
