@@ -110,11 +110,6 @@ def _allocate(fd: int, name: str, size: int) -> None:
                        f"{free / 2**20:.1f} MiB are free ({e.strerror})") from None
 
 
-def allocated_bytes(name: str) -> int:
-    """Bytes of /dev/shm actually backing segment `name` (a sparse segment has fewer)."""
-    return os.stat(os.path.join(SHM_DIR, name)).st_blocks * 512
-
-
 def shm_free_bytes() -> int:
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
