@@ -86,6 +86,14 @@ EXIT_ORPHAN = 3  # a child's exit status when it left because the engine or laun
                  # a consequence of another failure, never the cause the launcher reports
 
 
+def hang_threshold(config: dict, role: int) -> float:
+    """Seconds without a heartbeat after which a ready process of `role` counts as hung (the
+    launcher acts on it; status shows it). A cache-messager may sit in one transfer for up to
+    the rank timeout without beating, so that much is added for it."""
+    extra = float(config.get("rank_timeout", 0.0)) if role == ROLE_MESSAGER else 0.0
+    return float(config.get("hang_timeout", 0.0)) + extra
+
+
 def proc_slots(tp: int) -> list[tuple[int, int]]:
     """(role, rank) of every process slot: engine, workers, cache-transfer, cache-messager."""
     return ([(ROLE_ENGINE, 0)] + [(ROLE_WORKER, r) for r in range(tp)]

@@ -244,12 +244,14 @@ class Node:
     def _hung(self) -> list[tuple[Child, float]]:
         """Ready children whose heartbeat is older than the hang timeout, with its age in s."""
         beats, ready = self._sig[P.HEARTBEAT].array, self._sig[P.READY].array
+        cfg = self.cfg.to_dict()
         now = time.monotonic_ns()
         out = []
         for c in self.children:
             slot = self._slot(c)
             beat = int(beats[slot])
-            if c.proc.returncode is None and ready[slot] and beat and now - beat > self.cfg.hang_timeout * 1e9:
+            if (c.proc.returncode is None and ready[slot] and beat
+                    and now - beat > P.hang_threshold(cfg, c.role) * 1e9):
                 out.append((c, (now - beat) / 1e9))
         return out
 

@@ -36,7 +36,7 @@ def snapshot(node: str) -> dict:
             out["config"] = P.read_config(reg)
         except IpcError:
             out["config"] = {}
-        out["processes"] = _processes(sig, float(out["config"].get("hang_timeout", 0.0)))
+        out["processes"] = _processes(sig, out["config"])
         out["rings"] = {e.name.split(".", 2)[2]: peek_stats(e) for e in entries.values() if e.kind == "ring"}
         out["pools"] = [{"name": e.name.split(".", 2)[2], "dtype": e.dtype, "shape": list(e.shape)}
                         for e in entries.values() if e.kind == "pool"]
@@ -47,7 +47,7 @@ def snapshot(node: str) -> dict:
         reg.close()
 
 
-def _processes(sig: dict, hang_timeout: float = 0.0) -> list[dict]:
+def _processes(sig: dict, config: dict | None = None) -> list[dict]:
     procs, beats, ready = sig.get(P.PROCS), sig.get(P.HEARTBEAT), sig.get(P.READY)
     if procs is None:
         return []
@@ -62,9 +62,9 @@ def _processes(sig: dict, hang_timeout: float = 0.0) -> list[dict]:
              "alive": alive, "ready": bool(ready[slot]),
              "heartbeat_age_s": round((now - int(beats[slot])) / 1e9, 3) if beats[slot] else None,
              "cpu_percent": None, "rss_mb": None}
-        # the launcher's rule: a ready process silent for longer than --hang-timeout is hung
-        d["hung"] = bool(alive and d["ready"] and hang_timeout and d["heartbeat_age_s"] is not None
-                         and d["heartbeat_age_s"] > hang_timeout)
+        limit = P.hang_threshold(config or {}, int(row[P.PROC_ROLE]))  # the launcher's rule
+        d["hung"] = bool(alive and d["ready"] and limit and d["heartbeat_age_s"] is not None
+                         and d["heartbeat_age_s"] > limit)
         if alive:
             try:
                 p = psutil.Process(pid)
