@@ -144,3 +144,21 @@ def test_a_live_node_with_a_damaged_registry_slot_keeps_status_clean_and_stops_c
     n.proc.send_signal(signal.SIGINT)
     assert n.proc.wait(30) == 0
     assert not leftovers(node)
+
+
+def test_a_corrupt_ring_fails_its_consumer_and_the_launcher_names_it(launched, node):
+    n = launched(*SMALL)
+    n.wait_for("ready:")
+    worker = n.child_pids()["worker[0]"]
+    ring = object_name(node, "engine.to.worker.0")
+    seg = Segment.attach(ring)
+    cap = struct.unpack_from("<Q", seg.mm, 8)[0]
+    tail = struct.unpack_from("<Q", seg.mm, 64)[0]  # an idle engine: nothing else is writing here
+    off = 512 + (tail & (cap - 1))
+    seg.mm[off: off + 64] = b"\xab" * 64  # garbage, published as if it were a record
+    struct.pack_into("<Q", seg.mm, 64, tail + 64)
+    seg.close()
+    assert n.proc.wait(30) == 1
+    line = n.wait_for("stopped because")
+    assert f"worker[0] (pid {worker}) exited with code 1" in line and "corrupt record" in line, line
+    assert not leftovers(node)
