@@ -62,7 +62,7 @@ CLOSED_NORMAL, CLOSED_BROKEN = 1, 2
 _REC = struct.Struct("<II")  # length, position tag
 _HDR = _REC.size
 _WRAP = 0xFFFFFFFF
-_TAG_MASK = 0xFFFFFFFF
+_TAG_MASK = 0xFFFFFFFF  # (spelled as a literal on the hot paths: a constant load is cheaper)
 WARN_BURST, WARN_EVERY_S = 10, 1.0  # protocol-error warnings per ring: a burst, then one per second
 SPINS = 200
 YIELDS = 50
@@ -272,11 +272,11 @@ class Producer(_End):
             self._wait_room(need, timeout)
         mm = self._mm
         if size > rest:
-            _REC.pack_into(mm, HEADER + off, _WRAP, (tail >> 3) & _TAG_MASK)
+            _REC.pack_into(mm, HEADER + off, _WRAP, (tail >> 3) & 0xFFFFFFFF)
             tail += rest
             off = 0
         base = HEADER + off
-        _REC.pack_into(mm, base, n, (tail >> 3) & _TAG_MASK)
+        _REC.pack_into(mm, base, n, (tail >> 3) & 0xFFFFFFFF)
         mm[base + 8: base + 8 + n] = data
         self._tail = tail = tail + size
         self._count += 1
@@ -307,11 +307,11 @@ class Producer(_End):
                     pending = 0
                 self._wait_room(need, max(deadline - time.monotonic(), 0.0))
             if size > rest:
-                pack(mm, HEADER + off, _WRAP, (tail >> 3) & _TAG_MASK)
+                pack(mm, HEADER + off, _WRAP, (tail >> 3) & 0xFFFFFFFF)
                 tail += rest
                 off = 0
             base = HEADER + off
-            pack(mm, base, n, (tail >> 3) & _TAG_MASK)
+            pack(mm, base, n, (tail >> 3) & 0xFFFFFFFF)
             mm[base + 8: base + 8 + n] = rec
             tail += size
             pending += 1
@@ -386,7 +386,7 @@ class Consumer(_End):
         off = head & self._mask
         n, tag = _REC.unpack_from(self._mm, HEADER + off)
         size = (n + 15) & ~7
-        if (n > self.max_record or tag != (head >> 3) & _TAG_MASK or head + size > self._tail_cache
+        if (n > self.max_record or tag != (head >> 3) & 0xFFFFFFFF or head + size > self._tail_cache
                 or off + size > self.capacity):
             head, off, n, size = self._frame(head, self._tail_cache)
         base = HEADER + off + 8
@@ -416,7 +416,7 @@ class Consumer(_End):
         off = head & self._mask
         n, tag = _REC.unpack_from(mm, HEADER + off)
         size = (n + 15) & ~7
-        if (n > self.max_record or tag != (head >> 3) & _TAG_MASK or head + size > self._tail_cache
+        if (n > self.max_record or tag != (head >> 3) & 0xFFFFFFFF or head + size > self._tail_cache
                 or off + size > self.capacity):
             head, off, n, size = self._frame(head, self._tail_cache)
         base = HEADER + off + 8
@@ -456,7 +456,7 @@ class Consumer(_End):
                 off = head & mask
                 n, tag = unpack(mm, HEADER + off)
                 size = (n + 15) & ~7
-                if n > maxrec or tag != (head >> 3) & _TAG_MASK or head + size > tail or off + size > cap:
+                if n > maxrec or tag != (head >> 3) & 0xFFFFFFFF or head + size > tail or off + size > cap:
                     head, off, n, size = self._frame(head, tail)
                 base = HEADER + off + 8
                 append(mm[base: base + n])
