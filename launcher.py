@@ -100,12 +100,16 @@ def _add_launch(sub) -> None:
                    "at WARNING unless -v)" % DEMO_BLOCKS)
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for every process to be ready")
     p.add_argument("--rank-timeout", type=float, default=d.rank_timeout, help="seconds to wait for a rank's answer to a task")
+    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
+                   help=f"seconds without a heartbeat after which a ready process counts as hung and the node "
+                   f"stops with exit 1, as for a dead one (default {d.hang_timeout:g}; start-up is bounded by "
+                   f"--ready-timeout instead)")
 
 
 def launch(args) -> int:
     import os
 
-    from ipc.errors import NodeLive
+    from ipc.errors import IpcError, NodeLive
     from runtime.config import ConfigError, NodeConfig
     from runtime.node import Node
     from workers import kv_pool
@@ -125,7 +129,8 @@ def launch(args) -> int:
                      vocab_size=args.vocab_size, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1",
-                     ready_timeout=args.ready_timeout, rank_timeout=args.rank_timeout)
+                     ready_timeout=args.ready_timeout, rank_timeout=args.rank_timeout,
+                     hang_timeout=args.hang_timeout)
     try:
         cfg.validate()
     except ConfigError as e:
@@ -141,7 +146,7 @@ def launch(args) -> int:
     except NodeLive as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 1
-    except (RuntimeError, TimeoutError, OSError) as e:
+    except (RuntimeError, TimeoutError, OSError, IpcError) as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 1
 

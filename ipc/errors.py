@@ -27,3 +27,9 @@ class ProtocolError(IpcError, ValueError):
 
 class NodeLive(IpcError):
     """A node with this name is alive; its objects must not be clobbered or reclaimed."""
+
+
+class RingCorrupt(ChannelClosed, ProtocolError):
+    """A ring's record framing is damaged (a length, wrap marker or position tag that the
+    producer cannot have written). The ring is marked broken and no record from it is
+    trusted again: its owner must fail, not skip, because the framing is lost."""

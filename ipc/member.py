@@ -12,6 +12,7 @@ import os
 import time
 
 from . import protocol as P
+from .errors import IpcError
 from .registry import Registry, pid_alive, process_start_ms
 from .signals import Signal
 
@@ -30,11 +31,16 @@ class Member:
         self.heartbeat = Signal.attach(reg, P.HEARTBEAT)
         self.ready = Signal.attach(reg, P.READY)
         self.status = Signal.attach(reg, P.NODE_STATUS)
+        try:  # optional: nodes assembled by hand (tests, benchmarks) may not have it
+            self.errors: Signal | None = Signal.attach(reg, P.ERRORS)
+        except IpcError:
+            self.errors = None
         self._launcher = (reg.owner_pid, reg.owner_start_ms)
         pid = os.getpid()
         row = self.procs.array[self.slot]
         row[P.PROC_ROLE], row[P.PROC_RANK], row[P.PROC_START] = role, rank, process_start_ms(pid)
         row[P.PROC_PID] = pid
+        self.record_error("")
         self.beat()
 
     @classmethod
@@ -71,8 +77,19 @@ class Member:
             return "engine is gone"
         return ""
 
+    def record_error(self, text: str) -> None:
+        """Leave this process's fatal error where the launcher reads it: the launcher reports
+        the failing process's own words, even when its stderr went elsewhere."""
+        if self.errors is not None:
+            P.put_text(self.errors.array[self.slot], text)
+
+    def node_failure(self) -> str:
+        """Why the launcher is stopping the node ('' unless a process died or hung)."""
+        return P.get_text(self.errors.array[-1]) if self.errors is not None else ""
+
     def leave(self) -> None:
         self.ready.array[self.slot] = 0
-        for s in (self.procs, self.heartbeat, self.ready, self.status):
-            s.close()
+        for s in (self.procs, self.heartbeat, self.ready, self.status, self.errors):
+            if s is not None:
+                s.close()
         self.reg.close()

@@ -24,6 +24,22 @@ NODE_STATUS = "node_status"  # int64[STATUS_FIELDS]: node state, prefix-tree sta
 ENGINE_BELL = "engine.bell"  # the doorbell every ring into the engine shares (fan-in)
 OWNERS_DEVICE = "owners.device"  # int32[blocks] debug ownership table (KVRT_CHECK_OWNERSHIP=1)
 OWNERS_HOST = "owners.host"
+ERRORS = "errors"            # uint8[slots + 1, ERROR_BYTES]: each process's fatal error, in its slot;
+                             # the last row: why the launcher is stopping the node (empty: no failure)
+ERROR_BYTES = 512
+
+
+def put_text(row, text: str) -> None:
+    """Write `text` (utf-8, truncated to the row, NUL-terminated) into a uint8 row."""
+    data = text.encode("utf-8", "replace")[: len(row) - 1]
+    row[: len(data)] = memoryview(data)
+    row[len(data)] = 0
+
+
+def get_text(row) -> str:
+    """The text `put_text` wrote (untrusted: undecodable bytes are replaced)."""
+    data = bytes(row)
+    return data.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
 def device_pool(rank: int) -> str:
@@ -64,6 +80,18 @@ ROLE_NAMES = {ROLE_ENGINE: "engine", ROLE_WORKER: "worker", ROLE_TRANSFER: "cach
               ROLE_MESSAGER: "cache-messager"}
 PROC_PID, PROC_ROLE, PROC_RANK, PROC_START = range(4)
 PROC_FIELDS = 4
+
+
+EXIT_ORPHAN = 3  # a child's exit status when it left because the engine or launcher was gone:
+                 # a consequence of another failure, never the cause the launcher reports
+
+
+def hang_threshold(config: dict, role: int) -> float:
+    """Seconds without a heartbeat after which a ready process of `role` counts as hung (the
+    launcher acts on it; status shows it). A cache-messager may sit in one transfer for up to
+    the rank timeout without beating, so that much is added for it."""
+    extra = float(config.get("rank_timeout", 0.0)) if role == ROLE_MESSAGER else 0.0
+    return float(config.get("hang_timeout", 0.0)) + extra
 
 
 def proc_slots(tp: int) -> list[tuple[int, int]]:

@@ -8,10 +8,20 @@ what exists in /dev/shm, and reclaiming a dead node is "unlink everything listed
 Layout of `kvrt.<node>.registry`: a 4 KiB header (magic, owner pid and start time, entry
 count published with store-release), then fixed 512-byte slots, each a length-prefixed
 msgpack map. Only the owner writes; readers load the count with acquire and read slots.
+
+Damage: the segment is writable by any process of the node's user, so readers trust none of
+it. A slot that does not decode to a well-formed entry of this node is skipped and listed in
+`damaged`; reclaiming also sweeps every `kvrt.<node>.*` name in /dev/shm (node names have no
+dots, so that prefix is this node's alone), so a damaged slot never leaks its object. Whether
+the owner lives is decided first by an exclusive flock the owner holds on the registry file
+for its whole life: the kernel drops it when the owner dies, and no write into the mapping can
+forge or erase it. The pid in the header is only a second opinion, and any doubt refuses.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import struct
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +43,8 @@ SLOT = 512
 MAX_ENTRIES = 1024
 _OFF_MAGIC, _OFF_VERSION, _OFF_PID, _OFF_START, _OFF_COUNT, _OFF_CREATED = 0, 8, 16, 24, 32, 40
 _LEN = struct.Struct("<I")
+KINDS = ("segment", "signal", "ring", "pool", "doorbell")
+STARTING_GRACE_S = 5.0  # an uninitialised, unlocked registry younger than this may be a launcher starting
 
 
 @dataclass
@@ -72,11 +84,13 @@ def pid_alive(pid: int, start_ms: int = 0) -> bool:
 class Registry:
     """A node's registry, opened as its owner (`create`) or as a reader (`attach`)."""
 
-    def __init__(self, node: str, seg: Segment):
+    def __init__(self, node: str, seg: Segment, lock_fd: int = -1):
         self.node = node
         self._seg = seg
         self._region = Region(seg.mm)
         self.owner = seg.owner
+        self._lock_fd = lock_fd
+        self.damaged: list[int] = []  # slots the last entries() call could not read
 
     # ---- life cycle -------------------------------------------------------------
     @classmethod
@@ -89,7 +103,17 @@ class Registry:
         except IpcError:
             reclaim(node)  # raises NodeLive if its owner is alive
             seg = Segment.create(name, HEADER + SLOT * MAX_ENTRIES)
-        reg = cls(node, seg)
+        try:
+            lock_fd = _lock(name, wait_s=1.0)  # a cleaner may be looking at our fresh file
+        except BaseException:
+            seg.unlink()
+            seg.close()
+            raise
+        if lock_fd < 0:  # we created the file, yet someone held its lock for a whole second
+            seg.unlink()
+            seg.close()
+            raise IpcError(f"node {node}: could not lock the registry {name} (another process holds it)")
+        reg = cls(node, seg, lock_fd)
         r = reg._region
         pid = os.getpid()
         r.store64(_OFF_VERSION, VERSION)
@@ -113,10 +137,14 @@ class Registry:
     def close(self) -> None:
         self._region.release()
         self._seg.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
 
     def unlink_all(self) -> list[str]:
-        """Owner only: unlink every registered object, then the registry itself (last)."""
-        removed = _unlink_entries(self.entries())
+        """Owner only: unlink every registered object and every other `kvrt.<node>.*` name
+        (a damaged slot must not leak its object), then the registry itself (last)."""
+        removed = _unlink_names(self.node, self.entries())
         self._seg.unlink()
         self.close()
         return removed + [self._seg.name]
@@ -144,7 +172,8 @@ class Registry:
         return self._region.load64(_OFF_CREATED)
 
     def owner_alive(self) -> bool:
-        return pid_alive(self.owner_pid, self._region.load64(_OFF_START))
+        """True if the owner holds the registry lock or its pid (from the header) runs."""
+        return lock_held(self._seg.name) or pid_alive(self.owner_pid, self._region.load64(_OFF_START))
 
     def name_of(self, obj: str) -> str:
         return object_name(self.node, obj)
@@ -168,15 +197,35 @@ class Registry:
         self._region.store64(_OFF_COUNT, n + 1)
 
     def entries(self) -> list[ObjectInfo]:
+        """Every readable entry; slots that are not a well-formed entry of this node are
+        skipped and their indices left in `damaged`."""
         n = self._region.load64(_OFF_COUNT)
-        out = []
+        out, self.damaged = [], []
         for i in range(min(n, MAX_ENTRIES)):
-            off = HEADER + i * SLOT
-            (ln,) = _LEN.unpack_from(self._seg.mm, off)
-            d = msgpack.unpackb(bytes(self._seg.mm[off + _LEN.size : off + _LEN.size + ln]))
-            d["shape"] = tuple(d["shape"])
-            out.append(ObjectInfo(**d))
+            info = self._slot(i)
+            if info is None:
+                self.damaged.append(i)
+            else:
+                out.append(info)
         return out
+
+    def _slot(self, i: int) -> ObjectInfo | None:
+        mm = self._seg.mm
+        off = HEADER + i * SLOT
+        (ln,) = _LEN.unpack_from(mm, off)
+        if ln > SLOT - _LEN.size:
+            return None
+        try:
+            d = msgpack.unpackb(bytes(mm[off + _LEN.size: off + _LEN.size + ln]))
+            info = ObjectInfo(**d)
+            info.shape = tuple(int(x) for x in info.shape)
+        except (msgpack.UnpackException, ValueError, TypeError, KeyError):
+            return None
+        prefix = f"{PREFIX}.{self.node}."
+        ok = (isinstance(info.name, str) and info.name.startswith(prefix) and _OBJ_RE.match(info.name)
+              and info.kind in KINDS and isinstance(info.dtype, str) and isinstance(info.meta, dict)
+              and isinstance(info.creator_pid, int) and isinstance(info.created, (int, float)))
+        return info if ok else None
 
     def find(self, obj: str) -> ObjectInfo:
         """The entry of object `obj` (short name, without `kvrt.<node>.`)."""
@@ -188,7 +237,7 @@ class Registry:
 
     # ---- creating registered objects ----------------------------------------------
     def create_segment(self, obj: str, size: int, kind: str = "segment", dtype: str = "",
-                       shape: tuple = (), meta: dict | None = None, prefault: bool = False) -> Segment:
+                       shape: tuple = (), meta: dict | None = None, prefault: bool = True) -> Segment:
         name = self.name_of(obj)
         self.add(ObjectInfo(name, kind, dtype, tuple(shape), os.getpid(), time.time(), meta or {}))
         return Segment.create(name, size, prefault=prefault)
@@ -199,12 +248,69 @@ class Registry:
         return Doorbell.create(name)
 
 
-def _unlink_entries(entries: list[ObjectInfo]) -> list[str]:
+_OBJ_RE = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+
+
+def _lock(name: str, wait_s: float = 0.0) -> int:
+    """Open the segment file `name` and take its exclusive flock, trying for up to `wait_s`:
+    the fd (closed on exec, so children never hold it), or -1 if another process holds it."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return -1
+                os.sched_yield()  # a cleaner or status reader holds it for microseconds
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def lock_held(name: str) -> bool:
+    """True if a process (a live owner) holds the flock of segment `name`."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops our shared lock, if we took it
+
+
+def node_names(node: str) -> list[tuple[str, str]]:
+    """(name, kind) of every object in /dev/shm named after `node`, registry excluded."""
+    registry = object_name(node, "registry")
+    seg_prefix, sem_prefix = f"{PREFIX}.{node}.", f"sem.{PREFIX}.{node}."
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in sorted(names):
+        if n.startswith(sem_prefix):
+            out.append((n[len("sem."):], "doorbell"))
+        elif n.startswith(seg_prefix) and n != registry:
+            out.append((n, "segment"))
+    return out
+
+
+def _unlink_names(node: str, entries: list[ObjectInfo]) -> list[str]:
+    """Unlink the registered objects (newest first), then whatever else carries the node's
+    prefix; the registry itself is left to the caller (it goes last)."""
     removed = []
-    for e in reversed(entries):
-        gone = unlink_doorbell(e.name) if e.kind == "doorbell" else unlink_segment(e.name)
+    for name, kind in [(e.name, e.kind) for e in reversed(entries)] + node_names(node):
+        gone = unlink_doorbell(name) if kind == "doorbell" else unlink_segment(name)
         if gone:
-            removed.append(e.name)
+            removed.append(name)
     return removed
 
 
@@ -220,30 +326,43 @@ def list_nodes() -> list[str]:
 
 
 def reclaim(node: str, dry_run: bool = False) -> list[str]:
-    """Unlink every object of `node` if its owner is dead; raise NodeLive if it is alive.
+    """Unlink every object of `node` if its owner is dead; raise NodeLive if it is alive or
+    might be (the registry lock is held, the header's owner pid runs, or an uninitialised
+    registry is young enough to be a launcher starting).
 
     Returns the names removed (or, with dry_run, that would be removed)."""
+    validate_node_name(node)
     name = object_name(node, "registry")
     if not segment_exists(name):
         return []
     try:
-        reg = Registry.attach(node)
-    except IpcError:
-        # Header not written yet: a launcher starting right now, or one that died doing so.
-        if time.time() - os.path.getmtime(os.path.join(SHM_DIR, name)) < 5.0:
-            raise NodeLive(f"node {node} is starting (registry not initialised yet)") from None
-        if dry_run:
-            return [name]
-        return [name] if unlink_segment(name) else []
+        fd = _lock(name)
+    except FileNotFoundError:
+        return []  # its owner unlinked it just now
+    if fd < 0:
+        raise NodeLive(f"node {node} is live (its launcher holds the registry lock); refusing to touch it")
     try:
-        if reg.owner_alive():
-            raise NodeLive(f"node {node} is live (launcher pid {reg.owner_pid}); refusing to touch it")
-        entries = reg.entries()
+        try:
+            reg = Registry.attach(node)
+        except IpcError:
+            # Header not written: a launcher starting right now (before it takes the lock), or
+            # one that died doing so, or a damaged header.
+            if time.time() - os.path.getmtime(os.path.join(SHM_DIR, name)) < STARTING_GRACE_S:
+                raise NodeLive(f"node {node} is starting (registry not initialised yet)") from None
+            entries = []
+        else:
+            try:
+                if pid_alive(reg.owner_pid, reg.owner_start_ms):
+                    raise NodeLive(f"node {node} is live (launcher pid {reg.owner_pid}); refusing to touch it")
+                entries = reg.entries()
+            finally:
+                reg.close()
+        if dry_run:
+            names = [e.name for e in entries]
+            return names + [n for n, _ in node_names(node) if n not in names] + [name]
+        removed = _unlink_names(node, entries)
+        if unlink_segment(name):
+            removed.append(name)
+        return removed
     finally:
-        reg.close()
-    if dry_run:
-        return [e.name for e in entries] + [name]
-    removed = _unlink_entries(entries)
-    if unlink_segment(name):
-        removed.append(name)
-    return removed
+        os.close(fd)

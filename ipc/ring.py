@@ -14,21 +14,35 @@ Why this shape (ARCHITECTURE.md §5):
 - Liveness is checked only while asleep (once per slice), so a dead or closed peer ends a
   wait with an error naming it, at no cost to the fast path.
 
-Record format: 4-byte little-endian length + payload, padded to 8 bytes. A record that does
-not fit before the end of the data area leaves a wrap marker and starts at offset 0. With
-that rule a record of at most capacity/2 bytes (header included) always fits into an empty
-ring, so larger ones are refused up front instead of waiting forever.
+Record format: an 8-byte header (4-byte little-endian length, 4-byte position tag) +
+payload, padded to 8 bytes. A record that does not fit before the end of the data area leaves
+a wrap marker (length 0xFFFFFFFF, tagged the same way) and starts at offset 0. With that rule a
+record of at most capacity/2 bytes (header included) always fits into an empty ring, so larger
+ones are refused up front instead of waiting forever.
+
+Why the consumer validates every header: the data area is shared memory any process of the
+node's user can write, and a consumer that trusted a corrupted length would walk through
+garbage as records, or follow a forged wrap marker back to an old record and run it again.
+The tag is the record's absolute stream position (in 8-byte units, low 32 bits), which the
+producer knows from its tail without any extra shared state, so a replacement producer keeps
+it right too; a record from an earlier lap carries an earlier position and can never pass as
+the next one. The consumer checks, per record: tag equals its own head position, length at
+most the largest record, the record inside the data area and inside what the producer
+published, and a wrap marker only where the next record could not have fitted. Any failure
+marks the ring broken (both ends' waits then end) and raises RingCorrupt; the head does not
+move, so every later read raises again instead of guessing.
 """
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, NoReturn, Sequence
 
 from ._atomic import Region
 from .doorbell import Doorbell
-from .errors import ChannelClosed, IpcError, PeerDead, RecordTooLarge, WaitTimeout
+from .errors import ChannelClosed, IpcError, PeerDead, RecordTooLarge, RingCorrupt, WaitTimeout
 from .registry import ObjectInfo, Registry, pid_alive, process_start_ms
 from .shm import Segment
 
@@ -42,17 +56,22 @@ _CONS_SLEEP = 192
 _PROD_SLEEP = 256
 _REC_IN, _PROD_PID, _PROD_START = 320, 328, 336
 _REC_OUT, _CONS_PID, _CONS_START, _PROTO_ERR = 384, 392, 400, 408
-_CLOSED = 448
+_CLOSED = 448  # 0 open, CLOSED_NORMAL by an end that finished, CLOSED_BROKEN on a corrupt record
+CLOSED_NORMAL, CLOSED_BROKEN = 1, 2
 
-_LEN = struct.Struct("<I")
+_REC = struct.Struct("<II")  # length, position tag
+_HDR = _REC.size
 _WRAP = 0xFFFFFFFF
+_TAG_MASK = 0xFFFFFFFF  # (spelled as a literal on the hot paths: a constant load is cheaper)
+WARN_BURST, WARN_EVERY_S = 10, 1.0  # protocol-error warnings per ring: a burst, then one per second
 SPINS = 200
 YIELDS = 50
 SLICE_S = 0.05  # how often a sleeping side checks its peer's liveness
 
 
-def _align8(n: int) -> int:
-    return (n + 7) & ~7
+def _tag(pos: int) -> int:
+    """The position tag of the record (or wrap marker) starting at stream position `pos`."""
+    return (pos >> 3) & _TAG_MASK
 
 
 class Ring:
@@ -81,6 +100,24 @@ class Ring:
         return reg.find(obj)
 
 
+    @staticmethod
+    def assign(info: ObjectInfo, producer: int = 0, consumer: int = 0) -> None:
+        """Name the process (pid) that will be the producer or consumer of a ring, before it
+        attaches: the creator knows who it started, so a process killed before it attached is
+        seen dead by its peer's waits (and by a fan-in) like one killed after. The process
+        writes the same facts again when it attaches."""
+        seg = Segment.attach(info.name)
+        r = Region(seg.mm)
+        try:
+            for pid, pid_off, start_off in ((producer, _PROD_PID, _PROD_START), (consumer, _CONS_PID, _CONS_START)):
+                if pid:
+                    r.store64(start_off, process_start_ms(pid))
+                    r.store64(pid_off, pid)
+        finally:
+            r.release()
+            seg.close()
+
+
 class _End:
     """What the producer and consumer ends share: the mapping, indices and doorbells."""
 
@@ -93,8 +130,11 @@ class _End:
         if self._r.load64(_MAGIC) != MAGIC:
             raise IpcError(f"{self.name} is not an initialised ring")
         self.capacity = self._r.load64(_CAP)
+        if self.capacity != info.meta.get("capacity") or HEADER + self.capacity > self._seg.size:
+            raise RingCorrupt(f"ring {self.name}: header capacity {self.capacity} does not match the "
+                              f"registry ({info.meta.get('capacity')}) or the segment ({self._seg.size} bytes)")
         self._mask = self.capacity - 1
-        self.max_record = self.capacity // 2 - _LEN.size
+        self.max_record = self.capacity // 2 - _HDR
         self._bell = Doorbell.attach(info.meta["bell"])
         self._space = Doorbell.attach(info.meta["space"])
         pid = os.getpid()
@@ -114,7 +154,10 @@ class _End:
 
     def _peer_gone(self, pid_off: int, start_off: int, peer: str) -> None:
         """Raise if the ring is closed or the peer process is dead."""
-        if self._r.load64(_CLOSED):
+        closed = self._r.load64(_CLOSED)
+        if closed == CLOSED_BROKEN:
+            raise RingCorrupt(f"ring {self.name} is broken (its consumer found a corrupt record)")
+        if closed:
             raise ChannelClosed(f"ring {self.name} is closed")
         if not self._peer_alive(pid_off, start_off):
             pid = self._r.load64(pid_off)
@@ -153,7 +196,8 @@ class _End:
 
     def close(self) -> None:
         """Mark the ring closed (the peer's waits end with ChannelClosed) and detach."""
-        self._r.store64(_CLOSED, 1)
+        if self._r.load64(_CLOSED) != CLOSED_BROKEN:
+            self._r.store64(_CLOSED, CLOSED_NORMAL)
         self._bell.ring()
         self._space.ring()
         self.detach()
@@ -171,6 +215,7 @@ def ring_stats(r: Region) -> dict:
         "capacity": r.load64(_CAP), "depth_bytes": tail - head,
         "records_in": r.load64(_REC_IN), "records_out": r.load64(_REC_OUT),
         "protocol_errors": r.load64(_PROTO_ERR), "closed": bool(r.load64(_CLOSED)),
+        "broken": r.load64(_CLOSED) == CLOSED_BROKEN,
         "producer_pid": r.load64(_PROD_PID), "consumer_pid": r.load64(_CONS_PID),
     }
 
@@ -183,7 +228,8 @@ class Producer(_End):
 
     def __init__(self, info: ObjectInfo):
         super().__init__(info)
-        self._r.store64(_CLOSED, 0)
+        if self._r.load64(_CLOSED) != CLOSED_BROKEN:  # a broken ring stays broken for good
+            self._r.store64(_CLOSED, 0)
         self._tail = self._r.load64(_TAIL)
         self._head_cache = self._r.load64(_HEAD)
         self._count = self._r.load64(_REC_IN)
@@ -217,7 +263,7 @@ class Producer(_End):
         n = len(data)
         if n > self.max_record:
             self._refuse(n)
-        size = (n + 11) & ~7
+        size = (n + 15) & ~7
         tail = self._tail
         off = tail & self._mask
         rest = self.capacity - off
@@ -226,12 +272,12 @@ class Producer(_End):
             self._wait_room(need, timeout)
         mm = self._mm
         if size > rest:
-            _LEN.pack_into(mm, HEADER + off, _WRAP)
+            _REC.pack_into(mm, HEADER + off, _WRAP, (tail >> 3) & 0xFFFFFFFF)
             tail += rest
             off = 0
         base = HEADER + off
-        _LEN.pack_into(mm, base, n)
-        mm[base + 4: base + 4 + n] = data
+        _REC.pack_into(mm, base, n, (tail >> 3) & 0xFFFFFFFF)
+        mm[base + 8: base + 8 + n] = data
         self._tail = tail = tail + size
         self._count += 1
         r = self._r
@@ -246,11 +292,11 @@ class Producer(_End):
                 self._refuse(len(rec))
         deadline = time.monotonic() + timeout
         pending = 0
-        mm, cap, mask, pack = self._mm, self.capacity, self._mask, _LEN.pack_into
+        mm, cap, mask, pack = self._mm, self.capacity, self._mask, _REC.pack_into
         tail = self._tail
         for rec in records:
             n = len(rec)
-            size = (n + 11) & ~7
+            size = (n + 15) & ~7
             off = tail & mask
             rest = cap - off
             need = size if size <= rest else rest + size
@@ -261,12 +307,12 @@ class Producer(_End):
                     pending = 0
                 self._wait_room(need, max(deadline - time.monotonic(), 0.0))
             if size > rest:
-                pack(mm, HEADER + off, _WRAP)
+                pack(mm, HEADER + off, _WRAP, (tail >> 3) & 0xFFFFFFFF)
                 tail += rest
                 off = 0
             base = HEADER + off
-            pack(mm, base, n)
-            mm[base + 4: base + 4 + n] = rec
+            pack(mm, base, n, (tail >> 3) & 0xFFFFFFFF)
+            mm[base + 8: base + 8 + n] = rec
             tail += size
             pending += 1
         self._tail = tail
@@ -286,22 +332,66 @@ class Consumer(_End):
         self._count = self._r.load64(_REC_OUT)
         self._errors = self._r.load64(_PROTO_ERR)
         self._mm = self._seg.mm
+        self._warn_tokens = float(WARN_BURST)
+        self._warn_at = time.monotonic()
+        self._suppressed = 0
 
     def _readable(self) -> bool:
         self._tail_cache = self._r.load64(_TAIL)
         return self._tail_cache != self._head
 
-    def _read(self) -> bytes:
-        mm = self._mm
-        off = self._head & self._mask
-        (n,) = _LEN.unpack_from(mm, HEADER + off)
+    def _frame(self, head: int, tail: int) -> tuple[int, int, int, int]:
+        """Validate the header at stream position `head` (following a wrap marker) against the
+        published `tail`: (record start, offset, length, padded size), or raise RingCorrupt.
+        The slow path: the hot paths call it only when their inline checks fail."""
+        mm, cap = self._mm, self.capacity
+        off = head & self._mask
+        n, tag = _REC.unpack_from(mm, HEADER + off)
+        if tag != _tag(head):
+            self._corrupt(head, f"position tag {tag:#x}, expected {_tag(head):#x}")
+        start = head
         if n == _WRAP:
-            self._head += self.capacity - off
+            rest = cap - off
+            start = head + rest
+            if start >= tail:
+                self._corrupt(head, f"wrap marker at offset {off} but nothing published after it (tail {tail})")
+            n, tag = _REC.unpack_from(mm, HEADER)
+            if tag != _tag(start):
+                self._corrupt(start, f"position tag {tag:#x} after a wrap marker, expected {_tag(start):#x}")
+            if n <= self.max_record and (n + 15) & ~7 <= rest:
+                self._corrupt(head, f"wrap marker at offset {off} although the next record "
+                                    f"({n} bytes) fits in the {rest} bytes left")
             off = 0
-            (n,) = _LEN.unpack_from(mm, HEADER)
-        base = HEADER + off + 4
-        data = mm[base: base + n]
-        self._head += _align8(n + 4)
+        size = (n + 15) & ~7
+        if n > self.max_record:
+            self._corrupt(start, f"length {n} exceeds the largest record {self.max_record}")
+        if off + size > cap:
+            self._corrupt(start, f"record of {size} bytes at offset {off} runs past the data area ({cap} bytes)")
+        if start + size > tail:
+            self._corrupt(start, f"record of {size} bytes runs past what the producer published (tail {tail})")
+        return start, off, n, size
+
+    def _corrupt(self, pos: int, why: str) -> NoReturn:
+        """Mark the ring broken (the producer's waits end too) and raise; the head stays put."""
+        r = self._r
+        r.store64(_CLOSED, CLOSED_BROKEN)
+        self._errors += 1
+        r.store64(_PROTO_ERR, self._errors)
+        self._space.ring()
+        raise RingCorrupt(f"ring {self.name}: corrupt record at stream position {pos}: {why}; "
+                          f"ring marked broken (producer pid {r.load64(_PROD_PID)})")
+
+    def _read(self) -> bytes:
+        head = self._head
+        off = head & self._mask
+        n, tag = _REC.unpack_from(self._mm, HEADER + off)
+        size = (n + 15) & ~7
+        if (n > self.max_record or tag != (head >> 3) & 0xFFFFFFFF or head + size > self._tail_cache
+                or off + size > self.capacity):
+            head, off, n, size = self._frame(head, self._tail_cache)
+        base = HEADER + off + 8
+        data = self._mm[base: base + n]
+        self._head = head + size
         return data
 
     def _release(self, records: int) -> None:
@@ -317,20 +407,21 @@ class Consumer(_End):
                        _PROD_PID, _PROD_START, "producer")
 
     def get(self, timeout: float) -> bytes:
-        """Take one record; waits up to `timeout` s. Raises WaitTimeout, PeerDead, ChannelClosed."""
+        """Take one record; waits up to `timeout` s. Raises WaitTimeout, PeerDead, ChannelClosed,
+        and RingCorrupt (a ChannelClosed) when the record's header fails validation."""
         head = self._head
         if head == self._tail_cache and not self._readable():
             self.wait_readable(timeout)
         mm = self._mm
         off = head & self._mask
-        (n,) = _LEN.unpack_from(mm, HEADER + off)
-        if n == _WRAP:
-            head += self.capacity - off
-            off = 0
-            (n,) = _LEN.unpack_from(mm, HEADER)
-        base = HEADER + off + 4
+        n, tag = _REC.unpack_from(mm, HEADER + off)
+        size = (n + 15) & ~7
+        if (n > self.max_record or tag != (head >> 3) & 0xFFFFFFFF or head + size > self._tail_cache
+                or off + size > self.capacity):
+            head, off, n, size = self._frame(head, self._tail_cache)
+        base = HEADER + off + 8
         data = mm[base: base + n]
-        self._head = head = head + ((n + 11) & ~7)
+        self._head = head = head + size
         self._count += 1
         r = self._r
         r.store64(_REC_OUT, self._count)
@@ -347,29 +438,32 @@ class Consumer(_End):
         return data
 
     def get_many(self, max_records: int, timeout: float) -> list[bytes]:
-        """Wait for at least one record, then take up to `max_records` (one release per batch)."""
+        """Wait for at least one record, then take up to `max_records` (one release per batch).
+        A corrupt header raises RingCorrupt; records before it in the batch are released first
+        and are lost to the caller, as is everything after the corruption."""
         if self._head == self._tail_cache and not self._readable():
             self.wait_readable(timeout)
         out = []
         append = out.append
-        mm, mask, cap, unpack = self._mm, self._mask, self.capacity, _LEN.unpack_from
+        mm, mask, cap, unpack, maxrec = self._mm, self._mask, self.capacity, _REC.unpack_from, self.max_record
         head, tail = self._head, self._tail_cache
-        while len(out) < max_records:
-            if head == tail:
-                tail = self._tail_cache = self._r.load64(_TAIL)
+        try:
+            while len(out) < max_records:
                 if head == tail:
-                    break
-            off = head & mask
-            (n,) = unpack(mm, HEADER + off)
-            if n == _WRAP:
-                head += cap - off
-                off = 0
-                (n,) = unpack(mm, HEADER)
-            base = HEADER + off + 4
-            append(mm[base: base + n])
-            head += (n + 11) & ~7
-        self._head = head
-        self._release(len(out))
+                    tail = self._tail_cache = self._r.load64(_TAIL)
+                    if head == tail:
+                        break
+                off = head & mask
+                n, tag = unpack(mm, HEADER + off)
+                size = (n + 15) & ~7
+                if n > maxrec or tag != (head >> 3) & 0xFFFFFFFF or head + size > tail or off + size > cap:
+                    head, off, n, size = self._frame(head, tail)
+                base = HEADER + off + 8
+                append(mm[base: base + n])
+                head += size
+        finally:
+            self._head = head
+            self._release(len(out))
         return out
 
     def pending(self) -> bool:
@@ -407,6 +501,23 @@ class Consumer(_End):
         """Record that a message from this ring could not be decoded (shown by `kvrt status`)."""
         self._errors += 1
         self._r.store64(_PROTO_ERR, self._errors)
+
+    def report_protocol_error(self, logger: logging.Logger, err: Exception) -> None:
+        """Count an undecodable message and warn about it: the first WARN_BURST freely, then
+        at most one per WARN_EVERY_S per ring (a token bucket). A producer gone wrong can send
+        bad messages as fast as the ring carries them, and a warning each would fill the disk
+        with the same line."""
+        self.count_protocol_error()
+        now = time.monotonic()
+        self._warn_tokens = min(WARN_BURST, self._warn_tokens + (now - self._warn_at) / WARN_EVERY_S)
+        self._warn_at = now
+        if self._warn_tokens < 1.0:
+            self._suppressed += 1
+            return
+        self._warn_tokens -= 1.0
+        more = f" ({self._suppressed} more not shown)" if self._suppressed else ""
+        logger.warning("bad message on %s skipped: %s%s", self.name, err, more)
+        self._suppressed = 0
 
     def drain(self) -> Iterable[bytes]:
         while (rec := self.try_get()) is not None:

@@ -43,7 +43,10 @@ class Segment:
         self.owner = owner
 
     @classmethod
-    def create(cls, name: str, size: int, prefault: bool = False) -> "Segment":
+    def create(cls, name: str, size: int, prefault: bool = True) -> "Segment":
+        """Create `name` (0600) and map it. With `prefault` (the default) every page is
+        allocated now (posix_fallocate: a full /dev/shm is an error here, naming the sizes,
+        not a SIGBUS at the first write into a hole later) and mapped (MAP_POPULATE)."""
         if size <= 0:
             raise ValueError(f"segment {name}: size must be positive, got {size}")
         try:
@@ -52,7 +55,12 @@ class Segment:
             raise IpcError(f"shared-memory segment {name} already exists") from None
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
         try:
+            if prefault:
+                _allocate(shm.fd, name, size)
             mm = mmap.mmap(shm.fd, size, flags=flags)
+        except BaseException:
+            unlink_segment(name)
+            raise
         finally:
             shm.close_fd()
         return cls(name, mm, owner=True)
@@ -91,6 +99,15 @@ def unlink_segment(name: str) -> bool:
 
 def segment_exists(name: str) -> bool:
     return os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def _allocate(fd: int, name: str, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        free = shm_free_bytes()
+        raise IpcError(f"no room in {SHM_DIR} for {name}: it needs {size / 2**20:.1f} MiB, "
+                       f"{free / 2**20:.1f} MiB are free ({e.strerror})") from None
 
 
 def shm_free_bytes() -> int:

@@ -47,6 +47,7 @@ class NodeConfig:
     check_ownership: bool = False
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
+    hang_timeout: float = 5.0   # a ready process whose heartbeat is older than this is hung
 
     def validate(self) -> "NodeConfig":
         from ipc.shm import validate_node_name
@@ -70,6 +71,8 @@ class NodeConfig:
             raise ConfigError("--role prefill needs --port: clients send their requests there")
         if self.pd_timeout <= 0:
             raise ConfigError(f"--pd-timeout must be positive, got {self.pd_timeout}")
+        if self.hang_timeout <= 0:
+            raise ConfigError(f"--hang-timeout must be positive, got {self.hang_timeout}")
         _positive("--tp", self.tp)
         _positive("--block-size", self.block_size)
         if self.block_size & (self.block_size - 1):

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from ipc import protocol as P
-from ipc.errors import ChannelClosed, PeerDead, ProtocolError, WaitTimeout
+from ipc.errors import ChannelClosed, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
 from ipc.fanin import FanIn
 from ipc.member import Member
 from ipc.ring import Consumer, Producer
@@ -49,9 +51,28 @@ class StepTimeout(RuntimeError):
     """A worker rank did not answer a step in time: the node is unhealthy; the engine exits."""
 
 
+@dataclass
+class StopRequest:
+    """SIGTERM/SIGINT, recorded by the handler and acted on by the loop at its next tick (at
+    most TICK_S later: the signal also cuts short a doorbell wait). The launcher sends SIGTERM
+    when another process of the node died or hung, after writing why into the node's errors
+    row, so the engine can fail every request in flight with that reason before it exits."""
+
+    signal: str = ""
+
+    def install(self) -> "StopRequest":
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._record)
+        return self
+
+    def _record(self, signum: int, _frame: object) -> None:
+        self.signal = signal.Signals(signum).name
+
+
 class Engine:
-    def __init__(self, member: Member):
+    def __init__(self, member: Member, stop: StopRequest | None = None):
         self.member = member
+        self.stop = stop if stop is not None else StopRequest()
         self.cfg = NodeConfig.from_dict(member.config)
         reg = member.reg
         tp = self.cfg.tp
@@ -297,9 +318,8 @@ class Engine:
         try:
             msg = P.PROTOCOL.decode(rec)
         except ProtocolError as e:
-            ring.count_protocol_error()
+            ring.report_protocol_error(log, e)
             self.stats.array[P.STAT["protocol_errors"]] += 1
-            log.warning("bad message on %s: %s", ring.name, e)
             return
         if isinstance(msg, P.StepResult):
             self._on_step_result(msg)
@@ -344,14 +364,23 @@ class Engine:
             self.server = ApiServer(self.cfg.host, self.cfg.port, self.fan.poke, peer=self.cfg.decode_peer)
         self.member.set_ready()
         try:
-            while not self.member.stopping():
+            while not self.member.stopping() and not self.stop.signal:
                 self.step()
                 if why := self.member.orphaned():
                     log.error("exiting: %s", why)
+                    self.fail_all(f"the node failed: {why}")
                     return 1
+            if self.stop.signal:
+                return self.abort()
             return self.shutdown()
-        except StepTimeout as e:
+        except StepTimeout as e:  # the step's requests were told; the launcher stops the node
             log.error("exiting: %s", e)
+            self.member.record_error(str(e))
+            return 1
+        except RingCorrupt as e:
+            log.error("exiting: %s", e)
+            self.member.record_error(str(e))
+            self.fail_all(f"the engine failed: {e}")
             return 1
         finally:
             if self.server is not None:
@@ -385,20 +414,22 @@ class Engine:
         self.publish_stats()
 
     def shutdown(self, grace_s: float = 5.0) -> int:
-        """Stop intake, let running requests and tasks finish (bounded), fail what is left,
-        then tell every child to exit."""
+        """Stop intake, let running requests and tasks finish (bounded, and cut short by
+        SIGTERM), fail what is left, then tell every child to exit."""
         self.accepting = False
         deadline = time.monotonic() + grace_s
         while (self.transfer.inflight or not self.sched.idle or (self.prefill and self.prefill.sends)) \
-                and time.monotonic() < deadline:
+                and time.monotonic() < deadline and not self.stop.signal:
             self.step()
         if self.prefill is not None:
             self.prefill.fail_all("the prefill node is stopping")
         for result in self.transfer.expire(now=float("inf")):
             self._on_task_result(result)
+        failure = self.member.node_failure()
         for seq in list(self.sched.seqs.values()):
-            self.reply(seq.client, api.ErrorEvent(seq.request_id, api.STOPPING,
-                                                   f"the node stopped before the request finished (grace {grace_s:.3g}s)"))
+            self.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED if failure else api.STOPPING,
+                                                   failure or f"the node stopped before the request "
+                                                   f"finished (grace {grace_s:.3g}s)"))
         bye = P.PROTOCOL.encode(P.Shutdown("node stopping"))
         for ring in self.to_workers + self.to_transfer + self.to_messagers:
             try:
@@ -408,6 +439,26 @@ class Engine:
         log.info("engine stopped")
         return 0
 
+    def abort(self) -> int:
+        """SIGTERM while serving: fail every request in flight at once, naming why (a dead or
+        hung process, as the launcher wrote it), and exit; the launcher stops the others. No
+        ring is touched: the process on the other side may be the one that died."""
+        self.accepting = False
+        failure = self.member.node_failure()
+        why = failure or f"the engine got {self.stop.signal} and stopped"
+        (log.error if failure else log.info)("stopping at once: %s", why)
+        self.fail_all(why)
+        return 0
+
+    def fail_all(self, why: str) -> None:
+        """An error event for every request in flight (a prefill node's handoffs included)."""
+        self.accepting = False
+        if self.prefill is not None:
+            self.prefill.fail_all(why)
+        for seq in list(self.sched.seqs.values()):
+            self.count_failed()
+            self.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.engine", description="kvrt engine process (started by kvrt launch)")
@@ -415,9 +466,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
+    stop = StopRequest().install()
     member = Member.join(args.node, P.ROLE_ENGINE, 0)
     try:
-        return Engine(member).run()
+        return Engine(member, stop).run()
+    except Exception as e:  # the launcher reports the engine's own words, not a bystander's
+        log.exception("engine failed")
+        member.record_error(f"{type(e).__name__}: {e}")
+        return 1
     finally:
         member.leave()
 

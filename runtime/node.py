@@ -9,31 +9,42 @@ reclaims what a SIGKILLed launcher left (the registry lists it all).
 Children are real processes started from the command line (no fork of this process, no
 pickle); they get SIGTERM if the launcher dies (PR_SET_PDEATHSIG) and also notice by
 themselves through the registry owner's pid.
+
+Supervision: the launcher waits on a pidfd per child (it reaps through Popen, so the exit
+status it reports is the real one) and reads every ready child's heartbeat; a child that died,
+or whose heartbeat is older than --hang-timeout, fails the node. The engine goes first: the
+launcher writes why into the node's errors row and sends it SIGTERM, so it fails every request
+in flight with that reason at once; only then are the others stopped (a hung one killed). The
+culprit reported is the process that failed by itself, in its own words (its errors row), not
+one that merely left after it.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
-import psutil
 
 from ipc import protocol as P
 from ipc.registry import Registry
+from ipc.ring import HEADER as RING_HEADER
 from ipc.ring import Ring
 from ipc.signals import Signal
 from runtime.config import NodeConfig
 
 log = logging.getLogger("kvrt.launch")
 RING_BYTES = 1 << 20
+PAGE = 4096
+ENGINE_ABORT_S = 5.0  # how long a failing node waits for the engine to fail its requests and exit
 _PR_SET_PDEATHSIG = 1
 
 
@@ -51,10 +62,49 @@ class Child:
     role: int
     rank: int
     proc: subprocess.Popen
+    pidfd: int = -1  # readable once the process exited (select.poll), without reaping it
 
     @property
     def name(self) -> str:
         return f"{P.ROLE_NAMES[self.role]}[{self.rank}]"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def describe_exit(code: int | None) -> str:
+    """A Popen return code in words: the real code, or the signal that ended the process."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def ring_count(cfg: NodeConfig) -> int:
+    """Rings per rank: to and from the worker, cache-transfer and cache-messager it has."""
+    return cfg.tp * 2 * (1 + int(cfg.needs_transfer) + int(cfg.disaggregated))
+
+
+def shm_needs(cfg: NodeConfig, pool_bytes: int) -> dict[str, int]:
+    """Bytes of /dev/shm each kind of object takes once created (every segment is allocated in
+    full at creation), for the room check before any of them exists."""
+    slots = len(P.proc_slots(cfg.tp))
+    signal_bytes = [slots * P.PROC_FIELDS * 8, slots * 8, slots * 4, P.STATUS_FIELDS * 8,
+                    len(P.STATS) * 8, (slots + 1) * P.ERROR_BYTES, PAGE]  # ... and the config
+    if cfg.check_ownership:
+        signal_bytes += [cfg.num_gpu_blocks * 4, max(cfg.num_cpu_blocks, 1) * 4]
+    return {"KV pools": pool_bytes,
+            "rings": ring_count(cfg) * _pages(RING_HEADER + RING_BYTES),
+            "signals": sum(_pages(n) for n in signal_bytes)}
+
+
+def _pages(n: int) -> int:
+    return -(-n // PAGE) * PAGE
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -71,6 +121,7 @@ class Node:
         self._stop_signal = 0
         self._job: threading.Thread | None = None
         self._job_rc = 0
+        self._sig: dict[str, Signal] = {}  # the signals the launcher reads and writes itself
 
     # ---- shared objects ------------------------------------------------------------------
     def create_objects(self) -> None:
@@ -78,14 +129,16 @@ class Node:
         cfg = self.cfg
         self.reg = reg = Registry.create(cfg.node)
         try:
-            _check_shm_room(self.pools.bytes_needed(cfg.to_dict()), cfg)
+            _check_shm_room(shm_needs(cfg, self.pools.bytes_needed(cfg.to_dict())), cfg)
             P.publish_config(reg, cfg.to_dict())
             slots = len(P.proc_slots(cfg.tp))
-            Signal.create(reg, P.PROCS, (slots, P.PROC_FIELDS), np.int64)
-            Signal.create(reg, P.HEARTBEAT, slots, np.int64)
-            Signal.create(reg, P.READY, slots, np.int32)
-            Signal.create(reg, P.NODE_STATUS, P.STATUS_FIELDS, np.int64)
-            Signal.create(reg, P.ENGINE_STATS, len(P.STATS), np.float64)
+            sig = self._sig
+            sig[P.PROCS] = Signal.create(reg, P.PROCS, (slots, P.PROC_FIELDS), np.int64)
+            sig[P.HEARTBEAT] = Signal.create(reg, P.HEARTBEAT, slots, np.int64)
+            sig[P.READY] = Signal.create(reg, P.READY, slots, np.int32)
+            sig[P.NODE_STATUS] = Signal.create(reg, P.NODE_STATUS, P.STATUS_FIELDS, np.int64)
+            sig[P.ERRORS] = Signal.create(reg, P.ERRORS, (slots + 1, P.ERROR_BYTES), np.uint8)
+            Signal.create(reg, P.ENGINE_STATS, len(P.STATS), np.float64).close()
             if cfg.check_ownership:
                 Signal.create(reg, P.OWNERS_DEVICE, cfg.num_gpu_blocks, np.int32)
                 Signal.create(reg, P.OWNERS_HOST, max(cfg.num_cpu_blocks, 1), np.int32)
@@ -105,6 +158,9 @@ class Node:
             raise
 
     def unlink(self) -> None:
+        for s in self._sig.values():
+            s.close()
+        self._sig.clear()
         if self.reg is not None:
             removed = self.reg.unlink_all()
             log.debug("unlinked %d objects of node %s", len(removed), self.cfg.node)
@@ -120,63 +176,114 @@ class Node:
         if cfg.disaggregated:
             plan += [(P.ROLE_MESSAGER, r, "workers.cache_messager") for r in range(cfg.tp)]
         level = logging.getLevelName(logging.getLogger().level)
+        if cfg.log_dir and not os.path.isdir(cfg.log_dir):
+            os.makedirs(cfg.log_dir, mode=0o700)  # logs carry prompts' fates: the user's alone
         for role, rank, module in plan:
             cmd = [sys.executable, "-m", module, "--node", cfg.node, "--log-level", level]
             if role != P.ROLE_ENGINE:
                 cmd += ["--rank", str(rank)]
             out = None
             if cfg.log_dir:
-                os.makedirs(cfg.log_dir, exist_ok=True)
-                out = open(os.path.join(cfg.log_dir, f"{P.ROLE_NAMES[role]}-{rank}.log"), "ab")
-            proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True,
-                                    preexec_fn=_die_with_parent, cwd=os.getcwd(), env=_child_env())
-            if out:
-                out.close()
-            self.children.append(Child(role, rank, proc))
+                out = os.open(os.path.join(cfg.log_dir, f"{P.ROLE_NAMES[role]}-{rank}.log"),
+                              os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                os.fchmod(out, 0o600)  # also a file left by an earlier run with a wider mode
+            try:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True,
+                                        preexec_fn=_die_with_parent, cwd=os.getcwd(), env=_child_env())
+            finally:
+                if out is not None:
+                    os.close(out)
+            self.children.append(Child(role, rank, proc, os.pidfd_open(proc.pid)))
+            self._assign_rings(role, rank, proc.pid)
+
+    def _assign_rings(self, role: int, rank: int, pid: int) -> None:
+        """Write `pid` into the rings this child will write and read, before it attaches, so a
+        child killed during start-up is reported by its peers' waits as dead, not awaited."""
+        cfg, reg = self.cfg, self.reg
+        pairs = [(P.ROLE_WORKER, P.to_worker, P.from_worker)]
+        if cfg.needs_transfer:
+            pairs.append((P.ROLE_TRANSFER, P.to_transfer, P.from_transfer))
+        if cfg.disaggregated:
+            pairs.append((P.ROLE_MESSAGER, P.to_messager, P.from_messager))
+        for peer_role, to_peer, from_peer in pairs:
+            for r in range(cfg.tp):
+                if role == P.ROLE_ENGINE:
+                    Ring.assign(reg.find(to_peer(r)), producer=pid)
+                    Ring.assign(reg.find(from_peer(r)), consumer=pid)
+                elif role == peer_role and rank == r:
+                    Ring.assign(reg.find(to_peer(r)), consumer=pid)
+                    Ring.assign(reg.find(from_peer(r)), producer=pid)
 
     def _dead_children(self, timeout: float) -> list[Child]:
-        """Block up to `timeout` s until a child exits; returns the ones that did."""
-        procs = {c.proc.pid: c for c in self.children}
-        try:
-            ps = [psutil.Process(pid) for pid in procs]
-        except psutil.NoSuchProcess:
-            ps = []
-        gone, _ = psutil.wait_procs(ps, timeout=timeout) if ps else ([], [])
-        dead = [procs[p.pid] for p in gone]
-        dead += [c for c in self.children if c.proc.poll() is not None and c not in dead]
-        return dead
+        """Block up to `timeout` s until a child exits; returns every child that has exited
+        and was not returned before. Reaps through Popen, so each keeps its real status."""
+        live = [c for c in self.children if c.proc.returncode is None]
+        if live:
+            poller = select.poll()
+            for c in live:
+                poller.register(c.pidfd, select.POLLIN)
+            poller.poll(max(timeout, 0.0) * 1000)
+        return [c for c in live if c.proc.poll() is not None]
+
+    def _error_of(self, c: Child) -> str:
+        errors = self._sig.get(P.ERRORS)
+        return P.get_text(errors.array[self._slot(c)]) if errors is not None else ""
+
+    def _slot(self, c: Child) -> int:
+        return P.slot_of(self.cfg.tp, c.role, c.rank)
+
+    def _report(self, c: Child, when: str = "") -> str:
+        """`worker[0] (pid 12) exited with code 1<when>: <its own last error>`."""
+        err = self._error_of(c)
+        return f"{c.name} (pid {c.proc.pid}) {describe_exit(c.proc.returncode)}{when}" + (f": {err}" if err else "")
+
+    def _culprit(self, dead: list[Child]) -> Child:
+        """The child that failed by itself: not one that left because another was gone."""
+        return next((c for c in dead if c.proc.returncode != P.EXIT_ORPHAN), dead[0])
+
+    def _hung(self) -> list[tuple[Child, float]]:
+        """Ready children whose heartbeat is older than the hang timeout, with its age in s."""
+        beats, ready = self._sig[P.HEARTBEAT].array, self._sig[P.READY].array
+        cfg = self.cfg.to_dict()
+        now = time.monotonic_ns()
+        out = []
+        for c in self.children:
+            slot = self._slot(c)
+            beat = int(beats[slot])
+            if (c.proc.returncode is None and ready[slot] and beat
+                    and now - beat > P.hang_threshold(cfg, c.role) * 1e9):
+                out.append((c, (now - beat) / 1e9))
+        return out
 
     def wait_ready(self) -> None:
-        """Wait for every child's ready flag, with a progress line and the config's timeout."""
-        ready = Signal.attach(self.reg, P.READY)
-        slots = {c.name: P.slot_of(self.cfg.tp, c.role, c.rank) for c in self.children}
+        """Wait for every child's ready flag, with a progress line and the config's timeout
+        (which also bounds a child that hangs while starting)."""
+        ready = self._sig[P.READY]
+        slots = {c.name: self._slot(c) for c in self.children}
         t0 = time.monotonic()
         next_line = t0 + 1.0
-        try:
-            while True:
-                waiting = [n for n, s in slots.items() if not ready.array[s]]
-                if not waiting:
-                    return
-                if dead := self._dead_children(0.1):
-                    raise RuntimeError(f"{dead[0].name} (pid {dead[0].proc.pid}) exited with code "
-                                       f"{dead[0].proc.poll()} during start-up")
-                if self._stop_signal:
-                    raise KeyboardInterrupt
-                now = time.monotonic()
-                if now - t0 > self.cfg.ready_timeout:
-                    raise TimeoutError(f"timed out after {self.cfg.ready_timeout:.0f}s waiting for "
-                                       f"{', '.join(waiting)} to become ready")
-                if now >= next_line:
-                    self.progress(f"waiting for {', '.join(waiting)} ({len(slots) - len(waiting)}/"
-                                  f"{len(slots)} ready, {now - t0:.0f}s)")
-                    next_line = now + 1.0
-        finally:
-            ready.close()
+        while True:
+            waiting = [n for n, s in slots.items() if not ready.array[s]]
+            if not waiting:
+                return
+            if dead := self._dead_children(0.1):
+                for c in dead:
+                    log.error("%s", self._report(c, " during start-up"))
+                raise RuntimeError(self._report(self._culprit(dead), " during start-up"))
+            if self._stop_signal:
+                raise KeyboardInterrupt
+            now = time.monotonic()
+            if now - t0 > self.cfg.ready_timeout:
+                raise TimeoutError(f"timed out after {self.cfg.ready_timeout:.0f}s waiting for "
+                                   f"{', '.join(waiting)} to become ready")
+            if now >= next_line:
+                self.progress(f"waiting for {', '.join(waiting)} ({len(slots) - len(waiting)}/"
+                              f"{len(slots)} ready, {now - t0:.0f}s)")
+                next_line = now + 1.0
 
     def _set_status(self, value: int) -> None:
-        st = Signal.attach(self.reg, P.NODE_STATUS)
-        st.array[P.ST_NODE] = value
-        st.close()
+        if P.NODE_STATUS in self._sig:
+            self._sig[P.NODE_STATUS].array[P.ST_NODE] = value
 
     def _start_job(self, job: Callable[[], int]) -> None:
         """Run `job` (a workload against the ready node, e.g. the demo) in a thread; the node
@@ -192,8 +299,8 @@ class Node:
         self._job.start()
 
     def supervise(self) -> int:
-        """Run until a signal (exit 0 after a clean stop), a child's death (exit 1), or the end
-        of the node's job (its exit code)."""
+        """Run until a signal (exit 0 after a clean stop), a child's death or hang (exit 1),
+        or the end of the node's job (its exit code)."""
         self._set_status(P.NODE_RUNNING)
         while not self._stop_signal:
             if self._job is not None and not self._job.is_alive():
@@ -202,13 +309,42 @@ class Node:
             dead = self._dead_children(0.2)
             if dead:
                 for c in dead:
-                    log.error("%s (pid %d) died with exit code %s; stopping node %s", c.name, c.proc.pid,
-                              c.proc.poll(), self.cfg.node)
-                self.stop(grace_s=2.0)
+                    log.error("%s", self._report(c))
+                self._fail(self._report(self._culprit(dead)))
+                return 1
+            hung = self._hung()
+            if hung:
+                for c, age in hung:
+                    log.error("%s (pid %d) is hung: no heartbeat for %.1fs (--hang-timeout %g)",
+                              c.name, c.proc.pid, age, self.cfg.hang_timeout)
+                c, age = hung[0]
+                self._fail(f"{c.name} (pid {c.proc.pid}) is hung (no heartbeat for {age:.1f}s)",
+                           [c for c, _ in hung])
                 return 1
         log.info("signal %d: stopping node %s", self._stop_signal, self.cfg.node)
         self.stop()
         return 0
+
+    def _fail(self, why: str, hung: Sequence[Child] = ()) -> None:
+        """A child died or hung: the engine first (SIGTERM after `why` is written where it
+        reads it, so it fails every request in flight naming the cause), then the others."""
+        log.error("stopping node %s: %s", self.cfg.node, why)
+        if P.ERRORS in self._sig:
+            P.put_text(self._sig[P.ERRORS].array[-1], why)
+        for c in hung:  # a stopped process would sit on SIGTERM forever
+            c.proc.kill()
+        engine = next((c for c in self.children if c.role == P.ROLE_ENGINE), None)
+        if engine is not None and engine.alive:
+            engine.proc.send_signal(signal.SIGTERM)
+            try:
+                engine.proc.wait(ENGINE_ABORT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("engine (pid %d) did not stop within %.0fs of SIGTERM", engine.proc.pid, ENGINE_ABORT_S)
+        for c in self.children:
+            if c.alive and c is not engine:
+                c.proc.send_signal(signal.SIGTERM)
+        self.stop(grace_s=2.0)
+        log.error("node %s stopped because %s", self.cfg.node, why)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Ask the engine to wind down (it tells the others), then make sure every child is gone."""
@@ -254,6 +390,10 @@ class Node:
             self.stop(grace_s=2.0)
             raise
         finally:
+            for c in self.children:
+                if c.pidfd >= 0:
+                    os.close(c.pidfd)
+                    c.pidfd = -1
             self.unlink()
 
     def _on_signal(self, signum: int, _frame) -> None:
@@ -271,13 +411,19 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _check_shm_room(need: int, cfg: NodeConfig) -> None:
+def _check_shm_room(needs: dict[str, int], cfg: NodeConfig) -> None:
+    """Refuse a node that would not fit in /dev/shm, naming what takes the room, before any of
+    it is created (a segment created on a full tmpfs would SIGBUS a process at first touch)."""
     from ipc.shm import shm_free_bytes
 
-    free = shm_free_bytes()
+    free, need = shm_free_bytes(), sum(needs.values())
     if need > free:
         pools = (f"{cfg.num_cpu_blocks} host" if cfg.device == "cuda"
                  else f"{cfg.num_gpu_blocks} device + {cfg.num_cpu_blocks} host")
-        raise RuntimeError(f"/dev/shm has {free / 2**20:.0f} MiB free but node {cfg.node} needs "
-                           f"{need / 2**20:.0f} MiB for its KV pools ({cfg.tp} rank(s) × {pools} blocks × "
-                           f"{cfg.block_bytes} bytes); lower --num-gpu-blocks/--num-cpu-blocks")
+        parts = {"KV pools": f"{cfg.tp} rank(s) × {pools} blocks × {cfg.block_bytes} bytes",
+                 "rings": f"{ring_count(cfg)} × {RING_BYTES / 2**20:.0f} MiB"}
+        detail = ", ".join(f"{what} {n / 2**20:.1f} MiB" + (f" ({parts[what]})" if what in parts else "")
+                           for what, n in needs.items())
+        raise RuntimeError(f"/dev/shm has {free / 2**20:.1f} MiB free but node {cfg.node} needs "
+                           f"{need / 2**20:.1f} MiB: {detail}; lower --num-gpu-blocks/--num-cpu-blocks "
+                           f"or free /dev/shm")

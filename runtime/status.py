@@ -36,7 +36,7 @@ def snapshot(node: str) -> dict:
             out["config"] = P.read_config(reg)
         except IpcError:
             out["config"] = {}
-        out["processes"] = _processes(sig)
+        out["processes"] = _processes(sig, out["config"])
         out["rings"] = {e.name.split(".", 2)[2]: peek_stats(e) for e in entries.values() if e.kind == "ring"}
         out["pools"] = [{"name": e.name.split(".", 2)[2], "dtype": e.dtype, "shape": list(e.shape)}
                         for e in entries.values() if e.kind == "pool"]
@@ -47,7 +47,7 @@ def snapshot(node: str) -> dict:
         reg.close()
 
 
-def _processes(sig: dict) -> list[dict]:
+def _processes(sig: dict, config: dict | None = None) -> list[dict]:
     procs, beats, ready = sig.get(P.PROCS), sig.get(P.HEARTBEAT), sig.get(P.READY)
     if procs is None:
         return []
@@ -62,6 +62,9 @@ def _processes(sig: dict) -> list[dict]:
              "alive": alive, "ready": bool(ready[slot]),
              "heartbeat_age_s": round((now - int(beats[slot])) / 1e9, 3) if beats[slot] else None,
              "cpu_percent": None, "rss_mb": None}
+        limit = P.hang_threshold(config or {}, int(row[P.PROC_ROLE]))  # the launcher's rule
+        d["hung"] = bool(alive and d["ready"] and limit and d["heartbeat_age_s"] is not None
+                         and d["heartbeat_age_s"] > limit)
         if alive:
             try:
                 p = psutil.Process(pid)
@@ -90,7 +93,8 @@ def render(snap: dict) -> str:
              f"{'process':<20} {'pid':>8} {'alive':>6} {'ready':>6} {'beat age':>9} {'cpu %':>6} {'rss MB':>8}"]
     for p in snap["processes"]:
         age = f"{p['heartbeat_age_s']:.2f}s" if p["heartbeat_age_s"] is not None else "-"
-        lines.append(f"{p['role'] + '[' + str(p['rank']) + ']':<20} {p['pid']:>8} {str(p['alive']):>6} "
+        lines.append(f"{p['role'] + '[' + str(p['rank']) + ']':<20} {p['pid']:>8} "
+                     f"{'HUNG' if p.get('hung') else str(p['alive']):>6} "
                      f"{str(p['ready']):>6} {age:>9} {_f(p['cpu_percent']):>6} {_f(p['rss_mb']):>8}")
     lines += ["", f"{'ring':<28} {'capacity':>9} {'depth B':>8} {'in':>10} {'out':>10} {'proto err':>9}"]
     for name, r in sorted(snap["rings"].items()):

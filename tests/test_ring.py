@@ -58,7 +58,7 @@ def test_random_sizes_wrap_around_against_a_model(ring):
 
 def test_oversize_refused_before_anything_is_written(ring):
     _, p, c = ring
-    assert p.max_record == 4096 // 2 - 4
+    assert p.max_record == 4096 // 2 - 8
     p.put(b"x" * p.max_record, 1)  # the largest record fits
     with pytest.raises(RecordTooLarge):
         p.put(b"x" * (p.max_record + 1), 1)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ipc import protocol
-from ipc.errors import ChannelClosed, IpcError, PeerDead, ProtocolError, WaitTimeout
+from ipc.errors import ChannelClosed, IpcError, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
 from ipc.member import Member
 from ipc.registry import Registry
 from ipc.ring import Consumer, Producer
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 ORPHAN_GRACE_S = 2.0
 CHECK_EVERY_S = 0.5
 WAIT_S = 0.2  # longest ring wait between heartbeats and orphan checks
-EXIT_OK, EXIT_FAILED, EXIT_ORPHAN = 0, 1, 3
+EXIT_OK, EXIT_FAILED, EXIT_ORPHAN = 0, 1, protocol.EXIT_ORPHAN
 
 
 class Orphaned(IpcError):
@@ -150,8 +150,7 @@ class Child:
                     raise ProtocolError(f"unexpected {type(msg).__name__} on {orders.name}")
                 reply = handler(msg)
             except ProtocolError as e:
-                orders.count_protocol_error()
-                log.warning("malformed message on %s skipped: %s", orders.name, e)
+                orders.report_protocol_error(log, e)
                 continue
             self.answer(answers, reply)
 
@@ -205,14 +204,20 @@ def run_child(role: int, make: Callable[[Child], Server], argv: list[str] | None
     except Terminated as e:
         log.info("stopping: %s", e)
         return EXIT_OK
+    except RingCorrupt as e:  # before ChannelClosed: a broken ring is a failure, not a stop
+        log.error("exiting: %s", e)
+        member.record_error(str(e))
+        return EXIT_FAILED
     except ChannelClosed as e:
         log.info("stopping: %s (the node is shutting down)", e)
         return EXIT_OK
     except (Orphaned, PeerDead) as e:
         log.error("orphaned, exiting: %s", e)
+        member.record_error(f"orphaned: {e}")
         return EXIT_ORPHAN
-    except Exception:
+    except Exception as e:
         log.exception("%s failed", tag)
+        member.record_error(f"{type(e).__name__}: {e}")
         return EXIT_FAILED
     finally:
         member.leave()
