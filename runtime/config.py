@@ -3,10 +3,14 @@ child through the CONFIG segment as a plain dict (so workers/ never imports runt
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 
 import numpy as np
 
+from .hashing import ModelIdentity
+
 ROLES = ("mixed", "prefill", "decode")
+REFERENCE_ARCH = "kvrt-reference-decoder"  # the built-in fixed-seed model of workers/model.py
 DEVICES = ("cpu", "cuda")
 PD_TRANSPORTS = ("shm", "mooncake")
 
@@ -99,6 +103,21 @@ class NodeConfig:
     def block_shape(self) -> tuple[int, ...]:
         """One block of one rank: [layers, K/V, block_size, kv_heads_per_rank, head_dim]."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads // self.tp, self.head_dim)
+
+    def identity(self) -> ModelIdentity:
+        """What this node's KV blocks are: the model (the reference model's weights are a
+        function of its seed and shape), the KV layout, the block size and the tp layout."""
+        weights = (f"seed={self.model_seed},vocab={self.vocab_size},layers={self.num_layers},"
+                   f"kv_heads={self.num_kv_heads},head_dim={self.head_dim}")
+        return ModelIdentity(arch=REFERENCE_ARCH, weights=weights, num_layers=self.num_layers,
+                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             dtype=np.dtype(self.dtype).name, block_size=self.block_size, tp=self.tp)
+
+    @cached_property
+    def key_root(self) -> bytes:
+        """Root of this node's block-key chain (computed once; the config does not change
+        after validation)."""
+        return self.identity().key_root()
 
     @property
     def block_bytes(self) -> int:
