@@ -2,6 +2,7 @@
 child through the CONFIG segment as a plain dict (so workers/ never imports runtime/)."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 
@@ -72,8 +73,10 @@ class NodeConfig:
             raise ConfigError("--role decode needs --port: prefill nodes reach it there")
         if self.role == "prefill" and not self.port:
             raise ConfigError("--role prefill needs --port: clients send their requests there")
-        if self.pd_timeout <= 0:
-            raise ConfigError(f"--pd-timeout must be positive, got {self.pd_timeout}")
+        for name, seconds in (("--pd-timeout", self.pd_timeout), ("--ready-timeout", self.ready_timeout),
+                              ("--rank-timeout", self.rank_timeout)):
+            if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {seconds}")
         _positive("--tp", self.tp)
         _positive("--block-size", self.block_size)
         if self.block_size & (self.block_size - 1):
@@ -94,10 +97,53 @@ class NodeConfig:
         if self.num_kv_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} must divide the {self.num_kv_heads} KV heads")
         try:
-            np.dtype(self.dtype)
+            dt = np.dtype(self.dtype)
         except TypeError:
             raise ConfigError(f"--dtype {self.dtype!r} is not a numpy dtype") from None
+        if dt.kind != "f" or dt.itemsize not in (2, 4, 8):  # an object pool would hold pointers
+            raise ConfigError(f"--dtype must be a float dtype (float16, float32, float64), got {self.dtype!r}")
+        if self.block_size > self.max_model_len:
+            raise ConfigError(f"--block-size {self.block_size} is longer than --max-model-len {self.max_model_len}")
+        self._check_shared_names()
         return self
+
+    def shared_objects(self) -> list[str]:
+        """Short names of every shared object the launcher registers for this node (a ring
+        counts with its doorbells). The longest must fit the name limits and the count the
+        registry, or the launch would fail half-way through creating them."""
+        from ipc import protocol as P
+
+        objs = [P.CONFIG, P.PROCS, P.HEARTBEAT, P.READY, P.NODE_STATUS, P.ENGINE_STATS, P.ENGINE_BELL]
+        if self.check_ownership:
+            objs += [P.OWNERS_DEVICE, P.OWNERS_HOST]
+        for r in range(self.tp):
+            pairs = [(P.to_worker(r), P.from_worker(r))]
+            if self.needs_transfer:
+                pairs.append((P.to_transfer(r), P.from_transfer(r)))
+            if self.disaggregated:
+                pairs.append((P.to_messager(r), P.from_messager(r)))
+            for to, back in pairs:  # `back` rings ring the engine's shared bell
+                objs += [to, f"{to}.bell", f"{to}.space", back, f"{back}.space"]
+            objs.append(P.device_pool(r))
+            if self.num_cpu_blocks > 0:
+                objs.append(P.host_pool(r))
+        return objs
+
+    def _check_shared_names(self) -> None:
+        from ipc.registry import MAX_ENTRIES
+        from ipc.shm import object_name
+
+        objs = self.shared_objects()
+        longest = max(objs, key=len)
+        try:
+            object_name(self.node, longest)
+        except ValueError:
+            raise ConfigError(f"--node {self.node!r} is too long for this node's shared-memory names: "
+                              f"the longest, kvrt.{self.node}.{longest}, has "
+                              f"{len(f'kvrt.{self.node}.{longest}')} characters") from None
+        if len(objs) > MAX_ENTRIES:
+            raise ConfigError(f"--tp {self.tp}: this node would need {len(objs)} shared objects but a node's "
+                              f"registry holds {MAX_ENTRIES}; lower --tp")
 
     @property
     def block_shape(self) -> tuple[int, ...]:
