@@ -27,7 +27,8 @@ class NodeConfig:
     tp: int = 1
     device: str = "cpu"
     block_size: int = 16
-    num_gpu_blocks: int = 512
+    num_gpu_blocks: int = 512  # on a GPU the launcher's default comes from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # share of a GPU's free memory the default device pool takes
     num_cpu_blocks: int = 0
     storage: str = ""
     host: str = "127.0.0.1"  # interface the client API (and the PD handshake) listen on
@@ -82,6 +83,8 @@ class NodeConfig:
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         _positive("--num-gpu-blocks", self.num_gpu_blocks)
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_cpu_blocks < 0:
             raise ConfigError(f"--num-cpu-blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.storage and not self.storage.startswith("file:"):
