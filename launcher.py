@@ -160,6 +160,19 @@ def launch(args) -> int:
         return 1
 
 
+def _seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (argparse type): refused at parsing, not mid-run."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return v
+
+
 def _free_port(host: str) -> int:
     """A TCP port the OS says is free now (for --demo without --port)."""
     import socket
@@ -182,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="inspect live nodes from their shared memory (read-only)")
     st.add_argument("--node", help="node name (default: every node found)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    st.add_argument("--watch", type=_seconds, default=0.0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     cl = sub.add_parser("clean", help="reclaim the shared memory of dead nodes (refuses live ones)")
     cl.add_argument("--node", help="node name (default: every dead node found)")
     cl.add_argument("--dry-run", action="store_true", help="list what would be removed")

@@ -88,6 +88,12 @@ def test_damaged_shared_memory_is_reported_not_a_crash(damaged_node):
     assert text.returncode == 0 and "damaged: config" in text.stdout, text.stderr
 
 
+@pytest.mark.parametrize("watch", ["-1", "nan"])
+def test_a_bad_watch_interval_is_refused_at_parsing(damaged_node, watch):
+    r = kvrt("status", "--node", damaged_node, "--watch", watch)
+    assert r.returncode == 2 and "--watch" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_state_follows_the_launcher():
     assert status._state(False, "running", 0.1, False) == status.DEAD
     assert status._state(True, "running", 0.1, True) == status.DAMAGED
