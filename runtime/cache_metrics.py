@@ -30,14 +30,14 @@ class Rate:
     what: str
 
 
-_QUERY = ("query_tokens", "kvrt_prefix_query_tokens_total", "prompt tokens looked up in the prefix cache")
+_QUERY, _QUERY_METRIC = "query_tokens", "kvrt_prefix_query_tokens_total"  # prompt tokens looked up
 # A tier's rate is its share of ALL prompt tokens looked up (not of what the tiers before it
 # missed), so the tier rates add up to the total rate.
 RATES: tuple[Rate, ...] = (
-    Rate("hit_token_rate", "hit_tokens", _QUERY[0], "kvrt_prefix_hit_tokens_total (all tiers)", _QUERY[1],
+    Rate("hit_token_rate", "hit_tokens", _QUERY, "kvrt_prefix_hit_tokens_total (all tiers)", _QUERY_METRIC,
          "prompt tokens served from any cache tier"),
-    *(Rate(f"hit_token_rate_{t}", f"hit_tokens_{t}", _QUERY[0], f'kvrt_prefix_hit_tokens_total{{tier="{t}"}}',
-           _QUERY[1], f"prompt tokens served from the {t} tier") for t in TIERS),
+    *(Rate(f"hit_token_rate_{t}", f"hit_tokens_{t}", _QUERY, f'kvrt_prefix_hit_tokens_total{{tier="{t}"}}',
+           _QUERY_METRIC, f"prompt tokens served from the {t} tier") for t in TIERS),
     Rate("request_hit_rate", "hit_requests", "requests", "kvrt_prefix_hit_requests_total", "kvrt_requests_total",
          "requests with at least one prompt token served from a cache tier"),
 )

@@ -98,9 +98,9 @@ def plan_gpu_blocks(requested: int | None, utilization: float, block_bytes: int,
     `requested` (--num-gpu-blocks) is checked against the free memory of every GPU its ranks
     share, so asking for more than a GPU holds is refused with what is free and what was asked
     (not a raw allocation error half-way through start-up). Without it the count is the largest
-    that takes at most `utilization` of the free memory of the fullest GPU, so every rank gets
-    the same count; the rest is left to the model and other processes. Raises
-    DeviceMemoryError when not even the asked (or one) block fits."""
+    that takes at most `utilization` of the free memory on the GPU with the least of it per rank,
+    so every rank gets the same count; the rest is left to the model and other processes.
+    Raises DeviceMemoryError when not even the asked (or one) block fits."""
     if not 0 < utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
     share = ranks_per_device(tp, len(free_per_device))
