@@ -73,7 +73,12 @@ def _add_launch(sub) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the device KV pool lives (default: cuda if CuPy sees a GPU, else cpu)")
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
-    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help=f"device blocks per rank (default {d.num_gpu_blocks})")
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help=f"device blocks per rank (default: on a GPU, what --gpu-memory-utilization of its free "
+                   f"memory holds; on a CPU {d.num_gpu_blocks}); on a GPU checked against its free memory")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
+                   help=f"share of each GPU's free memory the default device pool takes, in (0, 1] "
+                   f"(default {d.gpu_memory_utilization:g})")
     p.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks,
                    help="host (swap) blocks per rank; > 0 starts cache-transfer processes (default 0)")
     p.add_argument("--storage", default="", help="storage tier URI: file:DIR (default: none)")
@@ -116,13 +121,15 @@ def launch(args) -> int:
 
     port = args.port or (_free_port(args.host) if args.demo else 0)
     d = NodeConfig(node="")
-    if args.demo and args.num_gpu_blocks == d.num_gpu_blocks and args.num_cpu_blocks == d.num_cpu_blocks:
+    if args.demo and args.num_gpu_blocks is None and args.num_cpu_blocks == d.num_cpu_blocks:
         args.num_gpu_blocks, args.num_cpu_blocks = DEMO_BLOCKS  # small enough that the host tier works too
     node = args.node or (f"kvrt{port}" if port else f"kvrt{os.getpid()}")
+    gpu_blocks = d.num_gpu_blocks if args.num_gpu_blocks is None else args.num_gpu_blocks  # on a GPU: below
     cfg = NodeConfig(node=node, role=args.role, tp=args.tp, decode_peer=args.decode_peer,
                      pd_transport=args.pd_transport, pd_timeout=args.pd_timeout,
                      device=_detect_device() if args.device == "auto" else args.device,
-                     block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                     block_size=args.block_size, num_gpu_blocks=gpu_blocks,
+                     gpu_memory_utilization=args.gpu_memory_utilization,
                      num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, host=args.host, port=port,
                      metrics_port=args.metrics_port, log_dir=args.log_dir, num_layers=args.num_layers,
                      num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype,
@@ -136,6 +143,13 @@ def launch(args) -> int:
     except ConfigError as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 2
+    if cfg.device == "cuda":
+        try:
+            cfg.num_gpu_blocks = kv_pool.plan_gpu_blocks(args.num_gpu_blocks, cfg.gpu_memory_utilization,
+                                                         cfg.block_bytes, cfg.tp, kv_pool.cuda_free_bytes())
+        except RuntimeError as e:  # not enough free device memory, or no usable CUDA
+            print(f"kvrt launch: error: {e}", file=sys.stderr)
+            return 1
     job = None
     if args.demo:
         from runtime.demo import demo_job
@@ -149,6 +163,19 @@ def launch(args) -> int:
     except (RuntimeError, TimeoutError, OSError, IpcError) as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 1
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (argparse type): refused at parsing, not mid-run."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return v
 
 
 def _free_port(host: str) -> int:
@@ -173,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="inspect live nodes from their shared memory (read-only)")
     st.add_argument("--node", help="node name (default: every node found)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    st.add_argument("--watch", type=_seconds, default=0.0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     cl = sub.add_parser("clean", help="reclaim the shared memory of dead nodes (refuses live ones)")
     cl.add_argument("--node", help="node name (default: every dead node found)")
     cl.add_argument("--dry-run", action="store_true", help="list what would be removed")

@@ -105,7 +105,7 @@ def slot_of(tp: int, role: int, rank: int) -> int:
 
 
 # ---- status words (NODE_STATUS indices and values) ----------------------------------------
-ST_NODE, ST_PREFIX_TREE = 0, 1
+ST_NODE, ST_PREFIX_TREE, ST_LAUNCHER_BEAT = 0, 1, 2  # ST_LAUNCHER_BEAT: CLOCK_MONOTONIC ns, while running
 STATUS_FIELDS = 8
 NODE_STARTING, NODE_RUNNING, NODE_STOPPING = 0, 1, 2
 # prefix tree / KV cache status words, as in the reference system

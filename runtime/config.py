@@ -2,11 +2,16 @@
 child through the CONFIG segment as a plain dict (so workers/ never imports runtime/)."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 
 import numpy as np
 
+from .hashing import ModelIdentity
+
 ROLES = ("mixed", "prefill", "decode")
+REFERENCE_ARCH = "kvrt-reference-decoder"  # the built-in fixed-seed model of workers/model.py
 DEVICES = ("cpu", "cuda")
 PD_TRANSPORTS = ("shm", "mooncake")
 
@@ -22,7 +27,8 @@ class NodeConfig:
     tp: int = 1
     device: str = "cpu"
     block_size: int = 16
-    num_gpu_blocks: int = 512
+    num_gpu_blocks: int = 512  # on a GPU the launcher's default comes from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # share of a GPU's free memory the default device pool takes
     num_cpu_blocks: int = 0
     storage: str = ""
     host: str = "127.0.0.1"  # interface the client API (and the PD handshake) listen on
@@ -69,15 +75,17 @@ class NodeConfig:
             raise ConfigError("--role decode needs --port: prefill nodes reach it there")
         if self.role == "prefill" and not self.port:
             raise ConfigError("--role prefill needs --port: clients send their requests there")
-        if self.pd_timeout <= 0:
-            raise ConfigError(f"--pd-timeout must be positive, got {self.pd_timeout}")
-        if self.hang_timeout <= 0:
-            raise ConfigError(f"--hang-timeout must be positive, got {self.hang_timeout}")
+        for name, seconds in (("--pd-timeout", self.pd_timeout), ("--ready-timeout", self.ready_timeout),
+                              ("--rank-timeout", self.rank_timeout), ("--hang-timeout", self.hang_timeout)):
+            if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {seconds}")
         _positive("--tp", self.tp)
         _positive("--block-size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         _positive("--num-gpu-blocks", self.num_gpu_blocks)
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_cpu_blocks < 0:
             raise ConfigError(f"--num-cpu-blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.storage and not self.storage.startswith("file:"):
@@ -93,15 +101,73 @@ class NodeConfig:
         if self.num_kv_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} must divide the {self.num_kv_heads} KV heads")
         try:
-            np.dtype(self.dtype)
+            dt = np.dtype(self.dtype)
         except TypeError:
             raise ConfigError(f"--dtype {self.dtype!r} is not a numpy dtype") from None
+        if dt.kind != "f" or dt.itemsize not in (2, 4, 8):  # an object pool would hold pointers
+            raise ConfigError(f"--dtype must be a float dtype (float16, float32, float64), got {self.dtype!r}")
+        if self.block_size > self.max_model_len:
+            raise ConfigError(f"--block-size {self.block_size} is longer than --max-model-len {self.max_model_len}")
+        self._check_shared_names()
         return self
+
+    def shared_objects(self) -> list[str]:
+        """Short names of every shared object the launcher registers for this node (a ring
+        counts with its doorbells). The longest must fit the name limits and the count the
+        registry, or the launch would fail half-way through creating them."""
+        from ipc import protocol as P
+
+        objs = [P.CONFIG, P.PROCS, P.HEARTBEAT, P.READY, P.NODE_STATUS, P.ENGINE_STATS, P.ENGINE_BELL]
+        if self.check_ownership:
+            objs += [P.OWNERS_DEVICE, P.OWNERS_HOST]
+        for r in range(self.tp):
+            pairs = [(P.to_worker(r), P.from_worker(r))]
+            if self.needs_transfer:
+                pairs.append((P.to_transfer(r), P.from_transfer(r)))
+            if self.disaggregated:
+                pairs.append((P.to_messager(r), P.from_messager(r)))
+            for to, back in pairs:  # `back` rings ring the engine's shared bell
+                objs += [to, f"{to}.bell", f"{to}.space", back, f"{back}.space"]
+            objs.append(P.device_pool(r))
+            if self.num_cpu_blocks > 0:
+                objs.append(P.host_pool(r))
+        return objs
+
+    def _check_shared_names(self) -> None:
+        from ipc.registry import MAX_ENTRIES
+        from ipc.shm import object_name
+
+        objs = self.shared_objects()
+        longest = max(objs, key=len)
+        try:
+            object_name(self.node, longest)
+        except ValueError:
+            raise ConfigError(f"--node {self.node!r} is too long for this node's shared-memory names: "
+                              f"the longest, kvrt.{self.node}.{longest}, has "
+                              f"{len(f'kvrt.{self.node}.{longest}')} characters") from None
+        if len(objs) > MAX_ENTRIES:
+            raise ConfigError(f"--tp {self.tp}: this node would need {len(objs)} shared objects but a node's "
+                              f"registry holds {MAX_ENTRIES}; lower --tp")
 
     @property
     def block_shape(self) -> tuple[int, ...]:
         """One block of one rank: [layers, K/V, block_size, kv_heads_per_rank, head_dim]."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads // self.tp, self.head_dim)
+
+    def identity(self) -> ModelIdentity:
+        """What this node's KV blocks are: the model (the reference model's weights are a
+        function of its seed and shape), the KV layout, the block size and the tp layout."""
+        weights = (f"seed={self.model_seed},vocab={self.vocab_size},layers={self.num_layers},"
+                   f"kv_heads={self.num_kv_heads},head_dim={self.head_dim}")
+        return ModelIdentity(arch=REFERENCE_ARCH, weights=weights, num_layers=self.num_layers,
+                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             dtype=np.dtype(self.dtype).name, block_size=self.block_size, tp=self.tp)
+
+    @cached_property
+    def key_root(self) -> bytes:
+        """Root of this node's block-key chain (computed once; the config does not change
+        after validation)."""
+        return self.identity().key_root()
 
     @property
     def block_bytes(self) -> int:

@@ -142,7 +142,8 @@ class PrefillSide:
             self._fail_pending(p, f"decode node answered with {len(msg.descriptors)} rank(s) and "
                                   f"{len(msg.block_ids)} blocks; this prefill node has --tp {cfg.tp}")
             return
-        seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size, client=p.client,
+        seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size, cfg.key_root,
+                           client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
                            handoff=True, remote=msg, arrival=p.arrival)
         self.leases[req.request_id] = p.arrival + msg.lease_s  # D's lease began after our ask: safe side
@@ -269,7 +270,8 @@ class DecodeSide:
         if problem:
             self.e.reply(client, api.ErrorEvent(rid, api.BAD_REQUEST, f"decode node: {problem}"))
             return
-        seq = Sequence.new(rid, msg.prompt, msg.max_new_tokens, self.e.cfg.block_size, client=client,
+        seq = Sequence.new(rid, msg.prompt, msg.max_new_tokens, self.e.cfg.block_size, self.e.cfg.key_root,
+                           client=client,
                            eos_token_id=msg.eos_token_id, use_cache=msg.use_cache)
         self.e.sched.reserve(seq)
         self.deadlines[rid] = time.monotonic() + self.lease_s

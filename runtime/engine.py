@@ -221,7 +221,8 @@ class Engine:
         if self.prefill is not None and req.max_new_tokens > 1:
             self.prefill.on_generate(client, req)
             return
-        self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size, client=client,
+        self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size, self.cfg.key_root,
+                                    client=client,
                                     eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream))
 
     def _on_cancel(self, client: bytes, req: api.CancelRequest) -> None:

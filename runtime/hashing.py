@@ -18,6 +18,8 @@ Why this shape:
 """
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import numpy as np
@@ -26,6 +28,32 @@ from xxhash import xxh3_128_digest
 TOKEN_DTYPE = np.dtype("<i4")
 ROOT_KEY: bytes = xxh3_128_digest(b"kvrt.prefix-cache.root.v1")
 KEY_BYTES = 16
+_IDENTITY_DOMAIN = b"kvrt.prefix-cache.model-root.v1\0"
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Everything that decides what the KV of a token sequence is, and how it is laid out in a
+    block of one rank: two nodes may share blocks (storage, P->D) only if all of it is equal.
+
+    `weights` fingerprints the weights: for the built-in reference model its seed and shape
+    (its weights are a function of them); a real checkpoint would give a hash of its config and
+    weights index here."""
+
+    arch: str
+    weights: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    tp: int
+
+    def key_root(self) -> bytes:
+        """The root of this model's block-key chain: a digest of every field, canonically
+        encoded (sorted JSON), in a domain of its own so it never equals `ROOT_KEY`."""
+        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return xxh3_128_digest(_IDENTITY_DOMAIN + blob)
 
 
 def chain_keys(token_bytes: bytes, block_size: int, parent: bytes = ROOT_KEY,
@@ -81,13 +109,16 @@ class BlockHasher:
     plus any output tokens) and hashes only the full blocks not hashed yet.
     """
 
-    __slots__ = ("block_size", "keys", "_extras")
+    __slots__ = ("block_size", "keys", "root", "_extras")
 
     def __init__(self, block_size: int, mm_positions: Sequence[tuple[int, int]] = (),
-                 mm_hashes: Sequence[str | bytes] = ()):
+                 mm_hashes: Sequence[str | bytes] = (), root: bytes = ROOT_KEY):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if len(root) != KEY_BYTES:
+            raise ValueError(f"root key must be {KEY_BYTES} bytes, got {len(root)}")
         self.block_size = block_size
+        self.root = root
         self.keys: list[bytes] = []
         self._extras = mm_extras(block_size, mm_positions, mm_hashes) if mm_positions else None
 
@@ -103,7 +134,7 @@ class BlockHasher:
         if full <= done:
             return []
         data = arr[done * self.block_size:full * self.block_size].tobytes()
-        parent = self.keys[-1] if done else ROOT_KEY
+        parent = self.keys[-1] if done else self.root
         extras = None
         if self._extras is not None:
             get = self._extras.get

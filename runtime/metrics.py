@@ -8,12 +8,13 @@ The swap latency histogram is the one metric with its own state.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ipc.protocol import STAT
+from ipc.protocol import STAT, STATS
+from runtime.cache_metrics import RATE, TIERS, rate
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class _StatsCollector:
         yield CounterMetricFamily("kvrt_prefix_query_tokens", "prompt tokens looked up in the prefix cache",
                                   value=float(s[STAT["query_tokens"]]))
         yield CounterMetricFamily("kvrt_requests", "requests admitted", value=float(s[STAT["requests"]]))
+        yield CounterMetricFamily("kvrt_prefix_hit_requests", "requests with at least one prompt token served "
+                                  "from a cache tier", value=float(s[STAT["hit_requests"]]))
+        yield from _rates({name: float(s[i]) for i, name in enumerate(STATS)})
         blocks = GaugeMetricFamily("kvrt_blocks", "KV blocks by tier and state", labels=["tier", "state"])
         for tier in ("device", "host"):
             for state in ("free", "cached", "used", "total"):
@@ -58,6 +62,25 @@ class _StatsCollector:
         for name, st in self._rings().items():
             depth.add_metric([name], float(st["depth_bytes"]))
         yield depth
+
+
+def _rates(counters: dict[str, float]) -> Iterator[GaugeMetricFamily]:
+    """The hit rates of runtime.cache_metrics.RATES, with their numerator and denominator series
+    named in the help text; a rate whose denominator is still 0 has no sample (no NaN)."""
+    by_tier = (*((t, f"hit_token_rate_{t}") for t in TIERS), ("all", "hit_token_rate"))
+    tiers = GaugeMetricFamily(
+        "kvrt_prefix_hit_rate", "share of the prompt tokens looked up that a cache tier served, cumulative "
+        "since start; " + "; ".join(f'tier="{t}": {RATE[k].numerator_metric} / {RATE[k].denominator_metric}'
+                                    for t, k in by_tier), labels=["tier"])
+    for tier, key in by_tier:
+        value = rate(counters, key)
+        if value is not None:
+            tiers.add_metric([tier], value)
+    yield tiers
+    r = RATE["request_hit_rate"]
+    value = rate(counters, r.key)
+    yield GaugeMetricFamily("kvrt_request_hit_rate", f"{r.what}: {r.numerator_metric} / {r.denominator_metric}, "
+                            "cumulative since start", **({} if value is None else {"value": value}))
 
 
 class Metrics:

@@ -285,6 +285,12 @@ class Node:
         if P.NODE_STATUS in self._sig:
             self._sig[P.NODE_STATUS].array[P.ST_NODE] = value
 
+    def _beat(self) -> None:
+        """The launcher's heartbeat: `kvrt status` tells a hung launcher from a live one by it."""
+        st = Signal.attach(self.reg, P.NODE_STATUS)
+        st.array[P.ST_LAUNCHER_BEAT] = time.monotonic_ns()
+        st.close()
+
     def _start_job(self, job: Callable[[], int]) -> None:
         """Run `job` (a workload against the ready node, e.g. the demo) in a thread; the node
         stops cleanly when it returns, and exits with its code."""
@@ -303,6 +309,7 @@ class Node:
         or the end of the node's job (its exit code)."""
         self._set_status(P.NODE_RUNNING)
         while not self._stop_signal:
+            self._beat()
             if self._job is not None and not self._job.is_alive():
                 self.stop()
                 return self._job_rc

@@ -30,11 +30,10 @@ from typing import Any, Callable, Protocol, Sequence, TextIO
 import numpy as np
 
 from runtime.api import TokenEvent
+from runtime.cache_metrics import TIERS, rate, token_rate_key
 from runtime.client import DEFAULT_HOST, Client, ClientError, Result
 from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens, ideal_hit_tokens,
                            load_trace, to_vocab)
-
-TIERS = ("device", "host", "storage")
 
 
 @dataclass
@@ -159,11 +158,10 @@ class ReplayResult:
         return sum(self.errors.values())
 
     def hit_rate(self, tier: str | None = None) -> float | None:
-        """Cached prompt tokens / prompt tokens (of one tier, or all)."""
-        if not self.prompt_tokens:
-            return None
-        hit = sum(self.cached.values()) if tier is None else self.cached[tier]
-        return hit / self.prompt_tokens
+        """The token hit rate of one tier, or of all (runtime.cache_metrics.RATES), from what
+        the answers reported: cached prompt tokens over prompt tokens."""
+        counters = {"query_tokens": self.prompt_tokens, **{f"hit_tokens_{t}": n for t, n in self.cached.items()}}
+        return rate(counters, token_rate_key(tier))
 
     def summary(self) -> dict:
         wall = self.wall_s or float("nan")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .hashing import BlockHasher
+from .hashing import ROOT_KEY, BlockHasher
 
 
 class SeqState(enum.Enum):
@@ -52,10 +52,13 @@ class Sequence:
     remote: object = None            # P: D's PdAllocated answer; D: the lease deadline
 
     @classmethod
-    def new(cls, request_id: str, prompt: np.ndarray, max_new_tokens: int, block_size: int, **kw) -> "Sequence":
+    def new(cls, request_id: str, prompt: np.ndarray, max_new_tokens: int, block_size: int,
+            key_root: bytes = ROOT_KEY, **kw) -> "Sequence":
+        """`key_root`: the node's model identity root (NodeConfig.key_root), so its keys never
+        match another model's blocks."""
         tokens = np.empty(len(prompt) + max_new_tokens, dtype=np.int32)
         tokens[:len(prompt)] = prompt
-        return cls(request_id, len(prompt), max_new_tokens, tokens, BlockHasher(block_size),
+        return cls(request_id, len(prompt), max_new_tokens, tokens, BlockHasher(block_size, root=key_root),
                    num_tokens=len(prompt), **kw)
 
     @property

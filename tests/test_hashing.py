@@ -112,3 +112,31 @@ def test_multimodal_incremental_and_validation():
         mm_extras(BS, [(0, 0)], ["a"])
     with pytest.raises(ValueError):
         BlockHasher(0)
+
+
+def test_the_model_identity_roots_the_chain():
+    """Every part of a node's identity (model, weights, KV layout, block size, tp) changes the
+    root, so the same tokens under another model never share a key; equal configs agree."""
+    import dataclasses
+
+    from runtime.config import NodeConfig
+
+    base = NodeConfig(node="n")
+    root = base.key_root
+    assert root == NodeConfig(node="other-name", port=7000, num_gpu_blocks=3).key_root  # not identity
+    assert root == NodeConfig(node="n", dtype="f4").key_root  # one dtype, two spellings
+    assert len(root) == KEY_BYTES and root != ROOT_KEY
+    changes = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=32, tp=2,
+                   vocab_size=256, model_seed=1)
+    roots = {name: NodeConfig(node="n", **{name: v}).key_root for name, v in changes.items()}
+    assert root not in roots.values() and len(set(roots.values())) == len(roots), roots
+    ident = base.identity()
+    for f in dataclasses.fields(ident):
+        other = dataclasses.replace(ident, **{f.name: "x" if isinstance(getattr(ident, f.name), str) else 99})
+        assert other.key_root() != root, f.name
+    toks = tokens(2 * BS)
+    rooted = BlockHasher(BS, root=root).update(toks)
+    assert rooted[0] == xxhash.xxh3_128_digest(root + toks[:BS].astype("<i4").tobytes())
+    assert not set(rooted) & set(keys_of(toks))
+    with pytest.raises(ValueError, match="root"):
+        BlockHasher(BS, root=b"short")

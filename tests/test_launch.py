@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from runtime.config import NodeConfig
 from tests.conftest import REPO, leftovers
 
 
@@ -88,6 +89,8 @@ def test_launch_ready_status_and_clean_stop(launched, node, tmp_path):
     assert all(p["alive"] and p["ready"] and p["heartbeat_age_s"] < 5 for p in snap["processes"])
     assert {"engine.to.worker.0", "engine.to.transfer.0", "transfer.0.to.engine"} <= set(snap["rings"])
     assert snap["engine"]["device_total"] == 32 and snap["engine"]["host_total"] == 16
+    cfg = NodeConfig(node=node, num_gpu_blocks=32, num_cpu_blocks=16, storage=f"file:{tmp_path}/store")
+    assert snap["objects"] == len(cfg.shared_objects())  # what launch validation counts is what it creates
     text = kvrt("status", "--node", node).stdout
     assert "engine[0]" in text and "cache-transfer[0]" in text
     n.proc.send_signal(signal.SIGTERM)
@@ -156,6 +159,14 @@ def test_second_launch_of_a_live_name_is_refused(launched, node):
     (["--decode-peer", "tcp://127.0.0.1:1"], "--role prefill"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--num-gpu-blocks", "100000000"], "/dev/shm"),
+    (["--node", "n" * 300], "--node"),
+    (["--tp", "128", "--num-kv-heads", "128", "--num-cpu-blocks", "1"], "registry holds"),
+    (["--ready-timeout", "-1"], "--ready-timeout"),
+    (["--rank-timeout", "0"], "--rank-timeout"),
+    (["--pd-timeout", "nan"], "--pd-timeout"),
+    (["--dtype", "object"], "float dtype"),
+    (["--dtype", "int8"], "float dtype"),
+    (["--block-size", "8192"], "--max-model-len"),
 ])
 def test_bad_configuration_gets_a_clear_error(node, args, text):
     r = kvrt("launch", "--node", node, *args) if "--node" not in args else kvrt("launch", *args)

@@ -77,3 +77,24 @@ def test_open_storage_uri(tmp_path):
     for bad in ("mooncake://x", "file:"):
         with pytest.raises(ValueError, match="unsupported storage"):
             open_storage(bad, 0)
+
+
+def test_directories_and_objects_are_private_whatever_the_umask(tmp_path):
+    """KV blocks are the prompts in another form: 0700 directories (the storage root and every
+    missing parent included) and 0600 objects, even under a permissive umask."""
+    old = os.umask(0o000)
+    try:
+        root = tmp_path / "new" / "store"
+        s = FileStorage(str(root), 0)
+        s.put(KEY, block(3))
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "new", root, root / "00"):
+        assert os.stat(d).st_mode & 0o777 == 0o700, d
+    assert os.stat(s.path(KEY)).st_mode & 0o777 == 0o600
+    old = os.umask(0o277)  # a umask that would even take the owner's write bit
+    try:
+        FileStorage(str(root), 1).put(KEY, block(4))
+    finally:
+        os.umask(old)
+    assert os.stat(FileStorage(str(root), 1).path(KEY)).st_mode & 0o777 == 0o600

@@ -33,6 +33,10 @@ class BackendUnavailable(RuntimeError):
     """The configured device needs a library or a device this machine does not have."""
 
 
+class DeviceMemoryError(RuntimeError):
+    """A device pool would not fit in the GPU's free memory: the message names both."""
+
+
 @dataclass
 class Pool:
     """One rank's KV pool in one tier, `[num_blocks, *block_shape]`, opened in this process.
@@ -198,6 +202,10 @@ class CupyBackend(ArrayBackend):
         nbytes = int(np.prod(shape)) * dt.itemsize
         device = rank % self.rt.getDeviceCount()
         with self.cp.cuda.Device(device):
+            free = int(self.rt.memGetInfo()[0])
+            if nbytes > free:  # refused with both numbers, not a raw cudaErrorMemoryAllocation
+                raise DeviceMemoryError(f"{obj}: {shape[0]} blocks need {nbytes} bytes on GPU {device}, "
+                                        f"which has {free} bytes free; lower --num-gpu-blocks")
             mem = self.cp.cuda.Memory(nbytes)  # a plain cudaMalloc: IPC exports whole allocations
             self.rt.memset(mem.ptr, 0, nbytes)
             handle = bytes(self.rt.ipcGetMemHandle(mem.ptr))

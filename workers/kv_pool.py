@@ -21,7 +21,7 @@ import numpy as np
 from ipc import protocol
 from ipc.registry import Registry
 
-from .backend import Pool, Run, create_shm_pool, get_backend
+from .backend import DeviceMemoryError, Pool, Run, create_shm_pool, get_backend
 
 BEAT_BYTES = 256 << 20  # copy this much between liveness callbacks (~15 ms on a CPU)
 
@@ -80,6 +80,60 @@ def fmt_bytes(n: int) -> str:
         if n >= 1 << shift:
             return f"{n / (1 << shift):.1f} {unit}"
     return f"{n} B"
+
+
+# ---- device pool size on a GPU ---------------------------------------------------------------
+
+def ranks_per_device(tp: int, num_devices: int) -> list[int]:
+    """How many ranks' device pools each GPU holds (rank r lives on GPU r % num_devices)."""
+    if num_devices <= 0:
+        raise ValueError(f"no GPU to place {tp} rank(s) on")
+    return [len(range(d, tp, num_devices)) for d in range(num_devices)]
+
+
+def plan_gpu_blocks(requested: int | None, utilization: float, block_bytes: int, tp: int,
+                    free_per_device: Sequence[int]) -> int:
+    """Device blocks per rank on a GPU machine, decided before anything is allocated.
+
+    `requested` (--num-gpu-blocks) is checked against the free memory of every GPU its ranks
+    share, so asking for more than a GPU holds is refused with what is free and what was asked
+    (not a raw allocation error half-way through start-up). Without it the count is the largest
+    that takes at most `utilization` of the free memory on the GPU with the least of it per rank,
+    so every rank gets the same count; the rest is left to the model and other processes.
+    Raises DeviceMemoryError when not even the asked (or one) block fits."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    share = ranks_per_device(tp, len(free_per_device))
+    used = [(d, free, n) for d, (free, n) in enumerate(zip(free_per_device, share)) if n]
+    if requested is None:
+        blocks = min(int(free * utilization) // (block_bytes * n) for _, free, n in used)
+        if blocks < 1:
+            d, free, n = min(used, key=lambda u: u[1] // u[2])
+            raise DeviceMemoryError(
+                f"GPU {d} has {fmt_bytes(free)} free; {utilization:g} of it (--gpu-memory-utilization) "
+                f"does not hold one {fmt_bytes(block_bytes)} block for each of its {n} rank(s)")
+        return blocks
+    for d, free, n in used:
+        need = requested * block_bytes * n
+        if need > free:
+            raise DeviceMemoryError(
+                f"--num-gpu-blocks {requested} needs {fmt_bytes(need)} on GPU {d} ({n} rank(s) x {requested} "
+                f"blocks x {fmt_bytes(block_bytes)}) but it has {fmt_bytes(free)} free; ask for at most "
+                f"{free // (block_bytes * n)} blocks, or leave --num-gpu-blocks out to take "
+                f"--gpu-memory-utilization of the free memory")
+    return requested
+
+
+def cuda_free_bytes() -> list[int]:
+    """Free bytes of every GPU CuPy sees (CuPy imported only here, on a GPU launch)."""
+    from .backend import CupyBackend
+
+    rt = CupyBackend().rt
+    free = []
+    for d in range(rt.getDeviceCount()):
+        rt.setDevice(d)
+        free.append(int(rt.memGetInfo()[0]))
+    return free
 
 
 @dataclass

@@ -8,7 +8,8 @@ crash, because the engine treats storage as a cache and recomputes what it canno
 `file:DIR` layout: DIR/<first two hex digits>/<key hex>.r<rank>.kvb, written to a temporary
 name and moved into place with os.replace, so a reader sees the old object or the new one,
 never half of one. There is no fsync: after a power loss a torn file fails its checksum and
-is a miss, which is all a cache needs.
+is a miss, which is all a cache needs. Directories are created 0700 and objects 0600 whatever
+the umask: KV blocks are the users' prompts in another form, as private as the prompts.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import xxhash
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVRTBLK1"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 _HEADER = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of key + payload
 
 
@@ -71,9 +74,13 @@ class FileStorage(Storage):
         self.rank = rank
         self._tmp_seq = 0
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            _make_private_dirs(self.directory)
         except OSError as e:
             raise StorageError(f"storage directory {self.directory}: {e}") from None
+        mode = os.stat(self.directory).st_mode & 0o777
+        if mode & 0o077:
+            log.warning("storage directory %s already existed with mode %o: other users may read "
+                        "its KV blocks (chmod 700 it)", self.directory, mode)
 
     def path(self, key: bytes) -> str:
         h = key.hex()
@@ -130,8 +137,10 @@ class FileStorage(Storage):
         self._tmp_seq += 1
         tmp = os.path.join(os.path.dirname(path), f".tmp.{os.getpid()}.{self._tmp_seq}")
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:  # buffered: write writes everything or raises
+            _make_private_dirs(os.path.dirname(path))
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
+                os.fchmod(f.fileno(), FILE_MODE)  # the umask may have taken bits off
+                # buffered: write writes everything or raises
                 f.write(_HEADER.pack(MAGIC, len(buf), _digest(key, buf)))
                 f.write(buf)
             os.replace(tmp, path)
@@ -141,6 +150,21 @@ class FileStorage(Storage):
             except OSError:
                 pass
             raise StorageError(f"storage write {path} failed: {e}") from None
+
+
+def _make_private_dirs(path: str) -> None:
+    """Create `path` and any missing parent 0700 (exactly, whatever the umask); directories
+    that already exist are left as they are."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path:
+        _make_private_dirs(parent)
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        return  # another rank made it meanwhile
+    os.chmod(path, DIR_MODE)
 
 
 def open_storage(uri: str, rank: int) -> Storage | None:
