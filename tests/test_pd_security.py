@@ -294,3 +294,26 @@ def _fails_fast(p) -> bool:
         assert "decode node" in str(e), str(e)
         return "unreachable" in str(e) or "lost" in str(e)
     return False
+
+
+# ---- the session itself (unit) ------------------------------------------------------------------
+
+def test_sealed_messages_resist_tampering_replay_and_reflection():
+    secret, nonce, sid = b"s" * 32, new_nonce(), new_nonce()
+    from runtime.pd_auth import D2P
+
+    p = Session(sid, session_key(secret, nonce, sid, "p0"), "p0", P2D)
+    d = Session(sid, session_key(secret, nonce, sid, "p0"), "p0", D2P)
+    first = p.seal(api.PdKvReady("r", 5))
+    assert d.open(first) == api.PdKvReady("r", 5)
+    with pytest.raises(AuthError, match="replayed"):
+        d.open(first)
+    second = p.seal(api.PdAbort("r"))
+    with pytest.raises(AuthError, match="authentication code"):
+        d.open(api.PdSealed(sid, second.counter, second.body[:-1] + b"x", second.mac))
+    with pytest.raises(AuthError, match="authentication code"):  # D's own message sent back to it
+        d.open(d.seal(api.PdPong()))
+    other = Session(sid, session_key(secret, new_nonce(), sid, "p1"), "p1", P2D)
+    with pytest.raises(AuthError, match="authentication code"):
+        d.open(other.seal(api.PdAbort("r")))
+    assert d.open(second) == api.PdAbort("r")  # nothing above moved the counter
