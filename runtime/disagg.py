@@ -158,13 +158,14 @@ class PrefillSide:
             _refused(self.e, f"welcome: {e}")
             return
         if nonce not in self._nonces:
-            _refused(self.e, "welcome to a hello this node did not send (or an old one)")
+            if self.link is None:  # an answer to an earlier hello once a session is up is expected
+                _refused(self.e, "welcome to a hello this node did not send")
             return
         peer = self.e.cfg.node
         if not hmac.compare_digest(mac, welcome_mac(self.secret, nonce, session, peer)):
             _refused(self.e, "welcome not signed with the shared secret: check --pd-secret-file on both nodes")
             return
-        del self._nonces[nonce]
+        self._nonces.clear()  # D may still answer hellos sent before this one: those are stale now
         if self.link is not None:
             self._link_lost("the decode node opened a new session (it restarted?)")
         self.link = Session(session, session_key(self.secret, nonce, session, peer), peer, P2D)

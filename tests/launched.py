@@ -76,8 +76,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: float = 60.0):
-    port = free_port()
+def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: float = 60.0,
+             port: int = 0):
+    port = port or free_port()
     cmd = [sys.executable, "-m", "launcher", "launch", "--node", node, "--port", str(port),
            "--log-dir", str(log_dir), *opts]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,

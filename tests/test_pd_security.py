@@ -317,3 +317,21 @@ def test_sealed_messages_resist_tampering_replay_and_reflection():
     with pytest.raises(AuthError, match="authentication code"):
         d.open(other.seal(api.PdAbort("r")))
     assert d.open(second) == api.PdAbort("r")  # nothing above moved the counter
+
+
+def test_the_first_handoff_after_d_restarts_succeeds(pd_node, tmp_path):
+    """D stops and starts again on the same port: P notices the new D (its session is refused),
+    opens a new one, and its cache-messager maps the new D's pool on the first handoff."""
+    secret = pd_secret_file(tmp_path)
+    common = (*SMALL, "--pd-secret-file", secret)
+    want = list(oracle().generate_dense(prompt(13), 3))
+    with contextlib.ExitStack() as stack:
+        first_d = contextlib.ExitStack()
+        d = first_d.enter_context(launched(pd_node + "d", tmp_path / "d1", "--role", "decode", *common))
+        with first_d:
+            p = stack.enter_context(launched(pd_node + "p", tmp_path / "p", "--role", "prefill", "--decode-peer",
+                                             f"tcp://127.0.0.1:{d.port}", *common))
+            assert list(p.client.generate(prompt(13), 3).output_token_ids) == want
+        stack.enter_context(launched(pd_node + "d", tmp_path / "d2", "--role", "decode", *common, port=d.port))
+        wait_for(lambda: p.logs().count("session with the decode node") >= 2, "P's session with the new D")
+        assert list(p.client.generate(prompt(13), 3).output_token_ids) == want
