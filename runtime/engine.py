@@ -40,6 +40,8 @@ from runtime.transfer import TaskResult, TransferClient
 
 log = logging.getLogger("kvrt.engine")
 TICK_S = 0.1
+PEER_ONLY = (api.PdPrealloc, api.PdKvReady, api.PdAbort, api.PdAllocated, api.PdWelcome, api.PdRefused,
+             api.PdPing, api.PdPong)  # valid only inside (or to open) an authenticated peer session
 _CACHE_STATS = ("device_total", "device_free", "device_cached", "device_used", "host_total", "host_free",
                 "host_cached", "host_used", "requests", "hit_requests", "query_tokens", "hit_tokens_device",
                 "hit_tokens_host", "hit_tokens_storage")
@@ -169,7 +171,7 @@ class Engine:
                 self.prefill.on_peer(msg)
             elif isinstance(msg, (api.PdHello, api.PdSealed)):
                 self._on_pd(client, msg)
-            elif type(msg).__name__.startswith("Pd"):  # a peer message outside a session: refused
+            elif isinstance(msg, PEER_ONLY):  # a peer message outside a session: refused
                 self.stats.array[P.STAT["pd_refused"]] += 1
                 log.warning("unauthenticated %s refused", type(msg).__name__)
                 self.reply(client, api.ErrorEvent(str(getattr(msg, "request_id", "")), api.BAD_REQUEST,

@@ -486,3 +486,14 @@ def test_shm_first_write_after_the_peer_restarted_maps_it_again(names):
                 with pytest.raises(TransferError, match="expired"):
                     tx.write_blocks(new, [4], [6], deadline=time.monotonic() - 1)
                 assert not dst_pool.array[6].any()
+
+
+@needs_mooncake
+def test_mooncake_reports_listeners_wider_than_the_configured_host():
+    """The node's --host is handed to the engine; a Mooncake build that listens on every
+    interface anyway is reported (the log names the ports to firewall), never silent."""
+    pool = plain_pool(4, seed=1)
+    with open_transport("mooncake", pool, {"node": "d", "rank": 0, "host": "127.0.0.1"}) as rx:
+        wide = rx.wide_open
+        assert all(not addr.startswith("127.0.0.1:") for addr in wide)
+        assert any(addr.endswith(f":{rx.port}") for addr in wide) or not wide
