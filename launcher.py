@@ -66,6 +66,15 @@ def _add_launch(sub) -> None:
                    "both nodes must use the same (default shm)")
     p.add_argument("--pd-timeout", type=float, default=d.pd_timeout,
                    help=f"seconds P waits for D's blocks and D holds blocks for P's KV (default {d.pd_timeout:g})")
+    p.add_argument("--pd-secret-file", default="", metavar="PATH",
+                   help="prefill/decode roles: file holding the secret both nodes share (at least 16 bytes, "
+                   "mode 0600; default: $KVRT_PD_SECRET). Make one with: python -c 'import secrets; "
+                   "print(secrets.token_hex(32))' > pd.secret && chmod 600 pd.secret")
+    p.add_argument("--pd-peer-max-blocks", type=int, default=d.pd_peer_max_blocks,
+                   help="decode role: device blocks one prefill peer may hold at once (default: half the pool)")
+    p.add_argument("--pd-peer-max-preallocs", type=int, default=d.pd_peer_max_preallocs,
+                   help=f"decode role: preallocations one prefill peer may have waiting for its KV "
+                   f"(default {d.pd_peer_max_preallocs})")
     p.add_argument("--tp", type=int, default=d.tp,
                    help="tensor-parallel ranks for the KV cache (default 1). The reference model is not split "
                    "across ranks yet: each rank runs it over its share of the KV heads and rank 0's tokens "
@@ -127,6 +136,8 @@ def launch(args) -> int:
     gpu_blocks = d.num_gpu_blocks if args.num_gpu_blocks is None else args.num_gpu_blocks  # on a GPU: below
     cfg = NodeConfig(node=node, role=args.role, tp=args.tp, decode_peer=args.decode_peer,
                      pd_transport=args.pd_transport, pd_timeout=args.pd_timeout,
+                     pd_secret_file=os.path.abspath(args.pd_secret_file) if args.pd_secret_file else "",
+                     pd_peer_max_blocks=args.pd_peer_max_blocks, pd_peer_max_preallocs=args.pd_peer_max_preallocs,
                      device=_detect_device() if args.device == "auto" else args.device,
                      block_size=args.block_size, num_gpu_blocks=gpu_blocks,
                      gpu_memory_utilization=args.gpu_memory_utilization,

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -67,11 +69,14 @@ def rows(args: argparse.Namespace) -> list[dict]:
         out.append({"case": "mixed node", **_run(mixed.port, prompts, args.e2e_new)})
     finally:
         mixed.stop()
+    secret_file = tempfile.NamedTemporaryFile("w", prefix="kvrt-bench-pd-", suffix=".secret")  # mode 0600
+    secret_file.write(secrets.token_hex(32))
+    secret_file.flush()
     for transport in ("shm", "mooncake"):
         if transport == "mooncake" and not _mooncake_importable():
             out.append({"case": "P+D mooncake", "note": "mooncake-transfer-engine not importable"})
             continue
-        pd = ["--pd-transport", transport, *base]
+        pd = ["--pd-transport", transport, "--pd-secret-file", secret_file.name, *base]
         d = _node(tag + "d", ["--role", "decode", *pd])
         try:
             p = _node(tag + "p", ["--role", "prefill", "--decode-peer", f"tcp://127.0.0.1:{d.port}", *pd])
@@ -81,6 +86,7 @@ def rows(args: argparse.Namespace) -> list[dict]:
                 p.stop()
         finally:
             d.stop()
+    secret_file.close()
     ref = out[0]["ttft_p50_ms"]
     for r in out:
         if "ttft_p50_ms" in r:

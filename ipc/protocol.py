@@ -132,6 +132,7 @@ class TransferTask:
     device_blocks: np.ndarray
     host_blocks: np.ndarray
     keys: list = field(default_factory=list)
+    deadline: float = 0.0  # time.monotonic() (system-wide) after which the rank must not start it; 0: none
 
 
 @PROTOCOL.message("transfer_done")
@@ -198,7 +199,7 @@ STATS = (
     "evictions", "protocol_errors",
     "seqs_running", "seqs_waiting", "seqs_loading", "steps", "preemptions",
     "generated_tokens", "computed_prompt_tokens", "finished_requests", "failed_requests",
-    "pd_sent_bytes",
+    "pd_sent_bytes", "pd_refused",
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 
@@ -248,13 +249,16 @@ class MessagerHello:
 @dataclass
 class SendBlocks:
     """Engine (P) -> every cache-messager rank: write src_blocks[i] of this rank's pool into
-    block dst_blocks[i] of the D node's pool of the same rank (peers[rank] describes it)."""
+    block dst_blocks[i] of the D node's pool of the same rank (peers[rank] describes it).
+    Past `deadline` D may have given the blocks to another request: the rank answers
+    "expired" without writing (it checks right before it touches them)."""
 
     task_id: int
     request_id: str
     peers: list
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
+    deadline: float = 0.0  # P's time.monotonic() after which no block of D may be touched; 0: none
 
 
 @PROTOCOL.message("send_done")

@@ -108,8 +108,65 @@ class ErrorEvent:
 
 
 # ---- between a prefill engine (P) and a decode engine (D), on D's client socket --------------
-# P -> D: PdPrealloc, then PdKvReady or PdAbort (and CancelRequest, relayed from P's client).
-# D -> P: PdAllocated or ErrorEvent, then TokenEvent* and FinishedEvent, which P relays.
+# P -> D: PdHello; D -> P: PdWelcome (runtime/pd_auth.py). Then every message either way is
+# inside a PdSealed of that session:
+# P -> D: PdPrealloc, then PdKvReady or PdAbort (and CancelRequest, relayed from P's client);
+#         PdPing while idle.
+# D -> P: PdAllocated or ErrorEvent, then TokenEvent* and FinishedEvent, which P relays; PdPong.
+# D answers a sealed message it cannot open with PdRefused (in clear: P then says hello again).
+
+@API.message("pd_hello")
+@dataclass
+class PdHello:
+    """P -> D, in clear: open a session for peer `peer` (P's node name)."""
+
+    peer: str
+    nonce: bytes
+
+
+@API.message("pd_welcome")
+@dataclass
+class PdWelcome:
+    """D -> P, in clear: the new session; `mac` proves D holds the shared secret."""
+
+    nonce: bytes
+    session: bytes
+    mac: bytes
+
+
+@API.message("pd_sealed")
+@dataclass
+class PdSealed:
+    """An authenticated peer message: `body` is an encoded message of this API."""
+
+    session: bytes
+    counter: int
+    body: bytes
+    mac: bytes
+
+
+@API.message("pd_refused")
+@dataclass
+class PdRefused:
+    """D -> P, in clear: a peer message was refused (unknown session, bad signature)."""
+
+    session: bytes
+    reason: str
+
+
+@API.message("pd_ping")
+@dataclass
+class PdPing:
+    """P -> D, sealed: are you there? (P notices a dead D without waiting --pd-timeout)."""
+
+    nonce: int = 0
+
+
+@API.message("pd_pong")
+@dataclass
+class PdPong:
+    nonce: int = 0
+
 
 @API.message("pd_prealloc")
 @dataclass

@@ -14,6 +14,7 @@ ROLES = ("mixed", "prefill", "decode")
 REFERENCE_ARCH = "kvrt-reference-decoder"  # the built-in fixed-seed model of workers/model.py
 DEVICES = ("cpu", "cuda")
 PD_TRANSPORTS = ("shm", "mooncake")
+LEASE_MARGIN_S = 1.0  # P starts a send only if it ends (at worst) this long before D's lease does
 
 
 class ConfigError(ValueError):
@@ -50,6 +51,9 @@ class NodeConfig:
     decode_peer: str = ""        # P: the D node's client API address, tcp://HOST:PORT
     pd_transport: str = "shm"    # how P's cache-messagers write into D's pools: shm or mooncake
     pd_timeout: float = 30.0     # P's wait for D's blocks; D's lease on blocks awaiting KV
+    pd_secret_file: str = ""     # the peers' shared secret (else $KVRT_PD_SECRET); PD roles need one
+    pd_peer_max_blocks: int = 0  # D: blocks one peer may hold at once (0: half the device pool)
+    pd_peer_max_preallocs: int = 16  # D: preallocations one peer may have waiting for kv-ready
     check_ownership: bool = False
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
@@ -79,6 +83,20 @@ class NodeConfig:
                               ("--rank-timeout", self.rank_timeout), ("--hang-timeout", self.hang_timeout)):
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {seconds}")
+        if self.disaggregated:
+            if self.pd_timeout <= self.rank_timeout + LEASE_MARGIN_S:
+                raise ConfigError(f"--pd-timeout {self.pd_timeout:g} must be more than --rank-timeout "
+                                  f"{self.rank_timeout:g} + {LEASE_MARGIN_S:g} s: P starts a handoff only if it "
+                                  f"can end that long before D's lease does, so every PD request would fail")
+            from .pd_auth import load_secret
+
+            try:
+                load_secret(self.pd_secret_file)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.pd_peer_max_blocks < 0 or self.pd_peer_max_preallocs <= 0:
+            raise ConfigError(f"--pd-peer-max-blocks must be >= 0 and --pd-peer-max-preallocs positive, got "
+                              f"{self.pd_peer_max_blocks} and {self.pd_peer_max_preallocs}")
         _positive("--tp", self.tp)
         _positive("--block-size", self.block_size)
         if self.block_size & (self.block_size - 1):
@@ -176,6 +194,10 @@ class NodeConfig:
     @property
     def disaggregated(self) -> bool:
         return self.role != "mixed"
+
+    @property
+    def peer_max_blocks(self) -> int:
+        return self.pd_peer_max_blocks or max(1, self.num_gpu_blocks // 2)
 
     @property
     def needs_transfer(self) -> bool:

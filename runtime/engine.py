@@ -27,7 +27,7 @@ from ipc.member import Member
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from runtime.config import NodeConfig
-from runtime.disagg import DecodeSide, PrefillSide
+from runtime.disagg import PEER_CLIENT, DecodeSide, PrefillSide
 from runtime.metrics import Metrics
 from runtime import api
 from runtime.intake import validate
@@ -42,6 +42,8 @@ from runtime.transfer import TaskResult, TransferClient
 
 log = logging.getLogger("kvrt.engine")
 TICK_S = 0.1
+PEER_ONLY = (api.PdPrealloc, api.PdKvReady, api.PdAbort, api.PdAllocated, api.PdWelcome, api.PdRefused,
+             api.PdPing, api.PdPong)  # valid only inside (or to open) an authenticated peer session
 _CACHE_STATS = ("device_total", "device_free", "device_cached", "device_used", "host_total", "host_free",
                 "host_cached", "host_used", "requests", "hit_requests", "query_tokens", "hit_tokens_device",
                 "hit_tokens_host", "hit_tokens_storage")
@@ -151,12 +153,19 @@ class Engine:
 
     # ---- clients ----------------------------------------------------------------------------
     def reply(self, client: bytes, msg) -> None:
-        if self.server is not None and client:
+        if self.decode is not None and client.startswith(PEER_CLIENT):
+            self.decode.deliver(client, msg)  # a prefill peer's request: sealed, under its own id
+        elif self.server is not None and client:
             self.server.send(client, api.API.encode(msg))
 
-    def send_peer(self, msg) -> None:
+    def server_send(self, client: bytes, msg) -> None:
+        """`msg` to a client socket as it is (the PD sides' sealed and handshake messages)."""
+        if self.server is not None:
+            self.server.send(client, api.API.encode(msg))
+
+    def reply_peer(self, msg) -> None:
         """To the decode node (prefill role only)."""
-        self.reply(PEER, msg)
+        self.server_send(PEER, msg)
 
     def count_finished(self, seq: Sequence) -> None:
         s = self.stats.array
@@ -181,8 +190,14 @@ class Engine:
                 continue
             if client == PEER and self.prefill is not None:
                 self.prefill.on_peer(msg)
-            elif isinstance(msg, (api.PdPrealloc, api.PdKvReady, api.PdAbort)):
+            elif isinstance(msg, (api.PdHello, api.PdSealed)):
                 self._on_pd(client, msg)
+            elif isinstance(msg, PEER_ONLY):  # a peer message outside a session: refused
+                self.stats.array[P.STAT["pd_refused"]] += 1
+                log.warning("unauthenticated %s refused", type(msg).__name__)
+                self.reply(client, api.ErrorEvent(str(getattr(msg, "request_id", "")), api.BAD_REQUEST,
+                                                  f"{type(msg).__name__} must come inside an authenticated "
+                                                  f"peer session (PdHello, then PdSealed)"))
             elif isinstance(msg, api.GenerateRequest):
                 self._on_generate(client, msg)
             elif isinstance(msg, api.CancelRequest):
@@ -196,15 +211,13 @@ class Engine:
 
     def _on_pd(self, client: bytes, msg) -> None:
         if self.decode is None:
-            self.reply(client, api.ErrorEvent(msg.request_id, api.BAD_REQUEST,
+            self.stats.array[P.STAT["pd_refused"]] += 1
+            self.reply(client, api.ErrorEvent("", api.BAD_REQUEST,
                                               f"node {self.cfg.node} is not a decode node (role {self.cfg.role})"))
-        elif isinstance(msg, api.PdPrealloc):
-            self.decode.on_prealloc(client, msg) if self.accepting else self.reply(
-                client, api.ErrorEvent(msg.request_id, api.STOPPING, "the decode node is stopping"))
-        elif isinstance(msg, api.PdKvReady):
-            self.decode.on_kv_ready(client, msg)
+        elif isinstance(msg, api.PdHello):
+            self.decode.on_peer_hello(client, msg)
         else:
-            self.decode.on_abort(msg)
+            self.decode.on_sealed(client, msg, self.accepting)
 
     def _on_generate(self, client: bytes, req: api.GenerateRequest) -> None:
         rid = req.request_id
@@ -227,6 +240,10 @@ class Engine:
 
     def _on_cancel(self, client: bytes, req: api.CancelRequest) -> None:
         if self.prefill is not None and self.prefill.on_cancel(client, req.request_id):
+            return
+        if self.decode is not None and self.decode.is_peer_request(req.request_id):
+            self.reply(client, api.ErrorEvent(req.request_id, api.UNKNOWN, f"no request {req.request_id!r} of "
+                                                                          f"this client in flight"))
             return
         try:
             seq = self.sched.cancel(req.request_id)

@@ -1,6 +1,10 @@
 """The engine's side of the cache-transfer ranks: send every task to every rank, complete a
 task only when all ranks answered, fail it (never hang) when one does not answer in time.
 
+Each task carries its deadline; a rank that gets to it later (paused, overloaded) answers it
+failed without touching a block, and an answer that arrives after the engine expired the task
+is ignored: an expired task is reported failed exactly once.
+
 Why per-task accounting instead of `Broadcast.gather`: several tasks are in flight at once
 and ranks answer in their own time; the engine must keep scheduling meanwhile, so answers
 are matched to tasks by id as they arrive through the engine's fan-in.
@@ -57,16 +61,18 @@ class TransferClient:
         return len(self._pending)
 
     def submit(self, kind: str, device_blocks, host_blocks=(), keys: list[bytes] | None = None) -> int:
+        now = time.monotonic()
+        # the ranks must not start the task after the engine gave up on it (and so may have
+        # given its blocks to someone else): time.monotonic() is one clock for the whole machine
         task = TransferTask(next(self._ids), kind, np.asarray(device_blocks, dtype=np.int32),
-                            np.asarray(host_blocks, dtype=np.int32), list(keys or []))
+                            np.asarray(host_blocks, dtype=np.int32), list(keys or []), now + self.rank_timeout)
         if self.owners is not None:
             dev_from, host_from = TASK_SOURCES[kind]
             order = f"task {task.task_id} ({kind})"
             self.owners[0].hand_over(task.device_blocks, OWNER_TRANSFER, dev_from, order)
             self.owners[1].hand_over(task.host_blocks, OWNER_TRANSFER, host_from, order)
         data = PROTOCOL.encode(task)
-        now = time.monotonic()
-        self._pending[task.task_id] = _Pending(task, now + self.rank_timeout, now)
+        self._pending[task.task_id] = _Pending(task, task.deadline, now)
         for ring in self.rings:
             ring.put(data, self.send_timeout)
         return task.task_id

@@ -57,6 +57,18 @@ class Launched:
         return "\n".join(out)
 
 
+def pd_secret_file(directory) -> str:
+    """A fresh shared secret for a prefill/decode pair, in a 0600 file under `directory`."""
+    import secrets
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(str(directory), f"pd-{secrets.token_hex(4)}.secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,8 +76,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: float = 60.0):
-    port = free_port()
+def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: float = 60.0,
+             port: int = 0):
+    port = port or free_port()
     cmd = [sys.executable, "-m", "launcher", "launch", "--node", node, "--port", str(port),
            "--log-dir", str(log_dir), *opts]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,

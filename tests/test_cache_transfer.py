@@ -245,3 +245,32 @@ def test_bench_copy_json_quick():
     assert all(x["gb_s"] > 0 for x in rows) and rows[0]["vs_memcpy"] == 1.0
     assert all(x["p50_us"] <= x["p99_us"] and x["copy_p50_us"] < x["p50_us"] for x in rows[4:])
     assert not leftovers(f"benchcopy{bench.pid}")  # the bench's node is gone
+
+
+def test_a_task_that_waited_past_its_deadline_touches_no_block(node, tmp_path):
+    """A cache-transfer rank paused (SIGSTOP) until its task's deadline passed -- by then the
+    engine gave up and may have reused the blocks -- answers it failed and copies nothing."""
+    with NodeKit.create(node, tmp_path, tp=1) as kit:
+        kit.start_transfer()
+        pools = fill_random(kit)
+        try:
+            dev, host = pools[0]
+            proc = psutil.Process(kit.procs[0].pid)
+            proc.suspend()
+            try:
+                late = task(1, protocol.SWAP2CPU, [1, 2], [3, 4])
+                late.deadline = time.monotonic() + 0.2
+                kit.send(late)
+                while time.monotonic() < late.deadline:
+                    time.sleep(0.05)  # the rank stays stopped until the deadline has passed
+            finally:
+                proc.resume()
+            answer = PROTOCOL.decode(kit.ends(0)[1].get(10.0))
+            assert (answer.task_id, answer.ok) == (1, False) and "expired" in answer.error, answer
+            assert not host.array[[3, 4]].any(), "an expired task copied blocks"
+            on_time = task(2, protocol.SWAP2CPU, [1, 2], [3, 4])
+            on_time.deadline = time.monotonic() + 30
+            assert_all_ok(kit.request(on_time), 2, 2)
+            assert sums(host, [3, 4]) == sums(dev, [1, 2])
+        finally:
+            close_pools(pools)

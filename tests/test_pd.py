@@ -17,7 +17,7 @@ import pytest
 
 from runtime.client import RequestError
 from tests.conftest import REPO
-from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
+from tests.launched import SMALL, launched, oracle, pd_secret_file, shared_prefix_prompts
 from tests.test_oracle import NEW, run_all, tokens
 
 
@@ -36,8 +36,8 @@ TRANSPORTS = [pytest.param("shm", id="shm"),
 
 @contextlib.contextmanager
 def pd_pair(node, tmp_path, *opts, transport="shm", env=None, d_opts=(), p_opts=()):
-    """A decode node and a prefill node pointed at it; yields (P, D)."""
-    common = (*SMALL, "--pd-transport", transport, *opts)
+    """A decode node and a prefill node pointed at it, sharing a fresh secret; yields (P, D)."""
+    common = (*SMALL, "--pd-transport", transport, "--pd-secret-file", pd_secret_file(tmp_path), *opts)
     with launched(node + "d", tmp_path / "d", "--role", "decode", *common, *d_opts, env=env) as d:
         with launched(node + "p", tmp_path / "p", "--role", "prefill", "--decode-peer",
                       f"tcp://127.0.0.1:{d.port}", *common, *p_opts, env=env) as p:
@@ -124,7 +124,7 @@ LONG = ("--max-num-batched-tokens", "4", "--max-model-len", "8192", "--num-gpu-b
 
 def test_killing_d_mid_handoff_fails_the_request_and_frees_p(pd_node, tmp_path):
     prompt = np.random.default_rng(1).integers(0, 512, 2000).astype(np.int32)
-    with pd_pair(pd_node, tmp_path, *LONG, "--pd-timeout", "3", "--rank-timeout", "3") as (p, d):
+    with pd_pair(pd_node, tmp_path, *LONG, "--pd-timeout", "3", "--rank-timeout", "1.5") as (p, d):
         rid = p.client.submit(prompt, 8)
         wait_for(lambda: d.engine_stats()["device_used"] > 0, "D to hold blocks for the request")
         kill_node(d.proc)
@@ -143,10 +143,13 @@ def test_killing_d_mid_handoff_fails_the_request_and_frees_p(pd_node, tmp_path):
 
 def test_killing_p_after_d_preallocated_returns_ds_blocks(pd_node, tmp_path):
     prompt = np.random.default_rng(2).integers(0, 512, 2000).astype(np.int32)
-    with launched(pd_node + "d", tmp_path / "d", "--role", "decode", *SMALL, *LONG, "--pd-timeout", "2") as d:
+    secret = pd_secret_file(tmp_path)
+    with launched(pd_node + "d", tmp_path / "d", "--role", "decode", *SMALL, *LONG, "--pd-timeout", "2",
+                  "--rank-timeout", "0.5", "--pd-secret-file", secret) as d:
         port = d.port
         pcmd = [sys.executable, "-m", "launcher", "launch", "--node", pd_node + "p", "--role", "prefill",
-                "--port", "0", "--decode-peer", f"tcp://127.0.0.1:{port}", *SMALL, *LONG]
+                "--port", "0", "--decode-peer", f"tcp://127.0.0.1:{port}", *SMALL, *LONG,
+                "--pd-secret-file", secret]
         from tests.launched import free_port
 
         pport = free_port()
@@ -181,10 +184,11 @@ def _answers(client) -> bool:
 
 
 def test_a_lease_too_short_for_the_handoff_fails_cleanly(pd_node, tmp_path):
-    """P never writes into blocks whose lease may end mid-write: with a 1 s lease and a 1 s
+    """P never writes into blocks whose lease may end mid-write: with a 2 s lease and a 2 s
     bound on a send, every handoff is refused; the request fails naming the lease, and both
     sides end with no block in use."""
-    with pd_pair(pd_node, tmp_path, d_opts=("--pd-timeout", "1"), p_opts=("--rank-timeout", "1")) as (p, d):
+    with pd_pair(pd_node, tmp_path, d_opts=("--pd-timeout", "2", "--rank-timeout", "0.5"),
+                 p_opts=("--rank-timeout", "2")) as (p, d):
         with pytest.raises(RequestError) as e:
             p.client.generate(np.arange(40, dtype=np.int32), 4)
         assert e.value.code == "failed" and "lease" in str(e.value), str(e.value)

@@ -68,3 +68,17 @@ def test_ownership_detector_refuses_a_wrong_order(ranks):
     with pytest.raises(OwnershipError, match="device block 1 is owned by cache-transfer"):
         client.submit(P.STORAGE2GPU, [1], keys=[b"k" * 16])  # already being copied
     assert client.inflight == 1  # refused orders were never sent
+
+
+def test_tasks_carry_the_deadline_the_engine_expires_them_at(ranks):
+    """The ranks see the same deadline the engine gives up at (time.monotonic() is one clock
+    for the machine), so a rank that gets a task after it never runs it; the engine reports an
+    expired task failed exactly once."""
+    out, inbox = ranks
+    client = TransferClient(out, rank_timeout=3)
+    client.submit(P.SWAP2CPU, [1], [2])
+    sent = [P.PROTOCOL.decode(inbox[r].get(1)) for r in range(2)]
+    assert sent[0].deadline == sent[1].deadline > 0
+    assert client.expire(now=np.nextafter(sent[0].deadline, 0)) == []
+    (res,) = client.expire(now=sent[0].deadline)
+    assert not res.ok and client.expire(now=float("inf")) == []

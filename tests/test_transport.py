@@ -462,3 +462,38 @@ except ImportError as e:
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("TransportUnavailable True")
     assert 'pip install -e ".[pd]"' in r.stdout and "apt-get install libibverbs1" in r.stdout
+
+
+def test_shm_first_write_after_the_peer_restarted_maps_it_again(names):
+    """A D node that stopped and started again (same name, new registry) is written into on
+    the first try with its new descriptor; a descriptor of its earlier run is refused (its
+    block ids mean nothing now), and so is an order past its deadline, before any byte moves."""
+    import time
+
+    p, d = names(), names()
+    with node_pool(p, 8, seed=1) as (_, src_pool):
+        with open_transport("shm", src_pool, {"node": p, "rank": 0}) as tx:
+            with node_pool(d, 8) as (reg, dst_pool):
+                desc = open_transport("shm", dst_pool, {"node": d, "rank": 0}).descriptor()
+                assert tx.write_blocks(desc, [1], [2]) == BLOCK_BYTES
+            with node_pool(d, 8) as (reg, dst_pool):  # the restart
+                instance = f"{reg.owner_pid}:{reg.owner_start_ms}"
+                new = open_transport("shm", dst_pool, {"node": d, "rank": 0, "instance": instance}).descriptor()
+                assert tx.write_blocks(new, [1, 3], [2, 5]) == 2 * BLOCK_BYTES
+                assert [sums(dst_pool)[b] for b in (2, 5)] == [sums(src_pool)[b] for b in (1, 3)]
+                with pytest.raises(TransferError, match="from another run of that node"):
+                    tx.write_blocks({**new, "instance": "1:1"}, [4], [6])
+                with pytest.raises(TransferError, match="expired"):
+                    tx.write_blocks(new, [4], [6], deadline=time.monotonic() - 1)
+                assert not dst_pool.array[6].any()
+
+
+@needs_mooncake
+def test_mooncake_reports_listeners_wider_than_the_configured_host():
+    """The node's --host is handed to the engine; a Mooncake build that listens on every
+    interface anyway is reported (the log names the ports to firewall), never silent."""
+    pool = plain_pool(4, seed=1)
+    with open_transport("mooncake", pool, {"node": "d", "rank": 0, "host": "127.0.0.1"}) as rx:
+        wide = rx.wide_open
+        assert all(not addr.startswith("127.0.0.1:") for addr in wide)
+        assert any(addr.endswith(f":{rx.port}") for addr in wide) or not wide

@@ -6,7 +6,10 @@ descriptor, which a D engine hands to P in the handshake). On a P node it then e
 SendBlocks orders: write these local blocks into those blocks of the D node's pool, and
 answer with done or failed. Between the order and the answer, the source blocks are this
 process's to read (P's engine holds the request, so nothing frees or rewrites them) and the
-destination blocks on D are held under D's lease (nothing on D reads them before kv-ready).
+destination blocks on D are held under D's lease (nothing on D reads them before kv-ready) --
+but only until the order's deadline: an order that waited too long (this process was paused,
+the ring was full) is answered "expired" without touching a block, because by then P gave up
+and D may have given the blocks to another request.
 
 A failed write (D gone, unreachable, a bad id) is an answer with the reason, never an exit:
 one bad peer fails its requests, not the node.
@@ -37,7 +40,8 @@ class CacheMessager:
         # a write must end before the engine gives up on it (and so before D's lease ends)
         options = {"timeout_s": cfg["rank_timeout"]} if cfg["pd_transport"] == "mooncake" else {}
         self.transport = open_transport(cfg["pd_transport"], self.device,
-                                        {"node": cfg["node"], "rank": rank, "host": _reachable(cfg["host"])},
+                                        {"node": cfg["node"], "rank": rank, "host": _reachable(cfg["host"]),
+                                         "bind": cfg["host"], "instance": f"{reg.owner_pid}:{reg.owner_start_ms}"},
                                         **options)
         self.orders = Consumer.attach(reg, P.to_messager(rank))
         self.answers = Producer.attach(reg, P.from_messager(rank))
@@ -52,9 +56,15 @@ class CacheMessager:
         t0 = time.perf_counter()
         what = f"send {order.task_id} ({order.request_id}, {len(order.src_blocks)} blocks) from rank {self.rank}"
         try:
+            if not isinstance(order.deadline, (int, float)) or isinstance(order.deadline, bool):
+                raise TransferError(f"deadline {order.deadline!r} is not a time")
+            if order.deadline and time.monotonic() >= order.deadline:
+                raise TransferError(f"expired {time.monotonic() - order.deadline:.3g}s before it could start: "
+                                    f"the decode node may have reused the blocks; nothing written")
             if not 0 <= self.rank < len(order.peers):
                 raise TransferError(f"no peer descriptor for rank {self.rank} ({len(order.peers)} given)")
-            nbytes = self.transport.write_blocks(order.peers[self.rank], order.src_blocks, order.dst_blocks)
+            nbytes = self.transport.write_blocks(order.peers[self.rank], order.src_blocks, order.dst_blocks,
+                                                 deadline=order.deadline or None)
         except TransferError as e:
             log.warning("%s failed: %s", what, e)
             return P.SendDone(order.task_id, self.rank, False, 0, time.perf_counter() - t0, f"{what}: {e}")

@@ -84,6 +84,11 @@ class CacheTransfer:
             raise ProtocolError(f"task id {task.task_id!r} is not an integer")  # cannot be answered
         t0 = time.perf_counter()
         what = f"task {task.task_id} ({task.kind}) on cache-transfer[{self.rank}]"
+        if not isinstance(task.deadline, (int, float)) or isinstance(task.deadline, bool):
+            return self._failed(task, t0, f"{what}: deadline {task.deadline!r} is not a time")
+        if task.deadline and time.monotonic() >= task.deadline:  # the engine gave up: blocks may be reused
+            log.warning("%s expired %.3gs before it could start; not run", what, time.monotonic() - task.deadline)
+            return self._failed(task, t0, f"{what}: expired before it could start; no block touched")
         try:
             blocks, nbytes = self._run(task, what)
         except OwnershipError as e:

@@ -26,6 +26,7 @@ opened over (the caller owns it).
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Iterable
 
@@ -93,8 +94,10 @@ class Transport(ABC):
         """What the receiver publishes so a sender can reach its pool (msgpack-able)."""
 
     @abstractmethod
-    def write_blocks(self, peer: dict, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
-        """Copy local block src_ids[i] into the peer's block dst_ids[i]; bytes written."""
+    def write_blocks(self, peer: dict, src_ids: np.ndarray, dst_ids: np.ndarray,
+                     deadline: float | None = None) -> int:
+        """Copy local block src_ids[i] into the peer's block dst_ids[i]; bytes written. Past
+        `deadline` (time.monotonic()) no further byte is started: TransferError instead."""
 
     @abstractmethod
     def close(self) -> None:
@@ -130,6 +133,13 @@ def open_transport(kind: str, pool: Pool, local: dict, **options: Any) -> Transp
 
 
 # ---- helpers shared by the transports ------------------------------------------------------
+
+def check_deadline(deadline: float | None, who: str) -> None:
+    """TransferError once `deadline` passed: the peer may have reused the blocks by now."""
+    if deadline is not None and time.monotonic() >= deadline:
+        raise TransferError(f"write to {who}: the order expired {time.monotonic() - deadline:.3g}s ago "
+                            f"(the peer may have reused its blocks); nothing more written")
+
 
 def check_descriptor(peer: Any, kind: str, keys: Iterable[str]) -> dict:
     """`peer` as a dict of the right transport with every key in `keys`, else TransferError."""

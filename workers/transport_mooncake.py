@@ -29,8 +29,11 @@ What the Python binding does, and what this module does about it:
   `connect_timeout_s`. Writes are bounded by `timeout_s`; on expiry the unconfirmed runs are
   abandoned (they may still land until the connection breaks) and close() waits briefly for
   them.
-- The engine listens on all interfaces whatever `host` says, and anyone who reaches its port
-  can write into the registered pool: run it on trusted networks only.
+- Anyone who reaches the engine's ports can write into the registered pool: Mooncake has no
+  authentication. The pool's session and base address travel only inside kvrt's authenticated
+  peer session, and the engine is asked to bind the node's `--host` (MC_TCP_BIND_ADDRESS);
+  builds that ignore it (0.3.x: they listen on every interface whatever `host` says) are
+  reported in the log (`wide_open`): firewall those ports or run PD pairs on a trusted network.
 - It logs through glog to stderr; MC_LOG_LEVEL defaults to ERROR here (set it to INFO to see
   the handshakes).
 - The non-CUDA wheel cannot touch GPU memory: a CuPy pool needs the CUDA build.
@@ -94,6 +97,21 @@ def pool_pointer(pool: Pool) -> int:
     return int(arr.ctypes.data)
 
 
+_WILDCARDS = ("", "0.0.0.0", "::", "*")
+
+
+def _listening_wider_than(host: str) -> list[str]:
+    """This process's listening TCP sockets bound to a wildcard address (not just `host`)."""
+    import psutil
+
+    try:
+        conns = psutil.Process().net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return []
+    return sorted(f"{c.laddr.ip}:{c.laddr.port}" for c in conns
+                  if c.status == psutil.CONN_LISTEN and c.laddr.ip in _WILDCARDS and c.laddr.ip != host)
+
+
 def _bad_batch(bid: int) -> bool:
     return bid <= 0 or bid >= 1 << 63  # 0 (or -1 seen unsigned) means the submit failed
 
@@ -116,12 +134,21 @@ class MooncakeTransport(Transport):
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.host = str(local.get("host", "127.0.0.1"))
+        bind = str(local.get("bind", self.host))
+        if bind not in _WILDCARDS:
+            os.environ["MC_TCP_BIND_ADDRESS"] = bind  # honoured by builds that support it
         self._engine = mod.TransferEngine()
         rc = self._engine.initialize(self.host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise TransferError(f"mooncake transport of {self.who}: the engine did not start on {self.host} "
                                 f"({protocol}{', devices ' + device if device else ''}): initialize returned {rc}")
         self.port = int(self._engine.get_rpc_port())
+        self.wide_open = [] if bind in _WILDCARDS else _listening_wider_than(bind)
+        if self.wide_open:
+            log.warning("mooncake transport of %s: this Mooncake build listens on %s although the node is "
+                        "configured for %s (it has no option to bind one interface); anyone who reaches those "
+                        "ports can write into the registered pool: firewall them", self.who,
+                        ", ".join(self.wide_open), bind)
         self.session = f"{self.host}:{self.port}"
         self.base = pool_pointer(pool)
         self.nbytes = int(pool.array.nbytes)
@@ -141,7 +168,8 @@ class MooncakeTransport(Transport):
                 **self.layout()}
 
     # ---- writing ---------------------------------------------------------------------------
-    def write_blocks(self, peer: dict, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+    def write_blocks(self, peer: dict, src_ids: np.ndarray, dst_ids: np.ndarray,
+                     deadline: float | None = None) -> int:
         self._check_open()
         p = check_descriptor(peer, self.name, ("session", "base", "nbytes", "block_bytes", "num_blocks"))
         session = str(p["session"])
@@ -156,7 +184,7 @@ class MooncakeTransport(Transport):
         runs, n = plan_runs(src_ids, dst_ids, self.pool.num_blocks, int(p["num_blocks"]), who)
         if not runs:
             return 0
-        deadline = time.monotonic() + self.timeout_s
+        give_up = time.monotonic() + self.timeout_s
         self._connect(session, who)
         submit = self._engine.transfer_submit_write
         check = self._engine.transfer_check_status
@@ -169,6 +197,10 @@ class MooncakeTransport(Transport):
             # keep at most _WINDOW runs in flight: the engine's per-peer queue is bounded
             # (runs beyond it measured never to complete)
             while nxt < len(runs) and len(window) < _WINDOW and not submit_error:
+                if deadline is not None and time.monotonic() >= deadline:  # D may reuse the blocks now
+                    submit_error = (f"the order expired before run {nxt + 1} of {len(runs)} was submitted "
+                                    f"(the peer may have reused its blocks)")
+                    break
                 s, d, k = runs[nxt]
                 bid = submit(session, self.base + s * bb, base + d * bb, k * bb)
                 if _bad_batch(bid):
@@ -183,7 +215,7 @@ class MooncakeTransport(Transport):
             bid, size = window[0]
             st = check(bid)
             if st == _PENDING:
-                if time.monotonic() > deadline:
+                if time.monotonic() > give_up:
                     self._abandoned += [b for b, _ in window]
                     unconfirmed = len(window) + len(runs) - nxt
                     break

@@ -9,7 +9,10 @@ transport closes.
 A peer that goes away is noticed before each write, cheaply: its registry file is gone or was
 replaced (node stopped or restarted), or its launcher's pid is gone (one `kill(pid, 0)`); the
 full check of pid and start time (psutil, ~0.1 ms) runs at most every `liveness_interval_s`.
-Then the write raises TransferError and the stale mapping is dropped; nothing crashes.
+Then the stale mapping is dropped and the peer mapped again once (a restarted node is reachable
+at once); a write whose descriptor names an earlier run of the node (`instance`: its launcher's
+pid and start time) is refused, since its block ids mean nothing to the new run. A peer that is
+really gone makes the write raise TransferError; nothing crashes.
 """
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ from ipc.registry import Registry, pid_alive
 from ipc.shm import SHM_DIR
 
 from .backend import Pool
-from .transport import (TransferError, Transport, check_descriptor, check_same_layout, machine_id,
-                        plan_runs, pool_layout)
+from .transport import (TransferError, Transport, check_deadline, check_descriptor, check_same_layout,
+                        machine_id, plan_runs, pool_layout)
 
 
 @dataclass
@@ -42,6 +45,10 @@ class _Peer:
     owner_pid: int
     owner_start_ms: int
     checked: float  # time.monotonic() of the last full liveness check
+
+    @property
+    def instance(self) -> str:
+        return f"{self.owner_pid}:{self.owner_start_ms}"
 
     @property
     def name(self) -> str:
@@ -66,10 +73,14 @@ class ShmTransport(Transport):
         self._peers: dict[tuple[str, int], _Peer] = {}
 
     def descriptor(self) -> dict:
-        return {"transport": self.name, "node": self.node, "rank": self.rank, "machine": self._machine,
-                **self.layout()}
+        out = {"transport": self.name, "node": self.node, "rank": self.rank, "machine": self._machine,
+               **self.layout()}
+        if "instance" in self.local:  # which run of the node: block ids are only valid in that one
+            out["instance"] = str(self.local["instance"])
+        return out
 
-    def write_blocks(self, peer: dict, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+    def write_blocks(self, peer: dict, src_ids: np.ndarray, dst_ids: np.ndarray,
+                     deadline: float | None = None) -> int:
         self._check_open()
         p = check_descriptor(peer, self.name, ("node", "rank"))
         node, rank = str(p["node"]), int(p["rank"])
@@ -77,12 +88,17 @@ class ShmTransport(Transport):
             raise TransferError(f"shm transport: node {node} rank {rank} is on another machine "
                                 f"(boot id {p['machine']}, here {self._machine}); use the mooncake transport")
         dst = self._attached(node, rank)
+        instance = p.get("instance")
+        if instance is not None and str(instance) != dst.instance:
+            raise TransferError(f"descriptor of {dst.name} is from another run of that node (instance "
+                                f"{instance}, now {dst.instance}): its block ids mean nothing there")
         if "num_blocks" in p and int(p["num_blocks"]) != dst.pool.num_blocks:
             raise TransferError(f"descriptor of {dst.name} is stale: it says {p['num_blocks']} blocks, "
                                 f"its pool {dst.pool.name} has {dst.pool.num_blocks}")
         runs, n = plan_runs(src_ids, dst_ids, self.pool.num_blocks, dst.pool.num_blocks, dst.name)
         if not runs:
             return 0
+        check_deadline(deadline, dst.name)
         try:
             self.pool.backend.copy_runs(dst.pool, self.pool, runs)
         except Exception as e:  # a device error; the message must name the peer
@@ -102,9 +118,13 @@ class ShmTransport(Transport):
             gone = self._gone(peer)
             if gone is None:
                 return peer
-            self._detach(key)
-            raise TransferError(f"peer {peer.name} is gone: {gone}")
-        peer = self._attach(node, rank)
+            self._detach(key)  # then map it again once: a restarted node is reachable again
+            try:
+                peer = self._attach(node, rank)
+            except TransferError as e:
+                raise TransferError(f"peer {peer.name} is gone: {gone}; mapping it again failed: {e}") from None
+        else:
+            peer = self._attach(node, rank)
         self._peers[key] = peer
         return peer
 
