@@ -135,7 +135,7 @@ class NodeConfig:
         registry, or the launch would fail half-way through creating them."""
         from ipc import protocol as P
 
-        objs = [P.CONFIG, P.PROCS, P.HEARTBEAT, P.READY, P.NODE_STATUS, P.ENGINE_STATS, P.ENGINE_BELL]
+        objs = [P.CONFIG, P.PROCS, P.HEARTBEAT, P.READY, P.NODE_STATUS, P.ERRORS, P.ENGINE_STATS, P.ENGINE_BELL]
         if self.check_ownership:
             objs += [P.OWNERS_DEVICE, P.OWNERS_HOST]
         for r in range(self.tp):

@@ -11,8 +11,6 @@ Why this shape:
   msgpack as `bin` as they are, and `xxh3_128_digest(parent + tokens)` (one concatenation,
   one call) was the cheapest chaining we measured: ~125 ns per 64-token block, against
   ~220 ns for a seeded `xxh3_128_intdigest` plus 128-bit int arithmetic.
-- Extra keys (hashes of multimodal items overlapping a block) follow the fixed-length token
-  bytes, each prefixed by its length, so no two different inputs concatenate alike.
 - `BlockHasher` keeps the last key and the number of blocks hashed: a request that grows
   (chunked prefill, output tokens) hashes each block exactly once.
 """
@@ -20,7 +18,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import numpy as np
 from xxhash import xxh3_128_digest
@@ -56,24 +53,16 @@ class ModelIdentity:
         return xxh3_128_digest(_IDENTITY_DOMAIN + blob)
 
 
-def chain_keys(token_bytes: bytes, block_size: int, parent: bytes = ROOT_KEY,
-               extras: Sequence[bytes] | None = None) -> list[bytes]:
+def chain_keys(token_bytes: bytes, block_size: int, parent: bytes = ROOT_KEY) -> list[bytes]:
     """Keys of the full blocks in `token_bytes` (little-endian int32 tokens), chained from
-    `parent`. `extras[i]`, if given, is mixed into block i's key (b"" for none); a trailing
-    partial block gets no key."""
+    `parent`; a trailing partial block gets no key."""
     step = block_size * TOKEN_DTYPE.itemsize
-    n = len(token_bytes) // step
     keys = []
     append = keys.append
     key = parent
-    if extras is None:
-        for off in range(0, n * step, step):
-            key = xxh3_128_digest(key + token_bytes[off:off + step])
-            append(key)
-    else:
-        for i, off in enumerate(range(0, n * step, step)):
-            key = xxh3_128_digest(key + token_bytes[off:off + step] + extras[i])
-            append(key)
+    for off in range(0, len(token_bytes) // step * step, step):
+        key = xxh3_128_digest(key + token_bytes[off:off + step])
+        append(key)
     return keys
 
 
@@ -85,23 +74,6 @@ def as_token_array(tokens) -> np.ndarray:
     return arr
 
 
-def mm_extras(block_size: int, mm_positions: Sequence[tuple[int, int]],
-              mm_hashes: Sequence[str | bytes]) -> dict[int, bytes]:
-    """Extra-key bytes per block index for multimodal items: item j covers tokens
-    [offset, offset + length) and contributes `mm_hashes[j]` to every block it overlaps."""
-    if len(mm_positions) != len(mm_hashes):
-        raise ValueError(f"{len(mm_positions)} mm_positions but {len(mm_hashes)} mm_hashes")
-    parts: dict[int, list[bytes]] = {}
-    for (offset, length), h in sorted(zip(mm_positions, mm_hashes), key=lambda p: p[0][0]):
-        if offset < 0 or length <= 0:
-            raise ValueError(f"bad multimodal position (offset={offset}, length={length})")
-        raw = h.encode() if isinstance(h, str) else bytes(h)
-        tagged = len(raw).to_bytes(4, "little") + raw
-        for block in range(offset // block_size, (offset + length - 1) // block_size + 1):
-            parts.setdefault(block, []).append(tagged)
-    return {block: b"".join(p) for block, p in parts.items()}
-
-
 class BlockHasher:
     """Keys of one request's full blocks, computed incrementally as the request grows.
 
@@ -109,10 +81,9 @@ class BlockHasher:
     plus any output tokens) and hashes only the full blocks not hashed yet.
     """
 
-    __slots__ = ("block_size", "keys", "root", "_extras")
+    __slots__ = ("block_size", "keys", "root")
 
-    def __init__(self, block_size: int, mm_positions: Sequence[tuple[int, int]] = (),
-                 mm_hashes: Sequence[str | bytes] = (), root: bytes = ROOT_KEY):
+    def __init__(self, block_size: int, root: bytes = ROOT_KEY):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if len(root) != KEY_BYTES:
@@ -120,7 +91,6 @@ class BlockHasher:
         self.block_size = block_size
         self.root = root
         self.keys: list[bytes] = []
-        self._extras = mm_extras(block_size, mm_positions, mm_hashes) if mm_positions else None
 
     @property
     def num_hashed_tokens(self) -> int:
@@ -135,10 +105,6 @@ class BlockHasher:
             return []
         data = arr[done * self.block_size:full * self.block_size].tobytes()
         parent = self.keys[-1] if done else self.root
-        extras = None
-        if self._extras is not None:
-            get = self._extras.get
-            extras = [get(i, b"") for i in range(done, full)]
-        new = chain_keys(data, self.block_size, parent, extras)
+        new = chain_keys(data, self.block_size, parent)
         self.keys.extend(new)
         return new

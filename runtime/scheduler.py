@@ -314,6 +314,9 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed = tokens
+            if seq.computed_prompt_tokens == 0:  # a short storage read served fewer tokens
+                device, host, _ = seq.cached
+                seq.cached = (device, host, max(0, tokens - device - host))
             if rid in self.remote_ids:
                 seq.state = SeqState.RESERVING  # D: the local prefix is in place; now hold the rest
                 self.reserving.appendleft(seq)

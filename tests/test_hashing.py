@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from runtime.hashing import KEY_BYTES, ROOT_KEY, BlockHasher, as_token_array, chain_keys, mm_extras
+from runtime.hashing import KEY_BYTES, ROOT_KEY, BlockHasher, as_token_array, chain_keys
 from tests.conftest import run_py
 
 BS = 16
@@ -15,8 +15,8 @@ def tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.int32)
 
 
-def keys_of(toks, block_size=BS, **mm) -> list[bytes]:
-    return BlockHasher(block_size, **mm).update(toks)
+def keys_of(toks, block_size=BS) -> list[bytes]:
+    return BlockHasher(block_size).update(toks)
 
 
 def test_golden_keys_pin_the_format():
@@ -81,35 +81,7 @@ def test_block_size_changes_keys():
     assert keys_of(t, BS)[1] != keys_of(t, 2 * BS)[0]
 
 
-def test_multimodal_extra_keys_touch_only_overlapping_blocks():
-    t = tokens(6 * BS)
-    plain = keys_of(t)
-    # one image over tokens [BS+4, 3*BS+2): blocks 1, 2 and 3
-    img = keys_of(t, mm_positions=[(BS + 4, 2 * BS - 2)], mm_hashes=["img-a"])
-    assert img[0] == plain[0]
-    assert all(img[i] != plain[i] for i in range(1, 6))  # blocks 1..3 differ, later ones chain
-    other = keys_of(t, mm_positions=[(BS + 4, 2 * BS - 2)], mm_hashes=["img-b"])
-    assert other[0] == img[0] and other[1] != img[1]
-    # an item only in a later block leaves the earlier ones alone
-    late = keys_of(t, mm_positions=[(5 * BS, 3)], mm_hashes=[b"\x01\x02"])
-    assert late[:5] == plain[:5] and late[5] != plain[5]
-
-
-def test_multimodal_incremental_and_validation():
-    t = tokens(5 * BS)
-    mm = dict(mm_positions=[(2 * BS - 1, 2)], mm_hashes=["x"])
-    h = BlockHasher(BS, **mm)
-    h.update(t[:2 * BS + 3])
-    h.update(t)
-    assert h.keys == keys_of(t, **mm)
-    extras = mm_extras(BS, [(0, BS + 1)], ["ab"])
-    assert set(extras) == {0, 1}
-    # two items in one block: both mixed in, length-prefixed so no concatenation is ambiguous
-    assert mm_extras(BS, [(0, 1), (2, 1)], ["ab", "c"])[0] != mm_extras(BS, [(0, 1), (2, 1)], ["a", "bc"])[0]
-    with pytest.raises(ValueError):
-        mm_extras(BS, [(0, 1)], [])
-    with pytest.raises(ValueError):
-        mm_extras(BS, [(0, 0)], ["a"])
+def test_block_size_must_be_positive():
     with pytest.raises(ValueError):
         BlockHasher(0)
 
