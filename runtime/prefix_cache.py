@@ -327,6 +327,12 @@ class PrefixCache:
             need += self._deferred_need
         return need <= self.device_pool.num_free + self._dev_returning + self._idle
 
+    def waits_for_room(self, request_id: Hashable) -> bool:
+        """Does the request wait for a deferred swap-in (one that has no device blocks yet)?
+        Such a request only holds blocks; one whose transfers are under way will be ready."""
+        waiting = self._request(request_id).waiting
+        return bool(waiting) and any(t.task.task_id in waiting for t in self._deferred)
+
     @property
     def stalled_swap_ins(self) -> bool:
         """Deferred swap-ins exist and nothing in flight or evictable can make room for them:
@@ -689,7 +695,7 @@ class PrefixCache:
         if self._child(parent, keys[0]) < 0:  # then no later key is in the tree either
             self._new_chain(parent, ids, cand, keys, blocks)
         else:
-            ids = np.array(self._record_slow(req, parent, cand, keys, blocks), dtype=np.int32)
+            ids = np.array(self._record_slow(req, parent, cand, keys, blocks, i0), dtype=np.int32)
         req.path = np.concatenate((path, ids))
 
     def _new_chain(self, parent: int, ids: np.ndarray, cand: list[int], keys: list[bytes],
@@ -712,12 +718,17 @@ class PrefixCache:
         self._dev_cached += len(cand)
 
     def _record_slow(self, req: _Request, parent: int, cand: list[int], keys: list[bytes],
-                     blocks: list[int]) -> list[int]:
+                     blocks: list[int], i0: int) -> list[int]:
         """Some keys were already in the tree (another request computed the same blocks first):
-        adopt those nodes, create the rest, give unused node ids back. Returns the nodes."""
+        adopt those nodes, create the rest, give unused node ids back. Returns the nodes.
+
+        Where the node's device copy is readable, the request reads it from now on and its own
+        copy is freed: holding both would make a request that fits the device alone need more
+        than the device (its copies plus the pinned originals)."""
         got = []
         unused = []
-        for key, c, b in zip(keys, cand, blocks):
+        copies = []
+        for j, (key, c, b) in enumerate(zip(keys, cand, blocks)):
             g = self._child(parent, key)
             if g < 0:
                 self._new_node(c, key, parent, b)
@@ -725,10 +736,15 @@ class PrefixCache:
             else:
                 unused.append(c)
                 if not self._adopt(g, b):
-                    req.dups.append(b)
+                    if self._state_v[g] == GPU:
+                        req.blocks[i0 + j] = self._dev_v[g]
+                        copies.append(b)
+                    else:  # still being swapped in: the request keeps reading its own copy
+                        req.dups.append(b)
             got.append(g)
             parent = g
         self._push_ids(unused)
+        self.device_pool.free(copies)
         return got
 
     def _new_node(self, n: int, key: bytes, parent: int, dev_block: int) -> None:

@@ -132,7 +132,9 @@ class Scheduler:
                     continue
             chunk = min(seq.num_tokens - seq.num_computed, budget)
             if self.cache.allocate(seq.request_id, seq.num_computed + chunk) is None:
-                self._unmatch(seq)
+                for other in self.waiting:  # loaded ones queued behind it hold nothing either
+                    if other.matched:
+                        self._unmatch(other)
                 break
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
@@ -140,8 +142,8 @@ class Scheduler:
             self._add(step, seq, chunk)
             budget -= chunk
         if not step.seqs:
-            if self.loading and self.cache.stalled_swap_ins:
-                self._preempt(next(reversed(self.loading.values())))
+            if self.cache.stalled_swap_ins and (stuck := self._waiting_for_room()) is not None:
+                self._preempt(stuck)
             return None
         self.inflight = step
         return step
@@ -168,21 +170,26 @@ class Scheduler:
         return True
 
     def _victim(self, seq: Sequence, step: Step) -> Sequence | None:
-        """Who gives blocks up for `seq`: the newest loading sequence (nothing computed yet),
-        then a waiting one that holds the match it was loaded for, then the newest running
-        sequence not in this step."""
-        if self.loading:
-            return next(reversed(self.loading.values()))
+        """Who gives blocks up for `seq`: the newest loading sequence whose swap-in still waits
+        for room (nothing computed, nothing moving yet), then a waiting one that holds the match
+        it was loaded for, then the newest running sequence not in this step. (A loading
+        sequence whose transfers are under way is left alone: it becomes a waiting one.)"""
+        if (stuck := self._waiting_for_room()) is not None:
+            return stuck
         for other in self.waiting:
             if other.matched:
                 return other
         return next((s for s in reversed(self.running) if s is not seq and s not in step.seqs), None)
 
+    def _waiting_for_room(self) -> Sequence | None:
+        """The newest loading sequence whose swap-in is deferred for lack of device blocks."""
+        return next((s for s in reversed(self.loading.values()) if self.cache.waits_for_room(s.request_id)), None)
+
     def _match(self, seq: Sequence) -> None:
         first = not seq.counted
         res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens, count=first)
         seq.matched = seq.counted = True
-        if seq.computed_prompt_tokens == 0:  # what served the prompt: the match that runs it
+        if first:  # what the client is told, as the hit counters count it: the first match
             seq.cached = (res.device_tokens, res.host_tokens, res.storage_tokens)
         seq.num_computed = res.cached_tokens
         seq.state = SeqState.WAITING if res.ready else SeqState.LOADING
@@ -192,6 +199,7 @@ class Scheduler:
         block while it waits, and is matched again when it is next in line."""
         self.cache.release(seq.request_id)
         seq.matched = False
+        seq.rematched = True
         seq.num_computed = 0
 
     def _preempt(self, seq: Sequence) -> None:
@@ -314,7 +322,7 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed = tokens
-            if seq.computed_prompt_tokens == 0:  # a short storage read served fewer tokens
+            if not seq.rematched:  # a short storage read of the first match served fewer tokens
                 device, host, _ = seq.cached
                 seq.cached = (device, host, max(0, tokens - device - host))
             if rid in self.remote_ids:

@@ -41,6 +41,7 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     matched: bool = False            # holds a prefix-cache entry (matched, maybe blocks)
     counted: bool = False            # its first match is in the hit counters (count it once)
+    rematched: bool = False          # its first match was given back (it is matched again)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
     cached: tuple[int, int, int] = (0, 0, 0)  # prompt tokens served by device, host, storage
