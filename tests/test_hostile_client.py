@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import zmq
 
-from runtime.api import API, BAD_REQUEST, SLOW_CLIENT, UNKNOWN, ErrorEvent, FinishedEvent, TokenEvent
+from runtime.api import (API, BAD_REQUEST, MAX_REQUESTS_PER_CLIENT, SLOW_CLIENT, TOO_MANY, UNKNOWN, ErrorEvent,
+                         FinishedEvent, TokenEvent)
 from runtime.client import Client
 from runtime.status import snapshot
 from runtime.trace import TraceRequest
@@ -219,6 +220,21 @@ def test_a_client_that_never_reads_is_cut_off(ln):
         assert isinstance(raw.until_end("after"), FinishedEvent)
     assert {ev.code for ev in told} == {SLOW_CLIENT}
     still_serves(ln)
+
+
+def test_requests_in_flight_per_client_are_bounded(ln):
+    n = MAX_REQUESTS_PER_CLIENT + 8
+    with Raw(ln.port) as raw:
+        for i in range(n):  # long requests: none can end before the last is sent
+            raw.sock.send(raw_generate(f"many-{i}", max_new_tokens=3000))
+        refused = []
+        while len(refused) < n - MAX_REQUESTS_PER_CLIENT:
+            ev = raw.recv(f"the refusals ({len(refused)} so far)")
+            assert not isinstance(ev, (ErrorEvent, FinishedEvent)) or ev.code == TOO_MANY, ev
+            if isinstance(ev, ErrorEvent):
+                refused.append(ev.request_id)
+        assert refused == [f"many-{i}" for i in range(MAX_REQUESTS_PER_CLIENT, n)]
+    still_serves(ln)  # (the client's requests ended with its connection)
 
 
 # ---- oversized messages -----------------------------------------------------------------------
