@@ -220,8 +220,9 @@ class Engine:
         """Cancel every request of a client that is gone (`why` empty) or does not read (`why`
         goes to it with each request, kept until it reads). A decode node's blocks held for a
         prefill node stay until kv-ready or their lease: the prefill node may be writing them."""
+        seqs = self.sched.seqs
         rids = [rid for rid in self._requests_of(client) if rid not in self.sched.remote_ids
-                and not getattr(self.sched.seqs.get(rid), "cancelled", False)]  # (ended with the step in flight)
+                and not (rid in seqs and seqs[rid].cancelled)]  # (those end with the step in flight)
         for rid in rids:
             if why:
                 self.reply(client, api.ErrorEvent(rid, api.SLOW_CLIENT, why), keep=True)

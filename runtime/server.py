@@ -68,6 +68,7 @@ class ApiServer:
         self.inbox: deque[tuple[bytes, bytes]] = deque()
         self.notices: deque[ClientNotice] = deque()
         self._backlog: dict[bytes, deque[bytes]] = {}  # kept answers of clients whose queue is full
+        self._gone: set[bytes] = set()  # clients found gone, not yet told to the engine
         self._wake = wake
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -124,7 +125,7 @@ class ApiServer:
         self._forward()  # answers queued before close still go out
 
     def _forward(self) -> None:
-        told = len(self.notices)
+        overflowed: set[bytes] = set()
         while True:
             try:
                 client, data, *keep = self._pull.recv_multipart(zmq.NOBLOCK)
@@ -135,49 +136,56 @@ class ApiServer:
                     self._dealer.send(data, zmq.NOBLOCK)
                 except zmq.Again:  # the peer is gone and its queue is full: P's timeouts fail the requests
                     log.warning("decode peer not reachable: a message to it was dropped")
-            else:
-                self._to_client(client, data, bool(keep))
-        if len(self.notices) > told:
-            self._wake()
+            elif not self._to_client(client, data, bool(keep)):
+                overflowed.add(client)
+        self.notices.extend(ClientNotice(c, OVERFLOW) for c in overflowed)  # one each, however many dropped
+        self._tell_gone(bool(overflowed))
 
-    def _to_client(self, client: bytes, data: bytes, keep: bool) -> None:
+    def _to_client(self, client: bytes, data: bytes, keep: bool) -> bool:
+        """Send or keep `data`; False if it was dropped because the client's queue is full."""
         backlog = self._backlog.get(client)
         if backlog is None:
-            if self._try_send(client, data) is not zmq.Again:
-                return
+            if self._send_now(client, data):
+                return True
             backlog = self._backlog[client] = deque()
         if keep:  # bounded: the engine keeps one notice per request it ends, and bounds requests
             backlog.append(data)
-        else:
-            self.notices.append(ClientNotice(client, OVERFLOW))
+            return True
+        return False
 
-    def _try_send(self, client: bytes, data: bytes):
-        """Send without waiting: None when sent (or the client is gone: a GONE notice is queued),
-        zmq.Again when the client's queue is full."""
+    def _send_now(self, client: bytes, data: bytes) -> bool:
+        """Send without waiting; False when the client's queue is full. A client that is gone
+        takes nothing: its backlog is dropped and a GONE notice queued."""
         try:
             self._router.send_multipart([client, data], zmq.NOBLOCK)
         except zmq.Again:
-            return zmq.Again
+            return False
         except zmq.ZMQError as e:
             if e.errno != errno.EHOSTUNREACH:
                 raise
             self._backlog.pop(client, None)
-            self.notices.append(ClientNotice(client, GONE))
-        return None
+            self._gone.add(client)
+        return True
+
+    def _tell_gone(self, wake: bool) -> None:
+        """Queue one GONE notice per client found gone since the last call, and wake the engine
+        if there is anything new for it."""
+        self.notices.extend(ClientNotice(c, GONE) for c in self._gone)
+        if self._gone or wake:
+            self._gone.clear()
+            self._wake()
 
     def _flush_backlogs(self) -> None:
         """Kept answers go out once their client reads again; a client with none left is back to
         normal (its next answer that does not fit starts a backlog again)."""
-        told = len(self.notices)
         for client, backlog in list(self._backlog.items()):
-            while backlog and self._try_send(client, backlog[0]) is not zmq.Again:
-                if client not in self._backlog:
-                    break  # gone
+            while backlog and self._send_now(client, backlog[0]):
+                if self._backlog.get(client) is not backlog:
+                    break  # the client is gone, and its backlog with it
                 backlog.popleft()
             if not backlog:
                 self._backlog.pop(client, None)
-        if len(self.notices) > told:
-            self._wake()
+        self._tell_gone(False)
 
     def _receive_peer(self) -> None:
         while True:
