@@ -7,7 +7,16 @@ the request id, so one client socket can keep many requests in flight.
 
 A request's life on the wire: GenerateRequest -> TokenEvent* -> FinishedEvent, or ErrorEvent at
 any point (bad request, failed cache transfer, node stopping). CancelRequest ends it early with
-a FinishedEvent whose finish_reason is "cancelled".
+a FinishedEvent whose finish_reason is "cancelled"; only the socket that submitted a request
+can cancel it (to any other, the request is unknown).
+
+What the engine tolerates from one client, so that no client can grow it without bound: a
+message of at most `max_message_bytes` (bigger frames are dropped by libzmq before they are
+read, and the connection with them), request ids of at most MAX_REQUEST_ID_BYTES printable
+characters, MAX_REQUESTS_PER_CLIENT requests in flight, and a client that stops reading until
+CLIENT_QUEUE answers wait for it has its requests cancelled (ErrorEvent SLOW_CLIENT, sent once
+it reads again). A client that disconnects has its requests cancelled. The engine checks
+connections by sending an empty message now and then: clients ignore empty messages.
 """
 from __future__ import annotations
 
@@ -25,6 +34,33 @@ DUPLICATE = "duplicate"        # a request with this id is already in flight
 UNKNOWN = "unknown_request"    # cancel of a request the engine does not know
 FAILED = "failed"              # the engine could not finish it (lost KV, transfer failure)
 STOPPING = "stopping"          # the node is shutting down and takes no new requests
+SLOW_CLIENT = "slow_client"    # the client did not read its answers: its requests were cancelled
+TOO_MANY = "too_many_requests"  # the client already has MAX_REQUESTS_PER_CLIENT requests in flight
+
+MAX_REQUEST_ID_BYTES = 256
+MAX_REQUESTS_PER_CLIENT = 1024
+CLIENT_QUEUE = 1024           # answers queued for one client before it counts as not reading
+MESSAGE_SLACK = 64 << 10      # a message's bytes besides its token ids (keys, id, PD descriptors)
+
+
+def max_message_bytes(max_model_len: int) -> int:
+    """The largest message a node with this model length accepts: the longest valid prompt as
+    int32 bytes, plus the rest of the message."""
+    return max_model_len * 4 + MESSAGE_SLACK
+
+
+def request_id_problem(request_id: object) -> str:
+    """What is wrong with a request id, or "": every answer repeats it, so it stays short."""
+    if not isinstance(request_id, str):
+        return f"request_id must be a string, got {type(request_id).__name__}"
+    if not request_id:
+        return "request_id must not be empty"
+    size = len(request_id.encode("utf-8", "replace"))
+    if size > MAX_REQUEST_ID_BYTES:
+        return f"request_id is {size} bytes long; at most {MAX_REQUEST_ID_BYTES} are allowed"
+    if not request_id.isprintable():
+        return "request_id must be printable (no control characters or line breaks)"
+    return ""
 
 
 @API.message("generate")

@@ -38,7 +38,7 @@ import zmq
 
 from ipc.errors import ProtocolError
 from runtime.api import (API, CancelRequest, ErrorEvent, FinishedEvent, GenerateRequest, InfoReply,
-                         InfoRequest, TokenEvent)
+                         InfoRequest, TokenEvent, request_id_problem)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TIMEOUT = 30.0
@@ -275,8 +275,8 @@ class Client:
         except TypeError:
             raise ValueError("max_new_tokens and eos_token_id must be integers") from None
         rid = request_id if request_id is not None else f"{self._prefix}-{next(self._ids)}"
-        if not isinstance(rid, str):
-            raise ValueError(f"request_id must be a string, got {type(rid).__name__}")
+        if problem := request_id_problem(rid):
+            raise ValueError(problem)
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already in flight on this client")
         msg = GenerateRequest(request_id=rid, prompt=arr, max_new_tokens=max_new_tokens,
@@ -315,7 +315,8 @@ class Client:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._route(frames[-1], time.perf_counter())
+            if frames[-1]:  # (an empty message is the node checking that this client is still there)
+                self._route(frames[-1], time.perf_counter())
         return True
 
     def _route(self, data: bytes, now: float) -> None:

@@ -30,13 +30,13 @@ from runtime.config import NodeConfig
 from runtime.disagg import PEER_CLIENT, DecodeSide, PrefillSide
 from runtime.metrics import Metrics
 from runtime import api
-from runtime.intake import validate
+from runtime.intake import is_int, show, validate
 from runtime.ownership import OwnerTable, check_step
 from runtime import prefix_cache as pc
 from runtime.prefix_cache import PrefixCache
 from runtime.scheduler import Scheduler, StepOutcome
 from runtime.sequence import Sequence
-from runtime.server import PEER, ApiServer
+from runtime.server import FRAMES, GONE, OVERFLOW, PEER, ApiServer, ClientNotice
 from runtime.storage_index import StorageIndex
 from runtime.transfer import TaskResult, TransferClient
 
@@ -44,6 +44,7 @@ log = logging.getLogger("kvrt.engine")
 TICK_S = 0.1
 PEER_ONLY = (api.PdPrealloc, api.PdKvReady, api.PdAbort, api.PdAllocated, api.PdWelcome, api.PdRefused,
              api.PdPing, api.PdPong)  # valid only inside (or to open) an authenticated peer session
+PROBE_S = 1.0  # how often each client with requests in flight is checked for a live connection
 _CACHE_STATS = ("device_total", "device_free", "device_cached", "device_used", "host_total", "host_free",
                 "host_cached", "host_used", "requests", "hit_requests", "query_tokens", "hit_tokens_device",
                 "hit_tokens_host", "hit_tokens_storage")
@@ -104,6 +105,8 @@ class Engine:
         self._step_deadline = 0.0
         self.server: ApiServer | None = None
         self.accepting = True
+        self._per_client: dict[bytes, int] = {}  # requests in flight per client (recounted every PROBE_S)
+        self._next_probe = 0.0
         self.prefill = PrefillSide(self) if self.cfg.role == "prefill" else None
         self.decode = DecodeSide(self) if self.cfg.role == "decode" else None
         self.publish_stats()
@@ -152,11 +155,11 @@ class Engine:
                 for r in self.to_workers + self.to_transfer + self.to_messagers + self.inbound}
 
     # ---- clients ----------------------------------------------------------------------------
-    def reply(self, client: bytes, msg) -> None:
+    def reply(self, client: bytes, msg, keep: bool = False) -> None:
         if self.decode is not None and client.startswith(PEER_CLIENT):
             self.decode.deliver(client, msg)  # a prefill peer's request: sealed, under its own id
         elif self.server is not None and client:
-            self.server.send(client, api.API.encode(msg))
+            self.server.send(client, api.API.encode(msg), keep)
 
     def server_send(self, client: bytes, msg) -> None:
         """`msg` to a client socket as it is (the PD sides' sealed and handshake messages)."""
@@ -179,14 +182,19 @@ class Engine:
         """Handle every queued client message (the I/O thread only queues bytes)."""
         if self.server is None:
             return
+        notices = self.server.notices
+        while notices:
+            self._on_notice(notices.popleft())
         inbox = self.server.inbox
         while inbox:
             client, data = inbox.popleft()
+            if not data:
+                continue  # a liveness probe (a decode node probes its prefill node too)
             try:
                 msg = api.API.decode(data)
             except ProtocolError as e:
                 self.stats.array[P.STAT["protocol_errors"]] += 1
-                self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"malformed message: {e}"))
+                self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"malformed message: {str(e)[:200]}"))
                 continue
             if client == PEER and self.prefill is not None:
                 self.prefill.on_peer(msg)
@@ -203,11 +211,80 @@ class Engine:
             elif isinstance(msg, api.CancelRequest):
                 self._on_cancel(client, msg)
             elif isinstance(msg, api.InfoRequest):
+                if not is_int(msg.nonce):
+                    self.reply(client, api.ErrorEvent("", api.BAD_REQUEST,
+                                                      f"nonce must be an integer, got {show(msg.nonce)}"))
+                    continue
                 c = self.cfg
                 self.reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len,
                                                   c.block_size, -1))
             else:
                 self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"{type(msg).__name__} is not a request"))
+        self._probe_clients()
+
+    def _on_notice(self, n: ClientNotice) -> None:
+        if n.kind == FRAMES:
+            self.stats.array[P.STAT["protocol_errors"]] += 1
+            self.reply(n.client, api.ErrorEvent("", api.BAD_REQUEST, f"a client message is one frame (one msgpack "
+                                                                     f"map); this one had {n.frames} frames"))
+        elif n.kind == OVERFLOW:
+            self._end_client(n.client, f"this client stopped reading its answers ({api.CLIENT_QUEUE} were "
+                                       f"waiting for it), so its requests were cancelled")
+        elif n.kind == GONE:
+            self._end_client(n.client, "")
+
+    def _requests_of(self, client: bytes) -> list[str]:
+        """Ids of the requests in flight that `client` submitted (one scan: used on rare events)."""
+        rids = [rid for rid, seq in self.sched.seqs.items() if seq.client == client]
+        if self.prefill is not None:
+            rids += [rid for rid, p in self.prefill.pending.items() if p.client == client]
+            rids += [rid for rid, r in self.prefill.relays.items() if r.seq.client == client]
+        return list(dict.fromkeys(rids))
+
+    def _owner_of(self, rid: str) -> bytes | None:
+        """The client that submitted request `rid`, or None if it is not in flight."""
+        if (seq := self.sched.seqs.get(rid)) is not None:
+            return seq.client
+        if self.prefill is not None:
+            if (p := self.prefill.pending.get(rid)) is not None:
+                return p.client
+            if (r := self.prefill.relays.get(rid)) is not None:
+                return r.seq.client
+        return None
+
+    def _end_client(self, client: bytes, why: str) -> None:
+        """Cancel every request of a client that is gone (`why` empty) or does not read (`why`
+        goes to it with each request, kept until it reads). A decode node's blocks held for a
+        prefill node stay until kv-ready or their lease: the prefill node may be writing them."""
+        seqs = self.sched.seqs
+        rids = [rid for rid in self._requests_of(client) if rid not in self.sched.remote_ids
+                and not (rid in seqs and seqs[rid].cancelled)]  # (those end with the step in flight)
+        for rid in rids:
+            if why:
+                self.reply(client, api.ErrorEvent(rid, api.SLOW_CLIENT, why), keep=True)
+            self._cancel(client, rid)
+        self._per_client.pop(client, None)
+        if rids:
+            log.warning("client %s %s: cancelled its %d requests in flight", client.hex(),
+                        "stopped reading" if why else "disconnected", len(rids))
+
+    def _probe_clients(self) -> None:
+        """Every PROBE_S: recount the requests of each client and probe each one that has some
+        (a client that is gone is then noticed even while its requests wait for a step)."""
+        now = time.monotonic()
+        if now < self._next_probe:
+            return
+        self._next_probe = now + PROBE_S
+        owners = [seq.client for seq in self.sched.seqs.values()]
+        if self.prefill is not None:
+            owners += [p.client for p in self.prefill.pending.values()]
+            owners += [r.seq.client for r in self.prefill.relays.values()]
+        self._per_client = {}
+        for c in owners:
+            self._per_client[c] = self._per_client.get(c, 0) + 1
+        for c in self._per_client:
+            if c and c != PEER and not c.startswith(PEER_CLIENT):  # a peer's requests: its session's
+                self.server.probe(c)
 
     def _on_pd(self, client: bytes, msg) -> None:
         if self.decode is None:
@@ -221,16 +298,23 @@ class Engine:
 
     def _on_generate(self, client: bytes, req: api.GenerateRequest) -> None:
         rid = req.request_id
+        problem = validate(req, self.cfg)
+        if problem:
+            self.reply(client, api.ErrorEvent("" if api.request_id_problem(rid) else rid, api.BAD_REQUEST, problem))
+            return
         if not self.accepting:
             self.reply(client, api.ErrorEvent(rid, api.STOPPING, "the node is stopping and takes no new requests"))
             return
-        if isinstance(rid, str) and (rid in self.sched.seqs or (self.prefill is not None and self.prefill.busy(rid))):
+        if rid in self.sched.seqs or (self.prefill is not None and self.prefill.busy(rid)):
             self.reply(client, api.ErrorEvent(rid, api.DUPLICATE, f"request id {rid!r} is already in flight"))
             return
-        problem = validate(req, self.cfg)
-        if problem:
-            self.reply(client, api.ErrorEvent(rid if isinstance(rid, str) else "", api.BAD_REQUEST, problem))
-            return
+        if self._per_client.get(client, 0) >= api.MAX_REQUESTS_PER_CLIENT:
+            self._per_client[client] = len(self._requests_of(client))  # the count is an upper bound
+            if self._per_client[client] >= api.MAX_REQUESTS_PER_CLIENT:
+                self.reply(client, api.ErrorEvent(rid, api.TOO_MANY, f"this client already has "
+                                                  f"{api.MAX_REQUESTS_PER_CLIENT} requests in flight"))
+                return
+        self._per_client[client] = self._per_client.get(client, 0) + 1
         if self.prefill is not None and req.max_new_tokens > 1:
             self.prefill.on_generate(client, req)
             return
@@ -239,18 +323,20 @@ class Engine:
                                     eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream))
 
     def _on_cancel(self, client: bytes, req: api.CancelRequest) -> None:
-        if self.prefill is not None and self.prefill.on_cancel(client, req.request_id):
+        rid = req.request_id
+        problem = api.request_id_problem(rid)
+        if problem:
+            self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, problem))
+        elif self._owner_of(rid) != client:  # another client's request is no more known than a missing one
+            self.reply(client, api.ErrorEvent(rid, api.UNKNOWN, f"no request {rid!r} of this client in flight"))
+        else:
+            self._cancel(client, rid)
+
+    def _cancel(self, client: bytes, rid: str) -> None:
+        """Cancel `client`'s request `rid` (in flight: checked by the caller)."""
+        if self.prefill is not None and self.prefill.on_cancel(client, rid):
             return
-        if self.decode is not None and self.decode.is_peer_request(req.request_id):
-            self.reply(client, api.ErrorEvent(req.request_id, api.UNKNOWN, f"no request {req.request_id!r} of "
-                                                                          f"this client in flight"))
-            return
-        try:
-            seq = self.sched.cancel(req.request_id)
-        except (KeyError, TypeError):
-            self.reply(client, api.ErrorEvent(str(req.request_id), api.UNKNOWN,
-                                               f"no request {req.request_id!r} in flight"))
-            return
+        seq = self.sched.cancel(rid)
         if seq is not None:
             self.finished(seq)
 
@@ -379,7 +465,8 @@ class Engine:
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.metrics_port)
         if self.cfg.port:
-            self.server = ApiServer(self.cfg.host, self.cfg.port, self.fan.poke, peer=self.cfg.decode_peer)
+            self.server = ApiServer(self.cfg.host, self.cfg.port, self.fan.poke, peer=self.cfg.decode_peer,
+                                    max_message_bytes=api.max_message_bytes(self.cfg.max_model_len))
         self.member.set_ready()
         try:
             while not self.member.stopping() and not self.stop.signal:

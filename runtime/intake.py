@@ -7,19 +7,41 @@ from __future__ import annotations
 
 import numpy as np
 
-from .api import GenerateRequest
+from .api import GenerateRequest, request_id_problem
 from .config import NodeConfig
 
 
+def show(value: object, limit: int = 40) -> str:
+    """A value as an error message may quote it: its repr, cut short (a hostile value can be
+    as long as a whole message), and its type (True and 1 look alike otherwise)."""
+    r = repr(value)
+    if len(r) > limit:
+        r = r[:limit - 3] + "..."
+    return f"{r} ({type(value).__name__})"
+
+
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (msgpack's true is Python's True, and True == 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
-    """The first problem with `req` on a node configured as `cfg`, or "" if there is none."""
-    if not isinstance(req.request_id, str) or not req.request_id:
-        return "request_id must be a non-empty string"
-    if not isinstance(req.max_new_tokens, int) or isinstance(req.max_new_tokens, bool) or req.max_new_tokens <= 0:
-        return f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}"
-    if not isinstance(req.eos_token_id, int) or req.eos_token_id >= cfg.vocab_size:
-        return f"eos_token_id must be an integer below the vocabulary size {cfg.vocab_size} (or -1), got {req.eos_token_id!r}"
+    """The first problem with `req` on a node configured as `cfg`, or "" if there is none.
+    Every field is checked for its exact type here, before any of it touches state."""
+    problem = request_id_problem(req.request_id)
+    if problem:
+        return problem
+    if not is_int(req.max_new_tokens) or req.max_new_tokens <= 0:
+        return f"max_new_tokens must be a positive integer, got {show(req.max_new_tokens)}"
+    if not is_int(req.eos_token_id) or not -1 <= req.eos_token_id < cfg.vocab_size:
+        return (f"eos_token_id must be an integer below the vocabulary size {cfg.vocab_size} (or -1 for none), "
+                f"got {show(req.eos_token_id)}")
+    for name in ("use_cache", "stream"):
+        if not isinstance(getattr(req, name), bool):
+            return f"{name} must be true or false, got {show(getattr(req, name))}"
     prompt = req.prompt
+    if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.dtype != np.int32:
+        return f"prompt must be int32 token ids, got {show(prompt)}"
     if len(prompt) == 0:
         return "prompt is empty"
     total = len(prompt) + req.max_new_tokens

@@ -35,6 +35,8 @@ from runtime.client import DEFAULT_HOST, Client, ClientError, Result
 from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens, ideal_hit_tokens,
                            load_trace, to_vocab)
 
+MAX_ERROR_MESSAGES = 5  # distinct error messages a run keeps to show
+
 
 @dataclass
 class PromptSpec:
@@ -125,6 +127,7 @@ class ReplayResult:
     completed: int = 0
     cancelled: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    error_messages: list[str] = field(default_factory=list)  # the first distinct ones, "code: message"
     wall_s: float = 0.0
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
@@ -150,8 +153,11 @@ class ReplayResult:
         self.output_tokens += r.num_output_tokens
         self.preemptions += r.preemptions
 
-    def add_error(self, code: str) -> None:
+    def add_error(self, code: str, message: str = "") -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
+        line = f"{code}: {message}" if message else code
+        if line not in self.error_messages and len(self.error_messages) < MAX_ERROR_MESSAGES:
+            self.error_messages.append(line)
 
     @property
     def num_errors(self) -> int:
@@ -171,6 +177,7 @@ class ReplayResult:
             "cancelled": self.cancelled,
             "errors": self.num_errors,
             "errors_by_code": dict(self.errors),
+            "first_errors": list(self.error_messages),
             "wall_s": self.wall_s,
             "ttft_ms": _pcts(self.ttft_ms, (50, 90, 99)),
             "tpot_ms": _pcts(self.tpot_ms, (50, 99)),
@@ -390,7 +397,7 @@ def run(client: Client, source: Source, *, concurrency: int = 16, use_cache: boo
                     res.add(ev)
                     source.completed(spec, ev)
                 else:
-                    res.add_error(ev.code)
+                    res.add_error(ev.code, ev.message)
                     source.completed(spec, None)
             if events:
                 last_heard = now
@@ -489,8 +496,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """`kvrt replay`: exit 0 done (request errors are reported, not fatal), 1 node unreachable or
-    silent, 2 bad arguments, 130 interrupted."""
+    """`kvrt replay`: exit 0 every request done, 1 any request failed (how many and the first
+    distinct errors go to stderr) or the node unreachable or silent, 2 bad arguments, 130
+    interrupted."""
     p = parser()
     args = p.parse_args(argv)
     check_trace_args(p, args)
@@ -532,4 +540,9 @@ def main(argv: list[str]) -> int:
         if cut:
             extra.append(("prompts cut", f"{cut} (to fit max_model_len {info.max_model_len})"))
         print(table(out, title, extra))
+    if res.num_errors:
+        print(f"kvrt replay: {res.num_errors} of {res.submitted} requests failed; first errors:", file=sys.stderr)
+        for line in res.error_messages:
+            print(f"  {line}", file=sys.stderr)
+        return 1
     return 0

@@ -6,21 +6,55 @@ cannot poll. The I/O thread blocks on the sockets instead; each client message i
 poke). Answers go the other way through an inproc PUSH/PULL pair, because a ZeroMQ socket
 must only be used by one thread. The thread only moves bytes: decoding, validation and every
 decision stay on the engine thread.
+
+What a client cannot do to the engine's memory: a frame over `max_message_bytes` is refused by
+libzmq from its header, before anything is allocated (and the connection is dropped); a client
+that stops reading has at most CLIENT_QUEUE answers queued (the ROUTER's send high-water mark);
+past that its answers are dropped, except the final notices the engine marks `keep` (one per
+request it cancels for that reason), which wait here until the client reads again or goes.
+
+How a disconnect is seen: ROUTER_MANDATORY makes a send to a routing id without a connection
+fail (EHOSTUNREACH) instead of vanishing, and the engine sends an empty message to each client
+with requests in flight every second, so every vanished client shows up within a second.
+ZMQ_ROUTER_NOTIFY would say it directly but is a draft option, absent from released libzmq
+builds; a socket monitor names file descriptors, not routing ids, and descriptor numbers are
+reused; client keep-alives would cancel the requests of a live client that is merely busy.
+ZMTP heartbeats close a connection whose peer machine vanished without closing it.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
+
+from runtime.api import CLIENT_QUEUE
 
 log = logging.getLogger(__name__)
 POLL_MS = 100  # longest the I/O thread blocks before checking whether it should stop
 
 
 PEER = b"\x00peer!"  # the identity under which messages from the decode peer (a P node's D) arrive
+INBOX_MAX = 4096  # client messages waiting for the engine before the I/O thread stops reading more
+HEARTBEAT_IVL_MS = 5_000
+HEARTBEAT_TIMEOUT_MS = 30_000
+_KEEP = b"k"  # third frame of an answer on the inproc pair: keep it for a client that is not reading
+
+# what the I/O thread tells the engine about a client (ClientNotice.kind)
+GONE = "gone"          # its connection is closed: its requests can be cancelled
+OVERFLOW = "overflow"  # CLIENT_QUEUE answers wait for it: its requests must be cancelled
+FRAMES = "frames"      # it sent a message of `frames` frames, not one
+
+
+@dataclass
+class ClientNotice:
+    client: bytes
+    kind: str
+    frames: int = 0
 
 
 class ApiServer:
@@ -28,15 +62,22 @@ class ApiServer:
     `peer` address (a prefill node's decode node) it also keeps a DEALER connected there:
     its messages arrive with identity PEER, and `send(PEER, ...)` goes to it."""
 
-    def __init__(self, host: str, port: int, wake: Callable[[], None], peer: str = ""):
+    def __init__(self, host: str, port: int, wake: Callable[[], None], peer: str = "", *,
+                 max_message_bytes: int = -1, client_queue: int = CLIENT_QUEUE):
         self.address = f"tcp://{host}:{port}"
         self.inbox: deque[tuple[bytes, bytes]] = deque()
+        self.notices: deque[ClientNotice] = deque()
+        self._backlog: dict[bytes, deque[bytes]] = {}  # kept answers of clients whose queue is full
+        self._gone: set[bytes] = set()  # clients found gone, not yet told to the engine
         self._wake = wake
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client: drop, never block
-        self._router.setsockopt(zmq.SNDHWM, 0)  # a slow client queues; a ROUTER drops past its HWM
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends fail (never block) for gone or full clients
+        self._router.setsockopt(zmq.SNDHWM, client_queue)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         try:
             self._router.bind(self.address)
         except zmq.ZMQError as e:
@@ -56,9 +97,14 @@ class ApiServer:
         self._thread.start()
         log.info("client API listening on %s", self.address)
 
-    def send(self, client: bytes, data: bytes) -> None:
-        """Queue an answer to `client` (engine thread only; never blocks on the network)."""
-        self._push.send_multipart([client, data], copy=False)
+    def send(self, client: bytes, data: bytes, keep: bool = False) -> None:
+        """Queue an answer to `client` (engine thread only; never blocks on the network). `keep`:
+        if the client's queue is full, hold this one until it reads (the rest is dropped)."""
+        self._push.send_multipart([client, data, _KEEP] if keep else [client, data], copy=False)
+
+    def probe(self, client: bytes) -> None:
+        """Send `client` an empty message: if its connection is gone, a GONE notice follows."""
+        self._push.send_multipart([client, b""])
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -67,6 +113,7 @@ class ApiServer:
         if self._dealer is not None:
             poller.register(self._dealer, zmq.POLLIN)
         while not self._stop.is_set():
+            poller.modify(self._router, zmq.POLLIN if len(self.inbox) < INBOX_MAX else 0)
             for sock, _ in poller.poll(POLL_MS):
                 if sock is self._router:
                     self._receive()
@@ -74,21 +121,71 @@ class ApiServer:
                     self._receive_peer()
                 else:
                     self._forward()
+            self._flush_backlogs()
         self._forward()  # answers queued before close still go out
 
     def _forward(self) -> None:
+        overflowed: set[bytes] = set()
         while True:
             try:
-                client, data = self._pull.recv_multipart(zmq.NOBLOCK)
+                client, data, *keep = self._pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             if client == PEER and self._dealer is not None:
                 try:
                     self._dealer.send(data, zmq.NOBLOCK)
                 except zmq.Again:  # the peer is gone and its queue is full: P's timeouts fail the requests
                     log.warning("decode peer not reachable: a message to it was dropped")
-            else:
-                self._router.send_multipart([client, data])
+            elif not self._to_client(client, data, bool(keep)):
+                overflowed.add(client)
+        self.notices.extend(ClientNotice(c, OVERFLOW) for c in overflowed)  # one each, however many dropped
+        self._tell_gone(bool(overflowed))
+
+    def _to_client(self, client: bytes, data: bytes, keep: bool) -> bool:
+        """Send or keep `data`; False if it was dropped because the client's queue is full."""
+        backlog = self._backlog.get(client)
+        if backlog is None:
+            if self._send_now(client, data):
+                return True
+            backlog = self._backlog[client] = deque()
+        if keep:  # bounded: the engine keeps one notice per request it ends, and bounds requests
+            backlog.append(data)
+            return True
+        return False
+
+    def _send_now(self, client: bytes, data: bytes) -> bool:
+        """Send without waiting; False when the client's queue is full. A client that is gone
+        takes nothing: its backlog is dropped and a GONE notice queued."""
+        try:
+            self._router.send_multipart([client, data], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            self._backlog.pop(client, None)
+            self._gone.add(client)
+        return True
+
+    def _tell_gone(self, wake: bool) -> None:
+        """Queue one GONE notice per client found gone since the last call, and wake the engine
+        if there is anything new for it."""
+        self.notices.extend(ClientNotice(c, GONE) for c in self._gone)
+        if self._gone or wake:
+            self._gone.clear()
+            self._wake()
+
+    def _flush_backlogs(self) -> None:
+        """Kept answers go out once their client reads again; a client with none left is back to
+        normal (its next answer that does not fit starts a backlog again)."""
+        for client, backlog in list(self._backlog.items()):
+            while backlog and self._send_now(client, backlog[0]):
+                if self._backlog.get(client) is not backlog:
+                    break  # the client is gone, and its backlog with it
+                backlog.popleft()
+            if not backlog:
+                self._backlog.pop(client, None)
+        self._tell_gone(False)
 
     def _receive_peer(self) -> None:
         while True:
@@ -101,15 +198,15 @@ class ApiServer:
 
     def _receive(self) -> None:
         got = False
-        while True:
+        while len(self.inbox) < INBOX_MAX:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) != 2 or not frames[0]:
-                log.warning("dropped a client message of %d frames (expected identity + 1)", len(frames))
-                continue
-            self.inbox.append((frames[0], frames[1]))
+            if len(frames) != 2:  # (a ROUTER always gives the identity frame first)
+                self.notices.append(ClientNotice(frames[0], FRAMES, len(frames) - 1))
+            else:
+                self.inbox.append((frames[0], frames[1]))
             got = True
         if got:
             self._wake()

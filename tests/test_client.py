@@ -290,6 +290,31 @@ def test_duplicate_request_id_is_refused_locally(fake):
             c.submit([1], 1, request_id="x")
 
 
+@pytest.mark.parametrize("rid", ["", "x" * 257, "a\nb"])
+def test_bad_request_ids_are_refused_locally(fake, rid):
+    with Client(fake.port, timeout=5) as c, pytest.raises(ValueError, match="request_id"):
+        c.submit([1], 1, request_id=rid)
+    assert not any(isinstance(m, GenerateRequest) for m in fake.received)
+
+
+def test_empty_messages_are_liveness_probes_not_errors():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with Client(port, timeout=5) as c:
+            c._send(InfoRequest(nonce=1), "info")
+            ident, _ = router.recv_multipart()
+            router.send_multipart([ident, b""])
+            router.send_multipart([ident, API.encode(InfoReply(1, "n", "mixed", 8, 64, 4, -1))])
+            assert c.info().node == "n"
+            assert c.protocol_errors == 0
+    finally:
+        router.close(0)
+        ctx.term()
+
+
 def test_silent_node_times_out_with_a_clear_error():
     with FakeNode(silent=True) as f, Client(f.port, timeout=0.3) as c:
         t0 = time.monotonic()
