@@ -206,10 +206,13 @@ class PrefixCache:
     `storage_lookup(keys)`, if given, returns how many leading keys the storage tier holds;
     matching asks it for the blocks the tree lacks and reads hits with a STORAGE2GPU task.
     `write_through` writes the blocks a request computed to storage when it is released.
+    `low_water` (with a host tier): device blocks kept free or on their way back by swapping
+    out ahead of need (default 1/64 of the device).
     """
 
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0, *,
-                 storage_lookup: StorageLookup | None = None, write_through: bool = False):
+                 storage_lookup: StorageLookup | None = None, write_through: bool = False,
+                 low_water: int | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -249,6 +252,7 @@ class PrefixCache:
         self._host_cached = 0
         self._dev_returning = 0  # device blocks that in-flight swap-outs free when done
         self._idle = 0           # unreferenced GPU nodes: what eviction can still free
+        self._low_water = max(1, num_device_blocks // 64) if low_water is None else low_water
         self._storing: set[bytes] = set()  # keys of in-flight write-through tasks
 
     # ---- engine-facing API -------------------------------------------------------------------
@@ -314,7 +318,16 @@ class PrefixCache:
         if got is not None:
             req.blocks += got
             req.admitted = True
+            self._swap_ahead()
         return got
+
+    def _swap_ahead(self) -> None:
+        """With a host tier, keep a few device blocks free or on their way back: a swap-out
+        takes a round trip to the cache-transfer ranks, and a request that needs a block
+        should not wait for one (nor anyone be preempted) while it is under way."""
+        short = self._low_water - self.device_pool.num_free - self._dev_returning - self._deferred_need
+        if short > 0 and self.host_pool.num_blocks and self._idle:
+            self._evict_device(min(short, self._idle))
 
     def reclaimable(self, request_id: Hashable, num_tokens: int) -> bool:
         """Could `allocate(request_id, num_tokens)` succeed once in-flight tasks finish,

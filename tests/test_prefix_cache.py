@@ -197,7 +197,9 @@ def test_eviction_cascades_through_a_parked_parent():
 
 # ---- host tier -------------------------------------------------------------------------------
 def host_cache(device=6, host=8) -> PrefixCache:
-    return PrefixCache(BS, device, host)
+    """A host tier that swaps out only on demand (no swap-ahead), so each test sees exactly the
+    evictions it asks for."""
+    return PrefixCache(BS, device, host, low_water=0)
 
 
 def test_swap_out_then_swap_in():

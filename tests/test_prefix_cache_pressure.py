@@ -43,7 +43,7 @@ def _grab(c: PrefixCache, rid: str, n_blocks: int) -> None:
 
 def _host_cache_with_deferred_swap_in() -> tuple[PrefixCache, np.ndarray]:
     """6 device blocks: "r" runs on 4, 2 are free, and "a"'s 3-block prefix is on the host."""
-    c = PrefixCache(BS, 6, 8)
+    c = PrefixCache(BS, 6, 8, low_water=0)
     a = toks(0, 3 * BS + 1)
     run(c, "a", a)
     _grab(c, "r", 4)
@@ -83,7 +83,7 @@ def test_a_deferred_swap_in_nobody_waits_for_is_dropped():
 def test_failed_swap_outs_never_strand_a_deferred_swap_in():
     """The swap-outs that would make room fail (a paused cache-transfer rank times out): the
     swap-in must still start, with nothing else allocating."""
-    c = PrefixCache(BS, 6, 8)
+    c = PrefixCache(BS, 6, 8, low_water=0)
     a = toks(0, 3 * BS + 1)
     run(c, "a", a)
     run(c, "fill", toks(500, 6 * BS))  # a's blocks go to the host; fill's fill the device
@@ -180,3 +180,20 @@ def test_a_preempted_request_is_counted_once():
     assert cache.metrics.requests == 3, "a request re-admitted after preemption was counted again"
     assert cache.metrics.query_tokens == 3 * 14
     cache.check()
+
+
+def test_swap_ahead_keeps_blocks_coming_free_with_a_host_tier():
+    """A request that allocates the device's last free blocks starts swap-outs of cached ones,
+    so the next allocation finds blocks free instead of waiting for a swap-out round trip."""
+    c = PrefixCache(BS, 8, 8, low_water=2)
+    run(c, "a", toks(0, 6 * BS))                   # 6 cached blocks
+    finish(c)
+    c.match("b", [], 2 * BS)
+    assert c.allocate("b", 2 * BS) is not None     # the last 2 free blocks
+    (t,) = c.take_tasks()
+    assert t.kind is TaskKind.SWAP2CPU and len(t.device_blocks) == 2
+    c.apply_task_result(t.task_id, True)
+    assert c.check()["device_free"] == 2
+    assert c.allocate("b", 3 * BS) is not None, "served at once, no swap-out to wait for"
+    c.release("b")
+    c.check()
