@@ -395,8 +395,9 @@ class PrefixCache:
             self._write_back(req)
         else:
             self._deref(req.path)
-        for t in unwanted:
-            self._cancel_deferred(t)
+        for t in unwanted:  # (a request that adopted one of its nodes still holds it: keep it)
+            if not any(self._ref_v[n] for n in t.nodes):
+                self._cancel_deferred(t)
         self._pump_deferred()
 
     def block_table(self, request_id: Hashable) -> list[int]:
@@ -609,8 +610,8 @@ class PrefixCache:
         return dev_hits, host_hits
 
     def _cancel_deferred(self, t: _Task) -> None:
-        """A deferred swap-in nobody waits for any more: its nodes stay on the host (CPU) and
-        its device blocks, never taken, are not needed."""
+        """A deferred swap-in nobody waits for or holds any more: its nodes stay on the host
+        (CPU) and its device blocks, never taken, are not needed."""
         self._deferred.remove(t)
         self._deferred_need -= len(t.nodes)
         del self._tasks[t.task.task_id]

@@ -53,11 +53,11 @@ def _request(rng: random.Random, i: int, bs: int, device: int) -> Sequence:
 
 
 def _drive(seed: int, bs: int, device: int, host: int, storage: bool, seqs: int, batch: int,
-           n_req: int, p_done: float, p_fail: float, p_cancel: float) -> None:
+           n_req: int, p_done: float, p_fail: float, p_cancel: float, low_water: int | None = None) -> None:
     rng = random.Random(seed)
     store = _Store()
     cache = PrefixCache(bs, device, host, storage_lookup=store.lookup if storage else None,
-                        write_through=storage)
+                        write_through=storage, low_water=low_water)
     sched = Scheduler(cache, max_num_seqs=seqs, max_num_batched_tokens=batch)
     pending = [_request(rng, i, bs, device) for i in range(n_req)]
     arrivals = sorted(rng.randint(0, 3 * n_req) for _ in pending)
@@ -113,10 +113,10 @@ def _drive(seed: int, bs: int, device: int, host: int, storage: bool, seqs: int,
        host=st.sampled_from([0, 0, 4, 16]), storage=st.booleans(), seqs=st.integers(1, 8),
        batch=st.sampled_from([4, 16, 64]), n_req=st.integers(1, 10),
        p_done=st.sampled_from([0.2, 0.6, 1.0]), p_fail=st.sampled_from([0.0, 0.0, 0.2]),
-       p_cancel=st.sampled_from([0.0, 0.0, 0.02]))
+       p_cancel=st.sampled_from([0.0, 0.0, 0.02]), low_water=st.sampled_from([None, 0, 3]))
 def test_every_accepted_request_finishes(seed, bs, device, host, storage, seqs, batch, n_req,
-                                         p_done, p_fail, p_cancel):
-    _drive(seed, bs, device, host, storage, seqs, batch, n_req, p_done, p_fail, p_cancel)
+                                         p_done, p_fail, p_cancel, low_water):
+    _drive(seed, bs, device, host, storage, seqs, batch, n_req, p_done, p_fail, p_cancel, low_water)
 
 
 def test_long_decodes_that_fit_one_at_a_time_all_finish_together():
