@@ -32,7 +32,7 @@ from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from ipc.rank_group import RankGroup
 from runtime.config import NodeConfig
-from runtime.connectors import ConnectorContext, KVConnector, make_connector
+from runtime.connectors import ConnectorContext, KVConnector, connector_class
 from runtime.metrics import Metrics
 from runtime import api
 from runtime.intake import is_int, show, validate
@@ -91,8 +91,9 @@ class Engine:
         if self.cfg.needs_transfer:
             self.to_transfer = [Producer.attach(reg, P.to_transfer(r)) for r in range(tp)]
             inbound += [Consumer.attach(reg, P.from_transfer(r)) for r in range(tp)]
-        self.to_messagers: list[Producer] = []
-        if self.cfg.disaggregated:
+        kind = connector_class(self.cfg.role)
+        self.to_messagers: list[Producer] = []  # the connector's own ranks
+        if kind.has_ranks:
             self.to_messagers = [Producer.attach(reg, P.to_messager(r)) for r in range(tp)]
             inbound += [Consumer.attach(reg, P.from_messager(r)) for r in range(tp)]
         self.inbound = inbound
@@ -105,7 +106,7 @@ class Engine:
                                  storage_lookup=self.storage.lookup if self.storage is not None else None,
                                  write_through=self.storage is not None)
         self.sched = Scheduler(self.cache, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
-        self.connector = self.sched.connector = self._make_connector()
+        self.connector = self.sched.connector = self._make_connector(kind)
         self._cache_task_of: dict[int, int] = {}  # transfer task id -> prefix-cache task id
         self._step_answers: RankGroup[P.StepResult] | None = None  # answers to the step in flight
         self.server: ApiServer | None = None
@@ -120,14 +121,14 @@ class Engine:
                                P.StorageKeys: self._on_storage_keys}
         self.publish_stats()
 
-    def _make_connector(self) -> KVConnector:
+    def _make_connector(self, kind: type[KVConnector]) -> KVConnector:
         """The node's one KV connector; it sees the engine only through these callbacks."""
         ctx = ConnectorContext(
             cfg=self.cfg, stats=self.stats.array, sched=self.sched, block_table=self.cache.block_table,
             reply=self.reply, send_raw=self.server_send, finished=self.finished,
             count_finished=self.count_finished, count_failed=self.count_failed,
             accepting=lambda: self.accepting, to_ranks=self.to_messagers)
-        return make_connector(self.cfg.role, ctx)
+        return kind(ctx)
 
     def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:
         """KVRT_CHECK_OWNERSHIP=1: the shared owner arrays the launcher created for this check."""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ipc.rank_group import RankGroup
-from runtime.connectors import KVConnector, make_connector
+from runtime.connectors import KVConnector, connector_class
 from runtime.connectors.base import SchedulerHooks
 from runtime.connectors.decode import DecodeConnector
 from runtime.connectors.prefill import PrefillConnector
@@ -122,10 +122,11 @@ def test_without_a_connector_nothing_is_external():
 
 
 def test_one_factory_picks_the_connector_from_the_role():
-    assert type(make_connector("mixed", None)) is KVConnector
+    assert connector_class("mixed") is KVConnector and not KVConnector.has_ranks
+    assert connector_class("prefill") is PrefillConnector and connector_class("decode") is DecodeConnector
+    assert PrefillConnector.has_ranks and DecodeConnector.has_ranks
     with pytest.raises(ValueError, match="no KV connector for role 'storage'"):
-        make_connector("storage", None)
-    assert issubclass(PrefillConnector, KVConnector) and issubclass(DecodeConnector, KVConnector)
+        connector_class("storage")
 
 
 def _imports(path: pathlib.Path) -> set[str]:

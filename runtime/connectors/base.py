@@ -88,6 +88,8 @@ class KVConnector(SchedulerHooks):
     """The null connector (a mixed node): every KV is computed here, nothing leaves. Real
     connectors override the hooks they need; the defaults are what "nothing external" means."""
 
+    has_ranks = False  # True: it has processes of its own (cache-messager[r]) and rings to them
+
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
 

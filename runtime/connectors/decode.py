@@ -53,6 +53,8 @@ class _Peer:
 
 
 class DecodeConnector(KVConnector):
+    has_ranks = True  # cache-messager[r]: the P->D transport
+
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         self.lease_s = ctx.cfg.pd_timeout

@@ -75,6 +75,8 @@ class _Relay:
 
 
 class PrefillConnector(KVConnector):
+    has_ranks = True  # cache-messager[r]: the P->D transport
+
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         self.timeout = ctx.cfg.pd_timeout
