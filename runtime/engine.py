@@ -28,9 +28,9 @@ from ipc import protocol as P
 from ipc.errors import ChannelClosed, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
 from ipc.fanin import FanIn
 from ipc.member import Member
+from ipc.rank_group import RankGroup
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
-from ipc.rank_group import RankGroup
 from runtime.config import NodeConfig
 from runtime.connectors import ConnectorContext, KVConnector, connector_class
 from runtime.metrics import Metrics
