@@ -7,18 +7,29 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
+from ipc import protocol as P
+from ipc.member import Member
 from ipc.rank_group import RankGroup
+from runtime import api
+from runtime import engine as engine_mod
+from runtime.config import NodeConfig
 from runtime.connectors import KVConnector, connector_class
 from runtime.connectors.base import SchedulerHooks
 from runtime.connectors.decode import DecodeConnector
 from runtime.connectors.prefill import PrefillConnector
 from runtime.prefix_cache import PrefixCache
 from runtime.scheduler import Scheduler
+from runtime.node import Node
 from runtime.sequence import Sequence, SeqState
+from tests.conftest import REPO
+from workers.kv_pool import PoolMaker
 
 BS = 4
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -200,3 +211,77 @@ def test_a_rank_group_collects_one_answer_per_rank_before_its_deadline():
         g.add(3, "d")
     with pytest.raises(ValueError):
         RankGroup(0, 1.0)
+
+
+class HandOffEverything(KVConnector):
+    """A fake connector for a real engine: every request of more than one token is taken over
+    after its first token, 'sent' when the engine asks for this step's orders, then dropped."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.calls: list[tuple] = []
+        self._due: list[Sequence] = []
+
+    def on_request(self, client, req):
+        self.calls.append(("request", req.request_id))
+        return False
+
+    def takes_over(self, seq):
+        self.calls.append(("takes over", seq.request_id, seq.num_output))
+        if seq.max_new_tokens > 1:
+            self._due.append(seq)
+            return True
+        return False
+
+    def build_orders(self):
+        due, self._due = self._due, []
+        for seq in due:
+            self.calls.append(("sent", seq.request_id, len(self.ctx.block_table(seq.request_id))))
+            self.ctx.sched.drop(seq, "handoff")
+            self.ctx.finished(seq)
+
+    def request_finished(self, seq):
+        self.calls.append(("finished", seq.request_id, seq.finish_reason))
+
+
+def test_a_real_engine_calls_the_hooks_of_its_connector(node, monkeypatch):
+    """A node with a real worker process; the engine gets a fake connector from its one factory
+    and calls its hooks at the promised moments, never anything role-specific."""
+    monkeypatch.setattr(engine_mod, "connector_class", lambda role: HandOffEverything)
+    cfg = NodeConfig(node, tp=1, block_size=BS, num_gpu_blocks=16, num_cpu_blocks=0, rank_timeout=20,
+                     num_layers=2, num_kv_heads=2, head_dim=8).validate()
+    n = Node(cfg, PoolMaker(), progress=lambda m: None)
+    n.create_objects()
+    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--node", node, "--rank", "0"], cwd=REPO)
+    member = None
+    try:
+        member = Member.join(node, P.ROLE_ENGINE, 0)
+        eng = engine_mod.Engine(member)
+        fake = eng.connector
+        assert isinstance(fake, HandOffEverything) and eng.sched.connector is fake
+        deadline = time.monotonic() + 60
+        while not member.ready.array[P.slot_of(cfg.tp, P.ROLE_WORKER, 0)]:
+            assert time.monotonic() < deadline, "worker[0] did not get ready"
+            eng.step()
+        prompt = np.arange(1, 11, dtype=np.int32)
+        eng._on_generate(b"client", api.GenerateRequest("long", prompt, 5))
+        eng._on_generate(b"client", api.GenerateRequest("short", prompt + 1, 1))
+        while not eng.sched.idle:
+            assert time.monotonic() < deadline, "the requests did not end"
+            eng.step()
+        assert fake.calls[:2] == [("request", "long"), ("request", "short")]
+        assert ("takes over", "long", 0) not in fake.calls, "asked only once a token was sampled"
+        assert fake.calls.index(("takes over", "long", 1)) < fake.calls.index(("sent", "long", 3))
+        assert ("finished", "long", "handoff") in fake.calls and ("finished", "short", "length") in fake.calls
+        assert eng.cache.block_usage()["device_used"] == 0
+        assert eng.stats.array[P.STAT["finished_requests"]] == 2
+        eng.cache.check()
+        eng.shutdown(grace_s=5)
+        assert worker.wait(20) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        if member is not None:
+            member.leave()
+        n.unlink()
