@@ -138,6 +138,8 @@ def test_one_factory_picks_the_connector_from_the_role():
     assert PrefillConnector.has_ranks and DecodeConnector.has_ranks
     with pytest.raises(ValueError, match="no KV connector for role 'storage'"):
         connector_class("storage")
+    for role in ("mixed", "prefill", "decode"):  # the engine attaches the rings the launcher made
+        assert connector_class(role).has_ranks == NodeConfig("n", role=role).disaggregated, role
 
 
 def _imports(path: pathlib.Path) -> set[str]:

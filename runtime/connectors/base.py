@@ -1,8 +1,8 @@
 """The KV connector seam: where KV that is not computed here comes from, or where KV computed
 here goes, without the engine or the scheduler knowing which.
 
-The engine picks one connector for the node (`runtime.connectors.make_connector`) and calls
-only the hooks below; the scheduler calls the four marked "scheduler". A prefill node's
+The engine picks one connector for the node (`runtime.connectors.connector_class`) and calls
+only the hooks below; the scheduler calls the three marked "scheduler". A prefill node's
 connector sends each request's KV to a decode node, a decode node's receives it, a mixed node's
 does nothing; a shared store or layer-wise streaming would be one more connector.
 
@@ -17,9 +17,12 @@ Hooks (small on purpose; each says when it is called):
 - `request_finished(seq)`: a request ended here (finished, failed or cancelled);
 - `on_request`, `cancel`, `busy`, `requests`: client requests the connector holds outside the
   scheduler (a prefill node's request waits for the decode node's blocks there);
-- `on_peer_message`, `on_rank_message`, `deliver`: messages from the peer node, from the
-  connector's own ranks, and answers to requests a peer created;
-- `tick()`: periodic deadlines (leases, pings); `fail_all(why)` and `inflight` for stopping.
+- `on_peer_message`, `on_rank_message`, `deliver`, `is_peer_client`: messages from the peer
+  node, from the connector's own ranks, and answers to requests a peer created;
+- `tick()`: periodic deadlines (leases, pings); `fail_all(why)` and `inflight` for stopping;
+- `has_ranks` (a class attribute): the connector has processes of its own (cache-messager[r]),
+  whose rings the engine attaches and hands it as `ConnectorContext.to_ranks`; it must agree
+  with the rings the launcher creates (NodeConfig.disaggregated).
 """
 from __future__ import annotations
 
