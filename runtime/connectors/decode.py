@@ -247,8 +247,8 @@ class DecodeConnector(KVConnector):
                 self.ctx.sched.drop(seq, "lease expired")
                 self.ctx.count_failed()
                 self.ctx.reply(seq.client, api.ErrorEvent(rid, api.FAILED, f"decode node: lease expired after "
-                                                                         f"{self.lease_s:g}s waiting for {what} "
-                                                                         f"{self.owner.get(rid, ('', rid))[1]}"))
+                                                                           f"{self.lease_s:g}s waiting for {what} "
+                                                                           f"{self.owner.get(rid, ('', rid))[1]}"))
         for internal in [i for i in self.owner if i not in self.ctx.sched.seqs]:
             del self.owner[internal]
 

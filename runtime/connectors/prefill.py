@@ -215,7 +215,7 @@ class PrefillConnector(KVConnector):
             if p.asked:
                 self._send(api.PdAbort(request_id, "cancelled by the client"))
             self.ctx.reply(p.client, api.FinishedEvent(request_id, np.empty(0, np.int32), "cancelled",
-                                                     len(p.req.prompt)))
+                                                       len(p.req.prompt)))
             return True
         if request_id in self.relays:
             self._send(api.CancelRequest(request_id))
@@ -457,7 +457,7 @@ class PrefillConnector(KVConnector):
             r = self.relays.pop(rid)
             self.ctx.count_failed()
             self.ctx.reply(r.seq.client, api.ErrorEvent(rid, api.FAILED, f"the decode node stopped answering for "
-                                                                       f"{rid} ({self.timeout:g}s, --pd-timeout)"))
+                                                                         f"{rid} ({self.timeout:g}s, --pd-timeout)"))
 
     def fail_all(self, why: str) -> None:
         for p in list(self.pending.values()):
