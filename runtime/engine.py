@@ -8,6 +8,10 @@ The loop never blocks without a timeout: it waits on the fan-in for at most one 
 client I/O thread pokes it awake when requests arrive), then beats its heartbeat, expires
 tasks whose ranks went silent, and checks the node status word. One step is in flight at a
 time; the next is scheduled the moment every worker rank has answered.
+
+Where KV comes from or goes to besides this node's own compute (a decode or prefill peer, or
+nothing) is the KV connector's business (runtime/connectors/): the engine picks it once from
+the node's role and only calls its hooks.
 """
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ from ipc import protocol as P
 from ipc.errors import ChannelClosed, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
 from ipc.fanin import FanIn
 from ipc.member import Member
+from ipc.rank_group import RankGroup
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from runtime.config import NodeConfig
-from runtime.disagg import PEER_CLIENT, DecodeSide, PrefillSide
+from runtime.connectors import ConnectorContext, KVConnector, connector_class
 from runtime.metrics import Metrics
 from runtime import api
 from runtime.intake import is_int, show, validate
@@ -36,7 +41,7 @@ from runtime import prefix_cache as pc
 from runtime.prefix_cache import PrefixCache
 from runtime.scheduler import Scheduler, StepOutcome
 from runtime.sequence import Sequence
-from runtime.server import FRAMES, GONE, OVERFLOW, PEER, ApiServer, ClientNotice
+from runtime.server import FRAMES, GONE, OVERFLOW, ApiServer, ClientNotice
 from runtime.storage_index import StorageIndex
 from runtime.transfer import TaskResult, TransferClient
 
@@ -86,8 +91,9 @@ class Engine:
         if self.cfg.needs_transfer:
             self.to_transfer = [Producer.attach(reg, P.to_transfer(r)) for r in range(tp)]
             inbound += [Consumer.attach(reg, P.from_transfer(r)) for r in range(tp)]
-        self.to_messagers: list[Producer] = []
-        if self.cfg.disaggregated:
+        kind = connector_class(self.cfg.role)
+        self.to_messagers: list[Producer] = []  # the connector's own ranks
+        if kind.has_ranks:
             self.to_messagers = [Producer.attach(reg, P.to_messager(r)) for r in range(tp)]
             inbound += [Consumer.attach(reg, P.from_messager(r)) for r in range(tp)]
         self.inbound = inbound
@@ -100,16 +106,29 @@ class Engine:
                                  storage_lookup=self.storage.lookup if self.storage is not None else None,
                                  write_through=self.storage is not None)
         self.sched = Scheduler(self.cache, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
+        self.connector = self.sched.connector = self._make_connector(kind)
         self._cache_task_of: dict[int, int] = {}  # transfer task id -> prefix-cache task id
-        self._answers: dict[int, P.StepResult] = {}  # rank -> answer to the step in flight
-        self._step_deadline = 0.0
+        self._step_answers: RankGroup[P.StepResult] | None = None  # answers to the step in flight
         self.server: ApiServer | None = None
         self.accepting = True
         self._per_client: dict[bytes, int] = {}  # requests in flight per client (recounted every PROBE_S)
         self._next_probe = 0.0
-        self.prefill = PrefillSide(self) if self.cfg.role == "prefill" else None
-        self.decode = DecodeSide(self) if self.cfg.role == "decode" else None
+        self._client_handlers = {api.GenerateRequest: self._on_generate, api.CancelRequest: self._on_cancel,
+                                 api.InfoRequest: self._on_info, api.PdHello: self._not_a_peer_node,
+                                 api.PdSealed: self._not_a_peer_node}
+        self._client_handlers.update({t: self._outside_session for t in PEER_ONLY})
+        self._rank_handlers = {P.StepResult: self._on_step_result, P.TransferDone: self._on_transfer_done,
+                               P.StorageKeys: self._on_storage_keys}
         self.publish_stats()
+
+    def _make_connector(self, kind: type[KVConnector]) -> KVConnector:
+        """The node's one KV connector; it sees the engine only through these callbacks."""
+        ctx = ConnectorContext(
+            cfg=self.cfg, stats=self.stats.array, sched=self.sched, block_table=self.cache.block_table,
+            reply=self.reply, send_raw=self.server_send, finished=self.finished,
+            count_finished=self.count_finished, count_failed=self.count_failed,
+            accepting=lambda: self.accepting, to_ranks=self.to_messagers)
+        return kind(ctx)
 
     def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:
         """KVRT_CHECK_OWNERSHIP=1: the shared owner arrays the launcher created for this check."""
@@ -124,8 +143,7 @@ class Engine:
         if self.owners is None:
             return None
         dev, host = self.cache.block_roles()
-        if self.decode is not None:  # blocks a P node is writing into: the cache-messager's
-            dev[self.decode.remote_blocks()] = pc.ROLE_LOADING
+        dev[self.sched.incoming_blocks()] = pc.ROLE_LOADING  # written from outside: not ours to touch
         self.owners[0].sync(dev)
         if len(host):
             self.owners[1].sync(host)
@@ -156,19 +174,15 @@ class Engine:
 
     # ---- clients ----------------------------------------------------------------------------
     def reply(self, client: bytes, msg, keep: bool = False) -> None:
-        if self.decode is not None and client.startswith(PEER_CLIENT):
-            self.decode.deliver(client, msg)  # a prefill peer's request: sealed, under its own id
-        elif self.server is not None and client:
+        if self.connector.deliver(client, msg):
+            return  # a peer's request: the connector answers the peer
+        if self.server is not None and client:
             self.server.send(client, api.API.encode(msg), keep)
 
     def server_send(self, client: bytes, msg) -> None:
-        """`msg` to a client socket as it is (the PD sides' sealed and handshake messages)."""
+        """`msg` to a client socket as it is (a connector's sealed and handshake messages)."""
         if self.server is not None:
             self.server.send(client, api.API.encode(msg))
-
-    def reply_peer(self, msg) -> None:
-        """To the decode node (prefill role only)."""
-        self.server_send(PEER, msg)
 
     def count_finished(self, seq: Sequence) -> None:
         s = self.stats.array
@@ -196,31 +210,33 @@ class Engine:
                 self.stats.array[P.STAT["protocol_errors"]] += 1
                 self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"malformed message: {str(e)[:200]}"))
                 continue
-            if client == PEER and self.prefill is not None:
-                self.prefill.on_peer(msg)
-            elif isinstance(msg, (api.PdHello, api.PdSealed)):
-                self._on_pd(client, msg)
-            elif isinstance(msg, PEER_ONLY):  # a peer message outside a session: refused
-                self.stats.array[P.STAT["pd_refused"]] += 1
-                log.warning("unauthenticated %s refused", type(msg).__name__)
-                self.reply(client, api.ErrorEvent(str(getattr(msg, "request_id", "")), api.BAD_REQUEST,
-                                                  f"{type(msg).__name__} must come inside an authenticated "
-                                                  f"peer session (PdHello, then PdSealed)"))
-            elif isinstance(msg, api.GenerateRequest):
-                self._on_generate(client, msg)
-            elif isinstance(msg, api.CancelRequest):
-                self._on_cancel(client, msg)
-            elif isinstance(msg, api.InfoRequest):
-                if not is_int(msg.nonce):
-                    self.reply(client, api.ErrorEvent("", api.BAD_REQUEST,
-                                                      f"nonce must be an integer, got {show(msg.nonce)}"))
-                    continue
-                c = self.cfg
-                self.reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len,
-                                                  c.block_size, -1))
-            else:
-                self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"{type(msg).__name__} is not a request"))
+            if not self.connector.on_peer_message(client, msg):
+                self._client_handlers.get(type(msg), self._not_a_request)(client, msg)
         self._probe_clients()
+
+    def _not_a_request(self, client: bytes, msg) -> None:
+        self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"{type(msg).__name__} is not a request"))
+
+    def _not_a_peer_node(self, client: bytes, msg) -> None:
+        """A peer handshake to a node whose connector takes no peers."""
+        self.stats.array[P.STAT["pd_refused"]] += 1
+        self.reply(client, api.ErrorEvent("", api.BAD_REQUEST,
+                                          f"node {self.cfg.node} is not a decode node (role {self.cfg.role})"))
+
+    def _outside_session(self, client: bytes, msg) -> None:
+        """A peer message outside an authenticated session: refused."""
+        self.stats.array[P.STAT["pd_refused"]] += 1
+        log.warning("unauthenticated %s refused", type(msg).__name__)
+        self.reply(client, api.ErrorEvent(str(getattr(msg, "request_id", "")), api.BAD_REQUEST,
+                                          f"{type(msg).__name__} must come inside an authenticated "
+                                          f"peer session (PdHello, then PdSealed)"))
+
+    def _on_info(self, client: bytes, msg: api.InfoRequest) -> None:
+        if not is_int(msg.nonce):
+            self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"nonce must be an integer, got {show(msg.nonce)}"))
+            return
+        c = self.cfg
+        self.reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len, c.block_size, -1))
 
     def _on_notice(self, n: ClientNotice) -> None:
         if n.kind == FRAMES:
@@ -236,28 +252,21 @@ class Engine:
     def _requests_of(self, client: bytes) -> list[str]:
         """Ids of the requests in flight that `client` submitted (one scan: used on rare events)."""
         rids = [rid for rid, seq in self.sched.seqs.items() if seq.client == client]
-        if self.prefill is not None:
-            rids += [rid for rid, p in self.prefill.pending.items() if p.client == client]
-            rids += [rid for rid, r in self.prefill.relays.items() if r.seq.client == client]
+        rids += [rid for rid, c in self.connector.requests() if c == client]
         return list(dict.fromkeys(rids))
 
     def _owner_of(self, rid: str) -> bytes | None:
         """The client that submitted request `rid`, or None if it is not in flight."""
         if (seq := self.sched.seqs.get(rid)) is not None:
             return seq.client
-        if self.prefill is not None:
-            if (p := self.prefill.pending.get(rid)) is not None:
-                return p.client
-            if (r := self.prefill.relays.get(rid)) is not None:
-                return r.seq.client
-        return None
+        return next((c for r, c in self.connector.requests() if r == rid), None)
 
     def _end_client(self, client: bytes, why: str) -> None:
         """Cancel every request of a client that is gone (`why` empty) or does not read (`why`
-        goes to it with each request, kept until it reads). A decode node's blocks held for a
-        prefill node stay until kv-ready or their lease: the prefill node may be writing them."""
+        goes to it with each request, kept until it reads). Blocks held for external KV stay
+        until it arrives or the connector gives up: it may be being written into them."""
         seqs = self.sched.seqs
-        rids = [rid for rid in self._requests_of(client) if rid not in self.sched.remote_ids
+        rids = [rid for rid in self._requests_of(client) if rid not in self.sched.external_ids
                 and not (rid in seqs and seqs[rid].cancelled)]  # (those end with the step in flight)
         for rid in rids:
             if why:
@@ -276,25 +285,13 @@ class Engine:
             return
         self._next_probe = now + PROBE_S
         owners = [seq.client for seq in self.sched.seqs.values()]
-        if self.prefill is not None:
-            owners += [p.client for p in self.prefill.pending.values()]
-            owners += [r.seq.client for r in self.prefill.relays.values()]
+        owners += [c for _, c in self.connector.requests()]
         self._per_client = {}
         for c in owners:
             self._per_client[c] = self._per_client.get(c, 0) + 1
         for c in self._per_client:
-            if c and c != PEER and not c.startswith(PEER_CLIENT):  # a peer's requests: its session's
+            if c and not self.connector.is_peer_client(c):  # a peer's requests: its session's
                 self.server.probe(c)
-
-    def _on_pd(self, client: bytes, msg) -> None:
-        if self.decode is None:
-            self.stats.array[P.STAT["pd_refused"]] += 1
-            self.reply(client, api.ErrorEvent("", api.BAD_REQUEST,
-                                              f"node {self.cfg.node} is not a decode node (role {self.cfg.role})"))
-        elif isinstance(msg, api.PdHello):
-            self.decode.on_peer_hello(client, msg)
-        else:
-            self.decode.on_sealed(client, msg, self.accepting)
 
     def _on_generate(self, client: bytes, req: api.GenerateRequest) -> None:
         rid = req.request_id
@@ -305,7 +302,7 @@ class Engine:
         if not self.accepting:
             self.reply(client, api.ErrorEvent(rid, api.STOPPING, "the node is stopping and takes no new requests"))
             return
-        if rid in self.sched.seqs or (self.prefill is not None and self.prefill.busy(rid)):
+        if rid in self.sched.seqs or self.connector.busy(rid):
             self.reply(client, api.ErrorEvent(rid, api.DUPLICATE, f"request id {rid!r} is already in flight"))
             return
         if self._per_client.get(client, 0) >= api.MAX_REQUESTS_PER_CLIENT:
@@ -315,8 +312,7 @@ class Engine:
                                                   f"{api.MAX_REQUESTS_PER_CLIENT} requests in flight"))
                 return
         self._per_client[client] = self._per_client.get(client, 0) + 1
-        if self.prefill is not None and req.max_new_tokens > 1:
-            self.prefill.on_generate(client, req)
+        if self.connector.on_request(client, req):
             return
         self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size, self.cfg.key_root,
                                     client=client,
@@ -334,7 +330,7 @@ class Engine:
 
     def _cancel(self, client: bytes, rid: str) -> None:
         """Cancel `client`'s request `rid` (in flight: checked by the caller)."""
-        if self.prefill is not None and self.prefill.on_cancel(client, rid):
+        if self.connector.cancel(client, rid):
             return
         seq = self.sched.cancel(rid)
         if seq is not None:
@@ -343,8 +339,7 @@ class Engine:
     def finished(self, seq: Sequence) -> None:
         now = time.monotonic()
         self.count_finished(seq)
-        if self.prefill is not None:
-            self.prefill.ended_here(seq.request_id)
+        self.connector.request_finished(seq)
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
         if seq.first_token_at:
             self.metrics.ttft_seconds.observe(ttft / 1e3)
@@ -361,12 +356,9 @@ class Engine:
         for seq in out.finished:
             self.finished(seq)
         for seq, why in out.failed:
-            if self.prefill is not None:
-                self.prefill.ended_here(seq.request_id)
+            self.connector.request_finished(seq)
             self.count_failed()
             self.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
-        for seq in out.handoff:
-            self.prefill.start_send(seq)
 
     # ---- steps ------------------------------------------------------------------------------
     def _launch_step(self) -> None:
@@ -389,30 +381,29 @@ class Engine:
         data = P.PROTOCOL.encode(batch)
         for ring in self.to_workers:
             ring.put(data, self.cfg.rank_timeout)
-        self._answers.clear()
-        self._step_deadline = time.monotonic() + self.cfg.rank_timeout
+        self._step_answers = RankGroup.within(self.cfg.tp, self.cfg.rank_timeout)
         self.stats.array[P.STAT["steps"]] += 1
 
     def _on_step_result(self, res: P.StepResult) -> None:
-        step = self.sched.inflight
-        if step is None or res.step_id != step.step_id:
+        step, answers = self.sched.inflight, self._step_answers
+        if step is None or answers is None or res.step_id != step.step_id or not 0 <= res.rank < answers.size:
             log.warning("answer to step %d from worker[%d] for no step in flight", res.step_id, res.rank)
             return
-        self._answers[res.rank] = res
-        if len(self._answers) < self.cfg.tp:
+        if not answers.add(res.rank, res):
             return
-        errors = [a.error for a in self._answers.values() if a.error]
+        self._step_answers = None
+        errors = [a.error for a in answers.answers if a.error]
         if errors:
             self._apply(self.sched.fail_step(step, "; ".join(errors)))
         else:
-            self._apply(self.sched.finish_step(step, self._answers[0].tokens))
+            self._apply(self.sched.finish_step(step, answers.answers[0].tokens))
 
     def _check_step_deadline(self) -> None:
-        step = self.sched.inflight
-        if step is None or time.monotonic() < self._step_deadline:
+        step, answers = self.sched.inflight, self._step_answers
+        if step is None or answers is None or not answers.expired():
             return
-        missing = sorted(set(range(self.cfg.tp)) - set(self._answers))
-        why = f"worker rank(s) {missing} did not answer step {step.step_id} within {self.cfg.rank_timeout:.3g}s"
+        why = (f"worker rank(s) {answers.missing()} did not answer step {step.step_id} "
+               f"within {self.cfg.rank_timeout:.3g}s")
         for seq in step.seqs:
             self.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
         raise StepTimeout(why)
@@ -425,23 +416,24 @@ class Engine:
             ring.report_protocol_error(log, e)
             self.stats.array[P.STAT["protocol_errors"]] += 1
             return
-        if isinstance(msg, P.StepResult):
-            self._on_step_result(msg)
-        elif isinstance(msg, P.SendDone) and self.prefill is not None:
-            self.prefill.on_send_done(msg)
-        elif isinstance(msg, P.MessagerHello):
-            if self.decode is not None:
-                self.decode.on_hello(msg)
-        elif isinstance(msg, P.StorageKeys) and self.storage is not None:
-            self.storage.listed(msg.rank, msg.keys, msg.last)
-            if self.storage.ready:
-                log.info("storage tier %s: %d blocks on every rank", self.cfg.storage, len(self.storage))
-        elif isinstance(msg, P.TransferDone):
-            result = self.transfer.on_answer(msg)
-            if result is not None:
-                self._on_task_result(result)
-        else:
+        handler = self._rank_handlers.get(type(msg))
+        if handler is not None:
+            handler(msg)
+        elif not self.connector.on_rank_message(msg):
             log.warning("unexpected %s on %s", type(msg).__name__, ring.name)
+
+    def _on_storage_keys(self, msg: P.StorageKeys) -> None:
+        if self.storage is None:
+            log.warning("storage listing from cache-transfer[%d] on a node without storage", msg.rank)
+            return
+        self.storage.listed(msg.rank, msg.keys, msg.last)
+        if self.storage.ready:
+            log.info("storage tier %s: %d blocks on every rank", self.cfg.storage, len(self.storage))
+
+    def _on_transfer_done(self, msg: P.TransferDone) -> None:
+        result = self.transfer.on_answer(msg)
+        if result is not None:
+            self._on_task_result(result)
 
     def _on_task_result(self, result: TaskResult) -> None:
         s = self.stats.array
@@ -492,28 +484,47 @@ class Engine:
                 self.server.close()
 
     def step(self) -> None:
+        """One turn of the loop: intake, schedule, run, apply (then deadlines and counters)."""
         self.member.beat()
         self._intake()
-        if self.decode is not None:
-            self.decode.pump()  # answer P as soon as blocks are held, before any wait
+        self._schedule()
+        self._apply_answers(self._run())
+        self._housekeep()
+
+    def _schedule(self) -> None:
+        """Hold blocks for external KV (its source learns them before any wait), then launch
+        the next step if none is in flight (requests wait for the storage listing: it can only
+        hit more)."""
+        self.sched.admit_external()
         if self.sched.inflight is None and (self.storage is None or self.storage.ready):
-            self._launch_step()  # (requests wait for the storage listing: it can only hit more)
+            self._launch_step()
+
+    def _run(self) -> list[tuple[int, bytes]]:
+        """The ranks work: wait at most one tick for their answers; every answer there is."""
+        got: list[tuple[int, bytes]] = []
         try:
-            got = self.fan.get(TICK_S)
-            if got is not None:
-                self._on_record(got[1], self.inbound[got[0]])
-                for idx, rec in iter(self.fan.try_get, None):
-                    self._on_record(rec, self.inbound[idx])
+            first = self.fan.get(TICK_S)
+            if first is not None:
+                got.append(first)
+                got.extend(iter(self.fan.try_get, None))
         except WaitTimeout:
             pass
         except PeerDead as e:
             log.error("%s", e)  # the launcher notices the death too and stops the node
+        return got
+
+    def _apply_answers(self, records: list[tuple[int, bytes]]) -> None:
+        """Each answer to its handler; then the transfer orders the applied steps made due."""
+        for idx, rec in records:
+            self._on_record(rec, self.inbound[idx])
+        self.connector.build_orders()
+
+    def _housekeep(self) -> None:
+        """Deadlines (tasks, connector, the step in flight), cache tasks, counters."""
         for result in self.transfer.expire():
             self._on_task_result(result)
-        if self.prefill is not None:
-            self.prefill.expire()
-        if self.decode is not None:
-            self.decode.pump()
+        self.sched.admit_external()
+        self.connector.tick()
         self._check_step_deadline()
         self.issue_cache_tasks()
         self.publish_stats()
@@ -523,11 +534,10 @@ class Engine:
         SIGTERM), fail what is left, then tell every child to exit."""
         self.accepting = False
         deadline = time.monotonic() + grace_s
-        while (self.transfer.inflight or not self.sched.idle or (self.prefill and self.prefill.sends)) \
+        while (self.transfer.inflight or not self.sched.idle or self.connector.inflight) \
                 and time.monotonic() < deadline and not self.stop.signal:
             self.step()
-        if self.prefill is not None:
-            self.prefill.fail_all("the prefill node is stopping")
+        self.connector.fail_all(f"node {self.cfg.node} is stopping")
         for result in self.transfer.expire(now=float("inf")):
             self._on_task_result(result)
         failure = self.member.node_failure()
@@ -556,10 +566,9 @@ class Engine:
         return 0
 
     def fail_all(self, why: str) -> None:
-        """An error event for every request in flight (a prefill node's handoffs included)."""
+        """An error event for every request in flight (the connector's included)."""
         self.accepting = False
-        if self.prefill is not None:
-            self.prefill.fail_all(why)
+        self.connector.fail_all(why)
         for seq in list(self.sched.seqs.values()):
             self.count_failed()
             self.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))

@@ -22,12 +22,14 @@ sequences hold no blocks; loading ones are preempted before running ones and whe
 swap-ins can get no room otherwise; running sequences are preempted newest first, so the
 oldest always progresses.
 
-Disaggregation adds two life cycles. On a prefill node a request marked `handoff` leaves the
-running set after its first token, holding its blocks (SENDING) until the engine has written
-them into the decode node. On a decode node a request first only holds blocks for its prompt
-(`reserve`, matched against the local prefix cache so only missing blocks travel), stays
-REMOTE while P writes them, and joins the running set at `resume_remote`, when its received
-blocks are recorded in the prefix cache (not before: their KV did not exist here until then).
+KV from or to outside (a KV connector, runtime/connectors/) adds two life cycles, and the
+scheduler knows only the connector's hooks, never who is on the other side. A request whose
+tokens an external source supplies asynchronously (`get_num_new_matched_tokens`) waits in its
+own queue to hold blocks for them (matched against the local prefix cache first, so only
+missing blocks travel), then stays EXTERNAL while they are written and joins the running set
+at `external_kv_arrived`, when its received blocks are recorded in the prefix cache (not
+before: their KV did not exist here until then). A request the connector `takes_over` after a
+token leaves the running set holding its blocks (EXTERNAL) until the connector drops it.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .connectors.base import SchedulerHooks
 from .prefix_cache import PrefixCache, TaskOutcome
 from .sequence import Sequence, SeqState
 
@@ -63,20 +66,21 @@ class StepOutcome:
     emitted: list[tuple[Sequence, int]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
-    handoff: list[Sequence] = field(default_factory=list)  # P: prefilled, to send to D
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 connector: SchedulerHooks | None = None):
         self.cache = cache
+        self.connector = connector if connector is not None else SchedulerHooks()
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}
-        self.reserving: deque[Sequence] = deque()  # D: waiting for blocks to hold
-        self.remote_ids: set[str] = set()  # D: requests held for a P node, until resumed
+        self.reserving: deque[Sequence] = deque()  # waiting for blocks to hold for external KV
+        self.external_ids: dict[str, int] = {}  # request -> tokens an external source supplies, until they arrived
         self.seqs: dict[str, Sequence] = {}
         self.inflight: Step | None = None
         self._step_ids = itertools.count(1)
@@ -87,15 +91,20 @@ class Scheduler:
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already in flight")
         self.seqs[seq.request_id] = seq
-        self.waiting.append(seq)
+        external, load_async = self.connector.get_num_new_matched_tokens(seq)
+        if external > 0 and load_async:
+            self.external_ids[seq.request_id] = min(external, seq.num_tokens)
+            self.reserving.append(seq)
+        else:
+            self.waiting.append(seq)
 
     def cancel(self, request_id: str) -> Sequence | None:
         """Cancel a request: returns it finished now, or None when it is in the step in flight
         (it finishes, cancelled, when that step ends). KeyError if unknown."""
         seq = self.seqs[request_id]
         seq.cancelled = True
-        if (self.inflight is not None and seq in self.inflight.seqs) or seq.state is SeqState.SENDING:
-            return None
+        if (self.inflight is not None and seq in self.inflight.seqs) or seq.state is SeqState.EXTERNAL:
+            return None  # (an external transfer uses its blocks: the connector ends it)
         self._finish(seq, "cancelled")
         return seq
 
@@ -212,9 +221,9 @@ class Scheduler:
         if seq.state is SeqState.LOADING:
             log.debug("%s stops loading to free device blocks", seq.request_id)
             del self.loading[seq.request_id]
-            if seq.request_id in self.remote_ids:  # D: back to waiting for blocks to hold
+            if seq.request_id in self.external_ids:  # back to waiting for blocks to hold
                 self._unmatch(seq)
-                seq.state = SeqState.RESERVING
+                seq.state = SeqState.WAITING
                 self.reserving.appendleft(seq)
             else:
                 self._requeue(seq)
@@ -249,26 +258,17 @@ class Scheduler:
             if seq.done():
                 self._finish(seq, seq.finish_reason)
                 out.finished.append(seq)
-            elif seq.handoff and seq.num_output:
+            elif seq.num_output and self.connector.takes_over(seq):
                 self.running.remove(seq)
-                seq.state = SeqState.SENDING
-                out.handoff.append(seq)
+                seq.state = SeqState.EXTERNAL
         return out
 
-    # ---- the decode side of a handoff -------------------------------------------------------
-    def reserve(self, seq: Sequence) -> None:
-        """D: hold blocks for `seq`'s prompt as soon as they can be had (see `take_reserved`)."""
-        if seq.request_id in self.seqs:
-            raise ValueError(f"request id {seq.request_id!r} is already in flight")
-        self.seqs[seq.request_id] = seq
-        self.remote_ids.add(seq.request_id)
-        seq.state = SeqState.RESERVING
-        self.reserving.append(seq)
-
-    def take_reserved(self) -> list[Sequence]:
-        """D: sequences that now hold blocks for their whole prompt, in arrival order (REMOTE).
-        Like a waiting sequence, one is matched only when it is next in line and gives its
-        match back when the blocks for the rest cannot be had yet."""
+    # ---- KV from outside ----------------------------------------------------------------------
+    def admit_external(self) -> list[Sequence]:
+        """Sequences whose external tokens now have blocks, in arrival order (EXTERNAL; the
+        connector is told through `update_state_after_alloc`). Like a waiting sequence, one is
+        matched only when it is next in line and gives its match back when the blocks for the
+        rest cannot be had yet."""
         out = []
         while self.reserving:
             seq = self.reserving[0]
@@ -278,20 +278,22 @@ class Scheduler:
                     self.reserving.popleft()
                     self.loading[seq.request_id] = seq
                     continue
-                seq.state = SeqState.RESERVING
-            if self.cache.allocate(seq.request_id, seq.prompt_len) is None:
+            tokens = self.external_ids[seq.request_id]
+            if self.cache.allocate(seq.request_id, tokens) is None:
                 self._unmatch(seq)
                 break
             self.reserving.popleft()
-            seq.state = SeqState.REMOTE
+            seq.state = SeqState.EXTERNAL
             out.append(seq)
+            self.connector.update_state_after_alloc(
+                seq, self.cache.block_table(seq.request_id)[:-(-tokens // self.block_size)])
         return out
 
-    def resume_remote(self, seq: Sequence, first_token: int) -> bool:
-        """D: P wrote the prompt's KV and sampled `first_token`: record the received blocks and
-        decode from here. False if the request is already done (then it is finished)."""
-        self.remote_ids.discard(seq.request_id)
-        seq.num_computed = seq.prompt_len
+    def external_kv_arrived(self, seq: Sequence, first_token: int) -> bool:
+        """The external tokens' KV is written and `first_token` was sampled from it: record the
+        received blocks and decode from here. False if the request is already done (then it is
+        finished)."""
+        seq.num_computed = self.external_ids.pop(seq.request_id)
         seq.append(first_token)
         self.cache.update(seq.request_id, seq.num_computed, seq.keys)
         if seq.done():
@@ -301,8 +303,19 @@ class Scheduler:
         self.running.append(seq)
         return True
 
+    def incoming_blocks(self) -> list[int]:
+        """Blocks being written from outside (held for external tokens that are not here yet):
+        nobody here may read or write them."""
+        out: list[int] = []
+        bs = self.block_size
+        for rid, tokens in self.external_ids.items():
+            seq = self.seqs[rid]
+            if seq.state is SeqState.EXTERNAL:
+                out += self.cache.block_table(rid)[seq.num_computed // bs:-(-tokens // bs)]
+        return out
+
     def drop(self, seq: Sequence, reason: str) -> None:
-        """Finish a sequence outside a step (handed off, aborted, lease expired)."""
+        """Finish a sequence outside a step (its KV went elsewhere, or never came)."""
         self._finish(seq, reason)
 
     def fail_step(self, step: Step, reason: str) -> StepOutcome:
@@ -325,8 +338,8 @@ class Scheduler:
             if not seq.rematched:  # a short storage read of the first match served fewer tokens
                 device, host, _ = seq.cached
                 seq.cached = (device, host, max(0, tokens - device - host))
-            if rid in self.remote_ids:
-                seq.state = SeqState.RESERVING  # D: the local prefix is in place; now hold the rest
+            if rid in self.external_ids:
+                seq.state = SeqState.WAITING  # the local prefix is in place; now hold the rest
                 self.reserving.appendleft(seq)
                 continue
             seq.state = SeqState.WAITING
@@ -337,9 +350,9 @@ class Scheduler:
                 continue
             log.warning("%s lost its cached prefix (%s task failed); recomputing it",
                         rid, outcome.task.kind.value)
-            if rid in self.remote_ids:
-                self._unmatch(seq)  # D: match again (what is left), then hold blocks
-                seq.state = SeqState.RESERVING
+            if rid in self.external_ids:
+                self._unmatch(seq)  # match again (what is left), then hold blocks
+                seq.state = SeqState.WAITING
                 self.reserving.appendleft(seq)
                 continue
             self._requeue(seq)
@@ -349,10 +362,10 @@ class Scheduler:
         state, seq.state = seq.state, SeqState.FINISHED
         seq.finish_reason = seq.finish_reason or reason
         self.seqs.pop(seq.request_id, None)
-        self.remote_ids.discard(seq.request_id)
+        external = self.external_ids.pop(seq.request_id, None) is not None
         self.loading.pop(seq.request_id, None)
-        queue = {SeqState.RUNNING: self.running, SeqState.WAITING: self.waiting,
-                 SeqState.RESERVING: self.reserving}.get(state)
+        queue = {SeqState.RUNNING: self.running,
+                 SeqState.WAITING: self.reserving if external else self.waiting}.get(state)
         if queue is not None:
             queue.remove(seq)
         if seq.matched:

@@ -19,9 +19,7 @@ class SeqState(enum.Enum):
     WAITING = "waiting"    # not admitted, or preempted and queued again
     LOADING = "loading"    # admitted; its cached prefix is still being swapped in or read
     RUNNING = "running"    # prefilling in chunks, then decoding
-    SENDING = "sending"    # P: prefilled; its blocks are being written into the D node
-    RESERVING = "reserving"  # D: waiting for blocks to hold for a P node's request
-    REMOTE = "remote"      # D: blocks held under a lease while P writes their KV
+    EXTERNAL = "external"  # holds its blocks while a connector moves their KV in or out
     FINISHED = "finished"
 
 
@@ -49,8 +47,6 @@ class Sequence:
     preemptions: int = 0
     finish_reason: str = ""
     cancelled: bool = False
-    handoff: bool = False            # P: stop after the first token and hand the KV to D
-    remote: object = None            # P: D's PdAllocated answer; D: the lease deadline
 
     @classmethod
     def new(cls, request_id: str, prompt: np.ndarray, max_new_tokens: int, block_size: int,

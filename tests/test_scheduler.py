@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.connectors.base import SchedulerHooks
 from runtime.prefix_cache import PrefixCache
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, SeqState
@@ -75,21 +76,28 @@ def test_cancel_in_every_state_releases_everything():
     cache.check()
 
 
+class PromptFromOutside(SchedulerHooks):
+    """A connector whose source supplies every prompt (a decode node's)."""
+
+    def get_num_new_matched_tokens(self, seq: Sequence) -> tuple[int, bool]:
+        return seq.prompt_len, True
+
+
 def test_decode_side_holds_blocks_then_resumes_and_records():
     cache = PrefixCache(BS, 32)
-    s = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=64)
+    s = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=64, connector=PromptFromOutside())
     d = seq("d", 18)
-    s.reserve(d)
-    [held] = s.take_reserved()
-    assert held is d and d.state is SeqState.REMOTE and len(cache.block_table("d")) == 5
+    s.add(d)
+    [held] = s.admit_external()
+    assert held is d and d.state is SeqState.EXTERNAL and len(cache.block_table("d")) == 5
     assert cache.lookup(d.keys) == 0, "nothing is matchable before the KV arrived"
-    assert s.resume_remote(d, 7)
+    assert s.external_kv_arrived(d, 7)
     assert cache.lookup(d.keys) == 4, "received full blocks are recorded at kv-ready"
     drain(s)
     assert d.finish_reason == "length" and d.output.tolist()[0] == 7
     again = seq("again", 18)
-    s.reserve(again)  # the same prompt: D's own cache now serves its full blocks
-    assert s.take_reserved() == [again] and again.num_computed == 16
+    s.add(again)  # the same prompt: D's own cache now serves its full blocks
+    assert s.admit_external() == [again] and again.num_computed == 16
     s.drop(again, "aborted")
     assert cache.block_usage()["device_used"] == 0
     cache.check()
