@@ -100,7 +100,6 @@ class Engine:
                                  storage_lookup=self.storage.lookup if self.storage is not None else None,
                                  write_through=self.storage is not None)
         self.sched = Scheduler(self.cache, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
-        self._cache_task_of: dict[int, int] = {}  # transfer task id -> prefix-cache task id
         self._answers: dict[int, P.StepResult] = {}  # rank -> answer to the step in flight
         self._step_deadline = 0.0
         self.server: ApiServer | None = None
@@ -147,8 +146,7 @@ class Engine:
         """Send the swap/storage tasks the prefix cache asked for to every cache-transfer rank."""
         self._sync_owners()
         for t in self.cache.take_tasks():
-            tid = self.transfer.submit(t.kind.value, t.device_blocks, t.host_blocks, t.keys)
-            self._cache_task_of[tid] = t.task_id
+            self.transfer.submit(t)
 
     def ring_stats(self) -> dict[str, dict]:
         return {r.name.split(".", 2)[2]: r.stats()
@@ -456,9 +454,7 @@ class Engine:
                 self.storage.add(task.keys)
             elif task.kind == P.STORAGE2GPU:
                 self.storage.forget(task.keys[result.blocks if result.ok else 0:])  # missing or corrupt
-        cache_id = self._cache_task_of.pop(result.task.task_id, None)
-        if cache_id is not None:
-            self.sched.on_task_outcome(self.cache.apply_task_result(cache_id, result.ok, result.blocks))
+        self.sched.on_task_outcome(self.cache.apply_task_result(result.task.task_id, result.ok, result.blocks))
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> int:

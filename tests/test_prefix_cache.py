@@ -6,7 +6,7 @@ import pytest
 
 from runtime.hashing import BlockHasher
 from runtime.lru import EvictionQueue
-from runtime.prefix_cache import CacheStatus, PrefixCache, TaskKind
+from runtime.prefix_cache import PrefixCache, TaskKind
 from runtime.trace import expand_tokens, load_trace, default_trace_path
 
 BS = 4
@@ -432,60 +432,6 @@ def test_write_through_pins_blocks_until_written():
     c.release("b")
     assert c.metrics.storage_write_blocks == 3
     c.check()
-
-
-# ---- reset -----------------------------------------------------------------------------------
-def test_clear_waits_for_tasks_then_drops_everything():
-    c = host_cache()
-    a = toks(0, 3 * BS + 1)
-    run(c, "a", a)
-    run(c, "live", toks(300, BS + 1), release=False)
-    c.match("b", [], 4 * BS)
-    c.allocate("b", 4 * BS)  # a swap-out in flight
-    (t,) = c.take_tasks()
-    assert c.clear() is CacheStatus.CLEARING
-    assert c.match("c", keys(a), len(a)).cached_tokens == 0  # nothing matches while clearing
-    c.apply_task_result(t.task_id, True)
-    assert c.status is CacheStatus.CLEARED
-    assert c.lookup(keys(a)) == 0 and c.snapshot()["nodes"] == 0
-    c.check()
-    with pytest.raises(RuntimeError):
-        c.finish_update()
-    c.begin_update()
-    assert c.status is CacheStatus.UPDATING
-    c.finish_update()
-    assert c.status is CacheStatus.NORMAL
-    c.update("live", BS + 1)  # computed under the old weights: never cached
-    for rid in ("live", "b", "c"):
-        c.release(rid)
-    u = usage(c)
-    assert u["device_free"] == 6 and u["host_free"] == 8
-    run(c, "a2", a)
-    assert c.lookup(keys(a)) == 3
-
-
-def test_clear_waits_for_a_deferred_swap_in():
-    c = host_cache(device=6, host=8)
-    a = toks(0, 3 * BS + 1)
-    run(c, "a", a)
-    run(c, "x", toks(500, 5 * BS + 1))
-    c.match("a2", keys(a), len(a))  # deferred behind the swap-out of x
-    (out,) = c.take_tasks()
-    assert c.clear() is CacheStatus.CLEARING
-    c.apply_task_result(out.task_id, True)
-    assert c.status is CacheStatus.CLEARING  # the swap-in is issued now and still in flight
-    (inn,) = c.take_tasks()
-    assert c.apply_task_result(inn.task_id, True).ready == {"a2": 3 * BS}
-    assert c.status is CacheStatus.CLEARED
-    c.release("a2")
-    u = usage(c)
-    assert u["device_free"] == 6 and u["host_free"] == 8
-
-
-def test_clear_with_nothing_in_flight_is_immediate():
-    c = PrefixCache(BS, 8)
-    run(c, "a", toks(0, 2 * BS))
-    assert c.clear() is CacheStatus.CLEARED and usage(c)["device_free"] == 8
 
 
 # ---- node ids, queue, metrics, errors --------------------------------------------------------
