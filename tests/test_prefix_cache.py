@@ -159,6 +159,53 @@ def test_eviction_is_lru_tail_first_and_cascades():
     assert c.lookup(ka) == 0 and c.lookup(keys(b)) == 3
 
 
+class MostRecentFirst:
+    """An alternative eviction policy (most recently released first), to show the policy is one
+    class passed to the cache. O(n) per call: for this test only."""
+
+    def __init__(self, capacity: int):
+        self.order: list[int] = []  # the next victim at the end
+
+    def __contains__(self, n: int) -> bool:
+        return n in self.order
+
+    def push(self, nodes: np.ndarray) -> None:
+        self.discard(nodes)
+        self.order += nodes.tolist()
+
+    def push_front(self, n: int) -> None:
+        self.order.append(n)
+
+    def discard(self, nodes: np.ndarray) -> None:
+        gone = set(np.asarray(nodes).tolist())
+        self.order = [n for n in self.order if n not in gone]
+
+    def discard_one(self, n: int) -> None:
+        self.discard(np.array([n]))
+
+    def pop(self) -> int:
+        return self.order.pop() if self.order else -1
+
+    def members(self) -> list[int]:
+        return self.order[::-1]
+
+    stamped = members
+
+
+def test_the_eviction_policy_is_pluggable():
+    """The cache evicts in the order of the policy it is given: under most-recent-first the
+    request released last loses its blocks, where LRU (the default) takes the older one's."""
+    for policy, kept in ((None, "b"), (MostRecentFirst, "a")):
+        c = PrefixCache(BS, 8, **({"policy": policy} if policy else {}))
+        a, b = toks(0, 3 * BS + 1), toks(500, 3 * BS + 1)
+        run(c, "a", a)
+        run(c, "b", b)
+        run(c, "c", toks(900, 4 * BS + 1))  # 2 free: three blocks go
+        cached = {"a": c.lookup(keys(a)), "b": c.lookup(keys(b))}
+        assert cached[kept] == 3 and cached[{"a": "b", "b": "a"}[kept]] < 3
+        c.check()
+
+
 def test_matched_blocks_become_recent():
     c = PrefixCache(BS, 8)
     a, b = toks(0, 3 * BS + 1), toks(500, 3 * BS + 1)
