@@ -124,6 +124,9 @@ class TaskKind(str, enum.Enum):
     ownership check and cache-transfer's dispatch all derive from this table, so a new kind is
     one entry here plus its handlers. The value is the wire name."""
 
+    reads: str
+    writes: str
+
     SWAP2CPU = ("swap2cpu", "device", "host")
     SWAP2GPU = ("swap2gpu", "host", "device")
     STORAGE2GPU = ("storage2gpu", "storage", "device")

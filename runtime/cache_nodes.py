@@ -36,7 +36,7 @@ class NodeState(enum.IntEnum):
     SWAP2CPU = 1   # being copied to a host block; the device copy stays readable until done
     CPU = 2        # on the host only
     SWAP2GPU = 3   # being copied into a device block; unusable until the swap reports done
-    DETACHED = 4   # out of the tree (failed swap-in): kept until its refs and task drain
+    DETACHED = 4   # dropped from the tree while still held: kept until its refs and task drain
     FREE = 5       # node id not in use
 
 
