@@ -212,7 +212,6 @@ class TaskBook(NodeStore):
                TaskKind.STORAGE2GPU: _finish_storage_read, TaskKind.GPU2STORAGE: _finish_storage_write}
 
     # ---- deferred swap-ins
-
     def _cancel_deferred(self, t: Task) -> None:
         """A deferred swap-in nobody waits for any more: its nodes stay on the host (CPU) and
         its device blocks, never taken, are not needed."""
@@ -262,9 +261,7 @@ class TaskBook(NodeStore):
                     if blocks[i] < 0:
                         blocks[i] = self._dev_v[n]
 
-
     # ---- storage reads and writes
-
     def _read_storage(self, request_id: Hashable, req: Request, rest: Sequence[bytes]) -> int:
         """Look the keys after the tree's match up in storage; read the hits into new device
         blocks (a STORAGE2GPU task the request waits for). Returns the blocks to be read."""
