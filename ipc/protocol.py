@@ -5,6 +5,7 @@ workers/ never import each other), so the contract has exactly one home.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import msgpack
@@ -117,20 +118,47 @@ OWNER_NAMES = {OWNER_FREE: "free", OWNER_WORKER: "worker", OWNER_TRANSFER: "cach
                OWNER_MESSAGER: "cache-messager", OWNER_CACHE: "prefix-cache"}
 
 # ---- engine <-> cache-transfer ------------------------------------------------------------
-SWAP2CPU, SWAP2GPU, STORAGE2GPU, GPU2STORAGE = "swap2cpu", "swap2gpu", "storage2gpu", "gpu2storage"
-TASK_KINDS = (SWAP2CPU, SWAP2GPU, STORAGE2GPU, GPU2STORAGE)
+class TaskKind(str, enum.Enum):
+    """The kinds of transfer task, and the one table of what each moves: the tier whose blocks
+    it reads and the tier it writes ("device", "host" or "storage"). The prefix cache, the
+    ownership check and cache-transfer's dispatch all derive from this table, so a new kind is
+    one entry here plus its handlers. The value is the wire name."""
+
+    reads: str
+    writes: str
+
+    SWAP2CPU = ("swap2cpu", "device", "host")
+    SWAP2GPU = ("swap2gpu", "host", "device")
+    STORAGE2GPU = ("storage2gpu", "storage", "device")
+    GPU2STORAGE = ("gpu2storage", "device", "storage")
+
+    def __new__(cls, wire: str, reads: str, writes: str) -> "TaskKind":
+        kind = str.__new__(cls, wire)
+        kind._value_ = wire
+        kind.reads, kind.writes = reads, writes
+        return kind
+
+    def __str__(self) -> str:  # the wire name in logs and metric labels, not "TaskKind.X"
+        return self.value
+
+
+SWAP2CPU, SWAP2GPU = TaskKind.SWAP2CPU, TaskKind.SWAP2GPU
+STORAGE2GPU, GPU2STORAGE = TaskKind.STORAGE2GPU, TaskKind.GPU2STORAGE
 
 
 @PROTOCOL.message("transfer_task")
 @dataclass
 class TransferTask:
-    """Engine -> every cache-transfer rank. Swaps pair device_blocks[i] with host_blocks[i];
-    storage tasks pair device_blocks[i] with keys[i] (keys computed by the engine)."""
+    """The one transfer task: the prefix cache creates it (and numbers it), the engine sends it
+    to every cache-transfer rank, and the answers and the cache's bookkeeping key on its id.
+    Swaps pair device_blocks[i] with host_blocks[i]; storage tasks pair device_blocks[i] with
+    keys[i] (keys computed by the engine). The engine side holds block lists (a deferred
+    swap-in gets its device blocks late); they travel as int32 arrays and arrive as such."""
 
     task_id: int
-    kind: str
-    device_blocks: np.ndarray
-    host_blocks: np.ndarray
+    kind: TaskKind
+    device_blocks: np.ndarray | list[int]
+    host_blocks: np.ndarray | list[int]
     keys: list = field(default_factory=list)
     deadline: float = 0.0  # time.monotonic() (system-wide) after which the rank must not start it; 0: none
 

@@ -2,9 +2,8 @@
 
 Why a plain list used as a stack: allocating n blocks is one slice and one `del` at the end of
 the list, and freeing a batch is one `extend`, so both cost O(1) per block in C. The reference
-system pushed freed blocks onto a heap one at a time inside its eviction loop (PREFIX_CACHE.md,
-"Slow eviction"); callers here collect the blocks an operation frees and return them in one
-call. Which block ids are handed out does not matter for KV, so no ordering is kept beyond
+system pushed freed blocks onto a heap one at a time inside its eviction loop, which made
+eviction slow; callers here collect the blocks an operation frees and return them in one call. Which block ids are handed out does not matter for KV, so no ordering is kept beyond
 "most recently freed first" (warm in cache, for what it is worth).
 """
 from __future__ import annotations

@@ -107,7 +107,6 @@ class Engine:
                                  write_through=self.storage is not None)
         self.sched = Scheduler(self.cache, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         self.connector = self.sched.connector = self._make_connector(kind)
-        self._cache_task_of: dict[int, int] = {}  # transfer task id -> prefix-cache task id
         self._step_answers: RankGroup[P.StepResult] | None = None  # answers to the step in flight
         self.server: ApiServer | None = None
         self.accepting = True
@@ -165,8 +164,7 @@ class Engine:
         """Send the swap/storage tasks the prefix cache asked for to every cache-transfer rank."""
         self._sync_owners()
         for t in self.cache.take_tasks():
-            tid = self.transfer.submit(t.kind.value, t.device_blocks, t.host_blocks, t.keys)
-            self._cache_task_of[tid] = t.task_id
+            self.transfer.submit(t)
 
     def ring_stats(self) -> dict[str, dict]:
         return {r.name.split(".", 2)[2]: r.stats()
@@ -448,9 +446,7 @@ class Engine:
                 self.storage.add(task.keys)
             elif task.kind == P.STORAGE2GPU:
                 self.storage.forget(task.keys[result.blocks if result.ok else 0:])  # missing or corrupt
-        cache_id = self._cache_task_of.pop(result.task.task_id, None)
-        if cache_id is not None:
-            self.sched.on_task_outcome(self.cache.apply_task_result(cache_id, result.ok, result.blocks))
+        self.sched.on_task_outcome(self.cache.apply_task_result(result.task.task_id, result.ok, result.blocks))
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> int:

@@ -98,11 +98,6 @@ class EvictionQueue:
             self._queued -= len(nodes)
             self._front, self._pos = nodes.tolist(), 0
 
-    def clear(self) -> None:
-        self._stamp.fill(-1)
-        self._batches.clear()
-        self._front, self._pos, self._heads, self._queued = [], 0, [], 0
-
     def members(self) -> list[int]:
         """Queued nodes in eviction order, found through their live entries (for the invariant
         checker: this must equal `stamped()` as a set, each node once)."""

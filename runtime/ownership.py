@@ -22,13 +22,15 @@ class OwnershipError(AssertionError):
     """A hand-over broke the ownership rule; names the blocks, their owners and the order."""
 
 
-# which owner a block may come from when the engine hands it to a cache-transfer rank
-TASK_SOURCES = {
-    P.SWAP2CPU: ({P.OWNER_CACHE}, {P.OWNER_FREE}),            # (device blocks, host blocks)
-    P.SWAP2GPU: ({P.OWNER_FREE}, {P.OWNER_CACHE}),
-    P.STORAGE2GPU: ({P.OWNER_FREE}, set()),
-    P.GPU2STORAGE: ({P.OWNER_CACHE}, set()),
-}
+def _sources(kind: P.TaskKind, tier: str) -> set[int]:
+    """The owners a task's blocks of `tier` may come from: a tier it reads gives tree blocks, a
+    tier it writes free ones, and it has no blocks of any other tier."""
+    return {P.OWNER_CACHE} if kind.reads == tier else {P.OWNER_FREE} if kind.writes == tier else set()
+
+
+# which owner a block may come from when the engine hands it to a cache-transfer rank:
+# kind -> (device blocks, host blocks), from the task kind table
+TASK_SOURCES = {kind: (_sources(kind, "device"), _sources(kind, "host")) for kind in P.TaskKind}
 
 
 # the owner each block role means; blocks a task reads are the task's until it answers too

@@ -11,7 +11,7 @@ are matched to tasks by id as they arrive through the engine's fan-in.
 """
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -53,29 +53,34 @@ class TransferClient:
         self.owners = owners  # (device, host) tables in KVRT_CHECK_OWNERSHIP mode
         self.rank_timeout = rank_timeout
         self.send_timeout = send_timeout
-        self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
 
     @property
     def inflight(self) -> int:
         return len(self._pending)
 
-    def submit(self, kind: str, device_blocks, host_blocks=(), keys: list[bytes] | None = None) -> int:
+    def submit(self, task: TransferTask) -> None:
+        """Send `task` (numbered by its creator, the prefix cache) to every rank, under a deadline.
+
+        The task object itself is not changed: what travels is a copy with int32 block arrays
+        and the deadline, and it comes back in the TaskResult under the same id."""
+        if task.task_id in self._pending:
+            raise ValueError(f"task {task.task_id} is already in flight")
         now = time.monotonic()
         # the ranks must not start the task after the engine gave up on it (and so may have
         # given its blocks to someone else): time.monotonic() is one clock for the whole machine
-        task = TransferTask(next(self._ids), kind, np.asarray(device_blocks, dtype=np.int32),
-                            np.asarray(host_blocks, dtype=np.int32), list(keys or []), now + self.rank_timeout)
+        sent = dataclasses.replace(task, device_blocks=np.asarray(task.device_blocks, dtype=np.int32),
+                                   host_blocks=np.asarray(task.host_blocks, dtype=np.int32),
+                                   keys=list(task.keys), deadline=now + self.rank_timeout)
         if self.owners is not None:
-            dev_from, host_from = TASK_SOURCES[kind]
-            order = f"task {task.task_id} ({kind})"
-            self.owners[0].hand_over(task.device_blocks, OWNER_TRANSFER, dev_from, order)
-            self.owners[1].hand_over(task.host_blocks, OWNER_TRANSFER, host_from, order)
-        data = PROTOCOL.encode(task)
-        self._pending[task.task_id] = _Pending(task, task.deadline, now)
+            dev_from, host_from = TASK_SOURCES[sent.kind]
+            order = f"task {sent.task_id} ({sent.kind})"
+            self.owners[0].hand_over(sent.device_blocks, OWNER_TRANSFER, dev_from, order)
+            self.owners[1].hand_over(sent.host_blocks, OWNER_TRANSFER, host_from, order)
+        data = PROTOCOL.encode(sent)
+        self._pending[sent.task_id] = _Pending(sent, sent.deadline, now)
         for ring in self.rings:
             ring.put(data, self.send_timeout)
-        return task.task_id
 
     def on_answer(self, done: TransferDone) -> TaskResult | None:
         """Record one rank's answer; returns the result once every rank has answered."""

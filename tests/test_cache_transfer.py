@@ -118,6 +118,7 @@ def test_bad_tasks_fail_alone_and_the_process_lives_on(node, tmp_path):
             (task(2, protocol.SWAP2GPU, [1], [-3]), "host block id -3 out of range"),
             (task(3, protocol.SWAP2CPU, [1, 2], [3]), "2 device blocks paired with 1 host blocks"),
             (task(4, "defrag", [1], [1]), "unknown task kind 'defrag'"),
+            (task(7, ["swap2cpu"], [1], [1]), "unknown task kind ['swap2cpu']"),  # not even a name
             (task(5, protocol.STORAGE2GPU, [1], keys=[b"k" * 16]), "no storage backend"),
         ]
         for t, error in cases:

@@ -6,7 +6,7 @@ import pytest
 
 from runtime.hashing import BlockHasher
 from runtime.lru import EvictionQueue
-from runtime.prefix_cache import CacheStatus, PrefixCache, TaskKind
+from runtime.prefix_cache import PrefixCache, TaskKind
 from runtime.trace import expand_tokens, load_trace, default_trace_path
 
 BS = 4
@@ -157,6 +157,53 @@ def test_eviction_is_lru_tail_first_and_cascades():
     assert c.metrics.evicted_device_blocks == 1  # only need - free
     run(c, "d", toks(1300, 2 * BS + 1))  # a's chain goes next, parent after child
     assert c.lookup(ka) == 0 and c.lookup(keys(b)) == 3
+
+
+class MostRecentFirst:
+    """An alternative eviction policy (most recently released first), to show the policy is one
+    class passed to the cache. O(n) per call: for this test only."""
+
+    def __init__(self, capacity: int):
+        self.order: list[int] = []  # the next victim at the end
+
+    def __contains__(self, n: int) -> bool:
+        return n in self.order
+
+    def push(self, nodes: np.ndarray) -> None:
+        self.discard(nodes)
+        self.order += nodes.tolist()
+
+    def push_front(self, n: int) -> None:
+        self.order.append(n)
+
+    def discard(self, nodes: np.ndarray) -> None:
+        gone = set(np.asarray(nodes).tolist())
+        self.order = [n for n in self.order if n not in gone]
+
+    def discard_one(self, n: int) -> None:
+        self.discard(np.array([n]))
+
+    def pop(self) -> int:
+        return self.order.pop() if self.order else -1
+
+    def members(self) -> list[int]:
+        return self.order[::-1]
+
+    stamped = members
+
+
+def test_the_eviction_policy_is_pluggable():
+    """The cache evicts in the order of the policy it is given: under most-recent-first the
+    request released last loses its blocks, where LRU (the default) takes the older one's."""
+    for policy, kept in ((None, "b"), (MostRecentFirst, "a")):
+        c = PrefixCache(BS, 8, **({"policy": policy} if policy else {}))
+        a, b = toks(0, 3 * BS + 1), toks(500, 3 * BS + 1)
+        run(c, "a", a)
+        run(c, "b", b)
+        run(c, "c", toks(900, 4 * BS + 1))  # 2 free: three blocks go
+        cached = {"a": c.lookup(keys(a)), "b": c.lookup(keys(b))}
+        assert cached[kept] == 3 and cached[{"a": "b", "b": "a"}[kept]] < 3
+        c.check()
 
 
 def test_matched_blocks_become_recent():
@@ -434,60 +481,6 @@ def test_write_through_pins_blocks_until_written():
     c.release("b")
     assert c.metrics.storage_write_blocks == 3
     c.check()
-
-
-# ---- reset -----------------------------------------------------------------------------------
-def test_clear_waits_for_tasks_then_drops_everything():
-    c = host_cache()
-    a = toks(0, 3 * BS + 1)
-    run(c, "a", a)
-    run(c, "live", toks(300, BS + 1), release=False)
-    c.match("b", [], 4 * BS)
-    c.allocate("b", 4 * BS)  # a swap-out in flight
-    (t,) = c.take_tasks()
-    assert c.clear() is CacheStatus.CLEARING
-    assert c.match("c", keys(a), len(a)).cached_tokens == 0  # nothing matches while clearing
-    c.apply_task_result(t.task_id, True)
-    assert c.status is CacheStatus.CLEARED
-    assert c.lookup(keys(a)) == 0 and c.snapshot()["nodes"] == 0
-    c.check()
-    with pytest.raises(RuntimeError):
-        c.finish_update()
-    c.begin_update()
-    assert c.status is CacheStatus.UPDATING
-    c.finish_update()
-    assert c.status is CacheStatus.NORMAL
-    c.update("live", BS + 1)  # computed under the old weights: never cached
-    for rid in ("live", "b", "c"):
-        c.release(rid)
-    u = usage(c)
-    assert u["device_free"] == 6 and u["host_free"] == 8
-    run(c, "a2", a)
-    assert c.lookup(keys(a)) == 3
-
-
-def test_clear_waits_for_a_deferred_swap_in():
-    c = host_cache(device=6, host=8)
-    a = toks(0, 3 * BS + 1)
-    run(c, "a", a)
-    run(c, "x", toks(500, 5 * BS + 1))
-    c.match("a2", keys(a), len(a))  # deferred behind the swap-out of x
-    (out,) = c.take_tasks()
-    assert c.clear() is CacheStatus.CLEARING
-    c.apply_task_result(out.task_id, True)
-    assert c.status is CacheStatus.CLEARING  # the swap-in is issued now and still in flight
-    (inn,) = c.take_tasks()
-    assert c.apply_task_result(inn.task_id, True).ready == {"a2": 3 * BS}
-    assert c.status is CacheStatus.CLEARED
-    c.release("a2")
-    u = usage(c)
-    assert u["device_free"] == 6 and u["host_free"] == 8
-
-
-def test_clear_with_nothing_in_flight_is_immediate():
-    c = PrefixCache(BS, 8)
-    run(c, "a", toks(0, 2 * BS))
-    assert c.clear() is CacheStatus.CLEARED and usage(c)["device_free"] == 8
 
 
 # ---- node ids, queue, metrics, errors --------------------------------------------------------

@@ -3,13 +3,13 @@ every step.
 
 A state machine plays an engine and the cache-transfer ranks at once: it starts requests whose
 prompts share prefixes, allocates, computes in chunks, releases, takes transfer tasks and reports
-them done, short or failed in any order, and resets the cache. After every step the cache's own
+them done, short or failed in any order. After every step the cache's own
 checker runs (per tier free + cached + used = total, no block owned twice, tree / key map / refs /
 LRU queues consistent), and the machine checks what only a model of the engine can know:
 - nothing is matched from the device or host unless its KV was written (computed by a request
   or read from storage);
-- a request's referenced blocks are never evicted (they stay matchable) unless a reset or a
-  failed swap-in dropped them;
+- a request's referenced blocks are never evicted (they stay matchable) unless a failed
+  swap-in dropped them;
 - once every request is released and every task applied, every block is free or cached.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.hashing import BlockHasher
-from runtime.prefix_cache import CacheStatus, PrefixCache, TaskKind
+from runtime.prefix_cache import PrefixCache, TaskKind
 
 BS = 2
 BASES = [np.arange(1000 * b, 1000 * b + 40, dtype=np.int32) for b in range(3)]
@@ -35,7 +35,6 @@ class _Req:
         self.held = 0         # leading keys the cache must keep matchable for this request
         self.ready = True
         self.failed = False
-        self.stale = False    # a reset happened since it started: nothing is promised
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -87,7 +86,6 @@ class CacheMachine(RuleBasedStateMachine):
         assert m.cached_tokens < len(tokens)  # the last token is always computed
         r.held = hit
         r.ready = m.ready
-        r.stale = self.cache.status is not CacheStatus.NORMAL
         self.reqs[rid] = r
         return rid
 
@@ -155,7 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
         for rid, cached in out.ready.items():
             r = self.reqs[rid]
             r.ready = True
-            r.held = max(r.held, cached // BS) if not r.stale else r.held
+            r.held = max(r.held, cached // BS)
 
     @rule()
     def settle(self):
@@ -163,21 +161,6 @@ class CacheMachine(RuleBasedStateMachine):
         self.inflight += self.cache.take_tasks()
         while self.inflight:
             self._apply(self.inflight.pop(0), True, None)
-
-    # ---- resets ----------------------------------------------------------------------------
-    @rule(roll=st.integers(0, 9))
-    def clear(self, roll):
-        if roll:  # rare: a reset empties the cache and leaves little to test
-            return
-        self.cache.clear()
-        for r in self.reqs.values():
-            r.stale = True
-
-    @precondition(lambda self: self.cache.status is CacheStatus.CLEARED)
-    @rule()
-    def resume(self):
-        self.cache.begin_update()
-        self.cache.finish_update()
 
     @rule(roll=st.integers(0, 4))
     def drain(self, roll):
@@ -200,7 +183,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def held_blocks_stay(self):
         for r in self.reqs.values():
-            if not (r.stale or r.failed):
+            if not r.failed:
                 assert self.cache.lookup(r.keys[:r.held]) == r.held, "a referenced block was evicted"
 
 

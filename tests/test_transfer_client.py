@@ -6,7 +6,9 @@ import pytest
 from ipc import protocol as P
 from ipc.registry import Registry
 from ipc.ring import Consumer, Producer, Ring
-from runtime.ownership import OwnerTable, OwnershipError
+from runtime.hashing import BlockHasher
+from runtime.ownership import TASK_SOURCES, OwnerTable, OwnershipError
+from runtime.prefix_cache import PrefixCache
 from runtime.transfer import TransferClient
 
 
@@ -22,6 +24,10 @@ def ranks(node):
             x.detach()
 
 
+def task(tid, kind, dev, host=(), keys=()):
+    return P.TransferTask(tid, kind, list(dev), list(host), list(keys))
+
+
 def answer(inbox, rank, ok=True, blocks=None):
     task = P.PROTOCOL.decode(inbox[rank].get(1))
     n = len(task.device_blocks) if blocks is None else blocks
@@ -31,12 +37,13 @@ def answer(inbox, rank, ok=True, blocks=None):
 def test_task_completes_when_every_rank_answered(ranks):
     out, inbox = ranks
     client = TransferClient(out, rank_timeout=5)
-    tid = client.submit(P.STORAGE2GPU, [4, 5, 6], keys=[b"a" * 16, b"b" * 16, b"c" * 16])
+    tid = 7
+    client.submit(task(tid, P.STORAGE2GPU, [4, 5, 6], keys=[b"a" * 16, b"b" * 16, b"c" * 16]))
     assert client.on_answer(answer(inbox, 0, blocks=3)) is None
     res = client.on_answer(answer(inbox, 1, blocks=2))
     assert res.ok and res.task.task_id == tid and res.blocks == 2 and res.nbytes == 200
     assert client.inflight == 0
-    client.submit(P.SWAP2CPU, [1], [2])
+    client.submit(task(8, P.SWAP2CPU, [1], [2]))
     client.on_answer(answer(inbox, 0))
     res = client.on_answer(answer(inbox, 1, ok=False))
     assert not res.ok and "rank 1: disk on fire" in res.error
@@ -45,7 +52,7 @@ def test_task_completes_when_every_rank_answered(ranks):
 def test_silent_rank_fails_the_task_by_name(ranks):
     out, inbox = ranks
     client = TransferClient(out, rank_timeout=0.05)
-    client.submit(P.SWAP2GPU, [1, 2], [3, 4])
+    client.submit(task(1, P.SWAP2GPU, [1, 2], [3, 4]))
     client.on_answer(answer(inbox, 0))
     assert client.expire(now=0) == []
     (res,) = client.expire(now=float("inf"))
@@ -60,13 +67,13 @@ def test_ownership_detector_refuses_a_wrong_order(ranks):
     host = OwnerTable(np.zeros(8, np.int32), "host")
     client = TransferClient(out, rank_timeout=5, owners=(dev, host))
     dev.owners[[1, 2]] = P.OWNER_CACHE
-    client.submit(P.SWAP2CPU, [1, 2], [0, 1])  # cached device blocks out to free host blocks: fine
+    client.submit(task(1, P.SWAP2CPU, [1, 2], [0, 1]))  # cached device blocks out to free host blocks: fine
     assert dev.owned_by([1, 2], P.OWNER_TRANSFER) and host.owned_by([0, 1], P.OWNER_TRANSFER)
     dev.owners[3] = P.OWNER_WORKER  # the worker is computing into block 3 ...
     with pytest.raises(OwnershipError, match="device block 3 is owned by worker"):
-        client.submit(P.SWAP2CPU, [3], [2])  # ... so swapping it out is a race
+        client.submit(task(2, P.SWAP2CPU, [3], [2]))  # ... so swapping it out is a race
     with pytest.raises(OwnershipError, match="device block 1 is owned by cache-transfer"):
-        client.submit(P.STORAGE2GPU, [1], keys=[b"k" * 16])  # already being copied
+        client.submit(task(3, P.STORAGE2GPU, [1], keys=[b"k" * 16]))  # already being copied
     assert client.inflight == 1  # refused orders were never sent
 
 
@@ -76,9 +83,48 @@ def test_tasks_carry_the_deadline_the_engine_expires_them_at(ranks):
     expired task failed exactly once."""
     out, inbox = ranks
     client = TransferClient(out, rank_timeout=3)
-    client.submit(P.SWAP2CPU, [1], [2])
+    client.submit(task(1, P.SWAP2CPU, [1], [2]))
     sent = [P.PROTOCOL.decode(inbox[r].get(1)) for r in range(2)]
     assert sent[0].deadline == sent[1].deadline > 0
     assert client.expire(now=np.nextafter(sent[0].deadline, 0)) == []
     (res,) = client.expire(now=sent[0].deadline)
     assert not res.ok and client.expire(now=float("inf")) == []
+
+
+def test_the_task_the_cache_creates_is_the_task_on_the_wire(ranks):
+    """One transfer task: the prefix cache numbers it, the ranks get it under that id, and the
+    result applies to the cache by that id (no second numbering to translate)."""
+    out, inbox = ranks
+    cache = PrefixCache(4, 2, 2)
+    keys = BlockHasher(4).update(list(range(12)))
+    cache.match("a", keys[:2], 8)
+    assert cache.allocate("a", 8) is not None
+    cache.update("a", 8)
+    cache.release("a")
+    cache.match("b", [keys[2]], 5)
+    assert cache.allocate("b", 5) is None  # starts a swap-out of a's blocks
+    (swap_out,) = cache.take_tasks()
+    assert isinstance(swap_out, P.TransferTask) and swap_out.kind is P.TaskKind.SWAP2CPU
+    client = TransferClient(out, rank_timeout=5)
+    client.submit(swap_out)
+    assert [P.PROTOCOL.decode(inbox[r].get(1)).task_id for r in range(2)] == [swap_out.task_id] * 2
+    assert isinstance(swap_out.device_blocks, list)  # the cache's own task is left as it was
+    client.on_answer(P.TransferDone(swap_out.task_id, 0, True, 2))
+    res = client.on_answer(P.TransferDone(swap_out.task_id, 1, True, 2))
+    cache.apply_task_result(res.task.task_id, res.ok, res.blocks)
+    assert cache.allocate("b", 5) is not None
+    cache.check()
+    with pytest.raises(ValueError, match="already in flight"):
+        client.submit(task(9, P.SWAP2GPU, [0], [0]))
+        client.submit(task(9, P.SWAP2GPU, [0], [0]))
+
+
+def test_every_task_kind_has_owners_and_a_handler():
+    """A task kind is one entry of the kind table; the ownership check and cache-transfer's
+    dispatch both cover every entry."""
+    from workers.cache_transfer import CacheTransfer
+    for kind in P.TaskKind:
+        dev_from, host_from = TASK_SOURCES[kind]
+        assert dev_from and (bool(host_from) == ("host" in (kind.reads, kind.writes)))
+        assert kind in CacheTransfer._HANDLERS
+        assert P.PROTOCOL.decode(P.PROTOCOL.encode(task(1, kind, [1]))).kind == kind.value

@@ -20,7 +20,7 @@ import numpy as np
 
 from ipc import protocol
 from ipc.errors import ProtocolError
-from ipc.protocol import StorageKeys, TransferDone, TransferTask
+from ipc.protocol import StorageKeys, TaskKind, TransferDone, TransferTask
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 
@@ -107,11 +107,10 @@ class CacheTransfer:
 
     def _run(self, task: TransferTask, what: str) -> tuple[int, int]:
         dev = check_blocks(task.device_blocks, self.device.num_blocks, "device")
-        if task.kind in (protocol.SWAP2CPU, protocol.SWAP2GPU):
-            return self._swap(task, dev, what)
-        if task.kind in (protocol.STORAGE2GPU, protocol.GPU2STORAGE):
-            return self._storage_task(task, dev, what)
-        raise ValueError(f"unknown task kind {task.kind!r}; expected one of {protocol.TASK_KINDS}")
+        handler = self._HANDLERS.get(task.kind) if isinstance(task.kind, str) else None
+        if handler is None:
+            raise ValueError(f"unknown task kind {task.kind!r}; expected one of {[k.value for k in TaskKind]}")
+        return handler(self, task, dev, what)
 
     def _check_owned(self, what: str, dev: np.ndarray, host: np.ndarray | None) -> None:
         if not self.owners:
@@ -149,6 +148,10 @@ class CacheTransfer:
             done, nbytes = self._write(dev, keys)
         self._check_owned(f"{what}, after the copy", dev, None)
         return done, nbytes
+
+    # the handler of every task kind (the kind table is ipc/protocol.py's TaskKind)
+    _HANDLERS = {TaskKind.SWAP2CPU: _swap, TaskKind.SWAP2GPU: _swap,
+                 TaskKind.STORAGE2GPU: _storage_task, TaskKind.GPU2STORAGE: _storage_task}
 
     def _read(self, dev: np.ndarray, keys: list[bytes]) -> int:
         """Read the leading blocks whose objects exist and are intact; the first miss ends it.

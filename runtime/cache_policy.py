@@ -1,0 +1,52 @@
+"""The interface between the prefix cache and its eviction policy.
+
+The cache keeps one queue per tier of the nodes eviction may take (device: unreferenced GPU
+nodes; host: CPU nodes) and tells it every change; the policy decides only the order in which
+`pop` hands them out. LRU over leaves (runtime/lru.py) is the default; another policy is one
+new file with a class of this shape, passed as `PrefixCache(..., policy=TheClass)`.
+
+What the cache guarantees and expects, whatever the policy:
+- `push` gets the nodes a request released, deepest first, so a policy that keeps that order
+  evicts leaves before their ancestors; the cache skips (parks) a popped node that still has
+  children on the device, and gives it back through `push_front` when it becomes a leaf again.
+- The calls sit on the cache's hot paths (every matched and released path, every evicted
+  block): a policy must be O(1) per node amortised, and batch calls take numpy arrays.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+
+class EvictionPolicy(Protocol):
+    """One tier's evictable nodes, in the order they are to be evicted."""
+
+    def __init__(self, capacity: int) -> None:
+        """A queue for node ids 0 .. capacity-1."""
+
+    def __contains__(self, n: int) -> bool:
+        """Is node `n` queued?"""
+
+    def push(self, nodes: np.ndarray) -> None:
+        """Nodes that became evictable (released, or moved to this tier), deepest first; the
+        policy keeps the array (the caller does not modify it). A queued node is re-queued."""
+
+    def push_front(self, n: int) -> None:
+        """Node `n` (not queued) became a leaf again: it may be evicted next."""
+
+    def discard(self, nodes: np.ndarray) -> None:
+        """Take `nodes` out (queued or not): they are in use again."""
+
+    def discard_one(self, n: int) -> None:
+        """`discard` for one node."""
+
+    def pop(self) -> int:
+        """The next node to evict, taken out of the queue; -1 if none is queued."""
+
+    def members(self) -> list[int]:
+        """The queued nodes in eviction order (for the invariant checker)."""
+
+    def stamped(self) -> list[int]:
+        """The nodes the policy's own bookkeeping says are queued (for the invariant checker:
+        must equal `members()` as a set)."""
