@@ -107,6 +107,21 @@ def _pages(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+# `python -m` would put the working directory first on sys.path, so a `workers/` or `runtime/`
+# package in the folder `kvrt launch` runs from would be imported instead of kvrt's own. The
+# children put kvrt's install location there instead; it works on every supported Python
+# (-P / PYTHONSAFEPATH needs 3.11).
+KVRT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BOOT = ("import runpy, sys; sys.path[0] = sys.argv.pop(1); "
+         "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def child_command(module: str, args: Sequence[str]) -> list[str]:
+    """The command line that runs kvrt's `module` as a program with `args`, importing kvrt's
+    own modules whatever the working directory holds."""
+    return [sys.executable, "-c", _BOOT, KVRT_ROOT, module, *args]
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -179,7 +194,7 @@ class Node:
         if cfg.log_dir and not os.path.isdir(cfg.log_dir):
             os.makedirs(cfg.log_dir, mode=0o700)  # logs carry prompts' fates: the user's alone
         for role, rank, module in plan:
-            cmd = [sys.executable, "-m", module, "--node", cfg.node, "--log-level", level]
+            cmd = child_command(module, ["--node", cfg.node, "--log-level", level])
             if role != P.ROLE_ENGINE:
                 cmd += ["--rank", str(rank)]
             out = None

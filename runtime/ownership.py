@@ -15,11 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from ipc import protocol as P
+from ipc.ownership import OwnershipError, check_owners
 from runtime import prefix_cache as pc
-
-
-class OwnershipError(AssertionError):
-    """A hand-over broke the ownership rule; names the blocks, their owners and the order."""
 
 
 # which owner a block may come from when the engine hands it to a cache-transfer rank
@@ -66,14 +63,7 @@ class OwnerTable:
         if len(blocks) == 0:
             return
         blocks = np.asarray(blocks)
-        current = self.owners[blocks]
-        bad = ~np.isin(current, list(allowed_from))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise OwnershipError(
-                f"{order}: {self.tier} block {int(blocks[i])} is owned by {P.OWNER_NAMES[int(current[i])]}, "
-                f"may only come from {sorted(P.OWNER_NAMES[o] for o in allowed_from)} to go to "
-                f"{P.OWNER_NAMES[to]} ({int(bad.sum())} block(s) wrong)")
+        check_owners(self.owners, blocks, self.tier, f"{order} (handing it to {P.OWNER_NAMES[to]})", allowed_from)
         self.owners[blocks] = to
 
     def sync(self, roles: np.ndarray) -> None:

@@ -2,11 +2,12 @@ import numpy as np
 import pytest
 
 from ipc import protocol
+from ipc.ownership import OwnershipError, check_owners
 from ipc.registry import Registry
 from runtime.config import NodeConfig
 from tests.conftest import run_py
-from workers.kv_pool import (OwnershipError, PoolError, PoolMaker, attach_pools, block_bytes, block_shape,
-                             check_blocks, check_owners, copy_blocks, pool_specs, shm_bytes_needed)
+from workers.kv_pool import (PoolError, PoolMaker, attach_pools, block_bytes, block_shape,
+                             check_blocks, copy_blocks, pool_specs, shm_bytes_needed)
 
 ATTACH = """
 import sys
@@ -91,10 +92,10 @@ def test_copy_checks_ids_and_beats_per_batch(node, monkeypatch):
 def test_check_blocks_and_owners():
     assert check_blocks(np.array([0, 3], np.int32), 4, "device").dtype == np.int64
     owners = np.full(8, protocol.OWNER_TRANSFER, np.int32)
-    check_owners(owners, np.array([1, 2]), "device", "task 1")
+    check_owners(owners, np.array([1, 2]), "device", "task 1", protocol.OWNER_TRANSFER)
     owners[[2, 5]] = protocol.OWNER_WORKER
     with pytest.raises(OwnershipError) as e:
-        check_owners(owners, np.array([1, 2, 5]), "device", "task 9 (swap2cpu)")
+        check_owners(owners, np.array([1, 2, 5]), "device", "task 9 (swap2cpu)", protocol.OWNER_TRANSFER)
     msg = str(e.value)
     assert "task 9 (swap2cpu)" in msg and "device block 2 is owned by worker, not cache-transfer" in msg
     assert "2 of 3 blocks wrong: [2, 5]" in msg

@@ -20,12 +20,13 @@ import numpy as np
 
 from ipc import protocol
 from ipc.errors import ProtocolError
+from ipc.ownership import OwnershipError, check_owners
 from ipc.protocol import StorageKeys, TransferDone, TransferTask
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 
 from .child import Child, run_child
-from .kv_pool import OwnershipError, PoolError, attach_pools, check_blocks, check_owners, copy_blocks
+from .kv_pool import PoolError, attach_pools, check_blocks, copy_blocks
 from .storage import StorageError, open_storage
 
 log = logging.getLogger("workers.cache_transfer")  # not __main__ under python -m
@@ -116,9 +117,9 @@ class CacheTransfer:
     def _check_owned(self, what: str, dev: np.ndarray, host: np.ndarray | None) -> None:
         if not self.owners:
             return
-        check_owners(self.owners["device"], dev, "device", what)
+        check_owners(self.owners["device"], dev, "device", what, protocol.OWNER_TRANSFER)
         if host is not None:
-            check_owners(self.owners["host"], host, "host", what)
+            check_owners(self.owners["host"], host, "host", what, protocol.OWNER_TRANSFER)
 
     def _swap(self, task: TransferTask, dev: np.ndarray, what: str) -> tuple[int, int]:
         if self.host is None:

@@ -30,10 +30,6 @@ class PoolError(ValueError):
     """A copy order is invalid: block ids out of range, unpaired, or pools that do not match."""
 
 
-class OwnershipError(PoolError):
-    """Debug mode: a task touches a block that the engine did not hand to this process."""
-
-
 @dataclass(frozen=True)
 class PoolSpec:
     """One pool of the node: whose, which tier, its registry name, shape and size."""
@@ -245,26 +241,3 @@ def copy_blocks(dst: Pool, src: Pool, dst_ids: np.ndarray, src_ids: np.ndarray,
                 beat()
     src.backend.copy_runs(dst, src, batch)
     return int(src_ids.size) * src.block_bytes
-
-
-# ---- debug ownership check (ARCHITECTURE.md §3) -----------------------------------------------
-
-def check_owners(owners: np.ndarray, blocks: np.ndarray, tier: str, task: str,
-                 expected: int | tuple[int, ...] = protocol.OWNER_TRANSFER) -> None:
-    """Raise OwnershipError unless every block in `blocks` is owned by `expected` (one owner
-    or a tuple of allowed owners).
-
-    The race detector the old cross-process lock used to hide: a process may touch a block
-    only between the engine's order and its own answer, and the engine records the owner
-    before it sends the order. `task` names the order in the message."""
-    allowed = (expected,) if isinstance(expected, int) else expected
-    got = owners[np.asarray(blocks, dtype=np.int64)]
-    bad = np.flatnonzero(~np.isin(got, allowed))
-    if not bad.size:
-        return
-    b, o = int(blocks[bad[0]]), int(got[bad[0]])
-    names = " or ".join(protocol.OWNER_NAMES[a] for a in allowed)
-    raise OwnershipError(
-        f"ownership violation in {task}: {tier} block {b} is owned by "
-        f"{protocol.OWNER_NAMES.get(o, f'unknown owner {o}')}, not {names} "
-        f"({bad.size} of {got.size} blocks wrong: {np.asarray(blocks)[bad[:8]].tolist()})")

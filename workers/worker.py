@@ -16,12 +16,13 @@ import time
 import numpy as np
 
 from ipc import protocol as P
+from ipc.ownership import OwnershipError, check_owners
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 
 from .backend import get_backend
 from .child import Child, run_child
-from .kv_pool import OwnershipError, attach_pools, check_owners
+from .kv_pool import attach_pools
 from .model import Model, ModelShape, SeqInput
 
 log = logging.getLogger("workers.worker")
