@@ -3,7 +3,7 @@ flag, and the checks that tell it the node is gone.
 
 Every child (engine, worker, cache-transfer, cache-messager) joins the same way, so status
 readers find every process in one table and a child whose launcher died notices by itself
-(an orphan must exit, not spin: REFERENCE_SYSTEM.md §6, #4401).
+(an orphan must exit, not spin: nobody will send it an order or unlink its memory).
 """
 from __future__ import annotations
 

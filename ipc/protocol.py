@@ -20,7 +20,7 @@ CONFIG = "config"            # msgpack of the node configuration, written once b
 PROCS = "procs"              # int64[slots, PROC_FIELDS]: pid, role, rank, start_ms
 HEARTBEAT = "heartbeat"      # int64[slots]: CLOCK_MONOTONIC ns of each process's last beat
 READY = "ready"              # int32[slots]: 1 once a process is up
-NODE_STATUS = "node_status"  # int64[STATUS_FIELDS]: node state, prefix-tree state, ...
+NODE_STATUS = "node_status"  # int64[STATUS_FIELDS]: node state, launcher heartbeat
 ENGINE_BELL = "engine.bell"  # the doorbell every ring into the engine shares (fan-in)
 OWNERS_DEVICE = "owners.device"  # int32[blocks] debug ownership table (KVRT_CHECK_OWNERSHIP=1)
 OWNERS_HOST = "owners.host"
@@ -105,11 +105,9 @@ def slot_of(tp: int, role: int, rank: int) -> int:
 
 
 # ---- status words (NODE_STATUS indices and values) ----------------------------------------
-ST_NODE, ST_PREFIX_TREE, ST_LAUNCHER_BEAT = 0, 1, 2  # ST_LAUNCHER_BEAT: CLOCK_MONOTONIC ns, while running
+ST_NODE, ST_LAUNCHER_BEAT = 0, 2  # ST_LAUNCHER_BEAT: CLOCK_MONOTONIC ns, while running
 STATUS_FIELDS = 8
 NODE_STARTING, NODE_RUNNING, NODE_STOPPING = 0, 1, 2
-# prefix tree / KV cache status words, as in the reference system
-TREE_NORMAL, TREE_UPDATING, TREE_CLEARING, TREE_CLEARED = 0, 1, -1, -2
 
 # ---- block owners (debug ownership table) -------------------------------------------------
 OWNER_FREE, OWNER_WORKER, OWNER_TRANSFER, OWNER_MESSAGER, OWNER_CACHE = 0, 1, 2, 3, 4

@@ -1,6 +1,6 @@
 """Bounded single-producer single-consumer ring of variable-length records in one segment.
 
-Why this shape (ARCHITECTURE.md §5):
+Why this shape:
 - SPSC needs no read-modify-write on the data path: the producer alone writes `tail`, the
   consumer alone writes `head`; a store-release of the index publishes the bytes before it,
   and the other side's load-acquire sees them. Each side caches the other's index and only
@@ -481,10 +481,6 @@ class Consumer(_End):
     @property
     def producer_pid(self) -> int:
         return self._r.load64(_PROD_PID)
-
-    def check_producer(self) -> None:
-        """Raise ChannelClosed / PeerDead if no record can come any more."""
-        self._peer_gone(_PROD_PID, _PROD_START, "producer")
 
     def set_sleeping(self, on: bool) -> None:
         """Eventcount announcement, for waiters (FanIn) that sleep on a shared doorbell."""

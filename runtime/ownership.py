@@ -1,14 +1,14 @@
 """The ownership rule's race detector (KVRT_CHECK_OWNERSHIP=1).
 
-Every block has one owner at a time (ARCHITECTURE.md §3) and only the engine changes it, by
-sending an order. In debug mode the engine keeps each block's owner in a shared int32 array:
+Every block has one owner at a time (no lock: who may touch it is carried by messages) and
+only the engine changes it, by sending an order. In debug mode the engine keeps each block's owner in a shared int32 array:
 before it sends anything it syncs the array from the prefix cache's own account of every
 block (`PrefixCache.block_roles`), then checks each new hand-over against the owners it may
 come from, and each step against what a step may touch; the process that receives an order
 checks it really owns the blocks before touching them. A wrong order (swapping out a block the
 worker is computing into, recording a block before its KV is written, scheduling a block that
 is still being swapped in) fails loudly at once instead of producing silently wrong KV, the
-bug class the reference system's lock used to hide.
+bug class a cross-process lock would hide.
 """
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ipc import protocol
-from ipc.broadcast import Broadcast
 from ipc.errors import IpcError
 from ipc.protocol import PROTOCOL, Shutdown, TransferDone
 from ipc.registry import Registry, process_start_ms
@@ -134,9 +133,10 @@ class NodeKit:
 
     def request(self, task, timeout: float = 20.0) -> list[TransferDone]:
         """Send `task` to every rank and return every rank's TransferDone, in rank order."""
-        ranks = range(self.cfg["tp"])
-        bc = Broadcast([self.ends(r)[0] for r in ranks], [self.ends(r)[1] for r in ranks])
-        return [PROTOCOL.decode(a) for a in bc.request(PROTOCOL.encode(task), timeout)]
+        deadline = time.monotonic() + timeout
+        self.send(task)
+        return [PROTOCOL.decode(self.ends(r)[1].get(max(deadline - time.monotonic(), 0.0)))
+                for r in range(self.cfg["tp"])]
 
     # ---- teardown ---------------------------------------------------------------------------
     def stop(self, timeout: float = 10.0) -> None:

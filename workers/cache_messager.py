@@ -1,4 +1,5 @@
-"""cache-messager[r]: the P->D transport of rank r (ARCHITECTURE.md §1).
+"""cache-messager[r]: the P->D transport of rank r (one process per rank, so each rank's share of
+the KV heads travels in parallel).
 
 On both sides it opens the configured transport (workers/transport.py) over its rank's
 device pool and tells its engine how peers reach that pool (MessagerHello: the transport's

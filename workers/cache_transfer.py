@@ -1,10 +1,11 @@
 """cache-transfer[r]: the process that moves rank r's KV blocks between tiers.
 
-It executes the engine's TransferTasks (every rank gets every task, ARCHITECTURE.md §2):
-SWAP2CPU / SWAP2GPU copy blocks between the rank's device and host pools, GPU2STORAGE and
-STORAGE2GPU move them to and from the storage backend. It answers each task with one
-TransferDone. It decides nothing: the block ids and storage keys come in the task, and it
-touches a block only between receiving the order and publishing the answer (§3).
+It executes the engine's TransferTasks (every rank gets every task: each rank holds its own
+share of every block's KV heads): SWAP2CPU / SWAP2GPU copy blocks between the rank's device
+and host pools, GPU2STORAGE and STORAGE2GPU move them to and from the storage backend. It
+answers each task with one TransferDone. It decides nothing: the block ids and storage keys
+come in the task, and it touches a block only between receiving the order and publishing the
+answer (the engine gave it the blocks for exactly that long).
 
 A bad task (ids out of range, no host pool, a storage failure, an ownership violation in
 debug mode) is answered ok=False with the reason and the process goes on; a malformed message

@@ -1,4 +1,4 @@
-"""The KV pools of a node (ARCHITECTURE.md §6) and the block copies between them.
+"""The KV pools of a node and the block copies between them.
 
 Per rank there is a device pool and, when a CPU tier is configured, a host pool, both
 block-major `[num_blocks, layers, 2, block_size, kv_heads_per_rank, head_dim]`: one block is

@@ -1,4 +1,4 @@
-"""P->D block transport (ARCHITECTURE.md §2, "P messager -> D pool"): the interface and its factory.
+"""P->D block transport (P's cache-messager writes into D's pool): the interface and its factory.
 
 A prefill node P hands a prompt's KV blocks to a decode node D by writing them straight into
 D's device pool of the same rank, at block ids D chose. Both sides open a transport over their
@@ -20,7 +20,7 @@ TransferError, naming the peer and what failed, for every failure (bad ids, unre
 peer, layouts that do not match, a peer that does not answer) and never waits longer than the
 transport's timeout. Bad ids are refused before anything is written. After any other failure
 the destination blocks hold undefined bytes: D must treat them as garbage. The caller must own
-(ARCHITECTURE.md §3) the source blocks on its side and the destination blocks on D's side for
+(by the engine's order) the source blocks on its side and the destination blocks on D's side for
 the whole call. A transport is used by one thread at a time and never closes the pool it was
 opened over (the caller owns it).
 """
