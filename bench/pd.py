@@ -33,6 +33,7 @@ import numpy as np
 
 from bench import pd_e2e
 from ipc import protocol
+from ipc.layout import KVLayout
 from ipc.registry import Registry
 from workers.backend import NumpyBackend, Pool, create_shm_pool
 from workers.kv_pool import coalesce, fmt_bytes
@@ -202,8 +203,13 @@ def fill_random(pool: Pool, seed: int) -> None:
         chunk[:] = rng.integers(0, 256, chunk.size, dtype=np.uint8)
 
 
+def _layout(args: argparse.Namespace) -> KVLayout:
+    """The blocks both pools hold (all KV heads in one rank's pool)."""
+    return KVLayout(args.num_layers, args.block_size, args.num_kv_heads, args.head_dim, np.dtype(args.dtype).name)
+
+
 def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
-    shape = (args.pool_blocks, args.num_layers, 2, args.block_size, args.num_kv_heads, args.head_dim)
+    shape = _layout(args).pool_shape(args.pool_blocks)
     notes: list[str] = []
     pair = Pair(shape, args.dtype, str(os.getpid()))
     senders: list = []
@@ -325,9 +331,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "e2e": extra, "notes": notes}))
     else:
-        bb = int(np.prod((args.num_layers, 2, args.block_size, args.num_kv_heads, args.head_dim))) * \
-            np.dtype(args.dtype).itemsize
-        print_table(rows, notes, args, bb)
+        print_table(rows, notes, args, _layout(args).block_bytes)
         print_extra(extra)
     return 0
 

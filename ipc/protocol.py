@@ -10,10 +10,14 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
+from .channel import Channel
 from .codec import Codec
 from .shm import Segment
 
 PROTOCOL = Codec()
+# the version of the contract below as a whole: a change to any message a channel carries
+# bumps it, and a process of another build is refused when it attaches to a node's channels
+PROTOCOL_VERSION = 1
 
 # ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
 CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
@@ -268,3 +272,28 @@ class SendDone:
     nbytes: int = 0
     seconds: float = 0.0
     error: str = ""
+
+
+# ---- the channels between the engine and the other processes of a rank -------------------------
+def worker_orders(rank: int) -> Channel:
+    return Channel(to_worker(rank), (StepBatch, Shutdown), PROTOCOL, PROTOCOL_VERSION)
+
+
+def worker_answers(rank: int) -> Channel:
+    return Channel(from_worker(rank), (StepResult,), PROTOCOL, PROTOCOL_VERSION)
+
+
+def transfer_orders(rank: int) -> Channel:
+    return Channel(to_transfer(rank), (TransferTask, Shutdown), PROTOCOL, PROTOCOL_VERSION)
+
+
+def transfer_answers(rank: int) -> Channel:
+    return Channel(from_transfer(rank), (TransferDone, StorageKeys), PROTOCOL, PROTOCOL_VERSION)
+
+
+def messager_orders(rank: int) -> Channel:
+    return Channel(to_messager(rank), (SendBlocks, Shutdown), PROTOCOL, PROTOCOL_VERSION)
+
+
+def messager_answers(rank: int) -> Channel:
+    return Channel(from_messager(rank), (MessagerHello, SendDone), PROTOCOL, PROTOCOL_VERSION)

@@ -52,9 +52,9 @@ class PoolMaker(Protocol):
     """How the KV pools are sized and made; the launcher passes workers/' implementation in,
     so runtime/ never imports workers/."""
 
-    def bytes_needed(self, cfg: dict) -> int: ...
+    def bytes_needed(self, cfg: NodeConfig) -> int: ...
 
-    def create(self, reg: Registry, cfg: dict, progress: Callable[[str], None]) -> None: ...
+    def create(self, reg: Registry, cfg: NodeConfig, progress: Callable[[str], None]) -> None: ...
 
 
 @dataclass
@@ -144,7 +144,7 @@ class Node:
         cfg = self.cfg
         self.reg = reg = Registry.create(cfg.node)
         try:
-            _check_shm_room(shm_needs(cfg, self.pools.bytes_needed(cfg.to_dict())), cfg)
+            _check_shm_room(shm_needs(cfg, self.pools.bytes_needed(cfg)), cfg)
             P.publish_config(reg, cfg.to_dict())
             slots = len(P.proc_slots(cfg.tp))
             sig = self._sig
@@ -159,15 +159,15 @@ class Node:
                 Signal.create(reg, P.OWNERS_HOST, max(cfg.num_cpu_blocks, 1), np.int32)
             reg.create_doorbell(P.ENGINE_BELL)
             for r in range(cfg.tp):
-                Ring.create(reg, P.to_worker(r), RING_BYTES)
-                Ring.create(reg, P.from_worker(r), RING_BYTES, bell=P.ENGINE_BELL)
+                pairs = [(P.worker_orders(r), P.worker_answers(r))]
                 if cfg.needs_transfer:
-                    Ring.create(reg, P.to_transfer(r), RING_BYTES)
-                    Ring.create(reg, P.from_transfer(r), RING_BYTES, bell=P.ENGINE_BELL)
+                    pairs.append((P.transfer_orders(r), P.transfer_answers(r)))
                 if cfg.disaggregated:
-                    Ring.create(reg, P.to_messager(r), RING_BYTES)
-                    Ring.create(reg, P.from_messager(r), RING_BYTES, bell=P.ENGINE_BELL)
-            self.pools.create(reg, cfg.to_dict(), self.progress)
+                    pairs.append((P.messager_orders(r), P.messager_answers(r)))
+                for orders, answers in pairs:
+                    orders.create(reg, RING_BYTES)
+                    answers.create(reg, RING_BYTES, bell=P.ENGINE_BELL)
+            self.pools.create(reg, cfg, self.progress)
         except BaseException:
             self.unlink()
             raise

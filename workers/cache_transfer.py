@@ -20,10 +20,10 @@ import time
 import numpy as np
 
 from ipc import protocol
+from ipc.channel import Receiver, Sender
 from ipc.errors import ProtocolError
 from ipc.ownership import OwnershipError, check_owners
 from ipc.protocol import StorageKeys, TransferDone, TransferTask
-from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 
 from .child import Child, run_child
@@ -41,13 +41,13 @@ class CacheTransfer:
         cfg, reg, rank = child.cfg, child.reg, child.rank
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
-        self.storage = open_storage(cfg.get("storage", ""), rank)
+        self.storage = open_storage(cfg.storage, rank)
         self.owners: dict[str, np.ndarray] = {}
-        if cfg.get("check_ownership"):
+        if cfg.check_ownership:
             self.owners = {"device": _owner_table(reg, protocol.OWNERS_DEVICE, rank),
                            "host": _owner_table(reg, protocol.OWNERS_HOST, rank)}
-        self.tasks = Consumer.attach(reg, protocol.to_transfer(rank))
-        self.answers = Producer.attach(reg, protocol.from_transfer(rank))
+        self.tasks = Receiver.attach(reg, protocol.transfer_orders(rank))
+        self.answers = Sender.attach(reg, protocol.transfer_answers(rank))
 
     def close(self) -> None:
         """Close the answer ring (the engine's wait ends at once), detach everything else."""
@@ -62,7 +62,7 @@ class CacheTransfer:
         log.info("serving %s: device pool %d blocks, host pool %s, storage %s, ownership checks %s",
                  self.tasks.name, self.device.num_blocks,
                  f"{self.host.num_blocks} blocks" if self.host is not None else "none",
-                 self.child.cfg.get("storage") or "none", "on" if self.owners else "off")
+                 self.child.cfg.storage or "none", "on" if self.owners else "off")
         self._list_storage()
         self.child.set_ready()
         return self.child.serve_orders(self.tasks, self.answers, {TransferTask: self.execute})

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -60,8 +60,15 @@ def machine_id() -> str:
 
 def pool_layout(pool: Pool) -> dict[str, Any]:
     """The facts about a pool a peer needs to check that blocks fit: count, shape, dtype, size."""
-    return {"num_blocks": pool.num_blocks, "block_shape": [int(d) for d in pool.array.shape[1:]],
-            "dtype": np.dtype(pool.array.dtype).str, "block_bytes": pool.block_bytes}
+    return array_layout(pool.array.shape, pool.array.dtype)
+
+
+def array_layout(shape: Sequence[int], dtype: Any) -> dict[str, Any]:
+    """`pool_layout` of a pool of `shape` ([blocks, *block_shape]) and `dtype`, also one not
+    opened here (a peer's, from its registry entry)."""
+    block_shape = [int(d) for d in shape[1:]]
+    return {"num_blocks": int(shape[0]), "block_shape": block_shape, "dtype": np.dtype(dtype).str,
+            "block_bytes": int(np.prod(block_shape)) * np.dtype(dtype).itemsize}
 
 
 def describe_layout(layout: dict) -> str:

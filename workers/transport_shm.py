@@ -28,7 +28,7 @@ from ipc.registry import Registry, pid_alive
 from ipc.shm import SHM_DIR
 
 from .backend import Pool
-from .transport import (TransferError, Transport, check_deadline, check_descriptor, check_same_layout,
+from .transport import (TransferError, Transport, array_layout, check_deadline, check_descriptor, check_same_layout,
                         machine_id, plan_runs, pool_layout)
 
 
@@ -150,9 +150,8 @@ class ShmTransport(Transport):
             if theirs_backend != self.pool.backend.name:
                 raise TransferError(f"peer {who} keeps its pool in {theirs_backend} memory, {self.who} in "
                                     f"{self.pool.backend.name} memory: shm needs both on one kind")
-            theirs = {"num_blocks": info.shape[0], "block_shape": list(info.shape[1:]), "dtype": info.dtype,
-                      "block_bytes": int(np.prod(info.shape[1:])) * np.dtype(info.dtype).itemsize}
-            check_same_layout(pool_layout(self.pool), f"{self.who} ({self.pool.name})", theirs,
+            check_same_layout(pool_layout(self.pool), f"{self.who} ({self.pool.name})",
+                              array_layout(info.shape, info.dtype),
                               f"{who} ({info.name})")
             try:
                 pool = self.pool.backend.open_device_pool(reg, obj)
