@@ -1,7 +1,8 @@
 """The life of a child process of a node, shared by every role in workers/.
 
-A child is started by the launcher as `python -m workers.<role> --node NAME --rank R
---log-level L` (no fork, nothing pickled). It joins the node through `ipc.member.Member`
+A child is started by the launcher as the program `workers.<role> --node NAME --rank R
+--log-level L`, run as `python -m` would but with kvrt's own install location first on
+sys.path (no fork, nothing pickled; `runtime.node.child_command`). It joins the node through `ipc.member.Member`
 (PROCS row, HEARTBEAT, READY), serves, and leaves cleanly however it stops: an order
 (Shutdown), a closed ring, SIGTERM (also what PR_SET_PDEATHSIG sends when the launcher dies),
 or orphanhood.
