@@ -37,7 +37,7 @@ from ipc.layout import KVLayout
 from ipc.registry import Registry
 from workers.backend import NumpyBackend, Pool, create_shm_pool
 from workers.kv_pool import coalesce, fmt_bytes
-from workers.transport import TransferError, open_transport
+from workers.transport import Endpoint, TransferError, open_transport
 
 WAIT_S = 60.0
 _HDR = struct.Struct("<q")
@@ -90,7 +90,7 @@ def serve(node: str) -> int:
     info: dict = {}
     mc = None
     try:
-        mc = open_transport("mooncake", pool, {"node": node, "rank": 0, "host": "127.0.0.1"})
+        mc = open_transport("mooncake", pool, Endpoint(node, 0, host="127.0.0.1"))
         info["mooncake"] = mc.descriptor()
     except TransferError as e:
         info["mooncake_error"] = str(e)
@@ -219,9 +219,9 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
         n, bb = args.blocks, p.block_bytes
         fill_random(p, 1)
         remote = pair.start_receiver()
-        shm_rx = open_transport("shm", d, {"node": pair.d_node, "rank": 0})
+        shm_rx = open_transport("shm", d, Endpoint(pair.d_node, 0))
         senders.append(shm_rx)
-        shm_tx = open_transport("shm", p, {"node": pair.p_node, "rank": 0})
+        shm_tx = open_transport("shm", p, Endpoint(pair.p_node, 0))
         senders.append(shm_tx)
         shm_desc = shm_rx.descriptor()
         fns: dict[str, Callable[[np.ndarray, np.ndarray], object]] = {
@@ -229,7 +229,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
             "shm": lambda s, t: shm_tx.write_blocks(shm_desc, s, t),
         }
         if "mooncake" in remote:
-            mc_tx = open_transport("mooncake", p, {"node": pair.p_node, "rank": 0, "host": "127.0.0.1"},
+            mc_tx = open_transport("mooncake", p, Endpoint(pair.p_node, 0, host="127.0.0.1"),
                                    timeout_s=WAIT_S)
             senders.append(mc_tx)
             fns["mooncake"] = lambda s, t: mc_tx.write_blocks(remote["mooncake"], s, t)

@@ -27,7 +27,7 @@ from ipc.channel import Receiver, Sender
 
 from .child import Child, run_child
 from .kv_pool import attach_pools
-from .transport import TransferError, open_transport
+from .transport import Endpoint, TransferError, open_transport
 
 log = logging.getLogger("workers.cache_messager")
 
@@ -41,8 +41,8 @@ class CacheMessager:
         # a write must end before the engine gives up on it (and so before D's lease ends)
         options = {"timeout_s": cfg.rank_timeout} if cfg.pd_transport == "mooncake" else {}
         self.transport = open_transport(cfg.pd_transport, self.device,
-                                        {"node": cfg.node, "rank": rank, "host": _reachable(cfg.host),
-                                         "bind": cfg.host, "instance": f"{reg.owner_pid}:{reg.owner_start_ms}"},
+                                        Endpoint(cfg.node, rank, host=_reachable(cfg.host), bind=cfg.host,
+                                                 instance=f"{reg.owner_pid}:{reg.owner_start_ms}"),
                                         **options)
         self.orders = Receiver.attach(reg, P.messager_orders(rank))
         self.answers = Sender.attach(reg, P.messager_answers(rank))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -76,22 +77,35 @@ def describe_layout(layout: dict) -> str:
     return f"{layout.get('num_blocks', '?')} blocks of [{shape}] {np.dtype(layout.get('dtype', 'u1')).name}"
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """This end of a transport: which node and rank it serves, the address peers reach it at
+    (mooncake), the interface to bind ("" for `host`), and which run of the node it is
+    ("" for none; shm block ids are only valid within one run)."""
+
+    node: str
+    rank: int = 0
+    host: str = "127.0.0.1"
+    bind: str = ""
+    instance: str = ""
+
+
 class Transport(ABC):
     """One rank's end of P->D block transfers, opened over that rank's device pool."""
 
     name = ""
 
-    def __init__(self, pool: Pool, local: dict):
+    def __init__(self, pool: Pool, local: Endpoint):
         if pool.array is None:
             raise TransferError(f"{self.name} transport: pool {pool.name} is closed")
         self.pool = pool
-        self.local = dict(local)
+        self.local = local
         self.closed = False
 
     @property
     def who(self) -> str:
         """This end, for messages: node and rank."""
-        return f"node {self.local.get('node', '?')} rank {self.local.get('rank', 0)}"
+        return f"node {self.local.node} rank {self.local.rank}"
 
     def layout(self) -> dict[str, Any]:
         return pool_layout(self.pool)
@@ -121,11 +135,10 @@ class Transport(ABC):
         self.close()
 
 
-def open_transport(kind: str, pool: Pool, local: dict, **options: Any) -> Transport:
+def open_transport(kind: str, pool: Pool, local: Endpoint, **options: Any) -> Transport:
     """Open a transport of `kind` ("shm" or "mooncake") over this rank's device `pool`.
 
-    `local` names this end: {"node": ..., "rank": ...}, plus for mooncake the address peers
-    reach it at, {"host": "127.0.0.1"} by default. Options: mooncake takes `protocol` ("tcp"
+    `local` names this end (for mooncake also the address peers reach it at). Options: mooncake takes `protocol` ("tcp"
     or "rdma"), `device` (RDMA NIC filter), `timeout_s`, `connect_timeout_s`; shm takes
     `liveness_interval_s`."""
     if kind == "shm":
