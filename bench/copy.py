@@ -27,7 +27,7 @@ import numpy as np
 from ipc import protocol
 from ipc.protocol import PROTOCOL, Shutdown, TransferTask
 from ipc.registry import Registry, process_start_ms
-from ipc.ring import Consumer, Producer, Ring
+from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from runtime.config import NodeConfig
 from workers.kv_pool import PoolMaker, attach_pools, copy_blocks, fmt_bytes
@@ -86,12 +86,12 @@ class BenchNode:
     """The smallest node a cache-transfer process can join: this process is its launcher and
     engine; the pools are the ones the in-process rows use."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
-        self.reg = Registry.create(cfg["node"])
+        self.reg = Registry.create(cfg.node)
         self.proc: subprocess.Popen | None = None
         try:
-            protocol.publish_config(self.reg, cfg)
+            protocol.publish_config(self.reg, cfg.to_dict())
             slots = len(protocol.proc_slots(1))
             procs = Signal.create(self.reg, protocol.PROCS, (slots, protocol.PROC_FIELDS), np.int64)
             Signal.create(self.reg, protocol.HEARTBEAT, slots, np.int64)
@@ -99,8 +99,8 @@ class BenchNode:
             Signal.create(self.reg, protocol.NODE_STATUS, protocol.STATUS_FIELDS, np.int64)
             PoolMaker().create(self.reg, cfg, lambda line: None)
             self.reg.create_doorbell(protocol.ENGINE_BELL)
-            Ring.create(self.reg, protocol.to_transfer(0), 1 << 20)
-            Ring.create(self.reg, protocol.from_transfer(0), 1 << 20, bell=protocol.ENGINE_BELL)
+            protocol.transfer_orders(0).create(self.reg, 1 << 20)
+            protocol.transfer_answers(0).create(self.reg, 1 << 20, bell=protocol.ENGINE_BELL)
             procs.array[0, protocol.PROC_START] = process_start_ms(os.getpid())
             procs.array[0, protocol.PROC_PID] = os.getpid()
             self.ready.array[0] = 1
@@ -112,7 +112,7 @@ class BenchNode:
 
     def start_transfer(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "workers.cache_transfer", "--node",
-                                      self.cfg["node"], "--rank", "0", "--log-level", "WARNING"])
+                                      self.cfg.node, "--rank", "0", "--log-level", "WARNING"])
         slot = protocol.slot_of(1, protocol.ROLE_TRANSFER, 0)
         deadline = time.monotonic() + WAIT_S
         while not self.ready.array[slot]:
@@ -151,7 +151,7 @@ class BenchNode:
 def end_to_end(node: BenchNode, counts: list[int], tasks: int, block_bytes: int,
                rng: np.random.Generator) -> list[Row]:
     rows = []
-    n_dev, n_host = node.cfg["num_gpu_blocks"], node.cfg["num_cpu_blocks"]
+    n_dev, n_host = node.cfg.num_gpu_blocks, node.cfg.num_cpu_blocks
     tid = 0
     for n in counts:
         k = max(10, min(tasks, E2E_BYTES // (n * block_bytes)))
@@ -207,7 +207,7 @@ def main(argv: list[str]) -> int:
                      num_cpu_blocks=args.pool_blocks, num_layers=args.num_layers, block_size=args.block_size,
                      num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype).validate()
     rng = np.random.default_rng(0)
-    node = BenchNode(cfg.to_dict())
+    node = BenchNode(cfg)
     try:
         dev, host = attach_pools(node.reg, 0, node.cfg)
         try:

@@ -33,10 +33,11 @@ import numpy as np
 
 from bench import pd_e2e
 from ipc import protocol
+from ipc.layout import KVLayout
 from ipc.registry import Registry
 from workers.backend import NumpyBackend, Pool, create_shm_pool
 from workers.kv_pool import coalesce, fmt_bytes
-from workers.transport import TransferError, open_transport
+from workers.transport import Endpoint, TransferError, open_transport
 
 WAIT_S = 60.0
 _HDR = struct.Struct("<q")
@@ -89,7 +90,7 @@ def serve(node: str) -> int:
     info: dict = {}
     mc = None
     try:
-        mc = open_transport("mooncake", pool, {"node": node, "rank": 0, "host": "127.0.0.1"})
+        mc = open_transport("mooncake", pool, Endpoint(node, 0, host="127.0.0.1"))
         info["mooncake"] = mc.descriptor()
     except TransferError as e:
         info["mooncake_error"] = str(e)
@@ -202,8 +203,13 @@ def fill_random(pool: Pool, seed: int) -> None:
         chunk[:] = rng.integers(0, 256, chunk.size, dtype=np.uint8)
 
 
+def _layout(args: argparse.Namespace) -> KVLayout:
+    """The blocks both pools hold (all KV heads in one rank's pool)."""
+    return KVLayout(args.num_layers, args.block_size, args.num_kv_heads, args.head_dim, np.dtype(args.dtype).name)
+
+
 def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
-    shape = (args.pool_blocks, args.num_layers, 2, args.block_size, args.num_kv_heads, args.head_dim)
+    shape = _layout(args).pool_shape(args.pool_blocks)
     notes: list[str] = []
     pair = Pair(shape, args.dtype, str(os.getpid()))
     senders: list = []
@@ -213,9 +219,9 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
         n, bb = args.blocks, p.block_bytes
         fill_random(p, 1)
         remote = pair.start_receiver()
-        shm_rx = open_transport("shm", d, {"node": pair.d_node, "rank": 0})
+        shm_rx = open_transport("shm", d, Endpoint(pair.d_node, 0))
         senders.append(shm_rx)
-        shm_tx = open_transport("shm", p, {"node": pair.p_node, "rank": 0})
+        shm_tx = open_transport("shm", p, Endpoint(pair.p_node, 0))
         senders.append(shm_tx)
         shm_desc = shm_rx.descriptor()
         fns: dict[str, Callable[[np.ndarray, np.ndarray], object]] = {
@@ -223,7 +229,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
             "shm": lambda s, t: shm_tx.write_blocks(shm_desc, s, t),
         }
         if "mooncake" in remote:
-            mc_tx = open_transport("mooncake", p, {"node": pair.p_node, "rank": 0, "host": "127.0.0.1"},
+            mc_tx = open_transport("mooncake", p, Endpoint(pair.p_node, 0, host="127.0.0.1"),
                                    timeout_s=WAIT_S)
             senders.append(mc_tx)
             fns["mooncake"] = lambda s, t: mc_tx.write_blocks(remote["mooncake"], s, t)
@@ -325,9 +331,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "e2e": extra, "notes": notes}))
     else:
-        bb = int(np.prod((args.num_layers, 2, args.block_size, args.num_kv_heads, args.head_dim))) * \
-            np.dtype(args.dtype).itemsize
-        print_table(rows, notes, args, bb)
+        print_table(rows, notes, args, _layout(args).block_bytes)
         print_extra(extra)
     return 0
 

@@ -1,5 +1,5 @@
 """Fan-in: one consumer reading several SPSC rings fairly (a many-to-one edge is one ring per
-producer, ARCHITECTURE.md §2).
+producer: a ring has exactly one producer, so it needs no lock).
 
 Fairness: each `get` starts scanning after the ring served last, so one busy producer cannot
 starve the others. Sleeping: the rings are created with one shared doorbell, so the consumer

@@ -3,7 +3,7 @@ flag, and the checks that tell it the node is gone.
 
 Every child (engine, worker, cache-transfer, cache-messager) joins the same way, so status
 readers find every process in one table and a child whose launcher died notices by itself
-(an orphan must exit, not spin: REFERENCE_SYSTEM.md §6, #4401).
+(an orphan must exit, not spin: nobody will send it an order or unlink its memory).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import time
 
 from . import protocol as P
+from .config import NodeConfig
 from .errors import IpcError
 from .registry import Registry, pid_alive, process_start_ms
 from .signals import Signal
@@ -20,12 +21,12 @@ log = logging.getLogger(__name__)
 
 
 class Member:
-    def __init__(self, reg: Registry, config: dict, role: int, rank: int):
+    def __init__(self, reg: Registry, config: NodeConfig, role: int, rank: int):
         self.reg = reg
         self.config = config
         self.role = role
         self.rank = rank
-        self.tp = int(config["tp"])
+        self.tp = config.tp
         self.slot = P.slot_of(self.tp, role, rank)
         self.procs = Signal.attach(reg, P.PROCS)
         self.heartbeat = Signal.attach(reg, P.HEARTBEAT)
@@ -46,7 +47,7 @@ class Member:
     @classmethod
     def join(cls, node: str, role: int, rank: int) -> "Member":
         reg = Registry.attach(node)
-        return cls(reg, P.read_config(reg), role, rank)
+        return cls(reg, NodeConfig.read(reg), role, rank)
 
     @property
     def name(self) -> str:

@@ -11,17 +11,21 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
+from .channel import Channel
 from .codec import Codec
 from .shm import Segment
 
 PROTOCOL = Codec()
+# the version of the contract below as a whole: a change to any message a channel carries
+# bumps it, and a process of another build is refused when it attaches to a node's channels
+PROTOCOL_VERSION = 1
 
 # ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
 CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
 PROCS = "procs"              # int64[slots, PROC_FIELDS]: pid, role, rank, start_ms
 HEARTBEAT = "heartbeat"      # int64[slots]: CLOCK_MONOTONIC ns of each process's last beat
 READY = "ready"              # int32[slots]: 1 once a process is up
-NODE_STATUS = "node_status"  # int64[STATUS_FIELDS]: node state, prefix-tree state, ...
+NODE_STATUS = "node_status"  # int64[STATUS_FIELDS]: node state, launcher heartbeat
 ENGINE_BELL = "engine.bell"  # the doorbell every ring into the engine shares (fan-in)
 OWNERS_DEVICE = "owners.device"  # int32[blocks] debug ownership table (KVRT_CHECK_OWNERSHIP=1)
 OWNERS_HOST = "owners.host"
@@ -106,11 +110,9 @@ def slot_of(tp: int, role: int, rank: int) -> int:
 
 
 # ---- status words (NODE_STATUS indices and values) ----------------------------------------
-ST_NODE, ST_PREFIX_TREE, ST_LAUNCHER_BEAT = 0, 1, 2  # ST_LAUNCHER_BEAT: CLOCK_MONOTONIC ns, while running
+ST_NODE, ST_LAUNCHER_BEAT = 0, 2  # ST_LAUNCHER_BEAT: CLOCK_MONOTONIC ns, while running
 STATUS_FIELDS = 8
 NODE_STARTING, NODE_RUNNING, NODE_STOPPING = 0, 1, 2
-# prefix tree / KV cache status words, as in the reference system
-TREE_NORMAL, TREE_UPDATING, TREE_CLEARING, TREE_CLEARED = 0, 1, -1, -2
 
 # ---- block owners (debug ownership table) -------------------------------------------------
 OWNER_FREE, OWNER_WORKER, OWNER_TRANSFER, OWNER_MESSAGER, OWNER_CACHE = 0, 1, 2, 3, 4
@@ -298,3 +300,28 @@ class SendDone:
     nbytes: int = 0
     seconds: float = 0.0
     error: str = ""
+
+
+# ---- the channels between the engine and the other processes of a rank -------------------------
+def worker_orders(rank: int) -> Channel:
+    return Channel(to_worker(rank), (StepBatch, Shutdown), PROTOCOL, PROTOCOL_VERSION)
+
+
+def worker_answers(rank: int) -> Channel:
+    return Channel(from_worker(rank), (StepResult,), PROTOCOL, PROTOCOL_VERSION)
+
+
+def transfer_orders(rank: int) -> Channel:
+    return Channel(to_transfer(rank), (TransferTask, Shutdown), PROTOCOL, PROTOCOL_VERSION)
+
+
+def transfer_answers(rank: int) -> Channel:
+    return Channel(from_transfer(rank), (TransferDone, StorageKeys), PROTOCOL, PROTOCOL_VERSION)
+
+
+def messager_orders(rank: int) -> Channel:
+    return Channel(to_messager(rank), (SendBlocks, Shutdown), PROTOCOL, PROTOCOL_VERSION)
+
+
+def messager_answers(rank: int) -> Channel:
+    return Channel(from_messager(rank), (MessagerHello, SendDone), PROTOCOL, PROTOCOL_VERSION)

@@ -167,10 +167,6 @@ class Registry:
     def owner_start_ms(self) -> int:
         return self._region.load64(_OFF_START)
 
-    @property
-    def created_ns(self) -> int:
-        return self._region.load64(_OFF_CREATED)
-
     def owner_alive(self) -> bool:
         """True if the owner holds the registry lock or its pid (from the header) runs."""
         return lock_held(self._seg.name) or pid_alive(self.owner_pid, self._region.load64(_OFF_START))

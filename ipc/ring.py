@@ -1,6 +1,6 @@
 """Bounded single-producer single-consumer ring of variable-length records in one segment.
 
-Why this shape (ARCHITECTURE.md §5):
+Why this shape:
 - SPSC needs no read-modify-write on the data path: the producer alone writes `tail`, the
   consumer alone writes `head`; a store-release of the index publishes the bytes before it,
   and the other side's load-acquire sees them. Each side caches the other's index and only
@@ -78,11 +78,13 @@ class Ring:
     """Owner handle: creates the segment and doorbells, registered under the node."""
 
     @staticmethod
-    def create(reg: Registry, obj: str, capacity: int = 1 << 20, bell: str | None = None) -> ObjectInfo:
+    def create(reg: Registry, obj: str, capacity: int = 1 << 20, bell: str | None = None,
+               meta: dict | None = None) -> ObjectInfo:
         """Create ring `obj` with `capacity` data bytes (a power of two >= 4 KiB).
 
         `bell` names an existing doorbell (short name) shared by several rings that one
-        consumer polls together (fan-in); by default the ring gets its own."""
+        consumer polls together (fan-in); by default the ring gets its own. `meta` adds facts
+        to its registry entry (a channel's protocol version)."""
         if capacity < 4096 or capacity & (capacity - 1):
             raise ValueError(f"ring {obj}: capacity must be a power of two >= 4096, got {capacity}")
         if bell is None:
@@ -90,7 +92,7 @@ class Ring:
             reg.create_doorbell(bell)
         space = f"{obj}.space"
         reg.create_doorbell(space)
-        meta = {"capacity": capacity, "bell": reg.name_of(bell), "space": reg.name_of(space)}
+        meta = {**(meta or {}), "capacity": capacity, "bell": reg.name_of(bell), "space": reg.name_of(space)}
         seg = reg.create_segment(obj, HEADER + capacity, kind="ring", meta=meta)
         r = Region(seg.mm)
         r.store64(_CAP, capacity)
@@ -481,10 +483,6 @@ class Consumer(_End):
     @property
     def producer_pid(self) -> int:
         return self._r.load64(_PROD_PID)
-
-    def check_producer(self) -> None:
-        """Raise ChannelClosed / PeerDead if no record can come any more."""
-        self._peer_gone(_PROD_PID, _PROD_START, "producer")
 
     def set_sleeping(self, on: bool) -> None:
         """Eventcount announcement, for waiters (FanIn) that sleep on a shared doorbell."""

@@ -1,12 +1,14 @@
-"""The node configuration: one dataclass, validated once by the launcher, published to every
-child through the CONFIG segment as a plain dict (so workers/ never imports runtime/)."""
+"""The node configuration's validation and identity: the typed fields live in ipc/config.py,
+where workers/ reads them too (workers/ never imports runtime/); what needs runtime/ (the PD
+secret, the model identity) is added here, and the launcher validates once before publishing."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 
 import numpy as np
+
+from ipc import config
 
 from .hashing import ModelIdentity
 
@@ -21,43 +23,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the option and the value."""
 
 
-@dataclass
-class NodeConfig:
-    node: str
-    role: str = "mixed"
-    tp: int = 1
-    device: str = "cpu"
-    block_size: int = 16
-    num_gpu_blocks: int = 512  # on a GPU the launcher's default comes from gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9  # share of a GPU's free memory the default device pool takes
-    num_cpu_blocks: int = 0
-    storage: str = ""
-    host: str = "127.0.0.1"  # interface the client API (and the PD handshake) listen on
-    port: int = 0
-    metrics_port: int = 0
-    log_dir: str = ""
-    # model shape (the KV pools' block shape follows from it)
-    num_layers: int = 4
-    num_kv_heads: int = 4
-    head_dim: int = 32
-    dtype: str = "float32"
-    vocab_size: int = 512
-    max_model_len: int = 4096
-    model_seed: int = 0
-    # scheduling
-    max_num_seqs: int = 32             # sequences in one step
-    max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
-    # prefill/decode disaggregation
-    decode_peer: str = ""        # P: the D node's client API address, tcp://HOST:PORT
-    pd_transport: str = "shm"    # how P's cache-messagers write into D's pools: shm or mooncake
-    pd_timeout: float = 30.0     # P's wait for D's blocks; D's lease on blocks awaiting KV
-    pd_secret_file: str = ""     # the peers' shared secret (else $KVRT_PD_SECRET); PD roles need one
-    pd_peer_max_blocks: int = 0  # D: blocks one peer may hold at once (0: half the device pool)
-    pd_peer_max_preallocs: int = 16  # D: preallocations one peer may have waiting for kv-ready
-    check_ownership: bool = False
-    ready_timeout: float = 60.0
-    rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
-    hang_timeout: float = 5.0   # a ready process whose heartbeat is older than this is hung
+class NodeConfig(config.NodeConfig):
+    """The typed node configuration (ipc/config.py) plus what only the launcher and the engine
+    need: validation of user input and the model identity block keys are rooted in."""
 
     def validate(self) -> "NodeConfig":
         from ipc.shm import validate_node_name
@@ -167,11 +135,6 @@ class NodeConfig:
             raise ConfigError(f"--tp {self.tp}: this node would need {len(objs)} shared objects but a node's "
                               f"registry holds {MAX_ENTRIES}; lower --tp")
 
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        """One block of one rank: [layers, K/V, block_size, kv_heads_per_rank, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads // self.tp, self.head_dim)
-
     def identity(self) -> ModelIdentity:
         """What this node's KV blocks are: the model (the reference model's weights are a
         function of its seed and shape), the KV layout, the block size and the tp layout."""
@@ -186,30 +149,6 @@ class NodeConfig:
         """Root of this node's block-key chain (computed once; the config does not change
         after validation)."""
         return self.identity().key_root()
-
-    @property
-    def block_bytes(self) -> int:
-        return int(np.prod(self.block_shape)) * np.dtype(self.dtype).itemsize
-
-    @property
-    def disaggregated(self) -> bool:
-        return self.role != "mixed"
-
-    @property
-    def peer_max_blocks(self) -> int:
-        return self.pd_peer_max_blocks or max(1, self.num_gpu_blocks // 2)
-
-    @property
-    def needs_transfer(self) -> bool:
-        return self.num_cpu_blocks > 0 or bool(self.storage)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "NodeConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def _choice(name: str, value: str, allowed: tuple) -> None:

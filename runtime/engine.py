@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ipc import protocol as P
+from ipc.channel import Receiver, Sender
 from ipc.errors import ChannelClosed, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
 from ipc.fanin import FanIn
 from ipc.member import Member
@@ -81,21 +82,21 @@ class Engine:
     def __init__(self, member: Member, stop: StopRequest | None = None):
         self.member = member
         self.stop = stop if stop is not None else StopRequest()
-        self.cfg = NodeConfig.from_dict(member.config)
+        self.cfg = NodeConfig.from_dict(member.config.to_dict())
         reg = member.reg
         tp = self.cfg.tp
         self.stats = Signal.attach(reg, P.ENGINE_STATS)
-        self.to_workers = [Producer.attach(reg, P.to_worker(r)) for r in range(tp)]
-        inbound = [Consumer.attach(reg, P.from_worker(r)) for r in range(tp)]
+        self.to_workers = [Sender.attach(reg, P.worker_orders(r)).ring for r in range(tp)]
+        inbound = [Receiver.attach(reg, P.worker_answers(r)).ring for r in range(tp)]
         self.to_transfer: list[Producer] = []
         if self.cfg.needs_transfer:
-            self.to_transfer = [Producer.attach(reg, P.to_transfer(r)) for r in range(tp)]
-            inbound += [Consumer.attach(reg, P.from_transfer(r)) for r in range(tp)]
+            self.to_transfer = [Sender.attach(reg, P.transfer_orders(r)).ring for r in range(tp)]
+            inbound += [Receiver.attach(reg, P.transfer_answers(r)).ring for r in range(tp)]
         kind = connector_class(self.cfg.role)
         self.to_messagers: list[Producer] = []  # the connector's own ranks
         if kind.has_ranks:
-            self.to_messagers = [Producer.attach(reg, P.to_messager(r)) for r in range(tp)]
-            inbound += [Consumer.attach(reg, P.from_messager(r)) for r in range(tp)]
+            self.to_messagers = [Sender.attach(reg, P.messager_orders(r)).ring for r in range(tp)]
+            inbound += [Receiver.attach(reg, P.messager_answers(r)).ring for r in range(tp)]
         self.inbound = inbound
         self.fan = FanIn(inbound)
         self.owners = self._owner_tables()

@@ -52,9 +52,9 @@ class PoolMaker(Protocol):
     """How the KV pools are sized and made; the launcher passes workers/' implementation in,
     so runtime/ never imports workers/."""
 
-    def bytes_needed(self, cfg: dict) -> int: ...
+    def bytes_needed(self, cfg: NodeConfig) -> int: ...
 
-    def create(self, reg: Registry, cfg: dict, progress: Callable[[str], None]) -> None: ...
+    def create(self, reg: Registry, cfg: NodeConfig, progress: Callable[[str], None]) -> None: ...
 
 
 @dataclass
@@ -107,6 +107,21 @@ def _pages(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+# `python -m` would put the working directory first on sys.path, so a `workers/` or `runtime/`
+# package in the folder `kvrt launch` runs from would be imported instead of kvrt's own. The
+# children put kvrt's install location there instead; it works on every supported Python
+# (-P / PYTHONSAFEPATH needs 3.11).
+KVRT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BOOT = ("import runpy, sys; sys.path[0] = sys.argv.pop(1); "
+         "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def child_command(module: str, args: Sequence[str]) -> list[str]:
+    """The command line that runs kvrt's `module` as a program with `args`, importing kvrt's
+    own modules whatever the working directory holds."""
+    return [sys.executable, "-c", _BOOT, KVRT_ROOT, module, *args]
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -129,7 +144,7 @@ class Node:
         cfg = self.cfg
         self.reg = reg = Registry.create(cfg.node)
         try:
-            _check_shm_room(shm_needs(cfg, self.pools.bytes_needed(cfg.to_dict())), cfg)
+            _check_shm_room(shm_needs(cfg, self.pools.bytes_needed(cfg)), cfg)
             P.publish_config(reg, cfg.to_dict())
             slots = len(P.proc_slots(cfg.tp))
             sig = self._sig
@@ -144,15 +159,15 @@ class Node:
                 Signal.create(reg, P.OWNERS_HOST, max(cfg.num_cpu_blocks, 1), np.int32)
             reg.create_doorbell(P.ENGINE_BELL)
             for r in range(cfg.tp):
-                Ring.create(reg, P.to_worker(r), RING_BYTES)
-                Ring.create(reg, P.from_worker(r), RING_BYTES, bell=P.ENGINE_BELL)
+                pairs = [(P.worker_orders(r), P.worker_answers(r))]
                 if cfg.needs_transfer:
-                    Ring.create(reg, P.to_transfer(r), RING_BYTES)
-                    Ring.create(reg, P.from_transfer(r), RING_BYTES, bell=P.ENGINE_BELL)
+                    pairs.append((P.transfer_orders(r), P.transfer_answers(r)))
                 if cfg.disaggregated:
-                    Ring.create(reg, P.to_messager(r), RING_BYTES)
-                    Ring.create(reg, P.from_messager(r), RING_BYTES, bell=P.ENGINE_BELL)
-            self.pools.create(reg, cfg.to_dict(), self.progress)
+                    pairs.append((P.messager_orders(r), P.messager_answers(r)))
+                for orders, answers in pairs:
+                    orders.create(reg, RING_BYTES)
+                    answers.create(reg, RING_BYTES, bell=P.ENGINE_BELL)
+            self.pools.create(reg, cfg, self.progress)
         except BaseException:
             self.unlink()
             raise
@@ -179,7 +194,7 @@ class Node:
         if cfg.log_dir and not os.path.isdir(cfg.log_dir):
             os.makedirs(cfg.log_dir, mode=0o700)  # logs carry prompts' fates: the user's alone
         for role, rank, module in plan:
-            cmd = [sys.executable, "-m", module, "--node", cfg.node, "--log-level", level]
+            cmd = child_command(module, ["--node", cfg.node, "--log-level", level])
             if role != P.ROLE_ENGINE:
                 cmd += ["--rank", str(rank)]
             out = None

@@ -1,25 +1,22 @@
 """The ownership rule's race detector (KVRT_CHECK_OWNERSHIP=1).
 
-Every block has one owner at a time (ARCHITECTURE.md §3) and only the engine changes it, by
-sending an order. In debug mode the engine keeps each block's owner in a shared int32 array:
+Every block has one owner at a time (no lock: who may touch it is carried by messages) and
+only the engine changes it, by sending an order. In debug mode the engine keeps each block's owner in a shared int32 array:
 before it sends anything it syncs the array from the prefix cache's own account of every
 block (`PrefixCache.block_roles`), then checks each new hand-over against the owners it may
 come from, and each step against what a step may touch; the process that receives an order
 checks it really owns the blocks before touching them. A wrong order (swapping out a block the
 worker is computing into, recording a block before its KV is written, scheduling a block that
 is still being swapped in) fails loudly at once instead of producing silently wrong KV, the
-bug class the reference system's lock used to hide.
+bug class a cross-process lock would hide.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ipc import protocol as P
+from ipc.ownership import OwnershipError, check_owners
 from runtime import prefix_cache as pc
-
-
-class OwnershipError(AssertionError):
-    """A hand-over broke the ownership rule; names the blocks, their owners and the order."""
 
 
 def _sources(kind: P.TaskKind, tier: str) -> set[int]:
@@ -68,14 +65,7 @@ class OwnerTable:
         if len(blocks) == 0:
             return
         blocks = np.asarray(blocks)
-        current = self.owners[blocks]
-        bad = ~np.isin(current, list(allowed_from))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise OwnershipError(
-                f"{order}: {self.tier} block {int(blocks[i])} is owned by {P.OWNER_NAMES[int(current[i])]}, "
-                f"may only come from {sorted(P.OWNER_NAMES[o] for o in allowed_from)} to go to "
-                f"{P.OWNER_NAMES[to]} ({int(bad.sum())} block(s) wrong)")
+        check_owners(self.owners, blocks, self.tier, f"{order} (handing it to {P.OWNER_NAMES[to]})", allowed_from)
         self.owners[blocks] = to
 
     def sync(self, roles: np.ndarray) -> None:

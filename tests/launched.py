@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ipc.config import NodeConfig
 from runtime.client import Client, ClientError
 from runtime.status import snapshot
 from tests.conftest import REPO
@@ -111,7 +112,7 @@ def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: f
 
 def oracle(tp: int = 1) -> Model:
     """The model a node launched with SMALL (and `--tp tp`) runs, for dense reference answers."""
-    return Model(ModelShape.from_config({"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "tp": tp}))
+    return Model(ModelShape.from_config(NodeConfig(node="", num_layers=2, num_kv_heads=2, head_dim=16, tp=tp)))
 
 
 def shared_prefix_prompts(seed: int, systems: int = 3, users: int = 4, sys_len=(40, 90),

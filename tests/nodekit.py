@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ipc import protocol
-from ipc.broadcast import Broadcast
 from ipc.errors import IpcError
 from ipc.protocol import PROTOCOL, Shutdown, TransferDone
 from ipc.registry import Registry, process_start_ms
-from ipc.ring import Consumer, Producer, Ring
+from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from runtime.config import NodeConfig
 from tests.conftest import REPO
@@ -32,7 +31,7 @@ SMALL = dict(num_gpu_blocks=64, num_cpu_blocks=64, num_layers=2, num_kv_heads=2,
 @dataclass
 class NodeKit:
     reg: Registry
-    cfg: dict
+    cfg: NodeConfig
     log_dir: str
     signals: dict[str, Signal]
     pools: CreatedPools
@@ -43,26 +42,26 @@ class NodeKit:
     def create(cls, node: str, log_dir, **overrides) -> "NodeKit":
         """Registry, config, PROCS/HEARTBEAT/READY/NODE_STATUS, ownership tables (if asked),
         pools, and the task/answer rings of every rank; this process registers as the engine."""
-        cfg = NodeConfig(node=node, **{**SMALL, **overrides}).validate().to_dict()
+        cfg = NodeConfig(node=node, **{**SMALL, **overrides}).validate()
         reg = Registry.create(node)
         try:
-            protocol.publish_config(reg, cfg)
-            slots = len(protocol.proc_slots(cfg["tp"]))
+            protocol.publish_config(reg, cfg.to_dict())
+            slots = len(protocol.proc_slots(cfg.tp))
             sig = {
                 protocol.PROCS: Signal.create(reg, protocol.PROCS, (slots, protocol.PROC_FIELDS), np.int64),
                 protocol.HEARTBEAT: Signal.create(reg, protocol.HEARTBEAT, slots, np.int64),
                 protocol.READY: Signal.create(reg, protocol.READY, slots, np.int32),
                 protocol.NODE_STATUS: Signal.create(reg, protocol.NODE_STATUS, protocol.STATUS_FIELDS, np.int64),
             }
-            if cfg["check_ownership"]:
-                for obj, n in ((protocol.OWNERS_DEVICE, cfg["num_gpu_blocks"]),
-                               (protocol.OWNERS_HOST, max(cfg["num_cpu_blocks"], 1))):  # as the launcher
+            if cfg.check_ownership:
+                for obj, n in ((protocol.OWNERS_DEVICE, cfg.num_gpu_blocks),
+                               (protocol.OWNERS_HOST, max(cfg.num_cpu_blocks, 1))):  # as the launcher
                     sig[obj] = Signal.create(reg, obj, n, np.int32)
             pools = create_pools(reg, cfg, lambda line: None)
             reg.create_doorbell(protocol.ENGINE_BELL)
-            for r in range(cfg["tp"]):
-                Ring.create(reg, protocol.to_transfer(r), capacity=1 << 16)
-                Ring.create(reg, protocol.from_transfer(r), capacity=1 << 16, bell=protocol.ENGINE_BELL)
+            for r in range(cfg.tp):
+                protocol.transfer_orders(r).create(reg, 1 << 16)
+                protocol.transfer_answers(r).create(reg, 1 << 16, bell=protocol.ENGINE_BELL)
             engine = sig[protocol.PROCS].array[0]
             engine[protocol.PROC_ROLE] = protocol.ROLE_ENGINE
             engine[protocol.PROC_START] = process_start_ms(os.getpid())
@@ -75,7 +74,7 @@ class NodeKit:
 
     # ---- children -------------------------------------------------------------------------
     def slot(self, rank: int) -> int:
-        return protocol.slot_of(self.cfg["tp"], protocol.ROLE_TRANSFER, rank)
+        return protocol.slot_of(self.cfg.tp, protocol.ROLE_TRANSFER, rank)
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"cache-transfer.{rank}.log")
@@ -86,7 +85,7 @@ class NodeKit:
 
     def start_transfer(self, ranks: list[int] | None = None, timeout: float = 30.0) -> None:
         """Start cache-transfer for `ranks` (default: all) and wait until each is READY."""
-        ranks = list(range(self.cfg["tp"])) if ranks is None else ranks
+        ranks = list(range(self.cfg.tp)) if ranks is None else ranks
         for r in ranks:
             with open(self.log_path(r), "ab") as log:
                 self.procs[r] = subprocess.Popen(
@@ -94,7 +93,7 @@ class NodeKit:
                     cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         for r in ranks:
             self.wait_ready(r, timeout)
-            if self.cfg["storage"]:
+            if self.cfg.storage:
                 self.storage_listing(r)
 
     def storage_listing(self, rank: int) -> list[bytes]:
@@ -129,14 +128,15 @@ class NodeKit:
 
     def send(self, msg, ranks: list[int] | None = None) -> None:
         data = msg if isinstance(msg, bytes) else PROTOCOL.encode(msg)
-        for r in range(self.cfg["tp"]) if ranks is None else ranks:
+        for r in range(self.cfg.tp) if ranks is None else ranks:
             self.ends(r)[0].put(data, 5.0)
 
     def request(self, task, timeout: float = 20.0) -> list[TransferDone]:
         """Send `task` to every rank and return every rank's TransferDone, in rank order."""
-        ranks = range(self.cfg["tp"])
-        bc = Broadcast([self.ends(r)[0] for r in ranks], [self.ends(r)[1] for r in ranks])
-        return [PROTOCOL.decode(a) for a in bc.request(PROTOCOL.encode(task), timeout)]
+        deadline = time.monotonic() + timeout
+        self.send(task)
+        return [PROTOCOL.decode(self.ends(r)[1].get(max(deadline - time.monotonic(), 0.0)))
+                for r in range(self.cfg.tp)]
 
     # ---- teardown ---------------------------------------------------------------------------
     def stop(self, timeout: float = 10.0) -> None:

@@ -33,7 +33,7 @@ def sums(pool, blocks) -> list[int]:
 
 def fill_random(kit: NodeKit) -> list:
     """Attach every rank's pools (as the worker would) and fill the device pools with noise."""
-    pools = [attach_pools(kit.reg, r, kit.cfg) for r in range(kit.cfg["tp"])]
+    pools = [attach_pools(kit.reg, r, kit.cfg) for r in range(kit.cfg.tp)]
     for r, (dev, _) in enumerate(pools):
         dev.array[:] = np.random.default_rng(r).random(dev.array.shape, dtype=np.float32)
     return pools

@@ -39,7 +39,7 @@ def engine(node):
         while not all(ready[P.slot_of(cfg.tp, P.ROLE_TRANSFER, r)] for r in range(cfg.tp)):
             assert time.monotonic() < deadline, "cache-transfer ranks did not get ready"
             eng.step()
-        pools = [attach_pools(n.reg, r, cfg.to_dict()) for r in range(cfg.tp)]
+        pools = [attach_pools(n.reg, r, cfg) for r in range(cfg.tp)]
         yield eng, [p[0] for p in pools]
         eng.shutdown(grace_s=5)
         for p in procs:

@@ -1,6 +1,5 @@
 import pytest
 
-from ipc.broadcast import Broadcast
 from ipc.errors import WaitTimeout
 from ipc.fanin import FanIn
 from ipc.registry import Registry
@@ -28,27 +27,4 @@ def test_fan_in_is_fair_and_wakes_on_any_ring(node):
         with pytest.raises(ValueError, match="share one doorbell"):
             FanIn([cons[0], own])
         for x in prods + cons + [own]:
-            x.detach()
-
-
-def test_broadcast_gathers_every_rank_and_names_the_silent_one(node):
-    with Registry.create(node) as reg:
-        for r in range(3):
-            Ring.create(reg, f"task.{r}", capacity=4096)
-            Ring.create(reg, f"done.{r}", capacity=4096)
-        bc = Broadcast([Producer.attach(reg, f"task.{r}") for r in range(3)],
-                       [Consumer.attach(reg, f"done.{r}") for r in range(3)])
-        ranks = [(Consumer.attach(reg, f"task.{r}"), Producer.attach(reg, f"done.{r}")) for r in range(3)]
-        bc.put(b"swap 1", 1)
-        for r, (tasks, done) in enumerate(ranks):
-            assert tasks.get(1) == b"swap 1"
-            done.put(f"ok {r}".encode(), 1)
-        assert bc.gather(1) == [b"ok 0", b"ok 1", b"ok 2"]
-        bc.put(b"swap 2", 1)
-        for r in (0, 2):  # rank 1 stays silent
-            ranks[r][0].get(1)
-            ranks[r][1].put(b"ok", 1)
-        with pytest.raises(WaitTimeout, match=r"rank\(s\) \[1\]"):
-            bc.gather(0.2)
-        for x in bc.out + bc.back + [e for pair in ranks for e in pair]:
             x.detach()

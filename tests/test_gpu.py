@@ -24,10 +24,11 @@ WORKER = """
 import sys
 import cupy, numpy as np, xxhash
 from ipc import protocol
+from ipc.config import NodeConfig
 from ipc.registry import Registry
 from workers.kv_pool import attach_pools
 reg = Registry.attach(sys.argv[1])
-dev, host = attach_pools(reg, 0, protocol.read_config(reg))
+dev, host = attach_pools(reg, 0, NodeConfig.read(reg))
 assert isinstance(dev.array, cupy.ndarray) and dev.on_device and not host.on_device
 blocks = [int(b) for b in sys.argv[3].split(",")]
 if sys.argv[2] == "fill":

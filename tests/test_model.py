@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ipc.config import NodeConfig
 from workers.model import Model, ModelShape, SeqInput
 
 SMALL = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128,
@@ -245,14 +246,14 @@ def test_generate_dense_stops(small):
 
 
 def test_from_config():
-    s = ModelShape.from_config({"num_layers": 3, "num_kv_heads": 8, "head_dim": 16, "tp": 2})
+    s = ModelShape.from_config(NodeConfig(node="", num_layers=3, num_kv_heads=8, head_dim=16, tp=2))
     assert (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == (3, 4, 4, 16)
     assert (s.vocab_size, s.max_model_len, s.seed) == (512, 4096, 0)
-    s = ModelShape.from_config({"num_layers": 1, "num_kv_heads": 2, "head_dim": 8, "tp": 1,
-                                "vocab_size": 100, "max_model_len": 64, "model_seed": 7, "dtype": "float32"})
+    s = ModelShape.from_config(NodeConfig(node="", num_layers=1, num_kv_heads=2, head_dim=8, tp=1, vocab_size=100,
+                                          max_model_len=64, model_seed=7, dtype="float32"))
     assert (s.vocab_size, s.max_model_len, s.seed, s.num_heads) == (100, 64, 7, 2)
     with pytest.raises(ValueError, match="divide"):
-        ModelShape.from_config({"num_layers": 1, "num_kv_heads": 3, "head_dim": 8, "tp": 2})
+        ModelShape.from_config(NodeConfig(node="", num_layers=1, num_kv_heads=3, head_dim=8, tp=2))
 
 
 # ---- validation ----

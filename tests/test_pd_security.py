@@ -266,13 +266,13 @@ def test_a_paused_messager_never_writes_into_blocks_d_took_back(pd_node, tmp_pat
         assert "expired" in p.logs()
 
 
-def _config(node: str) -> dict:
-    from ipc import protocol
+def _config(node: str):
+    from ipc.config import NodeConfig
     from ipc.registry import Registry
 
     reg = Registry.attach(node)
     try:
-        return protocol.read_config(reg)
+        return NodeConfig.read(reg)
     finally:
         reg.close()
 

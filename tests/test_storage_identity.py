@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ipc.config import NodeConfig
 from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
 from workers.model import Model, ModelShape
 
@@ -26,7 +27,7 @@ def test_a_node_with_another_model_reads_no_foreign_block(node, tmp_path, other_
         first = [ln.client.generate(p, NEW) for p in prompts]
         assert [r.output_token_ids.tolist() for r in first] == [oracle().generate_dense(p, NEW) for p in prompts]
         assert ln.idle_stats()["tasks_done"] > 0, "finished requests write their blocks through to storage"
-    other = Model(ModelShape.from_config(other_shape))
+    other = Model(ModelShape.from_config(NodeConfig(node="", **other_shape)))
     with launched(node, tmp_path / "b", *other_opts, *store) as ln:
         again = [ln.client.generate(p, NEW) for p in prompts]
         assert [r.output_token_ids.tolist() for r in again] == [other.generate_dense(p, NEW) for p in prompts], \

@@ -24,7 +24,7 @@ from ipc.registry import Registry, reclaim
 from tests.conftest import REPO, leftovers, run_py
 from workers.backend import NumpyBackend, Pool, create_shm_pool
 from workers.kv_pool import coalesce
-from workers.transport import TRANSPORTS, TransferError, open_transport
+from workers.transport import TRANSPORTS, Endpoint, TransferError, open_transport
 from workers.transport_mooncake import unavailable_reason
 
 BLOCK = (2, 2, 4, 2, 16)  # layers, K/V, tokens, heads, head_dim: 1 KiB of float16
@@ -137,9 +137,9 @@ def test_factory_descriptor_and_closed_transport(names):
     d = names()
     with node_pool(d, 8) as (_, pool):
         with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
-            open_transport("carrier-pigeon", pool, {"node": d})
+            open_transport("carrier-pigeon", pool, Endpoint(d))
         assert TRANSPORTS == ("shm", "mooncake")
-        tr = open_transport("shm", pool, {"node": d, "rank": 0})
+        tr = open_transport("shm", pool, Endpoint(d, 0))
         desc = tr.descriptor()
         assert msgpack.unpackb(msgpack.packb(desc)) == desc  # carried by msgpack between engines
         assert desc["transport"] == "shm" and desc["node"] == d and desc["rank"] == 0
@@ -157,8 +157,8 @@ def test_shm_writes_random_runs_and_nothing_else(names):
     p, d = names(), names()
     rng = np.random.default_rng(7)
     with node_pool(p, 64, seed=1) as (_, src_pool), node_pool(d, 48, seed=2) as (_, dst_pool):
-        rx = open_transport("shm", dst_pool, {"node": d, "rank": 0})
-        with open_transport("shm", src_pool, {"node": p, "rank": 0}) as tx:
+        rx = open_transport("shm", dst_pool, Endpoint(d, 0))
+        with open_transport("shm", src_pool, Endpoint(p, 0)) as tx:
             src_sums = sums(src_pool)
             for _ in range(3):
                 src, dst = random_order(rng, 64, 48, 6)
@@ -179,11 +179,11 @@ import numpy as np
 from ipc import protocol
 from ipc.registry import Registry
 from workers.backend import NumpyBackend
-from workers.transport import TransferError, open_transport
+from workers.transport import Endpoint, TransferError, open_transport
 p_node, desc, src, dst = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 reg = Registry.attach(p_node)
 pool = NumpyBackend().open_device_pool(reg, protocol.device_pool(0))
-with open_transport("shm", pool, {"node": p_node, "rank": 0}) as tx:
+with open_transport("shm", pool, Endpoint(p_node, 0)) as tx:
     print(tx.write_blocks(desc, np.array(src), np.array(dst)))
     try:
         tx.write_blocks(desc, [0], [desc["num_blocks"]])
@@ -198,7 +198,7 @@ def test_shm_sender_in_its_own_process(names):
     p, d = names(), names()
     src, dst = random_order(np.random.default_rng(3), 64, 48, 8)
     with node_pool(p, 64, seed=3) as (_, src_pool), node_pool(d, 48, seed=4) as (_, dst_pool):
-        desc = open_transport("shm", dst_pool, {"node": d, "rank": 0}).descriptor()
+        desc = open_transport("shm", dst_pool, Endpoint(d, 0)).descriptor()
         before = sums(dst_pool)
         r = run_py(SHM_SENDER, p, json.dumps(desc), json.dumps(src.tolist()), json.dumps(dst.tolist()))
         assert r.returncode == 0, r.stderr
@@ -212,9 +212,9 @@ def test_shm_sender_in_its_own_process(names):
 def test_shm_bad_orders_are_refused_before_anything_is_written(names):
     p, d = names(), names()
     with node_pool(p, 16, seed=5) as (_, src_pool), node_pool(d, 8, seed=6) as (_, dst_pool):
-        desc = open_transport("shm", dst_pool, {"node": d, "rank": 0}).descriptor()
+        desc = open_transport("shm", dst_pool, Endpoint(d, 0)).descriptor()
         before = sums(dst_pool)
-        with open_transport("shm", src_pool, {"node": p, "rank": 0}) as tx:
+        with open_transport("shm", src_pool, Endpoint(p, 0)) as tx:
             cases = [
                 (([1, 2], [3, 8]), r"destination block id 8 out of range 0\.\.7"),
                 (([1, 16], [3, 4]), r"source block id 16 out of range 0\.\.15"),
@@ -245,8 +245,8 @@ def test_shm_pools_that_do_not_match_are_named(names):
     p, d = names(), names()
     other = BLOCK[:-1] + (8,)
     with node_pool(p, 8, seed=1) as (_, src_pool), node_pool(d, 8, block=other) as (_, dst_pool):
-        desc = open_transport("shm", dst_pool, {"node": d, "rank": 0}).descriptor()
-        with open_transport("shm", src_pool, {"node": p, "rank": 0}) as tx:
+        desc = open_transport("shm", dst_pool, Endpoint(d, 0)).descriptor()
+        with open_transport("shm", src_pool, Endpoint(p, 0)) as tx:
             with pytest.raises(TransferError) as e:
                 tx.write_blocks(desc, [0], [0])
         msg = str(e.value)
@@ -270,13 +270,13 @@ reg.unlink_all()
 def test_shm_peer_that_vanished_is_an_error_not_a_crash(names):
     p, d, gone, killed = names(), names(), names(), names()
     with node_pool(p, 8, seed=1) as (_, src_pool):
-        tx = open_transport("shm", src_pool, {"node": p, "rank": 0})
+        tx = open_transport("shm", src_pool, Endpoint(p, 0))
         # a node that never existed
         with pytest.raises(TransferError, match=f"cannot reach peer node {gone} rank 0"):
             tx.write_blocks({"transport": "shm", "node": gone, "rank": 0}, [0], [0])
         # a node that stopped (its launcher unlinked everything) after a first write
         with node_pool(d, 8) as (_, dst_pool):
-            desc = open_transport("shm", dst_pool, {"node": d, "rank": 0}).descriptor()
+            desc = open_transport("shm", dst_pool, Endpoint(d, 0)).descriptor()
             assert tx.write_blocks(desc, [1], [2]) == BLOCK_BYTES
         with pytest.raises(TransferError, match=f"peer node {d} rank 0 is gone: its registry was removed"):
             tx.write_blocks(desc, [1], [2])
@@ -310,10 +310,10 @@ import json, sys
 from ipc import protocol
 from ipc.registry import Registry
 from workers.backend import NumpyBackend
-from workers.transport import open_transport
+from workers.transport import Endpoint, open_transport
 reg = Registry.attach(sys.argv[1])
 pool = NumpyBackend().open_device_pool(reg, protocol.device_pool(0))
-rx = open_transport("mooncake", pool, {"node": sys.argv[1], "rank": 0, "host": "127.0.0.1"})
+rx = open_transport("mooncake", pool, Endpoint(sys.argv[1], 0, host="127.0.0.1"))
 print(json.dumps(rx.descriptor()), flush=True)
 sys.stdin.read()
 rx.close(); pool.close(); reg.close()
@@ -337,7 +337,7 @@ def test_mooncake_loopback_between_two_processes(names, tmp_path):
             assert msgpack.unpackb(msgpack.packb(desc)) == desc
             assert desc["transport"] == "mooncake" and desc["session"].startswith("127.0.0.1:")
             assert desc["nbytes"] == 48 * BLOCK_BYTES and desc["protocol"] == "tcp"
-            tx = open_transport("mooncake", src_pool, {"node": "p", "rank": 0}, timeout_s=5, connect_timeout_s=2)
+            tx = open_transport("mooncake", src_pool, Endpoint("p", 0), timeout_s=5, connect_timeout_s=2)
             for _ in range(3):
                 src, dst = random_order(rng, 64, 48, 6)
                 assert len(coalesce(src, dst)) < len(src)
@@ -374,8 +374,8 @@ def test_mooncake_errors_are_bounded_and_named():
     """Both engines in this process (the library allows it). Every failure is a TransferError
     naming the peer, within a bounded time; refused orders write nothing."""
     src_pool, dst_pool = plain_pool(16, seed=21), plain_pool(8, seed=22)
-    rx = open_transport("mooncake", dst_pool, {"node": "d", "rank": 0})
-    tx = open_transport("mooncake", src_pool, {"node": "p", "rank": 0}, timeout_s=5, connect_timeout_s=1)
+    rx = open_transport("mooncake", dst_pool, Endpoint("d", 0))
+    tx = open_transport("mooncake", src_pool, Endpoint("p", 0), timeout_s=5, connect_timeout_s=1)
     listener = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers
     try:
         desc = rx.descriptor()
@@ -424,7 +424,7 @@ def test_mooncake_errors_are_bounded_and_named():
     from workers.transport_mooncake import _PARKED
     assert _PARKED == []  # nothing was left inside the engines
     with pytest.raises(ValueError, match="protocol 'udp'"):
-        open_transport("mooncake", src_pool, {"node": "p"}, protocol="udp")
+        open_transport("mooncake", src_pool, Endpoint("p"), protocol="udp")
 
 
 @needs_mooncake
@@ -435,8 +435,8 @@ def test_mooncake_write_of_more_runs_than_fit_in_flight():
 
     src_pool, dst_pool = plain_pool(2048, seed=31), plain_pool(2048, seed=32)
     rng = np.random.default_rng(33)
-    with open_transport("mooncake", dst_pool, {"node": "d", "rank": 0}) as rx, \
-            open_transport("mooncake", src_pool, {"node": "p", "rank": 0}, timeout_s=10) as tx:
+    with open_transport("mooncake", dst_pool, Endpoint("d", 0)) as rx, \
+            open_transport("mooncake", src_pool, Endpoint("p", 0), timeout_s=10) as tx:
         src, dst = rng.choice(2048, 1500, replace=False), rng.choice(2048, 1500, replace=False)
         assert len(coalesce(src, dst)) > 4 * _WINDOW
         before = sums(dst_pool)
@@ -451,10 +451,10 @@ import sys
 sys.modules["mooncake"] = None  # as if the package were not installed
 import numpy as np
 from workers.backend import NumpyBackend, Pool
-from workers.transport import TransportUnavailable, open_transport
+from workers.transport import Endpoint, TransportUnavailable, open_transport
 pool = Pool("p", np.zeros((2, 4)), NumpyBackend(), True, lambda: None)
 try:
-    open_transport("mooncake", pool, {"node": "p"})
+    open_transport("mooncake", pool, Endpoint("p"))
 except ImportError as e:
     print(type(e).__name__, isinstance(e, TransportUnavailable), e)
 """
@@ -472,13 +472,13 @@ def test_shm_first_write_after_the_peer_restarted_maps_it_again(names):
 
     p, d = names(), names()
     with node_pool(p, 8, seed=1) as (_, src_pool):
-        with open_transport("shm", src_pool, {"node": p, "rank": 0}) as tx:
+        with open_transport("shm", src_pool, Endpoint(p, 0)) as tx:
             with node_pool(d, 8) as (reg, dst_pool):
-                desc = open_transport("shm", dst_pool, {"node": d, "rank": 0}).descriptor()
+                desc = open_transport("shm", dst_pool, Endpoint(d, 0)).descriptor()
                 assert tx.write_blocks(desc, [1], [2]) == BLOCK_BYTES
             with node_pool(d, 8) as (reg, dst_pool):  # the restart
                 instance = f"{reg.owner_pid}:{reg.owner_start_ms}"
-                new = open_transport("shm", dst_pool, {"node": d, "rank": 0, "instance": instance}).descriptor()
+                new = open_transport("shm", dst_pool, Endpoint(d, 0, instance=instance)).descriptor()
                 assert tx.write_blocks(new, [1, 3], [2, 5]) == 2 * BLOCK_BYTES
                 assert [sums(dst_pool)[b] for b in (2, 5)] == [sums(src_pool)[b] for b in (1, 3)]
                 with pytest.raises(TransferError, match="from another run of that node"):
@@ -493,7 +493,7 @@ def test_mooncake_reports_listeners_wider_than_the_configured_host():
     """The node's --host is handed to the engine; a Mooncake build that listens on every
     interface anyway is reported (the log names the ports to firewall), never silent."""
     pool = plain_pool(4, seed=1)
-    with open_transport("mooncake", pool, {"node": "d", "rank": 0, "host": "127.0.0.1"}) as rx:
+    with open_transport("mooncake", pool, Endpoint("d", 0, host="127.0.0.1")) as rx:
         wide = rx.wide_open
         assert all(not addr.startswith("127.0.0.1:") for addr in wide)
         assert any(addr.endswith(f":{rx.port}") for addr in wide) or not wide

@@ -1,5 +1,5 @@
 """Array backends: the one place that knows whether a KV pool lives in host shared memory
-(numpy) or in GPU memory (CuPy), so the rest of workers/ has one code path (ARCHITECTURE.md §6).
+(numpy) or in GPU memory (CuPy), so the rest of workers/ has one code path.
 
 A backend allocates and opens a rank's device pool, opens its host pool, and copies runs of
 blocks between pools. Pools are block-major, so a run of n consecutive blocks is one contiguous

@@ -1,4 +1,5 @@
-"""cache-messager[r]: the P->D transport of rank r (ARCHITECTURE.md §1).
+"""cache-messager[r]: the P->D transport of rank r (one process per rank, so each rank's share of
+the KV heads travels in parallel).
 
 On both sides it opens the configured transport (workers/transport.py) over its rank's
 device pool and tells its engine how peers reach that pool (MessagerHello: the transport's
@@ -22,11 +23,11 @@ import sys
 import time
 
 from ipc import protocol as P
-from ipc.ring import Consumer, Producer
+from ipc.channel import Receiver, Sender
 
 from .child import Child, run_child
 from .kv_pool import attach_pools
-from .transport import TransferError, open_transport
+from .transport import Endpoint, TransferError, open_transport
 
 log = logging.getLogger("workers.cache_messager")
 
@@ -38,13 +39,13 @@ class CacheMessager:
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
         # a write must end before the engine gives up on it (and so before D's lease ends)
-        options = {"timeout_s": cfg["rank_timeout"]} if cfg["pd_transport"] == "mooncake" else {}
-        self.transport = open_transport(cfg["pd_transport"], self.device,
-                                        {"node": cfg["node"], "rank": rank, "host": _reachable(cfg["host"]),
-                                         "bind": cfg["host"], "instance": f"{reg.owner_pid}:{reg.owner_start_ms}"},
+        options = {"timeout_s": cfg.rank_timeout} if cfg.pd_transport == "mooncake" else {}
+        self.transport = open_transport(cfg.pd_transport, self.device,
+                                        Endpoint(cfg.node, rank, host=_reachable(cfg.host), bind=cfg.host,
+                                                 instance=f"{reg.owner_pid}:{reg.owner_start_ms}"),
                                         **options)
-        self.orders = Consumer.attach(reg, P.to_messager(rank))
-        self.answers = Producer.attach(reg, P.from_messager(rank))
+        self.orders = Receiver.attach(reg, P.messager_orders(rank))
+        self.answers = Sender.attach(reg, P.messager_answers(rank))
 
     def serve(self) -> int:
         self.child.answer(self.answers, P.MessagerHello(self.rank, self.transport.descriptor()))

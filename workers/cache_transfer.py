@@ -1,10 +1,11 @@
 """cache-transfer[r]: the process that moves rank r's KV blocks between tiers.
 
-It executes the engine's TransferTasks (every rank gets every task, ARCHITECTURE.md §2):
-SWAP2CPU / SWAP2GPU copy blocks between the rank's device and host pools, GPU2STORAGE and
-STORAGE2GPU move them to and from the storage backend. It answers each task with one
-TransferDone. It decides nothing: the block ids and storage keys come in the task, and it
-touches a block only between receiving the order and publishing the answer (§3).
+It executes the engine's TransferTasks (every rank gets every task: each rank holds its own
+share of every block's KV heads): SWAP2CPU / SWAP2GPU copy blocks between the rank's device
+and host pools, GPU2STORAGE and STORAGE2GPU move them to and from the storage backend. It
+answers each task with one TransferDone. It decides nothing: the block ids and storage keys
+come in the task, and it touches a block only between receiving the order and publishing the
+answer (the engine gave it the blocks for exactly that long).
 
 A bad task (ids out of range, no host pool, a storage failure, an ownership violation in
 debug mode) is answered ok=False with the reason and the process goes on; a malformed message
@@ -19,13 +20,14 @@ import time
 import numpy as np
 
 from ipc import protocol
+from ipc.channel import Receiver, Sender
 from ipc.errors import ProtocolError
+from ipc.ownership import OwnershipError, check_owners
 from ipc.protocol import StorageKeys, TaskKind, TransferDone, TransferTask
-from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 
 from .child import Child, run_child
-from .kv_pool import OwnershipError, PoolError, attach_pools, check_blocks, check_owners, copy_blocks
+from .kv_pool import PoolError, attach_pools, check_blocks, copy_blocks
 from .storage import StorageError, open_storage
 
 log = logging.getLogger("workers.cache_transfer")  # not __main__ under python -m
@@ -39,13 +41,13 @@ class CacheTransfer:
         cfg, reg, rank = child.cfg, child.reg, child.rank
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
-        self.storage = open_storage(cfg.get("storage", ""), rank)
+        self.storage = open_storage(cfg.storage, rank)
         self.owners: dict[str, np.ndarray] = {}
-        if cfg.get("check_ownership"):
+        if cfg.check_ownership:
             self.owners = {"device": _owner_table(reg, protocol.OWNERS_DEVICE, rank),
                            "host": _owner_table(reg, protocol.OWNERS_HOST, rank)}
-        self.tasks = Consumer.attach(reg, protocol.to_transfer(rank))
-        self.answers = Producer.attach(reg, protocol.from_transfer(rank))
+        self.tasks = Receiver.attach(reg, protocol.transfer_orders(rank))
+        self.answers = Sender.attach(reg, protocol.transfer_answers(rank))
 
     def close(self) -> None:
         """Close the answer ring (the engine's wait ends at once), detach everything else."""
@@ -60,7 +62,7 @@ class CacheTransfer:
         log.info("serving %s: device pool %d blocks, host pool %s, storage %s, ownership checks %s",
                  self.tasks.name, self.device.num_blocks,
                  f"{self.host.num_blocks} blocks" if self.host is not None else "none",
-                 self.child.cfg.get("storage") or "none", "on" if self.owners else "off")
+                 self.child.cfg.storage or "none", "on" if self.owners else "off")
         self._list_storage()
         self.child.set_ready()
         return self.child.serve_orders(self.tasks, self.answers, {TransferTask: self.execute})
@@ -115,9 +117,9 @@ class CacheTransfer:
     def _check_owned(self, what: str, dev: np.ndarray, host: np.ndarray | None) -> None:
         if not self.owners:
             return
-        check_owners(self.owners["device"], dev, "device", what)
+        check_owners(self.owners["device"], dev, "device", what, protocol.OWNER_TRANSFER)
         if host is not None:
-            check_owners(self.owners["host"], host, "host", what)
+            check_owners(self.owners["host"], host, "host", what, protocol.OWNER_TRANSFER)
 
     def _swap(self, task: TransferTask, dev: np.ndarray, what: str) -> tuple[int, int]:
         if self.host is None:

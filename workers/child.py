@@ -1,7 +1,8 @@
 """The life of a child process of a node, shared by every role in workers/.
 
-A child is started by the launcher as `python -m workers.<role> --node NAME --rank R
---log-level L` (no fork, nothing pickled). It joins the node through `ipc.member.Member`
+A child is started by the launcher as the program `workers.<role> --node NAME --rank R
+--log-level L`, run as `python -m` would but with kvrt's own install location first on
+sys.path (no fork, nothing pickled; `runtime.node.child_command`). It joins the node through `ipc.member.Member`
 (PROCS row, HEARTBEAT, READY), serves, and leaves cleanly however it stops: an order
 (Shutdown), a closed ring, SIGTERM (also what PR_SET_PDEATHSIG sends when the launcher dies),
 or orphanhood.
@@ -22,10 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ipc import protocol
+from ipc.channel import Receiver, Sender
 from ipc.errors import ChannelClosed, IpcError, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
+from ipc.config import NodeConfig
 from ipc.member import Member
 from ipc.registry import Registry
-from ipc.ring import Consumer, Producer
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class Child:
         return self.member.reg
 
     @property
-    def cfg(self) -> dict:
+    def cfg(self) -> NodeConfig:
         return self.member.config
 
     @property
@@ -119,17 +121,16 @@ class Child:
         if now - self._gone_since >= ORPHAN_GRACE_S:
             raise Orphaned(f"{why} (for {now - self._gone_since:.1f}s)")
 
-    def answer(self, ring: Producer, msg: Any) -> None:
+    def answer(self, answers: Sender, msg: Any) -> None:
         """Publish `msg`; a full ring waits (never drops) while this process stays a member."""
-        data = protocol.PROTOCOL.encode(msg)
         while True:
             try:
-                ring.put(data, WAIT_S)
+                answers.put(msg, WAIT_S)
                 return
             except WaitTimeout:
                 self.tick()
 
-    def serve_orders(self, orders: Consumer, answers: Producer, handlers: dict[type, Callable[[Any], Any]]) -> int:
+    def serve_orders(self, orders: Receiver, answers: Sender, handlers: dict[type, Callable[[Any], Any]]) -> int:
         """Until Shutdown: take each order (beating and watching for orphanhood meanwhile), run
         the handler of its type and publish what it returns. A malformed order, or one of a type
         this role does not take, is counted on the ring and skipped; a handler may refuse an
@@ -137,11 +138,11 @@ class Child:
         while True:
             self.tick()
             try:
-                rec = orders.get(WAIT_S)
+                rec = orders.ring.get(WAIT_S)
             except WaitTimeout:
                 continue
             try:
-                msg = protocol.PROTOCOL.decode(rec)
+                msg = orders.decode(rec)
                 if isinstance(msg, protocol.Shutdown):
                     log.info("shutdown ordered (%s)", msg.reason or "no reason given")
                     return EXIT_OK
@@ -150,7 +151,7 @@ class Child:
                     raise ProtocolError(f"unexpected {type(msg).__name__} on {orders.name}")
                 reply = handler(msg)
             except ProtocolError as e:
-                orders.report_protocol_error(log, e)
+                orders.ring.report_protocol_error(log, e)
                 continue
             self.answer(answers, reply)
 

@@ -1,4 +1,4 @@
-"""The KV pools of a node (ARCHITECTURE.md §6) and the block copies between them.
+"""The KV pools of a node and the block copies between them.
 
 Per rank there is a device pool and, when a CPU tier is configured, a host pool, both
 block-major `[num_blocks, layers, 2, block_size, kv_heads_per_rank, head_dim]`: one block is
@@ -7,8 +7,8 @@ every pool up front (`PoolMaker`: `bytes_needed` for its /dev/shm check, then `c
 pre-faulted so the first swap
 does not pay for page faults; each child of a rank opens its pair with `attach_pools`.
 
-The configuration arrives as the plain dict the launcher published (workers/ never imports
-runtime/), so the block shape is computed here from the same fields as NodeConfig's.
+Every pool's shape comes from the node's KV layout (`NodeConfig.kv_layout`, ipc/layout.py), the
+same spec the model, the transports and the launcher's sizing use.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ipc import protocol
+from ipc.config import NodeConfig
+from ipc.layout import KVLayout
 from ipc.registry import Registry
 
 from .backend import DeviceMemoryError, Pool, Run, create_shm_pool, get_backend
@@ -28,10 +30,6 @@ BEAT_BYTES = 256 << 20  # copy this much between liveness callbacks (~15 ms on a
 
 class PoolError(ValueError):
     """A copy order is invalid: block ids out of range, unpaired, or pools that do not match."""
-
-
-class OwnershipError(PoolError):
-    """Debug mode: a task touches a block that the engine did not hand to this process."""
 
 
 @dataclass(frozen=True)
@@ -47,30 +45,22 @@ class PoolSpec:
     in_shm: bool  # lives in /dev/shm (host pools, and device pools on CPU machines)
 
 
-def block_shape(cfg: dict) -> tuple[int, ...]:
-    """One block of one rank: [layers, K/V, block_size, kv_heads_per_rank, head_dim]."""
-    return (cfg["num_layers"], 2, cfg["block_size"], cfg["num_kv_heads"] // cfg["tp"], cfg["head_dim"])
-
-
-def block_bytes(cfg: dict) -> int:
-    return int(np.prod(block_shape(cfg))) * np.dtype(cfg["dtype"]).itemsize
-
-
-def pool_specs(cfg: dict) -> list[PoolSpec]:
+def pool_specs(cfg: NodeConfig) -> list[PoolSpec]:
     """Every pool the node's configuration asks for, rank by rank."""
-    shape, bb, dt = block_shape(cfg), block_bytes(cfg), cfg["dtype"]
+    layout = cfg.kv_layout
     specs = []
-    for r in range(cfg["tp"]):
-        n = cfg["num_gpu_blocks"]
-        specs.append(PoolSpec(r, "device", protocol.device_pool(r), (n, *shape), dt, n * bb,
-                              cfg["device"] == "cpu"))
-        if cfg["num_cpu_blocks"] > 0:
-            n = cfg["num_cpu_blocks"]
-            specs.append(PoolSpec(r, "host", protocol.host_pool(r), (n, *shape), dt, n * bb, True))
+    for r in range(cfg.tp):
+        n = cfg.num_gpu_blocks
+        specs.append(PoolSpec(r, "device", protocol.device_pool(r), layout.pool_shape(n), layout.dtype,
+                              layout.pool_bytes(n), cfg.device == "cpu"))
+        if cfg.num_cpu_blocks > 0:
+            n = cfg.num_cpu_blocks
+            specs.append(PoolSpec(r, "host", protocol.host_pool(r), layout.pool_shape(n), layout.dtype,
+                                  layout.pool_bytes(n), True))
     return specs
 
 
-def shm_bytes_needed(cfg: dict) -> int:
+def shm_bytes_needed(cfg: NodeConfig) -> int:
     """Bytes of /dev/shm the pools will take (rings and signals are small on top of that)."""
     return sum(s.nbytes for s in pool_specs(cfg) if s.in_shm)
 
@@ -148,9 +138,9 @@ class CreatedPools:
         self.keep.clear()
 
 
-def create_pools(reg: Registry, cfg: dict, progress: Callable[[str], None]) -> CreatedPools:
+def create_pools(reg: Registry, cfg: NodeConfig, progress: Callable[[str], None]) -> CreatedPools:
     """Create, register and pre-fault every rank's pools; one progress line per pool."""
-    backend = get_backend(cfg["device"])
+    backend = get_backend(cfg.device)
     created = CreatedPools()
     for s in pool_specs(cfg):
         t0 = time.perf_counter()
@@ -174,19 +164,34 @@ class PoolMaker:
     def __init__(self) -> None:
         self.created = CreatedPools()
 
-    def bytes_needed(self, cfg: dict) -> int:
+    def bytes_needed(self, cfg: NodeConfig) -> int:
         return shm_bytes_needed(cfg)
 
-    def create(self, reg: Registry, cfg: dict, progress: Callable[[str], None]) -> None:
+    def create(self, reg: Registry, cfg: NodeConfig, progress: Callable[[str], None]) -> None:
         self.created = create_pools(reg, cfg, progress)
 
 
-def attach_pools(reg: Registry, rank: int, cfg: dict) -> tuple[Pool, Pool | None]:
-    """Open rank `rank`'s device pool and its host pool (None without a CPU tier)."""
-    backend = get_backend(cfg["device"])
+def attach_pools(reg: Registry, rank: int, cfg: NodeConfig) -> tuple[Pool, Pool | None]:
+    """Open rank `rank`'s device pool and its host pool (None without a CPU tier), refusing a
+    pool whose blocks are not the node's KV layout."""
+    backend = get_backend(cfg.device)
     device = backend.open_device_pool(reg, protocol.device_pool(rank))
-    host = backend.open_host_pool(reg, protocol.host_pool(rank)) if cfg["num_cpu_blocks"] > 0 else None
+    host = backend.open_host_pool(reg, protocol.host_pool(rank)) if cfg.num_cpu_blocks > 0 else None
+    for pool in (device, host):
+        if pool is not None:
+            check_layout(pool, cfg.kv_layout)
     return device, host
+
+
+def check_layout(pool: Pool, layout: KVLayout) -> None:
+    """PoolError naming what differs unless `pool` holds blocks of `layout`."""
+    try:
+        theirs = KVLayout.of_pool_shape(pool.array.shape, pool.array.dtype)
+    except ValueError as e:
+        raise PoolError(f"{pool.name}: {e}") from None
+    if diff := layout.differences(theirs):
+        raise PoolError(f"{pool.name} holds blocks of {theirs}, the node's layout is {layout} ("
+                        + ", ".join(f"{what} {got} instead of {want}" for what, want, got in diff) + ")")
 
 
 # ---- block copies ---------------------------------------------------------------------------
@@ -245,26 +250,3 @@ def copy_blocks(dst: Pool, src: Pool, dst_ids: np.ndarray, src_ids: np.ndarray,
                 beat()
     src.backend.copy_runs(dst, src, batch)
     return int(src_ids.size) * src.block_bytes
-
-
-# ---- debug ownership check (ARCHITECTURE.md §3) -----------------------------------------------
-
-def check_owners(owners: np.ndarray, blocks: np.ndarray, tier: str, task: str,
-                 expected: int | tuple[int, ...] = protocol.OWNER_TRANSFER) -> None:
-    """Raise OwnershipError unless every block in `blocks` is owned by `expected` (one owner
-    or a tuple of allowed owners).
-
-    The race detector the old cross-process lock used to hide: a process may touch a block
-    only between the engine's order and its own answer, and the engine records the owner
-    before it sends the order. `task` names the order in the message."""
-    allowed = (expected,) if isinstance(expected, int) else expected
-    got = owners[np.asarray(blocks, dtype=np.int64)]
-    bad = np.flatnonzero(~np.isin(got, allowed))
-    if not bad.size:
-        return
-    b, o = int(blocks[bad[0]]), int(got[bad[0]])
-    names = " or ".join(protocol.OWNER_NAMES[a] for a in allowed)
-    raise OwnershipError(
-        f"ownership violation in {task}: {tier} block {b} is owned by "
-        f"{protocol.OWNER_NAMES.get(o, f'unknown owner {o}')}, not {names} "
-        f"({bad.size} of {got.size} blocks wrong: {np.asarray(blocks)[bad[:8]].tolist()})")

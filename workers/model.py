@@ -24,6 +24,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ipc.config import NodeConfig
+from ipc.layout import KVLayout
+
 log = logging.getLogger("workers.model")
 
 _EPS = 1e-6        # RMSNorm epsilon
@@ -61,24 +64,23 @@ class ModelShape:
     def hidden_dim(self) -> int:
         return self.num_heads * self.head_dim
 
+    def kv_layout(self, block_size: int, dtype: str) -> KVLayout:
+        """The KV blocks this model reads and writes, at `block_size` tokens of `dtype`."""
+        return KVLayout(self.num_layers, block_size, self.num_kv_heads, self.head_dim, np.dtype(dtype).name)
+
     @property
     def group(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelShape":
-        """The shape of one rank's model from the node config (a plain dict): each rank holds
-        num_kv_heads // tp KV heads and, without GQA, as many query heads."""
-        tp = int(cfg.get("tp", 1))
-        if tp <= 0 or cfg["num_kv_heads"] % tp:
-            raise ValueError(f"tp {tp} must be positive and divide num_kv_heads {cfg['num_kv_heads']}")
-        heads = cfg["num_kv_heads"] // tp
-        return cls(num_layers=int(cfg["num_layers"]), num_heads=heads, num_kv_heads=heads,
-                   head_dim=int(cfg["head_dim"]),
-                   vocab_size=int(cfg.get("vocab_size", cls.vocab_size)),
-                   max_model_len=int(cfg.get("max_model_len", cls.max_model_len)),
-                   seed=int(cfg.get("model_seed", cls.seed)))
+    def from_config(cls, cfg: NodeConfig) -> "ModelShape":
+        """The shape of one rank's model from the node config: each rank holds its share of
+        the KV heads (the node's KV layout) and, without GQA, as many query heads."""
+        layout = cfg.kv_layout
+        return cls(num_layers=layout.num_layers, num_heads=layout.kv_heads, num_kv_heads=layout.kv_heads,
+                   head_dim=layout.head_dim, vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len,
+                   seed=cfg.model_seed)
 
 
 @dataclass
@@ -220,21 +222,16 @@ class Model:
 
     def _check_pool(self, pool: Any) -> int:
         """Raise ValueError unless pool is this model's block-major KV pool; returns block_size."""
-        s = self.shape
-        if pool.ndim != 6:
-            raise ValueError(f"KV pool must be [blocks, layers, 2, block_size, kv_heads, head_dim], "
-                             f"got shape {tuple(pool.shape)}")
-        _, layers, two, bs, kvh, hd = pool.shape
-        for what, got, want in (("layers", layers, s.num_layers), ("K/V axis", two, 2),
-                                ("kv_heads", kvh, s.num_kv_heads), ("head_dim", hd, s.head_dim)):
-            if got != want:
-                raise ValueError(f"KV pool {what} is {got}, the model needs {want} "
-                                 f"(pool shape {tuple(pool.shape)})")
-        if np.dtype(pool.dtype) != self.kv_dtype:
-            raise ValueError(f"KV pool dtype {pool.dtype} differs from the model's kv_dtype {self.kv_dtype}")
-        if bs <= 0:
-            raise ValueError(f"KV pool block_size must be positive, got {bs}")
-        return int(bs)
+        try:
+            got = KVLayout.of_pool_shape(pool.shape, pool.dtype)
+        except ValueError as e:
+            raise ValueError(f"KV pool must be this model's: {e}") from None
+        if got.block_size <= 0:
+            raise ValueError(f"KV pool block_size must be positive, got {got.block_size}")
+        if diff := self.shape.kv_layout(got.block_size, self.kv_dtype.name).differences(got):
+            what, want, have = diff[0]
+            raise ValueError(f"KV pool {what} is {have}, the model needs {want} (pool shape {tuple(pool.shape)})")
+        return got.block_size
 
     def _check_tokens(self, tokens: np.ndarray, start: int, who: str) -> np.ndarray:
         s = self.shape

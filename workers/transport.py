@@ -1,4 +1,4 @@
-"""P->D block transport (ARCHITECTURE.md §2, "P messager -> D pool"): the interface and its factory.
+"""P->D block transport (P's cache-messager writes into D's pool): the interface and its factory.
 
 A prefill node P hands a prompt's KV blocks to a decode node D by writing them straight into
 D's device pool of the same rank, at block ids D chose. Both sides open a transport over their
@@ -20,7 +20,7 @@ TransferError, naming the peer and what failed, for every failure (bad ids, unre
 peer, layouts that do not match, a peer that does not answer) and never waits longer than the
 transport's timeout. Bad ids are refused before anything is written. After any other failure
 the destination blocks hold undefined bytes: D must treat them as garbage. The caller must own
-(ARCHITECTURE.md §3) the source blocks on its side and the destination blocks on D's side for
+(by the engine's order) the source blocks on its side and the destination blocks on D's side for
 the whole call. A transport is used by one thread at a time and never closes the pool it was
 opened over (the caller owns it).
 """
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -60,8 +61,15 @@ def machine_id() -> str:
 
 def pool_layout(pool: Pool) -> dict[str, Any]:
     """The facts about a pool a peer needs to check that blocks fit: count, shape, dtype, size."""
-    return {"num_blocks": pool.num_blocks, "block_shape": [int(d) for d in pool.array.shape[1:]],
-            "dtype": np.dtype(pool.array.dtype).str, "block_bytes": pool.block_bytes}
+    return array_layout(pool.array.shape, pool.array.dtype)
+
+
+def array_layout(shape: Sequence[int], dtype: Any) -> dict[str, Any]:
+    """`pool_layout` of a pool of `shape` ([blocks, *block_shape]) and `dtype`, also one not
+    opened here (a peer's, from its registry entry)."""
+    block_shape = [int(d) for d in shape[1:]]
+    return {"num_blocks": int(shape[0]), "block_shape": block_shape, "dtype": np.dtype(dtype).str,
+            "block_bytes": int(np.prod(block_shape)) * np.dtype(dtype).itemsize}
 
 
 def describe_layout(layout: dict) -> str:
@@ -69,22 +77,35 @@ def describe_layout(layout: dict) -> str:
     return f"{layout.get('num_blocks', '?')} blocks of [{shape}] {np.dtype(layout.get('dtype', 'u1')).name}"
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """This end of a transport: which node and rank it serves, the address peers reach it at
+    (mooncake), the interface to bind ("" for `host`), and which run of the node it is
+    ("" for none; shm block ids are only valid within one run)."""
+
+    node: str
+    rank: int = 0
+    host: str = "127.0.0.1"
+    bind: str = ""
+    instance: str = ""
+
+
 class Transport(ABC):
     """One rank's end of P->D block transfers, opened over that rank's device pool."""
 
     name = ""
 
-    def __init__(self, pool: Pool, local: dict):
+    def __init__(self, pool: Pool, local: Endpoint):
         if pool.array is None:
             raise TransferError(f"{self.name} transport: pool {pool.name} is closed")
         self.pool = pool
-        self.local = dict(local)
+        self.local = local
         self.closed = False
 
     @property
     def who(self) -> str:
         """This end, for messages: node and rank."""
-        return f"node {self.local.get('node', '?')} rank {self.local.get('rank', 0)}"
+        return f"node {self.local.node} rank {self.local.rank}"
 
     def layout(self) -> dict[str, Any]:
         return pool_layout(self.pool)
@@ -114,11 +135,10 @@ class Transport(ABC):
         self.close()
 
 
-def open_transport(kind: str, pool: Pool, local: dict, **options: Any) -> Transport:
+def open_transport(kind: str, pool: Pool, local: Endpoint, **options: Any) -> Transport:
     """Open a transport of `kind` ("shm" or "mooncake") over this rank's device `pool`.
 
-    `local` names this end: {"node": ..., "rank": ...}, plus for mooncake the address peers
-    reach it at, {"host": "127.0.0.1"} by default. Options: mooncake takes `protocol` ("tcp"
+    `local` names this end (for mooncake also the address peers reach it at). Options: mooncake takes `protocol` ("tcp"
     or "rdma"), `device` (RDMA NIC filter), `timeout_s`, `connect_timeout_s`; shm takes
     `liveness_interval_s`."""
     if kind == "shm":

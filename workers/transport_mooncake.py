@@ -50,8 +50,8 @@ from typing import Any
 import numpy as np
 
 from .backend import Pool
-from .transport import (TransferError, Transport, TransportUnavailable, check_descriptor, check_same_layout,
-                        plan_runs)
+from .transport import (Endpoint, TransferError, Transport, TransportUnavailable, check_descriptor,
+                        check_same_layout, plan_runs)
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _bad_batch(bid: int) -> bool:
 class MooncakeTransport(Transport):
     name = "mooncake"
 
-    def __init__(self, pool: Pool, local: dict, protocol: str = "tcp", device: str = "",
+    def __init__(self, pool: Pool, local: Endpoint, protocol: str = "tcp", device: str = "",
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0):
         super().__init__(pool, local)
         if protocol not in PROTOCOLS:
@@ -133,8 +133,8 @@ class MooncakeTransport(Transport):
         self.protocol = protocol
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
-        self.host = str(local.get("host", "127.0.0.1"))
-        bind = str(local.get("bind", self.host))
+        self.host = local.host
+        bind = local.bind or self.host
         if bind not in _WILDCARDS:
             os.environ["MC_TCP_BIND_ADDRESS"] = bind  # honoured by builds that support it
         self._engine = mod.TransferEngine()
@@ -163,7 +163,7 @@ class MooncakeTransport(Transport):
         self._abandoned: list[int] = []     # batch ids given up on after a timeout
 
     def descriptor(self) -> dict:
-        return {"transport": self.name, "node": self.local.get("node", ""), "rank": int(self.local.get("rank", 0)),
+        return {"transport": self.name, "node": self.local.node, "rank": self.local.rank,
                 "session": self.session, "protocol": self.protocol, "base": self.base, "nbytes": self.nbytes,
                 **self.layout()}
 

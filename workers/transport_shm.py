@@ -28,7 +28,7 @@ from ipc.registry import Registry, pid_alive
 from ipc.shm import SHM_DIR
 
 from .backend import Pool
-from .transport import (TransferError, Transport, check_deadline, check_descriptor, check_same_layout,
+from .transport import (Endpoint, TransferError, Transport, array_layout, check_deadline, check_descriptor, check_same_layout,
                         machine_id, plan_runs, pool_layout)
 
 
@@ -62,12 +62,10 @@ class _Peer:
 class ShmTransport(Transport):
     name = "shm"
 
-    def __init__(self, pool: Pool, local: dict, liveness_interval_s: float = 1.0):
+    def __init__(self, pool: Pool, local: Endpoint, liveness_interval_s: float = 1.0):
         super().__init__(pool, local)
-        if "node" not in local:
-            raise ValueError("shm transport: local must name this end's node ({'node': ..., 'rank': ...})")
-        self.node = str(local["node"])
-        self.rank = int(local.get("rank", 0))
+        self.node = local.node
+        self.rank = local.rank
         self.liveness_interval_s = liveness_interval_s
         self._machine = machine_id()
         self._peers: dict[tuple[str, int], _Peer] = {}
@@ -75,8 +73,8 @@ class ShmTransport(Transport):
     def descriptor(self) -> dict:
         out = {"transport": self.name, "node": self.node, "rank": self.rank, "machine": self._machine,
                **self.layout()}
-        if "instance" in self.local:  # which run of the node: block ids are only valid in that one
-            out["instance"] = str(self.local["instance"])
+        if self.local.instance:  # which run of the node: block ids are only valid in that one
+            out["instance"] = self.local.instance
         return out
 
     def write_blocks(self, peer: dict, src_ids: np.ndarray, dst_ids: np.ndarray,
@@ -150,9 +148,8 @@ class ShmTransport(Transport):
             if theirs_backend != self.pool.backend.name:
                 raise TransferError(f"peer {who} keeps its pool in {theirs_backend} memory, {self.who} in "
                                     f"{self.pool.backend.name} memory: shm needs both on one kind")
-            theirs = {"num_blocks": info.shape[0], "block_shape": list(info.shape[1:]), "dtype": info.dtype,
-                      "block_bytes": int(np.prod(info.shape[1:])) * np.dtype(info.dtype).itemsize}
-            check_same_layout(pool_layout(self.pool), f"{self.who} ({self.pool.name})", theirs,
+            check_same_layout(pool_layout(self.pool), f"{self.who} ({self.pool.name})",
+                              array_layout(info.shape, info.dtype),
                               f"{who} ({info.name})")
             try:
                 pool = self.pool.backend.open_device_pool(reg, obj)

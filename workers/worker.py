@@ -16,12 +16,13 @@ import time
 import numpy as np
 
 from ipc import protocol as P
-from ipc.ring import Consumer, Producer
+from ipc.channel import Receiver, Sender
+from ipc.ownership import OwnershipError, check_owners
 from ipc.signals import Signal
 
 from .backend import get_backend
 from .child import Child, run_child
-from .kv_pool import OwnershipError, attach_pools, check_owners
+from .kv_pool import attach_pools
 from .model import Model, ModelShape, SeqInput
 
 log = logging.getLogger("workers.worker")
@@ -33,12 +34,12 @@ class Worker:
         self.child = child
         cfg = child.cfg
         self.device, self.host = attach_pools(child.reg, child.rank, cfg)
-        self.xp = get_backend(cfg["device"]).xp
-        self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg["dtype"])
-        self.block_size = cfg["block_size"]
-        self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.get("check_ownership") else None
-        self.orders = Consumer.attach(child.reg, P.to_worker(child.rank))
-        self.answers = Producer.attach(child.reg, P.from_worker(child.rank))
+        self.xp = get_backend(cfg.device).xp
+        self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
+        self.block_size = cfg.block_size
+        self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
+        self.orders = Receiver.attach(child.reg, P.worker_orders(child.rank))
+        self.answers = Sender.attach(child.reg, P.worker_answers(child.rank))
 
     def serve(self) -> int:
         log.info("serving %s: %d device blocks, model %s, ownership checks %s", self.orders.name,

@@ -1,0 +1,97 @@
+"""The node configuration as one typed object both halves of a node read.
+
+The launcher validates it (runtime/config.py adds the checks that need runtime/) and publishes
+it once into the CONFIG segment as plain data; every child reads it back as this dataclass, so a field is
+named in one place and a misspelt one is an AttributeError at the first run, not a KeyError
+(or a silent default) in one process of one role.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, TypeVar
+
+from .layout import KVLayout
+from .protocol import read_config
+
+C = TypeVar("C", bound="NodeConfig")
+
+
+@dataclass
+class NodeConfig:
+    node: str
+    role: str = "mixed"
+    tp: int = 1
+    device: str = "cpu"
+    block_size: int = 16
+    num_gpu_blocks: int = 512  # on a GPU the launcher's default comes from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # share of a GPU's free memory the default device pool takes
+    num_cpu_blocks: int = 0
+    storage: str = ""
+    host: str = "127.0.0.1"  # interface the client API (and the PD handshake) listen on
+    port: int = 0
+    metrics_port: int = 0
+    log_dir: str = ""
+    # model shape (the KV pools' block shape follows from it)
+    num_layers: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    dtype: str = "float32"
+    vocab_size: int = 512
+    max_model_len: int = 4096
+    model_seed: int = 0
+    # scheduling
+    max_num_seqs: int = 32             # sequences in one step
+    max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
+    # prefill/decode disaggregation
+    decode_peer: str = ""        # P: the D node's client API address, tcp://HOST:PORT
+    pd_transport: str = "shm"    # how P's cache-messagers write into D's pools: shm or mooncake
+    pd_timeout: float = 30.0     # P's wait for D's blocks; D's lease on blocks awaiting KV
+    pd_secret_file: str = ""     # the peers' shared secret (else $KVRT_PD_SECRET); PD roles need one
+    pd_peer_max_blocks: int = 0  # D: blocks one peer may hold at once (0: half the device pool)
+    pd_peer_max_preallocs: int = 16  # D: preallocations one peer may have waiting for kv-ready
+    check_ownership: bool = False
+    ready_timeout: float = 60.0
+    rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
+    hang_timeout: float = 5.0   # a ready process whose heartbeat is older than this is hung
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """One rank's KV block (every pool, transport and model of the node derives from it)."""
+        return KVLayout.of_node(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                self.dtype, self.tp)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of one rank: [layers, K/V, block_size, kv_heads_per_rank, head_dim]."""
+        return self.kv_layout.block_shape
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_layout.block_bytes
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.role != "mixed"
+
+    @property
+    def peer_max_blocks(self) -> int:
+        return self.pd_peer_max_blocks or max(1, self.num_gpu_blocks // 2)
+
+    @property
+    def needs_transfer(self) -> bool:
+        return self.num_cpu_blocks > 0 or bool(self.storage)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[C], d: Mapping[str, Any]) -> C:
+        """The config a dict describes; keys this build does not know are ignored (a status
+        reader may be older than the node it reads)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def read(cls: type[C], reg) -> C:
+        """The configuration the launcher published for the node of `reg`."""
+        return cls.from_dict(read_config(reg))
