@@ -5,20 +5,21 @@ Each task carries its deadline; a rank that gets to it later (paused, overloaded
 failed without touching a block, and an answer that arrives after the engine expired the task
 is ignored: an expired task is reported failed exactly once.
 
-Why per-task accounting instead of `Broadcast.gather`: several tasks are in flight at once
-and ranks answer in their own time; the engine must keep scheduling meanwhile, so answers
-are matched to tasks by id as they arrive through the engine's fan-in.
+Several tasks are in flight at once and ranks answer in their own time; the engine keeps
+scheduling meanwhile, so answers are matched to tasks by id as they arrive through the
+engine's fan-in, each task's answers collected by a rank group.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ipc.protocol import OWNER_TRANSFER, PROTOCOL, TransferDone, TransferTask
+from ipc.rank_group import RankGroup
 from ipc.ring import Producer
 from runtime.ownership import TASK_SOURCES, OwnerTable
 
@@ -41,9 +42,8 @@ class TaskResult:
 @dataclass
 class _Pending:
     task: TransferTask
-    deadline: float
     started: float
-    answers: dict[int, TransferDone] = field(default_factory=dict)
+    ranks: RankGroup[TransferDone]
 
 
 class TransferClient:
@@ -78,7 +78,7 @@ class TransferClient:
             self.owners[0].hand_over(sent.device_blocks, OWNER_TRANSFER, dev_from, order)
             self.owners[1].hand_over(sent.host_blocks, OWNER_TRANSFER, host_from, order)
         data = PROTOCOL.encode(sent)
-        self._pending[sent.task_id] = _Pending(sent, sent.deadline, now)
+        self._pending[sent.task_id] = _Pending(sent, now, RankGroup(len(self.rings), sent.deadline))
         for ring in self.rings:
             ring.put(data, self.send_timeout)
 
@@ -88,11 +88,13 @@ class TransferClient:
         if p is None:
             log.warning("answer for unknown or expired task %d from rank %d", done.task_id, done.rank)
             return None
-        p.answers[done.rank] = done
-        if len(p.answers) < len(self.rings):
+        if not 0 <= done.rank < p.ranks.size:
+            log.warning("answer for task %d from unknown rank %d", done.task_id, done.rank)
+            return None
+        if not p.ranks.add(done.rank, done):
             return None
         del self._pending[done.task_id]
-        answers = list(p.answers.values())
+        answers = p.ranks.answers
         errors = [f"rank {a.rank}: {a.error}" for a in answers if not a.ok]
         return TaskResult(p.task, not errors, min(a.blocks for a in answers), sum(a.nbytes for a in answers),
                           time.monotonic() - p.started, "; ".join(errors))
@@ -101,9 +103,9 @@ class TransferClient:
         """Fail every task whose deadline passed, naming the ranks that did not answer."""
         now = time.monotonic() if now is None else now
         out = []
-        for tid in [t for t, p in self._pending.items() if p.deadline <= now]:
+        for tid in [t for t, p in self._pending.items() if p.ranks.expired(now)]:
             p = self._pending.pop(tid)
-            missing = sorted(set(range(len(self.rings))) - set(p.answers))
+            missing = p.ranks.missing()
             err = (f"task {tid} ({p.task.kind}, {len(p.task.device_blocks)} blocks): no answer from "
                    f"cache-transfer rank(s) {missing} within {self.rank_timeout:.3g}s")
             log.error(err)
