@@ -95,6 +95,9 @@ class InfoRequest:
 @API.message("info_reply")
 @dataclass
 class InfoReply:
+    """The node's model limits. `model_dir` is the checkpoint directory the node serves ("" for
+    the built-in reference model): a client on the same machine loads the tokenizer from it."""
+
     nonce: int
     node: str
     role: str
@@ -102,6 +105,7 @@ class InfoReply:
     max_model_len: int
     block_size: int
     eos_token_id: int
+    model_dir: str = ""
 
 
 @API.message("tokens")

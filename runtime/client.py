@@ -23,7 +23,9 @@ A client is not thread-safe (neither is a ZeroMQ socket): use one per thread.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
+import os
 import json
 import operator
 import sys
@@ -39,6 +41,9 @@ import zmq
 from ipc.errors import ProtocolError
 from runtime.api import (API, CancelRequest, ErrorEvent, FinishedEvent, GenerateRequest, InfoReply,
                          InfoRequest, TokenEvent, request_id_problem)
+from runtime.chat_template import ChatTemplate, Message
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TIMEOUT = 30.0
@@ -448,18 +453,42 @@ def _parse_ids(text: str) -> list[int]:
     return out
 
 
+def node_tokenizer(info: InfoReply, directory: str | None = None) -> Tokenizer:
+    """The tokenizer for what the node serves: `directory` when given (a copy of the
+    checkpoint's tokenizer files, e.g. for a node on another machine), else the model directory
+    the node reports, else (the reference model) the byte tokenizer. TokenizerError when the
+    node's directory cannot be read here or holds no usable tokenizer."""
+    if directory:
+        return HFTokenizer.from_dir(directory)
+    if not info.model_dir:
+        return ByteTokenizer()
+    if not os.path.isdir(info.model_dir):
+        raise TokenizerError(f"node {info.node} serves the model in {info.model_dir}, which is not a directory on "
+                             f"this machine: pass --tokenizer DIR (a directory with its tokenizer files)")
+    return HFTokenizer.from_dir(info.model_dir)
+
+
 def generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvrt generate",
-        description="Send one request to a running node (kvrt launch --port P) and print its tokens as they "
-                    "stream in, then what it cost (TTFT, prompt tokens served by each cache tier).")
+        description="Send one request to a running node (kvrt launch --port P) and print its tokens (or text) as "
+                    "they stream in, then what it cost (TTFT, prompt tokens served by each cache tier). --text and "
+                    "--chat use the tokenizer of the model the node serves (read from the model directory the node "
+                    "reports, or --tokenizer DIR); the built-in reference model's tokenizer is one token per byte.")
     p.add_argument("--port", type=int, required=True, help="the node's client API port")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"the node's host (default {DEFAULT_HOST})")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma-separated: 1,2,3")
-    src.add_argument("--text", help="prompt text (byte-level tokenizer: one token per UTF-8 byte)")
+    src.add_argument("--text", help="prompt text, encoded with the model's tokenizer (special tokens added as the "
+                                    "tokenizer adds them, e.g. a BOS)")
+    src.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the model's chat template "
+                                                       "(ending where the assistant's answer begins)")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user's")
+    p.add_argument("--tokenizer", metavar="DIR", help="read the tokenizer from this checkpoint directory instead of "
+                                                      "the one the node serves")
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate at most")
-    p.add_argument("--eos", type=int, default=-1, metavar="ID", help="stop at this token id (default: none)")
+    p.add_argument("--eos", type=int, default=None, metavar="ID",
+                   help="stop at this token id (default: the model's EOS ids with --text/--chat, none with --prompt-ids)")
     p.add_argument("--no-cache", action="store_true", help="neither use nor fill the prefix cache")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
@@ -467,71 +496,110 @@ def generate_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _text_prompt(args: argparse.Namespace, tok: Tokenizer) -> list[int]:
+    """--text or --chat as token ids (ValueError naming the problem)."""
+    if args.text is not None:
+        return tok.encode(args.text)
+    if tok.chat_template is None:
+        raise ValueError(f"--chat: the tokenizer ({tok.name}) has no chat template")
+    messages = [Message("system", args.system)] if args.system is not None else []
+    messages.append(Message("user", args.chat))
+    text = ChatTemplate(tok.chat_template, tok.special_tokens).render(messages, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)  # the template wrote the special tokens itself
+
+
 def generate_main(argv: list[str]) -> int:
     """`kvrt generate`: exit 0 done, 1 engine error or no answer, 2 bad input."""
-    from runtime import tokenizer
-
     p = generate_parser()
     args = p.parse_args(argv)
-    if args.prompt_ids is not None:
+    as_text = args.prompt_ids is None
+    prompt: list[int] = []
+    if not as_text:
         try:
             prompt = _parse_ids(args.prompt_ids)
         except ValueError as e:
             p.error(str(e))
-    else:
-        prompt = tokenizer.encode(args.text)
-    if not prompt:
+    if not (prompt or args.text or args.chat):
         p.error("the prompt is empty")
+    if args.system is not None and args.chat is None:
+        p.error("--system goes with --chat")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0, got {args.timeout}")
     if not 0 < args.port <= 65535:
         p.error(f"--port must be 1..65535, got {args.port}")
-    try:
-        prompt_arr = as_prompt(prompt)
-    except ValueError as e:
-        p.error(str(e))
     err = sys.stderr
     try:
         with Client(args.port, args.timeout, host=args.host) as c:
             info = c.info()
+            what, eos_ids = "--prompt-ids", ()
+            if as_text:
+                try:
+                    tok = node_tokenizer(info, args.tokenizer)
+                    prompt = _text_prompt(args, tok)
+                except ValueError as e:  # TokenizerError and ChatTemplateError included
+                    p.error(str(e))
+                what = f"--{'text' if args.text is not None else 'chat'}: the tokenizer ({tok.name})"
+                eos_ids = tok.eos_token_ids
+                detok = IncrementalDetokenizer(tok, prompt)
+            if args.eos is not None:
+                eos_ids = (args.eos,)
+            try:
+                prompt_arr = as_prompt(prompt)
+            except ValueError as e:
+                p.error(str(e))
+            if not len(prompt_arr):
+                p.error(f"{what} gave an empty prompt")
             bad = [t for t in prompt if not 0 <= t < info.vocab_size]
             if bad:
-                what = "--text needs a vocabulary of at least 256 ids" if args.text is not None else "--prompt-ids"
                 p.error(f"{what}: token id {bad[0]} is outside the node's vocabulary 0..{info.vocab_size - 1}")
-            decoder = tokenizer.StreamDecoder()
+            # The engine stops at one EOS id; a model with several (an instruct model's end of turn
+            # besides its end of text) has the others caught here, and the request cancelled.
+            more_eos = set(eos_ids[1:])
+            pieces: list[str] = []
+            stopped_at = None
 
-            def show(tok: int) -> None:
-                if args.json:
-                    return
-                sys.stdout.write(decoder.feed([tok]) if args.text is not None else f"{tok} ")
-                sys.stdout.flush()
+            def show(tok_id: int) -> None:
+                piece = detok.add([tok_id]) if as_text else f"{tok_id} "
+                pieces.append(piece)
+                if not args.json:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
 
-            gen = c.stream(prompt_arr, args.max_new_tokens, eos_token_id=args.eos,
+            gen = c.stream(prompt_arr, args.max_new_tokens, eos_token_id=eos_ids[0] if eos_ids else -1,
                            use_cache=not args.no_cache)
             try:
                 with gen:
-                    for tok in gen:
-                        show(tok)
+                    for n, tok_id in enumerate(gen, 1):
+                        if stopped_at is not None:
+                            continue  # computed before the cancel arrived
+                        show(tok_id)
+                        if tok_id in more_eos:
+                            stopped_at = n
+                            c.cancel(gen.request_id)
             except KeyboardInterrupt:
                 print("\nkvrt generate: interrupted (request cancelled)", file=err)
                 return 130
             r = gen.result
+            if stopped_at is not None:
+                r = dataclasses.replace(r, output_token_ids=r.output_token_ids[:stopped_at], finish_reason="eos")
     except RequestError as e:
         print(f"\nkvrt generate: engine error ({e.code}): {e.message}", file=err)
         return 1
     except ClientError as e:
         print(f"\nkvrt generate: error: {e}", file=err)
         return 1
+    if as_text:
+        pieces.append(detok.flush())
     if args.json:
         out = r.to_dict()
-        if args.text is not None:
-            out["text"] = tokenizer.decode(r.output_token_ids)
+        if as_text:
+            out["text"] = "".join(pieces)
         print(json.dumps(out))
     else:
-        if args.text is not None:
-            sys.stdout.write(decoder.flush())
+        if as_text:
+            sys.stdout.write(pieces[-1])
         print()
         tpot = f", TPOT {r.tpot_ms:.1f} ms" if r.tpot_ms is not None else ""
         print(f"[{r.finish_reason}] {r.num_output_tokens} tokens; TTFT {r.ttft_ms:.1f} ms{tpot}, "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -235,7 +236,8 @@ class Engine:
             self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"nonce must be an integer, got {show(msg.nonce)}"))
             return
         c = self.cfg
-        self.reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len, c.block_size, -1))
+        self.reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len, c.block_size, -1,
+                                         model_dir=os.path.abspath(c.model) if c.model else ""))
 
     def _on_notice(self, n: ClientNotice) -> None:
         if n.kind == FRAMES:

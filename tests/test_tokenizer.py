@@ -1,8 +1,11 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime import tokenizer
-from runtime.tokenizer import REPLACEMENT, StreamDecoder, decode, encode
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.tokenizer import BYTE_VOCAB_SIZE, REPLACEMENT, ByteTokenizer
+
+BYTES = ByteTokenizer()
+encode, decode = BYTES.encode, BYTES.decode
 
 
 @given(st.text())
@@ -16,11 +19,11 @@ def test_round_trip(text):
 @given(st.text(), st.lists(st.integers(1, 7)))
 def test_streaming_decode_matches_whole(text, cuts):
     ids = encode(text)
-    dec, out, i = StreamDecoder(), [], 0
+    dec, out, i = IncrementalDetokenizer(BYTES), [], 0
     for c in cuts + [len(ids)]:
-        out.append(dec.feed(ids[i:i + c]))
+        out.append(dec.add(ids[i:i + c]))
         i += c
-    out.append(dec.feed(ids[i:]))
+    out.append(dec.add(ids[i:]))
     assert "".join(out) + dec.flush() == text
 
 
@@ -37,4 +40,5 @@ def test_bad_ids_and_bytes_become_replacement_chars():
     assert decode([0xE2, 0x82]) == REPLACEMENT      # a truncated 3-byte character
     assert decode([0xE2, 0x82, 1000, 0x41]) == f"{REPLACEMENT}{REPLACEMENT}A"
     assert encode("é€") == [0xC3, 0xA9, 0xE2, 0x82, 0xAC]
-    assert tokenizer.VOCAB_SIZE == 256
+    assert BYTE_VOCAB_SIZE == BYTES.vocab_size == 256
+    assert BYTES.eos_token_ids == () and BYTES.chat_template is None

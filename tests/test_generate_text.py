@@ -1,0 +1,187 @@
+"""`kvrt generate --text/--chat` with a Hugging Face tokenizer: the node tells the client its
+model directory (InfoReply.model_dir), the client loads the tokenizer from there (or from
+--tokenizer DIR), renders the chat template, streams the answer as text and stops at any of
+the model's EOS ids. A scripted ZeroMQ node in a thread plays the engine (real sockets, the
+real command in a subprocess); a real node with a real checkpoint is the model's tests' job."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import types
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from ipc.config import NodeConfig
+from runtime.api import (API, CancelRequest, FinishedEvent, GenerateRequest, InfoReply, InfoRequest, TokenEvent)
+from runtime.chat_template import ChatTemplate, Message
+from runtime.engine import Engine
+from runtime.tokenizer import HFTokenizer
+from tests.conftest import REPO
+from tests.tokenizer_kit import make_tokenizer_dir
+
+MULTI = "héllo 世界 🙂"
+
+
+class ScriptedNode:
+    """Answers InfoRequest with `model_dir` and `vocab_size`; streams `script` for every request:
+    finishes "eos" at the request's eos id, "length" at max_new_tokens, and otherwise waits for
+    the client's CancelRequest (then "cancelled", with every token it sent)."""
+
+    def __init__(self, script: list[int], model_dir: str = "", vocab_size: int = 1000):
+        self.script, self.model_dir, self.vocab_size = script, model_dir, vocab_size
+        self.received: list = []
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self._sent: dict[str, list[int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> "ScriptedNode":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+    def requests(self) -> list[GenerateRequest]:
+        return [m for m in self.received if isinstance(m, GenerateRequest)]
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            ident, data = self.sock.recv_multipart()
+            msg = API.decode(data)
+            self.received.append(msg)
+            if isinstance(msg, InfoRequest):
+                self._send(ident, InfoReply(msg.nonce, "scripted", "mixed", self.vocab_size, 4096, 16, -1,
+                                            model_dir=self.model_dir))
+            elif isinstance(msg, GenerateRequest):
+                self._run(ident, msg)
+            elif isinstance(msg, CancelRequest) and msg.request_id in self._sent:
+                self._finish(ident, msg.request_id, "cancelled", len(self._sent[msg.request_id]))
+
+    def _run(self, ident: bytes, msg: GenerateRequest) -> None:
+        out = self._sent[msg.request_id] = []
+        for tok in self.script[:msg.max_new_tokens]:
+            out.append(tok)
+            self._send(ident, TokenEvent(msg.request_id, len(out) - 1, [tok]))
+            if tok == msg.eos_token_id:
+                return self._finish(ident, msg.request_id, "eos", len(out))
+        if len(out) == msg.max_new_tokens:
+            self._finish(ident, msg.request_id, "length", len(out))
+
+    def _finish(self, ident: bytes, rid: str, reason: str, n: int) -> None:
+        out = self._sent.pop(rid)
+        self._send(ident, FinishedEvent(rid, np.array(out, dtype=np.int32), reason, 3, computed_prompt_tokens=3))
+
+    def _send(self, ident: bytes, msg) -> None:
+        self.sock.send_multipart([ident, API.encode(msg)])
+
+
+def kvrt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher", "generate", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> str:
+    return make_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir) -> HFTokenizer:
+    return HFTokenizer.from_dir(tok_dir)
+
+
+def test_chat_uses_the_nodes_tokenizer_and_template(tok, tok_dir):
+    im_end = tok.eos_token_ids[0]
+    answer = tok.encode(MULTI)
+    with ScriptedNode(answer + [im_end, 5, 6], model_dir=tok_dir) as node:
+        r = kvrt("--port", str(node.port), "--chat", "hi there", "--system", "Be brief.", "--max-new-tokens", "20")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == MULTI + "\n" and "[eos]" in r.stderr  # the EOS token itself prints nothing
+        req = node.requests()[0]
+        text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
+            [Message("system", "Be brief."), Message("user", "hi there")])
+        assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+        assert req.prompt.tolist() == tok.encode(text, add_special_tokens=False)  # no special token added twice
+        assert req.eos_token_id == im_end
+        r = kvrt("--port", str(node.port), "--chat", "hi", "--max-new-tokens", "20", "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["text"] == MULTI and out["output_token_ids"] == answer + [im_end]
+        assert out["finish_reason"] == "eos"
+
+
+def test_a_second_eos_id_stops_the_request(tok, tok_dir):
+    """generation_config.json lists two EOS ids; the engine is told the first, the client stops
+    at the other and cancels the request."""
+    eot = tok.eos_token_ids[1]
+    answer = tok.encode(MULTI)
+    with ScriptedNode(answer + [eot] + tok.encode("more"), model_dir=tok_dir) as node:
+        r = kvrt("--port", str(node.port), "--text", "hello", "--max-new-tokens", "50", "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["text"] == MULTI and out["output_token_ids"] == answer + [eot]
+        assert out["finish_reason"] == "eos"
+        assert node.requests()[0].prompt.tolist() == tok.encode("hello")
+        assert any(isinstance(m, CancelRequest) for m in node.received)
+        r = kvrt("--port", str(node.port), "--text", "hello", "--max-new-tokens", "50", "--eos", str(eot))
+        assert r.returncode == 0 and r.stdout == MULTI + "\n" and "[eos]" in r.stderr
+
+
+def test_tokenizer_option_overrides_the_node(tok, tok_dir):
+    with ScriptedNode(tok.encode("ok"), model_dir="") as node:  # a node that names no model directory
+        r = kvrt("--port", str(node.port), "--text", MULTI, "--max-new-tokens", "2", "--tokenizer", tok_dir)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == "ok\n" and node.requests()[0].prompt.tolist() == tok.encode(MULTI)
+
+
+def test_reference_model_keeps_the_byte_tokenizer():
+    with ScriptedNode(list("é!".encode())) as node:
+        r = kvrt("--port", str(node.port), "--text", "é", "--max-new-tokens", "3")
+        assert r.returncode == 0 and r.stdout == "é!\n"
+        assert node.requests()[0].prompt.tolist() == [0xC3, 0xA9] and node.requests()[0].eos_token_id == -1
+        r = kvrt("--port", str(node.port), "--chat", "hi", "--max-new-tokens", "3")
+        assert r.returncode == 2 and "has no chat template" in r.stderr
+
+
+def test_clear_errors(tok, tok_dir, tmp_path):
+    with ScriptedNode([1], model_dir=str(tmp_path / "elsewhere")) as node:
+        r = kvrt("--port", str(node.port), "--text", "hi", "--max-new-tokens", "3")
+        assert r.returncode == 2 and "not a directory on this machine" in r.stderr and "--tokenizer" in r.stderr
+    with ScriptedNode([1], model_dir=tok_dir, vocab_size=50) as node:
+        r = kvrt("--port", str(node.port), "--chat", "hi", "--max-new-tokens", "3")
+        assert r.returncode == 2 and "outside the node's vocabulary 0..49" in r.stderr and tok_dir in r.stderr
+    r = kvrt("--port", "5", "--text", "hi", "--system", "x", "--max-new-tokens", "3")
+    assert r.returncode == 2 and "--system goes with --chat" in r.stderr
+    r = kvrt("--port", "5", "--chat", "", "--max-new-tokens", "3")
+    assert r.returncode == 2 and "empty" in r.stderr
+    assert not node.requests()
+
+
+def test_info_reply_carries_the_model_dir_and_stays_compatible(tmp_path):
+    """The engine reports its model directory; an InfoReply from a node that predates the field
+    still decodes (as the reference model), and an older client ignores it."""
+    got = []
+    eng = types.SimpleNamespace(cfg=NodeConfig(node="n", model=str(tmp_path)), reply=lambda c, m: got.append(m))
+    Engine._on_info(eng, b"client", InfoRequest(7))
+    assert got[0].model_dir == str(tmp_path) and got[0].nonce == 7
+    assert API.decode(API.encode(got[0])) == got[0]
+    old = {"t": "info_reply", "v": 1, "nonce": 1, "node": "n", "role": "mixed", "vocab_size": 512,
+           "max_model_len": 64, "block_size": 4, "eos_token_id": -1}
+    assert API.decode(msgpack.packb(old)).model_dir == ""
+    body = msgpack.unpackb(API.encode(got[0]))
+    assert body["model_dir"] == str(tmp_path) and set(old) <= set(body)  # what an older client reads is there
