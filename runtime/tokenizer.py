@@ -13,7 +13,9 @@ Two kinds behind one interface (`Tokenizer`):
 
 Decoding never raises: an id the vocabulary does not have (a model's embedding table is often
 larger than its tokenizer, and a random model samples anything) comes out as U+FFFD.
-Streaming text is runtime/detokenizer.py's job.
+Streaming text is runtime/detokenizer.py's job. tokenizer_config.json's
+`clean_up_tokenization_spaces` is not applied: it rewrites text across token boundaries (" ." ->
+"."), which a stream has already printed.
 """
 from __future__ import annotations
 

@@ -231,3 +231,24 @@ def test_template_is_sandboxed_and_errors_are_chat_template_errors():
         ChatTemplate("x").render([])
     assert ChatTemplate("{{ messages | tojson }}").render([Message("user", "世界")]) == \
         json.dumps([{"role": "user", "content": "世界"}], ensure_ascii=False)
+
+
+def test_sentencepiece_style_decoder_keeps_the_first_answer_tokens_space(tmp_path):
+    """Llama-2/Mistral-style tokenizer.json (Metaspace): a sequence's first token decodes
+    without its leading space, so the answer's first token is decoded in the prompt's context."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    sp = Tokenizer(models.BPE(unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    sp.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    sp.train_from_iterator(["hello world héllo wörld"] * 20, trainers.BpeTrainer(
+        vocab_size=100, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    d = tmp_path / "sp"
+    d.mkdir()
+    sp.save(str(d / "tokenizer.json"))
+    t = HFTokenizer.from_dir(str(d))
+    prompt = t.encode("hello")
+    answer = t.encode("hello world")[len(prompt):]
+    assert t.decode(answer) == "world"  # alone, the space is gone
+    detok = IncrementalDetokenizer(t, prompt)
+    assert "".join([detok.add([a]) for a in answer] + [detok.flush()]) == " world"
