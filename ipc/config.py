@@ -39,7 +39,7 @@ class NodeConfig:
     vocab_size: int = 512
     max_model_len: int = 4096
     model_seed: int = 0
-    model: str = ""  # Hugging Face checkpoint directory ("" = the built-in reference model)
+    model_dir: str = ""          # a Hugging Face checkpoint directory; empty: the reference model
     # scheduling
     max_num_seqs: int = 32             # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)

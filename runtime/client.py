@@ -488,7 +488,8 @@ def generate_parser() -> argparse.ArgumentParser:
                                                       "the one the node serves")
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate at most")
     p.add_argument("--eos", type=int, default=None, metavar="ID",
-                   help="stop at this token id (default: the model's EOS ids with --text/--chat, none with --prompt-ids)")
+                   help="stop at this token id (default: the model's EOS ids with --text/--chat, none with "
+                        "--prompt-ids)")
     p.add_argument("--no-cache", action="store_true", help="neither use nor fill the prefix cache")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
@@ -496,30 +497,54 @@ def generate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _text_prompt(args: argparse.Namespace, tok: Tokenizer) -> list[int]:
-    """--text or --chat as token ids (ValueError naming the problem)."""
-    if args.text is not None:
-        return tok.encode(args.text)
-    if tok.chat_template is None:
-        raise ValueError(f"--chat: the tokenizer ({tok.name}) has no chat template")
-    messages = [Message("system", args.system)] if args.system is not None else []
-    messages.append(Message("user", args.chat))
-    text = ChatTemplate(tok.chat_template, tok.special_tokens).render(messages, add_generation_prompt=True)
-    return tok.encode(text, add_special_tokens=False)  # the template wrote the special tokens itself
+@dataclass
+class _Prompt:
+    """A request's prompt as `kvrt generate` was given it."""
+
+    ids: list[int]
+    what: str                       # how it was given, for error messages
+    eos_ids: tuple[int, ...]        # stop at any of these
+    tokenizer: Tokenizer | None     # None: --prompt-ids (the answer prints as ids)
+
+
+def _prompt(args: argparse.Namespace, info: InfoReply) -> _Prompt:
+    """The prompt of --prompt-ids, --text or --chat for this node (ValueError naming the
+    problem: TokenizerError and ChatTemplateError are ValueErrors too)."""
+    if args.prompt_ids is not None:
+        ids, what, eos, tok = _parse_ids(args.prompt_ids), "--prompt-ids", (), None
+    else:
+        tok = node_tokenizer(info, args.tokenizer)
+        if args.text is not None:
+            ids, what = tok.encode(args.text), f"--text: the tokenizer ({tok.name})"
+        elif tok.chat_template is None:
+            raise ValueError(f"--chat: the tokenizer ({tok.name}) has no chat template")
+        else:
+            messages = [Message("system", args.system)] if args.system is not None else []
+            text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
+                messages + [Message("user", args.chat)], add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)  # the template wrote the special tokens itself
+            what = f"--chat: the tokenizer ({tok.name})"
+        eos = tok.eos_token_ids
+    if not ids:
+        raise ValueError(f"{what} gave an empty prompt")
+    bad = [t for t in ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ValueError(f"{what}: token id {bad[0]} is outside the node's vocabulary 0..{info.vocab_size - 1}")
+    return _Prompt(ids, what, (args.eos,) if args.eos is not None else eos, tok)
 
 
 def generate_main(argv: list[str]) -> int:
     """`kvrt generate`: exit 0 done, 1 engine error or no answer, 2 bad input."""
     p = generate_parser()
     args = p.parse_args(argv)
-    as_text = args.prompt_ids is None
-    prompt: list[int] = []
-    if not as_text:
+    if args.prompt_ids is not None:
         try:
-            prompt = _parse_ids(args.prompt_ids)
+            empty = not _parse_ids(args.prompt_ids)  # refused before any connection
         except ValueError as e:
             p.error(str(e))
-    if not (prompt or args.text or args.chat):
+    else:
+        empty = not (args.text or args.chat)
+    if empty:
         p.error("the prompt is empty")
     if args.system is not None and args.chat is None:
         p.error("--system goes with --chat")
@@ -533,41 +558,26 @@ def generate_main(argv: list[str]) -> int:
     try:
         with Client(args.port, args.timeout, host=args.host) as c:
             info = c.info()
-            what, eos_ids = "--prompt-ids", ()
-            if as_text:
-                try:
-                    tok = node_tokenizer(info, args.tokenizer)
-                    prompt = _text_prompt(args, tok)
-                except ValueError as e:  # TokenizerError and ChatTemplateError included
-                    p.error(str(e))
-                what = f"--{'text' if args.text is not None else 'chat'}: the tokenizer ({tok.name})"
-                eos_ids = tok.eos_token_ids
-                detok = IncrementalDetokenizer(tok, prompt)
-            if args.eos is not None:
-                eos_ids = (args.eos,)
             try:
-                prompt_arr = as_prompt(prompt)
+                prompt = _prompt(args, info)
+                prompt_arr = as_prompt(prompt.ids)
             except ValueError as e:
                 p.error(str(e))
-            if not len(prompt_arr):
-                p.error(f"{what} gave an empty prompt")
-            bad = [t for t in prompt if not 0 <= t < info.vocab_size]
-            if bad:
-                p.error(f"{what}: token id {bad[0]} is outside the node's vocabulary 0..{info.vocab_size - 1}")
+            detok = IncrementalDetokenizer(prompt.tokenizer, prompt.ids) if prompt.tokenizer is not None else None
             # The engine stops at one EOS id; a model with several (an instruct model's end of turn
             # besides its end of text) has the others caught here, and the request cancelled.
-            more_eos = set(eos_ids[1:])
+            more_eos = set(prompt.eos_ids[1:])
             pieces: list[str] = []
             stopped_at = None
 
             def show(tok_id: int) -> None:
-                piece = detok.add([tok_id]) if as_text else f"{tok_id} "
+                piece = detok.add([tok_id]) if detok is not None else f"{tok_id} "
                 pieces.append(piece)
                 if not args.json:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
 
-            gen = c.stream(prompt_arr, args.max_new_tokens, eos_token_id=eos_ids[0] if eos_ids else -1,
+            gen = c.stream(prompt_arr, args.max_new_tokens, eos_token_id=prompt.eos_ids[0] if prompt.eos_ids else -1,
                            use_cache=not args.no_cache)
             try:
                 with gen:
@@ -590,15 +600,15 @@ def generate_main(argv: list[str]) -> int:
     except ClientError as e:
         print(f"\nkvrt generate: error: {e}", file=err)
         return 1
-    if as_text:
+    if detok is not None:
         pieces.append(detok.flush())
     if args.json:
         out = r.to_dict()
-        if as_text:
+        if detok is not None:
             out["text"] = "".join(pieces)
         print(json.dumps(out))
     else:
-        if as_text:
+        if detok is not None:
             sys.stdout.write(pieces[-1])
         print()
         tpot = f", TPOT {r.tpot_ms:.1f} ms" if r.tpot_ms is not None else ""

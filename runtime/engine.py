@@ -237,7 +237,7 @@ class Engine:
             return
         c = self.cfg
         self.reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len, c.block_size, -1,
-                                         model_dir=os.path.abspath(c.model) if c.model else ""))
+                                         model_dir=os.path.abspath(c.model_dir) if c.model_dir else ""))
 
     def _on_notice(self, n: ClientNotice) -> None:
         if n.kind == FRAMES:

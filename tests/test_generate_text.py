@@ -176,7 +176,7 @@ def test_info_reply_carries_the_model_dir_and_stays_compatible(tmp_path):
     """The engine reports its model directory; an InfoReply from a node that predates the field
     still decodes (as the reference model), and an older client ignores it."""
     got = []
-    eng = types.SimpleNamespace(cfg=NodeConfig(node="n", model=str(tmp_path)), reply=lambda c, m: got.append(m))
+    eng = types.SimpleNamespace(cfg=NodeConfig(node="n", model_dir=str(tmp_path)), reply=lambda c, m: got.append(m))
     Engine._on_info(eng, b"client", InfoRequest(7))
     assert got[0].model_dir == str(tmp_path) and got[0].nonce == 7
     assert API.decode(API.encode(got[0])) == got[0]
