@@ -11,6 +11,7 @@ pickle). Answers carry the request id, so one client keeps many requests in flig
         print(g.result.finish_reason)
         rid = c.submit([4, 5, 6], 8)             # many in flight: submit ...
         for ev in c.poll(1.0): ...               # ... and poll: TokenEvent, Result or ErrorEvent
+        tok = node_tokenizer(c.info())           # the served model's tokenizer (runtime/tokenizer.py)
 
 Every wait has a timeout (the client's `timeout` unless given): the longest silence tolerated
 while waiting for one answer. A node that does not answer raises `ClientError` naming the address

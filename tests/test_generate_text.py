@@ -165,11 +165,11 @@ def test_clear_errors(tok, tok_dir, tmp_path):
     with ScriptedNode([1], model_dir=tok_dir, vocab_size=50) as node:
         r = kvrt("--port", str(node.port), "--chat", "hi", "--max-new-tokens", "3")
         assert r.returncode == 2 and "outside the node's vocabulary 0..49" in r.stderr and tok_dir in r.stderr
+        assert not node.requests()  # refused before anything was sent
     r = kvrt("--port", "5", "--text", "hi", "--system", "x", "--max-new-tokens", "3")
     assert r.returncode == 2 and "--system goes with --chat" in r.stderr
     r = kvrt("--port", "5", "--chat", "", "--max-new-tokens", "3")
     assert r.returncode == 2 and "empty" in r.stderr
-    assert not node.requests()
 
 
 def test_info_reply_carries_the_model_dir_and_stays_compatible(tmp_path):

@@ -231,6 +231,9 @@ def test_template_is_sandboxed_and_errors_are_chat_template_errors():
         ChatTemplate("x").render([])
     assert ChatTemplate("{{ messages | tojson }}").render([Message("user", "世界")]) == \
         json.dumps([{"role": "user", "content": "世界"}], ensure_ascii=False)
+    assert ChatTemplate("{% for m in messages %}{{ m.content }}{% break %}{% endfor %}").render(
+        [Message("user", "a"), Message("user", "b")]) == "a"  # loop controls, as transformers enables them
+    assert ChatTemplate("{{ strftime_now('%Y') }}").render([Message("user", "a")]).isdigit()
 
 
 def test_sentencepiece_style_decoder_keeps_the_first_answer_tokens_space(tmp_path):
