@@ -463,6 +463,9 @@ def node_tokenizer(info: InfoReply, directory: str | None = None) -> Tokenizer:
         return HFTokenizer.from_dir(directory)
     if not info.model_dir:
         return ByteTokenizer()
+    if not (isinstance(info.model_dir, str) and os.path.isabs(info.model_dir)):  # a node's word, checked
+        raise TokenizerError(f"node {info.node} reported {info.model_dir!r:.200} as its model directory, which is "
+                             f"not an absolute path: pass --tokenizer DIR")
     if not os.path.isdir(info.model_dir):
         raise TokenizerError(f"node {info.node} serves the model in {info.model_dir}, which is not a directory on "
                              f"this machine: pass --tokenizer DIR (a directory with its tokenizer files)")

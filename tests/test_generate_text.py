@@ -162,6 +162,10 @@ def test_clear_errors(tok, tok_dir, tmp_path):
     with ScriptedNode([1], model_dir=str(tmp_path / "elsewhere")) as node:
         r = kvrt("--port", str(node.port), "--text", "hi", "--max-new-tokens", "3")
         assert r.returncode == 2 and "not a directory on this machine" in r.stderr and "--tokenizer" in r.stderr
+    for bad in (5, "relative/dir", ["/x"]):  # what a node says is checked before it is used
+        with ScriptedNode([1], model_dir=bad) as node:
+            r = kvrt("--port", str(node.port), "--text", "hi", "--max-new-tokens", "3")
+            assert r.returncode == 2 and "not an absolute path" in r.stderr, r.stderr
     with ScriptedNode([1], model_dir=tok_dir, vocab_size=50) as node:
         r = kvrt("--port", str(node.port), "--chat", "hi", "--max-new-tokens", "3")
         assert r.returncode == 2 and "outside the node's vocabulary 0..49" in r.stderr and tok_dir in r.stderr
