@@ -255,3 +255,22 @@ def test_sentencepiece_style_decoder_keeps_the_first_answer_tokens_space(tmp_pat
     assert t.decode(answer) == "world"  # alone, the space is gone
     detok = IncrementalDetokenizer(t, prompt)
     assert "".join([detok.add([a]) for a in answer] + [detok.flush()]) == " world"
+
+
+QWEN3_LIKE = """{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and not message.content.startswith('<tool_response>') %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{{- ns.last_query_index }}|{{ messages[1].content.split('</think>')[-1].lstrip('\\n') }}|
+{{- enable_thinking is defined and enable_thinking is false }}"""
+
+
+def test_qwen3_style_namespace_string_methods_and_extra_variables():
+    """What Qwen3's template relies on: namespace() assignment, reversed slices, str methods,
+    and a caller's extra variable (enable_thinking) - allowed by the sandbox, as in transformers."""
+    msgs = [Message("user", "a"), Message("assistant", "<think>x</think>\nans"), Message("user", "b")]
+    assert ChatTemplate(QWEN3_LIKE).render(msgs, enable_thinking=False) == "2|ans|True"
