@@ -94,3 +94,27 @@ def test_logprobs_are_log_softmax_of_the_unscaled_logits():
     tokens, lp = sample(z, r)
     want = log_softmax(z)[np.arange(6), tokens]
     assert np.allclose(lp[r.logprobs], want[r.logprobs], rtol=0, atol=1e-12) and lp[3] == 0.0
+
+
+def test_the_worker_reads_the_batch_fields_or_refuses_them():
+    """Empty sampling fields mean every sequence greedy; present ones must have one entry per
+    sequence and be in range (else the step fails with an error answer, never a crash)."""
+    from ipc.protocol import StepBatch
+    from workers.worker import Worker
+
+    def batch(**kw):
+        i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+        return StepBatch(1, i32(5, 6, 7), i32(2, 1), i32(0, 9), i32(0, 1), i32(1, 1), **kw)
+
+    greedy = Worker._sampling(batch())
+    assert not greedy.temperature.any() and greedy.temperature.shape == (2,)
+    ok = Worker._sampling(batch(temperature=[0.0, 0.8], top_p=[1.0, 0.9], top_k=np.array([0, 4], np.int32),
+                                seed=[1, 2 ** 63 - 1], logprobs=np.array([0, 1], np.int32)))
+    assert ok.position.tolist() == [2, 10] and ok.logprobs.tolist() == [False, True]
+    assert ok.seed.tolist() == [1, 2 ** 63 - 1]
+    full = dict(temperature=[0.0, 0.8], top_p=[1.0, 0.9], top_k=np.array([0, 4], np.int32), seed=[1, 2],
+                logprobs=np.array([0, 1], np.int32))
+    for field, bad in (("temperature", [0.5]), ("top_p", [1.0, 0.0]), ("temperature", [0.0, -1.0]),
+                       ("seed", [1, -2]), ("seed", ["a", 1]), ("top_k", np.array([0, -3], np.int32))):
+        with pytest.raises(ValueError, match="sampling"):
+            Worker._sampling(batch(**{**full, field: bad}))

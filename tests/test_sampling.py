@@ -17,7 +17,7 @@ from ipc.config import NodeConfig
 from runtime.api import API, BAD_REQUEST, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from runtime.intake import validate
 from tests.conftest import leftovers
-from tests.launched import SMALL, launched, oracle
+from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
 from tests.test_pd import pd_node, pd_pair  # noqa: F401  (pd_node is a fixture)
 from workers.sampler import SamplingRows, sample
 
@@ -199,3 +199,22 @@ def test_pd_hands_the_sampling_parameters_to_decode(pd_node, tmp_path):  # noqa:
         assert np.allclose(end.output_logprobs, want_lp, rtol=0, atol=1e-9)
         assert stopped.finish_reason == "stop" and stopped.output_token_ids.tolist() == stop_want
         assert p.idle_stats()["pd_sent_bytes"] > 0
+
+
+def test_seeded_sampling_survives_swaps_and_preemption(node, tmp_path):
+    """A pool too small for the requests at once: they are preempted, recomputed and swapped,
+    and each still answers the tokens its (seed, position) draws give alone."""
+    prompts = shared_prefix_prompts(seed=7)
+    want = [expected(p, 12, seed=i, **HOT)[0] for i, p in enumerate(prompts)]
+    opts = (*SMALL, "--num-gpu-blocks", "40", "--num-cpu-blocks", "64", "--max-num-batched-tokens", "64")
+    with launched(node, tmp_path, *opts, env={"KVRT_CHECK_OWNERSHIP": "1"}) as ln:
+        s = Socket(ln.port)
+        try:
+            for i, p in enumerate(prompts):
+                s.send(request(f"r{i}", p, 12, seed=i, **HOT))
+            got = [s.until_end(f"r{i}") for i in range(len(prompts))]
+        finally:
+            s.close()
+        assert [g.output_token_ids.tolist() for g in got] == want, ln.logs()
+        stats = ln.idle_stats()
+        assert stats["preemptions"] > 0 and stats["device_used"] == 0
