@@ -3,10 +3,10 @@ and top-p, one row per sequence.
 
 Why the random draw is a function of (seed, position) only: a request's tokens must not
 depend on what else shares its step (batch composition, preemption and recompute, a prefill
-node sampling the first token and a decode node the rest). Each row takes one uniform number
-from a generator seeded with its request's seed and the position of the token it samples,
-and turns it into a token by inverting the row's (truncated) cumulative distribution, so the
-same logits, seed and position always give the same token.
+node sampling the first token and a decode node the rest). Each row takes one uniform number,
+a hash of its request's seed and the position of the token it samples, and turns it into a
+token by inverting the row's (truncated) cumulative distribution, so the same logits, seed
+and position always give the same token.
 
 Greedy rows (temperature 0) are exactly argmax, as before sampling existed, so the
 exactness checks against the dense reference hold unchanged.
@@ -42,9 +42,23 @@ class SamplingRows:
                    np.zeros(n, np.int64), np.zeros(n, bool))
 
 
-def uniform(seed: int, position: int) -> float:
-    """The one random number in [0, 1) of a request's token at `position`."""
-    return float(np.random.default_rng([int(seed), int(position)]).random())
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: every input bit flips about half of the output bits."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One random number in [0, 1) per (seed, position) pair: a counter-based hash, so it
+    needs no generator state and costs the same for a whole batch as for one row."""
+    with np.errstate(over="ignore"):
+        z = _mix(np.asarray(seeds, np.uint64) + _GOLDEN)
+        z = _mix(z + (np.asarray(positions).astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
 def sample(logits: Any, rows: SamplingRows, xp: Any = np) -> tuple[np.ndarray, np.ndarray]:
@@ -83,7 +97,7 @@ def _sample_rows(logits: Any, rows: SamplingRows, idx: np.ndarray, xp: Any) -> n
     before = xp.cumsum(p, axis=-1) - p  # mass of the more likely tokens
     p = xp.where(before < xp.asarray(rows.top_p[idx])[:, None], p, 0.0)
     cdf = xp.cumsum(p, axis=-1)
-    u = np.array([uniform(rows.seed[i], rows.position[i]) for i in idx])
+    u = uniforms(rows.seed[idx], rows.position[idx])
     target = xp.asarray(u)[:, None] * cdf[:, -1:]
     pick = xp.minimum((cdf <= target).sum(axis=-1), xp.asarray(k - 1))
     return _host(xp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]).astype(np.int32)
