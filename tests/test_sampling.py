@@ -14,11 +14,13 @@ import pytest
 import zmq
 
 from ipc.config import NodeConfig
-from runtime.api import API, BAD_REQUEST, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
+from runtime.api import (API, BAD_REQUEST, ErrorEvent, FinishedEvent, GenerateRequest, PdAllocated, PdKvReady,
+                         PdPrealloc, TokenEvent)
 from runtime.intake import validate
 from tests.conftest import leftovers
 from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
 from tests.test_pd import pd_node, pd_pair  # noqa: F401  (pd_node is a fixture)
+from tests.test_pd_security import decode, peer  # noqa: F401  (fixtures: a decode node, a hand-made P)
 from workers.sampler import SamplingRows, sample
 
 WAIT_S = 60.0
@@ -218,3 +220,26 @@ def test_seeded_sampling_survives_swaps_and_preemption(node, tmp_path):
         assert [g.output_token_ids.tolist() for g in got] == want, ln.logs()
         stats = ln.idle_stats()
         assert stats["preemptions"] > 0 and stats["device_used"] == 0
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=2.0), dict(top_k="3"), dict(seed=-5),
+                                 dict(stop_token_ids=[999]), dict(logprobs="yes")])
+def test_a_peers_bad_sampling_parameters_are_refused(decode, peer, bad):  # noqa: F811
+    peer.send(PdPrealloc("b", np.arange(1, 30, dtype=np.int32), 8, **bad))
+    err = peer.recv()
+    assert isinstance(err, ErrorEvent) and err.code == BAD_REQUEST and next(iter(bad)) in err.message, err
+    assert decode.engine_stats()["device_used"] == 0
+
+
+def test_a_peers_first_logprob_is_checked_and_kept(decode, peer):  # noqa: F811
+    prompt = np.arange(1, 30, dtype=np.int32)
+    peer.send(PdPrealloc("lp", prompt, 4, temperature=0.7, seed=3, logprobs=True))
+    assert isinstance(peer.recv(), PdAllocated)
+    peer.send(PdKvReady("lp", 5, first_logprob=0.5))  # a probability above 1
+    err = peer.recv()
+    assert isinstance(err, ErrorEvent) and err.code == BAD_REQUEST and "first_logprob" in err.message, err
+    peer.send(PdKvReady("lp", 5, first_logprob=-1.25))
+    while not isinstance(end := peer.recv(), FinishedEvent):
+        assert isinstance(end, TokenEvent) and len(end.logprobs) == len(end.token_ids), end
+    assert end.output_token_ids[0] == 5 and len(end.output_logprobs) == 4 and end.output_logprobs[0] == -1.25
+    assert all(lp < 0 for lp in end.output_logprobs[1:])
