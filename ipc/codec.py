@@ -6,7 +6,8 @@ anything unexpected into a ProtocolError that the consumer counts and survives.
 
 A message type is a dataclass decorated with `@message("name", version)`. Fields annotated as
 `np.ndarray` travel as little-endian int32 bytes (block-id lists: one memcpy, no per-element
-encoding) and come back as read-only int32 arrays.
+encoding) and come back as read-only int32 arrays. A field with a default may be absent from
+a message (an older peer does not know a field added since) and then takes its default.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class _Schema:
     version: int
     fields: tuple[str, ...]
     arrays: frozenset[str]
+    optional: frozenset[str]  # fields with a default: they may be absent
 
 
 class Codec:
@@ -47,7 +49,9 @@ class Codec:
                 cls = dataclasses.dataclass(cls)
             fields = dataclasses.fields(cls)
             arrays = frozenset(f.name for f in fields if "ndarray" in str(f.type))
-            schema = _Schema(cls, version, tuple(f.name for f in fields), arrays)
+            optional = frozenset(f.name for f in fields if f.default is not dataclasses.MISSING
+                                 or f.default_factory is not dataclasses.MISSING)
+            schema = _Schema(cls, version, tuple(f.name for f in fields), arrays, optional)
             self._by_name[name] = schema
             self._by_cls[cls] = (name, schema)
             return cls
@@ -82,6 +86,8 @@ class Codec:
         kwargs = {}
         for f in schema.fields:
             if f not in body:
+                if f in schema.optional:  # a field added later: an older peer does not send it
+                    continue
                 raise ProtocolError(f"message {body['t']!r} lacks field {f!r}")
             v = body[f]
             if f in schema.arrays:
