@@ -18,7 +18,7 @@ from .shm import Segment
 PROTOCOL = Codec()
 # the version of the contract below as a whole: a change to any message a channel carries
 # bumps it, and a process of another build is refused when it attaches to a node's channels
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
 CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
@@ -240,7 +240,13 @@ STAT = {name: i for i, name in enumerate(STATS)}
 class StepBatch:
     """Engine -> every worker rank: one forward step over several sequences, flattened.
     Sequence i computes tokens[sum(query_lens[:i]) : ...] at positions starts[i].. and owns the
-    block table tables[sum(table_lens[:i]) : ...] (only the blocks it needs, in token order)."""
+    block table tables[sum(table_lens[:i]) : ...] (only the blocks it needs, in token order).
+
+    How sequence i's next token is chosen travels with it, one entry per sequence (all empty:
+    every sequence greedy): temperature[i] (0: greedy), top_p[i], top_k[i] (0: no limit),
+    seed[i] (with the token's position, the only source of randomness, so a request's tokens
+    do not depend on its batch) and logprobs[i] (1: answer the chosen token's log-probability).
+    Floats and 64-bit seeds travel as msgpack lists (the codec's arrays are int32)."""
 
     step_id: int
     tokens: np.ndarray
@@ -248,20 +254,27 @@ class StepBatch:
     starts: np.ndarray
     tables: np.ndarray
     table_lens: np.ndarray
+    temperature: list = field(default_factory=list)
+    top_p: list = field(default_factory=list)
+    top_k: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    seed: list = field(default_factory=list)
+    logprobs: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
 
 
 @PROTOCOL.message("step_result")
 @dataclass
 class StepResult:
-    """A rank's answer to a step: rank 0 sends the greedy next token of every sequence (the
-    engine ignores it for a prefill chunk that does not end the known tokens); other ranks only
-    acknowledge. A non-empty `error` fails the step."""
+    """A rank's answer to a step: rank 0 sends the next token of every sequence, chosen as
+    the batch said (the engine ignores it for a prefill chunk that does not end the known
+    tokens), and its log-probability in `logprobs` (one float per sequence, 0.0 where not asked;
+    empty when none asked); other ranks only acknowledge. A non-empty `error` fails the step."""
 
     step_id: int
     rank: int
     tokens: np.ndarray
     seconds: float = 0.0
     error: str = ""
+    logprobs: list = field(default_factory=list)
 
 
 # ---- engine <-> cache-messager (P->D handoff) ---------------------------------------------------

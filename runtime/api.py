@@ -66,9 +66,18 @@ def request_id_problem(request_id: object) -> str:
 @API.message("generate")
 @dataclass
 class GenerateRequest:
-    """Greedy generation of up to `max_new_tokens` tokens after `prompt`. `eos_token_id` >= 0
+    """Generation of up to `max_new_tokens` tokens after `prompt`. `eos_token_id` >= 0
     stops early when sampled. `use_cache` False neither matches nor records prefix-cache blocks
-    (the cache-off side of a comparison). `stream` False sends only the FinishedEvent."""
+    (the cache-off side of a comparison). `stream` False sends only the FinishedEvent.
+
+    Sampling: `temperature` 0 is greedy (exactly argmax); above 0 the logits are divided by
+    it, cut to the `top_k` most likely tokens (0: no cut), then to the smallest set whose
+    probability reaches `top_p`, and one token is drawn. `seed` makes the draws reproducible
+    (the same request with the same seed gives the same tokens, whatever else the node runs);
+    None lets the node pick one. Any of `stop_token_ids` ends the request (finish reason
+    "stop", the token included). `logprobs` True adds each output token's log-probability
+    under the model's unscaled logits to the answers. Stop strings need text, so they are
+    the client's (runtime/stop.py)."""
 
     request_id: str
     prompt: np.ndarray
@@ -76,6 +85,12 @@ class GenerateRequest:
     eos_token_id: int = -1
     use_cache: bool = True
     stream: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list = field(default_factory=list)
+    logprobs: bool = False
 
 
 @API.message("cancel")
@@ -112,11 +127,12 @@ class InfoReply:
 @dataclass
 class TokenEvent:
     """New output tokens of a streaming request, in order; `index` is the position of the first
-    of them in the output."""
+    of them in the output. `logprobs`: theirs, if the request asked (else empty)."""
 
     request_id: str
     index: int
     token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
 
 
 @API.message("finished")
@@ -128,7 +144,7 @@ class FinishedEvent:
 
     request_id: str
     output_token_ids: np.ndarray
-    finish_reason: str           # "length", "eos" or "cancelled"
+    finish_reason: str           # "length", "eos", "stop" or "cancelled"
     prompt_tokens: int
     cached_device: int = 0
     cached_host: int = 0
@@ -137,6 +153,7 @@ class FinishedEvent:
     preemptions: int = 0
     ttft_ms: float = 0.0
     e2e_ms: float = 0.0
+    output_logprobs: list = field(default_factory=list)  # one per output token, if asked
 
 
 @API.message("error")
@@ -212,13 +229,20 @@ class PdPong:
 @dataclass
 class PdPrealloc:
     """P asks D to hold blocks for a request's prompt (D matches its own prefix cache first:
-    only blocks past `cached_tokens` of D's answer travel)."""
+    only blocks past `cached_tokens` of D's answer travel). The sampling parameters are the
+    request's (P already picked the seed), so D's tokens are the ones one node would give."""
 
     request_id: str
     prompt: np.ndarray
     max_new_tokens: int
     eos_token_id: int = -1
     use_cache: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list = field(default_factory=list)
+    logprobs: bool = False
 
 
 @API.message("pd_allocated")
@@ -238,10 +262,12 @@ class PdAllocated:
 @API.message("pd_kv_ready")
 @dataclass
 class PdKvReady:
-    """P -> D: every rank wrote the blocks; the request continues on D after `first_token`."""
+    """P -> D: every rank wrote the blocks; the request continues on D after `first_token`
+    (`first_logprob`: its log-probability, if the request asked)."""
 
     request_id: str
     first_token: int
+    first_logprob: float = 0.0
 
 
 @API.message("pd_abort")

@@ -37,7 +37,7 @@ from runtime.config import NodeConfig
 from runtime.connectors import ConnectorContext, KVConnector, connector_class
 from runtime.metrics import Metrics
 from runtime import api
-from runtime.intake import is_int, show, validate
+from runtime.intake import is_int, sampling_of, show, validate
 from runtime.ownership import OwnerTable, check_step
 from runtime import prefix_cache as pc
 from runtime.prefix_cache import PrefixCache
@@ -313,11 +313,13 @@ class Engine:
                                                   f"{api.MAX_REQUESTS_PER_CLIENT} requests in flight"))
                 return
         self._per_client[client] = self._per_client.get(client, 0) + 1
+        sampling = sampling_of(req)  # (picks the seed before a connector forwards the request)
         if self.connector.on_request(client, req):
             return
         self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size, self.cfg.key_root,
                                     client=client,
-                                    eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream))
+                                    eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
+                                    **sampling))
 
     def _on_cancel(self, client: bytes, req: api.CancelRequest) -> None:
         rid = req.request_id
@@ -346,14 +348,16 @@ class Engine:
             self.metrics.ttft_seconds.observe(ttft / 1e3)
         self.reply(seq.client, api.FinishedEvent(
             seq.request_id, seq.output.copy(), seq.finish_reason, seq.prompt_len, *seq.cached,
-            seq.computed_prompt_tokens, seq.preemptions, ttft, (now - seq.arrival) * 1e3))
+            seq.computed_prompt_tokens, seq.preemptions, ttft, (now - seq.arrival) * 1e3,
+            list(seq.output_logprobs)))
 
     def _apply(self, out: StepOutcome) -> None:
         s = self.stats.array
         for seq, index in out.emitted:
             s[P.STAT["generated_tokens"]] += 1
             if seq.stream:
-                self.reply(seq.client, api.TokenEvent(seq.request_id, index, [int(seq.output[index])]))
+                self.reply(seq.client, api.TokenEvent(seq.request_id, index, [int(seq.output[index])],
+                                                      seq.output_logprobs[index:index + 1]))
         for seq in out.finished:
             self.finished(seq)
         for seq, why in out.failed:
@@ -379,6 +383,12 @@ class Engine:
         batch = P.StepBatch(step.step_id, np.concatenate(tokens), np.array(step.chunks, dtype=np.int32),
                             np.array(step.starts, dtype=np.int32), np.concatenate(tables).astype(np.int32),
                             np.array([len(t) for t in tables], dtype=np.int32))
+        if any(seq.temperature > 0 or seq.logprobs for seq in step.seqs):  # else all greedy: none sent
+            batch.temperature = [seq.temperature for seq in step.seqs]
+            batch.top_p = [seq.top_p for seq in step.seqs]
+            batch.top_k = np.array([seq.top_k for seq in step.seqs], dtype=np.int32)
+            batch.seed = [seq.seed for seq in step.seqs]
+            batch.logprobs = np.array([seq.logprobs for seq in step.seqs], dtype=np.int32)
         data = P.PROTOCOL.encode(batch)
         for ring in self.to_workers:
             ring.put(data, self.cfg.rank_timeout)
@@ -397,7 +407,8 @@ class Engine:
         if errors:
             self._apply(self.sched.fail_step(step, "; ".join(errors)))
         else:
-            self._apply(self.sched.finish_step(step, answers.answers[0].tokens))
+            first = answers.answers[0]
+            self._apply(self.sched.finish_step(step, first.tokens, first.logprobs))
 
     def _check_step_deadline(self) -> None:
         step, answers = self.sched.inflight, self._step_answers

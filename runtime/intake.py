@@ -5,6 +5,9 @@ run to the end on this node, alone if need be, so the scheduler never meets one 
 """
 from __future__ import annotations
 
+import math
+import secrets
+
 import numpy as np
 
 from .api import GenerateRequest, request_id_problem
@@ -25,6 +28,49 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_TEMPERATURE = 100.0  # far past where the distribution is uniform in practice
+MAX_STOP_TOKEN_IDS = 64
+SEED_LIMIT = 1 << 63     # seeds are in [0, SEED_LIMIT): one int64 on every path
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float that is not a bool (a client may send 1 for 1.0)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def sampling_problem(req: object, vocab_size: int) -> str:
+    """The first problem with the sampling fields of a request (GenerateRequest or a P->D
+    preallocation, which carries the same fields), or ""."""
+    t = req.temperature
+    if not is_number(t) or not 0 <= t <= MAX_TEMPERATURE:
+        return f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy), got {show(t)}"
+    if not is_number(req.top_p) or not 0 < req.top_p <= 1:
+        return f"top_p must be a number in (0, 1], got {show(req.top_p)}"
+    if not is_int(req.top_k) or not 0 <= req.top_k <= vocab_size:
+        return f"top_k must be an integer in [0, {vocab_size}] (0: no limit), got {show(req.top_k)}"
+    if req.seed is not None and (not is_int(req.seed) or not 0 <= req.seed < SEED_LIMIT):
+        return f"seed must be an integer in [0, 2**63) or null, got {show(req.seed)}"
+    stops = req.stop_token_ids
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_TOKEN_IDS:
+        return f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {show(stops)}"
+    for tok in stops:
+        if not is_int(tok) or not 0 <= tok < vocab_size:
+            return f"stop_token_ids must hold token ids in [0, {vocab_size}), got {show(tok)}"
+    if not isinstance(req.logprobs, bool):
+        return f"logprobs must be true or false, got {show(req.logprobs)}"
+    return ""
+
+
+def sampling_of(req: object) -> dict:
+    """A validated request's sampling fields as Sequence keyword arguments. A request without
+    a seed gets one drawn here, once, so every step (and a decode node) uses the same."""
+    if req.seed is None:
+        req.seed = secrets.randbelow(SEED_LIMIT)
+    return dict(temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k),
+                seed=int(req.seed), stop_token_ids=frozenset(req.stop_token_ids), logprobs=req.logprobs)
+
+
 def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
     """The first problem with `req` on a node configured as `cfg`, or "" if there is none.
     Every field is checked for its exact type here, before any of it touches state."""
@@ -39,6 +85,8 @@ def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
     for name in ("use_cache", "stream"):
         if not isinstance(getattr(req, name), bool):
             return f"{name} must be true or false, got {show(getattr(req, name))}"
+    if problem := sampling_problem(req, cfg.vocab_size):
+        return problem
     prompt = req.prompt
     if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.dtype != np.int32:
         return f"prompt must be int32 token ids, got {show(prompt)}"

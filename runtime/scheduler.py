@@ -5,10 +5,11 @@ answers before scheduling the next), so everything here runs between steps and n
 step uses can change under it. A step is built from:
 1. running sequences in admission order: a decode token each, or the next prefill chunk;
    when the device runs out of blocks, a sequence waits if blocks are on their way back
-   (swap-outs in flight), else the most recently started loading sequence, then the most
-   recently admitted running sequence not yet in the step, is preempted (released, queued
-   again at the front, recomputed later: most of its blocks are then found again in the
-   prefix cache);
+   (swap-outs in flight); else blocks are taken from the newest loading sequence whose swap-in
+   still waits for room, then from a loaded one not yet admitted, then from the most recently
+   admitted running sequence not yet in the step, which is preempted (released, queued again
+   at the front, recomputed later: most of its blocks are then found again in the prefix
+   cache); no new sequence is admitted in a step where a running one lacked blocks;
 2. waiting sequences, admitted in arrival order while the token budget and seats last:
    matched against the prefix cache; one whose cached prefix must first be swapped in or read
    from storage waits (LOADING) until every task it needs is done, then is admitted first.
@@ -18,9 +19,9 @@ A chunk's KV is recorded in the prefix cache right after the step that wrote it,
 (a block is matchable only once its KV exists).
 
 Liveness: a request that fits the device alone (checked at intake) always finishes. Waiting
-sequences hold no blocks; loading ones are preempted before running ones and whenever their
-swap-ins can get no room otherwise; running sequences are preempted newest first, so the
-oldest always progresses.
+sequences hold no blocks; loading ones whose swap-ins wait for room give their blocks up
+before running ones do, and also when nothing else can run; running sequences are preempted
+newest first, so the oldest always progresses (tests/test_scheduler_liveness.py).
 
 KV from or to outside (a KV connector, runtime/connectors/) adds two life cycles, and the
 scheduler knows only the connector's hooks, never who is on the other side. A request whose
@@ -241,18 +242,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- results --------------------------------------------------------------------------
-    def finish_step(self, step: Step, tokens: np.ndarray) -> StepOutcome:
-        """Apply rank 0's sampled tokens: advance, record written blocks, emit, finish."""
+    def finish_step(self, step: Step, tokens: np.ndarray, logprobs: list[float] | None = None) -> StepOutcome:
+        """Apply rank 0's sampled tokens (and their log-probabilities, where asked): advance,
+        record written blocks, emit, finish."""
         self.inflight = None
         out = StepOutcome()
-        for seq, chunk, token in zip(step.seqs, step.chunks, tokens.tolist()):
+        if logprobs is None or len(logprobs) != len(step.seqs):
+            logprobs = [0.0] * len(step.seqs)
+        for seq, chunk, token, logprob in zip(step.seqs, step.chunks, tokens.tolist(), logprobs):
             seq.num_computed += chunk
             if seq.cancelled:
                 self._finish(seq, "cancelled")
                 out.finished.append(seq)
                 continue
             if seq.num_computed == seq.num_tokens:  # the chunk ended the known tokens
-                seq.append(token)
+                seq.append(token, logprob)
                 out.emitted.append((seq, seq.num_output - 1))
             self.cache.update(seq.request_id, seq.num_computed, seq.keys)
             if seq.done():
@@ -289,12 +293,12 @@ class Scheduler:
                 seq, self.cache.block_table(seq.request_id)[:-(-tokens // self.block_size)])
         return out
 
-    def external_kv_arrived(self, seq: Sequence, first_token: int) -> bool:
+    def external_kv_arrived(self, seq: Sequence, first_token: int, first_logprob: float = 0.0) -> bool:
         """The external tokens' KV is written and `first_token` was sampled from it: record the
         received blocks and decode from here. False if the request is already done (then it is
         finished)."""
         seq.num_computed = self.external_ids.pop(seq.request_id)
-        seq.append(first_token)
+        seq.append(first_token, first_logprob)
         self.cache.update(seq.request_id, seq.num_computed, seq.keys)
         if seq.done():
             self._finish(seq, seq.finish_reason)

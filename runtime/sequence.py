@@ -34,6 +34,13 @@ class Sequence:
     eos_token_id: int = -1
     use_cache: bool = True
     stream: bool = True
+    temperature: float = 0.0         # sampling (see workers/sampler.py); 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                   # 0: no limit
+    seed: int = 0                    # with a token's position, what its random draw depends on
+    stop_token_ids: frozenset[int] = frozenset()  # end the request, finish reason "stop"
+    logprobs: bool = False           # record each output token's log-probability
+    output_logprobs: list[float] = field(default_factory=list)
     num_tokens: int = 0              # prompt + output tokens known so far
     num_computed: int = 0            # tokens whose KV is written
     state: SeqState = SeqState.WAITING
@@ -75,16 +82,22 @@ class Sequence:
         self.hasher.update(self.tokens[:self.num_tokens])
         return self.hasher.keys
 
-    def append(self, token: int) -> None:
+    def append(self, token: int, logprob: float = 0.0) -> None:
+        """One output token and, if the request asked for them, its log-probability."""
         self.tokens[self.num_tokens] = token
         self.num_tokens += 1
+        if self.logprobs:
+            self.output_logprobs.append(float(logprob))
         if self.first_token_at == 0.0:
             self.first_token_at = time.monotonic()
 
     def done(self) -> bool:
-        """Finished by length or end-of-sequence (sets finish_reason)."""
-        if self.num_output and self.eos_token_id >= 0 and self.tokens[self.num_tokens - 1] == self.eos_token_id:
+        """Finished by length, end-of-sequence or a stop token (sets finish_reason)."""
+        last = int(self.tokens[self.num_tokens - 1]) if self.num_output else -1
+        if self.num_output and self.eos_token_id >= 0 and last == self.eos_token_id:
             self.finish_reason = "eos"
+        elif last in self.stop_token_ids:
+            self.finish_reason = "stop"
         elif self.num_output >= self.max_new_tokens:
             self.finish_reason = "length"
         return bool(self.finish_reason)

@@ -24,6 +24,7 @@ from .backend import get_backend
 from .child import Child, run_child
 from .kv_pool import attach_pools
 from .model import Model, ModelShape, SeqInput
+from .sampler import SamplingRows, sample
 
 log = logging.getLogger("workers.worker")
 _NO_TOKENS = np.empty(0, dtype=np.int32)
@@ -54,15 +55,18 @@ class Worker:
             seqs = self._inputs(step)
             if self.owners is not None:
                 self._check_owned(step.step_id, seqs)
-            tokens = self.model.step(self.device.array, seqs)
+            rows = self._sampling(step)
+            logits = self.model.step_logits(self.device.array, seqs)
+            if self.child.rank == 0:
+                tokens, logprobs = sample(logits, rows, np)
         except (ValueError, OwnershipError) as e:
             log.error("step %d failed: %s", step.step_id, e)
             return P.StepResult(step.step_id, self.child.rank, _NO_TOKENS, time.perf_counter() - t0,
                                 f"worker[{self.child.rank}] step {step.step_id}: {e}")
         if self.child.rank != 0:
-            tokens = _NO_TOKENS
-        return P.StepResult(step.step_id, self.child.rank, np.asarray(tokens, dtype=np.int32),
-                            time.perf_counter() - t0)
+            return P.StepResult(step.step_id, self.child.rank, _NO_TOKENS, time.perf_counter() - t0)
+        return P.StepResult(step.step_id, self.child.rank, tokens, time.perf_counter() - t0,
+                            logprobs=logprobs.tolist() if rows.logprobs.any() else [])
 
     def _inputs(self, step: P.StepBatch) -> list[SeqInput]:
         n = len(step.query_lens)
@@ -73,6 +77,27 @@ class Worker:
         t_off = np.concatenate([[0], np.cumsum(step.table_lens)])
         return [SeqInput(step.tokens[q_off[i]:q_off[i + 1]], int(step.starts[i]), step.tables[t_off[i]:t_off[i + 1]])
                 for i in range(n)]
+
+    @staticmethod
+    def _sampling(step: P.StepBatch) -> SamplingRows:
+        """The batch's per-sequence sampling parameters (none at all: every sequence greedy);
+        each sampled token's position is where its sequence's step ends."""
+        n = len(step.query_lens)
+        fields = (step.temperature, step.top_p, step.top_k, step.seed, step.logprobs)
+        if all(len(f) == 0 for f in fields):
+            return SamplingRows.greedy(n)
+        if any(len(f) != n for f in fields):
+            raise ValueError(f"step batch sampling fields do not have one entry for each of its {n} sequences")
+        try:
+            rows = SamplingRows(np.asarray(step.temperature, np.float64), np.asarray(step.top_p, np.float64),
+                                np.asarray(step.top_k, np.int64), np.asarray(step.seed, np.uint64),
+                                step.starts.astype(np.int64) + step.query_lens, np.asarray(step.logprobs) != 0)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"step batch sampling fields: {e}") from None
+        if not (np.all(rows.temperature >= 0) and np.all((rows.top_p > 0) & (rows.top_p <= 1))
+                and np.all(rows.top_k >= 0)):
+            raise ValueError("step batch sampling fields out of range")
+        return rows
 
     def _check_owned(self, step_id: int, seqs: list[SeqInput]) -> None:
         """Debug mode: blocks this step writes must be the worker's; blocks it reads must hold

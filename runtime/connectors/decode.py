@@ -26,7 +26,7 @@ import numpy as np
 from ipc import protocol as P
 from ipc.errors import ProtocolError
 from runtime import api
-from runtime.intake import validate
+from runtime.intake import is_number, sampling_of, validate
 from runtime.pd_auth import D2P, NONCE_BYTES, AuthError, Session, load_secret, session_key, welcome_mac
 from runtime.sequence import Sequence, SeqState
 
@@ -176,7 +176,8 @@ class DecodeConnector(KVConnector):
         if not isinstance(msg.use_cache, bool):
             return "use_cache must be a boolean"
         return validate(api.GenerateRequest(msg.request_id, msg.prompt, int(msg.max_new_tokens),
-                                            int(msg.eos_token_id), msg.use_cache), cfg)
+                                            int(msg.eos_token_id), msg.use_cache, True, msg.temperature,
+                                            msg.top_p, msg.top_k, msg.seed, msg.stop_token_ids, msg.logprobs), cfg)
 
     def _held(self, peer: str) -> tuple[int, int]:
         """(blocks held, preallocations waiting for kv-ready) of one peer."""
@@ -212,7 +213,8 @@ class DecodeConnector(KVConnector):
             self._error(peer, rid, api.BAD_REQUEST, problem)
             return
         seq = Sequence.new(internal, msg.prompt, int(msg.max_new_tokens), cfg.block_size, self.ctx.cfg.key_root,
-                           client=peer.client, eos_token_id=int(msg.eos_token_id), use_cache=msg.use_cache)
+                           client=peer.client, eos_token_id=int(msg.eos_token_id), use_cache=msg.use_cache,
+                           **sampling_of(msg))
         self.owner[internal] = (peer.name, rid)
         self.ctx.sched.add(seq)  # held for P's KV: see get_num_new_matched_tokens
         self.deadlines[internal] = time.monotonic() + self.lease_s
@@ -253,10 +255,11 @@ class DecodeConnector(KVConnector):
             del self.owner[internal]
 
     def on_kv_ready(self, peer: _Peer, msg: api.PdKvReady) -> None:
-        rid, token = msg.request_id, msg.first_token
-        if not _is_int(token) or not 0 <= token < self.ctx.cfg.vocab_size:
-            _refused(self.ctx.stats, f"kv-ready from {peer.name} with first token {token!r}")
-            self._error(peer, rid, api.BAD_REQUEST, f"first_token must be an integer in [0, {self.ctx.cfg.vocab_size})")
+        rid, token, logprob = msg.request_id, msg.first_token, msg.first_logprob
+        if not _is_int(token) or not 0 <= token < self.ctx.cfg.vocab_size or not is_number(logprob) or logprob > 0:
+            _refused(self.ctx.stats, f"kv-ready from {peer.name} with first token {token!r}, logprob {logprob!r}")
+            self._error(peer, rid, api.BAD_REQUEST, f"first_token must be an integer in [0, {self.ctx.cfg.vocab_size}) "
+                                                    f"and first_logprob a number <= 0")
             return
         internal = self._owned(peer, rid)
         seq = self.ctx.sched.seqs.get(internal) if internal else None
@@ -264,7 +267,7 @@ class DecodeConnector(KVConnector):
             self._error(peer, rid, api.FAILED, f"it holds no blocks for {rid!r} (lease expired?)")
             return
         self.deadlines.pop(internal, None)
-        if not self.ctx.sched.external_kv_arrived(seq, int(token)):
+        if not self.ctx.sched.external_kv_arrived(seq, int(token), float(logprob)):
             self.ctx.finished(seq)
 
     def on_abort(self, peer: _Peer, msg: api.PdAbort) -> None:

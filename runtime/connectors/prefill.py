@@ -33,6 +33,7 @@ from ipc.errors import ProtocolError
 from ipc.rank_group import RankGroup
 from runtime import api
 from runtime.config import LEASE_MARGIN_S
+from runtime.intake import sampling_of
 from runtime.pd_auth import NONCE_BYTES, P2D, AuthError, Session, check_bytes, load_secret, new_nonce, \
     session_key, welcome_mac
 from runtime.sequence import Sequence
@@ -207,7 +208,9 @@ class PrefillConnector(KVConnector):
     def _ask(self, p: _Pending) -> None:
         p.asked = True
         req = p.req
-        self._send(api.PdPrealloc(req.request_id, req.prompt, req.max_new_tokens, req.eos_token_id, req.use_cache))
+        self._send(api.PdPrealloc(req.request_id, req.prompt, req.max_new_tokens, req.eos_token_id, req.use_cache,
+                                  req.temperature, req.top_p, req.top_k, req.seed, req.stop_token_ids,
+                                  req.logprobs))
 
     def cancel(self, client: bytes, request_id: str) -> bool:
         """True if the request is one of P's handoffs (then it is handled here)."""
@@ -311,12 +314,16 @@ class PrefillConnector(KVConnector):
             if not _is_int(msg.index) or msg.index < 0 or not isinstance(msg.token_ids, list) or \
                     not all(_is_int(t) and 0 <= t < vocab for t in msg.token_ids):
                 return "index and token ids must be in range"
+            if not _logprobs_ok(msg.logprobs, len(msg.token_ids)):
+                return "logprobs must be a list of numbers, at most one per token"
         elif isinstance(msg, api.FinishedEvent):
             out = msg.output_token_ids
             if len(out) > cfg.max_model_len or (len(out) and (out.min() < 0 or out.max() >= vocab)):
                 return "output token ids out of range"
             if not isinstance(msg.finish_reason, str) or not _is_int(msg.prompt_tokens):
                 return "finish_reason and prompt_tokens"
+            if not _logprobs_ok(msg.output_logprobs, len(out)):
+                return "output logprobs must be a list of numbers, at most one per token"
         elif isinstance(msg, api.ErrorEvent):
             if not isinstance(msg.code, str) or not isinstance(msg.message, str):
                 return "code and message must be strings"
@@ -338,7 +345,7 @@ class PrefillConnector(KVConnector):
         seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size, cfg.key_root,
                            client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
-                           arrival=p.arrival)
+                           arrival=p.arrival, **sampling_of(req))
         self.dest[req.request_id] = msg
         self.leases[req.request_id] = p.arrival + msg.lease_s  # D's lease began after our ask: safe side
         self.ctx.sched.add(seq)
@@ -437,7 +444,7 @@ class PrefillConnector(KVConnector):
                 self.ctx.count_failed()
                 self.ctx.reply(seq.client, api.ErrorEvent(rid, api.FAILED, f"KV handoff to the decode node failed: {why}"))
             return
-        self._send(api.PdKvReady(rid, int(seq.output[0])))
+        self._send(api.PdKvReady(rid, int(seq.output[0]), seq.output_logprobs[0] if seq.logprobs else 0.0))
         self.relays[rid] = _Relay(seq, time.monotonic() + self.timeout)
 
     # ---- deadlines ----------------------------------------------------------------------------
@@ -467,3 +474,8 @@ class PrefillConnector(KVConnector):
             self.ctx.reply(r.seq.client, api.ErrorEvent(r.seq.request_id, api.STOPPING, why))
         self.relays.clear()
 
+
+def _logprobs_ok(logprobs: object, tokens: int) -> bool:
+    """A list of at most `tokens` log-probabilities (numbers <= 0) from the decode node."""
+    return isinstance(logprobs, list) and len(logprobs) <= tokens and all(
+        isinstance(x, float) and x <= 0.0 for x in logprobs)
