@@ -44,6 +44,7 @@ from runtime.api import (API, CancelRequest, ErrorEvent, FinishedEvent, Generate
                          InfoRequest, TokenEvent, request_id_problem)
 from runtime.chat_template import ChatTemplate, Message
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.stop import StopStrings, stop_problem
 from runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -115,6 +116,19 @@ class Result:
             "engine_ttft_ms": self.engine_ttft_ms,
             "engine_e2e_ms": self.engine_e2e_ms,
         }
+
+
+@dataclass
+class Sampling:
+    """How a request picks its tokens (the rules are GenerateRequest's in runtime/api.py; the
+    engine checks the values). The default is greedy. Any of `stop_token_ids` ends the request
+    with finish reason "stop"."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -222,9 +236,11 @@ class Client:
         return reply
 
     def submit(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
-               use_cache: bool = True, request_id: str | None = None, stream: bool = True) -> str:
+               use_cache: bool = True, request_id: str | None = None, stream: bool = True,
+               sampling: Sampling | None = None) -> str:
         """Send a request without waiting; its events come from poll(). Returns its id."""
-        return self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned=False)
+        return self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned=False,
+                            sampling=sampling)
 
     def poll(self, timeout: float = 0.0) -> list:
         """Events of submitted requests, in arrival order: TokenEvent (new tokens), Result (the
@@ -248,20 +264,21 @@ class Client:
 
     def stream(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
                use_cache: bool = True, request_id: str | None = None,
-               timeout: float | None = None) -> "Generation":
+               timeout: float | None = None, sampling: Sampling | None = None) -> "Generation":
         """Start a request and iterate its output token ids as they arrive; `.result` holds the
         Result once the iteration ends. Leaving the loop early cancels the request."""
-        rid = self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, True, owned=True)
+        rid = self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, True, owned=True,
+                           sampling=sampling)
         return Generation(self, rid, self._timeout(timeout))
 
     def generate(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
                  use_cache: bool = True, request_id: str | None = None, timeout: float | None = None,
-                 on_token: Callable[[int], None] | None = None) -> Result:
+                 on_token: Callable[[int], None] | None = None, sampling: Sampling | None = None) -> Result:
         """Run one request to the end (calling `on_token` for each token as it arrives) and
         return its Result. RequestError if the engine fails it, ClientError if the node falls
         silent for `timeout` s (the request is then cancelled)."""
         with self.stream(prompt, max_new_tokens, eos_token_id=eos_token_id, use_cache=use_cache,
-                         request_id=request_id, timeout=timeout) as gen:
+                         request_id=request_id, timeout=timeout, sampling=sampling) as gen:
             for tok in gen:
                 if on_token is not None:
                     on_token(tok)
@@ -274,7 +291,8 @@ class Client:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         return t
 
-    def _submit(self, prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned) -> str:
+    def _submit(self, prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned,
+                sampling: Sampling | None = None) -> str:
         arr = as_prompt(prompt)
         try:
             max_new_tokens, eos_token_id = operator.index(max_new_tokens), operator.index(eos_token_id)
@@ -286,7 +304,8 @@ class Client:
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already in flight on this client")
         msg = GenerateRequest(request_id=rid, prompt=arr, max_new_tokens=max_new_tokens,
-                              eos_token_id=eos_token_id, use_cache=bool(use_cache), stream=bool(stream))
+                              eos_token_id=eos_token_id, use_cache=bool(use_cache), stream=bool(stream),
+                              **dataclasses.asdict(sampling or Sampling()))
         self._reqs[rid] = _Req(time.perf_counter(), owned)
         try:
             self._send(msg, f"request {rid}")
@@ -494,6 +513,13 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos", type=int, default=None, metavar="ID",
                    help="stop at this token id (default: the model's EOS ids with --text/--chat, none with "
                         "--prompt-ids)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: the smallest set of tokens "
+                                                                        "whose probability reaches P (default 1)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest tokens (0: all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the draws: the same seed gives the same answer")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="with --text/--chat: end the answer before this text (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="neither use nor fill the prefix cache")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
@@ -552,6 +578,10 @@ def generate_main(argv: list[str]) -> int:
         p.error("the prompt is empty")
     if args.system is not None and args.chat is None:
         p.error("--system goes with --chat")
+    if args.stop and args.prompt_ids is not None:
+        p.error("--stop is text: it goes with --text or --chat")
+    if problem := stop_problem(args.stop):
+        p.error(f"--stop: {problem}")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.timeout > 0:
@@ -568,36 +598,38 @@ def generate_main(argv: list[str]) -> int:
             except ValueError as e:
                 p.error(str(e))
             detok = IncrementalDetokenizer(prompt.tokenizer, prompt.ids) if prompt.tokenizer is not None else None
-            # The engine stops at one EOS id; a model with several (an instruct model's end of turn
-            # besides its end of text) has the others caught here, and the request cancelled.
-            more_eos = set(prompt.eos_ids[1:])
+            stops = StopStrings(args.stop)
             pieces: list[str] = []
             stopped_at = None
 
-            def show(tok_id: int) -> None:
-                piece = detok.add([tok_id]) if detok is not None else f"{tok_id} "
+            def show(piece: str) -> None:
                 pieces.append(piece)
                 if not args.json:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
 
-            gen = c.stream(prompt_arr, args.max_new_tokens, eos_token_id=prompt.eos_ids[0] if prompt.eos_ids else -1,
-                           use_cache=not args.no_cache)
+            # The engine stops at `eos_token_id`; a model's other EOS ids (an instruct model ends its
+            # turn with one, its text with another) are stop token ids.
+            eos = list(prompt.eos_ids)
+            sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                stop_token_ids=eos[1:])
+            gen = c.stream(prompt_arr, args.max_new_tokens, eos_token_id=eos[0] if eos else -1,
+                           use_cache=not args.no_cache, sampling=sampling)
             try:
                 with gen:
                     for n, tok_id in enumerate(gen, 1):
                         if stopped_at is not None:
                             continue  # computed before the cancel arrived
-                        show(tok_id)
-                        if tok_id in more_eos:
+                        show(stops.feed(detok.add([tok_id])) if detok is not None else f"{tok_id} ")
+                        if stops.stopped is not None:
                             stopped_at = n
                             c.cancel(gen.request_id)
             except KeyboardInterrupt:
                 print("\nkvrt generate: interrupted (request cancelled)", file=err)
                 return 130
             r = gen.result
-            if stopped_at is not None:
-                r = dataclasses.replace(r, output_token_ids=r.output_token_ids[:stopped_at], finish_reason="eos")
+            if stopped_at is not None:  # a stop string: the answer is cut there
+                r = dataclasses.replace(r, output_token_ids=r.output_token_ids[:stopped_at], finish_reason="stop")
     except RequestError as e:
         print(f"\nkvrt generate: engine error ({e.code}): {e.message}", file=err)
         return 1
@@ -605,7 +637,9 @@ def generate_main(argv: list[str]) -> int:
         print(f"\nkvrt generate: error: {e}", file=err)
         return 1
     if detok is not None:
-        pieces.append(detok.flush())
+        pieces.append(stops.feed(detok.flush()) + stops.flush())
+        if stops.stopped is not None and stopped_at is None:  # in the very last text
+            r = dataclasses.replace(r, finish_reason="stop")
     if args.json:
         out = r.to_dict()
         if detok is not None:

@@ -19,9 +19,11 @@ import zmq
 from ipc.config import NodeConfig
 from runtime.api import (API, CancelRequest, FinishedEvent, GenerateRequest, InfoReply, InfoRequest, TokenEvent)
 from runtime.chat_template import ChatTemplate, Message
+from runtime.client import Sampling
 from runtime.engine import Engine
 from runtime.tokenizer import HFTokenizer
 from tests.conftest import REPO
+from tests.launched import SMALL, launched
 from tests.tokenizer_kit import make_tokenizer_dir
 
 MULTI = "héllo 世界 🙂"
@@ -29,8 +31,9 @@ MULTI = "héllo 世界 🙂"
 
 class ScriptedNode:
     """Answers InfoRequest with `model_dir` and `vocab_size`; streams `script` for every request:
-    finishes "eos" at the request's eos id, "length" at max_new_tokens, and otherwise waits for
-    the client's CancelRequest (then "cancelled", with every token it sent)."""
+    finishes "eos" at the request's eos id, "stop" at one of its stop token ids, "length" at
+    max_new_tokens, and otherwise waits for the client's CancelRequest (then "cancelled", with
+    every token it sent)."""
 
     def __init__(self, script: list[int], model_dir: str = "", vocab_size: int = 1000):
         self.script, self.model_dir, self.vocab_size = script, model_dir, vocab_size
@@ -78,6 +81,8 @@ class ScriptedNode:
             self._send(ident, TokenEvent(msg.request_id, len(out) - 1, [tok]))
             if tok == msg.eos_token_id:
                 return self._finish(ident, msg.request_id, "eos", len(out))
+            if tok in msg.stop_token_ids:
+                return self._finish(ident, msg.request_id, "stop", len(out))
         if len(out) == msg.max_new_tokens:
             self._finish(ident, msg.request_id, "length", len(out))
 
@@ -125,21 +130,48 @@ def test_chat_uses_the_nodes_tokenizer_and_template(tok, tok_dir):
         assert out["finish_reason"] == "eos"
 
 
-def test_a_second_eos_id_stops_the_request(tok, tok_dir):
-    """generation_config.json lists two EOS ids; the engine is told the first, the client stops
-    at the other and cancels the request."""
-    eot = tok.eos_token_ids[1]
+def test_every_eos_id_stops_the_request(tok, tok_dir):
+    """generation_config.json lists two EOS ids: the engine gets the first as its EOS and the
+    other as a stop token id."""
+    im_end, eot = tok.eos_token_ids
     answer = tok.encode(MULTI)
     with ScriptedNode(answer + [eot] + tok.encode("more"), model_dir=tok_dir) as node:
         r = kvrt("--port", str(node.port), "--text", "hello", "--max-new-tokens", "50", "--json")
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["text"] == MULTI and out["output_token_ids"] == answer + [eot]
-        assert out["finish_reason"] == "eos"
-        assert node.requests()[0].prompt.tolist() == tok.encode("hello")
-        assert any(isinstance(m, CancelRequest) for m in node.received)
+        assert out["finish_reason"] == "stop"
+        req = node.requests()[0]
+        assert req.prompt.tolist() == tok.encode("hello")
+        assert (req.eos_token_id, req.stop_token_ids) == (im_end, [eot]) and req.temperature == 0.0
         r = kvrt("--port", str(node.port), "--text", "hello", "--max-new-tokens", "50", "--eos", str(eot))
         assert r.returncode == 0 and r.stdout == MULTI + "\n" and "[eos]" in r.stderr
+        assert (node.requests()[1].eos_token_id, node.requests()[1].stop_token_ids) == (eot, [])
+
+
+def test_stop_strings_cut_the_text_and_cancel(tok, tok_dir):
+    """A stop string is text: the client finds it in the detokenized stream (even split over
+    tokens), prints what comes before it and cancels the request."""
+    script = tok.encode("hello wörld 🙂 and more")
+    with ScriptedNode(script, model_dir=tok_dir) as node:
+        r = kvrt("--port", str(node.port), "--text", "x", "--max-new-tokens", "50", "--stop", "rld 🙂", "--stop",
+                 "zzz", "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["text"] == "hello wö" and out["finish_reason"] == "stop"
+        assert tok.decode(out["output_token_ids"]).startswith("hello wörld 🙂")  # through the token that ended it
+        assert any(isinstance(m, CancelRequest) for m in node.received)
+        r = kvrt("--port", str(node.port), "--text", "x", "--max-new-tokens", "50", "--stop", "rld")
+        assert r.returncode == 0 and r.stdout == "hello wö\n" and "[stop]" in r.stderr
+
+
+def test_sampling_options_reach_the_request(tok, tok_dir):
+    with ScriptedNode(tok.encode("ok"), model_dir=tok_dir) as node:
+        r = kvrt("--port", str(node.port), "--chat", "hi", "--max-new-tokens", "2", "--temperature", "0.7",
+                 "--top-p", "0.9", "--top-k", "5", "--seed", "42")
+        assert r.returncode == 0, r.stderr
+        req = node.requests()[0]
+        assert (req.temperature, req.top_p, req.top_k, req.seed) == (0.7, 0.9, 5, 42)
 
 
 def test_tokenizer_option_overrides_the_node(tok, tok_dir):
@@ -174,6 +206,10 @@ def test_clear_errors(tok, tok_dir, tmp_path):
     assert r.returncode == 2 and "--system goes with --chat" in r.stderr
     r = kvrt("--port", "5", "--chat", "", "--max-new-tokens", "3")
     assert r.returncode == 2 and "empty" in r.stderr
+    r = kvrt("--port", "5", "--prompt-ids", "1", "--stop", "x", "--max-new-tokens", "3")
+    assert r.returncode == 2 and "--stop is text" in r.stderr
+    r = kvrt("--port", "5", "--text", "a", "--stop", "", "--max-new-tokens", "3")
+    assert r.returncode == 2 and "--stop: each stop string" in r.stderr
 
 
 def test_info_reply_carries_the_model_dir_and_stays_compatible(tmp_path):
@@ -189,3 +225,18 @@ def test_info_reply_carries_the_model_dir_and_stays_compatible(tmp_path):
     assert API.decode(msgpack.packb(old)).model_dir == ""
     body = msgpack.unpackb(API.encode(got[0]))
     assert body["model_dir"] == str(tmp_path) and set(old) <= set(body)  # what an older client reads is there
+
+
+def test_client_sampling_against_a_real_node(node, tmp_path):
+    """The client's Sampling reaches a real engine: seeded draws repeat, stop token ids end the
+    request with "stop", and the same through `kvrt generate`."""
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "64") as ln:
+        hot = Sampling(temperature=5.0, top_k=50, seed=7)
+        a = ln.client.generate([1, 2, 3], 8, sampling=hot).output_token_ids.tolist()
+        assert ln.client.generate([1, 2, 3], 8, sampling=hot).output_token_ids.tolist() == a
+        greedy = ln.client.generate([1, 2, 3], 8).output_token_ids.tolist()
+        stop = ln.client.generate([1, 2, 3], 8, sampling=Sampling(stop_token_ids=[greedy[2]]))
+        assert stop.finish_reason == "stop" and stop.output_token_ids.tolist() == greedy[:greedy.index(greedy[2]) + 1]
+        r = kvrt("--port", str(ln.port), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--temperature", "5",
+                 "--top-k", "50", "--seed", "7", "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["output_token_ids"] == a, r.stderr
