@@ -153,6 +153,8 @@ class Model:
     """The transformer: `step` runs a batch over the paged pool, `dense_logits` and
     `generate_dense` are the cache-free reference the runtime is checked against."""
 
+    compute_dtype: Any = np.float64  # what K/V read from the pool are computed in (subclasses: float32)
+
     def __init__(self, shape: ModelShape, xp: Any = np, kv_dtype: str = "float32") -> None:
         self.shape = shape
         self.xp = xp
@@ -194,7 +196,7 @@ class Model:
         return q, self._round_kv(k), self._round_kv(v)
 
     def _round_kv(self, a: Any) -> Any:
-        return a.astype(self.kv_dtype).astype(self.xp.float64)
+        return a.astype(self.kv_dtype).astype(self.compute_dtype)
 
     def _attend(self, q: Any, k: Any, v: Any, start: int) -> Any:
         """Causal attention of queries q [n, H, hd] at positions start.. over keys/values
@@ -305,7 +307,7 @@ class Model:
             outs = []
             for p in plans:
                 ctx = p.start + p.n
-                kv = pool[p.table, li].astype(xp.float64)  # [nblk, 2, bs, kvh, hd]
+                kv = pool[p.table, li].astype(self.compute_dtype)  # [nblk, 2, bs, kvh, hd]
                 kc = kv[:, 0].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 vc = kv[:, 1].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 outs.append(self._attend(q[p.row0:p.row0 + p.n], kc, vc, p.start))
