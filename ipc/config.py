@@ -39,6 +39,9 @@ class NodeConfig:
     vocab_size: int = 512
     max_model_len: int = 4096
     model_seed: int = 0
+    model_dir: str = ""          # a Hugging Face checkpoint directory; empty: the reference model
+    model_arch: str = ""         # its architecture (config.json), set by the launcher
+    model_fingerprint: str = ""  # digest of its config.json and safetensors headers, set by the launcher
     # scheduling
     max_num_seqs: int = 32             # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)

@@ -290,6 +290,13 @@ class CheckpointInfo:
     tensors: dict[str, TensorInfo]
     fingerprint: str
 
+    def node_shape(self) -> dict[str, int]:
+        """The node settings config.json decides (launch flags of these names must agree;
+        max_model_len may only be lowered)."""
+        c = self.config
+        return {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                "vocab_size": c.vocab_size, "max_model_len": c.max_position_embeddings}
+
 
 def inspect(model_dir: str) -> CheckpointInfo:
     """Check `model_dir` as a launch needs it checked (CheckpointError otherwise): a supported

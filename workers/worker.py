@@ -2,7 +2,8 @@
 and only the blocks of the step batch the engine just sent it (the ownership rule): between
 receiving a step and publishing its answer, nothing else touches those blocks.
 
-The model is the reference transformer (workers/model.py). Tensor parallelism is not split
+The model is a Hugging Face checkpoint's (workers/hf_model.py) with --model, else the
+reference transformer (workers/model.py). Tensor parallelism is not split
 inside the model yet: with --tp N every rank runs the same model over its N-th of the KV
 heads and its own pool, so every rank's pool holds real KV (swaps and P->D sends of each rank
 carry meaningful bytes); rank 0's tokens are the answer, the others acknowledge.
@@ -22,6 +23,7 @@ from ipc.signals import Signal
 
 from .backend import get_backend
 from .child import Child, run_child
+from .hf_model import HFModel
 from .kv_pool import attach_pools
 from .model import Model, ModelShape, SeqInput
 
@@ -35,7 +37,11 @@ class Worker:
         cfg = child.cfg
         self.device, self.host = attach_pools(child.reg, child.rank, cfg)
         self.xp = get_backend(cfg.device).xp
-        self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
+        if cfg.model_dir:
+            self.model = HFModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, self.xp,
+                                      kv_dtype=cfg.dtype)
+        else:
+            self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
         self.block_size = cfg.block_size
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
         self.orders = Receiver.attach(child.reg, P.worker_orders(child.rank))
