@@ -20,16 +20,16 @@ def close(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 
-def pool_for(model: HFModel, blocks: int = 64) -> np.ndarray:
-    return np.zeros(model.shape.kv_layout(BS, "float32").pool_shape(blocks), dtype=np.float32)
+def pool_for(model: HFModel, blocks: int = 64, xp=np):
+    return xp.zeros(model.shape.kv_layout(BS, "float32").pool_shape(blocks), dtype=np.float32)
 
 
-def check_paged(ck, chunks=(13, 8, 1, 1, 20)) -> None:
+def check_paged(ck, chunks=(13, 8, 1, 1, 20), xp=np) -> None:
     """Prefill one sequence in uneven chunks and decode, then run a second sequence sharing its
     first two blocks in the same batch as a decode of the first; every step's logits equal the
     dense reference's at that position."""
-    model = HFModel(inspect(ck.path), 512)
-    pool = pool_for(model)
+    model = HFModel(inspect(ck.path), 512, xp=xp)
+    pool = pool_for(model, xp=xp)
     rng = np.random.default_rng(1)
     toks = rng.integers(0, VOCAB, sum(chunks)).astype(np.int32)
     want = dense_logits(ck, toks)
@@ -79,3 +79,16 @@ def test_bf16_decoding_is_exact(tmp_path):
     info = type("I", (), {"tensors": tensors})()
     got = Weights(info).get("t")
     assert got.dtype == np.float32 and got.tolist() == [1.0, -2.0, 0.0, np.inf, 0.15625]
+
+
+def test_cupy_matches_dense(tmp_path):
+    """The same code path on a GPU (CuPy), where one is present."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        gpus = 0
+    if gpus == 0:
+        pytest.skip("no CUDA device")
+    for arch in ARCHS:
+        check_paged(make_checkpoint(tmp_path / arch, arch, dtype="BF16"), xp=cupy)
