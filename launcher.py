@@ -76,9 +76,10 @@ def _add_launch(sub) -> None:
                    help=f"decode role: preallocations one prefill peer may have waiting for its KV "
                    f"(default {d.pd_peer_max_preallocs})")
     p.add_argument("--tp", type=int, default=d.tp,
-                   help="tensor-parallel ranks for the KV cache (default 1). The reference model is not split "
-                   "across ranks yet: each rank runs it over its share of the KV heads and rank 0's tokens "
-                   "are the answer, so outputs depend on --tp")
+                   help="tensor-parallel ranks (default 1). With --model each rank holds 1/N of the heads, KV "
+                   "heads and MLP, and an all-reduce over shared memory sums their outputs (same tokens as "
+                   "--tp 1). The reference model is not split: each rank runs it over its share of the KV "
+                   "heads and rank 0's tokens are the answer, so its outputs depend on --tp")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the device KV pool lives (default: cuda if CuPy sees a GPU, else cpu)")
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
@@ -195,6 +196,7 @@ def _model_settings(args, d) -> tuple[dict, dict]:
     from workers.checkpoint import inspect
 
     info = inspect(args.model)
+    info.check_tp(args.tp)
     shape = info.node_shape()
     for k, v in given.items():
         flag = "--" + k.replace("_", "-")
@@ -205,7 +207,7 @@ def _model_settings(args, d) -> tuple[dict, dict]:
         elif v != shape[k]:
             raise ValueError(f"{flag} {v} contradicts {info.model_dir}/config.json, which gives {shape[k]}")
     return shape, {"model_dir": info.model_dir, "model_arch": info.config.arch,
-                   "model_fingerprint": info.fingerprint}
+                   "model_fingerprint": info.fingerprint, "hidden_size": info.config.hidden_size}
 
 
 def _seconds(text: str) -> float:

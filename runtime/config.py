@@ -87,8 +87,8 @@ class NodeConfig(config.NodeConfig):
         if self.model_dir and not (self.model_arch and self.model_fingerprint):
             raise ConfigError(f"--model {self.model_dir}: its architecture and fingerprint must come from "
                               f"the checkpoint (workers.checkpoint.inspect)")
-        if self.model_dir and self.tp != 1:
-            raise ConfigError(f"--model with --tp {self.tp}: a checkpoint is not split across ranks yet; use --tp 1")
+        if self.model_dir and self.hidden_size <= 0:
+            raise ConfigError(f"--model {self.model_dir}: hidden_size must come from its config.json")
         if self.num_kv_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} must divide the {self.num_kv_heads} KV heads")
         try:
@@ -111,6 +111,8 @@ class NodeConfig(config.NodeConfig):
         objs = [P.CONFIG, P.PROCS, P.HEARTBEAT, P.READY, P.NODE_STATUS, P.ERRORS, P.ENGINE_STATS, P.ENGINE_BELL]
         if self.check_ownership:
             objs += [P.OWNERS_DEVICE, P.OWNERS_HOST]
+        if self.needs_allreduce:
+            objs.append(P.ALLREDUCE)
         for r in range(self.tp):
             pairs = [(P.to_worker(r), P.from_worker(r))]
             if self.needs_transfer:

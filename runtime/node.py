@@ -35,6 +35,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from ipc import protocol as P
+from ipc.allreduce import AllReduce
 from ipc.registry import Registry
 from ipc.ring import HEADER as RING_HEADER
 from ipc.ring import Ring
@@ -157,6 +158,8 @@ class Node:
             if cfg.check_ownership:
                 Signal.create(reg, P.OWNERS_DEVICE, cfg.num_gpu_blocks, np.int32)
                 Signal.create(reg, P.OWNERS_HOST, max(cfg.num_cpu_blocks, 1), np.int32)
+            if cfg.needs_allreduce:
+                AllReduce.create(reg, P.ALLREDUCE, cfg.tp, cfg.allreduce_capacity)
             reg.create_doorbell(P.ENGINE_BELL)
             for r in range(cfg.tp):
                 pairs = [(P.worker_orders(r), P.worker_answers(r))]

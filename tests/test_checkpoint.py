@@ -114,13 +114,19 @@ def test_fingerprint_roots_block_keys(tmp_path):
 
     def cfg(info) -> NodeConfig:
         return NodeConfig(node="n", model_dir=info.model_dir, model_arch=info.config.arch,
-                          model_fingerprint=info.fingerprint, **info.node_shape()).validate()
+                          model_fingerprint=info.fingerprint, hidden_size=32, **info.node_shape()).validate()
 
     roots = {cfg(fa).key_root, cfg(fb).key_root, NodeConfig(node="n", **fa.node_shape()).validate().key_root}
     assert len(roots) == 3
-    with pytest.raises(ConfigError, match="--tp 2"):
-        NodeConfig(node="n", tp=2, model_dir=fa.model_dir, model_arch="LlamaForCausalLM",
-                   model_fingerprint=fa.fingerprint, **fa.node_shape()).validate()
+    with pytest.raises(ConfigError, match="fingerprint"):
+        NodeConfig(node="n", model_dir=fa.model_dir, hidden_size=32, **fa.node_shape()).validate()
+
+
+def test_tp_must_split_heads_and_mlp_evenly(tmp_path):
+    info = inspect(make_checkpoint(tmp_path).path)
+    info.check_tp(2)
+    with pytest.raises(CheckpointError, match="--tp 4 must divide the checkpoint's num_key_value_heads 2"):
+        info.check_tp(4)
 
 
 def launch_fails(node: str, *args: str) -> str:
@@ -144,6 +150,7 @@ def test_launch_refuses_bad_checkpoint_before_starting(node, tmp_path, case):
 @pytest.mark.parametrize("flag,value,words", [
     ("--num-layers", "3", "contradicts"), ("--head-dim", "16", "contradicts"),
     ("--vocab-size", "512", "contradicts"), ("--max-model-len", "1024", "max_position_embeddings"),
+    ("--tp", "4", "must divide"),
 ])
 def test_launch_refuses_contradicting_shape_flags(node, tmp_path, flag, value, words):
     ck = make_checkpoint(tmp_path)

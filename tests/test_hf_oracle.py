@@ -61,3 +61,15 @@ def test_other_architectures_served_exactly(node, tmp_path, arch, prompts):
     want = [greedy(ck, p, NEW) for p in prompts[:4]]
     with launched(node, tmp_path / "logs", *OPTS, "--model", ck.path) as ln:
         assert tokens(run_all(ln.client, prompts[:4])) == want, ln.logs()
+
+
+def test_two_ranks_equal_one(node, tmp_path, checkpoint, prompts, expected):
+    """--tp 2: each worker holds half the heads and MLP, the all-reduce sums their outputs;
+    the greedy tokens are the unsplit reference's, with swaps on both ranks."""
+    opts = (*OPTS, "--model", checkpoint.path, "--tp", "2", "--num-gpu-blocks", "48", "--num-cpu-blocks", "64",
+            "--max-num-batched-tokens", "64")
+    with launched(node, tmp_path, *opts, env={"KVRT_CHECK_OWNERSHIP": "1"}) as ln:
+        assert tokens(run_all(ln.client, prompts)) == expected, ln.logs()
+        assert tokens(run_all(ln.client, prompts, concurrent=False)) == expected, ln.logs()
+        stats = ln.idle_stats()
+        assert stats["tasks_done"] > 0 and stats["tasks_failed"] == 0 and stats["device_used"] == 0

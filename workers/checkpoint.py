@@ -290,6 +290,15 @@ class CheckpointInfo:
     tensors: dict[str, TensorInfo]
     fingerprint: str
 
+    def check_tp(self, tp: int) -> None:
+        """CheckpointError unless `tp` ranks can each hold an equal share of the heads, the KV
+        heads and the MLP width."""
+        c = self.config
+        for what, n in (("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads),
+                        ("intermediate_size", c.intermediate_size)):
+            if tp <= 0 or n % tp:
+                raise CheckpointError(f"--tp {tp} must divide the checkpoint's {what} {n}")
+
     def node_shape(self) -> dict[str, int]:
         """The node settings config.json decides (launch flags of these names must agree;
         max_model_len may only be lowered)."""
@@ -342,7 +351,9 @@ class Weights:
         count = int(np.prod(t.shape, dtype=np.int64))
         raw = np.frombuffer(mm, dtype=_DTYPES[t.dtype], count=count, offset=t.offset).reshape(t.shape)
         if t.dtype == "BF16":
-            return (raw.astype(np.uint32) << 16).view(np.float32)
+            bits = raw.astype(np.uint32)
+            bits <<= 16  # in place: one float32-sized allocation per tensor
+            return bits.view(np.float32)
         return raw.astype(np.float32, copy=False)
 
     def close(self) -> None:

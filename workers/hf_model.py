@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -39,24 +39,34 @@ class HFLayerWeights(LayerWeights):
     k_norm: Any = None
 
 
-def shape_of(info: CheckpointInfo, max_model_len: int) -> ModelShape:
-    """The reference model's description of this checkpoint (what the pool and the paged
-    step's validation need)."""
+def shape_of(info: CheckpointInfo, max_model_len: int, tp: int = 1) -> ModelShape:
+    """The reference model's description of one rank's share of this checkpoint (what the
+    pool and the paged step's validation need): 1/tp of the heads, KV heads and MLP width."""
     c = info.config
-    return ModelShape(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                      head_dim=c.head_dim, vocab_size=c.vocab_size, mlp_dim=c.intermediate_size,
+    info.check_tp(tp)
+    return ModelShape(num_layers=c.num_layers, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp,
+                      head_dim=c.head_dim, vocab_size=c.vocab_size, mlp_dim=c.intermediate_size // tp,
                       rope_theta=c.rope_theta, max_model_len=max_model_len)
 
 
 class HFModel(Model):
-    """A checkpoint's transformer: `step` / `step_logits` over the paged pool, as `Model`."""
+    """A checkpoint's transformer: `step` / `step_logits` over the paged pool, as `Model`.
+
+    With tp > 1, rank `rank` holds its slice of the attention heads (q/k/v rows, o columns)
+    and of the MLP (gate/up rows, down columns), and `allreduce` sums the partial outputs of
+    the attention output and MLP down projections across the ranks (identical sums on each);
+    embeddings, norms and the LM head are whole on every rank."""
 
     compute_dtype = np.float32
 
-    def __init__(self, info: CheckpointInfo, max_model_len: int, xp: Any = np, kv_dtype: str = "float32") -> None:
+    def __init__(self, info: CheckpointInfo, max_model_len: int, xp: Any = np, kv_dtype: str = "float32",
+                 rank: int = 0, tp: int = 1, allreduce: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        if tp > 1 and allreduce is None:
+            raise ValueError("a model split over tp > 1 ranks needs an all-reduce")
         self.info = info
         self.config = c = info.config
-        self.shape = shape_of(info, max_model_len)
+        self.shape = s = shape_of(info, max_model_len, tp)
+        self.allreduce = allreduce if tp > 1 else None
         self.xp = xp
         self.kv_dtype = np.dtype(kv_dtype)
         self.eps = np.float32(c.rms_norm_eps)
@@ -64,8 +74,15 @@ class HFModel(Model):
         t0 = time.monotonic()
         weights = Weights(info)
 
-        def get(name: str, transpose: bool = False) -> Any:
+        q_rows = slice(rank * s.num_heads * s.head_dim, (rank + 1) * s.num_heads * s.head_dim)
+        kv_rows = slice(rank * s.num_kv_heads * s.head_dim, (rank + 1) * s.num_kv_heads * s.head_dim)
+        mlp_rows = slice(rank * s.mlp_dim, (rank + 1) * s.mlp_dim)
+        whole = slice(None)
+
+        def get(name: str, transpose: bool = False, rows: slice = whole, cols: slice = whole) -> Any:
+            """This rank's slice of a tensor, as xp float32 ([in, out] for a projection)."""
             a = weights.get(name)
+            a = a[rows] if a.ndim == 1 else a[rows, cols]
             return xp.asarray(a.T if transpose else a)
 
         self.embed = get("model.embed_tokens.weight")
@@ -77,13 +94,16 @@ class HFModel(Model):
             bias = c.attention_bias
             self.layers.append(HFLayerWeights(
                 attn_norm=get(p + "input_layernorm.weight"), mlp_norm=get(p + "post_attention_layernorm.weight"),
-                wq=get(p + "self_attn.q_proj.weight", True), wk=get(p + "self_attn.k_proj.weight", True),
-                wv=get(p + "self_attn.v_proj.weight", True), wo=get(p + "self_attn.o_proj.weight", True),
-                w_gate=get(p + "mlp.gate_proj.weight", True), w_up=get(p + "mlp.up_proj.weight", True),
-                w_down=get(p + "mlp.down_proj.weight", True),
-                bq=get(p + "self_attn.q_proj.bias") if bias else None,
-                bk=get(p + "self_attn.k_proj.bias") if bias else None,
-                bv=get(p + "self_attn.v_proj.bias") if bias else None,
+                wq=get(p + "self_attn.q_proj.weight", True, q_rows),
+                wk=get(p + "self_attn.k_proj.weight", True, kv_rows),
+                wv=get(p + "self_attn.v_proj.weight", True, kv_rows),
+                wo=get(p + "self_attn.o_proj.weight", True, cols=q_rows),
+                w_gate=get(p + "mlp.gate_proj.weight", True, mlp_rows),
+                w_up=get(p + "mlp.up_proj.weight", True, mlp_rows),
+                w_down=get(p + "mlp.down_proj.weight", True, cols=mlp_rows),
+                bq=get(p + "self_attn.q_proj.bias", rows=q_rows) if bias else None,
+                bk=get(p + "self_attn.k_proj.bias", rows=kv_rows) if bias else None,
+                bv=get(p + "self_attn.v_proj.bias", rows=kv_rows) if bias else None,
                 q_norm=get(p + "self_attn.q_norm.weight") if c.qk_norm else None,
                 k_norm=get(p + "self_attn.k_norm.weight") if c.qk_norm else None))
             if time.monotonic() - t0 > PROGRESS_AFTER_S:
@@ -93,15 +113,21 @@ class HFModel(Model):
                  time.monotonic() - t0, xp.__name__)
 
     @classmethod
-    def load(cls, model_dir: str, fingerprint: str, max_model_len: int, xp: Any = np,
-             kv_dtype: str = "float32") -> "HFModel":
+    def load(cls, model_dir: str, fingerprint: str, max_model_len: int, xp: Any = np, kv_dtype: str = "float32",
+             rank: int = 0, tp: int = 1, allreduce: Callable[[np.ndarray], np.ndarray] | None = None) -> "HFModel":
         """The checkpoint the launcher checked: CheckpointError if it changed on disk since
         (its blocks' keys are rooted in `fingerprint`)."""
         info = inspect(model_dir)
         if info.fingerprint != fingerprint:
             raise CheckpointError(f"{model_dir} changed since the node was launched "
                                   f"(fingerprint {info.fingerprint}, launched with {fingerprint})")
-        return cls(info, max_model_len, xp, kv_dtype)
+        return cls(info, max_model_len, xp, kv_dtype, rank, tp, allreduce)
+
+    def _reduce(self, partial: Any) -> Any:
+        if self.allreduce is None:
+            return partial
+        total = self.allreduce(self._host(partial).astype(np.float32, copy=False))
+        return self.xp.asarray(total)
 
     def _rms(self, x: Any, w: Any) -> Any:
         return x / self.xp.sqrt(self.xp.mean(x * x, axis=-1, keepdims=True) + self.eps) * w

@@ -217,6 +217,10 @@ class Model:
         gate = h @ w.w_gate
         return (gate / (1.0 + self.xp.exp(-gate)) * (h @ w.w_up)) @ w.w_down
 
+    def _reduce(self, partial: Any) -> Any:
+        """The sum over tensor-parallel ranks of a layer's partial output (one rank: itself)."""
+        return partial
+
     def _logits(self, x: Any) -> np.ndarray:
         return self._host(self._rms(x, self.final_norm) @ self.lm_head)
 
@@ -311,8 +315,8 @@ class Model:
                 kc = kv[:, 0].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 vc = kv[:, 1].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 outs.append(self._attend(q[p.row0:p.row0 + p.n], kc, vc, p.start))
-            x = x + xp.concatenate(outs) @ w.wo
-            x = x + self._mlp(x, w)
+            x = x + self._reduce(xp.concatenate(outs) @ w.wo)
+            x = x + self._reduce(self._mlp(x, w))
         last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
         return self._logits(x[last])
 
@@ -336,8 +340,8 @@ class Model:
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
             outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i)
                     for i in range(0, n, _DENSE_CHUNK)]
-            x = x + xp.concatenate(outs) @ w.wo
-            x = x + self._mlp(x, w)
+            x = x + self._reduce(xp.concatenate(outs) @ w.wo)
+            x = x + self._reduce(self._mlp(x, w))
         return self._logits(x)
 
     def generate_dense(self, prompt: np.ndarray, max_new_tokens: int, eos_token_id: int = -1) -> list[int]:
