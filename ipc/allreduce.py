@@ -33,6 +33,11 @@ def _sizes(tp: int, capacity: int) -> tuple[int, int]:
     return header, header + 2 * tp * capacity * 4
 
 
+def segment_bytes(tp: int, capacity: int) -> int:
+    """Bytes of the segment of `tp` ranks contributing up to `capacity` floats each."""
+    return _sizes(tp, capacity)[1]
+
+
 class AllReduce:
     """Rank `rank`'s end of a node's all-reduce; `sum(x)` returns the sum over ranks of x."""
 

@@ -93,3 +93,14 @@ def test_two_rank_split_equals_dense_reference(node, tmp_path):
     for first, last in got.values():
         np.testing.assert_allclose(first, want[12], rtol=1e-4, atol=1e-4 * np.abs(want).max())
         np.testing.assert_allclose(last, want[20], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_room_check_counts_the_allreduce():
+    from ipc.allreduce import segment_bytes
+    from runtime.config import NodeConfig
+    from runtime.node import shm_needs
+
+    base = dict(node="n", tp=2, max_num_batched_tokens=64)
+    plain = shm_needs(NodeConfig(**base), 0)["signals"]
+    split = NodeConfig(**base, model_dir="/m", model_arch="LlamaForCausalLM", model_fingerprint="f", hidden_size=1024)
+    assert shm_needs(split, 0)["signals"] - plain >= segment_bytes(2, 64 * 1024)
