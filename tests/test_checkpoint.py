@@ -156,3 +156,28 @@ def test_launch_refuses_contradicting_shape_flags(node, tmp_path, flag, value, w
     ck = make_checkpoint(tmp_path)
     err = launch_fails(node, "--model", ck.path, flag, value)
     assert flag in err and words in err, err
+
+
+def test_worker_refuses_a_checkpoint_changed_since_launch(tmp_path):
+    """Block keys are rooted in the fingerprint the launcher took: a worker loading different
+    weights under the same name would serve KV that does not match its keys."""
+    from workers.hf_model import HFModel
+
+    ck = make_checkpoint(tmp_path)
+    before = inspect(ck.path).fingerprint
+    HFModel.load(ck.path, before, 512)
+    make_checkpoint(tmp_path, rms_norm_eps=1e-6)  # what the fingerprint covers: config and headers
+    with pytest.raises(CheckpointError, match="changed since the node was launched"):
+        HFModel.load(ck.path, before, 512)
+
+
+def test_safetensors_package_agrees_on_bf16_headers(tmp_path):
+    from safetensors import safe_open
+
+    ck = make_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype="BF16", tied=True)
+    info = inspect(ck.path)
+    with safe_open(os.path.join(ck.path, "model.safetensors"), framework="numpy") as f:
+        assert set(f.keys()) == set(info.tensors)
+        for name in f.keys():
+            sl = f.get_slice(name)
+            assert sl.get_dtype() == "BF16" and tuple(sl.get_shape()) == info.tensors[name].shape
