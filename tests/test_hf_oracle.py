@@ -9,6 +9,7 @@ import pytest
 from tests.hfkit import VOCAB, greedy, make_checkpoint
 from tests.launched import launched, shared_prefix_prompts
 from tests.test_oracle import NEW, run_all, tokens
+from tests.test_pd import pd_node, pd_pair  # noqa: F401 (pd_node is a fixture)
 
 OPTS = ("--block-size", "8")
 
@@ -73,3 +74,13 @@ def test_two_ranks_equal_one(node, tmp_path, checkpoint, prompts, expected):
         assert tokens(run_all(ln.client, prompts, concurrent=False)) == expected, ln.logs()
         stats = ln.idle_stats()
         assert stats["tasks_done"] > 0 and stats["tasks_failed"] == 0 and stats["device_used"] == 0
+
+
+def test_prefill_decode_pair_serves_the_checkpoint(pd_node, tmp_path, prompts):
+    """P prefills, D decodes from the KV P handed over: the reference's tokens. (The pair's
+    shape flags agree with this checkpoint's config.json, so they are accepted.)"""
+    ck = make_checkpoint(tmp_path / "ck", "Qwen3ForCausalLM", dtype="BF16", tied=True, seed=2)
+    want = [greedy(ck, p, NEW) for p in prompts[:6]]
+    with pd_pair(pd_node, tmp_path, "--model", ck.path, env={"KVRT_CHECK_OWNERSHIP": "1"}) as (p, d):
+        assert tokens(run_all(p.client, prompts[:6])) == want, p.logs() + d.logs()
+        assert p.idle_stats()["pd_sent_bytes"] > 0
