@@ -92,3 +92,13 @@ def test_cupy_matches_dense(tmp_path):
         pytest.skip("no CUDA device")
     for arch in ARCHS:
         check_paged(make_checkpoint(tmp_path / arch, arch, dtype="BF16"), xp=cupy)
+
+
+def test_a_step_beats_after_every_layer(tmp_path):
+    """The worker's heartbeat is called inside a step, once per layer: a long prefill chunk of
+    a big checkpoint must not look like a hung worker."""
+    model = HFModel(inspect(make_checkpoint(tmp_path, num_hidden_layers=3).path), 512)
+    beats = []
+    model.beat = lambda: beats.append(1)
+    model.step(pool_for(model), [SeqInput(np.arange(20, dtype=np.int32), 0, np.arange(3, dtype=np.int32))])
+    assert len(beats) == 3

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -154,6 +154,9 @@ class Model:
     `generate_dense` are the cache-free reference the runtime is checked against."""
 
     compute_dtype: Any = np.float64  # what K/V read from the pool are computed in (subclasses: float32)
+    # called after each layer of a paged step: the worker's heartbeat, so a long step of a big
+    # model (seconds per prefill chunk on a CPU) is not taken for a hung process
+    beat: Callable[[], None] | None = None
 
     def __init__(self, shape: ModelShape, xp: Any = np, kv_dtype: str = "float32") -> None:
         self.shape = shape
@@ -317,6 +320,8 @@ class Model:
                 outs.append(self._attend(q[p.row0:p.row0 + p.n], kc, vc, p.start))
             x = x + self._reduce(xp.concatenate(outs) @ w.wo)
             x = x + self._reduce(self._mlp(x, w))
+            if self.beat is not None:
+                self.beat()
         last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
         return self._logits(x[last])
 

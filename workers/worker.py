@@ -48,6 +48,7 @@ class Worker:
                                       allreduce=self.allreduce.sum if self.allreduce else None)
         else:
             self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
+        self.model.beat = child.member.beat
         self.block_size = cfg.block_size
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
         self.orders = Receiver.attach(child.reg, P.worker_orders(child.rank))
