@@ -181,3 +181,16 @@ def test_safetensors_package_agrees_on_bf16_headers(tmp_path):
         for name in f.keys():
             sl = f.get_slice(name)
             assert sl.get_dtype() == "BF16" and tuple(sl.get_shape()) == info.tensors[name].shape
+
+
+def test_header_with_a_huge_shape_is_refused(tmp_path):
+    """A shape whose byte count would overflow 64 bits must not pass as matching its offsets."""
+    path = str(tmp_path / "x.safetensors")
+    header = {"a": {"dtype": "F32", "shape": [2 ** 62, 4], "data_offsets": [0, 0]}}  # 2**64 bytes: 0 in int64
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + bytes(16))
+    from workers.checkpoint import read_header
+
+    with pytest.raises(CheckpointError, match="data_offsets"):
+        read_header(path)

@@ -253,7 +253,7 @@ def read_header(path: str) -> tuple[bytes, dict[str, TensorInfo]]:
                                                                   for o in offs)):
             raise CheckpointError(f"{bad}: data_offsets {offs!r} is not [begin, end]")
         begin, end = offs
-        want = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
+        want = math.prod(shape) * _DTYPES[dtype].itemsize  # Python ints: a huge shape cannot wrap around
         if not 0 <= begin <= end <= data_len or end - begin != want:
             raise CheckpointError(f"{bad}: data_offsets {offs} do not hold {shape} {dtype} ({want} bytes) "
                                   f"within the file's {data_len} data bytes")
@@ -348,7 +348,7 @@ class Weights:
         mm = self._maps.get(t.file)
         if mm is None:
             mm = self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
-        count = int(np.prod(t.shape, dtype=np.int64))
+        count = math.prod(t.shape)
         raw = np.frombuffer(mm, dtype=_DTYPES[t.dtype], count=count, offset=t.offset).reshape(t.shape)
         if t.dtype == "BF16":
             bits = raw.astype(np.uint32)

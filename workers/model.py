@@ -314,7 +314,7 @@ class Model:
             outs = []
             for p in plans:
                 ctx = p.start + p.n
-                kv = pool[p.table, li].astype(self.compute_dtype)  # [nblk, 2, bs, kvh, hd]
+                kv = pool[p.table, li].astype(self.compute_dtype, copy=False)  # [nblk, 2, bs, kvh, hd]
                 kc = kv[:, 0].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 vc = kv[:, 1].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 outs.append(self._attend(q[p.row0:p.row0 + p.n], kc, vc, p.start))
