@@ -144,8 +144,8 @@ class NodeConfig(config.NodeConfig):
 
     def identity(self) -> ModelIdentity:
         """What this node's KV blocks are: the model (a checkpoint's fingerprint covers its
-        config and where every tensor lies; the reference model's weights are a function of its
-        seed and shape), the KV layout, the block size and the tp layout."""
+        config, where every tensor lies and a sample of its bytes; the reference model's weights
+        are a function of its seed and shape), the KV layout, the block size and the tp layout."""
         if self.model_dir:
             arch, weights = self.model_arch, f"checkpoint={self.model_fingerprint}"
         else:

@@ -111,6 +111,8 @@ def test_fingerprint_roots_block_keys(tmp_path):
     a, b = make_checkpoint(tmp_path / "a", seed=0), make_checkpoint(tmp_path / "b", seed=0, rms_norm_eps=1e-6)
     fa, fb = inspect(a.path), inspect(b.path)
     assert fa.fingerprint == inspect(a.path).fingerprint and fa.fingerprint != fb.fingerprint
+    tuned = make_checkpoint(tmp_path / "c", seed=1)  # a's config and headers, other weights
+    assert inspect(tuned.path).fingerprint != fa.fingerprint
 
     def cfg(info) -> NodeConfig:
         return NodeConfig(node="n", model_dir=info.model_dir, model_arch=info.config.arch,
@@ -166,7 +168,7 @@ def test_worker_refuses_a_checkpoint_changed_since_launch(tmp_path):
     ck = make_checkpoint(tmp_path)
     before = inspect(ck.path).fingerprint
     HFModel.load(ck.path, before, 512)
-    make_checkpoint(tmp_path, rms_norm_eps=1e-6)  # what the fingerprint covers: config and headers
+    make_checkpoint(tmp_path, seed=1)  # same config and headers, other weights: a "fine-tune"
     with pytest.raises(CheckpointError, match="changed since the node was launched"):
         HFModel.load(ck.path, before, 512)
 

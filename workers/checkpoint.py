@@ -10,7 +10,12 @@ bfloat16 is exactly the top 16 bits of a float32).
 Everything a launch needs to refuse a checkpoint (unsupported architecture or rope scaling,
 a missing shard, a corrupt header, a missing or misshapen tensor) is found by `inspect`, which
 reads config.json and the headers only, so the launcher refuses before any process starts.
-The fingerprint (config.json and every header) is the model identity block keys are rooted in.
+The fingerprint is the model identity block keys are rooted in: config.json, every header, and
+a sample of every tensor's bytes. The sample matters: a fine-tune has its base model's config
+and headers, and sharing KV blocks between the two (a storage tier, a P->D pair) would serve
+one model's KV to the other; a few pages per tensor differ between any two trainings, and
+reading them costs milliseconds where hashing every byte would cost a second pass over the
+weights.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 _MAX_HEADER = 100 << 20  # the safetensors format's own limit on a header's size
 _MAX_JSON = 16 << 20     # config.json and the shard index are small; refuse anything huge
+_SAMPLES, _SAMPLE_BYTES = 8, 4096  # per tensor, at evenly spaced offsets, for the fingerprint
 
 
 class CheckpointError(ValueError):
@@ -331,8 +337,30 @@ def inspect(model_dir: str) -> CheckpointInfo:
         if tensors[name].shape != shape:
             raise CheckpointError(f"{model_dir}: tensor {name} has shape {list(tensors[name].shape)}, "
                                   f"config.json implies {list(shape)}")
+    digest_parts += _samples(tensors)
     fingerprint = xxh3_128_hexdigest(b"\0".join(len(p).to_bytes(8, "little") + p for p in digest_parts))
     return CheckpointInfo(model_dir, config, tensors, fingerprint)
+
+
+def _samples(tensors: dict[str, TensorInfo]) -> list[bytes]:
+    """A few pages of each tensor's bytes (all of a small one), in name order."""
+    out, fds = [], {}
+    try:
+        for name in sorted(tensors):
+            t = tensors[name]
+            if t.file not in fds:
+                fds[t.file] = os.open(t.file, os.O_RDONLY)
+            size = math.prod(t.shape) * _DTYPES[t.dtype].itemsize
+            starts = sorted({t.offset + (size - _SAMPLE_BYTES) * i // (_SAMPLES - 1) for i in range(_SAMPLES)}
+                            if size > _SAMPLES * _SAMPLE_BYTES else {t.offset})
+            n = min(size, _SAMPLE_BYTES) if size > _SAMPLES * _SAMPLE_BYTES else size
+            out.extend(os.pread(fds[t.file], n, s) for s in starts)
+    except OSError as e:
+        raise CheckpointError(f"cannot read weights for the fingerprint: {e}") from None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
 
 
 class Weights:
