@@ -84,3 +84,28 @@ def test_prefill_decode_pair_serves_the_checkpoint(pd_node, tmp_path, prompts):
     with pd_pair(pd_node, tmp_path, "--model", ck.path, env={"KVRT_CHECK_OWNERSHIP": "1"}) as (p, d):
         assert tokens(run_all(p.client, prompts[:6])) == want, p.logs() + d.logs()
         assert p.idle_stats()["pd_sent_bytes"] > 0
+
+
+def test_growing_requests_preempted_and_recomputed(node, tmp_path, checkpoint):
+    """Requests admitted together outgrow a tiny pool while decoding: the most recently admitted
+    are preempted and later recomputed, and every answer is still the reference's."""
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, VOCAB, int(n)).astype(np.int32) for n in rng.integers(17, 24, 8)]
+    new = 40
+    want = [greedy(checkpoint, p, new) for p in prompts]
+    opts = (*OPTS, "--model", checkpoint.path, "--num-gpu-blocks", "24", "--max-num-batched-tokens", "64")
+    with launched(node, tmp_path, *opts, env={"KVRT_CHECK_OWNERSHIP": "1"}) as ln:
+        ids = [ln.client.submit(p, new) for p in prompts]
+        done = {}
+        while len(done) < len(ids):
+            events = ln.client.poll(timeout=60)
+            assert events, "no event from the node within 60 s"
+            for ev in events:
+                assert not hasattr(ev, "code"), f"request failed: {ev}"
+                if hasattr(ev, "output_token_ids"):
+                    done[ev.request_id] = ev.output_token_ids.tolist()
+        assert [done[i] for i in ids] == want, ln.logs()
+        stats = ln.idle_stats()
+        assert stats["preemptions"] > 0 and stats["device_used"] == 0
