@@ -185,7 +185,7 @@ def launch(args) -> int:
         return 1
 
 
-def _model_settings(args, d) -> tuple[dict, dict]:
+def _model_settings(args: argparse.Namespace, d) -> tuple[dict, dict]:
     """The shape fields of the node config and the model fields: from the flags (or their
     defaults) for the reference model; from config.json for a checkpoint, checked end to end
     (headers, every tensor) here, before any process starts. ValueError names what is wrong."""

@@ -41,7 +41,7 @@ class NodeConfig:
     model_seed: int = 0
     model_dir: str = ""          # a Hugging Face checkpoint directory; empty: the reference model
     model_arch: str = ""         # its architecture (config.json), set by the launcher
-    model_fingerprint: str = ""  # digest of its config.json and safetensors headers, set by the launcher
+    model_fingerprint: str = ""  # digest of its config.json, headers and weight samples, set by the launcher
     hidden_size: int = 0         # its hidden size (sizes the tp all-reduce), set by the launcher
     # scheduling
     max_num_seqs: int = 32             # sequences in one step
