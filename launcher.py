@@ -76,9 +76,10 @@ def _add_launch(sub) -> None:
                    help=f"decode role: preallocations one prefill peer may have waiting for its KV "
                    f"(default {d.pd_peer_max_preallocs})")
     p.add_argument("--tp", type=int, default=d.tp,
-                   help="tensor-parallel ranks for the KV cache (default 1). The reference model is not split "
-                   "across ranks yet: each rank runs it over its share of the KV heads and rank 0's tokens "
-                   "are the answer, so outputs depend on --tp")
+                   help="tensor-parallel ranks (default 1). With --model each rank holds 1/N of the heads, KV "
+                   "heads and MLP, and an all-reduce over shared memory sums their outputs (same tokens as "
+                   "--tp 1). The reference model is not split: each rank runs it over its share of the KV "
+                   "heads and rank 0's tokens are the answer, so its outputs depend on --tp")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the device KV pool lives (default: cuda if CuPy sees a GPU, else cpu)")
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
@@ -96,13 +97,18 @@ def _add_launch(sub) -> None:
                    help="client API port (ZeroMQ; used by kvrt generate/replay and runtime.client; 0 = none)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus metrics port on 127.0.0.1 (0 = off)")
     p.add_argument("--log-dir", default="", help="write each process's log to DIR/<role>-<rank>.log (default: stderr)")
-    p.add_argument("--num-layers", type=int, default=d.num_layers, help=f"model layers (default {d.num_layers})")
-    p.add_argument("--num-kv-heads", type=int, default=d.num_kv_heads, help=f"KV heads, split over --tp (default {d.num_kv_heads})")
-    p.add_argument("--head-dim", type=int, default=d.head_dim, help=f"head dimension (default {d.head_dim})")
+    p.add_argument("--model", default="", metavar="DIR",
+                   help="serve a Hugging Face checkpoint directory (config.json + safetensors; Llama, Qwen2, "
+                   "Qwen3) instead of the built-in reference model; the shape flags below then come from its "
+                   "config.json, and one that contradicts it is an error")
+    p.add_argument("--num-layers", type=int, default=None, help=f"model layers (default {d.num_layers})")
+    p.add_argument("--num-kv-heads", type=int, default=None, help=f"KV heads, split over --tp (default {d.num_kv_heads})")
+    p.add_argument("--head-dim", type=int, default=None, help=f"head dimension (default {d.head_dim})")
     p.add_argument("--dtype", default=d.dtype, help=f"KV dtype (default {d.dtype})")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help=f"model vocabulary (default {d.vocab_size})")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help=f"longest prompt + output in tokens (default {d.max_model_len})")
+    p.add_argument("--vocab-size", type=int, default=None, help=f"model vocabulary (default {d.vocab_size})")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"longest prompt + output in tokens (default {d.max_model_len}; with --model its "
+                   f"max_position_embeddings, which it may only lower)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help=f"sequences per step (default {d.max_num_seqs})")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -134,6 +140,11 @@ def launch(args) -> int:
         args.num_gpu_blocks, args.num_cpu_blocks = DEMO_BLOCKS  # small enough that the host tier works too
     node = args.node or (f"kvrt{port}" if port else f"kvrt{os.getpid()}")
     gpu_blocks = d.num_gpu_blocks if args.num_gpu_blocks is None else args.num_gpu_blocks  # on a GPU: below
+    try:
+        shape, model = _model_settings(args, d)
+    except ValueError as e:  # the checkpoint cannot be served, or a flag contradicts it
+        print(f"kvrt launch: error: {e}", file=sys.stderr)
+        return 2
     cfg = NodeConfig(node=node, role=args.role, tp=args.tp, decode_peer=args.decode_peer,
                      pd_transport=args.pd_transport, pd_timeout=args.pd_timeout,
                      pd_secret_file=os.path.abspath(args.pd_secret_file) if args.pd_secret_file else "",
@@ -142,9 +153,7 @@ def launch(args) -> int:
                      block_size=args.block_size, num_gpu_blocks=gpu_blocks,
                      gpu_memory_utilization=args.gpu_memory_utilization,
                      num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, host=args.host, port=port,
-                     metrics_port=args.metrics_port, log_dir=args.log_dir, num_layers=args.num_layers,
-                     num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype,
-                     vocab_size=args.vocab_size, max_model_len=args.max_model_len,
+                     metrics_port=args.metrics_port, log_dir=args.log_dir, dtype=args.dtype, **shape, **model,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1",
                      ready_timeout=args.ready_timeout, rank_timeout=args.rank_timeout,
@@ -174,6 +183,31 @@ def launch(args) -> int:
     except (RuntimeError, TimeoutError, OSError, IpcError) as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 1
+
+
+def _model_settings(args: argparse.Namespace, d) -> tuple[dict, dict]:
+    """The shape fields of the node config and the model fields: from the flags (or their
+    defaults) for the reference model; from config.json for a checkpoint, checked end to end
+    (headers, every tensor) here, before any process starts. ValueError names what is wrong."""
+    names = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len")
+    given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    if not args.model:
+        return {k: given.get(k, getattr(d, k)) for k in names}, {}
+    from workers.checkpoint import inspect
+
+    info = inspect(args.model)
+    info.check_tp(args.tp)
+    shape = info.node_shape()
+    for k, v in given.items():
+        flag = "--" + k.replace("_", "-")
+        if k == "max_model_len":
+            if v > shape[k]:
+                raise ValueError(f"{flag} {v} exceeds the checkpoint's max_position_embeddings {shape[k]}")
+            shape[k] = v
+        elif v != shape[k]:
+            raise ValueError(f"{flag} {v} contradicts {info.model_dir}/config.json, which gives {shape[k]}")
+    return shape, {"model_dir": info.model_dir, "model_arch": info.config.arch,
+                   "model_fingerprint": info.fingerprint, "hidden_size": info.config.hidden_size}
 
 
 def _seconds(text: str) -> float:

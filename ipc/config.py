@@ -40,6 +40,9 @@ class NodeConfig:
     max_model_len: int = 4096
     model_seed: int = 0
     model_dir: str = ""          # a Hugging Face checkpoint directory; empty: the reference model
+    model_arch: str = ""         # its architecture (config.json), set by the launcher
+    model_fingerprint: str = ""  # digest of its config.json, headers and weight samples, set by the launcher
+    hidden_size: int = 0         # its hidden size (sizes the tp all-reduce), set by the launcher
     # scheduling
     max_num_seqs: int = 32             # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
@@ -77,6 +80,16 @@ class NodeConfig:
     @property
     def peer_max_blocks(self) -> int:
         return self.pd_peer_max_blocks or max(1, self.num_gpu_blocks // 2)
+
+    @property
+    def needs_allreduce(self) -> bool:
+        """A checkpoint split over ranks sums partial outputs across them."""
+        return bool(self.model_dir) and self.tp > 1
+
+    @property
+    def allreduce_capacity(self) -> int:
+        """Floats one rank contributes to one all-reduce at most: a step's tokens x hidden."""
+        return self.max_num_batched_tokens * self.hidden_size
 
     @property
     def needs_transfer(self) -> bool:

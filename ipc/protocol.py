@@ -29,6 +29,7 @@ NODE_STATUS = "node_status"  # int64[STATUS_FIELDS]: node state, launcher heartb
 ENGINE_BELL = "engine.bell"  # the doorbell every ring into the engine shares (fan-in)
 OWNERS_DEVICE = "owners.device"  # int32[blocks] debug ownership table (KVRT_CHECK_OWNERSHIP=1)
 OWNERS_HOST = "owners.host"
+ALLREDUCE = "allreduce"      # the workers' tensor-parallel all-reduce (a checkpoint with --tp > 1)
 ERRORS = "errors"            # uint8[slots + 1, ERROR_BYTES]: each process's fatal error, in its slot;
                              # the last row: why the launcher is stopping the node (empty: no failure)
 ERROR_BYTES = 512

@@ -84,6 +84,11 @@ class NodeConfig(config.NodeConfig):
         for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len",
                      "max_num_seqs", "max_num_batched_tokens"):
             _positive("--" + name.replace("_", "-"), getattr(self, name))
+        if self.model_dir and not (self.model_arch and self.model_fingerprint):
+            raise ConfigError(f"--model {self.model_dir}: its architecture and fingerprint must come from "
+                              f"the checkpoint (workers.checkpoint.inspect)")
+        if self.model_dir and self.hidden_size <= 0:
+            raise ConfigError(f"--model {self.model_dir}: hidden_size must come from its config.json")
         if self.num_kv_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} must divide the {self.num_kv_heads} KV heads")
         try:
@@ -106,6 +111,8 @@ class NodeConfig(config.NodeConfig):
         objs = [P.CONFIG, P.PROCS, P.HEARTBEAT, P.READY, P.NODE_STATUS, P.ERRORS, P.ENGINE_STATS, P.ENGINE_BELL]
         if self.check_ownership:
             objs += [P.OWNERS_DEVICE, P.OWNERS_HOST]
+        if self.needs_allreduce:
+            objs.append(P.ALLREDUCE)
         for r in range(self.tp):
             pairs = [(P.to_worker(r), P.from_worker(r))]
             if self.needs_transfer:
@@ -136,11 +143,16 @@ class NodeConfig(config.NodeConfig):
                               f"registry holds {MAX_ENTRIES}; lower --tp")
 
     def identity(self) -> ModelIdentity:
-        """What this node's KV blocks are: the model (the reference model's weights are a
-        function of its seed and shape), the KV layout, the block size and the tp layout."""
-        weights = (f"seed={self.model_seed},vocab={self.vocab_size},layers={self.num_layers},"
-                   f"kv_heads={self.num_kv_heads},head_dim={self.head_dim}")
-        return ModelIdentity(arch=REFERENCE_ARCH, weights=weights, num_layers=self.num_layers,
+        """What this node's KV blocks are: the model (a checkpoint's fingerprint covers its
+        config, where every tensor lies and a sample of its bytes; the reference model's weights
+        are a function of its seed and shape), the KV layout, the block size and the tp layout."""
+        if self.model_dir:
+            arch, weights = self.model_arch, f"checkpoint={self.model_fingerprint}"
+        else:
+            arch = REFERENCE_ARCH
+            weights = (f"seed={self.model_seed},vocab={self.vocab_size},layers={self.num_layers},"
+                       f"kv_heads={self.num_kv_heads},head_dim={self.head_dim}")
+        return ModelIdentity(arch=arch, weights=weights, num_layers=self.num_layers,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              dtype=np.dtype(self.dtype).name, block_size=self.block_size, tp=self.tp)
 

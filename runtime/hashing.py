@@ -34,8 +34,9 @@ class ModelIdentity:
     block of one rank: two nodes may share blocks (storage, P->D) only if all of it is equal.
 
     `weights` fingerprints the weights: for the built-in reference model its seed and shape
-    (its weights are a function of them); a real checkpoint would give a hash of its config and
-    weights index here."""
+    (its weights are a function of them); for a checkpoint a digest of its config.json, its
+    safetensors headers (every tensor's name, dtype, shape and place) and a sample of every
+    tensor's bytes (workers/checkpoint.py)."""
 
     arch: str
     weights: str

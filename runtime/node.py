@@ -35,6 +35,8 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from ipc import protocol as P
+from ipc.allreduce import AllReduce
+from ipc.allreduce import segment_bytes as allreduce_bytes
 from ipc.registry import Registry
 from ipc.ring import HEADER as RING_HEADER
 from ipc.ring import Ring
@@ -98,6 +100,8 @@ def shm_needs(cfg: NodeConfig, pool_bytes: int) -> dict[str, int]:
                     len(P.STATS) * 8, (slots + 1) * P.ERROR_BYTES, PAGE]  # ... and the config
     if cfg.check_ownership:
         signal_bytes += [cfg.num_gpu_blocks * 4, max(cfg.num_cpu_blocks, 1) * 4]
+    if cfg.needs_allreduce:
+        signal_bytes.append(allreduce_bytes(cfg.tp, cfg.allreduce_capacity))
     return {"KV pools": pool_bytes,
             "rings": ring_count(cfg) * _pages(RING_HEADER + RING_BYTES),
             "signals": sum(_pages(n) for n in signal_bytes)}
@@ -157,6 +161,8 @@ class Node:
             if cfg.check_ownership:
                 Signal.create(reg, P.OWNERS_DEVICE, cfg.num_gpu_blocks, np.int32)
                 Signal.create(reg, P.OWNERS_HOST, max(cfg.num_cpu_blocks, 1), np.int32)
+            if cfg.needs_allreduce:
+                AllReduce.create(reg, P.ALLREDUCE, cfg.tp, cfg.allreduce_capacity)
             reg.create_doorbell(P.ENGINE_BELL)
             for r in range(cfg.tp):
                 pairs = [(P.worker_orders(r), P.worker_answers(r))]

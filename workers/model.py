@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -153,6 +153,11 @@ class Model:
     """The transformer: `step` runs a batch over the paged pool, `dense_logits` and
     `generate_dense` are the cache-free reference the runtime is checked against."""
 
+    compute_dtype: Any = np.float64  # what K/V read from the pool are computed in (subclasses: float32)
+    # called after each layer of a paged step: the worker's heartbeat, so a long step of a big
+    # model (seconds per prefill chunk on a CPU) is not taken for a hung process
+    beat: Callable[[], None] | None = None
+
     def __init__(self, shape: ModelShape, xp: Any = np, kv_dtype: str = "float32") -> None:
         self.shape = shape
         self.xp = xp
@@ -194,7 +199,7 @@ class Model:
         return q, self._round_kv(k), self._round_kv(v)
 
     def _round_kv(self, a: Any) -> Any:
-        return a.astype(self.kv_dtype).astype(self.xp.float64)
+        return a.astype(self.kv_dtype).astype(self.compute_dtype)
 
     def _attend(self, q: Any, k: Any, v: Any, start: int) -> Any:
         """Causal attention of queries q [n, H, hd] at positions start.. over keys/values
@@ -214,6 +219,10 @@ class Model:
         h = self._rms(x, w.mlp_norm)
         gate = h @ w.w_gate
         return (gate / (1.0 + self.xp.exp(-gate)) * (h @ w.w_up)) @ w.w_down
+
+    def _reduce(self, partial: Any) -> Any:
+        """The sum over tensor-parallel ranks of a layer's partial output (one rank: itself)."""
+        return partial
 
     def _logits(self, x: Any) -> np.ndarray:
         return self._host(self._rms(x, self.final_norm) @ self.lm_head)
@@ -305,12 +314,14 @@ class Model:
             outs = []
             for p in plans:
                 ctx = p.start + p.n
-                kv = pool[p.table, li].astype(xp.float64)  # [nblk, 2, bs, kvh, hd]
+                kv = pool[p.table, li].astype(self.compute_dtype, copy=False)  # [nblk, 2, bs, kvh, hd]
                 kc = kv[:, 0].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 vc = kv[:, 1].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 outs.append(self._attend(q[p.row0:p.row0 + p.n], kc, vc, p.start))
-            x = x + xp.concatenate(outs) @ w.wo
-            x = x + self._mlp(x, w)
+            x = x + self._reduce(xp.concatenate(outs) @ w.wo)
+            x = x + self._reduce(self._mlp(x, w))
+            if self.beat is not None:
+                self.beat()
         last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
         return self._logits(x[last])
 
@@ -334,8 +345,8 @@ class Model:
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
             outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i)
                     for i in range(0, n, _DENSE_CHUNK)]
-            x = x + xp.concatenate(outs) @ w.wo
-            x = x + self._mlp(x, w)
+            x = x + self._reduce(xp.concatenate(outs) @ w.wo)
+            x = x + self._reduce(self._mlp(x, w))
         return self._logits(x)
 
     def generate_dense(self, prompt: np.ndarray, max_new_tokens: int, eos_token_id: int = -1) -> list[int]:

@@ -2,7 +2,10 @@
 and only the blocks of the step batch the engine just sent it (the ownership rule): between
 receiving a step and publishing its answer, nothing else touches those blocks.
 
-The model is the reference transformer (workers/model.py). Tensor parallelism is not split
+The model is a Hugging Face checkpoint's (workers/hf_model.py) with --model: with --tp N rank r
+holds its N-th of the heads, KV heads and MLP, and the ranks sum their partial outputs through
+the node's all-reduce (ipc/allreduce.py), so every rank computes the same tokens. Without
+--model it is the reference transformer (workers/model.py), where tensor parallelism is not split
 inside the model yet: with --tp N every rank runs the same model over its N-th of the KV
 heads and its own pool, so every rank's pool holds real KV (swaps and P->D sends of each rank
 carry meaningful bytes); rank 0's tokens are the answer, the others acknowledge.
@@ -16,12 +19,14 @@ import time
 import numpy as np
 
 from ipc import protocol as P
+from ipc.allreduce import AllReduce
 from ipc.channel import Receiver, Sender
 from ipc.ownership import OwnershipError, check_owners
 from ipc.signals import Signal
 
 from .backend import get_backend
 from .child import Child, run_child
+from .hf_model import HFModel
 from .kv_pool import attach_pools
 from .model import Model, ModelShape, SeqInput
 from .sampler import SamplingRows, sample
@@ -36,7 +41,15 @@ class Worker:
         cfg = child.cfg
         self.device, self.host = attach_pools(child.reg, child.rank, cfg)
         self.xp = get_backend(cfg.device).xp
-        self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
+        self.allreduce = (AllReduce.attach(child.reg, P.ALLREDUCE, child.rank, cfg.rank_timeout)
+                          if cfg.needs_allreduce else None)
+        if cfg.model_dir:
+            self.model = HFModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, self.xp,
+                                      kv_dtype=cfg.dtype, rank=child.rank, tp=cfg.tp,
+                                      allreduce=self.allreduce.sum if self.allreduce else None)
+        else:
+            self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
+        self.model.beat = child.member.beat
         self.block_size = cfg.block_size
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
         self.orders = Receiver.attach(child.reg, P.worker_orders(child.rank))
@@ -113,6 +126,8 @@ class Worker:
     def close(self) -> None:
         self.answers.close()
         self.orders.detach()
+        if self.allreduce is not None:
+            self.allreduce.close()
         for pool in (self.device, self.host):
             if pool is not None:
                 pool.close()

@@ -1,0 +1,106 @@
+"""The shared-memory all-reduce between real processes: exact sums, bit-identical on every
+rank, over many generations (both buffers reused); a missing rank is a named timeout; and a
+checkpoint split over two ranks through it gives the dense reference's logits."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ipc.allreduce import AllReduce
+from ipc.errors import WaitTimeout
+from ipc.registry import Registry
+from tests.conftest import spawn_py
+from tests.hfkit import VOCAB, dense_logits, make_checkpoint
+
+RANK = """
+import sys
+import numpy as np
+from ipc.allreduce import AllReduce
+from ipc.registry import Registry
+reg = Registry.attach(sys.argv[1])
+rank, tp, rounds = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+ar = AllReduce.attach(reg, "ar", rank, timeout=30)
+digest = 0.0
+for g in range(rounds):
+    n = 1 + (g * 37) % 500
+    x = np.random.default_rng([g, rank]).standard_normal(n).astype(np.float32)
+    s = ar.sum(x)
+    want = sum(np.random.default_rng([g, r]).standard_normal(n).astype(np.float32) for r in range(tp))
+    assert np.allclose(s, want, rtol=1e-5, atol=1e-5), g
+    digest += float(s.astype(np.float64) @ np.arange(n))
+ar.close()
+print(repr(digest))
+"""
+
+
+def test_sums_across_processes_identical_on_every_rank(node):
+    tp, rounds = 3, 300
+    with Registry.create(node) as reg:
+        AllReduce.create(reg, "ar", tp, 512)
+        procs = [spawn_py(RANK, node, str(r), str(tp), str(rounds)) for r in range(tp)]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            outs.append(out.strip())
+        assert len(set(outs)) == 1, f"ranks disagree: {outs}"
+
+
+def test_a_missing_rank_is_a_named_timeout(node):
+    with Registry.create(node) as reg:
+        AllReduce.create(reg, "ar", 2, 8)
+        ar = AllReduce.attach(reg, "ar", 0, timeout=0.2)
+        with pytest.raises(WaitTimeout, match=r"rank\(s\) \[1\]"):
+            ar.sum(np.ones(4, np.float32))
+        with pytest.raises(ValueError, match="capacity"):
+            ar.sum(np.ones(9, np.float32))
+        ar.close()
+
+
+def test_two_rank_split_equals_dense_reference(node, tmp_path):
+    """Each rank holds half the heads and MLP width; summed through the all-reduce, both ranks'
+    logits equal the unsplit dense reference."""
+    from workers.checkpoint import inspect
+    from workers.hf_model import HFModel
+    from workers.model import SeqInput
+
+    ck = make_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype="BF16", num_attention_heads=4, num_key_value_heads=2)
+    toks = np.random.default_rng(2).integers(0, VOCAB, 21).astype(np.int32)
+    want = dense_logits(ck, toks)
+    got: dict[int, list] = {}
+    with Registry.create(node) as reg:
+        AllReduce.create(reg, "ar", 2, 64 * 32)
+        ars = [AllReduce.attach(reg, "ar", r, timeout=30) for r in range(2)]
+
+        def rank(r: int) -> None:
+            model = HFModel(inspect(ck.path), 512, rank=r, tp=2, allreduce=ars[r].sum)
+            pool = np.zeros(model.shape.kv_layout(8, "float32").pool_shape(8), np.float32)
+            table = np.array([3, 1, 4], np.int32)
+            got[r] = [model.step_logits(pool, [SeqInput(toks[:13], 0, table)])[0],
+                      model.step_logits(pool, [SeqInput(toks[13:], 13, table)])[0]]
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for a in ars:
+            a.close()
+    assert set(got) == {0, 1}
+    assert np.array_equal(got[0][1], got[1][1]), "every rank computes identical logits"
+    for first, last in got.values():
+        np.testing.assert_allclose(first, want[12], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        np.testing.assert_allclose(last, want[20], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_room_check_counts_the_allreduce():
+    from ipc.allreduce import segment_bytes
+    from runtime.config import NodeConfig
+    from runtime.node import shm_needs
+
+    base = dict(node="n", tp=2, max_num_batched_tokens=64)
+    plain = shm_needs(NodeConfig(**base), 0)["signals"]
+    split = NodeConfig(**base, model_dir="/m", model_arch="LlamaForCausalLM", model_fingerprint="f", hidden_size=1024)
+    assert shm_needs(split, 0)["signals"] - plain >= segment_bytes(2, 64 * 1024)

@@ -1,0 +1,389 @@
+"""Hugging Face checkpoint directories: config.json and memory-mapped safetensors weights.
+
+Why its own reader: real checkpoints ship BF16, which numpy has no dtype for, and the
+`safetensors` package's numpy loader refuses it (and copies every tensor). The format is an
+8-byte little-endian header length, a JSON header (name -> dtype, shape, byte offsets) and the
+raw bytes; so a file is mapped once with `np.memmap`, an F32 tensor is a zero-copy view of it,
+and a BF16 tensor becomes float32 by shifting its 16 bits into the top half of a uint32 (a
+bfloat16 is exactly the top 16 bits of a float32).
+
+Everything a launch needs to refuse a checkpoint (unsupported architecture or rope scaling,
+a missing shard, a corrupt header, a missing or misshapen tensor) is found by `inspect`, which
+reads config.json and the headers only, so the launcher refuses before any process starts.
+The fingerprint is the model identity block keys are rooted in: config.json, every header, and
+a sample of every tensor's bytes. The sample matters: a fine-tune has its base model's config
+and headers, and sharing KV blocks between the two (a storage tier, a P->D pair) would serve
+one model's KV to the other; a few pages per tensor differ between any two trainings, and
+reading them costs milliseconds where hashing every byte would cost a second pass over the
+weights.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from xxhash import xxh3_128_hexdigest
+
+log = logging.getLogger("workers.checkpoint")
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "llama3")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_MAX_HEADER = 100 << 20  # the safetensors format's own limit on a header's size
+_MAX_JSON = 16 << 20     # config.json and the shard index are small; refuse anything huge
+_SAMPLES, _SAMPLE_BYTES = 8, 4096  # per tensor, at evenly spaced offsets, for the fingerprint
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot be served; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """`rope_scaling` of type llama3 (Llama 3.1/3.2): low frequencies slowed by `factor`,
+    high ones kept, a smooth ramp between."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What config.json says about the network, validated."""
+
+    arch: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v biases (Qwen2)
+    qk_norm: bool         # per-head RMSNorm of q and k before RoPE (Qwen3)
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies [head_dim / 2] (float64), as Hugging Face computes them."""
+        half = self.head_dim // 2
+        inv = self.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+        rs = self.rope_scaling
+        if rs is None:
+            return inv
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+                  / (rs.high_freq_factor - rs.low_freq_factor))
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled)
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the forward pass reads, with its shape (Hugging Face names)."""
+        d, hd, h, kvh = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, d), "model.norm.weight": (d,)}
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = (self.vocab_size, d)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            out.update({
+                p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                p + "self_attn.q_proj.weight": (h * hd, d), p + "self_attn.k_proj.weight": (kvh * hd, d),
+                p + "self_attn.v_proj.weight": (kvh * hd, d), p + "self_attn.o_proj.weight": (d, h * hd),
+                p + "mlp.gate_proj.weight": (self.intermediate_size, d),
+                p + "mlp.up_proj.weight": (self.intermediate_size, d),
+                p + "mlp.down_proj.weight": (d, self.intermediate_size),
+            })
+            if self.attention_bias:
+                out.update({p + "self_attn.q_proj.bias": (h * hd,), p + "self_attn.k_proj.bias": (kvh * hd,),
+                            p + "self_attn.v_proj.bias": (kvh * hd,)})
+            if self.qk_norm:
+                out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        return out
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_JSON + 1)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} {path}: {e}") from None
+    if len(raw) > _MAX_JSON:
+        raise CheckpointError(f"{what} {path} is larger than {_MAX_JSON} bytes")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def _int(cfg: dict, key: str, path: str, default: int | None = None) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise CheckpointError(f"{path}: {key} must be a positive integer, got {v!r}")
+    return v
+
+
+def _float(cfg: dict, key: str, path: str, default: float) -> float:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise CheckpointError(f"{path}: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _rope_scaling(raw: Any, path: str) -> RopeScaling | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: rope_scaling must be an object or null, got {raw!r}")
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(f"{path}: rope_scaling type {kind!r} is not supported (supported: "
+                              f"{', '.join(ROPE_TYPES)}); serving it unscaled would give wrong answers")
+    if kind == "default":
+        return None
+    rs = RopeScaling(_float(raw, "factor", path, 0), _float(raw, "low_freq_factor", path, 0),
+                     _float(raw, "high_freq_factor", path, 0),
+                     _int(raw, "original_max_position_embeddings", path, 0))
+    if rs.high_freq_factor <= rs.low_freq_factor:
+        raise CheckpointError(f"{path}: rope_scaling high_freq_factor {rs.high_freq_factor} must exceed "
+                              f"low_freq_factor {rs.low_freq_factor}")
+    return rs
+
+
+def parse_config(model_dir: str) -> ModelConfig:
+    """The validated network description of `model_dir`/config.json."""
+    path = os.path.join(model_dir, "config.json")
+    cfg = _read_json(path, "config")
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    archs = cfg.get("architectures")
+    if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
+        raise CheckpointError(f"{path}: architectures {archs!r} is not supported (supported: "
+                              f"{', '.join(ARCHITECTURES)})")
+    arch = archs[0]
+    if cfg.get("use_sliding_window"):
+        raise CheckpointError(f"{path}: use_sliding_window is not supported")
+    for flag in ("mlp_bias", "attention_bias"):  # Qwen2's q/k/v biases are its architecture, not this flag
+        if cfg.get(flag):
+            raise CheckpointError(f"{path}: {flag} is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+    hidden = _int(cfg, "hidden_size", path)
+    heads = _int(cfg, "num_attention_heads", path)
+    kv_heads = _int(cfg, "num_key_value_heads", path, heads)
+    head_dim = cfg.get("head_dim")
+    head_dim = hidden // heads if head_dim is None else _int(cfg, "head_dim", path)
+    if head_dim <= 0 or head_dim % 2:
+        raise CheckpointError(f"{path}: head_dim {head_dim} must be even and positive")
+    if heads % kv_heads:
+        raise CheckpointError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    tie = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise CheckpointError(f"{path}: tie_word_embeddings must be a boolean, got {tie!r}")
+    return ModelConfig(
+        arch=arch, hidden_size=hidden, intermediate_size=_int(cfg, "intermediate_size", path),
+        num_layers=_int(cfg, "num_hidden_layers", path), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, vocab_size=_int(cfg, "vocab_size", path),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", path, 4096),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6), rope_theta=_float(cfg, "rope_theta", path, 10000.0),
+        rope_scaling=_rope_scaling(cfg.get("rope_scaling"), path), tie_word_embeddings=tie,
+        attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str           # absolute path of the shard holding it
+    dtype: str          # safetensors dtype name: F32, F16, BF16
+    shape: tuple[int, ...]
+    offset: int         # absolute byte offset in the file
+
+
+def read_header(path: str) -> tuple[bytes, dict[str, TensorInfo]]:
+    """The raw header bytes and the tensors of one safetensors file, every field checked
+    against the file's size, so a corrupt or truncated file is refused here, never read
+    out of bounds later."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{path}: corrupt safetensors header: header length {n} does not fit "
+                                      f"the file ({size} bytes)")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"weights file {path} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read weights file {path}: {e}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data0, data_len = 8 + n, size - 8 - n
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        bad = f"{path}: corrupt safetensors header entry {name!r}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{bad}: not an object")
+        dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{bad}: dtype {dtype!r} is not supported (supported: {', '.join(_DTYPES)})")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape)):
+            raise CheckpointError(f"{bad}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool)
+                                                                  for o in offs)):
+            raise CheckpointError(f"{bad}: data_offsets {offs!r} is not [begin, end]")
+        begin, end = offs
+        want = math.prod(shape) * _DTYPES[dtype].itemsize  # Python ints: a huge shape cannot wrap around
+        if not 0 <= begin <= end <= data_len or end - begin != want:
+            raise CheckpointError(f"{bad}: data_offsets {offs} do not hold {shape} {dtype} ({want} bytes) "
+                                  f"within the file's {data_len} data bytes")
+        tensors[name] = TensorInfo(path, dtype, tuple(shape), data0 + begin)
+    return raw, tensors
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of `model_dir`: the one model.safetensors, or the shards the
+    index names (each must exist)."""
+    single, index = os.path.join(model_dir, SINGLE_FILE), os.path.join(model_dir, INDEX_FILE)
+    if os.path.exists(index):
+        idx = _read_json(index, "weights index")
+        wmap = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+        files = sorted(set(wmap.values()))
+        for f in files:
+            if os.path.basename(f) != f:
+                raise CheckpointError(f"{index}: shard name {f!r} must be a plain file name in the directory")
+        return [os.path.join(model_dir, f) for f in files]
+    if os.path.exists(single):
+        return [single]
+    raise CheckpointError(f"{model_dir}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} is there")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint checked end to end without reading a weight: its config, where each
+    tensor lies, and its fingerprint."""
+
+    model_dir: str
+    config: ModelConfig
+    tensors: dict[str, TensorInfo]
+    fingerprint: str
+
+    def check_tp(self, tp: int) -> None:
+        """CheckpointError unless `tp` ranks can each hold an equal share of the heads, the KV
+        heads and the MLP width."""
+        c = self.config
+        for what, n in (("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads),
+                        ("intermediate_size", c.intermediate_size)):
+            if tp <= 0 or n % tp:
+                raise CheckpointError(f"--tp {tp} must divide the checkpoint's {what} {n}")
+
+    def node_shape(self) -> dict[str, int]:
+        """The node settings config.json decides (launch flags of these names must agree;
+        max_model_len may only be lowered)."""
+        c = self.config
+        return {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                "vocab_size": c.vocab_size, "max_model_len": c.max_position_embeddings}
+
+
+def inspect(model_dir: str) -> CheckpointInfo:
+    """Check `model_dir` as a launch needs it checked (CheckpointError otherwise): a supported
+    config, every weight file present with a sound header, every tensor the forward pass reads
+    there once with its expected shape."""
+    model_dir = os.path.abspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"--model {model_dir}: not a directory")
+    config = parse_config(model_dir)
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        digest_parts = [f.read()]
+    tensors: dict[str, TensorInfo] = {}
+    for path in weight_files(model_dir):
+        raw, found = read_header(path)
+        digest_parts.append(raw)
+        for name, info in found.items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name} is in both {tensors[name].file} and {path}")
+            tensors[name] = info
+    for name, shape in config.expected_tensors().items():
+        if name not in tensors:
+            raise CheckpointError(f"{model_dir}: tensor {name} is missing from the weights")
+        if tensors[name].shape != shape:
+            raise CheckpointError(f"{model_dir}: tensor {name} has shape {list(tensors[name].shape)}, "
+                                  f"config.json implies {list(shape)}")
+    digest_parts += _samples(tensors)
+    fingerprint = xxh3_128_hexdigest(b"\0".join(len(p).to_bytes(8, "little") + p for p in digest_parts))
+    return CheckpointInfo(model_dir, config, tensors, fingerprint)
+
+
+def _samples(tensors: dict[str, TensorInfo]) -> list[bytes]:
+    """A few pages of each tensor's bytes (all of a small one), in name order."""
+    out, fds = [], {}
+    try:
+        for name in sorted(tensors):
+            t = tensors[name]
+            if t.file not in fds:
+                fds[t.file] = os.open(t.file, os.O_RDONLY)
+            size = math.prod(t.shape) * _DTYPES[t.dtype].itemsize
+            starts = sorted({t.offset + (size - _SAMPLE_BYTES) * i // (_SAMPLES - 1) for i in range(_SAMPLES)}
+                            if size > _SAMPLES * _SAMPLE_BYTES else {t.offset})
+            n = min(size, _SAMPLE_BYTES) if size > _SAMPLES * _SAMPLE_BYTES else size
+            out.extend(os.pread(fds[t.file], n, s) for s in starts)
+    except OSError as e:
+        raise CheckpointError(f"cannot read weights for the fingerprint: {e}") from None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
+
+
+class Weights:
+    """The tensors of a checkpoint as host float32 arrays, read through one read-only memory
+    map per file (F32 tensors are views of the map: nothing is copied until used)."""
+
+    def __init__(self, info: CheckpointInfo) -> None:
+        self.info = info
+        self._maps: dict[str, np.memmap] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        t = self.info.tensors[name]
+        mm = self._maps.get(t.file)
+        if mm is None:
+            mm = self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
+        count = math.prod(t.shape)
+        raw = np.frombuffer(mm, dtype=_DTYPES[t.dtype], count=count, offset=t.offset).reshape(t.shape)
+        if t.dtype == "BF16":
+            bits = raw.astype(np.uint32)
+            bits <<= 16  # in place: one float32-sized allocation per tensor
+            return bits.view(np.float32)
+        return raw.astype(np.float32, copy=False)
+
+    def close(self) -> None:
+        """Drop the maps (arrays still referencing them keep their pages alive)."""
+        self._maps.clear()

@@ -1,0 +1,156 @@
+"""Hugging Face Llama, Qwen2 and Qwen3 checkpoints over the paged KV pool.
+
+The network is the reference model's (workers/model.py) with real weights and each
+architecture's differences: Qwen2's q/k/v biases, Qwen3's per-head RMSNorm of q and k before
+RoPE, the checkpoint's RMSNorm epsilon, RoPE inverse frequencies as Hugging Face computes them
+(llama3 scaling included), and tied or separate LM heads. It inherits the reference model's
+paged step (block tables, chunked prefill, batched decode, validation), so the worker runs
+either through the same interface and the prefix cache, swaps and P->D transfers see one KV
+layout.
+
+Computation is float32 on numpy or CuPy (`xp`), one code path: weights are converted to float32
+once at load (BF16/F16 files included), RoPE angles are computed in float64 from absolute
+positions and then rounded, so a token's rotation does not depend on how its sequence was
+chunked.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .checkpoint import CheckpointError, CheckpointInfo, Weights, inspect
+from .model import LayerWeights, Model, ModelShape
+
+log = logging.getLogger("workers.hf_model")
+
+PROGRESS_AFTER_S = 2.0  # a load longer than this logs a progress line per layer
+
+
+@dataclass
+class HFLayerWeights(LayerWeights):
+    bq: Any = None      # Qwen2: q/k/v projection biases
+    bk: Any = None
+    bv: Any = None
+    q_norm: Any = None  # Qwen3: per-head RMSNorm weights [head_dim]
+    k_norm: Any = None
+
+
+def shape_of(info: CheckpointInfo, max_model_len: int, tp: int = 1) -> ModelShape:
+    """The reference model's description of one rank's share of this checkpoint (what the
+    pool and the paged step's validation need): 1/tp of the heads, KV heads and MLP width."""
+    c = info.config
+    info.check_tp(tp)
+    return ModelShape(num_layers=c.num_layers, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp,
+                      head_dim=c.head_dim, vocab_size=c.vocab_size, mlp_dim=c.intermediate_size // tp,
+                      rope_theta=c.rope_theta, max_model_len=max_model_len)
+
+
+class HFModel(Model):
+    """A checkpoint's transformer: `step` / `step_logits` over the paged pool, as `Model`.
+
+    With tp > 1, rank `rank` holds its slice of the attention heads (q/k/v rows, o columns)
+    and of the MLP (gate/up rows, down columns), and `allreduce` sums the partial outputs of
+    the attention output and MLP down projections across the ranks (identical sums on each);
+    embeddings, norms and the LM head are whole on every rank."""
+
+    compute_dtype = np.float32
+
+    def __init__(self, info: CheckpointInfo, max_model_len: int, xp: Any = np, kv_dtype: str = "float32",
+                 rank: int = 0, tp: int = 1, allreduce: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        if tp > 1 and allreduce is None:
+            raise ValueError("a model split over tp > 1 ranks needs an all-reduce")
+        self.info = info
+        self.config = c = info.config
+        self.shape = s = shape_of(info, max_model_len, tp)
+        self.allreduce = allreduce if tp > 1 else None
+        self.xp = xp
+        self.kv_dtype = np.dtype(kv_dtype)
+        self.eps = np.float32(c.rms_norm_eps)
+        self.inv_freq = xp.asarray(c.inv_freq())
+        t0 = time.monotonic()
+        weights = Weights(info)
+
+        q_rows = slice(rank * s.num_heads * s.head_dim, (rank + 1) * s.num_heads * s.head_dim)
+        kv_rows = slice(rank * s.num_kv_heads * s.head_dim, (rank + 1) * s.num_kv_heads * s.head_dim)
+        mlp_rows = slice(rank * s.mlp_dim, (rank + 1) * s.mlp_dim)
+        whole = slice(None)
+
+        def get(name: str, transpose: bool = False, rows: slice = whole, cols: slice = whole) -> Any:
+            """This rank's slice of a tensor, as xp float32 ([in, out] for a projection)."""
+            a = weights.get(name)
+            a = a[rows] if a.ndim == 1 else a[rows, cols]
+            return xp.asarray(a.T if transpose else a)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.final_norm = get("model.norm.weight")
+        self.lm_head = self.embed.T if c.tie_word_embeddings else get("lm_head.weight", transpose=True)
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            bias = c.attention_bias
+            self.layers.append(HFLayerWeights(
+                attn_norm=get(p + "input_layernorm.weight"), mlp_norm=get(p + "post_attention_layernorm.weight"),
+                wq=get(p + "self_attn.q_proj.weight", True, q_rows),
+                wk=get(p + "self_attn.k_proj.weight", True, kv_rows),
+                wv=get(p + "self_attn.v_proj.weight", True, kv_rows),
+                wo=get(p + "self_attn.o_proj.weight", True, cols=q_rows),
+                w_gate=get(p + "mlp.gate_proj.weight", True, mlp_rows),
+                w_up=get(p + "mlp.up_proj.weight", True, mlp_rows),
+                w_down=get(p + "mlp.down_proj.weight", True, cols=mlp_rows),
+                bq=get(p + "self_attn.q_proj.bias", rows=q_rows) if bias else None,
+                bk=get(p + "self_attn.k_proj.bias", rows=kv_rows) if bias else None,
+                bv=get(p + "self_attn.v_proj.bias", rows=kv_rows) if bias else None,
+                q_norm=get(p + "self_attn.q_norm.weight") if c.qk_norm else None,
+                k_norm=get(p + "self_attn.k_norm.weight") if c.qk_norm else None))
+            if time.monotonic() - t0 > PROGRESS_AFTER_S:
+                log.info("loading %s: layer %d/%d (%.1f s)", info.model_dir, i + 1, c.num_layers, time.monotonic() - t0)
+        weights.close()
+        log.info("loaded %s (%s, %d layers) in %.2f s on %s", info.model_dir, c.arch, c.num_layers,
+                 time.monotonic() - t0, xp.__name__)
+
+    @classmethod
+    def load(cls, model_dir: str, fingerprint: str, max_model_len: int, xp: Any = np, kv_dtype: str = "float32",
+             rank: int = 0, tp: int = 1, allreduce: Callable[[np.ndarray], np.ndarray] | None = None) -> "HFModel":
+        """The checkpoint the launcher checked: CheckpointError if it changed on disk since
+        (its blocks' keys are rooted in `fingerprint`)."""
+        info = inspect(model_dir)
+        if info.fingerprint != fingerprint:
+            raise CheckpointError(f"{model_dir} changed since the node was launched "
+                                  f"(fingerprint {info.fingerprint}, launched with {fingerprint})")
+        return cls(info, max_model_len, xp, kv_dtype, rank, tp, allreduce)
+
+    def _reduce(self, partial: Any) -> Any:
+        if self.allreduce is None:
+            return partial
+        total = self.allreduce(self._host(partial).astype(np.float32, copy=False))
+        return self.xp.asarray(total)
+
+    def _rms(self, x: Any, w: Any) -> Any:
+        return x / self.xp.sqrt(self.xp.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
+
+    def _rope(self, x: Any, positions: Any) -> Any:
+        xp = self.xp
+        ang = positions.astype(xp.float64)[:, None] * self.inv_freq[None, :]
+        cos = xp.cos(ang).astype(xp.float32)[:, None, :]
+        sin = xp.sin(ang).astype(xp.float32)[:, None, :]
+        half = self.shape.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return xp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+    def _qkv(self, h: Any, w: HFLayerWeights, positions: Any) -> tuple[Any, Any, Any]:
+        s, t = self.shape, h.shape[0]
+        q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
+        if w.bq is not None:
+            q, k, v = q + w.bq, k + w.bk, v + w.bv
+        q = q.reshape(t, s.num_heads, s.head_dim)
+        k = k.reshape(t, s.num_kv_heads, s.head_dim)
+        if w.q_norm is not None:
+            q, k = self._rms(q, w.q_norm), self._rms(k, w.k_norm)
+        q = self._rope(q, positions) * np.float32(float(s.head_dim) ** -0.5)
+        k = self._rope(k, positions)
+        v = v.reshape(t, s.num_kv_heads, s.head_dim)
+        return q, self._round_kv(k), self._round_kv(v)
