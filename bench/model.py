@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.backend import get_backend
+from workers.backend import BackendUnavailable, get_backend
 from workers.checkpoint import inspect
 from workers.hf_model import HFModel
 from workers.model import SeqInput
@@ -269,7 +269,10 @@ def main(argv: list[str]) -> int:
         p.error(f"--batches must be comma-separated integers, got {args.batches!r}")
     if not batches or min(batches) < 1 or args.prompt_len < 1 or args.decode_steps < 1 or args.memcpy_mib < 1:
         p.error("--batches, --prompt-len, --decode-steps and --memcpy-mib must be positive")
-    xp = get_backend(args.device).xp
+    try:
+        xp = get_backend(args.device).xp
+    except BackendUnavailable as e:
+        p.error(str(e))
     with tempfile.TemporaryDirectory(prefix="kvrt-bench-model-") as tmp:
         model_dir = args.model
         if model_dir is None:

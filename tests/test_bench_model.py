@@ -3,6 +3,7 @@ through the real CLI prints the documented JSON structure. No timing is asserted
 to the benchmark's output."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -64,3 +65,10 @@ def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         model_bench.main(["--batches", "0"])
     assert "must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
+def test_cuda_without_cupy_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        model_bench.main(["--device", "cuda", "--shape", "small"])
+    assert "CuPy" in capsys.readouterr().err
