@@ -72,3 +72,11 @@ def test_cuda_without_cupy_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         model_bench.main(["--device", "cuda", "--shape", "small"])
     assert "CuPy" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers")
+                    is not None, reason="torch and transformers are installed here")
+def test_transformers_row_without_torch_is_a_noted_skip(tmp_path):
+    row = model_bench.transformers_row(str(tmp_path), 32, 8, 2, 1.0)
+    assert row.phase == "transformers decode" and row.batch == 32
+    assert row.note.startswith("skipped:") and row.tokens_s is None
