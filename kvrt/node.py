@@ -27,12 +27,14 @@ from typing import NoReturn
 
 import psutil
 
+import launcher
 from runtime.client import Client, ClientError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_READY_TIMEOUT = 120.0  # a node with a checkpoint to map may take a while on a loaded machine
+DEFAULT_START_TIMEOUT = 120.0  # a node with a checkpoint to map may take a while on a loaded machine
 DEFAULT_STOP_TIMEOUT = 60.0
+_KILL_WAIT = 10.0  # seconds for SIGKILLed processes to be gone: the kernel's part, not the node's
 _LOG_TAIL = 4000  # characters of the node's output quoted in an error
 
 
@@ -66,8 +68,6 @@ def launch_argv(flags: Mapping[str, object]) -> list[str]:
 
 def check_launch_argv(argv: list[str]) -> argparse.Namespace:
     """Parse `argv` as `kvrt launch` would; ValueError naming the bad flag otherwise."""
-    import launcher
-
     parser = _RaisingParser(prog="kvrt")
     launcher._add_launch(parser.add_subparsers(dest="command"))  # subparsers inherit the class
     try:
@@ -88,7 +88,7 @@ class Node:
     in-flight work and removes its shared memory."""
 
     def __init__(self, argv: list[str], name: str, port: int, host: str, *,
-                 ready_timeout: float = DEFAULT_READY_TIMEOUT, stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+                 start_timeout: float = DEFAULT_START_TIMEOUT, stop_timeout: float = DEFAULT_STOP_TIMEOUT,
                  env: Mapping[str, str] | None = None):
         self.name = name
         self.port = port
@@ -98,7 +98,6 @@ class Node:
         self._clients: list[Client] = []
         self._dir = tempfile.mkdtemp(prefix="kvrt-node-")  # 0700: the node's output, until stop()
         self._out_path = os.path.join(self._dir, "launch.log")
-        import launcher
         out = open(self._out_path, "wb")
         try:
             # Run as a script, as the console script does: its own folder, not the caller's working
@@ -113,7 +112,7 @@ class Node:
         finally:
             out.close()
         try:
-            self._wait_ready(ready_timeout)
+            self._wait_ready(start_timeout)
         except BaseException:
             self._kill()
             raise
@@ -216,8 +215,8 @@ class Node:
         for p in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-        self._proc.wait(timeout=self.stop_timeout)
-        _, alive = psutil.wait_procs(tree, timeout=self.stop_timeout)
+        self._proc.wait(timeout=_KILL_WAIT)
+        _, alive = psutil.wait_procs(tree, timeout=_KILL_WAIT)
         self.returncode = self._proc.returncode
         if alive:
             log.error("node %s: processes %s survived SIGKILL", self.name, [p.pid for p in alive])
@@ -229,7 +228,7 @@ class Node:
 
 
 def launch(model: str | os.PathLike | None = None, port: int | None = None, *,
-           ready_timeout: float = DEFAULT_READY_TIMEOUT, stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+           start_timeout: float = DEFAULT_START_TIMEOUT, stop_timeout: float = DEFAULT_STOP_TIMEOUT,
            env: Mapping[str, str] | None = None, **flags: object) -> Node:
     """Start a node and return once it answers on its client API.
 
@@ -237,7 +236,7 @@ def launch(model: str | os.PathLike | None = None, port: int | None = None, *,
     `port`: the client API port (default: a free one); `flags`: any other `kvrt launch` option,
     e.g. `num_gpu_blocks=256, tp=2, log_dir="logs"`. ValueError for a flag the launcher refuses
     (nothing is started); LaunchError, with the node's output, if it does not come up within
-    `ready_timeout` s."""
+    `start_timeout` s."""
     if flags.get("demo"):
         raise ValueError("demo=True runs a workload and stops the node: use `kvrt launch --demo`")
     host = str(flags.get("host") or "127.0.0.1")
@@ -251,4 +250,4 @@ def launch(model: str | os.PathLike | None = None, port: int | None = None, *,
     argv = ["--node", name, "--port", str(port), *launch_argv(flags)]
     check_launch_argv(argv)
     connect = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # a wildcard listens on loopback too
-    return Node(argv, name, port, connect, ready_timeout=ready_timeout, stop_timeout=stop_timeout, env=env)
+    return Node(argv, name, port, connect, start_timeout=start_timeout, stop_timeout=stop_timeout, env=env)

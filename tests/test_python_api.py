@@ -47,7 +47,7 @@ def test_bad_flag_is_refused_before_anything_starts(node, tmp_path):
 def test_a_node_that_fails_to_start_raises_with_its_output(node, tmp_path):
     """The launcher's own checks (past the parser) fail: the error carries its output."""
     with pytest.raises(kvrt.LaunchError) as e:
-        kvrt.launch(node=node, model=tmp_path / "missing", ready_timeout=60)
+        kvrt.launch(node=node, model=tmp_path / "missing", start_timeout=60)
     assert node in str(e.value) and "missing" in str(e.value)
     assert not leftovers(node)
 
@@ -82,10 +82,10 @@ def test_readme_example_runs():
 
 
 def test_a_node_that_does_not_answer_in_time_is_killed_and_reclaimed(node):
-    """No answer within ready_timeout: the error names the wait, and the half-started node is
+    """No answer within start_timeout: the error names the wait, and the half-started node is
     killed with its processes and shared memory."""
     with pytest.raises(kvrt.LaunchError, match=f"node {node} did not answer an info request on tcp://"):
-        kvrt.launch(node=node, ready_timeout=0.01, **SMALL)
+        kvrt.launch(node=node, start_timeout=0.01, **SMALL)
     assert not [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
     assert not leftovers(node)
 
@@ -100,3 +100,13 @@ def test_a_node_that_does_not_stop_in_time_is_killed_with_its_processes(node):
         n.stop()
     assert not any(p.is_running() and p.status() != "zombie" for p in tree)
     assert not leftovers(node)
+
+
+def test_keywords_become_launch_flags():
+    from kvrt.node import check_launch_argv, launch_argv
+
+    argv = launch_argv({"num_gpu_blocks": 64, "ready_timeout": 5.5, "storage": None, "demo": False,
+                        "log_dir": "logs"})
+    assert argv == ["--num-gpu-blocks", "64", "--ready-timeout", "5.5", "--log-dir", "logs"]
+    args = check_launch_argv(argv)
+    assert (args.num_gpu_blocks, args.ready_timeout, args.log_dir) == (64, 5.5, "logs")
