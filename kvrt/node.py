@@ -222,7 +222,7 @@ class Node:
             log.error("node %s: processes %s survived SIGKILL", self.name, [p.pid for p in alive])
         try:
             reclaim(self.name)
-        except NodeLive as e:  # a child outside the process group still holds it: say so, keep it
+        except NodeLive as e:  # a process survived SIGKILL and still holds it: say so, keep it
             log.error("node %s: shared memory not reclaimed: %s", self.name, e)
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -249,5 +249,5 @@ def launch(model: str | os.PathLike | None = None, port: int | None = None, *,
         flags["model"] = os.path.abspath(os.fspath(model))
     argv = ["--node", name, "--port", str(port), *launch_argv(flags)]
     check_launch_argv(argv)
-    connect = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # a wildcard listens on loopback too
+    connect = "127.0.0.1" if host in ("0.0.0.0", "*") else host  # a wildcard listens on loopback too
     return Node(argv, name, port, connect, start_timeout=start_timeout, stop_timeout=stop_timeout, env=env)
