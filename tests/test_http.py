@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from runtime.api import ErrorEvent, InfoReply
 from runtime.chat_template import ChatTemplate, Message
 from runtime.http.app import Server, create_app
-from runtime.tokenizer import HFTokenizer
+from runtime.tokenizer import ByteTokenizer, HFTokenizer
 from tests.hfkit import greedy, make_checkpoint
 from tests.launched import SMALL, free_port, launched
 from tests.tokenizer_kit import make_tokenizer_dir
@@ -83,6 +83,17 @@ def test_completions_give_the_zeromq_greedy_tokens_and_exact_usage(ref_node):
     text = oa.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
     assert text.choices[0].token_ids == ln.client.generate(list(b"hello"), 4).output_token_ids.tolist()
     assert text.usage.prompt_tokens == 5
+
+    lp = oa.completions.create(model=MODEL, prompt=a, max_tokens=6, temperature=0, logprobs=0)
+    assert lp.choices[0].token_ids == want_a
+    assert len(lp.choices[0].logprobs.token_logprobs) == 6
+    assert all(x <= 0 for x in lp.choices[0].logprobs.token_logprobs)
+
+    ids = ln.client.generate(list(b"hello"), 24).output_token_ids.tolist()
+    full = ByteTokenizer().decode(ids)
+    k = next(i for i in range(1, len(full)) if full[i].isascii() and full[i].isprintable() and full.find(full[i]) == i)
+    cut = oa.completions.create(model=MODEL, prompt="hello", max_tokens=24, temperature=0, stop=[full[k], "\x00zz"])
+    assert cut.choices[0].text == full[:k] and cut.choices[0].finish_reason == "stop"
 
     models = oa.models.list()
     assert [m.id for m in models.data] == [MODEL]

@@ -62,16 +62,18 @@ class _Choice:
     detok: IncrementalDetokenizer
     stops: StopStrings
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     result: Result | None = None
 
-    def add(self, ids: list[int]) -> tuple[str, list[int]]:
+    def add(self, ids: list[int], logprobs: list[float | None]) -> tuple[str, list[int]]:
         """The text and tokens to show for new output tokens ("" once a stop string was seen)."""
         if self.stops.stopped is not None:
             return "", []
         piece = self.stops.feed(self.detok.add(ids))
         self.token_ids.extend(ids)
+        self.logprobs.extend(logprobs)
         self.text.append(piece)
         if self.stops.stopped is not None:
             self.finish_reason = "stop"
@@ -130,7 +132,8 @@ class Server:
         if not eos and info.eos_token_id >= 0:
             eos = [info.eos_token_id]
         return (eos[0] if eos else -1), Sampling(temperature=body.temperature, top_p=body.top_p,
-                                                  top_k=max(body.top_k, 0), seed=body.seed, stop_token_ids=eos[1:])
+                                                  top_k=max(body.top_k, 0), seed=body.seed, stop_token_ids=eos[1:],
+                                                  logprobs=body.wants_logprobs())
 
     # ---- running -------------------------------------------------------------------------
     async def run(self, prompts: list[list[int]], max_tokens: int, body: _Sampling) -> "_Run":
@@ -166,9 +169,11 @@ class _Run:
                 continue
             ch = self.choices[rid]
             if isinstance(ev, TokenEvent):
-                ids = [int(t) for t in ev.token_ids[max(len(ch.token_ids) - int(ev.index), 0):]]
+                skip = max(len(ch.token_ids) - int(ev.index), 0)  # a resent overlap is not repeated
+                ids = [int(t) for t in ev.token_ids[skip:]]
+                lps = [float(x) for x in ev.logprobs[skip:]] if ev.logprobs else [None] * len(ids)
                 stopped_before = ch.stops.stopped is not None
-                piece, shown = ch.add(ids)
+                piece, shown = ch.add(ids, lps)
                 if ch.stops.stopped is not None and not stopped_before:
                     self.server.bridge.cancel(rid)  # the rest of the answer is not wanted
                     self.pending.discard(rid)
@@ -183,7 +188,7 @@ class _Run:
                 res = ev  # a Result: the client converted the FinishedEvent
                 self.pending.discard(rid)
                 rest = [int(t) for t in res.output_token_ids[len(ch.token_ids):]]
-                piece, shown = ch.add(rest) if rest else ("", [])
+                piece, shown = ch.add(rest, [None] * len(rest)) if rest else ("", [])
                 yield ch, piece + ch.end(res), shown, True
 
     def cancel(self) -> None:
@@ -197,6 +202,19 @@ class _Run:
         cached = sum(c.result.cached_tokens for c in self.choices.values() if c.result is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None]) -> dict:
+    """The completions API's logprobs of some tokens (only the chosen ones: no alternatives)."""
+    return {"tokens": [tok.decode([t]) for t in ids], "token_logprobs": lps, "top_logprobs": None}
+
+
+def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None]) -> dict:
+    out = []
+    for t, lp in zip(ids, lps):
+        text = tok.decode([t])
+        out.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+    return {"content": out}
 
 
 def _engine_error(ev: ErrorEvent) -> ApiError:
@@ -281,7 +299,9 @@ def create_app(server: Server) -> FastAPI:
                 try:
                     async for ch, piece, ids, done in run:
                         if piece or ids or done:
-                            yield _sse({**base, "choices": [{"index": ch.index, "text": piece, "logprobs": None,
+                            lp = _completion_logprobs(tok, ids, ch.logprobs[len(ch.logprobs) - len(ids):]) \
+                                if body.wants_logprobs() else None
+                            yield _sse({**base, "choices": [{"index": ch.index, "text": piece, "logprobs": lp,
                                                              "finish_reason": ch.finish_reason if done else None,
                                                              "token_ids": ids}]})
                     if body.stream_options is not None and body.stream_options.include_usage:
@@ -298,7 +318,9 @@ def create_app(server: Server) -> FastAPI:
         finally:
             run.cancel()
         choices = sorted(run.choices.values(), key=lambda c: c.index)
-        return JSONResponse({**base, "choices": [{"index": c.index, "text": "".join(c.text), "logprobs": None,
+        return JSONResponse({**base, "choices": [{"index": c.index, "text": "".join(c.text),
+                                                  "logprobs": _completion_logprobs(tok, c.token_ids, c.logprobs)
+                                                  if body.wants_logprobs() else None,
                                                   "finish_reason": c.finish_reason, "token_ids": c.token_ids}
                                                  for c in choices], "usage": run.usage()})
 
@@ -329,9 +351,11 @@ def create_app(server: Server) -> FastAPI:
                     yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                       "logprobs": None, "finish_reason": None}]})
                     async for ch, piece, ids_, done in run:
-                        if piece or done:
+                        if piece or done or (ids_ and body.logprobs):
+                            lp = _chat_logprobs(tok, ids_, ch.logprobs[len(ch.logprobs) - len(ids_):]) \
+                                if body.logprobs else None
                             yield _sse({**chunk, "choices": [{"index": 0, "delta": {"content": piece} if piece else {},
-                                                              "logprobs": None,
+                                                              "logprobs": lp,
                                                               "finish_reason": ch.finish_reason if done else None}]})
                     if body.stream_options is not None and body.stream_options.include_usage:
                         yield _sse({**chunk, "choices": [], "usage": run.usage()})
@@ -348,7 +372,8 @@ def create_app(server: Server) -> FastAPI:
             run.cancel()
         c = next(iter(run.choices.values()))
         return JSONResponse({**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(c.text)},
-                                                  "logprobs": None, "finish_reason": c.finish_reason,
+                                                  "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs)
+                                                  if body.logprobs else None, "finish_reason": c.finish_reason,
                                                   "token_ids": c.token_ids}], "usage": run.usage()})
 
     return app

@@ -25,6 +25,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
 
+    def wants_logprobs(self) -> bool:
+        return False
+
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
@@ -32,8 +35,12 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = Field(default=16, ge=1)
+    # only the chosen token's log-probability is known: 0 asks for it, without alternatives
     logprobs: int | None = Field(default=None, ge=0, le=0)
     echo: Literal[False] = False
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 class ChatMessage(BaseModel):
@@ -44,4 +51,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Literal[False] = False
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=0)
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
