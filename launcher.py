@@ -191,8 +191,12 @@ def launch(args) -> int:
     if args.http_port:
         from runtime.http.server import HttpServer, served_model_name
 
-        http = HttpServer(args.host, args.http_port, args.host, port,
-                          served_model_name(args.served_model_name, args.model), args.metrics_port)
+        try:
+            http = HttpServer(args.host, args.http_port, args.host, port,
+                              served_model_name(args.served_model_name, args.model), args.metrics_port)
+        except OSError as e:
+            print(f"kvrt launch: error: {e}", file=sys.stderr)
+            return 1
         http.start()
     try:
         return Node(cfg, kv_pool.PoolMaker(), progress=lambda m: print(m, file=sys.stderr, flush=True)).run(job)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +23,7 @@ from runtime.api import ErrorEvent, InfoReply
 from runtime.chat_template import ChatTemplate, Message
 from runtime.http.app import Server, create_app
 from runtime.tokenizer import ByteTokenizer, HFTokenizer
+from tests.conftest import REPO
 from tests.hfkit import greedy, make_checkpoint
 from tests.launched import SMALL, free_port, launched
 from tests.tokenizer_kit import make_tokenizer_dir
@@ -48,13 +52,14 @@ def _wait_healthy(port: int, timeout: float = 30.0) -> None:
 @pytest.fixture
 def ref_node(node, tmp_path):
     http = free_port()
-    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "96", "--http-port", str(http)) as ln:
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "96", "--http-port", str(http), "--metrics-port",
+                  str(free_port())) as ln:
         _wait_healthy(http)
         yield ln, _client(http), http
 
 
 def test_completions_give_the_zeromq_greedy_tokens_and_exact_usage(ref_node):
-    ln, oa, _ = ref_node
+    ln, oa, http = ref_node
     rng = np.random.default_rng(3)
     a, b = (rng.integers(0, 512, n).tolist() for n in (37, 21))
     want_a = ln.client.generate(a, 6, use_cache=False).output_token_ids.tolist()
@@ -82,7 +87,8 @@ def test_completions_give_the_zeromq_greedy_tokens_and_exact_usage(ref_node):
 
     text = oa.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
     assert text.choices[0].token_ids == ln.client.generate(list(b"hello"), 4).output_token_ids.tolist()
-    assert text.usage.prompt_tokens == 5
+    assert text.usage.prompt_tokens == 5 and text.usage.completion_tokens == 4
+    assert oa.completions.create(model=MODEL, prompt="hello", max_tokens=None).usage.completion_tokens == 16
 
     lp = oa.completions.create(model=MODEL, prompt=a, max_tokens=6, temperature=0, logprobs=0)
     assert lp.choices[0].token_ids == want_a
@@ -97,6 +103,8 @@ def test_completions_give_the_zeromq_greedy_tokens_and_exact_usage(ref_node):
 
     models = oa.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=30) as r:
+        assert "kvrt_requests" in r.read().decode()
 
 
 def test_each_bad_input_is_a_400_in_the_openai_shape(ref_node):
@@ -123,6 +131,16 @@ def test_each_bad_input_is_a_400_in_the_openai_shape(ref_node):
     with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=30) as r:
         assert r.status == 200
     assert ln.client.generate([1, 2, 3], 2).finish_reason == "length", "the node still serves"
+
+
+def test_an_http_port_in_use_fails_the_launch(node, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "launcher", "launch", "--node", node, "--port", str(free_port()),
+                            "--http-port", str(port), *SMALL], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
 
 
 def test_a_client_that_leaves_mid_stream_cancels_its_request(ref_node):

@@ -36,6 +36,7 @@ from runtime.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
 MAX_BATCH = 64          # prompts in one /v1/completions request
 METRICS_TIMEOUT_S = 5.0
 
@@ -289,9 +290,10 @@ def create_app(server: Server) -> FastAPI:
             prompts = [list(p)]
         if not 0 < len(prompts) <= MAX_BATCH:
             raise ApiError(400, f"a request takes 1..{MAX_BATCH} prompts, got {len(prompts)}", param="prompt")
+        max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS  # an explicit null is the default too
         for ids in prompts:
-            server.check_prompt(ids, body.max_tokens, "prompt")
-        run = await server.run(prompts, body.max_tokens, body)
+            server.check_prompt(ids, max_tokens, "prompt")
+        run = await server.run(prompts, max_tokens, body)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
         if body.stream:

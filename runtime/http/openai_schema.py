@@ -34,7 +34,6 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(default=16, ge=1)
     # only the chosen token's log-probability is known: 0 asks for it, without alternatives
     logprobs: int | None = Field(default=None, ge=0, le=0)
     echo: Literal[False] = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 
 import uvicorn
@@ -31,7 +32,9 @@ def served_model_name(name: str, model_dir: str) -> str:
 
 
 class HttpServer:
-    """uvicorn on (host, port) in a daemon thread, over a bridge to the node's client API."""
+    """uvicorn on (host, port) in a daemon thread, over a bridge to the node's client API. The
+    socket is bound here, before the node starts, so a port in use is an error of `kvrt launch`
+    (OSError) rather than a thread that dies quietly."""
 
     def __init__(self, host: str, port: int, client_host: str, client_port: int, model_name: str,
                  metrics_port: int = 0) -> None:
@@ -40,7 +43,16 @@ class HttpServer:
         app = create_app(Server(self.bridge, model_name, metrics_port))
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                      access_log=False, lifespan="off", timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self._server.run, name="kvrt-http", daemon=True)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise OSError(f"--http-port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="kvrt-http",
+                                        daemon=True)
 
     def start(self) -> None:
         self.bridge.start()
@@ -53,3 +65,4 @@ class HttpServer:
         self._thread.join(STOP_WAIT_S)
         if self._thread.is_alive():
             log.warning("the HTTP server did not stop within %g s", STOP_WAIT_S)
+        self._sock.close()
