@@ -192,6 +192,30 @@ class _Run:
                 piece, shown = ch.add(rest, [None] * len(rest)) if rest else ("", [])
                 yield ch, piece + ch.end(res), shown, True
 
+    async def complete(self, request: Request) -> None:
+        """Run to the end, or cancel when the client goes away first (a request without a
+        stream has no write to fail, so its disconnect is awaited beside it)."""
+
+        async def drain() -> None:
+            async for _ in self:
+                pass
+
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(drain()), asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            self.cancel()
+        if work.cancelled():
+            raise ApiError(499, "the client closed the connection", code="client_closed")
+        work.result()  # an engine error is raised here
+
     def cancel(self) -> None:
         for rid in self.pending:
             self.server.bridge.cancel(rid)
@@ -276,7 +300,7 @@ def create_app(server: Server) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         server.check_model(body)
         tok = server.tokenizer()
         p = body.prompt
@@ -314,11 +338,7 @@ def create_app(server: Server) -> FastAPI:
                     run.cancel()
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        try:
-            async for _ in run:
-                pass
-        finally:
-            run.cancel()
+        await run.complete(request)
         choices = sorted(run.choices.values(), key=lambda c: c.index)
         return JSONResponse({**base, "choices": [{"index": c.index, "text": "".join(c.text),
                                                   "logprobs": _completion_logprobs(tok, c.token_ids, c.logprobs)
@@ -327,7 +347,7 @@ def create_app(server: Server) -> FastAPI:
                                                  for c in choices], "usage": run.usage()})
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         server.check_model(body)
         tok = server.tokenizer()
         if tok.chat_template is None:
@@ -367,11 +387,7 @@ def create_app(server: Server) -> FastAPI:
                     run.cancel()
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        try:
-            async for _ in run:
-                pass
-        finally:
-            run.cancel()
+        await run.complete(request)
         c = next(iter(run.choices.values()))
         return JSONResponse({**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(c.text)},
                                                   "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs)
