@@ -95,11 +95,11 @@ def test_completions_give_the_zeromq_greedy_tokens_and_exact_usage(ref_node):
     assert len(lp.choices[0].logprobs.token_logprobs) == 6
     assert all(x <= 0 for x in lp.choices[0].logprobs.token_logprobs)
 
-    ids = ln.client.generate(list(b"hello"), 24).output_token_ids.tolist()
-    full = ByteTokenizer().decode(ids)
+    full = ByteTokenizer().decode(ln.client.generate(a, 40).output_token_ids.tolist())
     k = next(i for i in range(1, len(full)) if full[i].isascii() and full[i].isprintable() and full.find(full[i]) == i)
-    cut = oa.completions.create(model=MODEL, prompt="hello", max_tokens=24, temperature=0, stop=[full[k], "\x00zz"])
+    cut = oa.completions.create(model=MODEL, prompt=a, max_tokens=40, temperature=0, stop=[full[k], "\x00zz"])
     assert cut.choices[0].text == full[:k] and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.prompt_tokens_details.cached_tokens == 32, "a request cut at a stop string reports its usage"
 
     models = oa.models.list()
     assert [m.id for m in models.data] == [MODEL]

@@ -176,11 +176,7 @@ class _Run:
                 stopped_before = ch.stops.stopped is not None
                 piece, shown = ch.add(ids, lps)
                 if ch.stops.stopped is not None and not stopped_before:
-                    self.server.bridge.cancel(rid)  # the rest of the answer is not wanted
-                    self.pending.discard(rid)
-                    ch.result = None
-                    yield ch, piece, shown, True
-                    continue
+                    self.server.bridge.cancel(rid)  # the rest is not wanted; its Result still brings the usage
                 yield ch, piece, shown, False
             elif isinstance(ev, ErrorEvent):
                 self.pending.discard(rid)

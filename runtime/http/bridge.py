@@ -104,9 +104,8 @@ class Bridge:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "cancel":
+            if kind == "cancel":  # its route stays: the engine's last answer (with its usage) still comes
                 if item in self._routes:
-                    self._routes.pop(item)
                     try:
                         client.cancel(item)
                     except ClientError as e:
