@@ -137,33 +137,40 @@ class Server:
                                                   logprobs=body.wants_logprobs())
 
     # ---- running -------------------------------------------------------------------------
-    async def run(self, prompts: list[list[int]], max_tokens: int, body: _Sampling) -> "_Run":
+    def run(self, prompts: list[list[int]], max_tokens: int, body: _Sampling) -> "_Run":
+        """The checked requests of one HTTP request, not sent yet: a stream sends them once its
+        generator runs, so that the generator's `finally` is sure to cancel them."""
         stops = body.stops()
         if problem := stop_problem(stops):
             raise ApiError(400, problem, param="stop")
         eos, sampling = self.sampling(body)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        run = _Run(self, events)
+        run = _Run(self)
         for i, ids in enumerate(prompts):
             rid = self.bridge.new_id()
             run.choices[rid] = _Choice(i, ids, IncrementalDetokenizer(self.tokenizer(), ids), StopStrings(stops))
-            self.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, events))
+            run.requests.append((rid, ids, max_tokens, eos, sampling))
         return run
 
 
 class _Run:
     """The engine requests of one HTTP request, and their events as they arrive."""
 
-    def __init__(self, server: Server, events: asyncio.Queue) -> None:
+    def __init__(self, server: Server) -> None:
         self.server = server
-        self.events = events
+        self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, _Choice] = {}
+        self.requests: list[tuple[str, list[int], int, int, Sampling]] = []
         self.pending: set[str] = set()
+
+    def start(self) -> None:
+        """Send the requests; their events come to this run's queue."""
+        loop = asyncio.get_running_loop()
+        self.pending = set(self.choices)
+        for rid, ids, max_tokens, eos, sampling in self.requests:
+            self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events))
 
     async def __aiter__(self) -> AsyncIterator[tuple[_Choice, str, list[int], bool]]:
         """(choice, new text, new tokens, finished) as the engine answers; ApiError on an engine error."""
-        self.pending = set(self.choices)
         while self.pending:
             rid, ev = await self.events.get()
             if rid not in self.pending:
@@ -313,12 +320,13 @@ def create_app(server: Server) -> FastAPI:
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS  # an explicit null is the default too
         for ids in prompts:
             server.check_prompt(ids, max_tokens, "prompt")
-        run = await server.run(prompts, max_tokens, body)
+        run = server.run(prompts, max_tokens, body)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
         if body.stream:
             async def events() -> AsyncIterator[str]:
                 try:
+                    run.start()
                     async for ch, piece, ids, done in run:
                         if piece or ids or done:
                             lp = _completion_logprobs(tok, ids, ch.logprobs[len(ch.logprobs) - len(ids):]) \
@@ -334,6 +342,7 @@ def create_app(server: Server) -> FastAPI:
                     run.cancel()
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
+        run.start()
         await run.complete(request)
         choices = sorted(run.choices.values(), key=lambda c: c.index)
         return JSONResponse({**base, "choices": [{"index": c.index, "text": "".join(c.text),
@@ -358,7 +367,7 @@ def create_app(server: Server) -> FastAPI:
         info = server.node_info()
         max_tokens = body.max_completion_tokens or body.max_tokens or max(info.max_model_len - len(ids), 1)
         server.check_prompt(ids, max_tokens, "messages")
-        run = await server.run([ids], max_tokens, body)
+        run = server.run([ids], max_tokens, body)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name}
         if body.stream:
@@ -366,6 +375,7 @@ def create_app(server: Server) -> FastAPI:
 
             async def events() -> AsyncIterator[str]:
                 try:
+                    run.start()
                     yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                       "logprobs": None, "finish_reason": None}]})
                     async for ch, piece, ids_, done in run:
@@ -383,6 +393,7 @@ def create_app(server: Server) -> FastAPI:
                     run.cancel()
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
+        run.start()
         await run.complete(request)
         c = next(iter(run.choices.values()))
         return JSONResponse({**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(c.text)},
