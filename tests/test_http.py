@@ -128,6 +128,12 @@ def test_each_bad_input_is_a_400_in_the_openai_shape(ref_node):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and "error" in json.loads(e.value.read())
+    with pytest.raises(openai.BadRequestError):
+        oa.completions.create(model=MODEL, prompt=[1, 2], seed=1 << 70)
+    with socket.create_connection(("127.0.0.1", http), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n{" % (1 << 40))
+        assert s.recv(4096).startswith(b"HTTP/1.1 413 "), "a body too large is refused before it is read"
     with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=30) as r:
         assert r.status == 200
     assert ln.client.generate([1, 2, 3], 2).finish_reason == "length", "the node still serves"

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
 MAX_BATCH = 64          # prompts in one /v1/completions request
 METRICS_TIMEOUT_S = 5.0
+MAX_BODY_BYTES = 16 << 20  # far above any prompt the model takes, as JSON
 
 
 class ApiError(Exception):
@@ -256,9 +257,38 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is refused (413) before it is read whole, so
+    an untrusted client cannot make the server hold an arbitrary amount of memory."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:
+            return await _error(413, f"a request body takes at most {self.limit} bytes", "invalid_request_error",
+                                code="body_too_large")(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:  # a chunked body declares no length
+                raise ApiError(413, f"a request body takes at most {self.limit} bytes", code="body_too_large")
+            return msg
+
+        await self.app(scope, counted, send)
+
+
 def create_app(server: Server) -> FastAPI:
     """The ASGI app: /health, /v1/models, /v1/completions, /v1/chat/completions, /metrics."""
     app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:

@@ -116,8 +116,10 @@ class Bridge:
             try:
                 client.submit(np.asarray(sub.prompt, dtype=np.int64), sub.max_tokens, eos_token_id=sub.eos_token_id,
                               request_id=sub.request_id, sampling=sub.sampling)
-            except (ValueError, ClientError) as e:
-                code = "bad_request" if isinstance(e, ValueError) else "stopping"
+            except Exception as e:  # noqa: BLE001 - one request's failure must not end the thread
+                if not isinstance(e, (ValueError, ClientError)):
+                    log.exception("request %s could not be sent", sub.request_id)
+                code = "stopping" if isinstance(e, ClientError) else "bad_request"
                 self._deliver(sub.request_id, ErrorEvent(request_id=sub.request_id, code=code, message=str(e)),
                               last=True)
 
