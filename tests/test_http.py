@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from runtime.api import ErrorEvent, InfoReply
 from runtime.chat_template import ChatTemplate, Message
 from runtime.http.app import Server, create_app
+from runtime.http.server import served_model_name
 from runtime.tokenizer import ByteTokenizer, HFTokenizer
 from tests.conftest import REPO
 from tests.hfkit import greedy, make_checkpoint
@@ -221,12 +222,20 @@ def test_chat_against_a_checkpoint_gives_the_reference_answer(node, tmp_path):
         shown = [t for t in want if t not in tok.eos_token_ids]
         assert r.choices[0].message.content == tok.decode(shown)
         assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(want)
+        lp = oa.chat.completions.create(model="qwen2", messages=msgs, max_tokens=8, temperature=0, logprobs=True)
+        assert len(lp.choices[0].logprobs.content) == len(want)
         s = oa.chat.completions.create(model="qwen2", messages=msgs, max_tokens=8, temperature=0, stream=True,
                                        stream_options={"include_usage": True})
         chunks = list(s)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tok.decode(shown)
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, "the second ask hits the prefix cache"
         assert ln.client.generate(prompt, 1).output_token_ids.tolist() == want[:1]
+
+
+def test_the_served_model_name():
+    assert served_model_name("", "") == "kvrt-reference"
+    assert served_model_name("", "/models/Qwen2.5-0.5B-Instruct/") == "Qwen2.5-0.5B-Instruct"
+    assert served_model_name("mine", "/models/x") == "mine"
 
 
 # ---- 503: unit tests over a fake bridge ------------------------------------------------------------
