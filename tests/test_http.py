@@ -222,7 +222,10 @@ def test_chat_against_a_checkpoint_gives_the_reference_answer(node, tmp_path):
         shown = [t for t in want if t not in tok.eos_token_ids]
         assert r.choices[0].message.content == tok.decode(shown)
         assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(want)
-        lp = oa.chat.completions.create(model="qwen2", messages=msgs, max_tokens=8, temperature=0, logprobs=True)
+        parts = [{"role": "user", "content": [{"type": "text", "text": question[:5]},
+                                              {"type": "text", "text": question[5:]}]}]
+        lp = oa.chat.completions.create(model="qwen2", messages=parts, max_tokens=8, temperature=0, logprobs=True)
+        assert lp.choices[0].model_extra["token_ids"] == want, "text parts are the same message"
         assert len(lp.choices[0].logprobs.content) == len(want)
         s = oa.chat.completions.create(model="qwen2", messages=msgs, max_tokens=8, temperature=0, stream=True,
                                        stream_options={"include_usage": True})

@@ -390,7 +390,7 @@ def create_app(server: Server) -> FastAPI:
                                 f"/v1/completions", param="messages", code="no_chat_template")
         try:
             text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
-                [Message(m.role, m.content) for m in body.messages], add_generation_prompt=True)
+                [Message(m.role, m.text()) for m in body.messages], add_generation_prompt=True)
             ids = tok.encode(text, add_special_tokens=False)
         except (ChatTemplateError, TokenizerError) as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None

@@ -42,9 +42,18 @@ class CompletionRequest(_Sampling):
         return self.logprobs is not None
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        """The content as one string (a list of text parts joined, as OpenAI reads it)."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatRequest(_Sampling):
