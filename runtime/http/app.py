@@ -52,7 +52,8 @@ class ApiError(Exception):
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
 
 
 @dataclass
@@ -426,7 +427,8 @@ def create_app(server: Server) -> FastAPI:
         run.start()
         await run.complete(request)
         c = next(iter(run.choices.values()))
-        return JSONResponse({**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(c.text)},
+        message = {"role": "assistant", "content": "".join(c.text)}
+        return JSONResponse({**base, "choices": [{"index": 0, "message": message,
                                                   "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs)
                                                   if body.logprobs else None, "finish_reason": c.finish_reason,
                                                   "token_ids": c.token_ids}], "usage": run.usage()})
