@@ -268,7 +268,8 @@ class _FakeBridge:
 @pytest.mark.parametrize("ready,code", [(False, "stopping"), (True, "stopping"), (True, "too_many_requests")])
 def test_a_node_that_cannot_serve_now_answers_503(ready, code):
     with TestClient(create_app(Server(_FakeBridge(ready, code), MODEL)), raise_server_exceptions=False) as c:
-        r = c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
-        assert r.status_code == 503, r.text
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        for stream in (False, True):
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2, "stream": stream})
+            assert r.status_code == 503, r.text
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert c.get("/health").status_code == (200 if ready else 503)

@@ -205,21 +205,31 @@ class _Run:
             async for _ in self:
                 pass
 
+        await self._unless_gone(drain(), request)
+
+    async def first(self, request: Request) -> tuple[AsyncIterator, tuple]:
+        """Start the stream: its first item, so that an engine error (bad request, node stopping
+        or full) is answered with its status before a 200 goes out; the iterator goes on."""
+        it = self.__aiter__()
+        return it, await self._unless_gone(it.__anext__(), request)
+
+    async def _unless_gone(self, awaitable, request: Request):
         async def gone() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        work, watch = asyncio.ensure_future(drain()), asyncio.ensure_future(gone())
+        work, watch = asyncio.ensure_future(awaitable), asyncio.ensure_future(gone())
         try:
             await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
             if not work.done():
                 work.cancel()
-            self.cancel()
+            if not work.done() or work.cancelled() or work.exception() is not None:
+                self.cancel()
         if work.cancelled():
             raise ApiError(499, "the client closed the connection", code="client_closed")
-        work.result()  # an engine error is raised here
+        return work.result()  # an engine error is raised here
 
     def cancel(self) -> None:
         for rid in self.pending:
@@ -252,6 +262,12 @@ def _engine_error(ev: ErrorEvent) -> ApiError:
         return ApiError(400, f"the engine refused the request: {ev.message}", code=ev.code)
     return ApiError(503, f"the node cannot serve the request now ({ev.code}): {ev.message}", "service_unavailable",
                     code=ev.code)
+
+
+async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def _sse(obj) -> str:
@@ -355,10 +371,12 @@ def create_app(server: Server) -> FastAPI:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
         if body.stream:
+            run.start()
+            it, first = await run.first(request)
+
             async def events() -> AsyncIterator[str]:
                 try:
-                    run.start()
-                    async for ch, piece, ids, done in run:
+                    async for ch, piece, ids, done in _chain(first, it):
                         if piece or ids or done:
                             lp = _completion_logprobs(tok, ids, ch.logprobs[len(ch.logprobs) - len(ids):]) \
                                 if body.wants_logprobs() else None
@@ -404,12 +422,14 @@ def create_app(server: Server) -> FastAPI:
         if body.stream:
             chunk = {**base, "object": "chat.completion.chunk"}
 
+            run.start()
+            it, first = await run.first(request)
+
             async def events() -> AsyncIterator[str]:
                 try:
-                    run.start()
                     yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                       "logprobs": None, "finish_reason": None}]})
-                    async for ch, piece, ids_, done in run:
+                    async for ch, piece, ids_, done in _chain(first, it):
                         if piece or done or (ids_ and body.logprobs):
                             lp = _chat_logprobs(tok, ids_, ch.logprobs[len(ch.logprobs) - len(ids_):]) \
                                 if body.logprobs else None
