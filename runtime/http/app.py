@@ -223,11 +223,12 @@ class _Run:
             await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
-            if not work.done():
+            left = not work.done()
+            if left:
                 work.cancel()
-            if not work.done() or work.cancelled() or work.exception() is not None:
+            if left or work.cancelled() or work.exception() is not None:
                 self.cancel()
-        if work.cancelled():
+        if left:
             raise ApiError(499, "the client closed the connection", code="client_closed")
         return work.result()  # an engine error is raised here
 
