@@ -25,12 +25,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.api import BAD_REQUEST, DUPLICATE, ErrorEvent, TokenEvent
+from runtime.api import BAD_REQUEST, DUPLICATE, ErrorEvent, InfoReply, TokenEvent
 from runtime.chat_template import ChatTemplate, ChatTemplateError, Message
 from runtime.client import Result, Sampling, node_tokenizer
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.http.bridge import Bridge, Submission
-from runtime.http.openai_schema import ChatRequest, CompletionRequest, _Sampling
+from runtime.http.openai_schema import ChatRequest, CompletionRequest, SamplingBody
 from runtime.stop import StopStrings, stop_problem
 from runtime.tokenizer import Tokenizer, TokenizerError
 
@@ -102,17 +102,19 @@ class Server:
         self._tokenizer: Tokenizer | None = None
 
     def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer, loaded once the node said which model it serves."""
         if self._tokenizer is None:
             self._tokenizer = node_tokenizer(self.node_info())
         return self._tokenizer
 
-    def node_info(self):
+    def node_info(self) -> InfoReply:
+        """The node's limits; 503 until the bridge has them, and once it stops."""
         if not self.bridge.ready or self.bridge.info is None:
             raise ApiError(503, "the node is not ready (starting or stopping)", "service_unavailable", code="not_ready")
         return self.bridge.info
 
     # ---- checks --------------------------------------------------------------------------
-    def check_model(self, body: _Sampling) -> None:
+    def check_model(self, body: SamplingBody) -> None:
         if body.model != self.model_name:
             raise ApiError(400, f"model {body.model!r:.100} is not served here; this node serves {self.model_name!r}",
                            param="model", code="model_not_found")
@@ -129,7 +131,7 @@ class Server:
             raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more than "
                                 f"the model's {info.max_model_len}", param=param, code="context_length_exceeded")
 
-    def sampling(self, body: _Sampling) -> tuple[int, Sampling]:
+    def sampling(self, body: SamplingBody) -> tuple[int, Sampling]:
         eos = list(self.tokenizer().eos_token_ids)
         info = self.node_info()
         if not eos and info.eos_token_id >= 0:
@@ -139,7 +141,7 @@ class Server:
                                                   logprobs=body.wants_logprobs())
 
     # ---- running -------------------------------------------------------------------------
-    def run(self, prompts: list[list[int]], max_tokens: int, body: _Sampling) -> "_Run":
+    def run(self, prompts: list[list[int]], max_tokens: int, body: SamplingBody) -> "_Run":
         """The checked requests of one HTTP request, not sent yet: a stream sends them once its
         generator runs, so that the generator's `finally` is sure to cancel them."""
         stops = body.stops()

@@ -11,7 +11,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingBody(BaseModel):
+    """What completions and chat requests share. Unknown fields are ignored, as OpenAI-compatible
+    servers do, so that clients sending newer options still work."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -32,7 +35,7 @@ class _Sampling(BaseModel):
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingBody):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     # only the chosen token's log-probability is known: 0 asks for it, without alternatives
     logprobs: int | None = Field(default=None, ge=0, le=0)
@@ -56,7 +59,7 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
