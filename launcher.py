@@ -96,6 +96,11 @@ def _add_launch(sub) -> None:
     p.add_argument("--host", default=d.host, help=f"interface the client API listens on (default {d.host})")
     p.add_argument("--port", type=int, default=d.port,
                    help="client API port (ZeroMQ; used by kvrt generate/replay and runtime.client; 0 = none)")
+    p.add_argument("--http-port", type=int, default=0, metavar="H",
+                   help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                        "/health, /metrics) on --host:H; needs --port (0 = off)")
+    p.add_argument("--served-model-name", default="", metavar="NAME",
+                   help="the model id of the HTTP API (default: the --model directory's name, or kvrt-reference)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus metrics port on 127.0.0.1 (0 = off)")
     p.add_argument("--log-dir", default="", help="write each process's log to DIR/<role>-<rank>.log (default: stderr)")
     p.add_argument("--model", default="", metavar="DIR",
@@ -171,11 +176,28 @@ def launch(args) -> int:
         except RuntimeError as e:  # not enough free device memory, or no usable CUDA
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 1
+    if args.http_port and not 0 < args.http_port <= 65535:
+        print(f"kvrt launch: error: --http-port must be 1..65535, got {args.http_port}", file=sys.stderr)
+        return 2
+    if args.http_port and not port:
+        print("kvrt launch: error: --http-port serves through the client API: give --port too", file=sys.stderr)
+        return 2
     job = None
     if args.demo:
         from runtime.demo import demo_job
 
         job = demo_job(cfg)
+    http = None
+    if args.http_port:
+        from runtime.http.server import HttpServer, served_model_name
+
+        try:
+            http = HttpServer(args.host, args.http_port, args.host, port,
+                              served_model_name(args.served_model_name, args.model), args.metrics_port)
+        except OSError as e:
+            print(f"kvrt launch: error: {e}", file=sys.stderr)
+            return 1
+        http.start()
     try:
         return Node(cfg, kv_pool.PoolMaker(), progress=lambda m: print(m, file=sys.stderr, flush=True)).run(job)
     except NodeLive as e:
@@ -184,6 +206,9 @@ def launch(args) -> int:
     except (RuntimeError, TimeoutError, OSError, IpcError) as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if http is not None:
+            http.stop()
 
 
 def _model_settings(args: argparse.Namespace, d) -> tuple[dict, dict]:

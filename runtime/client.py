@@ -122,13 +122,14 @@ class Result:
 class Sampling:
     """How a request picks its tokens (the rules are GenerateRequest's in runtime/api.py; the
     engine checks the values). The default is greedy. Any of `stop_token_ids` ends the request
-    with finish reason "stop"."""
+    with finish reason "stop". `logprobs` makes each TokenEvent carry its tokens' log-probabilities."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: bool = False
 
 
 @dataclass

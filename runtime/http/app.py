@@ -1,0 +1,464 @@
+"""The OpenAI-compatible HTTP API of a node, as an ASGI app (FastAPI) over a `Bridge`.
+
+Why FastAPI: pydantic checks every body before a handler runs (a bad type is a 400 here, never
+a 500), and Starlette's streaming response cancels the handler's generator when the client goes
+away, which is where a request is cancelled and its blocks freed.
+
+Text: prompts are encoded and answers decoded with the node's tokenizer (runtime/tokenizer.py);
+stop strings are cut as `kvrt generate` cuts them (runtime/stop.py). Each choice also carries its
+`token_ids` (a vLLM-style extension) so that a client can compare exact tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.api import BAD_REQUEST, DUPLICATE, ErrorEvent, InfoReply, TokenEvent
+from runtime.chat_template import ChatTemplate, ChatTemplateError, Message
+from runtime.client import Result, Sampling, node_tokenizer
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.http.bridge import Bridge, Submission
+from runtime.http.openai_schema import ChatRequest, CompletionRequest, SamplingBody
+from runtime.stop import StopStrings, stop_problem
+from runtime.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
+MAX_BATCH = 64          # prompts in one /v1/completions request
+METRICS_TIMEOUT_S = 5.0
+MAX_BODY_BYTES = 16 << 20  # far above any prompt the model takes, as JSON
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI shape with its HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+@dataclass
+class _Choice:
+    """One prompt's request: its answer's text and tokens so far, cut at a stop string."""
+
+    index: int
+    prompt: list[int]
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    result: Result | None = None
+
+    def add(self, ids: list[int], logprobs: list[float | None]) -> tuple[str, list[int]]:
+        """The text and tokens to show for new output tokens ("" once a stop string was seen)."""
+        if self.stops.stopped is not None:
+            return "", []
+        piece = self.stops.feed(self.detok.add(ids))
+        self.token_ids.extend(ids)
+        self.logprobs.extend(logprobs)
+        self.text.append(piece)
+        if self.stops.stopped is not None:
+            self.finish_reason = "stop"
+        return piece, ids
+
+    def end(self, result: Result) -> str:
+        self.result = result
+        piece = self.stops.feed(self.detok.flush()) + self.stops.flush()
+        self.text.append(piece)
+        if self.finish_reason is None:
+            self.finish_reason = "stop" if self.stops.stopped is not None or result.finish_reason in ("eos", "stop") \
+                else "length"
+        return piece
+
+
+class Server:
+    """What the handlers share: the bridge to the engine, the model's name and tokenizer."""
+
+    def __init__(self, bridge: Bridge, model_name: str, metrics_port: int = 0) -> None:
+        self.bridge = bridge
+        self.model_name = model_name
+        self.metrics_port = metrics_port
+        self._tokenizer: Tokenizer | None = None
+
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer, loaded once the node said which model it serves."""
+        if self._tokenizer is None:
+            self._tokenizer = node_tokenizer(self.node_info())
+        return self._tokenizer
+
+    def node_info(self) -> InfoReply:
+        """The node's limits; 503 until the bridge has them, and once it stops."""
+        if not self.bridge.ready or self.bridge.info is None:
+            raise ApiError(503, "the node is not ready (starting or stopping)", "service_unavailable", code="not_ready")
+        return self.bridge.info
+
+    # ---- checks --------------------------------------------------------------------------
+    def check_model(self, body: SamplingBody) -> None:
+        if body.model != self.model_name:
+            raise ApiError(400, f"model {body.model!r:.100} is not served here; this node serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_prompt(self, ids: list[int], max_tokens: int, param: str) -> None:
+        info = self.node_info()
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param=param)
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary 0..{info.vocab_size - 1}", param=param,
+                           code="invalid_token_id")
+        if len(ids) + max_tokens > info.max_model_len:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more than "
+                                f"the model's {info.max_model_len}", param=param, code="context_length_exceeded")
+
+    def sampling(self, body: SamplingBody) -> tuple[int, Sampling]:
+        eos = list(self.tokenizer().eos_token_ids)
+        info = self.node_info()
+        if not eos and info.eos_token_id >= 0:
+            eos = [info.eos_token_id]
+        return (eos[0] if eos else -1), Sampling(temperature=body.temperature, top_p=body.top_p,
+                                                  top_k=max(body.top_k, 0), seed=body.seed, stop_token_ids=eos[1:],
+                                                  logprobs=body.wants_logprobs())
+
+    # ---- running -------------------------------------------------------------------------
+    def run(self, prompts: list[list[int]], max_tokens: int, body: SamplingBody) -> "_Run":
+        """The checked requests of one HTTP request, not sent yet: a stream sends them once its
+        generator runs, so that the generator's `finally` is sure to cancel them."""
+        stops = body.stops()
+        if problem := stop_problem(stops):
+            raise ApiError(400, problem, param="stop")
+        eos, sampling = self.sampling(body)
+        run = _Run(self)
+        for i, ids in enumerate(prompts):
+            rid = self.bridge.new_id()
+            run.choices[rid] = _Choice(i, ids, IncrementalDetokenizer(self.tokenizer(), ids), StopStrings(stops))
+            run.requests.append((rid, ids, max_tokens, eos, sampling))
+        return run
+
+
+class _Run:
+    """The engine requests of one HTTP request, and their events as they arrive."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.choices: dict[str, _Choice] = {}
+        self.requests: list[tuple[str, list[int], int, int, Sampling]] = []
+        self.pending: set[str] = set()
+
+    def start(self) -> None:
+        """Send the requests; their events come to this run's queue."""
+        loop = asyncio.get_running_loop()
+        self.pending = set(self.choices)
+        for rid, ids, max_tokens, eos, sampling in self.requests:
+            self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[_Choice, str, list[int], bool]]:
+        """(choice, new text, new tokens, finished) as the engine answers; ApiError on an engine error."""
+        while self.pending:
+            rid, ev = await self.events.get()
+            if rid not in self.pending:
+                continue
+            ch = self.choices[rid]
+            if isinstance(ev, TokenEvent):
+                skip = max(len(ch.token_ids) - int(ev.index), 0)  # a resent overlap is not repeated
+                ids = [int(t) for t in ev.token_ids[skip:]]
+                lps = [float(x) for x in ev.logprobs[skip:]] if ev.logprobs else [None] * len(ids)
+                stopped_before = ch.stops.stopped is not None
+                piece, shown = ch.add(ids, lps)
+                if ch.stops.stopped is not None and not stopped_before:
+                    self.server.bridge.cancel(rid)  # the rest is not wanted; its Result still brings the usage
+                yield ch, piece, shown, False
+            elif isinstance(ev, ErrorEvent):
+                self.pending.discard(rid)
+                raise _engine_error(ev)
+            else:
+                res = ev  # a Result: the client converted the FinishedEvent
+                self.pending.discard(rid)
+                rest = [int(t) for t in res.output_token_ids[len(ch.token_ids):]]
+                piece, shown = ch.add(rest, [None] * len(rest)) if rest else ("", [])
+                yield ch, piece + ch.end(res), shown, True
+
+    async def complete(self, request: Request) -> None:
+        """Run to the end, or cancel when the client goes away first (a request without a
+        stream has no write to fail, so its disconnect is awaited beside it)."""
+
+        async def drain() -> None:
+            async for _ in self:
+                pass
+
+        await self._unless_gone(drain(), request)
+
+    async def first(self, request: Request) -> tuple[AsyncIterator, tuple]:
+        """Start the stream: its first item, so that an engine error (bad request, node stopping
+        or full) is answered with its status before a 200 goes out; the iterator goes on."""
+        it = self.__aiter__()
+        return it, await self._unless_gone(it.__anext__(), request)
+
+    async def _unless_gone(self, awaitable, request: Request):
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(awaitable), asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            left = not work.done()
+            if left:
+                work.cancel()
+            if left or work.cancelled() or work.exception() is not None:
+                self.cancel()
+        if left:
+            raise ApiError(499, "the client closed the connection", code="client_closed")
+        return work.result()  # an engine error is raised here
+
+    def cancel(self) -> None:
+        for rid in self.pending:
+            self.server.bridge.cancel(rid)
+        self.pending.clear()
+
+    def usage(self) -> dict:
+        prompt = sum(len(c.prompt) for c in self.choices.values())
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        cached = sum(c.result.cached_tokens for c in self.choices.values() if c.result is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None]) -> dict:
+    """The completions API's logprobs of some tokens (only the chosen ones: no alternatives)."""
+    return {"tokens": [tok.decode([t]) for t in ids], "token_logprobs": lps, "top_logprobs": None}
+
+
+def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None]) -> dict:
+    out = []
+    for t, lp in zip(ids, lps):
+        text = tok.decode([t])
+        out.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+    return {"content": out}
+
+
+def _engine_error(ev: ErrorEvent) -> ApiError:
+    if ev.code in (BAD_REQUEST, DUPLICATE):
+        return ApiError(400, f"the engine refused the request: {ev.message}", code=ev.code)
+    return ApiError(503, f"the node cannot serve the request now ({ev.code}): {ev.message}", "service_unavailable",
+                    code=ev.code)
+
+
+async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is refused (413) before it is read whole, so
+    an untrusted client cannot make the server hold an arbitrary amount of memory."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:
+            return await _error(413, f"a request body takes at most {self.limit} bytes", "invalid_request_error",
+                                code="body_too_large")(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:  # a chunked body declares no length
+                raise ApiError(413, f"a request body takes at most {self.limit} bytes", code="body_too_large")
+            return msg
+
+        await self.app(scope, counted, send)
+
+
+def create_app(server: Server) -> FastAPI:
+    """The ASGI app: /health, /v1/models, /v1/completions, /v1/chat/completions, /metrics."""
+    app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
+        return _error(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        return _error(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
+                      "invalid_request_error", ".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, str(e.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error in an HTTP handler")
+        return _error(500, "internal error (see the node's log)", "internal_error")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        server.node_info()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        info = server.node_info()
+        return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                                         "owned_by": "kvrt", "max_model_len": info.max_model_len}]})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        if not server.metrics_port:
+            raise ApiError(404, "this node serves no metrics: launch it with --metrics-port P", code="no_metrics")
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        try:
+            text = await asyncio.to_thread(_fetch, url)
+        except (OSError, urllib.error.URLError) as e:
+            raise ApiError(503, f"the node's metrics at {url} did not answer: {e}", "service_unavailable") from None
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body)
+        tok = server.tokenizer()
+        p = body.prompt
+        if isinstance(p, str):
+            prompts = [tok.encode(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [tok.encode(x) for x in p]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]
+        else:
+            prompts = [list(p)]
+        if not 0 < len(prompts) <= MAX_BATCH:
+            raise ApiError(400, f"a request takes 1..{MAX_BATCH} prompts, got {len(prompts)}", param="prompt")
+        max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS  # an explicit null is the default too
+        for ids in prompts:
+            server.check_prompt(ids, max_tokens, "prompt")
+        run = server.run(prompts, max_tokens, body)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
+        if body.stream:
+            run.start()
+            it, first = await run.first(request)
+
+            async def events() -> AsyncIterator[str]:
+                try:
+                    async for ch, piece, ids, done in _chain(first, it):
+                        if piece or ids or done:
+                            lp = _completion_logprobs(tok, ids, ch.logprobs[len(ch.logprobs) - len(ids):]) \
+                                if body.wants_logprobs() else None
+                            yield _sse({**base, "choices": [{"index": ch.index, "text": piece, "logprobs": lp,
+                                                             "finish_reason": ch.finish_reason if done else None,
+                                                             "token_ids": ids}]})
+                    if body.stream_options is not None and body.stream_options.include_usage:
+                        yield _sse({**base, "choices": [], "usage": run.usage()})
+                except ApiError as e:
+                    yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+                finally:
+                    run.cancel()
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        run.start()
+        await run.complete(request)
+        choices = sorted(run.choices.values(), key=lambda c: c.index)
+        return JSONResponse({**base, "choices": [{"index": c.index, "text": "".join(c.text),
+                                                  "logprobs": _completion_logprobs(tok, c.token_ids, c.logprobs)
+                                                  if body.wants_logprobs() else None,
+                                                  "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+                                                 for c in choices], "usage": run.usage()})
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        server.check_model(body)
+        tok = server.tokenizer()
+        if tok.chat_template is None:
+            raise ApiError(400, f"the model {server.model_name!r} has no chat template ({tok.name}): use "
+                                f"/v1/completions", param="messages", code="no_chat_template")
+        try:
+            text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
+                [Message(m.role, m.text()) for m in body.messages], add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
+        except (ChatTemplateError, TokenizerError) as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        info = server.node_info()
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(info.max_model_len - len(ids), 1)
+        server.check_prompt(ids, max_tokens, "messages")
+        run = server.run([ids], max_tokens, body)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name}
+        if body.stream:
+            chunk = {**base, "object": "chat.completion.chunk"}
+
+            run.start()
+            it, first = await run.first(request)
+
+            async def events() -> AsyncIterator[str]:
+                try:
+                    yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}]})
+                    async for ch, piece, ids_, done in _chain(first, it):
+                        if piece or done or (ids_ and body.logprobs):
+                            lp = _chat_logprobs(tok, ids_, ch.logprobs[len(ch.logprobs) - len(ids_):]) \
+                                if body.logprobs else None
+                            yield _sse({**chunk, "choices": [{"index": 0, "delta": {"content": piece} if piece else {},
+                                                              "logprobs": lp,
+                                                              "finish_reason": ch.finish_reason if done else None}]})
+                    if body.stream_options is not None and body.stream_options.include_usage:
+                        yield _sse({**chunk, "choices": [], "usage": run.usage()})
+                except ApiError as e:
+                    yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+                finally:
+                    run.cancel()
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        run.start()
+        await run.complete(request)
+        c = next(iter(run.choices.values()))
+        message = {"role": "assistant", "content": "".join(c.text)}
+        return JSONResponse({**base, "choices": [{"index": 0, "message": message,
+                                                  "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs)
+                                                  if body.logprobs else None, "finish_reason": c.finish_reason,
+                                                  "token_ids": c.token_ids}], "usage": run.usage()})
+
+    return app
+
+
+def _fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=METRICS_TIMEOUT_S) as r:
+        return r.read().decode("utf-8", "replace")

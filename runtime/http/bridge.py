@@ -1,0 +1,139 @@
+"""The one thread that owns the HTTP server's ZeroMQ client.
+
+Why a thread and a queue: a `Client` (and its ZeroMQ socket) is not thread-safe, and its waits
+block, so it cannot live on the asyncio loop that serves HTTP. This thread alone touches it:
+the loop hands it submissions and cancels through a queue, and it hands each request's events
+back to that request's asyncio queue with `call_soon_threadsafe`. The engine runs in its own
+process, so nothing here can block the engine loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.api import ErrorEvent, InfoReply
+from runtime.client import Client, ClientError, Result, Sampling
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.005     # how long the thread waits for the engine before it looks at its inbox again
+INFO_WAIT_S = 1.0  # one try at the node's info while it starts
+
+
+@dataclass
+class Submission:
+    """A request for the engine, and where its events go."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    eos_token_id: int
+    sampling: Sampling
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+
+
+class Bridge:
+    """Submits requests for the HTTP handlers and routes the engine's answers back to them."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.info: InfoReply | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, Submission] = {}
+        self._ids = itertools.count(1)
+        self._prefix = f"http-{uuid.uuid4().hex[:8]}"
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvrt-http-bridge", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the HTTP bridge thread did not stop within %g s", timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self._stop.is_set()
+
+    def new_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def submit(self, sub: Submission) -> None:
+        self._inbox.put(("submit", sub))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    # ---- the thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with Client(self.address, timeout=30.0) as client:
+                while not self._stop.is_set() and self.info is None:
+                    try:
+                        self.info = client.info(timeout=INFO_WAIT_S)
+                    except ClientError:
+                        continue  # the node is still starting
+                self._ready.set()
+                while not self._stop.is_set():
+                    self._drain(client)
+                    for ev in client.poll(POLL_S):
+                        self._route(ev)
+        except Exception:  # the thread must not die silently: every waiter gets an answer
+            log.exception("the HTTP bridge to %s failed", self.address)
+        finally:
+            self._stop.set()
+            for rid in list(self._routes):
+                self._deliver(rid, ErrorEvent(request_id=rid, code="stopping", message="the HTTP server is stopping"),
+                              last=True)
+
+    def _drain(self, client: Client) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "cancel":  # its route stays: the engine's last answer (with its usage) still comes
+                if item in self._routes:
+                    try:
+                        client.cancel(item)
+                    except ClientError as e:
+                        log.warning("cancel of %s not sent: %s", item, e)
+                continue
+            sub: Submission = item
+            self._routes[sub.request_id] = sub
+            try:
+                client.submit(np.asarray(sub.prompt, dtype=np.int64), sub.max_tokens, eos_token_id=sub.eos_token_id,
+                              request_id=sub.request_id, sampling=sub.sampling)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not end the thread
+                if not isinstance(e, (ValueError, ClientError)):
+                    log.exception("request %s could not be sent", sub.request_id)
+                code = "stopping" if isinstance(e, ClientError) else "bad_request"
+                self._deliver(sub.request_id, ErrorEvent(request_id=sub.request_id, code=code, message=str(e)),
+                              last=True)
+
+    def _route(self, ev) -> None:
+        rid = ev.request_id
+        self._deliver(rid, ev, last=isinstance(ev, (Result, ErrorEvent)))
+
+    def _deliver(self, rid: str, ev, last: bool) -> None:
+        sub = self._routes.pop(rid, None) if last else self._routes.get(rid)
+        if sub is None:
+            return  # cancelled by its HTTP handler: nobody waits for it
+        try:
+            sub.loop.call_soon_threadsafe(sub.events.put_nowait, (rid, ev))
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+

@@ -1,0 +1,68 @@
+"""`kvrt launch --http-port H`: the OpenAI-compatible API served by uvicorn in a thread of the
+launcher process.
+
+Why a thread in the launcher: the launcher only supervises its children (the engine loop runs
+in the engine process), so an HTTP server beside it delays no engine step, and it lives and
+dies with the node without a process of its own to supervise. It talks to the engine through
+the node's ordinary client API (runtime/client.py over ZeroMQ), exactly as any other client.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+import uvicorn
+
+from runtime.client import address_of
+from runtime.http.app import Server, create_app
+from runtime.http.bridge import Bridge
+
+log = logging.getLogger(__name__)
+
+REFERENCE_MODEL_NAME = "kvrt-reference"
+STOP_WAIT_S = 10.0
+
+
+def served_model_name(name: str, model_dir: str) -> str:
+    """The model id of /v1/models: the name given, else the model directory's name, else the
+    built-in reference model's."""
+    return name or (os.path.basename(os.path.normpath(model_dir)) if model_dir else REFERENCE_MODEL_NAME)
+
+
+class HttpServer:
+    """uvicorn on (host, port) in a daemon thread, over a bridge to the node's client API. The
+    socket is bound here, before the node starts, so a port in use is an error of `kvrt launch`
+    (OSError) rather than a thread that dies quietly."""
+
+    def __init__(self, host: str, port: int, client_host: str, client_port: int, model_name: str,
+                 metrics_port: int = 0) -> None:
+        connect = "127.0.0.1" if client_host in ("", "0.0.0.0", "::") else client_host
+        self.bridge = Bridge(address_of(client_port, connect))
+        app = create_app(Server(self.bridge, model_name, metrics_port))
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                     access_log=False, lifespan="off", timeout_graceful_shutdown=2))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise OSError(f"--http-port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="kvrt-http",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self.bridge.start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop taking connections and end open streams."""
+        self._server.should_exit = True
+        self.bridge.stop()  # its waiters get a "stopping" answer: open streams end
+        self._thread.join(STOP_WAIT_S)
+        if self._thread.is_alive():
+            log.warning("the HTTP server did not stop within %g s", STOP_WAIT_S)
+        self._sock.close()
