@@ -50,10 +50,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
 
 def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status)
+    return JSONResponse(ApiError(status, message, type_, param, code).body(), status_code=status)
 
 
 @dataclass
@@ -277,6 +279,28 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, include_usage: bool,
+                  opening: dict | None = None) -> AsyncIterator[str]:
+    """The server-sent events of one answer, for both endpoints: an optional opening frame,
+    `frame(choice, text, token_ids, done)` for each event (None: nothing to send), the usage
+    frame if asked, an error frame if the engine fails the request, then `[DONE]`. The request
+    is cancelled however the stream ends (a client that leaves frees its blocks)."""
+    try:
+        if opening is not None:
+            yield _sse(opening)
+        async for ch, piece, ids, done in _chain(first, rest):
+            out = frame(ch, piece, ids, done)
+            if out is not None:
+                yield _sse(out)
+        if include_usage:
+            yield _sse({**usage_base, "choices": [], "usage": run.usage()})
+    except ApiError as e:
+        yield _sse(e.body())
+    finally:
+        run.cancel()
+    yield "data: [DONE]\n\n"
+
+
 class BodyLimit:
     """ASGI middleware: a body over `limit` bytes is refused (413) before it is read whole, so
     an untrusted client cannot make the server hold an arbitrary amount of memory."""
@@ -377,23 +401,17 @@ def create_app(server: Server) -> FastAPI:
             run.start()
             it, first = await run.first(request)
 
-            async def events() -> AsyncIterator[str]:
-                try:
-                    async for ch, piece, ids, done in _chain(first, it):
-                        if piece or ids or done:
-                            lp = _completion_logprobs(tok, ids, ch.logprobs[len(ch.logprobs) - len(ids):]) \
-                                if body.wants_logprobs() else None
-                            yield _sse({**base, "choices": [{"index": ch.index, "text": piece, "logprobs": lp,
-                                                             "finish_reason": ch.finish_reason if done else None,
-                                                             "token_ids": ids}]})
-                    if body.stream_options is not None and body.stream_options.include_usage:
-                        yield _sse({**base, "choices": [], "usage": run.usage()})
-                except ApiError as e:
-                    yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
-                finally:
-                    run.cancel()
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            def frame(ch, piece, ids, done):
+                if not (piece or ids or done):
+                    return None
+                lp = _completion_logprobs(tok, ids, ch.logprobs[len(ch.logprobs) - len(ids):]) \
+                    if body.wants_logprobs() else None
+                return {**base, "choices": [{"index": ch.index, "text": piece, "logprobs": lp,
+                                             "finish_reason": ch.finish_reason if done else None,
+                                             "token_ids": ids}]}
+
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_stream(run, first, it, frame, base, usage), media_type="text/event-stream")
         run.start()
         await run.complete(request)
         choices = sorted(run.choices.values(), key=lambda c: c.index)
@@ -428,25 +446,18 @@ def create_app(server: Server) -> FastAPI:
             run.start()
             it, first = await run.first(request)
 
-            async def events() -> AsyncIterator[str]:
-                try:
-                    yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                      "logprobs": None, "finish_reason": None}]})
-                    async for ch, piece, ids_, done in _chain(first, it):
-                        if piece or done or (ids_ and body.logprobs):
-                            lp = _chat_logprobs(tok, ids_, ch.logprobs[len(ch.logprobs) - len(ids_):]) \
-                                if body.logprobs else None
-                            yield _sse({**chunk, "choices": [{"index": 0, "delta": {"content": piece} if piece else {},
-                                                              "logprobs": lp,
-                                                              "finish_reason": ch.finish_reason if done else None}]})
-                    if body.stream_options is not None and body.stream_options.include_usage:
-                        yield _sse({**chunk, "choices": [], "usage": run.usage()})
-                except ApiError as e:
-                    yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
-                finally:
-                    run.cancel()
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            def frame(ch, piece, ids_, done):
+                if not (piece or done or (ids_ and body.logprobs)):
+                    return None
+                lp = _chat_logprobs(tok, ids_, ch.logprobs[len(ch.logprobs) - len(ids_):]) if body.logprobs else None
+                return {**chunk, "choices": [{"index": 0, "delta": {"content": piece} if piece else {},
+                                              "logprobs": lp, "finish_reason": ch.finish_reason if done else None}]}
+
+            opening = {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]}
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_stream(run, first, it, frame, chunk, usage, opening),
+                                     media_type="text/event-stream")
         run.start()
         await run.complete(request)
         c = next(iter(run.choices.values()))
