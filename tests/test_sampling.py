@@ -207,13 +207,15 @@ def test_seeded_sampling_survives_swaps_and_preemption(node, tmp_path):
     """A pool too small for the requests at once: they are preempted, recomputed and swapped,
     and each still answers the tokens its (seed, position) draws give alone."""
     prompts = shared_prefix_prompts(seed=7)
-    want = [expected(p, 12, seed=i, **HOT)[0] for i, p in enumerate(prompts)]
+    # 40 new tokens grow every request by 5 blocks: the running ones outgrow the pool, whatever
+    # order the engine admits them in, so preemption is certain rather than a matter of timing
+    want = [expected(p, 40, seed=i, **HOT)[0] for i, p in enumerate(prompts)]
     opts = (*SMALL, "--num-gpu-blocks", "40", "--num-cpu-blocks", "64", "--max-num-batched-tokens", "64")
     with launched(node, tmp_path, *opts, env={"KVRT_CHECK_OWNERSHIP": "1"}) as ln:
         s = Socket(ln.port)
         try:
             for i, p in enumerate(prompts):
-                s.send(request(f"r{i}", p, 12, seed=i, **HOT))
+                s.send(request(f"r{i}", p, 40, seed=i, **HOT))
             got = [s.until_end(f"r{i}") for i in range(len(prompts))]
         finally:
             s.close()
