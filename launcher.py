@@ -18,6 +18,7 @@ BENCHES = {
     "pd": ("bench.pd", "P->D KV block transfer: shm and Mooncake transports vs memcpy and a raw TCP socket"),
     "replay": ("bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
     "model": ("bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
+    "serve": ("bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 STRESS = {
