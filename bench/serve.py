@@ -63,7 +63,7 @@ PROBE_TIMEOUT_S = 5.0     # how long the server gets to answer /v1/models before
 MAX_ERRORS_KEPT = 5       # distinct error messages a run keeps
 NATIVE_MAX_IN_FLIGHT = 1024  # the ZeroMQ client API's limit per client
 TICK_S = 0.05
-SYNTHETIC_REQUESTS = 128
+SYNTHETIC_REQUESTS = 200
 PCTS = (50, 90, 99)
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 _TOO_LONG = re.compile(r"context.length|maximum context|max_model_len|too long|longer than", re.I)
@@ -526,7 +526,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=None,
                    help="a Mooncake-format trace (JSON lines with hash_ids); default: synthetic prompts")
     p.add_argument("--limit", type=int, default=None, metavar="N",
-                   help="requests: the trace's first N (default: all), or N synthetic ones (default 128)")
+                   help="requests: the trace's first N (default: all), or N synthetic ones (default 200)")
     arr = p.add_mutually_exclusive_group()
     arr.add_argument("--concurrency", type=int, default=None, metavar="C",
                      help="closed loop: C requests in flight (default 8)")
@@ -641,6 +641,9 @@ def main(argv: list[str]) -> int:
         "ratio_http_native": ratios(http, native) if native is not None else None,
     }
     print(json.dumps(result, indent=1) if args.json else "\n" + render(result))
+    if args.trace is not None and http["skipped"] and args.tokens_per_id > 1:
+        print(f"kvrt bench serve: {http['skipped']} prompts of the trace are too long for this server: "
+              f"--tokens-per-id T < {args.tokens_per_id} scales the trace's prompts down", file=sys.stderr)
     failed = http["failed"] + (native["failed"] if native else 0)
     if failed:
         print(f"kvrt bench serve: {failed} requests failed; first errors:", file=sys.stderr)
