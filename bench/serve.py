@@ -121,10 +121,13 @@ class Arrival:
 
 @dataclass
 class Slo:
+    """Bounds a request must meet to count towards goodput (None: no bound)."""
+
     ttft_ms: float | None = None
     tpot_ms: float | None = None
 
     def met(self, o: Outcome) -> bool:
+        """A request of one output token has no TPOT, so only its TTFT can miss."""
         if self.ttft_ms is not None and (o.ttft_s is None or o.ttft_s * 1000 > self.ttft_ms):
             return False
         tpot = o.tpot_s()
@@ -216,13 +219,14 @@ async def probe(client: httpx2.AsyncClient, url: str, model: str | None) -> Targ
     try:
         r = await client.get(where, timeout=PROBE_TIMEOUT_S)
     except httpx2.TimeoutException:
-        raise ServerError(f"no answer from {where} within {PROBE_TIMEOUT_S:g} s") from None
+        raise ServerError(f"no answer from {where} within {PROBE_TIMEOUT_S:g} s: is an OpenAI-compatible server "
+                          f"listening there?") from None
     except httpx2.HTTPError as e:
         raise ServerError(f"cannot reach {where}: {e or type(e).__name__}") from None
     if r.status_code != 200:
         msg, _ = _error_text(r.content)
-        raise ServerError(f"GET {where} answered HTTP {r.status_code} ({msg}): is this an OpenAI-compatible server, "
-                          f"and does the URL end with /v1?")
+        raise ServerError(f"GET {where} answered HTTP {r.status_code}{f' ({msg})' if msg else ''}: is this an "
+                          f"OpenAI-compatible server, and does the URL end with /v1?")
     try:
         cards = [c for c in r.json()["data"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
     except (ValueError, KeyError, TypeError):

@@ -11,7 +11,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import uuid
 
 import httpx2
@@ -67,8 +66,9 @@ def test_synthetic_run_reports_the_standard_figures_next_to_native(served):
         assert s["request_throughput"] == pytest.approx(12 / s["duration_s"])
         assert s["output_token_throughput"] == pytest.approx(48 / s["duration_s"])
         assert s["good_requests"] == 12 and s["goodput"] == pytest.approx(s["request_throughput"])
-        # ten of the twelve prompts start with a prefix seen before: at least 56 of its 64 tokens hit
-        assert s["cached_tokens"] >= 10 * 56
+        # ten of the twelve prompts start with a prefix seen before, one of them maybe sent beside the
+        # first with that prefix (3 in flight): at least nine hit 56 or more of its 64 tokens
+        assert s["cached_tokens"] >= 9 * 56
         assert 0 < s["prefix_cache_hit_rate"] == pytest.approx(s["cached_tokens"] / prompt_tokens)
     ratio = out["ratio_http_native"]
     assert ratio["ttft_ms"]["p50"] == pytest.approx(out["http"]["ttft_ms"]["p50"] / out["native"]["ttft_ms"]["p50"])
@@ -119,12 +119,10 @@ def test_failed_requests_are_counted_and_exit_non_zero(served):
 
 def test_nothing_listening_fails_fast_with_a_message():
     port = free_port()
-    t0 = time.monotonic()
-    r = bench("--url", f"http://127.0.0.1:{port}/v1", timeout=30)
+    r = bench("--url", f"http://127.0.0.1:{port}/v1", timeout=30)  # a hang is a TimeoutExpired here
     assert r.returncode == 1
     assert f"cannot reach http://127.0.0.1:{port}/v1/models" in r.stderr
     assert "Traceback" not in r.stderr
-    assert time.monotonic() - t0 < 20  # far less in practice; the bound only catches a hang
 
 
 def test_a_server_that_never_answers_is_given_up_on(tmp_path):
