@@ -511,8 +511,8 @@ def render(result: dict) -> str:
         f"{pct(s['prefix_cache_hit_rate']) if s['prefix_cache_hit_rate'] is not None else 'n/a':>14}"
         for _, s in cols))
     if slo:
-        parts = [f"TTFT <= {slo['ttft_ms']:g} ms"] * (slo["ttft_ms"] is not None) + \
-                [f"TPOT <= {slo['tpot_ms']:g} ms"] * (slo["tpot_ms"] is not None)
+        parts = [f"{name} <= {slo[key]:g} ms" for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"))
+                 if slo[key] is not None]
         lines.append(f"SLO: {', '.join(parts)}")
     for name, s in cols:
         for why, n in s["skipped_reasons"].items():

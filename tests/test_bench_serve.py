@@ -77,13 +77,14 @@ def test_synthetic_run_reports_the_standard_figures_next_to_native(served):
 def test_table_output_says_what_it_ran_first(served):
     http, _ = served
     r = bench("--url", f"http://127.0.0.1:{http}/v1", "--limit", "4", "--prefix-len", "16", "--suffix-len", "8",
-              "--max-tokens", "2", "--request-rate", "50")
+              "--max-tokens", "2", "--request-rate", "50", "--slo-ttft-ms", "60000")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("kvrt bench serve: 4 synthetic requests") and "request rate 50/s (Poisson)" in lines[0]
     assert any(line.startswith("completed requests") and line.split()[-1] == "4" for line in lines)
     assert any(line.startswith("TTFT p99 (ms)") for line in lines)
-    assert any(line.startswith("goodput (req/s)") and "n/a" in line for line in lines)
+    assert any(line.startswith("requests meeting the SLO") and line.split()[-1] == "4" for line in lines)
+    assert "SLO: TTFT <= 60000 ms" in lines
 
 
 def test_a_prompt_longer_than_max_model_len_is_skipped_and_reported(served, tmp_path):
