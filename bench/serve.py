@@ -176,6 +176,7 @@ def trace_requests(path: Path, limit: int | None, tokens_per_id: int, max_tokens
 
 
 def poisson_arrivals(reqs: Sequence[Request], rate: float, seed: int) -> None:
+    """Exponential gaps of mean 1/rate (the first request at 0), the same for both sides of a run."""
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, len(reqs))
     for r, t in zip(reqs, np.cumsum(gaps) - gaps[0]):
         r.arrival_s = float(t)
@@ -269,6 +270,11 @@ async def _send(client: httpx2.AsyncClient, target: Target, req: Request, limit:
     return out
 
 
+def _count(v: object) -> int | None:
+    """A token count the server reported, if it is one (the server's answers are not trusted)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
 async def _read_events(r: httpx2.Response, out: Outcome, t_send: float) -> None:
     """Fill `out` from the server-sent events of one completion stream."""
     counted = 0
@@ -300,11 +306,11 @@ async def _read_events(r: httpx2.Response, out: Outcome, t_send: float) -> None:
                 counted += len(ids) if isinstance(ids, list) and ids else 1
         usage = obj.get("usage")
         if isinstance(usage, dict):
-            out.prompt_tokens = int(usage.get("prompt_tokens") or out.prompt_tokens)
-            out.output_tokens = int(usage.get("completion_tokens") or 0)
             details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict) and details.get("cached_tokens") is not None:
-                out.cached_tokens = int(details["cached_tokens"])
+            cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+            out.prompt_tokens = _count(usage.get("prompt_tokens")) or out.prompt_tokens
+            out.output_tokens = _count(usage.get("completion_tokens")) or 0
+            out.cached_tokens = cached if cached is not None else out.cached_tokens
     else:
         out.reason = "the stream ended without [DONE]"
         return
@@ -318,6 +324,7 @@ async def _read_events(r: httpx2.Response, out: Outcome, t_send: float) -> None:
 async def _http_run(url: str, model: str | None, reqs: Sequence[Request], arrival: Arrival, timeout: float,
                     transport: httpx2.AsyncBaseTransport | None) -> tuple[Target, list[Outcome], float]:
     limits = httpx2.Limits(max_connections=arrival.concurrency, max_keepalive_connections=arrival.concurrency)
+    # trust_env off: a proxy from the environment would sit inside every measurement
     async with httpx2.AsyncClient(limits=limits, transport=transport, trust_env=False) as client:
         target = await probe(client, url, model)
         limit = Limit(target.max_model_len)

@@ -198,3 +198,19 @@ def test_a_stream_cut_before_done_is_a_failure():
                                    transport=httpx2.MockTransport(handler))
     assert target.max_model_len == 100
     assert [(o.status, o.reason) for o in outcomes] == [("failed", "the stream ended without [DONE]")]
+
+
+def test_usage_of_the_wrong_types_is_not_trusted():
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/v1/models":
+            return httpx2.Response(200, json={"data": [{"id": "m", "max_model_len": "big"}]})
+        usage = {"prompt_tokens": "x", "completion_tokens": True, "prompt_tokens_details": {"cached_tokens": -3}}
+        events = [{"choices": [{"text": "a", "token_ids": [5, 6]}]}, {"choices": [], "usage": usage}]
+        return httpx2.Response(200, content=("".join(f"data: {json.dumps(e)}\n\n" for e in events)
+                                             + "data: [DONE]\n\n").encode())
+
+    target, outcomes, duration = run_http("http://fake/v1", None, [Request(0, [1, 2, 3], 2)], Arrival(1, None), 10.0,
+                                          transport=httpx2.MockTransport(handler))
+    assert target.max_model_len is None
+    (o,) = outcomes
+    assert (o.status, o.prompt_tokens, o.output_tokens, o.cached_tokens) == ("completed", 3, 2, None)
