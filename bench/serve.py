@@ -2,8 +2,7 @@
 benchmarks measure it.
 
 Every request is one `POST {url}/completions` with the prompt as token ids, `stream: true`,
-`stream_options.include_usage`, `temperature: 0` and `ignore_eos: true` (vLLM and SGLang honour it;
-kvrt ignores it, and its reference model has no end-of-sequence token), so any such server
+`stream_options.include_usage`, `temperature: 0` and `ignore_eos: true` (kvrt, vLLM and SGLang honour it), so any such server
 (`kvrt launch --http-port H`, vLLM, SGLang) can be compared with the same command. Times are taken
 by this client when it reads each server-sent event:
 
