@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import psutil
 import pytest
 
 from tests.conftest import REPO, leftovers
@@ -111,6 +112,32 @@ def test_a_dead_decode_node_leaves_the_others_serving(multi_node, tmp_path):
             wait_for(lambda: "lost the decode node tcp://127.0.0.1:%d" % d0.port in p.logs(),
                      "P to notice that D0 is gone")
             assert tokens(run_all(p.client, prompts)) == want, p.logs()
+            assert d1.idle_stats()["finished_requests"] == len(prompts)
+            assert p.idle_stats()["failed_requests"] == 0
+
+
+def test_requests_asked_of_a_decode_node_that_stops_answering_go_to_another(multi_node, tmp_path):
+    """D0 (most free blocks) is paused (SIGSTOP) with no request on it; the requests P then asks
+    of it get no answer, and once P counts D0 as lost they are asked of D1 and all finish."""
+    prompts = shared_prefix_prompts(seed=35)[:4]
+    want = [oracle().generate_dense(p, NEW) for p in prompts]
+    secret = pd_secret_file(tmp_path)
+    opts = ("--pd-timeout", "8", "--rank-timeout", "1")
+    paused = ("--num-gpu-blocks", "1024", "--hang-timeout", "60", *opts)  # its launcher must not mind the pause
+    with decode_nodes(multi_node, tmp_path, secret, paused, opts) as (d0, d1):
+        with prefill_node(multi_node + "p", tmp_path, secret, (d0, d1), *opts) as p:
+            wait_for_free_blocks(p, (d0, d1))
+            procs = [psutil.Process(d0.proc.pid), *psutil.Process(d0.proc.pid).children(recursive=True)]
+            for proc in procs:
+                proc.suspend()
+            try:
+                assert tokens(run_all(p.client, prompts)) == want, p.logs()
+            finally:
+                for proc in procs:
+                    proc.resume()
+            logs = p.logs()
+            assert f"lost the decode node tcp://127.0.0.1:{d0.port}" in logs
+            assert "trying another decode node" in logs
             assert d1.idle_stats()["finished_requests"] == len(prompts)
             assert p.idle_stats()["failed_requests"] == 0
 

@@ -265,6 +265,7 @@ class PrefillConnector(KVConnector):
             if len(self.links) > 1:
                 log.info("%s: %s; trying another decode node", p.req.request_id, error.message)
         p.link, p.last_error = None, error
+        p.deadline = time.monotonic() + self.timeout  # the next decode node has --pd-timeout too
         self._ask(p)
 
     def cancel(self, client: bytes, request_id: str) -> bool:
