@@ -11,6 +11,7 @@ import contextlib
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import psutil
@@ -187,3 +188,33 @@ def test_a_decode_peer_list_is_read_in_order():
 
     cfg = NodeConfig(node="x", role="prefill", decode_peer="tcp://10.0.0.2:7001, tcp://10.0.0.3:7001")
     assert cfg.decode_peers == ["tcp://10.0.0.2:7001", "tcp://10.0.0.3:7001"]
+
+
+def test_decode_node_reports_the_blocks_a_peer_could_get(pd_node, tmp_path):
+    """D's pongs and allocation answers say how many blocks the peer could get now: the free or
+    evictable blocks of D's pool, within that peer's quota (--pd-peer-max-blocks)."""
+    from runtime import api
+    from runtime.pd_auth import load_secret
+    from tests.test_pd_security import FakePeer
+
+    secret = pd_secret_file(tmp_path)
+    with launched(pd_node + "d", tmp_path / "d", "--role", "decode", *SMALL, "--num-gpu-blocks", "64",
+                  "--pd-peer-max-blocks", "40", "--pd-secret-file", secret) as d:
+        with contextlib.closing(FakePeer(d.port, load_secret(secret), "fake-p")) as peer:
+            peer.handshake()
+
+            def pong() -> int:
+                peer.send(api.PdPing(2))
+                deadline = time.monotonic() + 10
+                while True:
+                    assert peer.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), "no pong within 10 s"
+                    msg = peer.session.open(api.API.decode(peer.sock.recv()))
+                    if isinstance(msg, api.PdPong):
+                        return msg.free_blocks
+
+            assert pong() == 40, "the quota bounds what this peer can get"
+            got = peer.prealloc("r1", np.arange(40, dtype=np.int32), 8)  # 6 blocks of 8 tokens
+            assert isinstance(got, api.PdAllocated) and got.free_blocks == 34, got
+            assert pong() == 34
+            peer.send(api.PdAbort("r1", "test"))
+            wait_for(lambda: pong() == 40, "the aborted request's blocks to count as free again")
