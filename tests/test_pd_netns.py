@@ -23,6 +23,7 @@ import sys
 import time
 import uuid
 
+import psutil
 import pytest
 
 from runtime.status import snapshot
@@ -137,6 +138,28 @@ print(json.dumps([done[i] for i in ids]))
 """
 
 
+CONNECTIONS = """
+import json, psutil
+print(json.dumps([[c.status, c.laddr.ip, c.laddr.port, *(c.raddr or ("", 0))] for c in psutil.net_connections("tcp")]))
+"""
+
+
+def _connections(ns: str) -> tuple[list[str], list[str]]:
+    """The established TCP connections in namespace `ns` (all of them the node's there):
+    (accepted on a port it listens on, opened by itself). A decode node only accepts, so P
+    needs no port open to it."""
+    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", CONNECTIONS], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    conns = json.loads(done.stdout)
+    listening = {port for status, _, port, *_ in conns if status == psutil.CONN_LISTEN}
+    out: tuple[list[str], list[str]] = ([], [])
+    for status, ip, port, rip, rport in conns:
+        if status == psutil.CONN_ESTABLISHED:
+            out[port not in listening].append(f"{ip}:{port} <-> {rip}:{rport}")
+    return out
+
+
 def _veth_bytes(ns: str, dev: str) -> int:
     """Bytes P's end of the veth pair sent (its kernel counter)."""
     stats = json.loads(_ip("-n", ns, "-s", "-j", "link", "show", "dev", dev))[0]["stats64"]
@@ -171,6 +194,8 @@ def test_pd_across_network_namespaces_equals_the_reference(two_hosts, pd_nodes, 
             assert client.returncode == 0, client.stdout + client.stderr + logs
             assert json.loads(client.stdout) == want
             sent = _veth_bytes(ns_p, veth_p) - before
+            accepted, dialled = _connections(ns_d)
+            assert accepted and not dialled, f"D accepted {accepted} and opened {dialled}: P dials D, never back"
             pe = snapshot(p_node)["engine"]
             assert pe["failed_requests"] == 0
             assert pe["pd_sent_bytes"] > 0, "P handed no KV to D"
