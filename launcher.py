@@ -61,8 +61,10 @@ def _add_launch(sub) -> None:
     p.add_argument("--role", default=d.role, choices=["mixed", "prefill", "decode"],
                    help="mixed (default): prefill and decode here; prefill: compute prompts and hand their KV "
                    "to --decode-peer; decode: continue requests a prefill node handed over")
-    p.add_argument("--decode-peer", default="", metavar="tcp://HOST:PORT",
-                   help="prefill role: the decode node's client API address (its --host/--port)")
+    p.add_argument("--decode-peer", default="", metavar="tcp://HOST:PORT[,...]",
+                   help="prefill role: the decode node's client API address (its --host/--port), or several "
+                   "comma-separated: each request goes to the one with the most free blocks, and to the "
+                   "next when one refuses it or is lost")
     p.add_argument("--pd-transport", default=d.pd_transport, choices=["shm", "mooncake"],
                    help="how KV blocks travel P->D: shm (same machine) or mooncake (TCP/RDMA, any machines); "
                    "both nodes must use the same (default shm)")
