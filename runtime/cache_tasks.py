@@ -287,7 +287,7 @@ class TaskBook(NodeStore):
         references (the whole path, so LRU order stays ancestors-after-descendants) until done.
         Blocks already stored, or being stored for another request that computed them too,
         are not written again."""
-        stored, storing, keys = self.storage_lookup, self._storing, self._keys
+        stored, storing, keys = self.storage_known, self._storing, self._keys
         own = [n for n in req.path[req.num_matched:].tolist() if self._state_v[n] == GPU
                and keys[n] not in storing and not stored([keys[n]])]
         if not own:

@@ -74,8 +74,8 @@ def test_open_storage_uri(tmp_path):
     assert open_storage("", 0) is None
     s = open_storage(f"file:{tmp_path}/kv", 3)
     assert isinstance(s, FileStorage) and s.rank == 3 and s.directory == f"{tmp_path}/kv"
-    for bad in ("mooncake://x", "file:"):
-        with pytest.raises(ValueError, match="unsupported storage"):
+    for bad in ("mooncake://x", "file:", "ftp:/x", "file:/x?max_bytes=lots"):
+        with pytest.raises(ValueError, match="storage|size"):
             open_storage(bad, 0)
 
 

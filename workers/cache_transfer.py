@@ -41,8 +41,13 @@ class CacheTransfer:
         cfg, reg, rank = child.cfg, child.reg, child.rank
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
-        self.storage = open_storage(cfg.storage, rank)
+        self.storage = open_storage(cfg.storage, rank, cfg.tp, cfg.host)
+        # a host-memory device pool (a CPU node) is read into and written from in place
+        self._in_place = isinstance(self.device.array, np.ndarray)
+        if self.storage is not None and self._in_place:
+            self.storage.register(self.device.array)
         self.owners: dict[str, np.ndarray] = {}
+        self.store_errors = 0  # of the task being run: store failures its misses came from
         if cfg.check_ownership:
             self.owners = {"device": _owner_table(reg, protocol.OWNERS_DEVICE, rank),
                            "host": _owner_table(reg, protocol.OWNERS_HOST, rank)}
@@ -53,6 +58,8 @@ class CacheTransfer:
         """Close the answer ring (the engine's wait ends at once), detach everything else."""
         self.answers.close()
         self.tasks.detach()
+        if self.storage is not None:
+            self.storage.close()
         for pool in (self.device, self.host):
             if pool is not None:
                 pool.close()
@@ -82,6 +89,7 @@ class CacheTransfer:
     # ---- tasks --------------------------------------------------------------------------
     def execute(self, task: TransferTask) -> TransferDone:
         """Run one task; any failure becomes ok=False with the reason, never an exit."""
+        self.store_errors = 0
         if not isinstance(task.task_id, int):
             raise ProtocolError(f"task id {task.task_id!r} is not an integer")  # cannot be answered
         t0 = time.perf_counter()
@@ -102,7 +110,8 @@ class CacheTransfer:
         except Exception as e:  # a task must never take the process down
             log.exception("%s failed unexpectedly", what)
             return self._failed(task, t0, f"{what}: {type(e).__name__}: {e}")
-        return TransferDone(task.task_id, self.rank, True, blocks, nbytes, time.perf_counter() - t0)
+        return TransferDone(task.task_id, self.rank, True, blocks, nbytes, time.perf_counter() - t0,
+                            store_errors=self.store_errors)
 
     def _failed(self, task: TransferTask, t0: float, error: str) -> TransferDone:
         return TransferDone(task.task_id, self.rank, False, 0, 0, time.perf_counter() - t0, error)
@@ -143,11 +152,13 @@ class CacheTransfer:
             raise ValueError(f"a storage task needs one non-empty bytes key per device block "
                              f"({dev.size} blocks, {len(keys)} keys)")
         self._check_owned(what, dev, None)
+        errors = self.storage.errors
         if task.kind == protocol.STORAGE2GPU:
             done = self._read(dev, keys)
             nbytes = done * self.device.block_bytes
         else:
             done, nbytes = self._write(dev, keys)
+        self.store_errors = self.storage.errors - errors
         self._check_owned(f"{what}, after the copy", dev, None)
         return done, nbytes
 
@@ -157,9 +168,16 @@ class CacheTransfer:
 
     def _read(self, dev: np.ndarray, keys: list[bytes]) -> int:
         """Read the leading blocks whose objects exist and are intact; the first miss ends it.
+        For a shared store this is also the lookup: the engine asks for every block its tree
+        lacks, and the answer says how many the store had.
 
         A miss may leave its block half-written (numpy reads in place); the engine uses only
         the first `blocks` blocks of the answer, and owns the rest again once it has it."""
+        if self._in_place:  # one batch straight into the pool's blocks
+            blocks = self.device.array
+            done = self.storage.get_many(keys, [blocks[b] for b in dev.tolist()])
+            self.child.beat()
+            return done
         backend = self.device.backend
         for i, (block, key) in enumerate(zip(dev.tolist(), keys)):
             buf = backend.write_target(self.device, block)
@@ -171,6 +189,11 @@ class CacheTransfer:
 
     def _write(self, dev: np.ndarray, keys: list[bytes]) -> tuple[int, int]:
         """Write every block whose key the storage does not hold yet; returns (blocks, bytes)."""
+        if self._in_place:  # one batch straight from the pool's blocks
+            blocks = self.device.array
+            written = self.storage.put_many(keys, [blocks[b] for b in dev.tolist()])
+            self.child.beat()
+            return len(keys), written
         backend = self.device.backend
         written = 0
         for block, key in zip(dev.tolist(), keys):
