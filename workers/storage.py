@@ -215,9 +215,15 @@ class FileStorage(Storage):
         self._touch(key, path)
         return True
 
-    @staticmethod
-    def _corrupt(path: str, why: str) -> bool:
-        log.warning("storage object %s is corrupt (%s), treated as a miss", path, why)
+    def _corrupt(self, path: str, why: str) -> bool:
+        """A damaged object is a miss and is deleted: left in place it would make every later
+        write of its block skip it (`put_many` writes only missing keys), so the prefix
+        would end there for good."""
+        log.warning("storage object %s is corrupt (%s): treated as a miss and removed", path, why)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
         return False
 
     def put(self, key: bytes, data: np.ndarray) -> None:
