@@ -45,10 +45,13 @@ class Store:
 
     def kill_master(self) -> None:
         os.kill(self.master_pid, signal.SIGKILL)
+        self.master_killed = True
+
+    master_killed = False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+        if self.proc.poll() is None:  # (its client's goodbye to a dead master would only time out)
+            self.proc.send_signal(signal.SIGKILL if self.master_killed else signal.SIGINT)
         try:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:

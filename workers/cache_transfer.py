@@ -28,7 +28,7 @@ from ipc.signals import Signal
 
 from .child import Child, run_child
 from .kv_pool import PoolError, attach_pools, check_blocks, copy_blocks
-from .storage import StorageError, open_storage
+from .storage import StorageError, StoreHung, open_storage
 
 log = logging.getLogger("workers.cache_transfer")  # not __main__ under python -m
 
@@ -41,7 +41,7 @@ class CacheTransfer:
         cfg, reg, rank = child.cfg, child.reg, child.rank
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
-        self.storage = open_storage(cfg.storage, rank, cfg.tp, cfg.host)
+        self.storage = open_storage(cfg.storage, rank, cfg.tp, cfg.host, child.beat)
         # a host-memory device pool (a CPU node) is read into and written from in place
         self._in_place = isinstance(self.device.array, np.ndarray)
         if self.storage is not None and self._in_place:
@@ -107,7 +107,9 @@ class CacheTransfer:
         except (StorageError, ValueError) as e:  # bad ids, no such tier, a failed write
             log.warning("%s failed: %s", what, e)
             return self._failed(task, t0, f"{what}: {e}")
-        except Exception as e:  # a task must never take the process down
+        except StoreHung:  # a read may still land in its blocks: this process must not go on
+            raise
+        except Exception as e:  # a task must never take the process down, but for a hung store
             log.exception("%s failed unexpectedly", what)
             return self._failed(task, t0, f"{what}: {type(e).__name__}: {e}")
         return TransferDone(task.task_id, self.rank, True, blocks, nbytes, time.perf_counter() - t0,

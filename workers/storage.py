@@ -30,7 +30,7 @@ import os
 import struct
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -47,6 +47,10 @@ _HEADER = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of key + payl
 
 class StorageError(RuntimeError):
     """A write failed (disk full, permissions): the task that asked fails, the process lives."""
+
+
+class StoreHung(RuntimeError):
+    """A store call did not return in time and may still write into blocks: the process exits."""
 
 
 class Storage(ABC):
@@ -268,10 +272,12 @@ def _make_private_dirs(path: str) -> None:
     os.chmod(path, DIR_MODE)
 
 
-def open_storage(uri: str, rank: int, tp: int = 1, host: str = "127.0.0.1") -> Storage | None:
+def open_storage(uri: str, rank: int, tp: int = 1, host: str = "127.0.0.1",
+                 beat: Callable[[], None] | None = None) -> Storage | None:
     """Rank `rank`'s view of the storage tier a node's `storage` setting names (ipc/storage_uri.py),
     or None when it is empty. `tp` splits a file tier's cap among the ranks; `host` is the
-    address a shared store's peers reach this process at."""
+    address a shared store's peers reach this process at; `beat` is called while a shared
+    store's call takes long (the caller's heartbeat)."""
     if not uri:
         return None
     spec = parse_storage(uri)
@@ -279,4 +285,4 @@ def open_storage(uri: str, rank: int, tp: int = 1, host: str = "127.0.0.1") -> S
         return FileStorage(spec.path, rank, spec.max_bytes // tp if spec.max_bytes else 0)
     from .storage_mooncake import MooncakeStorage  # the wheel is an optional dependency
 
-    return MooncakeStorage(spec, rank, host)
+    return MooncakeStorage(spec, rank, host, beat=beat)

@@ -14,25 +14,32 @@ every registered region (a GPU pool's pinned staging block) goes through a regis
 area of this process instead, one copy on each side.
 
 The store is a cache, so nothing it does fails a request: an error return, an exception, a full
-pool or a dead master is a miss (counted in `errors`). After a failure that says the master
-cannot be reached, the client is left alone for `retry_s` and every call meanwhile is an
-immediate miss, so a dead master costs the node nothing but hits (a call to a dead master
-blocks for seconds inside the client).
+pool or a dead master is a miss (counted in `errors`). A call to a dead master blocks for
+seconds inside the client (its RPC retries), so after a failure that says the master cannot be
+reached the client is left alone: every call is an immediate miss until `retry_s` passed *and*
+the master's port accepts a connection again. A dead master costs the node its hits, and one
+slow call. Store calls run on a helper thread while the caller keeps beating its heartbeat (the
+node's hang detector must not take a slow store for a hung process); the caller still waits
+for the call to end, because a read that was given up on could land in blocks the engine has
+since given to someone else. A call that outlives the client's own timeouts by far
+(`CALL_LIMIT_S`) means a hung client: StoreHung, and the rank exits rather than risk that.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
-from typing import Any, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from ipc.storage_uri import StorageSpec
 
-from .storage import Storage, StorageError
+from .storage import Storage, StorageError, StoreHung
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,8 @@ INSTALL_HINT = ('install it with `pip install -e ".[pd]"` (the mooncake-transfer
 RPC_FAIL = -900        # ErrorCode::RPC_FAIL: the master did not answer
 RETRY_S = 2.0          # how long a client that lost its master is left alone
 STAGING_BLOCKS = 64    # blocks of the staging area for buffers outside registered pools
+CALL_LIMIT_S = 60.0    # a store call this long is a hung client (its RPCs time out in ~5 s)
+_BEAT_S = 0.2          # how often a caller waiting for a store call beats
 
 
 def load_store_module() -> Any:
@@ -79,15 +88,19 @@ def open_client(master: str, host: str, segment_bytes: int) -> Any:
 class MooncakeStorage(Storage):
     """One rank's client of a Mooncake Store pool (see the module docstring)."""
 
-    def __init__(self, spec: StorageSpec, rank: int, host: str = "127.0.0.1", retry_s: float = RETRY_S):
+    def __init__(self, spec: StorageSpec, rank: int, host: str = "127.0.0.1", retry_s: float = RETRY_S,
+                 beat: Callable[[], None] | None = None):
         load_store_module()  # a missing wheel is a start-up error, not a stream of misses
         self.spec = spec
         self.rank = rank
-        self.host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+        self.host = socket.gethostbyname(socket.gethostname()) if host in ("", "0.0.0.0", "::") else host
         self.retry_s = retry_s
+        self.beat = beat or (lambda: None)
         self.errors = 0
         self._client: Any = None
         self._down_until = 0.0
+        self._down = False
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-store-r{rank}")
         self._pools: list[np.ndarray] = []           # registered with the client
         self._regions: list[tuple[int, int]] = []    # their [start, end) addresses
         self._staging: np.ndarray | None = None
@@ -95,13 +108,20 @@ class MooncakeStorage(Storage):
 
     # ---- the client and its health
     def _connect(self) -> Any:
-        """The client, (re)made when there is none and the last failure is `retry_s` old."""
+        """The client when the store looks usable: made on first use, and after a failure only
+        once `retry_s` passed and the master's port answers again; else None (a miss)."""
+        if self._down:
+            if time.monotonic() < self._down_until:
+                return None
+            if not self._master_listens():
+                self._down_until = time.monotonic() + self.retry_s
+                return None
+            self._down = False
+            log.info("mooncake store %s answers again", self.spec.master)
         if self._client is not None:
             return self._client
-        if time.monotonic() < self._down_until:
-            return None
         try:
-            client = open_client(self.spec.master, self.host, self.spec.segment_bytes)
+            client = self._wait("setup", lambda: open_client(self.spec.master, self.host, self.spec.segment_bytes))
             for arr in self._pools:
                 self._register(client, arr)
         except (StorageError, RuntimeError) as e:
@@ -113,20 +133,43 @@ class MooncakeStorage(Storage):
         return client
 
     def _failed(self, what: str) -> None:
-        """The master is unreachable: misses, without asking, for `retry_s`."""
-        if time.monotonic() >= self._down_until:
-            log.warning("mooncake store %s unreachable (%s): storage misses for the next %.3gs",
-                        self.spec.master, what, self.retry_s)
+        """The master is unreachable: misses, without asking, until it listens again."""
+        if not self._down:
+            log.warning("mooncake store %s unreachable (%s): storage misses until it answers again",
+                        self.spec.master, what)
+        self._down = True
         self._down_until = time.monotonic() + self.retry_s
+
+    def _master_listens(self) -> bool:
+        try:
+            socket.create_connection((self.spec.host, self.spec.port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    def _wait(self, what: str, fn: Callable[[], Any]) -> Any:
+        """fn() on the helper thread, beating until it returns (see the module docstring)."""
+        fut = self._worker.submit(fn)
+        deadline = time.monotonic() + CALL_LIMIT_S
+        while True:
+            try:
+                return fut.result(timeout=_BEAT_S)
+            except FutureTimeout:
+                self.beat()
+                if time.monotonic() > deadline:
+                    raise StoreHung(f"mooncake store {self.spec.master}: {what} did not return within "
+                                    f"{CALL_LIMIT_S:g}s") from None
 
     def _call(self, what: str, fn: str, *args: Any) -> list[int] | None:
         """`client.fn(*args)` (a batch call), or None after counting the failure; a result
         that says the master did not answer marks the store down."""
-        client = self._connect() if time.monotonic() >= self._down_until else None
+        client = self._connect()
         if client is None:
             return None
         try:
-            out = [int(r) for r in getattr(client, fn)(*args)]
+            out = [int(r) for r in self._wait(what, lambda: getattr(client, fn)(*args))]
+        except StoreHung:
+            raise
         except Exception as e:  # the store is a cache: whatever it raises is a miss
             self._failed(f"{what}: {type(e).__name__}: {e}")
             return None
@@ -224,7 +267,15 @@ class MooncakeStorage(Storage):
         bytes stored. A failed put is counted, never raised: the block is just not shared."""
         if not keys:
             return 0
-        datas = [_flat(d) for d in datas]
+        found = self._call("batch_is_exist", "batch_is_exist", [self.name(k) for k in keys])
+        if found is None:  # (also spares a put its seconds-long wait for a dead master)
+            self.errors += 1
+            return 0
+        todo = [i for i, r in enumerate(found) if r != 1]
+        if not todo:
+            return 0
+        keys = [keys[i] for i in todo]
+        datas = [_flat(datas[i]) for i in todo]
         bufs = datas
         if not all(self._direct(d) for d in datas):
             bufs = list(self._stage(len(datas), datas[0].nbytes)[:len(datas)])
@@ -244,6 +295,7 @@ class MooncakeStorage(Storage):
 
     def close(self) -> None:
         client, self._client = self._client, None
+        self._worker.shutdown(wait=False, cancel_futures=True)  # (a hung call must not hang the exit)
         if client is None:
             return
         try:
