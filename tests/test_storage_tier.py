@@ -68,3 +68,25 @@ def test_a_capped_file_tier_stays_under_its_cap_while_it_serves(node, tmp_path):
     files = FileStorage(store, 0)
     used = sum(os.path.getsize(files.path(k)) for k in files.keys())
     assert 0 < used <= cap
+
+
+def test_bench_storage_json_quick():
+    """`kvrt bench storage --json`: every tier's put and get against the socket (the cross-node
+    part launches three nodes: tests/test_storage_mooncake.py covers what it measures)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from workers.storage_mooncake import unavailable_reason
+
+    out = subprocess.run([sys.executable, "-m", "launcher", "bench", "storage", "--json", "--batch", "4",
+                          "--repeat", "1", "--num-layers", "1", "--num-kv-heads", "2", "--head-dim", "16",
+                          "--no-cross-node", "--memory", "64M"],
+                         cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    tiers = {(r["tier"], r["op"]) for r in res["io"]}
+    want = {"socket", "file"} | ({"mooncake"} if unavailable_reason() is None else set())
+    assert tiers == {(t, op) for t in want for op in ("put", "get")}
+    assert all(r["gb_s"] > 0 and r["vs_socket"] > 0 for r in res["io"]) and res["cross_node"] == []
