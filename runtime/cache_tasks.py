@@ -192,6 +192,8 @@ class TaskBook(NodeStore):
         self.metrics.storage_read_blocks += loaded
         if req.counted:  # the hit counters count what was read, not what was hoped for
             self.metrics.hit_tokens_storage -= (len(t.task.device_blocks) - loaded) * self.block_size
+            if not loaded and not req.cached_tokens:  # (a shared store's lookup misses often)
+                self.metrics.hit_requests -= 1
         if loaded:
             req.cached_tokens += loaded * self.block_size
             if not req.frozen:

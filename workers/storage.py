@@ -73,6 +73,7 @@ class Storage(ABC):
         """Every key with an object for this rank (the engine's storage index starts from it)."""
 
     errors = 0  # store failures (error returns, exceptions) answered as misses since the start
+    beat: Callable[[], None] = staticmethod(lambda: None)  # the caller's heartbeat, while a batch runs
 
     def register(self, array: np.ndarray) -> None:
         """`array` (a host-memory pool) is where reads land and writes come from from now on;
@@ -84,6 +85,7 @@ class Storage(ABC):
         for i, (key, out) in enumerate(zip(keys, outs)):
             if not self.get(key, out):
                 return i
+            self.beat()
         return len(keys)
 
     def put_many(self, keys: Sequence[bytes], datas: Sequence[np.ndarray]) -> int:
@@ -93,6 +95,7 @@ class Storage(ABC):
             if not self.contains(key):
                 self.put(key, data)
                 written += data.nbytes
+            self.beat()
         return written
 
     def close(self) -> None:
@@ -282,7 +285,11 @@ def open_storage(uri: str, rank: int, tp: int = 1, host: str = "127.0.0.1",
         return None
     spec = parse_storage(uri)
     if spec.scheme == FILE:
-        return FileStorage(spec.path, rank, spec.max_bytes // tp if spec.max_bytes else 0)
-    from .storage_mooncake import MooncakeStorage  # the wheel is an optional dependency
+        storage: Storage = FileStorage(spec.path, rank, spec.max_bytes // tp if spec.max_bytes else 0)
+    else:
+        from .storage_mooncake import MooncakeStorage  # the wheel is an optional dependency
 
-    return MooncakeStorage(spec, rank, host, beat=beat)
+        storage = MooncakeStorage(spec, rank, host)
+    if beat is not None:
+        storage.beat = beat
+    return storage

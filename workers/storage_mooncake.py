@@ -88,14 +88,12 @@ def open_client(master: str, host: str, segment_bytes: int) -> Any:
 class MooncakeStorage(Storage):
     """One rank's client of a Mooncake Store pool (see the module docstring)."""
 
-    def __init__(self, spec: StorageSpec, rank: int, host: str = "127.0.0.1", retry_s: float = RETRY_S,
-                 beat: Callable[[], None] | None = None):
+    def __init__(self, spec: StorageSpec, rank: int, host: str = "127.0.0.1", retry_s: float = RETRY_S):
         load_store_module()  # a missing wheel is a start-up error, not a stream of misses
         self.spec = spec
         self.rank = rank
         self.host = socket.gethostbyname(socket.gethostname()) if host in ("", "0.0.0.0", "::") else host
         self.retry_s = retry_s
-        self.beat = beat or (lambda: None)
         self.errors = 0
         self._client: Any = None
         self._down_until = 0.0
