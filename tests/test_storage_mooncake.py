@@ -23,7 +23,7 @@ if ctypes.util.find_library("ibverbs") is None:
     pytest.skip("libibverbs is missing (the Mooncake wheel needs it even for TCP): apt-get install libibverbs1",
                 allow_module_level=True)
 
-from workers.storage_mooncake import MooncakeStorage  # noqa: E402  (after the skips)
+from workers.storage_mooncake import RETRY_S, MooncakeStorage  # noqa: E402  (after the skips)
 
 NEW = 4
 
@@ -31,8 +31,8 @@ NEW = 4
 class Store:
     """`kvrt store start` in a subprocess: the master's port and pid, and a clean stop."""
 
-    def __init__(self, memory: str = "128M"):
-        self.port = free_port()
+    def __init__(self, memory: str = "128M", port: int = 0):
+        self.port = port or free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "launcher", "store", "start", "--port", str(self.port),
                                       "--memory", memory], cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)
@@ -171,3 +171,30 @@ def test_under_memory_pressure_every_request_finishes_with_store_lookups(node, t
             assert [got.get(i) for i in range(len(prompts))] == [oracle().generate_dense(p, NEW) for p in prompts]
         stats = ln.idle_stats()
     assert stats["failed_requests"] == 0 and stats["hit_tokens_storage"] > 0
+
+
+def test_blocks_a_dead_master_did_not_take_are_written_after_it_restarts(node, tmp_path, store):
+    """A master restart is misses, then a working store again; and a write the dead master
+    refused is not taken for done: the read that misses them makes the node forget them, so
+    it writes them again when it computes them."""
+    rng = np.random.default_rng(4)
+    first, *fillers = [rng.integers(0, 512, 6 * 8 + 1).astype(np.int32) for _ in range(5)]
+    opts = (*SMALL, "--num-gpu-blocks", "16", "--storage", store.uri)
+    with launched(node + "a", tmp_path / "a", *opts) as a:
+        store.kill_master()
+        store.stop()
+        assert a.client.generate(first, NEW).cached_tokens == 0
+        assert a.idle_stats()["storage_errors"] > 0  # its write-through was refused
+        again = Store(port=store.port)  # a new master (empty) on the same address
+        store.proc, store.master_pid, store.master_killed = again.proc, again.master_pid, False
+        time.sleep(RETRY_S + 0.5)  # the client leaves a master that failed alone this long
+        for p in fillers:  # push `first` out of the 16-block device: it is computed again
+            a.client.generate(p, NEW)
+        res = a.client.generate(first, NEW)
+        assert res.cached_tokens == 0
+        stats = a.idle_stats()
+        assert stats["failed_requests"] == 0
+    with launched(node + "b", tmp_path / "b", *opts) as b:
+        res = b.client.generate(first, NEW)
+    assert res.output_token_ids.tolist() == oracle().generate_dense(first, NEW)
+    assert res.cached_storage == 6 * 8, "node A wrote the blocks the dead master had refused"
