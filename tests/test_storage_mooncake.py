@@ -118,10 +118,12 @@ def test_a_dead_master_means_misses_not_errors(store):
         s.close()
 
 
-def test_a_prompt_computed_on_one_node_is_a_storage_hit_on_another(node, tmp_path, store):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_prompt_computed_on_one_node_is_a_storage_hit_on_another(node, tmp_path, store, tp):
+    """Each rank stores its own head shards; a block is a hit only where every rank read it."""
     prompts = shared_prefix_prompts(seed=5, systems=2, users=2)
-    opts = (*SMALL, "--num-gpu-blocks", "128", "--storage", store.uri)
-    want = [oracle().generate_dense(p, NEW) for p in prompts]
+    opts = (*SMALL, "--num-gpu-blocks", "128", "--storage", store.uri, "--tp", str(tp))
+    want = [oracle(tp).generate_dense(p, NEW) for p in prompts]
     with launched(node + "a", tmp_path / "a", *opts) as a:
         got_a = [a.client.generate(p, NEW).output_token_ids.tolist() for p in prompts]
         assert a.idle_stats()["tasks_done"] > 0
