@@ -135,3 +135,17 @@ def test_open_storage_splits_the_cap_among_ranks(tmp_path):
     s = open_storage(f"file:{tmp_path}/kv?max_bytes=1M", 1, tp=4)
     assert isinstance(s, FileStorage) and s.max_bytes == (1 << 20) // 4
     assert open_storage(f"file:{tmp_path}/kv", 0).max_bytes == 0
+
+
+def test_a_batch_read_writes_nothing_past_its_deadline(tmp_path):
+    """The cache-transfer task that asked has expired: the engine took its blocks back."""
+    import time
+
+    s = FileStorage(str(tmp_path), 0)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    for i, key in enumerate(keys):
+        s.put(key, block(i))
+    outs = [np.zeros_like(block(0)) for _ in keys]
+    assert s.get_many(keys, outs, deadline=time.monotonic() + 60) == 3
+    outs = [np.zeros_like(block(0)) for _ in keys]
+    assert s.get_many(keys, outs, deadline=time.monotonic() - 1) == 0 and not any(o.any() for o in outs)

@@ -88,6 +88,9 @@ def test_batched_zero_copy_round_trip_and_misses(store):
         assert b.exists_many(keys) == 6
         assert b.get_many(keys, list(dst)) == 6  # the first missing key ends the prefix
         assert np.array_equal(dst[:6], src[:6]) and not dst[6:].any()
+        dst[:] = 0
+        assert b.get_many(keys, list(dst), deadline=time.monotonic() - 1) == 0 and not dst.any(), \
+            "nothing is written for a task past its deadline"
         loose = np.zeros((2, 2, 8, 16), np.float32)  # not in a registered pool: staged, same answer
         assert b.get(keys[2], loose) and np.array_equal(loose, src[2])
         other_rank = MooncakeStorage(spec, rank=1)

@@ -156,7 +156,7 @@ class CacheTransfer:
         self._check_owned(what, dev, None)
         errors = self.storage.errors
         if task.kind == protocol.STORAGE2GPU:
-            done = self._read(dev, keys)
+            done = self._read(dev, keys, task.deadline)
             nbytes = done * self.device.block_bytes
         else:
             done, nbytes = self._write(dev, keys)
@@ -168,22 +168,24 @@ class CacheTransfer:
     _HANDLERS = {TaskKind.SWAP2CPU: _swap, TaskKind.SWAP2GPU: _swap,
                  TaskKind.STORAGE2GPU: _storage_task, TaskKind.GPU2STORAGE: _storage_task}
 
-    def _read(self, dev: np.ndarray, keys: list[bytes]) -> int:
+    def _read(self, dev: np.ndarray, keys: list[bytes], deadline: float) -> int:
         """Read the leading blocks whose objects exist and are intact; the first miss ends it.
         For a shared store this is also the lookup: the engine asks for every block its tree
         lacks, and the answer says how many the store had.
 
         A miss may leave its block half-written (numpy reads in place); the engine uses only
-        the first `blocks` blocks of the answer, and owns the rest again once it has it."""
+        the first `blocks` blocks of the answer, and owns the rest again once it has it. No
+        block is written past the task's deadline (a slow store: the engine took the blocks
+        back as a miss)."""
         if self._in_place:  # one batch straight into the pool's blocks
             blocks = self.device.array
-            done = self.storage.get_many(keys, [blocks[b] for b in dev.tolist()])
+            done = self.storage.get_many(keys, [blocks[b] for b in dev.tolist()], deadline)
             self.child.beat()
             return done
         backend = self.device.backend
         for i, (block, key) in enumerate(zip(dev.tolist(), keys)):
             buf = backend.write_target(self.device, block)
-            if not self.storage.get(key, buf):
+            if (deadline and time.monotonic() >= deadline) or not self.storage.get(key, buf):
                 return i
             backend.commit(self.device, block, buf)
             self.child.beat()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Callable, Iterator, Sequence
@@ -79,10 +80,14 @@ class Storage(ABC):
         """`array` (a host-memory pool) is where reads land and writes come from from now on;
         a backend that moves bytes without a copy registers it with its transport."""
 
-    def get_many(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> int:
+    def get_many(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], deadline: float = 0.0) -> int:
         """Fill outs[i] with keys[i]'s object while they hit; returns how many leading blocks
-        were read (the first miss ends the prefix; later buffers may be half-written)."""
+        were read (the first miss ends the prefix; later buffers may be half-written). Past
+        `deadline` (time.monotonic(); 0: none) nothing more is written into `outs`: the task
+        that asked has expired and its blocks may be someone else's."""
         for i, (key, out) in enumerate(zip(keys, outs)):
+            if deadline and time.monotonic() >= deadline:
+                return i
             if not self.get(key, out):
                 return i
             self.beat()

@@ -237,9 +237,9 @@ class MooncakeStorage(Storage):
     def put(self, key: bytes, data: np.ndarray) -> None:
         self.put_many([key], [data])
 
-    def get_many(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> int:
+    def get_many(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], deadline: float = 0.0) -> int:
         n = self.exists_many(keys)
-        if not n:
+        if not n or (deadline and time.monotonic() >= deadline):  # (the check may have been slow)
             return 0
         outs = [_flat(o) for o in outs[:n]]
         staged = not all(self._direct(o) for o in outs)
