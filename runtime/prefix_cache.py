@@ -64,8 +64,9 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
     """
 
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0, *,
-                 storage_lookup: StorageLookup | None = None, storage_known: StorageLookup | None = None,
-                 write_through: bool = False, policy: Callable[[int], EvictionPolicy] = EvictionQueue, low_water: int | None = None):
+                 storage_lookup: StorageLookup | None = None, write_through: bool = False,
+                 policy: Callable[[int], EvictionPolicy] = EvictionQueue, low_water: int | None = None,
+                 storage_known: StorageLookup | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
