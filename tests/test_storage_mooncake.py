@@ -203,3 +203,14 @@ def test_blocks_a_dead_master_did_not_take_are_written_after_it_restarts(node, t
         res = b.client.generate(first, NEW)
     assert res.output_token_ids.tolist() == oracle().generate_dense(first, NEW)
     assert res.cached_storage == 6 * 8, "node A wrote the blocks the dead master had refused"
+
+
+def test_a_node_started_while_no_master_listens_serves_with_misses(node, tmp_path):
+    """Setting a client up with no master would retry for ever: the node starts, serves every
+    request (computed) and counts the store as failing."""
+    prompt = shared_prefix_prompts(seed=7, systems=1, users=1)[0]
+    with launched(node, tmp_path, *SMALL, "--storage", f"mooncake://127.0.0.1:{free_port()}") as ln:
+        res = ln.client.generate(prompt, NEW)
+        stats = ln.idle_stats()
+    assert res.output_token_ids.tolist() == oracle().generate_dense(prompt, NEW) and res.cached_tokens == 0
+    assert stats["storage_errors"] > 0 and stats["failed_requests"] == 0

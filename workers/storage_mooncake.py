@@ -31,8 +31,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -49,6 +49,7 @@ RPC_FAIL = -900        # ErrorCode::RPC_FAIL: the master did not answer
 RETRY_S = 2.0          # how long a client that lost its master is left alone
 STAGING_BLOCKS = 64    # blocks of the staging area for buffers outside registered pools
 CALL_LIMIT_S = 60.0    # a store call this long is a hung client (its RPCs time out in ~5 s)
+SETUP_LIMIT_S = 15.0   # a client that takes longer to set up is given up (it touches no block)
 _BEAT_S = 0.2          # how often a caller waiting for a store call beats
 
 
@@ -98,7 +99,6 @@ class MooncakeStorage(Storage):
         self._client: Any = None
         self._down_until = 0.0
         self._down = False
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-store-r{rank}")
         self._pools: list[np.ndarray] = []           # registered with the client
         self._regions: list[tuple[int, int]] = []    # their [start, end) addresses
         self._staging: np.ndarray | None = None
@@ -118,11 +118,15 @@ class MooncakeStorage(Storage):
             log.info("mooncake store %s answers again", self.spec.master)
         if self._client is not None:
             return self._client
+        if not self._master_listens():  # (setting up with no master retries forever)
+            self._failed("nothing listens there")
+            return None
         try:
-            client = self._wait("setup", lambda: open_client(self.spec.master, self.host, self.spec.segment_bytes))
+            client = self._wait("setup", lambda: open_client(self.spec.master, self.host, self.spec.segment_bytes),
+                                SETUP_LIMIT_S)
             for arr in self._pools:
                 self._register(client, arr)
-        except (StorageError, RuntimeError) as e:
+        except (StorageError, StoreHung, RuntimeError) as e:  # no block involved: just down
             self._failed(f"{e}")
             return None
         log.info("mooncake store %s: rank %d connected from %s (lends %d bytes)", self.spec.master, self.rank,
@@ -145,18 +149,29 @@ class MooncakeStorage(Storage):
         except OSError:
             return False
 
-    def _wait(self, what: str, fn: Callable[[], Any]) -> Any:
-        """fn() on the helper thread, beating until it returns (see the module docstring)."""
-        fut = self._worker.submit(fn)
-        deadline = time.monotonic() + CALL_LIMIT_S
-        while True:
+    def _wait(self, what: str, fn: Callable[[], Any], limit: float = CALL_LIMIT_S) -> Any:
+        """fn() on a helper thread, beating until it returns (see the module docstring); StoreHung
+        after `limit` seconds (the thread is a daemon: a hung call cannot hold the exit up)."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
             try:
-                return fut.result(timeout=_BEAT_S)
-            except FutureTimeout:
-                self.beat()
-                if time.monotonic() > deadline:
-                    raise StoreHung(f"mooncake store {self.spec.master}: {what} did not return within "
-                                    f"{CALL_LIMIT_S:g}s") from None
+                box["out"] = fn()
+            except BaseException as e:  # handed to the caller below
+                box["err"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"mooncake-{what}-r{self.rank}", daemon=True).start()
+        deadline = time.monotonic() + limit
+        while not done.wait(_BEAT_S):
+            self.beat()
+            if time.monotonic() > deadline:
+                raise StoreHung(f"mooncake store {self.spec.master}: {what} did not return within {limit:g}s")
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
 
     def _call(self, what: str, fn: str, *args: Any) -> list[int] | None:
         """`client.fn(*args)` (a batch call), or None after counting the failure; a result
@@ -293,7 +308,6 @@ class MooncakeStorage(Storage):
 
     def close(self) -> None:
         client, self._client = self._client, None
-        self._worker.shutdown(wait=False, cancel_futures=True)  # (a hung call must not hang the exit)
         if client is None:
             return
         try:
