@@ -214,3 +214,22 @@ def test_a_node_started_while_no_master_listens_serves_with_misses(node, tmp_pat
         stats = ln.idle_stats()
     assert res.output_token_ids.tolist() == oracle().generate_dense(prompt, NEW) and res.cached_tokens == 0
     assert stats["storage_errors"] > 0 and stats["failed_requests"] == 0
+
+
+def test_objects_in_memory_a_dead_process_lent_are_misses(node, tmp_path, store):
+    """The process that lent the pool its memory dies (the master lives on): every object in
+    it is a miss, counted, and the next node computes its prompts with the right answers."""
+    prompts = shared_prefix_prompts(seed=10, systems=2, users=1)
+    opts = (*SMALL, "--num-gpu-blocks", "64", "--storage", store.uri)
+    with launched(node + "a", tmp_path / "a", *opts) as a:
+        for p in prompts:
+            a.client.generate(p, NEW)
+        a.idle_stats()
+    store.proc.kill()  # `kvrt store start` (the lender) only: its master is still up
+    store.proc.wait()
+    with launched(node + "b", tmp_path / "b", *opts) as b:
+        res = [b.client.generate(p, NEW) for p in prompts]
+        stats = b.idle_stats()
+    assert [r.output_token_ids.tolist() for r in res] == [oracle().generate_dense(p, NEW) for p in prompts]
+    assert all(r.cached_storage == 0 for r in res)
+    assert stats["storage_errors"] > 0 and stats["failed_requests"] == 0
