@@ -233,3 +233,22 @@ def test_objects_in_memory_a_dead_process_lent_are_misses(node, tmp_path, store)
     assert [r.output_token_ids.tolist() for r in res] == [oracle().generate_dense(p, NEW) for p in prompts]
     assert all(r.cached_storage == 0 for r in res)
     assert stats["storage_errors"] > 0 and stats["failed_requests"] == 0
+
+
+def test_a_pool_the_store_cannot_address_goes_through_the_staging_area(store):
+    """A GPU node's blocks: batches of the registered staging area, the same bytes back."""
+    from tests.test_storage_io import CopyingBackend, pool
+    from workers.storage_io import StagedBlocks
+
+    spec = parse_storage(store.uri)
+    a, b = MooncakeStorage(spec, rank=0), MooncakeStorage(spec, rank=0)
+    try:
+        src, dst = pool(CopyingBackend(), seed=3), pool(CopyingBackend(), seed=4)
+        blocks = list(range(100))
+        keys = [i.to_bytes(16, "big") for i in blocks]
+        assert StagedBlocks(src, a, lambda: None).write(blocks, keys) == 100 * src.block_bytes
+        assert StagedBlocks(dst, b, lambda: None).read(blocks, keys, 0.0) == 100
+        assert np.array_equal(dst.array[:100], src.array[:100]) and a.errors == b.errors == 0
+    finally:
+        a.close()
+        b.close()

@@ -29,6 +29,7 @@ from ipc.signals import Signal
 from .child import Child, run_child
 from .kv_pool import PoolError, attach_pools, check_blocks, copy_blocks
 from .storage import StorageError, StoreHung, open_storage
+from .storage_io import block_io
 
 log = logging.getLogger("workers.cache_transfer")  # not __main__ under python -m
 
@@ -42,10 +43,7 @@ class CacheTransfer:
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
         self.storage = open_storage(cfg.storage, rank, cfg.tp, cfg.host, child.beat)
-        # a host-memory device pool (a CPU node) is read into and written from in place
-        self._in_place = isinstance(self.device.array, np.ndarray)
-        if self.storage is not None and self._in_place:
-            self.storage.register(self.device.array)
+        self.blocks = block_io(self.device, self.storage, child.beat) if self.storage is not None else None
         self.owners: dict[str, np.ndarray] = {}
         self.store_errors = 0  # of the task being run: store failures its misses came from
         if cfg.check_ownership:
@@ -177,35 +175,11 @@ class CacheTransfer:
         the first `blocks` blocks of the answer, and owns the rest again once it has it. No
         block is written past the task's deadline (a slow store: the engine took the blocks
         back as a miss)."""
-        if self._in_place:  # one batch straight into the pool's blocks
-            blocks = self.device.array
-            done = self.storage.get_many(keys, [blocks[b] for b in dev.tolist()], deadline)
-            self.child.beat()
-            return done
-        backend = self.device.backend
-        for i, (block, key) in enumerate(zip(dev.tolist(), keys)):
-            buf = backend.write_target(self.device, block)
-            if (deadline and time.monotonic() >= deadline) or not self.storage.get(key, buf):
-                return i
-            backend.commit(self.device, block, buf)
-            self.child.beat()
-        return len(keys)
+        return self.blocks.read(dev.tolist(), keys, deadline)
 
     def _write(self, dev: np.ndarray, keys: list[bytes]) -> tuple[int, int]:
         """Write every block whose key the storage does not hold yet; returns (blocks, bytes)."""
-        if self._in_place:  # one batch straight from the pool's blocks
-            blocks = self.device.array
-            written = self.storage.put_many(keys, [blocks[b] for b in dev.tolist()])
-            self.child.beat()
-            return len(keys), written
-        backend = self.device.backend
-        written = 0
-        for block, key in zip(dev.tolist(), keys):
-            if not self.storage.contains(key):
-                self.storage.put(key, backend.read_block(self.device, block))
-                written += self.device.block_bytes
-            self.child.beat()
-        return len(keys), written
+        return len(keys), self.blocks.write(dev.tolist(), keys)
 
 
 def _owner_table(reg, obj: str, rank: int) -> np.ndarray:

@@ -9,9 +9,10 @@ server) and names its objects `kvrt-<block key hex>-r<rank>`; block keys are roo
 model identity (runtime/hashing.py), so nodes with other models never share an object.
 
 Zero copy: `register` registers a host-memory pool with the client, and reads land in (writes
-leave from) the pool's own blocks through `batch_get_into` / `batch_put_from`. A buffer outside
-every registered region (a GPU pool's pinned staging block) goes through a registered staging
-area of this process instead, one copy on each side.
+leave from) the pool's own blocks through `batch_get_into` / `batch_put_from` (a GPU pool's
+blocks come through workers/storage_io.py's staging area, registered the same way). A buffer
+outside every registered region goes through a registered staging area of this backend
+instead, one copy more.
 
 The store is a cache, so nothing it does fails a request: an error return, an exception, a full
 pool or a dead master is a miss (counted in `errors`). A call to a dead master blocks for
