@@ -48,7 +48,7 @@ def test_corrupted_and_truncated_objects_are_recomputed_not_served(node, tmp_pat
         assert [r.output_token_ids.tolist() for r in res] == want, ln.logs()
         assert [r.cached_storage for r in res] == [2 * BS, 1 * BS], "the prefix ends at the damaged object"
         assert [r.computed_prompt_tokens for r in res] == [len(p1) - 2 * BS, len(p2) - BS]
-        ln.idle_stats()
+        assert ln.idle_stats()["storage_errors"] == 2, "each damaged object is counted"
     with launched(node, tmp_path / "c", *opts) as ln:  # the recomputed blocks were written again
         res = [ln.client.generate(p, NEW) for p in (p1, p2)]
         assert [r.output_token_ids.tolist() for r in res] == want

@@ -73,7 +73,7 @@ class Storage(ABC):
     def keys(self) -> Iterator[bytes]:
         """Every key with an object for this rank (the engine's storage index starts from it)."""
 
-    errors = 0  # store failures (error returns, exceptions) answered as misses since the start
+    errors = 0  # store failures (error returns, exceptions, damaged objects) answered as misses so far
     beat: Callable[[], None] = staticmethod(lambda: None)  # the caller's heartbeat, while a batch runs
 
     def register(self, array: np.ndarray) -> None:
@@ -221,6 +221,7 @@ class FileStorage(Storage):
             return False
         except OSError as e:
             log.warning("storage read %s failed, treated as a miss: %s", path, e)
+            self.errors += 1
             return False
         if _digest(key, buf) != digest:
             return self._corrupt(path, "checksum mismatch")
@@ -232,6 +233,7 @@ class FileStorage(Storage):
         write of its block skip it (`put_many` writes only missing keys), so the prefix
         would end there for good."""
         log.warning("storage object %s is corrupt (%s): treated as a miss and removed", path, why)
+        self.errors += 1
         try:
             os.unlink(path)
         except OSError:
