@@ -17,6 +17,7 @@ BENCHES = {
     "copy": ("bench.copy", "KV block swaps device<->host vs the memcpy limit, and end-to-end through cache-transfer"),
     "pd": ("bench.pd", "P->D KV block transfer: shm and Mooncake transports vs memcpy and a raw TCP socket"),
     "replay": ("bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
+    "storage": ("bench.storage", "storage tiers: Mooncake Store and file put/get vs a raw socket; cross-node TTFT with a shared store"),
     "model": ("bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
     "serve": ("bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
 }
@@ -95,7 +96,9 @@ def _add_launch(sub) -> None:
                    f"(default {d.gpu_memory_utilization:g})")
     p.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks,
                    help="host (swap) blocks per rank; > 0 starts cache-transfer processes (default 0)")
-    p.add_argument("--storage", default="", help="storage tier URI: file:DIR (default: none)")
+    p.add_argument("--storage", default="", help="storage tier: file:DIR[?max_bytes=N] (node-local, capped, LRU-evicted) or "
+                   "mooncake://HOST:PORT (a Mooncake Store shared by every node on that master; see kvrt store start) "
+                   "(default: none)")
     p.add_argument("--host", default=d.host, help=f"interface the client API listens on (default {d.host})")
     p.add_argument("--port", type=int, default=d.port,
                    help="client API port (ZeroMQ; used by kvrt generate/replay and runtime.client; 0 = none)")
@@ -282,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("replay", help="replay a request trace against a running node (TTFT, hit rates)", add_help=False)
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES), add_help=False)
     sub.add_parser("stress", help="stress tests: " + ", ".join(STRESS), add_help=False)
+    sub.add_parser("store", help="kvrt store start: a Mooncake Store master for --storage mooncake://", add_help=False)
     args, rest = parser.parse_known_args(argv)
     quiet = args.command == "launch" and "--demo" in argv and not args.verbose
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
@@ -313,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(BENCHES, "bench", rest)
     if args.command == "stress":
         return _dispatch(STRESS, "stress", rest)
+    if args.command == "store":
+        from workers.storage_mooncake import store_main
+
+        return store_main(rest)
     parser.print_help()
     return 2
 

@@ -179,13 +179,15 @@ class TransferDone:
     nbytes: int = 0
     seconds: float = 0.0
     error: str = ""
+    store_errors: int = 0  # storage tasks: store failures that became misses (never an error here)
 
 
 @PROTOCOL.message("storage_keys")
 @dataclass
 class StorageKeys:
     """cache-transfer rank -> engine at start-up, in batches: the keys its storage holds
-    (`last` marks the final batch). The engine's storage index starts from what every rank has."""
+    (`last` marks the final batch). The engine's storage index starts from what every rank has.
+    A shared store lists nothing (one empty last batch): it is asked by each read instead."""
 
     rank: int
     keys: list
@@ -231,6 +233,7 @@ STATS = (
     "seqs_running", "seqs_waiting", "seqs_loading", "steps", "preemptions",
     "generated_tokens", "computed_prompt_tokens", "finished_requests", "failed_requests",
     "pd_sent_bytes", "pd_refused",
+    "storage_errors",  # store failures (error returns, exceptions, a dead master) answered as misses
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 

@@ -192,6 +192,8 @@ class TaskBook(NodeStore):
         self.metrics.storage_read_blocks += loaded
         if req.counted:  # the hit counters count what was read, not what was hoped for
             self.metrics.hit_tokens_storage -= (len(t.task.device_blocks) - loaded) * self.block_size
+            if not loaded and not req.cached_tokens:  # (a shared store's lookup misses often)
+                self.metrics.hit_requests -= 1
         if loaded:
             req.cached_tokens += loaded * self.block_size
             if not req.frozen:
@@ -287,7 +289,7 @@ class TaskBook(NodeStore):
         references (the whole path, so LRU order stays ancestors-after-descendants) until done.
         Blocks already stored, or being stored for another request that computed them too,
         are not written again."""
-        stored, storing, keys = self.storage_lookup, self._storing, self._keys
+        stored, storing, keys = self.storage_known, self._storing, self._keys
         own = [n for n in req.path[req.num_matched:].tolist() if self._state_v[n] == GPU
                and keys[n] not in storing and not stored([keys[n]])]
         if not own:

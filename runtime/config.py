@@ -83,10 +83,13 @@ class NodeConfig(config.NodeConfig):
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_cpu_blocks < 0:
             raise ConfigError(f"--num-cpu-blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.storage and not self.storage.startswith("file:"):
-            raise ConfigError(f"--storage {self.storage!r}: only file:DIR is supported")
-        if self.storage == "file:":
-            raise ConfigError("--storage file: needs a directory, e.g. file:/var/kvrt")
+        if self.storage:
+            from ipc.storage_uri import parse_storage
+
+            try:
+                parse_storage(self.storage)
+            except ValueError as e:
+                raise ConfigError(f"--storage: {e}") from None
         for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{name} must be 0..65535, got {port}")

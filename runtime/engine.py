@@ -33,6 +33,7 @@ from ipc.member import Member
 from ipc.rank_group import RankGroup
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
+from ipc.storage_uri import parse_storage
 from runtime.config import NodeConfig
 from runtime.connectors import ConnectorContext, KVConnector, connector_class
 from runtime.metrics import Metrics
@@ -103,9 +104,10 @@ class Engine:
         self.owners = self._owner_tables()
         self.transfer = TransferClient(self.to_transfer, self.cfg.rank_timeout, owners=self.owners)
         self.metrics = Metrics(self.stats.array, self.ring_stats)
-        self.storage = StorageIndex(tp) if self.cfg.storage else None
+        self.storage = StorageIndex(tp, parse_storage(self.cfg.storage).shared) if self.cfg.storage else None
         self.cache = PrefixCache(self.cfg.block_size, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks,
                                  storage_lookup=self.storage.lookup if self.storage is not None else None,
+                                 storage_known=self.storage.known if self.storage is not None else None,
                                  write_through=self.storage is not None)
         self.sched = Scheduler(self.cache, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         self.connector = self.sched.connector = self._make_connector(kind)
@@ -456,10 +458,13 @@ class Engine:
             log.error("transfer task %d (%s) failed: %s", result.task.task_id, result.task.kind, result.error)
         if self.storage is not None:
             task = result.task
+            s[P.STAT["storage_errors"]] += result.store_errors
             if task.kind == P.GPU2STORAGE and result.ok:
                 self.storage.add(task.keys)
             elif task.kind == P.STORAGE2GPU:
-                self.storage.forget(task.keys[result.blocks if result.ok else 0:])  # missing or corrupt
+                read = result.blocks if result.ok else 0
+                self.storage.add(task.keys[:read])
+                self.storage.forget(task.keys[read:])  # missing or corrupt
         self.sched.on_task_outcome(self.cache.apply_task_result(result.task.task_id, result.ok, result.blocks))
 
     # ---- the loop -----------------------------------------------------------------------------

@@ -55,6 +55,8 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
 
     `storage_lookup(keys)`, if given, returns how many leading keys the storage tier holds;
     matching asks it for the blocks the tree lacks and reads hits with a STORAGE2GPU task.
+    `storage_known(keys)` (default: `storage_lookup`) says how many leading keys are known to be
+    stored, so write-through skips them (a shared store's lookup answers "maybe", not "known").
     `write_through` writes the blocks a request computed to storage when it is released.
     `policy` makes each tier's eviction queue (runtime/cache_policy.py).
     `low_water` (with a host tier): device blocks kept free or on their way back by swapping
@@ -63,13 +65,15 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
 
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0, *,
                  storage_lookup: StorageLookup | None = None, write_through: bool = False,
-                 policy: Callable[[int], EvictionPolicy] = EvictionQueue, low_water: int | None = None):
+                 policy: Callable[[int], EvictionPolicy] = EvictionQueue, low_water: int | None = None,
+                 storage_known: StorageLookup | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.device_pool = BlockPool("device", num_device_blocks)
         self.host_pool = BlockPool("host", num_host_blocks)
         self.storage_lookup = storage_lookup
+        self.storage_known = storage_known or storage_lookup
         self.write_through = write_through
         self.metrics = CacheMetrics()
         # a live node holds at least one block

@@ -1,12 +1,22 @@
 """The engine's index of the storage tier: which block keys every rank's storage holds.
 
-Why an index instead of asking the ranks: matching runs on the engine's hot path, once per
-request, and must not wait for another process. The ranks list their keys once at start-up
-(StorageKeys); after that the engine knows what it wrote (GPU2STORAGE done) and forgets keys a
-read found missing or corrupt, so a lookup is a few set probes. A key counts only when every
-rank has it: a block is usable only if all of its head shards can be read. Objects written to
-a shared store by other nodes after start-up are not seen until the next start (a miss, never
-a wrong block: reads are checksummed and a short read recomputes the rest).
+A node-local tier (`file:DIR`): matching runs on the engine's hot path, once per request, and
+must not wait for another process. The ranks list their keys once at start-up (StorageKeys);
+after that the engine knows what it wrote (GPU2STORAGE done) and forgets keys a read found
+missing or corrupt, so a lookup is a few set probes. A key counts only when every rank has it:
+a block is usable only if all of its head shards can be read.
+
+A shared tier (`mooncake://`): other nodes write into it all the time, so a listing is stale
+at once. The engine cannot ask the store itself without blocking its loop, so the read is the
+lookup: `lookup` answers "maybe all of them", matching asks the cache-transfer ranks to read
+every key the tree lacks (one STORAGE2GPU task, which starts with a batched existence check in
+the store), and the request waits for the answer in the scheduler (LOADING, like a swap-in).
+The answer says how many leading blocks every rank read; the rest are computed. A task that
+does not come back within the rank timeout is a miss. Reads never trust the index: objects are
+checksummed (file) or sized (Mooncake), and a short read recomputes the rest.
+
+Either way `known` says which keys this node has seen stored (wrote or read), so it does not
+write a block again that it knows the tier holds.
 """
 from __future__ import annotations
 
@@ -14,11 +24,12 @@ from typing import Iterable, Sequence
 
 
 class StorageIndex:
-    def __init__(self, ranks: int):
+    def __init__(self, ranks: int, shared: bool = False):
         self._keys: set[bytes] = set()
         self._listing: dict[int, set[bytes]] = {}
         self._listed: set[int] = set()
         self.ranks = ranks
+        self.shared = shared
 
     @property
     def ready(self) -> bool:
@@ -40,7 +51,12 @@ class StorageIndex:
             self._listing.clear()
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` the storage tier holds."""
+        """How many leading `keys` are worth a read: those the index holds, or for a shared
+        tier all of them (the read finds out)."""
+        return len(keys) if self.shared else self.known(keys)
+
+    def known(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` this node knows the tier holds."""
         n = 0
         for key in keys:
             if key not in self._keys:

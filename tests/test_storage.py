@@ -74,8 +74,8 @@ def test_open_storage_uri(tmp_path):
     assert open_storage("", 0) is None
     s = open_storage(f"file:{tmp_path}/kv", 3)
     assert isinstance(s, FileStorage) and s.rank == 3 and s.directory == f"{tmp_path}/kv"
-    for bad in ("mooncake://x", "file:"):
-        with pytest.raises(ValueError, match="unsupported storage"):
+    for bad in ("mooncake://x", "file:", "ftp:/x", "file:/x?max_bytes=lots"):
+        with pytest.raises(ValueError, match="storage|size"):
             open_storage(bad, 0)
 
 
@@ -98,3 +98,54 @@ def test_directories_and_objects_are_private_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert os.stat(FileStorage(str(root), 1).path(KEY)).st_mode & 0o777 == 0o600
+
+
+def _object_bytes(s: FileStorage) -> int:
+    return sum(os.path.getsize(s.path(k)) for k in s.keys())
+
+
+def test_a_capped_tier_evicts_the_least_recently_used_objects(tmp_path):
+    size = FileStorage(str(tmp_path / "probe"), 0)
+    size.put(KEY, block(0))
+    one = os.path.getsize(size.path(KEY))
+    s = FileStorage(str(tmp_path / "kv"), 0, max_bytes=4 * one)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    for i, key in enumerate(keys[:4]):
+        s.put(key, block(i))
+    assert s.get(keys[0], np.zeros_like(block(0)))  # a read makes it the most recently used
+    s.put(keys[4], block(4))  # over the cap: down to 7/8 of it, least recently used first
+    assert sorted(s.keys()) == sorted([keys[0], keys[2], keys[3], keys[4]]) or \
+        sorted(s.keys()) == sorted([keys[0], keys[3], keys[4]])
+    assert keys[1] not in set(s.keys()) and _object_bytes(s) <= 4 * one
+    # a restart learns the order from the files' times (the clock ticks coarser than these
+    # writes: set them) and a lower cap trims at once
+    for age, key in enumerate(reversed(sorted(s.keys(), key=[keys[3], keys[2], keys[0], keys[4]].index))):
+        os.utime(s.path(key), ns=(10**18 - age * 10**9,) * 2)
+    again = FileStorage(str(tmp_path / "kv"), 0, max_bytes=2 * one)
+    assert set(again.keys()) <= {keys[0], keys[4]} and _object_bytes(again) <= 2 * one
+    out = np.zeros_like(block(0))
+    assert again.get(keys[4], out) and np.array_equal(out, block(4))
+    other_rank = FileStorage(str(tmp_path / "kv"), 1, max_bytes=one)
+    other_rank.put(keys[5], block(5))
+    assert set(again.keys()) <= {keys[0], keys[4]} and len(list(again.keys())) >= 1, \
+        "a rank evicts only its own objects"
+
+
+def test_open_storage_splits_the_cap_among_ranks(tmp_path):
+    s = open_storage(f"file:{tmp_path}/kv?max_bytes=1M", 1, tp=4)
+    assert isinstance(s, FileStorage) and s.max_bytes == (1 << 20) // 4
+    assert open_storage(f"file:{tmp_path}/kv", 0).max_bytes == 0
+
+
+def test_a_batch_read_writes_nothing_past_its_deadline(tmp_path):
+    """The cache-transfer task that asked has expired: the engine took its blocks back."""
+    import time
+
+    s = FileStorage(str(tmp_path), 0)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    for i, key in enumerate(keys):
+        s.put(key, block(i))
+    outs = [np.zeros_like(block(0)) for _ in keys]
+    assert s.get_many(keys, outs, deadline=time.monotonic() + 60) == 3
+    outs = [np.zeros_like(block(0)) for _ in keys]
+    assert s.get_many(keys, outs, deadline=time.monotonic() - 1) == 0 and not any(o.any() for o in outs)

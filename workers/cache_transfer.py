@@ -28,7 +28,8 @@ from ipc.signals import Signal
 
 from .child import Child, run_child
 from .kv_pool import PoolError, attach_pools, check_blocks, copy_blocks
-from .storage import StorageError, open_storage
+from .storage import StorageError, StoreHung, open_storage
+from .storage_io import block_io
 
 log = logging.getLogger("workers.cache_transfer")  # not __main__ under python -m
 
@@ -41,8 +42,10 @@ class CacheTransfer:
         cfg, reg, rank = child.cfg, child.reg, child.rank
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
-        self.storage = open_storage(cfg.storage, rank)
+        self.storage = open_storage(cfg.storage, rank, cfg.tp, cfg.host, child.beat)
+        self.blocks = block_io(self.device, self.storage, child.beat) if self.storage is not None else None
         self.owners: dict[str, np.ndarray] = {}
+        self.store_errors = 0  # of the task being run: store failures its misses came from
         if cfg.check_ownership:
             self.owners = {"device": _owner_table(reg, protocol.OWNERS_DEVICE, rank),
                            "host": _owner_table(reg, protocol.OWNERS_HOST, rank)}
@@ -53,6 +56,8 @@ class CacheTransfer:
         """Close the answer ring (the engine's wait ends at once), detach everything else."""
         self.answers.close()
         self.tasks.detach()
+        if self.storage is not None:
+            self.storage.close()
         for pool in (self.device, self.host):
             if pool is not None:
                 pool.close()
@@ -82,6 +87,7 @@ class CacheTransfer:
     # ---- tasks --------------------------------------------------------------------------
     def execute(self, task: TransferTask) -> TransferDone:
         """Run one task; any failure becomes ok=False with the reason, never an exit."""
+        self.store_errors = 0
         if not isinstance(task.task_id, int):
             raise ProtocolError(f"task id {task.task_id!r} is not an integer")  # cannot be answered
         t0 = time.perf_counter()
@@ -99,10 +105,13 @@ class CacheTransfer:
         except (StorageError, ValueError) as e:  # bad ids, no such tier, a failed write
             log.warning("%s failed: %s", what, e)
             return self._failed(task, t0, f"{what}: {e}")
-        except Exception as e:  # a task must never take the process down
+        except StoreHung:  # a read may still land in its blocks: this process must not go on
+            raise
+        except Exception as e:  # a task must never take the process down, but for a hung store
             log.exception("%s failed unexpectedly", what)
             return self._failed(task, t0, f"{what}: {type(e).__name__}: {e}")
-        return TransferDone(task.task_id, self.rank, True, blocks, nbytes, time.perf_counter() - t0)
+        return TransferDone(task.task_id, self.rank, True, blocks, nbytes, time.perf_counter() - t0,
+                            store_errors=self.store_errors)
 
     def _failed(self, task: TransferTask, t0: float, error: str) -> TransferDone:
         return TransferDone(task.task_id, self.rank, False, 0, 0, time.perf_counter() - t0, error)
@@ -143,11 +152,13 @@ class CacheTransfer:
             raise ValueError(f"a storage task needs one non-empty bytes key per device block "
                              f"({dev.size} blocks, {len(keys)} keys)")
         self._check_owned(what, dev, None)
+        errors = self.storage.errors
         if task.kind == protocol.STORAGE2GPU:
-            done = self._read(dev, keys)
+            done = self._read(dev, keys, task.deadline)
             nbytes = done * self.device.block_bytes
         else:
             done, nbytes = self._write(dev, keys)
+        self.store_errors = self.storage.errors - errors
         self._check_owned(f"{what}, after the copy", dev, None)
         return done, nbytes
 
@@ -155,30 +166,20 @@ class CacheTransfer:
     _HANDLERS = {TaskKind.SWAP2CPU: _swap, TaskKind.SWAP2GPU: _swap,
                  TaskKind.STORAGE2GPU: _storage_task, TaskKind.GPU2STORAGE: _storage_task}
 
-    def _read(self, dev: np.ndarray, keys: list[bytes]) -> int:
+    def _read(self, dev: np.ndarray, keys: list[bytes], deadline: float) -> int:
         """Read the leading blocks whose objects exist and are intact; the first miss ends it.
+        For a shared store this is also the lookup: the engine asks for every block its tree
+        lacks, and the answer says how many the store had.
 
         A miss may leave its block half-written (numpy reads in place); the engine uses only
-        the first `blocks` blocks of the answer, and owns the rest again once it has it."""
-        backend = self.device.backend
-        for i, (block, key) in enumerate(zip(dev.tolist(), keys)):
-            buf = backend.write_target(self.device, block)
-            if not self.storage.get(key, buf):
-                return i
-            backend.commit(self.device, block, buf)
-            self.child.beat()
-        return len(keys)
+        the first `blocks` blocks of the answer, and owns the rest again once it has it. No
+        block is written past the task's deadline (a slow store: the engine took the blocks
+        back as a miss)."""
+        return self.blocks.read(dev.tolist(), keys, deadline)
 
     def _write(self, dev: np.ndarray, keys: list[bytes]) -> tuple[int, int]:
         """Write every block whose key the storage does not hold yet; returns (blocks, bytes)."""
-        backend = self.device.backend
-        written = 0
-        for block, key in zip(dev.tolist(), keys):
-            if not self.storage.contains(key):
-                self.storage.put(key, backend.read_block(self.device, block))
-                written += self.device.block_bytes
-            self.child.beat()
-        return len(keys), written
+        return len(keys), self.blocks.write(dev.tolist(), keys)
 
 
 def _owner_table(reg, obj: str, rank: int) -> np.ndarray:

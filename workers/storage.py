@@ -7,20 +7,36 @@ crash, because the engine treats storage as a cache and recomputes what it canno
 
 `file:DIR` layout: DIR/<first two hex digits>/<key hex>.r<rank>.kvb, written to a temporary
 name and moved into place with os.replace, so a reader sees the old object or the new one,
-never half of one. There is no fsync: after a power loss a torn file fails its checksum and
-is a miss, which is all a cache needs. Directories are created 0700 and objects 0600 whatever
-the umask: KV blocks are the users' prompts in another form, as private as the prompts.
+never half of one. Every object carries an xxh3-64 of its key and payload in its header and
+`get` verifies it (and the length) before it reports a hit, so a truncated, corrupted or
+misplaced file is a miss and its block is recomputed. There is no fsync: after a power loss a
+torn file fails its checksum and is a miss, which is all a cache needs. Directories are
+created 0700 and objects 0600 whatever the umask: KV blocks are the users' prompts in another
+form, as private as the prompts.
+
+`max_bytes` caps what a rank's objects take (each rank gets its share of the directory's cap):
+a write that goes over it deletes the least recently used objects (by the time they were last
+written or read, which reads refresh) down to 7/8 of the cap, so eviction runs once per many
+writes rather than on every one. Other ranks' and nodes' files are never deleted.
+
+A shared store (Mooncake, workers/storage_mooncake.py) implements the same interface; the
+batch methods (`exists_many`, `get_many`, `put_many`) are what the cache-transfer process
+calls, so a backend with batched I/O overrides them and the others inherit the loops below.
 """
 from __future__ import annotations
 
 import logging
 import os
 import struct
-from typing import Iterator
+import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
+
+from ipc.storage_uri import FILE, parse_storage
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +48,10 @@ _HEADER = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of key + payl
 
 class StorageError(RuntimeError):
     """A write failed (disk full, permissions): the task that asked fails, the process lives."""
+
+
+class StoreHung(RuntimeError):
+    """A store call did not return in time and may still write into blocks: the process exits."""
 
 
 class Storage(ABC):
@@ -53,6 +73,39 @@ class Storage(ABC):
     def keys(self) -> Iterator[bytes]:
         """Every key with an object for this rank (the engine's storage index starts from it)."""
 
+    errors = 0  # store failures (error returns, exceptions, damaged objects) answered as misses so far
+    beat: Callable[[], None] = staticmethod(lambda: None)  # the caller's heartbeat, while a batch runs
+
+    def register(self, array: np.ndarray) -> None:
+        """`array` (a host-memory pool) is where reads land and writes come from from now on;
+        a backend that moves bytes without a copy registers it with its transport."""
+
+    def get_many(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], deadline: float = 0.0) -> int:
+        """Fill outs[i] with keys[i]'s object while they hit; returns how many leading blocks
+        were read (the first miss ends the prefix; later buffers may be half-written). Past
+        `deadline` (time.monotonic(); 0: none) nothing more is written into `outs`: the task
+        that asked has expired and its blocks may be someone else's."""
+        for i, (key, out) in enumerate(zip(keys, outs)):
+            if deadline and time.monotonic() >= deadline:
+                return i
+            if not self.get(key, out):
+                return i
+            self.beat()
+        return len(keys)
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[np.ndarray]) -> int:
+        """Store every block whose key has no object yet; returns the bytes written."""
+        written = 0
+        for key, data in zip(keys, datas):
+            if not self.contains(key):
+                self.put(key, data)
+                written += data.nbytes
+            self.beat()
+        return written
+
+    def close(self) -> None:
+        """Let go of connections and registrations (the objects stay)."""
+
 
 def _digest(key: bytes, payload: memoryview) -> int:
     h = xxhash.xxh3_64(key)
@@ -69,9 +122,10 @@ def _bytes_of(a: np.ndarray) -> memoryview:
 class FileStorage(Storage):
     """One file per (key, rank) under a directory, with a checksummed header."""
 
-    def __init__(self, directory: str, rank: int):
+    def __init__(self, directory: str, rank: int, max_bytes: int = 0):
         self.directory = os.path.abspath(directory)
         self.rank = rank
+        self.max_bytes = max_bytes
         self._tmp_seq = 0
         try:
             _make_private_dirs(self.directory)
@@ -81,6 +135,11 @@ class FileStorage(Storage):
         if mode & 0o077:
             log.warning("storage directory %s already existed with mode %o: other users may read "
                         "its KV blocks (chmod 700 it)", self.directory, mode)
+        # key -> object bytes, least recently used first (only kept under a cap)
+        self._used: OrderedDict[bytes, int] = OrderedDict()
+        self._total = 0
+        if max_bytes:
+            self._scan()
 
     def path(self, key: bytes) -> str:
         h = key.hex()
@@ -102,6 +161,47 @@ class FileStorage(Storage):
                     except ValueError:
                         continue  # not one of ours
 
+    def _scan(self) -> None:
+        """Learn this rank's objects, oldest use first, and trim them to the cap (it may have
+        been lowered since they were written)."""
+        found = []
+        for key in self.keys():
+            try:
+                st = os.stat(self.path(key))
+            except OSError:
+                continue
+            found.append((st.st_mtime_ns, key, st.st_size))
+        for _, key, size in sorted(found):
+            self._used[key] = size
+            self._total += size
+        self._trim(self.max_bytes)
+
+    def _trim(self, limit: int) -> None:
+        """Delete least recently used objects until they take at most `limit` bytes."""
+        dropped = 0
+        while self._total > limit and self._used:
+            key, size = self._used.popitem(last=False)
+            self._total -= size
+            try:
+                os.unlink(self.path(key))
+                dropped += 1
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("storage eviction of %s failed: %s", self.path(key), e)
+        if dropped:
+            log.info("storage %s (rank %d): evicted %d objects to stay under %d bytes",
+                     self.directory, self.rank, dropped, self.max_bytes)
+
+    def _touch(self, key: bytes, path: str) -> None:
+        """A read hit: the object is the most recently used (its mtime says so across restarts)."""
+        if key in self._used:
+            self._used.move_to_end(key)
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+
     def get(self, key: bytes, out: np.ndarray) -> bool:
         path = self.path(key)
         buf = _bytes_of(out)
@@ -121,14 +221,23 @@ class FileStorage(Storage):
             return False
         except OSError as e:
             log.warning("storage read %s failed, treated as a miss: %s", path, e)
+            self.errors += 1
             return False
         if _digest(key, buf) != digest:
             return self._corrupt(path, "checksum mismatch")
+        self._touch(key, path)
         return True
 
-    @staticmethod
-    def _corrupt(path: str, why: str) -> bool:
-        log.warning("storage object %s is corrupt (%s), treated as a miss", path, why)
+    def _corrupt(self, path: str, why: str) -> bool:
+        """A damaged object is a miss and is deleted: left in place it would make every later
+        write of its block skip it (`put_many` writes only missing keys), so the prefix
+        would end there for good."""
+        log.warning("storage object %s is corrupt (%s): treated as a miss and removed", path, why)
+        self.errors += 1
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
         return False
 
     def put(self, key: bytes, data: np.ndarray) -> None:
@@ -144,6 +253,12 @@ class FileStorage(Storage):
                 f.write(_HEADER.pack(MAGIC, len(buf), _digest(key, buf)))
                 f.write(buf)
             os.replace(tmp, path)
+            if self.max_bytes:
+                size = _HEADER.size + len(buf)
+                self._total += size - self._used.pop(key, 0)
+                self._used[key] = size
+                if self._total > self.max_bytes:
+                    self._trim(self.max_bytes * 7 // 8)
         except OSError as e:
             try:
                 os.unlink(tmp)
@@ -167,13 +282,21 @@ def _make_private_dirs(path: str) -> None:
     os.chmod(path, DIR_MODE)
 
 
-def open_storage(uri: str, rank: int) -> Storage | None:
-    """The storage backend a node's `storage` setting names, or None when it is empty.
-
-    Supported: `file:DIR`."""
+def open_storage(uri: str, rank: int, tp: int = 1, host: str = "127.0.0.1",
+                 beat: Callable[[], None] | None = None) -> Storage | None:
+    """Rank `rank`'s view of the storage tier a node's `storage` setting names (ipc/storage_uri.py),
+    or None when it is empty. `tp` splits a file tier's cap among the ranks; `host` is the
+    address a shared store's peers reach this process at; `beat` is called while a shared
+    store's call takes long (the caller's heartbeat)."""
     if not uri:
         return None
-    scheme, _, rest = uri.partition(":")
-    if scheme == "file" and rest:
-        return FileStorage(rest, rank)
-    raise ValueError(f"unsupported storage {uri!r}: expected file:DIR")
+    spec = parse_storage(uri)
+    if spec.scheme == FILE:
+        storage: Storage = FileStorage(spec.path, rank, spec.max_bytes // tp if spec.max_bytes else 0)
+    else:
+        from .storage_mooncake import MooncakeStorage  # the wheel is an optional dependency
+
+        storage = MooncakeStorage(spec, rank, host)
+    if beat is not None:
+        storage.beat = beat
+    return storage
