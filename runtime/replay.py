@@ -31,7 +31,7 @@ import numpy as np
 
 from runtime.api import TokenEvent
 from runtime.cache_metrics import TIERS, rate, token_rate_key
-from runtime.client import DEFAULT_HOST, Client, ClientError, Result
+from runtime.client import CONNECT_TIMEOUT, DEFAULT_HOST, Client, ClientError, Result
 from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens, ideal_hit_tokens,
                            load_trace, to_vocab)
 
@@ -506,7 +506,8 @@ def main(argv: list[str]) -> int:
         p.error(f"--port must be 1..65535, got {args.port}")
     requests = load_requests(p, args)
     try:
-        with Client(args.port, args.timeout, host=args.host) as c:
+        with Client(args.port, args.timeout, host=args.host,
+                    connect_timeout=min(args.timeout, CONNECT_TIMEOUT)) as c:
             info = c.info()
             specs = trace_prompts(requests, args.tokens_per_id, vocab_size=info.vocab_size,
                                   max_new_tokens_cap=args.max_new_tokens_cap, max_model_len=info.max_model_len)

@@ -3,6 +3,8 @@ port, exit codes, progress, `status --watch`, `--config`, replay defaults, and t
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -11,6 +13,7 @@ import pytest
 
 from ipc.protocol import STAT, STATS
 from runtime.metrics import Metrics
+from tests.conftest import REPO
 
 
 def free_port() -> int:
@@ -49,3 +52,28 @@ def test_metrics_port_answers_only_metrics_and_blocks_sum_to_capacity():
     for tier, cap in (("device", 32), ("host", 16)):
         parts = sum(v for k, v in samples.items() if k.startswith("kvrt_blocks{") and f'tier="{tier}"' in k)
         assert parts == cap == samples[f'kvrt_blocks_capacity{{tier="{tier}"}}']
+
+
+def kvrt(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+@pytest.fixture
+def silent_listener():
+    """A port that accepts TCP connections and never says anything (not a kvrt node)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+                                     ["replay", "--limit", "2"]])
+def test_client_commands_name_a_wrong_port_long_before_their_answer_timeout(command, silent_listener):
+    closed = free_port()
+    for port, why in ((closed, "refused"), (silent_listener, "")):
+        # --timeout 600: only the connect check can end these runs within the subprocess timeout
+        r = kvrt(*command, "--port", str(port), "--timeout", "600", timeout=60)
+        assert r.returncode == 1, r.stderr
+        assert f"tcp://127.0.0.1:{port}" in r.stderr and why in r.stderr
