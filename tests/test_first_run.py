@@ -2,6 +2,7 @@
 port, exit codes, progress, `status --watch`, `--config`, replay defaults, and the plot."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -77,3 +78,47 @@ def test_client_commands_name_a_wrong_port_long_before_their_answer_timeout(comm
         r = kvrt(*command, "--port", str(port), "--timeout", "600", timeout=60)
         assert r.returncode == 1, r.stderr
         assert f"tcp://127.0.0.1:{port}" in r.stderr and why in r.stderr
+
+
+def read_for(fd: int, seconds: float) -> bytes:
+    """What a pty master gives within `seconds` (the child keeps writing frames)."""
+    import select
+    import time
+
+    got = b""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([fd], [], [], left)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the child closed its end
+                break
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+def test_status_watch_redraws_in_place_on_a_terminal_and_appends_plain_frames_to_a_pipe():
+    import pty
+
+    args = [sys.executable, "-m", "launcher", "status", "--node", "nosuchnode", "--watch", "0.2"]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(args, cwd=REPO, stdout=slave, stderr=subprocess.DEVNULL)
+    os.close(slave)
+    try:
+        tty = read_for(master, 8).decode(errors="replace")
+    finally:
+        proc.kill()
+        proc.wait(10)
+        os.close(master)
+    frames = tty.count("does not exist")
+    assert frames >= 2 and tty.count("\x1b[H\x1b[2J") == frames
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        piped = read_for(proc.stdout.fileno(), 8).decode()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+    assert piped.count("does not exist") >= 2 and "\x1b" not in piped
