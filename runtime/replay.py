@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, TextIO
 
 import numpy as np
+from tqdm import tqdm
 
 from runtime.api import TokenEvent
 from runtime.cache_metrics import TIERS, rate, token_rate_key
@@ -255,8 +256,9 @@ class Progress:
 
 
 class ProgressBar:
-    """Progress on a stream: a bar redrawn in place on a terminal, a line every few seconds
-    otherwise (logs stay readable)."""
+    """Progress on a stream: a tqdm bar redrawn in place on a terminal (rate, ETA, requests in
+    flight, errors), a plain line every few seconds otherwise (logs stay readable: no carriage
+    returns or escape codes in them)."""
 
     def __init__(self, label: str = "replay", stream: TextIO | None = None, every_s: float | None = None):
         self.label = label
@@ -264,21 +266,33 @@ class ProgressBar:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every_s = every_s if every_s is not None else (0.2 if self.tty else 5.0)
         self._last = -math.inf
+        self._bar: tqdm | None = None
+        self._closed = False
 
     def __call__(self, p: Progress) -> None:
         final = p.done >= p.total and p.in_flight == 0
+        if self.tty:
+            self._draw(p, final)
+            return
         now = time.monotonic()
         if not final and now - self._last < self.every_s:
             return
         self._last = now
-        if self.tty:
-            width = 24
-            fill = int(width * p.done / p.total) if p.total else width
-            self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {p.line(self.label)}\x1b[K"
-                              + ("\n" if final else ""))
-        else:
-            self.stream.write(p.line(self.label) + "\n")
+        self.stream.write(p.line(self.label) + "\n")
         self.stream.flush()
+
+    def _draw(self, p: Progress, final: bool) -> None:
+        if self._closed:
+            return
+        if self._bar is None:
+            self._bar = tqdm(total=p.total, desc=self.label, unit="req", file=self.stream, mininterval=self.every_s,
+                             dynamic_ncols=True, leave=True)
+        self._bar.total = p.total  # a source may issue fewer requests than it first said
+        self._bar.set_postfix(in_flight=p.in_flight, errors=p.errors, refresh=False)
+        self._bar.update(p.done - self._bar.n)
+        if final:
+            self._bar.close()
+            self._closed = True
 
 
 def progress_lines(emit: Callable[[str], None], label: str = "", every_s: float = 2.0) -> Callable[[Progress], None]:
