@@ -122,3 +122,76 @@ def test_status_watch_redraws_in_place_on_a_terminal_and_appends_plain_frames_to
         proc.wait(10)
         proc.stdout.close()
     assert piped.count("does not exist") >= 2 and "\x1b" not in piped
+
+
+# ---- replay: what is taken from the trace, and prompts that do not fit -----------------------
+
+
+def conversation_trace():
+    """Six requests: conversation A (3 turns), B (2 turns), and a one-turn C, interleaved; all
+    start with the shared id 0, as the bundled trace does."""
+    from runtime.trace import TraceRequest
+
+    def req(t, ids):
+        return TraceRequest(t, 512 * len(ids), 4, tuple(ids))
+
+    return [req(0, [0, 1, 2]), req(1, [0, 9, 8]), req(2, [0, 5]), req(3, [0, 1, 2, 3]),
+            req(4, [0, 9, 8, 7]), req(5, [0, 1, 2, 3, 4])]
+
+
+def test_selecting_whole_conversations_keeps_reuse_at_a_small_limit():
+    from runtime.replay import scale_request, select_conversations
+    from runtime.trace import ideal_hit_tokens
+
+    reqs = conversation_trace()
+    first = [scale_request(r, 8) for r in reqs[:3]]
+    assert ideal_hit_tokens(first, 16, 8) == 0  # three first turns: nothing to reuse
+    chosen, conversations = select_conversations(reqs, 3)
+    assert conversations == 1 and [r.hash_ids[1] for r in chosen] == [1, 1, 1]
+    assert ideal_hit_tokens([scale_request(r, 8) for r in chosen], 16, 8) > 0
+    chosen, conversations = select_conversations(reqs, 5)
+    assert conversations == 2 and chosen == [r for r in reqs if r.hash_ids[1] != 5]  # in trace order
+    assert select_conversations(reqs, None) == (reqs, 3)  # the one-turn conversation comes last
+
+
+def test_bench_replay_takes_whole_conversations_by_default_and_says_so():
+    from bench.replay import parse_args
+
+    _, args = parse_args(["--trace", __file__])
+    assert args.select == "conversations"
+
+
+def test_replay_skips_prompts_longer_than_the_model_counts_them_and_cuts_none(tmp_path):
+    import json
+
+    from tests.test_client import FakeNode
+    from tests.test_demo_workload import write_trace
+    from runtime.trace import TraceRequest
+
+    trace = tmp_path / "t.jsonl"
+    reqs = conversation_trace() + [TraceRequest(6, 512 * 9, 4, tuple(range(100, 109)))]  # 4,608 > 4,096 tokens
+    write_trace(trace, reqs)
+    with FakeNode() as f:
+        r = kvrt("replay", "--port", str(f.port), "--trace", str(trace), "--tokens-per-id", "512", "--speed", "0",
+                 "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["completed"] == out["requests"] == 6 and out["config"]["skipped_too_long"] == 1
+        assert "skipping 1 of 7 requests longer than the node's max_model_len 4096" in r.stderr
+        assert out["prompt_tokens"] == sum(q.input_length for q in reqs[:6])  # every prompt sent whole
+        r = kvrt("replay", "--port", str(f.port), "--trace", str(trace), "--tokens-per-id", "512", "--speed", "0")
+        assert r.returncode == 0 and "1 requests longer than max_model_len 4096" in r.stdout
+
+
+def test_replay_defaults_scale_the_trace_to_fit_the_reference_model():
+    from runtime.replay import fit_requests, parser
+    from runtime.trace import default_trace_path, load_trace
+    from ipc.config import NodeConfig
+
+    args = parser().parse_args(["--port", "1"])
+    if not default_trace_path().exists():
+        pytest.skip("the bundled trace is not next to the repository")
+    reqs = load_trace(default_trace_path(), 50)
+    fits, too_long = fit_requests(reqs, args.tokens_per_id, NodeConfig(node="").max_model_len,
+                                  args.max_new_tokens_cap)
+    assert not too_long and len(fits) == 50
