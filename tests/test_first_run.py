@@ -195,3 +195,21 @@ def test_replay_defaults_scale_the_trace_to_fit_the_reference_model():
     fits, too_long = fit_requests(reqs, args.tokens_per_id, NodeConfig(node="").max_model_len,
                                   args.max_new_tokens_cap)
     assert not too_long and len(fits) == 50
+
+
+def test_bench_cache_plot_without_capacities_draws_a_curve(tmp_path, monkeypatch):
+    """Without --capacity-blocks the plot gets capacities of its own: a curve, not an empty chart."""
+    pytest.importorskip("matplotlib")
+    import bench.cache as bc
+    from tests.test_demo_workload import write_trace
+
+    drawn = []
+    real_plot = bc.plot
+    monkeypatch.setattr(bc, "plot", lambda results, path, trace: (drawn.append(results),
+                                                                  real_plot(results, path, trace)))
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, conversation_trace())
+    png = tmp_path / "hit.png"
+    assert bc.main(["--trace", str(trace), "--plot", str(png)]) == 0
+    capacities = [r["capacity_blocks"] for r in drawn[0]]
+    assert len(capacities) >= 2 and None not in capacities and png.stat().st_size > 1000
