@@ -48,7 +48,7 @@ def _detect_device() -> str:
         return "cpu"
 
 
-def _add_launch(sub) -> None:
+def _add_launch(sub) -> argparse.ArgumentParser:
     from runtime.config import NodeConfig
 
     d = NodeConfig(node="")
@@ -56,6 +56,10 @@ def _add_launch(sub) -> None:
                        description="Start one kvrt node and supervise it until SIGINT/SIGTERM. Creates every "
                        "shared-memory object of the node, starts its processes, waits until each is ready, and "
                        "stops the node cleanly (exit 1) if any process dies.")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="read options from a TOML file (YAML if FILE ends in .yaml/.yml and PyYAML is installed): "
+                   "keys are the long flag names, with - or _ (num-gpu-blocks = 256); flags given on the command "
+                   "line override the file; an unknown key or a value of the wrong type is an error naming the key")
     p.add_argument("--node", default="", help="node name, unique on this machine (default: kvrt<port> or kvrt<pid>)")
     p.add_argument("--role", default=d.role, choices=["mixed", "prefill", "decode"],
                    help="mixed (default): prefill and decode here; prefill: compute prompts and hand their KV "
@@ -130,6 +134,7 @@ def _add_launch(sub) -> None:
                    help=f"seconds without a heartbeat after which a ready process counts as hung and the node "
                    f"stops with exit 1, as for a dead one (default {d.hang_timeout:g}; start-up is bounded by "
                    f"--ready-timeout instead)")
+    return p
 
 
 def launch(args) -> int:
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_launch(sub)
+    launch_parser = _add_launch(sub)
     st = sub.add_parser("status", help="inspect live nodes from their shared memory (read-only)")
     st.add_argument("--node", help="node name (default: every node found)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -280,11 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES), add_help=False)
     sub.add_parser("stress", help="stress tests: " + ", ".join(STRESS), add_help=False)
     args, rest = parser.parse_known_args(argv)
-    quiet = args.command == "launch" and "--demo" in argv and not args.verbose
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "launch" and args.config:
+        from runtime.config_file import ConfigFileError, config_defaults
+
+        try:
+            launch_parser.set_defaults(**config_defaults(launch_parser, args.config))
+        except ConfigFileError as e:
+            launch_parser.error(f"--config {e}")
     if args.command in ("launch", "status", "clean"):
         args = parser.parse_args(argv)
+    quiet = args.command == "launch" and args.demo and not args.verbose
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "launch":
         return launch(args)
     if args.command == "status":

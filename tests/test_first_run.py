@@ -213,3 +213,35 @@ def test_bench_cache_plot_without_capacities_draws_a_curve(tmp_path, monkeypatch
     assert bc.main(["--trace", str(trace), "--plot", str(png)]) == 0
     capacities = [r["capacity_blocks"] for r in drawn[0]]
     assert len(capacities) >= 2 and None not in capacities and png.stat().st_size > 1000
+
+
+# ---- kvrt launch --config ----------------------------------------------------------------------
+
+
+def test_launch_config_file_sets_options_and_the_command_line_overrides_it(node, tmp_path):
+    from tests.launched import launched
+
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('num-gpu-blocks = 64\nblock_size = 8\nnum-layers = 2\nhead-dim = 16\n')
+    with launched(node, tmp_path / "logs", "--config", str(cfg), "--num-gpu-blocks", "48") as ln:
+        assert ln.client.info().block_size == 8  # from the file
+        assert ln.engine_stats()["device_total"] == 48  # the flag wins over the file
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("a.toml", "num-gpu-blocks = 64\nnum-gpu-blokcs = 8\n", ["unknown key 'num-gpu-blokcs'"]),
+    ("b.toml", 'num_gpu_blocks = "many"\n', ["key 'num_gpu_blocks' must be an integer", "'many'"]),
+    ("c.toml", "demo = 1\n", ["key 'demo' must be true or false"]),
+    ("d.toml", "pd-timeout = -3\n", ["--pd-timeout must be a positive number"]),  # the node's own check
+    ("e.yaml", "role: router\n", ["key 'role' must be one of mixed, prefill, decode"]),
+    ("f.toml", "num-gpu-blocks = \n", ["not valid TOML"]),
+    ("g.yaml", "- 1\n- 2\n", ["must hold a table"]),
+])
+def test_launch_config_file_refuses_unknown_keys_and_wrong_types_naming_them(tmp_path, name, text, words):
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    r = kvrt("launch", "--config", str(cfg), "--num-layers", "2", timeout=60)
+    assert r.returncode == 2, r.stderr
+    for w in words + [str(cfg)] * (name != "d.toml"):
+        assert w in r.stderr
+    assert " ready: " not in r.stderr
