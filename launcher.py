@@ -294,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
             launch_parser.error(f"--config {e}")
     if args.command in ("launch", "status", "clean"):
         args = parser.parse_args(argv)
+    if args.command in ("status", "clean") and args.node is not None:
+        from ipc.shm import validate_node_name
+
+        try:
+            validate_node_name(args.node)
+        except ValueError as e:
+            (st if args.command == "status" else cl).error(f"--node: {e}")
     quiet = args.command == "launch" and args.demo and not args.verbose
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

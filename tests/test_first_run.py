@@ -245,3 +245,24 @@ def test_launch_config_file_refuses_unknown_keys_and_wrong_types_naming_them(tmp
     for w in words + [str(cfg)] * (name != "d.toml"):
         assert w in r.stderr
     assert " ready: " not in r.stderr
+
+
+# ---- exit codes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, rc, words", [
+    (["nosuchcommand"], 2, "invalid choice"),
+    (["bench", "nosuch"], 2, "unknown name 'nosuch'"),
+    (["status", "--node", "nosuchnode"], 1, "does not exist"),
+    (["status", "--node", "bad/name"], 2, "invalid node name"),
+    (["clean", "--node", "bad/name"], 2, "invalid node name"),
+    (["launch", "--num-gpu-blocks", "0"], 2, "--num-gpu-blocks"),
+    (["launch", "--config", "/nonexistent/node.toml"], 2, "cannot read it"),
+    (["bench", "copy", "--e2e-blocks", "x"], 2, "--e2e-blocks must be comma-separated integers"),
+    (["bench", "cache", "--trace", "/nonexistent.jsonl"], 2, "no such file"),
+    (["replay", "--port", "0"], 2, "--port"),
+])
+def test_failing_commands_exit_nonzero_with_a_message_not_a_traceback(args, rc, words):
+    r = kvrt(*args, timeout=60)
+    assert r.returncode == rc and words in r.stdout + r.stderr, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
