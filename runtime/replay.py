@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -331,8 +332,10 @@ class ProgressBar:
         if self._closed:
             return
         if self._bar is None:
+            # tqdm draws nothing on a terminal that reports a size of 0 x 0; shutil falls back to 80 x 24
+            size = shutil.get_terminal_size()
             self._bar = tqdm(total=p.total, desc=self.label, unit="req", file=self.stream, mininterval=self.every_s,
-                             dynamic_ncols=True, leave=True)
+                             ncols=size.columns, nrows=size.lines, leave=True)
         self._bar.total = p.total  # a source may issue fewer requests than it first said
         self._bar.set_postfix(in_flight=p.in_flight, errors=p.errors, refresh=False)
         self._bar.update(p.done - self._bar.n)

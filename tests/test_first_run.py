@@ -3,6 +3,7 @@ port, exit codes, progress, `status --watch`, `--config`, replay defaults, and t
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -266,3 +267,22 @@ def test_failing_commands_exit_nonzero_with_a_message_not_a_traceback(args, rc, 
     r = kvrt(*args, timeout=60)
     assert r.returncode == rc and words in r.stdout + r.stderr, (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
+
+
+def test_launch_demo_shows_a_progress_bar_on_a_terminal():
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "launch", "--demo", "--num-layers", "2"], cwd=REPO,
+                            stdout=slave, stderr=slave)
+    os.close(slave)
+    try:
+        out = read_for(master, 120).decode(errors="replace")  # until the demo ends and closes the terminal
+        assert proc.wait(30) == 0, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(2)
+            proc.wait(30)
+        os.close(master)
+    assert re.search(r"demo: 100%\|.*\| (\d+)/\1 \[", out), out[-3000:]
+    assert "kvrt demo on node" in out
