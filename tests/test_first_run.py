@@ -81,14 +81,14 @@ def test_client_commands_name_a_wrong_port_long_before_their_answer_timeout(comm
         assert f"tcp://127.0.0.1:{port}" in r.stderr and why in r.stderr
 
 
-def read_for(fd: int, seconds: float) -> bytes:
-    """What a pty master gives within `seconds` (the child keeps writing frames)."""
+def read_for(fd: int, seconds: float, enough=lambda got: False) -> bytes:
+    """What `fd` (a pty master or a pipe) gives within `seconds`, until it closes or `enough`."""
     import select
     import time
 
     got = b""
     deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
+    while (left := deadline - time.monotonic()) > 0 and not enough(got):
         if select.select([fd], [], [], left)[0]:
             try:
                 chunk = os.read(fd, 65536)
@@ -108,7 +108,7 @@ def test_status_watch_redraws_in_place_on_a_terminal_and_appends_plain_frames_to
     proc = subprocess.Popen(args, cwd=REPO, stdout=slave, stderr=subprocess.DEVNULL)
     os.close(slave)
     try:
-        tty = read_for(master, 8).decode(errors="replace")
+        tty = read_for(master, 30, lambda got: got.count(b"does not exist") >= 3).decode(errors="replace")
     finally:
         proc.kill()
         proc.wait(10)
@@ -117,7 +117,7 @@ def test_status_watch_redraws_in_place_on_a_terminal_and_appends_plain_frames_to
     assert frames >= 2 and tty.count("\x1b[H\x1b[2J") == frames
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        piped = read_for(proc.stdout.fileno(), 8).decode()
+        piped = read_for(proc.stdout.fileno(), 30, lambda got: got.count(b"does not exist") >= 3).decode()
     finally:
         proc.kill()
         proc.wait(10)
