@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # benchmark name -> (module, one-line help); each module has main(argv) -> int
@@ -141,8 +142,6 @@ def _add_launch(sub) -> argparse.ArgumentParser:
 
 
 def launch(args) -> int:
-    import os
-
     from ipc.errors import IpcError, NodeLive
     from runtime.config import ConfigError, NodeConfig
     from runtime.node import Node
@@ -267,7 +266,19 @@ def _free_port(host: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The kvrt command. A reader that goes away (`kvrt status --watch 1 | head -3`) ends it
+    with exit 1 and no traceback, as for any command whose output was cut short."""
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # stdout is gone: point it at /dev/null so the interpreter's last flush cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kvrt",
         description="kvrt: a shared-memory KV-cache runtime for LLM serving nodes.",

@@ -286,3 +286,20 @@ def test_launch_demo_shows_a_progress_bar_on_a_terminal():
         os.close(master)
     assert re.search(r"demo: 100%\|.*\| (\d+)/\1 \[", out), out[-3000:]
     assert "kvrt demo on node" in out
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
+    """`kvrt status --watch 1 | head -3`: head exits, kvrt's next write finds no reader."""
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "status", "--node", "nosuchnode", "--watch", "0.1"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    read_for(proc.stdout.fileno(), 30, lambda got: b"does not exist" in got)
+    proc.stdout.close()
+    try:
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
