@@ -555,6 +555,7 @@ def select_requests(p: argparse.ArgumentParser, args: argparse.Namespace) -> tup
 
 
 def load_requests(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[TraceRequest]:
+    """select_requests without the words, for commands that do not say what they took."""
     return select_requests(p, args)[0]
 
 
