@@ -102,13 +102,14 @@ class Metrics:
         self.ttft_seconds = Histogram("kvrt_ttft_seconds", "time from intake to the first token", registry=self.registry,
                                       buckets=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30))
 
-    def serve(self, port: int) -> None:
+    def serve(self, port: int) -> WSGIServer:
         """Serve the registry on 127.0.0.1:`port` from a daemon thread: `/metrics` (and `/`)
         answer, any other path is a 404, so a probe of `/health` or `/v1/models` is not fooled
-        into reading metrics text as a success."""
+        into reading metrics text as a success. Returns the server (shutdown() stops it)."""
         server = make_server("127.0.0.1", port, metrics_app(self.registry), _ThreadingServer, _QuietHandler)
         threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         log.info("metrics on http://127.0.0.1:%d/metrics", port)
+        return server
 
 
 METRICS_PATHS = ("/metrics", "/")

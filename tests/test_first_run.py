@@ -38,13 +38,17 @@ def test_metrics_port_answers_only_metrics_and_blocks_sum_to_capacity():
                     ("host_total", 16), ("host_free", 16)):
         stats[STAT[name]] = v
     port = free_port()
-    Metrics(stats, dict).serve(port)
-    status, body = http_get(f"http://127.0.0.1:{port}/metrics")
-    assert status == 200 and "kvrt_prefix_query_tokens" in body
-    assert http_get(f"http://127.0.0.1:{port}/")[0] == 200
-    for path in ("/health", "/v1/models", "/metricsx", "/metrics/x"):
-        status, text = http_get(f"http://127.0.0.1:{port}{path}")
-        assert status == 404 and "kvrt_" not in text, path
+    server = Metrics(stats, dict).serve(port)
+    try:
+        status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+        assert status == 200 and "kvrt_prefix_query_tokens" in body
+        assert http_get(f"http://127.0.0.1:{port}/")[0] == 200
+        for path in ("/health", "/v1/models", "/metricsx", "/metrics/x"):
+            status, text = http_get(f"http://127.0.0.1:{port}{path}")
+            assert status == 404 and "kvrt_" not in text, path
+    finally:
+        server.shutdown()
+        server.server_close()
     samples = {}
     for line in body.splitlines():
         if line.startswith("kvrt_blocks"):
