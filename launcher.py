@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # benchmark name -> (module, one-line help); each module has main(argv) -> int
@@ -50,7 +51,7 @@ def _detect_device() -> str:
         return "cpu"
 
 
-def _add_launch(sub) -> None:
+def _add_launch(sub) -> argparse.ArgumentParser:
     from runtime.config import NodeConfig
 
     d = NodeConfig(node="")
@@ -58,6 +59,10 @@ def _add_launch(sub) -> None:
                        description="Start one kvrt node and supervise it until SIGINT/SIGTERM. Creates every "
                        "shared-memory object of the node, starts its processes, waits until each is ready, and "
                        "stops the node cleanly (exit 1) if any process dies.")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="read options from a TOML file (YAML if FILE ends in .yaml/.yml and PyYAML is installed): "
+                   "keys are the long flag names, with - or _ (num-gpu-blocks = 256); flags given on the command "
+                   "line override the file; an unknown key or a value of the wrong type is an error naming the key")
     p.add_argument("--node", default="", help="node name, unique on this machine (default: kvrt<port> or kvrt<pid>)")
     p.add_argument("--role", default=d.role, choices=["mixed", "prefill", "decode"],
                    help="mixed (default): prefill and decode here; prefill: compute prompts and hand their KV "
@@ -136,11 +141,10 @@ def _add_launch(sub) -> None:
                    help=f"seconds without a heartbeat after which a ready process counts as hung and the node "
                    f"stops with exit 1, as for a dead one (default {d.hang_timeout:g}; start-up is bounded by "
                    f"--ready-timeout instead)")
+    return p
 
 
 def launch(args) -> int:
-    import os
-
     from ipc.errors import IpcError, NodeLive
     from runtime.config import ConfigError, NodeConfig
     from runtime.node import Node
@@ -265,7 +269,19 @@ def _free_port(host: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The kvrt command. A reader that goes away (`kvrt status --watch 1 | head -3`) ends it
+    with exit 1 and no traceback, as for any command whose output was cut short."""
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # stdout is gone: point it at /dev/null so the interpreter's last flush cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kvrt",
         description="kvrt: a shared-memory KV-cache runtime for LLM serving nodes.",
@@ -273,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_launch(sub)
+    launch_parser = _add_launch(sub)
     st = sub.add_parser("status", help="inspect live nodes from their shared memory (read-only)")
     st.add_argument("--node", help="node name (default: every node found)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -287,11 +303,25 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("stress", help="stress tests: " + ", ".join(STRESS), add_help=False)
     sub.add_parser("store", help="kvrt store start: a Mooncake Store master for --storage mooncake://", add_help=False)
     args, rest = parser.parse_known_args(argv)
-    quiet = args.command == "launch" and "--demo" in argv and not args.verbose
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "launch" and args.config:
+        from runtime.config_file import ConfigFileError, config_defaults
+
+        try:
+            launch_parser.set_defaults(**config_defaults(launch_parser, args.config))
+        except ConfigFileError as e:
+            launch_parser.error(f"--config {e}")
     if args.command in ("launch", "status", "clean"):
         args = parser.parse_args(argv)
+    if args.command in ("status", "clean") and args.node is not None:
+        from ipc.shm import validate_node_name
+
+        try:
+            validate_node_name(args.node)
+        except ValueError as e:
+            (st if args.command == "status" else cl).error(f"--node: {e}")
+    quiet = args.command == "launch" and args.demo and not args.verbose
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "launch":
         return launch(args)
     if args.command == "status":

@@ -46,7 +46,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help='print {"results": [...]} instead of a table')
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
-                   help="draw hit rate vs capacity (needs matplotlib: pip install 'kvrt[plot]')")
+                   help="draw hit rate vs capacity (needs matplotlib: pip install 'kvrt[plot]'); without "
+                        "--capacity-blocks, at 1/64, 1/16, 1/4 and all of the trace's distinct blocks")
     p.add_argument("--evict-scaling", action="store_true",
                    help="also time eviction per block at 10k, 100k and 1M cached blocks")
     p.add_argument("--evict-sizes", type=int, nargs="+", default=list(EVICT_SIZES), metavar="N",
@@ -184,6 +185,18 @@ def table(results: list[dict], scaling: list[dict], trace: Path, block_size: int
     return "\n".join(lines)
 
 
+PLOT_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1)  # of the trace's distinct blocks, for --plot without capacities
+
+
+def plot_capacities(requests: list[TraceRequest], block_size: int) -> list[int]:
+    """Device capacities for a hit-rate curve when none are given: fractions of the blocks an
+    unlimited cache would hold (every prompt block minus the ideal hits), from a small cache
+    up to one that never evicts; without them the chart would have no curve at all."""
+    total = sum(num_blocks(r, block_size) for r in requests)
+    distinct = max(1, total - ideal_hit_tokens(requests, block_size) // block_size)
+    return sorted({max(1, round(distinct * f)) for f in PLOT_FRACTIONS})
+
+
 def plot(results: list[dict], path: Path, trace: Path) -> None:
     import matplotlib
 
@@ -224,8 +237,13 @@ def main(argv: list[str]) -> int:
         print(f"kvrt bench cache: {args.trace} has no requests", file=sys.stderr)
         return 2
     ideal = ideal_hit_tokens(requests, args.block_size) / sum(r.input_length for r in requests)
+    capacities = args.capacity_blocks or [None]
+    if args.plot is not None and not args.capacity_blocks:
+        capacities = plot_capacities(requests, args.block_size)
+        print(f"kvrt bench cache: no --capacity-blocks: plotting device capacities {', '.join(map(str, capacities))}",
+              file=sys.stderr)
     results = []
-    for capacity in args.capacity_blocks or [None]:
+    for capacity in capacities:
         row = replay(requests, args.block_size, capacity, args.host_blocks)
         row["ideal_hit_token_rate"] = ideal
         results.append(row)

@@ -200,7 +200,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--e2e-blocks", default="1,16,256", help="block counts per end-to-end task")
     p.add_argument("--tasks", type=int, default=200, help="end-to-end tasks per block count (default 200)")
     args = p.parse_args(argv)
-    counts = [int(c) for c in args.e2e_blocks.split(",") if c]
+    try:
+        counts = [int(c) for c in args.e2e_blocks.split(",") if c]
+    except ValueError:
+        p.error(f"--e2e-blocks must be comma-separated integers, got {args.e2e_blocks!r}")
     if max(counts + [args.blocks]) > args.pool_blocks:
         p.error(f"--blocks and --e2e-blocks must not exceed --pool-blocks ({args.pool_blocks})")
     cfg = NodeConfig(node=f"benchcopy{os.getpid()}", tp=1, num_gpu_blocks=args.pool_blocks,

@@ -1,7 +1,8 @@
 """kvrt bench replay: a trace against a node this command launches, prefix cache on vs off.
 
 Starts its own node (`python -m launcher launch --port P ...`), waits until it answers `info()`,
-replays the first N trace requests with the prefix cache on, then the same requests with it off
+replays N trace requests (--select: by default whole multi-turn conversations, so that even a
+small --limit has prefixes to reuse) with the prefix cache on, then the same requests with it off
 (`use_cache=False`: nothing matched, nothing recorded), and stops the node with SIGINT. Reported
 side by side: TTFT (mean, p50, p99), prompt tokens computed, hit rates per tier, wall time, and
 the off/on ratios; next to them the trace's ideal hit rate for exactly the prompts sent (an
@@ -24,8 +25,8 @@ import numpy as np
 
 from bench.nodes import LaunchedNode, free_port
 from runtime.client import Client, ClientError
-from runtime.replay import (ProgressBar, add_trace_args, check_trace_args, fmt, load_requests, pct, replay,
-                            scaled_length, trace_prompts)
+from runtime.replay import (ProgressBar, add_trace_args, check_trace_args, fit_requests, fmt, pct, replay,
+                            scaled_length, select_requests, trace_prompts)
 from runtime.trace import ideal_hit_tokens
 
 AUTO_BLOCKS_MAX = 16384
@@ -34,7 +35,7 @@ AUTO_BLOCKS_MAX = 16384
 def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="kvrt bench replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_trace_args(p, limit=500, tokens_per_id=8, concurrency=4, cap=8, speed=0.0)
+    add_trace_args(p, limit=500, tokens_per_id=8, concurrency=4, cap=8, speed=0.0, select="conversations")
     p.add_argument("--block-size", type=int, default=16, help="the node's tokens per KV block (default 16)")
     p.add_argument("--num-gpu-blocks", type=int, default=0,
                    help=f"the node's device blocks (default 0: enough for every prompt of the run, so nothing is "
@@ -62,7 +63,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def render(out: dict) -> str:
     cfg, on, off = out["config"], out["on"], out["off"]
-    lines = [f"kvrt bench replay: first {cfg['requests']} requests of {Path(cfg['trace']).name}, "
+    skipped = f" ({cfg['skipped_too_long']} longer than max_model_len skipped)" if cfg["skipped_too_long"] else ""
+    lines = [f"kvrt bench replay: {cfg['taken']} of {Path(cfg['trace']).name}{skipped}, "
              f"{cfg['tokens_per_id']} tokens per trace id, block {cfg['block_size']}, at most "
              f"{cfg['max_new_tokens_cap']} new tokens, concurrency {cfg['concurrency']}, "
              f"speed {'max' if not cfg['speed'] else cfg['speed']}", ""]
@@ -103,7 +105,7 @@ def auto_blocks(requests, tokens_per_id: int, block_size: int, concurrency: int)
 
 def main(argv: list[str]) -> int:
     p, args = parse_args(argv)
-    requests = load_requests(p, args)
+    requests, taken = select_requests(p, args)
     if args.num_gpu_blocks <= 0:
         args.num_gpu_blocks = auto_blocks(requests, args.tokens_per_id, args.block_size, args.concurrency)
 
@@ -120,8 +122,11 @@ def main(argv: list[str]) -> int:
         node.wait_ready()
         with Client(node.port, timeout=args.timeout) as c:
             info = c.info()
-            specs = trace_prompts(requests, args.tokens_per_id, vocab_size=info.vocab_size,
-                                  max_new_tokens_cap=args.max_new_tokens_cap, max_model_len=info.max_model_len)
+            fits, too_long = fit_requests(requests, args.tokens_per_id, info.max_model_len, args.max_new_tokens_cap)
+            if not fits:
+                raise RuntimeError(f"no request fits the node's max_model_len {info.max_model_len}")
+            specs = trace_prompts(fits, args.tokens_per_id, vocab_size=info.vocab_size,
+                                  max_new_tokens_cap=args.max_new_tokens_cap)
             # one throwaway request first, so neither side pays for a cold start
             warm = np.arange(min(64, info.max_model_len - 2), dtype=np.int32) % info.vocab_size
             c.generate(warm, 1, use_cache=False)
@@ -154,7 +159,8 @@ def main(argv: list[str]) -> int:
         return s
 
     out = {
-        "config": {"trace": str(args.trace), "requests": len(specs), "tokens_per_id": args.tokens_per_id,
+        "config": {"trace": str(args.trace), "requests": len(specs), "select": args.select, "taken": taken,
+                   "skipped_too_long": len(too_long), "tokens_per_id": args.tokens_per_id,
                    "block_size": info.block_size, "max_new_tokens_cap": args.max_new_tokens_cap,
                    "concurrency": args.concurrency, "speed": args.speed, "vocab_size": info.vocab_size,
                    "max_model_len": info.max_model_len, "num_gpu_blocks": args.num_gpu_blocks,

@@ -49,6 +49,12 @@ from runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerEr
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TIMEOUT = 30.0
+# How long the command-line clients wait for the node's socket to complete the ZeroMQ handshake.
+# libzmq answers it from its own I/O thread however busy the engine is, so a few seconds tell a
+# wrong port from a slow node.
+CONNECT_TIMEOUT = 3.0
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _I32 = np.iinfo(np.int32)
 
 
@@ -174,7 +180,12 @@ def as_prompt(prompt: Iterable[int] | np.ndarray) -> np.ndarray:
 class Client:
     """A connection to one node's client API. See the module docstring."""
 
-    def __init__(self, address: str | int, timeout: float = DEFAULT_TIMEOUT, *, host: str = DEFAULT_HOST):
+    def __init__(self, address: str | int, timeout: float = DEFAULT_TIMEOUT, *, host: str = DEFAULT_HOST,
+                 connect_timeout: float | None = None):
+        """`connect_timeout`: if given, wait up to that many seconds for the node's socket to
+        accept the connection and complete the ZeroMQ handshake, and raise ClientError naming
+        the address and what went wrong otherwise (ZeroMQ itself would retry silently, and the
+        first request would wait its whole `timeout`)."""
         self.address = address_of(address, host)
         self.timeout = float(timeout)
         self._ctx = zmq.Context()
@@ -183,11 +194,20 @@ class Client:
         # A ROUTER drops what a peer's full pipe cannot take: never let ours fill up.
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
+        monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS) if connect_timeout is not None else None
         try:
             self._sock.connect(self.address)
-        except zmq.ZMQError as e:
+            if monitor is not None:
+                self._await_handshake(monitor, connect_timeout)
+        except (zmq.ZMQError, ClientError) as e:
+            if monitor is not None:
+                monitor.close(linger=0)  # before close(): the context waits for every socket
             self.close()
+            if isinstance(e, ClientError):
+                raise
             raise ClientError(f"cannot connect to {self.address}: {e}") from None
+        if monitor is not None:
+            monitor.close(linger=0)
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
         self._nonces = itertools.count(1)
@@ -197,6 +217,28 @@ class Client:
         self.protocol_errors = 0
         self.last_protocol_error = ""
         self.dropped_events = 0           # events of requests this client no longer tracks
+
+    def _await_handshake(self, monitor: zmq.Socket, timeout: float) -> None:
+        """Wait for the handshake with the node's socket; ClientError naming what was seen instead."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        seen = "no answer at all"
+        deadline = time.monotonic() + timeout
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                if not monitor.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    continue
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return
+                if event == zmq.EVENT_CONNECT_RETRIED:
+                    seen = "the connection was refused"
+                else:  # something accepts connections there but is not a ZeroMQ socket (e.g. an HTTP port)
+                    seen = "something accepts connections there but does not speak the kvrt client protocol"
+        finally:
+            self._sock.disable_monitor()
+        raise ClientError(f"could not reach a kvrt node at {self.address} within {timeout:g} s: {seen} (is a node "
+                          f"serving its client API there? kvrt launch --port P)")
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -524,7 +566,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="neither use nor fill the prefix cache")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
-                   help=f"seconds to wait for each answer of the node (default {DEFAULT_TIMEOUT:g})")
+                   help=f"seconds to wait for each answer of the node (default {DEFAULT_TIMEOUT:g}); a port where "
+                        f"no node completes the connection is reported after {CONNECT_TIMEOUT:g} s")
     return p
 
 
@@ -591,7 +634,8 @@ def generate_main(argv: list[str]) -> int:
         p.error(f"--port must be 1..65535, got {args.port}")
     err = sys.stderr
     try:
-        with Client(args.port, args.timeout, host=args.host) as c:
+        with Client(args.port, args.timeout, host=args.host,
+                    connect_timeout=min(args.timeout, CONNECT_TIMEOUT)) as c:
             info = c.info()
             try:
                 prompt = _prompt(args, info)

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from runtime.client import DEFAULT_HOST, Client, Result
-from runtime.replay import TIERS, PromptSpec, ReplayResult, fmt, pct, progress_lines, run
+from runtime.replay import TIERS, Progress, ProgressBar, PromptSpec, ReplayResult, fmt, pct, progress_lines, run
 
 
 @dataclass
@@ -135,14 +135,15 @@ class DemoResult:
 
 def run_demo(port: int | str, progress: Callable[[str], None] | None = None, *, host: str = DEFAULT_HOST,
              seed: int = 0, concurrency: int = 8, timeout: float = 60.0, use_cache: bool = True,
-             **sizes) -> DemoResult:
+             bar: Callable[[Progress], None] | None = None, **sizes) -> DemoResult:
     """Run the demo workload against the node serving `port` (sizes: see build_workload);
-    `progress` gets a status line now and then."""
+    `progress` gets a status line now and then, or `bar` (e.g. a runtime.replay.ProgressBar)
+    every Progress instead."""
     with Client(port, timeout, host=host) as c:
         info = c.info()
         w = build_workload(seed, info.vocab_size, **sizes)
         src = ConversationSource(w)
-        cb = progress_lines(progress, "demo") if progress is not None else None
+        cb = bar if bar is not None else progress_lines(progress, "demo") if progress is not None else None
         res = run(c, src, concurrency=concurrency, use_cache=use_cache, progress=cb)
     return DemoResult(w, res, info.node, info.block_size, concurrency, src.abandoned, res.summary())
 
@@ -187,7 +188,7 @@ def demo_job(cfg) -> Callable[[], int]:
             print(line, file=sys.stderr, flush=True)
 
         try:
-            result = run_demo(cfg.port, say, host=host)
+            result = run_demo(cfg.port, say, host=host, bar=ProgressBar("demo"))
         except ClientError as e:
             say(f"kvrt demo: error: {e}")
             return 1

@@ -8,9 +8,12 @@ The swap latency histogram is the one metric with its own state.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+import threading
+from socketserver import ThreadingMixIn
+from typing import Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ipc.protocol import STAT, STATS
@@ -36,11 +39,17 @@ class _StatsCollector:
         yield CounterMetricFamily("kvrt_prefix_hit_requests", "requests with at least one prompt token served "
                                   "from a cache tier", value=float(s[STAT["hit_requests"]]))
         yield from _rates({name: float(s[i]) for i, name in enumerate(STATS)})
-        blocks = GaugeMetricFamily("kvrt_blocks", "KV blocks by tier and state", labels=["tier", "state"])
+        # The states partition a tier, so sum(kvrt_blocks) by tier is its capacity; the capacity
+        # is a gauge of its own, never a fourth state that a sum would count twice.
+        blocks = GaugeMetricFamily("kvrt_blocks", "KV blocks by tier and state (the states partition the tier)",
+                                   labels=["tier", "state"])
+        capacity = GaugeMetricFamily("kvrt_blocks_capacity", "KV blocks of a tier", labels=["tier"])
         for tier in ("device", "host"):
-            for state in ("free", "cached", "used", "total"):
+            for state in ("free", "cached", "used"):
                 blocks.add_metric([tier, state], float(s[STAT[f"{tier}_{state}"]]))
+            capacity.add_metric([tier], float(s[STAT[f"{tier}_total"]]))
         yield blocks
+        yield capacity
         yield CounterMetricFamily("kvrt_swap_bytes", "bytes moved by cache-transfer tasks", value=float(s[STAT["swap_bytes"]]))
         yield CounterMetricFamily("kvrt_transfer_tasks_failed", "transfer tasks that failed or timed out",
                                   value=float(s[STAT["tasks_failed"]]))
@@ -93,6 +102,41 @@ class Metrics:
         self.ttft_seconds = Histogram("kvrt_ttft_seconds", "time from intake to the first token", registry=self.registry,
                                       buckets=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30))
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    def serve(self, port: int) -> WSGIServer:
+        """Serve the registry on 127.0.0.1:`port` from a daemon thread: `/metrics` (and `/`)
+        answer, any other path is a 404, so a probe of `/health` or `/v1/models` is not fooled
+        into reading metrics text as a success. Returns the server (shutdown() stops it)."""
+        server = make_server("127.0.0.1", port, metrics_app(self.registry), _ThreadingServer, _QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         log.info("metrics on http://127.0.0.1:%d/metrics", port)
+        return server
+
+
+METRICS_PATHS = ("/metrics", "/")
+
+
+def metrics_app(registry: CollectorRegistry) -> Callable:
+    """A WSGI app: the registry's exposition on METRICS_PATHS, 404 elsewhere."""
+    exposition = make_wsgi_app(registry)
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path in METRICS_PATHS:
+            return exposition(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [f"not found: {path} (metrics are at /metrics)\n".encode()]
+
+    return app
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """One thread per scrape, so a slow scraper never holds up the next."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Request lines go to the debug log, not to stderr."""
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
+        log.debug("metrics http: " + format, *args)

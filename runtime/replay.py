@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,10 +29,11 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, TextIO
 
 import numpy as np
+from tqdm import tqdm
 
 from runtime.api import TokenEvent
 from runtime.cache_metrics import TIERS, rate, token_rate_key
-from runtime.client import DEFAULT_HOST, Client, ClientError, Result
+from runtime.client import CONNECT_TIMEOUT, DEFAULT_HOST, Client, ClientError, Result
 from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens, ideal_hit_tokens,
                            load_trace, to_vocab)
 
@@ -108,6 +110,52 @@ def trace_prompts(requests: Sequence[TraceRequest], tokens_per_id: int = TRACE_B
         out.append(PromptSpec(scaled_tokens(req, tokens_per_id, vocab_size, n), new,
                               (req.timestamp_ms - t0) / 1000.0, tag=i, trace=sent))
     return out
+
+
+def fit_requests(requests: Sequence[TraceRequest], tokens_per_id: int, max_model_len: int,
+                 max_new_tokens_cap: int | None = None) -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """(requests that fit, requests that do not): a request fits when its scaled prompt and its
+    output (as trace_prompts sends them) stay within `max_model_len`. A replay skips, counts and
+    reports the others rather than cutting their prompts, which would change the trace's sharing
+    and its ideal hit rate without saying so."""
+    fits, too_long = [], []
+    for req in requests:
+        new = max(1, req.output_length)
+        if max_new_tokens_cap is not None:
+            new = max(1, min(new, max_new_tokens_cap))
+        (fits if scaled_length(req.input_length, tokens_per_id) + new <= max_model_len else too_long).append(req)
+    return fits, too_long
+
+
+SELECTIONS = ("first", "conversations")
+
+
+def conversation_key(req: TraceRequest) -> tuple[int, ...]:
+    """The requests of one conversation share their first two hash ids: every request of the
+    bundled trace starts with the same id (a shared system prompt), and a conversation's later
+    turns extend its first turn's prompt."""
+    return req.hash_ids[:2]
+
+
+def select_conversations(requests: Sequence[TraceRequest], n: int | None) -> tuple[list[TraceRequest], int]:
+    """Whole conversations until `n` requests, in trace order, and how many conversations they
+    come from: the multi-turn conversations first (in the order of their first turns), then
+    one-turn ones while fewer than `n` (the last conversation taken may lose its last turns).
+    The first `n` requests of a trace are mostly first turns whose later turns come much later,
+    so they share little; whole conversations keep the reuse a prefix cache is for at any `n`."""
+    groups: dict[tuple[int, ...], list[TraceRequest]] = {}
+    for req in requests:
+        groups.setdefault(conversation_key(req), []).append(req)
+    ordered = sorted(groups.values(), key=lambda turns: len(turns) < 2)  # stable: first-turn order kept
+    out: list[TraceRequest] = []
+    conversations = 0
+    for turns in ordered:
+        if n is not None and len(out) >= n:
+            break
+        out += turns if n is None else turns[:n - len(out)]
+        conversations += 1
+    order = {id(r): i for i, r in enumerate(requests)}
+    return sorted(out, key=lambda r: order[id(r)]), conversations
 
 
 # ---- results ---------------------------------------------------------------------------------
@@ -255,8 +303,9 @@ class Progress:
 
 
 class ProgressBar:
-    """Progress on a stream: a bar redrawn in place on a terminal, a line every few seconds
-    otherwise (logs stay readable)."""
+    """Progress on a stream: a tqdm bar redrawn in place on a terminal (rate, ETA, requests in
+    flight, errors), a plain line every few seconds otherwise (logs stay readable: no carriage
+    returns or escape codes in them)."""
 
     def __init__(self, label: str = "replay", stream: TextIO | None = None, every_s: float | None = None):
         self.label = label
@@ -264,21 +313,35 @@ class ProgressBar:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every_s = every_s if every_s is not None else (0.2 if self.tty else 5.0)
         self._last = -math.inf
+        self._bar: tqdm | None = None
+        self._closed = False
 
     def __call__(self, p: Progress) -> None:
         final = p.done >= p.total and p.in_flight == 0
+        if self.tty:
+            self._draw(p, final)
+            return
         now = time.monotonic()
         if not final and now - self._last < self.every_s:
             return
         self._last = now
-        if self.tty:
-            width = 24
-            fill = int(width * p.done / p.total) if p.total else width
-            self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {p.line(self.label)}\x1b[K"
-                              + ("\n" if final else ""))
-        else:
-            self.stream.write(p.line(self.label) + "\n")
+        self.stream.write(p.line(self.label) + "\n")
         self.stream.flush()
+
+    def _draw(self, p: Progress, final: bool) -> None:
+        if self._closed:
+            return
+        if self._bar is None:
+            # tqdm draws nothing on a terminal that reports a size of 0 x 0; shutil falls back to 80 x 24
+            size = shutil.get_terminal_size()
+            self._bar = tqdm(total=p.total, desc=self.label, unit="req", file=self.stream, mininterval=self.every_s,
+                             ncols=size.columns, nrows=size.lines, leave=True)
+        self._bar.total = p.total  # a source may issue fewer requests than it first said
+        self._bar.set_postfix(in_flight=p.in_flight, errors=p.errors, refresh=False)
+        self._bar.update(p.done - self._bar.n)
+        if final:
+            self._bar.close()
+            self._closed = True
 
 
 def progress_lines(emit: Callable[[str], None], label: str = "", every_s: float = 2.0) -> Callable[[Progress], None]:
@@ -431,12 +494,16 @@ def replay(client: Client, specs: Sequence[PromptSpec], *, speed: float = 0.0, c
 # ---- kvrt replay -----------------------------------------------------------------------------
 
 def add_trace_args(p: argparse.ArgumentParser, *, limit: int | None, tokens_per_id: int, concurrency: int,
-                   cap: int | None, speed: float) -> None:
+                   cap: int | None, speed: float, select: str = "first") -> None:
     """Options shared by `kvrt replay` and `kvrt bench replay`."""
     p.add_argument("--trace", type=Path, default=None,
                    help=f"Mooncake-format trace (JSON lines with hash_ids); default: {default_trace_path()}")
     p.add_argument("--limit", type=int, default=limit, metavar="N",
-                   help="replay only the first N requests" + (f" (default {limit})" if limit else " (default: all)"))
+                   help="replay only N requests (see --select)" + (f" (default {limit})" if limit else " (default: all)"))
+    p.add_argument("--select", choices=SELECTIONS, default=select,
+                   help="which requests: first = the trace's first N in order; conversations = whole conversations "
+                        "(requests sharing their first two hash ids), multi-turn ones first, until N requests: "
+                        f"prefix reuse even at a small N (default {select})")
     p.add_argument("--speed", type=float, default=speed, metavar="X",
                    help=f"divide the trace's arrival times by X; 0 or inf: as fast as --concurrency allows "
                         f"(default {speed:g})")
@@ -472,14 +539,24 @@ def check_trace_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         p.error(f"--trace {args.trace}: no such file")
 
 
-def load_requests(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[TraceRequest]:
+def select_requests(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
+    """The requests --select and --limit take from the trace, and what they are, in words."""
+    select = getattr(args, "select", "first")
     try:
-        requests = load_trace(args.trace, args.limit)
+        requests = load_trace(args.trace, args.limit if select == "first" else None)
     except (OSError, TraceError) as e:
         p.error(str(e))
     if not requests:
         p.error(f"{args.trace} has no requests")
-    return requests
+    if select == "first":
+        return requests, f"the first {len(requests)} requests"
+    chosen, conversations = select_conversations(requests, args.limit)
+    return chosen, f"{len(chosen)} requests of {conversations} whole conversations"
+
+
+def load_requests(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[TraceRequest]:
+    """select_requests without the words, for commands that do not say what they took."""
+    return select_requests(p, args)[0]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -489,7 +566,7 @@ def parser() -> argparse.ArgumentParser:
                     "report TTFT, TPOT, throughput and prefix-cache hit rates per tier.")
     p.add_argument("--port", type=int, required=True, help="the node's client API port")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"the node's host (default {DEFAULT_HOST})")
-    add_trace_args(p, limit=None, tokens_per_id=TRACE_BLOCK, concurrency=16, cap=32, speed=1.0)
+    add_trace_args(p, limit=None, tokens_per_id=8, concurrency=16, cap=32, speed=1.0)
     p.add_argument("--no-cache", action="store_true", help="neither use nor fill the prefix cache")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     return p
@@ -504,12 +581,21 @@ def main(argv: list[str]) -> int:
     check_trace_args(p, args)
     if not 0 < args.port <= 65535:
         p.error(f"--port must be 1..65535, got {args.port}")
-    requests = load_requests(p, args)
+    requests, taken = select_requests(p, args)
     try:
-        with Client(args.port, args.timeout, host=args.host) as c:
+        with Client(args.port, args.timeout, host=args.host,
+                    connect_timeout=min(args.timeout, CONNECT_TIMEOUT)) as c:
             info = c.info()
-            specs = trace_prompts(requests, args.tokens_per_id, vocab_size=info.vocab_size,
-                                  max_new_tokens_cap=args.max_new_tokens_cap, max_model_len=info.max_model_len)
+            fits, too_long = fit_requests(requests, args.tokens_per_id, info.max_model_len, args.max_new_tokens_cap)
+            if too_long:
+                print(f"kvrt replay: skipping {len(too_long)} of {len(requests)} requests longer than the node's "
+                      f"max_model_len {info.max_model_len} at {args.tokens_per_id} tokens per id (a smaller "
+                      f"--tokens-per-id keeps them)", file=sys.stderr)
+            if not fits:
+                print("kvrt replay: error: no request fits the node's max_model_len", file=sys.stderr)
+                return 1
+            specs = trace_prompts(fits, args.tokens_per_id, vocab_size=info.vocab_size,
+                                  max_new_tokens_cap=args.max_new_tokens_cap)
             res = replay(c, specs, speed=args.speed, concurrency=args.concurrency, use_cache=not args.no_cache,
                          progress=ProgressBar("replay"))
     except KeyboardInterrupt:
@@ -519,8 +605,6 @@ def main(argv: list[str]) -> int:
         print(f"kvrt replay: error: {e}", file=sys.stderr)
         return 1
     scaled = [s.trace for s in specs]
-    cut = sum(s.trace.input_length < scaled_length(r.input_length, args.tokens_per_id)
-              for s, r in zip(specs, requests))
     ideal = ideal_hit_tokens(scaled, info.block_size, args.tokens_per_id)
     total = sum(t.input_length for t in scaled)
     out = res.summary()
@@ -528,17 +612,18 @@ def main(argv: list[str]) -> int:
     out["config"] = {"trace": str(args.trace), "requests": len(specs), "tokens_per_id": args.tokens_per_id,
                      "speed": args.speed, "concurrency": args.concurrency,
                      "max_new_tokens_cap": args.max_new_tokens_cap, "use_cache": not args.no_cache,
-                     "block_size": info.block_size, "node": info.node, "truncated_prompts": cut}
+                     "block_size": info.block_size, "node": info.node, "select": args.select, "taken": taken,
+                     "skipped_too_long": len(too_long)}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        title = (f"replay of {len(specs)} requests from {args.trace.name} on node {info.node} ({args.tokens_per_id} "
+        title = (f"replay of {taken} of {args.trace.name} on node {info.node} ({args.tokens_per_id} "
                  f"tokens per id, speed {args.speed:g}, concurrency {args.concurrency}, cache "
                  f"{'off' if args.no_cache else 'on'})")
         extra = [("ideal hit rate", f"{pct(out['ideal_hit_rate'])} (unlimited cache, one request at a time, "
                                     f"block {info.block_size})")]
-        if cut:
-            extra.append(("prompts cut", f"{cut} (to fit max_model_len {info.max_model_len})"))
+        if too_long:
+            extra.append(("skipped", f"{len(too_long)} requests longer than max_model_len {info.max_model_len}"))
         print(table(out, title, extra))
     if res.num_errors:
         print(f"kvrt replay: {res.num_errors} of {res.submitted} requests failed; first errors:", file=sys.stderr)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
+from typing import TextIO
 
 import msgpack
 import psutil
@@ -217,12 +219,20 @@ def _n(v, spec: str = ".1f", suffix: str = "") -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:{spec}}{suffix}"
 
 
-def status_main(node: str | None, as_json: bool, watch: float) -> int:
-    """Print every node's snapshot (or one node's); one node's damage never hides the others."""
+# With --watch on a terminal, each frame replaces the last: cursor home, then erase the screen.
+REDRAW = "\x1b[H\x1b[2J"
+
+
+def status_main(node: str | None, as_json: bool, watch: float, out: TextIO | None = None) -> int:
+    """Print every node's snapshot (or one node's); one node's damage never hides the others.
+    With `watch`, a terminal gets each frame redrawn in place; a pipe or file gets plain frames
+    one after another (a log of them, no escape codes)."""
+    out = sys.stdout if out is None else out
+    redraw = bool(watch) and not as_json and out.isatty()
     while True:
         nodes = [node] if node else list_nodes()
         if not nodes:
-            print("no kvrt nodes found on this machine (nothing in /dev/shm)")
+            print("no kvrt nodes found on this machine (nothing in /dev/shm)", file=out)
             return 0
         snaps, errors = [], []
         for n in nodes:
@@ -234,13 +244,16 @@ def status_main(node: str | None, as_json: bool, watch: float) -> int:
                 log.debug("snapshot of node %s failed", n, exc_info=True)
                 errors.append(f"node {n}: {DAMAGED}, unreadable ({type(e).__name__}: {e})")
         if as_json:
-            print(json.dumps(_json_safe({"nodes": snaps, "errors": errors}), default=str, allow_nan=False))
+            frame = json.dumps(_json_safe({"nodes": snaps, "errors": errors}), default=str, allow_nan=False)
         else:
-            print("\n\n".join([render(s) for s in snaps] + errors))
+            frame = "\n\n".join([render(s) for s in snaps] + errors)
+        out.write((REDRAW if redraw else "") + frame + "\n")
+        out.flush()
         if not watch:
             return 0 if snaps else 1
         time.sleep(watch)  # a human-paced refresh of a CLI, not a hot path
-        print()
+        if not redraw:
+            out.write("\n")
 
 
 def clean_main(node: str | None, dry_run: bool) -> int:

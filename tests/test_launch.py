@@ -200,7 +200,7 @@ def test_prometheus_metrics_served(launched):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)  # the engine opens the port just after it reports ready
-    assert 'kvrt_blocks{state="total",tier="device"} 32.0' in body
+    assert 'kvrt_blocks_capacity{tier="device"} 32.0' in body and 'state="total"' not in body
     assert 'kvrt_prefix_hit_tokens_total{tier="host"}' in body
     assert 'kvrt_ring_depth_bytes{ring="engine.to.transfer.0"}' in body
     assert "# TYPE kvrt_transfer_task_seconds histogram" in body

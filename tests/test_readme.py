@@ -3,10 +3,15 @@ import re
 
 from tests.conftest import REPO
 
+VENV = 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev]" && '
+
+
+def readme() -> str:
+    return open(f"{REPO}/README.md").read()
+
 
 def readme_commands() -> list[str]:
-    text = open(f"{REPO}/README.md").read()
-    return [b.strip() for b in re.findall(r"```bash\n(.*?)```", text, re.S)][:2]
+    return [b.strip() for b in re.findall(r"```bash\n(.*?)```", readme(), re.S)][:2]
 
 
 def test_ci_runs_exactly_the_readme_test_command():
@@ -14,3 +19,14 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert "pytest" in tests and "kvrt" in main_job
     ci = open(f"{REPO}/.ci/run").read().splitlines()
     assert tests in ci
+
+
+def test_quick_start_makes_a_venv_first_and_names_the_debian_packages_ci_installs():
+    """A distribution's Python refuses `pip install` outside a virtual environment (PEP 668)."""
+    for command in readme_commands():
+        assert command.startswith(VENV)
+    ci = open(f"{REPO}/.ci/run").read()
+    ci_packages = re.search(r"apt-get install -y ([^\n]+)", ci).group(1).split()
+    named = re.search(r"`sudo apt-get install -y ([^`]+)`", readme()).group(1).split()
+    assert ci_packages == named and "python3-venv" in named
+    assert ".venv/" in open(f"{REPO}/.gitignore").read().split()
