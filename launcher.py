@@ -102,6 +102,9 @@ def _add_launch(sub) -> None:
     p.add_argument("--served-model-name", default="", metavar="NAME",
                    help="the model id of the HTTP API (default: the --model directory's name, or kvrt-reference)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus metrics port on 127.0.0.1 (0 = off)")
+    p.add_argument("--kv-events-port", type=int, default=d.kv_events_port, metavar="P",
+                   help="publish the prefix cache's KV events (vLLM's shape: block stored / removed / all cleared, per "
+                        "tier) on a ZeroMQ PUB socket on --host:P, with replay and snapshots on P+1 (0 = off)")
     p.add_argument("--log-dir", default="", help="write each process's log to DIR/<role>-<rank>.log (default: stderr)")
     p.add_argument("--model", default="", metavar="DIR",
                    help="serve a Hugging Face checkpoint directory (config.json + safetensors; Llama, Qwen2, "
@@ -159,7 +162,7 @@ def launch(args) -> int:
                      block_size=args.block_size, num_gpu_blocks=gpu_blocks,
                      gpu_memory_utilization=args.gpu_memory_utilization,
                      num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, host=args.host, port=port,
-                     metrics_port=args.metrics_port, log_dir=args.log_dir, dtype=args.dtype, **shape, **model,
+                     metrics_port=args.metrics_port, kv_events_port=args.kv_events_port, log_dir=args.log_dir, dtype=args.dtype, **shape, **model,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1",
                      ready_timeout=args.ready_timeout, rank_timeout=args.rank_timeout,
@@ -189,11 +192,12 @@ def launch(args) -> int:
         job = demo_job(cfg)
     http = None
     if args.http_port:
-        from runtime.http.server import HttpServer, served_model_name
+        from runtime.http.server import HttpServer, cache_info, served_model_name
 
         try:
             http = HttpServer(args.host, args.http_port, args.host, port,
-                              served_model_name(args.served_model_name, args.model), args.metrics_port)
+                              served_model_name(args.served_model_name, args.model), args.metrics_port,
+                              cache_info(cfg))
         except OSError as e:
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 1

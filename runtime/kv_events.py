@@ -203,3 +203,130 @@ def decode_batch(seq: int, payload: bytes) -> Batch:
             and isinstance(obj[1], list) and all(isinstance(e, list) and e and isinstance(e[0], str) for e in obj[1])):
         raise ValueError(f"batch {seq}: not a KVEventBatch")
     return Batch(seq, float(obj[0]), obj[1])
+
+
+REPLAY_TIMEOUT_S = 2.0
+
+
+class KVEventView:
+    """One node's cache as its KV events tell it: which keys it holds, on which media.
+
+    `poll()` applies what arrived. A batch whose number skips some asks the replay socket for
+    the missing ones (or a snapshot, which replaces the view) before it is applied; a subscriber
+    that starts late does the same at once (`sync()`), so its view starts complete. Malformed
+    batches are counted and skipped: a node's events are input, never trusted."""
+
+    def __init__(self, events: str, replay: str, ctx: zmq.Context | None = None):
+        self._ctx = ctx or zmq.Context.instance()
+        self.replay_addr = replay
+        self.sub = self._ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self.sub.connect(events)
+        self.media: dict[bytes, set[str]] = {}
+        self.last_seq = 0
+        self.gaps = 0
+        self.snapshots = 0
+        self.malformed = 0
+        self.lost = 0  # batches a replay could not bring back (the view may lack their changes)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.media
+
+    def prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the node holds (any tier)."""
+        n = 0
+        media = self.media
+        for k in keys:
+            if k not in media:
+                break
+            n += 1
+        return n
+
+    def sync(self) -> None:
+        """Catch up from the replay socket (everything after the last batch applied)."""
+        self._replay(self.last_seq + 1, None)
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Apply every batch that has arrived, waiting at most `timeout_ms` for the first one.
+        Returns how many were applied."""
+        applied = 0
+        while self.sub.poll(timeout_ms if not applied else 0):
+            frames = self.sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.malformed += 1
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq <= self.last_seq:
+                continue  # already applied (from a replay)
+            if seq > self.last_seq + 1:
+                self.gaps += 1
+                self._replay(self.last_seq + 1, seq)
+                if seq <= self.last_seq:
+                    continue
+            self._apply(seq, frames[2])
+            applied += 1
+        return applied
+
+    def _replay(self, start: int, upto: int | None) -> None:
+        """Ask for the batches from `start` on (a fresh socket per request: a late answer to an
+        earlier request can never be mistaken for this one's)."""
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            s.connect(self.replay_addr)
+            s.send_multipart([b"", seq_bytes(start)])
+            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not s.poll(int(left * 1000) + 1):
+                    log.warning("kv events: no end of replay from %s within %g s", self.replay_addr,
+                                REPLAY_TIMEOUT_S)
+                    break
+                frames = s.recv_multipart()
+                if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+                    self.malformed += 1
+                    continue
+                if frames[1] == END_OF_REPLAY:
+                    break
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq > self.last_seq:
+                    self.snapshots += seq != self.last_seq + 1  # numbered as the last batch: a snapshot
+                    self._apply(seq, frames[2])
+        finally:
+            s.close(0)
+        if upto is not None and self.last_seq < upto - 1:
+            self.lost += upto - 1 - self.last_seq
+            log.warning("kv events: batches %d..%d from %s are lost", self.last_seq + 1, upto - 1, self.replay_addr)
+            self.last_seq = upto - 1
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(seq, payload)
+        except ValueError as e:
+            self.malformed += 1
+            log.warning("kv events: %s", e)
+            self.last_seq = seq
+            return
+        media = self.media
+        for ev in batch.events:
+            tag = ev[0]
+            if tag == "BlockStored" and len(ev) >= 7 and isinstance(ev[1], list) and isinstance(ev[6], str):
+                for k in ev[1]:
+                    if isinstance(k, bytes):
+                        media.setdefault(k, set()).add(ev[6])
+            elif tag == "BlockRemoved" and len(ev) >= 3 and isinstance(ev[1], list) and isinstance(ev[2], str):
+                for k in ev[1]:
+                    held = media.get(k) if isinstance(k, bytes) else None
+                    if held is not None:
+                        held.discard(ev[2])
+                        if not held:
+                            del media[k]
+            elif tag == "AllBlocksCleared":
+                media = self.media = {}
+            else:
+                self.malformed += 1
+        self.last_seq = seq
+
+    def close(self) -> None:
+        self.sub.close(0)

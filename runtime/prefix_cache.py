@@ -279,6 +279,10 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
                 roles[[b for b in blocks if b >= 0]] = ROLE_LOADING if t.issued else ROLE_FREE
         return dev, host
 
+    def observe(self, observer: CacheObserver | None) -> None:
+        """Tell `observer` (None: nobody) of every block gained or lost from now on."""
+        self._obs = observer
+
     def cached_blocks(self) -> list[CachedBlock]:
         """Every readable block the tree holds, per tier, as the observer was told of them (a
         KV events snapshot). O(blocks)."""
