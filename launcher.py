@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("--dry-run", action="store_true", help="list what would be removed")
     sub.add_parser("generate", help="send one request to a running node and stream its tokens", add_help=False)
     sub.add_parser("replay", help="replay a request trace against a running node (TTFT, hit rates)", add_help=False)
+    sub.add_parser("route", help="an OpenAI-compatible HTTP router in front of nodes (cache-aware)", add_help=False)
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES), add_help=False)
     sub.add_parser("stress", help="stress tests: " + ", ".join(STRESS), add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -310,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.replay import main as replay_main
 
         return replay_main(rest)
+    if args.command == "route":
+        from router.main import main as route_main
+
+        return route_main(rest)
     if args.command == "bench":
         return _dispatch(BENCHES, "bench", rest)
     if args.command == "stress":

@@ -34,11 +34,13 @@ def served_model_name(name: str, model_dir: str) -> str:
 
 def cache_info(cfg: NodeConfig) -> dict:
     """What a cache-aware router needs to know of this node (GET /kvrt/cache): how it keys blocks
-    (the block size and the root of the key chain, runtime/hashing.py) and where its KV events are
+    (the block size and the root of the key chain, runtime/hashing.py), the model directory its
+    tokenizer is read from (empty: the reference model, one token per byte) and where its KV events are
     published (null when the node publishes none; a 0.0.0.0 host means "this node's address")."""
     events = f"tcp://{cfg.host}:{cfg.kv_events_port}" if cfg.kv_events_port else None
     replay = f"tcp://{cfg.host}:{cfg.kv_events_port + 1}" if cfg.kv_events_port else None
     return {"node": cfg.node, "block_size": cfg.block_size, "key_root": cfg.key_root.hex(),
+            "model_dir": os.path.abspath(cfg.model_dir) if cfg.model_dir else "",
             "kv_events": events, "kv_events_replay": replay}
 
 
