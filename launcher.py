@@ -17,6 +17,7 @@ BENCHES = {
     "copy": ("bench.copy", "KV block swaps device<->host vs the memcpy limit, and end-to-end through cache-transfer"),
     "pd": ("bench.pd", "P->D KV block transfer: shm and Mooncake transports vs memcpy and a raw TCP socket"),
     "replay": ("bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
+    "route": ("bench.route", "N nodes behind kvrt route: hit rate and TTFT per routing policy vs one node"),
     "model": ("bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
 import zmq
 
-from runtime.hashing import KEY_BYTES, BlockHasher
+from runtime.hashing import KEY_BYTES
 from runtime.kv_events import KVEventView
 
 log = logging.getLogger(__name__)
@@ -150,9 +149,12 @@ class Backends:
             log.warning("backend %s does not describe its cache (%d): it gets no cache affinity", b.url, r.status_code)
             b.key_root = b"-"  # described, without keys: not asked again
             return
-        info = r.json()
-        root = bytes.fromhex(info["key_root"])
-        bs = int(info["block_size"])
+        try:
+            info = r.json()
+            root = bytes.fromhex(info["key_root"])
+            bs = int(info["block_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"backend {b.url}: /kvrt/cache is not a cache description: {e!r:.200}") from None
         if len(root) != KEY_BYTES or bs <= 0:
             raise ValueError(f"backend {b.url}: bad key root or block size in /kvrt/cache")
         b.block_size, b.key_root = bs, root

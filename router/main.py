@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=2))
     log.info("routing on %s:%d to %d backends (%s)", args.host, args.port, len(backends.items), args.policy)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn stops on them, then raises them again: here a no-op
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:

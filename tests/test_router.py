@@ -69,6 +69,7 @@ def routing(urls: list[str], policy: str, *opts: str):
             proc.kill()
             out, _ = proc.communicate()
             raise AssertionError(f"the router did not stop within 20 s after SIGINT:\n{out}")
+    assert proc.returncode == 0, f"the router exited with {proc.returncode}:\n{out}"
 
 
 def _health(base: str) -> dict:
