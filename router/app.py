@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import httpx
 from fastapi import FastAPI, Request
@@ -56,10 +57,13 @@ class Router:
             if self.tokenizer_dir:
                 self._tokenizer = HFTokenizer.from_dir(self.tokenizer_dir)
             else:
-                described = [b for b in self.backends.items if b.key_root and b.key_root != b"-"]
+                described = [b for b in self.backends.items if b.key_root]
                 if not described:
                     return None
                 d = described[0].model_dir
+                if d and not os.path.isabs(d):  # a node's word, checked
+                    raise TokenizerError(f"backend {described[0].url} reported {d!r:.200} as its model directory, "
+                                         f"not an absolute path: pass --tokenizer DIR")
                 self._tokenizer = HFTokenizer.from_dir(d) if d else ByteTokenizer()
         return self._tokenizer
 
@@ -97,7 +101,7 @@ class Router:
             return {}
         out = {}
         for b in self.backends.items:
-            if b.key_root and b.key_root != b"-" and (b.key_root, b.block_size) not in out:
+            if b.key_root and (b.key_root, b.block_size) not in out:
                 try:
                     out[(b.key_root, b.block_size)] = BlockHasher(b.block_size, b.key_root).update(ids)
                 except (ValueError, OverflowError):

@@ -50,6 +50,7 @@ class Backend:
     block_size: int = 0
     key_root: bytes = b""
     model_dir: str = ""
+    described: bool = False  # /kvrt/cache was asked (a node without it gets no cache affinity)
     view: KVEventView | None = None
     failures: int = 0
     routed: int = 0
@@ -93,6 +94,8 @@ class Backends:
     def stop(self) -> None:
         self._stop.set()
         for t in self._threads:
+            if t.ident is None:
+                continue  # never started
             t.join(5.0)
             if t.is_alive():
                 log.warning("router thread %s did not stop within 5 s", t.name)
@@ -125,7 +128,7 @@ class Backends:
     def _check(self, b: Backend) -> None:
         try:
             ok = self._http.get(b.url + "/health").status_code == 200
-            if ok and not b.key_root:
+            if ok and not b.described:
                 self._describe(b)
         except (httpx.HTTPError, ValueError) as e:
             ok = False
@@ -147,7 +150,7 @@ class Backends:
         r = self._http.get(b.url + "/kvrt/cache")
         if r.status_code != 200:
             log.warning("backend %s does not describe its cache (%d): it gets no cache affinity", b.url, r.status_code)
-            b.key_root = b"-"  # described, without keys: not asked again
+            b.described = True
             return
         try:
             info = r.json()
@@ -157,7 +160,7 @@ class Backends:
             raise ValueError(f"backend {b.url}: /kvrt/cache is not a cache description: {e!r:.200}") from None
         if len(root) != KEY_BYTES or bs <= 0:
             raise ValueError(f"backend {b.url}: bad key root or block size in /kvrt/cache")
-        b.block_size, b.key_root = bs, root
+        b.block_size, b.key_root, b.described = bs, root, True
         b.model_dir = str(info.get("model_dir") or "")
         ev, rp = info.get("kv_events"), info.get("kv_events_replay")
         if isinstance(ev, str) and isinstance(rp, str):

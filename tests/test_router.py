@@ -16,11 +16,17 @@ import numpy as np
 import openai
 import pytest
 
+from router.app import Router
+from router.backends import Backends
 from router.policy import Candidate, Picker
+from runtime.chat_template import ChatTemplate, Message
+from runtime.hashing import BlockHasher
+from runtime.tokenizer import ByteTokenizer, HFTokenizer
 from tests.conftest import REPO
 from tests.launched import SMALL, free_port, launched
 from tests.test_http import _wait_healthy
 from tests.test_kv_events_node import _events_port
+from tests.tokenizer_kit import make_tokenizer_dir
 
 MODEL = "kvrt-reference"
 
@@ -40,6 +46,36 @@ def test_cache_aware_follows_the_prefix_until_the_node_is_too_loaded():
     assert [ca.pick([Candidate(0, 0), Candidate(1, 0)]).index for _ in range(4)] == [0, 1, 0, 1]  # nothing cached
     with pytest.raises(ValueError):
         Picker("fastest")
+
+
+def _router(tokenizer_dir: str = "") -> Router:
+    """A router over two described (fake) backends with different key roots; nothing started."""
+    backends = Backends(["http://127.0.0.1:1", "http://127.0.0.1:2/v1/"], events=False)
+    for b, root in zip(backends.items, (b"a" * 16, b"b" * 16)):
+        b.key_root, b.block_size, b.described = root, 4, True
+    return Router(backends, Picker("cache-aware"), tokenizer_dir)
+
+
+def test_prompt_keys_are_the_nodes_keys_for_ids_text_and_chat(tmp_path):
+    r = _router()
+    assert [b.url for b in r.backends.items] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    ids = list(range(10))
+    keys = r.keys("/v1/completions", json.dumps({"prompt": ids}).encode())
+    assert keys == {(b"a" * 16, 4): BlockHasher(4, b"a" * 16).update(ids),
+                    (b"b" * 16, 4): BlockHasher(4, b"b" * 16).update(ids)}
+    text = r.keys("/v1/completions", json.dumps({"prompt": ["héllo world", "other"]}).encode())
+    assert text[(b"a" * 16, 4)] == BlockHasher(4, b"a" * 16).update(ByteTokenizer().encode("héllo world"))
+    assert r.keys("/v1/completions", b"not json") == {} and r.keys("/v1/chat/completions", b"{}") == {}
+    r.backends.stop()
+    tok_dir = make_tokenizer_dir(tmp_path / "tok")
+    r = _router(tok_dir)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    tok = HFTokenizer.from_dir(tok_dir)
+    rendered = ChatTemplate(tok.chat_template, tok.special_tokens).render(
+        [Message("system", "be brief"), Message("user", "hi")], add_generation_prompt=True)
+    want = BlockHasher(4, b"b" * 16).update(tok.encode(rendered, add_special_tokens=False))
+    assert want and r.keys("/v1/chat/completions", json.dumps({"messages": msgs}).encode())[(b"b" * 16, 4)] == want
+    r.backends.stop()
 
 
 @contextlib.contextmanager
