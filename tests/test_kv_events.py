@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 
 import msgpack
+import pytest
 import zmq
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -15,7 +16,7 @@ from hypothesis.stateful import initialize, invariant
 
 from runtime.hashing import BlockHasher
 from runtime.kv_events import (CPU, END_OF_REPLAY, GPU, REPLAY_BATCHES, TOPIC, CachedBlock, KVEventPublisher,
-                               decode_batch, seq_bytes)
+                               decode_batch, encode_batch, removed_event, seq_bytes, stored_event)
 from runtime.prefix_cache import PrefixCache, TaskKind
 from tests.test_prefix_cache_props import CacheMachine
 
@@ -166,3 +167,27 @@ def test_batches_are_numbered_vllm_shaped_and_replayed_or_snapshotted():
         sub.close(0)
         pub.close()
         ctx.term()
+
+
+def test_a_vllm_shaped_decoder_reads_kvrt_batches():
+    """vLLM's subscriber decodes batches with msgspec structs (array-like, tagged); the same
+    struct shapes, declared here, decode kvrt's payloads, snapshots included."""
+    msgspec = pytest.importorskip("msgspec")
+
+    opts = dict(array_like=True, omit_defaults=True, gc=False)  # (annotations here are strings: defstruct)
+    base = msgspec.defstruct("KVCacheEvent", [], tag=True, **opts)
+    BlockStored = msgspec.defstruct("BlockStored", [("block_hashes", list[bytes]), ("parent_block_hash", bytes | None),
+                                                    ("token_ids", list[int]), ("block_size", int),
+                                                    ("lora_id", int | None), ("medium", str | None)], bases=(base,))
+    BlockRemoved = msgspec.defstruct("BlockRemoved", [("block_hashes", list[bytes]), ("medium", str | None)],
+                                     bases=(base,))
+    AllBlocksCleared = msgspec.defstruct("AllBlocksCleared", [], bases=(base,))
+    KVEventBatch = msgspec.defstruct("KVEventBatch", [("ts", float),
+                                                      ("events", list[BlockStored | BlockRemoved | AllBlocksCleared])],
+                                     **opts)
+
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+    batch = decode(encode_batch([stored_event([b"a" * 16, b"b" * 16], None, 16, GPU),
+                                 removed_event([b"a" * 16], CPU), ["AllBlocksCleared"]]))
+    assert batch.events == [BlockStored([b"a" * 16, b"b" * 16], None, [], 16, None, "GPU"),
+                            BlockRemoved([b"a" * 16], "CPU"), AllBlocksCleared()]
