@@ -250,6 +250,9 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
     sent = send_all(base, specs, args.concurrency, args.timeout)
     time.sleep(0.3)  # the engines publish their counters once per loop turn
     after = fleet.counters()
+    routed = None
+    if fleet.router is not None:  # how the router spread the requests over the nodes
+        routed = [b["routed"] for b in httpx.get(base + "/health", timeout=10).json()["backends"]]
     asked, hit = after[0] - before[0], after[1] - before[1]
     t = np.asarray(sent["ttfts"]) if sent["ttfts"] else None
     if sent["failed"]:
@@ -260,7 +263,7 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
             "ttft_p99_ms": float(np.percentile(t, 99)) if t is not None else None,
             "requests": len(specs), "failed": len(sent["failed"]), "wall_s": sent["wall_s"],
             "req_per_s": len(sent["ttfts"]) / sent["wall_s"] if sent["wall_s"] else None,
-            "prompt_tokens": asked}
+            "prompt_tokens": asked, "routed_per_node": routed}
 
 
 def render(out: dict) -> str:
@@ -269,11 +272,12 @@ def render(out: dict) -> str:
              f"tokens per trace id, block {c['block_size']}, at most {c['max_new_tokens_cap']} new tokens, "
              f"concurrency {c['concurrency']}; {c['nodes']} nodes x {c['blocks_per_node']} device blocks", "",
              f"{'policy':<26}{'hit rate':>10}{'ideal':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'req/s':>8}"
-             f"{'requests':>10}{'failed':>8}"]
+             f"{'requests':>10}{'failed':>8}  per node"]
     for r in out["results"]:
         lines.append(f"{r['policy']:<26}{pct(r['hit_token_rate']):>10}{pct(r['ideal_hit_token_rate']):>10}"
                      f"{fmt(r['ttft_p50_ms'], '.1f', ' ms'):>11}{fmt(r['ttft_p99_ms'], '.1f', ' ms'):>11}"
-                     f"{fmt(r['req_per_s'], '.2f'):>8}{r['requests']:>10}{r['failed']:>8}")
+                     f"{fmt(r['req_per_s'], '.2f'):>8}{r['requests']:>10}{r['failed']:>8}  "
+                     f"{'/'.join(map(str, r['routed_per_node'])) if r['routed_per_node'] else ''}")
     rates = {r["policy"]: r["hit_token_rate"] for r in out["results"]}
     ca, rr, one = rates.get("cache-aware"), rates.get("round-robin"), rates.get(ONE_NODE)
     if ca is not None and rr:
