@@ -130,7 +130,7 @@ def two_nodes(names: tuple[str, str], tmp_path):
     """Two nodes with HTTP and KV events; yields their base URLs and the launched nodes."""
     http = [free_port(), free_port()]
     with contextlib.ExitStack() as stack:
-        lns = [stack.enter_context(launched(name, tmp_path / name, *SMALL, "--num-gpu-blocks", "64", "--http-port",
+        lns = [stack.enter_context(launched(name, tmp_path / name, *SMALL, "--num-gpu-blocks", "128", "--http-port",
                                             str(h), "--kv-events-port", str(_events_port())))
                for name, h in zip(names, http)]
         for h in http:
@@ -138,11 +138,16 @@ def two_nodes(names: tuple[str, str], tmp_path):
         yield [f"http://127.0.0.1:{h}" for h in http], lns
 
 
-def _wait_cached(base: str, backend: str, timeout: float = 10.0) -> None:
-    """Until the router's view of `backend` holds some blocks (its events arrived)."""
+def _cached(base: str, backend: str) -> int:
+    """Blocks the router's view of `backend` holds."""
+    return next(b["cached_blocks"] or 0 for b in _health(base)["backends"] if b["url"] == backend)
+
+
+def _wait_cached(base: str, backend: str, at_least: int, timeout: float = 10.0) -> None:
+    """Until the router's view of `backend` holds `at_least` blocks (its events arrived)."""
     deadline = time.monotonic() + timeout
-    while not next(b["cached_blocks"] for b in _health(base)["backends"] if b["url"] == backend):
-        assert time.monotonic() < deadline, f"no KV events from {backend} reached the router"
+    while _cached(base, backend) < at_least:
+        assert time.monotonic() < deadline, f"the KV events of {backend} did not reach the router"
         time.sleep(0.05)  # waiting for another process
 
 
@@ -153,14 +158,15 @@ def test_cache_aware_and_round_robin_routing_over_two_nodes(node, tmp_path):
         with routing(urls, "cache-aware") as ca:
             first, body = _complete(ca, system + [1, 2, 3])
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            _wait_cached(ca, first)
+            _wait_cached(ca, first, 67 // 8)
             for turn in range(3):  # round-robin would alternate: affinity keeps the prefix's node
                 landed, body = _complete(ca, system + [7, turn, 9, 10])
                 assert landed == first
                 assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
             text = "a shared system prompt, long enough to fill a few blocks of eight bytes. "
+            held = {u: _cached(ca, u) for u in urls}
             t1, _ = _complete(ca, text + "first question")  # text: keys from the byte tokenizer
-            _wait_cached(ca, t1)
+            _wait_cached(ca, t1, held[t1] + len(text.encode()) // 8)
             for _ in range(2):
                 t2, body = _complete(ca, text + "second question")
                 assert t2 == t1 and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
