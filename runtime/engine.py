@@ -477,6 +477,7 @@ class Engine:
             self.kv_events = KVEventPublisher(self.cfg.host, self.cfg.kv_events_port, self.cfg.block_size,
                                               self.cache.cached_blocks)
             self.cache.observe(self.kv_events)
+            self.kv_events.cleared()  # batch 1: a subscriber that knew an earlier life of this node forgets it
         if self.cfg.port:
             self.server = ApiServer(self.cfg.host, self.cfg.port, self.fan.poke, peer=self.cfg.decode_peer,
                                     max_message_bytes=api.max_message_bytes(self.cfg.max_model_len))

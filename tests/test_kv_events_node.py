@@ -13,7 +13,7 @@ import zmq
 
 from runtime.config import NodeConfig
 from runtime.hashing import BlockHasher
-from runtime.kv_events import TOPIC, KVEventView
+from runtime.kv_events import TOPIC, KVEventView, decode_batch
 from tests.launched import SMALL, free_port, launched
 from tests.test_http import _wait_healthy
 
@@ -101,6 +101,14 @@ def test_node_publishes_the_prompts_keys_evictions_and_replays_a_late_subscriber
         assert early.gaps == gaps and early.lost == 0
         assert not set(keys[0][2:]) & set(early.media), "evicted blocks were not removed"
         assert early.media == late.media
+        ask = ctx.socket(zmq.DEALER)  # the replay socket as vLLM's subscriber asks it: from batch 1
+        ask.setsockopt(zmq.LINGER, 0)
+        ask.connect(info["kv_events_replay"])
+        ask.send_multipart([b"", (1).to_bytes(8, "big")])
+        assert ask.poll(5000), "no answer from the replay socket"
+        _, seq, payload = ask.recv_multipart()
+        assert int.from_bytes(seq, "big") == 1 and decode_batch(1, payload).events == [["AllBlocksCleared"]]
+        ask.close(0)
         stats = ln.idle_stats()
         assert len(early.media) == stats["device_cached"]
         early.close()
