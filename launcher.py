@@ -19,6 +19,7 @@ BENCHES = {
     "replay": ("bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
     "route": ("bench.route", "N nodes behind kvrt route: hit rate and TTFT per routing policy vs one node"),
     "model": ("bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
+    "serve": ("bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 STRESS = {
@@ -61,8 +62,10 @@ def _add_launch(sub) -> None:
     p.add_argument("--role", default=d.role, choices=["mixed", "prefill", "decode"],
                    help="mixed (default): prefill and decode here; prefill: compute prompts and hand their KV "
                    "to --decode-peer; decode: continue requests a prefill node handed over")
-    p.add_argument("--decode-peer", default="", metavar="tcp://HOST:PORT",
-                   help="prefill role: the decode node's client API address (its --host/--port)")
+    p.add_argument("--decode-peer", default="", metavar="tcp://HOST:PORT[,...]",
+                   help="prefill role: the decode node's client API address (its --host/--port), or several "
+                   "comma-separated: each request goes to the one with the most free blocks, and to the "
+                   "next when one refuses it or is lost")
     p.add_argument("--pd-transport", default=d.pd_transport, choices=["shm", "mooncake"],
                    help="how KV blocks travel P->D: shm (same machine) or mooncake (TCP/RDMA, any machines); "
                    "both nodes must use the same (default shm)")

@@ -34,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
+import httpx2
 import numpy as np
 
 from bench.nodes import REPO, LaunchedNode, free_port
@@ -187,9 +187,9 @@ def _wait_http(base: str, what: str, proc: subprocess.Popen | None = None) -> No
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode}")
         try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
+            if httpx2.get(base + "/health", timeout=2).status_code == 200:
                 return
-        except httpx.HTTPError:
+        except httpx2.HTTPError:
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} at {base} was not healthy within {READY_S:g} s")
@@ -201,8 +201,8 @@ def send_all(base: str, specs: list[PromptSpec], concurrency: int, timeout: floa
     ttfts: list[float] = []
     failed: list[str] = []
     lock = threading.Lock()
-    client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0),
-                          limits=httpx.Limits(max_connections=concurrency * 2))
+    client = httpx2.Client(timeout=httpx2.Timeout(timeout, connect=10.0),
+                          limits=httpx2.Limits(max_connections=concurrency * 2))
 
     def one(spec: PromptSpec) -> None:
         body = {"model": MODEL, "prompt": spec.prompt.tolist(), "max_tokens": spec.max_new_tokens,
@@ -223,7 +223,7 @@ def send_all(base: str, specs: list[PromptSpec], concurrency: int, timeout: floa
                     failed.append("no token streamed")
                 else:
                     ttfts.append(first * 1e3)
-        except (httpx.HTTPError, RuntimeError) as e:
+        except (httpx2.HTTPError, RuntimeError) as e:
             with lock:
                 failed.append(str(e) or type(e).__name__)
 
@@ -252,7 +252,7 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
     after = fleet.counters()
     routed = None
     if fleet.router is not None:  # how the router spread the requests over the nodes
-        routed = [b["routed"] for b in httpx.get(base + "/health", timeout=10).json()["backends"]]
+        routed = [b["routed"] for b in httpx2.get(base + "/health", timeout=10).json()["backends"]]
     asked, hit = after[0] - before[0], after[1] - before[1]
     t = np.asarray(sent["ttfts"]) if sent["ttfts"] else None
     if sent["failed"]:
@@ -289,7 +289,7 @@ def render(out: dict) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per request
     requests = load_requests(args.parser, args)
 
     def say(line: str) -> None:

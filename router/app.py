@@ -15,7 +15,7 @@ import json
 import logging
 import os
 
-import httpx
+import httpx2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -47,7 +47,7 @@ class Router:
         self.picker = picker
         self.tokenizer_dir = tokenizer_dir
         self._tokenizer: Tokenizer | None = None
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+        self.client = httpx2.AsyncClient(timeout=httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
 
     # ---- keys
     def tokenizer(self) -> Tokenizer | None:
@@ -133,7 +133,7 @@ class Router:
             try:
                 resp = await self.client.send(self.client.build_request("POST", b.url + path, content=raw,
                                                                         headers=headers), stream=True)
-            except httpx.TransportError as e:
+            except httpx2.TransportError as e:
                 b.inflight -= 1
                 why = f"backend {b.url} failed: {e or type(e).__name__}"
                 self.backends.mark_down(i, why)
@@ -155,18 +155,18 @@ class Router:
             b = self.backends.items[i]
             try:
                 r = await self.client.get(b.url + path, timeout=CONNECT_TIMEOUT_S)
-            except httpx.TransportError as e:
+            except httpx2.TransportError as e:
                 self.backends.mark_down(i, str(e) or type(e).__name__)
                 continue
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         return _error(503, "no backend is healthy")
 
 
-async def _relay(resp: httpx.Response, b) -> object:
+async def _relay(resp: httpx2.Response, b) -> object:
     try:
         async for chunk in resp.aiter_raw():
             yield chunk
-    except httpx.HTTPError as e:  # the node went away mid-answer: the client sees the stream end
+    except httpx2.HTTPError as e:  # the node went away mid-answer: the client sees the stream end
         log.warning("backend %s broke off an answer: %s", b.url, e)
     finally:
         await resp.aclose()

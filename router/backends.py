@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import httpx
+import httpx2
 import zmq
 
 from runtime.hashing import KEY_BYTES
@@ -84,7 +84,7 @@ class Backends:
         self._threads = [threading.Thread(target=self._health_loop, name="route-health", daemon=True)]
         if events:
             self._threads.append(threading.Thread(target=self._events_loop, name="route-events", daemon=True))
-        self._http = httpx.Client(timeout=HEALTH_TIMEOUT_S)
+        self._http = httpx2.Client(timeout=HEALTH_TIMEOUT_S)
 
     def start(self) -> None:
         self.check_all()
@@ -130,7 +130,7 @@ class Backends:
             ok = self._http.get(b.url + "/health").status_code == 200
             if ok and not b.described:
                 self._describe(b)
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx2.HTTPError, ValueError) as e:
             ok = False
             why = str(e) or type(e).__name__
         else:

@@ -222,7 +222,11 @@ class PdPing:
 @API.message("pd_pong")
 @dataclass
 class PdPong:
+    """D -> P, sealed: here; `free_blocks`: blocks D could give this peer now (-1: not said),
+    which P uses to pick among several decode nodes."""
+
     nonce: int = 0
+    free_blocks: int = -1
 
 
 @API.message("pd_prealloc")
@@ -257,6 +261,7 @@ class PdAllocated:
     cached_tokens: int
     descriptors: list
     lease_s: float
+    free_blocks: int = -1  # as in PdPong, once these blocks are taken
 
 
 @API.message("pd_kv_ready")

@@ -27,6 +27,11 @@ class NodeConfig(config.NodeConfig):
     """The typed node configuration (ipc/config.py) plus what only the launcher and the engine
     need: validation of user input and the model identity block keys are rooted in."""
 
+    @property
+    def decode_peers(self) -> list[str]:
+        """The decode nodes of a prefill node (--decode-peer, comma-separated), in order."""
+        return [p.strip() for p in self.decode_peer.split(",") if p.strip()] if self.decode_peer else []
+
     def validate(self) -> "NodeConfig":
         from ipc.shm import validate_node_name
 
@@ -41,8 +46,12 @@ class NodeConfig(config.NodeConfig):
             raise ConfigError("--role prefill needs --decode-peer tcp://HOST:PORT (the decode node's --port)")
         if self.decode_peer and self.role != "prefill":
             raise ConfigError(f"--decode-peer is for --role prefill, not {self.role}")
-        if self.decode_peer and not self.decode_peer.startswith("tcp://"):
-            raise ConfigError(f"--decode-peer must look like tcp://HOST:PORT, got {self.decode_peer!r}")
+        for peer in self.decode_peers:
+            host, _, port = peer.removeprefix("tcp://").rpartition(":")
+            if not peer.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--decode-peer takes tcp://HOST:PORT addresses, comma-separated; got {peer!r}")
+        if len(set(self.decode_peers)) != len(self.decode_peers):
+            raise ConfigError(f"--decode-peer names a decode node twice: {self.decode_peer!r}")
         if self.role == "decode" and not self.port:
             raise ConfigError("--role decode needs --port: prefill nodes reach it there")
         if self.role == "prefill" and not self.port:

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 POLL_MS = 100  # longest the I/O thread blocks before checking whether it should stop
 
 
-PEER = b"\x00peer!"  # the identity under which messages from the decode peer (a P node's D) arrive
+PEER = b"\x00peer!"  # prefix of the identities under which messages from a P node's decode peers arrive
 INBOX_MAX = 4096  # client messages waiting for the engine before the I/O thread stops reading more
 HEARTBEAT_IVL_MS = 5_000
 HEARTBEAT_TIMEOUT_MS = 30_000
@@ -57,10 +57,16 @@ class ClientNotice:
     frames: int = 0
 
 
+def peer_identity(index: int) -> bytes:
+    """The identity of decode peer `index` (its place in --decode-peer) on a prefill node."""
+    return PEER + str(index).encode()
+
+
 class ApiServer:
-    """Listens on tcp://host:port; `inbox` holds (client identity, message bytes). With a
-    `peer` address (a prefill node's decode node) it also keeps a DEALER connected there:
-    its messages arrive with identity PEER, and `send(PEER, ...)` goes to it."""
+    """Listens on tcp://host:port; `inbox` holds (client identity, message bytes). With `peer`
+    addresses (a prefill node's decode nodes, comma-separated) it also keeps a DEALER connected
+    to each: messages of the i-th arrive with identity peer_identity(i), and sends to that
+    identity go to it."""
 
     def __init__(self, host: str, port: int, wake: Callable[[], None], peer: str = "", *,
                  max_message_bytes: int = -1, client_queue: int = CLIENT_QUEUE):
@@ -87,11 +93,11 @@ class ApiServer:
         self._pull.bind(f"inproc://answers-{id(self)}")
         self._push = self._ctx.socket(zmq.PUSH)  # used by the engine thread only
         self._push.connect(f"inproc://answers-{id(self)}")
-        self._dealer = None
-        if peer:
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.connect(peer)
+        self._dealers: dict[bytes, zmq.Socket] = {}
+        for i, address in enumerate(a.strip() for a in peer.split(",") if a.strip()):
+            dealer = self._dealers[peer_identity(i)] = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="api-io", daemon=True)
         self._thread.start()
@@ -110,15 +116,16 @@ class ApiServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
-        if self._dealer is not None:
-            poller.register(self._dealer, zmq.POLLIN)
+        by_socket = {dealer: identity for identity, dealer in self._dealers.items()}
+        for dealer in by_socket:
+            poller.register(dealer, zmq.POLLIN)
         while not self._stop.is_set():
             poller.modify(self._router, zmq.POLLIN if len(self.inbox) < INBOX_MAX else 0)
             for sock, _ in poller.poll(POLL_MS):
                 if sock is self._router:
                     self._receive()
-                elif sock is self._dealer:
-                    self._receive_peer()
+                elif sock in by_socket:
+                    self._receive_peer(by_socket[sock])
                 else:
                     self._forward()
             self._flush_backlogs()
@@ -131,11 +138,11 @@ class ApiServer:
                 client, data, *keep = self._pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if client == PEER and self._dealer is not None:
+            if (dealer := self._dealers.get(client)) is not None:
                 try:
-                    self._dealer.send(data, zmq.NOBLOCK)
+                    dealer.send(data, zmq.NOBLOCK)
                 except zmq.Again:  # the peer is gone and its queue is full: P's timeouts fail the requests
-                    log.warning("decode peer not reachable: a message to it was dropped")
+                    log.warning("decode peer %s not reachable: a message to it was dropped", client[len(PEER):])
             elif not self._to_client(client, data, bool(keep)):
                 overflowed.add(client)
         self.notices.extend(ClientNotice(c, OVERFLOW) for c in overflowed)  # one each, however many dropped
@@ -187,13 +194,14 @@ class ApiServer:
                 self._backlog.pop(client, None)
         self._tell_gone(False)
 
-    def _receive_peer(self) -> None:
+    def _receive_peer(self, identity: bytes) -> None:
+        dealer = self._dealers[identity]
         while True:
             try:
-                data = self._dealer.recv(zmq.NOBLOCK)
+                data = dealer.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self.inbox.append((PEER, data))
+            self.inbox.append((identity, data))
         self._wake()
 
     def _receive(self) -> None:

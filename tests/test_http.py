@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from runtime.api import ErrorEvent, InfoReply
 from runtime.chat_template import ChatTemplate, Message
 from runtime.http.app import Server, create_app
+from runtime.http.openai_schema import CompletionRequest
 from runtime.http.server import served_model_name
 from runtime.tokenizer import ByteTokenizer, HFTokenizer
 from tests.conftest import REPO
@@ -273,3 +274,17 @@ def test_a_node_that_cannot_serve_now_answers_503(ready, code):
             assert r.status_code == 503, r.text
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert c.get("/health").status_code == (200 if ready else 503)
+
+
+class _EosTokenizer:
+    eos_token_ids = (5, 6)
+
+
+@pytest.mark.parametrize("ignore", [False, True])
+def test_ignore_eos_drops_every_eos_id(ignore):
+    """vLLM's `ignore_eos`, which serving benchmarks send, turns off the model's EOS ids."""
+    server = Server(_FakeBridge(True), MODEL)
+    server._tokenizer = _EosTokenizer()
+    body = CompletionRequest(model=MODEL, prompt=[1], ignore_eos=ignore)
+    eos, sampling = server.sampling(body)
+    assert (eos, list(sampling.stop_token_ids)) == ((-1, []) if ignore else (5, [6]))

@@ -40,8 +40,11 @@ class CacheMessager:
         self.device, self.host = attach_pools(reg, rank, cfg)
         # a write must end before the engine gives up on it (and so before D's lease ends)
         options = {"timeout_s": cfg.rank_timeout} if cfg.pd_transport == "mooncake" else {}
+        host = advertised_host(cfg.host, peer_addresses(cfg.decode_peer))
+        log.info("rank %d publishes %s to its P/D peers", rank, host)
         self.transport = open_transport(cfg.pd_transport, self.device,
-                                        Endpoint(cfg.node, rank, host=_reachable(cfg.host), bind=cfg.host,
+                                        Endpoint(cfg.node, rank, host=host,
+                                                 bind=host if cfg.decode_peer else cfg.host,
                                                  instance=f"{reg.owner_pid}:{reg.owner_start_ms}"),
                                         **options)
         self.orders = Receiver.attach(reg, P.messager_orders(rank))
@@ -84,12 +87,70 @@ class CacheMessager:
                 pool.close()
 
 
-def _reachable(host: str) -> str:
-    """The address peers use to reach this machine: `host`, unless it is a wildcard (a node
-    listening on every interface still has to publish one address that P can dial)."""
-    if host in ("", "0.0.0.0", "::", "*"):
-        return socket.gethostbyname(socket.gethostname())
-    return host
+_WILDCARDS = ("", "0.0.0.0", "::", "*")
+
+
+def peer_addresses(decode_peer: str) -> list[tuple[str, int]]:
+    """(host, port) of each decode node in `--decode-peer` (tcp://HOST:PORT, comma-separated);
+    entries that do not parse are left out (the launcher refused them already)."""
+    out = []
+    for item in decode_peer.split(","):
+        host, _, port = item.strip().removeprefix("tcp://").rpartition(":")
+        if host and port.isdigit():
+            out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def advertised_host(host: str, peers: list[tuple[str, int]]) -> str:
+    """The address this rank's transport publishes (and binds) for its P/D peers.
+
+    A prefill node (`peers`: its decode nodes) uses the local address of its route to the
+    first decode node: its `--host` serves clients and is often loopback, which says nothing
+    about the interface D's traffic comes in on. A decode node uses `--host`; with a wildcard
+    it publishes its hostname's address only if that address is on one of its own interfaces
+    and not loopback (a hostname mapped to 127.0.0.1, or resolving to an address of another
+    network namespace, would send every P to the wrong place), else the first non-loopback
+    IPv4 address of an interface that is up."""
+    for peer in peers[:1]:
+        if (local := _route_source(*peer)) is not None:
+            return local
+    if host not in _WILDCARDS:
+        return host
+    local = _interface_addresses()
+    try:
+        named = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        named = ""
+    if named in local and not named.startswith("127."):
+        return named
+    if local:
+        chosen = next(iter(local))
+        log.warning("the hostname resolves to %s, not an address of this machine's interfaces: publishing %s "
+                    "to P/D peers (give --host to choose)", named or "nothing", chosen)
+        return chosen
+    return named or "127.0.0.1"
+
+
+def _route_source(host: str, port: int) -> str | None:
+    """The local address the kernel picks to reach host:port (a UDP connect sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(infos[0][4])
+            return s.getsockname()[0]
+    except (OSError, IndexError) as e:
+        log.warning("no route to the decode node %s:%d (%s): publishing the --host address instead", host, port, e)
+        return None
+
+
+def _interface_addresses() -> dict[str, str]:
+    """Non-loopback IPv4 addresses of the interfaces that are up -> interface name, in the
+    order the system lists them."""
+    import psutil
+
+    up = {name for name, st in psutil.net_if_stats().items() if st.isup}
+    return {a.address: name for name, addrs in psutil.net_if_addrs().items() if name in up
+            for a in addrs if a.family == socket.AF_INET and not a.address.startswith("127.")}
 
 
 def main(argv: list[str] | None = None) -> int:

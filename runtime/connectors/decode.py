@@ -126,7 +126,7 @@ class DecodeConnector(KVConnector):
             log.info("prefill peer %s authenticated", sess.peer)
         peer.route = client  # P's socket may have reconnected
         if isinstance(inner, api.PdPing):
-            self._to_peer(peer, api.PdPong(inner.nonce if _is_int(inner.nonce) else 0))
+            self._to_peer(peer, api.PdPong(inner.nonce if _is_int(inner.nonce) else 0, self.free_for(peer.name)))
         elif isinstance(inner, api.PdPrealloc):
             if self.ctx.accepting():
                 self.on_prealloc(peer, inner)
@@ -191,6 +191,14 @@ class DecodeConnector(KVConnector):
             waiting += internal in self.ctx.sched.external_ids
         return blocks, waiting
 
+    def free_for(self, peer: str, taking: int = 0) -> int:
+        """Blocks `peer` could get now: free or evictable blocks of the pool (as the engine last
+        published them, less `taking` just allocated), within what is left of its quota. A
+        prefill node with several decode nodes sends each request to the one that says most."""
+        stats, cfg = self.ctx.stats, self.ctx.cfg
+        room = int(stats[P.STAT["device_total"]]) - int(stats[P.STAT["device_used"]]) - taking
+        return max(0, min(room, cfg.peer_max_blocks - self._held(peer)[0]))
+
     def on_prealloc(self, peer: _Peer, msg: api.PdPrealloc) -> None:
         rid = msg.request_id
         problem = self._check_prealloc(msg)
@@ -233,9 +241,11 @@ class DecodeConnector(KVConnector):
     def update_state_after_alloc(self, seq: Sequence, blocks: list[int]) -> None:
         """Blocks held for a peer's request: tell P their ids; its lease starts now."""
         self.deadlines[seq.request_id] = time.monotonic() + self.lease_s
+        peer = self.owner.get(seq.request_id, ("", ""))[0]
         self.ctx.reply(seq.client, api.PdAllocated(
             seq.request_id, np.asarray(blocks, dtype=np.int32), seq.num_computed,
-            [self.descriptors[r] for r in range(self.ctx.cfg.tp)], self.lease_s))
+            [self.descriptors[r] for r in range(self.ctx.cfg.tp)], self.lease_s,
+            self.free_for(peer, taking=len(blocks))))
 
     def tick(self) -> None:
         """Expire leases; forget ended requests."""

@@ -15,6 +15,12 @@ Every wait has a deadline (`--pd-timeout`): P fails a request D does not allocat
 answering for. Peer messages travel only inside an authenticated session (pd_auth.py), and
 every field of D's messages is checked before it touches a request. P pings D while idle and
 fails requests at once when D stopped answering, instead of after --pd-timeout each.
+
+With several decode nodes (`--decode-peer` lists them) P keeps one session with each and sends
+each request to the one that last said it has the most free blocks (D says so in every pong
+and allocation answer; P counts down what it asked for since, so a burst spreads). A request
+that a decode node refuses, or whose decode node is lost before it allocated, is asked of the
+next one it has not tried; once blocks are allocated the request stays with that node.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ from runtime.intake import sampling_of
 from runtime.pd_auth import NONCE_BYTES, P2D, AuthError, Session, check_bytes, load_secret, new_nonce, \
     session_key, welcome_mac
 from runtime.sequence import Sequence
-from runtime.server import PEER
+from runtime.server import PEER, peer_identity
 
 from .base import ConnectorContext, KVConnector
 from .peer import MAX_REASON, check_id as _check_id, is_int as _is_int, refused as _refused
@@ -49,6 +55,23 @@ SEND_GRACE_S = 0.5    # the engine waits this long past a send order's deadline 
 
 
 @dataclass
+class _Link:
+    """P's side of one decode node: where it is, its session, and its last word on free blocks."""
+
+    index: int
+    address: str
+    session: Session | None = None
+    nonces: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # hellos sent, newest last
+    silent_since: float = field(default_factory=time.monotonic)  # no session since, or last heard at
+    next_ping: float = 0.0
+    free_blocks: int = -1  # as D last said, less what P asked of it since; -1: not said yet
+
+    @property
+    def identity(self) -> bytes:
+        return peer_identity(self.index)
+
+
+@dataclass
 class _Pending:
     """A request waiting for D's blocks."""
 
@@ -56,7 +79,13 @@ class _Pending:
     req: api.GenerateRequest
     deadline: float
     arrival: float = field(default_factory=time.monotonic)
-    asked: bool = False  # the preallocation went out (it waits for a session otherwise)
+    link: _Link | None = None  # the decode node asked (it waits for a session otherwise)
+    tried: set[int] = field(default_factory=set)  # decode nodes that refused it or were lost
+    last_error: api.ErrorEvent | None = None  # why the last one tried did not take it
+
+    @property
+    def asked(self) -> bool:
+        return self.link is not None
 
 
 @dataclass
@@ -65,6 +94,7 @@ class _Send:
 
     seq: Sequence
     ranks: RankGroup[P.SendDone]
+    link: _Link
 
 
 @dataclass
@@ -73,6 +103,7 @@ class _Relay:
 
     seq: Sequence
     deadline: float
+    link: _Link
 
 
 class PrefillConnector(KVConnector):
@@ -82,19 +113,18 @@ class PrefillConnector(KVConnector):
         super().__init__(ctx)
         self.timeout = ctx.cfg.pd_timeout
         self.secret = load_secret(ctx.cfg.pd_secret_file)
+        self.links = [_Link(i, address) for i, address in enumerate(ctx.cfg.decode_peers)]
+        self._by_identity = {link.identity: link for link in self.links}
         self.pending: dict[str, _Pending] = {}
         self.sends: dict[int, _Send] = {}
-        self.dest: dict[str, api.PdAllocated] = {}  # request prefilling here -> D's blocks for it
+        # request prefilling here -> the decode node holding blocks for it, and its answer
+        self.dest: dict[str, tuple[_Link, api.PdAllocated]] = {}
         self._due: list[Sequence] = []  # prefilled (first token out), their send not yet ordered
         self.relays: dict[str, _Relay] = {}
         self.leases: dict[str, float] = {}  # request -> when D's hold on its blocks ends (P's clock)
         self.lost: dict[str, api.ErrorEvent] = {}  # requests D gave up on while P still prefills
         self._task_ids = itertools.count(1)
-        self.link: Session | None = None
-        self._nonces: OrderedDict[bytes, None] = OrderedDict()  # hellos sent, newest last
         self.dead_after = min(DEAD_AFTER_S, self.timeout)
-        self._silent_since = time.monotonic()  # no session since (or last heard from D at)
-        self._next_ping = 0.0
 
     def busy(self, request_id: str) -> bool:
         return request_id in self.pending or request_id in self.relays
@@ -104,38 +134,37 @@ class PrefillConnector(KVConnector):
         yield from ((rid, r.seq.client) for rid, r in self.relays.items())
 
     def is_peer_client(self, client: bytes) -> bool:
-        return client == PEER
+        return client.startswith(PEER)
 
     @property
     def inflight(self) -> bool:
         return bool(self.sends)
 
-    def _to_d(self, msg) -> None:
-        self.ctx.send_raw(PEER, msg)
-
-    # ---- the link to D ----------------------------------------------------------------------
+    # ---- the links to the decode nodes -------------------------------------------------------
     def gone(self) -> str:
-        """Why D counts as gone (no session and no answer for dead_after), or ""."""
-        silent = time.monotonic() - self._silent_since
-        if self.link is None and silent > self.dead_after:
-            return f"the decode node has not answered for {silent:.1f}s ({self.ctx.cfg.decode_peer})"
-        return ""
+        """Why every decode node counts as gone (no session and no answer for dead_after), or ""."""
+        now = time.monotonic()
+        if any(link.session is not None or now - link.silent_since <= self.dead_after for link in self.links):
+            return ""
+        silent = min(now - link.silent_since for link in self.links)
+        which = "the decode node has" if len(self.links) == 1 else f"none of the {len(self.links)} decode nodes has"
+        return f"{which} not answered for {silent:.1f}s ({self.ctx.cfg.decode_peer})"
 
-    def _send(self, msg) -> None:
-        """To D, sealed; dropped while there is no session (D's leases take back its blocks)."""
-        if self.link is None:
-            log.warning("no session with the decode node: %s dropped", type(msg).__name__)
+    def _send(self, link: _Link, msg) -> None:
+        """To one D, sealed; dropped while there is no session (D's leases take back its blocks)."""
+        if link.session is None:
+            log.warning("no session with the decode node %s: %s dropped", link.address, type(msg).__name__)
             return
-        self._to_d(self.link.seal(msg))
+        self.ctx.send_raw(link.identity, link.session.seal(msg))
 
-    def _hello(self) -> None:
+    def _hello(self, link: _Link) -> None:
         nonce = new_nonce()
-        self._nonces[nonce] = None
-        while len(self._nonces) > 8:
-            self._nonces.popitem(last=False)
-        self._to_d(api.PdHello(self.ctx.cfg.node, nonce))
+        link.nonces[nonce] = None
+        while len(link.nonces) > 8:
+            link.nonces.popitem(last=False)
+        self.ctx.send_raw(link.identity, api.PdHello(self.ctx.cfg.node, nonce))
 
-    def _welcome(self, msg: api.PdWelcome) -> None:
+    def _welcome(self, link: _Link, msg: api.PdWelcome) -> None:
         try:
             nonce = check_bytes(msg.nonce, NONCE_BYTES, "nonce")
             session = check_bytes(msg.session, NONCE_BYTES, "session")
@@ -143,53 +172,56 @@ class PrefillConnector(KVConnector):
         except AuthError as e:
             _refused(self.ctx.stats, f"welcome: {e}")
             return
-        if nonce not in self._nonces:
-            if self.link is None:  # an answer to an earlier hello once a session is up is expected
+        if nonce not in link.nonces:
+            if link.session is None:  # an answer to an earlier hello once a session is up is expected
                 _refused(self.ctx.stats, "welcome to a hello this node did not send")
             return
         peer = self.ctx.cfg.node
         if not hmac.compare_digest(mac, welcome_mac(self.secret, nonce, session, peer)):
             _refused(self.ctx.stats, "welcome not signed with the shared secret: check --pd-secret-file on both nodes")
             return
-        self._nonces.clear()  # D may still answer hellos sent before this one: those are stale now
-        if self.link is not None:
-            self._link_lost("the decode node opened a new session (it restarted?)")
-        self.link = Session(session, session_key(self.secret, nonce, session, peer), peer, P2D)
-        self._silent_since = time.monotonic()
-        log.info("session with the decode node %s is up", self.ctx.cfg.decode_peer)
-        for p in self.pending.values():
+        link.nonces.clear()  # D may still answer hellos sent before this one: those are stale now
+        if link.session is not None:
+            self._link_lost(link, "the decode node opened a new session (it restarted?)")
+        link.session = Session(session, session_key(self.secret, nonce, session, peer), peer, P2D)
+        link.silent_since = time.monotonic()
+        link.free_blocks = -1
+        link.next_ping = 0.0  # ping at once: its pong says how many free blocks it has
+        log.info("session with the decode node %s is up", link.address)
+        for p in list(self.pending.values()):
             if not p.asked:
                 self._ask(p)
 
-    def _link_lost(self, why: str) -> None:
-        """D is gone or forgot the session: fail what it held; say hello again."""
-        log.warning("lost the decode node: %s", why)
-        self.link = None
-        self._silent_since = time.monotonic()
-        self._next_ping = 0.0
-        for rid in [r for r, p in self.pending.items() if p.asked]:
-            p = self.pending.pop(rid)
-            self.ctx.count_failed()
-            self.ctx.reply(p.client, api.ErrorEvent(rid, api.FAILED, f"decode node lost: {why}"))
-        for rid in list(self.relays):
+    def _link_lost(self, link: _Link, why: str) -> None:
+        """A decode node is gone or forgot the session: what it allocated for or decodes fails;
+        requests it had not allocated for yet go to another decode node; say hello again."""
+        log.warning("lost the decode node %s: %s", link.address, why)
+        link.session = None
+        link.silent_since = time.monotonic()
+        link.next_ping = 0.0
+        link.free_blocks = -1
+        for p in [p for p in self.pending.values() if p.link is link]:
+            self._retry(p, api.ErrorEvent(p.req.request_id, api.FAILED, f"decode node lost: {why}"))
+        for rid in [r for r, x in self.relays.items() if x.link is link]:
             r = self.relays.pop(rid)
             self.ctx.count_failed()
             self.ctx.reply(r.seq.client, api.ErrorEvent(rid, api.FAILED, f"decode node lost: {why}"))
-        for rid in list(self.leases):  # still prefilling here: the handoff will fail at start_send
+        for rid in [r for r, (x, _) in self.dest.items() if x is link]:  # the handoff fails at start_send
             self.lost.setdefault(rid, api.ErrorEvent(rid, api.FAILED, why))
 
     def _ping(self) -> None:
         now = time.monotonic()
-        if now < self._next_ping:
-            return
-        self._next_ping = now + PING_EVERY_S
-        if self.link is None:
-            self._hello()
-        elif now - self._silent_since > self.dead_after:
-            self._link_lost(f"no answer to pings for {now - self._silent_since:.1f}s")
-            self._hello()
-        else:
-            self._send(api.PdPing())
+        for link in self.links:
+            if now < link.next_ping:
+                continue
+            link.next_ping = now + PING_EVERY_S
+            if link.session is None:
+                self._hello(link)
+            elif now - link.silent_since > self.dead_after:
+                self._link_lost(link, f"no answer to pings for {now - link.silent_since:.1f}s")
+                self._hello(link)
+            else:
+                self._send(link, api.PdPing())
 
     # ---- client side ----------------------------------------------------------------------
     def on_request(self, client: bytes, req: api.GenerateRequest) -> bool:
@@ -201,27 +233,51 @@ class PrefillConnector(KVConnector):
             self.ctx.reply(client, api.ErrorEvent(req.request_id, api.FAILED, f"decode node unreachable: {why}"))
             return True
         p = self.pending[req.request_id] = _Pending(client, req, time.monotonic() + self.timeout)
-        if self.link is not None:
-            self._ask(p)
+        self._ask(p)
         return True
 
     def _ask(self, p: _Pending) -> None:
-        p.asked = True
+        """Ask the decode node with the most free blocks among those with a session that have not
+        refused the request yet. None now: the request waits for a session (its deadline bounds
+        that), or fails when every decode node has been tried."""
         req = p.req
-        self._send(api.PdPrealloc(req.request_id, req.prompt, req.max_new_tokens, req.eos_token_id, req.use_cache,
-                                  req.temperature, req.top_p, req.top_k, req.seed, req.stop_token_ids,
-                                  req.logprobs))
+        up = [link for link in self.links if link.session is not None and link.index not in p.tried]
+        if not up:
+            if len(p.tried) == len(self.links) and p.last_error is not None:
+                self.pending.pop(req.request_id, None)
+                self.ctx.count_failed()
+                self.ctx.reply(p.client, p.last_error)
+            return
+        link = max(up, key=lambda x: x.free_blocks)  # the first listed among equals
+        p.link = link
+        if link.free_blocks >= 0:
+            link.free_blocks = max(0, link.free_blocks - -(-(len(req.prompt) + req.max_new_tokens)
+                                                           // self.ctx.cfg.block_size))
+        self._send(link, api.PdPrealloc(req.request_id, req.prompt, req.max_new_tokens, req.eos_token_id,
+                                        req.use_cache, req.temperature, req.top_p, req.top_k, req.seed,
+                                        req.stop_token_ids, req.logprobs))
+
+    def _retry(self, p: _Pending, error: api.ErrorEvent) -> None:
+        """The decode node asked for `p` refused it or was lost (`error` says which): ask the
+        next one; the request fails with `error` when none is left."""
+        if p.link is not None:
+            p.tried.add(p.link.index)
+            if len(self.links) > 1:
+                log.info("%s: %s; trying another decode node", p.req.request_id, error.message)
+        p.link, p.last_error = None, error
+        p.deadline = time.monotonic() + self.timeout  # the next decode node has --pd-timeout too
+        self._ask(p)
 
     def cancel(self, client: bytes, request_id: str) -> bool:
         """True if the request is one of P's handoffs (then it is handled here)."""
         if (p := self.pending.pop(request_id, None)) is not None:
-            if p.asked:
-                self._send(api.PdAbort(request_id, "cancelled by the client"))
+            if p.link is not None:
+                self._send(p.link, api.PdAbort(request_id, "cancelled by the client"))
             self.ctx.reply(p.client, api.FinishedEvent(request_id, np.empty(0, np.int32), "cancelled",
                                                        len(p.req.prompt)))
             return True
-        if request_id in self.relays:
-            self._send(api.CancelRequest(request_id))
+        if (r := self.relays.get(request_id)) is not None:
+            self._send(r.link, api.CancelRequest(request_id))
             return True
         self.ended_here(request_id)  # still prefilling here (if at all): D can let go now
         return False
@@ -232,17 +288,21 @@ class PrefillConnector(KVConnector):
     def ended_here(self, request_id: str) -> None:
         """A handoff request ended on P before its handoff (EOS as the first token, a failed
         step, a cancel): D can give its blocks back now instead of at the lease's end."""
-        self.dest.pop(request_id, None)
+        dest = self.dest.pop(request_id, None)
         if self.leases.pop(request_id, None) is not None:
             self.lost.pop(request_id, None)
-            self._send(api.PdAbort(request_id, "the request ended on the prefill node"))
+            if dest is not None:
+                self._send(dest[0], api.PdAbort(request_id, "the request ended on the prefill node"))
 
     # ---- messages from D ------------------------------------------------------------------
     def on_peer_message(self, client: bytes, msg: object) -> bool:
-        """Everything from the decode peer's socket is the connector's."""
-        if client != PEER:
+        """Everything from a decode peer's socket is the connector's."""
+        if not client.startswith(PEER):
             return False
-        self._on_peer(msg)
+        if (link := self._by_identity.get(client)) is None:
+            _refused(self.ctx.stats, f"a message from an unknown decode peer socket {client!r}")
+        else:
+            self._on_peer(link, msg)
         return True
 
     def on_rank_message(self, msg: object) -> bool:
@@ -250,38 +310,43 @@ class PrefillConnector(KVConnector):
             self._on_send_done(msg)
         return isinstance(msg, (P.SendDone, P.MessagerHello))  # P's ranks' hellos are for D only
 
-    def _on_peer(self, msg) -> None:
+    def _on_peer(self, link: _Link, msg) -> None:
         if isinstance(msg, api.PdWelcome):
-            self._welcome(msg)
+            self._welcome(link, msg)
             return
         if isinstance(msg, api.PdRefused):
-            if self.link is not None and msg.session == self.link.session:
-                self._link_lost(f"the decode node refused the session: {str(msg.reason)[:MAX_REASON]}")
-                self._next_ping = 0.0  # hello again at once
+            if link.session is not None and msg.session == link.session.session:
+                self._link_lost(link, f"the decode node refused the session: {str(msg.reason)[:MAX_REASON]}")
+                link.next_ping = 0.0  # hello again at once
             return
-        if not isinstance(msg, api.PdSealed) or self.link is None:
-            _refused(self.ctx.stats, f"unauthenticated {type(msg).__name__} from the decode peer")
+        if not isinstance(msg, api.PdSealed) or link.session is None:
+            _refused(self.ctx.stats, f"unauthenticated {type(msg).__name__} from the decode peer {link.address}")
             return
         try:
-            inner = self.link.open(msg)
+            inner = link.session.open(msg)
         except ProtocolError as e:
-            _refused(self.ctx.stats, f"from the decode peer: {e}")
+            _refused(self.ctx.stats, f"from the decode peer {link.address}: {e}")
             return
-        self._silent_since = time.monotonic()
+        link.silent_since = time.monotonic()
         problem = self._check(inner)
         if problem:
-            _refused(self.ctx.stats, f"{type(inner).__name__} from the decode node: {problem}")
+            _refused(self.ctx.stats, f"{type(inner).__name__} from the decode node {link.address}: {problem}")
             return
         rid = getattr(inner, "request_id", "")
+        if isinstance(inner, (api.PdPong, api.PdAllocated)) and inner.free_blocks >= 0:
+            if link.free_blocks < 0:
+                log.info("decode node %s: %d free blocks", link.address, inner.free_blocks)
+            link.free_blocks = int(inner.free_blocks)
         if isinstance(inner, api.PdAllocated):
-            self._allocated(inner)
+            self._allocated(link, inner)
         elif isinstance(inner, api.TokenEvent):
-            if (r := self.relays.get(rid)) is not None:
+            if (r := self.relays.get(rid)) is not None and r.link is link:
                 r.deadline = time.monotonic() + self.timeout
                 if r.seq.stream:
                     self.ctx.reply(r.seq.client, inner)
         elif isinstance(inner, api.FinishedEvent):
-            if (r := self.relays.pop(rid, None)) is not None:
+            if (r := self.relays.get(rid)) is not None and r.link is link:
+                del self.relays[rid]
                 seq = r.seq
                 inner.cached_device, inner.cached_host, inner.cached_storage = seq.cached
                 inner.computed_prompt_tokens, inner.preemptions = seq.computed_prompt_tokens, seq.preemptions
@@ -290,9 +355,9 @@ class PrefillConnector(KVConnector):
                 self.ctx.count_finished(seq)
                 self.ctx.reply(seq.client, inner)
         elif isinstance(inner, api.ErrorEvent):
-            self._peer_error(inner)
+            self._peer_error(link, inner)
         elif not isinstance(inner, api.PdPong):
-            log.warning("unexpected %s from the decode node", type(inner).__name__)
+            log.warning("unexpected %s from the decode node %s", type(inner).__name__, link.address)
 
     def _check(self, msg) -> str:
         """The first problem with a message from D, or "" (D is authenticated, but a bug there
@@ -301,6 +366,9 @@ class PrefillConnector(KVConnector):
         if isinstance(msg, (api.PdAllocated, api.TokenEvent, api.FinishedEvent, api.ErrorEvent)):
             if problem := _check_id(msg.request_id):
                 return problem
+        if isinstance(msg, (api.PdAllocated, api.PdPong)):
+            if not _is_int(msg.free_blocks) or not -1 <= msg.free_blocks < 1 << 31:
+                return f"free_blocks {msg.free_blocks!r}"
         if isinstance(msg, api.PdAllocated):
             if not _is_int(msg.cached_tokens) or msg.cached_tokens < 0:
                 return f"cached_tokens {msg.cached_tokens!r}"
@@ -330,11 +398,12 @@ class PrefillConnector(KVConnector):
             msg.message = msg.message[:MAX_REASON]
         return ""
 
-    def _allocated(self, msg: api.PdAllocated) -> None:
-        p = self.pending.pop(msg.request_id, None)
-        if p is None:  # timed out or cancelled meanwhile: give the blocks back
-            self._send(api.PdAbort(msg.request_id, "the prefill node no longer has the request"))
+    def _allocated(self, link: _Link, msg: api.PdAllocated) -> None:
+        p = self.pending.get(msg.request_id)
+        if p is None or p.link is not link:  # timed out, cancelled or asked elsewhere meanwhile
+            self._send(link, api.PdAbort(msg.request_id, "the prefill node no longer has the request"))
             return
+        del self.pending[msg.request_id]
         req, cfg = p.req, self.ctx.cfg
         if len(msg.descriptors) != cfg.tp or len(msg.block_ids) < -(-len(req.prompt) // cfg.block_size) \
                 or msg.cached_tokens > len(req.prompt):
@@ -346,27 +415,28 @@ class PrefillConnector(KVConnector):
                            client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
                            arrival=p.arrival, **sampling_of(req))
-        self.dest[req.request_id] = msg
+        self.dest[req.request_id] = (link, msg)
         self.leases[req.request_id] = p.arrival + msg.lease_s  # D's lease began after our ask: safe side
         self.ctx.sched.add(seq)
 
-    def _peer_error(self, msg: api.ErrorEvent) -> None:
+    def _peer_error(self, link: _Link, msg: api.ErrorEvent) -> None:
         rid = msg.request_id
-        if (p := self.pending.pop(rid, None)) is not None:
-            self.ctx.count_failed()
-            self.ctx.reply(p.client, msg)
-        elif (r := self.relays.pop(rid, None)) is not None:
+        if (p := self.pending.get(rid)) is not None and p.link is link:  # refused: D holds nothing for it
+            self._retry(p, msg)
+        elif (r := self.relays.get(rid)) is not None and r.link is link:
+            del self.relays[rid]
             self.ctx.count_failed()
             self.ctx.reply(r.seq.client, msg)
-        elif rid in self.leases:  # D let the blocks go while P prefills: never write into them
-            log.warning("decode node gave up %s before the handoff: %s", rid, msg.message)
+        elif rid in self.dest and self.dest[rid][0] is link:  # D let the blocks go while P prefills
+            log.warning("decode node %s gave up %s before the handoff: %s", link.address, rid, msg.message)
             self.lost[rid] = msg
         else:
-            log.warning("decode node error for %s: %s: %s", rid or "(no request)", msg.code, msg.message)
+            log.warning("decode node %s error for %s: %s: %s", link.address, rid or "(no request)", msg.code,
+                        msg.message)
 
     def _fail_pending(self, p: _Pending, why: str) -> None:
-        if p.asked:
-            self._send(api.PdAbort(p.req.request_id, why))
+        if p.link is not None:
+            self._send(p.link, api.PdAbort(p.req.request_id, why))
         self.ctx.count_failed()
         self.ctx.reply(p.client, api.ErrorEvent(p.req.request_id, api.FAILED, why))
 
@@ -387,17 +457,17 @@ class PrefillConnector(KVConnector):
     def _start_send(self, seq: Sequence) -> None:
         """The prefill is done (first token out): write the blocks D lacks into D's blocks."""
         rid = seq.request_id
-        alloc = self.dest.pop(rid)
+        link, alloc = self.dest.pop(rid)
         lease_end = self.leases.pop(rid, 0.0)
         lost = self.lost.pop(rid, None)
         now = time.monotonic()
-        if lost is not None or self.link is None or now + self.ctx.cfg.rank_timeout + LEASE_MARGIN_S > lease_end:
+        if lost is not None or link.session is None or now + self.ctx.cfg.rank_timeout + LEASE_MARGIN_S > lease_end:
             why = (f"decode node: {lost.message}" if lost is not None else
-                   "no session with the decode node" if self.link is None else
+                   "no session with the decode node" if link.session is None else
                    f"the decode node's lease on the blocks of {rid} ends before a handoff could finish "
                    f"(prefill took too long; raise --pd-timeout)")
             if lost is None:
-                self._send(api.PdAbort(rid, why))
+                self._send(link, api.PdAbort(rid, why))
             self.ctx.sched.drop(seq, "error")
             self.ctx.count_failed()
             self.ctx.reply(seq.client, api.ErrorEvent(rid, api.FAILED, why))
@@ -411,7 +481,7 @@ class PrefillConnector(KVConnector):
         # LEASE_MARGIN_S before D's lease ends); the engine gives up a little later, so an
         # answer "expired" still arrives before it tells D to let the blocks go.
         deadline = min(now + self.ctx.cfg.rank_timeout, lease_end - LEASE_MARGIN_S)
-        self.sends[task_id] = _Send(seq, RankGroup(self.ctx.cfg.tp, deadline + SEND_GRACE_S))
+        self.sends[task_id] = _Send(seq, RankGroup(self.ctx.cfg.tp, deadline + SEND_GRACE_S), link)
         data = P.PROTOCOL.encode(P.SendBlocks(task_id, seq.request_id, list(alloc.descriptors), src, dst,
                                               deadline))
         for ring in self.ctx.to_ranks:
@@ -427,16 +497,17 @@ class PrefillConnector(KVConnector):
         del self.sends[done.task_id]
         self.ctx.stats[P.STAT["pd_sent_bytes"]] += sum(a.nbytes for a in s.ranks.answers)
         errors = [a.error for a in s.ranks.answers if not a.ok]
-        self._sent(s.seq, "; ".join(errors))
+        self._sent(s, "; ".join(errors))
 
-    def _sent(self, seq: Sequence, error: str) -> None:
+    def _sent(self, s: _Send, error: str) -> None:
+        seq, link = s.seq, s.link
         rid = seq.request_id
         self.ctx.sched.drop(seq, seq.finish_reason or "handoff")
-        if not error and self.link is None:
+        if not error and link.session is None:
             error = "the session with the decode node was lost during the handoff"
         if error or seq.cancelled:
             why = error or "cancelled by the client"
-            self._send(api.PdAbort(rid, why))
+            self._send(link, api.PdAbort(rid, why))
             if seq.cancelled and not error:
                 seq.finish_reason = "cancelled"
                 self.ctx.finished(seq)
@@ -444,8 +515,8 @@ class PrefillConnector(KVConnector):
                 self.ctx.count_failed()
                 self.ctx.reply(seq.client, api.ErrorEvent(rid, api.FAILED, f"KV handoff to the decode node failed: {why}"))
             return
-        self._send(api.PdKvReady(rid, int(seq.output[0]), seq.output_logprobs[0] if seq.logprobs else 0.0))
-        self.relays[rid] = _Relay(seq, time.monotonic() + self.timeout)
+        self._send(link, api.PdKvReady(rid, int(seq.output[0]), seq.output_logprobs[0] if seq.logprobs else 0.0))
+        self.relays[rid] = _Relay(seq, time.monotonic() + self.timeout, link)
 
     # ---- deadlines ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -459,7 +530,7 @@ class PrefillConnector(KVConnector):
         for tid in [t for t, s in self.sends.items() if s.ranks.expired(now)]:
             s = self.sends.pop(tid)
             missing = s.ranks.missing()
-            self._sent(s.seq, f"cache-messager rank(s) {missing} did not answer within {self.ctx.cfg.rank_timeout:g}s")
+            self._sent(s, f"cache-messager rank(s) {missing} did not answer within {self.ctx.cfg.rank_timeout:g}s")
         for rid in [r for r, x in self.relays.items() if x.deadline <= now]:
             r = self.relays.pop(rid)
             self.ctx.count_failed()

@@ -135,9 +135,11 @@ class Server:
                                 f"the model's {info.max_model_len}", param=param, code="context_length_exceeded")
 
     def sampling(self, body: SamplingBody) -> tuple[int, Sampling]:
-        eos = list(self.tokenizer().eos_token_ids)
+        """The engine's EOS id (-1: none) and sampling parameters of `body`; the tokenizer's
+        further EOS ids become stop token ids. `ignore_eos` drops all of them."""
+        eos = [] if body.ignore_eos else list(self.tokenizer().eos_token_ids)
         info = self.node_info()
-        if not eos and info.eos_token_id >= 0:
+        if not eos and info.eos_token_id >= 0 and not body.ignore_eos:
             eos = [info.eos_token_id]
         return (eos[0] if eos else -1), Sampling(temperature=body.temperature, top_p=body.top_p,
                                                   top_k=max(body.top_k, 0), seed=body.seed, stop_token_ids=eos[1:],

@@ -27,6 +27,8 @@ class SamplingBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    # vLLM's extension, which serving benchmarks send: generate max_tokens whatever the model's EOS
+    ignore_eos: bool = False
 
     def wants_logprobs(self) -> bool:
         return False
