@@ -192,7 +192,9 @@ def create_app(router: Router) -> FastAPI:
         body = {"status": "ok" if router.backends.healthy() else "no healthy backend", "policy": router.picker.policy,
                 "backends": [{"url": b.url, "healthy": b.healthy, "inflight": b.inflight, "routed": b.routed,
                               "cached_blocks": len(b.view.media) if b.view is not None else None,
-                              "events_gaps": b.view.gaps if b.view is not None else None} for b in items]}
+                              "events": {"last_seq": b.view.last_seq, "gaps": b.view.gaps, "lost": b.view.lost,
+                                         "snapshots": b.view.snapshots, "malformed": b.view.malformed}
+                              if b.view is not None else None} for b in items]}
         return JSONResponse(body, 200 if router.backends.healthy() else 503)
 
     @app.get("/v1/models")

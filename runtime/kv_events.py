@@ -138,6 +138,8 @@ class KVEventPublisher:
             self.pub.send_multipart([TOPIC, seq_bytes(self.seq), payload], flags=zmq.NOBLOCK)
         except zmq.Again:  # a slow subscriber: it sees the gap and asks for a replay
             self.dropped += 1
+            if self.dropped % 1000 == 1:
+                log.warning("kv events: %d batches dropped for subscribers that do not keep up", self.dropped)
 
     def serve_replay(self) -> None:
         """Answer the replay requests that arrived (a bounded number per call)."""
@@ -229,9 +231,6 @@ class KVEventView:
         self.snapshots = 0
         self.malformed = 0
         self.lost = 0  # batches a replay could not bring back (the view may lack their changes)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.media
 
     def prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` the node holds (any tier)."""
