@@ -19,6 +19,7 @@ BENCHES = {
     "pd": ("bench.pd", "P->D KV block transfer: shm and Mooncake transports vs memcpy and a raw TCP socket"),
     "replay": ("bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
     "storage": ("bench.storage", "storage tiers: Mooncake Store and file put/get vs a raw socket; cross-node TTFT with a shared store"),
+    "route": ("bench.route", "N nodes behind kvrt route: hit rate and TTFT per routing policy vs one node"),
     "model": ("bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
     "serve": ("bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
 }
@@ -113,6 +114,9 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default="", metavar="NAME",
                    help="the model id of the HTTP API (default: the --model directory's name, or kvrt-reference)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus metrics port on 127.0.0.1 (0 = off)")
+    p.add_argument("--kv-events-port", type=int, default=d.kv_events_port, metavar="P",
+                   help="publish the prefix cache's KV events (vLLM's shape: block stored / removed / all cleared, per "
+                        "tier) on a ZeroMQ PUB socket on --host:P, with replay and snapshots on P+1 (0 = off)")
     p.add_argument("--log-dir", default="", help="write each process's log to DIR/<role>-<rank>.log (default: stderr)")
     p.add_argument("--model", default="", metavar="DIR",
                    help="serve a Hugging Face checkpoint directory (config.json + safetensors; Llama, Qwen2, "
@@ -170,6 +174,7 @@ def launch(args) -> int:
                      gpu_memory_utilization=args.gpu_memory_utilization,
                      num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, host=args.host, port=port,
                      metrics_port=args.metrics_port, log_dir=args.log_dir, dtype=args.dtype, **shape, **model,
+                     kv_events_port=args.kv_events_port,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1",
                      ready_timeout=args.ready_timeout, rank_timeout=args.rank_timeout,
@@ -199,11 +204,12 @@ def launch(args) -> int:
         job = demo_job(cfg)
     http = None
     if args.http_port:
-        from runtime.http.server import HttpServer, served_model_name
+        from runtime.http.server import HttpServer, cache_info, served_model_name
 
         try:
             http = HttpServer(args.host, args.http_port, args.host, port,
-                              served_model_name(args.served_model_name, args.model), args.metrics_port)
+                              served_model_name(args.served_model_name, args.model), args.metrics_port,
+                              cache_info(cfg))
         except OSError as e:
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 1
@@ -299,6 +305,7 @@ def _main(argv: list[str]) -> int:
     cl.add_argument("--dry-run", action="store_true", help="list what would be removed")
     sub.add_parser("generate", help="send one request to a running node and stream its tokens", add_help=False)
     sub.add_parser("replay", help="replay a request trace against a running node (TTFT, hit rates)", add_help=False)
+    sub.add_parser("route", help="an OpenAI-compatible HTTP router in front of nodes (cache-aware)", add_help=False)
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES), add_help=False)
     sub.add_parser("stress", help="stress tests: " + ", ".join(STRESS), add_help=False)
     sub.add_parser("store", help="kvrt store start: a Mooncake Store master for --storage mooncake://", add_help=False)
@@ -343,6 +350,10 @@ def _main(argv: list[str]) -> int:
         from runtime.replay import main as replay_main
 
         return replay_main(rest)
+    if args.command == "route":
+        from router.main import main as route_main
+
+        return route_main(rest)
     if args.command == "bench":
         return _dispatch(BENCHES, "bench", rest)
     if args.command == "stress":

@@ -30,6 +30,7 @@ class NodeConfig:
     host: str = "127.0.0.1"  # interface the client API (and the PD handshake) listen on
     port: int = 0
     metrics_port: int = 0
+    kv_events_port: int = 0  # KV events PUB port (replay on the next one; 0 = off), on host
     log_dir: str = ""
     # model shape (the KV pools' block shape follows from it)
     num_layers: int = 4

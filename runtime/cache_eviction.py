@@ -108,6 +108,8 @@ class Eviction(NodeStore):
             self._cont_v[p] = -1
         else:
             del self._map[self._keys[v]]
+        if self._obs is not None:
+            self._tell_lost(v)
         self._keys[v] = None
         if before >= 0:
             next_v[before] = after

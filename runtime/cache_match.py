@@ -25,7 +25,7 @@ import numpy as np
 from ipc.protocol import TaskKind
 
 from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, NDEV, NEW_ROWS, NO_NODES, PARENT, REF,
-                          ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
+                          ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
 
 @dataclass(slots=True)
@@ -242,6 +242,8 @@ class MatchRecord(NodeStore):
         self._link(cand[0], keys[0], parent)
         self._ndev_v[parent] += 1
         self._dev_cached += len(cand)
+        if self._obs is not None:
+            self._tell_stored(ON_DEVICE, cand)
 
     def _record_slow(self, req: Request, parent: int, cand: list[int], keys: list[bytes],
                      blocks: list[int], i0: int) -> list[int]:
@@ -281,6 +283,8 @@ class MatchRecord(NodeStore):
         self._link(n, key, parent)
         self._ndev_v[parent] += 1
         self._dev_cached += 1
+        if self._obs is not None:
+            self._tell_stored(ON_DEVICE, (n,))
 
     def _adopt(self, n: int, dev_block: int) -> bool:
         """Reference an existing node for a block the request computed itself. A host-only node
@@ -303,6 +307,8 @@ class MatchRecord(NodeStore):
             self._dev_cached += 1
             self._state_v[n] = GPU
             self._ndev_v[self._parent_v[n]] += 1
+            if self._obs is not None:
+                self._tell_moved(n, ON_HOST, ON_DEVICE)
             return True
         return False
 

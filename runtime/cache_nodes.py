@@ -24,11 +24,12 @@ host one CPU leaves; see runtime/cache_policy.py for the policy interface).
 from __future__ import annotations
 
 import enum
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .cache_policy import EvictionPolicy
+from .kv_events import CPU as ON_HOST, GPU as ON_DEVICE, CacheObserver
 
 
 class NodeState(enum.IntEnum):
@@ -56,6 +57,8 @@ class NodeStore:
     """The node matrix of `n` node ids (root included), its key map, free-id stack, per-tier
     cached-block counts and eviction queues (`policy(n)` makes each), and tree surgery: linking,
     unlinking, detaching and freeing nodes."""
+
+    _obs: CacheObserver | None = None  # told of every block a node gains or loses (KV events)
 
     def __init__(self, n: int, policy: Callable[[int], EvictionPolicy]):
         self._f = np.repeat(RESET[:, None], n, axis=1)  # the node matrix: a row per field
@@ -149,6 +152,8 @@ class NodeStore:
 
     def _detach(self, n: int) -> None:
         """Out of the tree but still held: its blocks count as in use, not cached."""
+        if self._obs is not None:
+            self._tell_lost(n)
         self._dev_cached -= self._dev_v[n] >= 0
         self._host_cached -= self._host_v[n] >= 0
         self._dev_lru.discard_one(n)
@@ -165,6 +170,8 @@ class NodeStore:
         the fields that differ (the checker verifies this)."""
         state = self._state_v[n]
         cached = state != DETACHED
+        if cached and self._obs is not None:
+            self._tell_lost(n)
         if state == GPU and self._ref_v[n] == 0:
             self._idle -= 1
         d = self._dev_v[n]
@@ -185,6 +192,25 @@ class NodeStore:
         self._task_v[n] = -1
         self._stack_v[self._top] = n
         self._top += 1
+
+    # ---- the observer (called only when there is one)
+    def _tell_stored(self, medium: str, nodes: Sequence[int]) -> None:
+        """`nodes`, a chain (parent first), now hold readable blocks on `medium`."""
+        keys = self._keys
+        self._obs.stored(medium, [keys[n] for n in nodes], keys[self._parent_v[nodes[0]]])
+
+    def _tell_moved(self, n: int, src: str, dst: str) -> None:
+        """n's block left `src` for `dst` (a finished swap, or a host node computed again)."""
+        self._obs.removed(src, (self._keys[n],))
+        self._tell_stored(dst, (n,))
+
+    def _tell_lost(self, n: int) -> None:
+        """n leaves the cache: whatever blocks it holds are gone from it."""
+        key = (self._keys[n],)
+        if self._dev_v[n] >= 0:
+            self._obs.removed(ON_DEVICE, key)
+        if self._host_v[n] >= 0:
+            self._obs.removed(ON_HOST, key)
 
     def _push_ids(self, ids: list[int]) -> None:
         """Return node ids that were taken but never used (their fields were never written)."""

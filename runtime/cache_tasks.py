@@ -24,7 +24,7 @@ import numpy as np
 from ipc.protocol import TaskKind, TransferTask
 
 from .cache_match import Request
-from .cache_nodes import CPU, DETACHED, FREE, GPU, NO_NODES, NodeStore
+from .cache_nodes import CPU, DETACHED, FREE, GPU, NO_NODES, ON_DEVICE, ON_HOST, NodeStore
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,8 @@ class TaskBook(NodeStore):
                 self._dev_cached -= 1
                 self._state_v[n] = CPU
                 on_host.append(n)
+                if self._obs is not None:
+                    self._tell_moved(n, ON_DEVICE, ON_HOST)
             else:
                 self._drop_subtree(n, devs, hosts)
         self._host_lru.push(np.array(on_host, dtype=np.int32))
@@ -159,6 +161,8 @@ class TaskBook(NodeStore):
                 self._host_v[n] = -1
                 self._host_cached -= 1
                 self._state_v[n] = GPU
+                if self._obs is not None:
+                    self._tell_moved(n, ON_HOST, ON_DEVICE)
                 if self._ref_v[n] == 0:  # its requests left before it arrived
                     self._dev_lru.push_front(n)
                     self._idle += 1

@@ -93,6 +93,9 @@ class NodeConfig(config.NodeConfig):
         for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{name} must be 0..65535, got {port}")
+        if not 0 <= self.kv_events_port <= 65534:
+            raise ConfigError(f"--kv-events-port must be 0..65534 (replay listens on the next port), "
+                              f"got {self.kv_events_port}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len",
                      "max_num_seqs", "max_num_batched_tokens"):
             _positive("--" + name.replace("_", "-"), getattr(self, name))

@@ -39,6 +39,7 @@ from runtime.connectors import ConnectorContext, KVConnector, connector_class
 from runtime.metrics import Metrics
 from runtime import api
 from runtime.intake import is_int, sampling_of, show, validate
+from runtime.kv_events import STORAGE, KVEventPublisher
 from runtime.ownership import OwnerTable, check_step
 from runtime import prefix_cache as pc
 from runtime.prefix_cache import PrefixCache
@@ -105,6 +106,7 @@ class Engine:
         self.transfer = TransferClient(self.to_transfer, self.cfg.rank_timeout, owners=self.owners)
         self.metrics = Metrics(self.stats.array, self.ring_stats)
         self.storage = StorageIndex(tp, parse_storage(self.cfg.storage).shared) if self.cfg.storage else None
+        self.kv_events: KVEventPublisher | None = None  # bound in run(), where it is closed
         self.cache = PrefixCache(self.cfg.block_size, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks,
                                  storage_lookup=self.storage.lookup if self.storage is not None else None,
                                  storage_known=self.storage.known if self.storage is not None else None,
@@ -461,16 +463,26 @@ class Engine:
             s[P.STAT["storage_errors"]] += result.store_errors
             if task.kind == P.GPU2STORAGE and result.ok:
                 self.storage.add(task.keys)
+                if self.kv_events is not None:
+                    self.kv_events.stored(STORAGE, task.keys, None)
             elif task.kind == P.STORAGE2GPU:
                 read = result.blocks if result.ok else 0
-                self.storage.add(task.keys[:read])
-                self.storage.forget(task.keys[read:])  # missing or corrupt
+                found = self.storage.add(task.keys[:read])
+                gone = self.storage.forget(task.keys[read:])  # missing or corrupt
+                if self.kv_events is not None:
+                    self.kv_events.stored(STORAGE, found, None)
+                    self.kv_events.removed(STORAGE, gone)
         self.sched.on_task_outcome(self.cache.apply_task_result(result.task.task_id, result.ok, result.blocks))
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> int:
         if self.cfg.metrics_port:
             self.metrics.serve(self.cfg.metrics_port)
+        if self.cfg.kv_events_port:
+            self.kv_events = KVEventPublisher(self.cfg.host, self.cfg.kv_events_port, self.cfg.block_size,
+                                              self.cache.cached_blocks)
+            self.cache.observe(self.kv_events)
+            self.kv_events.cleared()  # batch 1: a subscriber that knew an earlier life of this node forgets it
         if self.cfg.port:
             self.server = ApiServer(self.cfg.host, self.cfg.port, self.fan.poke, peer=self.cfg.decode_peer,
                                     max_message_bytes=api.max_message_bytes(self.cfg.max_model_len))
@@ -497,6 +509,8 @@ class Engine:
         finally:
             if self.server is not None:
                 self.server.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
 
     def step(self) -> None:
         """One turn of the loop: intake, schedule, run, apply (then deadlines and counters)."""
@@ -543,6 +557,9 @@ class Engine:
         self._check_step_deadline()
         self.issue_cache_tasks()
         self.publish_stats()
+        if self.kv_events is not None:  # one batch per turn of the loop; then the replay requests
+            self.kv_events.flush()
+            self.kv_events.serve_replay()
 
     def shutdown(self, grace_s: float = 5.0) -> int:
         """Stop intake, let running requests and tasks finish (bounded, and cut short by

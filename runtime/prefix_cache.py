@@ -32,9 +32,11 @@ from .cache_check import Checker
 from .cache_eviction import Eviction
 from .cache_match import MatchRecord, MatchResult, Request
 from .cache_metrics import CacheMetrics
-from .cache_nodes import DETACHED, DEV, FREE, HOST, STATE, SWAP2GPU, NodeStore
+from .cache_nodes import (CPU, DETACHED, DEV, FREE, GPU, HOST, ON_DEVICE, ON_HOST, PARENT, STATE, SWAP2CPU,
+                          SWAP2GPU, NodeStore)
 from .cache_policy import EvictionPolicy
 from .cache_tasks import TaskBook, TaskOutcome
+from .kv_events import CacheObserver, CachedBlock
 from .lru import EvictionQueue
 
 __all__ = ["PrefixCache", "MatchResult", "TaskKind", "TaskOutcome", "ROLE_FREE", "ROLE_TREE", "ROLE_PRIVATE",
@@ -61,12 +63,14 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
     `policy` makes each tier's eviction queue (runtime/cache_policy.py).
     `low_water` (with a host tier): device blocks kept free or on their way back by swapping
     out ahead of need (default 1/64 of the device).
+    `observer` (runtime/kv_events.py) is told of every block a node gains or loses on a tier:
+    stored once readable (recorded, swapped in or out), removed when it leaves.
     """
 
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0, *,
                  storage_lookup: StorageLookup | None = None, write_through: bool = False,
                  policy: Callable[[int], EvictionPolicy] = EvictionQueue, low_water: int | None = None,
-                 storage_known: StorageLookup | None = None):
+                 storage_known: StorageLookup | None = None, observer: CacheObserver | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -80,6 +84,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         NodeStore.__init__(self, num_device_blocks + num_host_blocks + 1, policy)
         TaskBook.__init__(self)
         self._reqs: dict[Hashable, Request] = {}
+        self._obs = observer
         self._low_water = max(1, num_device_blocks // 64) if low_water is None else low_water
 
     # ---- engine-facing API -------------------------------------------------------------------
@@ -276,6 +281,22 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
                 roles, blocks = sides[writes]
                 roles[[b for b in blocks if b >= 0]] = ROLE_LOADING if t.issued else ROLE_FREE
         return dev, host
+
+    def observe(self, observer: CacheObserver | None) -> None:
+        """Tell `observer` (None: nobody) of every block gained or lost from now on."""
+        self._obs = observer
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every readable block the tree holds, per tier, as the observer was told of them (a
+        KV events snapshot). O(blocks)."""
+        state, parent, keys = self._f[STATE], self._f[PARENT], self._keys
+        out = []
+        for medium, live in ((ON_DEVICE, (state == GPU) | (state == SWAP2CPU)),
+                             (ON_HOST, (state == CPU) | (state == SWAP2GPU))):
+            live[0] = False  # the root holds no block
+            for n in np.flatnonzero(live).tolist():
+                out.append(CachedBlock(keys[n], keys[parent[n]], medium))
+        return out
 
     def snapshot(self) -> dict[str, float]:
         """Counters, rates and block usage as one flat dict (for status and Prometheus)."""

@@ -64,8 +64,14 @@ class StorageIndex:
             n += 1
         return n
 
-    def add(self, keys: Iterable[bytes]) -> None:
-        self._keys.update(keys)
+    def add(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Record `keys` as stored; the ones this index did not know yet (for KV events)."""
+        new = [k for k in keys if k not in self._keys]
+        self._keys.update(new)
+        return new
 
-    def forget(self, keys: Iterable[bytes]) -> None:
-        self._keys.difference_update(keys)
+    def forget(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Drop `keys`; the ones this index knew (a shared tier's misses are mostly unknown)."""
+        gone = [k for k in keys if k in self._keys]
+        self._keys.difference_update(gone)
+        return gone

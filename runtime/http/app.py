@@ -97,10 +97,11 @@ class _Choice:
 class Server:
     """What the handlers share: the bridge to the engine, the model's name and tokenizer."""
 
-    def __init__(self, bridge: Bridge, model_name: str, metrics_port: int = 0) -> None:
+    def __init__(self, bridge: Bridge, model_name: str, metrics_port: int = 0, cache: dict | None = None) -> None:
         self.bridge = bridge
         self.model_name = model_name
         self.metrics_port = metrics_port
+        self.cache = cache
         self._tokenizer: Tokenizer | None = None
 
     def tokenizer(self) -> Tokenizer:
@@ -332,7 +333,7 @@ class BodyLimit:
 
 
 def create_app(server: Server) -> FastAPI:
-    """The ASGI app: /health, /v1/models, /v1/completions, /v1/chat/completions, /metrics."""
+    """The ASGI app: /health, /v1/models, /v1/completions, /v1/chat/completions, /metrics, /kvrt/cache."""
     app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit)
 
@@ -366,6 +367,13 @@ def create_app(server: Server) -> FastAPI:
         info = server.node_info()
         return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
                                                          "owned_by": "kvrt", "max_model_len": info.max_model_len}]})
+
+    @app.get("/kvrt/cache")
+    async def cache() -> JSONResponse:
+        """How this node keys its blocks and where it publishes its KV events (for a router)."""
+        if server.cache is None:
+            raise ApiError(404, "this server does not describe its cache", code="no_cache_info")
+        return JSONResponse(server.cache)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -16,6 +16,7 @@ import threading
 import uvicorn
 
 from runtime.client import address_of
+from runtime.config import NodeConfig
 from runtime.http.app import Server, create_app
 from runtime.http.bridge import Bridge
 
@@ -31,16 +32,28 @@ def served_model_name(name: str, model_dir: str) -> str:
     return name or (os.path.basename(os.path.normpath(model_dir)) if model_dir else REFERENCE_MODEL_NAME)
 
 
+def cache_info(cfg: NodeConfig) -> dict:
+    """What a cache-aware router needs to know of this node (GET /kvrt/cache): how it keys blocks
+    (the block size and the root of the key chain, runtime/hashing.py), the model directory its
+    tokenizer is read from (empty: the reference model, one token per byte) and where its KV events are
+    published (null when the node publishes none; a 0.0.0.0 host means "this node's address")."""
+    events = f"tcp://{cfg.host}:{cfg.kv_events_port}" if cfg.kv_events_port else None
+    replay = f"tcp://{cfg.host}:{cfg.kv_events_port + 1}" if cfg.kv_events_port else None
+    return {"node": cfg.node, "block_size": cfg.block_size, "key_root": cfg.key_root.hex(),
+            "model_dir": os.path.abspath(cfg.model_dir) if cfg.model_dir else "",
+            "kv_events": events, "kv_events_replay": replay}
+
+
 class HttpServer:
     """uvicorn on (host, port) in a daemon thread, over a bridge to the node's client API. The
     socket is bound here, before the node starts, so a port in use is an error of `kvrt launch`
     (OSError) rather than a thread that dies quietly."""
 
     def __init__(self, host: str, port: int, client_host: str, client_port: int, model_name: str,
-                 metrics_port: int = 0) -> None:
+                 metrics_port: int = 0, cache: dict | None = None) -> None:
         connect = "127.0.0.1" if client_host in ("", "0.0.0.0", "::") else client_host
         self.bridge = Bridge(address_of(client_port, connect))
-        app = create_app(Server(self.bridge, model_name, metrics_port))
+        app = create_app(Server(self.bridge, model_name, metrics_port, cache))
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                      access_log=False, lifespan="off", timeout_graceful_shutdown=2))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

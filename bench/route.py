@@ -1,0 +1,332 @@
+"""kvrt bench route: N nodes behind `kvrt route`, the conversation trace replayed over HTTP once
+per routing policy, next to one node holding all the cache.
+
+It launches N nodes (HTTP and KV events on, small device pools so that the cache, not compute,
+decides) and, beside them, one node with the N pools' blocks together. For each policy
+(cache-aware, round-robin, least-load) a router starts in front of the N nodes and the first
+--limit trace requests go through its /v1/completions (token-id prompts, streamed, --concurrency
+in flight, in trace order); then the single node takes the same requests directly: the hit rate
+one cache of the same total size reaches, which cache-aware routing should approach and
+round-robin cannot (it spreads a conversation's turns over nodes that would each have to hold
+every conversation). The nodes are launched once: each run's prompts are the trace's with every
+token id shifted by a run-specific constant modulo the vocabulary (a bijection, so the trace's
+sharing is kept exactly), so no run hits blocks an earlier run left behind; those are the least
+recently used and go first.
+
+Reported per policy: the token hit rate from the nodes' own counters (prompt tokens served by
+their prefix caches over prompt tokens asked, every tier, summed over the nodes), TTFT p50/p99
+(time to the first streamed token, queueing included), throughput, failures, and the ideal hit
+rate for the same requests (an unlimited single cache, one request at a time). Trace ids are
+scaled to --tokens-per-id tokens as in `kvrt bench replay`, which keeps the trace's sharing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2
+import numpy as np
+
+from bench.nodes import REPO, LaunchedNode, free_port
+from runtime.hashing import BlockHasher
+from runtime.replay import PromptSpec, add_trace_args, check_trace_args, fmt, load_requests, pct, trace_prompts
+from runtime.status import snapshot
+from runtime.trace import ideal_hit_tokens
+
+POLICIES = ("cache-aware", "round-robin", "least-load")
+ONE_NODE = "one node, all the cache"
+MODEL = "kvrt-reference"
+VOCAB = 512
+MAX_MODEL_LEN = 4096
+READY_S = 120.0
+SHAPE = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16")  # 4 KiB blocks: pools launch fast
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvrt bench route", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trace_args(p, limit=400, tokens_per_id=8, concurrency=4, cap=4, speed=0.0)
+    p.add_argument("--nodes", type=int, default=4, metavar="N", help="nodes behind the router (default 4)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="tokens per KV block (default 8: a trace id's 8 tokens, so the trace's sharing shows "
+                        "at this scale)")
+    p.add_argument("--num-gpu-blocks", type=int, default=0, metavar="B",
+                   help="device blocks per node (default 0: the run's distinct prompt blocks x 1.2 / N, plus room "
+                        "for the requests in flight; the one-node row gets N x B)")
+    p.add_argument("--policies", default=",".join(POLICIES), metavar="P,P",
+                   help=f"policies to run, comma-separated (default {','.join(POLICIES)})")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+    check_trace_args(p, args)
+    if args.nodes < 1:
+        p.error(f"--nodes must be >= 1, got {args.nodes}")
+    args.policies = [x for x in args.policies.split(",") if x]
+    bad = [x for x in args.policies if x not in POLICIES]
+    if bad:
+        p.error(f"unknown policy {bad[0]!r}: one of {', '.join(POLICIES)}")
+    args.parser = p
+    return args
+
+
+def distinct_blocks(specs: list[PromptSpec], block_size: int) -> int:
+    """Distinct full prompt blocks of the run (what an unlimited cache would end up holding)."""
+    keys: set[bytes] = set()
+    for s in specs:
+        keys.update(BlockHasher(block_size).update(s.prompt))
+    return len(keys)
+
+
+def pool_blocks(specs: list[PromptSpec], args: argparse.Namespace) -> int:
+    if args.num_gpu_blocks > 0:
+        return args.num_gpu_blocks
+    longest = max(-(-(len(s.prompt) + s.max_new_tokens) // args.block_size) for s in specs)
+    return -(-distinct_blocks(specs, args.block_size) * 12 // (10 * args.nodes)) + args.concurrency * (longest + 1)
+
+
+class Fleet:
+    """N nodes with HTTP and KV events (and, for a policy, a router in front); all stopped on exit."""
+
+    def __init__(self, n: int, blocks: int, block_size: int, say, tag: str):
+        self.say = say
+        self.blocks = blocks
+        self.nodes: list[LaunchedNode] = []
+        self.http: list[int] = []
+        for i in range(n):
+            h = free_port()
+            ev = _port_pair()
+            self.nodes.append(LaunchedNode(f"broute{os.getpid()}{tag}{i}", free_port(), [
+                "--block-size", str(block_size), "--num-gpu-blocks", str(blocks), "--http-port", str(h),
+                "--kv-events-port", str(ev), "--max-model-len", str(MAX_MODEL_LEN), *SHAPE], say, READY_S))
+            self.http.append(h)
+        self.router: subprocess.Popen | None = None
+        self._router_log = None
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{h}" for h in self.http]
+
+    def wait_ready(self) -> None:
+        for node, h in zip(self.nodes, self.http):
+            node.wait_ready()
+            _wait_http(f"http://127.0.0.1:{h}", f"node {node.name}")
+
+    def route(self, policy: str) -> str:
+        """Start `kvrt route` in front of the nodes; its base URL once healthy."""
+        port = free_port()
+        self._router_log = tempfile.NamedTemporaryFile("w+", prefix="kvrt-bench-route-", suffix=".log", delete=False)
+        self.router = subprocess.Popen([sys.executable, "-m", "launcher", "route", "--port", str(port), "--backends",
+                                        ",".join(self.urls), "--policy", policy], cwd=REPO, stdout=self._router_log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(base, "the router", self.router)
+        return base
+
+    def counters(self) -> tuple[int, int]:
+        """(prompt tokens asked, prompt tokens served from a cache), summed over the nodes."""
+        asked = hit = 0
+        for node in self.nodes:
+            e = snapshot(node.name)["engine"]
+            asked += e["query_tokens"]
+            hit += e["hit_tokens_device"] + e["hit_tokens_host"] + e["hit_tokens_storage"]
+        return asked, hit
+
+    def stop_router(self) -> None:
+        if self.router is None:
+            return
+        if self.router.poll() is None:
+            self.router.send_signal(signal.SIGINT)
+            try:
+                self.router.wait(20)
+            except subprocess.TimeoutExpired:
+                self.say("the router did not stop within 20 s of SIGINT: killing it")
+                self.router.kill()
+                self.router.wait(10)
+        self._router_log.close()
+        if self.router.returncode == 0:
+            Path(self._router_log.name).unlink(missing_ok=True)
+        else:
+            self.say(f"note: the router exited with code {self.router.returncode}; log: {self._router_log.name}")
+        self.router = None
+
+    def stop(self) -> None:
+        self.stop_router()
+        for node in self.nodes:
+            rc = node.stop()
+            if rc not in (0, None):
+                self.say(f"note: node {node.name} exited with code {rc}; log: {node.log_path}")
+
+
+def _port_pair() -> int:
+    """A port P with P+1 free too (KV events and their replay)."""
+    import socket
+
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _wait_http(base: str, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + READY_S
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            if httpx2.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx2.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} at {base} was not healthy within {READY_S:g} s")
+        time.sleep(0.1)  # waiting for another process to start
+
+
+def send_all(base: str, specs: list[PromptSpec], concurrency: int, timeout: float) -> dict:
+    """Every request through `base` (streamed, `concurrency` in flight, in order): TTFTs, failures."""
+    ttfts: list[float] = []
+    failed: list[str] = []
+    lock = threading.Lock()
+    client = httpx2.Client(timeout=httpx2.Timeout(timeout, connect=10.0),
+                          limits=httpx2.Limits(max_connections=concurrency * 2))
+
+    def one(spec: PromptSpec) -> None:
+        body = {"model": MODEL, "prompt": spec.prompt.tolist(), "max_tokens": spec.max_new_tokens,
+                "temperature": 0, "stream": True}
+        t0 = time.perf_counter()
+        first = None
+        try:
+            with client.stream("POST", base + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                for line in r.iter_lines():
+                    if first is None and line.startswith("data: {") and '"token_ids":[' in line.replace(" ", "") \
+                            and '"token_ids":[]' not in line.replace(" ", ""):
+                        first = time.perf_counter() - t0
+            with lock:
+                if first is None:
+                    failed.append("no token streamed")
+                else:
+                    ttfts.append(first * 1e3)
+        except (httpx2.HTTPError, RuntimeError) as e:
+            with lock:
+                failed.append(str(e) or type(e).__name__)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, specs))
+    wall = time.perf_counter() - t0
+    client.close()
+    return {"ttfts": ttfts, "failed": failed, "wall_s": wall}
+
+
+def shifted(specs: list[PromptSpec], k: int) -> list[PromptSpec]:
+    """The same requests with every token id + 97k modulo the vocabulary: equal prefixes stay equal,
+    and no block key of one run equals one of another run."""
+    return [PromptSpec((s.prompt.astype(np.int64) + 97 * k) % VOCAB, s.max_new_tokens, s.arrival_s, s.eos_token_id,
+                       s.tag, s.trace) for s in specs]
+
+
+def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: argparse.Namespace, say,
+            ideal: float | None) -> dict:
+    """Send `specs` through `base`; the hit rate from `fleet`'s counters over this run."""
+    say(f"{name}: {len(fleet.nodes)} node(s) x {fleet.blocks} device blocks, {len(specs)} requests")
+    before = fleet.counters()
+    sent = send_all(base, specs, args.concurrency, args.timeout)
+    time.sleep(0.3)  # the engines publish their counters once per loop turn
+    after = fleet.counters()
+    routed = None
+    if fleet.router is not None:  # how the router spread the requests over the nodes
+        routed = [b["routed"] for b in httpx2.get(base + "/health", timeout=10).json()["backends"]]
+    asked, hit = after[0] - before[0], after[1] - before[1]
+    t = np.asarray(sent["ttfts"]) if sent["ttfts"] else None
+    if sent["failed"]:
+        say(f"{name}: {len(sent['failed'])} failed, e.g. {sent['failed'][0]}")
+    return {"policy": name, "nodes": len(fleet.nodes), "blocks_per_node": fleet.blocks,
+            "hit_token_rate": hit / asked if asked else None, "ideal_hit_token_rate": ideal,
+            "ttft_p50_ms": float(np.percentile(t, 50)) if t is not None else None,
+            "ttft_p99_ms": float(np.percentile(t, 99)) if t is not None else None,
+            "requests": len(specs), "failed": len(sent["failed"]), "wall_s": sent["wall_s"],
+            "req_per_s": len(sent["ttfts"]) / sent["wall_s"] if sent["wall_s"] else None,
+            "prompt_tokens": asked, "routed_per_node": routed}
+
+
+def render(out: dict) -> str:
+    c = out["config"]
+    lines = [f"kvrt bench route: first {c['requests']} requests of {Path(c['trace']).name}, {c['tokens_per_id']} "
+             f"tokens per trace id, block {c['block_size']}, at most {c['max_new_tokens_cap']} new tokens, "
+             f"concurrency {c['concurrency']}; {c['nodes']} nodes x {c['blocks_per_node']} device blocks", "",
+             f"{'policy':<26}{'hit rate':>10}{'ideal':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'req/s':>8}"
+             f"{'requests':>10}{'failed':>8}  per node"]
+    for r in out["results"]:
+        lines.append(f"{r['policy']:<26}{pct(r['hit_token_rate']):>10}{pct(r['ideal_hit_token_rate']):>10}"
+                     f"{fmt(r['ttft_p50_ms'], '.1f', ' ms'):>11}{fmt(r['ttft_p99_ms'], '.1f', ' ms'):>11}"
+                     f"{fmt(r['req_per_s'], '.2f'):>8}{r['requests']:>10}{r['failed']:>8}  "
+                     f"{'/'.join(map(str, r['routed_per_node'])) if r['routed_per_node'] else ''}")
+    rates = {r["policy"]: r["hit_token_rate"] for r in out["results"]}
+    ca, rr, one = rates.get("cache-aware"), rates.get("round-robin"), rates.get(ONE_NODE)
+    if ca is not None and rr:
+        lines.append(f"\ncache-aware / round-robin hit rate: {ca / rr:.2f}x (goal >= 1.5x)")
+    if ca is not None and one:
+        lines.append(f"cache-aware / one node: {ca / one:.2f} (goal >= 0.90)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per request
+    requests = load_requests(args.parser, args)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    specs = trace_prompts(requests, args.tokens_per_id, vocab_size=VOCAB, max_new_tokens_cap=args.max_new_tokens_cap,
+                          max_model_len=MAX_MODEL_LEN)
+    scaled = [s.trace for s in specs]
+    total = sum(t.input_length for t in scaled)
+    ideal = ideal_hit_tokens(scaled, args.block_size, args.tokens_per_id) / total if total else None
+    blocks = pool_blocks(specs, args)
+    results = []
+    fleet = Fleet(args.nodes, blocks, args.block_size, say, "n")
+    single = Fleet(1, blocks * args.nodes, args.block_size, say, "s")
+    try:
+        fleet.wait_ready()
+        single.wait_ready()
+        for k, policy in enumerate(args.policies):
+            results.append(measure(policy, fleet, fleet.route(policy), shifted(specs, k), args, say, ideal))
+            fleet.stop_router()
+        results.append(measure(ONE_NODE, single, single.urls[0], specs, args, say, ideal))
+    except KeyboardInterrupt:
+        say("kvrt bench route: interrupted")
+        return 130
+    except RuntimeError as e:
+        say(f"kvrt bench route: error: {e}")
+        return 1
+    finally:
+        fleet.stop()
+        single.stop()
+    out = {"config": {"trace": str(args.trace), "requests": len(specs), "tokens_per_id": args.tokens_per_id,
+                      "block_size": args.block_size, "max_new_tokens_cap": args.max_new_tokens_cap,
+                      "concurrency": args.concurrency, "nodes": args.nodes, "blocks_per_node": blocks},
+           "results": results}
+    print(json.dumps(out, indent=1) if args.json else render(out))
+    return 1 if any(r["failed"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""`kvrt route`: an OpenAI-compatible HTTP router in front of several kvrt nodes."""
