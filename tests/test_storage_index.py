@@ -65,3 +65,13 @@ def test_a_partial_store_hit_counts_what_was_read():
     assert write.keys == keys[2:], "blocks read from the store are not written back"
     c.apply_task_result(write.task_id, True)
     c.check()
+
+
+def test_add_and_forget_say_which_keys_changed():
+    """The engine publishes KV events for exactly these: a shared store's misses are mostly keys
+    this node never knew, and a read of a known key is no new block."""
+    index = StorageIndex(1, shared=True)
+    assert index.add([b"a", b"b"]) == [b"a", b"b"]
+    assert index.add([b"b", b"c"]) == [b"c"]
+    assert index.forget([b"x", b"a", b"y"]) == [b"a"]
+    assert index.known([b"b", b"c"]) == 2 and index.known([b"a"]) == 0
