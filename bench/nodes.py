@@ -22,6 +22,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port P with P+1 free too (a node's KV events and their replay socket)."""
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports")
+
+
 class LaunchedNode:
     """`kvrt launch` in a subprocess; stopped with SIGINT (then SIGKILL and `kvrt clean`) on exit."""
 
@@ -43,6 +56,17 @@ class LaunchedNode:
                                      stdin=subprocess.DEVNULL)
         log.close()
         self.ready_timeout = ready_timeout
+
+    @classmethod
+    def ready(cls, name: str, launch_args: list[str], say: Callable[[str], None]) -> "LaunchedNode":
+        """A node on a free port, once it answers; stopped again if it never does."""
+        node = cls(name, free_port(), launch_args, say)
+        try:
+            node.wait_ready()
+        except RuntimeError:
+            node.stop()
+            raise
+        return node
 
     def log_tail(self, lines: int = 25) -> str:
         try:

@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx2
 import numpy as np
 
-from bench.nodes import REPO, LaunchedNode, free_port
+from bench.nodes import REPO, LaunchedNode, free_port, free_port_pair
 from runtime.hashing import BlockHasher
 from runtime.replay import PromptSpec, add_trace_args, check_trace_args, fmt, load_requests, pct, trace_prompts
 from runtime.status import snapshot
@@ -103,7 +103,7 @@ class Fleet:
         self.http: list[int] = []
         for i in range(n):
             h = free_port()
-            ev = _port_pair()
+            ev = free_port_pair()
             self.nodes.append(LaunchedNode(f"broute{os.getpid()}{tag}{i}", free_port(), [
                 "--block-size", str(block_size), "--num-gpu-blocks", str(blocks), "--http-port", str(h),
                 "--kv-events-port", str(ev), "--max-model-len", str(MAX_MODEL_LEN), *SHAPE], say, READY_S))
@@ -164,21 +164,6 @@ class Fleet:
             rc = node.stop()
             if rc not in (0, None):
                 self.say(f"note: node {node.name} exited with code {rc}; log: {node.log_path}")
-
-
-def _port_pair() -> int:
-    """A port P with P+1 free too (KV events and their replay)."""
-    import socket
-
-    for _ in range(100):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _wait_http(base: str, what: str, proc: subprocess.Popen | None = None) -> None:

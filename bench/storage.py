@@ -236,16 +236,6 @@ def _ttfts(port: int, prompts: list[np.ndarray], new: int) -> tuple[list[float],
     return out, storage
 
 
-def _node(name: str, opts: list[str]) -> LaunchedNode:
-    node = LaunchedNode(name, free_port(), opts, _say)
-    try:
-        node.wait_ready()
-    except RuntimeError:
-        node.stop()
-        raise
-    return node
-
-
 def cross_node_rows(args: argparse.Namespace, store: Store) -> list[dict]:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 512, args.prompt).astype(np.int32) for _ in range(args.requests)]
@@ -255,7 +245,7 @@ def cross_node_rows(args: argparse.Namespace, store: Store) -> list[dict]:
     for name, case, opts in (("a", "node A computes (store)", ["--storage", store.uri]),
                              ("b", "node B, store hit", ["--storage", store.uri]),
                              ("c", "node B, no store", [])):
-        node = _node(tag + name, opts)
+        node = LaunchedNode.ready(tag + name, opts, _say)
         try:
             ttft, storage = _ttfts(node.port, prompts, args.new)
         finally:

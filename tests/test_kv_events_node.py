@@ -11,25 +11,12 @@ import urllib.request
 import numpy as np
 import zmq
 
+from bench.nodes import free_port_pair
 from runtime.config import NodeConfig
 from runtime.hashing import BlockHasher
 from runtime.kv_events import TOPIC, KVEventView, decode_batch
 from tests.launched import SMALL, free_port, launched
 from tests.test_http import _wait_healthy
-
-
-def _events_port() -> int:
-    import socket
-
-    for _ in range(50):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _until(view: KVEventView, seq: int, timeout: float = 10.0) -> None:
@@ -55,7 +42,7 @@ def _until_connected(ln, subs, rng, tries: int = 50) -> None:
 
 
 def test_node_publishes_the_prompts_keys_evictions_and_replays_a_late_subscriber(node, tmp_path):
-    events, http = _events_port(), free_port()
+    events, http = free_port_pair(), free_port()
     ctx = zmq.Context()
     with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "16", "--kv-events-port", str(events),
                   "--http-port", str(http)) as ln:
