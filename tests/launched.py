@@ -99,15 +99,22 @@ def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: f
         yield Launched(node, port, proc, client, str(log_dir))
     finally:
         client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            raise AssertionError(f"node {node} did not stop within 30 s after SIGINT:\n{out}")
-    assert proc.returncode == 0, f"kvrt launch exited with {proc.returncode}:\n{out}"
+        interrupt(proc, f"node {node}", 30)
+
+
+def interrupt(proc: subprocess.Popen, what: str, timeout: float) -> str:
+    """SIGINT to a kvrt process (a node, a router) that must then stop cleanly: exit 0 within
+    `timeout` s, else an AssertionError with its output. Returns the output."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"{what} did not stop within {timeout} s after SIGINT:\n{out}")
+    assert proc.returncode == 0, f"{what} exited with {proc.returncode}:\n{out}"
+    return out
 
 
 def oracle(tp: int = 1) -> Model:

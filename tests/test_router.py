@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 
+from bench.nodes import free_port_pair
 from router.app import Router
 from router.backends import Backends
 from router.policy import Candidate, Picker
@@ -23,9 +24,8 @@ from runtime.chat_template import ChatTemplate, Message
 from runtime.hashing import BlockHasher
 from runtime.tokenizer import ByteTokenizer, HFTokenizer
 from tests.conftest import REPO
-from tests.launched import SMALL, free_port, launched
+from tests.launched import SMALL, free_port, interrupt, launched
 from tests.test_http import _wait_healthy
-from tests.test_kv_events_node import _events_port
 from tests.tokenizer_kit import make_tokenizer_dir
 
 MODEL = "kvrt-reference"
@@ -98,14 +98,7 @@ def routing(urls: list[str], policy: str, *opts: str):
             time.sleep(0.05)  # waiting for another process
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            raise AssertionError(f"the router did not stop within 20 s after SIGINT:\n{out}")
-    assert proc.returncode == 0, f"the router exited with {proc.returncode}:\n{out}"
+        interrupt(proc, "the router", 20)
 
 
 def _health(base: str) -> dict:
@@ -131,7 +124,7 @@ def two_nodes(names: tuple[str, str], tmp_path):
     http = [free_port(), free_port()]
     with contextlib.ExitStack() as stack:
         lns = [stack.enter_context(launched(name, tmp_path / name, *SMALL, "--num-gpu-blocks", "128", "--http-port",
-                                            str(h), "--kv-events-port", str(_events_port())))
+                                            str(h), "--kv-events-port", str(free_port_pair())))
                for name, h in zip(names, http)]
         for h in http:
             _wait_healthy(h)
