@@ -32,10 +32,11 @@ from .cache_check import Checker
 from .cache_eviction import Eviction
 from .cache_match import MatchRecord, MatchResult, Request
 from .cache_metrics import CacheMetrics
-from .cache_nodes import DETACHED, DEV, FREE, HOST, STATE, SWAP2GPU, NodeStore
+from .cache_nodes import DETACHED, DEV, FREE, HITS, HOST, STATE, SWAP2GPU, NodeStore
 from .cache_policy import EvictionPolicy
 from .cache_tasks import TaskBook, TaskOutcome
 from .lru import EvictionQueue
+from .use_sketch import UseSketch
 
 __all__ = ["PrefixCache", "MatchResult", "TaskKind", "TaskOutcome", "ROLE_FREE", "ROLE_TREE", "ROLE_PRIVATE",
            "ROLE_LOADING", "ROLE_SAVING"]
@@ -76,6 +77,8 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         NodeStore.__init__(self, num_device_blocks + num_host_blocks + 1, policy)
         TaskBook.__init__(self)
         self._reqs: dict[Hashable, Request] = {}
+        # use counts that outlive eviction, for a policy that ranks by them
+        self._uses = UseSketch(len(self._keys)) if getattr(policy, "counts_uses", False) else None
         self._low_water = max(1, num_device_blocks // 64) if low_water is None else low_water
 
     # ---- engine-facing API -------------------------------------------------------------------
@@ -112,6 +115,8 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         if matched:
             dev_hits, host_hits = self._touch(request_id, req, path)
         req.num_matched = matched
+        if count and self._uses is not None:
+            self._uses.add(keys)
         storage_hits = 0
         if self.storage_lookup is not None and matched < limit:
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
@@ -182,8 +187,24 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
                              f"only {len(req.blocks)} blocks allocated")
         n_full = min(num_computed_tokens // self.block_size, len(req.keys))
         if n_full > len(req.path) and not req.frozen:
+            before = len(req.path)
             self._record(req, n_full)
+            if self._uses is not None:
+                self._remember_uses(req, before)
         return len(req.path) * self.block_size
+
+    def _remember_uses(self, req: Request, before: int) -> None:
+        """Give the nodes just recorded for `req` (path[before:]) the uses their keys had before
+        (the sketch counted this request too), never more than their parent's: every request
+        that used a block used its prefix."""
+        nodes = req.path[before:]
+        if not len(nodes):
+            return
+        earlier = self._uses.count(req.keys[before:before + len(nodes)]) - 1
+        cap = self._hits_v[int(req.path[before - 1])] if before else earlier[0]
+        earlier = np.minimum.accumulate(np.minimum(earlier, cap).clip(0))
+        row = self._f[HITS]
+        row[nodes] = np.maximum(row[nodes], earlier)
 
     def release(self, request_id: Hashable) -> None:
         """Finish a request: free its private blocks (partial last block, decode blocks, copies of
