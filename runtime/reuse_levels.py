@@ -69,13 +69,12 @@ class ReuseLevels:
         lv = LEVELS[np.minimum(self._hits[nodes], len(LEVELS) - 1)]
         prio = now + LEVEL_BONUS * lv
         self._prio[nodes] = prio
-        if (lv == lv[0]).all():
+        if lv[0] == lv[-1] and (len(lv) < 3 or (lv == lv[0]).all()):
             self._add(nodes, int(prio[0]), int(lv[0]))
         else:  # levels grow toward the root: a few runs
-            cuts = np.flatnonzero(np.diff(lv)) + 1
-            for run, p, level in zip(np.split(nodes, cuts), prio[np.r_[0, cuts]].tolist(),
-                                     lv[np.r_[0, cuts]].tolist()):
-                self._add(run, p, level)
+            starts = [0] + (np.flatnonzero(lv[1:] != lv[:-1]) + 1).tolist()
+            for a, b in zip(starts, starts[1:] + [len(lv)]):
+                self._add(nodes[a:b], int(prio[a]), int(lv[a]))
         if self._queued > self._limit:
             self._compact()
 
