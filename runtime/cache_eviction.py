@@ -12,10 +12,12 @@ path every block takes without a host tier).
 from __future__ import annotations
 
 import logging
-
-from ipc.protocol import TaskKind
+from collections import deque
+from itertools import repeat
 
 import numpy as np
+
+from ipc.protocol import TaskKind
 
 from .cache_nodes import CONT, CPU, DEV, FREE, GPU, NDEV, PARENT, RESET, SWAP2CPU, NodeStore
 
@@ -186,12 +188,17 @@ class Eviction(NodeStore):
         the whole run if none does. With `parked` nodes in the run, a parent popped earlier in
         the run (parked) is not queued; one later in it still is."""
         m = len(cand)
+        ndev, state, ref = self._ndev_v, self._state_v, self._ref_v
+        if len(top) == 1:  # the usual run: one chain; its top's parent keeps other device children
+            p = int(par[top[0]])
+            if ndev[p] > 1 or state[p] != GPU or ref[p]:
+                return m
         counts: dict[int, int] = {}
         last: dict[int, int] = {}
-        for t, p in zip(top, par[top].tolist()):
+        for t in top:
+            p = int(par[t])
             counts[p] = counts.get(p, 0) + 1
             last[p] = t
-        ndev, state, ref = self._ndev_v, self._state_v, self._ref_v
         cut = m
         for p, c in counts.items():
             at = last[p]
@@ -232,8 +239,7 @@ class Eviction(NodeStore):
             ndev[p] = left
             if left == 0:
                 freed_parents.append(p)
-        for v in drop.tolist():
-            keys[v] = None
+        deque(map(keys.__setitem__, drop.tolist(), repeat(None)), maxlen=0)
         devs += g[DEV].tolist()
         self._dev_cached -= len(drop)
         self._idle -= len(drop)
