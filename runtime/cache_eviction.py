@@ -4,10 +4,16 @@ Device eviction frees only what is missing (`need - free`, counting device block
 in-flight swap-outs will return), takes victims in the order of the eviction policy (LRU over
 leaves by default, runtime/lru.py, behind runtime/cache_policy.py), swaps them to host blocks
 when there are any (evicting host leaves to make room), else drops them, and recycles freed
-blocks in one batch. Nothing is evicted for an allocation that would fail anyway. The loops
-here run once per evicted block: they read the node matrix through its memoryviews directly,
-with no call per block beyond the policy's `pop` (and `_drop_leaf`, written out for the one
-path every block takes without a host tier).
+blocks in one batch. Nothing is evicted for an allocation that would fail anyway.
+
+Without a host tier, victims are dropped a run at a time (`_drop_batched`): the policy hands out
+the next nodes (`pop_many`), and a run of chains released deepest first is freed with a few
+array operations on the node matrix, Python touching only each chain's top (unlinked from its
+surviving parent) and the keys held by the key map; the victims, their order and every field
+written are those of popping and dropping one node at a time (tests/test_eviction_policies.py
+compares both). With a host tier the loop runs once per victim, reading the node matrix
+through its memoryviews, with no call per block beyond the policy's `pop` and the host-block
+bookkeeping.
 """
 from __future__ import annotations
 

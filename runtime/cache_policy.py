@@ -11,7 +11,12 @@ What the cache guarantees and expects, whatever the policy:
   evicts leaves before their ancestors; the cache skips (parks) a popped node that still has
   children on the device, and gives it back through `push_front` when it becomes a leaf again.
 - The calls sit on the cache's hot paths (every matched and released path, every evicted
-  block): a policy must be O(1) per node amortised, and batch calls take numpy arrays.
+  block): a policy must be O(1) per node amortised (O(log n) per batch at most), and batch calls
+  take numpy arrays.
+- A policy may also have `pop_many(k) -> np.ndarray`: the next `k` nodes (fewer if the queue runs
+  out), exactly as `k` calls of `pop` would return them. Without a host tier the cache then
+  evicts whole runs at once (runtime/cache_eviction.py), which is what makes eviction about as
+  cheap per block as recording.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ in-process and single-threaded: ordering by messages replaces a lock.
 - runtime/cache_nodes.py: the node store (every node a column of one int32 matrix), tree surgery;
 - runtime/cache_match.py: matching, recording and references;
 - runtime/cache_eviction.py: device allocation and eviction, in the order of an eviction policy
-  (runtime/cache_policy.py: the interface; runtime/lru.py: LRU over leaves, the default);
+  (runtime/cache_policy.py: the interface and the names; runtime/lru.py: LRU over leaves, the
+  default; runtime/reuse_levels.py: age and reuse, with runtime/use_sketch.py);
 - runtime/cache_tasks.py: transfer-task bookkeeping (swaps, deferred swap-ins, storage);
 - runtime/cache_check.py: the invariant checker.
 They are mixins of one object rather than objects calling each other: the per-block loops

@@ -9,7 +9,8 @@ almost nothing. Three blocks in four of that trace are never used again, while a
 several requests used is likely to be used again, and soon. Ranking by reuse keeps those
 (shared system prompts, conversations that keep coming back) through long gaps, lets one-shot
 tails leave first (scan resistance: a long unique prompt no longer flushes the cache), and the
-age term still retires blocks whose popularity is over. Use counts come from the cache's node
+age term still retires blocks whose popularity is over (a level buys a few cache turnovers, and
+levels stop at a few uses). Use counts come from the cache's node
 matrix (`hits`: matches since the block was cached, plus the requests that used it before, from
 runtime/use_sketch.py), so a block evicted and computed again keeps its history.
 
@@ -30,11 +31,17 @@ import heapq
 
 import numpy as np
 
-# level of a use count: floor(2 * log2(1 + uses)); counts above the table share its last level
-LEVELS = np.floor(2 * np.log2(1 + np.arange(1024))).astype(np.int64)
-# priority bonus per level, in releases (the clock ticks once per released path); a block used by
-# one earlier request outlives a fresh one by 2 * LEVEL_BONUS releases
-LEVEL_BONUS = 500
+# level of a use count: floor(2 * log2(1 + uses)), at most MAX_LEVEL (3 earlier uses): beyond
+# that more protection only keeps popular but finished prefixes (an agent loop that ended) in
+# the way of live ones
+MAX_LEVEL = 4
+LEVELS = np.minimum(np.floor(2 * np.log2(1 + np.arange(1024))), MAX_LEVEL).astype(np.int64)
+# the priority bonus of one level, in cache turnovers: the releases it takes to release as many
+# blocks as the cache has node ids (the clock ticks once per released path, which averages
+# `_avg_push` blocks), so the protection a level buys scales with the cache and the requests; at
+# most MAX_BONUS releases, so that a large cache does not keep yesterday's popular prefixes
+TURNOVERS_PER_LEVEL = 2.5
+MAX_BONUS = 500
 
 
 class ReuseLevels:
@@ -43,7 +50,7 @@ class ReuseLevels:
     counts_uses = True  # the cache keeps use counts past eviction for it (runtime/use_sketch.py)
 
     __slots__ = ("_hits", "_stamp", "_stamp_v", "_prio", "_heap", "_clock", "_serial", "_queued",
-                 "_limit")
+                 "_limit", "_capacity", "_avg_push")
 
     def __init__(self, capacity: int, hits: np.ndarray):
         self._hits = hits
@@ -56,6 +63,8 @@ class ReuseLevels:
         self._serial = 0
         self._queued = 0   # node entries in the heap, live or not
         self._limit = 2 * capacity + 1024
+        self._capacity = capacity
+        self._avg_push = 0.0  # blocks per released path, a moving average
 
     def __contains__(self, n: int) -> bool:
         return self._stamp_v[n] >= 0
@@ -66,8 +75,10 @@ class ReuseLevels:
             return
         now = self._clock
         self._clock = now + 1
+        avg = self._avg_push
+        avg = self._avg_push = 0.99 * avg + 0.01 * len(nodes) if avg else float(len(nodes))
         lv = LEVELS[np.minimum(self._hits[nodes], len(LEVELS) - 1)]
-        prio = now + LEVEL_BONUS * lv
+        prio = now + max(1, min(MAX_BONUS, int(TURNOVERS_PER_LEVEL * self._capacity / avg))) * lv
         self._prio[nodes] = prio
         if lv[0] == lv[-1] and (len(lv) < 3 or (lv == lv[0]).all()):
             self._add(nodes, int(prio[0]), int(lv[0]))
