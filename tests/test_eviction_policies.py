@@ -186,3 +186,26 @@ def test_reuse_levels_order():
     assert 1 in q and q.members()[0] == 1
     assert q.pop_many(3).tolist() == [1, 6, 7]
     assert q.pop_many(5).tolist() == [4, 5] and q.pop() == -1
+
+
+def test_a_node_serves_with_the_reuse_policy(node, tmp_path):
+    """`kvrt launch --eviction reuse`: a real node (engine, worker, cache-transfer) evicts with it
+    on both tiers under pressure, answers the reference model's tokens, and serves a repeated
+    prompt from its cache; an unknown policy is refused before anything starts."""
+    import kvrt
+    from tests.launched import oracle
+
+    small = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8)
+    with pytest.raises(ValueError, match="--eviction.*invalid choice"):
+        kvrt.launch(node=node, eviction="mru")
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 512, 60).astype(np.int32) for _ in range(6)]
+    with kvrt.launch(node=node, num_gpu_blocks=24, num_cpu_blocks=16, eviction="reuse", log_dir=tmp_path,
+                     **small) as n:
+        with n.client() as c:
+            for _ in range(2):
+                for p in prompts:
+                    assert c.generate(p, 3).output_token_ids.tolist() == oracle().generate_dense(p, 3)
+            again = c.generate(prompts[-1], 3)
+    assert n.returncode == 0, n.log_tail()
+    assert again.cached_tokens > 0
