@@ -53,6 +53,7 @@ def _detect_device() -> str:
 
 
 def _add_launch(sub) -> argparse.ArgumentParser:
+    from runtime.cache_policy import policy_names
     from runtime.config import NodeConfig
 
     d = NodeConfig(node="")
@@ -105,6 +106,9 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--storage", default="", help="storage tier: file:DIR[?max_bytes=N] (node-local, capped, LRU-evicted) or "
                    "mooncake://HOST:PORT (a Mooncake Store shared by every node on that master; see kvrt store start) "
                    "(default: none)")
+    p.add_argument("--eviction", choices=policy_names(), default=d.eviction,
+                   help=f"prefix cache eviction policy, both tiers (default {d.eviction}; reuse: by age and "
+                   f"reuse count, runtime/reuse_levels.py)")
     p.add_argument("--host", default=d.host, help=f"interface the client API listens on (default {d.host})")
     p.add_argument("--port", type=int, default=d.port,
                    help="client API port (ZeroMQ; used by kvrt generate/replay and runtime.client; 0 = none)")
@@ -172,7 +176,8 @@ def launch(args) -> int:
                      device=_detect_device() if args.device == "auto" else args.device,
                      block_size=args.block_size, num_gpu_blocks=gpu_blocks,
                      gpu_memory_utilization=args.gpu_memory_utilization,
-                     num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, host=args.host, port=port,
+                     num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, eviction=args.eviction,
+                     host=args.host, port=port,
                      metrics_port=args.metrics_port, log_dir=args.log_dir, dtype=args.dtype, **shape, **model,
                      kv_events_port=args.kv_events_port,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -9,6 +9,9 @@ capacity:
   gives its last block back, which counts as a miss), with the per-tier rates;
 - ideal_hit_token_rate: the same for an unlimited cache, computed from hash_ids alone
   (runtime.trace.ideal_hit_tokens) — with no --capacity-blocks the replay must equal it;
+- offline_bound_hit_token_rate: per capacity, Belady's policy with future knowledge over the same
+  trace, prefix constraint kept (bench/belady.py), next to lru_hit_token_rate, LRU's figure (each
+  `--eviction` policy is replayed, and LRU too for that column);
 - blocks_per_s: prompt blocks processed (matched + computed, a partial last block included);
 - peak_rss_mb: the process's peak resident set (getrusage; tracemalloc would slow the replay
   several-fold).
@@ -26,6 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.belady import offline_hit_rate, uses
+from bench.synthetic import PREFIX, TRACES, synthetic
+from runtime.cache_policy import EvictionPolicy, make_policy, policy_names
 from runtime.hashing import BlockHasher
 from runtime.prefix_cache import PrefixCache
 from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens,
@@ -38,12 +44,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvrt bench cache", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", type=Path, default=None,
-                   help=f"trace file (JSON lines with hash_ids); default: {default_trace_path()}")
+                   help=f"trace file (JSON lines with hash_ids), or {PREFIX}NAME for a generated one "
+                        f"({', '.join(TRACES)}: bench/synthetic.py); default: {default_trace_path()}")
     p.add_argument("--block-size", type=int, default=64, help="tokens per block; must divide 512 (default 64)")
     p.add_argument("--capacity-blocks", type=int, nargs="+", default=None, metavar="N",
                    help="device capacities to replay, one run each (default: unlimited)")
     p.add_argument("--host-blocks", type=int, default=0, metavar="M", help="host tier blocks (default 0)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
+    p.add_argument("--eviction", nargs="+", choices=policy_names(), default=[policy_names()[0]],
+                   metavar="NAME", help=f"eviction policies to replay, one row each ({', '.join(policy_names())}; "
+                                        f"default {policy_names()[0]}); LRU is replayed too for its column")
+    p.add_argument("--no-bound", action="store_true",
+                   help="skip the offline bound (Belady with future knowledge; a few seconds per capacity)")
     p.add_argument("--json", action="store_true", help='print {"results": [...]} instead of a table')
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw hit rate vs capacity (needs matplotlib: pip install 'kvrt[plot]'); without "
@@ -63,6 +75,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.trace = default_trace_path()
         if not args.trace.exists():
             p.error(f"no --trace given and the bundled trace is not at {args.trace}")
+    elif str(args.trace).startswith(PREFIX):
+        if str(args.trace)[len(PREFIX):] not in TRACES:
+            p.error(f"--trace {args.trace}: known synthetic traces are {', '.join(TRACES)}")
     elif not args.trace.exists():
         p.error(f"--trace {args.trace}: no such file")
     return args
@@ -76,10 +91,12 @@ def settle(cache: PrefixCache) -> None:
 
 
 def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
-           host_blocks: int) -> dict:
-    """One pass over the trace; returns the row for this capacity (without the ideal)."""
+           host_blocks: int, policy: str = "lru") -> dict:
+    """One pass over the trace with the eviction policy named `policy`; returns the row for this
+    capacity (without the ideal and the bound)."""
     total = sum(num_blocks(r, block_size) for r in requests)
-    cache = PrefixCache(block_size, capacity or total, host_blocks)
+    factory: type[EvictionPolicy] = make_policy(policy)  # type: ignore[assignment]
+    cache = PrefixCache(block_size, capacity or total, host_blocks, policy=factory)
     rejected = 0
     start = time.perf_counter()
     for i, req in enumerate(requests):
@@ -99,6 +116,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
     seconds = time.perf_counter() - start
     m = cache.metrics
     return {
+        "policy": policy,
         "requests": len(requests),
         "blocks": total,
         "capacity_blocks": capacity,
@@ -165,14 +183,18 @@ def table(results: list[dict], scaling: list[dict], trace: Path, block_size: int
     r0 = results[0]
     lines = [f"trace {trace}: {r0['requests']:,} requests, {r0['blocks']:,} prompt blocks of "
              f"{block_size} tokens; ideal (unlimited) token hit rate {r0['ideal_hit_token_rate']:.2%}", ""]
-    head = (f"{'capacity':>10} {'host':>8} {'hit rate':>9} {'device':>8} {'host':>8} {'ideal':>8} "
-            f"{'blocks/s':>10} {'evicted':>10} {'swapped':>9} {'peak RSS':>9}")
+    head = (f"{'capacity':>10} {'host':>8} {'policy':>6} {'hit rate':>9} {'device':>8} {'host':>8} "
+            f"{'LRU':>8} {'bound':>8} {'ideal':>8} {'blocks/s':>10} {'evicted':>10} {'swapped':>9} "
+            f"{'peak RSS':>9}")
     lines += [head, "-" * len(head)]
     for r in results:
         cap = "unlimited" if r["capacity_blocks"] is None else f"{r['capacity_blocks']:,}"
         host = f"{r['hit_token_rate_host']:.2%}" if r["host_blocks"] else "-"
-        lines.append(f"{cap:>10} {r['host_blocks']:>8,} {r['hit_token_rate']:>9.2%} "
-                     f"{r['hit_token_rate_device']:>8.2%} {host:>8} {r['ideal_hit_token_rate']:>8.2%} "
+        bound = r.get("offline_bound_hit_token_rate")
+        bound_s = "-" if bound is None else f"{bound:.2%}"
+        lines.append(f"{cap:>10} {r['host_blocks']:>8,} {r['policy']:>6} {r['hit_token_rate']:>9.2%} "
+                     f"{r['hit_token_rate_device']:>8.2%} {host:>8} {r['lru_hit_token_rate']:>8.2%} "
+                     f"{bound_s:>8} {r['ideal_hit_token_rate']:>8.2%} "
                      f"{r['blocks_per_s'] / 1e6:>9.2f}M {r['evicted_device_blocks']:>10,} "
                      f"{r['swap_out_blocks']:>9,} {r['peak_rss_mb']:>6.0f} MB")
         if r["rejected_requests"]:
@@ -229,7 +251,10 @@ def main(argv: list[str]) -> int:
             print("kvrt bench cache: --plot needs matplotlib: pip install 'kvrt[plot]'", file=sys.stderr)
             return 2
     try:
-        requests = load_trace(args.trace, args.limit)
+        if str(args.trace).startswith(PREFIX):
+            requests = synthetic(str(args.trace)[len(PREFIX):])[:args.limit]
+        else:
+            requests = load_trace(args.trace, args.limit)
     except (OSError, TraceError) as e:
         print(f"kvrt bench cache: {e}", file=sys.stderr)
         return 2
@@ -242,11 +267,21 @@ def main(argv: list[str]) -> int:
         capacities = plot_capacities(requests, args.block_size)
         print(f"kvrt bench cache: no --capacity-blocks: plotting device capacities {', '.join(map(str, capacities))}",
               file=sys.stderr)
+    policies = list(dict.fromkeys(args.eviction))
+    bound_uses = None if args.no_bound or capacities == [None] else uses(requests, args.block_size)
     results = []
     for capacity in capacities:
-        row = replay(requests, args.block_size, capacity, args.host_blocks)
-        row["ideal_hit_token_rate"] = ideal
-        results.append(row)
+        rows = {name: replay(requests, args.block_size, capacity, args.host_blocks, name)
+                for name in dict.fromkeys(policies + ["lru"])}
+        bound = ideal if capacity is None else None
+        if bound_uses is not None and capacity is not None:
+            bound = offline_hit_rate(bound_uses, args.block_size, capacity)
+        for name in policies:
+            row = rows[name]
+            row["ideal_hit_token_rate"] = ideal
+            row["lru_hit_token_rate"] = rows["lru"]["hit_token_rate"]
+            row["offline_bound_hit_token_rate"] = bound
+            results.append(row)
     scaling = run_evict_scaling(args.evict_sizes, args.block_size) if args.evict_scaling else []
     if args.plot is not None:
         plot(results, args.plot, args.trace)

@@ -4,18 +4,28 @@ Device eviction frees only what is missing (`need - free`, counting device block
 in-flight swap-outs will return), takes victims in the order of the eviction policy (LRU over
 leaves by default, runtime/lru.py, behind runtime/cache_policy.py), swaps them to host blocks
 when there are any (evicting host leaves to make room), else drops them, and recycles freed
-blocks in one batch. Nothing is evicted for an allocation that would fail anyway. The loops
-here run once per evicted block: they read the node matrix through its memoryviews directly,
-with no call per block beyond the policy's `pop` (and `_drop_leaf`, written out for the one
-path every block takes without a host tier).
+blocks in one batch. Nothing is evicted for an allocation that would fail anyway.
+
+Without a host tier, victims are dropped a run at a time (`_drop_batched`): the policy hands out
+the next nodes (`pop_many`), and a run of chains released deepest first is freed with a few
+array operations on the node matrix, Python touching only each chain's top (unlinked from its
+surviving parent) and the keys held by the key map; the victims, their order and every field
+written are those of popping and dropping one node at a time (tests/test_eviction_policies.py
+compares both). With a host tier the loop runs once per victim, reading the node matrix
+through its memoryviews, with no call per block beyond the policy's `pop` and the host-block
+bookkeeping.
 """
 from __future__ import annotations
 
 import logging
+from collections import deque
+from itertools import repeat
+
+import numpy as np
 
 from ipc.protocol import TaskKind
 
-from .cache_nodes import CPU, FREE, GPU, SWAP2CPU, NodeStore
+from .cache_nodes import CONT, CPU, DEV, FREE, GPU, NDEV, ON_DEVICE, PARENT, RESET, SWAP2CPU, NodeStore
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +65,14 @@ class Eviction(NodeStore):
             self._evict_device(min(short, self._idle))
 
     def _evict_device(self, n: int) -> None:
-        """Evict up to `n` device blocks, least recently used leaves first: to host blocks (a
-        SWAP2CPU task) while any can be had, else dropped."""
+        """Evict up to `n` device blocks, in the policy's order (leaves only): to host blocks (a
+        SWAP2CPU task) while any can be had, else dropped. Without a host tier, with a policy
+        that hands out nodes in batches, whole runs of victims are dropped at once."""
+        if not self.host_pool.num_blocks and hasattr(self._dev_lru, "pop_many"):
+            dropped: list[int] = []
+            evicted = self._drop_batched(n, dropped)
+            self._finish_eviction(dropped, [], [], [], [], evicted, -1)
+            return
         pop = self._dev_lru.pop
         swap = self.host_pool.num_blocks > 0
         # free host blocks in one batch; host leaves are evicted one at a time, only as needed
@@ -98,6 +114,151 @@ class Eviction(NodeStore):
                 self._drop_subtree(v, dropped, freed_hosts)
         self._finish_eviction(dropped, freed_hosts, hosts, victims, victim_keys, evicted, task_id)
 
+    def _drop_batched(self, n: int, devs: list[int]) -> int:
+        """Drop up to `n` device leaves (no host tier), exactly as popping and dropping them one
+        at a time would, but a run of victims at a time: the policy hands out the next nodes
+        (`pop_many`), and whole chains are freed with a few array operations, with Python work
+        only per chain top and per non-continuation key. Returns how many were dropped.
+
+        A popped node is evictable if its device children all come before it in the run and
+        are evictable themselves (popping one at a time would have dropped them first); the
+        others are parked, as `pop` parks them. One-at-a-time eviction would put a parent that
+        becomes an unqueued evictable leaf (`push_front`) next in line: the run is cut after the
+        node that frees it, and the rest of the run goes back to the front of the queue behind
+        that parent."""
+        f = self._f
+        policy = self._dev_lru
+        evicted = 0
+        while evicted < n:
+            cand = policy.pop_many(n - evicted)
+            m = len(cand)
+            if not m:
+                break
+            g = f[:, cand]
+            par, nd = g[PARENT], g[NDEV]
+            link = par[:-1] == cand[1:]  # the next node of the run is this one's parent
+            if nd[0] == 0 and (nd[1:] == link).all():
+                # the usual run: chains released deepest first, each node's only device child
+                # right before it; all go, and only each chain's top has a parent that stays
+                ev = None
+                top = np.flatnonzero(~link).tolist()
+                top.append(m - 1)
+            else:
+                ev, top = self._evictable(cand, par, nd)
+            cut = self._first_trigger(cand, par, top, ev is not None and not ev.all())
+            if cut < m:
+                for v in reversed(cand[cut:].tolist()):
+                    policy.push_front(v)
+                top = [t for t in top if t < cut]
+                if ev is None:
+                    ev = np.zeros(m, dtype=bool)
+                    ev[:cut] = True
+                else:
+                    ev[cut:] = False
+            if ev is None:
+                self._drop_run(cand, par, g, top, devs)
+                evicted += m
+            elif ev.any():
+                at = np.flatnonzero(ev)
+                self._drop_run(cand[at], par[at], g[:, at], np.searchsorted(at, top).tolist(), devs)
+                evicted += len(at)
+        return evicted
+
+    def _evictable(self, cand: np.ndarray, par: np.ndarray, nd: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """Which nodes of a run go (every device child comes earlier in the run and goes too;
+        the others are parked) and the indices of those whose parent stays (the tops)."""
+        m = len(cand)
+        idx = np.arange(m, dtype=np.int32)
+        pos = self._pos_scratch
+        pos[cand] = idx
+        q = pos[par]        # where each node's parent is in the run, -1 if not in it
+        pos[cand] = -1
+        below = q > idx     # a child of a later node of the run
+        ev = nd == np.bincount(q[below], minlength=m) if below.any() else nd == 0
+        if not ev.all():
+            up = q.tolist()  # parked: so are its ancestors in the run (each visited once)
+            for j in np.flatnonzero(~ev).tolist():
+                while True:
+                    k = up[j]
+                    if k <= j or not ev[k]:
+                        break
+                    ev[k] = False
+                    j = k
+        inner = below.copy()
+        inner[below] = ev[q[below]]   # the parent goes in this run too
+        return ev, np.flatnonzero(ev & ~inner).tolist()
+
+    def _first_trigger(self, cand: np.ndarray, par: np.ndarray, top: list[int], parked: bool) -> int:
+        """The length of the run up to and including the first node whose drop makes its parent
+        an evictable leaf that is not queued (one-at-a-time eviction takes that parent next);
+        the whole run if none does. With `parked` nodes in the run, a parent popped earlier in
+        the run (parked) is not queued; one later in it still is."""
+        m = len(cand)
+        ndev, state, ref = self._ndev_v, self._state_v, self._ref_v
+        if len(top) == 1:  # the usual run: one chain; its top's parent keeps other device children
+            p = int(par[top[0]])
+            if ndev[p] > 1 or state[p] != GPU or ref[p]:
+                return m
+        counts: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for t in top:
+            p = int(par[t])
+            counts[p] = counts.get(p, 0) + 1
+            last[p] = t
+        cut = m
+        for p, c in counts.items():
+            at = last[p]
+            if (ndev[p] == c and state[p] == GPU and ref[p] == 0 and at + 1 < cut
+                    and p not in self._dev_lru):
+                if parked:
+                    where = np.flatnonzero(cand == p)
+                    if len(where) and where[0] > at:
+                        continue  # still queued when its last child goes
+                cut = at + 1
+        return cut
+
+    def _drop_run(self, drop: np.ndarray, par: np.ndarray, g: np.ndarray, top: list[int],
+                  devs: list[int]) -> None:
+        """Free the nodes `drop` (unreferenced GPU nodes whose children are all in `drop`, in
+        eviction order; `par` their parents, `g` their matrix columns); `top` indexes those whose
+        parent stays: only they are unlinked from a live node. Their parents that become
+        evictable leaves are queued at the front."""
+        f = self._f
+        keys, kmap = self._keys, self._map
+        for v in drop[f[CONT, par] != drop].tolist():
+            del kmap[keys[v]]  # found through the key map, not as their parent's continuation
+        parent_v, next_v, prev_v, child_v, cont_v = (self._parent_v, self._next_v, self._prev_v,
+                                                     self._child_v, self._cont_v)
+        ndev, state, ref = self._ndev_v, self._state_v, self._ref_v
+        freed_parents = []
+        for v in drop[top].tolist():
+            p, before, after = parent_v[v], prev_v[v], next_v[v]
+            if cont_v[p] == v:
+                cont_v[p] = -1
+            if before >= 0:
+                next_v[before] = after
+            else:
+                child_v[p] = after
+            if after >= 0:
+                prev_v[after] = before
+            left = ndev[p] - 1
+            ndev[p] = left
+            if left == 0:
+                freed_parents.append(p)
+        if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
+            self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
+        deque(map(keys.__setitem__, drop.tolist(), repeat(None)), maxlen=0)
+        devs += g[DEV].tolist()
+        self._dev_cached -= len(drop)
+        self._idle -= len(drop)
+        f[:, drop] = RESET[:, None]
+        top_ = self._top
+        self._stack[top_:top_ + len(drop)] = drop
+        self._top = top_ + len(drop)
+        for p in freed_parents:
+            if state[p] == GPU and ref[p] == 0 and p not in self._dev_lru:
+                self._dev_lru.push_front(p)
+
     def _drop_leaf(self, v: int, devs: list[int]) -> None:
         """Drop an unreferenced GPU leaf (no children, no task): `_unlink` + `_free_node`
         written out for the one path every evicted block takes without a host tier, with only the
@@ -121,6 +282,7 @@ class Eviction(NodeStore):
         self._dev_cached -= 1
         self._idle -= 1
         parent_v[v] = dev_v[v] = next_v[v] = prev_v[v] = -1
+        self._hits_v[v] = 0
         state = self._state_v
         state[v] = FREE
         self._stack_v[self._top] = v

@@ -24,7 +24,7 @@ import numpy as np
 
 from ipc.protocol import TaskKind
 
-from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, NDEV, NEW_ROWS, NO_NODES, PARENT, REF,
+from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, NDEV, NEW_ROWS, NO_NODES, PARENT, REF,
                           ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
 
@@ -114,6 +114,7 @@ class MatchRecord(NodeStore):
         g = f[DEV:STATE + 1, a]
         refs = g[REF - DEV]
         f[REF, a] = refs + 1
+        f[HITS, a] += 1
         self._dev_lru.discard(a)
         st = g[STATE - DEV]
         unused = refs == 0

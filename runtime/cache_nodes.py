@@ -45,17 +45,19 @@ GPU, SWAP2CPU, CPU, SWAP2GPU, DETACHED, FREE = (int(s) for s in NodeState)
 ROOT = 0  # node 0 is the root: no key, no block, pinned by a permanent reference
 
 # rows of the node matrix; the first seven are the ones a new chain writes, in one assignment
-PARENT, CHILD, DEV, REF, NDEV, STATE, CONT, NEXT, PREV, HOST = range(10)
+# (HITS: how many matches reused the node since it was created; eviction policies may read it)
+PARENT, CHILD, DEV, REF, NDEV, STATE, CONT, NEXT, PREV, HOST, HITS = range(11)
 NEW_ROWS = 7
-# a free node's column: no links, no blocks, no references, no device children, FREE
-RESET = np.array([-1, -1, -1, 0, 0, FREE, -1, -1, -1, -1], dtype=np.int32)
+# a free node's column: no links, no blocks, no references, no device children, FREE, no hits
+RESET = np.array([-1, -1, -1, 0, 0, FREE, -1, -1, -1, -1, 0], dtype=np.int32)
 NO_NODES = np.empty(0, dtype=np.int32)
 NO_NODES.flags.writeable = False
 
 
 class NodeStore:
     """The node matrix of `n` node ids (root included), its key map, free-id stack, per-tier
-    cached-block counts and eviction queues (`policy(n)` makes each), and tree surgery: linking,
+    cached-block counts and eviction queues (`policy(n, hits)` makes each, `hits` being the
+    matrix row of reuse counts), and tree surgery: linking,
     unlinking, detaching and freeing nodes."""
 
     _obs: CacheObserver | None = None  # told of every block a node gains or loses (KV events)
@@ -69,6 +71,7 @@ class NodeStore:
         self._cont_v = row[CONT]    # the continuation child, found by key compare, not in _map
         self._next_v, self._prev_v = row[NEXT], row[PREV]  # siblings; CHILD is the first child
         self._host_v = row[HOST]
+        self._hits_v = row[HITS]
         self._task = np.full(n, -1, dtype=np.int64)  # the in-flight task moving the node
         self._task_v = memoryview(self._task)
         self._keys: list[bytes | None] = [None] * n
@@ -78,8 +81,9 @@ class NodeStore:
         self._state_v[ROOT] = GPU
         self._ref_v[ROOT] = 1
         self._map: dict[bytes, int] = {}  # key -> node, for nodes that are not continuations
-        self._dev_lru = policy(n)   # unreferenced GPU leaves
-        self._host_lru = policy(n)  # CPU leaves
+        self._pos_scratch = np.full(n, -1, dtype=np.int32)  # node -> index in a run; -1 between uses
+        self._dev_lru = policy(n, self._f[HITS])   # unreferenced GPU leaves
+        self._host_lru = policy(n, self._f[HITS])  # CPU leaves
         self._dev_cached = 0     # blocks held by nodes, per tier
         self._host_cached = 0
         self._idle = 0           # unreferenced GPU nodes: what eviction can still free
@@ -187,7 +191,7 @@ class NodeStore:
         self._keys[n] = None
         self._parent_v[n] = self._child_v[n] = self._dev_v[n] = self._host_v[n] = -1
         self._next_v[n] = self._prev_v[n] = self._cont_v[n] = -1
-        self._ref_v[n] = self._ndev_v[n] = 0
+        self._ref_v[n] = self._ndev_v[n] = self._hits_v[n] = 0
         self._state_v[n] = FREE
         self._task_v[n] = -1
         self._stack_v[self._top] = n

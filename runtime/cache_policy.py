@@ -3,27 +3,41 @@
 The cache keeps one queue per tier of the nodes eviction may take (device: unreferenced GPU
 nodes; host: CPU nodes) and tells it every change; the policy decides only the order in which
 `pop` hands them out. LRU over leaves (runtime/lru.py) is the default; another policy is one
-new file with a class of this shape, passed as `PrefixCache(..., policy=TheClass)`.
+new file with a class of this shape, passed as `PrefixCache(..., policy=TheClass)`, and named in
+`POLICIES` so that `--eviction NAME` picks it.
 
 What the cache guarantees and expects, whatever the policy:
 - `push` gets the nodes a request released, deepest first, so a policy that keeps that order
   evicts leaves before their ancestors; the cache skips (parks) a popped node that still has
   children on the device, and gives it back through `push_front` when it becomes a leaf again.
 - The calls sit on the cache's hot paths (every matched and released path, every evicted
-  block): a policy must be O(1) per node amortised, and batch calls take numpy arrays.
+  block): a policy must be O(1) per node amortised (O(log n) per batch at most), and batch calls
+  take numpy arrays.
+- A policy may also have `pop_many(k) -> np.ndarray`: the next `k` nodes (fewer if the queue runs
+  out), exactly as `k` calls of `pop` would return them. Without a host tier the cache then
+  evicts whole runs at once (runtime/cache_eviction.py), which is what makes eviction about as
+  cheap per block as recording.
 """
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+
+from typing import Callable, Protocol
 
 import numpy as np
 
 
 class EvictionPolicy(Protocol):
-    """One tier's evictable nodes, in the order they are to be evicted."""
+    """One tier's evictable nodes, in the order they are to be evicted.
 
-    def __init__(self, capacity: int) -> None:
-        """A queue for node ids 0 .. capacity-1."""
+    A policy class may set `counts_uses = True`: the cache then also counts, for every block a
+    request recorded, the earlier requests that used its key while it was not cached (a count
+    sketch, runtime/use_sketch.py), so `hits` carries a block's history past its eviction."""
+
+    def __init__(self, capacity: int, hits: np.ndarray) -> None:
+        """A queue for node ids 0 .. capacity-1. `hits[n]` is how many matches reused node `n`
+        since it was created (the node matrix's row, kept up to date by the cache; read only):
+        a policy that ranks by reuse reads it when a node is pushed."""
 
     def __contains__(self, n: int) -> bool:
         """Is node `n` queued?"""
@@ -50,3 +64,22 @@ class EvictionPolicy(Protocol):
     def stamped(self) -> list[int]:
         """The nodes the policy's own bookkeeping says are queued (for the invariant checker:
         must equal `members()` as a set)."""
+
+
+def policy_names() -> list[str]:
+    """The names `--eviction` accepts, the default first."""
+    return list(_POLICIES)
+
+
+def make_policy(name: str) -> Callable[[int, np.ndarray], EvictionPolicy]:
+    """The policy class named `name` (one of `policy_names()`)."""
+    try:
+        module, cls = _POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(_POLICIES)})") from None
+    return getattr(importlib.import_module(module, __package__), cls)
+
+
+# name -> (module, class); imported on demand, so a policy's module is loaded only when chosen
+_POLICIES = {"lru": (".lru", "EvictionQueue"),
+             "reuse": (".reuse_levels", "ReuseLevels")}

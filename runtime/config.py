@@ -10,6 +10,7 @@ import numpy as np
 
 from ipc import config
 
+from .cache_policy import policy_names
 from .hashing import ModelIdentity
 
 ROLES = ("mixed", "prefill", "decode")
@@ -83,6 +84,8 @@ class NodeConfig(config.NodeConfig):
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_cpu_blocks < 0:
             raise ConfigError(f"--num-cpu-blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.eviction not in policy_names():
+            raise ConfigError(f"--eviction {self.eviction!r}: known policies are {', '.join(policy_names())}")
         if self.storage:
             from ipc.storage_uri import parse_storage
 

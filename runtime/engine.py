@@ -42,6 +42,7 @@ from runtime.intake import is_int, sampling_of, show, validate
 from runtime.kv_events import STORAGE, KVEventPublisher
 from runtime.ownership import OwnerTable, check_step
 from runtime import prefix_cache as pc
+from runtime.cache_policy import make_policy
 from runtime.prefix_cache import PrefixCache
 from runtime.scheduler import Scheduler, StepOutcome
 from runtime.sequence import Sequence
@@ -110,7 +111,8 @@ class Engine:
         self.cache = PrefixCache(self.cfg.block_size, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks,
                                  storage_lookup=self.storage.lookup if self.storage is not None else None,
                                  storage_known=self.storage.known if self.storage is not None else None,
-                                 write_through=self.storage is not None)
+                                 write_through=self.storage is not None,
+                                 policy=make_policy(self.cfg.eviction))
         self.sched = Scheduler(self.cache, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         self.connector = self.sched.connector = self._make_connector(kind)
         self._step_answers: RankGroup[P.StepResult] | None = None  # answers to the step in flight

@@ -30,11 +30,12 @@ class EvictionQueue:
     __slots__ = ("_stamp", "_stamp_v", "_batches", "_front", "_front_stamp", "_pos", "_heads",
                  "_clock", "_queued", "_limit")
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, hits: np.ndarray | None = None):
         self._stamp = np.full(capacity, -1, dtype=np.int64)
         self._stamp_v = memoryview(self._stamp)
         self._batches: deque[tuple[np.ndarray, int]] = deque()
-        self._front: list[int] = []   # the batch being consumed, as a list, and its cursor
+        # the batch being consumed (a list for `pop`, an array for `pop_many`) and its cursor
+        self._front: list[int] | np.ndarray = []
         self._front_stamp = -1
         self._pos = 0
         self._heads: list[tuple[int, int]] = []  # pushed to the front: a stack, popped first
@@ -65,6 +66,10 @@ class EvictionQueue:
         self._stamp_v[n] = s
         self._heads.append((n, s))
 
+    def queued(self, nodes: np.ndarray) -> int:
+        """How many of `nodes` are queued."""
+        return int(np.count_nonzero(self._stamp[nodes] >= 0))
+
     def discard(self, nodes: np.ndarray) -> None:
         """Take `nodes` out of the queue (queued or not)."""
         self._stamp[nodes] = -1
@@ -83,6 +88,8 @@ class EvictionQueue:
                 return n
         while True:
             front, i, s = self._front, self._pos, self._front_stamp
+            if not isinstance(front, list):  # left as an array by pop_many
+                front = self._front = front.tolist()
             end = len(front)
             while i < end:
                 n = front[i]
@@ -98,12 +105,58 @@ class EvictionQueue:
             self._queued -= len(nodes)
             self._front, self._pos = nodes.tolist(), 0
 
+    def pop_many(self, k: int) -> np.ndarray:
+        """Up to `k` nodes, as `k` calls of `pop` would return them, in one pass per batch."""
+        out: list = []
+        got = 0
+        stamp = self._stamp_v
+        heads = self._heads
+        while heads and got < k:
+            n, s = heads.pop()
+            if stamp[n] == s:
+                stamp[n] = -1
+                out.append(np.array([n], dtype=np.int32))
+                got += 1
+        while got < k:
+            front, i, s = self._front, self._pos, self._front_stamp
+            if i < len(front):
+                rest = np.asarray(front[i:], dtype=np.int32)
+                head = rest[:k - got]
+                if (self._stamp[head] == s).all():  # the usual case: no stale entry
+                    self._stamp[head] = -1
+                    out.append(head)
+                    got += len(head)
+                    if got == k:
+                        self._pos = i + len(head)
+                        break
+                    idx = ()
+                else:
+                    idx = np.flatnonzero(self._stamp[rest] == s)[:k - got]
+                if len(idx):
+                    take = rest[idx]
+                    self._stamp[take] = -1
+                    out.append(take)
+                    got += len(take)
+                    if got == k:
+                        self._pos = i + int(idx[-1]) + 1
+                        break
+            if not self._batches:
+                self._front, self._pos = [], 0
+                break
+            nodes, self._front_stamp = self._batches.popleft()
+            self._queued -= len(nodes)
+            self._front, self._pos = nodes, 0
+        if not out:
+            return np.empty(0, dtype=np.int32)
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
     def members(self) -> list[int]:
         """Queued nodes in eviction order, found through their live entries (for the invariant
         checker: this must equal `stamped()` as a set, each node once)."""
         stamp = self._stamp_v
         out = [n for n, s in reversed(self._heads) if stamp[n] == s]
-        out += [n for n in self._front[self._pos:] if stamp[n] == self._front_stamp]
+        front = self._front if isinstance(self._front, list) else self._front.tolist()
+        out += [n for n in front[self._pos:] if stamp[n] == self._front_stamp]
         for nodes, s in self._batches:
             out += [n for n in nodes.tolist() if stamp[n] == s]
         return out

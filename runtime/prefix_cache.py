@@ -11,7 +11,8 @@ in-process and single-threaded: ordering by messages replaces a lock.
 - runtime/cache_nodes.py: the node store (every node a column of one int32 matrix), tree surgery;
 - runtime/cache_match.py: matching, recording and references;
 - runtime/cache_eviction.py: device allocation and eviction, in the order of an eviction policy
-  (runtime/cache_policy.py: the interface; runtime/lru.py: LRU over leaves, the default);
+  (runtime/cache_policy.py: the interface and the names; runtime/lru.py: LRU over leaves, the
+  default; runtime/reuse_levels.py: age and reuse, with runtime/use_sketch.py);
 - runtime/cache_tasks.py: transfer-task bookkeeping (swaps, deferred swap-ins, storage);
 - runtime/cache_check.py: the invariant checker.
 They are mixins of one object rather than objects calling each other: the per-block loops
@@ -32,12 +33,13 @@ from .cache_check import Checker
 from .cache_eviction import Eviction
 from .cache_match import MatchRecord, MatchResult, Request
 from .cache_metrics import CacheMetrics
-from .cache_nodes import (CPU, DETACHED, DEV, FREE, GPU, HOST, ON_DEVICE, ON_HOST, PARENT, STATE, SWAP2CPU,
+from .cache_nodes import (CPU, DETACHED, DEV, FREE, GPU, HITS, HOST, ON_DEVICE, ON_HOST, PARENT, STATE, SWAP2CPU,
                           SWAP2GPU, NodeStore)
 from .cache_policy import EvictionPolicy
 from .cache_tasks import TaskBook, TaskOutcome
 from .kv_events import CacheObserver, CachedBlock
 from .lru import EvictionQueue
+from .use_sketch import UseSketch
 
 __all__ = ["PrefixCache", "MatchResult", "TaskKind", "TaskOutcome", "ROLE_FREE", "ROLE_TREE", "ROLE_PRIVATE",
            "ROLE_LOADING", "ROLE_SAVING"]
@@ -85,6 +87,8 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         TaskBook.__init__(self)
         self._reqs: dict[Hashable, Request] = {}
         self._obs = observer
+        # use counts that outlive eviction, for a policy that ranks by them
+        self._uses = UseSketch(len(self._keys)) if getattr(policy, "counts_uses", False) else None
         self._low_water = max(1, num_device_blocks // 64) if low_water is None else low_water
 
     # ---- engine-facing API -------------------------------------------------------------------
@@ -121,6 +125,8 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         if matched:
             dev_hits, host_hits = self._touch(request_id, req, path)
         req.num_matched = matched
+        if count and self._uses is not None:
+            self._uses.add(keys)
         storage_hits = 0
         if self.storage_lookup is not None and matched < limit:
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
@@ -191,8 +197,24 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
                              f"only {len(req.blocks)} blocks allocated")
         n_full = min(num_computed_tokens // self.block_size, len(req.keys))
         if n_full > len(req.path) and not req.frozen:
+            before = len(req.path)
             self._record(req, n_full)
+            if self._uses is not None:
+                self._remember_uses(req, before)
         return len(req.path) * self.block_size
+
+    def _remember_uses(self, req: Request, before: int) -> None:
+        """Give the nodes just recorded for `req` (path[before:]) the uses their keys had before
+        (the sketch counted this request too), never more than their parent's: every request
+        that used a block used its prefix."""
+        nodes = req.path[before:]
+        if not len(nodes):
+            return
+        earlier = self._uses.count(req.keys[before:before + len(nodes)]) - 1
+        cap = self._hits_v[int(req.path[before - 1])] if before else earlier[0]
+        earlier = np.minimum.accumulate(np.minimum(earlier, cap).clip(0))
+        row = self._f[HITS]
+        row[nodes] = np.maximum(row[nodes], earlier)
 
     def release(self, request_id: Hashable) -> None:
         """Finish a request: free its private blocks (partial last block, decode blocks, copies of

@@ -163,7 +163,7 @@ class MostRecentFirst:
     """An alternative eviction policy (most recently released first), to show the policy is one
     class passed to the cache. O(n) per call: for this test only."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, hits: np.ndarray):
         self.order: list[int] = []  # the next victim at the end
 
     def __contains__(self, n: int) -> bool:

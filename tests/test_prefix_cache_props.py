@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from runtime.cache_policy import make_policy
 from runtime.hashing import BlockHasher
 from runtime.prefix_cache import PrefixCache, TaskKind
 
@@ -38,6 +39,8 @@ class _Req:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    POLICY = "lru"  # the eviction policy of both tiers
+
     @initialize(device=st.integers(4, 24), host=st.sampled_from([0, 0, 3, 8, 16]),
                 storage=st.booleans(), write_through=st.booleans())
     def setup(self, device, host, storage, write_through):
@@ -45,7 +48,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.stored: set[bytes] = set(BlockHasher(BS).update(BASES[2][:30])) if storage else set()
         self.cache = PrefixCache(BS, device, host,
                                  storage_lookup=self._storage_lookup if storage else None,
-                                 write_through=write_through and storage)
+                                 write_through=write_through and storage, policy=make_policy(self.POLICY))
         self.written: set[bytes] = set()
         self.reqs: dict[int, _Req] = {}
         self.inflight = []
@@ -190,3 +193,13 @@ class CacheMachine(RuleBasedStateMachine):
 CacheMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=50, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestPrefixCacheProperties = CacheMachine.TestCase
+
+
+class ReuseCacheMachine(CacheMachine):
+    """The same engine over the `reuse` eviction policy."""
+
+    POLICY = "reuse"
+
+
+ReuseCacheMachine.TestCase.settings = CacheMachine.TestCase.settings
+TestPrefixCacheReuseProperties = ReuseCacheMachine.TestCase

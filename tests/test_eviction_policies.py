@@ -1,0 +1,211 @@
+"""Eviction policies of the prefix cache: the names `--eviction` takes, the `reuse` policy's
+ranking (scan resistance, use counts that outlive eviction), and the batched eviction path, which
+must evict exactly what popping and dropping one node at a time evicts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.cache_nodes import HITS
+from runtime.cache_policy import make_policy, policy_names
+from runtime.hashing import BlockHasher
+from runtime.lru import EvictionQueue
+from runtime.prefix_cache import PrefixCache
+from runtime.reuse_levels import ReuseLevels
+
+BS = 4
+
+
+def keys(tokens: np.ndarray) -> list[bytes]:
+    return BlockHasher(BS).update(tokens)
+
+
+def run(c: PrefixCache, rid, tokens: np.ndarray) -> list[int] | None:
+    """Match, allocate, compute and release one request; its new blocks, or None if it did not fit."""
+    c.match(rid, keys(tokens), len(tokens))
+    got = c.allocate(rid, len(tokens))
+    if got is not None:
+        c.update(rid, len(tokens))
+    c.release(rid)
+    return got
+
+
+def one_at_a_time(cls):
+    """`cls` without `pop_many`: the cache then pops and drops victims one by one."""
+
+    class OneAtATime:
+        counts_uses = getattr(cls, "counts_uses", False)
+
+        def __init__(self, capacity: int, hits: np.ndarray):
+            self.q = cls(capacity, hits)
+
+        def __contains__(self, n: int) -> bool:
+            return n in self.q
+
+        def push(self, nodes: np.ndarray) -> None:
+            self.q.push(nodes)
+
+        def push_front(self, n: int) -> None:
+            self.q.push_front(n)
+
+        def discard(self, nodes: np.ndarray) -> None:
+            self.q.discard(nodes)
+
+        def discard_one(self, n: int) -> None:
+            self.q.discard_one(n)
+
+        def pop(self) -> int:
+            return self.q.pop()
+
+        def members(self) -> list[int]:
+            return self.q.members()
+
+        def stamped(self) -> list[int]:
+            return self.q.stamped()
+
+    return OneAtATime
+
+
+def test_policy_names():
+    assert policy_names()[0] == "lru"
+    assert make_policy("lru") is EvictionQueue and make_policy("reuse") is ReuseLevels
+    with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
+        make_policy("mru")
+
+
+def _workload(seed: int, n: int) -> list[tuple[str, int, np.ndarray]]:
+    """Requests over a few shared prefixes with branching tails; ("start"/"finish", id, tokens),
+    up to three in flight, so that some parents are referenced or have several children."""
+    rng = np.random.default_rng(seed)
+    bases = [rng.integers(0, 1 << 20, 200).astype(np.int32) for _ in range(4)]
+    out = []
+    live: list[int] = []
+    for i in range(n):
+        base = bases[int(rng.integers(len(bases)))]
+        shared = int(rng.integers(0, 120))
+        tail = rng.integers(0, 1 << 20, int(rng.integers(1, 60))).astype(np.int32)
+        out.append(("start", i, np.concatenate((base[:shared], tail))))
+        live.append(i)
+        while len(live) > int(rng.integers(0, 4)):
+            out.append(("finish", live.pop(int(rng.integers(len(live)))), None))
+    out += [("finish", i, None) for i in live]
+    return out
+
+
+@pytest.mark.parametrize("name", ["lru", "reuse"])
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_eviction_equals_one_at_a_time(name, seed):
+    """The same requests through the batched path and through one-at-a-time eviction: the same
+    allocations, block for block, the same tree and counters at every step."""
+    cls = make_policy(name)
+    caches = [PrefixCache(BS, 96, policy=cls), PrefixCache(BS, 96, policy=one_at_a_time(cls))]
+    for step, (op, rid, tokens) in enumerate(_workload(seed, 300)):
+        if op == "start":
+            got = []
+            for c in caches:
+                c.match(rid, keys(tokens), len(tokens))
+                got.append(c.allocate(rid, len(tokens)))
+                if got[-1] is not None:
+                    c.update(rid, len(tokens))
+            assert got[0] == got[1], f"step {step}"
+        else:
+            for c in caches:
+                c.release(rid)
+        a, b = caches
+        assert a.snapshot() == b.snapshot(), f"step {step}"
+        assert (a._f == b._f).all() and a._keys == b._keys, f"step {step}"
+        if step % 25 == 0:
+            a.check()
+    assert caches[0].metrics.evicted_device_blocks > 500
+    caches[0].check()
+
+
+def test_eviction_without_host_tier_takes_runs():
+    """Without a host tier victims are taken from the policy in runs (`pop_many`), never one
+    `pop` per block."""
+
+    class NoPop(EvictionQueue):
+        def pop(self) -> int:
+            raise AssertionError("popped one node at a time")
+
+    c = PrefixCache(BS, 32, policy=NoPop)
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        assert run(c, i, rng.integers(0, 1 << 20, 16 * BS + 1).astype(np.int32)) is not None
+    assert c.metrics.evicted_device_blocks > 200
+    c.check()
+
+
+@pytest.mark.parametrize("name,kept", [("lru", False), ("reuse", True)])
+def test_a_reused_prefix_outlives_a_scan_of_one_shot_prompts(name, kept):
+    """A prefix two requests used survives a stream of long unique prompts under `reuse`; LRU
+    lets the stream flush it."""
+    rng = np.random.default_rng(1)
+    c = PrefixCache(BS, 64, policy=make_policy(name))
+    shared = rng.integers(0, 1 << 20, 8 * BS).astype(np.int32)
+    for i in range(2):
+        run(c, ("chat", i), np.concatenate((shared, rng.integers(0, 1 << 20, 2 * BS).astype(np.int32))))
+    for i in range(12):
+        run(c, ("scan", i), rng.integers(0, 1 << 20, 40 * BS).astype(np.int32))
+    assert (c.lookup(keys(shared)) == 8) is kept
+    c.check()
+
+
+def test_reuse_remembers_uses_past_eviction():
+    """A block evicted and computed again is not new to `reuse`: the uses its key had before
+    come back with it (LRU needs no counts and keeps none)."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 1 << 20, 6 * BS).astype(np.int32)
+    for name, want in (("reuse", 1), ("lru", 0)):
+        c = PrefixCache(BS, 16, policy=make_policy(name))
+        run(c, "a", prompt)
+        run(c, "flush", rng.integers(0, 1 << 20, 16 * BS).astype(np.int32))
+        assert c.lookup(keys(prompt)) == 0
+        c.match("b", keys(prompt), len(prompt))
+        c.allocate("b", len(prompt))
+        c.update("b", len(prompt))
+        path = c._reqs["b"].path
+        assert len(path) == 6 and (c._f[HITS, path] == want).all()
+        c.release("b")
+        c.check()
+
+
+def test_reuse_levels_order():
+    """Lowest (release time + bonus per level of reuse) first; a batch keeps its order; a node
+    queued again at the front keeps its last priority; pop_many pops as pop would."""
+    hits = np.zeros(16, dtype=np.int32)
+    hits[[4, 5]] = 3
+    q = ReuseLevels(16, hits)
+    q.push(np.array([1, 2], dtype=np.int32))      # fresh, released at time 0
+    q.push(np.array([4, 5], dtype=np.int32))      # used by 3 earlier requests
+    q.push(np.array([6, 7], dtype=np.int32))      # fresh, released at time 2
+    q.discard(np.array([2], dtype=np.int32))
+    assert q.members() == [1, 6, 7, 4, 5] and sorted(q.stamped()) == [1, 4, 5, 6, 7]
+    assert q.pop() == 1
+    q.push_front(1)
+    assert 1 in q and q.members()[0] == 1
+    assert q.pop_many(3).tolist() == [1, 6, 7]
+    assert q.pop_many(5).tolist() == [4, 5] and q.pop() == -1
+
+
+def test_a_node_serves_with_the_reuse_policy(node, tmp_path):
+    """`kvrt launch --eviction reuse`: a real node (engine, worker, cache-transfer) evicts with it
+    on both tiers under pressure, answers the reference model's tokens, and serves a repeated
+    prompt from its cache; an unknown policy is refused before anything starts."""
+    import kvrt
+    from tests.launched import oracle
+
+    small = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8)
+    with pytest.raises(ValueError, match="--eviction.*invalid choice"):
+        kvrt.launch(node=node, eviction="mru")
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 512, 60).astype(np.int32) for _ in range(6)]
+    with kvrt.launch(node=node, num_gpu_blocks=24, num_cpu_blocks=16, eviction="reuse", log_dir=tmp_path,
+                     **small) as n:
+        with n.client() as c:
+            for _ in range(2):
+                for p in prompts:
+                    assert c.generate(p, 3).output_token_ids.tolist() == oracle().generate_dense(p, 3)
+            again = c.generate(prompts[-1], 3)
+    assert n.returncode == 0, n.log_tail()
+    assert again.cached_tokens > 0
