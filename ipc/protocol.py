@@ -230,7 +230,7 @@ STATS = (
     "evictions", "protocol_errors",
     "seqs_running", "seqs_waiting", "seqs_loading", "steps", "preemptions",
     "generated_tokens", "computed_prompt_tokens", "finished_requests", "failed_requests",
-    "pd_sent_bytes", "pd_refused",
+    "pd_sent_bytes", "pd_refused", "pd_early_blocks", "pd_early_bytes",
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 

@@ -145,6 +145,7 @@ class Engine:
             return None
         dev, host = self.cache.block_roles()
         dev[self.sched.incoming_blocks()] = pc.ROLE_LOADING  # written from outside: not ours to touch
+        dev[self.connector.outgoing_blocks()] = pc.ROLE_SAVING  # read by the connector's ranks: no step writes them
         self.owners[0].sync(dev)
         if len(host):
             self.owners[1].sync(host)
