@@ -9,6 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from runtime.connectors.base import SchedulerHooks
+from runtime.prefix_cache import PrefixCache
+from runtime.scheduler import Scheduler
+from runtime.sequence import Sequence, SeqState
 from tests.launched import oracle
 from tests.test_oracle import NEW, run_all, tokens
 from tests.test_pd import TRANSPORTS, pd_node, pd_pair, wait_for  # noqa: F401 (pd_node: a fixture)
@@ -63,3 +67,49 @@ def test_cancel_mid_prefill_frees_both_sides(pd_node, tmp_path):
         assert de["finished_requests"] == 0 and pe["failed_requests"] == 0
         # both still serve, and the cancelled prompt's blocks P cached are reused correctly
         assert p.client.generate(prompt[:40], NEW).output_token_ids.tolist() == oracle().generate_dense(prompt[:40], NEW)
+
+
+class _Reading(SchedulerHooks):
+    """A connector whose ranks read the blocks of the requests in `busy` (a unit-test fake)."""
+
+    def __init__(self) -> None:
+        self.busy: set[str] = set()
+
+    def reading(self, seq: Sequence) -> bool:
+        return seq.request_id in self.busy
+
+
+def _seq(rid: str, n: int, new: int, seed: int) -> Sequence:
+    prompt = np.random.default_rng(seed).integers(0, 100, n).astype(np.int32)
+    return Sequence.new(rid, prompt, new, 4)
+
+
+def test_blocks_being_read_outlive_their_request_and_its_preemption():
+    """The scheduler never preempts a request whose blocks a connector reads (here: an older
+    decoding request grows into a pool too small for both, and the reading one is the newest,
+    so the victim), and one that ends meanwhile keeps its blocks until they are released."""
+    cache, hooks = PrefixCache(4, 8), _Reading()
+    s = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=12, connector=hooks)
+    b, a = _seq("b", 4, 24, 1), _seq("a", 20, 8, 2)
+    s.add(b)
+    s.add(a)
+    hooks.busy.add("a")
+    for _ in range(8):
+        if (step := s.schedule()) is not None:
+            s.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
+    assert a.preemptions == 0 and a.state is SeqState.RUNNING, "a request whose blocks are being sent was preempted"
+    table = cache.block_table("a")
+    assert s.cancel("a") is a and a.state is SeqState.FINISHED
+    assert cache.block_table("a") == table, "blocks being sent were released"
+    with pytest.raises(ValueError):
+        s.add(_seq("a", 8, 1, 3))  # its id stays taken while its blocks are held
+    hooks.busy.clear()
+    s.release_held(a)
+    assert not s.held and cache.block_usage()["device_used"] < 8
+    drain = 0
+    while not s.idle and drain < 100:  # b finishes once a's blocks are back
+        if (step := s.schedule()) is not None:
+            s.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
+        drain += 1
+    assert b.finish_reason == "length"
+    cache.check()
