@@ -4,7 +4,8 @@ P+D pair (per transport), one request at a time, so the figures are latencies, n
 TTFT is send -> first token (P streams it as soon as its prefill ends, before the handoff);
 the second token comes from D, so "to 2nd token" carries what of the handoff the prefill did not
 hide: the blocks still to write when the prefill ended, kv-ready, D's first decode step and the
-relay back through P. P sends each chunk's full blocks while the prefill goes on, so for a P+D
+relay back through P; `1st_to_2nd` is that gap alone, per request (a mixed node's is one
+decode step), which on a shared machine is steadier than the prefill-sized totals. P sends each chunk's full blocks while the prefill goes on, so for a P+D
 pair two more columns say how much of the KV travelled while prefilling (`sent early`, of all
 bytes P sent) and how much was left for after the prefill per request (`tail KiB`: the bytes
 kv-ready waits for; kv-ready itself goes only once every byte landed, so none are in flight
@@ -51,7 +52,7 @@ def _prompts(args: argparse.Namespace, length: int) -> list[np.ndarray]:
 
 
 def _run(port: int, prompts: list[np.ndarray], new_tokens: int) -> dict:
-    ttft, second, e2e = [], [], []
+    ttft, second, gap, e2e = [], [], [], []
     with Client(port, timeout=600) as c:
         for p in prompts:
             t0 = time.perf_counter()
@@ -61,9 +62,11 @@ def _run(port: int, prompts: list[np.ndarray], new_tokens: int) -> dict:
                     times.append(time.perf_counter() - t0)
             ttft.append(times[0] * 1e3)
             second.append(times[1] * 1e3)
+            gap.append((times[1] - times[0]) * 1e3)
             e2e.append(times[-1] * 1e3)
     return {"ttft_p50_ms": statistics.median(ttft), "ttft_mean_ms": statistics.fmean(ttft),
-            "to_2nd_token_p50_ms": statistics.median(second), "e2e_p50_ms": statistics.median(e2e)}
+            "to_2nd_token_p50_ms": statistics.median(second), "1st_to_2nd_p50_ms": statistics.median(gap),
+            "e2e_p50_ms": statistics.median(e2e)}
 
 
 def _warm_up(port: int, prompts: list[np.ndarray]) -> None:
