@@ -318,8 +318,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--head-dim", type=int, default=128, help="block shape: head dim (default 128)")
     p.add_argument("--dtype", default="float16", help="KV dtype (default float16: 512 KiB blocks)")
     p.add_argument("--repeat", type=int, default=9, help="timed transfers per case (default 9)")
-    p.add_argument("--e2e-requests", type=int, default=12, help="end to end: requests per case (default 12)")
-    p.add_argument("--e2e-prompt", type=int, default=1024, help="end to end: prompt tokens (default 1024)")
+    p.add_argument("--e2e-requests", type=int, default=12,
+                   help="end to end: requests per case of 1,024-token prompts (default 12; longer prompts get "
+                        "as many tokens in all, at least 3 requests)")
+    p.add_argument("--e2e-prompt", type=pd_e2e.prompt_lengths, default=[1024, 4096],
+                   help="end to end: prompt tokens, comma-separated (default 1024,4096)")
     p.add_argument("--e2e-new", type=int, default=8, help="end to end: new tokens per request (default 8)")
     p.add_argument("--no-e2e", action="store_true", help="only the transfer table (no nodes launched)")
     args = p.parse_args(argv)

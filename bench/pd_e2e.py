@@ -2,8 +2,14 @@
 P+D pair (per transport), one request at a time, so the figures are latencies, not queueing.
 
 TTFT is send -> first token (P streams it as soon as its prefill ends, before the handoff);
-the second token comes from D, so "to 2nd token" carries the whole handoff: the blocks written
-into D, kv-ready, D's first decode step and the relay back through P.
+the second token comes from D, so "to 2nd token" carries what of the handoff the prefill did not
+hide: the blocks still to write when the prefill ended, kv-ready, D's first decode step and the
+relay back through P; `1st_to_2nd` is that gap alone, per request (a mixed node's is one
+decode step), which on a shared machine is steadier than the prefill-sized totals. P sends each chunk's full blocks while the prefill goes on, so for a P+D
+pair two more columns say how much of the KV travelled while prefilling (`sent early`, of all
+bytes P sent) and how much was left for after the prefill per request (`tail KiB`: the bytes
+kv-ready waits for; kv-ready itself goes only once every byte landed, so none are in flight
+then).
 """
 from __future__ import annotations
 
@@ -19,21 +25,35 @@ import numpy as np
 
 from bench.nodes import LaunchedNode, free_port
 from runtime.client import Client
+from runtime.status import snapshot
 
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _prompts(args: argparse.Namespace) -> list[np.ndarray]:
-    rng = np.random.default_rng(0)  # distinct prompts: no prefix hits, the handoff moves every block
-    return [rng.integers(0, 512, args.e2e_prompt).astype(np.int32) for _ in range(args.e2e_requests)]
+def prompt_lengths(text: str) -> list[int]:
+    """`--e2e-prompt`: comma-separated prompt lengths in tokens."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token counts") from None
+    if not out or min(out) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: every prompt needs at least 2 tokens")
+    return out
+
+
+def _prompts(args: argparse.Namespace, length: int) -> list[np.ndarray]:
+    """Distinct prompts (no prefix hits: the handoff moves every block); as many tokens in all
+    as --e2e-requests prompts of 1,024 (at least 3), so long prompts do not take forever."""
+    rng = np.random.default_rng(length)
+    n = max(3, round(args.e2e_requests * 1024 / length)) if length > 1024 else args.e2e_requests
+    return [rng.integers(0, 512, length).astype(np.int32) for _ in range(n)]
 
 
 def _run(port: int, prompts: list[np.ndarray], new_tokens: int) -> dict:
-    ttft, second, e2e = [], [], []
-    with Client(port, timeout=60) as c:
-        c.generate(prompts[0][:32], 2)  # warm-up: first-call costs stay out of the figures
+    ttft, second, gap, e2e = [], [], [], []
+    with Client(port, timeout=600) as c:
         for p in prompts:
             t0 = time.perf_counter()
             times = []
@@ -42,9 +62,17 @@ def _run(port: int, prompts: list[np.ndarray], new_tokens: int) -> dict:
                     times.append(time.perf_counter() - t0)
             ttft.append(times[0] * 1e3)
             second.append(times[1] * 1e3)
+            gap.append((times[1] - times[0]) * 1e3)
             e2e.append(times[-1] * 1e3)
     return {"ttft_p50_ms": statistics.median(ttft), "ttft_mean_ms": statistics.fmean(ttft),
-            "to_2nd_token_p50_ms": statistics.median(second), "e2e_p50_ms": statistics.median(e2e)}
+            "to_2nd_token_p50_ms": statistics.median(second), "1st_to_2nd_p50_ms": statistics.median(gap),
+            "e2e_p50_ms": statistics.median(e2e)}
+
+
+def _warm_up(port: int, prompts: list[np.ndarray]) -> None:
+    """One short request first: first-call costs (connections, a P/D session) stay out of the figures."""
+    with Client(port, timeout=60) as c:
+        c.generate(prompts[0][:32], 2)
 
 
 def _node(name: str, launch_args: list[str]) -> LaunchedNode:
@@ -58,15 +86,27 @@ def _node(name: str, launch_args: list[str]) -> LaunchedNode:
 
 
 def rows(args: argparse.Namespace) -> list[dict]:
-    """TTFT / time to the 2nd token / end to end of a mixed node and of P+D per transport."""
-    prompts = _prompts(args)
-    base = ["--max-model-len", str(args.e2e_prompt + args.e2e_new + 16)]
+    """For each prompt length: TTFT / time to the 2nd token / end to end of a mixed node and
+    of P+D per transport, each next to the mixed node's."""
+    out: list[dict] = []
+    for length in args.e2e_prompt:
+        out += _rows_of(args, length)
+    return out
+
+
+def _rows_of(args: argparse.Namespace, length: int) -> list[dict]:
+    prompts = _prompts(args, length)
+    bs = 16  # the launcher's default block size
+    # the whole prompt in D under a P's quota (half of D's pool)
+    blocks = max(512, 2 * -(-(length + args.e2e_new) // bs) + 16)
+    base = ["--max-model-len", str(length + args.e2e_new + 16), "--num-gpu-blocks", str(blocks)]
     tag = f"b{os.getpid()}"
     out: list[dict] = []
-    _say(f"end to end: {len(prompts)} requests of {args.e2e_prompt} tokens, {args.e2e_new} new tokens each")
+    _say(f"end to end: {len(prompts)} requests of {length} tokens, {args.e2e_new} new tokens each")
     mixed = _node(tag + "m", base)
     try:
-        out.append({"case": "mixed node", **_run(mixed.port, prompts, args.e2e_new)})
+        _warm_up(mixed.port, prompts)
+        out.append({"case": f"mixed node, {length} tokens", **_run(mixed.port, prompts, args.e2e_new)})
     finally:
         mixed.stop()
     secret_file = tempfile.NamedTemporaryFile("w", prefix="kvrt-bench-pd-", suffix=".secret")  # mode 0600
@@ -81,17 +121,31 @@ def rows(args: argparse.Namespace) -> list[dict]:
         try:
             p = _node(tag + "p", ["--role", "prefill", "--decode-peer", f"tcp://127.0.0.1:{d.port}", *pd])
             try:
-                out.append({"case": f"P+D {transport}", **_run(p.port, prompts, args.e2e_new)})
+                _warm_up(p.port, prompts)
+                before = _sent(p.name)
+                row = {"case": f"P+D {transport}, {length} tokens", **_run(p.port, prompts, args.e2e_new)}
+                sent, early = (a - b for a, b in zip(_sent(p.name), before))
+                row["sent_early"] = early / sent if sent else 0.0
+                row["tail_kib"] = (sent - early) / len(prompts) / 1024
+                out.append(row)
             finally:
                 p.stop()
         finally:
             d.stop()
     secret_file.close()
-    ref = out[0]["ttft_p50_ms"]
+    ref = out[0]
     for r in out:
         if "ttft_p50_ms" in r:
-            r["ttft_vs_mixed"] = r["ttft_p50_ms"] / ref
+            r["ttft_vs_mixed"] = r["ttft_p50_ms"] / ref["ttft_p50_ms"]
+            r["2nd_vs_mixed"] = r["to_2nd_token_p50_ms"] / ref["to_2nd_token_p50_ms"]
     return out
+
+
+def _sent(node: str) -> tuple[float, float]:
+    """(KV bytes P sent, of them while prefilling) as P's engine counts them (the warm-up's
+    included: the caller takes differences)."""
+    e = snapshot(node)["engine"]
+    return float(e["pd_sent_bytes"]), float(e.get("pd_early_bytes", 0.0))
 
 
 def _mooncake_importable() -> bool:

@@ -234,6 +234,7 @@ STATS = (
     "generated_tokens", "computed_prompt_tokens", "finished_requests", "failed_requests",
     "pd_sent_bytes", "pd_refused",
     "storage_errors",  # store failures (error returns, exceptions, a dead master) answered as misses
+    "pd_early_blocks", "pd_early_bytes",  # P->D blocks sent while the prefill still ran
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 

@@ -151,6 +151,10 @@ class Engine:
             return None
         dev, host = self.cache.block_roles()
         dev[self.sched.incoming_blocks()] = pc.ROLE_LOADING  # written from outside: not ours to touch
+        # read by the connector's ranks: no step may write them (tree blocks are immutable anyway,
+        # and may be read by a cache-transfer task at the same time)
+        out = np.asarray(self.connector.outgoing_blocks(), dtype=np.int64)
+        dev[out[np.isin(dev[out], (pc.ROLE_FREE, pc.ROLE_PRIVATE))]] = pc.ROLE_SAVING
         self.owners[0].sync(dev)
         if len(host):
             self.owners[1].sync(host)

@@ -61,7 +61,9 @@ class _StatsCollector:
                                  ("kvrt_prompt_tokens_computed", "computed_prompt_tokens", "prompt tokens the model ran"),
                                  ("kvrt_preemptions", "preemptions", "sequences preempted for blocks"),
                                  ("kvrt_steps", "steps", "forward steps sent to the workers"),
-                                 ("kvrt_pd_sent_bytes", "pd_sent_bytes", "KV bytes written into the decode node")):
+                                 ("kvrt_pd_sent_bytes", "pd_sent_bytes", "KV bytes written into the decode node"),
+                                 ("kvrt_pd_early_bytes", "pd_early_bytes",
+                                  "KV bytes written into the decode node while their prefill still ran")):
             yield CounterMetricFamily(name, what, value=float(s[STAT[stat]]))
         seqs = GaugeMetricFamily("kvrt_sequences", "sequences by scheduler state", labels=["state"])
         for state in ("running", "waiting", "loading"):

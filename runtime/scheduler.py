@@ -30,7 +30,9 @@ own queue to hold blocks for them (matched against the local prefix cache first,
 missing blocks travel), then stays EXTERNAL while they are written and joins the running set
 at `external_kv_arrived`, when its received blocks are recorded in the prefix cache (not
 before: their KV did not exist here until then). A request the connector `takes_over` after a
-token leaves the running set holding its blocks (EXTERNAL) until the connector drops it.
+token leaves the running set holding its blocks (EXTERNAL) until the connector drops it. A
+request whose blocks the connector is `reading` (sending them out while it prefills) is never
+preempted, and if it ends then, its blocks are held until the connector `release_held`s them.
 """
 from __future__ import annotations
 
@@ -83,13 +85,14 @@ class Scheduler:
         self.reserving: deque[Sequence] = deque()  # waiting for blocks to hold for external KV
         self.external_ids: dict[str, int] = {}  # request -> tokens an external source supplies, until they arrived
         self.seqs: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # ended while the connector read their blocks: not released yet
         self.inflight: Step | None = None
         self._step_ids = itertools.count(1)
         self.preemptions = 0
 
     # ---- intake -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        if seq.request_id in self.seqs:
+        if seq.request_id in self.seqs or seq.request_id in self.held:
             raise ValueError(f"request id {seq.request_id!r} is already in flight")
         self.seqs[seq.request_id] = seq
         external, load_async = self.connector.get_num_new_matched_tokens(seq)
@@ -189,7 +192,8 @@ class Scheduler:
         for other in self.waiting:
             if other.matched:
                 return other
-        return next((s for s in reversed(self.running) if s is not seq and s not in step.seqs), None)
+        return next((s for s in reversed(self.running)
+                     if s is not seq and s not in step.seqs and not self.connector.reading(s)), None)
 
     def _waiting_for_room(self) -> Sequence | None:
         """The newest loading sequence whose swap-in is deferred for lack of device blocks."""
@@ -373,5 +377,14 @@ class Scheduler:
         if queue is not None:
             queue.remove(seq)
         if seq.matched:
+            if self.connector.reading(seq):  # its blocks are being read: released when that ends
+                self.held[seq.request_id] = seq
+                return
+            self.cache.release(seq.request_id)
+            seq.matched = False
+
+    def release_held(self, seq: Sequence) -> None:
+        """The connector no longer reads the blocks of `seq`: release them if it ended meanwhile."""
+        if self.held.pop(seq.request_id, None) is not None:
             self.cache.release(seq.request_id)
             seq.matched = False

@@ -211,7 +211,8 @@ def render(snap: dict) -> str:
                   f"{c('generated_tokens')}  prompt tokens computed {c('computed_prompt_tokens')}"]
         if cfg.get("role", "mixed") != "mixed":
             lines.append(f"PD role {cfg['role']}  transport {cfg.get('pd_transport', '?')}  "
-                         f"KV bytes sent to the decode node {c('pd_sent_bytes')}")
+                         f"KV bytes sent to the decode node {c('pd_sent_bytes')}  of them while prefilling "
+                         f"{c('pd_early_bytes')} ({c('pd_early_blocks')} blocks)")
     return "\n".join(lines)
 
 

@@ -13,6 +13,9 @@ Hooks (small on purpose; each says when it is called):
 - scheduler: `update_state_after_alloc(seq, blocks)`: the blocks for such a request are held;
 - scheduler: `takes_over(seq)`: a request sampled a token and is not done: True if the rest of
   it happens elsewhere (its blocks are then freed later, when the connector drops it);
+- scheduler: `reading(seq)`: the connector's ranks are reading the request's blocks (sending
+  them out while it still prefills): the scheduler does not preempt it, and if it ends its
+  blocks stay held until the connector gives them back (`Scheduler.release_held`);
 - `build_orders()`: after a step's answers are applied: send this step's transfer orders;
 - `request_finished(seq)`: a request ended here (finished, failed or cancelled);
 - `on_request`, `cancel`, `busy`, `requests`: client requests the connector holds outside the
@@ -47,6 +50,7 @@ class SchedulerVerbs(Protocol):
     def add(self, seq: "Sequence") -> None: ...
     def cancel(self, request_id: str) -> "Sequence | None": ...
     def drop(self, seq: "Sequence", reason: str) -> None: ...
+    def release_held(self, seq: "Sequence") -> None: ...
     def external_kv_arrived(self, seq: "Sequence", first_token: int, first_logprob: float = 0.0) -> bool: ...
 
 
@@ -84,6 +88,13 @@ class SchedulerHooks:
     def takes_over(self, seq: "Sequence") -> bool:
         """`seq` sampled a token and is not done: True if the connector takes it from here;
         the scheduler parks it (EXTERNAL) holding its blocks until the connector drops it."""
+        return False
+
+    def reading(self, seq: "Sequence") -> bool:
+        """True while the connector's ranks read blocks of `seq` (a send ordered before its
+        prefill ended): the blocks must not be freed, reused or evicted under the read, so
+        the scheduler never preempts `seq` then, and if `seq` ends it keeps its blocks until
+        the connector calls `release_held(seq)`."""
         return False
 
 
@@ -145,3 +156,8 @@ class KVConnector(SchedulerHooks):
 
     def fail_all(self, why: str) -> None:
         """Fail every request the connector holds outside the scheduler."""
+
+    def outgoing_blocks(self) -> list[int]:
+        """Device blocks the connector's ranks are reading now (KVRT_CHECK_OWNERSHIP=1 marks
+        them so that no step writes them)."""
+        return []

@@ -7,9 +7,16 @@ For a client request P
 2. prefills like a mixed node, recording its own computed blocks in its own prefix cache
    after each chunk (so its hit rate holds up) and streams the first token to the client at
    once;
-3. orders every cache-messager rank to write the blocks D lacks into D's block ids; when all
-   ranks report them written, tells D "kv ready" with the first token, releases its request
-   (its blocks stay cached) and relays D's tokens to the client.
+3. after each prefill chunk, orders every cache-messager rank to write the full blocks that
+   chunk completed (those D lacks) into D's block ids, so the transfer overlaps the rest of
+   the prefill; once the prefill is done it orders the rest (the last, partial block); when
+   every send is reported written, tells D "kv ready" with the first token, releases its
+   request (its blocks stay cached) and relays D's tokens to the client.
+
+While a send is in flight its blocks are the cache-messagers' to read and D's blocks are being
+written: the request is not preempted, a request that ends meanwhile (cancelled, failed, EOS as
+its first token) keeps its blocks until its sends are answered (Scheduler.release_held), and D
+is told to let its blocks go only then.
 
 Every wait has a deadline (`--pd-timeout`): P fails a request D does not allocate for or stops
 answering for. Peer messages travel only inside an authenticated session (pd_auth.py), and
@@ -42,7 +49,7 @@ from runtime.config import LEASE_MARGIN_S
 from runtime.intake import sampling_of
 from runtime.pd_auth import NONCE_BYTES, P2D, AuthError, Session, check_bytes, load_secret, new_nonce, \
     session_key, welcome_mac
-from runtime.sequence import Sequence
+from runtime.sequence import Sequence, SeqState
 from runtime.server import PEER, peer_identity
 
 from .base import ConnectorContext, KVConnector
@@ -89,12 +96,31 @@ class _Pending:
 
 
 @dataclass
-class _Send:
-    """A handoff being written by the cache-messager ranks."""
+class _Handoff:
+    """One request's KV on its way to its decode node, from D's allocation to kv-ready: its
+    blocks are ordered as the prefill's steps write them, each order a send in flight."""
 
     seq: Sequence
-    ranks: RankGroup[P.SendDone]
     link: _Link
+    alloc: api.PdAllocated
+    lease_end: float  # when D's hold on the blocks ends (P's clock)
+    next_block: int   # the first block not ordered yet
+    tasks: set[int] = field(default_factory=set)  # its sends in flight
+    error: str = ""   # the first failure: nothing more is ordered and the handoff fails
+    lost: api.ErrorEvent | None = None  # D gave the blocks up, or was lost, while P prefilled
+    prefilled: bool = False  # the first token is out: the last blocks are ordered, kv-ready follows
+    ended: bool = False      # the request ended on P first: D is told once no send is in flight
+
+
+@dataclass
+class _Send:
+    """Blocks of one handoff being written by the cache-messager ranks."""
+
+    handoff: _Handoff
+    task_id: int
+    ranks: RankGroup[P.SendDone]
+    src: np.ndarray  # P's blocks the ranks read
+    early: bool      # ordered before the prefill ended
 
 
 @dataclass
@@ -117,17 +143,13 @@ class PrefillConnector(KVConnector):
         self._by_identity = {link.identity: link for link in self.links}
         self.pending: dict[str, _Pending] = {}
         self.sends: dict[int, _Send] = {}
-        # request prefilling here -> the decode node holding blocks for it, and its answer
-        self.dest: dict[str, tuple[_Link, api.PdAllocated]] = {}
-        self._due: list[Sequence] = []  # prefilled (first token out), their send not yet ordered
+        self.handoffs: dict[str, _Handoff] = {}  # requests prefilling here for a decode node
         self.relays: dict[str, _Relay] = {}
-        self.leases: dict[str, float] = {}  # request -> when D's hold on its blocks ends (P's clock)
-        self.lost: dict[str, api.ErrorEvent] = {}  # requests D gave up on while P still prefills
         self._task_ids = itertools.count(1)
         self.dead_after = min(DEAD_AFTER_S, self.timeout)
 
     def busy(self, request_id: str) -> bool:
-        return request_id in self.pending or request_id in self.relays
+        return request_id in self.pending or request_id in self.relays or request_id in self.handoffs
 
     def requests(self) -> Iterable[tuple[str, bytes]]:
         yield from ((rid, p.client) for rid, p in self.pending.items())
@@ -139,6 +161,13 @@ class PrefillConnector(KVConnector):
     @property
     def inflight(self) -> bool:
         return bool(self.sends)
+
+    def reading(self, seq: Sequence) -> bool:
+        h = self.handoffs.get(seq.request_id)
+        return h is not None and h.seq is seq and bool(h.tasks)
+
+    def outgoing_blocks(self) -> list[int]:
+        return [b for s in self.sends.values() for b in s.src.tolist()]
 
     # ---- the links to the decode nodes -------------------------------------------------------
     def gone(self) -> str:
@@ -206,8 +235,9 @@ class PrefillConnector(KVConnector):
             r = self.relays.pop(rid)
             self.ctx.count_failed()
             self.ctx.reply(r.seq.client, api.ErrorEvent(rid, api.FAILED, f"decode node lost: {why}"))
-        for rid in [r for r, (x, _) in self.dest.items() if x is link]:  # the handoff fails at start_send
-            self.lost.setdefault(rid, api.ErrorEvent(rid, api.FAILED, why))
+        for h in self.handoffs.values():  # the handoff fails once its sends are answered
+            if h.link is link and h.lost is None:
+                h.lost = api.ErrorEvent(h.seq.request_id, api.FAILED, why)
 
     def _ping(self) -> None:
         now = time.monotonic()
@@ -287,12 +317,12 @@ class PrefillConnector(KVConnector):
 
     def ended_here(self, request_id: str) -> None:
         """A handoff request ended on P before its handoff (EOS as the first token, a failed
-        step, a cancel): D can give its blocks back now instead of at the lease's end."""
-        dest = self.dest.pop(request_id, None)
-        if self.leases.pop(request_id, None) is not None:
-            self.lost.pop(request_id, None)
-            if dest is not None:
-                self._send(dest[0], api.PdAbort(request_id, "the request ended on the prefill node"))
+        step, a cancel): D can give its blocks back instead of at the lease's end, once no
+        send writes into them. (A prefilled one ends when its last send is answered.)"""
+        h = self.handoffs.get(request_id)
+        if h is not None and not h.prefilled:
+            h.ended = True
+            self._settle(h)
 
     # ---- messages from D ------------------------------------------------------------------
     def on_peer_message(self, client: bytes, msg: object) -> bool:
@@ -415,8 +445,9 @@ class PrefillConnector(KVConnector):
                            client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
                            arrival=p.arrival, **sampling_of(req))
-        self.dest[req.request_id] = (link, msg)
-        self.leases[req.request_id] = p.arrival + msg.lease_s  # D's lease began after our ask: safe side
+        # D's lease began after our ask: its end on P's clock is on the safe side
+        self.handoffs[req.request_id] = _Handoff(seq, link, msg, p.arrival + msg.lease_s,
+                                                 msg.cached_tokens // cfg.block_size)
         self.ctx.sched.add(seq)
 
     def _peer_error(self, link: _Link, msg: api.ErrorEvent) -> None:
@@ -427,9 +458,9 @@ class PrefillConnector(KVConnector):
             del self.relays[rid]
             self.ctx.count_failed()
             self.ctx.reply(r.seq.client, msg)
-        elif rid in self.dest and self.dest[rid][0] is link:  # D let the blocks go while P prefills
+        elif (h := self.handoffs.get(rid)) is not None and h.link is link:  # D let the blocks go
             log.warning("decode node %s gave up %s before the handoff: %s", link.address, rid, msg.message)
-            self.lost[rid] = msg
+            h.lost = h.lost or msg
         else:
             log.warning("decode node %s error for %s: %s: %s", link.address, rid or "(no request)", msg.code,
                         msg.message)
@@ -443,49 +474,55 @@ class PrefillConnector(KVConnector):
     # ---- sending blocks ---------------------------------------------------------------------
     def takes_over(self, seq: Sequence) -> bool:
         """A handoff request's first token is out: it stops here, holding its blocks, until
-        its KV is in D (its send is ordered in build_orders)."""
-        if seq.request_id not in self.dest:
+        its KV is in D (the rest of its blocks are ordered in build_orders)."""
+        h = self.handoffs.get(seq.request_id)
+        if h is None or h.seq is not seq or h.ended:
             return False
-        self._due.append(seq)
+        h.prefilled = True
         return True
 
     def build_orders(self) -> None:
-        due, self._due = self._due, []
-        for seq in due:
-            self._start_send(seq)
-
-    def _start_send(self, seq: Sequence) -> None:
-        """The prefill is done (first token out): write the blocks D lacks into D's blocks."""
-        rid = seq.request_id
-        link, alloc = self.dest.pop(rid)
-        lease_end = self.leases.pop(rid, 0.0)
-        lost = self.lost.pop(rid, None)
-        now = time.monotonic()
-        if lost is not None or link.session is None or now + self.ctx.cfg.rank_timeout + LEASE_MARGIN_S > lease_end:
-            why = (f"decode node: {lost.message}" if lost is not None else
-                   "no session with the decode node" if link.session is None else
-                   f"the decode node's lease on the blocks of {rid} ends before a handoff could finish "
-                   f"(prefill took too long; raise --pd-timeout)")
-            if lost is None:
-                self._send(link, api.PdAbort(rid, why))
-            self.ctx.sched.drop(seq, "error")
-            self.ctx.count_failed()
-            self.ctx.reply(seq.client, api.ErrorEvent(rid, api.FAILED, why))
-            return
+        """After the step's answers: order the blocks each handoff's prefill completed since its
+        last order (all that is left once the prefill is done)."""
         bs = self.ctx.cfg.block_size
-        first, last = alloc.cached_tokens // bs, -(-seq.prompt_len // bs)
-        src = np.asarray(self.ctx.block_table(seq.request_id)[first:last], dtype=np.int32)
-        dst = np.asarray(alloc.block_ids[first:last], dtype=np.int32)
+        for h in list(self.handoffs.values()):
+            seq = h.seq
+            if not h.ended and not h.error and h.lost is None:
+                if h.prefilled:
+                    upto = -(-seq.prompt_len // bs)
+                elif seq.state is SeqState.RUNNING:  # full blocks only: the next chunk writes the partial one
+                    upto = min(seq.num_computed, seq.prompt_len) // bs
+                else:
+                    upto = 0
+                if upto > h.next_block:
+                    self._order(h, upto)
+            if h.prefilled:
+                self._settle(h)
+
+    def _order(self, h: _Handoff, upto: int) -> None:
+        """Order every rank to write blocks [next_block, upto) of the request into D's blocks,
+        if that write can finish before D's lease ends (else the handoff fails)."""
+        rid, now, cfg = h.seq.request_id, time.monotonic(), self.ctx.cfg
+        if h.link.session is None:
+            h.error = "no session with the decode node"
+            return
+        if now + cfg.rank_timeout + LEASE_MARGIN_S > h.lease_end:
+            h.error = (f"the decode node's lease on the blocks of {rid} ends before a handoff could finish "
+                       f"(prefill took too long; raise --pd-timeout)")
+            return
+        src = np.asarray(self.ctx.block_table(rid)[h.next_block:upto], dtype=np.int32)
+        dst = np.asarray(h.alloc.block_ids[h.next_block:upto], dtype=np.int32)
         task_id = next(self._task_ids)
         # The rank must not touch D's blocks after this (P's clock; the check above keeps it
         # LEASE_MARGIN_S before D's lease ends); the engine gives up a little later, so an
         # answer "expired" still arrives before it tells D to let the blocks go.
-        deadline = min(now + self.ctx.cfg.rank_timeout, lease_end - LEASE_MARGIN_S)
-        self.sends[task_id] = _Send(seq, RankGroup(self.ctx.cfg.tp, deadline + SEND_GRACE_S), link)
-        data = P.PROTOCOL.encode(P.SendBlocks(task_id, seq.request_id, list(alloc.descriptors), src, dst,
-                                              deadline))
+        deadline = min(now + cfg.rank_timeout, h.lease_end - LEASE_MARGIN_S)
+        self.sends[task_id] = _Send(h, task_id, RankGroup(cfg.tp, deadline + SEND_GRACE_S), src, not h.prefilled)
+        h.tasks.add(task_id)
+        h.next_block = upto
+        data = P.PROTOCOL.encode(P.SendBlocks(task_id, rid, list(h.alloc.descriptors), src, dst, deadline))
         for ring in self.ctx.to_ranks:
-            ring.put(data, self.ctx.cfg.rank_timeout)
+            ring.put(data, cfg.rank_timeout)
 
     def _on_send_done(self, done: P.SendDone) -> None:
         s = self.sends.get(done.task_id)
@@ -495,19 +532,46 @@ class PrefillConnector(KVConnector):
         if not s.ranks.add(done.rank, done):
             return
         del self.sends[done.task_id]
-        self.ctx.stats[P.STAT["pd_sent_bytes"]] += sum(a.nbytes for a in s.ranks.answers)
-        errors = [a.error for a in s.ranks.answers if not a.ok]
-        self._sent(s, "; ".join(errors))
+        self._sent(s, "; ".join(a.error for a in s.ranks.answers if not a.ok))
 
     def _sent(self, s: _Send, error: str) -> None:
-        seq, link = s.seq, s.link
+        """Every rank answered send `s` (or the engine gave up on the missing ones)."""
+        h, stats = s.handoff, self.ctx.stats
+        h.tasks.discard(s.task_id)
+        nbytes = sum(a.nbytes for a in s.ranks.answers)
+        stats[P.STAT["pd_sent_bytes"]] += nbytes
+        if error:
+            h.error = h.error or error
+        elif s.early:
+            stats[P.STAT["pd_early_blocks"]] += len(s.src)
+            stats[P.STAT["pd_early_bytes"]] += nbytes
+        self._settle(h)
+
+    def _settle(self, h: _Handoff) -> None:
+        """End a handoff that has nothing in flight and nothing left to order: kv-ready, or an
+        abort to D when it failed or the request ended on P (blocks freed on both sides)."""
+        if h.tasks:
+            return  # D's blocks are being written and P's read: nobody lets them go yet
+        seq, link = h.seq, h.link
         rid = seq.request_id
+        if h.ended:
+            del self.handoffs[rid]
+            self.ctx.sched.release_held(seq)
+            if h.lost is None:
+                self._send(link, api.PdAbort(rid, "the request ended on the prefill node"))
+            return
+        if not h.prefilled or (h.next_block < -(-seq.prompt_len // self.ctx.cfg.block_size)
+                               and not h.error and h.lost is None):
+            return  # still prefilling, or its last blocks are ordered by build_orders
+        del self.handoffs[rid]
         self.ctx.sched.drop(seq, seq.finish_reason or "handoff")
+        error = h.error or (f"decode node: {h.lost.message}" if h.lost is not None else "")
         if not error and link.session is None:
             error = "the session with the decode node was lost during the handoff"
         if error or seq.cancelled:
             why = error or "cancelled by the client"
-            self._send(link, api.PdAbort(rid, why))
+            if h.lost is None:
+                self._send(link, api.PdAbort(rid, why))
             if seq.cancelled and not error:
                 seq.finish_reason = "cancelled"
                 self.ctx.finished(seq)
