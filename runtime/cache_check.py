@@ -29,6 +29,17 @@ class Checker:
         self._refs(live)
         self._lrus(in_tree, state)
         self._blocks(live)
+        self._reads()
+
+    def _reads(self) -> None:
+        """A device block a task still reads (a swap-out, a write to storage) is not free: a
+        step could be given it and write into it under the copy."""
+        c = self.c
+        free = set(c.device_pool.free_blocks())
+        for t in c._tasks.values():
+            if t.task.kind.reads == "device":
+                both = free.intersection(t.task.device_blocks)
+                _expect(not both, f"task {t.task.task_id} ({t.task.kind}) reads free device blocks {sorted(both)[:8]}")
 
     def _ids(self, live: list[int]) -> None:
         c = self.c
@@ -112,7 +123,7 @@ class Checker:
         for n in c._host_lru.members():
             _expect(state[n] == CPU, f"node {n} in the host LRU is {NodeState(state[n]).name}")
         for n in in_tree:
-            if state[n] == GPU and c._ref_v[n] == 0 and c._ndev_v[n] == 0:
+            if state[n] == GPU and c._ref_v[n] == 0 and c._ndev_v[n] == 0 and n not in c._wanted_back:
                 _expect(n in c._dev_lru, f"evictable device leaf {n} is not in the device LRU")
             if state[n] == CPU and c._child_v[n] < 0:
                 _expect(n in c._host_lru, f"evictable host leaf {n} is not in the host LRU")

@@ -84,13 +84,15 @@ class Eviction(NodeStore):
         freed_hosts: list[int] = []
         evicted = 0
         task_id = -1  # of the swap-out, numbered at its first victim
-        ndev, child = self._ndev_v, self._child_v
+        ndev, child, wanted_back = self._ndev_v, self._child_v, self._wanted_back
         while evicted < n:
             v = pop()
             if v < 0:
                 break
             if ndev[v]:
                 continue  # parked: requeued when its last device child leaves
+            if v in wanted_back:
+                continue  # parked: a swap-out still reads its block; requeued when it answers
             evicted += 1
             if swap and not hosts:
                 hosts = self._take_host(1)

@@ -171,8 +171,10 @@ class MatchRecord(NodeStore):
 
     def _flip_back(self, n: int) -> None:
         """A SWAP2CPU node is wanted again: it is GPU at once (its device copy never stopped
-        being valid); the host block goes to its task, which frees it when it reports."""
+        being valid); the host block goes to its task, which frees it when it reports. Until
+        then the task still reads the device block, so eviction parks the node."""
         t = self._tasks[self._task_v[n]]
+        self._wanted_back[n] = t.task.task_id
         t.orphans.append(self._host_v[n])
         self._host_v[n] = -1
         self._host_cached -= 1

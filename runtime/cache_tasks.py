@@ -70,6 +70,9 @@ class TaskBook(NodeStore):
         self._task_ids = itertools.count(1)
         self._dev_returning = 0  # device blocks that in-flight swap-outs free when done
         self._storing: set[bytes] = set()  # keys of in-flight write-through tasks
+        # nodes matched again while a swap-out copied them (flipped back) -> that swap-out: until
+        # it answers, eviction parks them (their device block is still being read)
+        self._wanted_back: dict[int, int] = {}
 
     def _take_tasks(self) -> list[TransferTask]:
         out, self._new_tasks = self._new_tasks, []
@@ -117,8 +120,13 @@ class TaskBook(NodeStore):
         hosts = t.orphans
         on_host: list[int] = []
         for n in t.nodes:
-            if self._task_v[n] != task_id:
-                continue  # flipped back (and perhaps evicted again by a newer task)
+            if self._task_v[n] != task_id:  # flipped back: its device block may go now
+                if self._wanted_back.get(n) == task_id:
+                    del self._wanted_back[n]
+                    if (self._state_v[n] == GPU and self._ref_v[n] == 0 and not self._ndev_v[n]
+                            and n not in self._dev_lru):
+                        self._dev_lru.push_front(n)  # parked by eviction meanwhile
+                continue
             self._task_v[n] = -1
             self._dev_returning -= 1
             if self._state_v[n] == DETACHED:

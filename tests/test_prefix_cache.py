@@ -297,6 +297,36 @@ def test_rematch_during_swap_out_flips_back():
     c.check()
 
 
+def test_a_block_wanted_back_is_not_evicted_again_while_its_old_swap_out_reads_it():
+    """A swap-out still copies the device blocks of nodes that were matched again (flipped
+    back): until it answers they are parked, neither handed to a second swap-out nor freed for
+    a step to write into while the cache-transfer rank reads them."""
+    c = host_cache()
+    a = toks(0, 3 * BS + 1)
+    run(c, "a", a)
+    c.match("b", [], 6 * BS)
+    assert c.allocate("b", 6 * BS) is None
+    (first,) = c.take_tasks()
+    c.match("a2", keys(a), len(a))  # flipped back: GPU again, the swap-out still in flight
+    c.release("a2")
+    c.release("b")
+    c.match("c", [], 6 * BS)
+    c.allocate("c", 6 * BS)  # wants the device blocks of a's nodes again
+    read = set(first.device_blocks)
+    for t in c.take_tasks():
+        assert not read & set(t.device_blocks), "a second task would read blocks the first still reads"
+    assert not read & set(c.block_table("c")), "a step would write blocks a swap-out still reads"
+    c.check()
+    c.apply_task_result(first.task_id, True)  # now they may go
+    c.release("c")
+    c.match("d", [], 6 * BS)
+    assert c.allocate("d", 6 * BS) is None
+    (again,) = c.take_tasks()
+    assert read <= set(again.device_blocks)
+    c.apply_task_result(again.task_id, True)
+    c.check()
+
+
 def test_failed_swap_out_drops_the_blocks_it_was_to_free():
     """A failing (or timed-out) host tier must not be offered the same blocks for ever while
     the request that needs them waits: the victims are dropped and their blocks are free."""
