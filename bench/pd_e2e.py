@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from bench.nodes import LaunchedNode, free_port
+from bench.nodes import LaunchedNode
 from runtime.client import Client
 from runtime.status import snapshot
 
@@ -75,16 +75,6 @@ def _warm_up(port: int, prompts: list[np.ndarray]) -> None:
         c.generate(prompts[0][:32], 2)
 
 
-def _node(name: str, launch_args: list[str]) -> LaunchedNode:
-    node = LaunchedNode(name, free_port(), launch_args, _say)
-    try:
-        node.wait_ready()
-    except RuntimeError:
-        node.stop()
-        raise
-    return node
-
-
 def rows(args: argparse.Namespace) -> list[dict]:
     """For each prompt length: TTFT / time to the 2nd token / end to end of a mixed node and
     of P+D per transport, each next to the mixed node's."""
@@ -103,7 +93,7 @@ def _rows_of(args: argparse.Namespace, length: int) -> list[dict]:
     tag = f"b{os.getpid()}"
     out: list[dict] = []
     _say(f"end to end: {len(prompts)} requests of {length} tokens, {args.e2e_new} new tokens each")
-    mixed = _node(tag + "m", base)
+    mixed = LaunchedNode.ready(tag + "m", base, _say)
     try:
         _warm_up(mixed.port, prompts)
         out.append({"case": f"mixed node, {length} tokens", **_run(mixed.port, prompts, args.e2e_new)})
@@ -117,9 +107,10 @@ def _rows_of(args: argparse.Namespace, length: int) -> list[dict]:
             out.append({"case": "P+D mooncake", "note": "mooncake-transfer-engine not importable"})
             continue
         pd = ["--pd-transport", transport, "--pd-secret-file", secret_file.name, *base]
-        d = _node(tag + "d", ["--role", "decode", *pd])
+        d = LaunchedNode.ready(tag + "d", ["--role", "decode", *pd], _say)
         try:
-            p = _node(tag + "p", ["--role", "prefill", "--decode-peer", f"tcp://127.0.0.1:{d.port}", *pd])
+            p = LaunchedNode.ready(tag + "p", ["--role", "prefill", "--decode-peer", f"tcp://127.0.0.1:{d.port}", *pd],
+                                   _say)
             try:
                 _warm_up(p.port, prompts)
                 before = _sent(p.name)
