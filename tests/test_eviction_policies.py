@@ -67,7 +67,7 @@ def one_at_a_time(cls):
 
 
 def test_policy_names():
-    assert policy_names()[0] == "lru"
+    assert policy_names()[0] == "reuse"
     assert make_policy("lru") is EvictionQueue and make_policy("reuse") is ReuseLevels
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         make_policy("mru")
