@@ -22,7 +22,7 @@ much of the recent reuse was "long": of the blocks a request found queued, those
 than a turnover ago, plus the blocks recomputed although their key had been used before (a reuse
 the cache had already lost), over all of them (a moving average). Recomputed blocks count even
 when nothing is protected, so the scale can grow back from zero: with no long reuse the policy
-is LRU, with mostly long reuse it is the full bonus.
+is LRU but for one release per level, with mostly long reuse it has the full bonus.
 
 Prefix order: every request that uses a block uses its prefix, so an ancestor has at least its
 descendants' uses and is released no earlier: its priority is never lower, and on a tie the
@@ -104,7 +104,10 @@ class ReuseLevels:
         self._matched[nodes] = False
         self._released[nodes] = now
         lv = LEVELS[np.minimum(hits, len(LEVELS) - 1)]
-        prio = now + max(1, int(self.bonus_scale() * min(MAX_BONUS, TURNOVERS_PER_LEVEL * self._capacity / avg))) * lv
+        # at least one release per level: with none, equal priorities would leave the order to
+        # tie-breaks that batched and one-at-a-time eviction do not share
+        bonus = max(1, int(self.bonus_scale() * min(MAX_BONUS, TURNOVERS_PER_LEVEL * self._capacity / avg)))
+        prio = now + bonus * lv
         self._prio[nodes] = prio
         if lv[0] == lv[-1] and (len(lv) < 3 or (lv == lv[0]).all()):
             self._add(nodes, int(prio[0]), int(lv[0]))
