@@ -44,7 +44,7 @@ class NodeConfig:
     model_arch: str = ""         # its architecture (config.json), set by the launcher
     model_fingerprint: str = ""  # digest of its config.json, headers and weight samples, set by the launcher
     hidden_size: int = 0         # its hidden size (sizes the tp all-reduce), set by the launcher
-    eviction: str = "lru"        # the prefix cache's eviction policy (runtime/cache_policy.py names them)
+    eviction: str = "reuse"      # the prefix cache's eviction policy (runtime/cache_policy.py names them)
     # scheduling
     max_num_seqs: int = 32             # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)

@@ -2,7 +2,8 @@
 
 The cache keeps one queue per tier of the nodes eviction may take (device: unreferenced GPU
 nodes; host: CPU nodes) and tells it every change; the policy decides only the order in which
-`pop` hands them out. LRU over leaves (runtime/lru.py) is the default; another policy is one
+`pop` hands them out. Age and reuse (runtime/reuse_levels.py) is the default, LRU over leaves
+(runtime/lru.py) the other; another policy is one
 new file with a class of this shape, passed as `PrefixCache(..., policy=TheClass)`, and named in
 `POLICIES` so that `--eviction NAME` picks it.
 
@@ -81,5 +82,5 @@ def make_policy(name: str) -> Callable[[int, np.ndarray], EvictionPolicy]:
 
 
 # name -> (module, class); imported on demand, so a policy's module is loaded only when chosen
-_POLICIES = {"lru": (".lru", "EvictionQueue"),
-             "reuse": (".reuse_levels", "ReuseLevels")}
+_POLICIES = {"reuse": (".reuse_levels", "ReuseLevels"),
+             "lru": (".lru", "EvictionQueue")}

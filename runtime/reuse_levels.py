@@ -14,6 +14,16 @@ levels stop at a few uses). Use counts come from the cache's node
 matrix (`hits`: matches since the block was cached, plus the requests that used it before, from
 runtime/use_sketch.py), so a block evicted and computed again keeps its history.
 
+Self-tuning: protection only pays when reuse comes back later than recency order can hold it
+(the conversation trace); when it comes back within a turnover (short interleaved chats, where a
+block's newest turn is exactly what the next request needs), the bonus keeps finished
+conversations' blocks in the way of live ones and loses to LRU. So the bonus is scaled by how
+much of the recent reuse was "long": of the blocks a request found queued, those released more
+than a turnover ago, plus the blocks recomputed although their key had been used before (a reuse
+the cache had already lost), over all of them (a moving average). Recomputed blocks count even
+when nothing is protected, so the scale can grow back from zero: with no long reuse the policy
+is LRU but for one release per level, with mostly long reuse it has the full bonus.
+
 Prefix order: every request that uses a block uses its prefix, so an ancestor has at least its
 descendants' uses and is released no earlier: its priority is never lower, and on a tie the
 lower level, then the older (deeper) entry goes first. A parent that becomes a leaf again
@@ -42,6 +52,11 @@ LEVELS = np.minimum(np.floor(2 * np.log2(1 + np.arange(1024))), MAX_LEVEL).astyp
 # most MAX_BONUS releases, so that a large cache does not keep yesterday's popular prefixes
 TURNOVERS_PER_LEVEL = 2.5
 MAX_BONUS = 500
+# the bonus scale: 0 while at most LONG_LOW of the recent reuse is long, the full bonus from
+# LONG_HIGH on, linear between; the average forgets a request's counts after ~1/(1 - DECAY)
+# requests
+LONG_LOW, LONG_HIGH = 0.5, 0.7
+DECAY = 0.995
 
 
 class ReuseLevels:
@@ -50,7 +65,7 @@ class ReuseLevels:
     counts_uses = True  # the cache keeps use counts past eviction for it (runtime/use_sketch.py)
 
     __slots__ = ("_hits", "_stamp", "_stamp_v", "_prio", "_heap", "_clock", "_serial", "_queued",
-                 "_limit", "_capacity", "_avg_push")
+                 "_limit", "_capacity", "_avg_push", "_released", "_matched", "_long", "_reused")
 
     def __init__(self, capacity: int, hits: np.ndarray):
         self._hits = hits
@@ -65,6 +80,10 @@ class ReuseLevels:
         self._limit = 2 * capacity + 1024
         self._capacity = capacity
         self._avg_push = 0.0  # blocks per released path, a moving average
+        self._released = np.zeros(capacity, dtype=np.int64)  # clock of the node's last push
+        self._matched = np.zeros(capacity, dtype=bool)       # matched since its last push
+        # moving sums of long reuse and of all reuse (blocks); starting equal: full bonus
+        self._long = self._reused = 1.0
 
     def __contains__(self, n: int) -> bool:
         return self._stamp_v[n] >= 0
@@ -77,8 +96,18 @@ class ReuseLevels:
         self._clock = now + 1
         avg = self._avg_push
         avg = self._avg_push = 0.99 * avg + 0.01 * len(nodes) if avg else float(len(nodes))
-        lv = LEVELS[np.minimum(self._hits[nodes], len(LEVELS) - 1)]
-        prio = now + max(1, min(MAX_BONUS, int(TURNOVERS_PER_LEVEL * self._capacity / avg))) * lv
+        hits = self._hits[nodes]
+        # computed again although its key was used before: reuse the cache had lost
+        lost = int(np.count_nonzero(hits[~self._matched[nodes]]))
+        self._long += lost
+        self._reused += lost
+        self._matched[nodes] = False
+        self._released[nodes] = now
+        lv = LEVELS[np.minimum(hits, len(LEVELS) - 1)]
+        # at least one release per level: with none, equal priorities would leave the order to
+        # tie-breaks that batched and one-at-a-time eviction do not share
+        bonus = max(1, int(self.bonus_scale() * min(MAX_BONUS, TURNOVERS_PER_LEVEL * self._capacity / avg)))
+        prio = now + bonus * lv
         self._prio[nodes] = prio
         if lv[0] == lv[-1] and (len(lv) < 3 or (lv == lv[0]).all()):
             self._add(nodes, int(prio[0]), int(lv[0]))
@@ -105,7 +134,21 @@ class ReuseLevels:
         heapq.heappush(self._heap, [p, int(LEVELS[min(self._hits[n], len(LEVELS) - 1)]), -s, s, [n], 0])
         self._queued += 1
 
+    def bonus_scale(self) -> float:
+        """The share of the reuse bonus in force (0: LRU; 1: the full bonus)."""
+        f = self._long / self._reused
+        return min(1.0, max(0.0, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW)))
+
     def discard(self, nodes: np.ndarray) -> None:
+        """Take `nodes` out (a request matched them) and count how many of the queued ones were
+        released more than a turnover ago: reuse that recency order alone would have lost."""
+        queued = nodes[self._stamp[nodes] >= 0]
+        if len(queued) and self._avg_push:
+            turnover = self._capacity / self._avg_push
+            long = int(np.count_nonzero(self._clock - self._released[queued] > turnover))
+            self._long = DECAY * self._long + long
+            self._reused = DECAY * self._reused + len(queued)
+        self._matched[nodes] = True
         self._stamp[nodes] = -1
 
     def discard_one(self, n: int) -> None:

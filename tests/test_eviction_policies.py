@@ -67,7 +67,7 @@ def one_at_a_time(cls):
 
 
 def test_policy_names():
-    assert policy_names()[0] == "lru"
+    assert policy_names()[0] == "reuse"
     assert make_policy("lru") is EvictionQueue and make_policy("reuse") is ReuseLevels
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         make_policy("mru")
@@ -138,17 +138,42 @@ def test_eviction_without_host_tier_takes_runs():
 
 @pytest.mark.parametrize("name,kept", [("lru", False), ("reuse", True)])
 def test_a_reused_prefix_outlives_a_scan_of_one_shot_prompts(name, kept):
-    """A prefix two requests used survives a stream of long unique prompts under `reuse`; LRU
-    lets the stream flush it."""
+    """A prefix that keeps coming back later than recency order can hold it: the first time a
+    stream of long unique prompts flushes it under both policies; computed again, it is reuse the
+    cache had lost, and `reuse` then keeps it through the next stream, while LRU loses it again."""
     rng = np.random.default_rng(1)
     c = PrefixCache(BS, 64, policy=make_policy(name))
     shared = rng.integers(0, 1 << 20, 8 * BS).astype(np.int32)
     for i in range(2):
         run(c, ("chat", i), np.concatenate((shared, rng.integers(0, 1 << 20, 2 * BS).astype(np.int32))))
-    for i in range(12):
-        run(c, ("scan", i), rng.integers(0, 1 << 20, 40 * BS).astype(np.int32))
+        for j in range(12):
+            run(c, ("scan", i, j), rng.integers(0, 1 << 20, 40 * BS).astype(np.int32))
     assert (c.lookup(keys(shared)) == 8) is kept
     c.check()
+
+
+def test_reuse_is_lru_while_reuse_comes_back_soon():
+    """When what requests find again was released within a cache turnover (short interleaved
+    chats), protecting reused blocks only keeps finished ones in the way of live ones: the bonus
+    fades to nothing and the older reused blocks go before newer fresh ones, as under LRU. Long
+    reuse (blocks computed again although their keys were used) brings the full bonus back."""
+    hits = np.zeros(64, dtype=np.int32)
+    q = ReuseLevels(64, hits)
+    live = np.arange(8, dtype=np.int32)
+    for _ in range(100):  # a live chat: released, found again at once, released again
+        q.push(live)
+        q.discard(live)
+    hits[[10, 11]] = 3  # a finished chat's blocks, reused often
+    q.push(np.array([11, 10], dtype=np.int32))
+    for _ in range(5):  # a few other releases (a bonus never drops below one release per level)
+        q.push(live)
+        q.discard(live)
+    q.push(np.array([21, 20], dtype=np.int32))  # a newer fresh turn
+    assert q.pop_many(4).tolist() == [11, 10, 21, 20]
+    hits[30:62] = 1  # computed again, over and over: their keys were used before
+    for _ in range(100):
+        q.push(np.arange(61, 29, -1, dtype=np.int32))
+    assert q.bonus_scale() == 1.0
 
 
 def test_reuse_remembers_uses_past_eviction():
