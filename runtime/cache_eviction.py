@@ -25,7 +25,7 @@ import numpy as np
 
 from ipc.protocol import TaskKind
 
-from .cache_nodes import CONT, CPU, DEV, FREE, GPU, NDEV, ON_DEVICE, PARENT, RESET, SWAP2CPU, NodeStore
+from .cache_nodes import CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT, PREV, REF, RESET, STATE, SWAP2CPU, NodeStore
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Eviction(NodeStore):
             return
         pop = self._dev_lru.pop
         swap = self.host_pool.num_blocks > 0
-        # free host blocks in one batch; host leaves are evicted one at a time, only as needed
+        # free host blocks in one batch; host leaves are evicted only as needed
         hosts = self.host_pool.allocate(min(n, self.host_pool.num_free)) if swap else []
         hosts.reverse()  # pop() then hands them out in the order they came
         victims: list[int] = []
@@ -84,6 +84,8 @@ class Eviction(NodeStore):
         freed_hosts: list[int] = []
         evicted = 0
         task_id = -1  # of the swap-out, numbered at its first victim
+        if swap and hasattr(self._dev_lru, "pop_many"):
+            evicted, swap, task_id = self._swap_batched(n, hosts, victims, victim_keys)
         ndev, child, wanted_back = self._ndev_v, self._child_v, self._wanted_back
         while evicted < n:
             v = pop()
@@ -165,6 +167,92 @@ class Eviction(NodeStore):
                 self._drop_run(cand[at], par[at], g[:, at], np.searchsorted(at, top).tolist(), devs)
                 evicted += len(at)
         return evicted
+
+    def _swap_batched(self, n: int, hosts: list[int], victims: list[int],
+                      victim_keys: list[bytes]) -> tuple[int, bool, int]:
+        """Start swapping out up to `n` device leaves (host tier), exactly as the per-victim loop
+        of `_evict_device` would, a run at a time: the run's victims are chosen as
+        `_drop_batched` chooses them (a node wanted back is parked too), get their host blocks
+        (`hosts`: free ones, handed out from the end; then `_take_host`) and are marked with a
+        few array operations. Choosing victims reads only device-side fields and taking host
+        leaves writes only host-side ones, so taking a run's host blocks before marking its
+        victims changes nothing. When the host tier runs out, the victims without a host block
+        go back to the front of the queue and the per-victim loop drops them. Returns how many
+        were evicted, whether host blocks are still to be had, and the swap-out's task id (-1
+        if none)."""
+        f = self._f
+        policy = self._dev_lru
+        wanted = self._wanted_back
+        evicted = 0
+        task_id = -1
+        while evicted < n:
+            cand = policy.pop_many(n - evicted)
+            m = len(cand)
+            if not m:
+                break
+            g = f[:, cand]
+            par, nd = g[PARENT], g[NDEV]
+            if wanted:
+                back = np.fromiter((v in wanted for v in cand.tolist()), dtype=bool, count=m)
+                if back.any():
+                    nd = nd.copy()
+                    nd[back] = m + 1  # never evictable in this run: parked as `pop` parks it
+            link = par[:-1] == cand[1:]
+            if nd[0] == 0 and (nd[1:] == link).all():
+                ev = np.ones(m, dtype=bool)
+                top = np.flatnonzero(~link).tolist()
+                top.append(m - 1)
+            else:
+                ev, top = self._evictable(cand, par, nd)
+            cut = self._first_trigger(cand, par, top, not ev.all())
+            at = np.flatnonzero(ev[:cut])
+            e = len(at)
+            if e > len(hosts):  # free host blocks first, in the order pop() hands them out
+                more = self._take_host(e - len(hosts))
+                more.reverse()
+                hosts[:0] = more
+            e = min(e, len(hosts))
+            short = e < len(at)
+            if short:  # the host tier ran out: the rest is dropped one at a time
+                cut = int(at[e])
+                at = at[:e]
+            if cut < m:
+                for v in reversed(cand[cut:].tolist()):
+                    policy.push_front(v)
+            if e:
+                if task_id < 0:
+                    task_id = next(self._task_ids)
+                self._mark_swap_out(cand[at], par[at], hosts, e, task_id, victims, victim_keys)
+                evicted += e
+            if short:
+                return evicted, False, task_id
+        return evicted, True, task_id
+
+    def _mark_swap_out(self, vs: np.ndarray, par: np.ndarray, hosts: list[int], e: int, task_id: int,
+                       victims: list[int], victim_keys: list[bytes]) -> None:
+        """Make the `e` nodes `vs` (in eviction order, their parents `par`) SWAP2CPU in task
+        `task_id`, each with the next host block of `hosts` (taken from its end), and queue a
+        parent that becomes an unqueued evictable device leaf at the front."""
+        f = self._f
+        take = hosts[-e:]
+        del hosts[-e:]
+        take.reverse()
+        f[HOST, vs] = take
+        f[STATE, vs] = SWAP2CPU
+        self._task[vs] = task_id
+        self._host_cached += e
+        self._idle -= e
+        ids = vs.tolist()
+        victims += ids
+        keys = self._keys
+        victim_keys += [keys[v] for v in ids]
+        ndev = f[NDEV]
+        np.subtract.at(ndev, par, 1)
+        lru = self._dev_lru
+        leaf = par[(ndev[par] == 0) & (f[STATE, par] == GPU) & (f[REF, par] == 0)]
+        for p in dict.fromkeys(leaf.tolist()):  # at most the last victim's parent (the run is cut there)
+            if p not in lru:
+                lru.push_front(p)
 
     def _evictable(self, cand: np.ndarray, par: np.ndarray, nd: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """Which nodes of a run go (every device child comes earlier in the run and goes too;
@@ -311,22 +399,119 @@ class Eviction(NodeStore):
         log.debug("evicted %d device blocks (%d to host)", evicted, len(victims))
 
     def _take_host(self, n: int) -> list[int]:
-        """Up to `n` host blocks: free ones first, then by dropping least recently used host
-        leaves."""
+        """Up to `n` host blocks: free ones first, then by dropping host leaves in the policy's
+        order. With a policy that hands out runs (`pop_many`), a run of chains released deepest
+        first is freed with a few array operations (Python touching each chain's top), exactly
+        as popping and dropping one leaf at a time would; any other run goes node by node."""
         pool = self.host_pool
         got = pool.allocate(min(n, pool.num_free))
-        pop = self._host_lru.pop
-        dev_out: list[int] = []
+        policy = self._host_lru
+        many = getattr(policy, "pop_many", None)
         dropped = 0
         while len(got) < n:
-            v = pop()
-            if v < 0:
+            if many is None:
+                v = policy.pop()
+                if v < 0:
+                    break
+                dropped += self._drop_host_leaf(v, got)
+                continue
+            cand = many(n - len(got))
+            if not len(cand):
                 break
-            if self._child_v[v] >= 0:
-                continue  # parked: requeued when its last child leaves
-            self._unlink(v)
-            self._free_node(v, dev_out, got)
-            dropped += 1
+            dropped += self._drop_host_run(cand, got)
         self.metrics.evicted_host_blocks += dropped
         return got
 
+    def _drop_host_leaf(self, v: int, hosts: list[int]) -> int:
+        """Drop the popped host node `v` if it is a leaf (else it is parked: requeued when its
+        last child leaves); 1 if dropped."""
+        if self._child_v[v] >= 0:
+            return 0
+        self._unlink(v)
+        self._free_node(v, [], hosts)
+        return 1
+
+    def _drop_host_run(self, cand: np.ndarray, hosts: list[int]) -> int:
+        """Drop the host leaves of the popped run `cand` as one-at-a-time eviction would, their
+        blocks appended to `hosts`; returns how many. A run whose every node is a leaf once the
+        nodes before it are gone (a chain's only child comes right before it) is freed at once;
+        it is cut after the first node whose drop makes its parent an unqueued host leaf (that
+        parent comes next), the rest going back to the front of the queue."""
+        f = self._f
+        policy = self._host_lru
+        m = len(cand)
+        g = f[:, cand]
+        par, child = g[PARENT], g[CHILD]
+        link = par[:-1] == cand[1:]
+        # a node goes if it has no child, or its only child is the run's node right before it
+        only = link & (g[PREV, :-1] < 0) & (g[NEXT, :-1] < 0)
+        usual = (child[0] < 0 and (g[STATE] == CPU).all()
+                 and ((child[1:] < 0) | (only & (child[1:] == cand[:-1]))).all()
+                 and not (link & ~only).any())
+        if not usual:
+            return self._drop_host_slow(cand, hosts)
+        keys, kmap = self._keys, self._map
+        mapped = f[CONT, par] != cand  # found through the key map, not as their parent's continuation
+        parent_v, next_v, prev_v, child_v, cont_v = (self._parent_v, self._next_v, self._prev_v,
+                                                     self._child_v, self._cont_v)
+        state, ref = self._state_v, self._ref_v
+        top = np.flatnonzero(~link).tolist()
+        top.append(m - 1)
+        cut, leaf = m, -1
+        for t in top:
+            v = int(cand[t])
+            p, before, after = parent_v[v], prev_v[v], next_v[v]
+            if cont_v[p] == v:
+                cont_v[p] = -1
+            if before >= 0:
+                next_v[before] = after
+            else:
+                child_v[p] = after
+            if after >= 0:
+                prev_v[after] = before
+            if child_v[p] < 0 and state[p] == CPU and ref[p] == 0 and p not in policy:
+                cut, leaf = t + 1, p  # that parent is next in line
+                break
+        if cut < m:
+            for v in reversed(cand[cut:].tolist()):
+                policy.push_front(v)
+            cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
+        drop = cand.tolist()
+        for v in cand[mapped].tolist():
+            del kmap[keys[v]]
+        if self._obs is not None:  # host-only nodes
+            self._obs.removed(ON_HOST, [keys[v] for v in drop])
+        deque(map(keys.__setitem__, drop, repeat(None)), maxlen=0)
+        hosts += g[HOST].tolist()
+        self._host_cached -= cut
+        f[:, cand] = RESET[:, None]
+        top_ = self._top
+        self._stack[top_:top_ + cut] = cand
+        self._top = top_ + cut
+        if leaf >= 0:
+            policy.push_front(leaf)
+        return cut
+
+    def _drop_host_slow(self, cand: np.ndarray, hosts: list[int]) -> int:
+        """`_drop_host_run` node by node, for a run of any shape: a node with children is parked;
+        a drop that makes its parent an unqueued host leaf ends the run (the rest goes back to
+        the front of the queue, behind that parent)."""
+        child_v, parent_v, next_v, prev_v = self._child_v, self._parent_v, self._next_v, self._prev_v
+        state, ref = self._state_v, self._ref_v
+        ids = cand.tolist()
+        dropped = 0
+        for i, v in enumerate(ids):
+            if child_v[v] >= 0:
+                continue  # parked: requeued when its last child leaves
+            p = parent_v[v]
+            if (child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0 and state[p] == CPU
+                    and ref[p] == 0):
+                for w in reversed(ids[i + 1:]):  # so that a parent among them is queued again
+                    self._host_lru.push_front(w)
+                self._unlink(v)
+                self._free_node(v, [], hosts)
+                return dropped + 1
+            self._unlink(v)
+            self._free_node(v, [], hosts)
+            dropped += 1
+        return dropped
