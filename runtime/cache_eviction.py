@@ -244,14 +244,19 @@ class Eviction(NodeStore):
         self._idle -= e
         ids = vs.tolist()
         victims += ids
-        keys = self._keys
-        victim_keys += [keys[v] for v in ids]
-        ndev = f[NDEV]
-        np.subtract.at(ndev, par, 1)
-        lru = self._dev_lru
-        leaf = par[(ndev[par] == 0) & (f[STATE, par] == GPU) & (f[REF, par] == 0)]
-        for p in dict.fromkeys(leaf.tolist()):  # at most the last victim's parent (the run is cut there)
-            if p not in lru:
+        victim_keys += map(self._keys.__getitem__, ids)
+        # each victim's device children went before it: none is left; only parents outside the
+        # run (the chains' tops') lose device children that stay
+        f[NDEV, vs] = 0
+        pos = self._pos_scratch
+        pos[vs] = 0
+        outside = par[pos[par] < 0].tolist()
+        pos[vs] = -1
+        ndev, state, ref, lru = self._ndev_v, self._state_v, self._ref_v, self._dev_lru
+        for p in outside:
+            ndev[p] -= 1
+        for p in outside:  # at most the last victim's parent qualifies: the run is cut there
+            if ndev[p] == 0 and state[p] == GPU and ref[p] == 0 and p not in lru:
                 lru.push_front(p)
 
     def _evictable(self, cand: np.ndarray, par: np.ndarray, nd: np.ndarray) -> tuple[np.ndarray, list[int]]:
@@ -391,8 +396,9 @@ class Eviction(NodeStore):
         self.host_pool.free(hosts + freed_hosts)
         self.device_pool.free(dropped)
         if victims:
-            self._new_task(TaskKind.SWAP2CPU, victims, [self._dev_v[v] for v in victims],
-                           [self._host_v[v] for v in victims], victim_keys, task_id=task_id)
+            g = self._f[:, victims]
+            self._new_task(TaskKind.SWAP2CPU, victims, g[DEV].tolist(), g[HOST].tolist(), victim_keys,
+                           task_id=task_id)
             self._dev_returning += len(victims)
             self.metrics.swap_out_blocks += len(victims)
         self.metrics.evicted_device_blocks += evicted

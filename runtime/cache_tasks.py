@@ -24,7 +24,7 @@ import numpy as np
 from ipc.protocol import TaskKind, TransferTask
 
 from .cache_match import Request
-from .cache_nodes import CPU, DETACHED, FREE, GPU, NO_NODES, ON_DEVICE, ON_HOST, NodeStore
+from .cache_nodes import CPU, DETACHED, DEV, FREE, GPU, NO_NODES, ON_DEVICE, ON_HOST, STATE, SWAP2CPU, NodeStore
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,24 @@ class TaskBook(NodeStore):
         same blocks offered to it again and again while requests wait for them. Nodes matched
         again meanwhile were already GPU; their host blocks are the task's orphans."""
         task_id = t.task.task_id
-        devs: list[int] = []
+        nodes = np.array(t.nodes, dtype=np.int32)
+        f = self._f
+        if ok and (self._task[nodes] == task_id).all() and (f[STATE, nodes] == SWAP2CPU).all():
+            # the usual answer: every node still in the tree and still this task's; all at once
+            devs = f[DEV, nodes].tolist()
+            f[DEV, nodes] = -1
+            f[STATE, nodes] = CPU
+            self._task[nodes] = -1
+            self._dev_returning -= len(devs)
+            self._dev_cached -= len(devs)
+            if self._obs is not None:
+                for n in t.nodes:
+                    self._tell_moved(n, ON_DEVICE, ON_HOST)
+            self._host_lru.push(nodes)
+            self.device_pool.free(devs)
+            self.host_pool.free(t.orphans)
+            return
+        devs = []
         hosts = t.orphans
         on_host: list[int] = []
         for n in t.nodes:
