@@ -24,7 +24,7 @@ import numpy as np
 from ipc.protocol import TaskKind, TransferTask
 
 from .cache_match import Request
-from .cache_nodes import CPU, DETACHED, DEV, FREE, GPU, NO_NODES, ON_DEVICE, ON_HOST, STATE, SWAP2CPU, NodeStore
+from .cache_nodes import CPU, DETACHED, DEV, FREE, GPU, HOST, NO_NODES, ON_DEVICE, ON_HOST, REF, STATE, SWAP2CPU, SWAP2GPU, NodeStore
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +168,22 @@ class TaskBook(NodeStore):
         below them leave the tree, and the requests waiting for them fail."""
         devs: list[int] = []
         hosts: list[int] = []
-        for n in t.nodes:
-            self._task_v[n] = -1
-        for n in t.nodes:
+        nodes = np.array(t.nodes, dtype=np.int32)
+        self._task[nodes] = -1
+        f = self._f
+        if ok and (f[STATE, nodes] == SWAP2GPU).all():  # the usual answer: all at once
+            hosts = f[HOST, nodes].tolist()
+            f[HOST, nodes] = -1
+            self._host_cached -= len(hosts)
+            f[STATE, nodes] = GPU
+            if self._obs is not None:
+                for n in t.nodes:
+                    self._tell_moved(n, ON_HOST, ON_DEVICE)
+            for n in nodes[f[REF, nodes] == 0].tolist():  # its requests left before it arrived
+                self._dev_lru.push_front(n)
+                self._idle += 1
+            nodes = NO_NODES
+        for n in nodes.tolist():
             s = self._state_v[n]
             if s == FREE:
                 continue  # freed just above, with the subtree of a failed ancestor
