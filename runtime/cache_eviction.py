@@ -84,8 +84,10 @@ class Eviction(NodeStore):
         freed_hosts: list[int] = []
         evicted = 0
         task_id = -1  # of the swap-out, numbered at its first victim
+        blocks: tuple[list[int], list[int]] | None = None  # the victims' device and host blocks
         if swap and hasattr(self._dev_lru, "pop_many"):
-            evicted, swap, task_id = self._swap_batched(n, hosts, victims, victim_keys)
+            blocks = ([], [])
+            evicted, swap, task_id = self._swap_batched(n, hosts, victims, victim_keys, blocks)
         ndev, child, wanted_back = self._ndev_v, self._child_v, self._wanted_back
         while evicted < n:
             v = pop()
@@ -116,7 +118,7 @@ class Eviction(NodeStore):
                 self._drop_leaf(v, dropped)
             else:
                 self._drop_subtree(v, dropped, freed_hosts)
-        self._finish_eviction(dropped, freed_hosts, hosts, victims, victim_keys, evicted, task_id)
+        self._finish_eviction(dropped, freed_hosts, hosts, victims, victim_keys, evicted, task_id, blocks)
 
     def _drop_batched(self, n: int, devs: list[int]) -> int:
         """Drop up to `n` device leaves (no host tier), exactly as popping and dropping them one
@@ -168,8 +170,8 @@ class Eviction(NodeStore):
                 evicted += len(at)
         return evicted
 
-    def _swap_batched(self, n: int, hosts: list[int], victims: list[int],
-                      victim_keys: list[bytes]) -> tuple[int, bool, int]:
+    def _swap_batched(self, n: int, hosts: list[int], victims: list[int], victim_keys: list[bytes],
+                      blocks: tuple[list[int], list[int]]) -> tuple[int, bool, int]:
         """Start swapping out up to `n` device leaves (host tier), exactly as the per-victim loop
         of `_evict_device` would, a run at a time: the run's victims are chosen as
         `_drop_batched` chooses them (a node wanted back is parked too), get their host blocks
@@ -222,22 +224,26 @@ class Eviction(NodeStore):
             if e:
                 if task_id < 0:
                     task_id = next(self._task_ids)
-                self._mark_swap_out(cand[at], par[at], hosts, e, task_id, victims, victim_keys)
+                self._mark_swap_out(cand[at], par[at], hosts, e, task_id, victims, victim_keys, blocks)
                 evicted += e
             if short:
                 return evicted, False, task_id
         return evicted, True, task_id
 
     def _mark_swap_out(self, vs: np.ndarray, par: np.ndarray, hosts: list[int], e: int, task_id: int,
-                       victims: list[int], victim_keys: list[bytes]) -> None:
+                       victims: list[int], victim_keys: list[bytes],
+                       blocks: tuple[list[int], list[int]]) -> None:
         """Make the `e` nodes `vs` (in eviction order, their parents `par`) SWAP2CPU in task
         `task_id`, each with the next host block of `hosts` (taken from its end), and queue a
-        parent that becomes an unqueued evictable device leaf at the front."""
+        parent that becomes an unqueued evictable device leaf at the front. Their device and
+        host blocks are appended to `blocks`."""
         f = self._f
         take = hosts[-e:]
         del hosts[-e:]
         take.reverse()
         f[HOST, vs] = take
+        blocks[0].extend(f[DEV, vs].tolist())
+        blocks[1].extend(take)
         f[STATE, vs] = SWAP2CPU
         self._task[vs] = task_id
         self._host_cached += e
@@ -391,14 +397,16 @@ class Eviction(NodeStore):
 
     def _finish_eviction(self, dropped: list[int], freed_hosts: list[int], hosts: list[int],
                          victims: list[int], victim_keys: list[bytes], evicted: int,
-                         task_id: int) -> None:
-        """The end of an eviction: recycle what it freed in one batch, issue its swap-out."""
+                         task_id: int, blocks: tuple[list[int], list[int]] | None = None) -> None:
+        """The end of an eviction: recycle what it freed in one batch, issue its swap-out
+        (`blocks`: the victims' device and host blocks, if known)."""
         self.host_pool.free(hosts + freed_hosts)
         self.device_pool.free(dropped)
         if victims:
-            g = self._f[:, victims]
-            self._new_task(TaskKind.SWAP2CPU, victims, g[DEV].tolist(), g[HOST].tolist(), victim_keys,
-                           task_id=task_id)
+            if blocks is None:
+                g = self._f[:, victims]
+                blocks = (g[DEV].tolist(), g[HOST].tolist())
+            self._new_task(TaskKind.SWAP2CPU, victims, blocks[0], blocks[1], victim_keys, task_id=task_id)
             self._dev_returning += len(victims)
             self.metrics.swap_out_blocks += len(victims)
         self.metrics.evicted_device_blocks += evicted
