@@ -211,16 +211,38 @@ def test_a_node_serves_with_the_reuse_policy(node, tmp_path):
     assert again.cached_tokens > 0
 
 
+class Blocks:
+    """A KV-events observer: every block stored or removed, one event per block (a batch told
+    at once and the same blocks told one by one read the same), and the blocks held now."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, bytes]] = []
+        self.live: set[tuple[str, bytes]] = set()
+
+    def stored(self, medium: str, keys, parent) -> None:
+        for k in keys:
+            self.events.append(("stored", medium, k))
+            self.live.add((medium, k))
+
+    def removed(self, medium: str, keys) -> None:
+        for k in keys:
+            self.events.append(("removed", medium, k))
+            self.live.remove((medium, k))
+
+
 @pytest.mark.parametrize("name", ["lru", "reuse"])
 @pytest.mark.parametrize("seed", range(4))
 def test_batched_host_eviction_equals_one_at_a_time(name, seed):
     """With a host tier: swap-outs started a run at a time, host leaves dropped a run at a time
     and swap-outs finished in batches give the same allocations, tasks, tree and counters at
-    every step as one-at-a-time eviction. Some swap-outs answer late (their nodes may be
-    matched again meanwhile and are parked until they do), and the host tier is small, so that
-    host leaves are evicted and the host tier sometimes runs out."""
+    every step as one-at-a-time eviction, and tell a KV-events observer of the same blocks in
+    the same order (what it was told is what the cache holds). Some swap-outs answer late
+    (their nodes may be matched again meanwhile and are parked until they do), and the host
+    tier is small, so that host leaves are evicted and the host tier sometimes runs out."""
     cls = make_policy(name)
-    caches = [PrefixCache(BS, 96, 64, policy=cls), PrefixCache(BS, 96, 64, policy=one_at_a_time(cls))]
+    seen = [Blocks(), Blocks()]
+    caches = [PrefixCache(BS, 96, 64, policy=cls, observer=seen[0]),
+              PrefixCache(BS, 96, 64, policy=one_at_a_time(cls), observer=seen[1])]
     rng = np.random.default_rng(seed)
     late: list[list] = [[], []]
     for step, (op, rid, tokens) in enumerate(_workload(seed, 300)):
@@ -244,8 +266,10 @@ def test_batched_host_eviction_equals_one_at_a_time(name, seed):
         assert a.snapshot() == b.snapshot(), f"step {step}"
         assert (a._f == b._f).all() and a._keys == b._keys and (a._task == b._task).all(), f"step {step}"
         assert a._wanted_back == b._wanted_back, f"step {step}"
+        assert seen[0].events == seen[1].events, f"step {step}"
         if step % 25 == 0:
             a.check()
+            assert seen[0].live == {(b.medium, b.key) for b in a.cached_blocks()}, f"step {step}"
     m = caches[0].metrics
     assert m.swap_out_blocks > 300 and m.evicted_host_blocks > 200 and m.swap_out_cancelled > 0, m
     caches[0].check()
