@@ -201,30 +201,38 @@ class Eviction(NodeStore):
                     nd[back] = m + 1  # never evictable in this run: parked as `pop` parks it
             link = par[:-1] == cand[1:]
             if nd[0] == 0 and (nd[1:] == link).all():
-                ev = np.ones(m, dtype=bool)
+                # the usual run: whole chains, each node's only device child right before it
+                ev = None
                 top = np.flatnonzero(~link).tolist()
                 top.append(m - 1)
+                cut = self._first_trigger(cand, par, top, False)
+                at: np.ndarray | slice = slice(0, cut)
+                e = cut
             else:
                 ev, top = self._evictable(cand, par, nd)
-            cut = self._first_trigger(cand, par, top, not ev.all())
-            at = np.flatnonzero(ev[:cut])
-            e = len(at)
+                cut = self._first_trigger(cand, par, top, not ev.all())
+                at = np.flatnonzero(ev[:cut])
+                e = len(at)
+            want = e
             if e > len(hosts):  # free host blocks first, in the order pop() hands them out
                 more = self._take_host(e - len(hosts))
                 more.reverse()
                 hosts[:0] = more
-            e = min(e, len(hosts))
-            short = e < len(at)
+                e = min(e, len(hosts))
+            short = e < want
             if short:  # the host tier ran out: the rest is dropped one at a time
-                cut = int(at[e])
-                at = at[:e]
+                cut = e if ev is None else int(at[e])
+                at = slice(0, e) if ev is None else at[:e]
             if cut < m:
                 for v in reversed(cand[cut:].tolist()):
                     policy.push_front(v)
             if e:
                 if task_id < 0:
                     task_id = next(self._task_ids)
-                self._mark_swap_out(cand[at], par[at], hosts, e, task_id, victims, victim_keys, blocks)
+                # parents that stay on the device: the chains' tops', unless a chain was split
+                outside = None if ev is not None or short else par[[t for t in top if t < cut]].tolist()
+                self._mark_swap_out(cand[at], par[at], hosts, e, task_id, victims, victim_keys, blocks,
+                                    outside)
                 evicted += e
             if short:
                 return evicted, False, task_id
@@ -232,11 +240,12 @@ class Eviction(NodeStore):
 
     def _mark_swap_out(self, vs: np.ndarray, par: np.ndarray, hosts: list[int], e: int, task_id: int,
                        victims: list[int], victim_keys: list[bytes],
-                       blocks: tuple[list[int], list[int]]) -> None:
+                       blocks: tuple[list[int], list[int]], outside: list[int] | None) -> None:
         """Make the `e` nodes `vs` (in eviction order, their parents `par`) SWAP2CPU in task
         `task_id`, each with the next host block of `hosts` (taken from its end), and queue a
         parent that becomes an unqueued evictable device leaf at the front. Their device and
-        host blocks are appended to `blocks`."""
+        host blocks are appended to `blocks`. `outside`: the victims' parents that are not
+        victims themselves, one per victim, if the caller knows them."""
         f = self._f
         take = hosts[-e:]
         del hosts[-e:]
@@ -254,10 +263,11 @@ class Eviction(NodeStore):
         # each victim's device children went before it: none is left; only parents outside the
         # run (the chains' tops') lose device children that stay
         f[NDEV, vs] = 0
-        pos = self._pos_scratch
-        pos[vs] = 0
-        outside = par[pos[par] < 0].tolist()
-        pos[vs] = -1
+        if outside is None:
+            pos = self._pos_scratch
+            pos[vs] = 0
+            outside = par[pos[par] < 0].tolist()
+            pos[vs] = -1
         ndev, state, ref, lru = self._ndev_v, self._state_v, self._ref_v, self._dev_lru
         for p in outside:
             ndev[p] -= 1
