@@ -155,12 +155,13 @@ class Eviction(NodeStore):
             if cut < m:
                 for v in reversed(cand[cut:].tolist()):
                     policy.push_front(v)
-                top = [t for t in top if t < cut]
-                if ev is None:
+                if ev is None:  # whole chains: the cut (after a chain's top) splits none
+                    top = [t for t in top if t < cut]
                     ev = np.zeros(m, dtype=bool)
                     ev[:cut] = True
-                else:
+                else:  # a node whose parent was to go later in the run is now a top too
                     ev[cut:] = False
+                    top = self._tops(cand[:cut], par[:cut], ev[:cut])
             if ev is None:
                 self._drop_run(cand, par, g, top, devs)
                 evicted += m
@@ -298,6 +299,14 @@ class Eviction(NodeStore):
         inner = below.copy()
         inner[below] = ev[q[below]]   # the parent goes in this run too
         return ev, np.flatnonzero(ev & ~inner).tolist()
+
+    def _tops(self, cand: np.ndarray, par: np.ndarray, ev: np.ndarray) -> list[int]:
+        """The indices of the nodes of `cand` that go (`ev`) while their parent stays."""
+        pos = self._pos_scratch
+        pos[cand[ev]] = 0
+        top = np.flatnonzero(ev & (pos[par] < 0)).tolist()
+        pos[cand[ev]] = -1
+        return top
 
     def _first_trigger(self, cand: np.ndarray, par: np.ndarray, top: list[int], parked: bool) -> int:
         """The length of the run up to and including the first node whose drop makes its parent
