@@ -11,9 +11,11 @@ the next nodes (`pop_many`), and a run of chains released deepest first is freed
 array operations on the node matrix, Python touching only each chain's top (unlinked from its
 surviving parent) and the keys held by the key map; the victims, their order and every field
 written are those of popping and dropping one node at a time (tests/test_eviction_policies.py
-compares both). With a host tier the loop runs once per victim, reading the node matrix
-through its memoryviews, with no call per block beyond the policy's `pop` and the host-block
-bookkeeping.
+compares both). With a host tier, victims are swapped out a run at a time the same way
+(`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
+leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU with a few
+array writes. Once the host tier runs out, and with a policy without `pop_many`, the loop runs
+once per victim, reading the node matrix through its memoryviews.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import numpy as np
 
 from ipc.protocol import TaskKind
 
-from .cache_nodes import CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT, PREV, REF, RESET, STATE, SWAP2CPU, NodeStore
+from .cache_nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
+                          PREV, RESET, STATE, SWAP2CPU, NodeStore)
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import numpy as np
 from ipc.protocol import TaskKind, TransferTask
 
 from .cache_match import Request
-from .cache_nodes import CPU, DETACHED, DEV, FREE, GPU, HOST, NO_NODES, ON_DEVICE, ON_HOST, REF, STATE, SWAP2CPU, SWAP2GPU, NodeStore
+from .cache_nodes import (CPU, DETACHED, DEV, FREE, GPU, HOST, NO_NODES, ON_DEVICE, ON_HOST, REF, STATE,
+                          SWAP2CPU, SWAP2GPU, NodeStore)
 
 log = logging.getLogger(__name__)
 

@@ -305,8 +305,9 @@ def test_a_run_cut_before_a_parent_unlinks_the_child_chain_it_drops():
     must be unlinked from it like any chain top (it was left as its parent's continuation)."""
     bases = [np.arange(1000 * b, 1000 * b + 40, dtype=np.int32) for b in range(3)]
     c = PrefixCache(2, 21, policy=make_policy("reuse"))
-    steps = [(0, 6, []), (0, 28, [0, 0]), (0, 1, []), (0, 1, []), (0, 28, []), (1, 28, []), (0, 12, []),
-             (0, 1, []), (0, 1, []), (1, 28, []), (0, 2, []), (1, 37, []), (0, 1, []), (1, 6, []), (2, 35, [])]
+    steps = [(0, 6, []), (0, 28, [0, 0]), (0, 1, []), (0, 1, []), (0, 28, []), (1, 28, []),
+             (0, 12, []), (0, 1, []), (0, 1, []), (1, 28, []), (0, 2, []), (1, 37, []), (0, 1, []),
+             (1, 6, []), (2, 35, [])]
     for i, (base, length, tail) in enumerate(steps):
         tokens = np.concatenate([bases[base][:length], np.array(tail, dtype=np.int32)])
         c.match(i, BlockHasher(2).update(tokens), len(tokens))
