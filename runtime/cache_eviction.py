@@ -454,7 +454,11 @@ class Eviction(NodeStore):
             cand = many(n - len(got))
             if not len(cand):
                 break
-            dropped += self._drop_host_run(cand, got)
+            k = self._drop_host_run(cand, got)
+            if k < 0:  # not whole chains: the rest one at a time (a policy may rank nodes put
+                many = None  # back at the front one by one, so runs cut again and again cost)
+                k = -k - 1
+            dropped += k
         self.metrics.evicted_host_blocks += dropped
         return got
 
@@ -469,7 +473,8 @@ class Eviction(NodeStore):
 
     def _drop_host_run(self, cand: np.ndarray, hosts: list[int]) -> int:
         """Drop the host leaves of the popped run `cand` as one-at-a-time eviction would, their
-        blocks appended to `hosts`; returns how many. A run whose every node is a leaf once the
+        blocks appended to `hosts`; returns how many (-1 - how many when the run went node by
+        node). A run whose every node is a leaf once the
         nodes before it are gone (a chain's only child comes right before it) is freed at once;
         it is cut after the first node whose drop makes its parent an unqueued host leaf (that
         parent comes next), the rest going back to the front of the queue."""
@@ -485,7 +490,7 @@ class Eviction(NodeStore):
                  and ((child[1:] < 0) | (only & (child[1:] == cand[:-1]))).all()
                  and not (link & ~only).any())
         if not usual:
-            return self._drop_host_slow(cand, hosts)
+            return -1 - self._drop_host_slow(cand, hosts)
         keys, kmap = self._keys, self._map
         mapped = f[CONT, par] != cand  # found through the key map, not as their parent's continuation
         parent_v, next_v, prev_v, child_v, cont_v = (self._parent_v, self._next_v, self._prev_v,
