@@ -11,9 +11,11 @@ the next nodes (`pop_many`), and a run of chains released deepest first is freed
 array operations on the node matrix, Python touching only each chain's top (unlinked from its
 surviving parent) and the keys held by the key map; the victims, their order and every field
 written are those of popping and dropping one node at a time (tests/test_eviction_policies.py
-compares both). With a host tier the loop runs once per victim, reading the node matrix
-through its memoryviews, with no call per block beyond the policy's `pop` and the host-block
-bookkeeping.
+compares both). With a host tier, victims are swapped out a run at a time the same way
+(`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
+leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU with a few
+array writes. Once the host tier runs out, and with a policy without `pop_many`, the loop runs
+once per victim, reading the node matrix through its memoryviews.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import numpy as np
 
 from ipc.protocol import TaskKind
 
-from .cache_nodes import CONT, CPU, DEV, FREE, GPU, NDEV, ON_DEVICE, PARENT, RESET, SWAP2CPU, NodeStore
+from .cache_nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
+                          PREV, RESET, STATE, SWAP2CPU, NodeStore)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ class Eviction(NodeStore):
             return
         pop = self._dev_lru.pop
         swap = self.host_pool.num_blocks > 0
-        # free host blocks in one batch; host leaves are evicted one at a time, only as needed
+        # free host blocks in one batch; host leaves are evicted only as needed
         hosts = self.host_pool.allocate(min(n, self.host_pool.num_free)) if swap else []
         hosts.reverse()  # pop() then hands them out in the order they came
         victims: list[int] = []
@@ -84,6 +87,10 @@ class Eviction(NodeStore):
         freed_hosts: list[int] = []
         evicted = 0
         task_id = -1  # of the swap-out, numbered at its first victim
+        blocks: tuple[list[int], list[int]] | None = None  # the victims' device and host blocks
+        if swap and hasattr(self._dev_lru, "pop_many"):
+            blocks = ([], [])
+            evicted, swap, task_id = self._swap_batched(n, hosts, victims, victim_keys, blocks)
         ndev, child, wanted_back = self._ndev_v, self._child_v, self._wanted_back
         while evicted < n:
             v = pop()
@@ -114,7 +121,7 @@ class Eviction(NodeStore):
                 self._drop_leaf(v, dropped)
             else:
                 self._drop_subtree(v, dropped, freed_hosts)
-        self._finish_eviction(dropped, freed_hosts, hosts, victims, victim_keys, evicted, task_id)
+        self._finish_eviction(dropped, freed_hosts, hosts, victims, victim_keys, evicted, task_id, blocks)
 
     def _drop_batched(self, n: int, devs: list[int]) -> int:
         """Drop up to `n` device leaves (no host tier), exactly as popping and dropping them one
@@ -151,12 +158,13 @@ class Eviction(NodeStore):
             if cut < m:
                 for v in reversed(cand[cut:].tolist()):
                     policy.push_front(v)
-                top = [t for t in top if t < cut]
-                if ev is None:
+                if ev is None:  # whole chains: the cut (after a chain's top) splits none
+                    top = [t for t in top if t < cut]
                     ev = np.zeros(m, dtype=bool)
                     ev[:cut] = True
-                else:
+                else:  # a node whose parent was to go later in the run is now a top too
                     ev[cut:] = False
+                    top = self._tops(cand[:cut], par[:cut], ev[:cut])
             if ev is None:
                 self._drop_run(cand, par, g, top, devs)
                 evicted += m
@@ -165,6 +173,111 @@ class Eviction(NodeStore):
                 self._drop_run(cand[at], par[at], g[:, at], np.searchsorted(at, top).tolist(), devs)
                 evicted += len(at)
         return evicted
+
+    def _swap_batched(self, n: int, hosts: list[int], victims: list[int], victim_keys: list[bytes],
+                      blocks: tuple[list[int], list[int]]) -> tuple[int, bool, int]:
+        """Start swapping out up to `n` device leaves (host tier), exactly as the per-victim loop
+        of `_evict_device` would, a run at a time: the run's victims are chosen as
+        `_drop_batched` chooses them (a node wanted back is parked too), get their host blocks
+        (`hosts`: free ones, handed out from the end; then `_take_host`) and are marked with a
+        few array operations. Choosing victims reads only device-side fields and taking host
+        leaves writes only host-side ones, so taking a run's host blocks before marking its
+        victims changes nothing. When the host tier runs out, the victims without a host block
+        go back to the front of the queue and the per-victim loop drops them. Returns how many
+        were evicted, whether host blocks are still to be had, and the swap-out's task id (-1
+        if none)."""
+        f = self._f
+        policy = self._dev_lru
+        wanted = self._wanted_back
+        evicted = 0
+        task_id = -1
+        while evicted < n:
+            cand = policy.pop_many(n - evicted)
+            m = len(cand)
+            if not m:
+                break
+            g = f[:, cand]
+            par, nd = g[PARENT], g[NDEV]
+            if wanted:
+                back = np.fromiter((v in wanted for v in cand.tolist()), dtype=bool, count=m)
+                if back.any():
+                    nd = nd.copy()
+                    nd[back] = m + 1  # never evictable in this run: parked as `pop` parks it
+            link = par[:-1] == cand[1:]
+            if nd[0] == 0 and (nd[1:] == link).all():
+                # the usual run: whole chains, each node's only device child right before it
+                ev = None
+                top = np.flatnonzero(~link).tolist()
+                top.append(m - 1)
+                cut = self._first_trigger(cand, par, top, False)
+                at: np.ndarray | slice = slice(0, cut)
+                e = cut
+            else:
+                ev, top = self._evictable(cand, par, nd)
+                cut = self._first_trigger(cand, par, top, not ev.all())
+                at = np.flatnonzero(ev[:cut])
+                e = len(at)
+            want = e
+            if e > len(hosts):  # free host blocks first, in the order pop() hands them out
+                more = self._take_host(e - len(hosts))
+                more.reverse()
+                hosts[:0] = more
+                e = min(e, len(hosts))
+            short = e < want
+            if short:  # the host tier ran out: the rest is dropped one at a time
+                cut = e if ev is None else int(at[e])
+                at = slice(0, e) if ev is None else at[:e]
+            if cut < m:
+                for v in reversed(cand[cut:].tolist()):
+                    policy.push_front(v)
+            if e:
+                if task_id < 0:
+                    task_id = next(self._task_ids)
+                # parents that stay on the device: the chains' tops', unless a chain was split
+                outside = None if ev is not None or short else par[[t for t in top if t < cut]].tolist()
+                self._mark_swap_out(cand[at], par[at], hosts, e, task_id, victims, victim_keys, blocks,
+                                    outside)
+                evicted += e
+            if short:
+                return evicted, False, task_id
+        return evicted, True, task_id
+
+    def _mark_swap_out(self, vs: np.ndarray, par: np.ndarray, hosts: list[int], e: int, task_id: int,
+                       victims: list[int], victim_keys: list[bytes],
+                       blocks: tuple[list[int], list[int]], outside: list[int] | None) -> None:
+        """Make the `e` nodes `vs` (in eviction order, their parents `par`) SWAP2CPU in task
+        `task_id`, each with the next host block of `hosts` (taken from its end), and queue a
+        parent that becomes an unqueued evictable device leaf at the front. Their device and
+        host blocks are appended to `blocks`. `outside`: the victims' parents that are not
+        victims themselves, one per victim, if the caller knows them."""
+        f = self._f
+        take = hosts[-e:]
+        del hosts[-e:]
+        take.reverse()
+        f[HOST, vs] = take
+        blocks[0].extend(f[DEV, vs].tolist())
+        blocks[1].extend(take)
+        f[STATE, vs] = SWAP2CPU
+        self._task[vs] = task_id
+        self._host_cached += e
+        self._idle -= e
+        ids = vs.tolist()
+        victims += ids
+        victim_keys += map(self._keys.__getitem__, ids)
+        # each victim's device children went before it: none is left; only parents outside the
+        # run (the chains' tops') lose device children that stay
+        f[NDEV, vs] = 0
+        if outside is None:
+            pos = self._pos_scratch
+            pos[vs] = 0
+            outside = par[pos[par] < 0].tolist()
+            pos[vs] = -1
+        ndev, state, ref, lru = self._ndev_v, self._state_v, self._ref_v, self._dev_lru
+        for p in outside:
+            ndev[p] -= 1
+        for p in outside:  # at most the last victim's parent qualifies: the run is cut there
+            if ndev[p] == 0 and state[p] == GPU and ref[p] == 0 and p not in lru:
+                lru.push_front(p)
 
     def _evictable(self, cand: np.ndarray, par: np.ndarray, nd: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """Which nodes of a run go (every device child comes earlier in the run and goes too;
@@ -189,6 +302,14 @@ class Eviction(NodeStore):
         inner = below.copy()
         inner[below] = ev[q[below]]   # the parent goes in this run too
         return ev, np.flatnonzero(ev & ~inner).tolist()
+
+    def _tops(self, cand: np.ndarray, par: np.ndarray, ev: np.ndarray) -> list[int]:
+        """The indices of the nodes of `cand` that go (`ev`) while their parent stays."""
+        pos = self._pos_scratch
+        pos[cand[ev]] = 0
+        top = np.flatnonzero(ev & (pos[par] < 0)).tolist()
+        pos[cand[ev]] = -1
+        return top
 
     def _first_trigger(self, cand: np.ndarray, par: np.ndarray, top: list[int], parked: bool) -> int:
         """The length of the run up to and including the first node whose drop makes its parent
@@ -298,35 +419,140 @@ class Eviction(NodeStore):
 
     def _finish_eviction(self, dropped: list[int], freed_hosts: list[int], hosts: list[int],
                          victims: list[int], victim_keys: list[bytes], evicted: int,
-                         task_id: int) -> None:
-        """The end of an eviction: recycle what it freed in one batch, issue its swap-out."""
+                         task_id: int, blocks: tuple[list[int], list[int]] | None = None) -> None:
+        """The end of an eviction: recycle what it freed in one batch, issue its swap-out
+        (`blocks`: the victims' device and host blocks, if known)."""
         self.host_pool.free(hosts + freed_hosts)
         self.device_pool.free(dropped)
         if victims:
-            self._new_task(TaskKind.SWAP2CPU, victims, [self._dev_v[v] for v in victims],
-                           [self._host_v[v] for v in victims], victim_keys, task_id=task_id)
+            if blocks is None:
+                g = self._f[:, victims]
+                blocks = (g[DEV].tolist(), g[HOST].tolist())
+            self._new_task(TaskKind.SWAP2CPU, victims, blocks[0], blocks[1], victim_keys, task_id=task_id)
             self._dev_returning += len(victims)
             self.metrics.swap_out_blocks += len(victims)
         self.metrics.evicted_device_blocks += evicted
         log.debug("evicted %d device blocks (%d to host)", evicted, len(victims))
 
     def _take_host(self, n: int) -> list[int]:
-        """Up to `n` host blocks: free ones first, then by dropping least recently used host
-        leaves."""
+        """Up to `n` host blocks: free ones first, then by dropping host leaves in the policy's
+        order. With a policy that hands out runs (`pop_many`), a run of chains released deepest
+        first is freed with a few array operations (Python touching each chain's top), exactly
+        as popping and dropping one leaf at a time would; any other run goes node by node."""
         pool = self.host_pool
         got = pool.allocate(min(n, pool.num_free))
-        pop = self._host_lru.pop
-        dev_out: list[int] = []
+        policy = self._host_lru
+        many = getattr(policy, "pop_many", None)
         dropped = 0
         while len(got) < n:
-            v = pop()
-            if v < 0:
+            if many is None:
+                v = policy.pop()
+                if v < 0:
+                    break
+                dropped += self._drop_host_leaf(v, got)
+                continue
+            cand = many(n - len(got))
+            if not len(cand):
                 break
-            if self._child_v[v] >= 0:
-                continue  # parked: requeued when its last child leaves
-            self._unlink(v)
-            self._free_node(v, dev_out, got)
-            dropped += 1
+            k = self._drop_host_run(cand, got)
+            if k < 0:  # not whole chains: the rest one at a time (a policy may rank nodes put
+                many = None  # back at the front one by one, so runs cut again and again cost)
+                k = -k - 1
+            dropped += k
         self.metrics.evicted_host_blocks += dropped
         return got
 
+    def _drop_host_leaf(self, v: int, hosts: list[int]) -> int:
+        """Drop the popped host node `v` if it is a leaf (else it is parked: requeued when its
+        last child leaves); 1 if dropped."""
+        if self._child_v[v] >= 0:
+            return 0
+        self._unlink(v)
+        self._free_node(v, [], hosts)
+        return 1
+
+    def _drop_host_run(self, cand: np.ndarray, hosts: list[int]) -> int:
+        """Drop the host leaves of the popped run `cand` as one-at-a-time eviction would, their
+        blocks appended to `hosts`; returns how many (-1 - how many when the run went node by
+        node). A run whose every node is a leaf once the
+        nodes before it are gone (a chain's only child comes right before it) is freed at once;
+        it is cut after the first node whose drop makes its parent an unqueued host leaf (that
+        parent comes next), the rest going back to the front of the queue."""
+        f = self._f
+        policy = self._host_lru
+        m = len(cand)
+        g = f[:, cand]
+        par, child = g[PARENT], g[CHILD]
+        link = par[:-1] == cand[1:]
+        # a node goes if it has no child, or its only child is the run's node right before it
+        only = link & (g[PREV, :-1] < 0) & (g[NEXT, :-1] < 0)
+        usual = (child[0] < 0 and (g[STATE] == CPU).all()
+                 and ((child[1:] < 0) | (only & (child[1:] == cand[:-1]))).all()
+                 and not (link & ~only).any())
+        if not usual:
+            return -1 - self._drop_host_slow(cand, hosts)
+        keys, kmap = self._keys, self._map
+        mapped = f[CONT, par] != cand  # found through the key map, not as their parent's continuation
+        parent_v, next_v, prev_v, child_v, cont_v = (self._parent_v, self._next_v, self._prev_v,
+                                                     self._child_v, self._cont_v)
+        state, ref = self._state_v, self._ref_v
+        top = np.flatnonzero(~link).tolist()
+        top.append(m - 1)
+        cut, leaf = m, -1
+        for t in top:
+            v = int(cand[t])
+            p, before, after = parent_v[v], prev_v[v], next_v[v]
+            if cont_v[p] == v:
+                cont_v[p] = -1
+            if before >= 0:
+                next_v[before] = after
+            else:
+                child_v[p] = after
+            if after >= 0:
+                prev_v[after] = before
+            if child_v[p] < 0 and state[p] == CPU and ref[p] == 0 and p not in policy:
+                cut, leaf = t + 1, p  # that parent is next in line
+                break
+        if cut < m:
+            for v in reversed(cand[cut:].tolist()):
+                policy.push_front(v)
+            cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
+        drop = cand.tolist()
+        for v in cand[mapped].tolist():
+            del kmap[keys[v]]
+        if self._obs is not None:  # host-only nodes
+            self._obs.removed(ON_HOST, [keys[v] for v in drop])
+        deque(map(keys.__setitem__, drop, repeat(None)), maxlen=0)
+        hosts += g[HOST].tolist()
+        self._host_cached -= cut
+        f[:, cand] = RESET[:, None]
+        top_ = self._top
+        self._stack[top_:top_ + cut] = cand
+        self._top = top_ + cut
+        if leaf >= 0:
+            policy.push_front(leaf)
+        return cut
+
+    def _drop_host_slow(self, cand: np.ndarray, hosts: list[int]) -> int:
+        """`_drop_host_run` node by node, for a run of any shape: a node with children is parked;
+        a drop that makes its parent an unqueued host leaf ends the run (the rest goes back to
+        the front of the queue, behind that parent)."""
+        child_v, parent_v, next_v, prev_v = self._child_v, self._parent_v, self._next_v, self._prev_v
+        state, ref = self._state_v, self._ref_v
+        ids = cand.tolist()
+        dropped = 0
+        for i, v in enumerate(ids):
+            if child_v[v] >= 0:
+                continue  # parked: requeued when its last child leaves
+            p = parent_v[v]
+            if (child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0 and state[p] == CPU
+                    and ref[p] == 0):
+                for w in reversed(ids[i + 1:]):  # so that a parent among them is queued again
+                    self._host_lru.push_front(w)
+                self._unlink(v)
+                self._free_node(v, [], hosts)
+                return dropped + 1
+            self._unlink(v)
+            self._free_node(v, [], hosts)
+            dropped += 1
+        return dropped

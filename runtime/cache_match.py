@@ -24,8 +24,8 @@ import numpy as np
 
 from ipc.protocol import TaskKind
 
-from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, NDEV, NEW_ROWS, NO_NODES, PARENT, REF,
-                          ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
+from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, HOST, NDEV, NEW_ROWS, NO_NODES, PARENT,
+                          REF, ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
 
 @dataclass(slots=True)
@@ -125,10 +125,13 @@ class MatchRecord(NodeStore):
             return len(a), 0
         self._idle -= int(np.count_nonzero(unused & (st == GPU)))
         self._host_lru.discard(a)  # before eviction below can pick a host hit
-        states = st.tolist()
-        ncpu = states.count(CPU)
+        on_host = st == CPU
+        ncpu = int(np.count_nonzero(on_host))
         # destinations for the swap-ins; None: deferred until swap-outs return device blocks
         dest = self._take_device(ncpu) if ncpu else []
+        if ncpu + int(np.count_nonzero(st == GPU)) == len(a):  # no swap under way: at once
+            return self._swap_in_hits(request_id, req, a, a[on_host], dest)
+        states = st.tolist()
         path = a.tolist()
         swap_in = []
         dev_hits = host_hits = 0
@@ -161,6 +164,31 @@ class MatchRecord(NodeStore):
         req.path = a
         req.blocks = f[DEV, a].tolist()
         return dev_hits, host_hits
+
+    def _swap_in_hits(self, request_id: Hashable, req: Request, a: np.ndarray, swap_in: np.ndarray,
+                      dest: list[int] | None) -> tuple[int, int]:
+        """`_touch` for a path of GPU and CPU nodes only: the CPU ones (`swap_in`, in path order)
+        start one swap-in together, as `_start_swap_in` one by one would. Each path node's parent
+        is the node before it, so no parent is counted twice."""
+        f = self._f
+        n = len(swap_in)
+        if dest is not None:
+            f[DEV, swap_in] = dest
+            self._dev_cached += n
+        f[STATE, swap_in] = SWAP2GPU
+        f[NDEV, f[PARENT, swap_in]] += 1
+        t = self._new_task(TaskKind.SWAP2GPU, swap_in.tolist(), dest or [], f[HOST, swap_in].tolist(),
+                           issue=dest is not None)
+        self._task[swap_in] = t.task.task_id
+        if dest is None:
+            self._deferred.append(t)
+            self._deferred_need += n
+        t.waiters.add(request_id)
+        req.waiting.add(t.task.task_id)
+        self.metrics.swap_in_blocks += n
+        req.path = a
+        req.blocks = f[DEV, a].tolist()
+        return len(a) - n, n
 
     def _start_swap_in(self, n: int, dev_block: int) -> None:
         if dev_block >= 0:

@@ -24,7 +24,8 @@ import numpy as np
 from ipc.protocol import TaskKind, TransferTask
 
 from .cache_match import Request
-from .cache_nodes import CPU, DETACHED, FREE, GPU, NO_NODES, ON_DEVICE, ON_HOST, NodeStore
+from .cache_nodes import (CPU, DETACHED, DEV, FREE, GPU, HOST, NO_NODES, ON_DEVICE, ON_HOST, REF, STATE,
+                          SWAP2CPU, SWAP2GPU, NodeStore)
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,24 @@ class TaskBook(NodeStore):
         same blocks offered to it again and again while requests wait for them. Nodes matched
         again meanwhile were already GPU; their host blocks are the task's orphans."""
         task_id = t.task.task_id
-        devs: list[int] = []
+        nodes = np.array(t.nodes, dtype=np.int32)
+        f = self._f
+        if ok and (self._task[nodes] == task_id).all() and (f[STATE, nodes] == SWAP2CPU).all():
+            # the usual answer: every node still in the tree and still this task's; all at once
+            devs = f[DEV, nodes].tolist()
+            f[DEV, nodes] = -1
+            f[STATE, nodes] = CPU
+            self._task[nodes] = -1
+            self._dev_returning -= len(devs)
+            self._dev_cached -= len(devs)
+            if self._obs is not None:
+                for n in t.nodes:
+                    self._tell_moved(n, ON_DEVICE, ON_HOST)
+            self._host_lru.push(nodes)
+            self.device_pool.free(devs)
+            self.host_pool.free(t.orphans)
+            return
+        devs = []
         hosts = t.orphans
         on_host: list[int] = []
         for n in t.nodes:
@@ -151,9 +169,22 @@ class TaskBook(NodeStore):
         below them leave the tree, and the requests waiting for them fail."""
         devs: list[int] = []
         hosts: list[int] = []
-        for n in t.nodes:
-            self._task_v[n] = -1
-        for n in t.nodes:
+        nodes = np.array(t.nodes, dtype=np.int32)
+        self._task[nodes] = -1
+        f = self._f
+        if ok and (f[STATE, nodes] == SWAP2GPU).all():  # the usual answer: all at once
+            hosts = f[HOST, nodes].tolist()
+            f[HOST, nodes] = -1
+            self._host_cached -= len(hosts)
+            f[STATE, nodes] = GPU
+            if self._obs is not None:
+                for n in t.nodes:
+                    self._tell_moved(n, ON_HOST, ON_DEVICE)
+            for n in nodes[f[REF, nodes] == 0].tolist():  # its requests left before it arrived
+                self._dev_lru.push_front(n)
+                self._idle += 1
+            nodes = NO_NODES
+        for n in nodes.tolist():
             s = self._state_v[n]
             if s == FREE:
                 continue  # freed just above, with the subtree of a failed ancestor

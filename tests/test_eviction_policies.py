@@ -234,3 +234,109 @@ def test_a_node_serves_with_the_reuse_policy(node, tmp_path):
             again = c.generate(prompts[-1], 3)
     assert n.returncode == 0, n.log_tail()
     assert again.cached_tokens > 0
+
+
+class Blocks:
+    """A KV-events observer: every block stored or removed, one event per block (a batch told
+    at once and the same blocks told one by one read the same), and the blocks held now."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, bytes]] = []
+        self.live: set[tuple[str, bytes]] = set()
+
+    def stored(self, medium: str, keys, parent) -> None:
+        for k in keys:
+            self.events.append(("stored", medium, k))
+            self.live.add((medium, k))
+
+    def removed(self, medium: str, keys) -> None:
+        for k in keys:
+            self.events.append(("removed", medium, k))
+            self.live.remove((medium, k))
+
+
+@pytest.mark.parametrize("name", ["lru", "reuse"])
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_host_eviction_equals_one_at_a_time(name, seed):
+    """With a host tier: swap-outs started a run at a time, host leaves dropped a run at a time
+    and swap-outs finished in batches give the same allocations, tasks, tree and counters at
+    every step as one-at-a-time eviction, and tell a KV-events observer of the same blocks in
+    the same order (what it was told is what the cache holds). Some swap-outs answer late
+    (their nodes may be matched again meanwhile and are parked until they do), and the host
+    tier is small, so that host leaves are evicted and the host tier sometimes runs out."""
+    cls = make_policy(name)
+    seen = [Blocks(), Blocks()]
+    caches = [PrefixCache(BS, 96, 64, policy=cls, observer=seen[0]),
+              PrefixCache(BS, 96, 64, policy=one_at_a_time(cls), observer=seen[1])]
+    rng = np.random.default_rng(seed)
+    late: list[list] = [[], []]
+    for step, (op, rid, tokens) in enumerate(_workload(seed, 300)):
+        answer_now = rng.random() < 0.1
+        for i, c in enumerate(caches):
+            if op == "start":
+                m = c.match(rid, keys(tokens), len(tokens))
+                got = c.allocate(rid, len(tokens)) if m.ready else None
+                if got is not None:
+                    c.update(rid, len(tokens))
+            else:
+                c.release(rid)
+            late[i] += c.take_tasks()
+            if answer_now:
+                for t in late[i]:
+                    c.apply_task_result(t.task_id, True)
+                late[i] = []
+        a, b = caches
+        assert [(t.task_id, t.kind, t.device_blocks, t.host_blocks, t.keys) for t in late[0]] == \
+               [(t.task_id, t.kind, t.device_blocks, t.host_blocks, t.keys) for t in late[1]], f"step {step}"
+        assert a.snapshot() == b.snapshot(), f"step {step}"
+        assert (a._f == b._f).all() and a._keys == b._keys and (a._task == b._task).all(), f"step {step}"
+        assert a._wanted_back == b._wanted_back, f"step {step}"
+        assert seen[0].events == seen[1].events, f"step {step}"
+        if step % 25 == 0:
+            a.check()
+            assert seen[0].live == {(b.medium, b.key) for b in a.cached_blocks()}, f"step {step}"
+    m = caches[0].metrics
+    assert m.swap_out_blocks > 300 and m.evicted_host_blocks > 200 and m.swap_out_cancelled > 0, m
+    caches[0].check()
+
+
+def test_eviction_with_host_tier_takes_runs():
+    """With a host tier, device victims and the host leaves dropped to make room for them are
+    taken from the policies in runs (`pop_many`), never one `pop` per block."""
+
+    class NoPop(EvictionQueue):
+        def pop(self) -> int:
+            raise AssertionError("popped one node at a time")
+
+    c = PrefixCache(BS, 32, 48, policy=NoPop)
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        c.match(i, keys(rng.integers(0, 1 << 20, 16 * BS + 1).astype(np.int32)), 16 * BS + 1)
+        if c.allocate(i, 16 * BS + 1) is None:
+            for t in c.take_tasks():
+                c.apply_task_result(t.task_id, True)
+            assert c.allocate(i, 16 * BS + 1) is not None
+        c.update(i, 16 * BS + 1)
+        c.release(i)
+        for t in c.take_tasks():
+            c.apply_task_result(t.task_id, True)
+    assert c.metrics.swap_out_blocks > 200 and c.metrics.evicted_host_blocks > 100
+    c.check()
+
+
+def test_a_run_cut_before_a_parent_unlinks_the_child_chain_it_drops():
+    """A run that is not whole chains ([chain..., a leaf whose drop frees its parent, the
+    chain's parent]) is cut after that leaf; the chain's last node, whose parent now stays,
+    must be unlinked from it like any chain top (it was left as its parent's continuation)."""
+    bases = [np.arange(1000 * b, 1000 * b + 40, dtype=np.int32) for b in range(3)]
+    c = PrefixCache(2, 21, policy=make_policy("reuse"))
+    steps = [(0, 6, []), (0, 28, [0, 0]), (0, 1, []), (0, 1, []), (0, 28, []), (1, 28, []),
+             (0, 12, []), (0, 1, []), (0, 1, []), (1, 28, []), (0, 2, []), (1, 37, []), (0, 1, []),
+             (1, 6, []), (2, 35, [])]
+    for i, (base, length, tail) in enumerate(steps):
+        tokens = np.concatenate([bases[base][:length], np.array(tail, dtype=np.int32)])
+        c.match(i, BlockHasher(2).update(tokens), len(tokens))
+        if c.allocate(i, len(tokens)) is not None:
+            c.update(i, len(tokens))
+        c.release(i)
+        c.check()
