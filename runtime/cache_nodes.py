@@ -209,11 +209,12 @@ class NodeStore:
         self._tell_stored(dst, (n,))
 
     def _tell_lost(self, n: int) -> None:
-        """n leaves the cache: whatever blocks it holds are gone from it."""
-        key = (self._keys[n],)
-        if self._dev_v[n] >= 0:
+        """n leaves the cache: the blocks it was announced with are gone. A copy still being
+        swapped in or out was never announced (it is stored once readable)."""
+        key, state = (self._keys[n],), self._state_v[n]
+        if self._dev_v[n] >= 0 and state in (GPU, SWAP2CPU):
             self._obs.removed(ON_DEVICE, key)
-        if self._host_v[n] >= 0:
+        if self._host_v[n] >= 0 and state in (CPU, SWAP2GPU):
             self._obs.removed(ON_HOST, key)
 
     def _push_ids(self, ids: list[int]) -> None:
