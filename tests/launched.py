@@ -70,6 +70,19 @@ def pd_secret_file(directory) -> str:
     return path
 
 
+def tiny_trace(path, requests: int = 12) -> str:
+    """A Mooncake-format trace of `requests` two-turn conversations' worth of requests (shared
+    first ids), written to `path`: for commands whose default trace may not be beside the repo."""
+    import json
+
+    with open(path, "w") as f:
+        for i in range(requests):
+            ids = [1 + i % 3, 100 + i // 2, 1000 + i]
+            f.write(json.dumps({"timestamp": i * 10, "input_length": 3 * 512 - 7, "output_length": 4,
+                                "hash_ids": ids}) + "\n")
+    return str(path)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

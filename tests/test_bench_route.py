@@ -6,10 +6,13 @@ import subprocess
 import sys
 
 from tests.conftest import REPO
+from tests.launched import tiny_trace
 
 
-def test_bench_route_json_has_a_row_per_policy_and_the_one_node_row():
+def test_bench_route_json_has_a_row_per_policy_and_the_one_node_row(tmp_path):
+    trace = tiny_trace(tmp_path / "trace.jsonl")
     out = subprocess.run([sys.executable, "-m", "launcher", "bench", "route", "--nodes", "1", "--limit", "12",
+                          "--trace", trace,
                           "--policies", "round-robin", "--json"], cwd=REPO, capture_output=True, text=True,
                          timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -91,7 +91,8 @@ def test_bound_is_above_every_policy_and_at_most_the_ideal():
 
 
 def test_cli_policy_rows_with_lru_and_bound(capsys):
-    rc = cache_bench.main(["--limit", "300", "--capacity-blocks", "3000", "--eviction", "reuse", "lru", "--json"])
+    rc = cache_bench.main(["--trace", "synthetic:chats", "--limit", "300", "--capacity-blocks", "500",
+                           "--eviction", "reuse", "lru", "--json"])
     out = capsys.readouterr().out
     assert rc == 0
     rows = json.loads(out)["results"]

@@ -16,12 +16,7 @@ import pytest
 from ipc.protocol import STAT, STATS
 from runtime.metrics import Metrics
 from tests.conftest import REPO
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.launched import free_port, tiny_trace
 
 
 def http_get(url: str) -> tuple[int, str]:
@@ -75,8 +70,9 @@ def silent_listener():
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2", "--max-new-tokens", "2"],
-                                     ["replay", "--limit", "2"]])
-def test_client_commands_name_a_wrong_port_long_before_their_answer_timeout(command, silent_listener):
+                                     ["replay", "--limit", "2", "--trace", "TRACE"]])
+def test_client_commands_name_a_wrong_port_long_before_their_answer_timeout(command, silent_listener, tmp_path):
+    command = [tiny_trace(tmp_path / "trace.jsonl") if a == "TRACE" else a for a in command]
     closed = free_port()
     for port, why in ((closed, "refused"), (silent_listener, "")):
         # --timeout 600: only the connect check can end these runs within the subprocess timeout
