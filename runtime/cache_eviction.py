@@ -350,20 +350,10 @@ class Eviction(NodeStore):
         keys, kmap = self._keys, self._map
         for v in drop[f[CONT, par] != drop].tolist():
             del kmap[keys[v]]  # found through the key map, not as their parent's continuation
-        parent_v, next_v, prev_v, child_v, cont_v = (self._parent_v, self._next_v, self._prev_v,
-                                                     self._child_v, self._cont_v)
         ndev, state, ref = self._ndev_v, self._state_v, self._ref_v
         freed_parents = []
         for v in drop[top].tolist():
-            p, before, after = parent_v[v], prev_v[v], next_v[v]
-            if cont_v[p] == v:
-                cont_v[p] = -1
-            if before >= 0:
-                next_v[before] = after
-            else:
-                child_v[p] = after
-            if after >= 0:
-                prev_v[after] = before
+            p = self._detach_sibling(v)
             left = ndev[p] - 1
             ndev[p] = left
             if left == 0:
@@ -493,23 +483,12 @@ class Eviction(NodeStore):
             return -1 - self._drop_host_slow(cand, hosts)
         keys, kmap = self._keys, self._map
         mapped = f[CONT, par] != cand  # found through the key map, not as their parent's continuation
-        parent_v, next_v, prev_v, child_v, cont_v = (self._parent_v, self._next_v, self._prev_v,
-                                                     self._child_v, self._cont_v)
-        state, ref = self._state_v, self._ref_v
+        child_v, state, ref = self._child_v, self._state_v, self._ref_v
         top = np.flatnonzero(~link).tolist()
         top.append(m - 1)
         cut, leaf = m, -1
         for t in top:
-            v = int(cand[t])
-            p, before, after = parent_v[v], prev_v[v], next_v[v]
-            if cont_v[p] == v:
-                cont_v[p] = -1
-            if before >= 0:
-                next_v[before] = after
-            else:
-                child_v[p] = after
-            if after >= 0:
-                prev_v[after] = before
+            p = self._detach_sibling(int(cand[t]))
             if child_v[p] < 0 and state[p] == CPU and ref[p] == 0 and p not in policy:
                 cut, leaf = t + 1, p  # that parent is next in line
                 break

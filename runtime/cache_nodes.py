@@ -107,21 +107,27 @@ class NodeStore:
         """Take n out of its parent's children and out of the key map, updating the parent's
         leaf status."""
         p = self._parent_v[n]
+        if self._cont_v[p] != n:
+            del self._map[self._keys[n]]
+        self._detach_sibling(n)
+        if self._state_v[n] in (GPU, SWAP2GPU):
+            self._device_child_gone(p)
+        if self._child_v[p] < 0:
+            self._host_leaf_again(p)
+
+    def _detach_sibling(self, n: int) -> int:
+        """Take n out of its parent's child list (and continuation); the parent. Nothing else:
+        the key map and the parent's leaf status are the caller's (batched paths do them once)."""
+        p, before, after = self._parent_v[n], self._prev_v[n], self._next_v[n]
         if self._cont_v[p] == n:
             self._cont_v[p] = -1
-        else:
-            del self._map[self._keys[n]]
-        before, after = self._prev_v[n], self._next_v[n]
         if before >= 0:
             self._next_v[before] = after
         else:
             self._child_v[p] = after
         if after >= 0:
             self._prev_v[after] = before
-        if self._state_v[n] in (GPU, SWAP2GPU):
-            self._device_child_gone(p)
-        if self._child_v[p] < 0:
-            self._host_leaf_again(p)
+        return p
 
     def _host_leaf_again(self, p: int) -> None:
         """p's last child left; an unreferenced CPU node is now an evictable host leaf. (A CPU

@@ -107,6 +107,8 @@ class KVEventPublisher:
                 s.setsockopt(zmq.LINGER, 0)
             self.pub.setsockopt(zmq.SNDHWM, SNDHWM)
             self.replay.setsockopt(zmq.SNDHWM, SNDHWM)
+            # a replay request is one 8-byte number: anything larger is cut off before it is buffered
+            self.replay.setsockopt(zmq.MAXMSGSIZE, 64)
             self.pub.bind(f"tcp://{host}:{port}")
             self.replay.bind(f"tcp://{host}:{port + 1}")
         except zmq.ZMQError as e:
