@@ -20,7 +20,7 @@ connections by sending an empty message now and then: clients ignore empty messa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -63,12 +63,12 @@ def request_id_problem(request_id: object) -> str:
     return ""
 
 
-@API.message("generate")
 @dataclass
-class GenerateRequest:
-    """Generation of up to `max_new_tokens` tokens after `prompt`. `eos_token_id` >= 0
-    stops early when sampled. `use_cache` False neither matches nor records prefix-cache blocks
-    (the cache-off side of a comparison). `stream` False sends only the FinishedEvent.
+class Generation:
+    """What a request asks of the model, shared by a client's request and P's preallocation
+    on D (so D's tokens are the ones one node would give). `eos_token_id` >= 0 stops early
+    when sampled. `use_cache` False neither matches nor records prefix-cache blocks (the
+    cache-off side of a comparison).
 
     Sampling: `temperature` 0 is greedy (exactly argmax); above 0 the logits are divided by
     it, cut to the `top_k` most likely tokens (0: no cut), then to the smallest set whose
@@ -84,13 +84,25 @@ class GenerateRequest:
     max_new_tokens: int
     eos_token_id: int = -1
     use_cache: bool = True
-    stream: bool = True
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: list = field(default_factory=list)
     logprobs: bool = False
+
+    def generation(self) -> dict:
+        """This message's `Generation` fields by name, to build another message from."""
+        return {f.name: getattr(self, f.name) for f in fields(Generation)}
+
+
+@API.message("generate")
+@dataclass
+class GenerateRequest(Generation):
+    """Generation of up to `max_new_tokens` tokens after `prompt` (see `Generation`).
+    `stream` False sends only the FinishedEvent."""
+
+    stream: bool = True
 
 
 @API.message("cancel")
@@ -231,22 +243,10 @@ class PdPong:
 
 @API.message("pd_prealloc")
 @dataclass
-class PdPrealloc:
+class PdPrealloc(Generation):
     """P asks D to hold blocks for a request's prompt (D matches its own prefix cache first:
     only blocks past `cached_tokens` of D's answer travel). The sampling parameters are the
-    request's (P already picked the seed), so D's tokens are the ones one node would give."""
-
-    request_id: str
-    prompt: np.ndarray
-    max_new_tokens: int
-    eos_token_id: int = -1
-    use_cache: bool = True
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list = field(default_factory=list)
-    logprobs: bool = False
+    request's (P already picked the seed)."""
 
 
 @API.message("pd_allocated")

@@ -175,9 +175,7 @@ class DecodeConnector(KVConnector):
             return "max_new_tokens and eos_token_id must be integers (eos_token_id -1 or in the vocabulary)"
         if not isinstance(msg.use_cache, bool):
             return "use_cache must be a boolean"
-        return validate(api.GenerateRequest(msg.request_id, msg.prompt, int(msg.max_new_tokens),
-                                            int(msg.eos_token_id), msg.use_cache, True, msg.temperature,
-                                            msg.top_p, msg.top_k, msg.seed, msg.stop_token_ids, msg.logprobs), cfg)
+        return validate(api.GenerateRequest(**msg.generation()), cfg)
 
     def _held(self, peer: str) -> tuple[int, int]:
         """(blocks held, preallocations waiting for kv-ready) of one peer."""

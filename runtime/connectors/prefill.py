@@ -283,9 +283,7 @@ class PrefillConnector(KVConnector):
         if link.free_blocks >= 0:
             link.free_blocks = max(0, link.free_blocks - -(-(len(req.prompt) + req.max_new_tokens)
                                                            // self.ctx.cfg.block_size))
-        self._send(link, api.PdPrealloc(req.request_id, req.prompt, req.max_new_tokens, req.eos_token_id,
-                                        req.use_cache, req.temperature, req.top_p, req.top_k, req.seed,
-                                        req.stop_token_ids, req.logprobs))
+        self._send(link, api.PdPrealloc(**req.generation()))
 
     def _retry(self, p: _Pending, error: api.ErrorEvent) -> None:
         """The decode node asked for `p` refused it or was lost (`error` says which): ask the
