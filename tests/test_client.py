@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -19,13 +18,14 @@ from runtime.api import (API, BAD_REQUEST, DUPLICATE, UNKNOWN, CancelRequest, Er
                          GenerateRequest, InfoReply, InfoRequest, TokenEvent)
 from runtime.client import Client, ClientError, RequestError, Result, address_of, as_prompt
 from tests.conftest import REPO
+from tests.router_thread import RouterThread
 
 FAIL_TOKEN = 666      # a prompt starting with it gets an ErrorEvent
 VOCAB = 1000
 BLOCK = 16
 
 
-class FakeNode:
+class FakeNode(RouterThread):
     """A ROUTER in a thread. Every request streams one token per step (round-robin over the
     requests in flight, `step_s` apart); token i of a prompt ending in t is (t + i + 1) % VOCAB.
     It keeps an unlimited prefix cache of BLOCK-token blocks so cached_device is what a real
@@ -35,28 +35,10 @@ class FakeNode:
         self.step_s = step_s
         self.silent = silent
         self.eos = eos
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.received: list = []
+        super().__init__()
         self.seen: set[bytes] = set()
         self.active: dict[str, dict] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> "FakeNode":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
-
-    def _send(self, ident: bytes, msg) -> None:
-        self.sock.send_multipart([ident, API.encode(msg)])
+        self._start()
 
     def _serve(self) -> None:
         while not self._stop.is_set():

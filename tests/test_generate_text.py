@@ -8,13 +8,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import types
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from ipc.config import NodeConfig
 from runtime.api import (API, CancelRequest, FinishedEvent, GenerateRequest, InfoReply, InfoRequest, TokenEvent)
@@ -24,12 +22,13 @@ from runtime.engine import Engine
 from runtime.tokenizer import HFTokenizer
 from tests.conftest import REPO
 from tests.launched import SMALL, launched
+from tests.router_thread import RouterThread
 from tests.tokenizer_kit import make_tokenizer_dir
 
 MULTI = "héllo 世界 🙂"
 
 
-class ScriptedNode:
+class ScriptedNode(RouterThread):
     """Answers InfoRequest with `model_dir` and `vocab_size`; streams `script` for every request:
     finishes "eos" at the request's eos id, "stop" at one of its stop token ids, "length" at
     max_new_tokens, and otherwise waits for the client's CancelRequest (then "cancelled", with
@@ -37,24 +36,9 @@ class ScriptedNode:
 
     def __init__(self, script: list[int], model_dir: str = "", vocab_size: int = 1000):
         self.script, self.model_dir, self.vocab_size = script, model_dir, vocab_size
-        self.received: list = []
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self._sent: dict[str, list[int]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> "ScriptedNode":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
+        super().__init__()
+        self._start()
 
     def requests(self) -> list[GenerateRequest]:
         return [m for m in self.received if isinstance(m, GenerateRequest)]
@@ -90,8 +74,6 @@ class ScriptedNode:
         out = self._sent.pop(rid)
         self._send(ident, FinishedEvent(rid, np.array(out, dtype=np.int32), reason, 3, computed_prompt_tokens=3))
 
-    def _send(self, ident: bytes, msg) -> None:
-        self.sock.send_multipart([ident, API.encode(msg)])
 
 
 def kvrt(*args: str) -> subprocess.CompletedProcess:
