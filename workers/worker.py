@@ -46,7 +46,8 @@ class Worker:
         if cfg.model_dir:
             self.model = HFModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, self.xp,
                                       kv_dtype=cfg.dtype, rank=child.rank, tp=cfg.tp,
-                                      allreduce=self.allreduce.sum if self.allreduce else None)
+                                      allreduce=self.allreduce.sum if self.allreduce else None,
+                                      matmul_dtype=cfg.compute_dtype)
         else:
             self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
         self.model.beat = child.member.beat
