@@ -98,7 +98,7 @@ def test_float16_weights_are_float16(tmp_path):
 
 
 def greedy_paged(model: HFModel, prompt: np.ndarray, new: int) -> list[int]:
-    pool = np.zeros(model.shape.kv_layout(BS, model.kv_dtype.name).pool_shape(16), dtype=model.kv_dtype)
+    pool = model.xp.zeros(model.shape.kv_layout(BS, model.kv_dtype.name).pool_shape(16), dtype=model.kv_dtype)
     table = np.arange(16, dtype=np.int32)
     tok = int(model.step(pool, [SeqInput(prompt, 0, table)])[0])
     out = [tok]
@@ -110,11 +110,14 @@ def greedy_paged(model: HFModel, prompt: np.ndarray, new: int) -> list[int]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float16_greedy_tokens_equal_the_reference(tmp_path, arch):
+    check_greedy(make_checkpoint(tmp_path, arch, dtype="BF16", seed=3))
+
+
+def check_greedy(ck, xp=np) -> None:
     """Greedy decoding in float16 answers the float64 reference's tokens. Mostly not luck: up
     to the first position whose top-2 gap is within twice the tolerance, no float16 error
     within it could flip the argmax, and that covers two thirds of the positions at least."""
-    ck = make_checkpoint(tmp_path, arch, dtype="BF16", seed=3)
-    model = HFModel(inspect(ck.path), 512, kv_dtype="float16", matmul_dtype="float16")
+    model = HFModel(inspect(ck.path), 512, xp=xp, kv_dtype="float16", matmul_dtype="float16")
     rng = np.random.default_rng(5)
     checked = 0
     for _ in range(3):
