@@ -217,7 +217,13 @@ def transformers_row(model_dir: str, batch: int, prompt_len: int, steps: int, fl
         from transformers import AutoModelForCausalLM
     except ImportError as e:
         return Row("transformers decode", batch, 0, 0.0, note=f"skipped: {e}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).to("cuda").eval()
+    import transformers
+
+    # `torch_dtype` became `dtype` in transformers 4.56; the old name only warns, an unknown one
+    # would be ignored and load float32, so the name is picked by version
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    kw = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.bfloat16}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).to("cuda").eval()
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
     attn = torch.ones_like(ids)
 

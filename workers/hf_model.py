@@ -14,9 +14,10 @@ Computation runs on numpy or CuPy (`xp`), one code path, in one of two compute d
 - float16 (a GPU's choice for F16 and BF16 checkpoints: half the bytes each decode step reads,
   and tensor cores): the projection weights and the embedding are held in float16 and every
   projection multiplies float16 operands (float32 accumulation inside the GEMM, on numpy and in
-  cuBLAS alike), while everything whose rounding would grow with the model stays float32: the
-  residual stream, RMSNorm statistics, biases, RoPE, attention scores, softmax and the
-  attention-weighted sum, the all-reduce, and the logits' final use. CuPy has no bfloat16, so
+  cuBLAS alike; each result rounded once to float16, the LM head's too, as Hugging Face's
+  float16 models do), while everything whose rounding would grow with the model stays float32:
+  the residual stream, RMSNorm statistics, biases, RoPE, attention scores, softmax and the
+  attention-weighted sum, the all-reduce, and the logits once computed. CuPy has no bfloat16, so
   BF16 weights are held as float16: a bfloat16's 8 significand bits fit float16's 11, so the
   conversion is exact for every value in float16's normal range; a tensor with a value beyond
   float16's range is refused (serve it in float32), and one whose values sit mostly below that
