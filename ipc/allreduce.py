@@ -156,7 +156,7 @@ class AllReduce:
                     off = self._table + r * _ENTRY
                     n = self._region.load64(off)
                     if n:
-                        if n > _ENTRY - 8:
+                        if not 0 < n <= _ENTRY - 8:
                             raise IpcError(f"all-reduce {self.name}: rank {r} posted a handle of {n} bytes")
                         handle = bytes(self._seg.mm[off + 8:off + 8 + n])
                         self._slots[r] = self._memory.open(handle, nbytes).reshape(2, self.capacity)

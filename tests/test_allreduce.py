@@ -145,3 +145,25 @@ def test_room_check_counts_the_allreduce():
     plain = shm_needs(NodeConfig(**base), 0)["signals"]
     split = NodeConfig(**base, model_dir="/m", model_arch="LlamaForCausalLM", model_fingerprint="f", hidden_size=1024)
     assert shm_needs(split, 0)["signals"] - plain >= segment_bytes(2, 64 * 1024)
+
+
+def test_a_damaged_handle_entry_is_refused(node):
+    """The handle table is shared memory any rank's process can scribble on: a length that does
+    not fit its entry is refused, never read past the entry."""
+    from ipc._atomic import Region
+    from ipc.errors import IpcError
+    from ipc.shm import Segment
+    from tests.shm_peer_memory import ShmPeerMemory
+
+    with Registry.create(node) as reg:
+        AllReduce.create(reg, "ar", 2, 8, peer_memory=True)
+        ar = AllReduce.attach(reg, "ar", 0, timeout=1, memory=ShmPeerMemory(node, 0))
+        seg = Segment.attach(reg.find("ar").name)
+        region = Region(seg.mm)
+        for bad in (-8, 1 << 20):
+            region.store64(2 * 64 + 256, bad)  # rank 1's entry, after the two counters
+            with pytest.raises(IpcError, match="rank 1 posted a handle of"):
+                ar.sum(np.ones(4, np.float32))
+        region.release()
+        seg.close()
+        ar.close()
