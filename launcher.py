@@ -129,7 +129,14 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=None, help=f"model layers (default {d.num_layers})")
     p.add_argument("--num-kv-heads", type=int, default=None, help=f"KV heads, split over --tp (default {d.num_kv_heads})")
     p.add_argument("--head-dim", type=int, default=None, help=f"head dimension (default {d.head_dim})")
-    p.add_argument("--dtype", default=d.dtype, help=f"KV dtype (default {d.dtype})")
+    p.add_argument("--dtype", default=None,
+                   help=f"KV dtype (default: float16 when --compute-dtype resolves to float16, else {d.dtype})")
+    p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="what a --model checkpoint's projections multiply in (default auto: float32 on a CPU, the "
+                   "checkpoint's own F16/BF16 precision on a GPU). float16 holds the weights in half the bytes and "
+                   "accumulates in float32 (norms, attention, softmax, residual stream and logits stay float32); "
+                   "bfloat16 is computed as float16 (CuPy has no bfloat16; BF16 weights convert exactly where they "
+                   "fit, and a weight beyond float16's range is refused). The reference model computes in float64"),
     p.add_argument("--vocab-size", type=int, default=None, help=f"model vocabulary (default {d.vocab_size})")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"longest prompt + output in tokens (default {d.max_model_len}; with --model its "
@@ -164,21 +171,24 @@ def launch(args) -> int:
         args.num_gpu_blocks, args.num_cpu_blocks = DEMO_BLOCKS  # small enough that the host tier works too
     node = args.node or (f"kvrt{port}" if port else f"kvrt{os.getpid()}")
     gpu_blocks = d.num_gpu_blocks if args.num_gpu_blocks is None else args.num_gpu_blocks  # on a GPU: below
+    device = _detect_device() if args.device == "auto" else args.device
     try:
-        shape, model = _model_settings(args, d)
+        shape, model = _model_settings(args, d, device)
     except ValueError as e:  # the checkpoint cannot be served, or a flag contradicts it
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 2
+    # the KV pools hold what the model computes unless --dtype says otherwise
+    kv_dtype = args.dtype or ("float16" if model.get("compute_dtype") == "float16" else d.dtype)
     cfg = NodeConfig(node=node, role=args.role, tp=args.tp, decode_peer=args.decode_peer,
                      pd_transport=args.pd_transport, pd_timeout=args.pd_timeout,
                      pd_secret_file=os.path.abspath(args.pd_secret_file) if args.pd_secret_file else "",
                      pd_peer_max_blocks=args.pd_peer_max_blocks, pd_peer_max_preallocs=args.pd_peer_max_preallocs,
-                     device=_detect_device() if args.device == "auto" else args.device,
+                     device=device,
                      block_size=args.block_size, num_gpu_blocks=gpu_blocks,
                      gpu_memory_utilization=args.gpu_memory_utilization,
                      num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, eviction=args.eviction,
                      host=args.host, port=port,
-                     metrics_port=args.metrics_port, log_dir=args.log_dir, dtype=args.dtype, **shape, **model,
+                     metrics_port=args.metrics_port, log_dir=args.log_dir, dtype=kv_dtype, **shape, **model,
                      kv_events_port=args.kv_events_port,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1",
@@ -232,15 +242,20 @@ def launch(args) -> int:
             http.stop()
 
 
-def _model_settings(args: argparse.Namespace, d) -> tuple[dict, dict]:
+def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dict]:
     """The shape fields of the node config and the model fields: from the flags (or their
     defaults) for the reference model; from config.json for a checkpoint, checked end to end
-    (headers, every tensor) here, before any process starts. ValueError names what is wrong."""
+    (headers, every tensor) here, before any process starts, with the compute dtype resolved
+    for `device`. ValueError names what is wrong."""
     names = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len")
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if not args.model:
+        if args.compute_dtype != "auto":
+            raise ValueError(f"--compute-dtype {args.compute_dtype} is for --model checkpoints: the built-in "
+                             f"reference model computes in float64 (its exactness is what the tests check)")
         return {k: given.get(k, getattr(d, k)) for k in names}, {}
     from workers.checkpoint import inspect
+    from workers.hf_model import resolve_compute_dtype
 
     info = inspect(args.model)
     info.check_tp(args.tp)
@@ -254,7 +269,8 @@ def _model_settings(args: argparse.Namespace, d) -> tuple[dict, dict]:
         elif v != shape[k]:
             raise ValueError(f"{flag} {v} contradicts {info.model_dir}/config.json, which gives {shape[k]}")
     return shape, {"model_dir": info.model_dir, "model_arch": info.config.arch,
-                   "model_fingerprint": info.fingerprint, "hidden_size": info.config.hidden_size}
+                   "model_fingerprint": info.fingerprint, "hidden_size": info.config.hidden_size,
+                   "compute_dtype": resolve_compute_dtype(args.compute_dtype, device, info)}
 
 
 def _seconds(text: str) -> float:

@@ -5,7 +5,9 @@ In one run:
 - without --model, a checkpoint of real ~0.5B shapes (Qwen2: hidden 896, 24 layers, 14 heads,
   2 KV heads, MLP 4864, vocab 151936, tied embeddings, random BF16 weights) is written in code
   into a temporary directory (`--shape small`: a few-layer toy of the same kind, for a quick run);
-- it is loaded with the loader the worker uses (`HFModel`, memory-mapped safetensors) and run
+- it is loaded with the loader the worker uses (`HFModel`, memory-mapped safetensors) in the
+  compute dtype a node would use (--compute-dtype, as `kvrt launch`'s: auto is float32 on a CPU
+  and the checkpoint's precision, float16 for BF16, on a GPU; the KV pool follows) and run
   over a paged KV pool laid out by the node's KV layout spec (`ModelShape.kv_layout`), each
   sequence with its own block table, through `step_logits`, the worker's call;
 - `memcpy`: one large copy (CPU: `np.copyto`; CUDA: a device-to-device copy), bytes read plus
@@ -36,7 +38,7 @@ import numpy as np
 
 from workers.backend import BackendUnavailable, get_backend
 from workers.checkpoint import inspect
-from workers.hf_model import HFModel
+from workers.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
 from workers.model import SeqInput
 
 log = logging.getLogger("bench.model")
@@ -144,7 +146,16 @@ def memcpy_gb_s(xp: Any, nbytes: int, repeat: int = 5) -> float:
 def weight_bytes(model: HFModel) -> int:
     """Bytes of the weights as the model holds them (each array once: a tied LM head is the
     embedding's view)."""
-    seen: dict[int, int] = {}
+    return sum(int(a.nbytes) for a in _weight_arrays(model))
+
+
+def weight_params(model: HFModel) -> int:
+    """Parameters of this rank's model (each array once), whatever dtype holds them."""
+    return sum(int(a.size) for a in _weight_arrays(model))
+
+
+def _weight_arrays(model: HFModel) -> list[Any]:
+    seen: dict[int, Any] = {}
 
     def add(a: Any) -> None:
         if a is None:
@@ -152,14 +163,14 @@ def weight_bytes(model: HFModel) -> int:
         base = a
         while getattr(base, "base", None) is not None:
             base = base.base
-        seen[id(base)] = int(base.nbytes)
+        seen[id(base)] = base
 
     for a in (model.embed, model.final_norm, model.lm_head):
         add(a)
     for w in model.layers:
         for a in vars(w).values():
             add(a)
-    return sum(seen.values())
+    return list(seen.values())
 
 
 def run_model(model: HFModel, batches: list[int], prompt_len: int, steps: int, bw_gb_s: float,
@@ -206,7 +217,13 @@ def transformers_row(model_dir: str, batch: int, prompt_len: int, steps: int, fl
         from transformers import AutoModelForCausalLM
     except ImportError as e:
         return Row("transformers decode", batch, 0, 0.0, note=f"skipped: {e}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).to("cuda").eval()
+    import transformers
+
+    # `torch_dtype` became `dtype` in transformers 4.56; the old name only warns, an unknown one
+    # would be ignored and load float32, so the name is picked by version
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    kw = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.bfloat16}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).to("cuda").eval()
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
     attn = torch.ones_like(ids)
 
@@ -259,6 +276,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (default 32)")
     p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per batch (default 8)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="numpy on CPU or CuPy (default cpu)")
+    p.add_argument("--compute-dtype", choices=REQUESTED_DTYPES, default="auto",
+                   help="as kvrt launch's (default auto: float32 on a CPU, the checkpoint's precision on a GPU)")
     p.add_argument("--memcpy-mib", type=int, default=MEMCPY_BYTES >> 20,
                    help=f"bytes of the bandwidth copy, MiB (default {MEMCPY_BYTES >> 20})")
     p.add_argument("--json", action="store_true", help='print {"meta": {...}, "rows": [...]} instead of a table')
@@ -285,21 +304,21 @@ def main(argv: list[str]) -> int:
         if max_len > info.config.max_position_embeddings:
             p.error(f"--prompt-len + --decode-steps exceed the checkpoint's max_position_embeddings "
                     f"({info.config.max_position_embeddings})")
+        compute = resolve_compute_dtype(args.compute_dtype, args.device, info)
         t0 = time.perf_counter()
-        model = HFModel(info, max_len, xp, kv_dtype="float32")
+        model = HFModel(info, max_len, xp, kv_dtype=compute, matmul_dtype=compute)
         load_s = time.perf_counter() - t0
-        wbytes = weight_bytes(model)
+        wbytes, params = weight_bytes(model), weight_params(model)
         bw = memcpy_gb_s(xp, args.memcpy_mib << 20)
         rows = [Row("memcpy", 0, 0, 0.0, gb_s=bw, note="d2d copy" if args.device == "cuda" else "np.copyto")]
         rows += run_model(model, batches, args.prompt_len, args.decode_steps, bw, wbytes)
         if args.device == "cuda":
-            # transformers holds the weights in bf16: its floor is half of kvrt's float32 one
-            floor_ms = wbytes / 2 / (bw * 1e9) * 1e3
+            # transformers holds every weight in bf16: two bytes per parameter
+            floor_ms = params * 2 / (bw * 1e9) * 1e3
             rows.append(transformers_row(model_dir, max(batches), args.prompt_len, args.decode_steps, floor_ms))
         c = info.config
         meta = dict(model=args.model or f"random {args.shape} Qwen2 (BF16 file)", arch=c.arch,
-                    params=wbytes // np.dtype(model.compute_dtype).itemsize, weight_bytes=wbytes,
-                    compute_dtype=np.dtype(model.compute_dtype).name, device=args.device,
+                    params=params, weight_bytes=wbytes, compute_dtype=compute, device=args.device,
                     prompt_len=args.prompt_len, decode_steps=args.decode_steps, block_size=BLOCK_SIZE,
                     load_s=load_s, memcpy_gb_s=bw)
     if args.json:

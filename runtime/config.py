@@ -16,6 +16,7 @@ from .hashing import ModelIdentity
 ROLES = ("mixed", "prefill", "decode")
 REFERENCE_ARCH = "kvrt-reference-decoder"  # the built-in fixed-seed model of workers/model.py
 DEVICES = ("cpu", "cuda")
+COMPUTE_DTYPES = ("float32", "float16")  # what workers/hf_model.py multiplies a checkpoint's projections in
 PD_TRANSPORTS = ("shm", "mooncake")
 LEASE_MARGIN_S = 1.0  # P starts a send only if it ends (at worst) this long before D's lease does
 
@@ -115,6 +116,9 @@ class NodeConfig(config.NodeConfig):
             raise ConfigError(f"--dtype {self.dtype!r} is not a numpy dtype") from None
         if dt.kind != "f" or dt.itemsize not in (2, 4, 8):  # an object pool would hold pointers
             raise ConfigError(f"--dtype must be a float dtype (float16, float32, float64), got {self.dtype!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES or (self.compute_dtype != "float32" and not self.model_dir):
+            raise ConfigError(f"--compute-dtype resolves to {', '.join(COMPUTE_DTYPES)} for a --model checkpoint "
+                              f"(float32 otherwise), got {self.compute_dtype!r}")
         if self.block_size > self.max_model_len:
             raise ConfigError(f"--block-size {self.block_size} is longer than --max-model-len {self.max_model_len}")
         self._check_shared_names()
@@ -163,9 +167,12 @@ class NodeConfig(config.NodeConfig):
     def identity(self) -> ModelIdentity:
         """What this node's KV blocks are: the model (a checkpoint's fingerprint covers its
         config, where every tensor lies and a sample of its bytes; the reference model's weights
-        are a function of its seed and shape), the KV layout, the block size and the tp layout."""
+        are a function of its seed and shape, and float16 compute is part of it: its KV bytes are
+        not float32 compute's), the KV layout, the block size and the tp layout."""
         if self.model_dir:
             arch, weights = self.model_arch, f"checkpoint={self.model_fingerprint}"
+            if self.compute_dtype != "float32":  # float16 arithmetic computes other KV bytes
+                weights += f",compute={self.compute_dtype}"
         else:
             arch = REFERENCE_ARCH
             weights = (f"seed={self.model_seed},vocab={self.vocab_size},layers={self.num_layers},"

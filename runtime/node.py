@@ -101,7 +101,7 @@ def shm_needs(cfg: NodeConfig, pool_bytes: int) -> dict[str, int]:
     if cfg.check_ownership:
         signal_bytes += [cfg.num_gpu_blocks * 4, max(cfg.num_cpu_blocks, 1) * 4]
     if cfg.needs_allreduce:
-        signal_bytes.append(allreduce_bytes(cfg.tp, cfg.allreduce_capacity))
+        signal_bytes.append(allreduce_bytes(cfg.tp, cfg.allreduce_capacity, peer_memory=cfg.device == "cuda"))
     return {"KV pools": pool_bytes,
             "rings": ring_count(cfg) * _pages(RING_HEADER + RING_BYTES),
             "signals": sum(_pages(n) for n in signal_bytes)}
@@ -162,7 +162,7 @@ class Node:
                 Signal.create(reg, P.OWNERS_DEVICE, cfg.num_gpu_blocks, np.int32)
                 Signal.create(reg, P.OWNERS_HOST, max(cfg.num_cpu_blocks, 1), np.int32)
             if cfg.needs_allreduce:
-                AllReduce.create(reg, P.ALLREDUCE, cfg.tp, cfg.allreduce_capacity)
+                AllReduce.create(reg, P.ALLREDUCE, cfg.tp, cfg.allreduce_capacity, peer_memory=cfg.device == "cuda")
             reg.create_doorbell(P.ENGINE_BELL)
             for r in range(cfg.tp):
                 pairs = [(P.worker_orders(r), P.worker_answers(r))]

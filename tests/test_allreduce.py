@@ -1,6 +1,9 @@
 """The shared-memory all-reduce between real processes: exact sums, bit-identical on every
 rank, over many generations (both buffers reused); a missing rank is a named timeout; and a
-checkpoint split over two ranks through it gives the dense reference's logits."""
+checkpoint split over two ranks through it gives the dense reference's logits. The same for
+its peer-memory mode (each rank's slots its own, exported by handle: a GPU node's CUDA IPC
+buffers), with shared-memory segments standing in for the device buffers
+(tests/shm_peer_memory.py)."""
 from __future__ import annotations
 
 import threading
@@ -21,7 +24,11 @@ from ipc.allreduce import AllReduce
 from ipc.registry import Registry
 reg = Registry.attach(sys.argv[1])
 rank, tp, rounds = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-ar = AllReduce.attach(reg, "ar", rank, timeout=30)
+memory = None
+if sys.argv[5] == "peer":
+    from tests.shm_peer_memory import ShmPeerMemory
+    memory = ShmPeerMemory(reg.node, rank)
+ar = AllReduce.attach(reg, "ar", rank, timeout=30, memory=memory)
 digest = 0.0
 for g in range(rounds):
     n = 1 + (g * 37) % 500
@@ -30,16 +37,18 @@ for g in range(rounds):
     want = sum(np.random.default_rng([g, r]).standard_normal(n).astype(np.float32) for r in range(tp))
     assert np.allclose(s, want, rtol=1e-5, atol=1e-5), g
     digest += float(s.astype(np.float64) @ np.arange(n))
+assert memory is None or memory.fences == rounds, "one fence before each publication"
 ar.close()
 print(repr(digest))
 """
 
 
-def test_sums_across_processes_identical_on_every_rank(node):
+@pytest.mark.parametrize("mode", ["host", "peer"])
+def test_sums_across_processes_identical_on_every_rank(node, mode):
     tp, rounds = 3, 300
     with Registry.create(node) as reg:
-        AllReduce.create(reg, "ar", tp, 512)
-        procs = [spawn_py(RANK, node, str(r), str(tp), str(rounds)) for r in range(tp)]
+        AllReduce.create(reg, "ar", tp, 512, peer_memory=mode == "peer")
+        procs = [spawn_py(RANK, node, str(r), str(tp), str(rounds), mode) for r in range(tp)]
         outs = []
         for p in procs:
             out, err = p.communicate(timeout=120)
@@ -59,7 +68,36 @@ def test_a_missing_rank_is_a_named_timeout(node):
         ar.close()
 
 
-def test_two_rank_split_equals_dense_reference(node, tmp_path):
+def test_a_rank_that_never_posts_its_buffers_is_a_named_timeout(node):
+    from tests.shm_peer_memory import ShmPeerMemory
+
+    with Registry.create(node) as reg:
+        AllReduce.create(reg, "ar", 3, 8, peer_memory=True)
+        ar0 = AllReduce.attach(reg, "ar", 0, timeout=0.2, memory=ShmPeerMemory(node, 0))
+        ar2 = AllReduce.attach(reg, "ar", 2, timeout=0.2, memory=ShmPeerMemory(node, 2))
+        with pytest.raises(WaitTimeout, match=r"rank\(s\) \[1\] to post their buffers' handles"):
+            ar0.sum(np.ones(4, np.float32))
+        ar0.close()
+        ar2.close()
+
+
+def test_slots_must_be_where_the_segment_says(node):
+    """A GPU node's segment holds handles, a CPU node's holds the slots: a rank attaching the
+    other way would meet no one, so it is refused."""
+    from ipc.errors import IpcError
+    from tests.shm_peer_memory import ShmPeerMemory
+
+    with Registry.create(node) as reg:
+        AllReduce.create(reg, "peer", 2, 8, peer_memory=True)
+        AllReduce.create(reg, "host", 2, 8)
+        with pytest.raises(IpcError, match="without peer memory"):
+            AllReduce.attach(reg, "peer", 0, timeout=1)
+        with pytest.raises(IpcError, match="with peer memory"):
+            AllReduce.attach(reg, "host", 0, timeout=1, memory=ShmPeerMemory(node, 0))
+
+
+@pytest.mark.parametrize("mode", ["host", "peer"])
+def test_two_rank_split_equals_dense_reference(node, tmp_path, mode):
     """Each rank holds half the heads and MLP width; summed through the all-reduce, both ranks'
     logits equal the unsplit dense reference."""
     from workers.checkpoint import inspect
@@ -71,8 +109,11 @@ def test_two_rank_split_equals_dense_reference(node, tmp_path):
     want = dense_logits(ck, toks)
     got: dict[int, list] = {}
     with Registry.create(node) as reg:
-        AllReduce.create(reg, "ar", 2, 64 * 32)
-        ars = [AllReduce.attach(reg, "ar", r, timeout=30) for r in range(2)]
+        from tests.shm_peer_memory import ShmPeerMemory
+
+        AllReduce.create(reg, "ar", 2, 64 * 32, peer_memory=mode == "peer")
+        ars = [AllReduce.attach(reg, "ar", r, timeout=30, memory=ShmPeerMemory(node, r) if mode == "peer" else None)
+               for r in range(2)]
 
         def rank(r: int) -> None:
             model = HFModel(inspect(ck.path), 512, rank=r, tp=2, allreduce=ars[r].sum)
@@ -104,3 +145,25 @@ def test_room_check_counts_the_allreduce():
     plain = shm_needs(NodeConfig(**base), 0)["signals"]
     split = NodeConfig(**base, model_dir="/m", model_arch="LlamaForCausalLM", model_fingerprint="f", hidden_size=1024)
     assert shm_needs(split, 0)["signals"] - plain >= segment_bytes(2, 64 * 1024)
+
+
+def test_a_damaged_handle_entry_is_refused(node):
+    """The handle table is shared memory any rank's process can scribble on: a length that does
+    not fit its entry is refused, never read past the entry."""
+    from ipc._atomic import Region
+    from ipc.errors import IpcError
+    from ipc.shm import Segment
+    from tests.shm_peer_memory import ShmPeerMemory
+
+    with Registry.create(node) as reg:
+        AllReduce.create(reg, "ar", 2, 8, peer_memory=True)
+        ar = AllReduce.attach(reg, "ar", 0, timeout=1, memory=ShmPeerMemory(node, 0))
+        seg = Segment.attach(reg.find("ar").name)
+        region = Region(seg.mm)
+        for bad in (-8, 1 << 20):
+            region.store64(2 * 64 + 256, bad)  # rank 1's entry, after the two counters
+            with pytest.raises(IpcError, match="rank 1 posted a handle of"):
+                ar.sum(np.ones(4, np.float32))
+        region.release()
+        seg.close()
+        ar.close()

@@ -80,3 +80,19 @@ def test_transformers_row_without_torch_is_a_noted_skip(tmp_path):
     row = model_bench.transformers_row(str(tmp_path), 32, 8, 2, 1.0)
     assert row.phase == "transformers decode" and row.batch == 32
     assert row.note.startswith("skipped:") and row.tokens_s is None
+
+
+def test_cli_float16_compute_holds_half_the_bytes():
+    """--compute-dtype float16 (a GPU's default for this BF16 checkpoint) holds the projections
+    and the embedding in two bytes, so the decode floor it is measured against halves too."""
+    def run(dtype: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "launcher", "bench", "model", "--shape", "small", "--batches", "2",
+                               "--prompt-len", "4", "--decode-steps", "1", "--memcpy-mib", "8", "--compute-dtype", dtype,
+                               "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["meta"]
+
+    f32, f16 = run("auto"), run("float16")
+    assert (f32["compute_dtype"], f16["compute_dtype"]) == ("float32", "float16")
+    assert f32["params"] == f16["params"]
+    assert f16["weight_bytes"] < 0.6 * f32["weight_bytes"]  # norms stay float32: a little over half

@@ -76,6 +76,24 @@ def test_two_ranks_equal_one(node, tmp_path, checkpoint, prompts, expected):
         assert stats["tasks_done"] > 0 and stats["tasks_failed"] == 0 and stats["device_used"] == 0
 
 
+def test_float16_compute_serves_the_reference(node, tmp_path, checkpoint, prompts, expected):
+    """--compute-dtype float16 on a CPU node (what a GPU picks for this BF16 checkpoint): the
+    KV pools follow the compute dtype, and the greedy tokens are still the float64 reference's,
+    through the prefix cache, evictions and swaps, over two ranks."""
+    import numpy as np
+
+    from runtime.status import snapshot
+
+    opts = (*OPTS, "--model", checkpoint.path, "--compute-dtype", "float16", "--tp", "2", "--num-gpu-blocks", "48",
+            "--num-cpu-blocks", "64", "--max-num-batched-tokens", "64")
+    with launched(node, tmp_path, *opts, env={"KVRT_CHECK_OWNERSHIP": "1"}) as ln:
+        assert {np.dtype(p["dtype"]) for p in snapshot(ln.node)["pools"]} == {np.dtype(np.float16)}
+        assert tokens(run_all(ln.client, prompts)) == expected, ln.logs()
+        assert tokens(run_all(ln.client, prompts, concurrent=False)) == expected, ln.logs()
+        stats = ln.idle_stats()
+        assert stats["tasks_done"] > 0 and stats["tasks_failed"] == 0 and stats["device_used"] == 0
+
+
 def test_prefill_decode_pair_serves_the_checkpoint(pd_node, tmp_path, prompts):
     """P prefills, D decodes from the KV P handed over: the reference's tokens. (The pair's
     shape flags agree with this checkpoint's config.json, so they are accepted.)"""

@@ -8,10 +8,22 @@ paged step (block tables, chunked prefill, batched decode, validation), so the w
 either through the same interface and the prefix cache, swaps and P->D transfers see one KV
 layout.
 
-Computation is float32 on numpy or CuPy (`xp`), one code path: weights are converted to float32
-once at load (BF16/F16 files included), RoPE angles are computed in float64 from absolute
-positions and then rounded, so a token's rotation does not depend on how its sequence was
-chunked.
+Computation runs on numpy or CuPy (`xp`), one code path, in one of two compute dtypes:
+- float32 (the default, and CPU's): weights converted to float32 once at load (BF16/F16 files
+  included);
+- float16 (a GPU's choice for F16 and BF16 checkpoints: half the bytes each decode step reads,
+  and tensor cores): the projection weights and the embedding are held in float16 and every
+  projection multiplies float16 operands (float32 accumulation inside the GEMM, on numpy and in
+  cuBLAS alike; each result rounded once to float16, the LM head's too, as Hugging Face's
+  float16 models do), while everything whose rounding would grow with the model stays float32:
+  the residual stream, RMSNorm statistics, biases, RoPE, attention scores, softmax and the
+  attention-weighted sum, the all-reduce, and the logits once computed. CuPy has no bfloat16, so
+  BF16 weights are held as float16: a bfloat16's 8 significand bits fit float16's 11, so the
+  conversion is exact for every value in float16's normal range; a tensor with a value beyond
+  float16's range is refused (serve it in float32), and one whose values sit mostly below that
+  range, where float16 loses bits, is named in a warning.
+RoPE angles are computed in float64 from absolute positions and then rounded, so a token's
+rotation does not depend on how its sequence was chunked.
 """
 from __future__ import annotations
 
@@ -28,6 +40,55 @@ from .model import LayerWeights, Model, ModelShape
 log = logging.getLogger("workers.hf_model")
 
 PROGRESS_AFTER_S = 2.0  # a load longer than this logs a progress line per layer
+COMPUTE_DTYPES = ("float32", "float16")       # what the projections multiply in
+REQUESTED_DTYPES = ("auto", *COMPUTE_DTYPES, "bfloat16")  # what a launch may ask for
+F16_MAX = float(np.finfo(np.float16).max)     # 65504
+F16_TINY = float(np.finfo(np.float16).tiny)   # 2**-14: below it float16 keeps fewer bits
+# a float16 copy of a tensor further than this from it (relative, in norm) has most of its
+# values below float16's normal range; normal-range rounding alone is at most 2**-11
+HALF_WARN_REL_ERROR = 1e-3
+_FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def checkpoint_dtype(info: CheckpointInfo) -> str:
+    """The dtype most of the checkpoint's bytes are stored in: float32, float16 or bfloat16."""
+    nbytes: dict[str, int] = {}
+    for t in info.tensors.values():
+        nbytes[t.dtype] = nbytes.get(t.dtype, 0) + int(np.prod(t.shape)) * (4 if t.dtype == "F32" else 2)
+    return _FILE_DTYPES[max(nbytes, key=nbytes.__getitem__)]
+
+
+def resolve_compute_dtype(requested: str, device: str, info: CheckpointInfo) -> str:
+    """The compute dtype (one of COMPUTE_DTYPES) a node serving `info` on `device` uses for
+    `requested`: auto is float32 on a CPU (numpy has no fast float16 matmul, and CPU figures
+    stay what they were) and the checkpoint's own precision on a GPU; bfloat16 is computed as
+    float16 (module docstring). ValueError for anything else."""
+    if requested not in REQUESTED_DTYPES:
+        raise ValueError(f"--compute-dtype must be one of {', '.join(REQUESTED_DTYPES)}, got {requested!r}")
+    if requested == "auto":
+        if device != "cuda":
+            return "float32"
+        requested = checkpoint_dtype(info)
+    return "float16" if requested == "bfloat16" else requested
+
+
+def to_half(name: str, a: np.ndarray) -> np.ndarray:
+    """A float32 host tensor as float16: exact for a BF16 or F16 file's values in float16's
+    normal range. CheckpointError for a tensor holding a value float16 cannot (beyond +-65504,
+    inf or nan); a warning for one whose float16 copy is off by more than HALF_WARN_REL_ERROR
+    (most of its magnitude below 2**-14)."""
+    peak = float(np.abs(a).max()) if a.size else 0.0
+    if not peak <= F16_MAX:  # also catches nan
+        raise CheckpointError(f"tensor {name} holds {peak:g}, beyond float16's range (+-{F16_MAX:g}): "
+                              f"serve this checkpoint with --compute-dtype float32")
+    half = a.astype(np.float16)
+    norm = float(np.linalg.norm(a))
+    if norm > 0:
+        err = float(np.linalg.norm(half.astype(np.float32) - a)) / norm
+        if err > HALF_WARN_REL_ERROR:
+            log.warning("tensor %s: its float16 copy is off by %.2g (relative): most of its values are below "
+                        "float16's normal range (%g); --compute-dtype float32 keeps them", name, err, F16_TINY)
+    return half
 
 
 @dataclass
@@ -57,12 +118,16 @@ class HFModel(Model):
     the attention output and MLP down projections across the ranks (identical sums on each);
     embeddings, norms and the LM head are whole on every rank."""
 
-    compute_dtype = np.float32
+    compute_dtype = np.float32  # attention (scores, softmax, weighted sum) and the residual stream
 
     def __init__(self, info: CheckpointInfo, max_model_len: int, xp: Any = np, kv_dtype: str = "float32",
-                 rank: int = 0, tp: int = 1, allreduce: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+                 rank: int = 0, tp: int = 1, allreduce: Callable[[Any], Any] | None = None,
+                 matmul_dtype: str = "float32") -> None:
         if tp > 1 and allreduce is None:
             raise ValueError("a model split over tp > 1 ranks needs an all-reduce")
+        if matmul_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {matmul_dtype!r}")
+        self.matmul_dtype = np.dtype(matmul_dtype)
         self.info = info
         self.config = c = info.config
         self.shape = s = shape_of(info, max_model_len, tp)
@@ -80,9 +145,12 @@ class HFModel(Model):
         whole = slice(None)
 
         def get(name: str, transpose: bool = False, rows: slice = whole, cols: slice = whole) -> Any:
-            """This rank's slice of a tensor, as xp float32 ([in, out] for a projection)."""
+            """This rank's slice of a tensor ([in, out] for a projection): a matrix in the
+            compute dtype, a vector (norm weights, biases) in float32."""
             a = weights.get(name)
             a = a[rows] if a.ndim == 1 else a[rows, cols]
+            if a.ndim == 2 and self.matmul_dtype == np.float16:
+                a = to_half(name, a)
             return xp.asarray(a.T if transpose else a)
 
         self.embed = get("model.embed_tokens.weight")
@@ -109,25 +177,43 @@ class HFModel(Model):
             if time.monotonic() - t0 > PROGRESS_AFTER_S:
                 log.info("loading %s: layer %d/%d (%.1f s)", info.model_dir, i + 1, c.num_layers, time.monotonic() - t0)
         weights.close()
-        log.info("loaded %s (%s, %d layers) in %.2f s on %s", info.model_dir, c.arch, c.num_layers,
-                 time.monotonic() - t0, xp.__name__)
+        log.info("loaded %s (%s, %d layers) in %.2f s on %s, computing in %s", info.model_dir, c.arch,
+                 c.num_layers, time.monotonic() - t0, xp.__name__, self.matmul_dtype.name)
 
     @classmethod
     def load(cls, model_dir: str, fingerprint: str, max_model_len: int, xp: Any = np, kv_dtype: str = "float32",
-             rank: int = 0, tp: int = 1, allreduce: Callable[[np.ndarray], np.ndarray] | None = None) -> "HFModel":
+             rank: int = 0, tp: int = 1, allreduce: Callable[[Any], Any] | None = None,
+             matmul_dtype: str = "float32") -> "HFModel":
         """The checkpoint the launcher checked: CheckpointError if it changed on disk since
         (its blocks' keys are rooted in `fingerprint`)."""
         info = inspect(model_dir)
         if info.fingerprint != fingerprint:
             raise CheckpointError(f"{model_dir} changed since the node was launched "
                                   f"(fingerprint {info.fingerprint}, launched with {fingerprint})")
-        return cls(info, max_model_len, xp, kv_dtype, rank, tp, allreduce)
+        return cls(info, max_model_len, xp, kv_dtype, rank, tp, allreduce, matmul_dtype)
+
+    def _mm(self, a: Any, w: Any) -> Any:
+        """a (float32) times w in the compute dtype, back as float32: float16 operands whose
+        products the GEMM accumulates in float32 (numpy's float16 matmul and cuBLAS both do)."""
+        return (a.astype(self.matmul_dtype, copy=False) @ w).astype(np.float32, copy=False)
+
+    def _embed(self, tokens: Any) -> Any:
+        return self.embed[tokens].astype(np.float32, copy=False)
+
+    def _logits(self, x: Any) -> np.ndarray:
+        """Float32 logits; with float16 projections an activation beyond float16's range
+        becomes inf and then nan, which must fail the step rather than answer token 0."""
+        logits = super()._logits(x)
+        if self.matmul_dtype == np.float16 and not np.isfinite(logits).all():
+            raise ValueError("non-finite logits: a float16 activation overflowed (beyond +-65504); "
+                             "serve this checkpoint with --compute-dtype float32")
+        return logits
 
     def _reduce(self, partial: Any) -> Any:
-        if self.allreduce is None:
-            return partial
-        total = self.allreduce(self._host(partial).astype(np.float32, copy=False))
-        return self.xp.asarray(total)
+        """The tp ranks' sum of a float32 partial. The all-reduce works on this model's array
+        module (shared memory for numpy, CUDA IPC buffers for CuPy), so a partial never makes
+        a round trip through the host."""
+        return partial if self.allreduce is None else self.allreduce(partial)
 
     def _rms(self, x: Any, w: Any) -> Any:
         return x / self.xp.sqrt(self.xp.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
@@ -143,7 +229,7 @@ class HFModel(Model):
 
     def _qkv(self, h: Any, w: HFLayerWeights, positions: Any) -> tuple[Any, Any, Any]:
         s, t = self.shape, h.shape[0]
-        q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
+        q, k, v = self._mm(h, w.wq), self._mm(h, w.wk), self._mm(h, w.wv)
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         q = q.reshape(t, s.num_heads, s.head_dim)

@@ -192,9 +192,9 @@ class Model:
         """Projections of the normed hidden states h [T, d]: q [T, H, hd] (scaled), and k, v
         [T, KVH, hd] rounded to the KV dtype, as the pool will hold them."""
         s, t = self.shape, h.shape[0]
-        q = self._rope((h @ w.wq).reshape(t, s.num_heads, s.head_dim), positions)
-        k = self._rope((h @ w.wk).reshape(t, s.num_kv_heads, s.head_dim), positions)
-        v = (h @ w.wv).reshape(t, s.num_kv_heads, s.head_dim)
+        q = self._rope(self._mm(h, w.wq).reshape(t, s.num_heads, s.head_dim), positions)
+        k = self._rope(self._mm(h, w.wk).reshape(t, s.num_kv_heads, s.head_dim), positions)
+        v = self._mm(h, w.wv).reshape(t, s.num_kv_heads, s.head_dim)
         q = q * (float(s.head_dim) ** -0.5)
         return q, self._round_kv(k), self._round_kv(v)
 
@@ -215,17 +215,26 @@ class Model:
         out = probs.reshape(kvh, g * n, L) @ v.transpose(1, 0, 2)
         return out.reshape(kvh, g, n, hd).transpose(2, 0, 1, 3).reshape(n, s.hidden_dim)
 
+    def _mm(self, a: Any, w: Any) -> Any:
+        """Activations a times a weight matrix w (the one place a subclass changes the
+        arithmetic of the projections, e.g. float16 operands with float32 results)."""
+        return a @ w
+
+    def _embed(self, tokens: Any) -> Any:
+        """The residual stream's first value: the embedding rows of `tokens` (xp int array)."""
+        return self.embed[tokens]
+
     def _mlp(self, x: Any, w: LayerWeights) -> Any:
         h = self._rms(x, w.mlp_norm)
-        gate = h @ w.w_gate
-        return (gate / (1.0 + self.xp.exp(-gate)) * (h @ w.w_up)) @ w.w_down
+        gate = self._mm(h, w.w_gate)
+        return self._mm(gate / (1.0 + self.xp.exp(-gate)) * self._mm(h, w.w_up), w.w_down)
 
     def _reduce(self, partial: Any) -> Any:
         """The sum over tensor-parallel ranks of a layer's partial output (one rank: itself)."""
         return partial
 
     def _logits(self, x: Any) -> np.ndarray:
-        return self._host(self._rms(x, self.final_norm) @ self.lm_head)
+        return self._host(self._mm(self._rms(x, self.final_norm), self.lm_head))
 
     # ---- validation ----
 
@@ -306,7 +315,7 @@ class Model:
         pos = xp.asarray(positions)
         blk = xp.concatenate([p.table[(pos[p.row0:p.row0 + p.n]) // bs] for p in plans])
         slot = pos % bs
-        x = self.embed[xp.asarray(tokens)]
+        x = self._embed(xp.asarray(tokens))
         for li, w in enumerate(self.layers):
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
             pool[blk, li, 0, slot] = k.astype(pool.dtype)
@@ -318,7 +327,7 @@ class Model:
                 kc = kv[:, 0].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 vc = kv[:, 1].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
                 outs.append(self._attend(q[p.row0:p.row0 + p.n], kc, vc, p.start))
-            x = x + self._reduce(xp.concatenate(outs) @ w.wo)
+            x = x + self._reduce(self._mm(xp.concatenate(outs), w.wo))
             x = x + self._reduce(self._mlp(x, w))
             if self.beat is not None:
                 self.beat()
@@ -340,12 +349,12 @@ class Model:
         tokens = self._check_tokens(tokens, 0, "dense_logits")
         n = len(tokens)
         pos = xp.arange(n)
-        x = self.embed[xp.asarray(tokens.astype(np.int64))]
+        x = self._embed(xp.asarray(tokens.astype(np.int64)))
         for w in self.layers:
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
             outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i)
                     for i in range(0, n, _DENSE_CHUNK)]
-            x = x + self._reduce(xp.concatenate(outs) @ w.wo)
+            x = x + self._reduce(self._mm(xp.concatenate(outs), w.wo))
             x = x + self._reduce(self._mlp(x, w))
         return self._logits(x)
 

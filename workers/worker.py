@@ -4,8 +4,8 @@ receiving a step and publishing its answer, nothing else touches those blocks.
 
 The model is a Hugging Face checkpoint's (workers/hf_model.py) with --model: with --tp N rank r
 holds its N-th of the heads, KV heads and MLP, and the ranks sum their partial outputs through
-the node's all-reduce (ipc/allreduce.py), so every rank computes the same tokens. Without
---model it is the reference transformer (workers/model.py), where tensor parallelism is not split
+the node's all-reduce (ipc/allreduce.py; on a GPU over CUDA IPC buffers,
+workers/cuda_allreduce.py), so every rank computes the same tokens. Without --model it is the reference transformer (workers/model.py), where tensor parallelism is not split
 inside the model yet: with --tp N every rank runs the same model over its N-th of the KV
 heads and its own pool, so every rank's pool holds real KV (swaps and P->D sends of each rank
 carry meaningful bytes); rank 0's tokens are the answer, the others acknowledge.
@@ -26,6 +26,7 @@ from ipc.signals import Signal
 
 from .backend import get_backend
 from .child import Child, run_child
+from .cuda_allreduce import peer_memory
 from .hf_model import HFModel
 from .kv_pool import attach_pools
 from .model import Model, ModelShape, SeqInput
@@ -41,12 +42,14 @@ class Worker:
         cfg = child.cfg
         self.device, self.host = attach_pools(child.reg, child.rank, cfg)
         self.xp = get_backend(cfg.device).xp
-        self.allreduce = (AllReduce.attach(child.reg, P.ALLREDUCE, child.rank, cfg.rank_timeout)
+        self.allreduce = (AllReduce.attach(child.reg, P.ALLREDUCE, child.rank, cfg.rank_timeout,
+                                           memory=peer_memory(cfg.device))
                           if cfg.needs_allreduce else None)
         if cfg.model_dir:
             self.model = HFModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, self.xp,
                                       kv_dtype=cfg.dtype, rank=child.rank, tp=cfg.tp,
-                                      allreduce=self.allreduce.sum if self.allreduce else None)
+                                      allreduce=self.allreduce.sum if self.allreduce else None,
+                                      matmul_dtype=cfg.compute_dtype)
         else:
             self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
         self.model.beat = child.member.beat
