@@ -27,6 +27,7 @@ _HANDLE_LEN = 8  # length prefix of the CUDA IPC handle stored in a device pool'
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.13 names it
 # CUDA runtime ABI constants (stable across releases; not every CuPy build exports them)
 _MEMCPY_DEFAULT, _HOST_REGISTER_PORTABLE, _STREAM_NON_BLOCKING = 4, 1, 1
+_EVENT_DISABLE_TIMING, _SUCCESS = 2, 0
 
 
 class BackendUnavailable(RuntimeError):
@@ -123,6 +124,21 @@ class ArrayBackend(ABC):
     def copy_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> None:
         """Copy every run (src block, dst block, count) and return once all bytes landed."""
 
+    def issue_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> Any:
+        """Start copying every run; returns a mark for `wait`/`is_done`, or None when the bytes
+        already landed (a synchronous backend). A device issues the copies and returns at
+        once, so the caller can answer an earlier task while they run; copies issued one
+        after another land in that order."""
+        self.copy_runs(dst, src, runs)
+        return None
+
+    def is_done(self, mark: Any) -> bool:
+        """Whether every copy issued before `mark` has landed (never waits)."""
+        return True
+
+    def wait(self, mark: Any) -> None:
+        """Return once every copy issued before `mark` has landed; `mark` is spent."""
+
     @abstractmethod
     def read_block(self, pool: Pool, block: int) -> np.ndarray:
         """A host array holding `block`'s bytes, valid until the next call."""
@@ -177,8 +193,11 @@ class NumpyBackend(ArrayBackend):
 class CupyBackend(ArrayBackend):
     """GPU machines: the device pool is one cudaMalloc per rank, exported by a CUDA IPC handle
     kept in a registered segment; the host pool is the shared-memory segment, pinned with
-    cudaHostRegister in each process that copies; copies are cudaMemcpyAsync on one stream,
-    synchronised before `copy_runs` returns (the answer must not precede the bytes)."""
+    cudaHostRegister in each process that copies; copies are cudaMemcpyAsync on one stream of
+    this process (non-blocking: nothing else on the GPU serialises with it), and a task waits
+    on one event recorded after its copies (the answer must not precede the bytes, but the
+    next task's copies may already be queued behind them). Events are reused, never made per
+    task."""
 
     name = "cupy"
 
@@ -196,6 +215,7 @@ class CupyBackend(ArrayBackend):
         self.rt = cupy.cuda.runtime
         self._stream = 0
         self._staging: np.ndarray | None = None
+        self._events: list[int] = []  # recorded and waited for, free to record again
 
     def create_device_pool(self, reg: Registry, obj: str, shape: tuple, dtype: str, rank: int) -> Any:
         dt = np.dtype(dtype)
@@ -252,11 +272,24 @@ class CupyBackend(ArrayBackend):
         return self._stream
 
     def copy_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> None:
+        self.wait(self.issue_runs(dst, src, runs))
+
+    def issue_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> int:
         bb = src.block_bytes
         d, s, stream = self._ptr(dst), self._ptr(src), self._stream_ptr()
+        copy = self.rt.memcpyAsync
         for sb, db, n in runs:
-            self.rt.memcpyAsync(d + db * bb, s + sb * bb, n * bb, _MEMCPY_DEFAULT, stream)
-        self.rt.streamSynchronize(stream)
+            copy(d + db * bb, s + sb * bb, n * bb, _MEMCPY_DEFAULT, stream)
+        event = self._events.pop() if self._events else self.rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
+        self.rt.eventRecord(event, stream)
+        return event
+
+    def is_done(self, mark: int) -> bool:
+        return self.rt.eventQuery(mark) == _SUCCESS
+
+    def wait(self, mark: int) -> None:
+        self.rt.eventSynchronize(mark)
+        self._events.append(mark)
 
     def _stage(self, pool: Pool) -> np.ndarray:
         """One pinned block-sized host buffer for storage reads and writes, made on first use."""
