@@ -122,7 +122,7 @@ class CacheTransfer:
                     continue
                 while running and running[0].landed():  # on a CPU: every task, at once
                     self._answer(running.popleft())
-            if running:
+            if running and (len(running) >= AHEAD or not ring.pending()):  # else take those first
                 self._answer(running.popleft())
 
     def _answer(self, started: Started) -> None:
