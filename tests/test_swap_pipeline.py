@@ -215,3 +215,56 @@ def test_bursts_through_a_real_process_keep_every_byte_and_the_order(node, tmp_p
         finally:
             dev.close()
             host.close()
+
+
+class FakeRuntime:
+    """The few CUDA runtime calls the CuPy backend's copies make, logged (no GPU needed)."""
+
+    def __init__(self, log: list):
+        self.log, self.events, self.landed = log, 0, set()
+
+    def streamCreateWithFlags(self, flags):
+        return 77
+
+    def memcpyAsync(self, dst, src, nbytes, kind, stream):
+        self.log.append(("memcpyAsync", dst, src, nbytes, stream))
+
+    def eventCreateWithFlags(self, flags):
+        self.events += 1
+        self.log.append(("eventCreate", self.events))
+        return self.events
+
+    def eventRecord(self, event, stream):
+        self.log.append(("eventRecord", event, stream))
+
+    def eventQuery(self, event):
+        return 0 if event in self.landed else 600  # cudaErrorNotReady
+
+    def eventSynchronize(self, event):
+        self.log.append(("eventSynchronize", event))
+        self.landed.add(event)
+
+    def streamSynchronize(self, stream):
+        raise AssertionError("a swap waits on its event, never on the whole stream")
+
+
+def test_cupy_copies_are_issued_on_its_stream_and_waited_on_one_reused_event():
+    from workers.backend import CupyBackend
+
+    log: list = []
+    b = CupyBackend.__new__(CupyBackend)
+    b.rt, b._stream, b._staging, b._events = FakeRuntime(log), 0, None, []
+    bb = 1024
+    dev = Pool("dev", SimpleNamespace(shape=(8,), nbytes=8 * bb, data=SimpleNamespace(ptr=1 << 20)), b, True,
+               lambda: None)
+    host = Pool("host", SimpleNamespace(shape=(8,), nbytes=8 * bb, ctypes=SimpleNamespace(data=1 << 30)), b, False,
+                lambda: None)
+    mark = b.issue_runs(host, dev, [(2, 5, 3), (0, 1, 1)])
+    assert log == [("memcpyAsync", (1 << 30) + 5 * bb, (1 << 20) + 2 * bb, 3 * bb, 77),
+                   ("memcpyAsync", (1 << 30) + bb, 1 << 20, bb, 77), ("eventCreate", 1), ("eventRecord", 1, 77)]
+    assert not b.is_done(mark)
+    b.wait(mark)
+    assert b.is_done(mark) and log[-1] == ("eventSynchronize", 1)
+    del log[:]
+    b.copy_runs(dev, host, [(0, 0, 1)])  # the event is reused: none made per task
+    assert log == [("memcpyAsync", 1 << 20, 1 << 30, bb, 77), ("eventRecord", 1, 77), ("eventSynchronize", 1)]
