@@ -85,8 +85,8 @@ class FakeChild:
     def __init__(self, log: list):
         self.log = log
 
-    def tick(self) -> None:
-        pass
+    def tick(self) -> None:  # where a SIGTERM or an orphaned process would stop the loop
+        self.log.append(("tick",))
 
     def beat(self) -> None:
         pass
@@ -112,7 +112,7 @@ def transfer(log: list, asynchronous: bool, batches: list[list[bytes]]) -> Cache
     ct.child, ct.rank, ct.owners, ct.storage, ct.blocks = FakeChild(log), 0, {}, None, None
     ct.device, ct.host = pools(backend)
     ct.tasks = SimpleNamespace(ring=FakeRing(batches), name="fake.tasks", decode=PROTOCOL.decode)
-    ct.answers = None
+    ct.answers, ct.running = None, deque()
     return ct
 
 
@@ -120,10 +120,12 @@ def swap(tid: int, kind: str, dev, host) -> bytes:
     return PROTOCOL.encode(TransferTask(tid, kind, np.asarray(dev, I32), np.asarray(host, I32)))
 
 
-def serve(ct: CacheTransfer) -> None:
+def serve(ct: CacheTransfer) -> list:
+    """Serve until Shutdown; the log without its ticks."""
     ct.child.cfg = SimpleNamespace(storage="")
     ct._list_storage = lambda: None
     assert ct.serve() == 0
+    return [e for e in ct.child.log if e[0] != "tick"]
 
 
 def test_queued_tasks_are_issued_together_and_answered_in_order_after_one_wait_each():
@@ -131,7 +133,7 @@ def test_queued_tasks_are_issued_together_and_answered_in_order_after_one_wait_e
     burst = [swap(1, protocol.SWAP2CPU, [1, 2, 3], [4, 5, 6]), swap(2, protocol.SWAP2CPU, [7], [8]),
              swap(3, protocol.SWAP2GPU, [9, 10], [4, 5])]
     ct = transfer(log, True, [burst, [PROTOCOL.encode(Shutdown("test"))]])
-    serve(ct)
+    log = serve(ct)
     # all three tasks' copies were on the (fake) stream before the first answer went out
     assert log == [("issue", 1), ("issue", 2), ("issue", 3),
                    ("wait", 1), ("answer", 1, True), ("wait", 2), ("answer", 2, True),
@@ -144,7 +146,7 @@ def test_a_task_arriving_while_copies_are_in_flight_is_issued_before_the_wait():
     log: list = []
     ct = transfer(log, True, [[swap(1, protocol.SWAP2CPU, [1], [1])], [swap(2, protocol.SWAP2CPU, [2], [2])],
                               [PROTOCOL.encode(Shutdown("test"))]])
-    serve(ct)
+    log = serve(ct)
     assert log[:3] == [("issue", 1), ("issue", 2), ("wait", 1)], log
     assert [e for e in log if e[0] == "answer"] == [("answer", 1, True), ("answer", 2, True)]
 
@@ -153,7 +155,7 @@ def test_shutdown_answers_what_is_in_flight_first():
     log: list = []
     ct = transfer(log, True, [[swap(1, protocol.SWAP2CPU, [1], [1]), PROTOCOL.encode(Shutdown("test")),
                                swap(2, protocol.SWAP2CPU, [2], [2])]])
-    serve(ct)
+    log = serve(ct)
     assert log == [("issue", 1), ("wait", 1), ("answer", 1, True)]
 
 
@@ -161,9 +163,30 @@ def test_a_bad_task_in_a_batch_is_answered_alone_in_its_turn():
     log: list = []
     ct = transfer(log, True, [[swap(1, protocol.SWAP2CPU, [1], [1]), swap(2, protocol.SWAP2CPU, [99], [2]),
                                swap(3, protocol.SWAP2CPU, [3], [3])], [PROTOCOL.encode(Shutdown("test"))]])
-    serve(ct)
+    log = serve(ct)
     assert log == [("issue", 1), ("issue", 2), ("wait", 1), ("answer", 1, True), ("answer", 2, False),
                    ("wait", 2), ("answer", 3, True)]
+
+
+def test_a_stop_is_looked_at_only_when_no_copy_is_in_flight():
+    log: list = []
+    burst = [swap(1, protocol.SWAP2CPU, [1], [1]), swap(2, protocol.SWAP2CPU, [2], [2])]
+    ct = transfer(log, True, [burst, [swap(3, protocol.SWAP2CPU, [3], [3])], [PROTOCOL.encode(Shutdown("test"))]])
+    serve(ct)
+    events = [e[0] for e in ct.child.log]
+    first_issue, last_answer = events.index("issue"), len(events) - 1 - events[::-1].index("answer")
+    assert "tick" not in events[first_issue:last_answer], events
+
+
+def test_close_lets_copies_in_flight_land_before_the_pools_go():
+    log: list = []
+    ct = transfer(log, True, [])
+    ct.device.release = ct.host.release = lambda: log.append(("released",))
+    ct.answers = SimpleNamespace(close=lambda: log.append(("answers closed",)))
+    ct.tasks.detach = lambda: None
+    ct.running.append(ct.start(TransferTask(1, protocol.SWAP2CPU, np.array([1], I32), np.array([2], I32))))
+    ct.close()
+    assert log == [("issue", 1), ("answers closed",), ("wait", 1), ("released",), ("released",)]
 
 
 def test_on_a_cpu_each_task_is_answered_before_the_next_starts():
@@ -171,7 +194,7 @@ def test_on_a_cpu_each_task_is_answered_before_the_next_starts():
     burst = [swap(1, protocol.SWAP2CPU, [1, 2], [4, 5]), swap(2, protocol.SWAP2CPU, [7], [8]),
              swap(3, protocol.SWAP2GPU, [9], [4])]
     ct = transfer(log, False, [burst, [PROTOCOL.encode(Shutdown("test"))]])
-    serve(ct)
+    log = serve(ct)
     assert log == [("copy", 1), ("answer", 1, True), ("copy", 1), ("answer", 2, True),
                    ("copy", 1), ("answer", 3, True)]
 

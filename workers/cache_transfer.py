@@ -77,10 +77,19 @@ class CacheTransfer:
                            "host": _owner_table(reg, protocol.OWNERS_HOST, rank)}
         self.tasks = Receiver.attach(reg, protocol.transfer_orders(rank))
         self.answers = Sender.attach(reg, protocol.transfer_answers(rank))
+        self.running: deque[Started] = deque()  # taken, not answered yet, in task order
 
     def close(self) -> None:
-        """Close the answer ring (the engine's wait ends at once), detach everything else."""
+        """Close the answer ring (the engine's wait ends at once), let copies still in flight
+        land (a device must not write into memory this process unmaps), detach the rest."""
         self.answers.close()
+        while self.running:
+            job = self.running.popleft().job
+            try:
+                if job is not None:
+                    job.wait()
+            except Exception as e:  # a device error: nothing more will land
+                log.warning("a copy in flight failed while stopping: %s", e)
         self.tasks.detach()
         if self.storage is not None:
             self.storage.close()
@@ -96,10 +105,12 @@ class CacheTransfer:
                  self.child.cfg.storage or "none", "on" if self.owners else "off")
         self._list_storage()
         self.child.set_ready()
-        ring = self.tasks.ring
-        running: deque[Started] = deque()
+        ring, running = self.tasks.ring, self.running
         while True:
-            self.child.tick()
+            if running:  # a stop (or the orphan check) waits until nothing is in flight
+                self.child.beat()
+            else:
+                self.child.tick()
             records: list[bytes] = []
             if len(running) < AHEAD and (not running or ring.pending()):
                 try:  # waits (in slices, beating) only while nothing is in flight

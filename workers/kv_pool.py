@@ -212,8 +212,8 @@ def block_list(ids: Sequence[int] | np.ndarray, num_blocks: int, what: str) -> l
     The task path's check: a task's ids arrive as an int32 array, and min/max over a list
     cost ~0.5 us for one block where the vectorised check costs ~5 us (a tenth of a
     one-block swap's overhead); the list is also what coalescing walks."""
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+    arr = np.asarray(ids).reshape(-1)
+    if arr.dtype.kind not in "iu":
         arr = check_blocks(arr, num_blocks, what)
     out = arr.tolist()
     if out and (min(out) < 0 or max(out) >= num_blocks):
