@@ -291,3 +291,35 @@ def test_cupy_copies_are_issued_on_its_stream_and_waited_on_one_reused_event():
     del log[:]
     b.copy_runs(dev, host, [(0, 0, 1)])  # the event is reused: none made per task
     assert log == [("memcpyAsync", 1 << 20, 1 << 30, bb, 77), ("eventRecord", 1, 77), ("eventSynchronize", 1)]
+
+
+def test_cupy_storage_staging_is_pinned_and_one_wait_per_batch(tmp_path):
+    """A storage task on a GPU node stages through pinned memory, a batch's copies issued
+    together with one event wait (not a stream synchronise per block from pageable memory)."""
+    from workers.backend import CupyBackend
+    from workers.storage import FileStorage
+    from workers.storage_io import StagedBlocks
+
+    log: list = []
+    pinned: list = []
+
+    def alloc_pinned_memory(nbytes: int) -> bytearray:
+        pinned.append(nbytes)
+        return bytearray(nbytes)
+
+    b = CupyBackend.__new__(CupyBackend)
+    b.rt, b._stream, b._events = FakeRuntime(log), 0, []
+    b.cp = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory))
+    bb = 256
+    dev = Pool("dev", SimpleNamespace(shape=(100, 64), dtype=np.dtype(np.float32), nbytes=100 * bb,
+                                      data=SimpleNamespace(ptr=1 << 20)), b, True, lambda: None)
+    io = StagedBlocks(dev, FileStorage(str(tmp_path), 0), lambda: None, stage_blocks=8)
+    assert pinned == [8 * bb] and io.stage.shape == (8, 64)
+    keys = [i.to_bytes(16, "little") for i in range(10)]
+    io.write(list(range(10)), keys)
+    assert [e[0] for e in log].count("memcpyAsync") == 10
+    assert [e[0] for e in log if e[0] != "memcpyAsync"] == ["eventCreate", "eventRecord", "eventSynchronize",
+                                                            "eventRecord", "eventSynchronize"]
+    del log[:]
+    assert io.read(list(range(20, 30)), keys, 0.0) == 10
+    assert [e[0] for e in log if e[0] != "memcpyAsync"] == ["eventRecord", "eventSynchronize"] * 2

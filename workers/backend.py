@@ -139,17 +139,10 @@ class ArrayBackend(ABC):
     def wait(self, mark: Any) -> None:
         """Return once every copy issued before `mark` has landed; `mark` is spent."""
 
-    @abstractmethod
-    def read_block(self, pool: Pool, block: int) -> np.ndarray:
-        """A host array holding `block`'s bytes, valid until the next call."""
-
-    @abstractmethod
-    def write_target(self, pool: Pool, block: int) -> np.ndarray:
-        """A host array to fill with `block`'s new bytes; `commit` then makes them land."""
-
-    @abstractmethod
-    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
-        """Make the bytes written into `write_target(pool, block)` land in the block."""
+    def host_buffer(self, shape: tuple, dtype: Any) -> np.ndarray:
+        """A host array to stage copies to and from the device pool through `copy_runs` (as a
+        Pool's array); pinned where the device needs it for full-speed, asynchronous copies."""
+        return np.empty(shape, dtype)
 
 
 class NumpyBackend(ArrayBackend):
@@ -180,15 +173,6 @@ class NumpyBackend(ArrayBackend):
         for sb, db, n in runs:
             np.copyto(d[db:db + n], s[sb:sb + n])
 
-    def read_block(self, pool: Pool, block: int) -> np.ndarray:
-        return pool.array[block]  # the block itself: no copy
-
-    def write_target(self, pool: Pool, block: int) -> np.ndarray:
-        return pool.array[block]  # filled in place, so `commit` has nothing left to do
-
-    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
-        return None
-
 
 class CupyBackend(ArrayBackend):
     """GPU machines: the device pool is one cudaMalloc per rank, exported by a CUDA IPC handle
@@ -214,7 +198,6 @@ class CupyBackend(ArrayBackend):
         self.cp = cupy
         self.rt = cupy.cuda.runtime
         self._stream = 0
-        self._staging: np.ndarray | None = None
         self._events: list[int] = []  # recorded and waited for, free to record again
 
     def create_device_pool(self, reg: Registry, obj: str, shape: tuple, dtype: str, rank: int) -> Any:
@@ -291,29 +274,12 @@ class CupyBackend(ArrayBackend):
         self.rt.eventSynchronize(mark)
         self._events.append(mark)
 
-    def _stage(self, pool: Pool) -> np.ndarray:
-        """One pinned block-sized host buffer for storage reads and writes, made on first use."""
-        if self._staging is None or self._staging.nbytes != pool.block_bytes:
-            mem = self.cp.cuda.alloc_pinned_memory(pool.block_bytes)
-            self._staging = np.frombuffer(mem, np.uint8, pool.block_bytes)
-        return self._staging
-
-    def read_block(self, pool: Pool, block: int) -> np.ndarray:
-        host = self._stage(pool)
-        stream = self._stream_ptr()
-        self.rt.memcpyAsync(host.ctypes.data, self._ptr(pool) + block * pool.block_bytes, host.nbytes,
-                            _MEMCPY_DEFAULT, stream)
-        self.rt.streamSynchronize(stream)
-        return host
-
-    def write_target(self, pool: Pool, block: int) -> np.ndarray:
-        return self._stage(pool)
-
-    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
-        stream = self._stream_ptr()
-        self.rt.memcpyAsync(self._ptr(pool) + block * pool.block_bytes, data.ctypes.data, data.nbytes,
-                            _MEMCPY_DEFAULT, stream)
-        self.rt.streamSynchronize(stream)
+    def host_buffer(self, shape: tuple, dtype: Any) -> np.ndarray:
+        """Pinned (cudaHostAlloc) host memory: a copy from pageable memory goes through the
+        driver's own bounce buffer and cannot overlap anything."""
+        dt, count = np.dtype(dtype), int(np.prod(shape))
+        mem = self.cp.cuda.alloc_pinned_memory(count * dt.itemsize)
+        return np.frombuffer(mem, dt, count).reshape(shape)
 
 
 def get_backend(device: str) -> ArrayBackend:
