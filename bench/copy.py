@@ -13,7 +13,7 @@ to host, SWAP2CPU's) next to its limit:
   cache-transfer process until its TransferDone comes back, p50/p99 over many tasks for a few
   block counts; `copy p50` is the part of that spent in the task (TransferDone.seconds), the
   rest is rings, codec and wake-ups; `limit us` is the single copy of the same bytes;
-- `e2e burst`: one-block tasks sent back to back, TASKS at a time, time per task (the
+- `e2e burst`: one-block tasks sent back to back, BURST (16) at a time, time per task (the
   cache-transfer takes queued tasks together).
 
 `vs limit` is GB/s over the limit's GB/s for the same direction (for e2e rows: the single
