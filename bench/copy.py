@@ -1,16 +1,27 @@
 """`kvrt bench copy`: how fast KV blocks move between a rank's device and host pools.
 
-In one run, on the same pools:
-- `memcpy`: one `np.copyto` of as many contiguous bytes as the swaps move: the memory
-  bandwidth this machine gives one thread, the ceiling for everything below;
-- `swap2cpu` / `swap2gpu`: the batched copy cache-transfer runs (random blocks, one
-  `np.copyto` per run of consecutive pairs), with its ratio to the ceiling;
-- `fancy`: the same blocks with fancy indexing (`host[dst] = dev[src]`), for contrast;
-- `e2e swap`: a TransferTask sent through the ring to a real cache-transfer process until its
-  TransferDone comes back, p50/p99 over many tasks for a few block counts; `copy p50` is the
-  part of that spent copying (TransferDone.seconds), the rest is rings, codec and wake-ups.
+In one run, on the same pools, each direction (h2d: host to device, SWAP2GPU's; d2h: device
+to host, SWAP2CPU's) next to its limit:
+- `limit`: one copy of as many contiguous bytes as the swaps move (one `np.copyto` on a CPU,
+  one `cudaMemcpyAsync` into the pinned host pool on a GPU): the ceiling for everything below;
+- `loop`: the same bytes as random blocks, one copy per block and one wait at the end, in this
+  process: what the copies themselves cost, without kvrt;
+- `swap2cpu` / `swap2gpu`: kvrt's copy (`copy_blocks`: runs of consecutive pairs coalesced),
+  in this process;
+- `fancy` (CPU only): the same blocks by fancy indexing (`host[dst] = dev[src]`), for contrast;
+- `e2e swap2cpu` / `e2e swap2gpu`: a TransferTask sent through the ring to a real
+  cache-transfer process until its TransferDone comes back, p50/p99 over many tasks for a few
+  block counts; `copy p50` is the part of that spent in the task (TransferDone.seconds), the
+  rest is rings, codec and wake-ups; `limit us` is the single copy of the same bytes;
+- `e2e burst`: one-block tasks sent back to back, BURST (16) at a time, time per task (the
+  cache-transfer takes queued tasks together).
 
-On a CPU machine "device" is a shared-memory pool too, so swaps are host memcpys.
+`vs limit` is GB/s over the limit's GB/s for the same direction (for e2e rows: the single
+copy's time over the task's p50). With `--device cuda` the device pool is GPU memory (CuPy),
+the host pool is pinned as kvrt pins its own, and the default block is the real-model shape
+(32 layers x 16 tokens x 8 KV heads x 128 dims fp16 = 2 MiB); on a CPU both pools are
+shared memory and every copy is a memcpy. The code is the same: the array backend is the only
+difference.
 """
 from __future__ import annotations
 
@@ -21,6 +32,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,10 +42,14 @@ from ipc.registry import Registry, process_start_ms
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from runtime.config import NodeConfig
+from workers.backend import BackendUnavailable, Pool, get_backend
 from workers.kv_pool import PoolMaker, attach_pools, copy_blocks, fmt_bytes
 
 WAIT_S = 30.0
 E2E_BYTES = 1 << 30  # cap on the bytes moved per end-to-end block count
+BURST = 16  # one-block tasks sent back to back in the burst row
+# block shape defaults per device: (layers, pool blocks); 512 KiB blocks on a CPU, 2 MiB on a GPU
+SHAPES = {"cpu": (8, 1024), "cuda": (32, 512)}
 
 
 @dataclass
@@ -42,44 +58,67 @@ class Row:
     blocks: int
     mib: float
     gb_s: float
-    vs_memcpy: float | None = None
+    vs_limit: float | None = None
     p50_us: float | None = None
     p99_us: float | None = None
     copy_p50_us: float | None = None
+    limit_us: float | None = None
 
 
-def best_gb_s(fn, nbytes: int, repeat: int) -> float:
-    """Best of `repeat` timed calls (noise only ever slows a copy down); one untimed warm-up."""
+def best_seconds(fn: Callable[[], Any], repeat: int) -> float:
+    """Best of `repeat` timed calls (noise only ever slows a copy down); one untimed warm-up.
+    Every copy here returns once its bytes landed, so wall time is the copy's time."""
     fn()
-    best = min(_timed(fn) for _ in range(repeat))
-    return nbytes / best / 1e9
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def limit_seconds(dev: Pool, host: Pool, n: int, repeat: int) -> dict[str, float]:
+    """One contiguous copy of n blocks each way: the link's (or memory's) limit for n blocks.
+    Each call copies other blocks than the last, so a CPU's caches do not flatter small copies
+    (a task's random blocks are cold too)."""
+    b, spots = dev.backend, max(min(dev.num_blocks, host.num_blocks) // n, 1)
+    calls = iter(range(1 << 30))
+
+    def one(dst: Pool, src: Pool) -> None:
+        at = next(calls) % spots * n
+        b.copy_runs(dst, src, [(at, at, n)])
+
+    return {"h2d": best_seconds(lambda: one(dev, host), repeat), "d2h": best_seconds(lambda: one(host, dev), repeat)}
 
 
-def in_process(dev, host, n: int, repeat: int, rng: np.random.Generator) -> list[Row]:
-    """memcpy ceiling, batched swaps both ways, fancy indexing: same pools, same byte count."""
-    nbytes = n * dev.block_bytes
-    mib = nbytes / 2**20
+def in_process(dev: Pool, host: Pool, n: int, repeat: int, rng: np.random.Generator) -> list[Row]:
+    """Limit, per-block loop and kvrt's copy each way, fancy indexing on a CPU: same pools,
+    same byte count, this process."""
+    bb = dev.block_bytes
+    nbytes, mib = n * bb, n * bb / 2**20
+    src = rng.choice(dev.num_blocks, n, replace=False)
+    dst = rng.choice(host.num_blocks, n, replace=False)
+    b = dev.backend
+    limit = limit_seconds(dev, host, n, repeat)
+    gb = {d: nbytes / s / 1e9 for d, s in limit.items()}
+    d2h_loop = [(int(s), int(d), 1) for s, d in zip(src, dst)]
+    h2d_loop = [(int(d), int(s), 1) for s, d in zip(src, dst)]
+    cases = [("limit h2d", "h2d", limit["h2d"]), ("limit d2h", "d2h", limit["d2h"]),
+             ("loop h2d", "h2d", best_seconds(lambda: b.copy_runs(dev, host, h2d_loop), repeat)),
+             ("loop d2h", "d2h", best_seconds(lambda: b.copy_runs(host, dev, d2h_loop), repeat)),
+             ("swap2gpu", "h2d", best_seconds(lambda: copy_blocks(dev, host, src, dst), repeat)),
+             ("swap2cpu", "d2h", best_seconds(lambda: copy_blocks(host, dev, dst, src), repeat))]
+    if isinstance(dev.array, np.ndarray):  # both pools in host memory: one array module
 
-    def pick() -> tuple[np.ndarray, np.ndarray]:
-        return (rng.choice(dev.num_blocks, n, replace=False), rng.choice(host.num_blocks, n, replace=False))
+        def fancy() -> None:
+            host.array[dst] = dev.array[src]
 
-    src, dst = pick()
-    memcpy = best_gb_s(lambda: np.copyto(host.array[:n], dev.array[:n]), nbytes, repeat)
-    out = best_gb_s(lambda: copy_blocks(host, dev, dst, src), nbytes, repeat)
-    back = best_gb_s(lambda: copy_blocks(dev, host, src, dst), nbytes, repeat)
-
-    def fancy() -> None:
-        host.array[dst] = dev.array[src]
-
-    fancy_gb_s = best_gb_s(fancy, nbytes, repeat)
-    return [Row("memcpy", n, mib, memcpy, 1.0), Row("swap2cpu", n, mib, out, out / memcpy),
-            Row("swap2gpu", n, mib, back, back / memcpy), Row("fancy", n, mib, fancy_gb_s, fancy_gb_s / memcpy)]
+        cases.append(("fancy", "d2h", best_seconds(fancy, repeat)))
+    rows = []
+    for case, direction, s in cases:
+        rows.append(Row(case, n, mib, nbytes / s / 1e9, nbytes / s / 1e9 / gb[direction],
+                        limit_us=limit[direction] * 1e6))
+    return rows
 
 
 class BenchNode:
@@ -90,6 +129,7 @@ class BenchNode:
         self.cfg = cfg
         self.reg = Registry.create(cfg.node)
         self.proc: subprocess.Popen | None = None
+        self.maker = PoolMaker()  # keeps a GPU pool's allocation alive while the node runs
         try:
             protocol.publish_config(self.reg, cfg.to_dict())
             slots = len(protocol.proc_slots(1))
@@ -97,7 +137,7 @@ class BenchNode:
             Signal.create(self.reg, protocol.HEARTBEAT, slots, np.int64)
             self.ready = Signal.create(self.reg, protocol.READY, slots, np.int32)
             Signal.create(self.reg, protocol.NODE_STATUS, protocol.STATUS_FIELDS, np.int64)
-            PoolMaker().create(self.reg, cfg, lambda line: None)
+            self.maker.create(self.reg, cfg, lambda line: None)
             self.reg.create_doorbell(protocol.ENGINE_BELL)
             protocol.transfer_orders(0).create(self.reg, 1 << 20)
             protocol.transfer_answers(0).create(self.reg, 1 << 20, bell=protocol.ENGINE_BELL)
@@ -107,8 +147,23 @@ class BenchNode:
             self.tasks = Producer.attach(self.reg, protocol.to_transfer(0))
             self.answers = Consumer.attach(self.reg, protocol.from_transfer(0))
         except BaseException:
+            self.maker.created.close()
             self.reg.unlink_all()
             raise
+
+    def local_pools(self) -> tuple[Pool, Pool]:
+        """Rank 0's pools opened in this process. A GPU pool is the allocation this process
+        made (CUDA refuses to open an IPC handle in the process that exported it)."""
+        if self.cfg.device == "cpu":
+            dev, host = attach_pools(self.reg, 0, self.cfg)
+            return dev, host
+        backend = get_backend(self.cfg.device)
+        cp, (mem,) = backend.xp, self.maker.created.keep
+        layout = self.cfg.kv_layout
+        arr = cp.ndarray(layout.pool_shape(self.cfg.num_gpu_blocks), np.dtype(layout.dtype),
+                         cp.cuda.MemoryPointer(mem, 0))
+        dev = Pool(protocol.device_pool(0), arr, backend, True, lambda: None)
+        return dev, backend.open_host_pool(self.reg, protocol.host_pool(0))
 
     def start_transfer(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "workers.cache_transfer", "--node",
@@ -124,15 +179,22 @@ class BenchNode:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cache-transfer not ready within {WAIT_S}s")
 
+    def send(self, task: TransferTask) -> None:
+        self.tasks.put(PROTOCOL.encode(task), WAIT_S)
+
+    def answer(self, task_id: int) -> float:
+        """The next answer, which must be task `task_id`'s and ok: its copy seconds."""
+        done = PROTOCOL.decode(self.answers.get(WAIT_S))
+        if not done.ok or done.task_id != task_id:
+            raise RuntimeError(f"task {task_id} failed: {done}")
+        return done.seconds
+
     def swap(self, task: TransferTask) -> tuple[float, float]:
         """One task there and back: (end-to-end seconds, seconds the copy took)."""
         t0 = time.perf_counter()
-        self.tasks.put(PROTOCOL.encode(task), WAIT_S)
-        done = PROTOCOL.decode(self.answers.get(WAIT_S))
-        t = time.perf_counter() - t0
-        if not done.ok or done.task_id != task.task_id:
-            raise RuntimeError(f"task {task.task_id} failed: {done}")
-        return t, done.seconds
+        self.send(task)
+        c = self.answer(task.task_id)
+        return time.perf_counter() - t0, c
 
     def close(self) -> None:
         if self.proc is not None:
@@ -145,85 +207,138 @@ class BenchNode:
         self.tasks.detach()
         self.answers.detach()
         self.ready.close()
+        self.maker.created.close()
         self.reg.unlink_all()
 
 
-def end_to_end(node: BenchNode, counts: list[int], tasks: int, block_bytes: int,
+class Tasks:
+    """Random swap tasks over the node's pools, numbered in order."""
+
+    def __init__(self, cfg: NodeConfig, rng: np.random.Generator):
+        self.n_dev, self.n_host, self.rng, self.tid = cfg.num_gpu_blocks, cfg.num_cpu_blocks, rng, 0
+
+    def make(self, kind: str, n: int) -> TransferTask:
+        self.tid += 1
+        return TransferTask(self.tid, kind, self.rng.choice(self.n_dev, n, replace=False).astype(np.int32),
+                            self.rng.choice(self.n_host, n, replace=False).astype(np.int32))
+
+
+def end_to_end(node: BenchNode, counts: list[int], tasks: int, limits: dict[int, dict[str, float]],
                rng: np.random.Generator) -> list[Row]:
+    """Per block count and kind: p50/p99 of tasks one at a time; then the burst row."""
     rows = []
-    n_dev, n_host = node.cfg.num_gpu_blocks, node.cfg.num_cpu_blocks
-    tid = 0
+    bb = node.cfg.block_bytes
+    make = Tasks(node.cfg, rng)
     for n in counts:
-        k = max(10, min(tasks, E2E_BYTES // (n * block_bytes)))
-        lat, copy = [], []
-        for i in range(k + 2):  # the first two warm up the pages and the wake-up path
-            tid += 1
-            kind = protocol.SWAP2CPU if i % 2 == 0 else protocol.SWAP2GPU
-            t = TransferTask(tid, kind, rng.choice(n_dev, n, replace=False).astype(np.int32),
-                             rng.choice(n_host, n, replace=False).astype(np.int32))
-            e2e, c = node.swap(t)
-            if i >= 2:
-                lat.append(e2e)
-                copy.append(c)
-        p50, p99, c50 = np.percentile(lat, 50), np.percentile(lat, 99), np.percentile(copy, 50)
-        rows.append(Row("e2e swap", n, n * block_bytes / 2**20, n * block_bytes / p50 / 1e9,
-                        p50_us=p50 * 1e6, p99_us=p99 * 1e6, copy_p50_us=c50 * 1e6))
+        k = max(10, min(tasks, E2E_BYTES // (n * bb)))
+        for kind, direction in ((protocol.SWAP2CPU, "d2h"), (protocol.SWAP2GPU, "h2d")):
+            lat, copy = [], []
+            for i in range(k + 2):  # the first two warm up the pages and the wake-up path
+                e2e, c = node.swap(make.make(kind, n))
+                if i >= 2:
+                    lat.append(e2e)
+                    copy.append(c)
+            p50, p99, c50 = np.percentile(lat, 50), np.percentile(lat, 99), np.percentile(copy, 50)
+            limit = limits[n][direction]
+            rows.append(Row(f"e2e {kind}", n, n * bb / 2**20, n * bb / p50 / 1e9, limit / p50,
+                            p50_us=p50 * 1e6, p99_us=p99 * 1e6, copy_p50_us=c50 * 1e6, limit_us=limit * 1e6))
+    per_task = []
+    for i in range(max(10, tasks // BURST) + 1):
+        burst = [make.make(protocol.SWAP2CPU if j % 2 == 0 else protocol.SWAP2GPU, 1) for j in range(BURST)]
+        t0 = time.perf_counter()
+        for t in burst:
+            node.send(t)
+        for t in burst:
+            node.answer(t.task_id)
+        if i:  # the first warms up
+            per_task.append((time.perf_counter() - t0) / BURST)
+    p50, p99 = np.percentile(per_task, 50), np.percentile(per_task, 99)
+    limit = (limits[1]["d2h"] + limits[1]["h2d"]) / 2
+    rows.append(Row("e2e burst", 1, bb / 2**20, bb / p50 / 1e9, limit / p50, p50_us=p50 * 1e6,
+                    p99_us=p99 * 1e6, limit_us=limit * 1e6))
     return rows
 
 
-def print_table(rows: list[Row], block_bytes: int) -> None:
-    print(f"block {fmt_bytes(block_bytes)}; GB/s = 1e9 bytes/s; best of repeats for copies, "
-          f"percentiles over tasks for e2e")
-    print(f"{'case':<10} {'blocks':>6} {'MiB':>8} {'GB/s':>7} {'vs memcpy':>9} {'p50 us':>9} "
-          f"{'p99 us':>9} {'copy p50 us':>11}")
+def print_table(device: str, rows: list[Row], block_bytes: int) -> None:
+    print(f"device {device}; block {fmt_bytes(block_bytes)}; GB/s = 1e9 bytes/s; best of repeats for "
+          f"copies, percentiles over tasks for e2e ('e2e burst': {BURST} one-block tasks at a time, per task)")
+    print(f"{'case':<13} {'blocks':>6} {'MiB':>7} {'GB/s':>7} {'vs limit':>8} {'p50 us':>9} "
+          f"{'p99 us':>9} {'copy p50 us':>11} {'limit us':>9}")
 
-    def f(v, spec):
+    def f(v: float | None, spec: str) -> str:
         return format(v, spec) if v is not None else format("-", spec[0] + spec[1:].split(".")[0])
 
     for r in rows:
-        print(f"{r.case:<10} {r.blocks:>6} {r.mib:>8.1f} {r.gb_s:>7.2f} {f(r.vs_memcpy, '>9.2f')} "
-              f"{f(r.p50_us, '>9.0f')} {f(r.p99_us, '>9.0f')} {f(r.copy_p50_us, '>11.0f')}")
+        print(f"{r.case:<13} {r.blocks:>6} {r.mib:>7.1f} {r.gb_s:>7.2f} {f(r.vs_limit, '>8.2f')} "
+              f"{f(r.p50_us, '>9.0f')} {f(r.p99_us, '>9.0f')} {f(r.copy_p50_us, '>11.0f')} "
+              f"{f(r.limit_us, '>9.0f')}")
+
+
+def cuda_missing() -> str:
+    """Why `--device cuda` cannot run here ('' when it can)."""
+    try:
+        rt = get_backend("cuda").rt
+    except BackendUnavailable as e:
+        return str(e)
+    try:
+        if rt.getDeviceCount() > 0:
+            return ""
+    except Exception as e:  # CuPy raises its own CUDARuntimeError when there is no driver
+        return f"no CUDA device ({type(e).__name__}: {e})"
+    return "no CUDA device"
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvrt bench copy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of a table')
+    p.add_argument("--json", action="store_true", help='print {"device", "block_bytes", "rows": [...]} '
+                                                       'instead of a table')
+    p.add_argument("--device", choices=sorted(SHAPES), default="cpu",
+                   help="where the device pool lives: cpu (shared memory) or cuda (CuPy; default cpu)")
     p.add_argument("--blocks", type=int, default=256, help="blocks per in-process copy (default 256)")
-    p.add_argument("--pool-blocks", type=int, default=1024, help="blocks in each pool (default 1024)")
-    p.add_argument("--num-layers", type=int, default=8, help="block shape: layers (default 8)")
+    p.add_argument("--pool-blocks", type=int, default=None,
+                   help="blocks in each pool (default 1024 on cpu, 512 on cuda)")
+    p.add_argument("--num-layers", type=int, default=None, help="block shape: layers (default 8 on cpu, 32 on cuda)")
     p.add_argument("--block-size", type=int, default=16, help="block shape: tokens (default 16)")
     p.add_argument("--num-kv-heads", type=int, default=8, help="block shape: KV heads (default 8)")
     p.add_argument("--head-dim", type=int, default=128, help="block shape: head dim (default 128)")
-    p.add_argument("--dtype", default="float16", help="KV dtype (default float16: 512 KiB blocks)")
+    p.add_argument("--dtype", default="float16", help="KV dtype (default float16)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per in-process case (default 5)")
     p.add_argument("--e2e-blocks", default="1,16,256", help="block counts per end-to-end task")
-    p.add_argument("--tasks", type=int, default=200, help="end-to-end tasks per block count (default 200)")
+    p.add_argument("--tasks", type=int, default=200, help="end-to-end tasks per block count and kind (default 200)")
     args = p.parse_args(argv)
     try:
         counts = [int(c) for c in args.e2e_blocks.split(",") if c]
     except ValueError:
         p.error(f"--e2e-blocks must be comma-separated integers, got {args.e2e_blocks!r}")
-    if max(counts + [args.blocks]) > args.pool_blocks:
-        p.error(f"--blocks and --e2e-blocks must not exceed --pool-blocks ({args.pool_blocks})")
-    cfg = NodeConfig(node=f"benchcopy{os.getpid()}", tp=1, num_gpu_blocks=args.pool_blocks,
-                     num_cpu_blocks=args.pool_blocks, num_layers=args.num_layers, block_size=args.block_size,
+    layers, pool_blocks = SHAPES[args.device]
+    layers = args.num_layers or layers
+    pool_blocks = args.pool_blocks or pool_blocks
+    if min(counts + [args.blocks]) < 1 or max(counts + [args.blocks]) > pool_blocks:
+        p.error(f"--blocks and --e2e-blocks must be between 1 and --pool-blocks ({pool_blocks})")
+    if args.device == "cuda" and (why := cuda_missing()):
+        print(f"kvrt bench copy: --device cuda cannot run here: {why}", file=sys.stderr)
+        return 2
+    cfg = NodeConfig(node=f"benchcopy{os.getpid()}", tp=1, device=args.device, num_gpu_blocks=pool_blocks,
+                     num_cpu_blocks=pool_blocks, num_layers=layers, block_size=args.block_size,
                      num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype).validate()
     rng = np.random.default_rng(0)
+    repeat = max(args.repeat, 1)
     node = BenchNode(cfg)
     try:
-        dev, host = attach_pools(node.reg, 0, node.cfg)
+        dev, host = node.local_pools()
         try:
-            rows = in_process(dev, host, args.blocks, max(args.repeat, 1), rng)
+            rows = in_process(dev, host, args.blocks, repeat, rng)
+            limits = {n: limit_seconds(dev, host, n, repeat) for n in sorted(set(counts) | {1})}
         finally:
             dev.close()
             host.close()
         node.start_transfer()
-        rows += end_to_end(node, counts, args.tasks, cfg.block_bytes, rng)
+        rows += end_to_end(node, counts, args.tasks, limits, rng)
     finally:
         node.close()
     if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in rows]}))
+        print(json.dumps({"device": args.device, "block_bytes": cfg.block_bytes, "rows": [asdict(r) for r in rows]}))
     else:
-        print_table(rows, cfg.block_bytes)
+        print_table(args.device, rows, cfg.block_bytes)
     return 0

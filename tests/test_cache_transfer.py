@@ -235,17 +235,39 @@ def test_joining_a_missing_node_fails_with_a_message(node):
 
 
 def test_bench_copy_json_quick():
+    """The CPU mode of `kvrt bench copy` (the code the GPU mode runs, numpy as the array module)."""
     bench = subprocess.Popen([sys.executable, "-m", "launcher", "bench", "copy", "--json", "--pool-blocks", "64",
                               "--blocks", "32", "--tasks", "20", "--e2e-blocks", "1,8", "--num-layers", "2"],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = bench.communicate(timeout=120)
     assert bench.returncode == 0, err
-    rows = json.loads(out)["rows"]
+    report = json.loads(out)
+    assert (report["device"], report["block_bytes"]) == ("cpu", 2 * 2 * 16 * 8 * 128 * 2)
+    rows = report["rows"]
     assert [(x["case"], x["blocks"]) for x in rows] == [
-        ("memcpy", 32), ("swap2cpu", 32), ("swap2gpu", 32), ("fancy", 32), ("e2e swap", 1), ("e2e swap", 8)]
-    assert all(x["gb_s"] > 0 for x in rows) and rows[0]["vs_memcpy"] == 1.0
-    assert all(x["p50_us"] <= x["p99_us"] and x["copy_p50_us"] < x["p50_us"] for x in rows[4:])
+        ("limit h2d", 32), ("limit d2h", 32), ("loop h2d", 32), ("loop d2h", 32), ("swap2gpu", 32),
+        ("swap2cpu", 32), ("fancy", 32), ("e2e swap2cpu", 1), ("e2e swap2gpu", 1), ("e2e swap2cpu", 8),
+        ("e2e swap2gpu", 8), ("e2e burst", 1)]
+    assert all(x["gb_s"] > 0 and x["vs_limit"] > 0 and x["limit_us"] > 0 for x in rows)
+    assert rows[0]["vs_limit"] == rows[1]["vs_limit"] == 1.0
+    assert all(x["p50_us"] <= x["p99_us"] for x in rows[7:])
+    assert all(x["copy_p50_us"] < x["p50_us"] for x in rows[7:11])
     assert not leftovers(f"benchcopy{bench.pid}")  # the bench's node is gone
+
+
+def test_bench_copy_on_cuda_without_cuda_says_so_in_one_line():
+    try:
+        import cupy
+
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no CuPy, or CuPy without a driver or a device
+        gpus = 0
+    if gpus:
+        pytest.skip("CUDA is here: tests/test_gpu.py runs the GPU mode")
+    r = subprocess.run([sys.executable, "-m", "launcher", "bench", "copy", "--device", "cuda"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("kvrt bench copy: --device cuda cannot run here: ") and r.stderr.count("\n") == 1
 
 
 def test_a_task_that_waited_past_its_deadline_touches_no_block(node, tmp_path):

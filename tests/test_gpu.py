@@ -1,13 +1,16 @@
 """The CuPy path (device pool = one cudaMalloc shared by CUDA IPC handle, pinned host pool,
 copies on a stream). Skipped where CuPy or a GPU is missing; run on a GPU machine."""
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from ipc import protocol
-from ipc.protocol import TransferTask
-from tests.conftest import run_py
+from ipc.protocol import PROTOCOL, TransferTask
+from tests.conftest import REPO, leftovers, run_py
 from tests.nodekit import NodeKit
 from workers.backend import NumpyBackend
 
@@ -81,3 +84,42 @@ def test_cuda_swap_and_storage_through_cache_transfer(node, tmp_path):
         (a,) = kit.request(TransferTask(4, protocol.STORAGE2GPU, np.array(dev, np.int32), none, keys))
         assert a.ok and a.blocks == len(dev), a
         assert worker(kit.reg.node, "sums", dev) == before
+
+
+def test_cuda_burst_of_queued_swaps_lands_in_order(node, tmp_path):
+    """Tasks sent back to back are taken together and their copies queued on the stream before
+    the first is answered; each depends on the one before (out to host, back to another device
+    block), so an answer sent before its bytes landed, or copies out of order, shows here."""
+    with NodeKit.create(node, tmp_path, tp=1, device="cuda", num_cpu_blocks=32) as kit:
+        kit.start_transfer()
+        before = worker(kit.reg.node, "fill", range(16))
+        tasks = []
+        for i in range(16):
+            tasks.append(TransferTask(2 * i + 1, protocol.SWAP2CPU, np.array([i], np.int32), np.array([i], np.int32)))
+            tasks.append(TransferTask(2 * i + 2, protocol.SWAP2GPU, np.array([32 + i], np.int32),
+                                      np.array([i], np.int32)))
+        out, answers = kit.ends(0)
+        for t in tasks:
+            out.put(PROTOCOL.encode(t), 5.0)
+        got = [PROTOCOL.decode(answers.get(20.0)) for _ in tasks]
+        assert [(a.task_id, a.ok, a.blocks) for a in got] == [(t.task_id, True, 1) for t in tasks], got
+        assert host_sums(kit, range(16)) == before
+        assert worker(kit.reg.node, "sums", range(32, 48)) == before
+
+
+def test_bench_copy_on_cuda_quick():
+    """`kvrt bench copy --device cuda`, small: every row, the device pool in GPU memory."""
+    bench = subprocess.Popen([sys.executable, "-m", "launcher", "bench", "copy", "--device", "cuda", "--json",
+                              "--pool-blocks", "64", "--blocks", "32", "--tasks", "20", "--e2e-blocks", "1,8",
+                              "--num-layers", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = bench.communicate(timeout=300)
+    assert bench.returncode == 0, err
+    assert not leftovers(f"benchcopy{bench.pid}")
+    report = json.loads(out)
+    assert report["device"] == "cuda"
+    rows = report["rows"]
+    assert [(x["case"], x["blocks"]) for x in rows] == [
+        ("limit h2d", 32), ("limit d2h", 32), ("loop h2d", 32), ("loop d2h", 32), ("swap2gpu", 32),
+        ("swap2cpu", 32), ("e2e swap2cpu", 1), ("e2e swap2gpu", 1), ("e2e swap2cpu", 8),
+        ("e2e swap2gpu", 8), ("e2e burst", 1)]
+    assert all(x["gb_s"] > 0 and x["vs_limit"] > 0 for x in rows)

@@ -1,6 +1,7 @@
 """A storage task's blocks through both ways a cache-transfer rank moves them: in place (a
 host-memory pool) and through the staging area (a pool the backend cannot address, like a
-GPU's; here a fake backend that, like the CUDA one, only copies blocks in and out)."""
+GPU's; here a fake backend that counts its copies: a staging area's batch is one `copy_runs`,
+one wait, as on a GPU)."""
 from __future__ import annotations
 
 import time
@@ -16,15 +17,16 @@ SHAPE = (2, 2, 4, 8)
 
 
 class CopyingBackend(NumpyBackend):
-    """Blocks leave and enter the pool only as copies (as from device memory)."""
+    """numpy copies, counted per `copy_runs` call (blocks per call)."""
 
     name = "copying"
 
-    def read_block(self, pool: Pool, block: int) -> np.ndarray:
-        return pool.array[block].copy()
+    def __init__(self) -> None:
+        self.copies: list[int] = []
 
-    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
-        pool.array[block].reshape(-1).view(np.uint8)[:] = data
+    def copy_runs(self, dst: Pool, src: Pool, runs) -> None:
+        self.copies.append(len(runs))
+        super().copy_runs(dst, src, runs)
 
 
 def pool(backend, n: int = 200, seed: int = 0) -> Pool:
@@ -44,6 +46,8 @@ def test_blocks_round_trip_in_batches_and_stop_at_the_first_miss(tmp_path, kind)
     assert io_src.write(blocks, keys) == len(blocks) * src.block_bytes and beats
     dest = list(range(10, 160))
     assert io_dst.read(dest, keys, 0.0) == len(blocks)
+    staged = [64, 64, 22] if kind is StagedBlocks else []  # one copy per staging batch, none in place
+    assert (src.backend.copies, dst.backend.copies) == (staged, staged)
     assert np.array_equal(dst.array[10:160], src.array[3:153])
     assert io_src.write(blocks, keys) == 0, "blocks the storage holds are not written again"
     missing = keys[:100] + [b"\xff" * 16] + keys[101:]
@@ -58,7 +62,7 @@ def test_block_io_picks_in_place_for_host_memory_only(tmp_path):
     assert isinstance(block_io(pool(NumpyBackend()), storage, lambda: None), InPlaceBlocks)
 
     class DeviceArray:  # not a numpy array: memory the backend cannot address
-        shape, nbytes = (4, 64), 4 * 256
+        shape, nbytes, dtype = (4, 64), 4 * 256, np.dtype(np.float32)
 
     device = Pool("dev", DeviceArray(), CopyingBackend(), True, lambda: None)
     assert isinstance(block_io(device, storage, lambda: None), StagedBlocks)

@@ -27,6 +27,7 @@ _HANDLE_LEN = 8  # length prefix of the CUDA IPC handle stored in a device pool'
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.13 names it
 # CUDA runtime ABI constants (stable across releases; not every CuPy build exports them)
 _MEMCPY_DEFAULT, _HOST_REGISTER_PORTABLE, _STREAM_NON_BLOCKING = 4, 1, 1
+_EVENT_DISABLE_TIMING, _SUCCESS = 2, 0
 
 
 class BackendUnavailable(RuntimeError):
@@ -123,17 +124,25 @@ class ArrayBackend(ABC):
     def copy_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> None:
         """Copy every run (src block, dst block, count) and return once all bytes landed."""
 
-    @abstractmethod
-    def read_block(self, pool: Pool, block: int) -> np.ndarray:
-        """A host array holding `block`'s bytes, valid until the next call."""
+    def issue_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> Any:
+        """Start copying every run; returns a mark for `wait`/`is_done`, or None when the bytes
+        already landed (a synchronous backend). A device issues the copies and returns at
+        once, so the caller can answer an earlier task while they run; copies issued one
+        after another land in that order."""
+        self.copy_runs(dst, src, runs)
+        return None
 
-    @abstractmethod
-    def write_target(self, pool: Pool, block: int) -> np.ndarray:
-        """A host array to fill with `block`'s new bytes; `commit` then makes them land."""
+    def is_done(self, mark: Any) -> bool:
+        """Whether every copy issued before `mark` has landed (never waits)."""
+        return True
 
-    @abstractmethod
-    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
-        """Make the bytes written into `write_target(pool, block)` land in the block."""
+    def wait(self, mark: Any) -> None:
+        """Return once every copy issued before `mark` has landed; `mark` is spent."""
+
+    def host_buffer(self, shape: tuple, dtype: Any) -> np.ndarray:
+        """A host array to stage copies to and from the device pool through `copy_runs` (as a
+        Pool's array); pinned where the device needs it for full-speed, asynchronous copies."""
+        return np.empty(shape, dtype)
 
 
 class NumpyBackend(ArrayBackend):
@@ -164,21 +173,15 @@ class NumpyBackend(ArrayBackend):
         for sb, db, n in runs:
             np.copyto(d[db:db + n], s[sb:sb + n])
 
-    def read_block(self, pool: Pool, block: int) -> np.ndarray:
-        return pool.array[block]  # the block itself: no copy
-
-    def write_target(self, pool: Pool, block: int) -> np.ndarray:
-        return pool.array[block]  # filled in place, so `commit` has nothing left to do
-
-    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
-        return None
-
 
 class CupyBackend(ArrayBackend):
     """GPU machines: the device pool is one cudaMalloc per rank, exported by a CUDA IPC handle
     kept in a registered segment; the host pool is the shared-memory segment, pinned with
-    cudaHostRegister in each process that copies; copies are cudaMemcpyAsync on one stream,
-    synchronised before `copy_runs` returns (the answer must not precede the bytes)."""
+    cudaHostRegister in each process that copies; copies are cudaMemcpyAsync on one stream of
+    this process (non-blocking: nothing else on the GPU serialises with it), and a task waits
+    on one event recorded after its copies (the answer must not precede the bytes, but the
+    next task's copies may already be queued behind them). Events are reused, never made per
+    task."""
 
     name = "cupy"
 
@@ -195,7 +198,7 @@ class CupyBackend(ArrayBackend):
         self.cp = cupy
         self.rt = cupy.cuda.runtime
         self._stream = 0
-        self._staging: np.ndarray | None = None
+        self._events: list[int] = []  # recorded and waited for, free to record again
 
     def create_device_pool(self, reg: Registry, obj: str, shape: tuple, dtype: str, rank: int) -> Any:
         dt = np.dtype(dtype)
@@ -252,35 +255,31 @@ class CupyBackend(ArrayBackend):
         return self._stream
 
     def copy_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> None:
+        self.wait(self.issue_runs(dst, src, runs))
+
+    def issue_runs(self, dst: Pool, src: Pool, runs: Sequence[Run]) -> int:
         bb = src.block_bytes
         d, s, stream = self._ptr(dst), self._ptr(src), self._stream_ptr()
+        copy = self.rt.memcpyAsync
         for sb, db, n in runs:
-            self.rt.memcpyAsync(d + db * bb, s + sb * bb, n * bb, _MEMCPY_DEFAULT, stream)
-        self.rt.streamSynchronize(stream)
+            copy(d + db * bb, s + sb * bb, n * bb, _MEMCPY_DEFAULT, stream)
+        event = self._events.pop() if self._events else self.rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
+        self.rt.eventRecord(event, stream)
+        return event
 
-    def _stage(self, pool: Pool) -> np.ndarray:
-        """One pinned block-sized host buffer for storage reads and writes, made on first use."""
-        if self._staging is None or self._staging.nbytes != pool.block_bytes:
-            mem = self.cp.cuda.alloc_pinned_memory(pool.block_bytes)
-            self._staging = np.frombuffer(mem, np.uint8, pool.block_bytes)
-        return self._staging
+    def is_done(self, mark: int) -> bool:
+        return self.rt.eventQuery(mark) == _SUCCESS
 
-    def read_block(self, pool: Pool, block: int) -> np.ndarray:
-        host = self._stage(pool)
-        stream = self._stream_ptr()
-        self.rt.memcpyAsync(host.ctypes.data, self._ptr(pool) + block * pool.block_bytes, host.nbytes,
-                            _MEMCPY_DEFAULT, stream)
-        self.rt.streamSynchronize(stream)
-        return host
+    def wait(self, mark: int) -> None:
+        self.rt.eventSynchronize(mark)
+        self._events.append(mark)
 
-    def write_target(self, pool: Pool, block: int) -> np.ndarray:
-        return self._stage(pool)
-
-    def commit(self, pool: Pool, block: int, data: np.ndarray) -> None:
-        stream = self._stream_ptr()
-        self.rt.memcpyAsync(self._ptr(pool) + block * pool.block_bytes, data.ctypes.data, data.nbytes,
-                            _MEMCPY_DEFAULT, stream)
-        self.rt.streamSynchronize(stream)
+    def host_buffer(self, shape: tuple, dtype: Any) -> np.ndarray:
+        """Pinned (cudaHostAlloc) host memory: a copy from pageable memory goes through the
+        driver's own bounce buffer and cannot overlap anything."""
+        dt, count = np.dtype(dtype), int(np.prod(shape))
+        mem = self.cp.cuda.alloc_pinned_memory(count * dt.itemsize)
+        return np.frombuffer(mem, dt, count).reshape(shape)
 
 
 def get_backend(device: str) -> ArrayBackend:

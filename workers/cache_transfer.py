@@ -10,28 +10,55 @@ answer (the engine gave it the blocks for exactly that long).
 A bad task (ids out of range, no host pool, a storage failure, an ownership violation in
 debug mode) is answered ok=False with the reason and the process goes on; a malformed message
 is counted on the ring and skipped. Run as `python -m workers.cache_transfer --node N --rank R`.
+
+Tasks queued in the ring are taken together, and a swap is answered once its copies landed:
+on a CPU that is as soon as they are issued (a memcpy), so each task is answered before the
+next starts, as one at a time; on a GPU the copies of the tasks behind it are already queued
+on the stream while this process waits for the first task's event and sends its answer, so
+the copy engine does not idle through the answer path. Answers go out in task order.
 """
 from __future__ import annotations
 
 import logging
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 from ipc import protocol
 from ipc.channel import Receiver, Sender
-from ipc.errors import ProtocolError
+from ipc.errors import ProtocolError, WaitTimeout
 from ipc.ownership import OwnershipError, check_owners
 from ipc.protocol import StorageKeys, TaskKind, TransferDone, TransferTask
 from ipc.signals import Signal
 
-from .child import Child, run_child
-from .kv_pool import PoolError, attach_pools, check_blocks, copy_blocks
+from .child import EXIT_OK, WAIT_S, Child, run_child
+from .kv_pool import CopyJob, PoolError, attach_pools, block_list, start_copy
 from .storage import StorageError, StoreHung, open_storage
 from .storage_io import block_io
 
 log = logging.getLogger("workers.cache_transfer")  # not __main__ under python -m
+
+AHEAD = 8  # tasks whose copies may be issued before the oldest of them is answered
+
+
+@dataclass
+class Started:
+    """A task taken from the ring: its copies issued (`job`), or its answer already known
+    (`done`: a storage task, a refused or failed one)."""
+
+    task: TransferTask
+    what: str
+    t0: float
+    job: CopyJob | None = None
+    done: TransferDone | None = None
+    device: list[int] | None = None  # checked again for ownership once the copies landed
+    host: list[int] | None = None
+
+    def landed(self) -> bool:
+        return self.job is None or self.job.done()
 
 
 class CacheTransfer:
@@ -45,16 +72,24 @@ class CacheTransfer:
         self.storage = open_storage(cfg.storage, rank, cfg.tp, cfg.host, child.beat)
         self.blocks = block_io(self.device, self.storage, child.beat) if self.storage is not None else None
         self.owners: dict[str, np.ndarray] = {}
-        self.store_errors = 0  # of the task being run: store failures its misses came from
         if cfg.check_ownership:
             self.owners = {"device": _owner_table(reg, protocol.OWNERS_DEVICE, rank),
                            "host": _owner_table(reg, protocol.OWNERS_HOST, rank)}
         self.tasks = Receiver.attach(reg, protocol.transfer_orders(rank))
         self.answers = Sender.attach(reg, protocol.transfer_answers(rank))
+        self.running: deque[Started] = deque()  # taken, not answered yet, in task order
 
     def close(self) -> None:
-        """Close the answer ring (the engine's wait ends at once), detach everything else."""
+        """Close the answer ring (the engine's wait ends at once), let copies still in flight
+        land (a device must not write into memory this process unmaps), detach the rest."""
         self.answers.close()
+        while self.running:
+            job = self.running.popleft().job
+            try:
+                if job is not None:
+                    job.wait()
+            except Exception as e:  # a device error: nothing more will land
+                log.warning("a copy in flight failed while stopping: %s", e)
         self.tasks.detach()
         if self.storage is not None:
             self.storage.close()
@@ -70,7 +105,39 @@ class CacheTransfer:
                  self.child.cfg.storage or "none", "on" if self.owners else "off")
         self._list_storage()
         self.child.set_ready()
-        return self.child.serve_orders(self.tasks, self.answers, {TransferTask: self.execute})
+        ring, running = self.tasks.ring, self.running
+        while True:
+            if running:  # a stop (or the orphan check) waits until nothing is in flight
+                self.child.beat()
+            else:
+                self.child.tick()
+            records: list[bytes] = []
+            if len(running) < AHEAD and (not running or ring.pending()):
+                try:  # waits (in slices, beating) only while nothing is in flight
+                    records = ring.get_many(AHEAD - len(running), WAIT_S)
+                except WaitTimeout:
+                    continue
+            for rec in records:
+                try:
+                    msg = self.tasks.decode(rec)
+                    if isinstance(msg, protocol.Shutdown):
+                        log.info("shutdown ordered (%s)", msg.reason or "no reason given")
+                        while running:
+                            self._answer(running.popleft())
+                        return EXIT_OK
+                    if not isinstance(msg, TransferTask):
+                        raise ProtocolError(f"unexpected {type(msg).__name__} on {self.tasks.name}")
+                    running.append(self.start(msg))
+                except ProtocolError as e:
+                    ring.report_protocol_error(log, e)
+                    continue
+                while running and running[0].landed():  # on a CPU: every task, at once
+                    self._answer(running.popleft())
+            if running and (len(running) >= AHEAD or not ring.pending()):  # else take those first
+                self._answer(running.popleft())
+
+    def _answer(self, started: Started) -> None:
+        self.child.answer(self.answers, self.finish(started))
 
     def _list_storage(self, batch: int = 2048) -> None:
         """Tell the engine which keys this rank's storage holds (its storage index starts there)."""
@@ -86,87 +153,115 @@ class CacheTransfer:
 
     # ---- tasks --------------------------------------------------------------------------
     def execute(self, task: TransferTask) -> TransferDone:
-        """Run one task; any failure becomes ok=False with the reason, never an exit."""
-        self.store_errors = 0
+        """Run one task to its answer; any failure becomes ok=False with the reason, never an
+        exit. ProtocolError for a task that cannot be answered (no integer id)."""
+        return self.finish(self.start(task))
+
+    def start(self, task: TransferTask) -> Started:
+        """Check a task and issue its copies (a storage task runs whole here); a refusal or a
+        failure is the answer already. ProtocolError for a task that cannot be answered."""
         if not isinstance(task.task_id, int):
             raise ProtocolError(f"task id {task.task_id!r} is not an integer")  # cannot be answered
         t0 = time.perf_counter()
         what = f"task {task.task_id} ({task.kind}) on cache-transfer[{self.rank}]"
+        started = Started(task, what, t0)
         if not isinstance(task.deadline, (int, float)) or isinstance(task.deadline, bool):
-            return self._failed(task, t0, f"{what}: deadline {task.deadline!r} is not a time")
+            return self._failed(started, f"{what}: deadline {task.deadline!r} is not a time")
         if task.deadline and time.monotonic() >= task.deadline:  # the engine gave up: blocks may be reused
             log.warning("%s expired %.3gs before it could start; not run", what, time.monotonic() - task.deadline)
-            return self._failed(task, t0, f"{what}: expired before it could start; no block touched")
+            return self._failed(started, f"{what}: expired before it could start; no block touched")
+        return self._guarded(started, self._run)
+
+    def finish(self, started: Started) -> TransferDone:
+        """The task's answer, once its copies landed (beating while a long order lands)."""
+        return started.done if started.done is not None else self._guarded(started, self._landed).done
+
+    def _guarded(self, started: Started, step) -> Started:
+        """Run `step(started)`; any failure becomes the task's ok=False answer."""
+        what = started.what
         try:
-            blocks, nbytes = self._run(task, what)
+            step(started)
         except OwnershipError as e:
             log.error("%s", e)
-            return self._failed(task, t0, str(e))
+            return self._failed(started, str(e))
         except (StorageError, ValueError) as e:  # bad ids, no such tier, a failed write
             log.warning("%s failed: %s", what, e)
-            return self._failed(task, t0, f"{what}: {e}")
+            return self._failed(started, f"{what}: {e}")
         except StoreHung:  # a read may still land in its blocks: this process must not go on
             raise
         except Exception as e:  # a task must never take the process down, but for a hung store
             log.exception("%s failed unexpectedly", what)
-            return self._failed(task, t0, f"{what}: {type(e).__name__}: {e}")
-        return TransferDone(task.task_id, self.rank, True, blocks, nbytes, time.perf_counter() - t0,
-                            store_errors=self.store_errors)
+            return self._failed(started, f"{what}: {type(e).__name__}: {e}")
+        return started
 
-    def _failed(self, task: TransferTask, t0: float, error: str) -> TransferDone:
-        return TransferDone(task.task_id, self.rank, False, 0, 0, time.perf_counter() - t0, error)
+    def _failed(self, started: Started, error: str) -> Started:
+        started.job = None
+        started.done = TransferDone(started.task.task_id, self.rank, False, 0, 0,
+                                    time.perf_counter() - started.t0, error)
+        return started
 
-    def _run(self, task: TransferTask, what: str) -> tuple[int, int]:
-        dev = check_blocks(task.device_blocks, self.device.num_blocks, "device")
+    def _ok(self, started: Started, blocks: int, nbytes: int, store_errors: int = 0) -> None:
+        started.done = TransferDone(started.task.task_id, self.rank, True, blocks, nbytes,
+                                    time.perf_counter() - started.t0, store_errors=store_errors)
+
+    def _run(self, started: Started) -> None:
+        task = started.task
+        dev = block_list(task.device_blocks, self.device.num_blocks, "device")
         handler = self._HANDLERS.get(task.kind) if isinstance(task.kind, str) else None
         if handler is None:
             raise ValueError(f"unknown task kind {task.kind!r}; expected one of {[k.value for k in TaskKind]}")
-        return handler(self, task, dev, what)
+        handler(self, started, dev)
 
-    def _check_owned(self, what: str, dev: np.ndarray, host: np.ndarray | None) -> None:
+    def _landed(self, started: Started) -> None:
+        nbytes = started.job.wait(self.child.beat)
+        self._check_owned(f"{started.what}, after the copy", started.device, started.host)
+        self._ok(started, started.job.blocks, nbytes)
+
+    def _check_owned(self, what: str, dev: list[int], host: list[int] | None) -> None:
         if not self.owners:
             return
         check_owners(self.owners["device"], dev, "device", what, protocol.OWNER_TRANSFER)
         if host is not None:
             check_owners(self.owners["host"], host, "host", what, protocol.OWNER_TRANSFER)
 
-    def _swap(self, task: TransferTask, dev: np.ndarray, what: str) -> tuple[int, int]:
+    def _swap(self, started: Started, dev: list[int]) -> None:
+        task = started.task
         if self.host is None:
             raise PoolError("this node has no host pool (num_cpu_blocks is 0)")
-        host = check_blocks(task.host_blocks, self.host.num_blocks, "host")
-        if host.size != dev.size:
-            raise PoolError(f"{dev.size} device blocks paired with {host.size} host blocks")
-        self._check_owned(what, dev, host)
+        host = block_list(task.host_blocks, self.host.num_blocks, "host")
+        if len(host) != len(dev):
+            raise PoolError(f"{len(dev)} device blocks paired with {len(host)} host blocks")
+        self._check_owned(started.what, dev, host)
         if task.kind == protocol.SWAP2CPU:
-            nbytes = copy_blocks(self.host, self.device, host, dev, self.child.beat)
+            started.job = start_copy(self.host, self.device, task.host_blocks, task.device_blocks, self.child.beat)
         else:
-            nbytes = copy_blocks(self.device, self.host, dev, host, self.child.beat)
-        self._check_owned(f"{what}, after the copy", dev, host)
-        return int(dev.size), nbytes
+            started.job = start_copy(self.device, self.host, task.device_blocks, task.host_blocks, self.child.beat)
+        started.device, started.host = dev, host
 
-    def _storage_task(self, task: TransferTask, dev: np.ndarray, what: str) -> tuple[int, int]:
+    def _storage_task(self, started: Started, dev: list[int]) -> None:
+        task = started.task
         if self.storage is None:
             raise StorageError("this node has no storage backend (--storage is not set)")
         keys = task.keys
-        if len(keys) != dev.size or not all(isinstance(k, bytes) and k for k in keys):
+        if len(keys) != len(dev) or not all(isinstance(k, bytes) and k for k in keys):
             raise ValueError(f"a storage task needs one non-empty bytes key per device block "
-                             f"({dev.size} blocks, {len(keys)} keys)")
-        self._check_owned(what, dev, None)
+                             f"({len(dev)} blocks, {len(keys)} keys)")
+        self._check_owned(started.what, dev, None)
         errors = self.storage.errors
         if task.kind == protocol.STORAGE2GPU:
             done = self._read(dev, keys, task.deadline)
             nbytes = done * self.device.block_bytes
         else:
             done, nbytes = self._write(dev, keys)
-        self.store_errors = self.storage.errors - errors
-        self._check_owned(f"{what}, after the copy", dev, None)
-        return done, nbytes
+        store_errors = self.storage.errors - errors
+        self._check_owned(f"{started.what}, after the copy", dev, None)
+        self._ok(started, done, nbytes, store_errors)
 
     # the handler of every task kind (the kind table is ipc/protocol.py's TaskKind)
     _HANDLERS = {TaskKind.SWAP2CPU: _swap, TaskKind.SWAP2GPU: _swap,
                  TaskKind.STORAGE2GPU: _storage_task, TaskKind.GPU2STORAGE: _storage_task}
 
-    def _read(self, dev: np.ndarray, keys: list[bytes], deadline: float) -> int:
+    def _read(self, dev: list[int], keys: list[bytes], deadline: float) -> int:
         """Read the leading blocks whose objects exist and are intact; the first miss ends it.
         For a shared store this is also the lookup: the engine asks for every block its tree
         lacks, and the answer says how many the store had.
@@ -175,11 +270,11 @@ class CacheTransfer:
         the first `blocks` blocks of the answer, and owns the rest again once it has it. No
         block is written past the task's deadline (a slow store: the engine took the blocks
         back as a miss)."""
-        return self.blocks.read(dev.tolist(), keys, deadline)
+        return self.blocks.read(dev, keys, deadline)
 
-    def _write(self, dev: np.ndarray, keys: list[bytes]) -> tuple[int, int]:
+    def _write(self, dev: list[int], keys: list[bytes]) -> tuple[int, int]:
         """Write every block whose key the storage does not hold yet; returns (blocks, bytes)."""
-        return len(keys), self.blocks.write(dev.tolist(), keys)
+        return len(keys), self.blocks.write(dev, keys)
 
 
 def _owner_table(reg, obj: str, rank: int) -> np.ndarray:

@@ -4,8 +4,9 @@ storage backend, in batches.
 Why two ways: a pool in host memory (a CPU node's device pool is shared memory) is registered
 with the backend once and read into / written from in place, a whole task in one batch, with no
 copy of our own. A pool the backend cannot address (GPU memory) goes through a host staging area
-of `STAGE_BLOCKS` blocks, registered once, a batch of at most that many blocks at a time: one
-device<->host copy per block (the backend's `read_block`/`commit`) and batched store I/O still.
+of `STAGE_BLOCKS` blocks (pinned, registered once), a batch of at most that many blocks at a
+time: the batch's device<->host copies issued together with one wait (`copy_runs`, as a swap's),
+and batched store I/O.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class StagedBlocks:
 
     def __init__(self, pool: Pool, storage: Storage, beat: Callable[[], None], stage_blocks: int = STAGE_BLOCKS):
         self.pool, self.storage, self.beat = pool, storage, beat
-        self.stage = np.empty((stage_blocks, pool.block_bytes), np.uint8)
+        self.stage = pool.backend.host_buffer((stage_blocks, *pool.array.shape[1:]), pool.array.dtype)
+        self.staged = Pool(f"{pool.name} staging", self.stage, pool.backend, False, lambda: None)
         storage.register(self.stage)
 
     def read(self, blocks: list[int], keys: list[bytes], deadline: float) -> int:
@@ -59,8 +61,8 @@ class StagedBlocks:
                 break
             chunk = blocks[i:i + n]
             got = self.storage.get_many(keys[i:i + n], list(self.stage[:len(chunk)]), deadline)
-            for b, row in zip(chunk[:got], self.stage):
-                backend.commit(self.pool, b, row)
+            if got:
+                backend.copy_runs(self.pool, self.staged, [(j, b, 1) for j, b in enumerate(chunk[:got])])
             done += got
             self.beat()
             if got < len(chunk):
@@ -73,8 +75,7 @@ class StagedBlocks:
         written = 0
         for i in range(0, len(blocks), n):
             chunk = blocks[i:i + n]
-            for b, row in zip(chunk, self.stage):
-                row[:] = backend.read_block(self.pool, b).reshape(-1).view(np.uint8)
+            backend.copy_runs(self.staged, self.pool, [(b, j, 1) for j, b in enumerate(chunk)])
             written += self.storage.put_many(keys[i:i + n], list(self.stage[:len(chunk)]))
             self.beat()
         return written
