@@ -1,13 +1,21 @@
-/* The prefix cache's per-block inner loop in C: chained block keys (runtime/hashing.py).
+/* The prefix cache's per-block inner loops in C: chained block keys (runtime/hashing.py) and the
+use-count sketch's updates (runtime/use_sketch.py).
 
-Why C: `chain_keys` in Python costs a bytes slice, a concatenation and a call per block (about
-0.25 us per 64-token block, as much as the whole cache's work per block without eviction); the
-hash itself is a fraction of that. The keys are the same bytes as the Python loop's, which stays
-as the reference and the fallback: xxh3-128 of (parent key || block's token bytes), in xxhash's
-canonical (big-endian) form, as `xxhash.xxh3_128_digest` returns it. The vendored xxhash.h
-(runtime/_xxhash/, BSD-2-Clause) is compiled in, so nothing is needed at run time. */
+Why C: in Python each costs a call or a few numpy operations per block or per request of a
+couple of hundred blocks (a key slice, concatenation and hash call per block; a join, a view
+and six gathers and scatters on the sketch per request), as much together as the whole cache's
+own work per block. Each function gives exactly what the Python code it replaces gives, which
+stays as the reference and the fallback (tests compare them):
+- chain_keys: xxh3-128 of (parent key || block's token bytes), in xxhash's canonical
+  (big-endian) form, as `xxhash.xxh3_128_digest` returns it. The vendored xxhash.h
+  (runtime/_xxhash/, BSD-2-Clause) is compiled in, so nothing is needed at run time.
+- sketch_add / sketch_count: a 16-byte key's two slots are its first 8 bytes (native byte order,
+  as numpy reads them) masked, and the same shifted right by 32, masked; adding is numpy's
+  gather-then-scatter `row[slots] = minimum(row[slots], 254) + 1` (a slot that two keys share
+  gains one, not two). Either returns False, changing nothing, if a key is not 16 bytes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 #define XXH_INLINE_ALL
@@ -58,7 +66,120 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* The two slots of each of `n` 16-byte keys; 0 if one is not 16 bytes (or `keys` is no sequence). */
+static int key_slots(PyObject *fast, uint64_t mask, uint64_t *a, uint64_t *b) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != KEY_BYTES)
+            return 0;
+        uint64_t h;
+        memcpy(&h, PyBytes_AS_STRING(k), sizeof h);
+        a[i] = h & mask;
+        b[i] = (h >> 32) & mask;
+    }
+    return 1;
+}
+
+/* Parse (row0, row1, keys, mask[, out]) for the sketch functions; slots of the keys in a[], b[]. */
+typedef struct {
+    Py_buffer r0, r1, out;
+    PyObject *fast;
+    uint64_t *slots;
+    Py_ssize_t n;
+    int ok;
+} sketch_args;
+
+static int sketch_begin(PyObject *args, sketch_args *s, int with_out) {
+    PyObject *keys;
+    unsigned long long mask;
+    memset(s, 0, sizeof *s);
+    int parsed = with_out ? PyArg_ParseTuple(args, "w*w*OKw*", &s->r0, &s->r1, &keys, &mask, &s->out)
+                          : PyArg_ParseTuple(args, "w*w*OK", &s->r0, &s->r1, &keys, &mask);
+    if (!parsed)
+        return -1;
+    s->fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (s->fast == NULL)
+        return -1;
+    s->n = PySequence_Fast_GET_SIZE(s->fast);
+    if ((Py_ssize_t)mask >= s->r0.len || (Py_ssize_t)mask >= s->r1.len ||
+        (with_out && s->out.len < s->n * (Py_ssize_t)sizeof(int32_t))) {
+        PyErr_SetString(PyExc_ValueError, "sketch rows shorter than the mask, or output too short");
+        return -1;
+    }
+    s->slots = PyMem_Malloc(2 * (s->n ? s->n : 1) * sizeof(uint64_t));
+    if (s->slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->ok = key_slots(s->fast, mask, s->slots, s->slots + s->n);
+    return 0;
+}
+
+static void sketch_end(sketch_args *s) {
+    PyMem_Free(s->slots);
+    Py_XDECREF(s->fast);
+    if (s->r0.obj) PyBuffer_Release(&s->r0);
+    if (s->r1.obj) PyBuffer_Release(&s->r1);
+    if (s->out.obj) PyBuffer_Release(&s->out);
+}
+
+static void add_row(uint8_t *row, const uint64_t *slot, Py_ssize_t n, uint8_t *tmp) {
+    for (Py_ssize_t i = 0; i < n; i++) /* gather first: a shared slot gains one */
+        tmp[i] = (uint8_t)((row[slot[i]] < 254 ? row[slot[i]] : 254) + 1);
+    for (Py_ssize_t i = 0; i < n; i++)
+        row[slot[i]] = tmp[i];
+}
+
+static PyObject *sketch_add(PyObject *self, PyObject *args) {
+    sketch_args s;
+    PyObject *res = NULL;
+    if (sketch_begin(args, &s, 0) == 0) {
+        if (s.ok) {
+            uint8_t *tmp = PyMem_Malloc(s.n ? s.n : 1);
+            if (tmp == NULL) {
+                PyErr_NoMemory();
+            } else {
+                add_row(s.r0.buf, s.slots, s.n, tmp);
+                add_row(s.r1.buf, s.slots + s.n, s.n, tmp);
+                PyMem_Free(tmp);
+                res = Py_True;
+            }
+        } else {
+            res = Py_False;
+        }
+    }
+    sketch_end(&s);
+    Py_XINCREF(res);
+    return res;
+}
+
+static PyObject *sketch_count(PyObject *self, PyObject *args) {
+    sketch_args s;
+    PyObject *res = NULL;
+    if (sketch_begin(args, &s, 1) == 0) {
+        if (s.ok) {
+            const uint8_t *r0 = s.r0.buf, *r1 = s.r1.buf;
+            int32_t *out = s.out.buf;
+            const uint64_t *a = s.slots, *b = s.slots + s.n;
+            for (Py_ssize_t i = 0; i < s.n; i++)
+                out[i] = r0[a[i]] < r1[b[i]] ? r0[a[i]] : r1[b[i]];
+            res = Py_True;
+        } else {
+            res = Py_False;
+        }
+    }
+    sketch_end(&s);
+    Py_XINCREF(res);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"sketch_add", sketch_add, METH_VARARGS,
+     "sketch_add(row0, row1, keys, mask) -> False if a key is not 16 bytes (nothing added)"},
+    {"sketch_count", sketch_count, METH_VARARGS,
+     "sketch_count(row0, row1, keys, mask, out) -> False if a key is not 16 bytes; counts in out (int32)"},
     {"chain_keys", chain_keys, METH_VARARGS,
      "chain_keys(token_bytes, block_size, parent) -> keys of the full blocks, chained from parent"},
     {NULL, NULL, 0, NULL},

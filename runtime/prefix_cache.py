@@ -210,9 +210,14 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         nodes = req.path[before:]
         if not len(nodes):
             return
-        earlier = self._uses.count(req.keys[before:before + len(nodes)]) - 1
-        cap = self._hits_v[int(req.path[before - 1])] if before else earlier[0]
-        earlier = np.minimum.accumulate(np.minimum(earlier, cap).clip(0))
+        earlier = self._uses.count(req.keys[before:before + len(nodes)])
+        earlier -= 1
+        if before:  # a running minimum from a first value capped by the parent caps them all
+            cap = self._hits_v[int(req.path[before - 1])]
+            if earlier[0] > cap:
+                earlier[0] = cap
+        np.minimum.accumulate(earlier, out=earlier)
+        np.maximum(earlier, 0, out=earlier)
         row = self._f[HITS]
         row[nodes] = np.maximum(row[nodes], earlier)
 
