@@ -20,15 +20,13 @@ once per victim, reading the node matrix through its memoryviews.
 from __future__ import annotations
 
 import logging
-from collections import deque
-from itertools import repeat
 
 import numpy as np
 
 from ipc.protocol import TaskKind
 
 from .cache_nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
-                          PREV, RESET, STATE, SWAP2CPU, NodeStore)
+                          PREV, RESET, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +141,7 @@ class Eviction(NodeStore):
             m = len(cand)
             if not m:
                 break
-            g = f[:, cand]
-            par, nd = g[PARENT], g[NDEV]
+            par, nd = f[PARENT, cand], f[NDEV, cand]  # (row by row: a 2-D gather costs more)
             link = par[:-1] == cand[1:]  # the next node of the run is this one's parent
             if nd[0] == 0 and (nd[1:] == link).all():
                 # the usual run: chains released deepest first, each node's only device child
@@ -156,8 +153,7 @@ class Eviction(NodeStore):
                 ev, top = self._evictable(cand, par, nd)
             cut = self._first_trigger(cand, par, top, ev is not None and not ev.all())
             if cut < m:
-                for v in reversed(cand[cut:].tolist()):
-                    policy.push_front(v)
+                self._push_back(policy, cand[cut:].tolist())
                 if ev is None:  # whole chains: the cut (after a chain's top) splits none
                     top = [t for t in top if t < cut]
                     ev = np.zeros(m, dtype=bool)
@@ -166,11 +162,11 @@ class Eviction(NodeStore):
                     ev[cut:] = False
                     top = self._tops(cand[:cut], par[:cut], ev[:cut])
             if ev is None:
-                self._drop_run(cand, par, g, top, devs)
+                self._drop_run(cand, par, top, devs)
                 evicted += m
             elif ev.any():
                 at = np.flatnonzero(ev)
-                self._drop_run(cand[at], par[at], g[:, at], np.searchsorted(at, top).tolist(), devs)
+                self._drop_run(cand[at], par[at], np.searchsorted(at, top).tolist(), devs)
                 evicted += len(at)
         return evicted
 
@@ -228,8 +224,7 @@ class Eviction(NodeStore):
                 cut = e if ev is None else int(at[e])
                 at = slice(0, e) if ev is None else at[:e]
             if cut < m:
-                for v in reversed(cand[cut:].tolist()):
-                    policy.push_front(v)
+                self._push_back(policy, cand[cut:].tolist())
             if e:
                 if task_id < 0:
                     task_id = next(self._task_ids)
@@ -340,10 +335,9 @@ class Eviction(NodeStore):
                 cut = at + 1
         return cut
 
-    def _drop_run(self, drop: np.ndarray, par: np.ndarray, g: np.ndarray, top: list[int],
-                  devs: list[int]) -> None:
+    def _drop_run(self, drop: np.ndarray, par: np.ndarray, top: list[int], devs: list[int]) -> None:
         """Free the nodes `drop` (unreferenced GPU nodes whose children are all in `drop`, in
-        eviction order; `par` their parents, `g` their matrix columns); `top` indexes those whose
+        eviction order; `par` their parents); `top` indexes those whose
         parent stays: only they are unlinked from a live node. Their parents that become
         evictable leaves are queued at the front."""
         f = self._f
@@ -360,8 +354,9 @@ class Eviction(NodeStore):
                 freed_parents.append(p)
         if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
             self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
-        deque(map(keys.__setitem__, drop.tolist(), repeat(None)), maxlen=0)
-        devs += g[DEV].tolist()
+        for v in drop.tolist():  # (a plain loop: half the time of map over __setitem__)
+            keys[v] = None
+        devs += f[DEV, drop].tolist()
         self._dev_cached -= len(drop)
         self._idle -= len(drop)
         f[:, drop] = RESET[:, None]
@@ -444,11 +439,7 @@ class Eviction(NodeStore):
             cand = many(n - len(got))
             if not len(cand):
                 break
-            k = self._drop_host_run(cand, got)
-            if k < 0:  # not whole chains: the rest one at a time (a policy may rank nodes put
-                many = None  # back at the front one by one, so runs cut again and again cost)
-                k = -k - 1
-            dropped += k
+            dropped += self._drop_host_run(cand, got)
         self.metrics.evicted_host_blocks += dropped
         return got
 
@@ -463,8 +454,7 @@ class Eviction(NodeStore):
 
     def _drop_host_run(self, cand: np.ndarray, hosts: list[int]) -> int:
         """Drop the host leaves of the popped run `cand` as one-at-a-time eviction would, their
-        blocks appended to `hosts`; returns how many (-1 - how many when the run went node by
-        node). A run whose every node is a leaf once the
+        blocks appended to `hosts`; returns how many. A run whose every node is a leaf once the
         nodes before it are gone (a chain's only child comes right before it) is freed at once;
         it is cut after the first node whose drop makes its parent an unqueued host leaf (that
         parent comes next), the rest going back to the front of the queue."""
@@ -480,7 +470,7 @@ class Eviction(NodeStore):
                  and ((child[1:] < 0) | (only & (child[1:] == cand[:-1]))).all()
                  and not (link & ~only).any())
         if not usual:
-            return -1 - self._drop_host_slow(cand, hosts)
+            return self._drop_host_slow(cand, hosts)
         keys, kmap = self._keys, self._map
         mapped = f[CONT, par] != cand  # found through the key map, not as their parent's continuation
         child_v, state, ref = self._child_v, self._state_v, self._ref_v
@@ -493,15 +483,15 @@ class Eviction(NodeStore):
                 cut, leaf = t + 1, p  # that parent is next in line
                 break
         if cut < m:
-            for v in reversed(cand[cut:].tolist()):
-                policy.push_front(v)
+            self._push_back(policy, cand[cut:].tolist())
             cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
         drop = cand.tolist()
         for v in cand[mapped].tolist():
             del kmap[keys[v]]
         if self._obs is not None:  # host-only nodes
             self._obs.removed(ON_HOST, [keys[v] for v in drop])
-        deque(map(keys.__setitem__, drop, repeat(None)), maxlen=0)
+        for v in drop:
+            keys[v] = None
         hosts += g[HOST].tolist()
         self._host_cached -= cut
         f[:, cand] = RESET[:, None]
@@ -513,25 +503,33 @@ class Eviction(NodeStore):
         return cut
 
     def _drop_host_slow(self, cand: np.ndarray, hosts: list[int]) -> int:
-        """`_drop_host_run` node by node, for a run of any shape: a node with children is parked;
-        a drop that makes its parent an unqueued host leaf ends the run (the rest goes back to
-        the front of the queue, behind that parent)."""
+        """`_drop_host_run` node by node, for a run of any shape, as popping one node at a time
+        would: a node with children is parked; a dropped node's parent that becomes a host leaf
+        keeps its turn if it is queued or comes later in the run, and otherwise is next in line:
+        the run ends there (the rest goes back to the front of the queue, behind that parent)."""
         child_v, parent_v, next_v, prev_v = self._child_v, self._parent_v, self._next_v, self._prev_v
-        state, ref = self._state_v, self._ref_v
+        state, ref, policy = self._state_v, self._ref_v, self._host_lru
         ids = cand.tolist()
+        at = {v: i for i, v in enumerate(ids)}
         dropped = 0
         for i, v in enumerate(ids):
             if child_v[v] >= 0:
                 continue  # parked: requeued when its last child leaves
             p = parent_v[v]
-            if (child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0 and state[p] == CPU
-                    and ref[p] == 0):
-                for w in reversed(ids[i + 1:]):  # so that a parent among them is queued again
-                    self._host_lru.push_front(w)
+            if at.get(p, -1) > i:  # still queued, in this run: `_unlink` without queueing it again
+                if self._cont_v[p] != v:
+                    del self._map[self._keys[v]]
+                self._detach_sibling(v)
+                if state[v] in (GPU, SWAP2GPU):
+                    self._device_child_gone(p)
+            else:
+                if (child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0 and state[p] == CPU
+                        and ref[p] == 0 and p not in policy):
+                    self._push_back(policy, ids[i + 1:])  # then `_unlink` queues p ahead of them
+                    self._unlink(v)
+                    self._free_node(v, [], hosts)
+                    return dropped + 1
                 self._unlink(v)
-                self._free_node(v, [], hosts)
-                return dropped + 1
-            self._unlink(v)
             self._free_node(v, [], hosts)
             dropped += 1
         return dropped

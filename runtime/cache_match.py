@@ -16,7 +16,6 @@ is in flight).
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -257,7 +256,9 @@ class MatchRecord(NodeStore):
 
     def _new_chain(self, parent: int, ids: np.ndarray, cand: list[int], keys: list[bytes],
                    blocks: list[int]) -> None:
-        deque(map(self._keys.__setitem__, cand, keys), maxlen=0)
+        node_keys = self._keys
+        for n, key in zip(cand, keys):  # (a plain loop: faster than map over __setitem__)
+            node_keys[n] = key
         new = np.empty((NEW_ROWS, len(cand)), dtype=np.int32)
         new[PARENT, 0] = parent
         new[PARENT, 1:] = ids[:-1]

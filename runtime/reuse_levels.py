@@ -103,7 +103,7 @@ class ReuseLevels:
         self._reused += lost
         self._matched[nodes] = False
         self._released[nodes] = now
-        lv = LEVELS[np.minimum(hits, len(LEVELS) - 1)]
+        lv = LEVELS.take(hits, mode="clip")
         # at least one release per level: with none, equal priorities would leave the order to
         # tie-breaks that batched and one-at-a-time eviction do not share
         bonus = max(1, int(self.bonus_scale() * min(MAX_BONUS, TURNOVERS_PER_LEVEL * self._capacity / avg)))
@@ -133,6 +133,29 @@ class ReuseLevels:
         p = int(self._prio[n])
         heapq.heappush(self._heap, [p, int(LEVELS[min(self._hits[n], len(LEVELS) - 1)]), -s, s, [n], 0])
         self._queued += 1
+
+    def push_front_run(self, nodes: list[int]) -> None:
+        """`push_front` of each of `nodes` (none queued), the last one first, so that they come
+        back in this order: what an eviction run cut short gives back. One heap entry per stretch
+        of equal priority and level instead of one per node (a cut run gives back hundreds, and
+        `pop_many` then takes them a stretch at a time); the order is the same, since such
+        entries sort by priority, level, then push order, and a later push sorts first."""
+        if not nodes:
+            return
+        a = np.array(nodes, dtype=np.int32)
+        prio = self._prio[a]
+        lv = LEVELS.take(self._hits[a], mode="clip")
+        cuts = np.flatnonzero((prio[1:] != prio[:-1]) | (lv[1:] != lv[:-1])).tolist()
+        starts = [0] + [c + 1 for c in cuts]
+        ends = starts[1:] + [len(nodes)]
+        for i in range(len(starts) - 1, -1, -1):  # the last stretch first, as one by one
+            s = self._serial
+            self._serial = s + 1
+            run = a[starts[i]:ends[i]]
+            self._stamp[run] = s
+            heapq.heappush(self._heap, [int(prio[starts[i]]), int(lv[starts[i]]), -s, s,
+                                        nodes[starts[i]:ends[i]], 0])
+        self._queued += len(nodes)
 
     def bonus_scale(self) -> float:
         """The share of the reuse bonus in force (0: LRU; 1: the full bonus)."""
@@ -185,9 +208,14 @@ class ReuseLevels:
             e = heap[0]
             start = max(e[5], 0)
             nodes = np.asarray(e[4][start:], dtype=np.int32)
-            idx = np.flatnonzero(self._stamp[nodes] == e[3])[:k - got]
-            if len(idx):
+            head = nodes[:k - got]
+            if (self._stamp[head] == e[3]).all():  # the usual case: no stale entry among them
+                idx = range(len(head))
+                take = head
+            else:
+                idx = np.flatnonzero(self._stamp[nodes] == e[3])[:k - got]
                 take = nodes[idx]
+            if len(idx):
                 self._stamp[take] = -1
                 out.append(take)
                 got += len(take)
