@@ -175,7 +175,99 @@ static PyObject *sketch_count(PyObject *self, PyObject *args) {
     return res;
 }
 
+static int is_int32(const Py_buffer *b) {
+    size_t n = b->format ? strlen(b->format) : 0;
+    return b->itemsize == 4 && n && b->format[n - 1] == 'i' && (n == 1 || strchr("@=<", b->format[0]));
+}
+
+/* new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): the columns `ids` (int32) of the
+   node matrix `f` (int32, C order, one row per field) become a chain under `parent`: row
+   rows[0] (PARENT) the node before (parent for the first), rows[1] (CHILD) and rows[6] (CONT)
+   the node after (-1 for the last), rows[2] (DEV) the block, rows[3] (REF) 1, rows[4] (NDEV) 1
+   (0 for the last), rows[5] (STATE) `gpu`; and node_keys[id] = keys[j]. What
+   `MatchRecord._new_chain` wrote with a dozen numpy operations and a loop. */
+static PyObject *new_chain(PyObject *self, PyObject *args) {
+    Py_buffer f = {0}, ids = {0};
+    long parent, gpu;
+    PyObject *fobj, *idobj, *blocks, *rows, *node_keys, *keys, *res = NULL;
+    PyObject *fb = NULL, *fk = NULL;
+    if (!PyArg_ParseTuple(args, "OOlOOlO!O", &fobj, &idobj, &parent, &blocks, &rows, &gpu,
+                          &PyList_Type, &node_keys, &keys))
+        return NULL;
+    if (PyObject_GetBuffer(fobj, &f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(idobj, &ids, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&f);
+        return NULL;
+    }
+    Py_ssize_t k = ids.len / (Py_ssize_t)sizeof(int32_t);
+    long r[7];
+    if (f.ndim != 2 || !is_int32(&f) || ids.ndim != 1 || !is_int32(&ids) || !PyTuple_Check(rows) ||
+        PyTuple_GET_SIZE(rows) != 7) {
+        PyErr_SetString(PyExc_ValueError, "new_chain: f must be a C-ordered int32 matrix, ids int32, 7 rows");
+        goto done;
+    }
+    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], nkeys = PyList_GET_SIZE(node_keys);
+    for (int i = 0; i < 7; i++) {
+        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
+        if (r[i] < 0 || r[i] >= nrows) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "new_chain: row out of range");
+            goto done;
+        }
+    }
+    fb = PySequence_Fast(blocks, "blocks must be a sequence");
+    fk = fb ? PySequence_Fast(keys, "keys must be a sequence") : NULL;
+    if (fk == NULL)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(fb) != k || PySequence_Fast_GET_SIZE(fk) != k) {
+        PyErr_SetString(PyExc_ValueError, "new_chain: ids, blocks and keys differ in length");
+        goto done;
+    }
+    const int32_t *id = ids.buf;
+    for (Py_ssize_t j = 0; j < k; j++) { /* check everything before writing anything */
+        if (id[j] < 0 || id[j] >= ncols || id[j] >= nkeys) {
+            PyErr_SetString(PyExc_IndexError, "new_chain: node id out of range");
+            goto done;
+        }
+        long b = PyLong_AsLong(PySequence_Fast_GET_ITEM(fb, j));
+        if (b == -1 && PyErr_Occurred())
+            goto done;
+        if (b < INT32_MIN || b > INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "new_chain: block id does not fit int32");
+            goto done;
+        }
+    }
+    int32_t *m = f.buf;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_ssize_t c = id[j];
+        int32_t next = j + 1 < k ? id[j + 1] : -1;
+        m[r[0] * ncols + c] = j ? id[j - 1] : (int32_t)parent;
+        m[r[1] * ncols + c] = next;
+        m[r[2] * ncols + c] = (int32_t)PyLong_AsLong(PySequence_Fast_GET_ITEM(fb, j));
+        m[r[3] * ncols + c] = 1;
+        m[r[4] * ncols + c] = j + 1 < k;
+        m[r[5] * ncols + c] = (int32_t)gpu;
+        m[r[6] * ncols + c] = next;
+        PyObject *key = PySequence_Fast_GET_ITEM(fk, j);
+        Py_INCREF(key);
+        PyObject *old = PyList_GET_ITEM(node_keys, c);
+        PyList_SET_ITEM(node_keys, c, key);
+        Py_XDECREF(old);
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(fb);
+    Py_XDECREF(fk);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&ids);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"new_chain", new_chain, METH_VARARGS,
+     "new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): write a new chain's columns"},
     {"sketch_add", sketch_add, METH_VARARGS,
      "sketch_add(row0, row1, keys, mask) -> False if a key is not 16 bytes (nothing added)"},
     {"sketch_count", sketch_count, METH_VARARGS,

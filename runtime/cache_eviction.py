@@ -258,7 +258,8 @@ class Eviction(NodeStore):
         self._idle -= e
         ids = vs.tolist()
         victims += ids
-        victim_keys += map(self._keys.__getitem__, ids)
+        keys = self._keys
+        victim_keys += [keys[v] for v in ids]
         # each victim's device children went before it: none is left; only parents outside the
         # run (the chains' tops') lose device children that stay
         f[NDEV, vs] = 0

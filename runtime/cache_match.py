@@ -26,6 +26,15 @@ from ipc.protocol import TaskKind
 from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, HOST, NDEV, NEW_ROWS, NO_NODES, PARENT,
                           REF, ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
+try:
+    from ._cache_core import new_chain as _new_chain_c
+except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
+    _new_chain_c = None
+
+
+# the node matrix rows a new chain writes, in the order runtime/_cache_core.c's new_chain takes them
+CHAIN_ROWS = (PARENT, CHILD, DEV, REF, NDEV, STATE, CONT)
+
 
 @dataclass(slots=True)
 class MatchResult:
@@ -256,21 +265,24 @@ class MatchRecord(NodeStore):
 
     def _new_chain(self, parent: int, ids: np.ndarray, cand: list[int], keys: list[bytes],
                    blocks: list[int]) -> None:
-        node_keys = self._keys
-        for n, key in zip(cand, keys):  # (a plain loop: faster than map over __setitem__)
-            node_keys[n] = key
-        new = np.empty((NEW_ROWS, len(cand)), dtype=np.int32)
-        new[PARENT, 0] = parent
-        new[PARENT, 1:] = ids[:-1]
-        new[CHILD, :-1] = ids[1:]
-        new[CHILD, -1] = -1
-        new[DEV] = blocks
-        new[REF] = 1
-        new[NDEV] = 1  # each node's one child is the next, on the device
-        new[NDEV, -1] = 0
-        new[STATE] = GPU
-        new[CONT] = new[CHILD]
-        self._f[:NEW_ROWS, ids] = new
+        if _new_chain_c is not None:  # the same writes, in one call
+            _new_chain_c(self._f, ids, parent, blocks, CHAIN_ROWS, GPU, self._keys, keys)
+        else:
+            node_keys = self._keys
+            for n, key in zip(cand, keys):  # (a plain loop: faster than map over __setitem__)
+                node_keys[n] = key
+            new = np.empty((NEW_ROWS, len(cand)), dtype=np.int32)
+            new[PARENT, 0] = parent
+            new[PARENT, 1:] = ids[:-1]
+            new[CHILD, :-1] = ids[1:]
+            new[CHILD, -1] = -1
+            new[DEV] = blocks
+            new[REF] = 1
+            new[NDEV] = 1  # each node's one child is the next, on the device
+            new[NDEV, -1] = 0
+            new[STATE] = GPU
+            new[CONT] = new[CHILD]
+            self._f[:NEW_ROWS, ids] = new
         self._link(cand[0], keys[0], parent)
         self._ndev_v[parent] += 1
         self._dev_cached += len(cand)

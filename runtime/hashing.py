@@ -119,7 +119,7 @@ class BlockHasher:
         full = len(arr) // self.block_size
         if full <= done:
             return []
-        data = arr[done * self.block_size:full * self.block_size].tobytes()
+        data = memoryview(arr[done * self.block_size:full * self.block_size]).cast("B")  # (no copy)
         parent = self.keys[-1] if done else self.root
         new = chain_keys(data, self.block_size, parent)
         self.keys.extend(new)
