@@ -265,7 +265,149 @@ done:
     return res;
 }
 
+/* drop_run(f, drop, par, top, rows, reset, node_keys, kmap, devs, stack, at) -> freed parents:
+   free the eviction run `drop` (int32 node ids, children before parents; `par` their parents;
+   `top` the indices of those whose parent stays), as `Eviction._drop_run` does in Python:
+   delete from the key map `kmap` the keys of nodes that are not their parent's continuation
+   (all decided before any unlinking), unlink each top from its parent's child list and
+   continuation and take one device child from the parent (the parents left with none are
+   returned, in order), clear their keys, append their device blocks to `devs`, reset their
+   columns to `reset` and put their ids on the free-id stack `stack` from index `at`.
+   rows = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV). Everything is checked before any write
+   but the key map deletes (a missing key raises KeyError, as in Python). */
+static PyObject *drop_run(PyObject *self, PyObject *args) {
+    PyObject *fobj, *dobj, *pobj, *sobj, *top, *rows, *reset, *node_keys, *kmap, *devs;
+    Py_ssize_t at;
+    Py_buffer f = {0}, d = {0}, p = {0}, st = {0};
+    PyObject *res = NULL, *ft = NULL, *freed = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOO!O!O!On", &fobj, &dobj, &pobj, &top, &rows, &reset,
+                          &PyList_Type, &node_keys, &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at))
+        return NULL;
+    if (PyObject_GetBuffer(fobj, &f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(dobj, &d, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(pobj, &p, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    if (f.ndim != 2 || !is_int32(&f) || d.ndim != 1 || !is_int32(&d) || p.ndim != 1 || !is_int32(&p) ||
+        st.ndim != 1 || !is_int32(&st) || d.shape[0] != p.shape[0] || !PyTuple_Check(rows) ||
+        PyTuple_GET_SIZE(rows) != 7 || !PyTuple_Check(reset) || PyTuple_GET_SIZE(reset) != f.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "drop_run: bad argument shapes or types");
+        goto done;
+    }
+    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], m = d.shape[0];
+    Py_ssize_t nkeys = PyList_GET_SIZE(node_keys);
+    long r[7];
+    for (int i = 0; i < 7; i++) {
+        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
+        if (r[i] < 0 || r[i] >= nrows) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "drop_run: row out of range");
+            goto done;
+        }
+    }
+    int32_t *M = f.buf;
+    const int32_t *drop = d.buf, *par = p.buf;
+    int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
+            *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *NDEV = M + r[5] * ncols,
+            *DEV = M + r[6] * ncols;
+    if (at < 0 || at + m > st.shape[0]) {
+        PyErr_SetString(PyExc_IndexError, "drop_run: the free-id stack overflows");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (drop[i] < 0 || drop[i] >= ncols || drop[i] >= nkeys || par[i] < 0 || par[i] >= ncols) {
+            PyErr_SetString(PyExc_IndexError, "drop_run: node id out of range");
+            goto done;
+        }
+    }
+    ft = PySequence_Fast(top, "top must be a sequence");
+    if (ft == NULL)
+        goto done;
+    Py_ssize_t ntop = PySequence_Fast_GET_SIZE(ft);
+    for (Py_ssize_t j = 0; j < ntop; j++) {
+        Py_ssize_t t = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j));
+        if (t < 0 || t >= m) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "drop_run: top index out of range");
+            goto done;
+        }
+        int32_t v = drop[t], q = PARENT[v], b = PREV[v], a = NEXT[v];
+        if (q < 0 || q >= ncols || b >= ncols || a >= ncols) {
+            PyErr_SetString(PyExc_ValueError, "drop_run: a top's links are out of range");
+            goto done;
+        }
+    }
+    int32_t reset_v[32];
+    if (nrows > 32) {
+        PyErr_SetString(PyExc_ValueError, "drop_run: too many rows");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
+        if (x == -1 && PyErr_Occurred())
+            goto done;
+        reset_v[i] = (int32_t)x;
+    }
+    freed = PyList_New(0);
+    if (freed == NULL)
+        goto done;
+    /* key map entries first, as found before any unlinking */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (CONT[par[i]] != drop[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, drop[i])) < 0)
+            goto done;
+    }
+    for (Py_ssize_t j = 0; j < ntop; j++) { /* `_detach_sibling`, then one device child fewer */
+        int32_t v = drop[PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j))];
+        int32_t q = PARENT[v], b = PREV[v], a = NEXT[v];
+        if (CONT[q] == v)
+            CONT[q] = -1;
+        if (b >= 0)
+            NEXT[b] = a;
+        else
+            CHILD[q] = a;
+        if (a >= 0)
+            PREV[a] = b;
+        if (--NDEV[q] == 0) {
+            PyObject *x = PyLong_FromLong(q);
+            if (x == NULL || PyList_Append(freed, x) < 0) {
+                Py_XDECREF(x);
+                goto done;
+            }
+            Py_DECREF(x);
+        }
+    }
+    int32_t *stack = st.buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = drop[i];
+        PyObject *x = PyLong_FromLong(DEV[v]);
+        if (x == NULL || PyList_Append(devs, x) < 0) {
+            Py_XDECREF(x);
+            goto done;
+        }
+        Py_DECREF(x);
+        PyObject *old = PyList_GET_ITEM(node_keys, v);
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(node_keys, v, Py_None);
+        Py_XDECREF(old);
+        for (Py_ssize_t k = 0; k < nrows; k++)
+            M[k * ncols + v] = reset_v[k];
+        stack[at + i] = v;
+    }
+    res = freed;
+    freed = NULL;
+done:
+    Py_XDECREF(freed);
+    Py_XDECREF(ft);
+    if (f.obj) PyBuffer_Release(&f);
+    if (d.obj) PyBuffer_Release(&d);
+    if (p.obj) PyBuffer_Release(&p);
+    if (st.obj) PyBuffer_Release(&st);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"drop_run", drop_run, METH_VARARGS,
+     "drop_run(f, drop, par, top, rows, reset, node_keys, kmap, devs, stack, at) -> parents left without device children"},
     {"new_chain", new_chain, METH_VARARGS,
      "new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): write a new chain's columns"},
     {"sketch_add", sketch_add, METH_VARARGS,

@@ -28,7 +28,17 @@ from ipc.protocol import TaskKind
 from .cache_nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
                           PREV, RESET, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
+try:
+    from ._cache_core import drop_run as _drop_run_c
+except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
+    _drop_run_c = None
+
 log = logging.getLogger(__name__)
+
+# the node matrix rows runtime/_cache_core.c's drop_run reads and writes, in its order; the
+# values a freed node's column is reset to
+DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV)
+RESET_ROW = tuple(RESET.tolist())
 
 
 class Eviction(NodeStore):
@@ -340,12 +350,36 @@ class Eviction(NodeStore):
         """Free the nodes `drop` (unreferenced GPU nodes whose children are all in `drop`, in
         eviction order; `par` their parents); `top` indexes those whose
         parent stays: only they are unlinked from a live node. Their parents that become
-        evictable leaves are queued at the front."""
+        evictable leaves are queued at the front. In C when the extension is built (one call
+        instead of a dozen numpy operations and three loops), the code below being the reference."""
+        keys = self._keys
+        m = len(drop)
+        if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
+            self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
+        top_ = self._top
+        if _drop_run_c is not None:
+            freed_parents = _drop_run_c(self._f, np.ascontiguousarray(drop, dtype=np.int32),
+                                        np.ascontiguousarray(par, dtype=np.int32), top, DROP_ROWS,
+                                        RESET_ROW, keys, self._map, devs, self._stack, top_)
+        else:
+            freed_parents = self._drop_run_py(drop, par, top, devs)
+        self._top = top_ + m
+        self._dev_cached -= m
+        self._idle -= m
+        state, ref = self._state_v, self._ref_v
+        for p in freed_parents:
+            if state[p] == GPU and ref[p] == 0 and p not in self._dev_lru:
+                self._dev_lru.push_front(p)
+
+    def _drop_run_py(self, drop: np.ndarray, par: np.ndarray, top: list[int], devs: list[int]) -> list[int]:
+        """`_drop_run`'s node surgery in Python: key map, unlinking, keys, blocks, columns, the
+        free-id stack (from `_top`, which the caller moves); the parents left without device
+        children."""
         f = self._f
         keys, kmap = self._keys, self._map
         for v in drop[f[CONT, par] != drop].tolist():
             del kmap[keys[v]]  # found through the key map, not as their parent's continuation
-        ndev, state, ref = self._ndev_v, self._state_v, self._ref_v
+        ndev = self._ndev_v
         freed_parents = []
         for v in drop[top].tolist():
             p = self._detach_sibling(v)
@@ -353,20 +387,12 @@ class Eviction(NodeStore):
             ndev[p] = left
             if left == 0:
                 freed_parents.append(p)
-        if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
-            self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
         for v in drop.tolist():  # (a plain loop: half the time of map over __setitem__)
             keys[v] = None
         devs += f[DEV, drop].tolist()
-        self._dev_cached -= len(drop)
-        self._idle -= len(drop)
         f[:, drop] = RESET[:, None]
-        top_ = self._top
-        self._stack[top_:top_ + len(drop)] = drop
-        self._top = top_ + len(drop)
-        for p in freed_parents:
-            if state[p] == GPU and ref[p] == 0 and p not in self._dev_lru:
-                self._dev_lru.push_front(p)
+        self._stack[self._top:self._top + len(drop)] = drop
+        return freed_parents
 
     def _drop_leaf(self, v: int, devs: list[int]) -> None:
         """Drop an unreferenced GPU leaf (no children, no task): `_unlink` + `_free_node`

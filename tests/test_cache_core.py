@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime import cache_match
-from runtime._cache_core import new_chain
+from runtime import cache_eviction, cache_match
+from runtime._cache_core import drop_run, new_chain
 from runtime.cache_nodes import CHILD, CONT, DEV, GPU, NDEV, PARENT, REF, STATE
 from runtime.cache_policy import make_policy
 from runtime.hashing import BlockHasher
@@ -35,11 +35,15 @@ def _replay(c: PrefixCache, seed: int) -> list:
 
 
 @pytest.mark.parametrize("name", ["reuse", "lru"])
-def test_c_chain_recording_equals_numpy(name, monkeypatch):
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("off", [(cache_match, "_new_chain_c"), (cache_eviction, "_drop_run_c")])
+def test_c_recording_and_eviction_equal_numpy(name, seed, off, monkeypatch):
+    """Recording a new chain (new_chain) and dropping an eviction run (drop_run, the batched
+    path without a host tier) in C or in numpy leave the same cache at every step."""
     cls = make_policy(name)
-    fast = _replay(PrefixCache(BS, 200, policy=cls), 1)
-    monkeypatch.setattr(cache_match, "_new_chain_c", None)
-    slow = _replay(PrefixCache(BS, 200, policy=cls), 1)
+    fast = _replay(PrefixCache(BS, 200, policy=cls), seed)
+    monkeypatch.setattr(*off, None)
+    slow = _replay(PrefixCache(BS, 200, policy=cls), seed)
     for step, (a, b) in enumerate(zip(fast, slow)):
         assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
 
@@ -60,3 +64,21 @@ def test_new_chain_checks_before_it_writes():
     assert f[CONT, [3, 5]].tolist() == [5, -1] and f[DEV, [3, 5]].tolist() == [10, 11]
     assert f[REF, [3, 5]].tolist() == [1, 1] and f[NDEV, [3, 5]].tolist() == [1, 0]
     assert f[STATE, [3, 5]].tolist() == [GPU, GPU] and keys[3] == b"a" and keys[5] == b"b"
+
+
+def test_drop_run_checks_before_it_writes():
+    f = np.full((11, 8), -1, dtype=np.int32)
+    stack = np.zeros(8, dtype=np.int32)
+    keys: list = [b"k%d" % i for i in range(8)]
+    kmap: dict = {}
+    rows = cache_eviction.DROP_ROWS
+    reset = cache_eviction.RESET_ROW
+    drop, par = np.array([3, 9], dtype=np.int32), np.array([0, 0], dtype=np.int32)
+    with pytest.raises(IndexError):
+        drop_run(f, drop, par, [1], rows, reset, keys, kmap, [], stack, 0)
+    drop = np.array([3, 4], dtype=np.int32)
+    with pytest.raises(IndexError):
+        drop_run(f, drop, par, [2], rows, reset, keys, kmap, [], stack, 0)
+    with pytest.raises(IndexError):
+        drop_run(f, drop, par, [1], rows, reset, keys, kmap, [], stack, 7)  # the stack overflows
+    assert (f == -1).all() and keys[3] == b"k3" and not stack.any()
