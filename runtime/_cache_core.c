@@ -405,7 +405,137 @@ done:
     return res;
 }
 
+/* A node matrix (int32, C order) and an int32 vector of node ids in it, checked. */
+static int matrix_and_ids(PyObject *fobj, PyObject *iobj, Py_buffer *f, Py_buffer *ids) {
+    if (PyObject_GetBuffer(fobj, f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (PyObject_GetBuffer(iobj, ids, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(f);
+        return -1;
+    }
+    if (f->ndim == 2 && is_int32(f) && ids->ndim == 1 && is_int32(ids)) {
+        const int32_t *id = ids->buf;
+        Py_ssize_t ncols = f->shape[1];
+        for (Py_ssize_t i = 0; i < ids->shape[0]; i++)
+            if (id[i] < 0 || id[i] >= ncols) {
+                PyErr_SetString(PyExc_IndexError, "node id out of range");
+                goto bad;
+            }
+        return 0;
+    }
+    PyErr_SetString(PyExc_ValueError, "need a C-ordered int32 matrix and int32 node ids");
+bad:
+    PyBuffer_Release(f);
+    PyBuffer_Release(ids);
+    return -1;
+}
+
+static int row_index(long r, const Py_buffer *f) {
+    if (r < 0 || r >= f->shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "row out of range");
+        return -1;
+    }
+    return 0;
+}
+
+/* touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu) -> (unused, blocks) or None:
+   when every node of `path` is in state `gpu`, take a reference on each and count a hit (what
+   `MatchRecord._touch` does for an all-device match) and return how many were unreferenced
+   and their device blocks, in path order; otherwise change nothing and return None. */
+static PyObject *touch_device(PyObject *self, PyObject *args) {
+    PyObject *fobj, *pobj;
+    long rr, rh, rs, rd, gpu;
+    Py_buffer f, pb;
+    if (!PyArg_ParseTuple(args, "OOlllll", &fobj, &pobj, &rr, &rh, &rs, &rd, &gpu))
+        return NULL;
+    if (matrix_and_ids(fobj, pobj, &f, &pb) < 0)
+        return NULL;
+    PyObject *res = NULL, *blocks = NULL;
+    if (row_index(rr, &f) < 0 || row_index(rh, &f) < 0 || row_index(rs, &f) < 0 || row_index(rd, &f) < 0)
+        goto done;
+    Py_ssize_t ncols = f.shape[1], n = pb.shape[0];
+    int32_t *M = f.buf;
+    int32_t *REF = M + rr * ncols, *HITS = M + rh * ncols, *STATE = M + rs * ncols, *DEV = M + rd * ncols;
+    const int32_t *path = pb.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (STATE[path[i]] != gpu) {
+            res = Py_None;
+            Py_INCREF(res);
+            goto done;
+        }
+    blocks = PyList_New(n);
+    if (blocks == NULL)
+        goto done;
+    long unused = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t v = path[i];
+        PyObject *b = PyLong_FromLong(DEV[v]);
+        if (b == NULL)
+            goto done;
+        PyList_SET_ITEM(blocks, i, b);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t v = path[i];
+        unused += REF[v] == 0;
+        REF[v] += 1;
+        HITS[v] += 1;
+    }
+    res = Py_BuildValue("lO", unused, blocks);
+done:
+    Py_XDECREF(blocks);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&pb);
+    return res;
+}
+
+/* deref(f, path, ref_row, state_row, gpu, out) -> (k, all_gpu): drop one reference on each node
+   of `path`, tail first, writing the nodes left unreferenced to out[:k] (int32) in that order;
+   all_gpu: all of them are in state `gpu` (what `MatchRecord._deref` computes first). */
+static PyObject *deref(PyObject *self, PyObject *args) {
+    PyObject *fobj, *pobj, *oobj;
+    long rr, rs, gpu;
+    Py_buffer f, pb, out;
+    if (!PyArg_ParseTuple(args, "OOlllO", &fobj, &pobj, &rr, &rs, &gpu, &oobj))
+        return NULL;
+    if (matrix_and_ids(fobj, pobj, &f, &pb) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    if (PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&f);
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    Py_ssize_t ncols = f.shape[1], n = pb.shape[0];
+    if (row_index(rr, &f) < 0 || row_index(rs, &f) < 0)
+        goto done;
+    if (out.ndim != 1 || !is_int32(&out) || out.shape[0] < n) {
+        PyErr_SetString(PyExc_ValueError, "deref: out must be int32, as long as the path");
+        goto done;
+    }
+    int32_t *M = f.buf, *o = out.buf;
+    int32_t *REF = M + rr * ncols, *STATE = M + rs * ncols;
+    const int32_t *path = pb.buf;
+    Py_ssize_t k = 0;
+    int all_gpu = 1;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        int32_t v = path[i];
+        if (--REF[v] == 0) {
+            o[k++] = v;
+            all_gpu &= STATE[v] == gpu;
+        }
+    }
+    res = Py_BuildValue("nO", k, all_gpu ? Py_True : Py_False);
+done:
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&out);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"touch_device", touch_device, METH_VARARGS,
+     "touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu) -> (unused, blocks) or None"},
+    {"deref", deref, METH_VARARGS, "deref(f, path, ref_row, state_row, gpu, out) -> (k, all_gpu)"},
     {"drop_run", drop_run, METH_VARARGS,
      "drop_run(f, drop, par, top, rows, reset, node_keys, kmap, devs, stack, at) -> parents left without device children"},
     {"new_chain", new_chain, METH_VARARGS,

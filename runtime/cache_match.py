@@ -26,10 +26,10 @@ from ipc.protocol import TaskKind
 from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, HOST, NDEV, NEW_ROWS, NO_NODES, PARENT,
                           REF, ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
-try:
-    from ._cache_core import new_chain as _new_chain_c
+try:  # the per-request node matrix work in C (runtime/_cache_core.c); the numpy code is the reference
+    from ._cache_core import deref as _deref_c, new_chain as _new_chain_c, touch_device as _touch_c
 except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _new_chain_c = None
+    _deref_c = _new_chain_c = _touch_c = None
 
 
 # the node matrix rows a new chain writes, in the order runtime/_cache_core.c's new_chain takes them
@@ -119,6 +119,14 @@ class MatchRecord(NodeStore):
         entries -1 until issued) when the device has no free blocks for it yet. Returns
         (device hits, host hits)."""
         f = self._f
+        if _touch_c is not None:  # all on the device (the common case): one call
+            done = _touch_c(f, a, REF, HITS, STATE, DEV, GPU)
+            if done is not None:
+                self._dev_lru.discard(a)
+                self._idle -= done[0]
+                req.path = a
+                req.blocks = done[1]
+                return len(a), 0
         g = f[DEV:STATE + 1, a]
         refs = g[REF - DEV]
         f[REF, a] = refs + 1
@@ -362,14 +370,22 @@ class MatchRecord(NodeStore):
         so that a chain's deepest block is evicted first."""
         if not len(path):
             return
-        a = path[::-1]
         f = self._f
-        r = f[REF, a] - 1
-        f[REF, a] = r
-        zero = a[r == 0]
-        if not len(zero):
-            return
-        st = f[STATE, zero]
+        if _deref_c is not None:
+            zero = np.empty(len(path), dtype=np.int32)
+            k, all_gpu = _deref_c(f, path, REF, STATE, GPU, zero)
+            zero = zero[:k]
+            if not k:
+                return
+            st = NO_NODES if all_gpu else f[STATE, zero]
+        else:
+            a = path[::-1]
+            r = f[REF, a] - 1
+            f[REF, a] = r
+            zero = a[r == 0]
+            if not len(zero):
+                return
+            st = f[STATE, zero]
         if not st.any():
             self._dev_lru.push(zero)
             self._idle += len(zero)

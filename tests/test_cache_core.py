@@ -8,13 +8,19 @@ import numpy as np
 import pytest
 
 from runtime import cache_eviction, cache_match
-from runtime._cache_core import drop_run, new_chain
-from runtime.cache_nodes import CHILD, CONT, DEV, GPU, NDEV, PARENT, REF, STATE
+from runtime._cache_core import deref, drop_run, new_chain, touch_device
+from runtime.cache_nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
 from runtime.cache_policy import make_policy
 from runtime.hashing import BlockHasher
 from runtime.prefix_cache import PrefixCache
 
 BS = 4
+
+
+def _settle(c: PrefixCache) -> None:
+    while tasks := c.take_tasks():
+        for t in tasks:
+            c.apply_task_result(t.task_id, True)
 
 
 def _replay(c: PrefixCache, seed: int) -> list:
@@ -25,10 +31,14 @@ def _replay(c: PrefixCache, seed: int) -> list:
     for i in range(150):
         base = bases[int(rng.integers(0, 3))][:int(rng.integers(0, 120))]
         tokens = np.concatenate([base, rng.integers(0, 1 << 20, int(rng.integers(1, 40))).astype(np.int32)])
-        c.match(i, BlockHasher(BS).update(tokens), len(tokens))
-        if c.allocate(i, len(tokens)) is not None:
+        if not c.match(i, BlockHasher(BS).update(tokens), len(tokens)).ready:
+            _settle(c)
+        if c.allocate(i, len(tokens)) is None:
+            _settle(c)
+        if c.is_ready(i) and c.allocate(i, len(tokens)) is not None:
             c.update(i, len(tokens))
         c.release(i)
+        _settle(c)
         states.append((c._f.copy(), list(c._keys), dict(c._map), c._dev_lru.members(), c.snapshot()))
     c.check()
     return states
@@ -36,14 +46,18 @@ def _replay(c: PrefixCache, seed: int) -> list:
 
 @pytest.mark.parametrize("name", ["reuse", "lru"])
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("off", [(cache_match, "_new_chain_c"), (cache_eviction, "_drop_run_c")])
-def test_c_recording_and_eviction_equal_numpy(name, seed, off, monkeypatch):
-    """Recording a new chain (new_chain) and dropping an eviction run (drop_run, the batched
-    path without a host tier) in C or in numpy leave the same cache at every step."""
+@pytest.mark.parametrize("host", [0, 300])
+@pytest.mark.parametrize("off", [(cache_match, "_new_chain_c"), (cache_eviction, "_drop_run_c"),
+                                 (cache_match, "_touch_c"), (cache_match, "_deref_c")])
+def test_c_node_work_equals_numpy(name, seed, host, off, monkeypatch):
+    """Recording a new chain (new_chain), dropping an eviction run (drop_run, the batched path
+    without a host tier), referencing a matched path (touch_device, all on the device; a path
+    with host hits falls back) and releasing one (deref) in C or in numpy leave the same cache
+    at every step, with and without a host tier."""
     cls = make_policy(name)
-    fast = _replay(PrefixCache(BS, 200, policy=cls), seed)
+    fast = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
     monkeypatch.setattr(*off, None)
-    slow = _replay(PrefixCache(BS, 200, policy=cls), seed)
+    slow = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
     for step, (a, b) in enumerate(zip(fast, slow)):
         assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
 
@@ -82,3 +96,22 @@ def test_drop_run_checks_before_it_writes():
     with pytest.raises(IndexError):
         drop_run(f, drop, par, [1], rows, reset, keys, kmap, [], stack, 7)  # the stack overflows
     assert (f == -1).all() and keys[3] == b"k3" and not stack.any()
+
+
+def test_touch_and_deref_leave_a_path_off_the_device_alone():
+    f = np.zeros((11, 8), dtype=np.int32)
+    f[STATE, 5] = CPU
+    f[DEV, [2, 5]] = [7, 9]
+    before = f.copy()
+    assert touch_device(f, np.array([2, 5], dtype=np.int32), REF, HITS, STATE, DEV, GPU) is None
+    assert (f == before).all()
+    assert touch_device(f, np.array([2, 3], dtype=np.int32), REF, HITS, STATE, DEV, GPU) == (2, [7, 0])
+    assert f[REF, [2, 3]].tolist() == [1, 1] and f[HITS, [2, 3]].tolist() == [1, 1]
+    f[REF, 5] = 2
+    out = np.empty(3, dtype=np.int32)
+    assert deref(f, np.array([2, 5, 3], dtype=np.int32), REF, STATE, GPU, out) == (2, True)
+    assert out[:2].tolist() == [3, 2] and f[REF, 5] == 1
+    with pytest.raises(IndexError):
+        deref(f, np.array([8], dtype=np.int32), REF, STATE, GPU, out)
+    with pytest.raises(ValueError):
+        deref(f, np.array([2, 5, 3, 4], dtype=np.int32), REF, STATE, GPU, out)  # out too short
