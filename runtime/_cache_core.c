@@ -405,6 +405,78 @@ done:
     return res;
 }
 
+/* sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes
+   (nothing changed): `PrefixCache._remember_uses` in one call. Each of `nodes` (int32) gets
+   hits[node] = max(hits[node], e) where e is its key's count minus one, capped by `cap` (None:
+   no cap) and by every earlier key's (a running minimum), and at least 0. `hits` is an int32
+   row of the node matrix. */
+static PyObject *sketch_raise(PyObject *self, PyObject *args) {
+    PyObject *r0o, *r1o, *keys, *hobj, *nobj, *capo;
+    unsigned long long mask;
+    Py_buffer r0 = {0}, r1 = {0}, h = {0}, nb = {0};
+    PyObject *fast = NULL, *res = NULL;
+    uint64_t *slots = NULL;
+    if (!PyArg_ParseTuple(args, "OOOKOOO", &r0o, &r1o, &keys, &mask, &hobj, &nobj, &capo))
+        return NULL;
+    if (PyObject_GetBuffer(r0o, &r0, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(r1o, &r1, PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(hobj, &h, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if ((Py_ssize_t)mask >= r0.len || (Py_ssize_t)mask >= r1.len || h.ndim != 1 || !is_int32(&h) ||
+        nb.ndim != 1 || !is_int32(&nb) || nb.shape[0] != n) {
+        PyErr_SetString(PyExc_ValueError, "sketch_raise: bad rows, hits or nodes");
+        goto done;
+    }
+    long cap = 0;
+    int capped = capo != Py_None;
+    if (capped && (cap = PyLong_AsLong(capo)) == -1 && PyErr_Occurred())
+        goto done;
+    const int32_t *nodes = nb.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (nodes[i] < 0 || nodes[i] >= h.shape[0]) {
+            PyErr_SetString(PyExc_IndexError, "sketch_raise: node id out of range");
+            goto done;
+        }
+    slots = PyMem_Malloc(2 * (n ? n : 1) * sizeof(uint64_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!key_slots(fast, mask, slots, slots + n)) {
+        res = Py_False;
+        Py_INCREF(res);
+        goto done;
+    }
+    const uint8_t *a0 = r0.buf, *a1 = r1.buf;
+    int32_t *hits = h.buf;
+    long run = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long c0 = a0[slots[i]], c1 = a1[slots[n + i]];
+        long e = (c0 < c1 ? c0 : c1) - 1;
+        if (i == 0)
+            run = capped && cap < e ? cap : e;
+        else if (e < run)
+            run = e;
+        long v = run > 0 ? run : 0;
+        if (hits[nodes[i]] < v)
+            hits[nodes[i]] = (int32_t)v;
+    }
+    res = Py_True;
+    Py_INCREF(res);
+done:
+    PyMem_Free(slots);
+    Py_XDECREF(fast);
+    if (r0.obj) PyBuffer_Release(&r0);
+    if (r1.obj) PyBuffer_Release(&r1);
+    if (h.obj) PyBuffer_Release(&h);
+    if (nb.obj) PyBuffer_Release(&nb);
+    return res;
+}
+
 /* A node matrix (int32, C order) and an int32 vector of node ids in it, checked. */
 static int matrix_and_ids(PyObject *fobj, PyObject *iobj, Py_buffer *f, Py_buffer *ids) {
     if (PyObject_GetBuffer(fobj, f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
@@ -533,6 +605,8 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"sketch_raise", sketch_raise, METH_VARARGS,
+     "sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes"},
     {"touch_device", touch_device, METH_VARARGS,
      "touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu) -> (unused, blocks) or None"},
     {"deref", deref, METH_VARARGS, "deref(f, path, ref_row, state_row, gpu, out) -> (k, all_gpu)"},

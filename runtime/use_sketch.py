@@ -19,9 +19,9 @@ from typing import Sequence
 import numpy as np
 
 try:
-    from ._cache_core import sketch_add as _add_c, sketch_count as _count_c
+    from ._cache_core import sketch_add as _add_c, sketch_count as _count_c, sketch_raise as _raise_c
 except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _add_c = _count_c = None
+    _add_c = _count_c = _raise_c = None
 
 MIN_BITS, MAX_BITS = 16, 24
 SLOTS_PER_NODE = 64
@@ -76,3 +76,10 @@ class UseSketch:
                 return out
         a, b = self._slots(keys)
         return np.minimum(self._r0[a], self._r1[b]).astype(np.int32)
+
+    def raise_hits(self, keys: Sequence[bytes], hits: np.ndarray, nodes: np.ndarray, cap: int | None) -> bool:
+        """Raise `hits[nodes]` (an int32 row) to the counts of their `keys` minus one, each
+        capped by `cap` (None: no cap) and by the keys before it, at least 0, in one C call;
+        False (nothing changed) where that cannot be done (not built, keys not 16 bytes): the
+        caller then does it with `count`."""
+        return _raise_c is not None and _raise_c(self._r0, self._r1, keys, self._int_mask, hits, nodes, cap)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime import cache_eviction, cache_match
+from runtime import cache_eviction, cache_match, use_sketch
 from runtime._cache_core import deref, drop_run, new_chain, touch_device
 from runtime.cache_nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
 from runtime.cache_policy import make_policy
@@ -48,12 +48,14 @@ def _replay(c: PrefixCache, seed: int) -> list:
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("host", [0, 300])
 @pytest.mark.parametrize("off", [(cache_match, "_new_chain_c"), (cache_eviction, "_drop_run_c"),
-                                 (cache_match, "_touch_c"), (cache_match, "_deref_c")])
+                                 (cache_match, "_touch_c"), (cache_match, "_deref_c"),
+                                 (use_sketch, "_raise_c")])
 def test_c_node_work_equals_numpy(name, seed, host, off, monkeypatch):
     """Recording a new chain (new_chain), dropping an eviction run (drop_run, the batched path
     without a host tier), referencing a matched path (touch_device, all on the device; a path
-    with host hits falls back) and releasing one (deref) in C or in numpy leave the same cache
-    at every step, with and without a host tier."""
+    with host hits falls back), releasing one (deref) and giving recorded blocks the uses the
+    sketch remembers (sketch_raise, the `reuse` policy) in C or in numpy leave the same cache at
+    every step, with and without a host tier."""
     cls = make_policy(name)
     fast = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
     monkeypatch.setattr(*off, None)

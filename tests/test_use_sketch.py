@@ -54,3 +54,32 @@ def test_keys_that_are_not_16_bytes_take_the_reference_path(monkeypatch):
     slow.add(keys)
     assert np.array_equal(fast._rows, slow._rows) and fast._rows.any()
     assert np.array_equal(got, slow.count(keys))
+
+
+def test_raising_hits_in_c_equals_counting(monkeypatch):
+    """`raise_hits` (one C call) gives recorded nodes exactly what `count` and numpy give them:
+    count - 1, capped by the parent's and by every earlier key's, at least 0, never lowered."""
+    rng = np.random.default_rng(11)
+    sketch = UseSketch(100)
+    raw = rng.bytes(16 * 300)
+    pool = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+    for _ in range(400):
+        sketch.add([pool[int(j)] for j in rng.choice(300, size=40, replace=False)])
+    cases = []
+    for _ in range(200):
+        keys = [pool[int(j)] for j in rng.choice(300, size=int(rng.integers(1, 30)), replace=False)]
+        nodes = rng.choice(500, size=len(keys), replace=False).astype(np.int32)
+        hits = rng.integers(0, 4, 500).astype(np.int32)
+        cap = None if rng.random() < 0.3 else int(rng.integers(0, 6))
+        cases.append((keys, nodes, hits, cap))
+    for keys, nodes, hits, cap in cases:
+        want = hits.copy()
+        earlier = sketch.count(keys) - 1
+        if cap is not None:
+            earlier[0] = min(earlier[0], cap)
+        want[nodes] = np.maximum(want[nodes], np.maximum(np.minimum.accumulate(earlier), 0))
+        got = hits.copy()
+        assert sketch.raise_hits(keys, got, nodes, cap)
+        assert np.array_equal(got, want)
+    monkeypatch.setattr(use_sketch, "_raise_c", None)
+    assert not sketch.raise_hits(cases[0][0], cases[0][2].copy(), cases[0][1], None)
