@@ -604,7 +604,68 @@ done:
     return res;
 }
 
+/* chain_tops(f, cand, par, ndev_row) -> tops or None: is the eviction run `cand` (int32; `par`
+   its parents) whole chains released deepest first, each node's only device child right before
+   it (NDEV of the first 0, of each later one 1 exactly when the node before is its child)? If
+   so, the indices of the nodes whose parent is not the next node (each chain's top; the last
+   node always), else None. What `Eviction._drop_batched` checks with half a dozen numpy calls. */
+static PyObject *chain_tops(PyObject *self, PyObject *args) {
+    PyObject *fobj, *cobj, *pobj;
+    long rn;
+    Py_buffer f, cb, pb;
+    if (!PyArg_ParseTuple(args, "OOOl", &fobj, &cobj, &pobj, &rn))
+        return NULL;
+    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+        return NULL;
+    PyObject *res = NULL, *tops = NULL;
+    if (PyObject_GetBuffer(pobj, &pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&f);
+        PyBuffer_Release(&cb);
+        return NULL;
+    }
+    Py_ssize_t m = cb.shape[0];
+    if (row_index(rn, &f) < 0)
+        goto done;
+    if (pb.ndim != 1 || !is_int32(&pb) || pb.shape[0] != m) {
+        PyErr_SetString(PyExc_ValueError, "chain_tops: par must be int32, as long as the run");
+        goto done;
+    }
+    const int32_t *cand = cb.buf, *par = pb.buf, *NDEV = (int32_t *)f.buf + rn * f.shape[1];
+    if (m && NDEV[cand[0]] != 0) {
+        res = Py_None;
+        Py_INCREF(res);
+        goto done;
+    }
+    for (Py_ssize_t i = 1; i < m; i++)
+        if (NDEV[cand[i]] != (par[i - 1] == cand[i])) {
+            res = Py_None;
+            Py_INCREF(res);
+            goto done;
+        }
+    tops = PyList_New(0);
+    if (tops == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (i == m - 1 || par[i] != cand[i + 1]) {
+            PyObject *x = PyLong_FromSsize_t(i);
+            if (x == NULL || PyList_Append(tops, x) < 0) {
+                Py_XDECREF(x);
+                goto done;
+            }
+            Py_DECREF(x);
+        }
+    res = tops;
+    tops = NULL;
+done:
+    Py_XDECREF(tops);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&pb);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"chain_tops", chain_tops, METH_VARARGS, "chain_tops(f, cand, par, ndev_row) -> tops of a run of whole chains, or None"},
     {"sketch_raise", sketch_raise, METH_VARARGS,
      "sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes"},
     {"touch_device", touch_device, METH_VARARGS,

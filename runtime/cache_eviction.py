@@ -29,9 +29,9 @@ from .cache_nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON
                           PREV, RESET, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
 try:
-    from ._cache_core import drop_run as _drop_run_c
+    from ._cache_core import chain_tops as _chain_tops_c, drop_run as _drop_run_c
 except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _drop_run_c = None
+    _chain_tops_c = _drop_run_c = None
 
 log = logging.getLogger(__name__)
 
@@ -151,16 +151,14 @@ class Eviction(NodeStore):
             m = len(cand)
             if not m:
                 break
-            par, nd = f[PARENT, cand], f[NDEV, cand]  # (row by row: a 2-D gather costs more)
-            link = par[:-1] == cand[1:]  # the next node of the run is this one's parent
-            if nd[0] == 0 and (nd[1:] == link).all():
+            par = f[PARENT, cand]
+            top = self._chain_tops(cand, par)
+            if top is not None:
                 # the usual run: chains released deepest first, each node's only device child
                 # right before it; all go, and only each chain's top has a parent that stays
                 ev = None
-                top = np.flatnonzero(~link).tolist()
-                top.append(m - 1)
             else:
-                ev, top = self._evictable(cand, par, nd)
+                ev, top = self._evictable(cand, par, f[NDEV, cand])
             cut = self._first_trigger(cand, par, top, ev is not None and not ev.all())
             if cut < m:
                 self._push_back(policy, cand[cut:].tolist())
@@ -202,24 +200,22 @@ class Eviction(NodeStore):
             m = len(cand)
             if not m:
                 break
-            g = f[:, cand]
-            par, nd = g[PARENT], g[NDEV]
+            par = f[PARENT, cand]
+            nd = None
             if wanted:
                 back = np.fromiter((v in wanted for v in cand.tolist()), dtype=bool, count=m)
                 if back.any():
-                    nd = nd.copy()
+                    nd = f[NDEV, cand]
                     nd[back] = m + 1  # never evictable in this run: parked as `pop` parks it
-            link = par[:-1] == cand[1:]
-            if nd[0] == 0 and (nd[1:] == link).all():
+            top = self._chain_tops(cand, par) if nd is None else None
+            if top is not None:
                 # the usual run: whole chains, each node's only device child right before it
                 ev = None
-                top = np.flatnonzero(~link).tolist()
-                top.append(m - 1)
                 cut = self._first_trigger(cand, par, top, False)
                 at: np.ndarray | slice = slice(0, cut)
                 e = cut
             else:
-                ev, top = self._evictable(cand, par, nd)
+                ev, top = self._evictable(cand, par, f[NDEV, cand] if nd is None else nd)
                 cut = self._first_trigger(cand, par, top, not ev.all())
                 at = np.flatnonzero(ev[:cut])
                 e = len(at)
@@ -284,6 +280,18 @@ class Eviction(NodeStore):
         for p in outside:  # at most the last victim's parent qualifies: the run is cut there
             if ndev[p] == 0 and state[p] == GPU and ref[p] == 0 and p not in lru:
                 lru.push_front(p)
+
+    def _chain_tops(self, cand: np.ndarray, par: np.ndarray) -> list[int] | None:
+        """Is the run `cand` (parents `par`) whole chains released deepest first, each node's
+        only device child right before it? Then the indices of the chains' tops (whose parent
+        is not the next node; the last node always), else None. One C call when built."""
+        if _chain_tops_c is not None:
+            return _chain_tops_c(self._f, cand, par, NDEV)
+        nd = self._f[NDEV, cand]
+        link = par[:-1] == cand[1:]  # the next node of the run is this one's parent
+        if nd[0] == 0 and (nd[1:] == link).all():
+            return np.flatnonzero(~link).tolist() + [len(cand) - 1]
+        return None
 
     def _evictable(self, cand: np.ndarray, par: np.ndarray, nd: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """Which nodes of a run go (every device child comes earlier in the run and goes too;
