@@ -664,7 +664,53 @@ done:
     return res;
 }
 
+/* scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned): the scan of one entry of a
+   lazily invalidated queue (runtime/reuse_levels.py): walk `nodes` (int32) in order, taking
+   each node whose stamp (int64) is still `serial` (its stamp becomes -1, the node goes to
+   out[at + taken]), until `k` are taken; `scanned` is how many entries were walked. */
+static PyObject *scan_live(PyObject *self, PyObject *args) {
+    PyObject *sobj, *nobj, *oobj;
+    long long serial;
+    Py_ssize_t k, at;
+    Py_buffer st = {0}, nb = {0}, out = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOLnOn", &sobj, &nobj, &serial, &k, &oobj, &at))
+        return NULL;
+    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    if (st.ndim != 1 || st.itemsize != 8 || nb.ndim != 1 || !is_int32(&nb) || out.ndim != 1 ||
+        !is_int32(&out) || k < 0 || at < 0 || at + k > out.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "scan_live: need int64 stamps, int32 nodes and room in out");
+        goto done;
+    }
+    int64_t *stamp = st.buf;
+    const int32_t *nodes = nb.buf;
+    int32_t *o = out.buf;
+    Py_ssize_t n = nb.shape[0], cap = st.shape[0], taken = 0, i = 0;
+    for (; i < n && taken < k; i++) {
+        int32_t v = nodes[i];
+        if (v < 0 || v >= cap) {
+            PyErr_SetString(PyExc_IndexError, "scan_live: node id out of range");
+            goto done;
+        }
+        if (stamp[v] == serial) {
+            stamp[v] = -1;
+            o[at + taken++] = v;
+        }
+    }
+    res = Py_BuildValue("nn", taken, i);
+done:
+    if (st.obj) PyBuffer_Release(&st);
+    if (nb.obj) PyBuffer_Release(&nb);
+    if (out.obj) PyBuffer_Release(&out);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"scan_live", scan_live, METH_VARARGS,
+     "scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned)"},
     {"chain_tops", chain_tops, METH_VARARGS, "chain_tops(f, cand, par, ndev_row) -> tops of a run of whole chains, or None"},
     {"sketch_raise", sketch_raise, METH_VARARGS,
      "sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes"},

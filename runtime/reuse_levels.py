@@ -41,6 +41,11 @@ import heapq
 
 import numpy as np
 
+try:
+    from ._cache_core import scan_live as _scan_c
+except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
+    _scan_c = None
+
 # level of a use count: floor(2 * log2(1 + uses)), at most MAX_LEVEL (3 earlier uses): beyond
 # that more protection only keeps popular but finished prefixes (an agent loop that ended) in
 # the way of live ones
@@ -201,6 +206,8 @@ class ReuseLevels:
     def pop_many(self, k: int) -> np.ndarray:
         """Up to `k` nodes, as `k` calls of `pop` would return them: nothing is pushed meanwhile,
         so the heap's top entry stays on top until it is used up."""
+        if _scan_c is not None:  # each entry scanned in one C call, into one array
+            return self._pop_many_c(k)
         out: list[np.ndarray] = []
         got = 0
         heap = self._heap
@@ -227,6 +234,24 @@ class ReuseLevels:
         if not out:
             return np.empty(0, dtype=np.int32)
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _pop_many_c(self, k: int) -> np.ndarray:
+        """`pop_many` with each entry's scan in C (runtime/_cache_core.c scan_live)."""
+        out = np.empty(k, dtype=np.int32)
+        got = 0
+        heap = self._heap
+        while heap and got < k:
+            e = heap[0]
+            start = max(e[5], 0)
+            taken, scanned = _scan_c(self._stamp, np.asarray(e[4][start:], dtype=np.int32), e[3], k - got,
+                                     out, got)
+            got += taken
+            if got == k:
+                e[5] = start + scanned
+                break
+            heapq.heappop(heap)
+            self._queued -= len(e[4])
+        return out[:got]
 
     def members(self) -> list[int]:
         """Queued nodes through their live entries, in eviction order."""

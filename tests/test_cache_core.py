@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime import cache_eviction, cache_match, use_sketch
+from runtime import cache_eviction, cache_match, reuse_levels, use_sketch
 from runtime._cache_core import deref, drop_run, new_chain, touch_device
 from runtime.cache_nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
 from runtime.cache_policy import make_policy
@@ -45,17 +45,19 @@ def _replay(c: PrefixCache, seed: int) -> list:
 
 
 @pytest.mark.parametrize("name", ["reuse", "lru"])
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("host", [0, 300])
 @pytest.mark.parametrize("off", [(cache_match, "_new_chain_c"), (cache_eviction, "_drop_run_c"),
                                  (cache_match, "_touch_c"), (cache_match, "_deref_c"),
-                                 (use_sketch, "_raise_c"), (cache_eviction, "_chain_tops_c")])
+                                 (use_sketch, "_raise_c"), (cache_eviction, "_chain_tops_c"),
+                                 (reuse_levels, "_scan_c")])
 def test_c_node_work_equals_numpy(name, seed, host, off, monkeypatch):
     """Recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
     with host hits falls back), releasing one (deref) and giving recorded blocks the uses the
-    sketch remembers (sketch_raise, the `reuse` policy) in C or in numpy leave the same cache at
-    every step, with and without a host tier."""
+    sketch remembers (sketch_raise, the `reuse` policy), and the `reuse` policy's scan of its
+    queue for a run (scan_live) in C or in numpy leave the same cache (and queues) at every step,
+    with and without a host tier."""
     cls = make_policy(name)
     fast = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
     monkeypatch.setattr(*off, None)
@@ -117,3 +119,26 @@ def test_touch_and_deref_leave_a_path_off_the_device_alone():
         deref(f, np.array([8], dtype=np.int32), REF, STATE, GPU, out)
     with pytest.raises(ValueError):
         deref(f, np.array([2, 5, 3, 4], dtype=np.int32), REF, STATE, GPU, out)  # out too short
+
+
+def test_a_run_popped_in_c_is_what_pops_give():
+    """`ReuseLevels.pop_many` (each entry scanned in C) returns what as many `pop` calls return,
+    stale entries (discarded, pushed again) skipped, a partly used entry resumed."""
+    rng = np.random.default_rng(5)
+    hits = rng.integers(0, 5, 300).astype(np.int32)
+    queues = [reuse_levels.ReuseLevels(300, hits), reuse_levels.ReuseLevels(300, hits)]
+    for q in queues:
+        for j in range(15):
+            q.push(np.arange(20 * j + 19, 20 * j - 1, -1, dtype=np.int32))
+        q.discard(np.arange(0, 300, 7, dtype=np.int32))
+        q.push(np.arange(0, 300, 21, dtype=np.int32))
+    a, b = queues
+    while True:
+        k = int(rng.integers(1, 40))
+        got = a.pop_many(k)
+        want = [v for v in (b.pop() for _ in range(k)) if v >= 0]
+        assert got.dtype == np.int32 and got.tolist() == want
+        if not want:
+            break
+    with pytest.raises(ValueError):
+        reuse_levels._scan_c(a._stamp, np.zeros(3, dtype=np.int32), 0, 5, np.empty(4, dtype=np.int32), 0)
