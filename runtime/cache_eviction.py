@@ -26,7 +26,7 @@ import numpy as np
 from ipc.protocol import TaskKind
 
 from .cache_nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
-                          PREV, RESET, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
+                          PREV, RESET, STATE, SWAP2CPU, NodeStore)
 
 try:
     from ._cache_core import chain_tops as _chain_tops_c, drop_run as _drop_run_c
@@ -541,30 +541,44 @@ class Eviction(NodeStore):
         """`_drop_host_run` node by node, for a run of any shape, as popping one node at a time
         would: a node with children is parked; a dropped node's parent that becomes a host leaf
         keeps its turn if it is queued or comes later in the run, and otherwise is next in line:
-        the run ends there (the rest goes back to the front of the queue, behind that parent)."""
+        the run ends there (the rest goes back to the front of the queue, behind that parent).
+        Each node is unlinked in turn (the next one's fate reads the links); the dropped ones
+        are freed together at the end, in order, as `_free_node` frees them (host queue nodes
+        are CPU nodes without a task or a device block, already out of both queues)."""
+        f = self._f
+        if not (f[STATE, cand] == CPU).all():
+            raise RuntimeError("the host eviction queue holds a node that is not on the host only")
         child_v, parent_v, next_v, prev_v = self._child_v, self._parent_v, self._next_v, self._prev_v
-        state, ref, policy = self._state_v, self._ref_v, self._host_lru
+        cont_v, state, ref, policy = self._cont_v, self._state_v, self._ref_v, self._host_lru
+        keys, kmap = self._keys, self._map
         ids = cand.tolist()
         at = {v: i for i, v in enumerate(ids)}
-        dropped = 0
+        freed: list[int] = []
         for i, v in enumerate(ids):
             if child_v[v] >= 0:
                 continue  # parked: requeued when its last child leaves
             p = parent_v[v]
-            if at.get(p, -1) > i:  # still queued, in this run: `_unlink` without queueing it again
-                if self._cont_v[p] != v:
-                    del self._map[self._keys[v]]
-                self._detach_sibling(v)
-                if state[v] in (GPU, SWAP2GPU):
-                    self._device_child_gone(p)
-            else:
-                if (child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0 and state[p] == CPU
-                        and ref[p] == 0 and p not in policy):
-                    self._push_back(policy, ids[i + 1:])  # then `_unlink` queues p ahead of them
-                    self._unlink(v)
-                    self._free_node(v, [], hosts)
-                    return dropped + 1
-                self._unlink(v)
-            self._free_node(v, [], hosts)
-            dropped += 1
-        return dropped
+            last = (at.get(p, -1) <= i and child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0
+                    and state[p] == CPU and ref[p] == 0 and p not in policy)
+            if last:
+                self._push_back(policy, ids[i + 1:])
+            if cont_v[p] != v:  # `_unlink`
+                del kmap[keys[v]]
+            self._detach_sibling(v)
+            freed.append(v)
+            if last:
+                self._host_leaf_again(p)  # p is next, ahead of the rest
+                break
+        if self._obs is not None:
+            for v in freed:
+                self._tell_lost(v)
+        for v in freed:
+            keys[v] = None
+        hosts += f[HOST, freed].tolist()
+        self._host_cached -= len(freed)
+        f[:, freed] = RESET[:, None]
+        self._task[freed] = -1
+        top = self._top
+        self._stack[top:top + len(freed)] = freed
+        self._top = top + len(freed)
+        return len(freed)
