@@ -708,7 +708,63 @@ done:
     return res;
 }
 
+/* stamp_runs(stamp, nodes, level, serial) -> starts: split `nodes` (int32) into runs of equal
+   `level` (int64, one per node), stamp (int64) the nodes of the j-th run with serial + j, and
+   return where each run starts (0 first): the bookkeeping of one heap entry per run in
+   runtime/reuse_levels.py, without a numpy call per run. */
+static PyObject *stamp_runs(PyObject *self, PyObject *args) {
+    PyObject *sobj, *nobj, *lobj;
+    long long serial;
+    Py_buffer st = {0}, nb = {0}, lb = {0};
+    PyObject *res = NULL, *starts = NULL;
+    if (!PyArg_ParseTuple(args, "OOOL", &sobj, &nobj, &lobj, &serial))
+        return NULL;
+    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(lobj, &lb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    if (st.ndim != 1 || st.itemsize != 8 || nb.ndim != 1 || !is_int32(&nb) || lb.ndim != 1 ||
+        lb.itemsize != 8 || lb.shape[0] != nb.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "stamp_runs: need int64 stamps and levels, int32 nodes");
+        goto done;
+    }
+    int64_t *stamp = st.buf;
+    const int64_t *lv = lb.buf;
+    const int32_t *nodes = nb.buf;
+    Py_ssize_t n = nb.shape[0], cap = st.shape[0];
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (nodes[i] < 0 || nodes[i] >= cap) {
+            PyErr_SetString(PyExc_IndexError, "stamp_runs: node id out of range");
+            goto done;
+        }
+    starts = PyList_New(0);
+    if (starts == NULL)
+        goto done;
+    long long s = serial - 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i == 0 || lv[i] != lv[i - 1]) {
+            PyObject *x = PyLong_FromSsize_t(i);
+            if (x == NULL || PyList_Append(starts, x) < 0) {
+                Py_XDECREF(x);
+                goto done;
+            }
+            Py_DECREF(x);
+            s++;
+        }
+        stamp[nodes[i]] = s;
+    }
+    res = starts;
+    starts = NULL;
+done:
+    Py_XDECREF(starts);
+    if (st.obj) PyBuffer_Release(&st);
+    if (nb.obj) PyBuffer_Release(&nb);
+    if (lb.obj) PyBuffer_Release(&lb);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},
     {"scan_live", scan_live, METH_VARARGS,
      "scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned)"},
     {"chain_tops", chain_tops, METH_VARARGS, "chain_tops(f, cand, par, ndev_row) -> tops of a run of whole chains, or None"},

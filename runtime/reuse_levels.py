@@ -42,9 +42,9 @@ import heapq
 import numpy as np
 
 try:
-    from ._cache_core import scan_live as _scan_c
+    from ._cache_core import scan_live as _scan_c, stamp_runs as _stamp_runs_c
 except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _scan_c = None
+    _scan_c = _stamp_runs_c = None
 
 # level of a use count: floor(2 * log2(1 + uses)), at most MAX_LEVEL (3 earlier uses): beyond
 # that more protection only keeps popular but finished prefixes (an agent loop that ended) in
@@ -114,7 +114,15 @@ class ReuseLevels:
         bonus = max(1, int(self.bonus_scale() * min(MAX_BONUS, TURNOVERS_PER_LEVEL * self._capacity / avg)))
         prio = now + bonus * lv
         self._prio[nodes] = prio
-        if lv[0] == lv[-1] and (len(lv) < 3 or (lv == lv[0]).all()):
+        if _stamp_runs_c is not None and nodes.dtype == np.int32 and nodes.flags.c_contiguous:
+            s = self._serial  # the runs found and stamped in one C call, as the loop below does
+            starts = _stamp_runs_c(self._stamp, nodes, lv, s)
+            self._serial = s + len(starts)
+            heap = self._heap
+            for j, (a, b) in enumerate(zip(starts, starts[1:] + [len(nodes)])):
+                heapq.heappush(heap, [int(prio[a]), int(lv[a]), s + j, s + j, nodes[a:b], -1])
+            self._queued += len(nodes)
+        elif lv[0] == lv[-1] and (len(lv) < 3 or (lv == lv[0]).all()):
             self._add(nodes, int(prio[0]), int(lv[0]))
         else:  # levels grow toward the root: a few runs
             starts = [0] + (np.flatnonzero(lv[1:] != lv[:-1]) + 1).tolist()
