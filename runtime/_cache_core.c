@@ -763,7 +763,73 @@ done:
     return res;
 }
 
+/* walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched: the longest
+   cached prefix of keys[:limit], as `MatchRecord._walk` finds it: from the root (node 0)
+   follow each node's continuation while its key equals the next key, else look the key up in
+   `kmap` (a node found there must be a child of the current node); the nodes go to out[:matched]. */
+static PyObject *walk(PyObject *self, PyObject *args) {
+    PyObject *fobj, *node_keys, *kmap, *keys, *oobj;
+    long rc, rp;
+    Py_ssize_t limit;
+    Py_buffer f = {0}, out = {0};
+    PyObject *fast = NULL, *res = NULL;
+    if (!PyArg_ParseTuple(args, "OllO!O!OnO", &fobj, &rc, &rp, &PyList_Type, &node_keys, &PyDict_Type,
+                          &kmap, &keys, &limit, &oobj))
+        return NULL;
+    if (PyObject_GetBuffer(fobj, &f, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL)
+        goto done;
+    if (f.ndim != 2 || !is_int32(&f) || row_index(rc, &f) < 0 || row_index(rp, &f) < 0 ||
+        out.ndim != 1 || !is_int32(&out) || limit < 0 || limit > out.shape[0] ||
+        limit > PySequence_Fast_GET_SIZE(fast)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "walk: bad matrix, rows, limit or output");
+        goto done;
+    }
+    Py_ssize_t ncols = f.shape[1], nkeys = PyList_GET_SIZE(node_keys);
+    const int32_t *CONT = (int32_t *)f.buf + rc * ncols, *PARENT = (int32_t *)f.buf + rp * ncols;
+    int32_t *o = out.buf;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    int32_t n = 0;
+    Py_ssize_t i = 0;
+    for (; i < limit; i++) {
+        PyObject *key = items[i];
+        int32_t c = CONT[n];
+        int same = 0;
+        if (c >= 0 && c < nkeys) {
+            same = PyObject_RichCompareBool(PyList_GET_ITEM(node_keys, c), key, Py_EQ);
+            if (same < 0)
+                goto done;
+        }
+        if (!same) {
+            PyObject *hit = PyDict_GetItemWithError(kmap, key);
+            if (hit == NULL) {
+                if (PyErr_Occurred())
+                    goto done;
+                break;
+            }
+            long x = PyLong_AsLong(hit);
+            if (x == -1 && PyErr_Occurred())
+                goto done;
+            if (x < 0 || x >= ncols || PARENT[x] != n)
+                break;  /* (a key that was not chained: another branch) */
+            c = (int32_t)x;
+        }
+        o[i] = n = c;
+    }
+    res = PyLong_FromSsize_t(i);
+done:
+    Py_XDECREF(fast);
+    if (f.obj) PyBuffer_Release(&f);
+    if (out.obj) PyBuffer_Release(&out);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},
     {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},
     {"scan_live", scan_live, METH_VARARGS,
      "scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned)"},

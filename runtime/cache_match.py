@@ -27,9 +27,10 @@ from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, HOST, NDEV
                           REF, ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
 try:  # the per-request node matrix work in C (runtime/_cache_core.c); the numpy code is the reference
-    from ._cache_core import deref as _deref_c, new_chain as _new_chain_c, touch_device as _touch_c
+    from ._cache_core import (deref as _deref_c, new_chain as _new_chain_c, touch_device as _touch_c,
+                              walk as _walk_c)
 except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _deref_c = _new_chain_c = _touch_c = None
+    _deref_c = _new_chain_c = _touch_c = _walk_c = None
 
 
 # the node matrix rows a new chain writes, in the order runtime/_cache_core.c's new_chain takes them
@@ -91,6 +92,8 @@ class MatchRecord(NodeStore):
         """The tree nodes of keys[:limit]'s longest cached prefix, from the root down: follow
         each node's continuation while its key matches, ask the key map where it does not."""
         path = np.empty(limit, dtype=np.int32)
+        if _walk_c is not None:  # the same walk, in one call
+            return path[:_walk_c(self._f, CONT, PARENT, self._keys, self._map, keys, limit, path)]
         out = memoryview(path)
         cont, node_keys, get, parent = self._cont_v, self._keys, self._map.get, self._parent_v
         n = ROOT

@@ -50,9 +50,10 @@ def _replay(c: PrefixCache, seed: int) -> list:
 @pytest.mark.parametrize("off", [(cache_match, "_new_chain_c"), (cache_eviction, "_drop_run_c"),
                                  (cache_match, "_touch_c"), (cache_match, "_deref_c"),
                                  (use_sketch, "_raise_c"), (cache_eviction, "_chain_tops_c"),
-                                 (reuse_levels, "_scan_c"), (reuse_levels, "_stamp_runs_c")])
+                                 (reuse_levels, "_scan_c"), (reuse_levels, "_stamp_runs_c"),
+                                 (cache_match, "_walk_c")])
 def test_c_node_work_equals_numpy(name, seed, host, off, monkeypatch):
-    """Recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
+    """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
     with host hits falls back), releasing one (deref) and giving recorded blocks the uses the
     sketch remembers (sketch_raise, the `reuse` policy), and the `reuse` policy's scan of its
