@@ -20,8 +20,6 @@ once per victim, reading the node matrix through its memoryviews.
 from __future__ import annotations
 
 import logging
-from collections import deque
-from itertools import repeat
 
 import numpy as np
 
@@ -30,7 +28,17 @@ from ipc.protocol import TaskKind
 from .cache_nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
                           PREV, RESET, STATE, SWAP2CPU, NodeStore)
 
+try:
+    from ._cache_core import chain_tops as _chain_tops_c, drop_run as _drop_run_c
+except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
+    _chain_tops_c = _drop_run_c = None
+
 log = logging.getLogger(__name__)
+
+# the node matrix rows runtime/_cache_core.c's drop_run reads and writes, in its order; the
+# values a freed node's column is reset to
+DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV)
+RESET_ROW = tuple(RESET.tolist())
 
 
 class Eviction(NodeStore):
@@ -143,21 +151,17 @@ class Eviction(NodeStore):
             m = len(cand)
             if not m:
                 break
-            g = f[:, cand]
-            par, nd = g[PARENT], g[NDEV]
-            link = par[:-1] == cand[1:]  # the next node of the run is this one's parent
-            if nd[0] == 0 and (nd[1:] == link).all():
+            par = f[PARENT, cand]
+            top = self._chain_tops(cand, par)
+            if top is not None:
                 # the usual run: chains released deepest first, each node's only device child
                 # right before it; all go, and only each chain's top has a parent that stays
                 ev = None
-                top = np.flatnonzero(~link).tolist()
-                top.append(m - 1)
             else:
-                ev, top = self._evictable(cand, par, nd)
+                ev, top = self._evictable(cand, par, f[NDEV, cand])
             cut = self._first_trigger(cand, par, top, ev is not None and not ev.all())
             if cut < m:
-                for v in reversed(cand[cut:].tolist()):
-                    policy.push_front(v)
+                self._push_back(policy, cand[cut:].tolist())
                 if ev is None:  # whole chains: the cut (after a chain's top) splits none
                     top = [t for t in top if t < cut]
                     ev = np.zeros(m, dtype=bool)
@@ -166,11 +170,11 @@ class Eviction(NodeStore):
                     ev[cut:] = False
                     top = self._tops(cand[:cut], par[:cut], ev[:cut])
             if ev is None:
-                self._drop_run(cand, par, g, top, devs)
+                self._drop_run(cand, par, top, devs)
                 evicted += m
             elif ev.any():
                 at = np.flatnonzero(ev)
-                self._drop_run(cand[at], par[at], g[:, at], np.searchsorted(at, top).tolist(), devs)
+                self._drop_run(cand[at], par[at], np.searchsorted(at, top).tolist(), devs)
                 evicted += len(at)
         return evicted
 
@@ -196,24 +200,22 @@ class Eviction(NodeStore):
             m = len(cand)
             if not m:
                 break
-            g = f[:, cand]
-            par, nd = g[PARENT], g[NDEV]
+            par = f[PARENT, cand]
+            nd = None
             if wanted:
                 back = np.fromiter((v in wanted for v in cand.tolist()), dtype=bool, count=m)
                 if back.any():
-                    nd = nd.copy()
+                    nd = f[NDEV, cand]
                     nd[back] = m + 1  # never evictable in this run: parked as `pop` parks it
-            link = par[:-1] == cand[1:]
-            if nd[0] == 0 and (nd[1:] == link).all():
+            top = self._chain_tops(cand, par) if nd is None else None
+            if top is not None:
                 # the usual run: whole chains, each node's only device child right before it
                 ev = None
-                top = np.flatnonzero(~link).tolist()
-                top.append(m - 1)
                 cut = self._first_trigger(cand, par, top, False)
                 at: np.ndarray | slice = slice(0, cut)
                 e = cut
             else:
-                ev, top = self._evictable(cand, par, nd)
+                ev, top = self._evictable(cand, par, f[NDEV, cand] if nd is None else nd)
                 cut = self._first_trigger(cand, par, top, not ev.all())
                 at = np.flatnonzero(ev[:cut])
                 e = len(at)
@@ -228,8 +230,7 @@ class Eviction(NodeStore):
                 cut = e if ev is None else int(at[e])
                 at = slice(0, e) if ev is None else at[:e]
             if cut < m:
-                for v in reversed(cand[cut:].tolist()):
-                    policy.push_front(v)
+                self._push_back(policy, cand[cut:].tolist())
             if e:
                 if task_id < 0:
                     task_id = next(self._task_ids)
@@ -263,7 +264,8 @@ class Eviction(NodeStore):
         self._idle -= e
         ids = vs.tolist()
         victims += ids
-        victim_keys += map(self._keys.__getitem__, ids)
+        keys = self._keys
+        victim_keys += [keys[v] for v in ids]
         # each victim's device children went before it: none is left; only parents outside the
         # run (the chains' tops') lose device children that stay
         f[NDEV, vs] = 0
@@ -278,6 +280,18 @@ class Eviction(NodeStore):
         for p in outside:  # at most the last victim's parent qualifies: the run is cut there
             if ndev[p] == 0 and state[p] == GPU and ref[p] == 0 and p not in lru:
                 lru.push_front(p)
+
+    def _chain_tops(self, cand: np.ndarray, par: np.ndarray) -> list[int] | None:
+        """Is the run `cand` (parents `par`) whole chains released deepest first, each node's
+        only device child right before it? Then the indices of the chains' tops (whose parent
+        is not the next node; the last node always), else None. One C call when built."""
+        if _chain_tops_c is not None:
+            return _chain_tops_c(self._f, cand, par, NDEV)
+        nd = self._f[NDEV, cand]
+        link = par[:-1] == cand[1:]  # the next node of the run is this one's parent
+        if nd[0] == 0 and (nd[1:] == link).all():
+            return np.flatnonzero(~link).tolist() + [len(cand) - 1]
+        return None
 
     def _evictable(self, cand: np.ndarray, par: np.ndarray, nd: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """Which nodes of a run go (every device child comes earlier in the run and goes too;
@@ -340,17 +354,40 @@ class Eviction(NodeStore):
                 cut = at + 1
         return cut
 
-    def _drop_run(self, drop: np.ndarray, par: np.ndarray, g: np.ndarray, top: list[int],
-                  devs: list[int]) -> None:
+    def _drop_run(self, drop: np.ndarray, par: np.ndarray, top: list[int], devs: list[int]) -> None:
         """Free the nodes `drop` (unreferenced GPU nodes whose children are all in `drop`, in
-        eviction order; `par` their parents, `g` their matrix columns); `top` indexes those whose
+        eviction order; `par` their parents); `top` indexes those whose
         parent stays: only they are unlinked from a live node. Their parents that become
-        evictable leaves are queued at the front."""
+        evictable leaves are queued at the front. In C when the extension is built (one call
+        instead of a dozen numpy operations and three loops), the code below being the reference."""
+        keys = self._keys
+        m = len(drop)
+        if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
+            self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
+        top_ = self._top
+        if _drop_run_c is not None:
+            freed_parents = _drop_run_c(self._f, np.ascontiguousarray(drop, dtype=np.int32),
+                                        np.ascontiguousarray(par, dtype=np.int32), top, DROP_ROWS,
+                                        RESET_ROW, keys, self._map, devs, self._stack, top_)
+        else:
+            freed_parents = self._drop_run_py(drop, par, top, devs)
+        self._top = top_ + m
+        self._dev_cached -= m
+        self._idle -= m
+        state, ref = self._state_v, self._ref_v
+        for p in freed_parents:
+            if state[p] == GPU and ref[p] == 0 and p not in self._dev_lru:
+                self._dev_lru.push_front(p)
+
+    def _drop_run_py(self, drop: np.ndarray, par: np.ndarray, top: list[int], devs: list[int]) -> list[int]:
+        """`_drop_run`'s node surgery in Python: key map, unlinking, keys, blocks, columns, the
+        free-id stack (from `_top`, which the caller moves); the parents left without device
+        children."""
         f = self._f
         keys, kmap = self._keys, self._map
         for v in drop[f[CONT, par] != drop].tolist():
             del kmap[keys[v]]  # found through the key map, not as their parent's continuation
-        ndev, state, ref = self._ndev_v, self._state_v, self._ref_v
+        ndev = self._ndev_v
         freed_parents = []
         for v in drop[top].tolist():
             p = self._detach_sibling(v)
@@ -358,19 +395,12 @@ class Eviction(NodeStore):
             ndev[p] = left
             if left == 0:
                 freed_parents.append(p)
-        if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
-            self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
-        deque(map(keys.__setitem__, drop.tolist(), repeat(None)), maxlen=0)
-        devs += g[DEV].tolist()
-        self._dev_cached -= len(drop)
-        self._idle -= len(drop)
+        for v in drop.tolist():  # (a plain loop: half the time of map over __setitem__)
+            keys[v] = None
+        devs += f[DEV, drop].tolist()
         f[:, drop] = RESET[:, None]
-        top_ = self._top
-        self._stack[top_:top_ + len(drop)] = drop
-        self._top = top_ + len(drop)
-        for p in freed_parents:
-            if state[p] == GPU and ref[p] == 0 and p not in self._dev_lru:
-                self._dev_lru.push_front(p)
+        self._stack[self._top:self._top + len(drop)] = drop
+        return freed_parents
 
     def _drop_leaf(self, v: int, devs: list[int]) -> None:
         """Drop an unreferenced GPU leaf (no children, no task): `_unlink` + `_free_node`
@@ -444,11 +474,7 @@ class Eviction(NodeStore):
             cand = many(n - len(got))
             if not len(cand):
                 break
-            k = self._drop_host_run(cand, got)
-            if k < 0:  # not whole chains: the rest one at a time (a policy may rank nodes put
-                many = None  # back at the front one by one, so runs cut again and again cost)
-                k = -k - 1
-            dropped += k
+            dropped += self._drop_host_run(cand, got)
         self.metrics.evicted_host_blocks += dropped
         return got
 
@@ -463,8 +489,7 @@ class Eviction(NodeStore):
 
     def _drop_host_run(self, cand: np.ndarray, hosts: list[int]) -> int:
         """Drop the host leaves of the popped run `cand` as one-at-a-time eviction would, their
-        blocks appended to `hosts`; returns how many (-1 - how many when the run went node by
-        node). A run whose every node is a leaf once the
+        blocks appended to `hosts`; returns how many. A run whose every node is a leaf once the
         nodes before it are gone (a chain's only child comes right before it) is freed at once;
         it is cut after the first node whose drop makes its parent an unqueued host leaf (that
         parent comes next), the rest going back to the front of the queue."""
@@ -480,7 +505,7 @@ class Eviction(NodeStore):
                  and ((child[1:] < 0) | (only & (child[1:] == cand[:-1]))).all()
                  and not (link & ~only).any())
         if not usual:
-            return -1 - self._drop_host_slow(cand, hosts)
+            return self._drop_host_slow(cand, hosts)
         keys, kmap = self._keys, self._map
         mapped = f[CONT, par] != cand  # found through the key map, not as their parent's continuation
         child_v, state, ref = self._child_v, self._state_v, self._ref_v
@@ -493,15 +518,15 @@ class Eviction(NodeStore):
                 cut, leaf = t + 1, p  # that parent is next in line
                 break
         if cut < m:
-            for v in reversed(cand[cut:].tolist()):
-                policy.push_front(v)
+            self._push_back(policy, cand[cut:].tolist())
             cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
         drop = cand.tolist()
         for v in cand[mapped].tolist():
             del kmap[keys[v]]
         if self._obs is not None:  # host-only nodes
             self._obs.removed(ON_HOST, [keys[v] for v in drop])
-        deque(map(keys.__setitem__, drop, repeat(None)), maxlen=0)
+        for v in drop:
+            keys[v] = None
         hosts += g[HOST].tolist()
         self._host_cached -= cut
         f[:, cand] = RESET[:, None]
@@ -513,25 +538,47 @@ class Eviction(NodeStore):
         return cut
 
     def _drop_host_slow(self, cand: np.ndarray, hosts: list[int]) -> int:
-        """`_drop_host_run` node by node, for a run of any shape: a node with children is parked;
-        a drop that makes its parent an unqueued host leaf ends the run (the rest goes back to
-        the front of the queue, behind that parent)."""
+        """`_drop_host_run` node by node, for a run of any shape, as popping one node at a time
+        would: a node with children is parked; a dropped node's parent that becomes a host leaf
+        keeps its turn if it is queued or comes later in the run, and otherwise is next in line:
+        the run ends there (the rest goes back to the front of the queue, behind that parent).
+        Each node is unlinked in turn (the next one's fate reads the links); the dropped ones
+        are freed together at the end, in order, as `_free_node` frees them (host queue nodes
+        are CPU nodes without a task or a device block, already out of both queues)."""
+        f = self._f
+        if not (f[STATE, cand] == CPU).all():
+            raise RuntimeError("the host eviction queue holds a node that is not on the host only")
         child_v, parent_v, next_v, prev_v = self._child_v, self._parent_v, self._next_v, self._prev_v
-        state, ref = self._state_v, self._ref_v
+        cont_v, state, ref, policy = self._cont_v, self._state_v, self._ref_v, self._host_lru
+        keys, kmap = self._keys, self._map
         ids = cand.tolist()
-        dropped = 0
+        at = {v: i for i, v in enumerate(ids)}
+        freed: list[int] = []
         for i, v in enumerate(ids):
             if child_v[v] >= 0:
                 continue  # parked: requeued when its last child leaves
             p = parent_v[v]
-            if (child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0 and state[p] == CPU
-                    and ref[p] == 0):
-                for w in reversed(ids[i + 1:]):  # so that a parent among them is queued again
-                    self._host_lru.push_front(w)
-                self._unlink(v)
-                self._free_node(v, [], hosts)
-                return dropped + 1
-            self._unlink(v)
-            self._free_node(v, [], hosts)
-            dropped += 1
-        return dropped
+            last = (at.get(p, -1) <= i and child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0
+                    and state[p] == CPU and ref[p] == 0 and p not in policy)
+            if last:
+                self._push_back(policy, ids[i + 1:])
+            if cont_v[p] != v:  # `_unlink`
+                del kmap[keys[v]]
+            self._detach_sibling(v)
+            freed.append(v)
+            if last:
+                self._host_leaf_again(p)  # p is next, ahead of the rest
+                break
+        if self._obs is not None:
+            for v in freed:
+                self._tell_lost(v)
+        for v in freed:
+            keys[v] = None
+        hosts += f[HOST, freed].tolist()
+        self._host_cached -= len(freed)
+        f[:, freed] = RESET[:, None]
+        self._task[freed] = -1
+        top = self._top
+        self._stack[top:top + len(freed)] = freed
+        self._top = top + len(freed)
+        return len(freed)

@@ -16,7 +16,6 @@ is in flight).
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -26,6 +25,16 @@ from ipc.protocol import TaskKind
 
 from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, HOST, NDEV, NEW_ROWS, NO_NODES, PARENT,
                           REF, ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
+
+try:  # the per-request node matrix work in C (runtime/_cache_core.c); the numpy code is the reference
+    from ._cache_core import (deref as _deref_c, new_chain as _new_chain_c, touch_device as _touch_c,
+                              walk as _walk_c)
+except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
+    _deref_c = _new_chain_c = _touch_c = _walk_c = None
+
+
+# the node matrix rows a new chain writes, in the order runtime/_cache_core.c's new_chain takes them
+CHAIN_ROWS = (PARENT, CHILD, DEV, REF, NDEV, STATE, CONT)
 
 
 @dataclass(slots=True)
@@ -83,6 +92,8 @@ class MatchRecord(NodeStore):
         """The tree nodes of keys[:limit]'s longest cached prefix, from the root down: follow
         each node's continuation while its key matches, ask the key map where it does not."""
         path = np.empty(limit, dtype=np.int32)
+        if _walk_c is not None:  # the same walk, in one call
+            return path[:_walk_c(self._f, CONT, PARENT, self._keys, self._map, keys, limit, path)]
         out = memoryview(path)
         cont, node_keys, get, parent = self._cont_v, self._keys, self._map.get, self._parent_v
         n = ROOT
@@ -111,6 +122,14 @@ class MatchRecord(NodeStore):
         entries -1 until issued) when the device has no free blocks for it yet. Returns
         (device hits, host hits)."""
         f = self._f
+        if _touch_c is not None:  # all on the device (the common case): one call
+            done = _touch_c(f, a, REF, HITS, STATE, DEV, GPU)
+            if done is not None:
+                self._dev_lru.discard(a)
+                self._idle -= done[0]
+                req.path = a
+                req.blocks = done[1]
+                return len(a), 0
         g = f[DEV:STATE + 1, a]
         refs = g[REF - DEV]
         f[REF, a] = refs + 1
@@ -257,19 +276,24 @@ class MatchRecord(NodeStore):
 
     def _new_chain(self, parent: int, ids: np.ndarray, cand: list[int], keys: list[bytes],
                    blocks: list[int]) -> None:
-        deque(map(self._keys.__setitem__, cand, keys), maxlen=0)
-        new = np.empty((NEW_ROWS, len(cand)), dtype=np.int32)
-        new[PARENT, 0] = parent
-        new[PARENT, 1:] = ids[:-1]
-        new[CHILD, :-1] = ids[1:]
-        new[CHILD, -1] = -1
-        new[DEV] = blocks
-        new[REF] = 1
-        new[NDEV] = 1  # each node's one child is the next, on the device
-        new[NDEV, -1] = 0
-        new[STATE] = GPU
-        new[CONT] = new[CHILD]
-        self._f[:NEW_ROWS, ids] = new
+        if _new_chain_c is not None:  # the same writes, in one call
+            _new_chain_c(self._f, ids, parent, blocks, CHAIN_ROWS, GPU, self._keys, keys)
+        else:
+            node_keys = self._keys
+            for n, key in zip(cand, keys):  # (a plain loop: faster than map over __setitem__)
+                node_keys[n] = key
+            new = np.empty((NEW_ROWS, len(cand)), dtype=np.int32)
+            new[PARENT, 0] = parent
+            new[PARENT, 1:] = ids[:-1]
+            new[CHILD, :-1] = ids[1:]
+            new[CHILD, -1] = -1
+            new[DEV] = blocks
+            new[REF] = 1
+            new[NDEV] = 1  # each node's one child is the next, on the device
+            new[NDEV, -1] = 0
+            new[STATE] = GPU
+            new[CONT] = new[CHILD]
+            self._f[:NEW_ROWS, ids] = new
         self._link(cand[0], keys[0], parent)
         self._ndev_v[parent] += 1
         self._dev_cached += len(cand)
@@ -349,14 +373,22 @@ class MatchRecord(NodeStore):
         so that a chain's deepest block is evicted first."""
         if not len(path):
             return
-        a = path[::-1]
         f = self._f
-        r = f[REF, a] - 1
-        f[REF, a] = r
-        zero = a[r == 0]
-        if not len(zero):
-            return
-        st = f[STATE, zero]
+        if _deref_c is not None:
+            zero = np.empty(len(path), dtype=np.int32)
+            k, all_gpu = _deref_c(f, path, REF, STATE, GPU, zero)
+            zero = zero[:k]
+            if not k:
+                return
+            st = NO_NODES if all_gpu else f[STATE, zero]
+        else:
+            a = path[::-1]
+            r = f[REF, a] - 1
+            f[REF, a] = r
+            zero = a[r == 0]
+            if not len(zero):
+                return
+            st = f[STATE, zero]
         if not st.any():
             self._dev_lru.push(zero)
             self._idle += len(zero)

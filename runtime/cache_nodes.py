@@ -229,6 +229,18 @@ class NodeStore:
         self._stack[top:top + len(ids)] = ids
         self._top = top + len(ids)
 
+    @staticmethod
+    def _push_back(policy: EvictionPolicy, nodes: list[int]) -> None:
+        """Give the rest of a cut eviction run (`nodes`, in eviction order) back to the front of
+        `policy`'s queue, as `push_front` of each, the last first, would; in one call where the
+        policy has `push_front_run` (an optional batch form of that loop)."""
+        run = getattr(policy, "push_front_run", None)
+        if run is not None:
+            run(nodes)
+            return
+        for v in reversed(nodes):
+            policy.push_front(v)
+
     def _device_child_gone(self, p: int) -> None:
         """One of p's children left the device; p may now be an evictable device leaf."""
         left = self._ndev_v[p] - 1

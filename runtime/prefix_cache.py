@@ -210,9 +210,16 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         nodes = req.path[before:]
         if not len(nodes):
             return
-        earlier = self._uses.count(req.keys[before:before + len(nodes)]) - 1
-        cap = self._hits_v[int(req.path[before - 1])] if before else earlier[0]
-        earlier = np.minimum.accumulate(np.minimum(earlier, cap).clip(0))
+        keys = req.keys[before:before + len(nodes)]
+        cap = self._hits_v[int(req.path[before - 1])] if before else None
+        if self._uses.raise_hits(keys, self._f[HITS], nodes, cap):
+            return
+        earlier = self._uses.count(keys)
+        earlier -= 1
+        if cap is not None and earlier[0] > cap:  # a running minimum from a capped first value
+            earlier[0] = cap                      # is capped throughout
+        np.minimum.accumulate(earlier, out=earlier)
+        np.maximum(earlier, 0, out=earlier)
         row = self._f[HITS]
         row[nodes] = np.maximum(row[nodes], earlier)
 

@@ -41,6 +41,11 @@ import heapq
 
 import numpy as np
 
+try:
+    from ._cache_core import scan_live as _scan_c, stamp_runs as _stamp_runs_c
+except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
+    _scan_c = _stamp_runs_c = None
+
 # level of a use count: floor(2 * log2(1 + uses)), at most MAX_LEVEL (3 earlier uses): beyond
 # that more protection only keeps popular but finished prefixes (an agent loop that ended) in
 # the way of live ones
@@ -103,13 +108,21 @@ class ReuseLevels:
         self._reused += lost
         self._matched[nodes] = False
         self._released[nodes] = now
-        lv = LEVELS[np.minimum(hits, len(LEVELS) - 1)]
+        lv = LEVELS.take(hits, mode="clip")
         # at least one release per level: with none, equal priorities would leave the order to
         # tie-breaks that batched and one-at-a-time eviction do not share
         bonus = max(1, int(self.bonus_scale() * min(MAX_BONUS, TURNOVERS_PER_LEVEL * self._capacity / avg)))
         prio = now + bonus * lv
         self._prio[nodes] = prio
-        if lv[0] == lv[-1] and (len(lv) < 3 or (lv == lv[0]).all()):
+        if _stamp_runs_c is not None and nodes.dtype == np.int32 and nodes.flags.c_contiguous:
+            s = self._serial  # the runs found and stamped in one C call, as the loop below does
+            starts = _stamp_runs_c(self._stamp, nodes, lv, s)
+            self._serial = s + len(starts)
+            heap = self._heap
+            for j, (a, b) in enumerate(zip(starts, starts[1:] + [len(nodes)])):
+                heapq.heappush(heap, [int(prio[a]), int(lv[a]), s + j, s + j, nodes[a:b], -1])
+            self._queued += len(nodes)
+        elif lv[0] == lv[-1] and (len(lv) < 3 or (lv == lv[0]).all()):
             self._add(nodes, int(prio[0]), int(lv[0]))
         else:  # levels grow toward the root: a few runs
             starts = [0] + (np.flatnonzero(lv[1:] != lv[:-1]) + 1).tolist()
@@ -133,6 +146,29 @@ class ReuseLevels:
         p = int(self._prio[n])
         heapq.heappush(self._heap, [p, int(LEVELS[min(self._hits[n], len(LEVELS) - 1)]), -s, s, [n], 0])
         self._queued += 1
+
+    def push_front_run(self, nodes: list[int]) -> None:
+        """`push_front` of each of `nodes` (none queued), the last one first, so that they come
+        back in this order: what an eviction run cut short gives back. One heap entry per stretch
+        of equal priority and level instead of one per node (a cut run gives back hundreds, and
+        `pop_many` then takes them a stretch at a time); the order is the same, since such
+        entries sort by priority, level, then push order, and a later push sorts first."""
+        if not nodes:
+            return
+        a = np.array(nodes, dtype=np.int32)
+        prio = self._prio[a]
+        lv = LEVELS.take(self._hits[a], mode="clip")
+        cuts = np.flatnonzero((prio[1:] != prio[:-1]) | (lv[1:] != lv[:-1])).tolist()
+        starts = [0] + [c + 1 for c in cuts]
+        ends = starts[1:] + [len(nodes)]
+        for i in range(len(starts) - 1, -1, -1):  # the last stretch first, as one by one
+            s = self._serial
+            self._serial = s + 1
+            run = a[starts[i]:ends[i]]
+            self._stamp[run] = s
+            heapq.heappush(self._heap, [int(prio[starts[i]]), int(lv[starts[i]]), -s, s,
+                                        nodes[starts[i]:ends[i]], 0])
+        self._queued += len(nodes)
 
     def bonus_scale(self) -> float:
         """The share of the reuse bonus in force (0: LRU; 1: the full bonus)."""
@@ -178,6 +214,8 @@ class ReuseLevels:
     def pop_many(self, k: int) -> np.ndarray:
         """Up to `k` nodes, as `k` calls of `pop` would return them: nothing is pushed meanwhile,
         so the heap's top entry stays on top until it is used up."""
+        if _scan_c is not None:  # each entry scanned in one C call, into one array
+            return self._pop_many_c(k)
         out: list[np.ndarray] = []
         got = 0
         heap = self._heap
@@ -185,9 +223,14 @@ class ReuseLevels:
             e = heap[0]
             start = max(e[5], 0)
             nodes = np.asarray(e[4][start:], dtype=np.int32)
-            idx = np.flatnonzero(self._stamp[nodes] == e[3])[:k - got]
-            if len(idx):
+            head = nodes[:k - got]
+            if (self._stamp[head] == e[3]).all():  # the usual case: no stale entry among them
+                idx = range(len(head))
+                take = head
+            else:
+                idx = np.flatnonzero(self._stamp[nodes] == e[3])[:k - got]
                 take = nodes[idx]
+            if len(idx):
                 self._stamp[take] = -1
                 out.append(take)
                 got += len(take)
@@ -199,6 +242,24 @@ class ReuseLevels:
         if not out:
             return np.empty(0, dtype=np.int32)
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _pop_many_c(self, k: int) -> np.ndarray:
+        """`pop_many` with each entry's scan in C (runtime/_cache_core.c scan_live)."""
+        out = np.empty(k, dtype=np.int32)
+        got = 0
+        heap = self._heap
+        while heap and got < k:
+            e = heap[0]
+            start = max(e[5], 0)
+            taken, scanned = _scan_c(self._stamp, np.asarray(e[4][start:], dtype=np.int32), e[3], k - got,
+                                     out, got)
+            got += taken
+            if got == k:
+                e[5] = start + scanned
+                break
+            heapq.heappop(heap)
+            self._queued -= len(e[4])
+        return out[:got]
 
     def members(self) -> list[int]:
         """Queued nodes through their live entries, in eviction order."""

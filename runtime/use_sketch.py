@@ -7,8 +7,9 @@ its node, and a policy that ranks by reuse would see every block as new. The ske
 use counts past eviction, for a fixed memory: two rows of 8-bit saturating counters indexed by
 two halves of the key's hash (a key's count is the smaller of its two counters, so a collision
 inflates it only when both rows collide). Counters are halved once as many uses were added as a
-quarter of a row holds, so old popularity fades and the rows never fill up. Costs a few
-vectorised operations per request.
+quarter of a row holds, so old popularity fades and the rows never fill up. Costs one C call
+per request (runtime/_cache_core.c: a few vectorised operations per request in Python cost as
+much as the cache's own work); the numpy code below is the reference and the fallback.
 """
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ import zlib
 from typing import Sequence
 
 import numpy as np
+
+try:
+    from ._cache_core import sketch_add as _add_c, sketch_count as _count_c, sketch_raise as _raise_c
+except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
+    _add_c = _count_c = _raise_c = None
 
 MIN_BITS, MAX_BITS = 16, 24
 SLOTS_PER_NODE = 64
@@ -25,12 +31,14 @@ _SPREAD = np.uint64(0x9E3779B97F4A7C15)  # odd: a bijection on 64-bit words
 class UseSketch:
     """Approximate per-key use counts (0..255) over the recent past of a cache of `nodes` nodes."""
 
-    __slots__ = ("_mask", "_rows", "_added", "_halve_at")
+    __slots__ = ("_mask", "_rows", "_r0", "_r1", "_int_mask", "_added", "_halve_at")
 
     def __init__(self, nodes: int):
         bits = min(MAX_BITS, max(MIN_BITS, (SLOTS_PER_NODE * nodes - 1).bit_length()))
         self._mask = np.uint64((1 << bits) - 1)
+        self._int_mask = (1 << bits) - 1
         self._rows = np.zeros((2, 1 << bits), dtype=np.uint8)
+        self._r0, self._r1 = self._rows  # views, for the C functions
         self._added = 0
         self._halve_at = (1 << bits) // 4
 
@@ -49,10 +57,11 @@ class UseSketch:
         """Count one use of each of `keys` (distinct keys: one request's)."""
         if not len(keys):
             return
-        a, b = self._slots(keys)
-        r0, r1 = self._rows
-        r0[a] = np.minimum(r0[a], 254) + 1
-        r1[b] = np.minimum(r1[b], 254) + 1
+        if _add_c is None or not _add_c(self._r0, self._r1, keys, self._int_mask):
+            a, b = self._slots(keys)
+            r0, r1 = self._r0, self._r1
+            r0[a] = np.minimum(r0[a], 254) + 1
+            r1[b] = np.minimum(r1[b], 254) + 1
         self._added += len(keys)
         if self._added >= self._halve_at:
             self._rows >>= 1
@@ -61,5 +70,16 @@ class UseSketch:
     def count(self, keys: Sequence[bytes]) -> np.ndarray:
         """The use counts of `keys` (int32; may overestimate, never underestimates a key added
         since the last halving)."""
+        if _count_c is not None:
+            out = np.empty(len(keys), dtype=np.int32)
+            if _count_c(self._r0, self._r1, keys, self._int_mask, out):
+                return out
         a, b = self._slots(keys)
-        return np.minimum(self._rows[0, a], self._rows[1, b]).astype(np.int32)
+        return np.minimum(self._r0[a], self._r1[b]).astype(np.int32)
+
+    def raise_hits(self, keys: Sequence[bytes], hits: np.ndarray, nodes: np.ndarray, cap: int | None) -> bool:
+        """Raise `hits[nodes]` (an int32 row) to the counts of their `keys` minus one, each
+        capped by `cap` (None: no cap) and by the keys before it, at least 0, in one C call;
+        False (nothing changed) where that cannot be done (not built, keys not 16 bytes): the
+        caller then does it with `count`."""
+        return _raise_c is not None and _raise_c(self._r0, self._r1, keys, self._int_mask, hits, nodes, cap)

@@ -340,3 +340,65 @@ def test_a_run_cut_before_a_parent_unlinks_the_child_chain_it_drops():
             c.update(i, len(tokens))
         c.release(i)
         c.check()
+
+
+@pytest.mark.parametrize("name", ["lru", "reuse"])
+def test_host_eviction_keeps_taking_runs_after_an_irregular_one(name):
+    """A host run that is not whole chains (branches, parked parents) goes node by node, but
+    the host leaves after it are still taken a run at a time (`pop_many`), never one `pop` per
+    block: node by node on a host tier of 100,000 blocks was most of a replay's time."""
+    cls = make_policy(name)
+
+    class NoPop(cls):
+        def pop(self) -> int:
+            raise AssertionError("popped one node at a time")
+
+    def settle() -> None:
+        while tasks := c.take_tasks():
+            for t in tasks:
+                c.apply_task_result(t.task_id, True)
+
+    c = PrefixCache(BS, 96, 64, policy=NoPop)
+    for op, rid, tokens in _workload(0, 300):
+        if op == "start":
+            if not c.match(rid, keys(tokens), len(tokens)).ready:
+                settle()
+            if c.allocate(rid, len(tokens)) is None:
+                settle()
+                if not c.is_ready(rid) or c.allocate(rid, len(tokens)) is None:
+                    continue  # (released when the workload finishes it)
+            c.update(rid, len(tokens))
+        else:
+            c.release(rid)
+        settle()
+    assert c.metrics.evicted_host_blocks > 200, c.metrics
+    c.check()
+
+
+def test_a_run_given_back_at_once_comes_back_as_one_by_one():
+    """`ReuseLevels.push_front_run` (the rest of a cut eviction run, given back in one call)
+    leaves the queue popping exactly what `push_front` of each node, the last first, does:
+    stretches of equal priority and level become one entry each, in the same order."""
+    rng = np.random.default_rng(3)
+    hits = rng.integers(0, 5, 400).astype(np.int32)
+    queues = [ReuseLevels(400, hits), ReuseLevels(400, hits)]
+    for q in queues:
+        for k in range(20):  # releases of paths with several levels
+            q.push(np.arange(20 * k + 19, 20 * k - 1, -1, dtype=np.int32))
+    a, b = queues
+    for rnd in range(30):
+        taken = a.pop_many(int(rng.integers(1, 60)))
+        assert np.array_equal(taken, b.pop_many(len(taken))), rnd
+        back = [int(v) for v in taken[int(rng.integers(0, len(taken) + 1)):]]
+        a.push_front_run(back)
+        for v in reversed(back):
+            b.push_front(v)
+        assert a.members() == b.members(), rnd
+        if rnd % 3 == 0:
+            nodes = np.unique(rng.integers(0, 400, 30)).astype(np.int32)
+            for q in queues:
+                q.discard(nodes)
+                q.push(nodes[::-1].copy())
+    while (v := b.pop()) >= 0:
+        assert a.pop() == v
+    assert a.pop() == -1

@@ -112,3 +112,25 @@ def test_the_model_identity_roots_the_chain():
     assert not set(rooted) & set(keys_of(toks))
     with pytest.raises(ValueError, match="root"):
         BlockHasher(BS, root=b"short")
+
+
+def test_the_c_loop_derives_the_python_loops_keys():
+    """The block-key loop runs in C (runtime/_cache_core.c): it must be built with the package
+    and give exactly the reference loop's keys, for any block size, length (a partial last
+    block gets no key) and parent."""
+    from runtime import _cache_core
+    from runtime.hashing import chain_keys_py
+
+    parent = xxhash.xxh3_128_digest(b"another root")
+    for bs in (1, 16, 64, 128):
+        for n_tokens in (0, bs - 1, bs, 5 * bs + 3, 300 * bs):
+            data = tokens(n_tokens, seed=bs + n_tokens).astype("<i4").tobytes()
+            for root in (ROOT_KEY, parent):
+                want = chain_keys_py(data, bs, root)
+                assert _cache_core.chain_keys(data, bs, root) == want
+                assert chain_keys(data, bs, root) == want
+                assert chain_keys(memoryview(data), bs, root) == want
+    with pytest.raises(ValueError):
+        _cache_core.chain_keys(b"", 16, b"short")
+    with pytest.raises(ValueError):
+        _cache_core.chain_keys(b"", 0, ROOT_KEY)

@@ -1,0 +1,85 @@
+"""The use-count sketch: its C updates (runtime/_cache_core.c) count exactly as its numpy
+reference does, shared slots, saturation, halving and odd keys included."""
+from __future__ import annotations
+
+import numpy as np
+
+from runtime import _cache_core, use_sketch
+from runtime.use_sketch import UseSketch
+
+
+def _reference(monkeypatch) -> UseSketch:
+    """A sketch that runs the numpy code (the C functions switched off for it)."""
+    monkeypatch.setattr(use_sketch, "_add_c", None)
+    monkeypatch.setattr(use_sketch, "_count_c", None)
+    return UseSketch(100)
+
+
+def test_c_updates_equal_the_numpy_reference(monkeypatch):
+    rng = np.random.default_rng(7)
+    fast = UseSketch(100)
+    raw = rng.bytes(16 * 600)
+    pool = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+    # a key sharing its first row's slot with another (same low 32 bits), and one sharing both
+    pool.append(pool[0][:4] + b"\x01\x02\x03\x04" + pool[0][8:])
+    pool.append(pool[1][:8] + bytes(8))
+    batches = [[pool[int(j)] for j in rng.choice(len(pool), size=int(rng.integers(0, 200)), replace=False)]
+               for _ in range(500)]
+    batches.append([pool[0], pool[-2], pool[1], pool[-1]])
+    batches += [[pool[3]]] * 300  # saturates at 255
+    rows = []
+    for keys in batches:
+        fast.add(keys)
+        rows.append(fast._rows.copy())
+    counted = batches[:50] + [[pool[3]], []]
+    counts = [fast.count(keys) for keys in counted]
+    slow = _reference(monkeypatch)  # from here on, every sketch runs the numpy code
+    for keys, want in zip(batches, rows):
+        slow.add(keys)
+        assert np.array_equal(want, slow._rows)
+    assert fast._added == slow._added
+    for keys, got in zip(counted, counts):
+        assert got.dtype == np.int32 and np.array_equal(got, slow.count(keys))
+
+
+def test_keys_that_are_not_16_bytes_take_the_reference_path(monkeypatch):
+    keys = [b"short", b"a much longer key than sixteen bytes", bytes(16)]
+    fast = UseSketch(100)
+    r0 = np.zeros(1 << 16, dtype=np.uint8)
+    assert _cache_core.sketch_add(r0, r0.copy(), keys, (1 << 16) - 1) is False
+    assert not r0.any()  # nothing added
+    fast.add(keys)
+    got = fast.count(keys)
+    slow = _reference(monkeypatch)
+    slow.add(keys)
+    assert np.array_equal(fast._rows, slow._rows) and fast._rows.any()
+    assert np.array_equal(got, slow.count(keys))
+
+
+def test_raising_hits_in_c_equals_counting(monkeypatch):
+    """`raise_hits` (one C call) gives recorded nodes exactly what `count` and numpy give them:
+    count - 1, capped by the parent's and by every earlier key's, at least 0, never lowered."""
+    rng = np.random.default_rng(11)
+    sketch = UseSketch(100)
+    raw = rng.bytes(16 * 300)
+    pool = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+    for _ in range(400):
+        sketch.add([pool[int(j)] for j in rng.choice(300, size=40, replace=False)])
+    cases = []
+    for _ in range(200):
+        keys = [pool[int(j)] for j in rng.choice(300, size=int(rng.integers(1, 30)), replace=False)]
+        nodes = rng.choice(500, size=len(keys), replace=False).astype(np.int32)
+        hits = rng.integers(0, 4, 500).astype(np.int32)
+        cap = None if rng.random() < 0.3 else int(rng.integers(0, 6))
+        cases.append((keys, nodes, hits, cap))
+    for keys, nodes, hits, cap in cases:
+        want = hits.copy()
+        earlier = sketch.count(keys) - 1
+        if cap is not None:
+            earlier[0] = min(earlier[0], cap)
+        want[nodes] = np.maximum(want[nodes], np.maximum(np.minimum.accumulate(earlier), 0))
+        got = hits.copy()
+        assert sketch.raise_hits(keys, got, nodes, cap)
+        assert np.array_equal(got, want)
+    monkeypatch.setattr(use_sketch, "_raise_c", None)
+    assert not sketch.raise_hits(cases[0][0], cases[0][2].copy(), cases[0][1], None)
