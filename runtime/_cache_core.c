@@ -7,8 +7,8 @@ and six gathers and scatters on the sketch per request), as much together as the
 own work per block. Each function gives exactly what the Python code it replaces gives, which
 stays as the reference and the fallback (tests compare them):
 - chain_keys: xxh3-128 of (parent key || block's token bytes), in xxhash's canonical
-  (big-endian) form, as `xxhash.xxh3_128_digest` returns it. The vendored xxhash.h
-  (runtime/_xxhash/, BSD-2-Clause) is compiled in, so nothing is needed at run time.
+  (big-endian) form, as `xxhash.xxh3_128_digest` returns it. xxhash's own header
+  (Debian's libxxhash-dev) is compiled in inline, so nothing is needed at run time.
 - sketch_add / sketch_count: a 16-byte key's two slots are its first 8 bytes (native byte order,
   as numpy reads them) masked, and the same shifted right by 32, masked; adding is numpy's
   gather-then-scatter `row[slots] = minimum(row[slots], 254) + 1` (a slot that two keys share
@@ -18,8 +18,8 @@ stays as the reference and the fallback (tests compare them):
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#include "_xxhash/xxhash.h"
+#define XXH_INLINE_ALL  /* header only: the module needs no libxxhash at run time */
+#include <xxhash.h>
 
 #define KEY_BYTES 16
 
