@@ -519,11 +519,17 @@ class Engine:
                 self.kv_events.close()
 
     def step(self) -> None:
-        """One turn of the loop: intake, schedule, run, apply (then deadlines and counters)."""
+        """One turn of the loop: intake, schedule, run, apply (then deadlines and counters).
+        What the wait brought is acted on in the same turn, before the housekeeping: the
+        messages that cut it short are taken in (a peer's kv-ready, a decode node's token to
+        relay), and the next step is launched as soon as the last one's answers are applied
+        (else each waited for the housekeeping and the next turn: ~0.4 ms a hop on 2 cores)."""
         self.member.beat()
         self._intake()
         self._schedule()
         self._apply_answers(self._run())
+        self._intake()
+        self._schedule()
         self._housekeep()
 
     def _schedule(self) -> None:

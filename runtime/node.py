@@ -428,14 +428,27 @@ class Node:
         self._stop_signal = signum
 
 
+# glibc malloc (see _child_env): blocks under 32 MiB (the ceiling of glibc's own adaptive
+# threshold) come from the heap, and up to 128 MiB of freed heap is kept for the next step
+CHILD_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
+
+
 def _child_env() -> dict[str, str]:
     """The children's environment: BLAS single-threaded unless the user chose otherwise. Each
     process of a node already has its own core to itself at best; a BLAS thread pool per
     process oversubscribes the cores, and on a busy machine its spinning threads made a small
-    matmul 100x slower (8 ms instead of 70 us, measured on the 2-core CI machine)."""
+    matmul 100x slower (8 ms instead of 70 us, measured on the 2-core CI machine).
+
+    glibc's malloc keeps its heap unless the user chose otherwise (CHILD_MALLOC): by default it
+    gives freed memory back once 2x the largest freed block sits unused at the top of the heap,
+    so a worker that only ever ran decode steps (a decode node's) returned its step temporaries
+    after every step and took ~1,000 page faults in the next one: 7 ms of CPU per step where a
+    mixed node's worker, whose prefills had raised those thresholds, took 3.8 ms."""
     env = dict(os.environ)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, "1")
+    if not any(var in env for var in CHILD_MALLOC):  # (setting one turns glibc's own adjustment off)
+        env.update(CHILD_MALLOC)
     return env
 
 

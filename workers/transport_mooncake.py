@@ -13,7 +13,9 @@ status in the calling thread until done (a full core), which on a small machine 
 engine's own I/O threads. Sleeping between polls, sized to the bytes still outstanding, costs
 ~0.03 of a core and measured 1.5-2.5x the throughput on 2 cores (`kvrt bench pd`: 0.47-0.56 of
 a raw socket with the sync call, 0.75-0.86 this way, back to back). It also lets this module
-bound the wait itself.
+bound the wait itself. Why one run per batch id: `batch_transfer_async_write` puts many under
+one id, but `transfer_check_status` reads only the batch's first transfer (a 256-run batch read
+as done before any of its bytes landed) and `get_batch_transfer_status` busy-waits a core.
 
 What the Python binding does, and what this module does about it:
 - Errors are return codes, never exceptions: initialize / register / unregister return 0 or
