@@ -9,6 +9,11 @@ two halves of the key's hash (a key's count is the smaller of its two counters, 
 inflates it only when both rows collide). Counters are halved once as many uses were added as a
 quarter of a row holds, so old popularity fades and the rows never fill up. Costs a few
 vectorised operations per request.
+
+With `timed`, it also remembers when a key was last used (the request count, in two rows of
+32-bit stamps under the same slots; a key's stamp is the older of its two, so a collision can
+only make it look recent): `add` then says how many requests ago each key was used before,
+which tells a policy whether a block's reuse comes back within what the cache can hold.
 """
 from __future__ import annotations
 
@@ -25,14 +30,17 @@ _SPREAD = np.uint64(0x9E3779B97F4A7C15)  # odd: a bijection on 64-bit words
 class UseSketch:
     """Approximate per-key use counts (0..255) over the recent past of a cache of `nodes` nodes."""
 
-    __slots__ = ("_mask", "_rows", "_added", "_halve_at")
+    __slots__ = ("_mask", "_rows", "_added", "_halve_at", "_stamps", "_now")
 
-    def __init__(self, nodes: int):
+    def __init__(self, nodes: int, timed: bool = False):
         bits = min(MAX_BITS, max(MIN_BITS, (SLOTS_PER_NODE * nodes - 1).bit_length()))
         self._mask = np.uint64((1 << bits) - 1)
         self._rows = np.zeros((2, 1 << bits), dtype=np.uint8)
         self._added = 0
         self._halve_at = (1 << bits) // 4
+        # request count of each slot's latest use (0: none yet), only when timed
+        self._stamps = np.zeros((2, 1 << bits), dtype=np.uint32) if timed else None
+        self._now = 0
 
     def _slots(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """Two slots per key. Block keys are 16-byte digests (runtime/hashing.py): their first 8
@@ -45,11 +53,21 @@ class UseSketch:
             h = np.fromiter(map(zlib.crc32, keys), dtype=np.uint64, count=len(keys)) * _SPREAD
         return h & self._mask, (h >> np.uint64(32)) & self._mask
 
-    def add(self, keys: Sequence[bytes]) -> None:
-        """Count one use of each of `keys` (distinct keys: one request's)."""
+    def add(self, keys: Sequence[bytes]) -> np.ndarray | None:
+        """Count one use of each of `keys` (distinct keys: one request's). Timed: returns how
+        many requests ago each key was used before (int64; -1: never, as far as the stamps
+        know), else None."""
         if not len(keys):
-            return
+            return np.empty(0, dtype=np.int64) if self._stamps is not None else None
         a, b = self._slots(keys)
+        ages = None
+        if self._stamps is not None:
+            self._now += 1
+            s0, s1 = self._stamps
+            last = np.minimum(s0[a], s1[b]).astype(np.int64)
+            ages = np.where(last > 0, self._now - last, -1)
+            s0[a] = self._now
+            s1[b] = self._now
         r0, r1 = self._rows
         r0[a] = np.minimum(r0[a], 254) + 1
         r1[b] = np.minimum(r1[b], 254) + 1
@@ -57,6 +75,7 @@ class UseSketch:
         if self._added >= self._halve_at:
             self._rows >>= 1
             self._added = 0
+        return ages
 
     def count(self, keys: Sequence[bytes]) -> np.ndarray:
         """The use counts of `keys` (int32; may overestimate, never underestimates a key added
