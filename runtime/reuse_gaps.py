@@ -105,9 +105,10 @@ class ReuseGaps(ReuseLevels):
         # level) goes back among its equals only
         prio = due * LEVEL_SPAN + lv
         self._prio[nodes] = prio
-        if prio[0] == prio[-1]:
+        if prio[0] == prio[-1] and (len(prio) < 3 or (prio == prio[0]).all()):
             self._add(nodes, int(prio[0]), int(lv[0]))
-        else:  # priorities grow toward the root: a few runs
+        else:  # along a path priorities grow toward the root: a few runs (a host tier's batch of
+            # swapped-out nodes is no path: any number)
             starts = [0] + (np.flatnonzero(prio[1:] != prio[:-1]) + 1).tolist()
             for a, b in zip(starts, starts[1:] + [len(lv)]):
                 self._add(nodes[a:b], int(prio[a]), int(lv[a]))

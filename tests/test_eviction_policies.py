@@ -250,6 +250,17 @@ def test_gaps_keeps_the_reuse_that_fits():
         assert order[0] == first, cls.__name__
 
 
+def test_gaps_queues_a_batch_that_is_no_path_by_priority():
+    """A host tier's batch of swapped-out nodes is no path: its priorities need not grow along
+    it. Equal first and last priorities do not make the batch one run: a popular node between
+    two fresh ones goes last."""
+    hits = np.zeros(16, dtype=np.int32)
+    hits[2] = 3
+    q = ReuseGaps(16, hits)
+    q.push(np.array([1, 2, 3], dtype=np.int32))
+    assert q.pop_many(3).tolist() == [1, 3, 2]
+
+
 def test_gaps_is_lru_without_long_reuse():
     """With no long reuse at all (short interleaved chats) `gaps` queues in release order, deepest
     first, whatever the use counts: exactly LRU (`reuse` keeps one release per level)."""
