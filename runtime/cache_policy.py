@@ -2,8 +2,8 @@
 
 The cache keeps one queue per tier of the nodes eviction may take (device: unreferenced GPU
 nodes; host: CPU nodes) and tells it every change; the policy decides only the order in which
-`pop` hands them out. Age and reuse (runtime/reuse_levels.py) is the default, LRU over leaves
-(runtime/lru.py) the other; another policy is one
+`pop` hands them out. Age and reuse (runtime/reuse_levels.py) is the default; age, reuse and
+reuse gap (runtime/reuse_gaps.py) and LRU over leaves (runtime/lru.py) the others; another policy is one
 new file with a class of this shape, passed as `PrefixCache(..., policy=TheClass)`, and named in
 `POLICIES` so that `--eviction NAME` picks it.
 
