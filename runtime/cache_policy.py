@@ -2,8 +2,8 @@
 
 The cache keeps one queue per tier of the nodes eviction may take (device: unreferenced GPU
 nodes; host: CPU nodes) and tells it every change; the policy decides only the order in which
-`pop` hands them out. Age and reuse (runtime/reuse_levels.py) is the default, LRU over leaves
-(runtime/lru.py) the other; another policy is one
+`pop` hands them out. Age and reuse (runtime/reuse_levels.py) is the default; age, reuse and
+reuse gap (runtime/reuse_gaps.py) and LRU over leaves (runtime/lru.py) the others; another policy is one
 new file with a class of this shape, passed as `PrefixCache(..., policy=TheClass)`, and named in
 `POLICIES` so that `--eviction NAME` picks it.
 
@@ -33,7 +33,10 @@ class EvictionPolicy(Protocol):
 
     A policy class may set `counts_uses = True`: the cache then also counts, for every block a
     request recorded, the earlier requests that used its key while it was not cached (a count
-    sketch, runtime/use_sketch.py), so `hits` carries a block's history past its eviction."""
+    sketch, runtime/use_sketch.py), so `hits` carries a block's history past its eviction. One
+    that also sets `counts_gaps = True` has a method `recorded(nodes, ages)`: the device tier's
+    policy is told, for the nodes a request just computed (a path, root side first), how many
+    requests ago each one's key was last used (-1: unknown)."""
 
     def __init__(self, capacity: int, hits: np.ndarray) -> None:
         """A queue for node ids 0 .. capacity-1. `hits[n]` is how many matches reused node `n`
@@ -83,4 +86,5 @@ def make_policy(name: str) -> Callable[[int, np.ndarray], EvictionPolicy]:
 
 # name -> (module, class); imported on demand, so a policy's module is loaded only when chosen
 _POLICIES = {"reuse": (".reuse_levels", "ReuseLevels"),
+             "gaps": (".reuse_gaps", "ReuseGaps"),
              "lru": (".lru", "EvictionQueue")}

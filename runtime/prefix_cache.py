@@ -88,7 +88,11 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         self._reqs: dict[Hashable, Request] = {}
         self._obs = observer
         # use counts that outlive eviction, for a policy that ranks by them
-        self._uses = UseSketch(len(self._keys)) if getattr(policy, "counts_uses", False) else None
+        self._uses = UseSketch(len(self._keys), timed=getattr(policy, "counts_gaps", False)) \
+            if getattr(policy, "counts_uses", False) else None
+        # per counted request of a gap-counting policy: how long ago each of its keys was used
+        # before (the sketch's answer at match), handed to the policy as its blocks are recorded
+        self._ages: dict[Hashable, np.ndarray] = {}
         self._low_water = max(1, num_device_blocks // 64) if low_water is None else low_water
 
     # ---- engine-facing API -------------------------------------------------------------------
@@ -126,7 +130,9 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
             dev_hits, host_hits = self._touch(request_id, req, path)
         req.num_matched = matched
         if count and self._uses is not None:
-            self._uses.add(keys)
+            ages = self._uses.add(keys)
+            if ages is not None:
+                self._ages[request_id] = ages
         storage_hits = 0
         if self.storage_lookup is not None and matched < limit:
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
@@ -200,28 +206,33 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
             before = len(req.path)
             self._record(req, n_full)
             if self._uses is not None:
-                self._remember_uses(req, before)
+                self._remember_uses(req, before, self._ages.get(request_id))
         return len(req.path) * self.block_size
 
-    def _remember_uses(self, req: Request, before: int) -> None:
+    def _remember_uses(self, req: Request, before: int, ages: np.ndarray | None = None) -> None:
         """Give the nodes just recorded for `req` (path[before:]) the uses their keys had before
         (the sketch counted this request too), never more than their parent's: every request
-        that used a block used its prefix."""
+        that used a block used its prefix. With `ages` (the request's keys' last uses, for a
+        gap-counting policy), tell the device policy how long ago each node's key was used."""
         nodes = req.path[before:]
         if not len(nodes):
             return
         keys = req.keys[before:before + len(nodes)]
         cap = self._hits_v[int(req.path[before - 1])] if before else None
-        if self._uses.raise_hits(keys, self._f[HITS], nodes, cap):
-            return
-        earlier = self._uses.count(keys)
-        earlier -= 1
-        if cap is not None and earlier[0] > cap:  # a running minimum from a capped first value
-            earlier[0] = cap                      # is capped throughout
-        np.minimum.accumulate(earlier, out=earlier)
-        np.maximum(earlier, 0, out=earlier)
-        row = self._f[HITS]
-        row[nodes] = np.maximum(row[nodes], earlier)
+        if not self._uses.raise_hits(keys, self._f[HITS], nodes, cap):
+            earlier = self._uses.count(keys)
+            earlier -= 1
+            if cap is not None and earlier[0] > cap:  # a running minimum from a capped first value
+                earlier[0] = cap                      # is capped throughout
+            np.minimum.accumulate(earlier, out=earlier)
+            np.maximum(earlier, 0, out=earlier)
+            row = self._f[HITS]
+            row[nodes] = np.maximum(row[nodes], earlier)
+        if ages is not None:
+            got = ages[before:before + len(nodes)]
+            if len(got) < len(nodes):  # keys the request grew by after its match: not counted
+                got = np.concatenate((got, np.full(len(nodes) - len(got), -1, dtype=np.int64)))
+            self._dev_lru.recorded(nodes, got)
 
     def release(self, request_id: Hashable) -> None:
         """Finish a request: free its private blocks (partial last block, decode blocks, copies of
@@ -229,6 +240,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         req = self._reqs.pop(request_id, None)
         if req is None:
             raise KeyError(f"request {request_id!r} is not in the prefix cache")
+        self._ages.pop(request_id, None)
         n = len(req.path)
         private = req.blocks[n:]
         if req.load >= 0:  # a storage read still writes into the next blocks: the task keeps them

@@ -10,6 +10,12 @@ inflates it only when both rows collide). Counters are halved once as many uses 
 quarter of a row holds, so old popularity fades and the rows never fill up. Costs one C call
 per request (runtime/_cache_core.c: a few vectorised operations per request in Python cost as
 much as the cache's own work); the numpy code below is the reference and the fallback.
+
+With `timed`, it also remembers when a key was last used (the request count, in two rows of
+32-bit stamps under the same slots; a key's stamp is the older of its two, so a collision can
+only make it look recent): `add` then says how many requests ago each key was used before,
+which tells a policy whether a block's reuse comes back within what the cache can hold (the
+timed mode runs in numpy).
 """
 from __future__ import annotations
 
@@ -31,9 +37,9 @@ _SPREAD = np.uint64(0x9E3779B97F4A7C15)  # odd: a bijection on 64-bit words
 class UseSketch:
     """Approximate per-key use counts (0..255) over the recent past of a cache of `nodes` nodes."""
 
-    __slots__ = ("_mask", "_rows", "_r0", "_r1", "_int_mask", "_added", "_halve_at")
+    __slots__ = ("_mask", "_rows", "_r0", "_r1", "_int_mask", "_added", "_halve_at", "_stamps", "_now")
 
-    def __init__(self, nodes: int):
+    def __init__(self, nodes: int, timed: bool = False):
         bits = min(MAX_BITS, max(MIN_BITS, (SLOTS_PER_NODE * nodes - 1).bit_length()))
         self._mask = np.uint64((1 << bits) - 1)
         self._int_mask = (1 << bits) - 1
@@ -41,6 +47,9 @@ class UseSketch:
         self._r0, self._r1 = self._rows  # views, for the C functions
         self._added = 0
         self._halve_at = (1 << bits) // 4
+        # request count of each slot's latest use (0: none yet), only when timed
+        self._stamps = np.zeros((2, 1 << bits), dtype=np.uint32) if timed else None
+        self._now = 0
 
     def _slots(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """Two slots per key. Block keys are 16-byte digests (runtime/hashing.py): their first 8
@@ -53,19 +62,34 @@ class UseSketch:
             h = np.fromiter(map(zlib.crc32, keys), dtype=np.uint64, count=len(keys)) * _SPREAD
         return h & self._mask, (h >> np.uint64(32)) & self._mask
 
-    def add(self, keys: Sequence[bytes]) -> None:
-        """Count one use of each of `keys` (distinct keys: one request's)."""
+    def add(self, keys: Sequence[bytes]) -> np.ndarray | None:
+        """Count one use of each of `keys` (distinct keys: one request's). Timed: returns how
+        many requests ago each key was used before (int64; -1: never, as far as the stamps
+        know), else None."""
         if not len(keys):
-            return
-        if _add_c is None or not _add_c(self._r0, self._r1, keys, self._int_mask):
+            return np.empty(0, dtype=np.int64) if self._stamps is not None else None
+        ages = None
+        if self._stamps is not None:  # timed: the stamps need the slots in Python anyway
             a, b = self._slots(keys)
-            r0, r1 = self._r0, self._r1
-            r0[a] = np.minimum(r0[a], 254) + 1
-            r1[b] = np.minimum(r1[b], 254) + 1
+            self._now += 1
+            s0, s1 = self._stamps
+            last = np.minimum(s0[a], s1[b]).astype(np.int64)
+            ages = np.where(last > 0, self._now - last, -1)
+            s0[a] = self._now
+            s1[b] = self._now
+            self._bump(a, b)
+        elif _add_c is None or not _add_c(self._r0, self._r1, keys, self._int_mask):
+            self._bump(*self._slots(keys))
         self._added += len(keys)
         if self._added >= self._halve_at:
             self._rows >>= 1
             self._added = 0
+        return ages
+
+    def _bump(self, a: np.ndarray, b: np.ndarray) -> None:
+        r0, r1 = self._r0, self._r1
+        r0[a] = np.minimum(r0[a], 254) + 1
+        r1[b] = np.minimum(r1[b], 254) + 1
 
     def count(self, keys: Sequence[bytes]) -> np.ndarray:
         """The use counts of `keys` (int32; may overestimate, never underestimates a key added

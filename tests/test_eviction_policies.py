@@ -11,7 +11,9 @@ from runtime.cache_policy import make_policy, policy_names
 from runtime.hashing import BlockHasher
 from runtime.lru import EvictionQueue
 from runtime.prefix_cache import PrefixCache
+from runtime.reuse_gaps import ReuseGaps
 from runtime.reuse_levels import ReuseLevels
+from runtime.use_sketch import UseSketch
 
 BS = 4
 
@@ -35,6 +37,7 @@ def one_at_a_time(cls):
 
     class OneAtATime:
         counts_uses = getattr(cls, "counts_uses", False)
+        counts_gaps = getattr(cls, "counts_gaps", False)
 
         def __init__(self, capacity: int, hits: np.ndarray):
             self.q = cls(capacity, hits)
@@ -44,6 +47,9 @@ def one_at_a_time(cls):
 
         def push(self, nodes: np.ndarray) -> None:
             self.q.push(nodes)
+
+        def recorded(self, nodes: np.ndarray, ages: np.ndarray) -> None:
+            self.q.recorded(nodes, ages)
 
         def push_front(self, n: int) -> None:
             self.q.push_front(n)
@@ -69,6 +75,7 @@ def one_at_a_time(cls):
 def test_policy_names():
     assert policy_names()[0] == "reuse"
     assert make_policy("lru") is EvictionQueue and make_policy("reuse") is ReuseLevels
+    assert make_policy("gaps") is ReuseGaps
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         make_policy("mru")
 
@@ -92,7 +99,7 @@ def _workload(seed: int, n: int) -> list[tuple[str, int, np.ndarray]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["lru", "reuse"])
+@pytest.mark.parametrize("name", ["lru", "reuse", "gaps"])
 @pytest.mark.parametrize("seed", range(4))
 def test_batched_eviction_equals_one_at_a_time(name, seed):
     """The same requests through the batched path and through one-at-a-time eviction: the same
@@ -136,7 +143,7 @@ def test_eviction_without_host_tier_takes_runs():
     c.check()
 
 
-@pytest.mark.parametrize("name,kept", [("lru", False), ("reuse", True)])
+@pytest.mark.parametrize("name,kept", [("lru", False), ("reuse", True), ("gaps", True)])
 def test_a_reused_prefix_outlives_a_scan_of_one_shot_prompts(name, kept):
     """A prefix that keeps coming back later than recency order can hold it: the first time a
     stream of long unique prompts flushes it under both policies; computed again, it is reuse the
@@ -193,6 +200,96 @@ def test_reuse_remembers_uses_past_eviction():
         assert len(path) == 6 and (c._f[HITS, path] == want).all()
         c.release("b")
         c.check()
+
+
+def test_use_sketch_says_how_long_ago_a_key_was_used():
+    """Timed, the sketch answers each request's keys with how many requests ago each was last
+    used (-1: never); untimed it keeps no stamps and answers nothing."""
+    k = [bytes([i]) * 16 for i in range(4)]
+    s = UseSketch(64, timed=True)
+    assert s.add(k[:2]).tolist() == [-1, -1]
+    s.add(k[2:3])
+    s.add(k[2:3])
+    assert s.add(k[:3]).tolist() == [3, 3, 1]
+    assert s.add(k[1:]).tolist() == [1, 1, -1]
+    assert s.count(k).tolist() == [2, 3, 4, 1]
+    assert UseSketch(64).add(k) is None
+
+
+def _turnovers(q, n: int, first: int = 100) -> None:
+    """`n` releases of 8 fresh blocks each (node ids from `first` on): with 64 node ids, a
+    turnover is 8 releases."""
+    for i in range(n):
+        q.push(np.arange(first + 8 * i + 7, first + 8 * i - 1, -1, dtype=np.int32) % 1000 + 64)
+
+
+def test_gaps_keeps_the_reuse_that_fits():
+    """Two blocks used once before, released one after the other: under `reuse` the older
+    release goes first; under `gaps` the one computed again whose last use was longer ago than
+    its bonus would hold it (20 turnovers, the sketch's age) goes first, and the one found again
+    in the cache after half a turnover keeps its bonus."""
+    for cls, first in ((ReuseLevels, 1), (ReuseGaps, 2)):
+        hits = np.zeros(2000, dtype=np.int32)
+        q = cls(2000, hits)
+        q._capacity = 64  # a turnover of 8 releases of 8 blocks (ids beyond 64 are fillers)
+        _turnovers(q, 20)
+        lost = np.arange(1531, 1499, -1, dtype=np.int32)
+        hits[lost] = 1
+        q.push(lost)  # computed again although used before: long reuse, the full bonus
+        near, far = np.array([1], dtype=np.int32), np.array([2], dtype=np.int32)
+        q.push(near)
+        _turnovers(q, 4, first=500)
+        q.discard(near)  # found again after half a turnover
+        hits[near] = 1
+        q.push(near)
+        if cls is ReuseGaps:
+            q.recorded(far, np.array([160]))  # computed again, last used 20 turnovers ago
+        hits[far] = 1
+        q.push(far)
+        order = [n for n in q.pop_many(3000).tolist() if n in (1, 2)]
+        assert order[0] == first, cls.__name__
+
+
+def test_gaps_queues_a_batch_that_is_no_path_by_priority():
+    """A host tier's batch of swapped-out nodes is no path: its priorities need not grow along
+    it. Equal first and last priorities do not make the batch one run: a popular node between
+    two fresh ones goes last."""
+    hits = np.zeros(16, dtype=np.int32)
+    hits[2] = 3
+    q = ReuseGaps(16, hits)
+    q.push(np.array([1, 2, 3], dtype=np.int32))
+    assert q.pop_many(3).tolist() == [1, 3, 2]
+
+
+def test_gaps_is_lru_without_long_reuse():
+    """With no long reuse at all (short interleaved chats) `gaps` queues in release order, deepest
+    first, whatever the use counts: exactly LRU (`reuse` keeps one release per level)."""
+    hits = np.zeros(64, dtype=np.int32)
+    q, lru = ReuseGaps(64, hits), EvictionQueue(64)
+    live = np.arange(8, dtype=np.int32)
+    for _ in range(200):
+        for p in (q, lru):
+            p.push(live)
+            p.discard(live)
+    assert q.bonus_scale() == 0.0
+    hits[[10, 11]] = 3
+    for p in (q, lru):
+        p.push(np.array([11, 10], dtype=np.int32))
+        p.push(np.array([21, 20], dtype=np.int32))
+    assert q.pop_many(4).tolist() == lru.pop_many(4).tolist() == [11, 10, 21, 20]
+
+
+@pytest.mark.parametrize("trace", ["chats", "agents"])
+def test_gaps_loses_nothing_to_lru_on_interleaved_traces(trace):
+    """`kvrt bench cache` replays of short interleaved chats and agent loops at 2,000 blocks: the
+    `gaps` policy's token hit rate is at least LRU's (the `reuse` policy's bonus floor of one
+    release per level costs it a little there)."""
+    from bench.cache import replay
+    from bench.synthetic import synthetic
+
+    reqs = synthetic(trace)
+    lru = replay(reqs, 64, 2000, 0, "lru")["hit_token_rate"]
+    assert replay(reqs, 64, 2000, 0, "gaps")["hit_token_rate"] >= lru
 
 
 def test_reuse_levels_order():
@@ -255,7 +352,7 @@ class Blocks:
             self.live.remove((medium, k))
 
 
-@pytest.mark.parametrize("name", ["lru", "reuse"])
+@pytest.mark.parametrize("name", ["lru", "reuse", "gaps"])
 @pytest.mark.parametrize("seed", range(4))
 def test_batched_host_eviction_equals_one_at_a_time(name, seed):
     """With a host tier: swap-outs started a run at a time, host leaves dropped a run at a time

@@ -203,3 +203,14 @@ class ReuseCacheMachine(CacheMachine):
 
 ReuseCacheMachine.TestCase.settings = CacheMachine.TestCase.settings
 TestPrefixCacheReuseProperties = ReuseCacheMachine.TestCase
+
+
+class GapsCacheMachine(CacheMachine):
+    """The same engine over the `gaps` eviction policy (the sketch also stamps when each key was
+    last used, and the device policy is told the ages of what requests compute)."""
+
+    POLICY = "gaps"
+
+
+GapsCacheMachine.TestCase.settings = CacheMachine.TestCase.settings
+TestPrefixCacheGapsProperties = GapsCacheMachine.TestCase
