@@ -107,8 +107,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "mooncake://HOST:PORT (a Mooncake Store shared by every node on that master; see kvrt store start) "
                    "(default: none)")
     p.add_argument("--eviction", choices=policy_names(), default=d.eviction,
-                   help=f"prefix cache eviction policy, both tiers (default {d.eviction}: by age and "
-                   f"reuse count, runtime/reuse_levels.py; lru: least recently used)")
+                   help=f"prefix cache eviction policy, both tiers (default {d.eviction}: by age, with a bonus "
+                   f"for blocks reused before whose reuse came back within the cache's reach, "
+                   f"runtime/reuse_gaps.py; reuse: by age and reuse count, runtime/reuse_levels.py; "
+                   f"lru: least recently used)")
     p.add_argument("--host", default=d.host, help=f"interface the client API listens on (default {d.host})")
     p.add_argument("--port", type=int, default=d.port,
                    help="client API port (ZeroMQ; used by kvrt generate/replay and runtime.client; 0 = none)")

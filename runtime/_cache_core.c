@@ -9,7 +9,7 @@ stays as the reference and the fallback (tests compare them):
 - chain_keys: xxh3-128 of (parent key || block's token bytes), in xxhash's canonical
   (big-endian) form, as `xxhash.xxh3_128_digest` returns it. xxhash's own header
   (Debian's libxxhash-dev) is compiled in inline, so nothing is needed at run time.
-- sketch_add / sketch_count: a 16-byte key's two slots are its first 8 bytes (native byte order,
+- sketch_add / sketch_count / sketch_stamp: a 16-byte key's two slots are its first 8 bytes (native byte order,
   as numpy reads them) masked, and the same shifted right by 32, masked; adding is numpy's
   gather-then-scatter `row[slots] = minimum(row[slots], 254) + 1` (a slot that two keys share
   gains one, not two). Either returns False, changing nothing, if a key is not 16 bytes. */
@@ -171,6 +171,58 @@ static PyObject *sketch_count(PyObject *self, PyObject *args) {
         }
     }
     sketch_end(&s);
+    Py_XINCREF(res);
+    return res;
+}
+
+/* sketch_stamp(stamps0, stamps1, keys, mask, now, ages): the timed sketch's last-use stamps
+   (uint32 rows): ages[i] (int64) = now - the older of key i's two stamps, or -1 where that is
+   0 (never stamped); then both stamps of every key become `now`. All reads come before the
+   writes, as numpy's gather-then-scatter does. False (nothing changed) if a key is not 16 bytes. */
+static PyObject *sketch_stamp(PyObject *self, PyObject *args) {
+    Py_buffer s0 = {0}, s1 = {0}, ages = {0};
+    PyObject *keys, *fast = NULL, *res = NULL;
+    unsigned long long mask;
+    unsigned long now;
+    uint64_t *slots = NULL;
+    if (!PyArg_ParseTuple(args, "w*w*OKkw*", &s0, &s1, &keys, &mask, &now, &ages))
+        return NULL;
+    fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (s0.itemsize != 4 || s1.itemsize != 4 || ages.itemsize != 8 ||
+        (Py_ssize_t)mask >= s0.len / 4 || (Py_ssize_t)mask >= s1.len / 4 || ages.len < n * 8) {
+        PyErr_SetString(PyExc_ValueError, "stamp rows must be uint32 longer than the mask, ages int64 of len(keys)");
+        goto done;
+    }
+    slots = PyMem_Malloc(2 * (n ? n : 1) * sizeof(uint64_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!key_slots(fast, mask, slots, slots + n)) {
+        res = Py_False;
+        goto done;
+    }
+    uint32_t *r0 = s0.buf, *r1 = s1.buf;
+    int64_t *out = ages.buf;
+    const uint64_t *a = slots, *b = slots + n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t last = r0[a[i]] < r1[b[i]] ? r0[a[i]] : r1[b[i]];
+        out[i] = last ? (int64_t)now - (int64_t)last : -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        r0[a[i]] = (uint32_t)now;
+        r1[b[i]] = (uint32_t)now;
+    }
+    res = Py_True;
+done:
+    PyMem_Free(slots);
+    Py_XDECREF(fast);
+    if (s0.obj) PyBuffer_Release(&s0);
+    if (s1.obj) PyBuffer_Release(&s1);
+    if (ages.obj) PyBuffer_Release(&ages);
     Py_XINCREF(res);
     return res;
 }
@@ -845,6 +897,8 @@ static PyMethodDef methods[] = {
      "new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): write a new chain's columns"},
     {"sketch_add", sketch_add, METH_VARARGS,
      "sketch_add(row0, row1, keys, mask) -> False if a key is not 16 bytes (nothing added)"},
+    {"sketch_stamp", sketch_stamp, METH_VARARGS,
+     "sketch_stamp(stamps0, stamps1, keys, mask, now, ages) -> False if a key is not 16 bytes; ages (int64) before now"},
     {"sketch_count", sketch_count, METH_VARARGS,
      "sketch_count(row0, row1, keys, mask, out) -> False if a key is not 16 bytes; counts in out (int32)"},
     {"chain_keys", chain_keys, METH_VARARGS,

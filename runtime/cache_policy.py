@@ -85,6 +85,6 @@ def make_policy(name: str) -> Callable[[int, np.ndarray], EvictionPolicy]:
 
 
 # name -> (module, class); imported on demand, so a policy's module is loaded only when chosen
-_POLICIES = {"reuse": (".reuse_levels", "ReuseLevels"),
-             "gaps": (".reuse_gaps", "ReuseGaps"),
+_POLICIES = {"gaps": (".reuse_gaps", "ReuseGaps"),
+             "reuse": (".reuse_levels", "ReuseLevels"),
              "lru": (".lru", "EvictionQueue")}

@@ -14,8 +14,7 @@ much as the cache's own work); the numpy code below is the reference and the fal
 With `timed`, it also remembers when a key was last used (the request count, in two rows of
 32-bit stamps under the same slots; a key's stamp is the older of its two, so a collision can
 only make it look recent): `add` then says how many requests ago each key was used before,
-which tells a policy whether a block's reuse comes back within what the cache can hold (the
-timed mode runs in numpy).
+which tells a policy whether a block's reuse comes back within what the cache can hold.
 """
 from __future__ import annotations
 
@@ -25,9 +24,10 @@ from typing import Sequence
 import numpy as np
 
 try:
-    from ._cache_core import sketch_add as _add_c, sketch_count as _count_c, sketch_raise as _raise_c
+    from ._cache_core import (sketch_add as _add_c, sketch_count as _count_c, sketch_raise as _raise_c,
+                              sketch_stamp as _stamp_c)
 except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _add_c = _count_c = _raise_c = None
+    _add_c = _count_c = _raise_c = _stamp_c = None
 
 MIN_BITS, MAX_BITS = 16, 24
 SLOTS_PER_NODE = 64
@@ -37,7 +37,7 @@ _SPREAD = np.uint64(0x9E3779B97F4A7C15)  # odd: a bijection on 64-bit words
 class UseSketch:
     """Approximate per-key use counts (0..255) over the recent past of a cache of `nodes` nodes."""
 
-    __slots__ = ("_mask", "_rows", "_r0", "_r1", "_int_mask", "_added", "_halve_at", "_stamps", "_now")
+    __slots__ = ("_mask", "_rows", "_r0", "_r1", "_int_mask", "_added", "_halve_at", "_stamps", "_s0", "_s1", "_now")
 
     def __init__(self, nodes: int, timed: bool = False):
         bits = min(MAX_BITS, max(MIN_BITS, (SLOTS_PER_NODE * nodes - 1).bit_length()))
@@ -49,6 +49,7 @@ class UseSketch:
         self._halve_at = (1 << bits) // 4
         # request count of each slot's latest use (0: none yet), only when timed
         self._stamps = np.zeros((2, 1 << bits), dtype=np.uint32) if timed else None
+        self._s0, self._s1 = self._stamps if timed else (None, None)
         self._now = 0
 
     def _slots(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -68,22 +69,27 @@ class UseSketch:
         know), else None."""
         if not len(keys):
             return np.empty(0, dtype=np.int64) if self._stamps is not None else None
-        ages = None
-        if self._stamps is not None:  # timed: the stamps need the slots in Python anyway
-            a, b = self._slots(keys)
-            self._now += 1
-            s0, s1 = self._stamps
-            last = np.minimum(s0[a], s1[b]).astype(np.int64)
-            ages = np.where(last > 0, self._now - last, -1)
-            s0[a] = self._now
-            s1[b] = self._now
-            self._bump(a, b)
-        elif _add_c is None or not _add_c(self._r0, self._r1, keys, self._int_mask):
+        ages = self._stamp(keys) if self._stamps is not None else None
+        if _add_c is None or not _add_c(self._r0, self._r1, keys, self._int_mask):
             self._bump(*self._slots(keys))
         self._added += len(keys)
         if self._added >= self._halve_at:
             self._rows >>= 1
             self._added = 0
+        return ages
+
+    def _stamp(self, keys: Sequence[bytes]) -> np.ndarray:
+        """How many requests ago each key was used before (-1: never); stamps them now."""
+        self._now += 1
+        ages = np.empty(len(keys), dtype=np.int64)
+        if _stamp_c is not None and _stamp_c(self._s0, self._s1, keys, self._int_mask, self._now, ages):
+            return ages
+        a, b = self._slots(keys)
+        s0, s1 = self._s0, self._s1
+        last = np.minimum(s0[a], s1[b]).astype(np.int64)
+        ages = np.where(last > 0, self._now - last, -1)
+        s0[a] = self._now
+        s1[b] = self._now
         return ages
 
     def _bump(self, a: np.ndarray, b: np.ndarray) -> None:

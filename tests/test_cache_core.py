@@ -44,14 +44,14 @@ def _replay(c: PrefixCache, seed: int) -> list:
     return states
 
 
-@pytest.mark.parametrize("name", ["reuse", "lru"])
+@pytest.mark.parametrize("name", ["gaps", "reuse", "lru"])
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("host", [0, 300])
 @pytest.mark.parametrize("off", [(cache_match, "_new_chain_c"), (cache_eviction, "_drop_run_c"),
                                  (cache_match, "_touch_c"), (cache_match, "_deref_c"),
                                  (use_sketch, "_raise_c"), (cache_eviction, "_chain_tops_c"),
                                  (reuse_levels, "_scan_c"), (reuse_levels, "_stamp_runs_c"),
-                                 (cache_match, "_walk_c")])
+                                 (cache_match, "_walk_c"), (use_sketch, "_stamp_c")])
 def test_c_node_work_equals_numpy(name, seed, host, off, monkeypatch):
     """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path

@@ -73,7 +73,7 @@ def one_at_a_time(cls):
 
 
 def test_policy_names():
-    assert policy_names()[0] == "reuse"
+    assert policy_names()[0] == "gaps"
     assert make_policy("lru") is EvictionQueue and make_policy("reuse") is ReuseLevels
     assert make_policy("gaps") is ReuseGaps
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):

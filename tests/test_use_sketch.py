@@ -8,11 +8,12 @@ from runtime import _cache_core, use_sketch
 from runtime.use_sketch import UseSketch
 
 
-def _reference(monkeypatch) -> UseSketch:
+def _reference(monkeypatch, timed: bool = False) -> UseSketch:
     """A sketch that runs the numpy code (the C functions switched off for it)."""
     monkeypatch.setattr(use_sketch, "_add_c", None)
     monkeypatch.setattr(use_sketch, "_count_c", None)
-    return UseSketch(100)
+    monkeypatch.setattr(use_sketch, "_stamp_c", None)
+    return UseSketch(100, timed=timed)
 
 
 def test_c_updates_equal_the_numpy_reference(monkeypatch):
@@ -40,6 +41,25 @@ def test_c_updates_equal_the_numpy_reference(monkeypatch):
     assert fast._added == slow._added
     for keys, got in zip(counted, counts):
         assert got.dtype == np.int32 and np.array_equal(got, slow.count(keys))
+
+
+def test_c_stamps_equal_the_numpy_reference(monkeypatch):
+    """The timed sketch's ages and stamps, with keys that share a slot (an age is the older of
+    a key's two stamps) and keys never seen (-1)."""
+    rng = np.random.default_rng(11)
+    raw = rng.bytes(16 * 400)
+    pool = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+    pool.append(pool[0][:4] + b"\x09\x08\x07\x06" + pool[0][8:])  # shares pool[0]'s first slot
+    batches = [[pool[int(j)] for j in rng.choice(len(pool), size=int(rng.integers(0, 60)), replace=False)]
+               for _ in range(400)]
+    fast = UseSketch(100, timed=True)
+    got = [fast.add(keys) for keys in batches]
+    slow = _reference(monkeypatch, timed=True)
+    for keys, ages in zip(batches, got):
+        want = slow.add(keys)
+        assert ages.dtype == np.int64 and np.array_equal(ages, want)
+    assert np.array_equal(fast._stamps, slow._stamps) and np.array_equal(fast._rows, slow._rows)
+    assert any((a > 0).any() for a in got) and any((a == -1).any() for a in got)
 
 
 def test_keys_that_are_not_16_bytes_take_the_reference_path(monkeypatch):
