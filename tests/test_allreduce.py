@@ -135,6 +135,22 @@ def test_two_rank_split_equals_dense_reference(node, tmp_path, mode):
         np.testing.assert_allclose(last, want[20], rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def test_a_split_models_warm_up_waits_for_no_other_rank(tmp_path):
+    """A GPU worker warms up (CuPy compiles its kernels) before it says ready, while the other
+    ranks may still be loading the checkpoint: the warm-up step must not wait on an all-reduce
+    (a rank's wait is only --rank-timeout), and leaves the model's all-reduce in place."""
+    from workers.checkpoint import inspect
+    from workers.hf_model import HFModel
+
+    def nobody_else_here(partial):
+        raise WaitTimeout("all-reduce: rank 0 waited for rank(s) [1]")
+
+    ck = make_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype="BF16", num_attention_heads=4, num_key_value_heads=2)
+    model = HFModel(inspect(ck.path), 512, rank=0, tp=2, allreduce=nobody_else_here)
+    model.warm_up(8)
+    assert model.allreduce is nobody_else_here
+
+
 def test_room_check_counts_the_allreduce():
     from ipc.allreduce import segment_bytes
     from runtime.config import NodeConfig

@@ -338,8 +338,7 @@ class Model:
         """One short step over a scratch pool of one block, its result dropped. CuPy compiles
         each kernel at its first call (seconds for a forward pass where its kernel cache is
         empty), and a worker's first real step must not spend that between two heartbeats (the
-        launcher takes a worker silent for --hang-timeout as hung). Every rank of a split
-        model calls it: its all-reduce runs in it too."""
+        launcher takes a worker silent for --hang-timeout as hung)."""
         layout = self.shape.kv_layout(block_size, self.kv_dtype.name)
         pool = self.xp.zeros(layout.pool_shape(1), dtype=layout.dtype)
         n = min(2, block_size, self.shape.max_model_len)
