@@ -188,3 +188,19 @@ def test_an_allreduce_peers_slots_are_a_cupy_float32_array_over_the_mapping(monk
     assert isinstance(slots, cupy.ndarray) and slots.dtype == np.float32 and slots.shape == (200,)
     assert slots.data.ptr == 1 << 33 and slots.reshape(2, 100)[1].data.ptr == (1 << 33) + 400
     assert mem._opened == [1 << 33]
+
+
+def test_a_staging_buffer_is_a_numpy_array_over_cupys_pinned_pointer(monkeypatch):
+    """`host_buffer` reads CuPy's pinned allocation through the buffer protocol (CuPy's own
+    idiom); the allocation is stood in for by host bytes, the pointer class is CuPy's."""
+    from workers.backend import CupyBackend
+
+    backing = np.zeros(1024, np.uint8)
+    mem = SimpleNamespace(ptr=backing.ctypes.data, size=backing.nbytes)
+    monkeypatch.setattr(cupy.cuda, "alloc_pinned_memory", lambda n: cupy.cuda.PinnedMemoryPointer(mem, 0))
+    b = CupyBackend.__new__(CupyBackend)
+    b.cp = cupy
+    stage = b.host_buffer((3, 2, 4), np.float16)
+    assert stage.shape == (3, 2, 4) and stage.dtype == np.float16 and stage.ctypes.data == backing.ctypes.data
+    stage[1] = 7
+    assert backing.view(np.float16)[8:16].tolist() == [7.0] * 8
