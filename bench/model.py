@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.copy import cuda_missing
 from workers.backend import BackendUnavailable, get_backend
 from workers.checkpoint import inspect
 from workers.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
@@ -98,7 +99,10 @@ def write_checkpoint(directory: str, shape: str, seed: int = 0) -> dict:
                        p + "self_attn.v_proj.weight": (kvh * hd, d), p + "self_attn.v_proj.bias": (kvh * hd,),
                        p + "self_attn.o_proj.weight": (d, h * hd), p + "mlp.gate_proj.weight": (m, d),
                        p + "mlp.up_proj.weight": (m, d), p + "mlp.down_proj.weight": (d, m)})
-    header, off = {}, 0
+    # transformers refuses (some versions: fails on) a safetensors file without the format
+    # save_pretrained writes; kvrt's own reader skips this entry
+    header: dict = {"__metadata__": {"format": "pt"}}
+    off = 0
     for name, shp in shapes.items():
         n = 2 * math.prod(shp)
         header[name] = {"dtype": "BF16", "shape": list(shp), "data_offsets": [off, off + n]}
@@ -292,6 +296,8 @@ def main(argv: list[str]) -> int:
         xp = get_backend(args.device).xp
     except BackendUnavailable as e:
         p.error(str(e))
+    if args.device == "cuda" and (why := cuda_missing()):  # CuPy imports, but no driver or no GPU
+        p.error(f"--device cuda cannot run here: {why}")
     with tempfile.TemporaryDirectory(prefix="kvrt-bench-model-") as tmp:
         model_dir = args.model
         if model_dir is None:

@@ -22,6 +22,7 @@ Where the slots live is the one thing that differs between a CPU and a GPU node:
 """
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from typing import Any
@@ -38,6 +39,8 @@ _ENTRY = 256           # bytes per rank's handle table entry: an int64 length, t
 _SPIN_S = 0.001        # yield the CPU between polls for this long, then sleep in short naps
 _NAP_S = 0.0001
 KIND = "segment"
+
+log = logging.getLogger("ipc.allreduce")
 
 
 class PeerMemory(ABC):
@@ -62,6 +65,10 @@ class PeerMemory(ABC):
     def fence(self) -> None:
         """Return once every write and read this rank issued on any slots has completed (a
         GPU's kernels run asynchronously: the flag must not be published before the bytes)."""
+
+    def close_peers(self) -> None:
+        """Close the peers' slots this rank opened, before it tells them it is done with them
+        (their owners free them only after that); `close` closes any still open."""
 
     @abstractmethod
     def close(self) -> None:
@@ -209,6 +216,20 @@ class AllReduce:
             time.sleep(0 if waited < _SPIN_S else _NAP_S)
 
     def close(self) -> None:
+        """Detach. With peer memory, this rank's slots are freed only once every rank has closed
+        its mapping of them (or `timeout` passed: a rank that died maps nothing): a peer may still
+        be about to read the last generation's slot when this rank returns from it, and CUDA
+        leaves undefined an exporter freeing memory that an importer has not closed yet."""
+        if self._memory is not None:
+            self._slots = []  # the arrays over the peers' mappings go before the mappings
+            self._memory.fence()  # this rank's reads of the peers' slots have completed
+            self._memory.close_peers()
+            self._gen += 1
+            self._region.store64(self.rank * _LINE, self._gen)
+            try:
+                self._wait(self._gen)
+            except WaitTimeout as e:
+                log.warning("%s; freeing this rank's slots anyway", e)
         self._slots = []
         if self._memory is not None:
             self._memory.close()

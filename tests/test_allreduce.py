@@ -121,19 +121,34 @@ def test_two_rank_split_equals_dense_reference(node, tmp_path, mode):
             table = np.array([3, 1, 4], np.int32)
             got[r] = [model.step_logits(pool, [SeqInput(toks[:13], 0, table)])[0],
                       model.step_logits(pool, [SeqInput(toks[13:], 13, table)])[0]]
+            ars[r].close()  # as a worker process does: peer memory's ranks close together
 
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
-        for a in ars:
-            a.close()
     assert set(got) == {0, 1}
     assert np.array_equal(got[0][1], got[1][1]), "every rank computes identical logits"
     for first, last in got.values():
         np.testing.assert_allclose(first, want[12], rtol=1e-4, atol=1e-4 * np.abs(want).max())
         np.testing.assert_allclose(last, want[20], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_split_models_warm_up_waits_for_no_other_rank(tmp_path):
+    """A GPU worker warms up (CuPy compiles its kernels) before it says ready, while the other
+    ranks may still be loading the checkpoint: the warm-up step must not wait on an all-reduce
+    (a rank's wait is only --rank-timeout), and leaves the model's all-reduce in place."""
+    from workers.checkpoint import inspect
+    from workers.hf_model import HFModel
+
+    def nobody_else_here(partial):
+        raise WaitTimeout("all-reduce: rank 0 waited for rank(s) [1]")
+
+    ck = make_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype="BF16", num_attention_heads=4, num_key_value_heads=2)
+    model = HFModel(inspect(ck.path), 512, rank=0, tp=2, allreduce=nobody_else_here)
+    model.warm_up(8)
+    assert model.allreduce is nobody_else_here
 
 
 def test_room_check_counts_the_allreduce():

@@ -1,5 +1,7 @@
+import contextlib
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ import pytest
 from ipc.errors import IpcError
 from ipc.registry import Registry
 from tests.conftest import REPO
-from workers.backend import BackendUnavailable, NumpyBackend, create_shm_pool, get_backend
+from workers.backend import BackendUnavailable, CupyBackend, NumpyBackend, create_shm_pool, get_backend
 from workers.kv_pool import coalesce, copy_blocks
 
 SHAPE = (2, 2, 4, 2, 8)  # a block: layers, K/V, block_size, heads, head_dim
@@ -67,3 +69,42 @@ def test_backend_choice_and_cupy_is_optional():
             "print('cupy' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_cupy_device_pool_is_zeroed_before_its_handle_is_published(node):
+    """cudaMemset of device memory may return before it lands, and the process that opens the
+    pool's IPC handle is ordered with nothing in the creator's context: the creator must wait
+    for the zeros before it publishes the handle. CUDA runtime stand-in: calls are logged."""
+    log: list = []
+
+    class Runtime:
+        def getDeviceCount(self) -> int:  # noqa: N802 (CUDA's names)
+            return 1
+
+        def memGetInfo(self) -> tuple[int, int]:  # noqa: N802
+            return 1 << 30, 1 << 30
+
+        def memset(self, ptr: int, value: int, nbytes: int) -> None:
+            log.append("memset")
+
+        def deviceSynchronize(self) -> None:  # noqa: N802
+            log.append("synchronize")
+
+        def ipcGetMemHandle(self, ptr: int) -> bytes:  # noqa: N802
+            return bytes(range(64))
+
+    b = CupyBackend.__new__(CupyBackend)
+    b.rt = Runtime()
+    b.cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: contextlib.nullcontext(),
+                                                Memory=lambda n: SimpleNamespace(ptr=1 << 20, size=n)))
+    with Registry.create(node) as reg:
+        create = reg.create_segment
+
+        def publish(*args, **kwargs):
+            log.append("publish")
+            return create(*args, **kwargs)
+
+        reg.create_segment = publish
+        mem = b.create_device_pool(reg, "pool", (4, *SHAPE), "float16", 0)
+        assert mem.size == 4 * int(np.prod(SHAPE)) * 2
+        assert log == ["memset", "synchronize", "publish"]

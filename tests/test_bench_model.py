@@ -7,6 +7,8 @@ import importlib.util
 import json
 import subprocess
 import sys
+import types
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +23,16 @@ def test_written_checkpoint_loads_with_the_real_loader(tmp_path):
     assert info.config.arch == "Qwen2ForCausalLM" and info.config.tie_word_embeddings
     assert {n: tuple(t.shape) for n, t in info.tensors.items()} == info.config.expected_tensors()
     assert {t.dtype for t in info.tensors.values()} == {"BF16"}
+
+
+def test_written_checkpoint_carries_the_format_transformers_checks(tmp_path):
+    """The transformers comparison on a GPU loads this file: it reads the safetensors metadata
+    `save_pretrained` writes, and some versions refuse (or fail on) a file without it."""
+    from safetensors import safe_open
+
+    model_bench.write_checkpoint(str(tmp_path), "small")
+    with safe_open(str(tmp_path / "model.safetensors"), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
 
 
 def test_default_shape_is_qwen2_5_0_5b():
@@ -72,6 +84,27 @@ def test_cuda_without_cupy_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         model_bench.main(["--device", "cuda", "--shape", "small"])
     assert "CuPy" in capsys.readouterr().err
+
+
+def test_cuda_without_a_usable_gpu_is_a_clear_error(monkeypatch, capsys):
+    """CuPy imports but CUDA does not answer (no driver, no device): one line before anything
+    is written, as `kvrt bench copy --device cuda` says it, not a traceback from the first array."""
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def no_driver() -> int:
+        raise CUDARuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = SimpleNamespace(runtime=SimpleNamespace(getDeviceCount=no_driver))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    written = []
+    monkeypatch.setattr(model_bench, "write_checkpoint", lambda *a: written.append(a))
+    with pytest.raises(SystemExit) as e:
+        model_bench.main(["--device", "cuda", "--shape", "small"])
+    assert e.value.code == 2 and not written
+    assert "no CUDA device" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers")

@@ -93,3 +93,13 @@ def test_two_ranks_on_one_gpu_serve_the_reference(node, tmp_path, checkpoint, pr
         assert tokens(run_all(ln.client, prompts, concurrent=False)) == expected, ln.logs()
         stats = ln.idle_stats()
         assert stats["tasks_done"] > 0 and stats["tasks_failed"] == 0 and stats["device_used"] == 0
+
+
+def test_a_fresh_kernel_cache_does_not_make_the_first_step_look_hung(node, tmp_path, checkpoint, prompts, expected):
+    """CuPy compiles each kernel at its first call; with an empty kernel cache (a fresh machine)
+    a first forward pass compiles for seconds. The worker does that before it says ready, so
+    the first request is not a heartbeat gap past the default --hang-timeout (5 s)."""
+    opts = (*OPTS, "--device", "cuda", "--model", checkpoint.path, "--compute-dtype", "float16",
+            "--num-gpu-blocks", "48")
+    with launched(node, tmp_path, *opts, env={"CUPY_CACHE_DIR": str(tmp_path / "kernels")}, ready_s=180) as ln:
+        assert tokens(run_all(ln.client, prompts[:2], concurrent=False)) == expected[:2], ln.logs()

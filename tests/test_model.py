@@ -228,6 +228,22 @@ def test_logit_spread_and_top2_gaps(model):
     assert np.abs(model.dense_logits(p)[-1] - model.dense_logits(q)[-1]).max() > 1e-3
 
 
+@pytest.mark.parametrize("bs", [1, 4])
+def test_warm_up_is_a_step_of_its_own(small, bs):
+    """A GPU worker runs one step before it says ready (CuPy compiles its kernels then, not
+    between the first real step's heartbeats): over a scratch pool of its own, so the pools and
+    the answers that follow are as if it never ran."""
+    rng = np.random.default_rng(4)
+    prompt = prompt_of(rng, 11, SMALL.vocab_size)
+    pool = make_pool(SMALL, 32, bs)
+    before = pool.copy()
+    small.warm_up(bs)
+    np.testing.assert_array_equal(pool, before)
+    seq = Seq(prompt, 5)
+    drive(small, pool, [seq], rng, max_chunk=8)
+    assert seq.out == small.generate_dense(prompt, 5)
+
+
 def test_weights_are_seeded():
     p = prompt_of(np.random.default_rng(1), 20, SMALL.vocab_size)
     assert np.array_equal(Model(SMALL).dense_logits(p), Model(SMALL).dense_logits(p))

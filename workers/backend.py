@@ -211,6 +211,9 @@ class CupyBackend(ArrayBackend):
                                         f"which has {free} bytes free; lower --num-gpu-blocks")
             mem = self.cp.cuda.Memory(nbytes)  # a plain cudaMalloc: IPC exports whole allocations
             self.rt.memset(mem.ptr, 0, nbytes)
+            # cudaMemset of device memory returns before it lands, and a process that opens the
+            # handle runs in its own context, unordered with this one: the zeros land first
+            self.rt.deviceSynchronize()
             handle = bytes(self.rt.ipcGetMemHandle(mem.ptr))
         meta = {"backend": self.name, "tier": "device", "rank": rank, "device": device, "nbytes": nbytes}
         seg = reg.create_segment(obj, _HANDLE_LEN + len(handle), kind="pool", dtype=dt.str,

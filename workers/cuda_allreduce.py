@@ -51,11 +51,14 @@ class CudaPeerMemory(PeerMemory):
     def fence(self) -> None:
         self.cp.cuda.get_current_stream().synchronize()
 
-    def close(self) -> None:
-        self.fence()
+    def close_peers(self) -> None:
         for ptr in self._opened:
             self.rt.ipcCloseMemHandle(ptr)
         self._opened = []
+
+    def close(self) -> None:
+        self.fence()
+        self.close_peers()
         self._own = None
 
 

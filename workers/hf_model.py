@@ -192,6 +192,16 @@ class HFModel(Model):
                                   f"(fingerprint {info.fingerprint}, launched with {fingerprint})")
         return cls(info, max_model_len, xp, kv_dtype, rank, tp, allreduce, matmul_dtype)
 
+    def warm_up(self, block_size: int) -> None:
+        """`Model.warm_up` with no all-reduce: each rank warms up at its own pace (ranks load
+        the checkpoint side by side, one may finish well before another), and the first real
+        step compiles the sum's few kernels."""
+        allreduce, self.allreduce = self.allreduce, None
+        try:
+            super().warm_up(block_size)
+        finally:
+            self.allreduce = allreduce
+
     def _mm(self, a: Any, w: Any) -> Any:
         """a (float32) times w in the compute dtype, back as float32: float16 operands whose
         products the GEMM accumulates in float32 (numpy's float16 matmul and cuBLAS both do)."""

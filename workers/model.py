@@ -334,6 +334,19 @@ class Model:
         last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
         return self._logits(x[last])
 
+    def warm_up(self, block_size: int) -> None:
+        """One short step over a scratch pool of one block, its result dropped. CuPy compiles
+        each kernel at its first call (seconds for a forward pass where its kernel cache is
+        empty), and a worker's first real step must not spend that between two heartbeats (the
+        launcher takes a worker silent for --hang-timeout as hung)."""
+        layout = self.shape.kv_layout(block_size, self.kv_dtype.name)
+        pool = self.xp.zeros(layout.pool_shape(1), dtype=layout.dtype)
+        n = min(2, block_size, self.shape.max_model_len)
+        try:
+            self.step_logits(pool, [SeqInput(np.zeros(n, np.int32), 0, np.zeros(1, np.int32))])
+        except ValueError as e:  # e.g. float16 overflow: a request may still fit, and fails alone
+            log.warning("warm-up step failed (kernels compiled anyway): %s", e)
+
     def step(self, pool: Any, seqs: Sequence[SeqInput]) -> np.ndarray:
         """Run one batch: store each seq's new K/V into `pool` at its positions (block =
         block_table[pos // block_size], slot = pos % block_size), attend causally over the pool

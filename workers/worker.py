@@ -52,6 +52,8 @@ class Worker:
                                       matmul_dtype=cfg.compute_dtype)
         else:
             self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
+        if cfg.device == "cuda":  # CuPy's kernels compiled now, before ready, not in the first step
+            self.model.warm_up(cfg.block_size)
         self.model.beat = child.member.beat
         self.block_size = cfg.block_size
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
