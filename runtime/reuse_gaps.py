@@ -83,20 +83,9 @@ class ReuseGaps(ReuseLevels):
         none for a block whose last reuse gap exceeds what its bonus would hold."""
         if not len(nodes):
             return
-        now = self._clock
-        self._clock = now + 1
-        avg = self._avg_push
-        avg = self._avg_push = 0.99 * avg + 0.01 * len(nodes) if avg else float(len(nodes))
-        hits = self._hits[nodes]
-        matched = self._matched[nodes]
-        # computed again although its key was used before: reuse the cache had lost
-        lost = int(np.count_nonzero(hits[~matched]))
-        self._long += lost
-        self._reused += lost
+        now, avg, hits = self._release(nodes)
         gap = self._ghost[nodes]  # -1 (not looked at) but for blocks just computed
         self._ghost[nodes] = -1
-        self._matched[nodes] = False
-        self._released[nodes] = now
         lv = LEVELS[np.minimum(hits, len(LEVELS) - 1)]
         turnover = self._capacity / avg
         unit = self.bonus_scale() * min(MAX_TURNOVER, turnover)

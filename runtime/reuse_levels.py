@@ -97,17 +97,7 @@ class ReuseLevels:
         """Queue `nodes` (released, deepest first) with priority now + bonus for their reuse."""
         if not len(nodes):
             return
-        now = self._clock
-        self._clock = now + 1
-        avg = self._avg_push
-        avg = self._avg_push = 0.99 * avg + 0.01 * len(nodes) if avg else float(len(nodes))
-        hits = self._hits[nodes]
-        # computed again although its key was used before: reuse the cache had lost
-        lost = int(np.count_nonzero(hits[~self._matched[nodes]]))
-        self._long += lost
-        self._reused += lost
-        self._matched[nodes] = False
-        self._released[nodes] = now
+        now, avg, hits = self._release(nodes)
         lv = LEVELS.take(hits, mode="clip")
         # at least one release per level: with none, equal priorities would leave the order to
         # tie-breaks that batched and one-at-a-time eviction do not share
@@ -130,6 +120,23 @@ class ReuseLevels:
                 self._add(nodes[a:b], int(prio[a]), int(lv[a]))
         if self._queued > self._limit:
             self._compact()
+
+    def _release(self, nodes: np.ndarray) -> tuple[int, float, np.ndarray]:
+        """What every push of released `nodes` counts, here and in the policies built on this
+        one: the release clock, the moving average release size, the reuse the cache had lost
+        (blocks computed again although their key was used before); returns (now, average
+        release size, the nodes' earlier uses)."""
+        now = self._clock
+        self._clock = now + 1
+        avg = self._avg_push
+        avg = self._avg_push = 0.99 * avg + 0.01 * len(nodes) if avg else float(len(nodes))
+        hits = self._hits[nodes]
+        lost = int(np.count_nonzero(hits[~self._matched[nodes]]))
+        self._long += lost
+        self._reused += lost
+        self._matched[nodes] = False
+        self._released[nodes] = now
+        return now, avg, hits
 
     def _add(self, nodes: np.ndarray, prio: int, level: int) -> None:
         s = self._serial
