@@ -39,27 +39,36 @@ def _request(hash_ids: list[int], rng: np.random.Generator, t: int) -> TraceRequ
     return TraceRequest(t, length, int(rng.integers(16, 512)), tuple(hash_ids))
 
 
-def chats(seed: int = 1, conversations: int = 1500, active: int = 48) -> list[TraceRequest]:
-    """Short chats (2-8 turns, 1-3 blocks per turn) under 4 system prompts of 2 blocks each."""
-    rng = np.random.default_rng(seed)
-    ids = _Ids()
-    systems = [ids.take(2) for _ in range(4)]
+def _interleaved(rng: np.random.Generator, ids: _Ids, total: int, active: int,
+                 start: Callable[[], tuple[list[int], int]], turn: Callable[[], int]) -> list[TraceRequest]:
+    """`total` conversations, `active` at a time, one request per turn of a conversation picked at
+    random: `start()` gives a new one's history and turns, `turn()` the blocks a turn adds."""
     live: list[tuple[list[int], int]] = []  # (history, turns left)
     started = 0
     out: list[TraceRequest] = []
-    while started < conversations or live:
-        while len(live) < active and started < conversations:
-            live.append((list(systems[int(rng.integers(len(systems)))]), int(rng.integers(2, 9))))
+    while started < total or live:
+        while len(live) < active and started < total:
+            live.append(start())
             started += 1
         k = int(rng.integers(len(live)))
         history, left = live[k]
-        history = history + ids.take(int(rng.integers(1, 4)))
+        history = history + ids.take(turn())
         out.append(_request(history, rng, len(out)))
         if left > 1:
             live[k] = (history, left - 1)
         else:
             live.pop(k)
     return out
+
+
+def chats(seed: int = 1, conversations: int = 1500, active: int = 48) -> list[TraceRequest]:
+    """Short chats (2-8 turns, 1-3 blocks per turn) under 4 system prompts of 2 blocks each."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    systems = [ids.take(2) for _ in range(4)]
+    return _interleaved(rng, ids, conversations, active,
+                        lambda: (list(systems[int(rng.integers(len(systems)))]), int(rng.integers(2, 9))),
+                        lambda: int(rng.integers(1, 4)))
 
 
 def docs(seed: int = 2, documents: int = 24, questions: int = 2000) -> list[TraceRequest]:
@@ -78,22 +87,8 @@ def agents(seed: int = 3, loops: int = 96, steps: int = 40, active: int = 16) ->
     rng = np.random.default_rng(seed)
     ids = _Ids()
     tools = ids.take(24)
-    live: list[tuple[list[int], int]] = []
-    started = 0
-    out: list[TraceRequest] = []
-    while started < loops or live:
-        while len(live) < active and started < loops:
-            live.append((tools + ids.take(2), steps))
-            started += 1
-        k = int(rng.integers(len(live)))
-        history, left = live[k]
-        history = history + ids.take(int(rng.integers(1, 3)))
-        out.append(_request(history, rng, len(out)))
-        if left > 1:
-            live[k] = (history, left - 1)
-        else:
-            live.pop(k)
-    return out
+    return _interleaved(rng, ids, loops, active, lambda: (tools + ids.take(2), steps),
+                        lambda: int(rng.integers(1, 3)))
 
 
 TRACES: dict[str, Callable[[], list[TraceRequest]]] = {"chats": chats, "docs": docs, "agents": agents}
