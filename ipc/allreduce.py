@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -155,9 +155,9 @@ class AllReduce:
     def _open_peers(self) -> None:
         """Open every other rank's slots, waiting (bounded) for the ranks that have not posted
         a handle yet; WaitTimeout names them."""
-        t0 = time.monotonic()
         nbytes = 2 * self.capacity * 4
-        while True:
+
+        def missing() -> list[int]:
             for r in range(self.tp):
                 if self._slots[r] is None:
                     off = self._table + r * _ENTRY
@@ -167,14 +167,9 @@ class AllReduce:
                             raise IpcError(f"all-reduce {self.name}: rank {r} posted a handle of {n} bytes")
                         handle = bytes(self._seg.mm[off + 8:off + 8 + n])
                         self._slots[r] = self._memory.open(handle, nbytes).reshape(2, self.capacity)
-            missing = [r for r in range(self.tp) if self._slots[r] is None]
-            if not missing:
-                return
-            waited = time.monotonic() - t0
-            if waited > self.timeout:
-                raise WaitTimeout(f"all-reduce {self.name}: rank {self.rank} waited {waited:.1f} s for "
-                                  f"rank(s) {missing} to post their buffers' handles")
-            time.sleep(0 if waited < _SPIN_S else _NAP_S)
+            return [r for r in range(self.tp) if self._slots[r] is None]
+
+        self._until(missing, "to post their buffers' handles")
 
     # ---- the all-reduce ----------------------------------------------------------------------
 
@@ -202,17 +197,24 @@ class AllReduce:
         return out.reshape(x.shape)
 
     def _wait(self, gen: int) -> None:
-        t0 = time.monotonic()
         load = self._region.load64
         pending = [r for r in range(self.tp) if r != self.rank]
-        while pending:
-            pending = [r for r in pending if load(r * _LINE) < gen]
-            if not pending:
-                return
+
+        def behind() -> list[int]:
+            pending[:] = [r for r in pending if load(r * _LINE) < gen]
+            return pending
+
+        self._until(behind, f"to reach generation {gen}")
+
+    def _until(self, missing: Callable[[], list[int]], what: str) -> None:
+        """Spin, then nap, until `missing()` (the ranks still awaited) is empty; WaitTimeout after
+        `timeout` names them and what they were awaited for."""
+        t0 = time.monotonic()
+        while ranks := missing():
             waited = time.monotonic() - t0
             if waited > self.timeout:
                 raise WaitTimeout(f"all-reduce {self.name}: rank {self.rank} waited {waited:.1f} s for "
-                                  f"rank(s) {pending} to reach generation {gen}")
+                                  f"rank(s) {ranks} {what}")
             time.sleep(0 if waited < _SPIN_S else _NAP_S)
 
     def close(self) -> None:
