@@ -82,6 +82,19 @@ static int key_slots(PyObject *fast, uint64_t mask, uint64_t *a, uint64_t *b) {
     return 1;
 }
 
+/* The keys' slots (a[] then b[], 2n) in new memory, or NULL with an exception set; *ok is 0 where
+   a key is not 16 bytes (the memory is still returned, to be freed). */
+static uint64_t *new_key_slots(PyObject *fast, uint64_t mask, int *ok) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    uint64_t *slots = PyMem_Malloc(2 * (n ? n : 1) * sizeof(uint64_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *ok = key_slots(fast, mask, slots, slots + n);
+    return slots;
+}
+
 /* Parse (row0, row1, keys, mask[, out]) for the sketch functions; slots of the keys in a[], b[]. */
 typedef struct {
     Py_buffer r0, r1, out;
@@ -108,13 +121,8 @@ static int sketch_begin(PyObject *args, sketch_args *s, int with_out) {
         PyErr_SetString(PyExc_ValueError, "sketch rows shorter than the mask, or output too short");
         return -1;
     }
-    s->slots = PyMem_Malloc(2 * (s->n ? s->n : 1) * sizeof(uint64_t));
-    if (s->slots == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    s->ok = key_slots(s->fast, mask, s->slots, s->slots + s->n);
-    return 0;
+    s->slots = new_key_slots(s->fast, mask, &s->ok);
+    return s->slots == NULL ? -1 : 0;
 }
 
 static void sketch_end(sketch_args *s) {
@@ -196,12 +204,10 @@ static PyObject *sketch_stamp(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "stamp rows must be uint32 longer than the mask, ages int64 of len(keys)");
         goto done;
     }
-    slots = PyMem_Malloc(2 * (n ? n : 1) * sizeof(uint64_t));
-    if (slots == NULL) {
-        PyErr_NoMemory();
+    int ok;
+    if ((slots = new_key_slots(fast, mask, &ok)) == NULL)
         goto done;
-    }
-    if (!key_slots(fast, mask, slots, slots + n)) {
+    if (!ok) {
         res = Py_False;
         goto done;
     }
@@ -493,12 +499,10 @@ static PyObject *sketch_raise(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_IndexError, "sketch_raise: node id out of range");
             goto done;
         }
-    slots = PyMem_Malloc(2 * (n ? n : 1) * sizeof(uint64_t));
-    if (slots == NULL) {
-        PyErr_NoMemory();
+    int ok;
+    if ((slots = new_key_slots(fast, mask, &ok)) == NULL)
         goto done;
-    }
-    if (!key_slots(fast, mask, slots, slots + n)) {
+    if (!ok) {
         res = Py_False;
         Py_INCREF(res);
         goto done;
