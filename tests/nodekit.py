@@ -7,23 +7,28 @@ and the engine, and real child processes started with subprocess (no fork, no pi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ipc import protocol
 from ipc.errors import IpcError
+from ipc.member import Member
 from ipc.protocol import PROTOCOL, Shutdown, TransferDone
 from ipc.registry import Registry, process_start_ms
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from runtime.config import NodeConfig
+from runtime.engine import Engine
+from runtime.node import Node
 from tests.conftest import REPO
-from workers.kv_pool import CreatedPools, create_pools
+from workers.kv_pool import CreatedPools, PoolMaker, create_pools
 
 SMALL = dict(num_gpu_blocks=64, num_cpu_blocks=64, num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
 
@@ -169,3 +174,30 @@ class NodeKit:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def engine_with_worker(cfg: NodeConfig) -> Iterator[Engine]:
+    """A real engine (in this process, stepped by the test) over a real worker[0] process of a
+    node created from `cfg`, once the worker is ready; shut down and unlinked afterwards."""
+    n = Node(cfg, PoolMaker(), progress=lambda m: None)
+    n.create_objects()
+    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--node", cfg.node, "--rank", "0"], cwd=REPO)
+    member = None
+    try:
+        member = Member.join(cfg.node, protocol.ROLE_ENGINE, 0)
+        eng = Engine(member)
+        deadline = time.monotonic() + 60
+        while not member.ready.array[protocol.slot_of(cfg.tp, protocol.ROLE_WORKER, 0)]:
+            assert time.monotonic() < deadline, "worker[0] did not get ready"
+            eng.step()
+        yield eng
+        eng.shutdown(grace_s=5)
+        assert worker.wait(20) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        if member is not None:
+            member.leave()
+        n.unlink()

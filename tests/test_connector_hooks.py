@@ -7,15 +7,12 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
 from ipc import protocol as P
-from ipc.member import Member
 from ipc.rank_group import RankGroup
 from runtime import api
 from runtime import engine as engine_mod
@@ -26,10 +23,8 @@ from runtime.connectors.decode import DecodeConnector
 from runtime.connectors.prefill import PrefillConnector
 from runtime.prefix_cache import PrefixCache
 from runtime.scheduler import Scheduler
-from runtime.node import Node
 from runtime.sequence import Sequence, SeqState
-from tests.conftest import REPO
-from workers.kv_pool import PoolMaker
+from tests.nodekit import engine_with_worker
 
 BS = 4
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -252,19 +247,10 @@ def test_a_real_engine_calls_the_hooks_of_its_connector(node, monkeypatch):
     monkeypatch.setattr(engine_mod, "connector_class", lambda role: HandOffEverything)
     cfg = NodeConfig(node, tp=1, block_size=BS, num_gpu_blocks=16, num_cpu_blocks=0, rank_timeout=20,
                      num_layers=2, num_kv_heads=2, head_dim=8).validate()
-    n = Node(cfg, PoolMaker(), progress=lambda m: None)
-    n.create_objects()
-    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--node", node, "--rank", "0"], cwd=REPO)
-    member = None
-    try:
-        member = Member.join(node, P.ROLE_ENGINE, 0)
-        eng = engine_mod.Engine(member)
+    with engine_with_worker(cfg) as eng:
         fake = eng.connector
         assert isinstance(fake, HandOffEverything) and eng.sched.connector is fake
         deadline = time.monotonic() + 60
-        while not member.ready.array[P.slot_of(cfg.tp, P.ROLE_WORKER, 0)]:
-            assert time.monotonic() < deadline, "worker[0] did not get ready"
-            eng.step()
         prompt = np.arange(1, 11, dtype=np.int32)
         eng._on_generate(b"client", api.GenerateRequest("long", prompt, 5))
         eng._on_generate(b"client", api.GenerateRequest("short", prompt + 1, 1))
@@ -278,12 +264,3 @@ def test_a_real_engine_calls_the_hooks_of_its_connector(node, monkeypatch):
         assert eng.cache.block_usage()["device_used"] == 0
         assert eng.stats.array[P.STAT["finished_requests"]] == 2
         eng.cache.check()
-        eng.shutdown(grace_s=5)
-        assert worker.wait(20) == 0
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
-        if member is not None:
-            member.leave()
-        n.unlink()

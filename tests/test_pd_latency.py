@@ -11,13 +11,10 @@ import numpy as np
 import pytest
 
 from ipc import protocol as P
-from ipc.member import Member
 from runtime import api
 from runtime.config import NodeConfig
-from runtime.engine import Engine
-from runtime.node import CHILD_MALLOC, Node, _child_env
-from tests.conftest import REPO
-from workers.kv_pool import PoolMaker
+from runtime.node import CHILD_MALLOC, _child_env
+from tests.nodekit import engine_with_worker
 
 # A decode step's allocation pattern: temporaries of about 1 MiB, alive together, freed at the
 # end of the step; prints the page faults one such step takes once warmed up.
@@ -77,28 +74,9 @@ def engine(node):
     """A real engine over a real worker process (no client socket: the test plays it)."""
     cfg = NodeConfig(node, tp=1, block_size=4, num_gpu_blocks=16, num_cpu_blocks=0, rank_timeout=20,
                      num_layers=2, num_kv_heads=2, head_dim=8).validate()
-    n = Node(cfg, PoolMaker(), progress=lambda m: None)
-    n.create_objects()
-    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--node", node, "--rank", "0"], cwd=REPO)
-    member = None
-    try:
-        member = Member.join(node, P.ROLE_ENGINE, 0)
-        eng = Engine(member)
+    with engine_with_worker(cfg) as eng:
         eng.server = _Server()
-        deadline = time.monotonic() + 60
-        while not member.ready.array[P.slot_of(cfg.tp, P.ROLE_WORKER, 0)]:
-            assert time.monotonic() < deadline, "worker[0] did not get ready"
-            eng.step()
         yield eng
-        eng.shutdown(grace_s=5)
-        assert worker.wait(20) == 0
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
-        if member is not None:
-            member.leave()
-        n.unlink()
 
 
 def test_the_next_step_leaves_in_the_turn_that_applied_the_last(engine):
