@@ -5,7 +5,6 @@ The node-level tests (a real `kvrt launch --kv-events-port`) are in tests/test_k
 """
 from __future__ import annotations
 
-import socket
 
 import msgpack
 import pytest
@@ -14,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
+from bench.nodes import free_port_pair
 from runtime.hashing import BlockHasher
 from runtime.kv_events import (CPU, END_OF_REPLAY, GPU, REPLAY_BATCHES, TOPIC, CachedBlock, KVEventPublisher,
                                decode_batch, encode_batch, removed_event, seq_bytes, stored_event)
@@ -77,19 +77,6 @@ def test_recorded_evicted_and_swapped_blocks_are_told_per_tier():
     assert mirror.held == {(b.medium, b.key) for b in cache.cached_blocks()}
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 def _sub(ctx: zmq.Context, port: int) -> zmq.Socket:
     s = ctx.socket(zmq.SUB)
     s.setsockopt(zmq.LINGER, 0)
@@ -123,7 +110,7 @@ def _read_replay(pub: KVEventPublisher, req: zmq.Socket) -> list[tuple[int, byte
 
 def test_batches_are_numbered_vllm_shaped_and_replayed_or_snapshotted():
     ctx = zmq.Context()
-    port = _free_port_pair()
+    port = free_port_pair()
     snapshot = [CachedBlock(b"k" * 16, None, GPU), CachedBlock(b"c" * 16, b"k" * 16, CPU)]
     pub = KVEventPublisher("127.0.0.1", port, 16, lambda: snapshot, ctx)
     sub = _sub(ctx, port)
