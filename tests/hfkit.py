@@ -2,7 +2,15 @@
 float64 forward pass of them written the way Hugging Face's modeling code reads (rotate_half,
 repeat_kv, whole-sequence recompute, no cache) to check kvrt's paged forward against.
 
+A config.json is either hand-written (the transformers 4 form: top-level `rope_theta` and
+`rope_scaling`) or written by transformers' own config class (`transformers_config`: whatever
+form the installed transformers writes). The reference reads either through transformers' own
+config class, so it sees the RoPE parameters transformers sees, and computes the frequencies
+and the attention factor from them here in numpy (transformers' RoPE functions need torch).
+
     ck = make_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype="BF16", tied=True)
+    ck = make_checkpoint(tmp_path, "Qwen3ForCausalLM",
+                         config=transformers_config("Qwen3ForCausalLM", {"rope_type": "default", "rope_theta": 1e6}))
     logits = dense_logits(ck, [1, 2, 3])
 """
 from __future__ import annotations
@@ -57,19 +65,44 @@ def write_safetensors(path: str, tensors: dict[str, tuple[str, np.ndarray]]) -> 
         f.write(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
 
 
-def make_checkpoint(directory, arch: str = "LlamaForCausalLM", dtype: str = "F32", tied: bool = False,
-                    shards: int = 1, seed: int = 0, rope_scaling: dict | None = None, **overrides) -> Tiny:
-    """A random checkpoint of `arch` in `directory` (created). Weights are scaled so the logits
-    spread over several units: greedy answers do not hinge on float32 rounding."""
-    os.makedirs(directory, exist_ok=True)
-    cfg = {"architectures": [arch], "model_type": arch[:-len("ForCausalLM")].lower(), **SHAPE,
-           "tie_word_embeddings": tied, "hidden_act": "silu", "torch_dtype": "bfloat16", **overrides}
+_CONFIG_CLASSES = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config",
+                    "Qwen3ForCausalLM": "Qwen3Config"}
+
+
+def transformers_config(arch: str, rope_parameters: dict | None = None, tied: bool = False, **overrides) -> dict:
+    """config.json of the tiny shape as transformers' own config class for `arch` writes it
+    (transformers 5: `rope_theta` and the scaling inside one `rope_parameters`)."""
+    import transformers
+
+    kwargs = {k: v for k, v in SHAPE.items() if k != "rope_theta"}
+    kwargs.update(architectures=[arch], tie_word_embeddings=tied, **overrides)
     if arch == "Qwen3ForCausalLM":
-        cfg.setdefault("head_dim", 16)  # Qwen3 decouples head_dim from hidden_size / heads
-    if rope_scaling is not None:
-        cfg["rope_scaling"] = rope_scaling
+        kwargs.setdefault("head_dim", 16)
+    if rope_parameters is not None:
+        kwargs["rope_parameters"] = dict(rope_parameters)
+    return json.loads(getattr(transformers, _CONFIG_CLASSES[arch])(**kwargs).to_json_string())
+
+
+def make_checkpoint(directory, arch: str = "LlamaForCausalLM", dtype: str = "F32", tied: bool = False,
+                    shards: int = 1, seed: int = 0, rope_scaling: dict | None = None, config: dict | None = None,
+                    **overrides) -> Tiny:
+    """A random checkpoint of `arch` in `directory` (created), with `config` as its config.json
+    (then `tied`, `rope_scaling` and `overrides` are the config's business) or a hand-written
+    one. Weights are scaled so the logits spread over several units: greedy answers do not
+    hinge on float32 rounding."""
+    os.makedirs(directory, exist_ok=True)
+    if config is not None:
+        cfg = config
+    else:
+        cfg = {"architectures": [arch], "model_type": arch[:-len("ForCausalLM")].lower(), **SHAPE,
+               "tie_word_embeddings": tied, "hidden_act": "silu", "torch_dtype": "bfloat16", **overrides}
+        if arch == "Qwen3ForCausalLM":
+            cfg.setdefault("head_dim", 16)  # Qwen3 decouples head_dim from hidden_size / heads
+        if rope_scaling is not None:
+            cfg["rope_scaling"] = rope_scaling
+    tied = cfg.get("tie_word_embeddings", False)
     d, h, kvh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim", d // h)
+    hd = _head_dim(cfg)
     m, v = cfg["intermediate_size"], cfg["vocab_size"]
     rng = np.random.default_rng(seed)
 
@@ -122,14 +155,25 @@ def make_checkpoint(directory, arch: str = "LlamaForCausalLM", dtype: str = "F32
 
 # ---- the independent dense reference (float64, Hugging Face's formulation) ----
 
-def _inv_freq(cfg: dict, hd: int) -> np.ndarray:
-    base = cfg["rope_theta"]
-    inv = 1.0 / (base ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    rs = cfg.get("rope_scaling")
-    if not rs:
-        return inv
-    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-    old = rs["original_max_position_embeddings"]
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """The RoPE parameters transformers' rotary embedding reads for config.json `cfg`: the
+    config class's reading of whichever form it is in, standardized as the model does before
+    computing its frequencies (which is where a top-level original_max_position_embeddings
+    wins)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[cfg["model_type"]].from_dict(json.loads(json.dumps(cfg)))  # it edits dicts in place
+    config.standardize_rope_params()
+    return dict(config.rope_parameters)
+
+
+def _llama3(inv: np.ndarray, rp: dict) -> np.ndarray:
+    factor, lo, hi = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    old = rp["original_max_position_embeddings"]
     out = []
     for f in inv:
         wavelen = 2 * math.pi / f
@@ -141,6 +185,55 @@ def _inv_freq(cfg: dict, hd: int) -> np.ndarray:
             smooth = (old / wavelen - lo) / (hi - lo)
             out.append((1 - smooth) * f / factor + smooth * f)
     return np.array(out)
+
+
+def _yarn(rp: dict, dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """YaRN, one frequency at a time: interpolated (slowed by `factor`) below the correction
+    range's low end, extrapolated (unchanged) above its high end, a linear blend between; and
+    cos/sin scaled by the attention factor."""
+    base, old = rp["rope_theta"], rp["original_max_position_embeddings"]
+    factor = rp["factor"] if rp["factor"] is not None else max_position_embeddings / old
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rp.get("attention_factor")
+    if attention is None:
+        m, m_all = rp.get("mscale"), rp.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rp.get("beta_fast") or 32), correction_dim(rp.get("beta_slow") or 1)
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i in range(dim // 2):
+        extrapolated = 1.0 / base ** (2 * i / dim)
+        keep = 1 - min(max((i - low) / (high - low), 0.0), 1.0)  # 1: extrapolate, 0: interpolate
+        out.append(extrapolated / factor * (1 - keep) + extrapolated * keep)
+    return np.array(out), float(attention)
+
+
+def reference_rope(cfg: dict) -> tuple[np.ndarray, float]:
+    """RoPE inverse frequencies [head_dim / 2] and the factor cos and sin are scaled by, for
+    config.json `cfg`, as transformers computes them (types default, linear, llama3, yarn)."""
+    rp, hd = rope_parameters(cfg), _head_dim(cfg)
+    inv = 1.0 / (rp["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    kind = rp["rope_type"]
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / rp["factor"], 1.0
+    if kind == "llama3":
+        return _llama3(inv, rp), 1.0
+    if kind == "yarn":
+        return _yarn(rp, hd, cfg["max_position_embeddings"])
+    raise NotImplementedError(f"the reference has no RoPE type {kind!r}")
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -156,14 +249,15 @@ def dense_logits(ck: Tiny, tokens) -> np.ndarray:
     """Logits [len(tokens), vocab] of the whole sequence, recomputed from scratch."""
     cfg, W = ck.config, ck.weights
     d, h, kvh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim", d // h)
+    hd = _head_dim(cfg)
     eps = cfg["rms_norm_eps"]
     arch = cfg["architectures"][0]
     tokens = np.asarray(tokens)
     n = len(tokens)
-    freqs = np.outer(np.arange(n, dtype=np.float64), _inv_freq(cfg, hd))
+    inv_freq, attention_factor = reference_rope(cfg)
+    freqs = np.outer(np.arange(n, dtype=np.float64), inv_freq)
     emb = np.concatenate([freqs, freqs], axis=-1)
-    cos, sin = np.cos(emb)[None], np.sin(emb)[None]  # [1, n, hd]
+    cos, sin = np.cos(emb)[None] * attention_factor, np.sin(emb)[None] * attention_factor  # [1, n, hd]
     mask = np.triu(np.full((n, n), -np.inf), 1)
     x = W["model.embed_tokens.weight"][tokens]
     for i in range(cfg["num_hidden_layers"]):
