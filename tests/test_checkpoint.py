@@ -1,4 +1,5 @@
-"""Checkpoint directories: what `inspect` accepts and refuses, the fingerprint block keys are
+"""Checkpoint directories: what `inspect` accepts and refuses, RoPE read from config.json as
+transformers reads it (each form, or refused naming the key), the fingerprint block keys are
 rooted in, and `kvrt launch --model` refusing a bad checkpoint or a contradicting shape flag
 with a clear error before any process starts (nothing of the node in /dev/shm)."""
 from __future__ import annotations
@@ -14,17 +15,21 @@ import pytest
 
 from runtime.config import ConfigError, NodeConfig
 from tests.conftest import REPO, leftovers
-from tests.hfkit import LLAMA3_SCALING, make_checkpoint, write_safetensors
+from tests.hfkit import LLAMA3_SCALING, make_checkpoint, reference_rope, write_safetensors
 from workers.checkpoint import CheckpointError, Weights, inspect
 
 
-def edit_config(path, **changes) -> None:
+def edit_config(path, drop: tuple[str, ...] = (), **changes) -> dict:
+    """Change config.json's top-level keys (removing those in `drop`); the new config."""
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
+    for key in drop:
+        cfg.pop(key, None)
     cfg.update(changes)
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
+    return cfg
 
 
 def test_safetensors_package_reads_what_the_test_writes(tmp_path):
@@ -72,7 +77,11 @@ def out_of_bounds_offsets(path: str) -> None:
 
 BAD = {
     "architecture": (lambda p: edit_config(p, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
-    "rope_scaling": (lambda p: edit_config(p, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'yarn'"),
+    "rope_scaling": (lambda p: edit_config(p, rope_scaling={"type": "dynamic", "factor": 4.0}),
+                     "rope_scaling.type 'dynamic'"),
+    "rope_parameters": (lambda p: edit_config(p, drop=("rope_theta",), rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
+        "rope_parameters.rope_type 'longrope'"),
     "missing_weights": (lambda p: os.remove(os.path.join(p, "model.safetensors")), "no weights"),
     "missing_config": (lambda p: os.remove(os.path.join(p, "config.json")), "config.json is missing"),
     "corrupt_header": (lambda p: corrupt_header(os.path.join(p, "model.safetensors")), "corrupt safetensors header"),
@@ -100,9 +109,81 @@ def test_missing_shard(tmp_path):
 
 def test_llama3_scaling_parsed_and_default_type_is_plain(tmp_path):
     ck = make_checkpoint(tmp_path, rope_scaling=LLAMA3_SCALING)
-    assert inspect(ck.path).config.rope_scaling.factor == 8.0
+    rope = inspect(ck.path).config.rope
+    assert rope.rope_type == "llama3" and rope.factor == 8.0
     edit_config(ck.path, rope_scaling={"type": "default"})
-    assert inspect(ck.path).config.rope_scaling is None
+    assert inspect(ck.path).config.rope.rope_type == "default"
+
+
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}
+# config.json forms whose reading takes transformers' precedence rules: (keys dropped, changes)
+FORMS = {
+    "parameters_theta_over_top_level": ((), dict(rope_theta=3e4, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 5e4})),
+    "top_level_theta_into_parameters": ((), dict(rope_theta=3e4, rope_parameters={"rope_type": "linear",
+                                                                                   "factor": 2.0})),
+    "no_theta_anywhere": (("rope_theta",), dict(rope_parameters={"rope_type": "linear", "factor": 2.0})),
+    "scaling_over_parameters": ((), dict(rope_scaling={"type": "linear", "factor": 3.0}, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 5e4})),
+    "empty_scaling_then_parameters": (("rope_theta",), dict(rope_scaling={}, rope_parameters={
+        **YARN, "rope_theta": 1e6})),
+    "rope_type_over_type": ((), dict(rope_scaling={"type": "yarn", "rope_type": "linear", "factor": 4.0})),
+    "top_level_original_context": ((), dict(original_max_position_embeddings=100, rope_scaling=YARN)),
+    "yarn_context_defaults_to_max": ((), dict(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+    "llama3_context_defaults_to_max": ((), dict(rope_scaling={
+        k: v for k, v in LLAMA3_SCALING.items() if k != "original_max_position_embeddings"})),
+    "yarn_null_factor_from_lengths": ((), dict(rope_scaling={**YARN, "factor": None})),
+    "yarn_zero_and_null_betas": ((), dict(rope_scaling={**YARN, "beta_fast": 0, "beta_slow": None})),
+    "yarn_truncated_and_not": ((), dict(rope_scaling={**YARN, "beta_fast": 20, "beta_slow": 3,
+                                                      "truncate": False})),
+    "whole_rotation_is_plain": ((), dict(partial_rotary_factor=1.0)),
+}
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_rope_read_as_transformers_reads_it(tmp_path, form, arch):
+    """kvrt's frequencies and attention factor equal the reference's, which takes the
+    parameters from transformers' own reading of the same config.json."""
+    ck = make_checkpoint(tmp_path, arch, head_dim=32, num_attention_heads=2, num_key_value_heads=1)
+    drop, changes = FORMS[form]
+    cfg = edit_config(ck.path, drop=drop, **changes)
+    inv_freq, attention_factor = reference_rope(cfg)
+    config = inspect(ck.path).config
+    np.testing.assert_allclose(config.inv_freq(), inv_freq, rtol=1e-12)
+    assert config.rope.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+
+
+REFUSED = {  # config.json changes -> words the error must hold
+    "dynamic": (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+                "rope_parameters.rope_type 'dynamic'"),
+    "longrope_legacy_key": (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
+                                               "long_factor": [1.0] * 4}), "rope_scaling.type 'longrope'"),
+    "unknown": (dict(rope_parameters={"rope_type": "ntk-by-parts", "rope_theta": 1e4}),
+                "rope_parameters.rope_type 'ntk-by-parts'"),
+    "per_layer_type": (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+                       "rope_parameters.full_attention"),
+    "partial_rotation": (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
+    "yarn_without_factor": (dict(rope_scaling={"type": "yarn", "original_max_position_embeddings": 64}),
+                            "rope_scaling.factor is missing"),
+    "yarn_negative_beta": (dict(rope_scaling={**YARN, "beta_fast": -4}),
+                           "rope_scaling.beta_fast must be a positive number, got -4"),
+    "null_theta": (dict(rope_parameters={"rope_type": "default", "rope_theta": None}),
+                   "rope_parameters.rope_theta must be a positive number, got None"),
+    "llama3_incomplete": (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
+                          "rope_parameters.low_freq_factor"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unservable_rope_refused_naming_the_key(tmp_path, case):
+    ck = make_checkpoint(tmp_path)
+    changes, words = REFUSED[case]
+    edit_config(ck.path, **changes)
+    with pytest.raises(CheckpointError, match="config.json: ") as e:
+        inspect(ck.path)
+    assert words in str(e.value)
 
 
 def test_fingerprint_roots_block_keys(tmp_path):
@@ -140,7 +221,8 @@ def launch_fails(node: str, *args: str) -> str:
     return r.stderr
 
 
-@pytest.mark.parametrize("case", ["architecture", "rope_scaling", "missing_weights", "corrupt_header"])
+@pytest.mark.parametrize("case", ["architecture", "rope_scaling", "rope_parameters", "missing_weights",
+                                  "corrupt_header"])
 def test_launch_refuses_bad_checkpoint_before_starting(node, tmp_path, case):
     ck = make_checkpoint(tmp_path)
     damage, words = BAD[case]

@@ -1,13 +1,14 @@
 """The checkpoint forward pass over the paged pool equals an independent dense float64
 reference (tests/hfkit.py) to 1e-4 relative: each architecture, tied and untied embeddings,
-BF16/F16/F32 files, a sharded checkpoint, llama3 rope scaling; chunked prefill, batched
-decode and sequences sharing a prefix's blocks."""
+BF16/F16/F32 files, a sharded checkpoint, each supported RoPE type in each config.json form
+transformers reads (its own class's output and hand-written transformers 4 configs); chunked
+prefill, batched decode and sequences sharing a prefix's blocks."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.hfkit import LLAMA3_SCALING, VOCAB, dense_logits, make_checkpoint
+from tests.hfkit import LLAMA3_SCALING, VOCAB, dense_logits, make_checkpoint, transformers_config
 from workers.checkpoint import inspect
 from workers.hf_model import HFModel
 from workers.model import SeqInput
@@ -68,6 +69,42 @@ def test_llama3_rope_scaling(tmp_path):
     check_paged(ck, chunks=(40, 40, 1, 1))
 
 
+# RoPE parameters as a transformers 5 `rope_parameters`; the scalings' original context (64) is
+# below the positions check_paged reaches, and max_position_embeddings (512) is 8 times it
+YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0, "original_max_position_embeddings": 64}
+ROPES = {
+    "theta": {"rope_type": "default", "rope_theta": 1e6},  # Qwen2.5 / Qwen3
+    "linear": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0},
+    "llama3": {**LLAMA3_SCALING, "rope_theta": 5e5},
+    "yarn": YARN,
+    "yarn-mscale": {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    "yarn-attention-factor": {**YARN, "attention_factor": 0.8},
+}
+NARROW = dict(num_attention_heads=2, num_key_value_heads=1)  # head_dim 16: eight frequencies to scale
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rope_written_by_transformers(tmp_path, arch, rope):
+    """config.json as transformers' own config class writes it (transformers 5: no top-level
+    rope_theta or rope_scaling), positions past the scalings' original context."""
+    cfg = transformers_config(arch, ROPES[rope], **NARROW)
+    assert "rope_theta" not in cfg and "rope_scaling" not in cfg, "transformers 5 writes rope_parameters"
+    check_paged(make_checkpoint(tmp_path, arch, dtype="BF16", config=cfg), chunks=(40, 40, 1, 1))
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rope_handwritten_transformers4_form(tmp_path, rope):
+    """The same parameters in transformers 4's form: top-level rope_theta, and a rope_scaling
+    whose type is under the legacy key `type`."""
+    params = dict(ROPES[rope])
+    theta, kind = params.pop("rope_theta"), params.pop("rope_type")
+    scaling = None if kind == "default" else {"type": kind, **params}
+    arch = ARCHS[list(ROPES).index(rope) % len(ARCHS)]
+    check_paged(make_checkpoint(tmp_path, arch, dtype="BF16", rope_scaling=scaling, rope_theta=theta, **NARROW),
+                chunks=(40, 40, 1, 1))
+
+
 def test_bf16_decoding_is_exact(tmp_path):
     """A BF16 tensor read back is its exact float32 value (bf16 is a float32's top half)."""
     from tests.hfkit import write_safetensors
@@ -82,7 +119,7 @@ def test_bf16_decoding_is_exact(tmp_path):
 
 
 def test_cupy_matches_dense(tmp_path):
-    """The same code path on a GPU (CuPy), where one is present."""
+    """The same code path on a GPU (CuPy), where one is present, yarn's scaled cos and sin too."""
     cupy = pytest.importorskip("cupy")
     try:
         gpus = cupy.cuda.runtime.getDeviceCount()
@@ -92,6 +129,9 @@ def test_cupy_matches_dense(tmp_path):
         pytest.skip("no CUDA device")
     for arch in ARCHS:
         check_paged(make_checkpoint(tmp_path / arch, arch, dtype="BF16"), xp=cupy)
+    cfg = transformers_config("Qwen2ForCausalLM", ROPES["yarn-mscale"], **NARROW)  # cos and sin scaled on the GPU
+    ck = make_checkpoint(tmp_path / "yarn", "Qwen2ForCausalLM", dtype="BF16", config=cfg)
+    check_paged(ck, chunks=(40, 40, 1, 1), xp=cupy)
 
 
 def test_a_step_beats_after_every_layer(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hfkit import VOCAB, greedy, make_checkpoint
+from tests.hfkit import VOCAB, greedy, make_checkpoint, transformers_config
 from tests.launched import launched, shared_prefix_prompts
 from tests.test_oracle import NEW, run_all, tokens
 from tests.test_pd import pd_node, pd_pair  # noqa: F401 (pd_node is a fixture)
@@ -59,6 +59,21 @@ def test_tiny_pool_swaps_evicts_preempts(node, tmp_path, checkpoint, prompts, ex
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_other_architectures_served_exactly(node, tmp_path, arch, prompts):
     ck = make_checkpoint(tmp_path / "ck", arch, dtype="F32", seed=5, shards=2 if arch == "Qwen3ForCausalLM" else 1)
+    want = [greedy(ck, p, NEW) for p in prompts[:4]]
+    with launched(node, tmp_path / "logs", *OPTS, "--model", ck.path) as ln:
+        assert tokens(run_all(ln.client, prompts[:4])) == want, ln.logs()
+
+
+@pytest.mark.parametrize("arch,rope", [
+    ("Qwen3ForCausalLM", {"rope_type": "default", "rope_theta": 1e6}),
+    ("LlamaForCausalLM", {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0,
+                          "original_max_position_embeddings": 64}),
+], ids=["qwen3-theta", "llama-yarn"])
+def test_transformers5_config_served_exactly(node, tmp_path, arch, rope, prompts):
+    """config.json written by transformers 5's own config class (RoPE only inside
+    rope_parameters): the reference's tokens, which read it through that class."""
+    cfg = transformers_config(arch, rope, tied=True)
+    ck = make_checkpoint(tmp_path / "ck", arch, dtype="BF16", seed=6, config=cfg)
     want = [greedy(ck, p, NEW) for p in prompts[:4]]
     with launched(node, tmp_path / "logs", *OPTS, "--model", ck.path) as ln:
         assert tokens(run_all(ln.client, prompts[:4])) == want, ln.logs()

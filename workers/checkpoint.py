@@ -7,7 +7,7 @@ raw bytes; so a file is mapped once with `np.memmap`, an F32 tensor is a zero-co
 and a BF16 tensor becomes float32 by shifting its 16 bits into the top half of a uint32 (a
 bfloat16 is exactly the top 16 bits of a float32).
 
-Everything a launch needs to refuse a checkpoint (unsupported architecture or rope scaling,
+Everything a launch needs to refuse a checkpoint (unsupported architecture or RoPE type,
 a missing shard, a corrupt header, a missing or misshapen tensor) is found by `inspect`, which
 reads config.json and the headers only, so the launcher refuses before any process starts.
 The fingerprint is the model identity block keys are rooted in: config.json, every header, and
@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 from xxhash import xxh3_128_hexdigest
 
+from .rope import Rope, RopeError, parse_rope
+
 log = logging.getLogger("workers.checkpoint")
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-ROPE_TYPES = ("default", "llama3")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
@@ -44,17 +45,6 @@ _SAMPLES, _SAMPLE_BYTES = 8, 4096  # per tensor, at evenly spaced offsets, for t
 
 class CheckpointError(ValueError):
     """The checkpoint directory cannot be served; the message names the file and the problem."""
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """`rope_scaling` of type llama3 (Llama 3.1/3.2): low frequencies slowed by `factor`,
-    high ones kept, a smooth ramp between."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -71,28 +61,14 @@ class ModelConfig:
     vocab_size: int
     max_position_embeddings: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope: Rope
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v biases (Qwen2)
     qk_norm: bool         # per-head RMSNorm of q and k before RoPE (Qwen3)
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies [head_dim / 2] (float64), as Hugging Face computes them."""
-        half = self.head_dim // 2
-        inv = self.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
-        rs = self.rope_scaling
-        if rs is None:
-            return inv
-        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
-        smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
-                  / (rs.high_freq_factor - rs.low_freq_factor))
-        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, scaled)
+        return self.rope.inv_freq(self.head_dim)
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the forward pass reads, with its shape (Hugging Face names)."""
@@ -148,26 +124,6 @@ def _float(cfg: dict, key: str, path: str, default: float) -> float:
     return float(v)
 
 
-def _rope_scaling(raw: Any, path: str) -> RopeScaling | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: rope_scaling must be an object or null, got {raw!r}")
-    kind = raw.get("rope_type", raw.get("type"))
-    if kind not in ROPE_TYPES:
-        raise CheckpointError(f"{path}: rope_scaling type {kind!r} is not supported (supported: "
-                              f"{', '.join(ROPE_TYPES)}); serving it unscaled would give wrong answers")
-    if kind == "default":
-        return None
-    rs = RopeScaling(_float(raw, "factor", path, 0), _float(raw, "low_freq_factor", path, 0),
-                     _float(raw, "high_freq_factor", path, 0),
-                     _int(raw, "original_max_position_embeddings", path, 0))
-    if rs.high_freq_factor <= rs.low_freq_factor:
-        raise CheckpointError(f"{path}: rope_scaling high_freq_factor {rs.high_freq_factor} must exceed "
-                              f"low_freq_factor {rs.low_freq_factor}")
-    return rs
-
-
 def parse_config(model_dir: str) -> ModelConfig:
     """The validated network description of `model_dir`/config.json."""
     path = os.path.join(model_dir, "config.json")
@@ -198,13 +154,17 @@ def parse_config(model_dir: str) -> ModelConfig:
     tie = cfg.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise CheckpointError(f"{path}: tie_word_embeddings must be a boolean, got {tie!r}")
+    max_pos = _int(cfg, "max_position_embeddings", path, 4096)
+    try:
+        rope = parse_rope({**cfg, "max_position_embeddings": max_pos})
+    except RopeError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     return ModelConfig(
         arch=arch, hidden_size=hidden, intermediate_size=_int(cfg, "intermediate_size", path),
         num_layers=_int(cfg, "num_hidden_layers", path), num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, vocab_size=_int(cfg, "vocab_size", path),
-        max_position_embeddings=_int(cfg, "max_position_embeddings", path, 4096),
-        rms_norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6), rope_theta=_float(cfg, "rope_theta", path, 10000.0),
-        rope_scaling=_rope_scaling(cfg.get("rope_scaling"), path), tie_word_embeddings=tie,
+        max_position_embeddings=max_pos, rms_norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6), rope=rope,
+        tie_word_embeddings=tie,
         attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM")
 
 

@@ -2,11 +2,11 @@
 
 The network is the reference model's (workers/model.py) with real weights and each
 architecture's differences: Qwen2's q/k/v biases, Qwen3's per-head RMSNorm of q and k before
-RoPE, the checkpoint's RMSNorm epsilon, RoPE inverse frequencies as Hugging Face computes them
-(llama3 scaling included), and tied or separate LM heads. It inherits the reference model's
-paged step (block tables, chunked prefill, batched decode, validation), so the worker runs
-either through the same interface and the prefix cache, swaps and P->D transfers see one KV
-layout.
+RoPE, the checkpoint's RMSNorm epsilon, RoPE as Hugging Face computes it (workers/rope.py:
+linear, llama3 and yarn scaling, yarn's attention factor on cos and sin), and tied or separate
+LM heads. It inherits the reference model's paged step (block tables, chunked prefill,
+batched decode, validation), so the worker runs either through the same interface and the
+prefix cache, swaps and P->D transfers see one KV layout.
 
 Computation runs on numpy or CuPy (`xp`), one code path, in one of two compute dtypes:
 - float32 (the default, and CPU's): weights converted to float32 once at load (BF16/F16 files
@@ -107,7 +107,7 @@ def shape_of(info: CheckpointInfo, max_model_len: int, tp: int = 1) -> ModelShap
     info.check_tp(tp)
     return ModelShape(num_layers=c.num_layers, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp,
                       head_dim=c.head_dim, vocab_size=c.vocab_size, mlp_dim=c.intermediate_size // tp,
-                      rope_theta=c.rope_theta, max_model_len=max_model_len)
+                      rope_theta=c.rope.theta, max_model_len=max_model_len)
 
 
 class HFModel(Model):
@@ -136,6 +136,7 @@ class HFModel(Model):
         self.kv_dtype = np.dtype(kv_dtype)
         self.eps = np.float32(c.rms_norm_eps)
         self.inv_freq = xp.asarray(c.inv_freq())
+        self.rope_scale = c.rope.attention_factor  # cos and sin times it: q.k times its square
         t0 = time.monotonic()
         weights = Weights(info)
 
@@ -231,8 +232,8 @@ class HFModel(Model):
     def _rope(self, x: Any, positions: Any) -> Any:
         xp = self.xp
         ang = positions.astype(xp.float64)[:, None] * self.inv_freq[None, :]
-        cos = xp.cos(ang).astype(xp.float32)[:, None, :]
-        sin = xp.sin(ang).astype(xp.float32)[:, None, :]
+        cos = (xp.cos(ang) * self.rope_scale).astype(xp.float32)[:, None, :]
+        sin = (xp.sin(ang) * self.rope_scale).astype(xp.float32)[:, None, :]
         half = self.shape.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
         return xp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
