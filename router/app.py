@@ -6,14 +6,19 @@ served model's tokenizer, chat messages through its chat template, as the node i
 picks a backend with its policy (router/policy.py). The answer streams back as the node sends it,
 server-sent events included, with an `x-kvrt-backend` header naming the node. A backend that
 cannot be reached, or answers 5xx, before the answer's first byte: the request goes once to
-another backend (and an unreachable one is out until its next good health check). A client that
-goes away closes the upstream stream, which cancels the request on the node.
+another backend (and an unreachable one is out until its next good health check). A failure
+after that is reported as one, never as an answer: an event stream that the backend breaks off
+ends with an error event and no `[DONE]` (router/relay.py), and any other answer is read whole
+before its status goes out, so that one cut mid-body is a 502 rather than a truncated 200. A
+client that goes away closes the upstream stream, which cancels the request on the node.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+from typing import AsyncIterator, Awaitable, TypeVar
 
 import httpx2
 from fastapi import FastAPI, Request
@@ -25,6 +30,7 @@ from runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerEr
 
 from .backends import Backends
 from .policy import Candidate, Picker
+from .relay import EventRelay, error_event
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +39,7 @@ CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0  # between two chunks of an answer (a long prefill comes before the first)
 ATTEMPTS = 2            # the first backend, then one other
 PASSED_HEADERS = ("authorization", "content-type", "accept")
+T = TypeVar("T")
 
 
 def _error(status: int, message: str, type_: str = "service_unavailable", code: str | None = None) -> JSONResponse:
@@ -130,24 +137,73 @@ class Router:
             tried.append(i)
             b = self.backends.items[i]
             b.inflight += 1
-            try:
-                resp = await self.client.send(self.client.build_request("POST", b.url + path, content=raw,
-                                                                        headers=headers), stream=True)
+            try:  # an answer without a stream has its headers only once it is whole: the client may leave first
+                resp = await _unless_gone(self.client.send(self.client.build_request(
+                    "POST", b.url + path, content=raw, headers=headers), stream=True), request)
             except httpx2.TransportError as e:
                 b.inflight -= 1
                 why = f"backend {b.url} failed: {e or type(e).__name__}"
                 self.backends.mark_down(i, why)
                 continue
+            if resp is None:  # the client left: the cancelled send closed the upstream, which cancels the request
+                b.inflight -= 1
+                return Response(status_code=499)
             if resp.status_code >= 500:
                 await resp.aclose()
                 b.inflight -= 1
                 why = f"backend {b.url} answered {resp.status_code}"
                 continue
             b.routed += 1
-            return StreamingResponse(_relay(resp, b), status_code=resp.status_code,
-                                     media_type=resp.headers.get("content-type"),
+            media = resp.headers.get("content-type")
+            if not (media or "").startswith("text/event-stream"):
+                return await self._whole(i, resp, request)
+            return StreamingResponse(self._relay(i, resp), status_code=resp.status_code, media_type=media,
                                      headers={"x-kvrt-backend": b.url})
         return _error(503, f"no backend could take the request: {why}")
+
+    def _broke_off(self, i: int, e: httpx2.HTTPError) -> str:
+        """Why backend i's answer is cut; a connection that failed takes the backend out."""
+        why = f"backend {self.backends.items[i].url} broke off its answer: {e or type(e).__name__}"
+        if isinstance(e, httpx2.TransportError):
+            self.backends.mark_down(i, why)
+        return why
+
+    async def _relay(self, i: int, resp: httpx2.Response) -> AsyncIterator[bytes]:
+        """Backend i's event stream, whole events as they come; ended with an error event when
+        the backend breaks it off or ends it as no node ends an answer."""
+        b = self.backends.items[i]
+        events = EventRelay()
+        try:
+            async for chunk in resp.aiter_raw():
+                if out := events.feed(chunk):
+                    yield out
+            why = "" if events.finished else f"backend {b.url} ended its event stream without [DONE] or an error"
+        except httpx2.HTTPError as e:
+            why = self._broke_off(i, e)
+        finally:
+            await resp.aclose()
+            b.inflight -= 1
+        if why:
+            log.warning("%s", why)
+            yield error_event(why)
+
+    async def _whole(self, i: int, resp: httpx2.Response, request: Request) -> Response:
+        """Backend i's answer read whole, then sent with its status: a 502 when the backend
+        breaks it off; nothing when the client goes away first (the upstream is closed)."""
+        b = self.backends.items[i]
+        try:
+            body = await _unless_gone(resp.aread(), request)
+        except httpx2.HTTPError as e:
+            why = self._broke_off(i, e)
+            log.warning("%s", why)
+            return _error(502, why, code="backend_broke_off")
+        finally:
+            await resp.aclose()
+            b.inflight -= 1
+        if body is None:
+            return Response(status_code=499)  # the client left: nobody reads it
+        return Response(body, resp.status_code, media_type=resp.headers.get("content-type"),
+                        headers={"x-kvrt-backend": b.url})
 
     async def get(self, path: str) -> Response:
         """A GET answered by the first healthy backend (/v1/models)."""
@@ -162,15 +218,24 @@ class Router:
         return _error(503, "no backend is healthy")
 
 
-async def _relay(resp: httpx2.Response, b) -> object:
+async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
+    """`work`'s result, or None when the client goes away first (`work` is then cancelled):
+    while nothing is written to the client, no failed write tells that it left, so its
+    disconnect is awaited beside the work."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
     try:
-        async for chunk in resp.aiter_raw():
-            yield chunk
-    except httpx2.HTTPError as e:  # the node went away mid-answer: the client sees the stream end
-        log.warning("backend %s broke off an answer: %s", b.url, e)
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        await resp.aclose()
-        b.inflight -= 1
+        watch.cancel()
+        left = not task.done()
+        if left:
+            task.cancel()
+    return None if left else task.result()
 
 
 def _text(content: object) -> str:

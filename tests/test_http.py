@@ -165,10 +165,11 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(ref_node):
     assert e["generated_tokens"] < 700, "the request was cancelled, not run to its end"
 
 
-def test_a_client_that_leaves_before_a_whole_answer_cancels_its_request(ref_node):
-    ln, _, http = ref_node
+def leave_before_a_whole_answer(ln, port: int) -> None:
+    """Ask for a 700-token answer without a stream on `port` (the node's or a router's), hang up
+    once the node is generating it, and check that the node cancelled it (its blocks are free)."""
     body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 700, "temperature": 0}).encode()
-    with socket.create_connection(("127.0.0.1", http), timeout=30) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 20
@@ -178,6 +179,11 @@ def test_a_client_that_leaves_before_a_whole_answer_cancels_its_request(ref_node
     e = ln.idle_stats(timeout=20)
     assert not e["device_used"] and not e["seqs_running"], "the cancelled request's blocks were freed"
     assert e["generated_tokens"] < 700, "the request was cancelled, not run to its end"
+
+
+def test_a_client_that_leaves_before_a_whole_answer_cancels_its_request(ref_node):
+    ln, _, http = ref_node
+    leave_before_a_whole_answer(ln, http)
 
 
 def test_many_concurrent_streams(ref_node):

@@ -1,7 +1,8 @@
 """`kvrt route`: the policies on their own, then the real router (a `kvrt route` process) in front
 of two real nodes with HTTP and KV events: cache-aware sends a prompt whose prefix a node holds to
 that node (which then serves it from its cache), round-robin alternates, the openai client works
-through it (streaming too), and a node that stops is taken out: its request fails over once."""
+through it (streaming too), a node that stops is taken out (its request fails over once), and a
+client that leaves before its answer cancels it on the node."""
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,7 @@ from runtime.hashing import BlockHasher
 from runtime.tokenizer import ByteTokenizer, HFTokenizer
 from tests.conftest import REPO
 from tests.launched import SMALL, free_port, interrupt, launched
-from tests.test_http import _wait_healthy
+from tests.test_http import _wait_healthy, leave_before_a_whole_answer
 from tests.tokenizer_kit import make_tokenizer_dir
 
 MODEL = "kvrt-reference"
@@ -190,3 +191,11 @@ def test_a_stopped_node_is_taken_out_and_its_request_fails_over(node, tmp_path):
                 assert time.monotonic() < deadline, "the stopped node was not taken out within 10 s"
                 time.sleep(0.1)  # waiting for the router's next health check
             assert _complete(rr, [9, 9, 9])[0] == urls[0]
+
+
+def test_a_client_that_leaves_before_a_whole_answer_cancels_it_on_the_node(node, tmp_path):
+    http = free_port()
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "128", "--http-port", str(http)) as ln:
+        _wait_healthy(http)
+        with routing([f"http://127.0.0.1:{http}"], "round-robin") as base:
+            leave_before_a_whole_answer(ln, int(base.rsplit(":", 1)[1]))

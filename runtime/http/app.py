@@ -286,8 +286,10 @@ async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, incl
                   opening: dict | None = None) -> AsyncIterator[str]:
     """The server-sent events of one answer, for both endpoints: an optional opening frame,
     `frame(choice, text, token_ids, done)` for each event (None: nothing to send), the usage
-    frame if asked, an error frame if the engine fails the request, then `[DONE]`. The request
-    is cancelled however the stream ends (a client that leaves frees its blocks)."""
+    frame if asked, then `[DONE]`. A request that fails (the engine failed it, naming why; or
+    this side failed) ends with an error frame instead, and no `[DONE]`: the status 200 went out
+    with the first frame, and a failed answer must not read as a finished one. The request is
+    cancelled however the stream ends (a client that leaves frees its blocks)."""
     try:
         if opening is not None:
             yield _sse(opening)
@@ -299,6 +301,11 @@ async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, incl
             yield _sse({**usage_base, "choices": [], "usage": run.usage()})
     except ApiError as e:
         yield _sse(e.body())
+        return
+    except Exception:  # noqa: BLE001 - whatever failed, the client is told so
+        log.exception("a stream failed")
+        yield _sse(ApiError(500, "internal error (see the node's log)", "internal_error").body())
+        return
     finally:
         run.cancel()
     yield "data: [DONE]\n\n"
