@@ -4,9 +4,9 @@ silent as P runs is lost after the dead-after time, as before. The connector as 
 a fake clock for its watch of the links."""
 from __future__ import annotations
 
+from ipc.watchdog import Watchdog, pause_gap
 from runtime import api
 from runtime.connectors.prefill import PING_EVERY_S
-from ipc.watchdog import Watchdog, pause_gap
 from tests.test_pd_choice import Harness
 
 
