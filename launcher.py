@@ -157,7 +157,8 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
                    help=f"seconds without a heartbeat after which a ready process counts as hung and the node "
                    f"stops with exit 1, as for a dead one (default {d.hang_timeout:g}; start-up is bounded by "
-                   f"--ready-timeout instead)")
+                   f"--ready-timeout instead); counted in the launcher's own running time, so a node paused "
+                   f"whole (VM pause, docker pause) and resumed is not hung")
     return p
 
 

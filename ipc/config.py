@@ -59,7 +59,7 @@ class NodeConfig:
     check_ownership: bool = False
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
-    hang_timeout: float = 5.0   # a ready process whose heartbeat is older than this is hung
+    hang_timeout: float = 5.0   # a ready process whose heartbeat stays still this long (launcher running time) is hung
 
     @property
     def kv_layout(self) -> KVLayout:

@@ -23,11 +23,6 @@ class RankGroup(Generic[T]):
         self.deadline = deadline
         self._answers: dict[int, T] = {}
 
-    @classmethod
-    def within(cls, size: int, timeout_s: float) -> "RankGroup[T]":
-        """A group whose answers are due `timeout_s` from now."""
-        return cls(size, time.monotonic() + timeout_s)
-
     def add(self, rank: int, answer: T) -> bool:
         """Record `rank`'s answer (a repeated one replaces the first); True once every rank
         answered. A rank outside the group is a caller's bug, not an answer: ValueError."""

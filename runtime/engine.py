@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ from ipc.rank_group import RankGroup
 from ipc.ring import Consumer, Producer
 from ipc.signals import Signal
 from ipc.storage_uri import parse_storage
+from ipc.watchdog import Watchdog, pause_gap
 from runtime.config import NodeConfig
 from runtime.connectors import ConnectorContext, KVConnector, connector_class
 from runtime.metrics import Metrics
@@ -116,6 +118,9 @@ class Engine:
         self.sched = Scheduler(self.cache, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         self.connector = self.sched.connector = self._make_connector(kind)
         self._step_answers: RankGroup[P.StepResult] | None = None  # answers to the step in flight
+        # the step in flight is overdue after --rank-timeout of the engine's own running time, so
+        # a node paused whole with a step in flight goes on with it when resumed
+        self._step_watch: Watchdog[str] = Watchdog(pause_gap(self.cfg.rank_timeout, TICK_S))
         self.server: ApiServer | None = None
         self.accepting = True
         self._per_client: dict[bytes, int] = {}  # requests in flight per client (recounted every PROBE_S)
@@ -402,7 +407,7 @@ class Engine:
         data = P.PROTOCOL.encode(batch)
         for ring in self.to_workers:
             ring.put(data, self.cfg.rank_timeout)
-        self._step_answers = RankGroup.within(self.cfg.tp, self.cfg.rank_timeout)
+        self._step_answers = RankGroup(self.cfg.tp, math.inf)  # overdue by _step_watch instead
         self.stats.array[P.STAT["steps"]] += 1
 
     def _on_step_result(self, res: P.StepResult) -> None:
@@ -421,8 +426,13 @@ class Engine:
             self._apply(self.sched.finish_step(step, first.tokens, first.logprobs))
 
     def _check_step_deadline(self) -> None:
+        """StepTimeout once the step in flight has waited --rank-timeout of the engine's running
+        time for an answer (one round of the watch per call: once per turn of the loop)."""
+        self._step_watch.tick()
         step, answers = self.sched.inflight, self._step_answers
-        if step is None or answers is None or not answers.expired():
+        if step is None or answers is None:
+            return
+        if self._step_watch.observe("step", step.step_id) < self.cfg.rank_timeout:
             return
         why = (f"worker rank(s) {answers.missing()} did not answer step {step.step_id} "
                f"within {self.cfg.rank_timeout:.3g}s")

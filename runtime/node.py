@@ -12,8 +12,9 @@ themselves through the registry owner's pid.
 
 Supervision: the launcher waits on a pidfd per child (it reaps through Popen, so the exit
 status it reports is the real one) and reads every ready child's heartbeat; a child that died,
-or whose heartbeat is older than --hang-timeout, fails the node. The engine goes first: the
-launcher writes why into the node's errors row and sends it SIGTERM, so it fails every request
+or whose heartbeat the launcher has seen still for --hang-timeout of its own running time (a
+node paused whole and resumed is not hung: ipc/watchdog.py), fails the node. The engine goes
+first: the launcher writes why into the node's errors row and sends it SIGTERM, so it fails every request
 in flight with that reason at once; only then are the others stopped (a hung one killed). The
 culprit reported is the process that failed by itself, in its own words (its errors row), not
 one that merely left after it.
@@ -41,12 +42,14 @@ from ipc.registry import Registry
 from ipc.ring import HEADER as RING_HEADER
 from ipc.ring import Ring
 from ipc.signals import Signal
+from ipc.watchdog import Watchdog, pause_gap
 from runtime.config import NodeConfig
 
 log = logging.getLogger("kvrt.launch")
 RING_BYTES = 1 << 20
 PAGE = 4096
 ENGINE_ABORT_S = 5.0  # how long a failing node waits for the engine to fail its requests and exit
+SUPERVISE_S = 0.2  # the supervision loop's period: its longest wait for a child's exit
 _PR_SET_PDEATHSIG = 1
 
 
@@ -141,6 +144,7 @@ class Node:
         self._job: threading.Thread | None = None
         self._job_rc = 0
         self._sig: dict[str, Signal] = {}  # the signals the launcher reads and writes itself
+        self._watch: Watchdog[int] = Watchdog(pause_gap(cfg.hang_timeout, SUPERVISE_S))  # heartbeats by slot
 
     # ---- shared objects ------------------------------------------------------------------
     def create_objects(self) -> None:
@@ -263,17 +267,22 @@ class Node:
         return next((c for c in dead if c.proc.returncode != P.EXIT_ORPHAN), dead[0])
 
     def _hung(self) -> list[tuple[Child, float]]:
-        """Ready children whose heartbeat is older than the hang timeout, with its age in s."""
+        """Ready children whose heartbeat has not moved for the hang timeout of the launcher's
+        own running time, with those seconds (one round of supervision per call)."""
         beats, ready = self._sig[P.HEARTBEAT].array, self._sig[P.READY].array
         cfg = self.cfg.to_dict()
-        now = time.monotonic_ns()
+        paused = self._watch.tick()
+        if paused:
+            log.warning("the launcher did not run for %.1fs (was the node paused?): each process has "
+                        "--hang-timeout (%gs) from now to beat again", paused, self.cfg.hang_timeout)
         out = []
         for c in self.children:
             slot = self._slot(c)
             beat = int(beats[slot])
-            if (c.proc.returncode is None and ready[slot] and beat
-                    and now - beat > P.hang_threshold(cfg, c.role) * 1e9):
-                out.append((c, (now - beat) / 1e9))
+            if c.proc.returncode is None and ready[slot] and beat:
+                still = self._watch.observe(slot, beat)
+                if still > P.hang_threshold(cfg, c.role):
+                    out.append((c, still))
         return out
 
     def wait_ready(self) -> None:
@@ -334,7 +343,7 @@ class Node:
             if self._job is not None and not self._job.is_alive():
                 self.stop()
                 return self._job_rc
-            dead = self._dead_children(0.2)
+            dead = self._dead_children(SUPERVISE_S)
             if dead:
                 for c in dead:
                     log.error("%s", self._report(c))

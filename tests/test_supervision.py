@@ -1,8 +1,10 @@
 """Supervision of a real node: a dead or hung process is reported by name with its real exit
 status and its own last error, clients in flight get an error at once, and the node stops
-with exit 1 leaving nothing in /dev/shm. Also what a damaged registry does to a live node."""
+with exit 1 leaving nothing in /dev/shm; a node paused whole and resumed is not hung. Also what
+a damaged registry does to a live node."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -17,7 +19,7 @@ import pytest
 from ipc.registry import HEADER, SLOT, Registry
 from ipc.shm import Segment, object_name
 from runtime.api import ErrorEvent, TokenEvent
-from runtime.client import Client
+from runtime.client import Client, Result
 from tests.conftest import REPO, leftovers
 from tests.launched import free_port
 from tests.test_launch import kvrt, launched  # noqa: F401  (the fixture)
@@ -93,6 +95,73 @@ def test_a_stopped_worker_is_reported_hung_and_the_node_stops(launched, node):
     assert n.proc.wait(20) == 1
     n.wait_for(f"worker[0] (pid {worker}) is hung")
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    assert not leftovers(node)
+
+
+def test_a_stopped_worker_fails_its_step_after_the_rank_timeout(launched, node):
+    """The engine's own watch of a step: the worker stopped alone while the engine runs."""
+    port = free_port()
+    n = launched("--port", str(port), "--hang-timeout", "120", "--rank-timeout", "1", *SMALL)
+    n.wait_for("ready:")
+    worker = n.child_pids()["worker[0]"]
+    with Client(port, timeout=120) as c:
+        rids = _decoding(c, 1)
+        os.kill(worker, signal.SIGSTOP)
+        errors = _errors(c, rids)
+    assert "worker rank(s) [0] did not answer step" in errors[rids[0]], errors
+    assert n.proc.wait(20) == 1
+    line = n.wait_for("stopped because")
+    assert "engine[0]" in line and "exited with code 1: worker rank(s) [0] did not answer step" in line, line
+    assert not leftovers(node)
+
+
+def _end_of(c: Client, rid: str) -> Result | ErrorEvent | None:
+    """How request `rid` ended (its token events are skipped); None if nothing came for 30 s."""
+    while events := c.poll(30):
+        for ev in events:
+            if isinstance(ev, (Result, ErrorEvent)) and ev.request_id == rid:
+                return ev
+    return None
+
+
+def _stopped_because(n) -> str:
+    """Why the node stopped, as its launcher said, or that it is still running."""
+    return "the node is still running" if n.proc.poll() is None else n.wait_for("stopped because")
+
+
+@pytest.mark.parametrize("launcher_first", [False, True], ids=["children-first", "launcher-first"])
+def test_a_node_paused_whole_past_the_hang_timeout_serves_on_when_resumed(launched, node, launcher_first):
+    """Every process SIGSTOPped (as a VM pause or `docker pause` does) for twice --hang-timeout
+    and --rank-timeout with a step in flight, then SIGCONTed in the reverse order, one at a
+    time: neither the launcher nor the engine takes the pause for a hang. Frozen children
+    first, the launcher and the engine are resumed before the worker and see only old beats
+    and an old step until it runs again."""
+    timeout = 2.0
+    port = free_port()
+    n = launched("--port", str(port), "--hang-timeout", str(timeout), "--rank-timeout", str(timeout), *SMALL)
+    n.wait_for("ready:")
+    pids = n.child_pids()
+    children = [pids["worker[0]"], pids["engine[0]"]]  # the worker first: the engine has a step in flight
+    frozen = [n.proc.pid, *children] if launcher_first else [*children, n.proc.pid]
+    with Client(port, timeout=120) as c:
+        rid = c.submit([7, 8, 9], 1000)
+        assert any(isinstance(ev, TokenEvent) for ev in c.poll(30)), "no token within 30 s"
+        try:
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(2 * timeout)  # the pause
+        finally:
+            for pid in reversed(frozen):
+                with contextlib.suppress(ProcessLookupError):  # (one the node reaped: the asserts say why)
+                    os.kill(pid, signal.SIGCONT)
+                time.sleep(timeout / 4)  # the next one resumes a while later: each looks alone first
+        end = _end_of(c, rid)
+        assert isinstance(end, Result) and end.num_output_tokens == 1000, (end, _stopped_because(n))
+        assert c.generate([1, 2, 3], 8).num_output_tokens == 8
+    assert n.proc.poll() is None, _stopped_because(n)
+    n.wait_for("the launcher did not run for")
+    n.proc.send_signal(signal.SIGINT)
+    assert n.proc.wait(30) == 0
     assert not leftovers(node)
 
 

@@ -21,7 +21,9 @@ is told to let its blocks go only then.
 Every wait has a deadline (`--pd-timeout`): P fails a request D does not allocate for or stops
 answering for. Peer messages travel only inside an authenticated session (pd_auth.py), and
 every field of D's messages is checked before it touches a request. P pings D while idle and
-fails requests at once when D stopped answering, instead of after --pd-timeout each.
+fails requests at once when D stopped answering, instead of after --pd-timeout each; D's
+silence is counted in P's own running time (ipc/watchdog.py), so P paused and resumed does not
+take D for gone before D's answers queued meanwhile are read.
 
 With several decode nodes (`--decode-peer` lists them) P keeps one session with each and sends
 each request to the one that last said it has the most free blocks (D says so in every pong
@@ -44,6 +46,7 @@ import numpy as np
 from ipc import protocol as P
 from ipc.errors import ProtocolError
 from ipc.rank_group import RankGroup
+from ipc.watchdog import Watchdog, pause_gap
 from runtime import api
 from runtime.config import LEASE_MARGIN_S
 from runtime.intake import sampling_of
@@ -69,7 +72,7 @@ class _Link:
     address: str
     session: Session | None = None
     nonces: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # hellos sent, newest last
-    silent_since: float = field(default_factory=time.monotonic)  # no session since, or last heard at
+    news: int = 0  # times P heard from D or the session changed: D is silent since the last
     next_ping: float = 0.0
     free_blocks: int = -1  # as D last said, less what P asked of it since; -1: not said yet
 
@@ -147,6 +150,7 @@ class PrefillConnector(KVConnector):
         self.relays: dict[str, _Relay] = {}
         self._task_ids = itertools.count(1)
         self.dead_after = min(DEAD_AFTER_S, self.timeout)
+        self.link_watch: Watchdog[int] = Watchdog(pause_gap(self.dead_after, PING_EVERY_S))  # news by link
 
     def busy(self, request_id: str) -> bool:
         return request_id in self.pending or request_id in self.relays or request_id in self.handoffs
@@ -172,12 +176,15 @@ class PrefillConnector(KVConnector):
     # ---- the links to the decode nodes -------------------------------------------------------
     def gone(self) -> str:
         """Why every decode node counts as gone (no session and no answer for dead_after), or ""."""
-        now = time.monotonic()
-        if any(link.session is not None or now - link.silent_since <= self.dead_after for link in self.links):
+        if any(link.session is not None or self._silent(link) <= self.dead_after for link in self.links):
             return ""
-        silent = min(now - link.silent_since for link in self.links)
+        silent = min(self._silent(link) for link in self.links)
         which = "the decode node has" if len(self.links) == 1 else f"none of the {len(self.links)} decode nodes has"
         return f"{which} not answered for {silent:.1f}s ({self.ctx.cfg.decode_peer})"
+
+    def _silent(self, link: _Link) -> float:
+        """P's running seconds since it last heard from `link`'s D (or its session changed)."""
+        return self.link_watch.observe(link.index, link.news)
 
     def _send(self, link: _Link, msg) -> None:
         """To one D, sealed; dropped while there is no session (D's leases take back its blocks)."""
@@ -213,7 +220,7 @@ class PrefillConnector(KVConnector):
         if link.session is not None:
             self._link_lost(link, "the decode node opened a new session (it restarted?)")
         link.session = Session(session, session_key(self.secret, nonce, session, peer), peer, P2D)
-        link.silent_since = time.monotonic()
+        link.news += 1
         link.free_blocks = -1
         link.next_ping = 0.0  # ping at once: its pong says how many free blocks it has
         log.info("session with the decode node %s is up", link.address)
@@ -226,7 +233,7 @@ class PrefillConnector(KVConnector):
         requests it had not allocated for yet go to another decode node; say hello again."""
         log.warning("lost the decode node %s: %s", link.address, why)
         link.session = None
-        link.silent_since = time.monotonic()
+        link.news += 1
         link.next_ping = 0.0
         link.free_blocks = -1
         for p in [p for p in self.pending.values() if p.link is link]:
@@ -240,6 +247,7 @@ class PrefillConnector(KVConnector):
                 h.lost = api.ErrorEvent(h.seq.request_id, api.FAILED, why)
 
     def _ping(self) -> None:
+        self.link_watch.tick()
         now = time.monotonic()
         for link in self.links:
             if now < link.next_ping:
@@ -247,8 +255,8 @@ class PrefillConnector(KVConnector):
             link.next_ping = now + PING_EVERY_S
             if link.session is None:
                 self._hello(link)
-            elif now - link.silent_since > self.dead_after:
-                self._link_lost(link, f"no answer to pings for {now - link.silent_since:.1f}s")
+            elif (silent := self._silent(link)) > self.dead_after:
+                self._link_lost(link, f"no answer to pings for {silent:.1f}s")
                 self._hello(link)
             else:
                 self._send(link, api.PdPing())
@@ -355,7 +363,7 @@ class PrefillConnector(KVConnector):
         except ProtocolError as e:
             _refused(self.ctx.stats, f"from the decode peer {link.address}: {e}")
             return
-        link.silent_since = time.monotonic()
+        link.news += 1
         problem = self._check(inner)
         if problem:
             _refused(self.ctx.stats, f"{type(inner).__name__} from the decode node {link.address}: {problem}")
