@@ -65,7 +65,7 @@ class Request:
     positions whose node holds another copy."""
 
     __slots__ = ("keys", "num_tokens", "path", "blocks", "dups", "num_matched", "cached_tokens",
-                 "waiting", "load", "frozen", "admitted", "counted", "host_hits", "storage_hits")
+                 "waiting", "load", "frozen", "admitted", "loaded", "counted", "host_hits", "storage_hits")
 
     def __init__(self, keys: Sequence[bytes], num_tokens: int, counted: bool):
         self.keys = keys
@@ -79,6 +79,9 @@ class Request:
         self.load = -1                  # id of its in-flight storage read, if any
         self.frozen = False             # records nothing more (its path was detached)
         self.admitted = False           # has allocated beyond its match: it is computing
+        # its match waited for transfers: they were issued or deferred before every swap-in
+        # deferred after them, so its allocation goes ahead of those
+        self.loaded = False
         self.counted = counted          # its match is in the hit counters
         self.host_hits = 0              # blocks matched on the host tier / in storage
         self.storage_hits = 0

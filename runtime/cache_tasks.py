@@ -278,12 +278,23 @@ class TaskBook(NodeStore):
                 self._host_lru.push_front(n)
 
     def _pump_deferred(self) -> None:
-        """Issue deferred swap-ins that fit, and start the evictions the rest need (a deferred
+        """Issue deferred swap-ins that fit, and start the evictions that make room for the
+        oldest ones that free, returning and evictable blocks can hold together (a deferred
         swap-in whose request just waits must not depend on some other allocation to make its
-        room)."""
+        room). The backlog is served in turn: the oldest swap-in that fits alone gets its room
+        even when the whole backlog would not fit, which is what keeps many swap-ins that
+        wait together from waiting for ever."""
         self._start_deferred()
-        short = self._deferred_need - self.device_pool.num_free - self._dev_returning
-        if self._deferred and 0 < short <= self._idle:
+        if not self._deferred:
+            return
+        room = self.device_pool.num_free + self._dev_returning + self._idle
+        need = 0
+        for t in self._deferred:
+            if need + len(t.nodes) > room:
+                break
+            need += len(t.nodes)
+        short = need - self.device_pool.num_free - self._dev_returning
+        if short > 0:
             self._evict_device(short)
             self._start_deferred()
 

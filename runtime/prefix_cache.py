@@ -138,6 +138,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
         req.cached_tokens = len(req.path) * bs
         req.host_hits, req.storage_hits = host_hits, storage_hits
+        req.loaded = bool(req.waiting)
         if count:
             self._count_match(req, keys, limit, dev_hits, host_hits, storage_hits)
         return MatchResult(list(req.blocks), dev_hits * bs, host_hits * bs, storage_hits * bs,
@@ -152,12 +153,13 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         starts the evictions (swap-outs to the host tier finish later) and the retry after
         their results succeeds. The first allocation of a request queues behind deferred
         swap-ins (arrival order); a request already computing grows ahead of them, so a
-        swap-in never waits for blocks the request it would block holds."""
+        swap-in never waits for blocks the request it would block holds, and neither does a
+        request whose own transfers were in line before theirs."""
         req = self._request(request_id)
         need = -(-num_tokens // self.block_size) - len(req.blocks)
         if need <= 0:
             return []
-        got = self._take_device(need, urgent=req.admitted)
+        got = self._take_device(need, urgent=req.admitted or req.loaded)
         if got is not None:
             req.blocks += got
             req.admitted = True
@@ -171,7 +173,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         of preempting."""
         req = self._request(request_id)
         need = -(-num_tokens // self.block_size) - len(req.blocks)
-        if not req.admitted:
+        if not (req.admitted or req.loaded):
             need += self._deferred_need
         return need <= self.device_pool.num_free + self._dev_returning + self._idle
 
@@ -183,10 +185,24 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
 
     @property
     def stalled_swap_ins(self) -> bool:
-        """Deferred swap-ins exist and nothing in flight or evictable can make room for them:
-        only a request giving up blocks can (the scheduler then preempts a loading request)."""
+        """The oldest deferred swap-in cannot get room from free, returning or evictable
+        blocks: only a request giving up blocks can make it (the scheduler then preempts a
+        loading request). Younger ones wait their turn, served as the oldest are."""
         return bool(self._deferred) and not self._dev_returning and (
-            self._deferred_need > self.device_pool.num_free + self._idle)
+            len(self._deferred[0].nodes) > self.device_pool.num_free + self._idle)
+
+    @property
+    def swap_ins_wait(self) -> bool:
+        """Some swap-in waits for device blocks (deferred)."""
+        return bool(self._deferred)
+
+    def waits_first(self, request_id: Hashable) -> bool:
+        """Does the request wait for the oldest deferred swap-in, the next one to get room?"""
+        return bool(self._deferred) and self._deferred[0].task.task_id in self._request(request_id).waiting
+
+    def device_blocks_held(self, request_id: Hashable) -> int:
+        """Device blocks in the request's table (cached ones it references and its own)."""
+        return sum(b >= 0 for b in self._request(request_id).blocks)
 
     def update(self, request_id: Hashable, num_computed_tokens: int,
                keys: Sequence[bytes] | None = None) -> int:

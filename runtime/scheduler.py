@@ -20,8 +20,12 @@ A chunk's KV is recorded in the prefix cache right after the step that wrote it,
 
 Liveness: a request that fits the device alone (checked at intake) always finishes. Waiting
 sequences hold no blocks; loading ones whose swap-ins wait for room give their blocks up
-before running ones do, and also when nothing else can run; running sequences are preempted
-newest first, so the oldest always progresses (tests/test_scheduler_liveness.py).
+before running ones do, and also when nothing else can run (then the one holding the most
+device blocks that does not wait for the oldest such swap-in); running sequences are
+preempted newest first, so the oldest always progresses. Deferred swap-ins get room oldest
+first, each as soon as it fits alone (runtime/cache_tasks.py), and a sequence that gave its
+blocks up to them is not matched again until none waits, so it cannot take the same blocks
+back (tests/test_scheduler_liveness.py).
 
 KV from or to outside (a KV connector, runtime/connectors/) adds two life cycles, and the
 scheduler knows only the connector's hooks, never who is on the other side. A request whose
@@ -138,6 +142,8 @@ class Scheduler:
         while not short and self.waiting and budget > 0 and len(step.seqs) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.matched:
+                if not self._may_match(seq):
+                    break
                 self._match(seq)
                 if seq.state is SeqState.LOADING:
                     self.waiting.popleft()
@@ -148,6 +154,7 @@ class Scheduler:
                 for other in self.waiting:  # loaded ones queued behind it hold nothing either
                     if other.matched:
                         self._unmatch(other)
+                seq.gave_way = self.cache.swap_ins_wait  # its match would take their room again
                 break
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
@@ -155,8 +162,8 @@ class Scheduler:
             self._add(step, seq, chunk)
             budget -= chunk
         if not step.seqs:
-            if self.cache.stalled_swap_ins and (stuck := self._waiting_for_room()) is not None:
-                self._preempt(stuck)
+            if self.cache.stalled_swap_ins and (giver := self._room_giver()) is not None:
+                self._preempt(giver)
             return None
         self.inflight = step
         return step
@@ -195,9 +202,30 @@ class Scheduler:
         return next((s for s in reversed(self.running)
                      if s is not seq and s not in step.seqs and not self.connector.reading(s)), None)
 
+    def _room_giver(self) -> Sequence | None:
+        """Who gives device blocks up when the oldest deferred swap-in cannot get room and no
+        step can run: of the loading sequences waiting for room, the one holding the most device
+        blocks that does not wait for that swap-in itself (newest first on a tie), else the
+        newest. It is not matched again while swap-ins wait, so its blocks stay given up."""
+        waiting = [s for s in reversed(self.loading.values()) if self.cache.waits_for_room(s.request_id)]
+        others = [s for s in waiting if not self.cache.waits_first(s.request_id)]
+        if others:
+            return max(others, key=lambda s: self.cache.device_blocks_held(s.request_id))
+        return waiting[0] if waiting else None
+
     def _waiting_for_room(self) -> Sequence | None:
         """The newest loading sequence whose swap-in is deferred for lack of device blocks."""
         return next((s for s in reversed(self.loading.values()) if self.cache.waits_for_room(s.request_id)), None)
+
+    def _may_match(self, seq: Sequence) -> bool:
+        """A sequence that gave its blocks up to swap-ins waiting for room (it stopped loading,
+        or its allocation queued behind them) is matched again only once none waits: matched
+        at once, it would take the same blocks back (or flip back the swap-outs making their
+        room) and the swap-ins it gave way to would never get their room."""
+        if seq.gave_way and self.cache.swap_ins_wait:
+            return False
+        seq.gave_way = False
+        return True
 
     def _match(self, seq: Sequence) -> None:
         first = not seq.counted
@@ -226,6 +254,7 @@ class Scheduler:
         if seq.state is SeqState.LOADING:
             log.debug("%s stops loading to free device blocks", seq.request_id)
             del self.loading[seq.request_id]
+            seq.gave_way = True
             if seq.request_id in self.external_ids:  # back to waiting for blocks to hold
                 self._unmatch(seq)
                 seq.state = SeqState.WAITING
@@ -281,6 +310,8 @@ class Scheduler:
         while self.reserving:
             seq = self.reserving[0]
             if not seq.matched:
+                if not self._may_match(seq):
+                    break
                 self._match(seq)
                 if seq.state is SeqState.LOADING:
                     self.reserving.popleft()

@@ -47,6 +47,7 @@ class Sequence:
     matched: bool = False            # holds a prefix-cache entry (matched, maybe blocks)
     counted: bool = False            # its first match is in the hit counters (count it once)
     rematched: bool = False          # its first match was given back (it is matched again)
+    gave_way: bool = False           # gave its blocks up to swap-ins that wait for room
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
     cached: tuple[int, int, int] = (0, 0, 0)  # prompt tokens served by device, host, storage

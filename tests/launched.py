@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -144,4 +145,21 @@ def shared_prefix_prompts(seed: int, systems: int = 3, users: int = 4, sys_len=(
     for u in range(users):
         for h in heads:
             out.append(np.concatenate([h, rng.integers(0, vocab, rng.integers(*user_len))]).astype(np.int32))
+    return out
+
+
+def crowding_prompts(seed: int = 20, n: int = 14, longest: int = 300, head: int = 96) -> list[np.ndarray]:
+    """`n` prompts of 1 to `longest` tokens, about half of the longer ones behind one `head`-token
+    prefix: sent together twice to a tiny device with a host tier, the second round's swap-ins
+    wait together for more device blocks than the pool has (seed 20 with 24 device and 48 host
+    blocks of 16 tokens, 16 new tokens each, did so)."""
+    rng = random.Random(seed)
+    shared = np.arange(5000, 5000 + head) % 500
+    out = []
+    for i in range(n):
+        size = rng.randint(1, longest)
+        own = np.arange(100_000 + 1000 * i, 100_000 + 1000 * i + size) % 491
+        if rng.random() < 0.5 and size > head:
+            own = np.concatenate((shared, own[:size - head]))
+        out.append(own.astype(np.int32))
     return out

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from runtime.client import Client, RequestError
-from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
+from tests.launched import SMALL, crowding_prompts, launched, oracle, shared_prefix_prompts
 
 NEW = 6
 OWNERSHIP = [pytest.param({}, id="plain"), pytest.param({"KVRT_CHECK_OWNERSHIP": "1"}, id="ownership")]
@@ -29,11 +29,11 @@ def expected(prompts):
     return [model.generate_dense(p, NEW) for p in prompts]
 
 
-def run_all(client, prompts, use_cache=True, concurrent=True):
+def run_all(client, prompts, use_cache=True, concurrent=True, new=NEW):
     """Outputs in prompt order; all submitted at once, or one after another."""
     if not concurrent:
-        return [client.generate(p, NEW, use_cache=use_cache) for p in prompts]
-    ids = [client.submit(p, NEW, use_cache=use_cache) for p in prompts]
+        return [client.generate(p, new, use_cache=use_cache) for p in prompts]
+    ids = [client.submit(p, new, use_cache=use_cache) for p in prompts]
     results = {}
     while len(results) < len(ids):
         events = client.poll(timeout=60)
@@ -154,3 +154,21 @@ def test_two_ranks_with_swaps(node, tmp_path, prompts):
         assert tokens(run_all(ln.client, prompts, concurrent=False)) == want
         stats = ln.idle_stats()
         assert stats["tasks_done"] > 0 and stats["tasks_failed"] == 0 and stats["device_used"] == 0
+
+
+def test_a_tiny_device_with_a_host_tier_serves_two_rounds_sent_together(node, tmp_path):
+    """24 device and 48 host blocks of 16 tokens; 14 prompts of 1-300 tokens, half of the longer
+    ones behind one 96-token prefix, all sent at once, twice. The second round's swap-ins wait
+    together for more device blocks than the pool has (each fits alone): requests used to wait
+    for ever while the engine evicted and swapped in a loop."""
+    prompts = crowding_prompts()
+    model = oracle()
+    want = [model.generate_dense(p, 16) for p in prompts]
+    opts = (*SMALL, "--block-size", "16", "--num-gpu-blocks", "24", "--num-cpu-blocks", "48")
+    with launched(node, tmp_path, *opts) as ln:
+        for _ in range(2):
+            got = run_all(ln.client, prompts, new=16)
+            assert tokens(got) == want, ln.logs()
+        stats = ln.idle_stats()
+        assert stats["device_used"] == 0 and stats["host_used"] == 0
+        assert stats["tasks_done"] > 0 and stats["tasks_failed"] == 0

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from runtime.prefix_cache import PrefixCache, TaskKind
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, SeqState
+from tests.launched import crowding_prompts
 
 EXAMPLES = int(os.environ.get("KVRT_LIVENESS_EXAMPLES", "150"))
 BASES = [np.arange(1000 * b, 1000 * b + 200, dtype=np.int32) for b in range(3)]
@@ -53,20 +54,29 @@ def _request(rng: random.Random, i: int, bs: int, device: int) -> Sequence:
 
 
 def _drive(seed: int, bs: int, device: int, host: int, storage: bool, seqs: int, batch: int,
-           n_req: int, p_done: float, p_fail: float, p_cancel: float, low_water: int | None = None) -> None:
+           n_req: int, p_done: float, p_fail: float, p_cancel: float, low_water: int | None = None,
+           rounds: int = 1) -> None:
+    """`rounds` > 1 sends the same prompts again (new ids) once the previous round is done: their
+    prefixes were swapped out meanwhile, so many swap-ins wait for device blocks at once."""
     rng = random.Random(seed)
     store = _Store()
     cache = PrefixCache(bs, device, host, storage_lookup=store.lookup if storage else None,
                         write_through=storage, low_water=low_water)
     sched = Scheduler(cache, max_num_seqs=seqs, max_num_batched_tokens=batch)
-    pending = [_request(rng, i, bs, device) for i in range(n_req)]
-    arrivals = sorted(rng.randint(0, 3 * n_req) for _ in pending)
+    first = [_request(rng, i, bs, device) for i in range(n_req)]
+    pending = [Sequence.new(f"{q.request_id}.{r}" if r else q.request_id, q.tokens[:q.prompt_len],
+                            q.max_new_tokens, bs, use_cache=q.use_cache)
+               for r in range(rounds) for q in first]
+    arrivals = sorted(rng.randint(0, 3 * n_req) for _ in first)
+    arrivals += [None] * (len(pending) - len(arrivals))  # later rounds: when the node is idle
     accepted: list[Sequence] = []
     inflight = []
     work = sum(q.num_tokens + q.max_new_tokens for q in pending)
     bound = 40 * work + 400
     for it in range(bound):
-        while pending and arrivals[0] <= it:
+        if pending and arrivals[0] is None and sched.idle:
+            arrivals[:n_req] = [it] * n_req
+        while pending and arrivals[0] is not None and arrivals[0] <= it:
             arrivals.pop(0)
             q = pending.pop(0)
             sched.add(q)
@@ -117,6 +127,45 @@ def _drive(seed: int, bs: int, device: int, host: int, storage: bool, seqs: int,
 def test_every_accepted_request_finishes(seed, bs, device, host, storage, seqs, batch, n_req,
                                          p_done, p_fail, p_cancel, low_water):
     _drive(seed, bs, device, host, storage, seqs, batch, n_req, p_done, p_fail, p_cancel, low_water)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), bs=st.sampled_from([2, 4]), device=st.integers(6, 24),
+       host_ratio=st.sampled_from([1, 2, 3]), seqs=st.sampled_from([4, 16]), batch=st.sampled_from([16, 64]),
+       n_req=st.integers(4, 14), p_done=st.sampled_from([0.3, 1.0]), p_fail=st.sampled_from([0.0, 0.0, 0.1]),
+       storage=st.booleans())
+def test_swap_ins_that_wait_together_for_more_room_than_the_device_has_all_finish(
+        seed, bs, device, host_ratio, seqs, batch, n_req, p_done, p_fail, storage):
+    """The same prompts sent again at once after a first round swapped their prefixes out: the
+    swap-ins that then wait for device blocks need more together than free and evictable blocks
+    cover, though each fits alone."""
+    _drive(seed, bs, device, host_ratio * device, storage, seqs, batch, n_req, p_done, p_fail, 0.0,
+           rounds=2)
+
+
+def test_a_tiny_device_with_a_host_tier_serves_two_rounds_of_shared_prompts():
+    """tests/test_oracle.py's tiny-pool case without processes: 24 device and 48 host blocks of
+    16 tokens, 14 prompts sent together twice, every swap done at once."""
+    bs = 16
+    cache = PrefixCache(bs, 24, 48)
+    sched = Scheduler(cache, max_num_seqs=256, max_num_batched_tokens=2048)
+    for r in range(2):
+        seqs = [Sequence.new(f"{r}.{i}", p, 16, bs) for i, p in enumerate(crowding_prompts())]
+        for q in seqs:
+            sched.add(q)
+        for _ in range(5000):
+            if sched.idle:
+                break
+            step = sched.schedule()
+            done = cache.take_tasks()
+            if step is not None:
+                sched.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
+                done += cache.take_tasks()
+            for t in done:
+                sched.on_task_outcome(cache.apply_task_result(t.task_id, True))
+            cache.check()
+        assert [q.finish_reason for q in seqs] == ["length"] * len(seqs), (
+            r, [q.request_id for q in seqs if q.state is not SeqState.FINISHED])
 
 
 def test_long_decodes_that_fit_one_at_a_time_all_finish_together():
