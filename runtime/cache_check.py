@@ -33,13 +33,18 @@ class Checker:
 
     def _reads(self) -> None:
         """A device block a task still reads (a swap-out, a write to storage) is not free: a
-        step could be given it and write into it under the copy."""
+        step could be given it and write into it under the copy. A node matched back during a
+        swap-out is a live node of that swap-out."""
         c = self.c
         free = set(c.device_pool.free_blocks())
         for t in c._tasks.values():
             if t.task.kind.reads == "device":
                 both = free.intersection(t.task.device_blocks)
                 _expect(not both, f"task {t.task.task_id} ({t.task.kind}) reads free device blocks {sorted(both)[:8]}")
+        for n, task_id in c._wanted_back.items():
+            t = c._tasks.get(task_id)
+            _expect(t is not None and t.task.kind is TaskKind.SWAP2CPU and n in t.nodes
+                    and c._state_v[n] in (GPU, DETACHED), f"node {n} wanted back from task {task_id}")
 
     def _ids(self, live: list[int]) -> None:
         c = self.c
@@ -143,6 +148,7 @@ class Checker:
             if t.task.kind is TaskKind.STORAGE2GPU:
                 dev_used += t.task.device_blocks
             host_used += t.orphans
+            dev_used += t.dev_orphans
         _expect(c._dev_cached == len(dev_nodes), f"device cached count {c._dev_cached} != {len(dev_nodes)}")
         idle = sum(1 for n in in_tree if c._state_v[n] == GPU and c._ref_v[n] == 0)
         _expect(c._idle == idle, f"idle device node count {c._idle} != {idle}")

@@ -61,6 +61,10 @@ class NodeStore:
     unlinking, detaching and freeing nodes."""
 
     _obs: CacheObserver | None = None  # told of every block a node gains or loses (KV events)
+    # the task bookkeeping's (runtime/cache_tasks.py), which freeing a node consults: nodes
+    # matched back while a swap-out copies them -> that swap-out, and the tasks by id
+    _wanted_back: dict[int, int]
+    _tasks: dict
 
     def __init__(self, n: int, policy: Callable[[int], EvictionPolicy]):
         self._f = np.repeat(RESET[:, None], n, axis=1)  # the node matrix: a row per field
@@ -186,7 +190,11 @@ class NodeStore:
             self._idle -= 1
         d = self._dev_v[n]
         if d >= 0:
-            devs.append(d)
+            copying = self._wanted_back.pop(n, -1)
+            if copying >= 0:  # matched back while a swap-out copied it: the copy still reads it
+                self._tasks[copying].dev_orphans.append(d)
+            else:
+                devs.append(d)
             self._dev_cached -= cached
         h = self._host_v[n]
         if h >= 0:

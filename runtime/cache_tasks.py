@@ -46,9 +46,10 @@ class TaskOutcome:
 class Task:
     """Bookkeeping of an in-flight task: the nodes it moves, the requests waiting for it, and
     blocks it owns outright (hosts of swap-outs cancelled by a re-match; a storage read's
-    destinations, once its request is gone)."""
+    destinations, once its request is gone; device blocks of nodes matched back during a
+    swap-out and dropped before it answered, which it still reads)."""
 
-    __slots__ = ("task", "nodes", "waiters", "request", "orphans", "path", "issued")
+    __slots__ = ("task", "nodes", "waiters", "request", "orphans", "dev_orphans", "path", "issued")
 
     def __init__(self, task: TransferTask, nodes: list[int]):
         self.task = task
@@ -56,6 +57,7 @@ class Task:
         self.waiters: set[Hashable] = set()
         self.request: Hashable | None = None
         self.orphans: list[int] = []
+        self.dev_orphans: list[int] = []
         self.path: np.ndarray = NO_NODES
         self.issued = False
 
@@ -131,10 +133,10 @@ class TaskBook(NodeStore):
                 for n in t.nodes:
                     self._tell_moved(n, ON_DEVICE, ON_HOST)
             self._host_lru.push(nodes)
-            self.device_pool.free(devs)
+            self.device_pool.free(devs + t.dev_orphans)
             self.host_pool.free(t.orphans)
             return
-        devs = []
+        devs = t.dev_orphans
         hosts = t.orphans
         on_host: list[int] = []
         for n in t.nodes:

@@ -204,9 +204,14 @@ class Scheduler:
 
     def _room_giver(self) -> Sequence | None:
         """Who gives device blocks up when the oldest deferred swap-in cannot get room and no
-        step can run: of the loading sequences waiting for room, the one holding the most device
-        blocks that does not wait for that swap-in itself (newest first on a tie), else the
-        newest. It is not matched again while swap-ins wait, so its blocks stay given up."""
+        step can run: a waiting sequence holding the match it was loaded for (queued behind one
+        that cannot start, it would hold it for nothing), else, of the loading sequences waiting
+        for room, the one holding the most device blocks that does not wait for that swap-in
+        itself (newest first on a tie), else the newest. A loading one is not matched again
+        while swap-ins wait, so its blocks stay given up."""
+        for other in self.waiting:
+            if other.matched:
+                return other
         waiting = [s for s in reversed(self.loading.values()) if self.cache.waits_for_room(s.request_id)]
         others = [s for s in waiting if not self.cache.waits_first(s.request_id)]
         if others:

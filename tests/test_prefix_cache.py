@@ -327,6 +327,35 @@ def test_a_block_wanted_back_is_not_evicted_again_while_its_old_swap_out_reads_i
     c.check()
 
 
+def test_a_block_wanted_back_and_then_dropped_stays_with_the_swap_out_that_reads_it():
+    """Block a's swap-out is done, its child b's is still in flight; a request matches both
+    (a swapped in, b flipped back) and a's swap-in fails, which drops a and b. When the request
+    leaves, b's device block must stay with b's swap-out, which still reads it, not go back to
+    the free list for a step to write into under the copy."""
+    c = PrefixCache(BS, 4, 8, low_water=0)
+    ab = toks(0, 2 * BS + 1)
+    run(c, "r1", ab)
+    other = keys(toks(1000, 2 * BS + 1))
+    c.match("x", other, 2 * BS + 1)
+    c.allocate("x", 2 * BS + 1)
+    assert c.allocate("x", 3 * BS) is None  # evicts b
+    (out_b,) = c.take_tasks()
+    assert c.allocate("x", 4 * BS) is None  # evicts a
+    (out_a,) = c.take_tasks()
+    c.release("x")
+    c.apply_task_result(out_a.task_id, True)
+    res = c.match("r2", keys(ab), len(ab))  # a: a swap-in; b: flipped back
+    assert res.host_tokens == BS and res.device_tokens == BS
+    (swap_in,) = c.take_tasks()
+    assert c.apply_task_result(swap_in.task_id, False).failed == ["r2"]
+    c.release("r2")
+    assert not set(out_b.device_blocks) & set(c.device_pool.free_blocks())
+    c.check()
+    c.apply_task_result(out_b.task_id, True)
+    assert c.device_pool.num_free == 4
+    c.check()
+
+
 def test_failed_swap_out_drops_the_blocks_it_was_to_free():
     """A failing (or timed-out) host tier must not be offered the same blocks for ever while
     the request that needs them waits: the victims are dropped and their blocks are free."""
