@@ -1,5 +1,5 @@
 """The GPU half of real models, on a machine with CUDA and CuPy (skipped elsewhere; the command
-that runs it on a lent GPU machine is in the README, "GPU validation"):
+that runs it on a lent GPU machine is in docs/development.md, "GPU validation"):
 - the checkpoint oracle of tests/test_hf_dtype.py on CuPy: float16 compute (cuBLAS, float32
   accumulation) within the float16 tolerance of the dense float64 reference with its greedy
   tokens, float32 compute exact to 1e-4;
