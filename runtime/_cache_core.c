@@ -5,23 +5,38 @@ Why C: in Python each costs a call or a few numpy operations per block or per re
 couple of hundred blocks (a key slice, concatenation and hash call per block; a join, a view
 and six gathers and scatters on the sketch per request), as much together as the whole cache's
 own work per block. Each function gives exactly what the Python code it replaces gives, which
-stays as the reference and the fallback (tests compare them):
+lives on in tests/cache_reference.py as the reference (tests compare them):
 - chain_keys: xxh3-128 of (parent key || block's token bytes), in xxhash's canonical
-  (big-endian) form, as `xxhash.xxh3_128_digest` returns it. xxhash's own header
-  (Debian's libxxhash-dev) is compiled in inline, so nothing is needed at run time.
+  (big-endian) form, as `xxhash.xxh3_128_digest` returns it. The hash function is the one the
+  `xxhash` package (a dependency) already loaded: its extension module exports XXH3_128bits, so
+  the module looks it up there at init (dlsym) and builds with nothing but Python's headers,
+  the same function computing the same bytes as the package does (checked at init).
 - sketch_add / sketch_count / sketch_stamp: a 16-byte key's two slots are its first 8 bytes (native byte order,
   as numpy reads them) masked, and the same shifted right by 32, masked; adding is numpy's
   gather-then-scatter `row[slots] = minimum(row[slots], 254) + 1` (a slot that two keys share
   gains one, not two). Either returns False, changing nothing, if a key is not 16 bytes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL  /* header only: the module needs no libxxhash at run time */
-#include <xxhash.h>
-
 #define KEY_BYTES 16
+
+/* XXH3_128bits as xxhash.h declares it (XXH128_hash_t: low64, then high64) */
+typedef struct { uint64_t low64, high64; } kv_h128;
+typedef kv_h128 (*kv_xxh3_128)(const void *, size_t);
+static kv_xxh3_128 xxh3_128; /* set once, at module init */
+
+/* xxhash's canonical form of a 128-bit hash: high64 then low64, each big-endian */
+static void canonical128(kv_h128 h, unsigned char *out) {
+    for (int i = 7; i >= 0; i--) {
+        out[i] = (unsigned char)h.high64;
+        out[8 + i] = (unsigned char)h.low64;
+        h.high64 >>= 8;
+        h.low64 >>= 8;
+    }
+}
 
 static PyObject *chain_keys(PyObject *self, PyObject *args) {
     Py_buffer data;
@@ -50,16 +65,14 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     const unsigned char *src = data.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         memcpy(buf + KEY_BYTES, src + i * step, step);
-        XXH128_canonical_t c;
-        XXH128_canonicalFromHash(&c, XXH3_128bits(buf, KEY_BYTES + step));
-        PyObject *key = PyBytes_FromStringAndSize((const char *)c.digest, KEY_BYTES);
+        canonical128(xxh3_128(buf, KEY_BYTES + step), buf); /* the next block chains this key */
+        PyObject *key = PyBytes_FromStringAndSize((const char *)buf, KEY_BYTES);
         if (key == NULL) {
             Py_DECREF(out);
             out = NULL;
             break;
         }
         PyList_SET_ITEM(out, i, key);
-        memcpy(buf, c.digest, KEY_BYTES); /* the next block chains this key */
     }
     PyMem_Free(buf);
     PyBuffer_Release(&data);
@@ -912,4 +925,64 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "runtime._cache_core", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__cache_core(void) { return PyModule_Create(&module); }
+#define XXH_FIX "reinstall the xxhash package from a wheel: pip install --force-reinstall --only-binary=:all: 'xxhash>=3.0'"
+
+/* XXH3_128bits from the xxhash package's extension module (already loaded by the import: dlopen
+   returns that image), checked against the package's own xxh3_128_digest; 0, or -1 with an
+   ImportError that says what is missing. */
+static int load_xxh3_128(void) {
+    PyObject *ext = PyImport_ImportModule("xxhash._xxhash");
+    if (ext == NULL) {
+        PyErr_SetString(PyExc_ImportError,
+                        "runtime._cache_core: cannot import xxhash._xxhash, the extension module of the xxhash "
+                        "package, whose XXH3_128bits computes block keys: pip install 'xxhash>=3.0'");
+        return -1;
+    }
+    PyObject *file = PyObject_GetAttrString(ext, "__file__");
+    PyObject *path = file ? PyUnicode_EncodeFSDefault(file) : NULL;
+    Py_XDECREF(file);
+    if (path == NULL) {
+        Py_DECREF(ext);
+        PyErr_SetString(PyExc_ImportError, "runtime._cache_core: xxhash._xxhash has no file to look XXH3_128bits "
+                                           "up in; " XXH_FIX);
+        return -1;
+    }
+    void *image = dlopen(PyBytes_AS_STRING(path), RTLD_NOW | RTLD_LOCAL);
+    void *sym = image ? dlsym(image, "XXH3_128bits") : NULL;
+    if (sym == NULL) {
+        const char *why = dlerror();
+        PyErr_Format(PyExc_ImportError, "runtime._cache_core: %s does not export XXH3_128bits (%s); " XXH_FIX,
+                     PyBytes_AS_STRING(path), why ? why : "not found");
+        Py_DECREF(path);
+        Py_DECREF(ext);
+        return -1;
+    }
+    Py_DECREF(path);
+    xxh3_128 = (kv_xxh3_128)sym;
+    /* the same bytes as the package's own digest, or no module: a key must never differ */
+    static const char probe[] = "kvrt.prefix-cache.root.v1";
+    unsigned char mine[KEY_BYTES];
+    canonical128(xxh3_128(probe, sizeof probe - 1), mine);
+    PyObject *pkg = PyImport_ImportModule("xxhash");
+    PyObject *want = pkg ? PyObject_CallMethod(pkg, "xxh3_128_digest", "y#", probe, (Py_ssize_t)(sizeof probe - 1))
+                         : NULL;
+    Py_XDECREF(pkg);
+    Py_DECREF(ext);
+    if (want == NULL)
+        return -1;
+    int same = PyBytes_Check(want) && PyBytes_GET_SIZE(want) == KEY_BYTES &&
+               memcmp(PyBytes_AS_STRING(want), mine, KEY_BYTES) == 0;
+    Py_DECREF(want);
+    if (!same) {
+        PyErr_SetString(PyExc_ImportError, "runtime._cache_core: the XXH3_128bits exported by xxhash._xxhash "
+                                           "does not give xxhash.xxh3_128_digest's bytes; " XXH_FIX);
+        return -1;
+    }
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__cache_core(void) {
+    if (xxh3_128 == NULL && load_xxh3_128() < 0)
+        return NULL;
+    return PyModule_Create(&module);
+}

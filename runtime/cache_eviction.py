@@ -14,8 +14,11 @@ written are those of popping and dropping one node at a time (tests/test_evictio
 compares both). With a host tier, victims are swapped out a run at a time the same way
 (`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
 leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU with a few
-array writes. Once the host tier runs out, and with a policy without `pop_many`, the loop runs
-once per victim, reading the node matrix through its memoryviews.
+array writes. Once the host tier runs out, the rest is dropped one victim at a time
+(`_drop_one_by_one`): with a host tier a victim may have host-only children (its whole subtree
+goes with it) and a parent on the host only (which becomes a host leaf), which the batched drop
+does not handle; and the host tier runs out only when no host block is free or held by an
+evictable host leaf, which is rare.
 """
 from __future__ import annotations
 
@@ -25,13 +28,9 @@ import numpy as np
 
 from ipc.protocol import TaskKind
 
+from .cache_core import chain_tops as _chain_tops_c, drop_run as _drop_run_c
 from .cache_nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
                           PREV, RESET, STATE, SWAP2CPU, NodeStore)
-
-try:
-    from ._cache_core import chain_tops as _chain_tops_c, drop_run as _drop_run_c
-except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _chain_tops_c = _drop_run_c = None
 
 log = logging.getLogger(__name__)
 
@@ -76,30 +75,33 @@ class Eviction(NodeStore):
             self._evict_device(min(short, self._idle))
 
     def _evict_device(self, n: int) -> None:
-        """Evict up to `n` device blocks, in the policy's order (leaves only): to host blocks (a
-        SWAP2CPU task) while any can be had, else dropped. Without a host tier, with a policy
-        that hands out nodes in batches, whole runs of victims are dropped at once."""
-        if not self.host_pool.num_blocks and hasattr(self._dev_lru, "pop_many"):
-            dropped: list[int] = []
+        """Evict up to `n` device blocks, in the policy's order (leaves only), a run at a time:
+        to host blocks (a SWAP2CPU task) while any can be had, else dropped."""
+        dropped: list[int] = []
+        if not self.host_pool.num_blocks:
             evicted = self._drop_batched(n, dropped)
-            self._finish_eviction(dropped, [], [], [], [], evicted, -1)
+            self._finish_eviction(dropped, [], [], [], [], evicted, -1, ([], []))
             return
-        pop = self._dev_lru.pop
-        swap = self.host_pool.num_blocks > 0
         # free host blocks in one batch; host leaves are evicted only as needed
-        hosts = self.host_pool.allocate(min(n, self.host_pool.num_free)) if swap else []
-        hosts.reverse()  # pop() then hands them out in the order they came
+        hosts = self.host_pool.allocate(min(n, self.host_pool.num_free))
+        hosts.reverse()  # handed out from the end, in the order they came
         victims: list[int] = []
         victim_keys: list[bytes] = []  # taken now: a victim may be detached before the end
-        dropped: list[int] = []
+        blocks: tuple[list[int], list[int]] = ([], [])  # the victims' device and host blocks
+        evicted, more, task_id = self._swap_batched(n, hosts, victims, victim_keys, blocks)
         freed_hosts: list[int] = []
-        evicted = 0
-        task_id = -1  # of the swap-out, numbered at its first victim
-        blocks: tuple[list[int], list[int]] | None = None  # the victims' device and host blocks
-        if swap and hasattr(self._dev_lru, "pop_many"):
-            blocks = ([], [])
-            evicted, swap, task_id = self._swap_batched(n, hosts, victims, victim_keys, blocks)
+        if not more:  # the host tier ran out
+            evicted += self._drop_one_by_one(n - evicted, dropped, freed_hosts)
+        self._finish_eviction(dropped, freed_hosts, hosts, victims, victim_keys, evicted, task_id, blocks)
+
+    def _drop_one_by_one(self, n: int, dropped: list[int], freed_hosts: list[int]) -> int:
+        """Drop up to `n` device leaves popped one at a time, once the host tier ran out; returns
+        how many. Not batched: with a host tier a victim may have host-only children (it goes
+        with its subtree) and a parent on the host only (it becomes a host leaf), and this runs
+        only when no host block is free or held by an evictable host leaf, which is rare."""
+        pop = self._dev_lru.pop
         ndev, child, wanted_back = self._ndev_v, self._child_v, self._wanted_back
+        evicted = 0
         while evicted < n:
             v = pop()
             if v < 0:
@@ -109,27 +111,11 @@ class Eviction(NodeStore):
             if v in wanted_back:
                 continue  # parked: a swap-out still reads its block; requeued when it answers
             evicted += 1
-            if swap and not hosts:
-                hosts = self._take_host(1)
-                swap = bool(hosts)
-            if hosts:
-                if task_id < 0:
-                    task_id = next(self._task_ids)
-                self._host_v[v] = hosts.pop()
-                self._host_cached += 1
-                self._idle -= 1
-                self._state_v[v] = SWAP2CPU
-                # the task is known at once, so a parent dropped later in this loop sees its
-                # child in flight and detaches it instead of freeing it under the copy
-                self._task_v[v] = task_id
-                victims.append(v)
-                victim_keys.append(self._keys[v])
-                self._device_child_gone(self._parent_v[v])
-            elif child[v] < 0:
+            if child[v] < 0:
                 self._drop_leaf(v, dropped)
             else:
                 self._drop_subtree(v, dropped, freed_hosts)
-        self._finish_eviction(dropped, freed_hosts, hosts, victims, victim_keys, evicted, task_id, blocks)
+        return evicted
 
     def _drop_batched(self, n: int, devs: list[int]) -> int:
         """Drop up to `n` device leaves (no host tier), exactly as popping and dropping them one
@@ -187,7 +173,7 @@ class Eviction(NodeStore):
         few array operations. Choosing victims reads only device-side fields and taking host
         leaves writes only host-side ones, so taking a run's host blocks before marking its
         victims changes nothing. When the host tier runs out, the victims without a host block
-        go back to the front of the queue and the per-victim loop drops them. Returns how many
+        go back to the front of the queue and `_drop_one_by_one` drops them. Returns how many
         were evicted, whether host blocks are still to be had, and the swap-out's task id (-1
         if none)."""
         f = self._f
@@ -284,14 +270,8 @@ class Eviction(NodeStore):
     def _chain_tops(self, cand: np.ndarray, par: np.ndarray) -> list[int] | None:
         """Is the run `cand` (parents `par`) whole chains released deepest first, each node's
         only device child right before it? Then the indices of the chains' tops (whose parent
-        is not the next node; the last node always), else None. One C call when built."""
-        if _chain_tops_c is not None:
-            return _chain_tops_c(self._f, cand, par, NDEV)
-        nd = self._f[NDEV, cand]
-        link = par[:-1] == cand[1:]  # the next node of the run is this one's parent
-        if nd[0] == 0 and (nd[1:] == link).all():
-            return np.flatnonzero(~link).tolist() + [len(cand) - 1]
-        return None
+        is not the next node; the last node always), else None. One C call."""
+        return _chain_tops_c(self._f, cand, par, NDEV)
 
     def _evictable(self, cand: np.ndarray, par: np.ndarray, nd: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """Which nodes of a run go (every device child comes earlier in the run and goes too;
@@ -358,19 +338,16 @@ class Eviction(NodeStore):
         """Free the nodes `drop` (unreferenced GPU nodes whose children are all in `drop`, in
         eviction order; `par` their parents); `top` indexes those whose
         parent stays: only they are unlinked from a live node. Their parents that become
-        evictable leaves are queued at the front. In C when the extension is built (one call
-        instead of a dozen numpy operations and three loops), the code below being the reference."""
+        evictable leaves are queued at the front. The node surgery is one C call (instead of a
+        dozen numpy operations and three loops)."""
         keys = self._keys
         m = len(drop)
         if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
             self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
         top_ = self._top
-        if _drop_run_c is not None:
-            freed_parents = _drop_run_c(self._f, np.ascontiguousarray(drop, dtype=np.int32),
-                                        np.ascontiguousarray(par, dtype=np.int32), top, DROP_ROWS,
-                                        RESET_ROW, keys, self._map, devs, self._stack, top_)
-        else:
-            freed_parents = self._drop_run_py(drop, par, top, devs)
+        freed_parents = _drop_run_c(self._f, np.ascontiguousarray(drop, dtype=np.int32),
+                                    np.ascontiguousarray(par, dtype=np.int32), top, DROP_ROWS,
+                                    RESET_ROW, keys, self._map, devs, self._stack, top_)
         self._top = top_ + m
         self._dev_cached -= m
         self._idle -= m
@@ -379,33 +356,9 @@ class Eviction(NodeStore):
             if state[p] == GPU and ref[p] == 0 and p not in self._dev_lru:
                 self._dev_lru.push_front(p)
 
-    def _drop_run_py(self, drop: np.ndarray, par: np.ndarray, top: list[int], devs: list[int]) -> list[int]:
-        """`_drop_run`'s node surgery in Python: key map, unlinking, keys, blocks, columns, the
-        free-id stack (from `_top`, which the caller moves); the parents left without device
-        children."""
-        f = self._f
-        keys, kmap = self._keys, self._map
-        for v in drop[f[CONT, par] != drop].tolist():
-            del kmap[keys[v]]  # found through the key map, not as their parent's continuation
-        ndev = self._ndev_v
-        freed_parents = []
-        for v in drop[top].tolist():
-            p = self._detach_sibling(v)
-            left = ndev[p] - 1
-            ndev[p] = left
-            if left == 0:
-                freed_parents.append(p)
-        for v in drop.tolist():  # (a plain loop: half the time of map over __setitem__)
-            keys[v] = None
-        devs += f[DEV, drop].tolist()
-        f[:, drop] = RESET[:, None]
-        self._stack[self._top:self._top + len(drop)] = drop
-        return freed_parents
-
     def _drop_leaf(self, v: int, devs: list[int]) -> None:
         """Drop an unreferenced GPU leaf (no children, no task): `_unlink` + `_free_node`
-        written out for the one path every evicted block takes without a host tier, with only the
-        fields that are not already at their reset values."""
+        written out, with only the fields that are not already at their reset values."""
         parent_v, next_v, prev_v, dev_v = self._parent_v, self._next_v, self._prev_v, self._dev_v
         p, before, after = parent_v[v], prev_v[v], next_v[v]
         if self._cont_v[p] == v:
@@ -439,15 +392,12 @@ class Eviction(NodeStore):
 
     def _finish_eviction(self, dropped: list[int], freed_hosts: list[int], hosts: list[int],
                          victims: list[int], victim_keys: list[bytes], evicted: int,
-                         task_id: int, blocks: tuple[list[int], list[int]] | None = None) -> None:
+                         task_id: int, blocks: tuple[list[int], list[int]]) -> None:
         """The end of an eviction: recycle what it freed in one batch, issue its swap-out
-        (`blocks`: the victims' device and host blocks, if known)."""
+        (`blocks`: the victims' device and host blocks)."""
         self.host_pool.free(hosts + freed_hosts)
         self.device_pool.free(dropped)
         if victims:
-            if blocks is None:
-                g = self._f[:, victims]
-                blocks = (g[DEV].tolist(), g[HOST].tolist())
             self._new_task(TaskKind.SWAP2CPU, victims, blocks[0], blocks[1], victim_keys, task_id=task_id)
             self._dev_returning += len(victims)
             self.metrics.swap_out_blocks += len(victims)
@@ -456,36 +406,20 @@ class Eviction(NodeStore):
 
     def _take_host(self, n: int) -> list[int]:
         """Up to `n` host blocks: free ones first, then by dropping host leaves in the policy's
-        order. With a policy that hands out runs (`pop_many`), a run of chains released deepest
-        first is freed with a few array operations (Python touching each chain's top), exactly
-        as popping and dropping one leaf at a time would; any other run goes node by node."""
+        order, a run (`pop_many`) at a time: a run of chains released deepest first is freed
+        with a few array operations (Python touching each chain's top), exactly as popping and
+        dropping one leaf at a time would; any other run goes node by node."""
         pool = self.host_pool
         got = pool.allocate(min(n, pool.num_free))
         policy = self._host_lru
-        many = getattr(policy, "pop_many", None)
         dropped = 0
         while len(got) < n:
-            if many is None:
-                v = policy.pop()
-                if v < 0:
-                    break
-                dropped += self._drop_host_leaf(v, got)
-                continue
-            cand = many(n - len(got))
+            cand = policy.pop_many(n - len(got))
             if not len(cand):
                 break
             dropped += self._drop_host_run(cand, got)
         self.metrics.evicted_host_blocks += dropped
         return got
-
-    def _drop_host_leaf(self, v: int, hosts: list[int]) -> int:
-        """Drop the popped host node `v` if it is a leaf (else it is parked: requeued when its
-        last child leaves); 1 if dropped."""
-        if self._child_v[v] >= 0:
-            return 0
-        self._unlink(v)
-        self._free_node(v, [], hosts)
-        return 1
 
     def _drop_host_run(self, cand: np.ndarray, hosts: list[int]) -> int:
         """Drop the host leaves of the popped run `cand` as one-at-a-time eviction would, their

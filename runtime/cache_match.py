@@ -23,15 +23,12 @@ import numpy as np
 
 from ipc.protocol import TaskKind
 
-from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, HOST, NDEV, NEW_ROWS, NO_NODES, PARENT,
-                          REF, ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
+from .cache_nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, HOST, NDEV, NO_NODES, PARENT, REF,
+                          ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
-try:  # the per-request node matrix work in C (runtime/_cache_core.c); the numpy code is the reference
-    from ._cache_core import (deref as _deref_c, new_chain as _new_chain_c, touch_device as _touch_c,
-                              walk as _walk_c)
-except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _deref_c = _new_chain_c = _touch_c = _walk_c = None
-
+# the per-request node matrix work, in C (runtime/_cache_core.c; tests/cache_reference.py holds
+# the numpy code it is tested against)
+from .cache_core import deref as _deref_c, new_chain as _new_chain_c, touch_device as _touch_c, walk as _walk_c
 
 # the node matrix rows a new chain writes, in the order runtime/_cache_core.c's new_chain takes them
 CHAIN_ROWS = (PARENT, CHILD, DEV, REF, NDEV, STATE, CONT)
@@ -95,21 +92,7 @@ class MatchRecord(NodeStore):
         """The tree nodes of keys[:limit]'s longest cached prefix, from the root down: follow
         each node's continuation while its key matches, ask the key map where it does not."""
         path = np.empty(limit, dtype=np.int32)
-        if _walk_c is not None:  # the same walk, in one call
-            return path[:_walk_c(self._f, CONT, PARENT, self._keys, self._map, keys, limit, path)]
-        out = memoryview(path)
-        cont, node_keys, get, parent = self._cont_v, self._keys, self._map.get, self._parent_v
-        n = ROOT
-        i = 0
-        for i in range(limit):
-            key = keys[i]
-            c = cont[n]
-            if c < 0 or node_keys[c] != key:
-                c = get(key)
-                if c is None or parent[c] != n:  # (a key that was not chained: another branch)
-                    return path[:i]
-            out[i] = n = c
-        return path[:limit]
+        return path[:_walk_c(self._f, CONT, PARENT, self._keys, self._map, keys, limit, path)]
 
     def _child(self, n: int, key: bytes) -> int:
         """n's child with `key`, or -1."""
@@ -125,14 +108,13 @@ class MatchRecord(NodeStore):
         entries -1 until issued) when the device has no free blocks for it yet. Returns
         (device hits, host hits)."""
         f = self._f
-        if _touch_c is not None:  # all on the device (the common case): one call
-            done = _touch_c(f, a, REF, HITS, STATE, DEV, GPU)
-            if done is not None:
-                self._dev_lru.discard(a)
-                self._idle -= done[0]
-                req.path = a
-                req.blocks = done[1]
-                return len(a), 0
+        done = _touch_c(f, a, REF, HITS, STATE, DEV, GPU)  # all on the device (the common case): one call
+        if done is not None:
+            self._dev_lru.discard(a)
+            self._idle -= done[0]
+            req.path = a
+            req.blocks = done[1]
+            return len(a), 0
         g = f[DEV:STATE + 1, a]
         refs = g[REF - DEV]
         f[REF, a] = refs + 1
@@ -140,11 +122,6 @@ class MatchRecord(NodeStore):
         self._dev_lru.discard(a)
         st = g[STATE - DEV]
         unused = refs == 0
-        if not st.any():  # all on the device: the common case, fully vectorised
-            self._idle -= int(np.count_nonzero(unused))
-            req.path = a
-            req.blocks = g[0].tolist()
-            return len(a), 0
         self._idle -= int(np.count_nonzero(unused & (st == GPU)))
         self._host_lru.discard(a)  # before eviction below can pick a host hit
         on_host = st == CPU
@@ -279,24 +256,7 @@ class MatchRecord(NodeStore):
 
     def _new_chain(self, parent: int, ids: np.ndarray, cand: list[int], keys: list[bytes],
                    blocks: list[int]) -> None:
-        if _new_chain_c is not None:  # the same writes, in one call
-            _new_chain_c(self._f, ids, parent, blocks, CHAIN_ROWS, GPU, self._keys, keys)
-        else:
-            node_keys = self._keys
-            for n, key in zip(cand, keys):  # (a plain loop: faster than map over __setitem__)
-                node_keys[n] = key
-            new = np.empty((NEW_ROWS, len(cand)), dtype=np.int32)
-            new[PARENT, 0] = parent
-            new[PARENT, 1:] = ids[:-1]
-            new[CHILD, :-1] = ids[1:]
-            new[CHILD, -1] = -1
-            new[DEV] = blocks
-            new[REF] = 1
-            new[NDEV] = 1  # each node's one child is the next, on the device
-            new[NDEV, -1] = 0
-            new[STATE] = GPU
-            new[CONT] = new[CHILD]
-            self._f[:NEW_ROWS, ids] = new
+        _new_chain_c(self._f, ids, parent, blocks, CHAIN_ROWS, GPU, self._keys, keys)
         self._link(cand[0], keys[0], parent)
         self._ndev_v[parent] += 1
         self._dev_cached += len(cand)
@@ -377,21 +337,12 @@ class MatchRecord(NodeStore):
         if not len(path):
             return
         f = self._f
-        if _deref_c is not None:
-            zero = np.empty(len(path), dtype=np.int32)
-            k, all_gpu = _deref_c(f, path, REF, STATE, GPU, zero)
-            zero = zero[:k]
-            if not k:
-                return
-            st = NO_NODES if all_gpu else f[STATE, zero]
-        else:
-            a = path[::-1]
-            r = f[REF, a] - 1
-            f[REF, a] = r
-            zero = a[r == 0]
-            if not len(zero):
-                return
-            st = f[STATE, zero]
+        zero = np.empty(len(path), dtype=np.int32)
+        k, all_gpu = _deref_c(f, path, REF, STATE, GPU, zero)
+        zero = zero[:k]
+        if not k:
+            return
+        st = NO_NODES if all_gpu else f[STATE, zero]
         if not st.any():
             self._dev_lru.push(zero)
             self._idle += len(zero)

@@ -44,10 +44,9 @@ class NodeState(enum.IntEnum):
 GPU, SWAP2CPU, CPU, SWAP2GPU, DETACHED, FREE = (int(s) for s in NodeState)
 ROOT = 0  # node 0 is the root: no key, no block, pinned by a permanent reference
 
-# rows of the node matrix; the first seven are the ones a new chain writes, in one assignment
-# (HITS: how many matches reused the node since it was created; eviction policies may read it)
+# rows of the node matrix (HITS: how many matches reused the node since it was created;
+# eviction policies may read it)
 PARENT, CHILD, DEV, REF, NDEV, STATE, CONT, NEXT, PREV, HOST, HITS = range(11)
-NEW_ROWS = 7
 # a free node's column: no links, no blocks, no references, no device children, FREE, no hits
 RESET = np.array([-1, -1, -1, 0, 0, FREE, -1, -1, -1, -1, 0], dtype=np.int32)
 NO_NODES = np.empty(0, dtype=np.int32)

@@ -14,8 +14,8 @@ What the cache guarantees and expects, whatever the policy:
 - The calls sit on the cache's hot paths (every matched and released path, every evicted
   block): a policy must be O(1) per node amortised (O(log n) per batch at most), and batch calls
   take numpy arrays.
-- A policy may also have `pop_many(k) -> np.ndarray`: the next `k` nodes (fewer if the queue runs
-  out), exactly as `k` calls of `pop` would return them. Without a host tier the cache then
+- Besides `pop`, a policy hands out runs: `pop_many(k) -> np.ndarray`, the next `k` nodes
+  (fewer if the queue runs out), exactly as `k` calls of `pop` would return them. The cache
   evicts whole runs at once (runtime/cache_eviction.py), which is what makes eviction about as
   cheap per block as recording.
 """
@@ -61,6 +61,10 @@ class EvictionPolicy(Protocol):
 
     def pop(self) -> int:
         """The next node to evict, taken out of the queue; -1 if none is queued."""
+
+    def pop_many(self, k: int) -> np.ndarray:
+        """The next `k` nodes (int32; fewer if the queue runs out), taken out of the queue
+        exactly as `k` calls of `pop` would take them."""
 
     def members(self) -> list[int]:
         """The queued nodes in eviction order (for the invariant checker)."""

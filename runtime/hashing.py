@@ -11,9 +11,9 @@ Why this shape:
   msgpack as `bin` as they are, and `xxh3_128_digest(parent + tokens)` (one concatenation,
   one call) was the cheapest chaining we measured: ~125 ns per 64-token block, against
   ~220 ns for a seeded `xxh3_128_intdigest` plus 128-bit int arithmetic.
-- The loop runs in C (runtime/_cache_core.c, built by setup.py) when the extension is built:
-  the same bytes without a slice, a concatenation and a call per block, a quarter of the
-  Python loop's time. `chain_keys_py` is the reference it is tested against, and the fallback.
+- The loop runs in C (runtime/_cache_core.c, built by setup.py): the same bytes without a
+  slice, a concatenation and a call per block, a quarter of a Python loop's time
+  (tests/cache_reference.py holds that loop, the reference it is tested against).
 - `BlockHasher` keeps the last key and the number of blocks hashed: a request that grows
   (chunked prefill, output tokens) hashes each block exactly once.
 """
@@ -25,10 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from xxhash import xxh3_128_digest
 
-try:
-    from ._cache_core import chain_keys as _chain_keys_c
-except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _chain_keys_c = None
+from .cache_core import chain_keys as _chain_keys_c
 
 TOKEN_DTYPE = np.dtype("<i4")
 ROOT_KEY: bytes = xxh3_128_digest(b"kvrt.prefix-cache.root.v1")
@@ -64,22 +61,8 @@ class ModelIdentity:
 
 def chain_keys(token_bytes: bytes, block_size: int, parent: bytes = ROOT_KEY) -> list[bytes]:
     """Keys of the full blocks in `token_bytes` (little-endian int32 tokens), chained from
-    `parent`; a trailing partial block gets no key."""
-    if _chain_keys_c is not None and len(parent) == KEY_BYTES:
-        return _chain_keys_c(token_bytes, block_size, parent)
-    return chain_keys_py(token_bytes, block_size, parent)
-
-
-def chain_keys_py(token_bytes: bytes, block_size: int, parent: bytes = ROOT_KEY) -> list[bytes]:
-    """`chain_keys` in Python: the reference, and what runs when the C extension is not built."""
-    step = block_size * TOKEN_DTYPE.itemsize
-    keys = []
-    append = keys.append
-    key = parent
-    for off in range(0, len(token_bytes) // step * step, step):
-        key = xxh3_128_digest(key + token_bytes[off:off + step])
-        append(key)
-    return keys
+    `parent` (a 16-byte key); a trailing partial block gets no key."""
+    return _chain_keys_c(token_bytes, block_size, parent)
 
 
 def as_token_array(tokens) -> np.ndarray:

@@ -235,15 +235,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
             return
         keys = req.keys[before:before + len(nodes)]
         cap = self._hits_v[int(req.path[before - 1])] if before else None
-        if not self._uses.raise_hits(keys, self._f[HITS], nodes, cap):
-            earlier = self._uses.count(keys)
-            earlier -= 1
-            if cap is not None and earlier[0] > cap:  # a running minimum from a capped first value
-                earlier[0] = cap                      # is capped throughout
-            np.minimum.accumulate(earlier, out=earlier)
-            np.maximum(earlier, 0, out=earlier)
-            row = self._f[HITS]
-            row[nodes] = np.maximum(row[nodes], earlier)
+        self._uses.raise_hits(keys, self._f[HITS], nodes, cap)
         if ages is not None:
             got = ages[before:before + len(nodes)]
             if len(got) < len(nodes):  # keys the request grew by after its match: not counted

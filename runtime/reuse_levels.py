@@ -41,10 +41,7 @@ import heapq
 
 import numpy as np
 
-try:
-    from ._cache_core import scan_live as _scan_c, stamp_runs as _stamp_runs_c
-except ImportError:  # not built (a checkout used without `python setup.py build_ext --inplace`)
-    _scan_c = _stamp_runs_c = None
+from .cache_core import scan_live as _scan_c, stamp_runs as _stamp_runs_c
 
 # level of a use count: floor(2 * log2(1 + uses)), at most MAX_LEVEL (3 earlier uses): beyond
 # that more protection only keeps popular but finished prefixes (an agent loop that ended) in
@@ -104,20 +101,14 @@ class ReuseLevels:
         bonus = max(1, int(self.bonus_scale() * min(MAX_BONUS, TURNOVERS_PER_LEVEL * self._capacity / avg)))
         prio = now + bonus * lv
         self._prio[nodes] = prio
-        if _stamp_runs_c is not None and nodes.dtype == np.int32 and nodes.flags.c_contiguous:
-            s = self._serial  # the runs found and stamped in one C call, as the loop below does
-            starts = _stamp_runs_c(self._stamp, nodes, lv, s)
-            self._serial = s + len(starts)
-            heap = self._heap
-            for j, (a, b) in enumerate(zip(starts, starts[1:] + [len(nodes)])):
-                heapq.heappush(heap, [int(prio[a]), int(lv[a]), s + j, s + j, nodes[a:b], -1])
-            self._queued += len(nodes)
-        elif lv[0] == lv[-1] and (len(lv) < 3 or (lv == lv[0]).all()):
-            self._add(nodes, int(prio[0]), int(lv[0]))
-        else:  # levels grow toward the root: a few runs
-            starts = [0] + (np.flatnonzero(lv[1:] != lv[:-1]) + 1).tolist()
-            for a, b in zip(starts, starts[1:] + [len(lv)]):
-                self._add(nodes[a:b], int(prio[a]), int(lv[a]))
+        # levels grow toward the root: a few runs, found and stamped in one C call (`nodes` int32)
+        s = self._serial
+        starts = _stamp_runs_c(self._stamp, nodes, lv, s)
+        self._serial = s + len(starts)
+        heap = self._heap
+        for j, (a, b) in enumerate(zip(starts, starts[1:] + [len(nodes)])):
+            heapq.heappush(heap, [int(prio[a]), int(lv[a]), s + j, s + j, nodes[a:b], -1])
+        self._queued += len(nodes)
         if self._queued > self._limit:
             self._compact()
 
@@ -220,38 +211,8 @@ class ReuseLevels:
 
     def pop_many(self, k: int) -> np.ndarray:
         """Up to `k` nodes, as `k` calls of `pop` would return them: nothing is pushed meanwhile,
-        so the heap's top entry stays on top until it is used up."""
-        if _scan_c is not None:  # each entry scanned in one C call, into one array
-            return self._pop_many_c(k)
-        out: list[np.ndarray] = []
-        got = 0
-        heap = self._heap
-        while heap and got < k:
-            e = heap[0]
-            start = max(e[5], 0)
-            nodes = np.asarray(e[4][start:], dtype=np.int32)
-            head = nodes[:k - got]
-            if (self._stamp[head] == e[3]).all():  # the usual case: no stale entry among them
-                idx = range(len(head))
-                take = head
-            else:
-                idx = np.flatnonzero(self._stamp[nodes] == e[3])[:k - got]
-                take = nodes[idx]
-            if len(idx):
-                self._stamp[take] = -1
-                out.append(take)
-                got += len(take)
-                if got == k:
-                    e[5] = start + int(idx[-1]) + 1
-                    break
-            heapq.heappop(heap)
-            self._queued -= len(e[4])
-        if not out:
-            return np.empty(0, dtype=np.int32)
-        return out[0] if len(out) == 1 else np.concatenate(out)
-
-    def _pop_many_c(self, k: int) -> np.ndarray:
-        """`pop_many` with each entry's scan in C (runtime/_cache_core.c scan_live)."""
+        so the heap's top entry stays on top until it is used up. Each entry is scanned in one C
+        call (runtime/_cache_core.c scan_live), into one array."""
         out = np.empty(k, dtype=np.int32)
         got = 0
         heap = self._heap

@@ -1,18 +1,19 @@
 """The prefix cache's C inner loops (runtime/_cache_core.c) leave the cache exactly as the numpy
-code they replace does: the same node matrix, keys, key map and queues after every request of a
-workload with shared prefixes, branches and eviction (their Python code is the fallback when
-the extension is not built)."""
+code they replace does (tests/cache_reference.py): the same node matrix, keys, key map and queues
+after every request of a workload with shared prefixes, branches and eviction, the production
+code run once with each C function and once with its reference in its place."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from runtime import cache_eviction, cache_match, reuse_levels, use_sketch
+from runtime import cache_eviction, cache_match, hashing, reuse_levels, use_sketch
 from runtime._cache_core import deref, drop_run, new_chain, touch_device
 from runtime.cache_nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
 from runtime.cache_policy import make_policy
 from runtime.hashing import BlockHasher
 from runtime.prefix_cache import PrefixCache
+from tests import cache_reference as ref
 
 BS = 4
 
@@ -44,27 +45,49 @@ def _replay(c: PrefixCache, seed: int) -> list:
     return states
 
 
+# the policies whose cache calls these C functions (the others: all three): LRU keeps no use
+# counts and has a queue of its own; only `gaps` stamps when keys were used, and it splits a
+# released path into runs its own way
+POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"), "_stamp_c": ("gaps",),
+                  "_scan_c": ("gaps", "reuse"), "_stamp_runs_c": ("reuse",)}
+
+
 @pytest.mark.parametrize("name", ["gaps", "reuse", "lru"])
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("host", [0, 300])
-@pytest.mark.parametrize("off", [(cache_match, "_new_chain_c"), (cache_eviction, "_drop_run_c"),
-                                 (cache_match, "_touch_c"), (cache_match, "_deref_c"),
-                                 (use_sketch, "_raise_c"), (cache_eviction, "_chain_tops_c"),
-                                 (reuse_levels, "_scan_c"), (reuse_levels, "_stamp_runs_c"),
-                                 (cache_match, "_walk_c"), (use_sketch, "_stamp_c")])
-def test_c_node_work_equals_numpy(name, seed, host, off, monkeypatch):
+@pytest.mark.parametrize("module,attr,reference", [
+    pytest.param(module, attr, reference, id=attr) for module, attr, reference in (
+        (cache_match, "_new_chain_c", ref.new_chain), (cache_eviction, "_drop_run_c", ref.drop_run),
+        (cache_match, "_touch_c", ref.touch_device), (cache_match, "_deref_c", ref.deref),
+        (use_sketch, "_raise_c", ref.sketch_raise), (cache_eviction, "_chain_tops_c", ref.chain_tops),
+        (reuse_levels, "_scan_c", ref.scan_live), (reuse_levels, "_stamp_runs_c", ref.stamp_runs),
+        (cache_match, "_walk_c", ref.walk), (use_sketch, "_stamp_c", ref.sketch_stamp),
+        (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys))])
+def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
     """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
-    with host hits falls back), releasing one (deref) and giving recorded blocks the uses the
-    sketch remembers (sketch_raise, the `reuse` policy), and the `reuse` policy's scan of its
-    queue for a run (scan_live) and split of a released path into runs (stamp_runs) in C or in numpy leave the same cache (and queues) at every step,
+    with host hits takes the general path), releasing one (deref), counting a request's keys
+    in the use sketch (sketch_add, sketch_stamp) and giving recorded blocks the uses the
+    sketch remembers (sketch_raise, the `reuse` policy), the `reuse` policy's scan of its
+    queue for a run (scan_live) and split of a released path into runs (stamp_runs), and the
+    block keys themselves (chain_keys), in C or in numpy leave the same cache (and queues) at every step,
     with and without a host tier."""
     cls = make_policy(name)
     fast = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
-    monkeypatch.setattr(*off, None)
+    calls = []
+
+    def counted(*args):
+        calls.append(attr)
+        return reference(*args)
+
+    monkeypatch.setattr(module, attr, counted)
     slow = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
     for step, (a, b) in enumerate(zip(fast, slow)):
         assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
+    # the reference ran in the C function's place, wherever the cache calls it (with a host
+    # tier victims are swapped out, not dropped a run at a time)
+    unused = name not in POLICIES_USING.get(attr, (name,)) or (attr == "_drop_run_c" and host)
+    assert bool(calls) != unused
 
 
 def test_new_chain_checks_before_it_writes():

@@ -1,6 +1,7 @@
 """Eviction policies of the prefix cache: the names `--eviction` takes, the `reuse` policy's
 ranking (scan resistance, use counts that outlive eviction), and the batched eviction path, which
-must evict exactly what popping and dropping one node at a time evicts."""
+must evict exactly what popping and dropping one node at a time evicts (tests/cache_reference.py
+holds that one-at-a-time eviction)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,6 +15,7 @@ from runtime.prefix_cache import PrefixCache
 from runtime.reuse_gaps import ReuseGaps
 from runtime.reuse_levels import ReuseLevels
 from runtime.use_sketch import UseSketch
+from tests.cache_reference import OneAtATime
 
 BS = 4
 
@@ -30,46 +32,6 @@ def run(c: PrefixCache, rid, tokens: np.ndarray) -> list[int] | None:
         c.update(rid, len(tokens))
     c.release(rid)
     return got
-
-
-def one_at_a_time(cls):
-    """`cls` without `pop_many`: the cache then pops and drops victims one by one."""
-
-    class OneAtATime:
-        counts_uses = getattr(cls, "counts_uses", False)
-        counts_gaps = getattr(cls, "counts_gaps", False)
-
-        def __init__(self, capacity: int, hits: np.ndarray):
-            self.q = cls(capacity, hits)
-
-        def __contains__(self, n: int) -> bool:
-            return n in self.q
-
-        def push(self, nodes: np.ndarray) -> None:
-            self.q.push(nodes)
-
-        def recorded(self, nodes: np.ndarray, ages: np.ndarray) -> None:
-            self.q.recorded(nodes, ages)
-
-        def push_front(self, n: int) -> None:
-            self.q.push_front(n)
-
-        def discard(self, nodes: np.ndarray) -> None:
-            self.q.discard(nodes)
-
-        def discard_one(self, n: int) -> None:
-            self.q.discard_one(n)
-
-        def pop(self) -> int:
-            return self.q.pop()
-
-        def members(self) -> list[int]:
-            return self.q.members()
-
-        def stamped(self) -> list[int]:
-            return self.q.stamped()
-
-    return OneAtATime
 
 
 def test_policy_names():
@@ -105,7 +67,7 @@ def test_batched_eviction_equals_one_at_a_time(name, seed):
     """The same requests through the batched path and through one-at-a-time eviction: the same
     allocations, block for block, the same tree and counters at every step."""
     cls = make_policy(name)
-    caches = [PrefixCache(BS, 96, policy=cls), PrefixCache(BS, 96, policy=one_at_a_time(cls))]
+    caches = [PrefixCache(BS, 96, policy=cls), OneAtATime(BS, 96, policy=cls)]
     for step, (op, rid, tokens) in enumerate(_workload(seed, 300)):
         if op == "start":
             got = []
@@ -354,17 +316,19 @@ class Blocks:
 
 @pytest.mark.parametrize("name", ["lru", "reuse", "gaps"])
 @pytest.mark.parametrize("seed", range(4))
-def test_batched_host_eviction_equals_one_at_a_time(name, seed):
+@pytest.mark.parametrize("host", [64, 32])
+def test_batched_host_eviction_equals_one_at_a_time(name, seed, host):
     """With a host tier: swap-outs started a run at a time, host leaves dropped a run at a time
     and swap-outs finished in batches give the same allocations, tasks, tree and counters at
     every step as one-at-a-time eviction, and tell a KV-events observer of the same blocks in
     the same order (what it was told is what the cache holds). Some swap-outs answer late
     (their nodes may be matched again meanwhile and are parked until they do), and the host
-    tier is small, so that host leaves are evicted and the host tier sometimes runs out."""
+    tier is small, so that host leaves are evicted and the host tier sometimes runs out (at 32
+    blocks, often: the victims left then are dropped one at a time)."""
     cls = make_policy(name)
     seen = [Blocks(), Blocks()]
-    caches = [PrefixCache(BS, 96, 64, policy=cls, observer=seen[0]),
-              PrefixCache(BS, 96, 64, policy=one_at_a_time(cls), observer=seen[1])]
+    caches = [PrefixCache(BS, 96, host, policy=cls, observer=seen[0]),
+              OneAtATime(BS, 96, host, policy=cls, observer=seen[1])]
     rng = np.random.default_rng(seed)
     late: list[list] = [[], []]
     for step, (op, rid, tokens) in enumerate(_workload(seed, 300)):

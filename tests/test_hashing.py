@@ -119,14 +119,14 @@ def test_the_c_loop_derives_the_python_loops_keys():
     and give exactly the reference loop's keys, for any block size, length (a partial last
     block gets no key) and parent."""
     from runtime import _cache_core
-    from runtime.hashing import chain_keys_py
+    from tests import cache_reference
 
     parent = xxhash.xxh3_128_digest(b"another root")
     for bs in (1, 16, 64, 128):
         for n_tokens in (0, bs - 1, bs, 5 * bs + 3, 300 * bs):
             data = tokens(n_tokens, seed=bs + n_tokens).astype("<i4").tobytes()
             for root in (ROOT_KEY, parent):
-                want = chain_keys_py(data, bs, root)
+                want = cache_reference.chain_keys(data, bs, root)
                 assert _cache_core.chain_keys(data, bs, root) == want
                 assert chain_keys(data, bs, root) == want
                 assert chain_keys(memoryview(data), bs, root) == want
@@ -134,3 +134,44 @@ def test_the_c_loop_derives_the_python_loops_keys():
         _cache_core.chain_keys(b"", 16, b"short")
     with pytest.raises(ValueError):
         _cache_core.chain_keys(b"", 0, ROOT_KEY)
+    with pytest.raises(ValueError):
+        chain_keys(b"", 16, b"short")  # a parent that is not a block key
+
+
+# a fresh interpreter in which the xxhash package's extension module is replaced by one that
+# does not export XXH3_128bits (kvrt's own atomics extension), before the cache's C loops load
+_NO_XXH3 = """
+import sys, types
+import ipc._atomic, xxhash
+fake = types.ModuleType("xxhash._xxhash")
+fake.__file__ = ipc._atomic.__file__
+sys.modules["xxhash._xxhash"] = fake
+try:
+    import runtime.hashing
+except ImportError as e:
+    print(e)
+"""
+
+# a fresh interpreter in which the C loops were never built
+_NOT_BUILT = """
+import sys
+sys.modules["runtime._cache_core"] = None
+try:
+    import runtime.hashing
+except ImportError as e:
+    print(e)
+"""
+
+
+def test_the_c_loops_say_what_is_missing_when_they_cannot_load():
+    """The block-key hash comes from the xxhash package's extension module at import: where it
+    is not found the import fails and says what to do, and so does a checkout whose loops were
+    never built (there is no other implementation to fall back on)."""
+    from tests.conftest import run_py
+
+    r = run_py(_NO_XXH3)
+    assert r.returncode == 0, r.stderr
+    assert "does not export XXH3_128bits" in r.stdout and "pip install --force-reinstall" in r.stdout, r.stdout
+    r = run_py(_NOT_BUILT)
+    assert r.returncode == 0, r.stderr
+    assert "is not built" in r.stdout and "pip install -e ." in r.stdout, r.stdout

@@ -186,6 +186,9 @@ class MostRecentFirst:
     def pop(self) -> int:
         return self.order.pop() if self.order else -1
 
+    def pop_many(self, k: int) -> np.ndarray:
+        return np.array([v for v in (self.pop() for _ in range(k)) if v >= 0], dtype=np.int32)
+
     def members(self) -> list[int]:
         return self.order[::-1]
 

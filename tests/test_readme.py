@@ -22,11 +22,14 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_quick_start_makes_a_venv_first_and_names_the_debian_packages_ci_installs():
-    """A distribution's Python refuses `pip install` outside a virtual environment (PEP 668)."""
+    """A distribution's Python refuses `pip install` outside a virtual environment (PEP 668).
+    The build needs no system headers but Python's: the prefix cache's C loops take xxhash
+    from the `xxhash` package, not from a `-dev` package."""
     for command in readme_commands():
         assert command.startswith(VENV)
     ci = open(f"{REPO}/.ci/run").read()
     ci_packages = re.search(r"apt-get install -y ([^\n]+)", ci).group(1).split()
     named = re.search(r"`sudo apt-get install -y ([^`]+)`", readme()).group(1).split()
     assert ci_packages == named and "python3-venv" in named
+    assert [p for p in named if p.endswith("-dev")] == ["python3-dev"]
     assert ".venv/" in open(f"{REPO}/.gitignore").read().split()

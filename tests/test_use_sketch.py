@@ -1,18 +1,22 @@
 """The use-count sketch: its C updates (runtime/_cache_core.c) count exactly as its numpy
-reference does, shared slots, saturation, halving and odd keys included."""
+reference (tests/cache_reference.py) does, shared slots, saturation and halving included; keys
+that are not 16-byte block keys are refused."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from runtime import _cache_core, use_sketch
 from runtime.use_sketch import UseSketch
+from tests import cache_reference as ref
 
 
 def _reference(monkeypatch, timed: bool = False) -> UseSketch:
-    """A sketch that runs the numpy code (the C functions switched off for it)."""
-    monkeypatch.setattr(use_sketch, "_add_c", None)
-    monkeypatch.setattr(use_sketch, "_count_c", None)
-    monkeypatch.setattr(use_sketch, "_stamp_c", None)
+    """A sketch that runs the numpy reference (in place of the C functions, for every sketch
+    from now on)."""
+    monkeypatch.setattr(use_sketch, "_add_c", ref.sketch_add)
+    monkeypatch.setattr(use_sketch, "_count_c", ref.sketch_count)
+    monkeypatch.setattr(use_sketch, "_stamp_c", ref.sketch_stamp)
     return UseSketch(100, timed=timed)
 
 
@@ -62,21 +66,24 @@ def test_c_stamps_equal_the_numpy_reference(monkeypatch):
     assert any((a > 0).any() for a in got) and any((a == -1).any() for a in got)
 
 
-def test_keys_that_are_not_16_bytes_take_the_reference_path(monkeypatch):
-    keys = [b"short", b"a much longer key than sixteen bytes", bytes(16)]
-    fast = UseSketch(100)
+@pytest.mark.parametrize("timed", [False, True])
+def test_keys_that_are_not_16_bytes_are_refused_before_anything_changes(timed):
+    keys = [bytes(16), b"short", b"a much longer key than sixteen bytes"]
     r0 = np.zeros(1 << 16, dtype=np.uint8)
     assert _cache_core.sketch_add(r0, r0.copy(), keys, (1 << 16) - 1) is False
     assert not r0.any()  # nothing added
-    fast.add(keys)
-    got = fast.count(keys)
-    slow = _reference(monkeypatch)
-    slow.add(keys)
-    assert np.array_equal(fast._rows, slow._rows) and fast._rows.any()
-    assert np.array_equal(got, slow.count(keys))
+    sketch = UseSketch(100, timed=timed)
+    sketch.add([bytes([7]) * 16])
+    before = (sketch._rows.copy(), None if sketch._stamps is None else sketch._stamps.copy(), sketch._now)
+    for call in (lambda: sketch.add(keys), lambda: sketch.count(keys),
+                 lambda: sketch.raise_hits(keys, np.zeros(8, dtype=np.int32), np.arange(3, dtype=np.int32), None)):
+        with pytest.raises(ValueError, match="16 bytes"):
+            call()
+    assert np.array_equal(sketch._rows, before[0]) and sketch._now == before[2]
+    assert sketch._stamps is None or np.array_equal(sketch._stamps, before[1])
 
 
-def test_raising_hits_in_c_equals_counting(monkeypatch):
+def test_raising_hits_in_c_equals_counting():
     """`raise_hits` (one C call) gives recorded nodes exactly what `count` and numpy give them:
     count - 1, capped by the parent's and by every earlier key's, at least 0, never lowered."""
     rng = np.random.default_rng(11)
@@ -99,7 +106,11 @@ def test_raising_hits_in_c_equals_counting(monkeypatch):
             earlier[0] = min(earlier[0], cap)
         want[nodes] = np.maximum(want[nodes], np.maximum(np.minimum.accumulate(earlier), 0))
         got = hits.copy()
-        assert sketch.raise_hits(keys, got, nodes, cap)
+        sketch.raise_hits(keys, got, nodes, cap)
         assert np.array_equal(got, want)
-    monkeypatch.setattr(use_sketch, "_raise_c", None)
-    assert not sketch.raise_hits(cases[0][0], cases[0][2].copy(), cases[0][1], None)
+    for keys, nodes, hits, cap in cases:  # the reference the cache's comparison runs against
+        want = hits.copy()
+        assert ref.sketch_raise(sketch._r0, sketch._r1, keys, sketch._int_mask, want, nodes, cap)
+        got = hits.copy()
+        sketch.raise_hits(keys, got, nodes, cap)
+        assert np.array_equal(got, want)
