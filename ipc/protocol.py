@@ -235,6 +235,7 @@ STATS = (
     "pd_sent_bytes", "pd_refused",
     "storage_errors",  # store failures (error returns, exceptions, a dead master) answered as misses
     "pd_early_blocks", "pd_early_bytes",  # P->D blocks sent while the prefill still ran
+    "recomputed_prompt_tokens",  # prompt positions run again for a request (after a preemption)
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 

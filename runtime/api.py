@@ -150,9 +150,11 @@ class TokenEvent:
 @API.message("finished")
 @dataclass
 class FinishedEvent:
-    """The whole answer and what it cost. `cached_*` are prompt tokens served by each tier at
-    admission; `computed_prompt_tokens` counts prompt tokens the model actually ran (more than
-    prompt - cached after a preemption). Times are measured by the engine from intake."""
+    """The whole answer and what it cost. Every prompt token is either cached (served by a tier:
+    `cached_*`) or computed (the model ran it for this request: `computed_prompt_tokens`, each
+    position counted once even if a preemption made it run again), so they add up to
+    `prompt_tokens` (less only for a request cancelled before its prompt was through; see
+    runtime/sequence.py). Times are measured by the engine from intake."""
 
     request_id: str
     output_token_ids: np.ndarray

@@ -203,6 +203,7 @@ class Engine:
         s = self.stats.array
         s[P.STAT["finished_requests"]] += 1
         s[P.STAT["computed_prompt_tokens"]] += seq.computed_prompt_tokens
+        s[P.STAT["recomputed_prompt_tokens"]] += seq.recomputed_prompt_tokens
 
     def count_failed(self) -> None:
         self.stats.array[P.STAT["failed_requests"]] += 1

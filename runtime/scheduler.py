@@ -174,7 +174,7 @@ class Scheduler:
         step.chunks.append(chunk)
         step.starts.append(start)
         step.tables.append(self.cache.block_table(seq.request_id)[:-(-(start + chunk) // self.block_size)])
-        seq.computed_prompt_tokens += max(0, min(chunk, seq.prompt_len - start))
+        seq.ran_prompt(start, start + chunk)
 
     def _grow(self, seq: Sequence, num_tokens: int, step: Step) -> bool:
         """Blocks for `num_tokens` of `seq`. When the device cannot supply them now: wait if
@@ -233,11 +233,12 @@ class Scheduler:
         return True
 
     def _match(self, seq: Sequence) -> None:
-        first = not seq.counted
-        res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens, count=first)
+        """Match `seq` against the prefix cache (the hit counters count its first match only).
+        Every match, not just the first, is what its cached tokens are told from: a match given
+        back may find more or less when made again."""
+        res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens, count=not seq.counted)
         seq.matched = seq.counted = True
-        if first:  # what the client is told, as the hit counters count it: the first match
-            seq.cached = (res.device_tokens, res.host_tokens, res.storage_tokens)
+        seq.match_tokens = (res.device_tokens, res.host_tokens, res.storage_tokens)
         seq.num_computed = res.cached_tokens
         seq.state = SeqState.WAITING if res.ready else SeqState.LOADING
 
@@ -246,7 +247,7 @@ class Scheduler:
         block while it waits, and is matched again when it is next in line."""
         self.cache.release(seq.request_id)
         seq.matched = False
-        seq.rematched = True
+        seq.match_tokens = (0, 0, 0)
         seq.num_computed = 0
 
     def _preempt(self, seq: Sequence) -> None:
@@ -379,9 +380,8 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed = tokens
-            if not seq.rematched:  # a short storage read of the first match served fewer tokens
-                device, host, _ = seq.cached
-                seq.cached = (device, host, max(0, tokens - device - host))
+            device, host, _ = seq.match_tokens  # a short storage read served fewer tokens
+            seq.match_tokens = (device, host, max(0, tokens - device - host))
             if rid in self.external_ids:
                 seq.state = SeqState.WAITING  # the local prefix is in place; now hold the rest
                 self.reserving.appendleft(seq)

@@ -3,6 +3,16 @@
 Why one preallocated token array per request: the prompt and every output token live in
 `tokens[:num_tokens]`, sized for prompt + max_new_tokens at intake, so appending a token is
 one store, a step's slice is a view, and the block hasher reads the same buffer.
+
+What a request is told its prompt cost (`cached`, `computed_prompt_tokens`): every prompt
+position is either computed (the model ran it for this request, at least once) or cached (it
+never had to run it), so cached per tier + computed = prompt tokens, exactly, for every request
+whose prompt was processed (a client reads cached tokens as "prompt tokens not computed", as
+vLLM's `prompt_tokens_details.cached_tokens` means). A request may be matched several times
+(its match given back for lack of blocks, a preemption, a lost swap-in) and each match may find
+a different prefix; the tier of a cached position is that of the last match, the one whose KV
+the answer was computed from. A position run again after a preemption counts once in
+`computed_prompt_tokens`; the repeats are `recomputed_prompt_tokens` (work, not cost).
 """
 from __future__ import annotations
 
@@ -46,12 +56,15 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     matched: bool = False            # holds a prefix-cache entry (matched, maybe blocks)
     counted: bool = False            # its first match is in the hit counters (count it once)
-    rematched: bool = False          # its first match was given back (it is matched again)
     gave_way: bool = False           # gave its blocks up to swap-ins that wait for room
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
-    cached: tuple[int, int, int] = (0, 0, 0)  # prompt tokens served by device, host, storage
-    computed_prompt_tokens: int = 0
+    # tokens the current match serves from device, host and storage, in token order (the
+    # storage part lowered when a read comes back short); all 0 while it holds no match
+    match_tokens: tuple[int, int, int] = (0, 0, 0)
+    computed_prompt_tokens: int = 0  # prompt positions the model ran, each counted once
+    recomputed_prompt_tokens: int = 0  # runs of positions it had run before (after a preemption)
+    ran: list[tuple[int, int]] = field(default_factory=list)  # the positions run: disjoint, sorted
     preemptions: int = 0
     finish_reason: str = ""
     cancelled: bool = False
@@ -73,6 +86,41 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return self.num_tokens - self.prompt_len
+
+    @property
+    def cached(self) -> tuple[int, int, int]:
+        """Prompt tokens served by the device, host and storage tiers and never computed for
+        this request: the last match's, less the positions it had run itself before (see the
+        module docstring)."""
+        out = []
+        lo = 0
+        for n in self.match_tokens:
+            hi = min(lo + n, self.prompt_len)
+            out.append(max(0, hi - lo) - self._ran_within(lo, hi))
+            lo += n
+        return out[0], out[1], out[2]
+
+    def ran_prompt(self, start: int, end: int) -> None:
+        """The model runs positions [start, end) (a chunk): count its prompt positions, once each."""
+        end = min(end, self.prompt_len)
+        if start >= end:
+            return
+        again = self._ran_within(start, end)
+        self.recomputed_prompt_tokens += again
+        self.computed_prompt_tokens += end - start - again
+        out = []
+        for a, b in self.ran:
+            if b < start or a > end:
+                out.append((a, b))
+            else:  # touches the new run: merged into it
+                start, end = min(a, start), max(b, end)
+        out.append((start, end))
+        out.sort()
+        self.ran = out
+
+    def _ran_within(self, lo: int, hi: int) -> int:
+        """How many positions in [lo, hi) were run."""
+        return sum(max(0, min(b, hi) - max(a, lo)) for a, b in self.ran)
 
     @property
     def keys(self) -> list[bytes]:

@@ -5,9 +5,10 @@ Hypothesis plays the engine and the cache-transfer ranks: requests with shared p
 at random steps (each fits the device alone, as intake guarantees), some are cancelled in any
 state, swap and storage tasks complete in any order, late, short or failed. After every step
 the cache's invariant checker runs. A run fails when some accepted request is still unfinished
-after a generous bound on steps (a stall or a livelock), or when any block is left in use at
-the end. Examples: KVRT_LIVENESS_EXAMPLES (default 150; the closing note of the change that
-added this test ran thousands).
+after a generous bound on steps (a stall or a livelock), when any block is left in use at the
+end, or when a finished request's cached tokens per tier and computed prompt tokens do not add
+up to its prompt. Examples: KVRT_LIVENESS_EXAMPLES (default 150; the closing note of the change
+that added this test ran thousands).
 """
 from __future__ import annotations
 
@@ -114,8 +115,12 @@ def _drive(seed: int, bs: int, device: int, host: int, storage: bool, seqs: int,
     assert usage["device_used"] == 0 and usage["host_used"] == 0, usage
     for q in accepted:
         assert q.finish_reason in ("length", "cancelled"), (q.request_id, q.finish_reason)
+        told = (q.request_id, q.prompt_len, q.cached, q.computed_prompt_tokens, q.preemptions)
         if q.finish_reason == "length":
             assert q.num_output == q.max_new_tokens
+            assert sum(q.cached) + q.computed_prompt_tokens == q.prompt_len, f"counts do not add up: {told}"
+        else:  # cancelled, maybe before its prompt was through
+            assert sum(q.cached) + q.computed_prompt_tokens <= q.prompt_len, f"counted twice: {told}"
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -166,6 +171,19 @@ def test_a_tiny_device_with_a_host_tier_serves_two_rounds_of_shared_prompts():
             cache.check()
         assert [q.finish_reason for q in seqs] == ["length"] * len(seqs), (
             r, [q.request_id for q in seqs if q.state is not SeqState.FINISHED])
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), bs=st.sampled_from([2, 4]), device=st.integers(6, 24),
+       host=st.sampled_from([4, 16, 64]), seqs=st.integers(4, 16), batch=st.sampled_from([4, 16, 64]),
+       n_req=st.integers(4, 16), p_done=st.sampled_from([0.2, 0.6, 1.0]), p_fail=st.sampled_from([0.0, 0.2]))
+def test_prompt_counts_add_up_with_a_host_tier_and_storage(seed, bs, device, host, seqs, batch, n_req,
+                                                           p_done, p_fail):
+    """Many requests in flight over both tiers, twice (the second round hits the host and
+    storage), so matches are given back and made again, loading requests are preempted, storage
+    reads come back short and swap-ins fail: `_drive` checks that each finished request's cached
+    tokens per tier and computed prompt tokens add up to its prompt."""
+    _drive(seed, bs, device, host, True, seqs, batch, n_req, p_done, p_fail, 0.0, rounds=2)
 
 
 def test_long_decodes_that_fit_one_at_a_time_all_finish_together():
