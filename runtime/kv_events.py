@@ -57,6 +57,9 @@ class CacheObserver(Protocol):
 
     def removed(self, medium: str, keys: Sequence[bytes]) -> None: ...
 
+    def cleared(self) -> None:
+        """Every block is gone (a reset): nothing announced before holds any more."""
+
 
 @dataclass(frozen=True)
 class CachedBlock:

@@ -14,6 +14,7 @@ in-process and single-threaded: ordering by messages replaces a lock.
   (runtime/cache_policy.py: the interface and the names; runtime/lru.py: LRU over leaves, the
   default; runtime/reuse_levels.py: age and reuse, with runtime/use_sketch.py);
 - runtime/cache_tasks.py: transfer-task bookkeeping (swaps, deferred swap-ins, storage);
+- runtime/cache_reset.py: the reset (every block nothing holds freed, nothing matched after);
 - runtime/cache_check.py: the invariant checker.
 They are mixins of one object rather than objects calling each other: the per-block loops
 (match walk, touch, release, eviction) read the node matrix directly, with no call layer per
@@ -36,12 +37,13 @@ from .cache_metrics import CacheMetrics
 from .cache_nodes import (CPU, DETACHED, DEV, FREE, GPU, HITS, HOST, ON_DEVICE, ON_HOST, PARENT, STATE, SWAP2CPU,
                           SWAP2GPU, NodeStore)
 from .cache_policy import EvictionPolicy
+from .cache_reset import CacheReset, ResetResult
 from .cache_tasks import TaskBook, TaskOutcome
 from .kv_events import CacheObserver, CachedBlock
 from .lru import EvictionQueue
 from .use_sketch import UseSketch
 
-__all__ = ["PrefixCache", "MatchResult", "TaskKind", "TaskOutcome", "ROLE_FREE", "ROLE_TREE", "ROLE_PRIVATE",
+__all__ = ["PrefixCache", "MatchResult", "ResetResult", "TaskKind", "TaskOutcome", "ROLE_FREE", "ROLE_TREE", "ROLE_PRIVATE",
            "ROLE_LOADING", "ROLE_SAVING"]
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ ROLE_FREE, ROLE_TREE, ROLE_PRIVATE, ROLE_LOADING, ROLE_SAVING = range(5)
 StorageLookup = Callable[[Sequence[bytes]], int]
 
 
-class PrefixCache(MatchRecord, TaskBook, Eviction):
+class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
     """The engine's prefix cache over `num_device_blocks` device and `num_host_blocks` host
     blocks of `block_size` tokens.
 
@@ -292,6 +294,14 @@ class PrefixCache(MatchRecord, TaskBook, Eviction):
         """Apply a finished task. For STORAGE2GPU, `blocks` is how many leading blocks were read
         (default: all if ok, none if not); other kinds are all or nothing."""
         return self._apply(task_id, ok, blocks)
+
+    def reset(self) -> ResetResult:
+        """Drop the whole cache, as operators ask (vLLM's `POST /reset_prefix_cache`, SGLang's
+        `/flush_cache`): every cached block no request or task holds is freed now, on both
+        tiers; held ones leave the tree and are freed when released. Nothing cached before is
+        matched after; requests in flight finish as they would have, recording nothing more.
+        The observer is told `cleared()` (see runtime/cache_reset.py)."""
+        return self._reset()
 
     # ---- status --------------------------------------------------------------------------------
     def block_usage(self) -> dict[str, int]:

@@ -34,10 +34,13 @@ class Mirror:
     def removed(self, medium, keys) -> None:
         self.held.difference_update((medium, k) for k in keys)
 
+    def cleared(self) -> None:
+        self.held.clear()
+
 
 class ObservedCacheMachine(CacheMachine):
     """The prefix cache property machine (random requests, evictions, swaps, storage reads, failed
-    tasks), with an observer: after every step its view equals the blocks the cache holds."""
+    tasks, resets), with an observer: after every step its view equals the blocks the cache holds."""
 
     @initialize(device=st.integers(4, 24), host=st.sampled_from([0, 3, 8, 16]),
                 storage=st.booleans(), write_through=st.booleans())

@@ -545,6 +545,55 @@ def test_write_through_pins_blocks_until_written():
     c.check()
 
 
+# ---- reset -------------------------------------------------------------------------------------
+class Told:
+    """An observer that records what it is told."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def stored(self, medium, keys, parent) -> None:
+        self.calls.append(f"stored {medium}")
+
+    def removed(self, medium, keys) -> None:
+        self.calls.append(f"removed {medium}")
+
+    def cleared(self) -> None:
+        self.calls.append("cleared")
+
+
+def test_reset_frees_what_nothing_holds_now_and_the_rest_when_released():
+    c = host_cache(device=12, host=8)
+    a, b, live = toks(0, 3 * BS + 1), toks(100, 2 * BS + 1), toks(300, 2 * BS + 1)
+    run(c, "a", a)
+    run(c, "b", b)
+    run(c, "live", live, release=False)  # holds 2 cached blocks (and its partial one)
+    c.match("x", [], 6 * BS)
+    assert c.allocate("x", 6 * BS) is None  # a's two deepest blocks go to the host
+    finish(c)
+    c.release("x")
+    c.match("y", [], 7 * BS)
+    assert c.allocate("y", 7 * BS) is None  # a's first block is being swapped out: in flight
+    (out,) = c.take_tasks()
+    c.release("y")
+    told = Told()
+    c.observe(told)
+    got = c.reset()
+    assert (got.device, got.host) == (2, 2)  # b's blocks; a's two on the host
+    assert (got.held_device, got.held_host) == (3, 1)  # live's two, and both copies of the one in flight
+    assert told.calls == ["cleared"], "one event says it all: nothing stays in the tree"
+    u = usage(c)
+    assert u["device_cached"] == u["host_cached"] == 0 and (u["device_used"], u["host_used"]) == (4, 1)
+    assert c.lookup(keys(a)) == c.lookup(keys(b)) == c.lookup(keys(live)) == 0
+    c.apply_task_result(out.task_id, True)  # its blocks were held only for the copy
+    assert c.update("live", len(live)) == 2 * BS  # a request from before records nothing more
+    c.release("live")
+    u = usage(c)
+    assert (u["device_free"], u["host_free"]) == (12, 8)
+    assert run(c, "again", live).cached_tokens == 0
+    assert run(c, "again2", live).cached_tokens == 2 * BS, "the cache fills again after a reset"
+
+
 # ---- node ids, queue, metrics, errors --------------------------------------------------------
 def test_node_ids_are_reused_without_stale_fields():
     c = host_cache(device=10, host=6)

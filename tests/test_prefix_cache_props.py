@@ -3,13 +3,16 @@ every step.
 
 A state machine plays an engine and the cache-transfer ranks at once: it starts requests whose
 prompts share prefixes, allocates, computes in chunks, releases, takes transfer tasks and reports
-them done, short or failed in any order. After every step the cache's own
+them done, short or failed in any order, and resets the cache with requests and tasks in flight.
+After every step the cache's own
 checker runs (per tier free + cached + used = total, no block owned twice, tree / key map / refs /
 LRU queues consistent), and the machine checks what only a model of the engine can know:
 - nothing is matched from the device or host unless its KV was written (computed by a request
-  or read from storage);
+  or read from storage) after the last reset;
 - a request's referenced blocks are never evicted (they stay matchable) unless a failed
-  swap-in dropped them;
+  swap-in or a reset dropped them;
+- a reset leaves no cached block on either tier: each one is freed or, if a request or task
+  holds it, in use until released;
 - once every request is released and every task applied, every block is free or cached.
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ class _Req:
         self.held = 0         # leading keys the cache must keep matchable for this request
         self.ready = True
         self.failed = False
+        self.stale = False    # started before a reset: nothing of it stays matchable
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -52,6 +56,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.written: set[bytes] = set()
         self.reqs: dict[int, _Req] = {}
         self.inflight = []
+        self.before_reset: set[int] = set()  # tasks in flight at a reset: what they bring is not cached
         self.next_id = 0
 
     def _storage_lookup(self, keys) -> int:
@@ -119,9 +124,10 @@ class CacheMachine(RuleBasedStateMachine):
         if n <= r.computed:
             return
         r.computed = n
-        self.written.update(r.keys[:n // BS])
         covered = self.cache.update(rid, n) // BS
-        r.held = max(r.held, covered)
+        if not r.stale:  # (a request from before a reset records nothing more)
+            self.written.update(r.keys[:n // BS])
+            r.held = max(r.held, covered)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -146,7 +152,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _apply(self, task, ok: bool, read: int | None) -> None:
         out = self.cache.apply_task_result(task.task_id, ok, blocks=read)
-        if task.kind is TaskKind.STORAGE2GPU:
+        if task.kind is TaskKind.STORAGE2GPU and task.task_id not in self.before_reset:
             loaded = len(task.keys) if read is None and ok else (read or 0)
             self.written.update(task.keys[:loaded])
         if task.kind is TaskKind.GPU2STORAGE and ok:
@@ -156,7 +162,8 @@ class CacheMachine(RuleBasedStateMachine):
         for rid, cached in out.ready.items():
             r = self.reqs[rid]
             r.ready = True
-            r.held = max(r.held, cached // BS)
+            if not r.stale:
+                r.held = max(r.held, cached // BS)
 
     @rule()
     def settle(self):
@@ -164,6 +171,26 @@ class CacheMachine(RuleBasedStateMachine):
         self.inflight += self.cache.take_tasks()
         while self.inflight:
             self._apply(self.inflight.pop(0), True, None)
+
+    @rule(roll=st.integers(0, 3))
+    def reset(self, roll):
+        """An operator resets the cache, whatever is in flight."""
+        if roll:  # rarer than the rest: a reset leaves little to test
+            return
+        before = self.cache.block_usage()
+        got = self.cache.reset()
+        u = self.cache.check()
+        assert u["device_cached"] == 0 and u["host_cached"] == 0, "a cached block outlived the reset"
+        assert (got.device + got.held_device, got.host + got.held_host) == \
+            (before["device_cached"], before["host_cached"]), (got, before)
+        assert u["host_free"] == before["host_free"] + got.host
+        self.written.clear()
+        self.before_reset.update(t.task_id for t in self.inflight)
+        self.before_reset.update(got.storage_tasks)
+        for r in self.reqs.values():
+            r.stale = True
+            r.held = 0
+            assert self.cache.lookup(r.keys) == 0, "a block cached before the reset is still matchable"
 
     @rule(roll=st.integers(0, 4))
     def drain(self, roll):
@@ -186,7 +213,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def held_blocks_stay(self):
         for r in self.reqs.values():
-            if not r.failed:
+            if not (r.failed or r.stale):
                 assert self.cache.lookup(r.keys[:r.held]) == r.held, "a referenced block was evicted"
 
 
