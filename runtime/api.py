@@ -6,7 +6,8 @@ int32 bytes; never pickle). Answers are routed back by the client's socket ident
 the request id, so one client socket can keep many requests in flight.
 
 A request's life on the wire: GenerateRequest -> TokenEvent* -> FinishedEvent, or ErrorEvent at
-any point (bad request, failed cache transfer, node stopping). CancelRequest ends it early with
+any point (bad request, failed cache transfer, node stopping). InfoRequest and
+ResetPrefixCacheRequest are answered at once, matched to their question by a nonce. CancelRequest ends it early with
 a FinishedEvent whose finish_reason is "cancelled"; only the socket that submitted a request
 can cancel it (to any other, the request is unknown).
 
@@ -133,6 +134,32 @@ class InfoReply:
     block_size: int
     eos_token_id: int
     model_dir: str = ""
+
+
+@API.message("reset_prefix_cache")
+@dataclass
+class ResetPrefixCacheRequest:
+    """Drop the node's prefix cache, as operators do with vLLM's `POST /reset_prefix_cache` or
+    SGLang's `/flush_cache`: nothing cached before is matched after. Requests in flight finish
+    with the answers they would have given; the blocks they hold are freed when they end."""
+
+    nonce: int = 0
+
+
+@API.message("reset_prefix_cache_reply")
+@dataclass
+class ResetPrefixCacheReply:
+    """What a reset dropped: blocks freed per tier (`device`, `host`); keys of a node-local
+    storage tier the node forgot (`storage`: it reads none of those objects again; a shared
+    store belongs to several nodes and is left as it is: 0); blocks that left the cache but
+    stay in use until the requests or tasks holding them end (`held_device`, `held_host`)."""
+
+    nonce: int
+    device: int
+    host: int
+    storage: int = 0
+    held_device: int = 0
+    held_host: int = 0
 
 
 @API.message("tokens")

@@ -5,6 +5,7 @@ pickle). Answers carry the request id, so one client keeps many requests in flig
 
     with Client(5555) as c:                      # or Client("tcp://host:5555")
         print(c.info().vocab_size)
+        c.reset_prefix_cache()                   # drop the node's prefix cache
         r = c.generate([1, 2, 3], 8)             # blocking; r.output_token_ids, r.ttft_ms, ...
         for tok in (g := c.stream([1, 2, 3], 8)):  # tokens as they arrive
             print(tok)
@@ -41,7 +42,8 @@ import zmq
 
 from ipc.errors import ProtocolError
 from runtime.api import (API, CancelRequest, ErrorEvent, FinishedEvent, GenerateRequest, InfoReply,
-                         InfoRequest, TokenEvent, request_id_problem)
+                         InfoRequest, ResetPrefixCacheReply, ResetPrefixCacheRequest, TokenEvent,
+                         request_id_problem)
 from runtime.chat_template import ChatTemplate, Message
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.stop import StopStrings, stop_problem
@@ -213,7 +215,7 @@ class Client:
         self._nonces = itertools.count(1)
         self._reqs: dict[str, _Req] = {}
         self._pending: deque = deque()    # events for poll()
-        self._infos: dict[int, InfoReply] = {}
+        self._replies: dict[int, InfoReply | ResetPrefixCacheReply] = {}  # by nonce
         self.protocol_errors = 0
         self.last_protocol_error = ""
         self.dropped_events = 0           # events of requests this client no longer tracks
@@ -264,18 +266,27 @@ class Client:
     # ---- requests ----------------------------------------------------------------------------
     def info(self, timeout: float | None = None) -> InfoReply:
         """The node's model limits; ClientError if it does not answer within `timeout` s."""
+        return self._ask(InfoRequest, "info", timeout)
+
+    def reset_prefix_cache(self, timeout: float | None = None) -> ResetPrefixCacheReply:
+        """Drop the node's prefix cache (see ResetPrefixCacheRequest); what it dropped.
+        ClientError if it does not answer within `timeout` s."""
+        return self._ask(ResetPrefixCacheRequest, "prefix cache reset", timeout)
+
+    def _ask(self, kind: type, what: str, timeout: float | None):
+        """Send a `kind(nonce=...)` question and wait for the reply with that nonce."""
         timeout = self._timeout(timeout)
         nonce = next(self._nonces)
-        self._send(InfoRequest(nonce=nonce), "info request")
+        self._send(kind(nonce=nonce), f"{what} request")
         deadline = time.monotonic() + timeout
-        while nonce not in self._infos:
+        while nonce not in self._replies:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ClientError(f"no info reply from {self.address} within {timeout:g} s: is a kvrt node "
+                raise ClientError(f"no {what} reply from {self.address} within {timeout:g} s: is a kvrt node "
                                   f"serving its client API there (kvrt launch --port P)?{self._proto_note()}")
             self._pump(left)
-        reply = self._infos.pop(nonce)
-        self._infos.clear()
+        reply = self._replies.pop(nonce)
+        self._replies.clear()  # late replies to questions that timed out
         return reply
 
     def submit(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
@@ -394,8 +405,8 @@ class Client:
             self.protocol_errors += 1
             self.last_protocol_error = str(e)
             return
-        if isinstance(msg, InfoReply):
-            self._infos[msg.nonce] = msg
+        if isinstance(msg, (InfoReply, ResetPrefixCacheReply)):
+            self._replies[msg.nonce] = msg
             return
         if not isinstance(msg, (TokenEvent, FinishedEvent, ErrorEvent)):
             self.protocol_errors += 1

@@ -126,7 +126,8 @@ class Engine:
         self._per_client: dict[bytes, int] = {}  # requests in flight per client (recounted every PROBE_S)
         self._next_probe = 0.0
         self._client_handlers = {api.GenerateRequest: self._on_generate, api.CancelRequest: self._on_cancel,
-                                 api.InfoRequest: self._on_info, api.PdHello: self._not_a_peer_node,
+                                 api.InfoRequest: self._on_info, api.ResetPrefixCacheRequest: self._on_reset,
+                                 api.PdHello: self._not_a_peer_node,
                                  api.PdSealed: self._not_a_peer_node}
         self._client_handlers.update({t: self._outside_session for t in PEER_ONLY})
         self._rank_handlers = {P.StepResult: self._on_step_result, P.TransferDone: self._on_transfer_done,
@@ -254,6 +255,24 @@ class Engine:
         c = self.cfg
         self.reply(client, api.InfoReply(msg.nonce, c.node, c.role, c.vocab_size, c.max_model_len, c.block_size, -1,
                                          model_dir=os.path.abspath(c.model_dir) if c.model_dir else ""))
+
+    def _on_reset(self, client: bytes, msg: api.ResetPrefixCacheRequest) -> None:
+        """Drop the prefix cache (runtime/cache_reset.py) and this node's view of a node-local
+        storage tier (runtime/storage_index.py). KV events subscribers get AllBlocksCleared,
+        then, for a shared store the reset leaves as it is, the blocks it still holds."""
+        if not is_int(msg.nonce):
+            self.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"nonce must be an integer, got {show(msg.nonce)}"))
+            return
+        got = self.cache.reset()
+        storage = 0
+        if self.storage is not None:
+            storage = self.storage.reset(got.storage_tasks)
+            if self.storage.shared and self.kv_events is not None:
+                self.kv_events.stored(STORAGE, self.storage.keys(), None)
+        log.info("prefix cache reset: %d device and %d host blocks freed, %d and %d held until released, "
+                 "%d storage keys forgotten", got.device, got.host, got.held_device, got.held_host, storage)
+        self.reply(client, api.ResetPrefixCacheReply(msg.nonce, got.device, got.host, storage, got.held_device,
+                                                     got.held_host))
 
     def _on_notice(self, n: ClientNotice) -> None:
         if n.kind == FRAMES:
@@ -478,13 +497,14 @@ class Engine:
         if self.storage is not None:
             task = result.task
             s[P.STAT["storage_errors"]] += result.store_errors
-            if task.kind == P.GPU2STORAGE and result.ok:
+            learn = not self.storage.from_before_reset(task.task_id)
+            if task.kind == P.GPU2STORAGE and result.ok and learn:
                 self.storage.add(task.keys)
                 if self.kv_events is not None:
                     self.kv_events.stored(STORAGE, task.keys, None)
             elif task.kind == P.STORAGE2GPU:
                 read = result.blocks if result.ok else 0
-                found = self.storage.add(task.keys[:read])
+                found = self.storage.add(task.keys[:read]) if learn else []
                 gone = self.storage.forget(task.keys[read:])  # missing or corrupt
                 if self.kv_events is not None:
                     self.kv_events.stored(STORAGE, found, None)

@@ -17,6 +17,12 @@ checksummed (file) or sized (Mooncake), and a short read recomputes the rest.
 
 Either way `known` says which keys this node has seen stored (wrote or read), so it does not
 write a block again that it knows the tier holds.
+
+A prefix-cache reset (`reset`) makes a node-local tier's index forget every key, so the node
+reads none of those objects again: the objects stay on disk (the directory may be other nodes'
+too, its cap's eviction reclaims them, and a restarted node lists them again), and what the
+storage tasks in flight at the reset report is not learnt. A shared store is left as it is: it
+belongs to several nodes, and one node's reset must not take their blocks away.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ class StorageIndex:
         self._keys: set[bytes] = set()
         self._listing: dict[int, set[bytes]] = {}
         self._listed: set[int] = set()
+        self._stale: set[int] = set()  # storage tasks in flight at a reset of a node-local tier
+        self._listing_stale = False     # a reset came before the start-up listing was complete
         self.ranks = ranks
         self.shared = shared
 
@@ -41,7 +49,8 @@ class StorageIndex:
 
     def listed(self, rank: int, keys: Iterable[bytes], last: bool) -> None:
         """A batch of rank `rank`'s start-up listing; the index takes the keys all ranks have."""
-        self._listing.setdefault(rank, set()).update(keys)
+        if not self._listing_stale:
+            self._listing.setdefault(rank, set()).update(keys)
         if not last:
             return
         self._listed.add(rank)
@@ -49,6 +58,30 @@ class StorageIndex:
             common = set.intersection(*self._listing.values()) if self._listing else set()
             self._keys |= common
             self._listing.clear()
+
+    def reset(self, in_flight: Iterable[int]) -> int:
+        """The prefix cache was reset (see the module docstring); `in_flight`: the storage tasks
+        it had in flight. Returns how many keys were forgotten."""
+        if self.shared:
+            return 0
+        gone = len(self._keys)
+        self._keys.clear()
+        self._listing.clear()  # a listing under way lists objects from before the reset too
+        self._listing_stale = not self.ready
+        self._stale.update(in_flight)
+        return gone
+
+    def from_before_reset(self, task_id: int) -> bool:
+        """Was this storage task in flight at a reset (so its result must not be learnt)? Asked
+        once per task, when its result comes."""
+        if task_id in self._stale:
+            self._stale.discard(task_id)
+            return True
+        return False
+
+    def keys(self) -> list[bytes]:
+        """Every key this node knows the tier holds."""
+        return list(self._keys)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` are worth a read: those the index holds, or for a shared

@@ -75,3 +75,21 @@ def test_add_and_forget_say_which_keys_changed():
     assert index.add([b"b", b"c"]) == [b"c"]
     assert index.forget([b"x", b"a", b"y"]) == [b"a"]
     assert index.known([b"b", b"c"]) == 2 and index.known([b"a"]) == 0
+
+
+def test_a_reset_forgets_a_local_tier_but_not_a_shared_store():
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    local = StorageIndex(ranks=2)
+    local.listed(0, [a, b], last=True)
+    assert local.reset(in_flight=[]) == 0  # before the listing was complete: rank 1's batch comes later
+    local.listed(1, [a, b], last=True)
+    assert local.ready and local.lookup([a, b]) == 0, "a listing under way lists objects from before the reset"
+    local.add([a])
+    assert local.reset(in_flight=[7]) == 1 and local.lookup([a]) == 0
+    assert local.from_before_reset(7) and not local.from_before_reset(7)  # asked once, when its result comes
+    assert not local.from_before_reset(8)
+    shared = StorageIndex(ranks=1, shared=True)
+    shared.listed(0, [], last=True)
+    shared.add([c])
+    assert shared.reset(in_flight=[3]) == 0 and shared.known([c]) == 1 and shared.keys() == [c]
+    assert not shared.from_before_reset(3), "another node's store: what its tasks find is still so"
