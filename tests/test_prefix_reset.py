@@ -2,8 +2,12 @@
 storage tier and a request in flight, it frees every cached block nothing holds, the request in
 flight still finishes with the dense reference's answer, a prompt cached before is computed
 again from scratch, every block is free once the request ends, and a KV events subscriber's
-view of the node is emptied by the reset."""
+view of the node is emptied by the reset. `POST /reset_prefix_cache` on the node's HTTP port
+does the same."""
 from __future__ import annotations
+
+import json
+import urllib.request
 
 import numpy as np
 import zmq
@@ -13,7 +17,8 @@ from runtime.client import Result
 from runtime.config import NodeConfig
 from runtime.hashing import BlockHasher
 from runtime.kv_events import KVEventView
-from tests.launched import SMALL, launched, oracle
+from tests.launched import SMALL, free_port, launched, oracle
+from tests.test_http import _wait_healthy
 
 BS = 8  # SMALL's block size
 NEW = 4
@@ -24,9 +29,9 @@ def test_reset_with_a_request_in_flight(node, tmp_path):
     rng = np.random.default_rng(11)
     warm = [rng.integers(0, 512, 12 * BS + 3).astype(np.int32) for _ in range(6)]  # 72 blocks: 64 fit
     busy = rng.integers(0, 512, 5 * BS).astype(np.int32)
-    events = free_port_pair()
+    events, http = free_port_pair(), free_port()
     opts = (*SMALL, "--num-gpu-blocks", "64", "--num-cpu-blocks", "64", "--storage", f"file:{tmp_path / 'store'}",
-            "--kv-events-port", str(events))
+            "--kv-events-port", str(events), "--http-port", str(http))
     root = NodeConfig(node="", num_layers=2, num_kv_heads=2, head_dim=16, block_size=BS).key_root
     ctx = zmq.Context()
     view = KVEventView(f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{events + 1}", ctx)
@@ -61,6 +66,13 @@ def test_reset_with_a_request_in_flight(node, tmp_path):
             assert (again.cached_device, again.cached_host, again.cached_storage) == (0, 0, 0)
             assert again.computed_prompt_tokens == len(warm[-1])
             assert again.output_token_ids.tolist() == oracle().generate_dense(warm[-1], NEW)
+            ln.idle_stats()  # its blocks written through
+            _wait_healthy(http)
+            post = urllib.request.Request(f"http://127.0.0.1:{http}/reset_prefix_cache", method="POST")
+            with urllib.request.urlopen(post, timeout=30) as r:
+                assert json.load(r) == {"freed": {"device": 12, "host": 0}, "held": {"device": 0, "host": 0},
+                                        "storage_keys_forgotten": 12}
+            assert c.generate(warm[-1], NEW).cached_tokens == 0
     finally:
         view.close()
         ctx.term()

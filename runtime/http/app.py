@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.api import BAD_REQUEST, DUPLICATE, ErrorEvent, InfoReply, TokenEvent
 from runtime.chat_template import ChatTemplate, ChatTemplateError, Message
-from runtime.client import Result, Sampling, node_tokenizer
+from runtime.client import ClientError, Result, Sampling, node_tokenizer
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.http.bridge import Bridge, Submission
 from runtime.http.openai_schema import ChatRequest, CompletionRequest, SamplingBody
@@ -381,6 +381,19 @@ def create_app(server: Server) -> FastAPI:
         if server.cache is None:
             raise ApiError(404, "this server does not describe its cache", code="no_cache_info")
         return JSONResponse(server.cache)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        """Drop the node's prefix cache, as vLLM's and SGLang's servers do (runtime/cache_reset.py):
+        the blocks freed per tier, those held until released and the storage keys forgotten."""
+        server.node_info()
+        try:
+            got = await server.bridge.reset_prefix_cache()
+        except ClientError as e:
+            raise ApiError(503, f"the node did not reset its prefix cache: {e}", "service_unavailable") from None
+        return JSONResponse({"freed": {"device": got.device, "host": got.host},
+                             "held": {"device": got.held_device, "host": got.held_host},
+                             "storage_keys_forgotten": got.storage})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.api import ErrorEvent, InfoReply
+from runtime.api import ErrorEvent, InfoReply, ResetPrefixCacheReply
 from runtime.client import Client, ClientError, Result, Sampling
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005     # how long the thread waits for the engine before it looks at its inbox again
 INFO_WAIT_S = 1.0  # one try at the node's info while it starts
+RESET_WAIT_S = 10.0  # for the engine's answer to a prefix-cache reset (it answers within a loop turn)
 
 
 @dataclass
@@ -76,6 +77,17 @@ class Bridge:
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
 
+    async def reset_prefix_cache(self) -> ResetPrefixCacheReply:
+        """Ask the engine to reset its prefix cache; ClientError if it did not answer."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+        self._inbox.put(("reset", (loop, answer)))
+        try:  # (the thread's own wait is RESET_WAIT_S; this one also covers a thread that stopped)
+            return await asyncio.wait_for(answer, RESET_WAIT_S + 1.0)
+        except asyncio.TimeoutError:
+            raise ClientError(f"no answer to a prefix-cache reset from the HTTP bridge within "
+                              f"{RESET_WAIT_S + 1.0:g} s") from None
+
     # ---- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -111,6 +123,9 @@ class Bridge:
                     except ClientError as e:
                         log.warning("cancel of %s not sent: %s", item, e)
                 continue
+            if kind == "reset":
+                self._reset(client, *item)
+                continue
             sub: Submission = item
             self._routes[sub.request_id] = sub
             try:
@@ -122,6 +137,23 @@ class Bridge:
                 code = "stopping" if isinstance(e, ClientError) else "bad_request"
                 self._deliver(sub.request_id, ErrorEvent(request_id=sub.request_id, code=code, message=str(e)),
                               last=True)
+
+    @staticmethod
+    def _reset(client: Client, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+        """Reset the engine's prefix cache for an HTTP handler (the events of requests that
+        arrive meanwhile wait in the client for the next poll)."""
+        def done(ok: bool, value) -> None:
+            if not answer.done():  # (cancelled when its HTTP client went away)
+                (answer.set_result if ok else answer.set_exception)(value)
+
+        try:
+            args = (True, client.reset_prefix_cache(timeout=RESET_WAIT_S))
+        except ClientError as e:
+            args = (False, e)
+        try:
+            loop.call_soon_threadsafe(done, *args)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
 
     def _route(self, ev) -> None:
         rid = ev.request_id
