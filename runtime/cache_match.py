@@ -353,7 +353,7 @@ class MatchRecord(NodeStore):
         devs: list[int] = []
         hosts: list[int] = []
         for n in zero[st == DETACHED].tolist():
-            if self._task_v[n] < 0 and n not in self._wanted_back:  # (else the swap-out frees it)
+            if self._task_v[n] < 0:
                 self._free_node(n, devs, hosts)
         # SWAP2CPU / SWAP2GPU: their task's result queues them
         self.device_pool.free(devs)

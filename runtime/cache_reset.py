@@ -44,15 +44,17 @@ class CacheReset(NodeStore):
         live = np.flatnonzero(f[STATE] <= SWAP2GPU)  # in the tree: GPU, SWAP2CPU, CPU, SWAP2GPU
         live = live[live != ROOT]
         held = (f[REF, live] > 0) | (self._task[live] >= 0)
-        if self._wanted_back:  # a swap-out still reads their device block
-            held |= np.isin(live, np.fromiter(self._wanted_back, dtype=np.int64))
         keep, drop = live[held], live[~held]
-        # unreferenced device nodes are idle until they go; every dropped one is (no task, no
-        # reference), a kept one only when a swap-out still reads it
-        self._idle -= int(np.count_nonzero(f[STATE, drop] == GPU))
-        self._idle -= int(np.count_nonzero((f[STATE, keep] == GPU) & (f[REF, keep] == 0)))
+        self._idle -= int(np.count_nonzero(f[STATE, drop] == GPU))  # (no reference: idle until now)
         held_device = int(np.count_nonzero(f[DEV, keep] >= 0))
         held_host = int(np.count_nonzero(f[HOST, keep] >= 0))
+        for n, task_id in list(self._wanted_back.items()):
+            if self._state_v[n] == GPU and self._ref_v[n] == 0:  # dropped, but a swap-out still
+                self._tasks[task_id].dev_orphans.append(self._dev_v[n])  # reads its device block
+                self._dev_v[n] = -1
+                self._dev_cached -= 1
+                del self._wanted_back[n]
+                held_device += 1
         obs, self._obs = self._obs, None  # the one AllBlocksCleared below says it all
         try:
             for n in keep.tolist():

@@ -146,8 +146,6 @@ class TaskBook(NodeStore):
                     if (self._state_v[n] == GPU and self._ref_v[n] == 0 and not self._ndev_v[n]
                             and n not in self._dev_lru):
                         self._dev_lru.push_front(n)  # parked by eviction meanwhile
-                    elif self._state_v[n] == DETACHED and self._ref_v[n] == 0:
-                        self._free_node(n, devs, hosts)  # reset meanwhile: kept only for this copy
                 continue
             self._task_v[n] = -1
             self._dev_returning -= 1
