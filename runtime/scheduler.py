@@ -234,11 +234,11 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> None:
         """Match `seq` against the prefix cache (the hit counters count its first match only).
-        Every match, not just the first, is what its cached tokens are told from: a match given
-        back may find more or less when made again."""
+        Every match is remembered for the cached tokens it is told: a match given back may find
+        more when made again, and what it finds beyond the earlier ones is told in its tiers."""
         res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens, count=not seq.counted)
         seq.matched = seq.counted = True
-        seq.match_tokens = (res.device_tokens, res.host_tokens, res.storage_tokens)
+        seq.matches.append((res.device_tokens, res.host_tokens, res.storage_tokens))
         seq.num_computed = res.cached_tokens
         seq.state = SeqState.WAITING if res.ready else SeqState.LOADING
 
@@ -247,7 +247,6 @@ class Scheduler:
         block while it waits, and is matched again when it is next in line."""
         self.cache.release(seq.request_id)
         seq.matched = False
-        seq.match_tokens = (0, 0, 0)
         seq.num_computed = 0
 
     def _preempt(self, seq: Sequence) -> None:
@@ -380,8 +379,8 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed = tokens
-            device, host, _ = seq.match_tokens  # a short storage read served fewer tokens
-            seq.match_tokens = (device, host, max(0, tokens - device - host))
+            device, host, _ = seq.matches[-1]  # a short storage read served fewer tokens
+            seq.matches[-1] = (device, host, max(0, tokens - device - host))
             if rid in self.external_ids:
                 seq.state = SeqState.WAITING  # the local prefix is in place; now hold the rest
                 self.reserving.appendleft(seq)

@@ -10,9 +10,11 @@ never had to run it), so cached per tier + computed = prompt tokens, exactly, fo
 whose prompt was processed (a client reads cached tokens as "prompt tokens not computed", as
 vLLM's `prompt_tokens_details.cached_tokens` means). A request may be matched several times
 (its match given back for lack of blocks, a preemption, a lost swap-in) and each match may find
-a different prefix; the tier of a cached position is that of the last match, the one whose KV
-the answer was computed from. A position run again after a preemption counts once in
-`computed_prompt_tokens`; the repeats are `recomputed_prompt_tokens` (work, not cost).
+a different prefix; the tier of a cached position is that of the first match that found it
+(as the node's hit counters count a request's first match: a block a request swapped in from
+the host is a host hit, even when the request finds it on the device after giving its match
+back). A position run again after a preemption counts once in `computed_prompt_tokens`; the
+repeats are `recomputed_prompt_tokens` (work, not cost).
 """
 from __future__ import annotations
 
@@ -59,9 +61,9 @@ class Sequence:
     gave_way: bool = False           # gave its blocks up to swap-ins that wait for room
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
-    # tokens the current match serves from device, host and storage, in token order (the
-    # storage part lowered when a read comes back short); all 0 while it holds no match
-    match_tokens: tuple[int, int, int] = (0, 0, 0)
+    # per match made, in order: the prompt tokens it served from device, host and storage, in
+    # token order (the last one's storage part lowered when its read comes back short)
+    matches: list[tuple[int, int, int]] = field(default_factory=list)
     computed_prompt_tokens: int = 0  # prompt positions the model ran, each counted once
     recomputed_prompt_tokens: int = 0  # runs of positions it had run before (after a preemption)
     ran: list[tuple[int, int]] = field(default_factory=list)  # the positions run: disjoint, sorted
@@ -90,14 +92,18 @@ class Sequence:
     @property
     def cached(self) -> tuple[int, int, int]:
         """Prompt tokens served by the device, host and storage tiers and never computed for
-        this request: the last match's, less the positions it had run itself before (see the
-        module docstring)."""
-        out = []
-        lo = 0
-        for n in self.match_tokens:
-            hi = min(lo + n, self.prompt_len)
-            out.append(max(0, hi - lo) - self._ran_within(lo, hi))
-            lo += n
+        this request: each position in the tier of the first match that found it (every match
+        covers a prefix), less the positions the request ran itself (see the module docstring)."""
+        out = [0, 0, 0]
+        covered = 0  # positions an earlier match found
+        for match in self.matches:
+            start = 0
+            for tier, n in enumerate(match):
+                lo, hi = max(start, covered), min(start + n, self.prompt_len)
+                if hi > lo:
+                    out[tier] += hi - lo - self._ran_within(lo, hi)
+                start += n
+            covered = max(covered, min(start, self.prompt_len))
         return out[0], out[1], out[2]
 
     def ran_prompt(self, start: int, end: int) -> None:

@@ -101,3 +101,20 @@ def test_decode_side_holds_blocks_then_resumes_and_records():
     s.drop(again, "aborted")
     assert cache.block_usage()["device_used"] == 0
     cache.check()
+
+
+def test_a_prompt_position_is_told_in_the_tier_of_the_first_match_that_found_it():
+    """Matched from the host (swapped in), given back, matched again on the device: still a host
+    hit, as the node's counters count it; what a later match finds beyond the first is told in
+    its own tier, and whatever the request ran itself is computed, never cached."""
+    seq = Sequence.new("r", np.arange(40, dtype=np.int32), 4, 4)
+    seq.matches.append((8, 16, 0))     # device [0, 8), host [8, 24)
+    seq.matches.append((24, 0, 8))     # all on the device now, and storage [24, 32)
+    assert seq.cached == (8, 16, 8)
+    seq.ran_prompt(32, 40)
+    assert seq.cached == (8, 16, 8) and seq.computed_prompt_tokens == 8
+    seq.matches.append((4, 0, 0))      # given back again, its blocks evicted: [4, 32) recomputed
+    seq.ran_prompt(4, 40)
+    assert seq.cached == (4, 0, 0)
+    assert seq.computed_prompt_tokens == 36 and seq.recomputed_prompt_tokens == 8
+    assert sum(seq.cached) + seq.computed_prompt_tokens == seq.prompt_len
