@@ -13,19 +13,19 @@ import sys
 
 # benchmark name -> (module, one-line help); each module has main(argv) -> int
 BENCHES = {
-    "ipc": ("bench.ipc", "ring vs multiprocessing.Queue, BaseManager over TCP and pyzmq ipc://"),
-    "cache": ("bench.cache", "replay a request trace through the prefix cache (hit rates, blocks/s)"),
-    "copy": ("bench.copy", "KV block swaps device<->host vs the memcpy limit, and end-to-end through cache-transfer"),
-    "pd": ("bench.pd", "P->D KV block transfer: shm and Mooncake transports vs memcpy and a raw TCP socket"),
-    "replay": ("bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
-    "storage": ("bench.storage", "storage tiers: Mooncake Store and file put/get vs a raw socket; cross-node TTFT with a shared store"),
-    "route": ("bench.route", "N nodes behind kvrt route: hit rate and TTFT per routing policy vs one node"),
-    "model": ("bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
-    "serve": ("bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
+    "ipc": ("kvrt.bench.ipc", "ring vs multiprocessing.Queue, BaseManager over TCP and pyzmq ipc://"),
+    "cache": ("kvrt.bench.cache", "replay a request trace through the prefix cache (hit rates, blocks/s)"),
+    "copy": ("kvrt.bench.copy", "KV block swaps device<->host vs the memcpy limit, and end-to-end through cache-transfer"),
+    "pd": ("kvrt.bench.pd", "P->D KV block transfer: shm and Mooncake transports vs memcpy and a raw TCP socket"),
+    "replay": ("kvrt.bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
+    "storage": ("kvrt.bench.storage", "storage tiers: Mooncake Store and file put/get vs a raw socket; cross-node TTFT with a shared store"),
+    "route": ("kvrt.bench.route", "N nodes behind kvrt route: hit rate and TTFT per routing policy vs one node"),
+    "model": ("kvrt.bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
+    "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 STRESS = {
-    "ring": ("bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),
+    "ring": ("kvrt.bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),
 }
 
 
@@ -53,8 +53,8 @@ def _detect_device() -> str:
 
 
 def _add_launch(sub) -> argparse.ArgumentParser:
-    from runtime.cache_policy import policy_names
-    from runtime.config import NodeConfig
+    from kvrt.runtime.cache.policies.base import policy_names
+    from kvrt.runtime.node.config import NodeConfig
 
     d = NodeConfig(node="")
     p = sub.add_parser("launch", help="start a node (engine, workers, cache-transfer/messager processes); --demo runs the demo",
@@ -109,11 +109,11 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--eviction", choices=policy_names(), default=d.eviction,
                    help=f"prefix cache eviction policy, both tiers (default {d.eviction}: by age, with a bonus "
                    f"for blocks reused before whose reuse came back within the cache's reach, "
-                   f"runtime/reuse_gaps.py; reuse: by age and reuse count, runtime/reuse_levels.py; "
+                   f"runtime/cache/policies/gaps.py; reuse: by age and reuse count, runtime/cache/policies/reuse.py; "
                    f"lru: least recently used)")
     p.add_argument("--host", default=d.host, help=f"interface the client API listens on (default {d.host})")
     p.add_argument("--port", type=int, default=d.port,
-                   help="client API port (ZeroMQ; used by kvrt generate/replay and runtime.client; 0 = none)")
+                   help="client API port (ZeroMQ; used by kvrt generate/replay and runtime.client.client; 0 = none)")
     p.add_argument("--http-port", type=int, default=0, metavar="H",
                    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                         "/health, /metrics) on --host:H; needs --port (0 = off)")
@@ -163,10 +163,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
 
 
 def launch(args) -> int:
-    from ipc.errors import IpcError, NodeLive
-    from runtime.config import ConfigError, NodeConfig
-    from runtime.node import Node
-    from workers import kv_pool
+    from kvrt.ipc.errors import IpcError, NodeLive
+    from kvrt.runtime.node.config import ConfigError, NodeConfig
+    from kvrt.runtime.node.supervisor import Node
+    from kvrt.workers import kv_pool
 
     port = args.port or (_free_port(args.host) if args.demo else 0)
     d = NodeConfig(node="")
@@ -217,12 +217,12 @@ def launch(args) -> int:
         return 2
     job = None
     if args.demo:
-        from runtime.demo import demo_job
+        from kvrt.runtime.client.demo import demo_job
 
         job = demo_job(cfg)
     http = None
     if args.http_port:
-        from runtime.http.server import HttpServer, cache_info, served_model_name
+        from kvrt.runtime.http.server import HttpServer, cache_info, served_model_name
 
         try:
             http = HttpServer(args.host, args.http_port, args.host, port,
@@ -257,8 +257,8 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
             raise ValueError(f"--compute-dtype {args.compute_dtype} is for --model checkpoints: the built-in "
                              f"reference model computes in float64 (its exactness is what the tests check)")
         return {k: given.get(k, getattr(d, k)) for k in names}, {}
-    from workers.checkpoint import inspect
-    from workers.hf_model import resolve_compute_dtype
+    from kvrt.workers.checkpoint import inspect
+    from kvrt.workers.hf_model import resolve_compute_dtype
 
     info = inspect(args.model)
     info.check_tp(args.tp)
@@ -335,7 +335,7 @@ def _main(argv: list[str]) -> int:
     sub.add_parser("store", help="kvrt store start: a Mooncake Store master for --storage mooncake://", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "launch" and args.config:
-        from runtime.config_file import ConfigFileError, config_defaults
+        from kvrt.runtime.node.config_file import ConfigFileError, config_defaults
 
         try:
             launch_parser.set_defaults(**config_defaults(launch_parser, args.config))
@@ -344,7 +344,7 @@ def _main(argv: list[str]) -> int:
     if args.command in ("launch", "status", "clean"):
         args = parser.parse_args(argv)
     if args.command in ("status", "clean") and args.node is not None:
-        from ipc.shm import validate_node_name
+        from kvrt.ipc.shm import validate_node_name
 
         try:
             validate_node_name(args.node)
@@ -356,26 +356,26 @@ def _main(argv: list[str]) -> int:
     if args.command == "launch":
         return launch(args)
     if args.command == "status":
-        from runtime.status import status_main
+        from kvrt.runtime.node.status import status_main
 
         try:
             return status_main(args.node, args.json, args.watch)
         except KeyboardInterrupt:
             return 0
     if args.command == "clean":
-        from runtime.status import clean_main
+        from kvrt.runtime.node.status import clean_main
 
         return clean_main(args.node, args.dry_run)
     if args.command == "generate":
-        from runtime.client import generate_main
+        from kvrt.runtime.client.client import generate_main
 
         return generate_main(rest)
     if args.command == "replay":
-        from runtime.replay import main as replay_main
+        from kvrt.runtime.client.replay import main as replay_main
 
         return replay_main(rest)
     if args.command == "route":
-        from router.main import main as route_main
+        from kvrt.runtime.router.main import main as route_main
 
         return route_main(rest)
     if args.command == "bench":
@@ -383,7 +383,7 @@ def _main(argv: list[str]) -> int:
     if args.command == "stress":
         return _dispatch(STRESS, "stress", rest)
     if args.command == "store":
-        from workers.storage_mooncake import store_main
+        from kvrt.workers.storage.mooncake import store_main
 
         return store_main(rest)
     parser.print_help()

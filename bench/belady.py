@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.trace import TRACE_BLOCK, TraceRequest
+from kvrt.runtime.client.trace import TRACE_BLOCK, TraceRequest
 
 NEVER = np.iinfo(np.int64).max
 

@@ -1,14 +1,14 @@
 """kvrt bench cache: replay a request trace through the prefix cache (no model, no processes).
 
 Each request runs to completion before the next starts: its prompt is expanded to tokens
-(runtime/trace.py), hashed into block keys, matched, allocated, recorded as computed, and
+(runtime/client/trace.py), hashed into block keys, matched, allocated, recorded as computed, and
 released; swap tasks are applied as done at once, as if the cache-transfer ranks were
 infinitely fast. The timed loop includes token expansion and hashing. Reported per device
 capacity:
 - hit_token_rate: prompt tokens served from any tier / all prompt tokens (a whole-prompt match
   gives its last block back, which counts as a miss), with the per-tier rates;
 - ideal_hit_token_rate: the same for an unlimited cache, computed from hash_ids alone
-  (runtime.trace.ideal_hit_tokens) — with no --capacity-blocks the replay must equal it;
+  (runtime.client.trace.ideal_hit_tokens) — with no --capacity-blocks the replay must equal it;
 - offline_bound_hit_token_rate: per capacity, Belady's policy with future knowledge over the same
   trace, prefix constraint kept (bench/belady.py), next to lru_hit_token_rate, LRU's figure (each
   `--eviction` policy is replayed, and LRU too for that column);
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.belady import offline_hit_rate, uses
-from bench.synthetic import PREFIX, TRACES, synthetic
-from runtime.cache_policy import EvictionPolicy, make_policy, policy_names
-from runtime.hashing import BlockHasher
-from runtime.prefix_cache import PrefixCache
-from runtime.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens,
+from kvrt.bench.belady import offline_hit_rate, uses
+from kvrt.bench.synthetic import PREFIX, TRACES, synthetic
+from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.cache.policies.base import EvictionPolicy, make_policy, policy_names
+from kvrt.runtime.cache.prefix_cache import PrefixCache
+from kvrt.runtime.client.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens,
                            ideal_hit_tokens, load_trace, num_blocks)
 
 EVICT_SIZES = (10_000, 100_000, 1_000_000)

@@ -36,14 +36,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ipc import protocol
-from ipc.protocol import PROTOCOL, Shutdown, TransferTask
-from ipc.registry import Registry, process_start_ms
-from ipc.ring import Consumer, Producer
-from ipc.signals import Signal
-from runtime.config import NodeConfig
-from workers.backend import BackendUnavailable, Pool, get_backend
-from workers.kv_pool import PoolMaker, attach_pools, copy_blocks, fmt_bytes
+from kvrt.ipc import protocol
+from kvrt.ipc.protocol import PROTOCOL, Shutdown, TransferTask
+from kvrt.ipc.registry import Registry, process_start_ms
+from kvrt.ipc.ring import Consumer, Producer
+from kvrt.ipc.signals import Signal
+from kvrt.runtime.node.config import NodeConfig
+from kvrt.workers.backend import BackendUnavailable, Pool, get_backend
+from kvrt.workers.kv_pool import PoolMaker, attach_pools, copy_blocks, fmt_bytes
 
 WAIT_S = 30.0
 E2E_BYTES = 1 << 30  # cap on the bytes moved per end-to-end block count
@@ -166,7 +166,7 @@ class BenchNode:
         return dev, backend.open_host_pool(self.reg, protocol.host_pool(0))
 
     def start_transfer(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "workers.cache_transfer", "--node",
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrt.workers.cache_transfer", "--node",
                                       self.cfg.node, "--rank", "0", "--log-level", "WARNING"])
         slot = protocol.slot_of(1, protocol.ROLE_TRANSFER, 0)
         deadline = time.monotonic() + WAIT_S

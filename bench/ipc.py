@@ -24,8 +24,8 @@ from multiprocessing.managers import BaseManager
 from queue import Queue
 from typing import Callable
 
-from ipc.registry import Registry
-from ipc.ring import Consumer, Producer, Ring
+from kvrt.ipc.registry import Registry
+from kvrt.ipc.ring import Consumer, Producer, Ring
 
 WAIT_S = 30.0
 BATCH = 256

@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.copy import cuda_missing
-from workers.backend import BackendUnavailable, get_backend
-from workers.checkpoint import inspect
-from workers.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
-from workers.model import SeqInput
+from kvrt.bench.copy import cuda_missing
+from kvrt.workers.backend import BackendUnavailable, get_backend
+from kvrt.workers.checkpoint import inspect
+from kvrt.workers.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
+from kvrt.workers.model import SeqInput
 
-log = logging.getLogger("bench.model")
+log = logging.getLogger("kvrt.bench.model")
 
 # real Qwen2.5-0.5B shapes, and a toy of the same architecture
 SHAPES = {

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from runtime.client import Client, ClientError
+from kvrt.runtime.client.client import Client, ClientError
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -43,7 +43,7 @@ class LaunchedNode:
         self.port = port
         self.name = name
         self.say = say
-        self.cmd = [sys.executable, "-m", "launcher", "launch", "--node", name, "--port", str(port), *launch_args]
+        self.cmd = [sys.executable, "-m", "kvrt.launcher", "launch", "--node", name, "--port", str(port), *launch_args]
         self._tmp = None
         if log is None:
             self._tmp = tempfile.NamedTemporaryFile("w+", prefix="kvrt-bench-replay-", suffix=".log", delete=False)
@@ -105,7 +105,7 @@ class LaunchedNode:
                 self.say(f"node {self.name} did not stop within 30 s of SIGINT: killing it")
                 self.proc.kill()
                 self.proc.wait(10)
-                subprocess.run([sys.executable, "-m", "launcher", "clean", "--node", self.name], cwd=REPO,
+                subprocess.run([sys.executable, "-m", "kvrt.launcher", "clean", "--node", self.name], cwd=REPO,
                                capture_output=True, timeout=60)
         if self._tmp is not None and self.proc.returncode == 0:
             self.log_path.unlink(missing_ok=True)

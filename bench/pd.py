@@ -31,13 +31,14 @@ from typing import Callable
 
 import numpy as np
 
-from bench import pd_e2e
-from ipc import protocol
-from ipc.layout import KVLayout
-from ipc.registry import Registry
-from workers.backend import NumpyBackend, Pool, create_shm_pool
-from workers.kv_pool import coalesce, fmt_bytes
-from workers.transport import Endpoint, TransferError, open_transport
+from kvrt.bench import pd_e2e
+from kvrt.ipc import protocol
+from kvrt.ipc.layout import KVLayout
+from kvrt.ipc.registry import Registry
+from kvrt.workers.backend import NumpyBackend, Pool, create_shm_pool
+from kvrt.workers.kv_pool import coalesce, fmt_bytes
+from kvrt.workers.transports.base import Endpoint, TransferError
+from kvrt.workers.transports.factory import open_transport
 
 WAIT_S = 60.0
 _HDR = struct.Struct("<q")
@@ -170,7 +171,7 @@ class Pair:
         self.p, self.d = self.pools
 
     def start_receiver(self) -> dict:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.pd", "--serve", self.d_node],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrt.bench.pd", "--serve", self.d_node],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         line = self.proc.stdout.readline()

@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
-from bench.nodes import LaunchedNode
-from runtime.client import Client
-from runtime.status import snapshot
+from kvrt.bench.nodes import LaunchedNode
+from kvrt.runtime.client.client import Client
+from kvrt.runtime.node.status import snapshot
 
 
 def _say(line: str) -> None:

@@ -1,6 +1,6 @@
 """kvrt bench replay: a trace against a node this command launches, prefix cache on vs off.
 
-Starts its own node (`python -m launcher launch --port P ...`), waits until it answers `info()`,
+Starts its own node (`python -m kvrt.launcher launch --port P ...`), waits until it answers `info()`,
 replays N trace requests (--select: by default whole multi-turn conversations, so that even a
 small --limit has prefixes to reuse) with the prefix cache on, then the same requests with it off
 (`use_cache=False`: nothing matched, nothing recorded), and stops the node with SIGINT. Reported
@@ -8,7 +8,7 @@ side by side: TTFT (mean, p50, p99), prompt tokens computed, hit rates per tier,
 the off/on ratios; next to them the trace's ideal hit rate for exactly the prompts sent (an
 unlimited cache, one request at a time, at the node's block size).
 
-Each trace id stands for --tokens-per-id tokens instead of 512 (runtime/replay.py), which keeps
+Each trace id stands for --tokens-per-id tokens instead of 512 (runtime/client/replay.py), which keeps
 the trace's sharing at a fraction of the compute. Requests are sent as fast as --concurrency
 allows (the trace's clock is ignored unless --speed is given), so TTFT includes queueing.
 """
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.nodes import LaunchedNode, free_port
-from runtime.client import Client, ClientError
-from runtime.replay import (ProgressBar, add_trace_args, check_trace_args, fit_requests, fmt, pct, replay,
+from kvrt.bench.nodes import LaunchedNode, free_port
+from kvrt.runtime.client.client import Client, ClientError
+from kvrt.runtime.client.replay import (ProgressBar, add_trace_args, check_trace_args, fit_requests, fmt, pct, replay,
                             scaled_length, select_requests, trace_prompts)
-from runtime.trace import ideal_hit_tokens
+from kvrt.runtime.client.trace import ideal_hit_tokens
 
 AUTO_BLOCKS_MAX = 16384
 

@@ -37,11 +37,11 @@ from pathlib import Path
 import httpx2
 import numpy as np
 
-from bench.nodes import REPO, LaunchedNode, free_port, free_port_pair
-from runtime.hashing import BlockHasher
-from runtime.replay import PromptSpec, add_trace_args, check_trace_args, fmt, load_requests, pct, trace_prompts
-from runtime.status import snapshot
-from runtime.trace import ideal_hit_tokens
+from kvrt.bench.nodes import REPO, LaunchedNode, free_port, free_port_pair
+from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.client.replay import PromptSpec, add_trace_args, check_trace_args, fmt, load_requests, pct, trace_prompts
+from kvrt.runtime.client.trace import ideal_hit_tokens
+from kvrt.runtime.node.status import snapshot
 
 POLICIES = ("cache-aware", "round-robin", "least-load")
 ONE_NODE = "one node, all the cache"
@@ -124,7 +124,7 @@ class Fleet:
         """Start `kvrt route` in front of the nodes; its base URL once healthy."""
         port = free_port()
         self._router_log = tempfile.NamedTemporaryFile("w+", prefix="kvrt-bench-route-", suffix=".log", delete=False)
-        self.router = subprocess.Popen([sys.executable, "-m", "launcher", "route", "--port", str(port), "--backends",
+        self.router = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "route", "--port", str(port), "--backends",
                                         ",".join(self.urls), "--policy", policy], cwd=REPO, stdout=self._router_log,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         base = f"http://127.0.0.1:{port}"

@@ -53,10 +53,10 @@ from urllib.parse import urlsplit
 import httpx2
 import numpy as np
 
-from runtime.api import ErrorEvent, TokenEvent
-from runtime.client import Client, ClientError, Result
-from runtime.replay import fmt, pct, trace_prompts
-from runtime.trace import TRACE_BLOCK, TraceError, load_trace
+from kvrt.runtime.client.api import ErrorEvent, TokenEvent
+from kvrt.runtime.client.client import Client, ClientError, Result
+from kvrt.runtime.client.replay import fmt, pct, trace_prompts
+from kvrt.runtime.client.trace import TRACE_BLOCK, TraceError, load_trace
 
 PROBE_TIMEOUT_S = 5.0     # how long the server gets to answer /v1/models before we say it is not there
 MAX_ERRORS_KEPT = 5       # distinct error messages a run keeps

@@ -3,10 +3,10 @@ a shared store buys a node that did not compute a prompt itself.
 
 I/O, batches of 64 blocks (the node's cache-transfer process moves a request's blocks in one
 batch), fresh keys for every put, median over repeats:
-- `mooncake`: the Mooncake Store tier (workers/storage_mooncake.py) against a `kvrt store
+- `mooncake`: the Mooncake Store tier (workers/storage/mooncake.py) against a `kvrt store
   start` in another process (master + the memory it lends), TCP over loopback: `put_many` from
   and `get_many` into a registered pool, as a cache-transfer rank does;
-- `file`: the file tier (workers/storage.py) in a temporary directory (page cache, no fsync);
+- `file`: the file tier (workers/storage/base.py) in a temporary directory (page cache, no fsync);
 - `socket`: the limit for moving the same bytes to another process: a plain Python TCP socket
   over loopback to a server process that receives into (or sends from) its own buffer, one
   `sendall`/`recv_into` per block, one ack per batch.
@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from bench.nodes import REPO, LaunchedNode, free_port
-from ipc.layout import KVLayout
-from ipc.storage_uri import parse_storage
-from runtime.client import Client
+from kvrt.bench.nodes import REPO, LaunchedNode, free_port
+from kvrt.ipc.layout import KVLayout
+from kvrt.ipc.storage_uri import parse_storage
+from kvrt.runtime.client.client import Client
 
 STORE_READY_S = 30.0
 _OP = struct.Struct("<cqq")  # op (P: put, G: get, Q: quit), blocks, bytes per block
@@ -64,7 +64,7 @@ class Store:
 
     def __init__(self, memory: str):
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "launcher", "store", "start", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "store", "start", "--port", str(self.port),
                                       "--memory", memory], cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()  # its ready line, or "" when it exited (bounded: it
@@ -127,7 +127,7 @@ class SocketTier:
     """The client side of the socket baseline, shaped like a storage tier's batch calls."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.storage", "--serve-socket"], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrt.bench.storage", "--serve-socket"], cwd=REPO,
                                      stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         port = int(self.proc.stdout.readline())
         self.conn = socket.create_connection(("127.0.0.1", port), timeout=STORE_READY_S)
@@ -191,8 +191,8 @@ def _time_tier(name: str, tier, pool: np.ndarray, args: argparse.Namespace) -> l
 
 
 def io_rows(args: argparse.Namespace, store: Store | None) -> list[IoRow]:
-    from workers.storage import FileStorage
-    from workers.storage_mooncake import MooncakeStorage
+    from kvrt.workers.storage.base import FileStorage
+    from kvrt.workers.storage.mooncake import MooncakeStorage
 
     layout = KVLayout.of_node(args.num_layers, args.block_size, args.num_kv_heads, args.head_dim, args.dtype, 1)
     pool = np.random.default_rng(0).standard_normal((2 * args.batch, *layout.block_shape)).astype(args.dtype)
@@ -295,7 +295,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     args.repeat = max(args.repeat, 1)
     notes: list[str] = []
-    from workers.storage_mooncake import unavailable_reason
+    from kvrt.workers.storage.mooncake import unavailable_reason
 
     why = unavailable_reason()
     store = None

@@ -3,7 +3,7 @@ consumer through a fan-in of SPSC rings; the consumer proves zero loss, zero dup
 and per-producer order, and (with --kill-after) that a SIGKILLed producer is reported as
 dead within a bounded time while its ring stays usable for a replacement.
 
-Producers are real processes started with `python -m bench.stress_ring --producer ...`
+Producers are real processes started with `python -m kvrt.bench.stress_ring --producer ...`
 (no fork of the consumer, no pickle).
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 
-from ipc.errors import PeerDead, WaitTimeout
-from ipc.fanin import FanIn
-from ipc.registry import Registry
-from ipc.ring import Consumer, Producer, Ring
+from kvrt.ipc.errors import PeerDead, WaitTimeout
+from kvrt.ipc.fanin import FanIn
+from kvrt.ipc.registry import Registry
+from kvrt.ipc.ring import Consumer, Producer, Ring
 
 log = logging.getLogger(__name__)
 # producer id, sequence number, crc32 of payload, flags (1 = end of stream; payload = count)
@@ -70,7 +70,7 @@ def produce(node: str, ring: str, pid_tag: int, messages: int, duration: float, 
 
 
 def _spawn(node: str, ring: str, tag: int, args) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "bench.stress_ring", "--producer", node, ring, str(tag),
+    cmd = [sys.executable, "-m", "kvrt.bench.stress_ring", "--producer", node, ring, str(tag),
            "--messages", str(args.messages), "--duration", str(args.duration),
            "--max-size", str(args.max_size), "--seed", str(args.seed + tag)]
     return subprocess.Popen(cmd)

@@ -1,7 +1,7 @@
 """Synthetic request traces for `kvrt bench cache --trace synthetic:NAME`: shapes of reuse the
 bundled conversation trace does not have, so that an eviction policy is judged on more than one
 workload. Each is generated in code from a fixed seed (the same requests every run), in the
-Mooncake format of runtime/trace.py (one hash id per 512-token block).
+Mooncake format of runtime/client/trace.py (one hash id per 512-token block).
 
 - `chats`: many short multi-turn chats under a few shared system prompts, interleaved; each turn
   repeats the conversation so far and adds a user message and an answer.
@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from runtime.trace import TRACE_BLOCK, TraceRequest
+from kvrt.runtime.client.trace import TRACE_BLOCK, TraceRequest
 
 PREFIX = "synthetic:"
 

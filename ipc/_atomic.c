@@ -1,5 +1,5 @@
 /*
- * ipc._atomic: atomic loads, stores and read-modify-writes on memory inside a
+ * kvrt.ipc._atomic: atomic loads, stores and read-modify-writes on memory inside a
  * shared-memory mapping.
  *
  * Why a C extension: Python has no memory-ordering primitives, and the pure-Python
@@ -236,7 +236,7 @@ static PyGetSetDef region_getset[] = {
 
 static PyTypeObject RegionType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "ipc._atomic.Region",
+    .tp_name = "kvrt.ipc._atomic.Region",
     .tp_basicsize = sizeof(Region),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Region(buffer): atomic operations at byte offsets inside a writable buffer.",
@@ -260,7 +260,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef atomic_module = {
-    PyModuleDef_HEAD_INIT, "ipc._atomic",
+    PyModuleDef_HEAD_INIT, "kvrt.ipc._atomic",
     "Atomic operations on shared-memory buffers (acquire/release, CAS, fetch-add, fence).", -1,
     module_methods,
 };

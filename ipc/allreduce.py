@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._atomic import Region
-from .errors import IpcError, WaitTimeout
-from .registry import Registry
-from .shm import Segment
+from kvrt.ipc._atomic import Region
+from kvrt.ipc.errors import IpcError, WaitTimeout
+from kvrt.ipc.registry import Registry
+from kvrt.ipc.shm import Segment
 
 _LINE = 64             # bytes per rank's counter: one cache line each, so ranks do not share one
 _ENTRY = 256           # bytes per rank's handle table entry: an int64 length, then the handle
@@ -40,7 +40,7 @@ _SPIN_S = 0.001        # yield the CPU between polls for this long, then sleep i
 _NAP_S = 0.0001
 KIND = "segment"
 
-log = logging.getLogger("ipc.allreduce")
+log = logging.getLogger("kvrt.ipc.allreduce")
 
 
 class PeerMemory(ABC):

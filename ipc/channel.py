@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from .codec import Codec
-from .errors import IpcError, ProtocolError
-from .registry import ObjectInfo, Registry
-from .ring import Consumer, Producer, Ring
+from kvrt.ipc.codec import Codec
+from kvrt.ipc.errors import IpcError, ProtocolError
+from kvrt.ipc.registry import ObjectInfo, Registry
+from kvrt.ipc.ring import Consumer, Producer, Ring
 
 E = TypeVar("E", Producer, Consumer)
 

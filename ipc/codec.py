@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 import msgpack
 import numpy as np
 
-from .errors import ProtocolError
+from kvrt.ipc.errors import ProtocolError
 
 T = TypeVar("T")
 _I32 = np.dtype("<i4")

@@ -1,6 +1,6 @@
 """The node configuration as one typed object both halves of a node read.
 
-The launcher validates it (runtime/config.py adds the checks that need runtime/) and publishes
+The launcher validates it (runtime/node/config.py adds the checks that need runtime/) and publishes
 it once into the CONFIG segment as plain data; every child reads it back as this dataclass, so a field is
 named in one place and a misspelt one is an AttributeError at the first run, not a KeyError
 (or a silent default) in one process of one role.
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, TypeVar
 
-from .layout import KVLayout
-from .protocol import read_config
+from kvrt.ipc.layout import KVLayout
+from kvrt.ipc.protocol import read_config
 
 C = TypeVar("C", bound="NodeConfig")
 
@@ -45,7 +45,7 @@ class NodeConfig:
     model_fingerprint: str = ""  # digest of its config.json, headers and weight samples, set by the launcher
     hidden_size: int = 0         # its hidden size (sizes the tp all-reduce), set by the launcher
     compute_dtype: str = "float32"  # a checkpoint's projections: float32 or float16 (resolved from --compute-dtype)
-    eviction: str = "gaps"       # the prefix cache's eviction policy (runtime/cache_policy.py names them)
+    eviction: str = "gaps"       # the prefix cache's eviction policy (runtime/cache/policies/base.py names them)
     # scheduling
     max_num_seqs: int = 32             # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import posix_ipc
 
-from .errors import IpcError
+from kvrt.ipc.errors import IpcError
 
 
 class Doorbell:

@@ -20,8 +20,8 @@ import os
 import time
 from typing import Sequence
 
-from .errors import PeerDead, WaitTimeout
-from .ring import SLICE_S, SPINS, YIELDS, Consumer
+from kvrt.ipc.errors import PeerDead, WaitTimeout
+from kvrt.ipc.ring import SLICE_S, SPINS, YIELDS, Consumer
 
 
 class FanIn:

@@ -11,11 +11,11 @@ import logging
 import os
 import time
 
-from . import protocol as P
-from .config import NodeConfig
-from .errors import IpcError
-from .registry import Registry, pid_alive, process_start_ms
-from .signals import Signal
+from kvrt.ipc import protocol as P
+from kvrt.ipc.config import NodeConfig
+from kvrt.ipc.errors import IpcError
+from kvrt.ipc.registry import Registry, pid_alive, process_start_ms
+from kvrt.ipc.signals import Signal
 
 log = logging.getLogger(__name__)
 

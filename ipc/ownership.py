@@ -12,7 +12,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .protocol import OWNER_NAMES
+from kvrt.ipc.protocol import OWNER_NAMES
 
 
 class OwnershipError(AssertionError):

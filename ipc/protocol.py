@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from .channel import Channel
-from .codec import Codec
-from .shm import Segment
+from kvrt.ipc.channel import Channel
+from kvrt.ipc.codec import Codec
+from kvrt.ipc.shm import Segment
 
 PROTOCOL = Codec()
 # the version of the contract below as a whole: a change to any message a channel carries

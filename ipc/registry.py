@@ -30,10 +30,10 @@ from typing import Any
 import msgpack
 import psutil
 
-from ._atomic import Region
-from .doorbell import Doorbell, unlink_doorbell
-from .errors import IpcError, NodeLive
-from .shm import (PREFIX, SHM_DIR, Segment, object_name, segment_exists, unlink_segment,
+from kvrt.ipc._atomic import Region
+from kvrt.ipc.doorbell import Doorbell, unlink_doorbell
+from kvrt.ipc.errors import IpcError, NodeLive
+from kvrt.ipc.shm import (PREFIX, SHM_DIR, Segment, object_name, segment_exists, unlink_segment,
                   validate_node_name)
 
 MAGIC = int.from_bytes(b"KVRTREG1", "little")

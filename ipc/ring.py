@@ -40,11 +40,11 @@ import struct
 import time
 from typing import Iterable, NoReturn, Sequence
 
-from ._atomic import Region
-from .doorbell import Doorbell
-from .errors import ChannelClosed, IpcError, PeerDead, RecordTooLarge, RingCorrupt, WaitTimeout
-from .registry import ObjectInfo, Registry, pid_alive, process_start_ms
-from .shm import Segment
+from kvrt.ipc._atomic import Region
+from kvrt.ipc.doorbell import Doorbell
+from kvrt.ipc.errors import ChannelClosed, IpcError, PeerDead, RecordTooLarge, RingCorrupt, WaitTimeout
+from kvrt.ipc.registry import ObjectInfo, Registry, pid_alive, process_start_ms
+from kvrt.ipc.shm import Segment
 
 MAGIC = int.from_bytes(b"KVRTRNG1", "little")
 HEADER = 512

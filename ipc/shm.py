@@ -12,7 +12,7 @@ import re
 
 import posix_ipc
 
-from .errors import IpcError
+from kvrt.ipc.errors import IpcError
 
 PREFIX = "kvrt"
 SHM_DIR = "/dev/shm"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._atomic import Region
-from .errors import IpcError
-from .registry import Registry
-from .shm import Segment
+from kvrt.ipc._atomic import Region
+from kvrt.ipc.errors import IpcError
+from kvrt.ipc.registry import Registry
+from kvrt.ipc.shm import Segment
 
 _ATOMIC_DTYPES = {np.dtype(np.int32): 32, np.dtype(np.int64): 64}
 

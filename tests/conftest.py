@@ -1,6 +1,8 @@
-"""Shared fixtures: a unique node name per test, and a check that nothing of it is left in /dev/shm."""
+"""Shared fixtures: a unique node name per test, and a check that nothing of it is left in /dev/shm;
+and the guard that keeps the fast lane free of processes."""
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import subprocess
 import sys
@@ -38,3 +40,34 @@ def run_py(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedPr
 def spawn_py(code: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+class ProcessInFastLane(AssertionError):
+    """A test not marked e2e started a process."""
+
+
+def _refuse_processes(item: pytest.Item):
+    """While a test not marked e2e runs (its fixtures included), starting a process fails it: the
+    fast lane (`-m "not e2e"`) stays fast because nothing in it starts one."""
+    def refuse(*args, **kwargs):
+        raise ProcessInFastLane(f"{item.nodeid} starts a process: mark it e2e (pytest.mark.e2e)")
+
+    saved = [(subprocess.Popen, "_execute_child", subprocess.Popen._execute_child), (os, "fork", os.fork),
+             (os, "posix_spawn", os.posix_spawn), (os, "posix_spawnp", os.posix_spawnp),
+             (multiprocessing.util, "spawnv_passfds", multiprocessing.util.spawnv_passfds)]
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse)
+    return saved
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if item.get_closest_marker("e2e") is not None:
+        yield
+        return
+    saved = _refuse_processes(item)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ipc.config import NodeConfig
-from runtime.client import Client, ClientError
-from runtime.status import snapshot
+from kvrt.ipc.config import NodeConfig
+from kvrt.runtime.client.client import Client, ClientError
+from kvrt.runtime.node.status import snapshot
 from tests.conftest import REPO
-from workers.model import Model, ModelShape
+from kvrt.workers.model import Model, ModelShape
 
 # a model small enough for the dense oracle to be quick, blocks small enough to have many
 SMALL = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16", "--block-size", "8")
@@ -94,7 +94,7 @@ def free_port() -> int:
 def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: float = 60.0,
              port: int = 0):
     port = port or free_port()
-    cmd = [sys.executable, "-m", "launcher", "launch", "--node", node, "--port", str(port),
+    cmd = [sys.executable, "-m", "kvrt.launcher", "launch", "--node", node, "--port", str(port),
            "--log-dir", str(log_dir), *opts]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

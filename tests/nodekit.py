@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc import protocol
-from ipc.errors import IpcError
-from ipc.member import Member
-from ipc.protocol import PROTOCOL, Shutdown, TransferDone
-from ipc.registry import Registry, process_start_ms
-from ipc.ring import Consumer, Producer
-from ipc.signals import Signal
-from runtime.config import NodeConfig
-from runtime.engine import Engine
-from runtime.node import Node
+from kvrt.ipc import protocol
+from kvrt.ipc.errors import IpcError
+from kvrt.ipc.member import Member
+from kvrt.ipc.protocol import PROTOCOL, Shutdown, TransferDone
+from kvrt.ipc.registry import Registry, process_start_ms
+from kvrt.ipc.ring import Consumer, Producer
+from kvrt.ipc.signals import Signal
+from kvrt.runtime.engine.engine import Engine
+from kvrt.runtime.node.config import NodeConfig
+from kvrt.runtime.node.supervisor import Node
 from tests.conftest import REPO
-from workers.kv_pool import CreatedPools, PoolMaker, create_pools
+from kvrt.workers.kv_pool import CreatedPools, PoolMaker, create_pools
 
 SMALL = dict(num_gpu_blocks=64, num_cpu_blocks=64, num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
 
@@ -94,7 +94,7 @@ class NodeKit:
         for r in ranks:
             with open(self.log_path(r), "ab") as log:
                 self.procs[r] = subprocess.Popen(
-                    [sys.executable, "-m", "workers.cache_transfer", "--node", self.reg.node, "--rank", str(r)],
+                    [sys.executable, "-m", "kvrt.workers.cache_transfer", "--node", self.reg.node, "--rank", str(r)],
                     cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         for r in ranks:
             self.wait_ready(r, timeout)
@@ -182,7 +182,7 @@ def engine_with_worker(cfg: NodeConfig) -> Iterator[Engine]:
     node created from `cfg`, once the worker is ready; shut down and unlinked afterwards."""
     n = Node(cfg, PoolMaker(), progress=lambda m: None)
     n.create_objects()
-    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--node", cfg.node, "--rank", "0"], cwd=REPO)
+    worker = subprocess.Popen([sys.executable, "-m", "kvrt.workers.worker", "--node", cfg.node, "--rank", "0"], cwd=REPO)
     member = None
     try:
         member = Member.join(cfg.node, protocol.ROLE_ENGINE, 0)

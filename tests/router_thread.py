@@ -1,12 +1,12 @@
 """A ZeroMQ ROUTER on a random loopback port, served in a daemon thread: the base of the tests'
-scripted nodes, which play the engine's side of runtime/api.py over real sockets."""
+scripted nodes, which play the engine's side of runtime/client/api.py over real sockets."""
 from __future__ import annotations
 
 import threading
 
 import zmq
 
-from runtime.api import API
+from kvrt.runtime.client.api import API
 
 
 class RouterThread:

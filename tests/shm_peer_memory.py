@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ipc.allreduce import PeerMemory
-from ipc.shm import Segment, object_name
+from kvrt.ipc.allreduce import PeerMemory
+from kvrt.ipc.shm import Segment, object_name
 
 
 class ShmPeerMemory(PeerMemory):

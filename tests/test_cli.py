@@ -2,11 +2,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
 
 
 def kvrt(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvrt.launcher", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-import launcher
+from kvrt import launcher
 from tests.conftest import REPO
 
 DOCS = ["README.md"] + [f"docs/{n}" for n in sorted(os.listdir(f"{REPO}/docs")) if n.endswith(".md")]

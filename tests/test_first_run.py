@@ -13,8 +13,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from ipc.protocol import STAT, STATS
-from runtime.metrics import Metrics
+from kvrt.ipc.protocol import STAT, STATS
+from kvrt.runtime.engine.metrics import Metrics
 from tests.conftest import REPO
 from tests.launched import free_port, tiny_trace
 
@@ -56,7 +56,7 @@ def test_metrics_port_answers_only_metrics_and_blocks_sum_to_capacity():
 
 
 def kvrt(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvrt.launcher", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, **kw)
 
 
@@ -69,6 +69,7 @@ def silent_listener():
         yield s.getsockname()[1]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2", "--max-new-tokens", "2"],
                                      ["replay", "--limit", "2", "--trace", "TRACE"]])
 def test_client_commands_name_a_wrong_port_long_before_their_answer_timeout(command, silent_listener, tmp_path):
@@ -100,10 +101,11 @@ def read_for(fd: int, seconds: float, enough=lambda got: False) -> bytes:
     return got
 
 
+@pytest.mark.e2e
 def test_status_watch_redraws_in_place_on_a_terminal_and_appends_plain_frames_to_a_pipe():
     import pty
 
-    args = [sys.executable, "-m", "launcher", "status", "--node", "nosuchnode", "--watch", "0.2"]
+    args = [sys.executable, "-m", "kvrt.launcher", "status", "--node", "nosuchnode", "--watch", "0.2"]
     master, slave = pty.openpty()
     proc = subprocess.Popen(args, cwd=REPO, stdout=slave, stderr=subprocess.DEVNULL)
     os.close(slave)
@@ -131,7 +133,7 @@ def test_status_watch_redraws_in_place_on_a_terminal_and_appends_plain_frames_to
 def conversation_trace():
     """Six requests: conversation A (3 turns), B (2 turns), and a one-turn C, interleaved; all
     start with the shared id 0, as the bundled trace does."""
-    from runtime.trace import TraceRequest
+    from kvrt.runtime.client.trace import TraceRequest
 
     def req(t, ids):
         return TraceRequest(t, 512 * len(ids), 4, tuple(ids))
@@ -141,8 +143,8 @@ def conversation_trace():
 
 
 def test_selecting_whole_conversations_keeps_reuse_at_a_small_limit():
-    from runtime.replay import scale_request, select_conversations
-    from runtime.trace import ideal_hit_tokens
+    from kvrt.runtime.client.replay import scale_request, select_conversations
+    from kvrt.runtime.client.trace import ideal_hit_tokens
 
     reqs = conversation_trace()
     first = [scale_request(r, 8) for r in reqs[:3]]
@@ -156,18 +158,19 @@ def test_selecting_whole_conversations_keeps_reuse_at_a_small_limit():
 
 
 def test_bench_replay_takes_whole_conversations_by_default_and_says_so():
-    from bench.replay import parse_args
+    from kvrt.bench.replay import parse_args
 
     _, args = parse_args(["--trace", __file__])
     assert args.select == "conversations"
 
 
+@pytest.mark.e2e
 def test_replay_skips_prompts_longer_than_the_model_counts_them_and_cuts_none(tmp_path):
     import json
 
-    from tests.test_client import FakeNode
-    from tests.test_demo_workload import write_trace
-    from runtime.trace import TraceRequest
+    from tests.runtime.client.test_client import FakeNode
+    from tests.runtime.client.test_demo_workload import write_trace
+    from kvrt.runtime.client.trace import TraceRequest
 
     trace = tmp_path / "t.jsonl"
     reqs = conversation_trace() + [TraceRequest(6, 512 * 9, 4, tuple(range(100, 109)))]  # 4,608 > 4,096 tokens
@@ -185,9 +188,9 @@ def test_replay_skips_prompts_longer_than_the_model_counts_them_and_cuts_none(tm
 
 
 def test_replay_defaults_scale_the_trace_to_fit_the_reference_model():
-    from runtime.replay import fit_requests, parser
-    from runtime.trace import default_trace_path, load_trace
-    from ipc.config import NodeConfig
+    from kvrt.ipc.config import NodeConfig
+    from kvrt.runtime.client.replay import fit_requests, parser
+    from kvrt.runtime.client.trace import default_trace_path, load_trace
 
     args = parser().parse_args(["--port", "1"])
     if not default_trace_path().exists():
@@ -201,8 +204,8 @@ def test_replay_defaults_scale_the_trace_to_fit_the_reference_model():
 def test_bench_cache_plot_without_capacities_draws_a_curve(tmp_path, monkeypatch):
     """Without --capacity-blocks the plot gets capacities of its own: a curve, not an empty chart."""
     pytest.importorskip("matplotlib")
-    import bench.cache as bc
-    from tests.test_demo_workload import write_trace
+    import kvrt.bench.cache as bc
+    from tests.runtime.client.test_demo_workload import write_trace
 
     drawn = []
     real_plot = bc.plot
@@ -219,6 +222,7 @@ def test_bench_cache_plot_without_capacities_draws_a_curve(tmp_path, monkeypatch
 # ---- kvrt launch --config ----------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_launch_config_file_sets_options_and_the_command_line_overrides_it(node, tmp_path):
     from tests.launched import launched
 
@@ -229,6 +233,7 @@ def test_launch_config_file_sets_options_and_the_command_line_overrides_it(node,
         assert ln.engine_stats()["device_total"] == 48  # the flag wins over the file
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name, text, words", [
     ("a.toml", "num-gpu-blocks = 64\nnum-gpu-blokcs = 8\n", ["unknown key 'num-gpu-blokcs'"]),
     ("b.toml", 'num_gpu_blocks = "many"\n', ["key 'num_gpu_blocks' must be an integer", "'many'"]),
@@ -251,6 +256,7 @@ def test_launch_config_file_refuses_unknown_keys_and_wrong_types_naming_them(tmp
 # ---- exit codes ---------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, rc, words", [
     (["nosuchcommand"], 2, "invalid choice"),
     (["bench", "nosuch"], 2, "unknown name 'nosuch'"),
@@ -269,11 +275,12 @@ def test_failing_commands_exit_nonzero_with_a_message_not_a_traceback(args, rc, 
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.e2e
 def test_launch_demo_shows_a_progress_bar_on_a_terminal():
     import pty
 
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "launch", "--demo", "--num-layers", "2"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "launch", "--demo", "--num-layers", "2"], cwd=REPO,
                             stdout=slave, stderr=slave)
     os.close(slave)
     try:
@@ -288,9 +295,10 @@ def test_launch_demo_shows_a_progress_bar_on_a_terminal():
     assert "kvrt demo on node" in out
 
 
+@pytest.mark.e2e
 def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
     """`kvrt status --watch 1 | head -3`: head exits, kvrt's next write finds no reader."""
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "status", "--node", "nosuchnode", "--watch", "0.1"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "status", "--node", "nosuchnode", "--watch", "0.1"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     read_for(proc.stdout.fileno(), 30, lambda got: b"does not exist" in got)
     proc.stdout.close()

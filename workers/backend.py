@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ipc.errors import IpcError
-from ipc.registry import Registry
-from ipc.shm import Segment
+from kvrt.ipc.errors import IpcError
+from kvrt.ipc.registry import Registry
+from kvrt.ipc.shm import Segment
 
 Run = tuple[int, int, int]  # (first source block, first destination block, block count)
 _HANDLE_LEN = 8  # length prefix of the CUDA IPC handle stored in a device pool's segment

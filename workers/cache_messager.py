@@ -1,7 +1,7 @@
 """cache-messager[r]: the P->D transport of rank r (one process per rank, so each rank's share of
 the KV heads travels in parallel).
 
-On both sides it opens the configured transport (workers/transport.py) over its rank's
+On both sides it opens the configured transport (workers/transports/base.py) over its rank's
 device pool and tells its engine how peers reach that pool (MessagerHello: the transport's
 descriptor, which a D engine hands to P in the handshake). On a P node it then executes
 SendBlocks orders: write these local blocks into those blocks of the D node's pool, and
@@ -22,14 +22,15 @@ import socket
 import sys
 import time
 
-from ipc import protocol as P
-from ipc.channel import Receiver, Sender
+from kvrt.ipc import protocol as P
+from kvrt.ipc.channel import Receiver, Sender
 
-from .child import Child, run_child
-from .kv_pool import attach_pools
-from .transport import Endpoint, TransferError, open_transport
+from kvrt.workers.child import Child, run_child
+from kvrt.workers.kv_pool import attach_pools
+from kvrt.workers.transports.base import Endpoint, TransferError
+from kvrt.workers.transports.factory import open_transport
 
-log = logging.getLogger("workers.cache_messager")
+log = logging.getLogger("kvrt.workers.cache_messager")
 
 
 class CacheMessager:

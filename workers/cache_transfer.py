@@ -9,7 +9,7 @@ answer (the engine gave it the blocks for exactly that long).
 
 A bad task (ids out of range, no host pool, a storage failure, an ownership violation in
 debug mode) is answered ok=False with the reason and the process goes on; a malformed message
-is counted on the ring and skipped. Run as `python -m workers.cache_transfer --node N --rank R`.
+is counted on the ring and skipped. Run as `python -m kvrt.workers.cache_transfer --node N --rank R`.
 
 Tasks queued in the ring are taken together, and a swap is answered once its copies landed:
 on a CPU that is as soon as they are issued (a memcpy), so each task is answered before the
@@ -27,19 +27,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ipc import protocol
-from ipc.channel import Receiver, Sender
-from ipc.errors import ProtocolError, WaitTimeout
-from ipc.ownership import OwnershipError, check_owners
-from ipc.protocol import StorageKeys, TaskKind, TransferDone, TransferTask
-from ipc.signals import Signal
+from kvrt.ipc import protocol
+from kvrt.ipc.channel import Receiver, Sender
+from kvrt.ipc.errors import ProtocolError, WaitTimeout
+from kvrt.ipc.ownership import OwnershipError, check_owners
+from kvrt.ipc.protocol import StorageKeys, TaskKind, TransferDone, TransferTask
+from kvrt.ipc.signals import Signal
 
-from .child import EXIT_OK, WAIT_S, Child, run_child
-from .kv_pool import CopyJob, PoolError, attach_pools, block_list, start_copy
-from .storage import StorageError, StoreHung, open_storage
-from .storage_io import block_io
+from kvrt.workers.child import EXIT_OK, WAIT_S, Child, run_child
+from kvrt.workers.kv_pool import CopyJob, PoolError, attach_pools, block_list, start_copy
+from kvrt.workers.storage.base import StorageError, StoreHung
+from kvrt.workers.storage.factory import open_storage
+from kvrt.workers.storage.io import block_io
 
-log = logging.getLogger("workers.cache_transfer")  # not __main__ under python -m
+log = logging.getLogger("kvrt.workers.cache_transfer")  # not __main__ under python -m
 
 AHEAD = 8  # tasks whose copies may be issued before the oldest of them is answered
 

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from xxhash import xxh3_128_hexdigest
 
-from .rope import Rope, RopeError, parse_rope
+from kvrt.workers.rope import Rope, RopeError, parse_rope
 
-log = logging.getLogger("workers.checkpoint")
+log = logging.getLogger("kvrt.workers.checkpoint")
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SINGLE_FILE = "model.safetensors"

@@ -1,9 +1,9 @@
 """The life of a child process of a node, shared by every role in workers/.
 
-A child is started by the launcher as the program `workers.<role> --node NAME --rank R
---log-level L`, run as `python -m` would but with kvrt's own install location first on
-sys.path (no fork, nothing pickled; `runtime.node.child_command`). It joins the node through `ipc.member.Member`
-(PROCS row, HEARTBEAT, READY), serves, and leaves cleanly however it stops: an order
+A child is started by the launcher as the program `kvrt.workers.<role> --node NAME --rank R
+--log-level L`, run as `python -m` would but without the working directory on sys.path (no
+fork, nothing pickled; `runtime.node.supervisor.child_command`). It joins the node through
+`ipc.member.Member` (PROCS row, HEARTBEAT, READY), serves, and leaves cleanly however it stops: an order
 (Shutdown), a closed ring, SIGTERM (also what PR_SET_PDEATHSIG sends when the launcher dies),
 or orphanhood.
 
@@ -22,12 +22,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from ipc import protocol
-from ipc.channel import Receiver, Sender
-from ipc.errors import ChannelClosed, IpcError, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
-from ipc.config import NodeConfig
-from ipc.member import Member
-from ipc.registry import Registry
+from kvrt.ipc import protocol
+from kvrt.ipc.channel import Receiver, Sender
+from kvrt.ipc.config import NodeConfig
+from kvrt.ipc.errors import ChannelClosed, IpcError, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
+from kvrt.ipc.member import Member
+from kvrt.ipc.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ipc.allreduce import PeerMemory
+from kvrt.ipc.allreduce import PeerMemory
 
-from .backend import BackendUnavailable
+from kvrt.workers.backend import BackendUnavailable
 
 
 class CudaPeerMemory(PeerMemory):

@@ -34,10 +34,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .checkpoint import CheckpointError, CheckpointInfo, Weights, inspect
-from .model import LayerWeights, Model, ModelShape
+from kvrt.workers.checkpoint import CheckpointError, CheckpointInfo, Weights, inspect
+from kvrt.workers.model import LayerWeights, Model, ModelShape
 
-log = logging.getLogger("workers.hf_model")
+log = logging.getLogger("kvrt.workers.hf_model")
 
 PROGRESS_AFTER_S = 2.0  # a load longer than this logs a progress line per layer
 COMPUTE_DTYPES = ("float32", "float16")       # what the projections multiply in

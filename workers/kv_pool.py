@@ -18,12 +18,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ipc import protocol
-from ipc.config import NodeConfig
-from ipc.layout import KVLayout
-from ipc.registry import Registry
+from kvrt.ipc import protocol
+from kvrt.ipc.config import NodeConfig
+from kvrt.ipc.layout import KVLayout
+from kvrt.ipc.registry import Registry
 
-from .backend import ArrayBackend, DeviceMemoryError, Pool, Run, create_shm_pool, get_backend
+from kvrt.workers.backend import ArrayBackend, DeviceMemoryError, Pool, Run, create_shm_pool, get_backend
 
 BEAT_BYTES = 256 << 20  # copy this much between liveness callbacks (~15 ms on a CPU)
 
@@ -116,7 +116,7 @@ def plan_gpu_blocks(requested: int | None, utilization: float, block_bytes: int,
 
 def cuda_free_bytes() -> list[int]:
     """Free bytes of every GPU CuPy sees (CuPy imported only here, on a GPU launch)."""
-    from .backend import CupyBackend
+    from kvrt.workers.backend import CupyBackend
 
     rt = CupyBackend().rt
     free = []
@@ -157,7 +157,7 @@ def create_pools(reg: Registry, cfg: NodeConfig, progress: Callable[[str], None]
 
 
 class PoolMaker:
-    """The launcher's handle on the pools (runtime.node.PoolMaker): their /dev/shm size for the
+    """The launcher's handle on the pools (runtime.node.supervisor.PoolMaker): their /dev/shm size for the
     room check before anything is created, and their creation. It keeps what must outlive
     creation (CUDA allocations) for as long as the launcher holds it."""
 

@@ -24,10 +24,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ipc.config import NodeConfig
-from ipc.layout import KVLayout
+from kvrt.ipc.config import NodeConfig
+from kvrt.ipc.layout import KVLayout
 
-log = logging.getLogger("workers.model")
+log = logging.getLogger("kvrt.workers.model")
 
 _EPS = 1e-6        # RMSNorm epsilon
 _DENSE_CHUNK = 512  # query rows per attention call in the dense reference (bounds its memory)

@@ -18,21 +18,21 @@ import time
 
 import numpy as np
 
-from ipc import protocol as P
-from ipc.allreduce import AllReduce
-from ipc.channel import Receiver, Sender
-from ipc.ownership import OwnershipError, check_owners
-from ipc.signals import Signal
+from kvrt.ipc import protocol as P
+from kvrt.ipc.allreduce import AllReduce
+from kvrt.ipc.channel import Receiver, Sender
+from kvrt.ipc.ownership import OwnershipError, check_owners
+from kvrt.ipc.signals import Signal
 
-from .backend import get_backend
-from .child import Child, run_child
-from .cuda_allreduce import peer_memory
-from .hf_model import HFModel
-from .kv_pool import attach_pools
-from .model import Model, ModelShape, SeqInput
-from .sampler import SamplingRows, sample
+from kvrt.workers.backend import get_backend
+from kvrt.workers.child import Child, run_child
+from kvrt.workers.cuda_allreduce import peer_memory
+from kvrt.workers.hf_model import HFModel
+from kvrt.workers.kv_pool import attach_pools
+from kvrt.workers.model import Model, ModelShape, SeqInput
+from kvrt.workers.sampler import SamplingRows, sample
 
-log = logging.getLogger("workers.worker")
+log = logging.getLogger("kvrt.workers.worker")
 _NO_TOKENS = np.empty(0, dtype=np.int32)
 
 

@@ -4,8 +4,8 @@ Why FastAPI: pydantic checks every body before a handler runs (a bad type is a 4
 a 500), and Starlette's streaming response cancels the handler's generator when the client goes
 away, which is where a request is cancelled and its blocks freed.
 
-Text: prompts are encoded and answers decoded with the node's tokenizer (runtime/tokenizer.py);
-stop strings are cut as `kvrt generate` cuts them (runtime/stop.py). Each choice also carries its
+Text: prompts are encoded and answers decoded with the node's tokenizer (runtime/client/tokenizer.py);
+stop strings are cut as `kvrt generate` cuts them (runtime/client/stop.py). Each choice also carries its
 `token_ids` (a vLLM-style extension) so that a client can compare exact tokens.
 """
 from __future__ import annotations
@@ -25,14 +25,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.api import BAD_REQUEST, DUPLICATE, ErrorEvent, InfoReply, TokenEvent
-from runtime.chat_template import ChatTemplate, ChatTemplateError, Message
-from runtime.client import ClientError, Result, Sampling, node_tokenizer
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.http.bridge import Bridge, Submission
-from runtime.http.openai_schema import ChatRequest, CompletionRequest, SamplingBody
-from runtime.stop import StopStrings, stop_problem
-from runtime.tokenizer import Tokenizer, TokenizerError
+from kvrt.runtime.client.api import BAD_REQUEST, DUPLICATE, ErrorEvent, InfoReply, TokenEvent
+from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
+from kvrt.runtime.client.client import ClientError, Result, Sampling, node_tokenizer
+from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
+from kvrt.runtime.client.stop import StopStrings, stop_problem
+from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
+from kvrt.runtime.http.bridge import Bridge, Submission
+from kvrt.runtime.http.openai_schema import ChatRequest, CompletionRequest, SamplingBody
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +384,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
-        """Drop the node's prefix cache, as vLLM's and SGLang's servers do (runtime/cache_reset.py):
+        """Drop the node's prefix cache, as vLLM's and SGLang's servers do (runtime/cache/reset.py):
         the blocks freed per tier, those held until released and the storage keys forgotten."""
         server.node_info()
         try:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.api import ErrorEvent, InfoReply, ResetPrefixCacheReply
-from runtime.client import Client, ClientError, Result, Sampling
+from kvrt.runtime.client.api import ErrorEvent, InfoReply, ResetPrefixCacheReply
+from kvrt.runtime.client.client import Client, ClientError, Result, Sampling
 
 log = logging.getLogger(__name__)
 

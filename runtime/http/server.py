@@ -4,7 +4,7 @@ launcher process.
 Why a thread in the launcher: the launcher only supervises its children (the engine loop runs
 in the engine process), so an HTTP server beside it delays no engine step, and it lives and
 dies with the node without a process of its own to supervise. It talks to the engine through
-the node's ordinary client API (runtime/client.py over ZeroMQ), exactly as any other client.
+the node's ordinary client API (runtime/client/client.py over ZeroMQ), exactly as any other client.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import threading
 
 import uvicorn
 
-from runtime.client import address_of
-from runtime.config import NodeConfig
-from runtime.http.app import Server, create_app
-from runtime.http.bridge import Bridge
+from kvrt.runtime.client.client import address_of
+from kvrt.runtime.http.app import Server, create_app
+from kvrt.runtime.http.bridge import Bridge
+from kvrt.runtime.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def served_model_name(name: str, model_dir: str) -> str:
 
 def cache_info(cfg: NodeConfig) -> dict:
     """What a cache-aware router needs to know of this node (GET /kvrt/cache): how it keys blocks
-    (the block size and the root of the key chain, runtime/hashing.py), the model directory its
+    (the block size and the root of the key chain, runtime/cache/keys.py), the model directory its
     tokenizer is read from (empty: the reference model, one token per byte) and where its KV events are
     published (null when the node publishes none; a 0.0.0.0 host means "this node's address")."""
     events = f"tcp://{cfg.host}:{cfg.kv_events_port}" if cfg.kv_events_port else None

@@ -1,6 +1,10 @@
 """Multiprocess ring stress: real producer processes, checksums, per-producer order, SIGKILL."""
-from bench.stress_ring import build_parser, run_stress
+import pytest
+
+from kvrt.bench.stress_ring import build_parser, run_stress
 from tests.conftest import leftovers
+
+pytestmark = pytest.mark.e2e
 
 
 def _run(node, *argv):

@@ -1,0 +1,988 @@
+/* The prefix cache's per-block inner loops in C: chained block keys (runtime/cache/keys.py) and the
+use-count sketch's updates (runtime/cache/use_sketch.py).
+
+Why C: in Python each costs a call or a few numpy operations per block or per request of a
+couple of hundred blocks (a key slice, concatenation and hash call per block; a join, a view
+and six gathers and scatters on the sketch per request), as much together as the whole cache's
+own work per block. Each function gives exactly what the Python code it replaces gives, which
+lives on in tests/runtime/cache/cache_reference.py as the reference (tests compare them):
+- chain_keys: xxh3-128 of (parent key || block's token bytes), in xxhash's canonical
+  (big-endian) form, as `xxhash.xxh3_128_digest` returns it. The hash function is the one the
+  `xxhash` package (a dependency) already loaded: its extension module exports XXH3_128bits, so
+  the module looks it up there at init (dlsym) and builds with nothing but Python's headers,
+  the same function computing the same bytes as the package does (checked at init).
+- sketch_add / sketch_count / sketch_stamp: a 16-byte key's two slots are its first 8 bytes (native byte order,
+  as numpy reads them) masked, and the same shifted right by 32, masked; adding is numpy's
+  gather-then-scatter `row[slots] = minimum(row[slots], 254) + 1` (a slot that two keys share
+  gains one, not two). Either returns False, changing nothing, if a key is not 16 bytes. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KEY_BYTES 16
+
+/* XXH3_128bits as xxhash.h declares it (XXH128_hash_t: low64, then high64) */
+typedef struct { uint64_t low64, high64; } kv_h128;
+typedef kv_h128 (*kv_xxh3_128)(const void *, size_t);
+static kv_xxh3_128 xxh3_128; /* set once, at module init */
+
+/* xxhash's canonical form of a 128-bit hash: high64 then low64, each big-endian */
+static void canonical128(kv_h128 h, unsigned char *out) {
+    for (int i = 7; i >= 0; i--) {
+        out[i] = (unsigned char)h.high64;
+        out[8 + i] = (unsigned char)h.low64;
+        h.high64 >>= 8;
+        h.low64 >>= 8;
+    }
+}
+
+static PyObject *chain_keys(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    Py_ssize_t block_size;
+    const char *parent;
+    Py_ssize_t parent_len;
+    if (!PyArg_ParseTuple(args, "y*ny#", &data, &block_size, &parent, &parent_len))
+        return NULL;
+    if (block_size <= 0 || parent_len != KEY_BYTES) {
+        PyBuffer_Release(&data);
+        PyErr_Format(PyExc_ValueError, "chain_keys: need block_size > 0 and a %d-byte parent key",
+                     KEY_BYTES);
+        return NULL;
+    }
+    Py_ssize_t step = block_size * 4; /* int32 tokens */
+    Py_ssize_t n = data.len / step;
+    PyObject *out = PyList_New(n);
+    unsigned char *buf = PyMem_Malloc(KEY_BYTES + step);
+    if (out == NULL || buf == NULL) {
+        Py_XDECREF(out);
+        PyMem_Free(buf);
+        PyBuffer_Release(&data);
+        return PyErr_NoMemory();
+    }
+    memcpy(buf, parent, KEY_BYTES);
+    const unsigned char *src = data.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(buf + KEY_BYTES, src + i * step, step);
+        canonical128(xxh3_128(buf, KEY_BYTES + step), buf); /* the next block chains this key */
+        PyObject *key = PyBytes_FromStringAndSize((const char *)buf, KEY_BYTES);
+        if (key == NULL) {
+            Py_DECREF(out);
+            out = NULL;
+            break;
+        }
+        PyList_SET_ITEM(out, i, key);
+    }
+    PyMem_Free(buf);
+    PyBuffer_Release(&data);
+    return out;
+}
+
+/* The two slots of each of `n` 16-byte keys; 0 if one is not 16 bytes (or `keys` is no sequence). */
+static int key_slots(PyObject *fast, uint64_t mask, uint64_t *a, uint64_t *b) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != KEY_BYTES)
+            return 0;
+        uint64_t h;
+        memcpy(&h, PyBytes_AS_STRING(k), sizeof h);
+        a[i] = h & mask;
+        b[i] = (h >> 32) & mask;
+    }
+    return 1;
+}
+
+/* The keys' slots (a[] then b[], 2n) in new memory, or NULL with an exception set; *ok is 0 where
+   a key is not 16 bytes (the memory is still returned, to be freed). */
+static uint64_t *new_key_slots(PyObject *fast, uint64_t mask, int *ok) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    uint64_t *slots = PyMem_Malloc(2 * (n ? n : 1) * sizeof(uint64_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *ok = key_slots(fast, mask, slots, slots + n);
+    return slots;
+}
+
+/* Parse (row0, row1, keys, mask[, out]) for the sketch functions; slots of the keys in a[], b[]. */
+typedef struct {
+    Py_buffer r0, r1, out;
+    PyObject *fast;
+    uint64_t *slots;
+    Py_ssize_t n;
+    int ok;
+} sketch_args;
+
+static int sketch_begin(PyObject *args, sketch_args *s, int with_out) {
+    PyObject *keys;
+    unsigned long long mask;
+    memset(s, 0, sizeof *s);
+    int parsed = with_out ? PyArg_ParseTuple(args, "w*w*OKw*", &s->r0, &s->r1, &keys, &mask, &s->out)
+                          : PyArg_ParseTuple(args, "w*w*OK", &s->r0, &s->r1, &keys, &mask);
+    if (!parsed)
+        return -1;
+    s->fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (s->fast == NULL)
+        return -1;
+    s->n = PySequence_Fast_GET_SIZE(s->fast);
+    if ((Py_ssize_t)mask >= s->r0.len || (Py_ssize_t)mask >= s->r1.len ||
+        (with_out && s->out.len < s->n * (Py_ssize_t)sizeof(int32_t))) {
+        PyErr_SetString(PyExc_ValueError, "sketch rows shorter than the mask, or output too short");
+        return -1;
+    }
+    s->slots = new_key_slots(s->fast, mask, &s->ok);
+    return s->slots == NULL ? -1 : 0;
+}
+
+static void sketch_end(sketch_args *s) {
+    PyMem_Free(s->slots);
+    Py_XDECREF(s->fast);
+    if (s->r0.obj) PyBuffer_Release(&s->r0);
+    if (s->r1.obj) PyBuffer_Release(&s->r1);
+    if (s->out.obj) PyBuffer_Release(&s->out);
+}
+
+static void add_row(uint8_t *row, const uint64_t *slot, Py_ssize_t n, uint8_t *tmp) {
+    for (Py_ssize_t i = 0; i < n; i++) /* gather first: a shared slot gains one */
+        tmp[i] = (uint8_t)((row[slot[i]] < 254 ? row[slot[i]] : 254) + 1);
+    for (Py_ssize_t i = 0; i < n; i++)
+        row[slot[i]] = tmp[i];
+}
+
+static PyObject *sketch_add(PyObject *self, PyObject *args) {
+    sketch_args s;
+    PyObject *res = NULL;
+    if (sketch_begin(args, &s, 0) == 0) {
+        if (s.ok) {
+            uint8_t *tmp = PyMem_Malloc(s.n ? s.n : 1);
+            if (tmp == NULL) {
+                PyErr_NoMemory();
+            } else {
+                add_row(s.r0.buf, s.slots, s.n, tmp);
+                add_row(s.r1.buf, s.slots + s.n, s.n, tmp);
+                PyMem_Free(tmp);
+                res = Py_True;
+            }
+        } else {
+            res = Py_False;
+        }
+    }
+    sketch_end(&s);
+    Py_XINCREF(res);
+    return res;
+}
+
+static PyObject *sketch_count(PyObject *self, PyObject *args) {
+    sketch_args s;
+    PyObject *res = NULL;
+    if (sketch_begin(args, &s, 1) == 0) {
+        if (s.ok) {
+            const uint8_t *r0 = s.r0.buf, *r1 = s.r1.buf;
+            int32_t *out = s.out.buf;
+            const uint64_t *a = s.slots, *b = s.slots + s.n;
+            for (Py_ssize_t i = 0; i < s.n; i++)
+                out[i] = r0[a[i]] < r1[b[i]] ? r0[a[i]] : r1[b[i]];
+            res = Py_True;
+        } else {
+            res = Py_False;
+        }
+    }
+    sketch_end(&s);
+    Py_XINCREF(res);
+    return res;
+}
+
+/* sketch_stamp(stamps0, stamps1, keys, mask, now, ages): the timed sketch's last-use stamps
+   (uint32 rows): ages[i] (int64) = now - the older of key i's two stamps, or -1 where that is
+   0 (never stamped); then both stamps of every key become `now`. All reads come before the
+   writes, as numpy's gather-then-scatter does. False (nothing changed) if a key is not 16 bytes. */
+static PyObject *sketch_stamp(PyObject *self, PyObject *args) {
+    Py_buffer s0 = {0}, s1 = {0}, ages = {0};
+    PyObject *keys, *fast = NULL, *res = NULL;
+    unsigned long long mask;
+    unsigned long now;
+    uint64_t *slots = NULL;
+    if (!PyArg_ParseTuple(args, "w*w*OKkw*", &s0, &s1, &keys, &mask, &now, &ages))
+        return NULL;
+    fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (s0.itemsize != 4 || s1.itemsize != 4 || ages.itemsize != 8 ||
+        (Py_ssize_t)mask >= s0.len / 4 || (Py_ssize_t)mask >= s1.len / 4 || ages.len < n * 8) {
+        PyErr_SetString(PyExc_ValueError, "stamp rows must be uint32 longer than the mask, ages int64 of len(keys)");
+        goto done;
+    }
+    int ok;
+    if ((slots = new_key_slots(fast, mask, &ok)) == NULL)
+        goto done;
+    if (!ok) {
+        res = Py_False;
+        goto done;
+    }
+    uint32_t *r0 = s0.buf, *r1 = s1.buf;
+    int64_t *out = ages.buf;
+    const uint64_t *a = slots, *b = slots + n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t last = r0[a[i]] < r1[b[i]] ? r0[a[i]] : r1[b[i]];
+        out[i] = last ? (int64_t)now - (int64_t)last : -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        r0[a[i]] = (uint32_t)now;
+        r1[b[i]] = (uint32_t)now;
+    }
+    res = Py_True;
+done:
+    PyMem_Free(slots);
+    Py_XDECREF(fast);
+    if (s0.obj) PyBuffer_Release(&s0);
+    if (s1.obj) PyBuffer_Release(&s1);
+    if (ages.obj) PyBuffer_Release(&ages);
+    Py_XINCREF(res);
+    return res;
+}
+
+static int is_int32(const Py_buffer *b) {
+    size_t n = b->format ? strlen(b->format) : 0;
+    return b->itemsize == 4 && n && b->format[n - 1] == 'i' && (n == 1 || strchr("@=<", b->format[0]));
+}
+
+/* new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): the columns `ids` (int32) of the
+   node matrix `f` (int32, C order, one row per field) become a chain under `parent`: row
+   rows[0] (PARENT) the node before (parent for the first), rows[1] (CHILD) and rows[6] (CONT)
+   the node after (-1 for the last), rows[2] (DEV) the block, rows[3] (REF) 1, rows[4] (NDEV) 1
+   (0 for the last), rows[5] (STATE) `gpu`; and node_keys[id] = keys[j]. What
+   `MatchRecord._new_chain` wrote with a dozen numpy operations and a loop. */
+static PyObject *new_chain(PyObject *self, PyObject *args) {
+    Py_buffer f = {0}, ids = {0};
+    long parent, gpu;
+    PyObject *fobj, *idobj, *blocks, *rows, *node_keys, *keys, *res = NULL;
+    PyObject *fb = NULL, *fk = NULL;
+    if (!PyArg_ParseTuple(args, "OOlOOlO!O", &fobj, &idobj, &parent, &blocks, &rows, &gpu,
+                          &PyList_Type, &node_keys, &keys))
+        return NULL;
+    if (PyObject_GetBuffer(fobj, &f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(idobj, &ids, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&f);
+        return NULL;
+    }
+    Py_ssize_t k = ids.len / (Py_ssize_t)sizeof(int32_t);
+    long r[7];
+    if (f.ndim != 2 || !is_int32(&f) || ids.ndim != 1 || !is_int32(&ids) || !PyTuple_Check(rows) ||
+        PyTuple_GET_SIZE(rows) != 7) {
+        PyErr_SetString(PyExc_ValueError, "new_chain: f must be a C-ordered int32 matrix, ids int32, 7 rows");
+        goto done;
+    }
+    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], nkeys = PyList_GET_SIZE(node_keys);
+    for (int i = 0; i < 7; i++) {
+        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
+        if (r[i] < 0 || r[i] >= nrows) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "new_chain: row out of range");
+            goto done;
+        }
+    }
+    fb = PySequence_Fast(blocks, "blocks must be a sequence");
+    fk = fb ? PySequence_Fast(keys, "keys must be a sequence") : NULL;
+    if (fk == NULL)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(fb) != k || PySequence_Fast_GET_SIZE(fk) != k) {
+        PyErr_SetString(PyExc_ValueError, "new_chain: ids, blocks and keys differ in length");
+        goto done;
+    }
+    const int32_t *id = ids.buf;
+    for (Py_ssize_t j = 0; j < k; j++) { /* check everything before writing anything */
+        if (id[j] < 0 || id[j] >= ncols || id[j] >= nkeys) {
+            PyErr_SetString(PyExc_IndexError, "new_chain: node id out of range");
+            goto done;
+        }
+        long b = PyLong_AsLong(PySequence_Fast_GET_ITEM(fb, j));
+        if (b == -1 && PyErr_Occurred())
+            goto done;
+        if (b < INT32_MIN || b > INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "new_chain: block id does not fit int32");
+            goto done;
+        }
+    }
+    int32_t *m = f.buf;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_ssize_t c = id[j];
+        int32_t next = j + 1 < k ? id[j + 1] : -1;
+        m[r[0] * ncols + c] = j ? id[j - 1] : (int32_t)parent;
+        m[r[1] * ncols + c] = next;
+        m[r[2] * ncols + c] = (int32_t)PyLong_AsLong(PySequence_Fast_GET_ITEM(fb, j));
+        m[r[3] * ncols + c] = 1;
+        m[r[4] * ncols + c] = j + 1 < k;
+        m[r[5] * ncols + c] = (int32_t)gpu;
+        m[r[6] * ncols + c] = next;
+        PyObject *key = PySequence_Fast_GET_ITEM(fk, j);
+        Py_INCREF(key);
+        PyObject *old = PyList_GET_ITEM(node_keys, c);
+        PyList_SET_ITEM(node_keys, c, key);
+        Py_XDECREF(old);
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(fb);
+    Py_XDECREF(fk);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&ids);
+    return res;
+}
+
+/* drop_run(f, drop, par, top, rows, reset, node_keys, kmap, devs, stack, at) -> freed parents:
+   free the eviction run `drop` (int32 node ids, children before parents; `par` their parents;
+   `top` the indices of those whose parent stays), as `Eviction._drop_run` does in Python:
+   delete from the key map `kmap` the keys of nodes that are not their parent's continuation
+   (all decided before any unlinking), unlink each top from its parent's child list and
+   continuation and take one device child from the parent (the parents left with none are
+   returned, in order), clear their keys, append their device blocks to `devs`, reset their
+   columns to `reset` and put their ids on the free-id stack `stack` from index `at`.
+   rows = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV). Everything is checked before any write
+   but the key map deletes (a missing key raises KeyError, as in Python). */
+static PyObject *drop_run(PyObject *self, PyObject *args) {
+    PyObject *fobj, *dobj, *pobj, *sobj, *top, *rows, *reset, *node_keys, *kmap, *devs;
+    Py_ssize_t at;
+    Py_buffer f = {0}, d = {0}, p = {0}, st = {0};
+    PyObject *res = NULL, *ft = NULL, *freed = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOO!O!O!On", &fobj, &dobj, &pobj, &top, &rows, &reset,
+                          &PyList_Type, &node_keys, &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at))
+        return NULL;
+    if (PyObject_GetBuffer(fobj, &f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(dobj, &d, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(pobj, &p, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    if (f.ndim != 2 || !is_int32(&f) || d.ndim != 1 || !is_int32(&d) || p.ndim != 1 || !is_int32(&p) ||
+        st.ndim != 1 || !is_int32(&st) || d.shape[0] != p.shape[0] || !PyTuple_Check(rows) ||
+        PyTuple_GET_SIZE(rows) != 7 || !PyTuple_Check(reset) || PyTuple_GET_SIZE(reset) != f.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "drop_run: bad argument shapes or types");
+        goto done;
+    }
+    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], m = d.shape[0];
+    Py_ssize_t nkeys = PyList_GET_SIZE(node_keys);
+    long r[7];
+    for (int i = 0; i < 7; i++) {
+        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
+        if (r[i] < 0 || r[i] >= nrows) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "drop_run: row out of range");
+            goto done;
+        }
+    }
+    int32_t *M = f.buf;
+    const int32_t *drop = d.buf, *par = p.buf;
+    int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
+            *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *NDEV = M + r[5] * ncols,
+            *DEV = M + r[6] * ncols;
+    if (at < 0 || at + m > st.shape[0]) {
+        PyErr_SetString(PyExc_IndexError, "drop_run: the free-id stack overflows");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (drop[i] < 0 || drop[i] >= ncols || drop[i] >= nkeys || par[i] < 0 || par[i] >= ncols) {
+            PyErr_SetString(PyExc_IndexError, "drop_run: node id out of range");
+            goto done;
+        }
+    }
+    ft = PySequence_Fast(top, "top must be a sequence");
+    if (ft == NULL)
+        goto done;
+    Py_ssize_t ntop = PySequence_Fast_GET_SIZE(ft);
+    for (Py_ssize_t j = 0; j < ntop; j++) {
+        Py_ssize_t t = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j));
+        if (t < 0 || t >= m) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "drop_run: top index out of range");
+            goto done;
+        }
+        int32_t v = drop[t], q = PARENT[v], b = PREV[v], a = NEXT[v];
+        if (q < 0 || q >= ncols || b >= ncols || a >= ncols) {
+            PyErr_SetString(PyExc_ValueError, "drop_run: a top's links are out of range");
+            goto done;
+        }
+    }
+    int32_t reset_v[32];
+    if (nrows > 32) {
+        PyErr_SetString(PyExc_ValueError, "drop_run: too many rows");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
+        if (x == -1 && PyErr_Occurred())
+            goto done;
+        reset_v[i] = (int32_t)x;
+    }
+    freed = PyList_New(0);
+    if (freed == NULL)
+        goto done;
+    /* key map entries first, as found before any unlinking */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (CONT[par[i]] != drop[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, drop[i])) < 0)
+            goto done;
+    }
+    for (Py_ssize_t j = 0; j < ntop; j++) { /* `_detach_sibling`, then one device child fewer */
+        int32_t v = drop[PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j))];
+        int32_t q = PARENT[v], b = PREV[v], a = NEXT[v];
+        if (CONT[q] == v)
+            CONT[q] = -1;
+        if (b >= 0)
+            NEXT[b] = a;
+        else
+            CHILD[q] = a;
+        if (a >= 0)
+            PREV[a] = b;
+        if (--NDEV[q] == 0) {
+            PyObject *x = PyLong_FromLong(q);
+            if (x == NULL || PyList_Append(freed, x) < 0) {
+                Py_XDECREF(x);
+                goto done;
+            }
+            Py_DECREF(x);
+        }
+    }
+    int32_t *stack = st.buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = drop[i];
+        PyObject *x = PyLong_FromLong(DEV[v]);
+        if (x == NULL || PyList_Append(devs, x) < 0) {
+            Py_XDECREF(x);
+            goto done;
+        }
+        Py_DECREF(x);
+        PyObject *old = PyList_GET_ITEM(node_keys, v);
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(node_keys, v, Py_None);
+        Py_XDECREF(old);
+        for (Py_ssize_t k = 0; k < nrows; k++)
+            M[k * ncols + v] = reset_v[k];
+        stack[at + i] = v;
+    }
+    res = freed;
+    freed = NULL;
+done:
+    Py_XDECREF(freed);
+    Py_XDECREF(ft);
+    if (f.obj) PyBuffer_Release(&f);
+    if (d.obj) PyBuffer_Release(&d);
+    if (p.obj) PyBuffer_Release(&p);
+    if (st.obj) PyBuffer_Release(&st);
+    return res;
+}
+
+/* sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes
+   (nothing changed): `PrefixCache._remember_uses` in one call. Each of `nodes` (int32) gets
+   hits[node] = max(hits[node], e) where e is its key's count minus one, capped by `cap` (None:
+   no cap) and by every earlier key's (a running minimum), and at least 0. `hits` is an int32
+   row of the node matrix. */
+static PyObject *sketch_raise(PyObject *self, PyObject *args) {
+    PyObject *r0o, *r1o, *keys, *hobj, *nobj, *capo;
+    unsigned long long mask;
+    Py_buffer r0 = {0}, r1 = {0}, h = {0}, nb = {0};
+    PyObject *fast = NULL, *res = NULL;
+    uint64_t *slots = NULL;
+    if (!PyArg_ParseTuple(args, "OOOKOOO", &r0o, &r1o, &keys, &mask, &hobj, &nobj, &capo))
+        return NULL;
+    if (PyObject_GetBuffer(r0o, &r0, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(r1o, &r1, PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(hobj, &h, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if ((Py_ssize_t)mask >= r0.len || (Py_ssize_t)mask >= r1.len || h.ndim != 1 || !is_int32(&h) ||
+        nb.ndim != 1 || !is_int32(&nb) || nb.shape[0] != n) {
+        PyErr_SetString(PyExc_ValueError, "sketch_raise: bad rows, hits or nodes");
+        goto done;
+    }
+    long cap = 0;
+    int capped = capo != Py_None;
+    if (capped && (cap = PyLong_AsLong(capo)) == -1 && PyErr_Occurred())
+        goto done;
+    const int32_t *nodes = nb.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (nodes[i] < 0 || nodes[i] >= h.shape[0]) {
+            PyErr_SetString(PyExc_IndexError, "sketch_raise: node id out of range");
+            goto done;
+        }
+    int ok;
+    if ((slots = new_key_slots(fast, mask, &ok)) == NULL)
+        goto done;
+    if (!ok) {
+        res = Py_False;
+        Py_INCREF(res);
+        goto done;
+    }
+    const uint8_t *a0 = r0.buf, *a1 = r1.buf;
+    int32_t *hits = h.buf;
+    long run = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long c0 = a0[slots[i]], c1 = a1[slots[n + i]];
+        long e = (c0 < c1 ? c0 : c1) - 1;
+        if (i == 0)
+            run = capped && cap < e ? cap : e;
+        else if (e < run)
+            run = e;
+        long v = run > 0 ? run : 0;
+        if (hits[nodes[i]] < v)
+            hits[nodes[i]] = (int32_t)v;
+    }
+    res = Py_True;
+    Py_INCREF(res);
+done:
+    PyMem_Free(slots);
+    Py_XDECREF(fast);
+    if (r0.obj) PyBuffer_Release(&r0);
+    if (r1.obj) PyBuffer_Release(&r1);
+    if (h.obj) PyBuffer_Release(&h);
+    if (nb.obj) PyBuffer_Release(&nb);
+    return res;
+}
+
+/* A node matrix (int32, C order) and an int32 vector of node ids in it, checked. */
+static int matrix_and_ids(PyObject *fobj, PyObject *iobj, Py_buffer *f, Py_buffer *ids) {
+    if (PyObject_GetBuffer(fobj, f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (PyObject_GetBuffer(iobj, ids, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(f);
+        return -1;
+    }
+    if (f->ndim == 2 && is_int32(f) && ids->ndim == 1 && is_int32(ids)) {
+        const int32_t *id = ids->buf;
+        Py_ssize_t ncols = f->shape[1];
+        for (Py_ssize_t i = 0; i < ids->shape[0]; i++)
+            if (id[i] < 0 || id[i] >= ncols) {
+                PyErr_SetString(PyExc_IndexError, "node id out of range");
+                goto bad;
+            }
+        return 0;
+    }
+    PyErr_SetString(PyExc_ValueError, "need a C-ordered int32 matrix and int32 node ids");
+bad:
+    PyBuffer_Release(f);
+    PyBuffer_Release(ids);
+    return -1;
+}
+
+static int row_index(long r, const Py_buffer *f) {
+    if (r < 0 || r >= f->shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "row out of range");
+        return -1;
+    }
+    return 0;
+}
+
+/* touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu) -> (unused, blocks) or None:
+   when every node of `path` is in state `gpu`, take a reference on each and count a hit (what
+   `MatchRecord._touch` does for an all-device match) and return how many were unreferenced
+   and their device blocks, in path order; otherwise change nothing and return None. */
+static PyObject *touch_device(PyObject *self, PyObject *args) {
+    PyObject *fobj, *pobj;
+    long rr, rh, rs, rd, gpu;
+    Py_buffer f, pb;
+    if (!PyArg_ParseTuple(args, "OOlllll", &fobj, &pobj, &rr, &rh, &rs, &rd, &gpu))
+        return NULL;
+    if (matrix_and_ids(fobj, pobj, &f, &pb) < 0)
+        return NULL;
+    PyObject *res = NULL, *blocks = NULL;
+    if (row_index(rr, &f) < 0 || row_index(rh, &f) < 0 || row_index(rs, &f) < 0 || row_index(rd, &f) < 0)
+        goto done;
+    Py_ssize_t ncols = f.shape[1], n = pb.shape[0];
+    int32_t *M = f.buf;
+    int32_t *REF = M + rr * ncols, *HITS = M + rh * ncols, *STATE = M + rs * ncols, *DEV = M + rd * ncols;
+    const int32_t *path = pb.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (STATE[path[i]] != gpu) {
+            res = Py_None;
+            Py_INCREF(res);
+            goto done;
+        }
+    blocks = PyList_New(n);
+    if (blocks == NULL)
+        goto done;
+    long unused = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t v = path[i];
+        PyObject *b = PyLong_FromLong(DEV[v]);
+        if (b == NULL)
+            goto done;
+        PyList_SET_ITEM(blocks, i, b);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t v = path[i];
+        unused += REF[v] == 0;
+        REF[v] += 1;
+        HITS[v] += 1;
+    }
+    res = Py_BuildValue("lO", unused, blocks);
+done:
+    Py_XDECREF(blocks);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&pb);
+    return res;
+}
+
+/* deref(f, path, ref_row, state_row, gpu, out) -> (k, all_gpu): drop one reference on each node
+   of `path`, tail first, writing the nodes left unreferenced to out[:k] (int32) in that order;
+   all_gpu: all of them are in state `gpu` (what `MatchRecord._deref` computes first). */
+static PyObject *deref(PyObject *self, PyObject *args) {
+    PyObject *fobj, *pobj, *oobj;
+    long rr, rs, gpu;
+    Py_buffer f, pb, out;
+    if (!PyArg_ParseTuple(args, "OOlllO", &fobj, &pobj, &rr, &rs, &gpu, &oobj))
+        return NULL;
+    if (matrix_and_ids(fobj, pobj, &f, &pb) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    if (PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&f);
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    Py_ssize_t ncols = f.shape[1], n = pb.shape[0];
+    if (row_index(rr, &f) < 0 || row_index(rs, &f) < 0)
+        goto done;
+    if (out.ndim != 1 || !is_int32(&out) || out.shape[0] < n) {
+        PyErr_SetString(PyExc_ValueError, "deref: out must be int32, as long as the path");
+        goto done;
+    }
+    int32_t *M = f.buf, *o = out.buf;
+    int32_t *REF = M + rr * ncols, *STATE = M + rs * ncols;
+    const int32_t *path = pb.buf;
+    Py_ssize_t k = 0;
+    int all_gpu = 1;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        int32_t v = path[i];
+        if (--REF[v] == 0) {
+            o[k++] = v;
+            all_gpu &= STATE[v] == gpu;
+        }
+    }
+    res = Py_BuildValue("nO", k, all_gpu ? Py_True : Py_False);
+done:
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&out);
+    return res;
+}
+
+/* chain_tops(f, cand, par, ndev_row) -> tops or None: is the eviction run `cand` (int32; `par`
+   its parents) whole chains released deepest first, each node's only device child right before
+   it (NDEV of the first 0, of each later one 1 exactly when the node before is its child)? If
+   so, the indices of the nodes whose parent is not the next node (each chain's top; the last
+   node always), else None. What `Eviction._drop_batched` checks with half a dozen numpy calls. */
+static PyObject *chain_tops(PyObject *self, PyObject *args) {
+    PyObject *fobj, *cobj, *pobj;
+    long rn;
+    Py_buffer f, cb, pb;
+    if (!PyArg_ParseTuple(args, "OOOl", &fobj, &cobj, &pobj, &rn))
+        return NULL;
+    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+        return NULL;
+    PyObject *res = NULL, *tops = NULL;
+    if (PyObject_GetBuffer(pobj, &pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&f);
+        PyBuffer_Release(&cb);
+        return NULL;
+    }
+    Py_ssize_t m = cb.shape[0];
+    if (row_index(rn, &f) < 0)
+        goto done;
+    if (pb.ndim != 1 || !is_int32(&pb) || pb.shape[0] != m) {
+        PyErr_SetString(PyExc_ValueError, "chain_tops: par must be int32, as long as the run");
+        goto done;
+    }
+    const int32_t *cand = cb.buf, *par = pb.buf, *NDEV = (int32_t *)f.buf + rn * f.shape[1];
+    if (m && NDEV[cand[0]] != 0) {
+        res = Py_None;
+        Py_INCREF(res);
+        goto done;
+    }
+    for (Py_ssize_t i = 1; i < m; i++)
+        if (NDEV[cand[i]] != (par[i - 1] == cand[i])) {
+            res = Py_None;
+            Py_INCREF(res);
+            goto done;
+        }
+    tops = PyList_New(0);
+    if (tops == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (i == m - 1 || par[i] != cand[i + 1]) {
+            PyObject *x = PyLong_FromSsize_t(i);
+            if (x == NULL || PyList_Append(tops, x) < 0) {
+                Py_XDECREF(x);
+                goto done;
+            }
+            Py_DECREF(x);
+        }
+    res = tops;
+    tops = NULL;
+done:
+    Py_XDECREF(tops);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&pb);
+    return res;
+}
+
+/* scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned): the scan of one entry of a
+   lazily invalidated queue (runtime/cache/policies/reuse.py): walk `nodes` (int32) in order, taking
+   each node whose stamp (int64) is still `serial` (its stamp becomes -1, the node goes to
+   out[at + taken]), until `k` are taken; `scanned` is how many entries were walked. */
+static PyObject *scan_live(PyObject *self, PyObject *args) {
+    PyObject *sobj, *nobj, *oobj;
+    long long serial;
+    Py_ssize_t k, at;
+    Py_buffer st = {0}, nb = {0}, out = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOLnOn", &sobj, &nobj, &serial, &k, &oobj, &at))
+        return NULL;
+    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    if (st.ndim != 1 || st.itemsize != 8 || nb.ndim != 1 || !is_int32(&nb) || out.ndim != 1 ||
+        !is_int32(&out) || k < 0 || at < 0 || at + k > out.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "scan_live: need int64 stamps, int32 nodes and room in out");
+        goto done;
+    }
+    int64_t *stamp = st.buf;
+    const int32_t *nodes = nb.buf;
+    int32_t *o = out.buf;
+    Py_ssize_t n = nb.shape[0], cap = st.shape[0], taken = 0, i = 0;
+    for (; i < n && taken < k; i++) {
+        int32_t v = nodes[i];
+        if (v < 0 || v >= cap) {
+            PyErr_SetString(PyExc_IndexError, "scan_live: node id out of range");
+            goto done;
+        }
+        if (stamp[v] == serial) {
+            stamp[v] = -1;
+            o[at + taken++] = v;
+        }
+    }
+    res = Py_BuildValue("nn", taken, i);
+done:
+    if (st.obj) PyBuffer_Release(&st);
+    if (nb.obj) PyBuffer_Release(&nb);
+    if (out.obj) PyBuffer_Release(&out);
+    return res;
+}
+
+/* stamp_runs(stamp, nodes, level, serial) -> starts: split `nodes` (int32) into runs of equal
+   `level` (int64, one per node), stamp (int64) the nodes of the j-th run with serial + j, and
+   return where each run starts (0 first): the bookkeeping of one heap entry per run in
+   runtime/cache/policies/reuse.py, without a numpy call per run. */
+static PyObject *stamp_runs(PyObject *self, PyObject *args) {
+    PyObject *sobj, *nobj, *lobj;
+    long long serial;
+    Py_buffer st = {0}, nb = {0}, lb = {0};
+    PyObject *res = NULL, *starts = NULL;
+    if (!PyArg_ParseTuple(args, "OOOL", &sobj, &nobj, &lobj, &serial))
+        return NULL;
+    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(lobj, &lb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    if (st.ndim != 1 || st.itemsize != 8 || nb.ndim != 1 || !is_int32(&nb) || lb.ndim != 1 ||
+        lb.itemsize != 8 || lb.shape[0] != nb.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "stamp_runs: need int64 stamps and levels, int32 nodes");
+        goto done;
+    }
+    int64_t *stamp = st.buf;
+    const int64_t *lv = lb.buf;
+    const int32_t *nodes = nb.buf;
+    Py_ssize_t n = nb.shape[0], cap = st.shape[0];
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (nodes[i] < 0 || nodes[i] >= cap) {
+            PyErr_SetString(PyExc_IndexError, "stamp_runs: node id out of range");
+            goto done;
+        }
+    starts = PyList_New(0);
+    if (starts == NULL)
+        goto done;
+    long long s = serial - 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i == 0 || lv[i] != lv[i - 1]) {
+            PyObject *x = PyLong_FromSsize_t(i);
+            if (x == NULL || PyList_Append(starts, x) < 0) {
+                Py_XDECREF(x);
+                goto done;
+            }
+            Py_DECREF(x);
+            s++;
+        }
+        stamp[nodes[i]] = s;
+    }
+    res = starts;
+    starts = NULL;
+done:
+    Py_XDECREF(starts);
+    if (st.obj) PyBuffer_Release(&st);
+    if (nb.obj) PyBuffer_Release(&nb);
+    if (lb.obj) PyBuffer_Release(&lb);
+    return res;
+}
+
+/* walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched: the longest
+   cached prefix of keys[:limit], as `MatchRecord._walk` finds it: from the root (node 0)
+   follow each node's continuation while its key equals the next key, else look the key up in
+   `kmap` (a node found there must be a child of the current node); the nodes go to out[:matched]. */
+static PyObject *walk(PyObject *self, PyObject *args) {
+    PyObject *fobj, *node_keys, *kmap, *keys, *oobj;
+    long rc, rp;
+    Py_ssize_t limit;
+    Py_buffer f = {0}, out = {0};
+    PyObject *fast = NULL, *res = NULL;
+    if (!PyArg_ParseTuple(args, "OllO!O!OnO", &fobj, &rc, &rp, &PyList_Type, &node_keys, &PyDict_Type,
+                          &kmap, &keys, &limit, &oobj))
+        return NULL;
+    if (PyObject_GetBuffer(fobj, &f, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL)
+        goto done;
+    if (f.ndim != 2 || !is_int32(&f) || row_index(rc, &f) < 0 || row_index(rp, &f) < 0 ||
+        out.ndim != 1 || !is_int32(&out) || limit < 0 || limit > out.shape[0] ||
+        limit > PySequence_Fast_GET_SIZE(fast)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "walk: bad matrix, rows, limit or output");
+        goto done;
+    }
+    Py_ssize_t ncols = f.shape[1], nkeys = PyList_GET_SIZE(node_keys);
+    const int32_t *CONT = (int32_t *)f.buf + rc * ncols, *PARENT = (int32_t *)f.buf + rp * ncols;
+    int32_t *o = out.buf;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    int32_t n = 0;
+    Py_ssize_t i = 0;
+    for (; i < limit; i++) {
+        PyObject *key = items[i];
+        int32_t c = CONT[n];
+        int same = 0;
+        if (c >= 0 && c < nkeys) {
+            same = PyObject_RichCompareBool(PyList_GET_ITEM(node_keys, c), key, Py_EQ);
+            if (same < 0)
+                goto done;
+        }
+        if (!same) {
+            PyObject *hit = PyDict_GetItemWithError(kmap, key);
+            if (hit == NULL) {
+                if (PyErr_Occurred())
+                    goto done;
+                break;
+            }
+            long x = PyLong_AsLong(hit);
+            if (x == -1 && PyErr_Occurred())
+                goto done;
+            if (x < 0 || x >= ncols || PARENT[x] != n)
+                break;  /* (a key that was not chained: another branch) */
+            c = (int32_t)x;
+        }
+        o[i] = n = c;
+    }
+    res = PyLong_FromSsize_t(i);
+done:
+    Py_XDECREF(fast);
+    if (f.obj) PyBuffer_Release(&f);
+    if (out.obj) PyBuffer_Release(&out);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},
+    {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},
+    {"scan_live", scan_live, METH_VARARGS,
+     "scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned)"},
+    {"chain_tops", chain_tops, METH_VARARGS, "chain_tops(f, cand, par, ndev_row) -> tops of a run of whole chains, or None"},
+    {"sketch_raise", sketch_raise, METH_VARARGS,
+     "sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes"},
+    {"touch_device", touch_device, METH_VARARGS,
+     "touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu) -> (unused, blocks) or None"},
+    {"deref", deref, METH_VARARGS, "deref(f, path, ref_row, state_row, gpu, out) -> (k, all_gpu)"},
+    {"drop_run", drop_run, METH_VARARGS,
+     "drop_run(f, drop, par, top, rows, reset, node_keys, kmap, devs, stack, at) -> parents left without device children"},
+    {"new_chain", new_chain, METH_VARARGS,
+     "new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): write a new chain's columns"},
+    {"sketch_add", sketch_add, METH_VARARGS,
+     "sketch_add(row0, row1, keys, mask) -> False if a key is not 16 bytes (nothing added)"},
+    {"sketch_stamp", sketch_stamp, METH_VARARGS,
+     "sketch_stamp(stamps0, stamps1, keys, mask, now, ages) -> False if a key is not 16 bytes; ages (int64) before now"},
+    {"sketch_count", sketch_count, METH_VARARGS,
+     "sketch_count(row0, row1, keys, mask, out) -> False if a key is not 16 bytes; counts in out (int32)"},
+    {"chain_keys", chain_keys, METH_VARARGS,
+     "chain_keys(token_bytes, block_size, parent) -> keys of the full blocks, chained from parent"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvrt.runtime.cache._cache_core", NULL, -1, methods};
+
+#define XXH_FIX "reinstall the xxhash package from a wheel: pip install --force-reinstall --only-binary=:all: 'xxhash>=3.0'"
+
+/* XXH3_128bits from the xxhash package's extension module (already loaded by the import: dlopen
+   returns that image), checked against the package's own xxh3_128_digest; 0, or -1 with an
+   ImportError that says what is missing. */
+static int load_xxh3_128(void) {
+    PyObject *ext = PyImport_ImportModule("xxhash._xxhash");
+    if (ext == NULL) {
+        PyErr_SetString(PyExc_ImportError,
+                        "kvrt.runtime.cache._cache_core: cannot import xxhash._xxhash, the extension module of the xxhash "
+                        "package, whose XXH3_128bits computes block keys: pip install 'xxhash>=3.0'");
+        return -1;
+    }
+    PyObject *file = PyObject_GetAttrString(ext, "__file__");
+    PyObject *path = file ? PyUnicode_EncodeFSDefault(file) : NULL;
+    Py_XDECREF(file);
+    if (path == NULL) {
+        Py_DECREF(ext);
+        PyErr_SetString(PyExc_ImportError, "kvrt.runtime.cache._cache_core: xxhash._xxhash has no file to look XXH3_128bits "
+                                           "up in; " XXH_FIX);
+        return -1;
+    }
+    void *image = dlopen(PyBytes_AS_STRING(path), RTLD_NOW | RTLD_LOCAL);
+    void *sym = image ? dlsym(image, "XXH3_128bits") : NULL;
+    if (sym == NULL) {
+        const char *why = dlerror();
+        PyErr_Format(PyExc_ImportError, "kvrt.runtime.cache._cache_core: %s does not export XXH3_128bits (%s); " XXH_FIX,
+                     PyBytes_AS_STRING(path), why ? why : "not found");
+        Py_DECREF(path);
+        Py_DECREF(ext);
+        return -1;
+    }
+    Py_DECREF(path);
+    xxh3_128 = (kv_xxh3_128)sym;
+    /* the same bytes as the package's own digest, or no module: a key must never differ */
+    static const char probe[] = "kvrt.prefix-cache.root.v1";
+    unsigned char mine[KEY_BYTES];
+    canonical128(xxh3_128(probe, sizeof probe - 1), mine);
+    PyObject *pkg = PyImport_ImportModule("xxhash");
+    PyObject *want = pkg ? PyObject_CallMethod(pkg, "xxh3_128_digest", "y#", probe, (Py_ssize_t)(sizeof probe - 1))
+                         : NULL;
+    Py_XDECREF(pkg);
+    Py_DECREF(ext);
+    if (want == NULL)
+        return -1;
+    int same = PyBytes_Check(want) && PyBytes_GET_SIZE(want) == KEY_BYTES &&
+               memcmp(PyBytes_AS_STRING(want), mine, KEY_BYTES) == 0;
+    Py_DECREF(want);
+    if (!same) {
+        PyErr_SetString(PyExc_ImportError, "kvrt.runtime.cache._cache_core: the XXH3_128bits exported by xxhash._xxhash "
+                                           "does not give xxhash.xxh3_128_digest's bytes; " XXH_FIX);
+        return -1;
+    }
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__cache_core(void) {
+    if (xxh3_128 == NULL && load_xxh3_128() < 0)
+        return NULL;
+    return PyModule_Create(&module);
+}

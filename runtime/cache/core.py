@@ -1,0 +1,20 @@
+"""The prefix cache's per-block inner loops (runtime/cache/_cache_core.c), loaded in one place.
+
+Why: each loop has one implementation, in C; the modules that call them import them from here,
+so a checkout whose extension was never built (or was built from older source) fails at once
+with what to do, rather than somewhere inside the cache. The Python code each loop is tested
+against lives in tests/runtime/cache/cache_reference.py.
+"""
+from __future__ import annotations
+
+try:
+    from kvrt.runtime.cache._cache_core import (chain_keys, chain_tops, deref, drop_run, new_chain, scan_live, sketch_add,
+                              sketch_count, sketch_raise, sketch_stamp, stamp_runs, touch_device, walk)
+except ImportError as e:
+    if e.name != f"{__package__}._cache_core":  # it loaded and said what is wrong (xxhash) itself
+        raise
+    raise ImportError(f"runtime.cache._cache_core, the prefix cache's C loops, is not built or was built from "
+                      f"older source ({e}): build it with `pip install -e .` in the checkout") from e
+
+__all__ = ["chain_keys", "chain_tops", "deref", "drop_run", "new_chain", "scan_live", "sketch_add",
+           "sketch_count", "sketch_raise", "sketch_stamp", "stamp_runs", "touch_device", "walk"]

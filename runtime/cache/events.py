@@ -1,0 +1,336 @@
+"""KV events: the engine tells the world which block keys it holds on which tier.
+
+Why: a router in front of several nodes can only send a request to the node that already holds
+its prefix if it knows which node holds which blocks. The engine publishes every change of its
+prefix cache (a block stored on a tier, a block removed from one, everything cleared) on a
+ZeroMQ PUB socket, in vLLM's KV events shape so that routers built for vLLM consume kvrt's too:
+
+- a message is three frames: the topic, the batch's sequence number (8 bytes, big-endian) and
+  the payload, a msgpack `KVEventBatch` as vLLM's msgspec structs encode it (array-like, tagged):
+  `[ts, [event, ...]]` with events `["BlockStored", block_hashes, parent_block_hash, token_ids,
+  block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`;
+- block hashes are the prefix cache's own 16-byte keys (runtime/cache/keys.py), so a subscriber that
+  hashes a prompt the same way finds them; `token_ids` is empty (the cache keeps keys, not
+  tokens: a subscriber hashes its own prompts); `medium` is "GPU", "CPU" or "STORAGE";
+- one batch per engine step (nothing is sent for a step that changed nothing), numbered 1, 2, ...
+  without gaps, so a subscriber that sees a gap knows it missed something.
+
+The engine never waits for a subscriber: the PUB socket has a high-water mark and a batch that
+does not fit is dropped (its number is still used, so the gap shows). A subscriber that saw a gap,
+or that starts late, asks the replay socket (ROUTER on `--kv-events-port` + 1, the port vLLM uses
+next to its PUB port): it sends the 8-byte number of the first batch it lacks and gets every
+batch from there still kept (the last `REPLAY_BATCHES`), one `[seq, payload]` message each,
+then `[-1, b""]`. When the batches it asks for are no longer kept it gets a snapshot instead: one
+batch numbered as the last one published, `AllBlocksCleared` followed by a `BlockStored` for
+every block the cache holds now; applying it replaces the subscriber's view, and later batches
+apply on top. The replay socket is served by the engine loop itself (between steps), so a
+snapshot reads the cache with nobody changing it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, Sequence
+
+import msgpack
+import zmq
+
+log = logging.getLogger(__name__)
+
+GPU, CPU, STORAGE = "GPU", "CPU", "STORAGE"
+TOPIC = b"kv-events"
+SNDHWM = 10_000          # batches queued per subscriber before new ones are dropped
+REPLAY_BATCHES = 1_000   # batches kept for replay
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+MAX_REPLAY_REQUESTS = 16  # served per engine turn: a flood of requests cannot stall the loop
+
+Event = list  # one event as it is encoded: [tag, fields...]
+
+
+class CacheObserver(Protocol):
+    """What the prefix cache calls when a node gains or loses a block on a tier. `parent` is
+    the key of the block before the first of `keys` (None at the root); `keys` are chained."""
+
+    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None) -> None: ...
+
+    def removed(self, medium: str, keys: Sequence[bytes]) -> None: ...
+
+    def cleared(self) -> None:
+        """Every block is gone (a reset): nothing announced before holds any more."""
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """One block the cache holds now, for a snapshot."""
+
+    key: bytes
+    parent: bytes | None
+    medium: str
+
+
+def stored_event(keys: Sequence[bytes], parent: bytes | None, block_size: int, medium: str) -> Event:
+    return ["BlockStored", list(keys), parent, [], block_size, None, medium]
+
+
+def removed_event(keys: Sequence[bytes], medium: str) -> Event:
+    return ["BlockRemoved", list(keys), medium]
+
+
+def encode_batch(events: list[Event], ts: float | None = None) -> bytes:
+    return msgpack.packb([time.time() if ts is None else ts, events], use_bin_type=True)
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+class KVEventPublisher:
+    """The engine's end: collects events as the cache changes, publishes them as one batch per
+    `flush()`, and answers replay requests in `serve_replay()`. Both are called by the engine
+    loop; neither blocks.
+
+    `snapshot()` lists every block the cache holds now (for a subscriber that is too far behind).
+    """
+
+    def __init__(self, host: str, port: int, block_size: int, snapshot: Callable[[], Iterable[CachedBlock]],
+                 ctx: zmq.Context | None = None):
+        self.block_size = block_size
+        self._snapshot = snapshot
+        self._ctx = ctx or zmq.Context.instance()
+        self._pending: list[Event] = []
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
+        self.seq = 0
+        self.dropped = 0
+        self.pub = self._ctx.socket(zmq.PUB)
+        self.replay = self._ctx.socket(zmq.ROUTER)
+        try:
+            for s in (self.pub, self.replay):
+                s.setsockopt(zmq.LINGER, 0)
+            self.pub.setsockopt(zmq.SNDHWM, SNDHWM)
+            self.replay.setsockopt(zmq.SNDHWM, SNDHWM)
+            # a replay request is one 8-byte number: anything larger is cut off before it is buffered
+            self.replay.setsockopt(zmq.MAXMSGSIZE, 64)
+            self.pub.bind(f"tcp://{host}:{port}")
+            self.replay.bind(f"tcp://{host}:{port + 1}")
+        except zmq.ZMQError as e:
+            self.close()
+            raise OSError(f"--kv-events-port: cannot bind {host}:{port} and {port + 1}: {e}") from None
+
+    # ---- the observer the prefix cache calls
+    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None) -> None:
+        if keys:
+            self._pending.append(stored_event(keys, parent, self.block_size, medium))
+
+    def removed(self, medium: str, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._pending.append(removed_event(keys, medium))
+
+    def cleared(self) -> None:
+        self._pending.append(["AllBlocksCleared"])
+
+    # ---- the engine loop
+    def flush(self) -> None:
+        """Publish what changed since the last flush as one batch (nothing if nothing did)."""
+        if not self._pending:
+            return
+        self.seq += 1
+        payload = encode_batch(self._pending)
+        self._pending = []
+        self._kept.append((self.seq, payload))
+        try:
+            self.pub.send_multipart([TOPIC, seq_bytes(self.seq), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:  # a slow subscriber: it sees the gap and asks for a replay
+            self.dropped += 1
+            if self.dropped % 1000 == 1:
+                log.warning("kv events: %d batches dropped for subscribers that do not keep up", self.dropped)
+
+    def serve_replay(self) -> None:
+        """Answer the replay requests that arrived (a bounded number per call)."""
+        for _ in range(MAX_REPLAY_REQUESTS):
+            try:
+                frames = self.replay.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._answer(frames)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        ident, body = frames[0], frames[1:]
+        envelope = [ident]
+        if body and body[0] == b"":  # a REQ socket's delimiter: echoed, as REQ expects
+            envelope.append(b"")
+            body = body[1:]
+        if len(body) != 1 or len(body[0]) != 8:
+            log.warning("kv events: malformed replay request (%d frames) ignored", len(body))
+            return
+        start = int.from_bytes(body[0], "big", signed=True)
+        self.flush()  # everything changed so far has a number before we answer
+        try:
+            if self._kept and self._kept[0][0] <= max(start, 1):
+                for seq, payload in self._kept:
+                    if seq >= start:
+                        self.replay.send_multipart(envelope + [seq_bytes(seq), payload], flags=zmq.NOBLOCK)
+            elif start <= self.seq:
+                self.replay.send_multipart(envelope + [seq_bytes(self.seq), self.snapshot_payload()],
+                                           flags=zmq.NOBLOCK)
+            self.replay.send_multipart(envelope + [END_OF_REPLAY, b""], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("kv events: a replay subscriber does not read; its answer was cut short")
+
+    def snapshot_payload(self) -> bytes:
+        """One batch that replaces a subscriber's view with the cache's blocks now."""
+        events: list[Event] = [["AllBlocksCleared"]]
+        for b in self._snapshot():
+            events.append(stored_event([b.key], b.parent, self.block_size, b.medium))
+        return encode_batch(events)
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.replay.close(0)
+
+
+# ---- the subscriber's end -------------------------------------------------------------------------
+@dataclass
+class Batch:
+    """A decoded batch: its number and its events (as encoded: [tag, fields...])."""
+
+    seq: int
+    ts: float
+    events: list[Event]
+
+
+def decode_batch(seq: int, payload: bytes) -> Batch:
+    """A batch from the wire; ValueError when it is not one (a subscriber counts and skips it)."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False)
+    except (msgpack.UnpackException, ValueError) as e:
+        raise ValueError(f"batch {seq}: not msgpack: {e}") from None
+    if not (isinstance(obj, list) and len(obj) >= 2 and isinstance(obj[0], (int, float))
+            and isinstance(obj[1], list) and all(isinstance(e, list) and e and isinstance(e[0], str) for e in obj[1])):
+        raise ValueError(f"batch {seq}: not a KVEventBatch")
+    return Batch(seq, float(obj[0]), obj[1])
+
+
+REPLAY_TIMEOUT_S = 2.0
+
+
+class KVEventView:
+    """One node's cache as its KV events tell it: which keys it holds, on which media.
+
+    `poll()` applies what arrived. A batch whose number skips some asks the replay socket for
+    the missing ones (or a snapshot, which replaces the view) before it is applied; a subscriber
+    that starts late does the same at once (`sync()`), so its view starts complete. Malformed
+    batches are counted and skipped: a node's events are input, never trusted."""
+
+    def __init__(self, events: str, replay: str, ctx: zmq.Context | None = None):
+        self._ctx = ctx or zmq.Context.instance()
+        self.replay_addr = replay
+        self.sub = self._ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self.sub.connect(events)
+        self.media: dict[bytes, set[str]] = {}
+        self.last_seq = 0
+        self.gaps = 0
+        self.snapshots = 0
+        self.malformed = 0
+        self.lost = 0  # batches a replay could not bring back (the view may lack their changes)
+
+    def prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the node holds (any tier)."""
+        n = 0
+        media = self.media
+        for k in keys:
+            if k not in media:
+                break
+            n += 1
+        return n
+
+    def sync(self) -> None:
+        """Catch up from the replay socket (everything after the last batch applied)."""
+        self._replay(self.last_seq + 1, None)
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Apply every batch that has arrived, waiting at most `timeout_ms` for the first one.
+        Returns how many were applied."""
+        applied = 0
+        while self.sub.poll(timeout_ms if not applied else 0):
+            frames = self.sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.malformed += 1
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq <= self.last_seq:
+                continue  # already applied (from a replay)
+            if seq > self.last_seq + 1:
+                self.gaps += 1
+                self._replay(self.last_seq + 1, seq)
+                if seq <= self.last_seq:
+                    continue
+            self._apply(seq, frames[2])
+            applied += 1
+        return applied
+
+    def _replay(self, start: int, upto: int | None) -> None:
+        """Ask for the batches from `start` on (a fresh socket per request: a late answer to an
+        earlier request can never be mistaken for this one's)."""
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            s.connect(self.replay_addr)
+            s.send_multipart([b"", seq_bytes(start)])
+            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not s.poll(int(left * 1000) + 1):
+                    log.warning("kv events: no end of replay from %s within %g s", self.replay_addr,
+                                REPLAY_TIMEOUT_S)
+                    break
+                frames = s.recv_multipart()
+                if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+                    self.malformed += 1
+                    continue
+                if frames[1] == END_OF_REPLAY:
+                    break
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq > self.last_seq:
+                    self.snapshots += seq != self.last_seq + 1  # numbered as the last batch: a snapshot
+                    self._apply(seq, frames[2])
+        finally:
+            s.close(0)
+        if upto is not None and self.last_seq < upto - 1:
+            self.lost += upto - 1 - self.last_seq
+            log.warning("kv events: batches %d..%d from %s are lost", self.last_seq + 1, upto - 1, self.replay_addr)
+            self.last_seq = upto - 1
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(seq, payload)
+        except ValueError as e:
+            self.malformed += 1
+            log.warning("kv events: %s", e)
+            self.last_seq = seq
+            return
+        media = self.media
+        for ev in batch.events:
+            tag = ev[0]
+            if tag == "BlockStored" and len(ev) >= 7 and isinstance(ev[1], list) and isinstance(ev[6], str):
+                for k in ev[1]:
+                    if isinstance(k, bytes):
+                        media.setdefault(k, set()).add(ev[6])
+            elif tag == "BlockRemoved" and len(ev) >= 3 and isinstance(ev[1], list) and isinstance(ev[2], str):
+                for k in ev[1]:
+                    held = media.get(k) if isinstance(k, bytes) else None
+                    if held is not None:
+                        held.discard(ev[2])
+                        if not held:
+                            del media[k]
+            elif tag == "AllBlocksCleared":
+                media = self.media = {}
+            else:
+                self.malformed += 1
+        self.last_seq = seq
+
+    def close(self) -> None:
+        self.sub.close(0)

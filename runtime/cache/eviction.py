@@ -1,0 +1,518 @@
+"""Device block allocation and eviction for the prefix cache.
+
+Device eviction frees only what is missing (`need - free`, counting device blocks that
+in-flight swap-outs will return), takes victims in the order of the eviction policy (LRU over
+leaves by default, runtime/cache/policies/lru.py, behind runtime/cache/policies/base.py), swaps them to host blocks
+when there are any (evicting host leaves to make room), else drops them, and recycles freed
+blocks in one batch. Nothing is evicted for an allocation that would fail anyway.
+
+Without a host tier, victims are dropped a run at a time (`_drop_batched`): the policy hands out
+the next nodes (`pop_many`), and a run of chains released deepest first is freed with a few
+array operations on the node matrix, Python touching only each chain's top (unlinked from its
+surviving parent) and the keys held by the key map; the victims, their order and every field
+written are those of popping and dropping one node at a time (tests/runtime/cache/test_eviction_policies.py
+compares both). With a host tier, victims are swapped out a run at a time the same way
+(`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
+leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU with a few
+array writes. Once the host tier runs out, the rest is dropped one victim at a time
+(`_drop_one_by_one`): with a host tier a victim may have host-only children (its whole subtree
+goes with it) and a parent on the host only (which becomes a host leaf), which the batched drop
+does not handle; and the host tier runs out only when no host block is free or held by an
+evictable host leaf, which is rare.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from kvrt.ipc.protocol import TaskKind
+
+from kvrt.runtime.cache.core import chain_tops as _chain_tops_c, drop_run as _drop_run_c
+from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
+                          PREV, RESET, STATE, SWAP2CPU, NodeStore)
+
+log = logging.getLogger(__name__)
+
+# the node matrix rows runtime/cache/_cache_core.c's drop_run reads and writes, in its order; the
+# values a freed node's column is reset to
+DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV)
+RESET_ROW = tuple(RESET.tolist())
+
+
+class Eviction(NodeStore):
+    """Allocation with eviction, mixed into PrefixCache (it uses the pools, the metrics and the
+    task bookkeeping of runtime/cache/tasks.py through the same object)."""
+
+    def _take_device(self, n: int, urgent: bool = False) -> list[int] | None:
+        """`n` free device blocks, evicting only what is missing; None if not possible now.
+        Deferred swap-ins come first unless `urgent`. Nothing is evicted when free, returning
+        and evictable blocks together cannot cover the need: that allocation fails anyway."""
+        pool = self.device_pool
+        if not urgent:
+            self._start_deferred()
+        ahead = 0 if urgent else self._deferred_need
+        short = n + ahead - pool.num_free
+        if short > 0:
+            short -= self._dev_returning
+            if short > self._idle:
+                return None
+            if short > 0:
+                self._evict_device(short)
+            if pool.num_free < n + ahead:
+                self._start_deferred()
+                return None
+        got = pool.allocate(n)
+        self._start_deferred()
+        return got
+
+    def _swap_ahead(self) -> None:
+        """With a host tier, keep a few device blocks free or on their way back: a swap-out
+        takes a round trip to the cache-transfer ranks, and a request that needs a block
+        should not wait for one (nor anyone be preempted) while it is under way."""
+        short = self._low_water - self.device_pool.num_free - self._dev_returning - self._deferred_need
+        if short > 0 and self.host_pool.num_blocks and self._idle:
+            self._evict_device(min(short, self._idle))
+
+    def _evict_device(self, n: int) -> None:
+        """Evict up to `n` device blocks, in the policy's order (leaves only), a run at a time:
+        to host blocks (a SWAP2CPU task) while any can be had, else dropped."""
+        dropped: list[int] = []
+        if not self.host_pool.num_blocks:
+            evicted = self._drop_batched(n, dropped)
+            self._finish_eviction(dropped, [], [], [], [], evicted, -1, ([], []))
+            return
+        # free host blocks in one batch; host leaves are evicted only as needed
+        hosts = self.host_pool.allocate(min(n, self.host_pool.num_free))
+        hosts.reverse()  # handed out from the end, in the order they came
+        victims: list[int] = []
+        victim_keys: list[bytes] = []  # taken now: a victim may be detached before the end
+        blocks: tuple[list[int], list[int]] = ([], [])  # the victims' device and host blocks
+        evicted, more, task_id = self._swap_batched(n, hosts, victims, victim_keys, blocks)
+        freed_hosts: list[int] = []
+        if not more:  # the host tier ran out
+            evicted += self._drop_one_by_one(n - evicted, dropped, freed_hosts)
+        self._finish_eviction(dropped, freed_hosts, hosts, victims, victim_keys, evicted, task_id, blocks)
+
+    def _drop_one_by_one(self, n: int, dropped: list[int], freed_hosts: list[int]) -> int:
+        """Drop up to `n` device leaves popped one at a time, once the host tier ran out; returns
+        how many. Not batched: with a host tier a victim may have host-only children (it goes
+        with its subtree) and a parent on the host only (it becomes a host leaf), and this runs
+        only when no host block is free or held by an evictable host leaf, which is rare."""
+        pop = self._dev_lru.pop
+        ndev, child, wanted_back = self._ndev_v, self._child_v, self._wanted_back
+        evicted = 0
+        while evicted < n:
+            v = pop()
+            if v < 0:
+                break
+            if ndev[v]:
+                continue  # parked: requeued when its last device child leaves
+            if v in wanted_back:
+                continue  # parked: a swap-out still reads its block; requeued when it answers
+            evicted += 1
+            if child[v] < 0:
+                self._drop_leaf(v, dropped)
+            else:
+                self._drop_subtree(v, dropped, freed_hosts)
+        return evicted
+
+    def _drop_batched(self, n: int, devs: list[int]) -> int:
+        """Drop up to `n` device leaves (no host tier), exactly as popping and dropping them one
+        at a time would, but a run of victims at a time: the policy hands out the next nodes
+        (`pop_many`), and whole chains are freed with a few array operations, with Python work
+        only per chain top and per non-continuation key. Returns how many were dropped.
+
+        A popped node is evictable if its device children all come before it in the run and
+        are evictable themselves (popping one at a time would have dropped them first); the
+        others are parked, as `pop` parks them. One-at-a-time eviction would put a parent that
+        becomes an unqueued evictable leaf (`push_front`) next in line: the run is cut after the
+        node that frees it, and the rest of the run goes back to the front of the queue behind
+        that parent."""
+        f = self._f
+        policy = self._dev_lru
+        evicted = 0
+        while evicted < n:
+            cand = policy.pop_many(n - evicted)
+            m = len(cand)
+            if not m:
+                break
+            par = f[PARENT, cand]
+            top = self._chain_tops(cand, par)
+            if top is not None:
+                # the usual run: chains released deepest first, each node's only device child
+                # right before it; all go, and only each chain's top has a parent that stays
+                ev = None
+            else:
+                ev, top = self._evictable(cand, par, f[NDEV, cand])
+            cut = self._first_trigger(cand, par, top, ev is not None and not ev.all())
+            if cut < m:
+                self._push_back(policy, cand[cut:].tolist())
+                if ev is None:  # whole chains: the cut (after a chain's top) splits none
+                    top = [t for t in top if t < cut]
+                    ev = np.zeros(m, dtype=bool)
+                    ev[:cut] = True
+                else:  # a node whose parent was to go later in the run is now a top too
+                    ev[cut:] = False
+                    top = self._tops(cand[:cut], par[:cut], ev[:cut])
+            if ev is None:
+                self._drop_run(cand, par, top, devs)
+                evicted += m
+            elif ev.any():
+                at = np.flatnonzero(ev)
+                self._drop_run(cand[at], par[at], np.searchsorted(at, top).tolist(), devs)
+                evicted += len(at)
+        return evicted
+
+    def _swap_batched(self, n: int, hosts: list[int], victims: list[int], victim_keys: list[bytes],
+                      blocks: tuple[list[int], list[int]]) -> tuple[int, bool, int]:
+        """Start swapping out up to `n` device leaves (host tier), exactly as the per-victim loop
+        of `_evict_device` would, a run at a time: the run's victims are chosen as
+        `_drop_batched` chooses them (a node wanted back is parked too), get their host blocks
+        (`hosts`: free ones, handed out from the end; then `_take_host`) and are marked with a
+        few array operations. Choosing victims reads only device-side fields and taking host
+        leaves writes only host-side ones, so taking a run's host blocks before marking its
+        victims changes nothing. When the host tier runs out, the victims without a host block
+        go back to the front of the queue and `_drop_one_by_one` drops them. Returns how many
+        were evicted, whether host blocks are still to be had, and the swap-out's task id (-1
+        if none)."""
+        f = self._f
+        policy = self._dev_lru
+        wanted = self._wanted_back
+        evicted = 0
+        task_id = -1
+        while evicted < n:
+            cand = policy.pop_many(n - evicted)
+            m = len(cand)
+            if not m:
+                break
+            par = f[PARENT, cand]
+            nd = None
+            if wanted:
+                back = np.fromiter((v in wanted for v in cand.tolist()), dtype=bool, count=m)
+                if back.any():
+                    nd = f[NDEV, cand]
+                    nd[back] = m + 1  # never evictable in this run: parked as `pop` parks it
+            top = self._chain_tops(cand, par) if nd is None else None
+            if top is not None:
+                # the usual run: whole chains, each node's only device child right before it
+                ev = None
+                cut = self._first_trigger(cand, par, top, False)
+                at: np.ndarray | slice = slice(0, cut)
+                e = cut
+            else:
+                ev, top = self._evictable(cand, par, f[NDEV, cand] if nd is None else nd)
+                cut = self._first_trigger(cand, par, top, not ev.all())
+                at = np.flatnonzero(ev[:cut])
+                e = len(at)
+            want = e
+            if e > len(hosts):  # free host blocks first, in the order pop() hands them out
+                more = self._take_host(e - len(hosts))
+                more.reverse()
+                hosts[:0] = more
+                e = min(e, len(hosts))
+            short = e < want
+            if short:  # the host tier ran out: the rest is dropped one at a time
+                cut = e if ev is None else int(at[e])
+                at = slice(0, e) if ev is None else at[:e]
+            if cut < m:
+                self._push_back(policy, cand[cut:].tolist())
+            if e:
+                if task_id < 0:
+                    task_id = next(self._task_ids)
+                # parents that stay on the device: the chains' tops', unless a chain was split
+                outside = None if ev is not None or short else par[[t for t in top if t < cut]].tolist()
+                self._mark_swap_out(cand[at], par[at], hosts, e, task_id, victims, victim_keys, blocks,
+                                    outside)
+                evicted += e
+            if short:
+                return evicted, False, task_id
+        return evicted, True, task_id
+
+    def _mark_swap_out(self, vs: np.ndarray, par: np.ndarray, hosts: list[int], e: int, task_id: int,
+                       victims: list[int], victim_keys: list[bytes],
+                       blocks: tuple[list[int], list[int]], outside: list[int] | None) -> None:
+        """Make the `e` nodes `vs` (in eviction order, their parents `par`) SWAP2CPU in task
+        `task_id`, each with the next host block of `hosts` (taken from its end), and queue a
+        parent that becomes an unqueued evictable device leaf at the front. Their device and
+        host blocks are appended to `blocks`. `outside`: the victims' parents that are not
+        victims themselves, one per victim, if the caller knows them."""
+        f = self._f
+        take = hosts[-e:]
+        del hosts[-e:]
+        take.reverse()
+        f[HOST, vs] = take
+        blocks[0].extend(f[DEV, vs].tolist())
+        blocks[1].extend(take)
+        f[STATE, vs] = SWAP2CPU
+        self._task[vs] = task_id
+        self._host_cached += e
+        self._idle -= e
+        ids = vs.tolist()
+        victims += ids
+        keys = self._keys
+        victim_keys += [keys[v] for v in ids]
+        # each victim's device children went before it: none is left; only parents outside the
+        # run (the chains' tops') lose device children that stay
+        f[NDEV, vs] = 0
+        if outside is None:
+            pos = self._pos_scratch
+            pos[vs] = 0
+            outside = par[pos[par] < 0].tolist()
+            pos[vs] = -1
+        ndev, state, ref, lru = self._ndev_v, self._state_v, self._ref_v, self._dev_lru
+        for p in outside:
+            ndev[p] -= 1
+        for p in outside:  # at most the last victim's parent qualifies: the run is cut there
+            if ndev[p] == 0 and state[p] == GPU and ref[p] == 0 and p not in lru:
+                lru.push_front(p)
+
+    def _chain_tops(self, cand: np.ndarray, par: np.ndarray) -> list[int] | None:
+        """Is the run `cand` (parents `par`) whole chains released deepest first, each node's
+        only device child right before it? Then the indices of the chains' tops (whose parent
+        is not the next node; the last node always), else None. One C call."""
+        return _chain_tops_c(self._f, cand, par, NDEV)
+
+    def _evictable(self, cand: np.ndarray, par: np.ndarray, nd: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """Which nodes of a run go (every device child comes earlier in the run and goes too;
+        the others are parked) and the indices of those whose parent stays (the tops)."""
+        m = len(cand)
+        idx = np.arange(m, dtype=np.int32)
+        pos = self._pos_scratch
+        pos[cand] = idx
+        q = pos[par]        # where each node's parent is in the run, -1 if not in it
+        pos[cand] = -1
+        below = q > idx     # a child of a later node of the run
+        ev = nd == np.bincount(q[below], minlength=m) if below.any() else nd == 0
+        if not ev.all():
+            up = q.tolist()  # parked: so are its ancestors in the run (each visited once)
+            for j in np.flatnonzero(~ev).tolist():
+                while True:
+                    k = up[j]
+                    if k <= j or not ev[k]:
+                        break
+                    ev[k] = False
+                    j = k
+        inner = below.copy()
+        inner[below] = ev[q[below]]   # the parent goes in this run too
+        return ev, np.flatnonzero(ev & ~inner).tolist()
+
+    def _tops(self, cand: np.ndarray, par: np.ndarray, ev: np.ndarray) -> list[int]:
+        """The indices of the nodes of `cand` that go (`ev`) while their parent stays."""
+        pos = self._pos_scratch
+        pos[cand[ev]] = 0
+        top = np.flatnonzero(ev & (pos[par] < 0)).tolist()
+        pos[cand[ev]] = -1
+        return top
+
+    def _first_trigger(self, cand: np.ndarray, par: np.ndarray, top: list[int], parked: bool) -> int:
+        """The length of the run up to and including the first node whose drop makes its parent
+        an evictable leaf that is not queued (one-at-a-time eviction takes that parent next);
+        the whole run if none does. With `parked` nodes in the run, a parent popped earlier in
+        the run (parked) is not queued; one later in it still is."""
+        m = len(cand)
+        ndev, state, ref = self._ndev_v, self._state_v, self._ref_v
+        if len(top) == 1:  # the usual run: one chain; its top's parent keeps other device children
+            p = int(par[top[0]])
+            if ndev[p] > 1 or state[p] != GPU or ref[p]:
+                return m
+        counts: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for t in top:
+            p = int(par[t])
+            counts[p] = counts.get(p, 0) + 1
+            last[p] = t
+        cut = m
+        for p, c in counts.items():
+            at = last[p]
+            if (ndev[p] == c and state[p] == GPU and ref[p] == 0 and at + 1 < cut
+                    and p not in self._dev_lru):
+                if parked:
+                    where = np.flatnonzero(cand == p)
+                    if len(where) and where[0] > at:
+                        continue  # still queued when its last child goes
+                cut = at + 1
+        return cut
+
+    def _drop_run(self, drop: np.ndarray, par: np.ndarray, top: list[int], devs: list[int]) -> None:
+        """Free the nodes `drop` (unreferenced GPU nodes whose children are all in `drop`, in
+        eviction order; `par` their parents); `top` indexes those whose
+        parent stays: only they are unlinked from a live node. Their parents that become
+        evictable leaves are queued at the front. The node surgery is one C call (instead of a
+        dozen numpy operations and three loops)."""
+        keys = self._keys
+        m = len(drop)
+        if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
+            self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
+        top_ = self._top
+        freed_parents = _drop_run_c(self._f, np.ascontiguousarray(drop, dtype=np.int32),
+                                    np.ascontiguousarray(par, dtype=np.int32), top, DROP_ROWS,
+                                    RESET_ROW, keys, self._map, devs, self._stack, top_)
+        self._top = top_ + m
+        self._dev_cached -= m
+        self._idle -= m
+        state, ref = self._state_v, self._ref_v
+        for p in freed_parents:
+            if state[p] == GPU and ref[p] == 0 and p not in self._dev_lru:
+                self._dev_lru.push_front(p)
+
+    def _drop_leaf(self, v: int, devs: list[int]) -> None:
+        """Drop an unreferenced GPU leaf (no children, no task): `_unlink` + `_free_node`
+        written out, with only the fields that are not already at their reset values."""
+        parent_v, next_v, prev_v, dev_v = self._parent_v, self._next_v, self._prev_v, self._dev_v
+        p, before, after = parent_v[v], prev_v[v], next_v[v]
+        if self._cont_v[p] == v:
+            self._cont_v[p] = -1
+        else:
+            del self._map[self._keys[v]]
+        if self._obs is not None:
+            self._tell_lost(v)
+        self._keys[v] = None
+        if before >= 0:
+            next_v[before] = after
+        else:
+            self._child_v[p] = after
+        if after >= 0:
+            prev_v[after] = before
+        devs.append(dev_v[v])
+        self._dev_cached -= 1
+        self._idle -= 1
+        parent_v[v] = dev_v[v] = next_v[v] = prev_v[v] = -1
+        self._hits_v[v] = 0
+        state = self._state_v
+        state[v] = FREE
+        self._stack_v[self._top] = v
+        self._top += 1
+        left = self._ndev_v[p] - 1  # _device_child_gone, inlined
+        self._ndev_v[p] = left
+        if left == 0 and state[p] == GPU and self._ref_v[p] == 0 and p not in self._dev_lru:
+            self._dev_lru.push_front(p)
+        if after < 0 and before < 0 and state[p] == CPU:
+            self._host_leaf_again(p)
+
+    def _finish_eviction(self, dropped: list[int], freed_hosts: list[int], hosts: list[int],
+                         victims: list[int], victim_keys: list[bytes], evicted: int,
+                         task_id: int, blocks: tuple[list[int], list[int]]) -> None:
+        """The end of an eviction: recycle what it freed in one batch, issue its swap-out
+        (`blocks`: the victims' device and host blocks)."""
+        self.host_pool.free(hosts + freed_hosts)
+        self.device_pool.free(dropped)
+        if victims:
+            self._new_task(TaskKind.SWAP2CPU, victims, blocks[0], blocks[1], victim_keys, task_id=task_id)
+            self._dev_returning += len(victims)
+            self.metrics.swap_out_blocks += len(victims)
+        self.metrics.evicted_device_blocks += evicted
+        log.debug("evicted %d device blocks (%d to host)", evicted, len(victims))
+
+    def _take_host(self, n: int) -> list[int]:
+        """Up to `n` host blocks: free ones first, then by dropping host leaves in the policy's
+        order, a run (`pop_many`) at a time: a run of chains released deepest first is freed
+        with a few array operations (Python touching each chain's top), exactly as popping and
+        dropping one leaf at a time would; any other run goes node by node."""
+        pool = self.host_pool
+        got = pool.allocate(min(n, pool.num_free))
+        policy = self._host_lru
+        dropped = 0
+        while len(got) < n:
+            cand = policy.pop_many(n - len(got))
+            if not len(cand):
+                break
+            dropped += self._drop_host_run(cand, got)
+        self.metrics.evicted_host_blocks += dropped
+        return got
+
+    def _drop_host_run(self, cand: np.ndarray, hosts: list[int]) -> int:
+        """Drop the host leaves of the popped run `cand` as one-at-a-time eviction would, their
+        blocks appended to `hosts`; returns how many. A run whose every node is a leaf once the
+        nodes before it are gone (a chain's only child comes right before it) is freed at once;
+        it is cut after the first node whose drop makes its parent an unqueued host leaf (that
+        parent comes next), the rest going back to the front of the queue."""
+        f = self._f
+        policy = self._host_lru
+        m = len(cand)
+        g = f[:, cand]
+        par, child = g[PARENT], g[CHILD]
+        link = par[:-1] == cand[1:]
+        # a node goes if it has no child, or its only child is the run's node right before it
+        only = link & (g[PREV, :-1] < 0) & (g[NEXT, :-1] < 0)
+        usual = (child[0] < 0 and (g[STATE] == CPU).all()
+                 and ((child[1:] < 0) | (only & (child[1:] == cand[:-1]))).all()
+                 and not (link & ~only).any())
+        if not usual:
+            return self._drop_host_slow(cand, hosts)
+        keys, kmap = self._keys, self._map
+        mapped = f[CONT, par] != cand  # found through the key map, not as their parent's continuation
+        child_v, state, ref = self._child_v, self._state_v, self._ref_v
+        top = np.flatnonzero(~link).tolist()
+        top.append(m - 1)
+        cut, leaf = m, -1
+        for t in top:
+            p = self._detach_sibling(int(cand[t]))
+            if child_v[p] < 0 and state[p] == CPU and ref[p] == 0 and p not in policy:
+                cut, leaf = t + 1, p  # that parent is next in line
+                break
+        if cut < m:
+            self._push_back(policy, cand[cut:].tolist())
+            cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
+        drop = cand.tolist()
+        for v in cand[mapped].tolist():
+            del kmap[keys[v]]
+        if self._obs is not None:  # host-only nodes
+            self._obs.removed(ON_HOST, [keys[v] for v in drop])
+        for v in drop:
+            keys[v] = None
+        hosts += g[HOST].tolist()
+        self._host_cached -= cut
+        f[:, cand] = RESET[:, None]
+        top_ = self._top
+        self._stack[top_:top_ + cut] = cand
+        self._top = top_ + cut
+        if leaf >= 0:
+            policy.push_front(leaf)
+        return cut
+
+    def _drop_host_slow(self, cand: np.ndarray, hosts: list[int]) -> int:
+        """`_drop_host_run` node by node, for a run of any shape, as popping one node at a time
+        would: a node with children is parked; a dropped node's parent that becomes a host leaf
+        keeps its turn if it is queued or comes later in the run, and otherwise is next in line:
+        the run ends there (the rest goes back to the front of the queue, behind that parent).
+        Each node is unlinked in turn (the next one's fate reads the links); the dropped ones
+        are freed together at the end, in order, as `_free_node` frees them (host queue nodes
+        are CPU nodes without a task or a device block, already out of both queues)."""
+        f = self._f
+        if not (f[STATE, cand] == CPU).all():
+            raise RuntimeError("the host eviction queue holds a node that is not on the host only")
+        child_v, parent_v, next_v, prev_v = self._child_v, self._parent_v, self._next_v, self._prev_v
+        cont_v, state, ref, policy = self._cont_v, self._state_v, self._ref_v, self._host_lru
+        keys, kmap = self._keys, self._map
+        ids = cand.tolist()
+        at = {v: i for i, v in enumerate(ids)}
+        freed: list[int] = []
+        for i, v in enumerate(ids):
+            if child_v[v] >= 0:
+                continue  # parked: requeued when its last child leaves
+            p = parent_v[v]
+            last = (at.get(p, -1) <= i and child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0
+                    and state[p] == CPU and ref[p] == 0 and p not in policy)
+            if last:
+                self._push_back(policy, ids[i + 1:])
+            if cont_v[p] != v:  # `_unlink`
+                del kmap[keys[v]]
+            self._detach_sibling(v)
+            freed.append(v)
+            if last:
+                self._host_leaf_again(p)  # p is next, ahead of the rest
+                break
+        if self._obs is not None:
+            for v in freed:
+                self._tell_lost(v)
+        for v in freed:
+            keys[v] = None
+        hosts += f[HOST, freed].tolist()
+        self._host_cached -= len(freed)
+        f[:, freed] = RESET[:, None]
+        self._task[freed] = -1
+        top = self._top
+        self._stack[top:top + len(freed)] = freed
+        self._top = top + len(freed)
+        return len(freed)

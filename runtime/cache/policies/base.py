@@ -1,0 +1,94 @@
+"""The interface between the prefix cache and its eviction policy.
+
+The cache keeps one queue per tier of the nodes eviction may take (device: unreferenced GPU
+nodes; host: CPU nodes) and tells it every change; the policy decides only the order in which
+`pop` hands them out. Age and reuse (runtime/cache/policies/reuse.py) is the default; age, reuse and
+reuse gap (runtime/cache/policies/gaps.py) and LRU over leaves (runtime/cache/policies/lru.py) the others; another policy is one
+new file with a class of this shape, passed as `PrefixCache(..., policy=TheClass)`, and named in
+`POLICIES` so that `--eviction NAME` picks it.
+
+What the cache guarantees and expects, whatever the policy:
+- `push` gets the nodes a request released, deepest first, so a policy that keeps that order
+  evicts leaves before their ancestors; the cache skips (parks) a popped node that still has
+  children on the device, and gives it back through `push_front` when it becomes a leaf again.
+- The calls sit on the cache's hot paths (every matched and released path, every evicted
+  block): a policy must be O(1) per node amortised (O(log n) per batch at most), and batch calls
+  take numpy arrays.
+- Besides `pop`, a policy hands out runs: `pop_many(k) -> np.ndarray`, the next `k` nodes
+  (fewer if the queue runs out), exactly as `k` calls of `pop` would return them. The cache
+  evicts whole runs at once (runtime/cache/eviction.py), which is what makes eviction about as
+  cheap per block as recording.
+"""
+from __future__ import annotations
+
+import importlib
+
+from typing import Callable, Protocol
+
+import numpy as np
+
+
+class EvictionPolicy(Protocol):
+    """One tier's evictable nodes, in the order they are to be evicted.
+
+    A policy class may set `counts_uses = True`: the cache then also counts, for every block a
+    request recorded, the earlier requests that used its key while it was not cached (a count
+    sketch, runtime/cache/use_sketch.py), so `hits` carries a block's history past its eviction. One
+    that also sets `counts_gaps = True` has a method `recorded(nodes, ages)`: the device tier's
+    policy is told, for the nodes a request just computed (a path, root side first), how many
+    requests ago each one's key was last used (-1: unknown)."""
+
+    def __init__(self, capacity: int, hits: np.ndarray) -> None:
+        """A queue for node ids 0 .. capacity-1. `hits[n]` is how many matches reused node `n`
+        since it was created (the node matrix's row, kept up to date by the cache; read only):
+        a policy that ranks by reuse reads it when a node is pushed."""
+
+    def __contains__(self, n: int) -> bool:
+        """Is node `n` queued?"""
+
+    def push(self, nodes: np.ndarray) -> None:
+        """Nodes that became evictable (released, or moved to this tier), deepest first; the
+        policy keeps the array (the caller does not modify it). A queued node is re-queued."""
+
+    def push_front(self, n: int) -> None:
+        """Node `n` (not queued) became a leaf again: it may be evicted next."""
+
+    def discard(self, nodes: np.ndarray) -> None:
+        """Take `nodes` out (queued or not): they are in use again."""
+
+    def discard_one(self, n: int) -> None:
+        """`discard` for one node."""
+
+    def pop(self) -> int:
+        """The next node to evict, taken out of the queue; -1 if none is queued."""
+
+    def pop_many(self, k: int) -> np.ndarray:
+        """The next `k` nodes (int32; fewer if the queue runs out), taken out of the queue
+        exactly as `k` calls of `pop` would take them."""
+
+    def members(self) -> list[int]:
+        """The queued nodes in eviction order (for the invariant checker)."""
+
+    def stamped(self) -> list[int]:
+        """The nodes the policy's own bookkeeping says are queued (for the invariant checker:
+        must equal `members()` as a set)."""
+
+
+def policy_names() -> list[str]:
+    """The names `--eviction` accepts, the default first."""
+    return list(_POLICIES)
+
+
+def make_policy(name: str) -> Callable[[int, np.ndarray], EvictionPolicy]:
+    """The policy class named `name` (one of `policy_names()`)."""
+    try:
+        module, cls = _POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(_POLICIES)})") from None
+    return getattr(importlib.import_module(module, __package__), cls)
+
+
+# name -> (module, class); imported on demand, so a policy's module is loaded only when chosen
+_POLICIES = {"gaps": ("kvrt.runtime.cache.policies.gaps", "ReuseGaps"),
+             "reuse": ("kvrt.runtime.cache.policies.reuse", "ReuseLevels"),
+             "lru": ("kvrt.runtime.cache.policies.lru", "EvictionQueue")}

@@ -1,0 +1,313 @@
+"""The client API contract: messages between a client and the engine over ZeroMQ.
+
+The engine binds a ROUTER socket on `tcp://HOST:PORT`; a client connects a DEALER socket and
+sends single-frame messages (this codec: msgpack maps with a type and a version, token lists as
+int32 bytes; never pickle). Answers are routed back by the client's socket identity and carry
+the request id, so one client socket can keep many requests in flight.
+
+A request's life on the wire: GenerateRequest -> TokenEvent* -> FinishedEvent, or ErrorEvent at
+any point (bad request, failed cache transfer, node stopping). InfoRequest and
+ResetPrefixCacheRequest are answered at once, matched to their question by a nonce. CancelRequest ends it early with
+a FinishedEvent whose finish_reason is "cancelled"; only the socket that submitted a request
+can cancel it (to any other, the request is unknown).
+
+What the engine tolerates from one client, so that no client can grow it without bound: a
+message of at most `max_message_bytes` (bigger frames are dropped by libzmq before they are
+read, and the connection with them), request ids of at most MAX_REQUEST_ID_BYTES printable
+characters, MAX_REQUESTS_PER_CLIENT requests in flight, and a client that stops reading until
+CLIENT_QUEUE answers wait for it has its requests cancelled (ErrorEvent SLOW_CLIENT, sent once
+it reads again). A client that disconnects has its requests cancelled. The engine checks
+connections by sending an empty message now and then: clients ignore empty messages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from kvrt.ipc.codec import Codec
+
+API = Codec()
+
+# ErrorEvent codes
+BAD_REQUEST = "bad_request"    # the request itself is invalid; nothing else changed
+DUPLICATE = "duplicate"        # a request with this id is already in flight
+UNKNOWN = "unknown_request"    # cancel of a request the engine does not know
+FAILED = "failed"              # the engine could not finish it (lost KV, transfer failure)
+STOPPING = "stopping"          # the node is shutting down and takes no new requests
+SLOW_CLIENT = "slow_client"    # the client did not read its answers: its requests were cancelled
+TOO_MANY = "too_many_requests"  # the client already has MAX_REQUESTS_PER_CLIENT requests in flight
+
+MAX_REQUEST_ID_BYTES = 256
+MAX_REQUESTS_PER_CLIENT = 1024
+CLIENT_QUEUE = 1024           # answers queued for one client before it counts as not reading
+MESSAGE_SLACK = 64 << 10      # a message's bytes besides its token ids (keys, id, PD descriptors)
+
+
+def max_message_bytes(max_model_len: int) -> int:
+    """The largest message a node with this model length accepts: the longest valid prompt as
+    int32 bytes, plus the rest of the message."""
+    return max_model_len * 4 + MESSAGE_SLACK
+
+
+def request_id_problem(request_id: object) -> str:
+    """What is wrong with a request id, or "": every answer repeats it, so it stays short."""
+    if not isinstance(request_id, str):
+        return f"request_id must be a string, got {type(request_id).__name__}"
+    if not request_id:
+        return "request_id must not be empty"
+    size = len(request_id.encode("utf-8", "replace"))
+    if size > MAX_REQUEST_ID_BYTES:
+        return f"request_id is {size} bytes long; at most {MAX_REQUEST_ID_BYTES} are allowed"
+    if not request_id.isprintable():
+        return "request_id must be printable (no control characters or line breaks)"
+    return ""
+
+
+@dataclass
+class Generation:
+    """What a request asks of the model, shared by a client's request and P's preallocation
+    on D (so D's tokens are the ones one node would give). `eos_token_id` >= 0 stops early
+    when sampled. `use_cache` False neither matches nor records prefix-cache blocks (the
+    cache-off side of a comparison).
+
+    Sampling: `temperature` 0 is greedy (exactly argmax); above 0 the logits are divided by
+    it, cut to the `top_k` most likely tokens (0: no cut), then to the smallest set whose
+    probability reaches `top_p`, and one token is drawn. `seed` makes the draws reproducible
+    (the same request with the same seed gives the same tokens, whatever else the node runs);
+    None lets the node pick one. Any of `stop_token_ids` ends the request (finish reason
+    "stop", the token included). `logprobs` True adds each output token's log-probability
+    under the model's unscaled logits to the answers. Stop strings need text, so they are
+    the client's (runtime/client/stop.py)."""
+
+    request_id: str
+    prompt: np.ndarray
+    max_new_tokens: int
+    eos_token_id: int = -1
+    use_cache: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list = field(default_factory=list)
+    logprobs: bool = False
+
+    def generation(self) -> dict:
+        """This message's `Generation` fields by name, to build another message from."""
+        return {f.name: getattr(self, f.name) for f in fields(Generation)}
+
+
+@API.message("generate")
+@dataclass
+class GenerateRequest(Generation):
+    """Generation of up to `max_new_tokens` tokens after `prompt` (see `Generation`).
+    `stream` False sends only the FinishedEvent."""
+
+    stream: bool = True
+
+
+@API.message("cancel")
+@dataclass
+class CancelRequest:
+    request_id: str
+
+
+@API.message("info")
+@dataclass
+class InfoRequest:
+    """Ask for the node's model limits (vocab size, longest sequence) before sending work."""
+
+    nonce: int = 0
+
+
+@API.message("info_reply")
+@dataclass
+class InfoReply:
+    """The node's model limits. `model_dir` is the checkpoint directory the node serves ("" for
+    the built-in reference model): a client on the same machine loads the tokenizer from it."""
+
+    nonce: int
+    node: str
+    role: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    eos_token_id: int
+    model_dir: str = ""
+
+
+@API.message("reset_prefix_cache")
+@dataclass
+class ResetPrefixCacheRequest:
+    """Drop the node's prefix cache, as operators do with vLLM's `POST /reset_prefix_cache` or
+    SGLang's `/flush_cache`: nothing cached before is matched after. Requests in flight finish
+    with the answers they would have given; the blocks they hold are freed when they end."""
+
+    nonce: int = 0
+
+
+@API.message("reset_prefix_cache_reply")
+@dataclass
+class ResetPrefixCacheReply:
+    """What a reset dropped: blocks freed per tier (`device`, `host`); keys of a node-local
+    storage tier the node forgot (`storage`: it reads none of those objects again; a shared
+    store belongs to several nodes and is left as it is: 0); blocks that left the cache but
+    stay in use until the requests or tasks holding them end (`held_device`, `held_host`)."""
+
+    nonce: int
+    device: int
+    host: int
+    storage: int = 0
+    held_device: int = 0
+    held_host: int = 0
+
+
+@API.message("tokens")
+@dataclass
+class TokenEvent:
+    """New output tokens of a streaming request, in order; `index` is the position of the first
+    of them in the output. `logprobs`: theirs, if the request asked (else empty)."""
+
+    request_id: str
+    index: int
+    token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+
+@API.message("finished")
+@dataclass
+class FinishedEvent:
+    """The whole answer and what it cost. Every prompt token is either cached (served by a tier:
+    `cached_*`) or computed (the model ran it for this request: `computed_prompt_tokens`, each
+    position counted once even if a preemption made it run again), so they add up to
+    `prompt_tokens` (less only for a request cancelled before its prompt was through; see
+    runtime/engine/sequence.py). Times are measured by the engine from intake."""
+
+    request_id: str
+    output_token_ids: np.ndarray
+    finish_reason: str           # "length", "eos", "stop" or "cancelled"
+    prompt_tokens: int
+    cached_device: int = 0
+    cached_host: int = 0
+    cached_storage: int = 0
+    computed_prompt_tokens: int = 0
+    preemptions: int = 0
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    output_logprobs: list = field(default_factory=list)  # one per output token, if asked
+
+
+@API.message("error")
+@dataclass
+class ErrorEvent:
+    request_id: str
+    code: str
+    message: str
+
+
+# ---- between a prefill engine (P) and a decode engine (D), on D's client socket --------------
+# P -> D: PdHello; D -> P: PdWelcome (runtime/pd/auth.py). Then every message either way is
+# inside a PdSealed of that session:
+# P -> D: PdPrealloc, then PdKvReady or PdAbort (and CancelRequest, relayed from P's client);
+#         PdPing while idle.
+# D -> P: PdAllocated or ErrorEvent, then TokenEvent* and FinishedEvent, which P relays; PdPong.
+# D answers a sealed message it cannot open with PdRefused (in clear: P then says hello again).
+
+@API.message("pd_hello")
+@dataclass
+class PdHello:
+    """P -> D, in clear: open a session for peer `peer` (P's node name)."""
+
+    peer: str
+    nonce: bytes
+
+
+@API.message("pd_welcome")
+@dataclass
+class PdWelcome:
+    """D -> P, in clear: the new session; `mac` proves D holds the shared secret."""
+
+    nonce: bytes
+    session: bytes
+    mac: bytes
+
+
+@API.message("pd_sealed")
+@dataclass
+class PdSealed:
+    """An authenticated peer message: `body` is an encoded message of this API."""
+
+    session: bytes
+    counter: int
+    body: bytes
+    mac: bytes
+
+
+@API.message("pd_refused")
+@dataclass
+class PdRefused:
+    """D -> P, in clear: a peer message was refused (unknown session, bad signature)."""
+
+    session: bytes
+    reason: str
+
+
+@API.message("pd_ping")
+@dataclass
+class PdPing:
+    """P -> D, sealed: are you there? (P notices a dead D without waiting --pd-timeout)."""
+
+    nonce: int = 0
+
+
+@API.message("pd_pong")
+@dataclass
+class PdPong:
+    """D -> P, sealed: here; `free_blocks`: blocks D could give this peer now (-1: not said),
+    which P uses to pick among several decode nodes."""
+
+    nonce: int = 0
+    free_blocks: int = -1
+
+
+@API.message("pd_prealloc")
+@dataclass
+class PdPrealloc(Generation):
+    """P asks D to hold blocks for a request's prompt (D matches its own prefix cache first:
+    only blocks past `cached_tokens` of D's answer travel). The sampling parameters are the
+    request's (P already picked the seed)."""
+
+
+@API.message("pd_allocated")
+@dataclass
+class PdAllocated:
+    """D's answer: its block ids for the prompt (in token order), the prompt tokens it already
+    has, how each of its ranks is reached (transport descriptors), and how long it holds the
+    blocks before taking them back (the lease)."""
+
+    request_id: str
+    block_ids: np.ndarray
+    cached_tokens: int
+    descriptors: list
+    lease_s: float
+    free_blocks: int = -1  # as in PdPong, once these blocks are taken
+
+
+@API.message("pd_kv_ready")
+@dataclass
+class PdKvReady:
+    """P -> D: every rank wrote the blocks; the request continues on D after `first_token`
+    (`first_logprob`: its log-probability, if the request asked)."""
+
+    request_id: str
+    first_token: int
+    first_logprob: float = 0.0
+
+
+@API.message("pd_abort")
+@dataclass
+class PdAbort:
+    """P -> D: give the request's blocks back now (P failed or the client cancelled)."""
+
+    request_id: str
+    reason: str = ""

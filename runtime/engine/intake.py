@@ -1,0 +1,107 @@
+"""Request validation at intake: a bad request gets one clear message and changes nothing.
+
+Checked before anything is allocated (ARCHITECTURE.md §7): a request that passes can always
+run to the end on this node, alone if need be, so the scheduler never meets one that cannot.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+
+import numpy as np
+
+from kvrt.runtime.client.api import GenerateRequest, request_id_problem
+from kvrt.runtime.node.config import NodeConfig
+
+
+def show(value: object, limit: int = 40) -> str:
+    """A value as an error message may quote it: its repr, cut short (a hostile value can be
+    as long as a whole message), and its type (True and 1 look alike otherwise)."""
+    r = repr(value)
+    if len(r) > limit:
+        r = r[:limit - 3] + "..."
+    return f"{r} ({type(value).__name__})"
+
+
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (msgpack's true is Python's True, and True == 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+MAX_TEMPERATURE = 100.0  # far past where the distribution is uniform in practice
+MAX_STOP_TOKEN_IDS = 64
+SEED_LIMIT = 1 << 63     # seeds are in [0, SEED_LIMIT): one int64 on every path
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float that is not a bool (a client may send 1 for 1.0)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def sampling_problem(req: object, vocab_size: int) -> str:
+    """The first problem with the sampling fields of a request (GenerateRequest or a P->D
+    preallocation, which carries the same fields), or ""."""
+    t = req.temperature
+    if not is_number(t) or not 0 <= t <= MAX_TEMPERATURE:
+        return f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy), got {show(t)}"
+    if not is_number(req.top_p) or not 0 < req.top_p <= 1:
+        return f"top_p must be a number in (0, 1], got {show(req.top_p)}"
+    if not is_int(req.top_k) or not 0 <= req.top_k <= vocab_size:
+        return f"top_k must be an integer in [0, {vocab_size}] (0: no limit), got {show(req.top_k)}"
+    if req.seed is not None and (not is_int(req.seed) or not 0 <= req.seed < SEED_LIMIT):
+        return f"seed must be an integer in [0, 2**63) or null, got {show(req.seed)}"
+    stops = req.stop_token_ids
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_TOKEN_IDS:
+        return f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {show(stops)}"
+    for tok in stops:
+        if not is_int(tok) or not 0 <= tok < vocab_size:
+            return f"stop_token_ids must hold token ids in [0, {vocab_size}), got {show(tok)}"
+    if not isinstance(req.logprobs, bool):
+        return f"logprobs must be true or false, got {show(req.logprobs)}"
+    return ""
+
+
+def sampling_of(req: object) -> dict:
+    """A validated request's sampling fields as Sequence keyword arguments. A request without
+    a seed gets one drawn here, once, so every step (and a decode node) uses the same."""
+    if req.seed is None:
+        req.seed = secrets.randbelow(SEED_LIMIT)
+    return dict(temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k),
+                seed=int(req.seed), stop_token_ids=frozenset(req.stop_token_ids), logprobs=req.logprobs)
+
+
+def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
+    """The first problem with `req` on a node configured as `cfg`, or "" if there is none.
+    Every field is checked for its exact type here, before any of it touches state."""
+    problem = request_id_problem(req.request_id)
+    if problem:
+        return problem
+    if not is_int(req.max_new_tokens) or req.max_new_tokens <= 0:
+        return f"max_new_tokens must be a positive integer, got {show(req.max_new_tokens)}"
+    if not is_int(req.eos_token_id) or not -1 <= req.eos_token_id < cfg.vocab_size:
+        return (f"eos_token_id must be an integer below the vocabulary size {cfg.vocab_size} (or -1 for none), "
+                f"got {show(req.eos_token_id)}")
+    for name in ("use_cache", "stream"):
+        if not isinstance(getattr(req, name), bool):
+            return f"{name} must be true or false, got {show(getattr(req, name))}"
+    if problem := sampling_problem(req, cfg.vocab_size):
+        return problem
+    prompt = req.prompt
+    if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.dtype != np.int32:
+        return f"prompt must be int32 token ids, got {show(prompt)}"
+    if len(prompt) == 0:
+        return "prompt is empty"
+    total = len(prompt) + req.max_new_tokens
+    if total > cfg.max_model_len:
+        return (f"prompt ({len(prompt)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} exceeds "
+                f"the model's max_model_len {cfg.max_model_len}")
+    blocks = -(-total // cfg.block_size)
+    if blocks > cfg.num_gpu_blocks:
+        return (f"the request needs {blocks} KV blocks of {cfg.block_size} tokens, but the device pool "
+                f"has only {cfg.num_gpu_blocks} (raise --num-gpu-blocks)")
+    lo, hi = int(np.min(prompt)), int(np.max(prompt))
+    if lo < 0 or hi >= cfg.vocab_size:
+        bad = lo if lo < 0 else hi
+        return f"token id {bad} is out of range [0, {cfg.vocab_size})"
+    return ""

@@ -1,0 +1,477 @@
+"""The life of a node, as the launcher runs it: create every shared object, start the
+children, wait until each is ready, supervise, and stop cleanly.
+
+Why the launcher owns every object: one owner per shared object makes its lifetime explicit.
+Children only attach, so a child crash never leaves a half-owned segment; the launcher
+unlinks everything at exit, also after a crash, and a later launcher or `kvrt clean`
+reclaims what a SIGKILLed launcher left (the registry lists it all).
+
+Children are real processes started from the command line (no fork of this process, no
+pickle); they get SIGTERM if the launcher dies (PR_SET_PDEATHSIG) and also notice by
+themselves through the registry owner's pid.
+
+Supervision: the launcher waits on a pidfd per child (it reaps through Popen, so the exit
+status it reports is the real one) and reads every ready child's heartbeat; a child that died,
+or whose heartbeat the launcher has seen still for --hang-timeout of its own running time (a
+node paused whole and resumed is not hung: ipc/watchdog.py), fails the node. The engine goes
+first: the launcher writes why into the node's errors row and sends it SIGTERM, so it fails every request
+in flight with that reason at once; only then are the others stopped (a hung one killed). The
+culprit reported is the process that failed by itself, in its own words (its errors row), not
+one that merely left after it.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from kvrt.ipc import protocol as P
+from kvrt.ipc.allreduce import AllReduce
+from kvrt.ipc.allreduce import segment_bytes as allreduce_bytes
+from kvrt.ipc.registry import Registry
+from kvrt.ipc.ring import HEADER as RING_HEADER
+from kvrt.ipc.ring import Ring
+from kvrt.ipc.signals import Signal
+from kvrt.ipc.watchdog import Watchdog, pause_gap
+from kvrt.runtime.node.config import NodeConfig
+
+log = logging.getLogger("kvrt.launch")
+RING_BYTES = 1 << 20
+PAGE = 4096
+ENGINE_ABORT_S = 5.0  # how long a failing node waits for the engine to fail its requests and exit
+SUPERVISE_S = 0.2  # the supervision loop's period: its longest wait for a child's exit
+_PR_SET_PDEATHSIG = 1
+
+
+class PoolMaker(Protocol):
+    """How the KV pools are sized and made; the launcher passes workers/' implementation in,
+    so runtime/ never imports workers/."""
+
+    def bytes_needed(self, cfg: NodeConfig) -> int: ...
+
+    def create(self, reg: Registry, cfg: NodeConfig, progress: Callable[[str], None]) -> None: ...
+
+
+@dataclass
+class Child:
+    role: int
+    rank: int
+    proc: subprocess.Popen
+    pidfd: int = -1  # readable once the process exited (select.poll), without reaping it
+
+    @property
+    def name(self) -> str:
+        return f"{P.ROLE_NAMES[self.role]}[{self.rank}]"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def describe_exit(code: int | None) -> str:
+    """A Popen return code in words: the real code, or the signal that ended the process."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def ring_count(cfg: NodeConfig) -> int:
+    """Rings per rank: to and from the worker, cache-transfer and cache-messager it has."""
+    return cfg.tp * 2 * (1 + int(cfg.needs_transfer) + int(cfg.disaggregated))
+
+
+def shm_needs(cfg: NodeConfig, pool_bytes: int) -> dict[str, int]:
+    """Bytes of /dev/shm each kind of object takes once created (every segment is allocated in
+    full at creation), for the room check before any of them exists."""
+    slots = len(P.proc_slots(cfg.tp))
+    signal_bytes = [slots * P.PROC_FIELDS * 8, slots * 8, slots * 4, P.STATUS_FIELDS * 8,
+                    len(P.STATS) * 8, (slots + 1) * P.ERROR_BYTES, PAGE]  # ... and the config
+    if cfg.check_ownership:
+        signal_bytes += [cfg.num_gpu_blocks * 4, max(cfg.num_cpu_blocks, 1) * 4]
+    if cfg.needs_allreduce:
+        signal_bytes.append(allreduce_bytes(cfg.tp, cfg.allreduce_capacity, peer_memory=cfg.device == "cuda"))
+    return {"KV pools": pool_bytes,
+            "rings": ring_count(cfg) * _pages(RING_HEADER + RING_BYTES),
+            "signals": sum(_pages(n) for n in signal_bytes)}
+
+
+def _pages(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+# `python -m` would put the working directory first on sys.path, so a `kvrt/` folder where
+# `kvrt launch` runs would be imported instead of the installed kvrt. The children drop it
+# (as -P does, which needs 3.11) and import kvrt from where it is installed.
+_BOOT = ("import runpy, sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
+         "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def child_command(module: str, args: Sequence[str]) -> list[str]:
+    """The command line that runs kvrt's `module` as a program with `args`, importing kvrt's
+    own modules whatever the working directory holds."""
+    return [sys.executable, "-c", _BOOT, module, *args]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig, pools: PoolMaker, progress: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.pools = pools
+        self.progress = progress
+        self.reg: Registry | None = None
+        self.children: list[Child] = []
+        self._stop_signal = 0
+        self._job: threading.Thread | None = None
+        self._job_rc = 0
+        self._sig: dict[str, Signal] = {}  # the signals the launcher reads and writes itself
+        self._watch: Watchdog[int] = Watchdog(pause_gap(cfg.hang_timeout, SUPERVISE_S))  # heartbeats by slot
+
+    # ---- shared objects ------------------------------------------------------------------
+    def create_objects(self) -> None:
+        """Create the registry (refusing a live node) and every object the children attach."""
+        cfg = self.cfg
+        self.reg = reg = Registry.create(cfg.node)
+        try:
+            _check_shm_room(shm_needs(cfg, self.pools.bytes_needed(cfg)), cfg)
+            P.publish_config(reg, cfg.to_dict())
+            slots = len(P.proc_slots(cfg.tp))
+            sig = self._sig
+            sig[P.PROCS] = Signal.create(reg, P.PROCS, (slots, P.PROC_FIELDS), np.int64)
+            sig[P.HEARTBEAT] = Signal.create(reg, P.HEARTBEAT, slots, np.int64)
+            sig[P.READY] = Signal.create(reg, P.READY, slots, np.int32)
+            sig[P.NODE_STATUS] = Signal.create(reg, P.NODE_STATUS, P.STATUS_FIELDS, np.int64)
+            sig[P.ERRORS] = Signal.create(reg, P.ERRORS, (slots + 1, P.ERROR_BYTES), np.uint8)
+            Signal.create(reg, P.ENGINE_STATS, len(P.STATS), np.float64).close()
+            if cfg.check_ownership:
+                Signal.create(reg, P.OWNERS_DEVICE, cfg.num_gpu_blocks, np.int32)
+                Signal.create(reg, P.OWNERS_HOST, max(cfg.num_cpu_blocks, 1), np.int32)
+            if cfg.needs_allreduce:
+                AllReduce.create(reg, P.ALLREDUCE, cfg.tp, cfg.allreduce_capacity, peer_memory=cfg.device == "cuda")
+            reg.create_doorbell(P.ENGINE_BELL)
+            for r in range(cfg.tp):
+                pairs = [(P.worker_orders(r), P.worker_answers(r))]
+                if cfg.needs_transfer:
+                    pairs.append((P.transfer_orders(r), P.transfer_answers(r)))
+                if cfg.disaggregated:
+                    pairs.append((P.messager_orders(r), P.messager_answers(r)))
+                for orders, answers in pairs:
+                    orders.create(reg, RING_BYTES)
+                    answers.create(reg, RING_BYTES, bell=P.ENGINE_BELL)
+            self.pools.create(reg, cfg, self.progress)
+        except BaseException:
+            self.unlink()
+            raise
+
+    def unlink(self) -> None:
+        for s in self._sig.values():
+            s.close()
+        self._sig.clear()
+        if self.reg is not None:
+            removed = self.reg.unlink_all()
+            log.debug("unlinked %d objects of node %s", len(removed), self.cfg.node)
+            self.reg = None
+
+    # ---- children ------------------------------------------------------------------------
+    def start_children(self) -> None:
+        cfg = self.cfg
+        plan = [(P.ROLE_ENGINE, 0, "kvrt.runtime.engine.engine")]
+        plan += [(P.ROLE_WORKER, r, "kvrt.workers.worker") for r in range(cfg.tp)]
+        if cfg.needs_transfer:
+            plan += [(P.ROLE_TRANSFER, r, "kvrt.workers.cache_transfer") for r in range(cfg.tp)]
+        if cfg.disaggregated:
+            plan += [(P.ROLE_MESSAGER, r, "kvrt.workers.cache_messager") for r in range(cfg.tp)]
+        level = logging.getLevelName(logging.getLogger().level)
+        if cfg.log_dir and not os.path.isdir(cfg.log_dir):
+            os.makedirs(cfg.log_dir, mode=0o700)  # logs carry prompts' fates: the user's alone
+        for role, rank, module in plan:
+            cmd = child_command(module, ["--node", cfg.node, "--log-level", level])
+            if role != P.ROLE_ENGINE:
+                cmd += ["--rank", str(rank)]
+            out = None
+            if cfg.log_dir:
+                out = os.open(os.path.join(cfg.log_dir, f"{P.ROLE_NAMES[role]}-{rank}.log"),
+                              os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                os.fchmod(out, 0o600)  # also a file left by an earlier run with a wider mode
+            try:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True,
+                                        preexec_fn=_die_with_parent, cwd=os.getcwd(), env=_child_env())
+            finally:
+                if out is not None:
+                    os.close(out)
+            self.children.append(Child(role, rank, proc, os.pidfd_open(proc.pid)))
+            self._assign_rings(role, rank, proc.pid)
+
+    def _assign_rings(self, role: int, rank: int, pid: int) -> None:
+        """Write `pid` into the rings this child will write and read, before it attaches, so a
+        child killed during start-up is reported by its peers' waits as dead, not awaited."""
+        cfg, reg = self.cfg, self.reg
+        pairs = [(P.ROLE_WORKER, P.to_worker, P.from_worker)]
+        if cfg.needs_transfer:
+            pairs.append((P.ROLE_TRANSFER, P.to_transfer, P.from_transfer))
+        if cfg.disaggregated:
+            pairs.append((P.ROLE_MESSAGER, P.to_messager, P.from_messager))
+        for peer_role, to_peer, from_peer in pairs:
+            for r in range(cfg.tp):
+                if role == P.ROLE_ENGINE:
+                    Ring.assign(reg.find(to_peer(r)), producer=pid)
+                    Ring.assign(reg.find(from_peer(r)), consumer=pid)
+                elif role == peer_role and rank == r:
+                    Ring.assign(reg.find(to_peer(r)), consumer=pid)
+                    Ring.assign(reg.find(from_peer(r)), producer=pid)
+
+    def _dead_children(self, timeout: float) -> list[Child]:
+        """Block up to `timeout` s until a child exits; returns every child that has exited
+        and was not returned before. Reaps through Popen, so each keeps its real status."""
+        live = [c for c in self.children if c.proc.returncode is None]
+        if live:
+            poller = select.poll()
+            for c in live:
+                poller.register(c.pidfd, select.POLLIN)
+            poller.poll(max(timeout, 0.0) * 1000)
+        return [c for c in live if c.proc.poll() is not None]
+
+    def _error_of(self, c: Child) -> str:
+        errors = self._sig.get(P.ERRORS)
+        return P.get_text(errors.array[self._slot(c)]) if errors is not None else ""
+
+    def _slot(self, c: Child) -> int:
+        return P.slot_of(self.cfg.tp, c.role, c.rank)
+
+    def _report(self, c: Child, when: str = "") -> str:
+        """`worker[0] (pid 12) exited with code 1<when>: <its own last error>`."""
+        err = self._error_of(c)
+        return f"{c.name} (pid {c.proc.pid}) {describe_exit(c.proc.returncode)}{when}" + (f": {err}" if err else "")
+
+    def _culprit(self, dead: list[Child]) -> Child:
+        """The child that failed by itself: not one that left because another was gone."""
+        return next((c for c in dead if c.proc.returncode != P.EXIT_ORPHAN), dead[0])
+
+    def _hung(self) -> list[tuple[Child, float]]:
+        """Ready children whose heartbeat has not moved for the hang timeout of the launcher's
+        own running time, with those seconds (one round of supervision per call)."""
+        beats, ready = self._sig[P.HEARTBEAT].array, self._sig[P.READY].array
+        cfg = self.cfg.to_dict()
+        paused = self._watch.tick()
+        if paused:
+            log.warning("the launcher did not run for %.1fs (was the node paused?): each process has "
+                        "--hang-timeout (%gs) from now to beat again", paused, self.cfg.hang_timeout)
+        out = []
+        for c in self.children:
+            slot = self._slot(c)
+            beat = int(beats[slot])
+            if c.proc.returncode is None and ready[slot] and beat:
+                still = self._watch.observe(slot, beat)
+                if still > P.hang_threshold(cfg, c.role):
+                    out.append((c, still))
+        return out
+
+    def wait_ready(self) -> None:
+        """Wait for every child's ready flag, with a progress line and the config's timeout
+        (which also bounds a child that hangs while starting)."""
+        ready = self._sig[P.READY]
+        slots = {c.name: self._slot(c) for c in self.children}
+        t0 = time.monotonic()
+        next_line = t0 + 1.0
+        while True:
+            waiting = [n for n, s in slots.items() if not ready.array[s]]
+            if not waiting:
+                return
+            if dead := self._dead_children(0.1):
+                for c in dead:
+                    log.error("%s", self._report(c, " during start-up"))
+                raise RuntimeError(self._report(self._culprit(dead), " during start-up"))
+            if self._stop_signal:
+                raise KeyboardInterrupt
+            now = time.monotonic()
+            if now - t0 > self.cfg.ready_timeout:
+                raise TimeoutError(f"timed out after {self.cfg.ready_timeout:.0f}s waiting for "
+                                   f"{', '.join(waiting)} to become ready")
+            if now >= next_line:
+                self.progress(f"waiting for {', '.join(waiting)} ({len(slots) - len(waiting)}/"
+                              f"{len(slots)} ready, {now - t0:.0f}s)")
+                next_line = now + 1.0
+
+    def _set_status(self, value: int) -> None:
+        if P.NODE_STATUS in self._sig:
+            self._sig[P.NODE_STATUS].array[P.ST_NODE] = value
+
+    def _beat(self) -> None:
+        """The launcher's heartbeat: `kvrt status` tells a hung launcher from a live one by it."""
+        st = Signal.attach(self.reg, P.NODE_STATUS)
+        st.array[P.ST_LAUNCHER_BEAT] = time.monotonic_ns()
+        st.close()
+
+    def _start_job(self, job: Callable[[], int]) -> None:
+        """Run `job` (a workload against the ready node, e.g. the demo) in a thread; the node
+        stops cleanly when it returns, and exits with its code."""
+        def body() -> None:
+            try:
+                self._job_rc = job()
+            except Exception:
+                log.exception("the node's job failed")
+                self._job_rc = 1
+
+        self._job = threading.Thread(target=body, name="node-job", daemon=True)
+        self._job.start()
+
+    def supervise(self) -> int:
+        """Run until a signal (exit 0 after a clean stop), a child's death or hang (exit 1),
+        or the end of the node's job (its exit code)."""
+        self._set_status(P.NODE_RUNNING)
+        while not self._stop_signal:
+            self._beat()
+            if self._job is not None and not self._job.is_alive():
+                self.stop()
+                return self._job_rc
+            dead = self._dead_children(SUPERVISE_S)
+            if dead:
+                for c in dead:
+                    log.error("%s", self._report(c))
+                self._fail(self._report(self._culprit(dead)))
+                return 1
+            hung = self._hung()
+            if hung:
+                for c, age in hung:
+                    log.error("%s (pid %d) is hung: no heartbeat for %.1fs (--hang-timeout %g)",
+                              c.name, c.proc.pid, age, self.cfg.hang_timeout)
+                c, age = hung[0]
+                self._fail(f"{c.name} (pid {c.proc.pid}) is hung (no heartbeat for {age:.1f}s)",
+                           [c for c, _ in hung])
+                return 1
+        log.info("signal %d: stopping node %s", self._stop_signal, self.cfg.node)
+        self.stop()
+        return 0
+
+    def _fail(self, why: str, hung: Sequence[Child] = ()) -> None:
+        """A child died or hung: the engine first (SIGTERM after `why` is written where it
+        reads it, so it fails every request in flight naming the cause), then the others."""
+        log.error("stopping node %s: %s", self.cfg.node, why)
+        if P.ERRORS in self._sig:
+            P.put_text(self._sig[P.ERRORS].array[-1], why)
+        for c in hung:  # a stopped process would sit on SIGTERM forever
+            c.proc.kill()
+        engine = next((c for c in self.children if c.role == P.ROLE_ENGINE), None)
+        if engine is not None and engine.alive:
+            engine.proc.send_signal(signal.SIGTERM)
+            try:
+                engine.proc.wait(ENGINE_ABORT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("engine (pid %d) did not stop within %.0fs of SIGTERM", engine.proc.pid, ENGINE_ABORT_S)
+        for c in self.children:
+            if c.alive and c is not engine:
+                c.proc.send_signal(signal.SIGTERM)
+        self.stop(grace_s=2.0)
+        log.error("node %s stopped because %s", self.cfg.node, why)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Ask the engine to wind down (it tells the others), then make sure every child is gone."""
+        if self.reg is not None:
+            self._set_status(P.NODE_STOPPING)
+        alive = [c for c in self.children if c.proc.poll() is None]
+        deadline = time.monotonic() + grace_s
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                for c in alive:
+                    if c.proc.poll() is None:
+                        c.proc.send_signal(sig)
+                deadline = time.monotonic() + 2.0
+            for c in alive:
+                try:
+                    c.proc.wait(max(deadline - time.monotonic(), 0.01))
+                except subprocess.TimeoutExpired:
+                    pass
+            alive = [c for c in alive if c.proc.poll() is None]
+            if not alive:
+                break
+            log.warning("still running after %s: %s", "stop request" if sig is None else sig.name,
+                        ", ".join(c.name for c in alive))
+
+    # ---- the whole life ----------------------------------------------------------------
+    def run(self, job: Callable[[], int] | None = None) -> int:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._on_signal)
+        try:
+            self.create_objects()
+            self.start_children()
+            self.wait_ready()
+            self.progress(f"node {self.cfg.node} ready: role {self.cfg.role}, tp {self.cfg.tp}, device "
+                          f"{self.cfg.device}, {self.cfg.num_gpu_blocks} device + {self.cfg.num_cpu_blocks} "
+                          f"host blocks of {self.cfg.block_bytes} bytes (kvrt status --node {self.cfg.node})")
+            if job is not None:
+                self._start_job(job)
+            return self.supervise()
+        except KeyboardInterrupt:
+            self.stop()
+            return 0
+        except Exception:
+            self.stop(grace_s=2.0)
+            raise
+        finally:
+            for c in self.children:
+                if c.pidfd >= 0:
+                    os.close(c.pidfd)
+                    c.pidfd = -1
+            self.unlink()
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._stop_signal = signum
+
+
+# glibc malloc (see _child_env): blocks under 32 MiB (the ceiling of glibc's own adaptive
+# threshold) come from the heap, and up to 128 MiB of freed heap is kept for the next step
+CHILD_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
+
+
+def _child_env() -> dict[str, str]:
+    """The children's environment: BLAS single-threaded unless the user chose otherwise. Each
+    process of a node already has its own core to itself at best; a BLAS thread pool per
+    process oversubscribes the cores, and on a busy machine its spinning threads made a small
+    matmul 100x slower (8 ms instead of 70 us, measured on the 2-core CI machine).
+
+    glibc's malloc keeps its heap unless the user chose otherwise (CHILD_MALLOC): by default it
+    gives freed memory back once 2x the largest freed block sits unused at the top of the heap,
+    so a worker that only ever ran decode steps (a decode node's) returned its step temporaries
+    after every step and took ~1,000 page faults in the next one: 7 ms of CPU per step where a
+    mixed node's worker, whose prefills had raised those thresholds, took 3.8 ms."""
+    env = dict(os.environ)
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, "1")
+    if not any(var in env for var in CHILD_MALLOC):  # (setting one turns glibc's own adjustment off)
+        env.update(CHILD_MALLOC)
+    return env
+
+
+def _check_shm_room(needs: dict[str, int], cfg: NodeConfig) -> None:
+    """Refuse a node that would not fit in /dev/shm, naming what takes the room, before any of
+    it is created (a segment created on a full tmpfs would SIGBUS a process at first touch)."""
+    from kvrt.ipc.shm import shm_free_bytes
+
+    free, need = shm_free_bytes(), sum(needs.values())
+    if need > free:
+        pools = (f"{cfg.num_cpu_blocks} host" if cfg.device == "cuda"
+                 else f"{cfg.num_gpu_blocks} device + {cfg.num_cpu_blocks} host")
+        parts = {"KV pools": f"{cfg.tp} rank(s) × {pools} blocks × {cfg.block_bytes} bytes",
+                 "rings": f"{ring_count(cfg)} × {RING_BYTES / 2**20:.0f} MiB"}
+        detail = ", ".join(f"{what} {n / 2**20:.1f} MiB" + (f" ({parts[what]})" if what in parts else "")
+                           for what, n in needs.items())
+        raise RuntimeError(f"/dev/shm has {free / 2**20:.1f} MiB free but node {cfg.node} needs "
+                           f"{need / 2**20:.1f} MiB: {detail}; lower --num-gpu-blocks/--num-cpu-blocks "
+                           f"or free /dev/shm")

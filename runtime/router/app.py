@@ -1,0 +1,277 @@
+"""The router's HTTP side: OpenAI-compatible endpoints that forward each request to one backend.
+
+A request body is forwarded as it came (the node validates it and answers in its own words);
+the router reads it only to find the prompt's block keys (token ids as they are; text with the
+served model's tokenizer, chat messages through its chat template, as the node itself does), and
+picks a backend with its policy (runtime/router/policy.py). The answer streams back as the node sends it,
+server-sent events included, with an `x-kvrt-backend` header naming the node. A backend that
+cannot be reached, or answers 5xx, before the answer's first byte: the request goes once to
+another backend (and an unreachable one is out until its next good health check). A failure
+after that is reported as one, never as an answer: an event stream that the backend breaks off
+ends with an error event and no `[DONE]` (runtime/router/relay.py), and any other answer is read whole
+before its status goes out, so that one cut mid-body is a 502 rather than a truncated 200. A
+client that goes away closes the upstream stream, which cancels the request on the node.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import AsyncIterator, Awaitable, TypeVar
+
+import httpx2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
+from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError
+
+from kvrt.runtime.router.backends import Backends
+from kvrt.runtime.router.policy import Candidate, Picker
+from kvrt.runtime.router.relay import EventRelay, error_event
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 600.0  # between two chunks of an answer (a long prefill comes before the first)
+ATTEMPTS = 2            # the first backend, then one other
+PASSED_HEADERS = ("authorization", "content-type", "accept")
+T = TypeVar("T")
+
+
+def _error(status: int, message: str, type_: str = "service_unavailable", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}}, status)
+
+
+class Router:
+    """Routing state shared by the handlers: backends, policy, tokenizer, upstream client."""
+
+    def __init__(self, backends: Backends, picker: Picker, tokenizer_dir: str = "") -> None:
+        self.backends = backends
+        self.picker = picker
+        self.tokenizer_dir = tokenizer_dir
+        self._tokenizer: Tokenizer | None = None
+        self.client = httpx2.AsyncClient(timeout=httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+
+    # ---- keys
+    def tokenizer(self) -> Tokenizer | None:
+        """The served model's tokenizer: --tokenizer DIR, else the model directory a backend
+        reports (the byte tokenizer for the reference model); None while no backend said."""
+        if self._tokenizer is None:
+            if self.tokenizer_dir:
+                self._tokenizer = HFTokenizer.from_dir(self.tokenizer_dir)
+            else:
+                described = [b for b in self.backends.items if b.key_root]
+                if not described:
+                    return None
+                d = described[0].model_dir
+                if d and not os.path.isabs(d):  # a node's word, checked
+                    raise TokenizerError(f"backend {described[0].url} reported {d!r:.200} as its model directory, "
+                                         f"not an absolute path: pass --tokenizer DIR")
+                self._tokenizer = HFTokenizer.from_dir(d) if d else ByteTokenizer()
+        return self._tokenizer
+
+    def prompt_ids(self, path: str, body: dict) -> list[int]:
+        """The (first) prompt's token ids as the node will see them; [] when unknown."""
+        tok = self.tokenizer()
+        if path.endswith("/chat/completions"):
+            msgs = body.get("messages")
+            if tok is None or tok.chat_template is None or not isinstance(msgs, list):
+                return []
+            text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
+                [Message(str(m.get("role", "")), _text(m.get("content"))) for m in msgs if isinstance(m, dict)],
+                add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+        p = body.get("prompt")
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch: routed by its first prompt
+        if isinstance(p, str):
+            return tok.encode(p) if tok is not None else []
+        if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        return []
+
+    def keys(self, path: str, raw: bytes) -> dict[tuple[bytes, int], list[bytes]]:
+        """The prompt's block keys under each backend's (key root, block size)."""
+        if self.picker.policy != "cache-aware":
+            return {}
+        try:
+            body = json.loads(raw)
+            ids = self.prompt_ids(path, body) if isinstance(body, dict) else []
+        except (ValueError, TokenizerError, ChatTemplateError) as e:  # the node will say what is wrong
+            log.debug("no keys for a request: %s", e)
+            return {}
+        if not ids:
+            return {}
+        out = {}
+        for b in self.backends.items:
+            if b.key_root and (b.key_root, b.block_size) not in out:
+                try:
+                    out[(b.key_root, b.block_size)] = BlockHasher(b.block_size, b.key_root).update(ids)
+                except (ValueError, OverflowError):
+                    return {}
+        return out
+
+    # ---- choosing and forwarding
+    def choose(self, keys: dict, exclude: list[int]) -> int | None:
+        items = self.backends.items
+        cands = [Candidate(i, items[i].inflight, items[i].cached_prefix(keys) if keys else 0)
+                 for i in self.backends.healthy() if i not in exclude]
+        return self.picker.pick(cands).index if cands else None
+
+    async def forward(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        keys = self.keys(path, raw)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
+        tried: list[int] = []
+        why = "no backend is healthy"
+        for _ in range(ATTEMPTS):
+            i = self.choose(keys, tried)
+            if i is None:
+                break
+            tried.append(i)
+            b = self.backends.items[i]
+            b.inflight += 1
+            try:  # an answer without a stream has its headers only once it is whole: the client may leave first
+                resp = await _unless_gone(self.client.send(self.client.build_request(
+                    "POST", b.url + path, content=raw, headers=headers), stream=True), request)
+            except httpx2.TransportError as e:
+                b.inflight -= 1
+                why = f"backend {b.url} failed: {e or type(e).__name__}"
+                self.backends.mark_down(i, why)
+                continue
+            if resp is None:  # the client left: the cancelled send closed the upstream, which cancels the request
+                b.inflight -= 1
+                return Response(status_code=499)
+            if resp.status_code >= 500:
+                await resp.aclose()
+                b.inflight -= 1
+                why = f"backend {b.url} answered {resp.status_code}"
+                continue
+            b.routed += 1
+            media = resp.headers.get("content-type")
+            if not (media or "").startswith("text/event-stream"):
+                return await self._whole(i, resp, request)
+            return StreamingResponse(self._relay(i, resp), status_code=resp.status_code, media_type=media,
+                                     headers={"x-kvrt-backend": b.url})
+        return _error(503, f"no backend could take the request: {why}")
+
+    def _broke_off(self, i: int, e: httpx2.HTTPError) -> str:
+        """Why backend i's answer is cut; a connection that failed takes the backend out."""
+        why = f"backend {self.backends.items[i].url} broke off its answer: {e or type(e).__name__}"
+        if isinstance(e, httpx2.TransportError):
+            self.backends.mark_down(i, why)
+        return why
+
+    async def _relay(self, i: int, resp: httpx2.Response) -> AsyncIterator[bytes]:
+        """Backend i's event stream, whole events as they come; ended with an error event when
+        the backend breaks it off or ends it as no node ends an answer."""
+        b = self.backends.items[i]
+        events = EventRelay()
+        try:
+            async for chunk in resp.aiter_raw():
+                if out := events.feed(chunk):
+                    yield out
+            why = "" if events.finished else f"backend {b.url} ended its event stream without [DONE] or an error"
+        except httpx2.HTTPError as e:
+            why = self._broke_off(i, e)
+        finally:
+            await resp.aclose()
+            b.inflight -= 1
+        if why:
+            log.warning("%s", why)
+            yield error_event(why)
+
+    async def _whole(self, i: int, resp: httpx2.Response, request: Request) -> Response:
+        """Backend i's answer read whole, then sent with its status: a 502 when the backend
+        breaks it off; nothing when the client goes away first (the upstream is closed)."""
+        b = self.backends.items[i]
+        try:
+            body = await _unless_gone(resp.aread(), request)
+        except httpx2.HTTPError as e:
+            why = self._broke_off(i, e)
+            log.warning("%s", why)
+            return _error(502, why, code="backend_broke_off")
+        finally:
+            await resp.aclose()
+            b.inflight -= 1
+        if body is None:
+            return Response(status_code=499)  # the client left: nobody reads it
+        return Response(body, resp.status_code, media_type=resp.headers.get("content-type"),
+                        headers={"x-kvrt-backend": b.url})
+
+    async def get(self, path: str) -> Response:
+        """A GET answered by the first healthy backend (/v1/models)."""
+        for i in self.backends.healthy():
+            b = self.backends.items[i]
+            try:
+                r = await self.client.get(b.url + path, timeout=CONNECT_TIMEOUT_S)
+            except httpx2.TransportError as e:
+                self.backends.mark_down(i, str(e) or type(e).__name__)
+                continue
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        return _error(503, "no backend is healthy")
+
+
+async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
+    """`work`'s result, or None when the client goes away first (`work` is then cancelled):
+    while nothing is written to the client, no failed write tells that it left, so its
+    disconnect is awaited beside the work."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        left = not task.done()
+        if left:
+            task.cancel()
+    return None if left else task.result()
+
+
+def _text(content: object) -> str:
+    """A chat message's text: a string, or the text parts of a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def create_app(router: Router) -> FastAPI:
+    """/health, /v1/models, /v1/completions, /v1/chat/completions, each forwarded."""
+    app = FastAPI(title="kvrt route", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        items = router.backends.items
+        body = {"status": "ok" if router.backends.healthy() else "no healthy backend", "policy": router.picker.policy,
+                "backends": [{"url": b.url, "healthy": b.healthy, "inflight": b.inflight, "routed": b.routed,
+                              "cached_blocks": len(b.view.media) if b.view is not None else None,
+                              "events": {"last_seq": b.view.last_seq, "gaps": b.view.gaps, "lost": b.view.lost,
+                                         "snapshots": b.view.snapshots, "malformed": b.view.malformed}
+                              if b.view is not None else None} for b in items]}
+        return JSONResponse(body, 200 if router.backends.healthy() else 503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await router.get("/v1/models")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.forward(request, "/v1/chat/completions")
+
+    return app

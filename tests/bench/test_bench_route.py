@@ -1,0 +1,28 @@
+"""`kvrt bench route` end to end on a tiny run: real nodes, a real router, the JSON it promises."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.launched import tiny_trace
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bench_route_json_has_a_row_per_policy_and_the_one_node_row(tmp_path):
+    trace = tiny_trace(tmp_path / "trace.jsonl")
+    out = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "route", "--nodes", "1", "--limit", "12",
+                          "--trace", trace,
+                          "--policies", "round-robin", "--json"], cwd=REPO, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout)["results"]
+    assert [r["policy"] for r in results] == ["round-robin", "one node, all the cache"]
+    for r in results:
+        assert r["requests"] == 12 and r["failed"] == 0
+        assert 0 <= r["hit_token_rate"] <= r["ideal_hit_token_rate"] + 1e-9
+        assert r["ttft_p50_ms"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"]

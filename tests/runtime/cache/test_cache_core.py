@@ -1,0 +1,169 @@
+"""The prefix cache's C inner loops (runtime/cache/_cache_core.c) leave the cache exactly as the numpy
+code they replace does (tests/runtime/cache/cache_reference.py): the same node matrix, keys, key map and queues
+after every request of a workload with shared prefixes, branches and eviction, the production
+code run once with each C function and once with its reference in its place."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvrt.runtime.cache import eviction as cache_eviction, match as cache_match, keys as hashing, use_sketch
+from kvrt.runtime.cache._cache_core import deref, drop_run, new_chain, touch_device
+from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.cache.nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
+from kvrt.runtime.cache.policies import reuse as reuse_levels
+from kvrt.runtime.cache.policies.base import make_policy
+from kvrt.runtime.cache.prefix_cache import PrefixCache
+from tests.runtime.cache import cache_reference as ref
+
+BS = 4
+
+
+def _settle(c: PrefixCache) -> None:
+    while tasks := c.take_tasks():
+        for t in tasks:
+            c.apply_task_result(t.task_id, True)
+
+
+def _replay(c: PrefixCache, seed: int) -> list:
+    """Requests over a few prefixes with random tails, one at a time; the cache's state after each."""
+    rng = np.random.default_rng(seed)
+    bases = [rng.integers(0, 1 << 20, 120).astype(np.int32) for _ in range(3)]
+    states = []
+    for i in range(150):
+        base = bases[int(rng.integers(0, 3))][:int(rng.integers(0, 120))]
+        tokens = np.concatenate([base, rng.integers(0, 1 << 20, int(rng.integers(1, 40))).astype(np.int32)])
+        if not c.match(i, BlockHasher(BS).update(tokens), len(tokens)).ready:
+            _settle(c)
+        if c.allocate(i, len(tokens)) is None:
+            _settle(c)
+        if c.is_ready(i) and c.allocate(i, len(tokens)) is not None:
+            c.update(i, len(tokens))
+        c.release(i)
+        _settle(c)
+        states.append((c._f.copy(), list(c._keys), dict(c._map), c._dev_lru.members(), c.snapshot()))
+    c.check()
+    return states
+
+
+# the policies whose cache calls these C functions (the others: all three): LRU keeps no use
+# counts and has a queue of its own; only `gaps` stamps when keys were used, and it splits a
+# released path into runs its own way
+POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"), "_stamp_c": ("gaps",),
+                  "_scan_c": ("gaps", "reuse"), "_stamp_runs_c": ("reuse",)}
+
+
+@pytest.mark.parametrize("name", ["gaps", "reuse", "lru"])
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("host", [0, 300])
+@pytest.mark.parametrize("module,attr,reference", [
+    pytest.param(module, attr, reference, id=attr) for module, attr, reference in (
+        (cache_match, "_new_chain_c", ref.new_chain), (cache_eviction, "_drop_run_c", ref.drop_run),
+        (cache_match, "_touch_c", ref.touch_device), (cache_match, "_deref_c", ref.deref),
+        (use_sketch, "_raise_c", ref.sketch_raise), (cache_eviction, "_chain_tops_c", ref.chain_tops),
+        (reuse_levels, "_scan_c", ref.scan_live), (reuse_levels, "_stamp_runs_c", ref.stamp_runs),
+        (cache_match, "_walk_c", ref.walk), (use_sketch, "_stamp_c", ref.sketch_stamp),
+        (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys))])
+def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
+    """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
+    and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
+    with host hits takes the general path), releasing one (deref), counting a request's keys
+    in the use sketch (sketch_add, sketch_stamp) and giving recorded blocks the uses the
+    sketch remembers (sketch_raise, the `reuse` policy), the `reuse` policy's scan of its
+    queue for a run (scan_live) and split of a released path into runs (stamp_runs), and the
+    block keys themselves (chain_keys), in C or in numpy leave the same cache (and queues) at every step,
+    with and without a host tier."""
+    cls = make_policy(name)
+    fast = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
+    calls = []
+
+    def counted(*args):
+        calls.append(attr)
+        return reference(*args)
+
+    monkeypatch.setattr(module, attr, counted)
+    slow = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
+    for step, (a, b) in enumerate(zip(fast, slow)):
+        assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
+    # the reference ran in the C function's place, wherever the cache calls it (with a host
+    # tier victims are swapped out, not dropped a run at a time)
+    unused = name not in POLICIES_USING.get(attr, (name,)) or (attr == "_drop_run_c" and host)
+    assert bool(calls) != unused
+
+
+def test_new_chain_checks_before_it_writes():
+    f = np.full((11, 8), -7, dtype=np.int32)
+    keys: list = [None] * 8
+    rows = (PARENT, CHILD, DEV, REF, NDEV, STATE, CONT)
+    with pytest.raises(IndexError):
+        new_chain(f, np.array([3, 8], dtype=np.int32), 0, [1, 2], rows, GPU, keys, [b"a", b"b"])
+    with pytest.raises(ValueError):
+        new_chain(f, np.array([3, 4], dtype=np.int64), 0, [1, 2], rows, GPU, keys, [b"a", b"b"])
+    with pytest.raises(ValueError):
+        new_chain(f, np.array([3, 4], dtype=np.int32), 0, [1], rows, GPU, keys, [b"a", b"b"])
+    assert (f == -7).all() and keys == [None] * 8
+    new_chain(f, np.array([3, 5], dtype=np.int32), 1, [10, 11], rows, GPU, keys, [b"a", b"b"])
+    assert f[PARENT, [3, 5]].tolist() == [1, 3] and f[CHILD, [3, 5]].tolist() == [5, -1]
+    assert f[CONT, [3, 5]].tolist() == [5, -1] and f[DEV, [3, 5]].tolist() == [10, 11]
+    assert f[REF, [3, 5]].tolist() == [1, 1] and f[NDEV, [3, 5]].tolist() == [1, 0]
+    assert f[STATE, [3, 5]].tolist() == [GPU, GPU] and keys[3] == b"a" and keys[5] == b"b"
+
+
+def test_drop_run_checks_before_it_writes():
+    f = np.full((11, 8), -1, dtype=np.int32)
+    stack = np.zeros(8, dtype=np.int32)
+    keys: list = [b"k%d" % i for i in range(8)]
+    kmap: dict = {}
+    rows = cache_eviction.DROP_ROWS
+    reset = cache_eviction.RESET_ROW
+    drop, par = np.array([3, 9], dtype=np.int32), np.array([0, 0], dtype=np.int32)
+    with pytest.raises(IndexError):
+        drop_run(f, drop, par, [1], rows, reset, keys, kmap, [], stack, 0)
+    drop = np.array([3, 4], dtype=np.int32)
+    with pytest.raises(IndexError):
+        drop_run(f, drop, par, [2], rows, reset, keys, kmap, [], stack, 0)
+    with pytest.raises(IndexError):
+        drop_run(f, drop, par, [1], rows, reset, keys, kmap, [], stack, 7)  # the stack overflows
+    assert (f == -1).all() and keys[3] == b"k3" and not stack.any()
+
+
+def test_touch_and_deref_leave_a_path_off_the_device_alone():
+    f = np.zeros((11, 8), dtype=np.int32)
+    f[STATE, 5] = CPU
+    f[DEV, [2, 5]] = [7, 9]
+    before = f.copy()
+    assert touch_device(f, np.array([2, 5], dtype=np.int32), REF, HITS, STATE, DEV, GPU) is None
+    assert (f == before).all()
+    assert touch_device(f, np.array([2, 3], dtype=np.int32), REF, HITS, STATE, DEV, GPU) == (2, [7, 0])
+    assert f[REF, [2, 3]].tolist() == [1, 1] and f[HITS, [2, 3]].tolist() == [1, 1]
+    f[REF, 5] = 2
+    out = np.empty(3, dtype=np.int32)
+    assert deref(f, np.array([2, 5, 3], dtype=np.int32), REF, STATE, GPU, out) == (2, True)
+    assert out[:2].tolist() == [3, 2] and f[REF, 5] == 1
+    with pytest.raises(IndexError):
+        deref(f, np.array([8], dtype=np.int32), REF, STATE, GPU, out)
+    with pytest.raises(ValueError):
+        deref(f, np.array([2, 5, 3, 4], dtype=np.int32), REF, STATE, GPU, out)  # out too short
+
+
+def test_a_run_popped_in_c_is_what_pops_give():
+    """`ReuseLevels.pop_many` (each entry scanned in C) returns what as many `pop` calls return,
+    stale entries (discarded, pushed again) skipped, a partly used entry resumed."""
+    rng = np.random.default_rng(5)
+    hits = rng.integers(0, 5, 300).astype(np.int32)
+    queues = [reuse_levels.ReuseLevels(300, hits), reuse_levels.ReuseLevels(300, hits)]
+    for q in queues:
+        for j in range(15):
+            q.push(np.arange(20 * j + 19, 20 * j - 1, -1, dtype=np.int32))
+        q.discard(np.arange(0, 300, 7, dtype=np.int32))
+        q.push(np.arange(0, 300, 21, dtype=np.int32))
+    a, b = queues
+    while True:
+        k = int(rng.integers(1, 40))
+        got = a.pop_many(k)
+        want = [v for v in (b.pop() for _ in range(k)) if v >= 0]
+        assert got.dtype == np.int32 and got.tolist() == want
+        if not want:
+            break
+    with pytest.raises(ValueError):
+        reuse_levels._scan_c(a._stamp, np.zeros(3, dtype=np.int32), 0, 5, np.empty(4, dtype=np.int32), 0)

@@ -1,0 +1,466 @@
+"""Eviction policies of the prefix cache: the names `--eviction` takes, the `reuse` policy's
+ranking (scan resistance, use counts that outlive eviction), and the batched eviction path, which
+must evict exactly what popping and dropping one node at a time evicts (tests/runtime/cache/cache_reference.py
+holds that one-at-a-time eviction)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.cache.nodes import HITS
+from kvrt.runtime.cache.policies.base import make_policy, policy_names
+from kvrt.runtime.cache.policies.gaps import ReuseGaps
+from kvrt.runtime.cache.policies.lru import EvictionQueue
+from kvrt.runtime.cache.policies.reuse import ReuseLevels
+from kvrt.runtime.cache.prefix_cache import PrefixCache
+from kvrt.runtime.cache.use_sketch import UseSketch
+from tests.runtime.cache.cache_reference import OneAtATime
+
+BS = 4
+
+
+def keys(tokens: np.ndarray) -> list[bytes]:
+    return BlockHasher(BS).update(tokens)
+
+
+def run(c: PrefixCache, rid, tokens: np.ndarray) -> list[int] | None:
+    """Match, allocate, compute and release one request; its new blocks, or None if it did not fit."""
+    c.match(rid, keys(tokens), len(tokens))
+    got = c.allocate(rid, len(tokens))
+    if got is not None:
+        c.update(rid, len(tokens))
+    c.release(rid)
+    return got
+
+
+def test_policy_names():
+    assert policy_names()[0] == "gaps"
+    assert make_policy("lru") is EvictionQueue and make_policy("reuse") is ReuseLevels
+    assert make_policy("gaps") is ReuseGaps
+    with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
+        make_policy("mru")
+
+
+def _workload(seed: int, n: int) -> list[tuple[str, int, np.ndarray]]:
+    """Requests over a few shared prefixes with branching tails; ("start"/"finish", id, tokens),
+    up to three in flight, so that some parents are referenced or have several children."""
+    rng = np.random.default_rng(seed)
+    bases = [rng.integers(0, 1 << 20, 200).astype(np.int32) for _ in range(4)]
+    out = []
+    live: list[int] = []
+    for i in range(n):
+        base = bases[int(rng.integers(len(bases)))]
+        shared = int(rng.integers(0, 120))
+        tail = rng.integers(0, 1 << 20, int(rng.integers(1, 60))).astype(np.int32)
+        out.append(("start", i, np.concatenate((base[:shared], tail))))
+        live.append(i)
+        while len(live) > int(rng.integers(0, 4)):
+            out.append(("finish", live.pop(int(rng.integers(len(live)))), None))
+    out += [("finish", i, None) for i in live]
+    return out
+
+
+@pytest.mark.parametrize("name", ["lru", "reuse", "gaps"])
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_eviction_equals_one_at_a_time(name, seed):
+    """The same requests through the batched path and through one-at-a-time eviction: the same
+    allocations, block for block, the same tree and counters at every step."""
+    cls = make_policy(name)
+    caches = [PrefixCache(BS, 96, policy=cls), OneAtATime(BS, 96, policy=cls)]
+    for step, (op, rid, tokens) in enumerate(_workload(seed, 300)):
+        if op == "start":
+            got = []
+            for c in caches:
+                c.match(rid, keys(tokens), len(tokens))
+                got.append(c.allocate(rid, len(tokens)))
+                if got[-1] is not None:
+                    c.update(rid, len(tokens))
+            assert got[0] == got[1], f"step {step}"
+        else:
+            for c in caches:
+                c.release(rid)
+        a, b = caches
+        assert a.snapshot() == b.snapshot(), f"step {step}"
+        assert (a._f == b._f).all() and a._keys == b._keys, f"step {step}"
+        if step % 25 == 0:
+            a.check()
+    assert caches[0].metrics.evicted_device_blocks > 500
+    caches[0].check()
+
+
+def test_eviction_without_host_tier_takes_runs():
+    """Without a host tier victims are taken from the policy in runs (`pop_many`), never one
+    `pop` per block."""
+
+    class NoPop(EvictionQueue):
+        def pop(self) -> int:
+            raise AssertionError("popped one node at a time")
+
+    c = PrefixCache(BS, 32, policy=NoPop)
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        assert run(c, i, rng.integers(0, 1 << 20, 16 * BS + 1).astype(np.int32)) is not None
+    assert c.metrics.evicted_device_blocks > 200
+    c.check()
+
+
+@pytest.mark.parametrize("name,kept", [("lru", False), ("reuse", True), ("gaps", True)])
+def test_a_reused_prefix_outlives_a_scan_of_one_shot_prompts(name, kept):
+    """A prefix that keeps coming back later than recency order can hold it: the first time a
+    stream of long unique prompts flushes it under both policies; computed again, it is reuse the
+    cache had lost, and `reuse` then keeps it through the next stream, while LRU loses it again."""
+    rng = np.random.default_rng(1)
+    c = PrefixCache(BS, 64, policy=make_policy(name))
+    shared = rng.integers(0, 1 << 20, 8 * BS).astype(np.int32)
+    for i in range(2):
+        run(c, ("chat", i), np.concatenate((shared, rng.integers(0, 1 << 20, 2 * BS).astype(np.int32))))
+        for j in range(12):
+            run(c, ("scan", i, j), rng.integers(0, 1 << 20, 40 * BS).astype(np.int32))
+    assert (c.lookup(keys(shared)) == 8) is kept
+    c.check()
+
+
+def test_reuse_is_lru_while_reuse_comes_back_soon():
+    """When what requests find again was released within a cache turnover (short interleaved
+    chats), protecting reused blocks only keeps finished ones in the way of live ones: the bonus
+    fades to nothing and the older reused blocks go before newer fresh ones, as under LRU. Long
+    reuse (blocks computed again although their keys were used) brings the full bonus back."""
+    hits = np.zeros(64, dtype=np.int32)
+    q = ReuseLevels(64, hits)
+    live = np.arange(8, dtype=np.int32)
+    for _ in range(100):  # a live chat: released, found again at once, released again
+        q.push(live)
+        q.discard(live)
+    hits[[10, 11]] = 3  # a finished chat's blocks, reused often
+    q.push(np.array([11, 10], dtype=np.int32))
+    for _ in range(5):  # a few other releases (a bonus never drops below one release per level)
+        q.push(live)
+        q.discard(live)
+    q.push(np.array([21, 20], dtype=np.int32))  # a newer fresh turn
+    assert q.pop_many(4).tolist() == [11, 10, 21, 20]
+    hits[30:62] = 1  # computed again, over and over: their keys were used before
+    for _ in range(100):
+        q.push(np.arange(61, 29, -1, dtype=np.int32))
+    assert q.bonus_scale() == 1.0
+
+
+def test_reuse_remembers_uses_past_eviction():
+    """A block evicted and computed again is not new to `reuse`: the uses its key had before
+    come back with it (LRU needs no counts and keeps none)."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 1 << 20, 6 * BS).astype(np.int32)
+    for name, want in (("reuse", 1), ("lru", 0)):
+        c = PrefixCache(BS, 16, policy=make_policy(name))
+        run(c, "a", prompt)
+        run(c, "flush", rng.integers(0, 1 << 20, 16 * BS).astype(np.int32))
+        assert c.lookup(keys(prompt)) == 0
+        c.match("b", keys(prompt), len(prompt))
+        c.allocate("b", len(prompt))
+        c.update("b", len(prompt))
+        path = c._reqs["b"].path
+        assert len(path) == 6 and (c._f[HITS, path] == want).all()
+        c.release("b")
+        c.check()
+
+
+def test_use_sketch_says_how_long_ago_a_key_was_used():
+    """Timed, the sketch answers each request's keys with how many requests ago each was last
+    used (-1: never); untimed it keeps no stamps and answers nothing."""
+    k = [bytes([i]) * 16 for i in range(4)]
+    s = UseSketch(64, timed=True)
+    assert s.add(k[:2]).tolist() == [-1, -1]
+    s.add(k[2:3])
+    s.add(k[2:3])
+    assert s.add(k[:3]).tolist() == [3, 3, 1]
+    assert s.add(k[1:]).tolist() == [1, 1, -1]
+    assert s.count(k).tolist() == [2, 3, 4, 1]
+    assert UseSketch(64).add(k) is None
+
+
+def _turnovers(q, n: int, first: int = 100) -> None:
+    """`n` releases of 8 fresh blocks each (node ids from `first` on): with 64 node ids, a
+    turnover is 8 releases."""
+    for i in range(n):
+        q.push(np.arange(first + 8 * i + 7, first + 8 * i - 1, -1, dtype=np.int32) % 1000 + 64)
+
+
+def test_gaps_keeps_the_reuse_that_fits():
+    """Two blocks used once before, released one after the other: under `reuse` the older
+    release goes first; under `gaps` the one computed again whose last use was longer ago than
+    its bonus would hold it (20 turnovers, the sketch's age) goes first, and the one found again
+    in the cache after half a turnover keeps its bonus."""
+    for cls, first in ((ReuseLevels, 1), (ReuseGaps, 2)):
+        hits = np.zeros(2000, dtype=np.int32)
+        q = cls(2000, hits)
+        q._capacity = 64  # a turnover of 8 releases of 8 blocks (ids beyond 64 are fillers)
+        _turnovers(q, 20)
+        lost = np.arange(1531, 1499, -1, dtype=np.int32)
+        hits[lost] = 1
+        q.push(lost)  # computed again although used before: long reuse, the full bonus
+        near, far = np.array([1], dtype=np.int32), np.array([2], dtype=np.int32)
+        q.push(near)
+        _turnovers(q, 4, first=500)
+        q.discard(near)  # found again after half a turnover
+        hits[near] = 1
+        q.push(near)
+        if cls is ReuseGaps:
+            q.recorded(far, np.array([160]))  # computed again, last used 20 turnovers ago
+        hits[far] = 1
+        q.push(far)
+        order = [n for n in q.pop_many(3000).tolist() if n in (1, 2)]
+        assert order[0] == first, cls.__name__
+
+
+def test_gaps_queues_a_batch_that_is_no_path_by_priority():
+    """A host tier's batch of swapped-out nodes is no path: its priorities need not grow along
+    it. Equal first and last priorities do not make the batch one run: a popular node between
+    two fresh ones goes last."""
+    hits = np.zeros(16, dtype=np.int32)
+    hits[2] = 3
+    q = ReuseGaps(16, hits)
+    q.push(np.array([1, 2, 3], dtype=np.int32))
+    assert q.pop_many(3).tolist() == [1, 3, 2]
+
+
+def test_gaps_is_lru_without_long_reuse():
+    """With no long reuse at all (short interleaved chats) `gaps` queues in release order, deepest
+    first, whatever the use counts: exactly LRU (`reuse` keeps one release per level)."""
+    hits = np.zeros(64, dtype=np.int32)
+    q, lru = ReuseGaps(64, hits), EvictionQueue(64)
+    live = np.arange(8, dtype=np.int32)
+    for _ in range(200):
+        for p in (q, lru):
+            p.push(live)
+            p.discard(live)
+    assert q.bonus_scale() == 0.0
+    hits[[10, 11]] = 3
+    for p in (q, lru):
+        p.push(np.array([11, 10], dtype=np.int32))
+        p.push(np.array([21, 20], dtype=np.int32))
+    assert q.pop_many(4).tolist() == lru.pop_many(4).tolist() == [11, 10, 21, 20]
+
+
+@pytest.mark.parametrize("trace", ["chats", "agents"])
+def test_gaps_loses_nothing_to_lru_on_interleaved_traces(trace):
+    """`kvrt bench cache` replays of short interleaved chats and agent loops at 2,000 blocks: the
+    `gaps` policy's token hit rate is at least LRU's (the `reuse` policy's bonus floor of one
+    release per level costs it a little there)."""
+    from kvrt.bench.cache import replay
+    from kvrt.bench.synthetic import synthetic
+
+    reqs = synthetic(trace)
+    lru = replay(reqs, 64, 2000, 0, "lru")["hit_token_rate"]
+    assert replay(reqs, 64, 2000, 0, "gaps")["hit_token_rate"] >= lru
+
+
+def test_reuse_levels_order():
+    """Lowest (release time + bonus per level of reuse) first; a batch keeps its order; a node
+    queued again at the front keeps its last priority; pop_many pops as pop would."""
+    hits = np.zeros(16, dtype=np.int32)
+    hits[[4, 5]] = 3
+    q = ReuseLevels(16, hits)
+    q.push(np.array([1, 2], dtype=np.int32))      # fresh, released at time 0
+    q.push(np.array([4, 5], dtype=np.int32))      # used by 3 earlier requests
+    q.push(np.array([6, 7], dtype=np.int32))      # fresh, released at time 2
+    q.discard(np.array([2], dtype=np.int32))
+    assert q.members() == [1, 6, 7, 4, 5] and sorted(q.stamped()) == [1, 4, 5, 6, 7]
+    assert q.pop() == 1
+    q.push_front(1)
+    assert 1 in q and q.members()[0] == 1
+    assert q.pop_many(3).tolist() == [1, 6, 7]
+    assert q.pop_many(5).tolist() == [4, 5] and q.pop() == -1
+
+
+@pytest.mark.e2e
+def test_a_node_serves_with_the_reuse_policy(node, tmp_path):
+    """`kvrt launch --eviction reuse`: a real node (engine, worker, cache-transfer) evicts with it
+    on both tiers under pressure, answers the reference model's tokens, and serves a repeated
+    prompt from its cache; an unknown policy is refused before anything starts."""
+    import kvrt
+    from tests.launched import oracle
+
+    small = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8)
+    with pytest.raises(ValueError, match="--eviction.*invalid choice"):
+        kvrt.launch(node=node, eviction="mru")
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 512, 60).astype(np.int32) for _ in range(6)]
+    with kvrt.launch(node=node, num_gpu_blocks=24, num_cpu_blocks=16, eviction="reuse", log_dir=tmp_path,
+                     **small) as n:
+        with n.client() as c:
+            for _ in range(2):
+                for p in prompts:
+                    assert c.generate(p, 3).output_token_ids.tolist() == oracle().generate_dense(p, 3)
+            again = c.generate(prompts[-1], 3)
+    assert n.returncode == 0, n.log_tail()
+    assert again.cached_tokens > 0
+
+
+class Blocks:
+    """A KV-events observer: every block stored or removed, one event per block (a batch told
+    at once and the same blocks told one by one read the same), and the blocks held now."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, bytes]] = []
+        self.live: set[tuple[str, bytes]] = set()
+
+    def stored(self, medium: str, keys, parent) -> None:
+        for k in keys:
+            self.events.append(("stored", medium, k))
+            self.live.add((medium, k))
+
+    def removed(self, medium: str, keys) -> None:
+        for k in keys:
+            self.events.append(("removed", medium, k))
+            self.live.remove((medium, k))
+
+
+@pytest.mark.parametrize("name", ["lru", "reuse", "gaps"])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("host", [64, 32])
+def test_batched_host_eviction_equals_one_at_a_time(name, seed, host):
+    """With a host tier: swap-outs started a run at a time, host leaves dropped a run at a time
+    and swap-outs finished in batches give the same allocations, tasks, tree and counters at
+    every step as one-at-a-time eviction, and tell a KV-events observer of the same blocks in
+    the same order (what it was told is what the cache holds). Some swap-outs answer late
+    (their nodes may be matched again meanwhile and are parked until they do), and the host
+    tier is small, so that host leaves are evicted and the host tier sometimes runs out (at 32
+    blocks, often: the victims left then are dropped one at a time)."""
+    cls = make_policy(name)
+    seen = [Blocks(), Blocks()]
+    caches = [PrefixCache(BS, 96, host, policy=cls, observer=seen[0]),
+              OneAtATime(BS, 96, host, policy=cls, observer=seen[1])]
+    rng = np.random.default_rng(seed)
+    late: list[list] = [[], []]
+    for step, (op, rid, tokens) in enumerate(_workload(seed, 300)):
+        answer_now = rng.random() < 0.1
+        for i, c in enumerate(caches):
+            if op == "start":
+                m = c.match(rid, keys(tokens), len(tokens))
+                got = c.allocate(rid, len(tokens)) if m.ready else None
+                if got is not None:
+                    c.update(rid, len(tokens))
+            else:
+                c.release(rid)
+            late[i] += c.take_tasks()
+            if answer_now:
+                for t in late[i]:
+                    c.apply_task_result(t.task_id, True)
+                late[i] = []
+        a, b = caches
+        assert [(t.task_id, t.kind, t.device_blocks, t.host_blocks, t.keys) for t in late[0]] == \
+               [(t.task_id, t.kind, t.device_blocks, t.host_blocks, t.keys) for t in late[1]], f"step {step}"
+        assert a.snapshot() == b.snapshot(), f"step {step}"
+        assert (a._f == b._f).all() and a._keys == b._keys and (a._task == b._task).all(), f"step {step}"
+        assert a._wanted_back == b._wanted_back, f"step {step}"
+        assert seen[0].events == seen[1].events, f"step {step}"
+        if step % 25 == 0:
+            a.check()
+            assert seen[0].live == {(b.medium, b.key) for b in a.cached_blocks()}, f"step {step}"
+    m = caches[0].metrics
+    assert m.swap_out_blocks > 300 and m.evicted_host_blocks > 200 and m.swap_out_cancelled > 0, m
+    caches[0].check()
+
+
+def test_eviction_with_host_tier_takes_runs():
+    """With a host tier, device victims and the host leaves dropped to make room for them are
+    taken from the policies in runs (`pop_many`), never one `pop` per block."""
+
+    class NoPop(EvictionQueue):
+        def pop(self) -> int:
+            raise AssertionError("popped one node at a time")
+
+    c = PrefixCache(BS, 32, 48, policy=NoPop)
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        c.match(i, keys(rng.integers(0, 1 << 20, 16 * BS + 1).astype(np.int32)), 16 * BS + 1)
+        if c.allocate(i, 16 * BS + 1) is None:
+            for t in c.take_tasks():
+                c.apply_task_result(t.task_id, True)
+            assert c.allocate(i, 16 * BS + 1) is not None
+        c.update(i, 16 * BS + 1)
+        c.release(i)
+        for t in c.take_tasks():
+            c.apply_task_result(t.task_id, True)
+    assert c.metrics.swap_out_blocks > 200 and c.metrics.evicted_host_blocks > 100
+    c.check()
+
+
+def test_a_run_cut_before_a_parent_unlinks_the_child_chain_it_drops():
+    """A run that is not whole chains ([chain..., a leaf whose drop frees its parent, the
+    chain's parent]) is cut after that leaf; the chain's last node, whose parent now stays,
+    must be unlinked from it like any chain top (it was left as its parent's continuation)."""
+    bases = [np.arange(1000 * b, 1000 * b + 40, dtype=np.int32) for b in range(3)]
+    c = PrefixCache(2, 21, policy=make_policy("reuse"))
+    steps = [(0, 6, []), (0, 28, [0, 0]), (0, 1, []), (0, 1, []), (0, 28, []), (1, 28, []),
+             (0, 12, []), (0, 1, []), (0, 1, []), (1, 28, []), (0, 2, []), (1, 37, []), (0, 1, []),
+             (1, 6, []), (2, 35, [])]
+    for i, (base, length, tail) in enumerate(steps):
+        tokens = np.concatenate([bases[base][:length], np.array(tail, dtype=np.int32)])
+        c.match(i, BlockHasher(2).update(tokens), len(tokens))
+        if c.allocate(i, len(tokens)) is not None:
+            c.update(i, len(tokens))
+        c.release(i)
+        c.check()
+
+
+@pytest.mark.parametrize("name", ["lru", "reuse"])
+def test_host_eviction_keeps_taking_runs_after_an_irregular_one(name):
+    """A host run that is not whole chains (branches, parked parents) goes node by node, but
+    the host leaves after it are still taken a run at a time (`pop_many`), never one `pop` per
+    block: node by node on a host tier of 100,000 blocks was most of a replay's time."""
+    cls = make_policy(name)
+
+    class NoPop(cls):
+        def pop(self) -> int:
+            raise AssertionError("popped one node at a time")
+
+    def settle() -> None:
+        while tasks := c.take_tasks():
+            for t in tasks:
+                c.apply_task_result(t.task_id, True)
+
+    c = PrefixCache(BS, 96, 64, policy=NoPop)
+    for op, rid, tokens in _workload(0, 300):
+        if op == "start":
+            if not c.match(rid, keys(tokens), len(tokens)).ready:
+                settle()
+            if c.allocate(rid, len(tokens)) is None:
+                settle()
+                if not c.is_ready(rid) or c.allocate(rid, len(tokens)) is None:
+                    continue  # (released when the workload finishes it)
+            c.update(rid, len(tokens))
+        else:
+            c.release(rid)
+        settle()
+    assert c.metrics.evicted_host_blocks > 200, c.metrics
+    c.check()
+
+
+def test_a_run_given_back_at_once_comes_back_as_one_by_one():
+    """`ReuseLevels.push_front_run` (the rest of a cut eviction run, given back in one call)
+    leaves the queue popping exactly what `push_front` of each node, the last first, does:
+    stretches of equal priority and level become one entry each, in the same order."""
+    rng = np.random.default_rng(3)
+    hits = rng.integers(0, 5, 400).astype(np.int32)
+    queues = [ReuseLevels(400, hits), ReuseLevels(400, hits)]
+    for q in queues:
+        for k in range(20):  # releases of paths with several levels
+            q.push(np.arange(20 * k + 19, 20 * k - 1, -1, dtype=np.int32))
+    a, b = queues
+    for rnd in range(30):
+        taken = a.pop_many(int(rng.integers(1, 60)))
+        assert np.array_equal(taken, b.pop_many(len(taken))), rnd
+        back = [int(v) for v in taken[int(rng.integers(0, len(taken) + 1)):]]
+        a.push_front_run(back)
+        for v in reversed(back):
+            b.push_front(v)
+        assert a.members() == b.members(), rnd
+        if rnd % 3 == 0:
+            nodes = np.unique(rng.integers(0, 400, 30)).astype(np.int32)
+            for q in queues:
+                q.discard(nodes)
+                q.push(nodes[::-1].copy())
+    while (v := b.pop()) >= 0:
+        assert a.pop() == v
+    assert a.pop() == -1

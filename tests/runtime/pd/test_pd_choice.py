@@ -1,0 +1,101 @@
+"""A prefill node's choice among several decode nodes, as a unit: the connector with a fake
+context (no sockets), and decode nodes' messages sealed with a session both ends derive from
+the secret, as a real decode node's are. Which decode node gets a request, what a refusal does,
+and that a decode node's report of free blocks is checked before P uses it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvrt.ipc import protocol as P
+from kvrt.runtime.client import api
+from kvrt.runtime.engine.server import peer_identity
+from kvrt.runtime.node.config import NodeConfig
+from kvrt.runtime.pd.auth import D2P, P2D, Session, load_secret, session_key
+from kvrt.runtime.pd.connector import ConnectorContext
+from kvrt.runtime.pd.prefill import PrefillConnector
+from tests.launched import pd_secret_file
+
+CLIENT = b"client-1"
+
+
+class Harness:
+    """PrefillConnector over two decode nodes whose sessions are up; records what it sends."""
+
+    def __init__(self, tmp_path):
+        path = pd_secret_file(tmp_path)
+        cfg = NodeConfig(node="p0", role="prefill", port=7000, decode_peer="tcp://10.0.0.2:7001,tcp://10.0.0.3:7001",
+                         pd_secret_file=path, block_size=8)
+        self.stats = np.zeros(len(P.STAT), dtype=np.int64)
+        self.sent: list[tuple[bytes, object]] = []
+        self.replies: list[tuple[bytes, object]] = []
+        ctx = ConnectorContext(cfg=cfg, stats=self.stats, sched=None, block_table=lambda rid: [],
+                               reply=lambda c, m, keep=False: self.replies.append((c, m)),
+                               send_raw=lambda c, m: self.sent.append((c, m)), finished=lambda seq: None,
+                               count_finished=lambda seq: None, count_failed=lambda: None,
+                               accepting=lambda: True, to_ranks=[])
+        self.p = PrefillConnector(ctx)
+        secret = load_secret(path)
+        self.d: list[Session] = []
+        for link in self.p.links:  # what a welcome would set up, on both ends
+            sid, nonce = bytes([link.index + 1]) * 16, bytes([link.index + 7]) * 16
+            key = session_key(secret, nonce, sid, "p0")
+            link.session = Session(sid, key, "p0", P2D)
+            self.d.append(Session(sid, key, "p0", D2P))
+
+    def from_d(self, i: int, msg) -> None:
+        assert self.p.on_peer_message(peer_identity(i), self.d[i].seal(msg))
+
+    def asked(self) -> list[tuple[int, str]]:
+        """(decode node, request id) of every preallocation sent since the last call."""
+        out = []
+        for identity, sealed in self.sent:
+            i = int(identity.removeprefix(b"\x00peer!"))
+            inner = self.d[i].open(sealed)
+            if isinstance(inner, api.PdPrealloc):
+                out.append((i, inner.request_id))
+        self.sent.clear()
+        return out
+
+
+def request(rid: str, n: int = 40) -> api.GenerateRequest:
+    return api.GenerateRequest(rid, np.arange(n, dtype=np.int32), 8)
+
+
+def test_each_request_goes_to_the_decode_node_with_most_free_blocks(tmp_path):
+    h = Harness(tmp_path)
+    h.from_d(0, api.PdPong(0, 10))
+    h.from_d(1, api.PdPong(0, 20))
+    for i in range(3):  # 6 blocks each: 20 -> 14 -> 8, then 10 is the most
+        assert h.p.on_request(CLIENT, request(f"r{i}"))
+    assert h.asked() == [(1, "r0"), (1, "r1"), (0, "r2")]
+
+
+def test_a_refused_request_goes_to_the_next_decode_node_then_fails_with_the_last_refusal(tmp_path):
+    h = Harness(tmp_path)
+    h.from_d(1, api.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r"))
+    assert h.asked() == [(1, "r")]
+    h.from_d(1, api.ErrorEvent("r", api.BAD_REQUEST, "decode node: quota"))
+    assert h.asked() == [(0, "r")] and not h.replies
+    h.from_d(0, api.ErrorEvent("r", api.STOPPING, "decode node: stopping"))
+    assert h.asked() == [] and "r" not in h.p.pending
+    assert [(c, m.code, m.message) for c, m in h.replies] == [(CLIENT, api.STOPPING, "decode node: stopping")]
+
+
+def test_an_allocation_from_a_decode_node_not_asked_is_given_back(tmp_path):
+    h = Harness(tmp_path)
+    h.from_d(1, api.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r"))
+    h.asked()
+    h.from_d(0, api.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44))
+    aborts = [h.d[0].open(s) for i, s in h.sent if i == peer_identity(0)]
+    assert [type(m) for m in aborts] == [api.PdAbort] and "r" in h.p.pending
+
+
+@pytest.mark.parametrize("bad", ["many", -2, 1 << 40, 2.5, True])
+def test_a_bad_free_blocks_report_is_refused_and_changes_nothing(tmp_path, bad):
+    h = Harness(tmp_path)
+    h.from_d(0, api.PdPong(0, 10))
+    h.from_d(0, api.PdPong(0, bad))
+    assert h.stats[P.STAT["pd_refused"]] == 1 and h.p.links[0].free_blocks == 10

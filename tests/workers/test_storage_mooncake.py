@@ -1,0 +1,256 @@
+"""The Mooncake Store tier with a real master and real store clients on 127.0.0.1: `kvrt store
+start` (a master plus the memory it lends), the backend's batched zero-copy reads and writes,
+two nodes sharing one pool, and a master that dies while a node serves (misses, never errors)."""
+from __future__ import annotations
+
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvrt.ipc.storage_uri import parse_storage
+from tests.conftest import REPO
+from tests.launched import SMALL, free_port, launched, oracle, shared_prefix_prompts
+
+pytestmark = pytest.mark.e2e
+
+mooncake = pytest.importorskip("mooncake.store", reason="the Mooncake Store client (mooncake-transfer-engine) "
+                               "is not installed")
+if ctypes.util.find_library("ibverbs") is None:
+    pytest.skip("libibverbs is missing (the Mooncake wheel needs it even for TCP): apt-get install libibverbs1",
+                allow_module_level=True)
+
+from kvrt.workers.storage.mooncake import RETRY_S, MooncakeStorage  # noqa: E402  (after the skips)
+
+NEW = 4
+
+
+class Store:
+    """`kvrt store start` in a subprocess: the master's port and pid, and a clean stop."""
+
+    def __init__(self, memory: str = "128M", port: int = 0):
+        self.port = port or free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "store", "start", "--port", str(self.port),
+                                      "--memory", memory], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()  # the ready line, or "" when it exited first
+        if "mooncake master on" not in line:
+            self.stop()
+            raise AssertionError(f"kvrt store start did not come up (exit {self.proc.returncode}): {line!r}")
+        self.master_pid = int(line.split("(pid ")[1].split(")")[0])
+        self.uri = f"mooncake://127.0.0.1:{self.port}"
+
+    def kill_master(self) -> None:
+        os.kill(self.master_pid, signal.SIGKILL)
+        self.master_killed = True
+
+    master_killed = False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:  # (its client's goodbye to a dead master would only time out)
+            self.proc.send_signal(signal.SIGKILL if self.master_killed else signal.SIGINT)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        try:  # never leave a master behind, whatever happened to its parent
+            os.kill(self.master_pid, signal.SIGKILL)
+        except (ProcessLookupError, AttributeError):
+            pass
+
+
+@pytest.fixture
+def store():
+    s = Store()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def blocks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 2, 2, 8, 16)).astype(np.float32)
+
+
+def test_batched_zero_copy_round_trip_and_misses(store):
+    spec = parse_storage(store.uri)
+    a, b = MooncakeStorage(spec, rank=0), MooncakeStorage(spec, rank=0)
+    try:
+        src, dst = blocks(8, 1), np.zeros((8, 2, 2, 8, 16), np.float32)
+        a.register(src)
+        b.register(dst)
+        keys = [bytes([i]) * 16 for i in range(8)]
+        assert a.put_many(keys[:6], list(src[:6])) == 6 * src[0].nbytes
+        assert b.exists_many(keys) == 6
+        assert b.get_many(keys, list(dst)) == 6  # the first missing key ends the prefix
+        assert np.array_equal(dst[:6], src[:6]) and not dst[6:].any()
+        dst[:] = 0
+        assert b.get_many(keys, list(dst), deadline=time.monotonic() - 1) == 0 and not dst.any(), \
+            "nothing is written for a task past its deadline"
+        loose = np.zeros((2, 2, 8, 16), np.float32)  # not in a registered pool: staged, same answer
+        assert b.get(keys[2], loose) and np.array_equal(loose, src[2])
+        other_rank = MooncakeStorage(spec, rank=1)
+        assert other_rank.exists_many(keys) == 0, "each rank has its own objects"
+        other_rank.close()
+        assert a.errors == b.errors == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_master_means_misses_not_errors(store):
+    s = MooncakeStorage(parse_storage(store.uri), rank=0, retry_s=60.0)
+    try:
+        data = blocks(2, 2)
+        s.register(data)
+        keys = [b"\x01" * 16, b"\x02" * 16]
+        s.put_many(keys, list(data))
+        store.kill_master()
+        out = np.zeros_like(data)
+        assert s.get_many(keys, list(out)) == 0  # the first failure marks the store down
+        assert s.errors >= 1
+        t0 = time.monotonic()
+        assert s.get_many(keys, list(out)) == 0 and s.put_many(keys, list(data)) == 0
+        assert not s.contains(keys[0])
+        assert time.monotonic() - t0 < 1.0, "calls while the store is down must not wait for the master"
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_prompt_computed_on_one_node_is_a_storage_hit_on_another(node, tmp_path, store, tp):
+    """Each rank stores its own head shards; a block is a hit only where every rank read it."""
+    prompts = shared_prefix_prompts(seed=5, systems=2, users=2)
+    opts = (*SMALL, "--num-gpu-blocks", "128", "--storage", store.uri, "--tp", str(tp))
+    want = [oracle(tp).generate_dense(p, NEW) for p in prompts]
+    with launched(node + "a", tmp_path / "a", *opts) as a:
+        got_a = [a.client.generate(p, NEW).output_token_ids.tolist() for p in prompts]
+        assert a.idle_stats()["tasks_done"] > 0
+    assert got_a == want
+    with launched(node + "b", tmp_path / "b", *opts) as b:
+        res = [b.client.generate(p, NEW) for p in prompts]
+        stats = b.idle_stats()
+    assert [r.output_token_ids.tolist() for r in res] == want
+    assert [r.cached_tokens for r in res] == [(len(p) - 1) // 8 * 8 for p in prompts], \
+        "every full block node A computed is found: read from the store, or on the device once read"
+    assert res[0].cached_storage == res[0].cached_tokens
+    assert stats["hit_tokens_storage"] == sum(r.cached_storage for r in res) > 0
+    assert stats["storage_errors"] == 0 and stats["failed_requests"] == 0
+
+
+def test_a_node_keeps_serving_when_the_master_dies(node, tmp_path, store):
+    prompts = shared_prefix_prompts(seed=6, systems=2, users=3)
+    opts = (*SMALL, "--num-gpu-blocks", "128", "--storage", store.uri)
+    with launched(node, tmp_path, *opts) as ln:
+        before = [ln.client.generate(p, NEW) for p in prompts[:2]]
+        ln.idle_stats()  # their write-through is done
+        store.kill_master()
+        after = [ln.client.generate(p, NEW) for p in prompts]
+        stats = ln.idle_stats()
+    answers = [r.output_token_ids.tolist() for r in before + after]
+    assert answers == [oracle().generate_dense(p, NEW) for p in prompts[:2] + prompts]
+    assert stats["failed_requests"] == 0 and stats["tasks_failed"] == 0
+    assert stats["storage_errors"] > 0, "store failures are counted as misses"
+
+
+def test_under_memory_pressure_every_request_finishes_with_store_lookups(node, tmp_path, store):
+    """Every request on a shared-store node holds blocks for its whole lookup while the store is
+    asked: with a device pool a few requests fill, many at once still all finish, exactly."""
+    from kvrt.runtime.client.client import Result
+
+    prompts = shared_prefix_prompts(seed=8, systems=3, users=4)  # 12 prompts of up to 16 blocks
+    opts = (*SMALL, "--num-gpu-blocks", "40", "--max-num-seqs", "4", "--storage", store.uri)
+    with launched(node, tmp_path, *opts) as ln:
+        for round_ in range(2):  # the second round's prefixes come from the store
+            ids = {ln.client.submit(p, NEW, stream=False): i for i, p in enumerate(prompts)}
+            got: dict[int, list[int]] = {}
+            deadline = time.monotonic() + 120
+            while len(got) < len(ids) and time.monotonic() < deadline:
+                for ev in ln.client.poll(1.0):
+                    assert isinstance(ev, Result), ev
+                    got[ids[ev.request_id]] = ev.output_token_ids.tolist()
+            assert [got.get(i) for i in range(len(prompts))] == [oracle().generate_dense(p, NEW) for p in prompts]
+        stats = ln.idle_stats()
+    assert stats["failed_requests"] == 0 and stats["hit_tokens_storage"] > 0
+
+
+def test_blocks_a_dead_master_did_not_take_are_written_after_it_restarts(node, tmp_path, store):
+    """A master restart is misses, then a working store again; and a write the dead master
+    refused is not taken for done: the read that misses them makes the node forget them, so
+    it writes them again when it computes them."""
+    rng = np.random.default_rng(4)
+    first, *fillers = [rng.integers(0, 512, 6 * 8 + 1).astype(np.int32) for _ in range(5)]
+    opts = (*SMALL, "--num-gpu-blocks", "16", "--storage", store.uri)
+    with launched(node + "a", tmp_path / "a", *opts) as a:
+        store.kill_master()
+        store.stop()
+        assert a.client.generate(first, NEW).cached_tokens == 0
+        assert a.idle_stats()["storage_errors"] > 0  # its write-through was refused
+        again = Store(port=store.port)  # a new master (empty) on the same address
+        store.proc, store.master_pid, store.master_killed = again.proc, again.master_pid, False
+        time.sleep(RETRY_S + 0.5)  # the client leaves a master that failed alone this long
+        for p in fillers:  # push `first` out of the 16-block device: it is computed again
+            a.client.generate(p, NEW)
+        res = a.client.generate(first, NEW)
+        assert res.cached_tokens == 0
+        stats = a.idle_stats()
+        assert stats["failed_requests"] == 0
+    with launched(node + "b", tmp_path / "b", *opts) as b:
+        res = b.client.generate(first, NEW)
+    assert res.output_token_ids.tolist() == oracle().generate_dense(first, NEW)
+    assert res.cached_storage == 6 * 8, "node A wrote the blocks the dead master had refused"
+
+
+def test_a_node_started_while_no_master_listens_serves_with_misses(node, tmp_path):
+    """Setting a client up with no master would retry for ever: the node starts, serves every
+    request (computed) and counts the store as failing."""
+    prompt = shared_prefix_prompts(seed=7, systems=1, users=1)[0]
+    with launched(node, tmp_path, *SMALL, "--storage", f"mooncake://127.0.0.1:{free_port()}") as ln:
+        res = ln.client.generate(prompt, NEW)
+        stats = ln.idle_stats()
+    assert res.output_token_ids.tolist() == oracle().generate_dense(prompt, NEW) and res.cached_tokens == 0
+    assert stats["storage_errors"] > 0 and stats["failed_requests"] == 0
+
+
+def test_objects_in_memory_a_dead_process_lent_are_misses(node, tmp_path, store):
+    """The process that lent the pool its memory dies (the master lives on): every object in
+    it is a miss, counted, and the next node computes its prompts with the right answers."""
+    prompts = shared_prefix_prompts(seed=10, systems=2, users=1)
+    opts = (*SMALL, "--num-gpu-blocks", "64", "--storage", store.uri)
+    with launched(node + "a", tmp_path / "a", *opts) as a:
+        for p in prompts:
+            a.client.generate(p, NEW)
+        a.idle_stats()
+    store.proc.kill()  # `kvrt store start` (the lender) only: its master is still up
+    store.proc.wait()
+    with launched(node + "b", tmp_path / "b", *opts) as b:
+        res = [b.client.generate(p, NEW) for p in prompts]
+        stats = b.idle_stats()
+    assert [r.output_token_ids.tolist() for r in res] == [oracle().generate_dense(p, NEW) for p in prompts]
+    assert all(r.cached_storage == 0 for r in res)
+    assert stats["storage_errors"] > 0 and stats["failed_requests"] == 0
+
+
+def test_a_pool_the_store_cannot_address_goes_through_the_staging_area(store):
+    """A GPU node's blocks: batches of the registered staging area, the same bytes back."""
+    from tests.workers.test_storage_io import CopyingBackend, pool
+    from kvrt.workers.storage.io import StagedBlocks
+
+    spec = parse_storage(store.uri)
+    a, b = MooncakeStorage(spec, rank=0), MooncakeStorage(spec, rank=0)
+    try:
+        src, dst = pool(CopyingBackend(), seed=3), pool(CopyingBackend(), seed=4)
+        blocks = list(range(100))
+        keys = [i.to_bytes(16, "big") for i in blocks]
+        assert StagedBlocks(src, a, lambda: None).write(blocks, keys) == 100 * src.block_bytes
+        assert StagedBlocks(dst, b, lambda: None).read(blocks, keys, 0.0) == 100
+        assert np.array_equal(dst.array[:100], src.array[:100]) and a.errors == b.errors == 0
+    finally:
+        a.close()
+        b.close()
