@@ -12,11 +12,18 @@ bug class a cross-process lock would hide.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kvrt.ipc import protocol as P
 from kvrt.ipc.ownership import OwnershipError, check_owners
 from kvrt.runtime.cache import prefix_cache as pc
+
+if TYPE_CHECKING:
+    from kvrt.runtime.cache.prefix_cache import PrefixCache
+    from kvrt.runtime.engine.scheduler import Scheduler
+    from kvrt.runtime.pd.connector import KVConnector
 
 
 def _sources(kind: P.TaskKind, tier: str) -> set[int]:
@@ -74,3 +81,31 @@ class OwnerTable:
 
     def owned_by(self, blocks: np.ndarray, owner: int) -> bool:
         return bool((self.owners[np.asarray(blocks)] == owner).all())
+
+
+class OwnerSync:
+    """The engine's side of the check: before each order it sends, set every block's owner from
+    the prefix cache's account, marking the blocks others write (external KV arriving) or read
+    (the connector's sends) as theirs. Without the shared tables (the check off) it does nothing."""
+
+    def __init__(self, tables: tuple[OwnerTable, OwnerTable] | None, cache: "PrefixCache",
+                 sched: "Scheduler", connector: "KVConnector"):
+        self.tables = tables
+        self._cache = cache
+        self._sched = sched
+        self._connector = connector
+
+    def sync(self) -> np.ndarray | None:
+        """Each device block's role as just synced, or None with the check off."""
+        if self.tables is None:
+            return None
+        dev, host = self._cache.block_roles()
+        dev[self._sched.incoming_blocks()] = pc.ROLE_LOADING  # written from outside: not ours to touch
+        # read by the connector's ranks: no step may write them (tree blocks are immutable anyway,
+        # and may be read by a cache-transfer task at the same time)
+        out = np.asarray(self._connector.outgoing_blocks(), dtype=np.int64)
+        dev[out[np.isin(dev[out], (pc.ROLE_FREE, pc.ROLE_PRIVATE))]] = pc.ROLE_SAVING
+        self.tables[0].sync(dev)
+        if len(host):
+            self.tables[1].sync(host)
+        return dev

@@ -19,7 +19,7 @@ from kvrt.runtime.client.api import (API, CancelRequest, FinishedEvent, Generate
 from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.client import Sampling
 from kvrt.runtime.client.tokenizer import HFTokenizer
-from kvrt.runtime.engine.engine import Engine
+from kvrt.runtime.engine.client_api import ClientApi
 from tests.conftest import REPO
 from tests.launched import SMALL, launched
 from tests.router_thread import RouterThread
@@ -205,8 +205,9 @@ def test_info_reply_carries_the_model_dir_and_stays_compatible(tmp_path):
     """The engine reports its model directory; an InfoReply from a node that predates the field
     still decodes (as the reference model), and an older client ignores it."""
     got = []
-    eng = types.SimpleNamespace(cfg=NodeConfig(node="n", model_dir=str(tmp_path)), reply=lambda c, m: got.append(m))
-    Engine._on_info(eng, b"client", InfoRequest(7))
+    clients = types.SimpleNamespace(reply=lambda c, m: got.append(m))
+    intake = types.SimpleNamespace(cfg=NodeConfig(node="n", model_dir=str(tmp_path)), clients=clients)
+    ClientApi.on_info(intake, b"client", InfoRequest(7))
     assert got[0].model_dir == str(tmp_path) and got[0].nonce == 7
     assert API.decode(API.encode(got[0])) == got[0]
     old = {"t": "info_reply", "v": 1, "nonce": 1, "node": "n", "role": "mixed", "vocab_size": 512,

@@ -204,8 +204,8 @@ def test_a_real_engine_calls_the_hooks_of_its_connector(node, monkeypatch):
         assert isinstance(fake, HandOffEverything) and eng.sched.connector is fake
         deadline = time.monotonic() + 60
         prompt = np.arange(1, 11, dtype=np.int32)
-        eng._on_generate(b"client", api.GenerateRequest("long", prompt, 5))
-        eng._on_generate(b"client", api.GenerateRequest("short", prompt + 1, 1))
+        eng.api.on_generate(b"client", api.GenerateRequest("long", prompt, 5))
+        eng.api.on_generate(b"client", api.GenerateRequest("short", prompt + 1, 1))
         while not eng.sched.idle:
             assert time.monotonic() < deadline, "the requests did not end"
             eng.step()

@@ -85,7 +85,7 @@ def test_the_next_step_leaves_in_the_turn_that_applied_the_last(engine):
     """A decode step is launched in the loop turn that applied the previous step's answer, not
     after the housekeeping and the next turn's start (a decode node's first step after kv-ready
     and every later one)."""
-    engine._on_generate(b"client", api.GenerateRequest("r", np.arange(1, 11, dtype=np.int32), 6))
+    engine.api.on_generate(b"client", api.GenerateRequest("r", np.arange(1, 11, dtype=np.int32), 6))
     deadline = time.monotonic() + 60
     generated = engine.stats.array[P.STAT["generated_tokens"]:][:1]
     applied = 0
@@ -103,13 +103,13 @@ def test_the_next_step_leaves_in_the_turn_that_applied_the_last(engine):
 def test_a_message_that_cuts_the_wait_short_is_handled_in_that_turn(engine, monkeypatch):
     """A message the I/O thread queues while the engine waits (a peer's kv-ready, a decode node's
     token to relay) is taken in before the turn ends, not after the housekeeping and a new turn."""
-    run = engine._run
+    wait = engine.answers.wait
 
-    def arrives_during_the_wait():
-        got = run()
+    def arrives_during_the_wait(timeout):
+        got = wait(timeout)
         engine.server.inbox.append((b"client", api.API.encode(api.InfoRequest(7))))
         return got
 
-    monkeypatch.setattr(engine, "_run", arrives_during_the_wait)
+    monkeypatch.setattr(engine.answers, "wait", arrives_during_the_wait)
     engine.step()
     assert [type(m) for _, m in engine.server.sent] == [api.InfoReply]

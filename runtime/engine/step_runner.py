@@ -1,0 +1,106 @@
+"""One forward step at a time: built from the scheduler's batch, sent to every worker rank,
+done when each has answered, and the node failed when one does not answer in time.
+
+Why a class of its own: the step in flight has state the scheduler does not keep (the ranks'
+answers so far, the watch on its deadline) and a wire format the scheduler need not know
+(`StepBatch`, flattened, with sampling fields only when some request samples). The loop only
+launches a step and hands over the answers; their outcome goes to the clients.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from kvrt.ipc import protocol as P
+from kvrt.ipc.rank_group import RankGroup
+from kvrt.ipc.ring import Producer
+from kvrt.ipc.watchdog import Watchdog, pause_gap
+from kvrt.runtime.client import api
+from kvrt.runtime.engine.clients import Clients
+from kvrt.runtime.engine.ownership import OwnerSync, check_step
+from kvrt.runtime.engine.scheduler import Scheduler, Step
+from kvrt.runtime.engine.stats import EngineStats
+from kvrt.runtime.node.config import NodeConfig
+
+log = logging.getLogger("kvrt.engine")
+
+
+class StepTimeout(RuntimeError):
+    """A worker rank did not answer a step in time: the node is unhealthy; the engine exits."""
+
+
+class StepRunner:
+    """The step in flight between the scheduler and the worker ranks. `tick_s` is the loop's
+    turn: a node paused whole with a step in flight goes on with it when resumed, since the
+    deadline counts the engine's own running time."""
+
+    def __init__(self, cfg: NodeConfig, to_workers: list[Producer], sched: Scheduler, clients: Clients,
+                 owners: OwnerSync, stats: EngineStats, tick_s: float):
+        self.cfg = cfg
+        self.to_workers = to_workers
+        self.sched = sched
+        self.clients = clients
+        self.owners = owners
+        self.stats = stats
+        self._answers: RankGroup[P.StepResult] | None = None  # answers to the step in flight
+        self._watch: Watchdog[str] = Watchdog(pause_gap(cfg.rank_timeout, tick_s))
+
+    def launch(self, step: Step) -> None:
+        """Send `step` to every worker rank (checked against the block owners in debug mode)."""
+        roles = self.owners.sync()
+        bs = self.cfg.block_size
+        tokens, tables = [], []
+        for seq, chunk, start, table in zip(step.seqs, step.chunks, step.starts, step.tables):
+            tokens.append(seq.tokens[start:start + chunk])
+            tables.append(table)
+            if roles is not None:
+                t = np.asarray(table, dtype=np.int64)
+                check_step(roles, t[start // bs:], t[:start // bs], f"step {step.step_id} ({seq.request_id})")
+        batch = P.StepBatch(step.step_id, np.concatenate(tokens), np.array(step.chunks, dtype=np.int32),
+                            np.array(step.starts, dtype=np.int32), np.concatenate(tables).astype(np.int32),
+                            np.array([len(t) for t in tables], dtype=np.int32))
+        if any(seq.temperature > 0 or seq.logprobs for seq in step.seqs):  # else all greedy: none sent
+            batch.temperature = [seq.temperature for seq in step.seqs]
+            batch.top_p = [seq.top_p for seq in step.seqs]
+            batch.top_k = np.array([seq.top_k for seq in step.seqs], dtype=np.int32)
+            batch.seed = [seq.seed for seq in step.seqs]
+            batch.logprobs = np.array([seq.logprobs for seq in step.seqs], dtype=np.int32)
+        data = P.PROTOCOL.encode(batch)
+        for ring in self.to_workers:
+            ring.put(data, self.cfg.rank_timeout)
+        self._answers = RankGroup(self.cfg.tp, math.inf)  # overdue by the watch instead
+        self.stats.count("steps")
+
+    def on_result(self, res: P.StepResult) -> None:
+        """One worker rank's answer; with the last one, the step's outcome to its clients."""
+        step, answers = self.sched.inflight, self._answers
+        if step is None or answers is None or res.step_id != step.step_id or not 0 <= res.rank < answers.size:
+            log.warning("answer to step %d from worker[%d] for no step in flight", res.step_id, res.rank)
+            return
+        if not answers.add(res.rank, res):
+            return
+        self._answers = None
+        errors = [a.error for a in answers.answers if a.error]
+        if errors:
+            self.clients.apply(self.sched.fail_step(step, "; ".join(errors)))
+        else:
+            first = answers.answers[0]
+            self.clients.apply(self.sched.finish_step(step, first.tokens, first.logprobs))
+
+    def check_deadline(self) -> None:
+        """StepTimeout once the step in flight has waited --rank-timeout of the engine's running
+        time for an answer (one round of the watch per call: once per turn of the loop); its
+        requests are told first."""
+        self._watch.tick()
+        step, answers = self.sched.inflight, self._answers
+        if step is None or answers is None:
+            return
+        if self._watch.observe("step", step.step_id) < self.cfg.rank_timeout:
+            return
+        why = (f"worker rank(s) {answers.missing()} did not answer step {step.step_id} "
+               f"within {self.cfg.rank_timeout:.3g}s")
+        for seq in step.seqs:
+            self.clients.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
+        raise StepTimeout(why)
