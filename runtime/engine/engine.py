@@ -53,6 +53,7 @@ from kvrt.runtime.pd.roles import connector_class
 log = logging.getLogger("kvrt.engine")
 TICK_S = 0.1
 
+
 @dataclass
 class StopRequest:
     """SIGTERM/SIGINT, recorded by the handler and acted on by the loop at its next tick (at

@@ -88,8 +88,8 @@ class OwnerSync:
     the prefix cache's account, marking the blocks others write (external KV arriving) or read
     (the connector's sends) as theirs. Without the shared tables (the check off) it does nothing."""
 
-    def __init__(self, tables: tuple[OwnerTable, OwnerTable] | None, cache: "PrefixCache",
-                 sched: "Scheduler", connector: "KVConnector"):
+    def __init__(self, tables: tuple[OwnerTable, OwnerTable] | None, cache: PrefixCache,
+                 sched: Scheduler, connector: KVConnector):
         self.tables = tables
         self._cache = cache
         self._sched = sched
