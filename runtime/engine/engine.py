@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvrt.ipc import protocol as P
-from kvrt.ipc.channel import Receiver, Sender
 from kvrt.ipc.errors import ChannelClosed, PeerDead, ProtocolError, RingCorrupt, WaitTimeout
 from kvrt.ipc.fanin import FanIn
 from kvrt.ipc.member import Member
@@ -35,6 +34,7 @@ from kvrt.ipc.rank_group import RankGroup
 from kvrt.ipc.ring import Consumer, Producer
 from kvrt.ipc.signals import Signal
 from kvrt.ipc.storage_uri import parse_storage
+from kvrt.ipc.topology import ENGINE, Topology
 from kvrt.ipc.watchdog import Watchdog, pause_gap
 from kvrt.runtime.cache import prefix_cache as pc
 from kvrt.runtime.cache.events import STORAGE, KVEventPublisher
@@ -93,17 +93,14 @@ class Engine:
         reg = member.reg
         tp = self.cfg.tp
         self.stats = Signal.attach(reg, P.ENGINE_STATS)
-        self.to_workers = [Sender.attach(reg, P.worker_orders(r)).ring for r in range(tp)]
-        inbound = [Receiver.attach(reg, P.worker_answers(r)).ring for r in range(tp)]
-        self.to_transfer: list[Producer] = []
-        if self.cfg.needs_transfer:
-            self.to_transfer = [Sender.attach(reg, P.transfer_orders(r)).ring for r in range(tp)]
-            inbound += [Receiver.attach(reg, P.transfer_answers(r)).ring for r in range(tp)]
+        topo = Topology.of(self.cfg)
+        self.to_workers = [s.ring for s in topo.senders(reg, ENGINE, to=P.ROLE_WORKER)]
+        self.to_transfer: list[Producer] = [s.ring for s in topo.senders(reg, ENGINE, to=P.ROLE_TRANSFER)]
         kind = connector_class(self.cfg.role)
-        self.to_messagers: list[Producer] = []  # the connector's own ranks
-        if kind.has_ranks:
-            self.to_messagers = [Sender.attach(reg, P.messager_orders(r)).ring for r in range(tp)]
-            inbound += [Receiver.attach(reg, P.messager_answers(r)).ring for r in range(tp)]
+        # the connector's own ranks (cache-messager[r]: the topology has them when the connector does)
+        self.to_messagers: list[Producer] = [s.ring for s in topo.senders(reg, ENGINE, to=P.ROLE_MESSAGER)]
+        inbound = [r.ring for role in (P.ROLE_WORKER, P.ROLE_TRANSFER, P.ROLE_MESSAGER)
+                   for r in topo.receivers(reg, ENGINE, of=role)]
         self.inbound = inbound
         self.fan = FanIn(inbound)
         self.owners = self._owner_tables()
