@@ -40,7 +40,7 @@ from kvrt.ipc import protocol
 from kvrt.ipc.protocol import PROTOCOL, Shutdown, TransferTask
 from kvrt.ipc.registry import Registry, process_start_ms
 from kvrt.ipc.ring import Consumer, Producer
-from kvrt.ipc.signals import Signal
+from kvrt.ipc.topology import ENGINE, Topology
 from kvrt.runtime.node.config import NodeConfig
 from kvrt.workers.backend import BackendUnavailable, Pool, get_backend
 from kvrt.workers.kv_pool import PoolMaker, attach_pools, copy_blocks, fmt_bytes
@@ -132,20 +132,16 @@ class BenchNode:
         self.maker = PoolMaker()  # keeps a GPU pool's allocation alive while the node runs
         try:
             protocol.publish_config(self.reg, cfg.to_dict())
-            slots = len(protocol.proc_slots(1))
-            procs = Signal.create(self.reg, protocol.PROCS, (slots, protocol.PROC_FIELDS), np.int64)
-            Signal.create(self.reg, protocol.HEARTBEAT, slots, np.int64)
-            self.ready = Signal.create(self.reg, protocol.READY, slots, np.int32)
-            Signal.create(self.reg, protocol.NODE_STATUS, protocol.STATUS_FIELDS, np.int64)
+            topo = Topology.of(cfg, roles=[protocol.ROLE_TRANSFER])
+            sig = topo.create(self.reg, 1 << 20)
+            procs, self.ready = sig[protocol.PROCS], sig[protocol.READY]
             self.maker.create(self.reg, cfg, lambda line: None)
-            self.reg.create_doorbell(protocol.ENGINE_BELL)
-            protocol.transfer_orders(0).create(self.reg, 1 << 20)
-            protocol.transfer_answers(0).create(self.reg, 1 << 20, bell=protocol.ENGINE_BELL)
             procs.array[0, protocol.PROC_START] = process_start_ms(os.getpid())
             procs.array[0, protocol.PROC_PID] = os.getpid()
             self.ready.array[0] = 1
-            self.tasks = Producer.attach(self.reg, protocol.to_transfer(0))
-            self.answers = Consumer.attach(self.reg, protocol.from_transfer(0))
+            [orders], [answers] = topo.sends(ENGINE), topo.receives(ENGINE)
+            self.tasks = Producer.attach(self.reg, orders.channel.obj)
+            self.answers = Consumer.attach(self.reg, answers.channel.obj)
         except BaseException:
             self.maker.created.close()
             self.reg.unlink_all()

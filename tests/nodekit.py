@@ -15,8 +15,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvrt.ipc import protocol
 from kvrt.ipc.errors import IpcError
 from kvrt.ipc.member import Member
@@ -24,6 +22,7 @@ from kvrt.ipc.protocol import PROTOCOL, Shutdown, TransferDone
 from kvrt.ipc.registry import Registry, process_start_ms
 from kvrt.ipc.ring import Consumer, Producer
 from kvrt.ipc.signals import Signal
+from kvrt.ipc.topology import ENGINE, Topology
 from kvrt.runtime.engine.engine import Engine
 from kvrt.runtime.node.config import NodeConfig
 from kvrt.runtime.node.supervisor import Node
@@ -45,28 +44,14 @@ class NodeKit:
 
     @classmethod
     def create(cls, node: str, log_dir, **overrides) -> "NodeKit":
-        """Registry, config, PROCS/HEARTBEAT/READY/NODE_STATUS, ownership tables (if asked),
-        pools, and the task/answer rings of every rank; this process registers as the engine."""
+        """Registry, config, the node's signals and ownership tables (if asked), pools, and the
+        task/answer rings of every cache-transfer rank; this process registers as the engine."""
         cfg = NodeConfig(node=node, **{**SMALL, **overrides}).validate()
         reg = Registry.create(node)
         try:
             protocol.publish_config(reg, cfg.to_dict())
-            slots = len(protocol.proc_slots(cfg.tp))
-            sig = {
-                protocol.PROCS: Signal.create(reg, protocol.PROCS, (slots, protocol.PROC_FIELDS), np.int64),
-                protocol.HEARTBEAT: Signal.create(reg, protocol.HEARTBEAT, slots, np.int64),
-                protocol.READY: Signal.create(reg, protocol.READY, slots, np.int32),
-                protocol.NODE_STATUS: Signal.create(reg, protocol.NODE_STATUS, protocol.STATUS_FIELDS, np.int64),
-            }
-            if cfg.check_ownership:
-                for obj, n in ((protocol.OWNERS_DEVICE, cfg.num_gpu_blocks),
-                               (protocol.OWNERS_HOST, max(cfg.num_cpu_blocks, 1))):  # as the launcher
-                    sig[obj] = Signal.create(reg, obj, n, np.int32)
+            sig = Topology.of(cfg, roles=[protocol.ROLE_TRANSFER]).create(reg, 1 << 16)
             pools = create_pools(reg, cfg, lambda line: None)
-            reg.create_doorbell(protocol.ENGINE_BELL)
-            for r in range(cfg.tp):
-                protocol.transfer_orders(r).create(reg, 1 << 16)
-                protocol.transfer_answers(r).create(reg, 1 << 16, bell=protocol.ENGINE_BELL)
             engine = sig[protocol.PROCS].array[0]
             engine[protocol.PROC_ROLE] = protocol.ROLE_ENGINE
             engine[protocol.PROC_START] = process_start_ms(os.getpid())
@@ -127,8 +112,10 @@ class NodeKit:
     # ---- the engine's side of the rings -----------------------------------------------------
     def ends(self, rank: int) -> tuple[Producer, Consumer]:
         if rank not in self._ends:
-            self._ends[rank] = (Producer.attach(self.reg, protocol.to_transfer(rank)),
-                                Consumer.attach(self.reg, protocol.from_transfer(rank)))
+            topo = Topology.of(self.cfg, roles=[protocol.ROLE_TRANSFER])
+            orders, answers = topo.sends(ENGINE)[rank], topo.receives(ENGINE)[rank]
+            self._ends[rank] = (Producer.attach(self.reg, orders.channel.obj),
+                                Consumer.attach(self.reg, answers.channel.obj))
         return self._ends[rank]
 
     def send(self, msg, ranks: list[int] | None = None) -> None:

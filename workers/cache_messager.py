@@ -23,7 +23,7 @@ import sys
 import time
 
 from kvrt.ipc import protocol as P
-from kvrt.ipc.channel import Receiver, Sender
+from kvrt.ipc.topology import Topology
 
 from kvrt.workers.child import Child, run_child
 from kvrt.workers.kv_pool import attach_pools
@@ -48,8 +48,8 @@ class CacheMessager:
                                                  bind=host if cfg.decode_peer else cfg.host,
                                                  instance=f"{reg.owner_pid}:{reg.owner_start_ms}"),
                                         **options)
-        self.orders = Receiver.attach(reg, P.messager_orders(rank))
-        self.answers = Sender.attach(reg, P.messager_answers(rank))
+        me, topo = (P.ROLE_MESSAGER, rank), Topology.of(cfg)
+        [self.orders], [self.answers] = topo.receivers(reg, me), topo.senders(reg, me)
 
     def serve(self) -> int:
         self.child.answer(self.answers, P.MessagerHello(self.rank, self.transport.descriptor()))

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvrt.ipc import protocol
-from kvrt.ipc.channel import Receiver, Sender
 from kvrt.ipc.errors import ProtocolError, WaitTimeout
 from kvrt.ipc.ownership import OwnershipError, check_owners
 from kvrt.ipc.protocol import StorageKeys, TaskKind, TransferDone, TransferTask
 from kvrt.ipc.signals import Signal
+from kvrt.ipc.topology import Topology
 
 from kvrt.workers.child import EXIT_OK, WAIT_S, Child, run_child
 from kvrt.workers.kv_pool import CopyJob, PoolError, attach_pools, block_list, start_copy
@@ -76,8 +76,8 @@ class CacheTransfer:
         if cfg.check_ownership:
             self.owners = {"device": _owner_table(reg, protocol.OWNERS_DEVICE, rank),
                            "host": _owner_table(reg, protocol.OWNERS_HOST, rank)}
-        self.tasks = Receiver.attach(reg, protocol.transfer_orders(rank))
-        self.answers = Sender.attach(reg, protocol.transfer_answers(rank))
+        me, topo = (protocol.ROLE_TRANSFER, rank), Topology.of(cfg)
+        [self.tasks], [self.answers] = topo.receivers(reg, me), topo.senders(reg, me)
         self.running: deque[Started] = deque()  # taken, not answered yet, in task order
 
     def close(self) -> None:

@@ -20,9 +20,9 @@ import numpy as np
 
 from kvrt.ipc import protocol as P
 from kvrt.ipc.allreduce import AllReduce
-from kvrt.ipc.channel import Receiver, Sender
 from kvrt.ipc.ownership import OwnershipError, check_owners
 from kvrt.ipc.signals import Signal
+from kvrt.ipc.topology import Topology
 
 from kvrt.workers.backend import get_backend
 from kvrt.workers.child import Child, run_child
@@ -57,8 +57,8 @@ class Worker:
         self.model.beat = child.member.beat
         self.block_size = cfg.block_size
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
-        self.orders = Receiver.attach(child.reg, P.worker_orders(child.rank))
-        self.answers = Sender.attach(child.reg, P.worker_answers(child.rank))
+        me, topo = (P.ROLE_WORKER, child.rank), Topology.of(cfg)
+        [self.orders], [self.answers] = topo.receivers(child.reg, me), topo.senders(child.reg, me)
 
     def serve(self) -> int:
         log.info("serving %s: %d device blocks, model %s, ownership checks %s", self.orders.name,

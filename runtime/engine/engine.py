@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass
 
 from kvrt.ipc import protocol as P
-from kvrt.ipc.channel import Receiver, Sender
 from kvrt.ipc.errors import ChannelClosed, PeerDead, RingCorrupt, WaitTimeout
 from kvrt.ipc.fanin import FanIn
 from kvrt.ipc.member import Member
 from kvrt.ipc.ring import Consumer, Producer
 from kvrt.ipc.signals import Signal
 from kvrt.ipc.storage_uri import parse_storage
+from kvrt.ipc.topology import ENGINE, Topology
 from kvrt.runtime.cache.events import KVEventPublisher
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache
@@ -83,7 +83,7 @@ class Engine:
         self.stop = stop if stop is not None else StopRequest()
         self.cfg = cfg = NodeConfig.from_dict(member.config.to_dict())
         kind = connector_class(cfg.role)
-        self._open_rings(kind.has_ranks)
+        self._open_rings()
         self.fan = FanIn(self.inbound)
         self.owners = self._owner_tables()
         self.transfer = TransferClient(self.to_transfer, cfg.rank_timeout, owners=self.owners)
@@ -110,19 +110,16 @@ class Engine:
                                  self.connector, self.stats)
         self.stats.publish()
 
-    def _open_rings(self, messagers: bool) -> None:
-        """The engine's ends of the node's rings: orders to each rank group, every answer in."""
-        reg, tp = self.member.reg, self.cfg.tp
-        self.to_workers: list[Producer] = [Sender.attach(reg, P.worker_orders(r)).ring for r in range(tp)]
-        self.inbound: list[Consumer] = [Receiver.attach(reg, P.worker_answers(r)).ring for r in range(tp)]
-        self.to_transfer: list[Producer] = []
-        if self.cfg.needs_transfer:
-            self.to_transfer = [Sender.attach(reg, P.transfer_orders(r)).ring for r in range(tp)]
-            self.inbound += [Receiver.attach(reg, P.transfer_answers(r)).ring for r in range(tp)]
-        self.to_messagers: list[Producer] = []  # the connector's own ranks
-        if messagers:
-            self.to_messagers = [Sender.attach(reg, P.messager_orders(r)).ring for r in range(tp)]
-            self.inbound += [Receiver.attach(reg, P.messager_answers(r)).ring for r in range(tp)]
+    def _open_rings(self) -> None:
+        """The engine's ends of the node's rings, as the node's topology declares them: orders
+        to each rank group (cache-messager[r] when the role's connector has ranks), every
+        answer in."""
+        reg, topo = self.member.reg, Topology.of(self.cfg)
+        self.to_workers: list[Producer] = [s.ring for s in topo.senders(reg, ENGINE, to=P.ROLE_WORKER)]
+        self.to_transfer: list[Producer] = [s.ring for s in topo.senders(reg, ENGINE, to=P.ROLE_TRANSFER)]
+        self.to_messagers: list[Producer] = [s.ring for s in topo.senders(reg, ENGINE, to=P.ROLE_MESSAGER)]
+        self.inbound: list[Consumer] = [r.ring for role in (P.ROLE_WORKER, P.ROLE_TRANSFER, P.ROLE_MESSAGER)
+                                        for r in topo.receivers(reg, ENGINE, of=role)]
 
     def _make_connector(self, kind: type[KVConnector]) -> KVConnector:
         """The node's one KV connector; it sees the engine only through these callbacks."""

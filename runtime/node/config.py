@@ -128,25 +128,9 @@ class NodeConfig(config.NodeConfig):
         """Short names of every shared object the launcher registers for this node (a ring
         counts with its doorbells). The longest must fit the name limits and the count the
         registry, or the launch would fail half-way through creating them."""
-        from kvrt.ipc import protocol as P
+        from kvrt.ipc.topology import Topology
 
-        objs = [P.CONFIG, P.PROCS, P.HEARTBEAT, P.READY, P.NODE_STATUS, P.ERRORS, P.ENGINE_STATS, P.ENGINE_BELL]
-        if self.check_ownership:
-            objs += [P.OWNERS_DEVICE, P.OWNERS_HOST]
-        if self.needs_allreduce:
-            objs.append(P.ALLREDUCE)
-        for r in range(self.tp):
-            pairs = [(P.to_worker(r), P.from_worker(r))]
-            if self.needs_transfer:
-                pairs.append((P.to_transfer(r), P.from_transfer(r)))
-            if self.disaggregated:
-                pairs.append((P.to_messager(r), P.from_messager(r)))
-            for to, back in pairs:  # `back` rings ring the engine's shared bell
-                objs += [to, f"{to}.bell", f"{to}.space", back, f"{back}.space"]
-            objs.append(P.device_pool(r))
-            if self.num_cpu_blocks > 0:
-                objs.append(P.host_pool(r))
-        return objs
+        return Topology.of(self).names()
 
     def _check_shared_names(self) -> None:
         from kvrt.ipc.registry import MAX_ENTRIES

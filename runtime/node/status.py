@@ -25,6 +25,7 @@ from kvrt.ipc.errors import IpcError, NodeLive
 from kvrt.ipc.registry import Registry, list_nodes, pid_alive, reclaim
 from kvrt.ipc.ring import peek_stats
 from kvrt.ipc.signals import Signal
+from kvrt.ipc.topology import NODE_SIGNALS
 from kvrt.runtime.cache.metrics import TIERS, rates
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def snapshot(node: str) -> dict:
         out: dict = {"node": node, "launcher_pid": reg.owner_pid, "launcher_alive": alive,
                      "objects": len(entries), "damaged": []}
         sig = {}
-        for short in (P.PROCS, P.HEARTBEAT, P.READY, P.NODE_STATUS, P.ENGINE_STATS):
+        for short in NODE_SIGNALS:
             if reg.name_of(short) in entries:
                 try:
                     s = Signal.attach(reg, short)

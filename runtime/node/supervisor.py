@@ -33,15 +33,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-import numpy as np
-
 from kvrt.ipc import protocol as P
-from kvrt.ipc.allreduce import AllReduce
-from kvrt.ipc.allreduce import segment_bytes as allreduce_bytes
 from kvrt.ipc.registry import Registry
 from kvrt.ipc.ring import HEADER as RING_HEADER
 from kvrt.ipc.ring import Ring
 from kvrt.ipc.signals import Signal
+from kvrt.ipc.topology import Topology
 from kvrt.ipc.watchdog import Watchdog, pause_gap
 from kvrt.runtime.node.config import NodeConfig
 
@@ -51,6 +48,8 @@ PAGE = 4096
 ENGINE_ABORT_S = 5.0  # how long a failing node waits for the engine to fail its requests and exit
 SUPERVISE_S = 0.2  # the supervision loop's period: its longest wait for a child's exit
 _PR_SET_PDEATHSIG = 1
+_PROGRAMS = {P.ROLE_ENGINE: "kvrt.runtime.engine.engine", P.ROLE_WORKER: "kvrt.workers.worker",
+             P.ROLE_TRANSFER: "kvrt.workers.cache_transfer", P.ROLE_MESSAGER: "kvrt.workers.cache_messager"}
 
 
 class PoolMaker(Protocol):
@@ -91,20 +90,14 @@ def describe_exit(code: int | None) -> str:
 
 
 def ring_count(cfg: NodeConfig) -> int:
-    """Rings per rank: to and from the worker, cache-transfer and cache-messager it has."""
-    return cfg.tp * 2 * (1 + int(cfg.needs_transfer) + int(cfg.disaggregated))
+    """Rings of the node: to and from each worker, cache-transfer and cache-messager rank."""
+    return len(Topology.of(cfg).links)
 
 
 def shm_needs(cfg: NodeConfig, pool_bytes: int) -> dict[str, int]:
     """Bytes of /dev/shm each kind of object takes once created (every segment is allocated in
     full at creation), for the room check before any of them exists."""
-    slots = len(P.proc_slots(cfg.tp))
-    signal_bytes = [slots * P.PROC_FIELDS * 8, slots * 8, slots * 4, P.STATUS_FIELDS * 8,
-                    len(P.STATS) * 8, (slots + 1) * P.ERROR_BYTES, PAGE]  # ... and the config
-    if cfg.check_ownership:
-        signal_bytes += [cfg.num_gpu_blocks * 4, max(cfg.num_cpu_blocks, 1) * 4]
-    if cfg.needs_allreduce:
-        signal_bytes.append(allreduce_bytes(cfg.tp, cfg.allreduce_capacity, peer_memory=cfg.device == "cuda"))
+    signal_bytes = [*Topology.of(cfg).signal_bytes(), PAGE]  # ... and the config
     return {"KV pools": pool_bytes,
             "rings": ring_count(cfg) * _pages(RING_HEADER + RING_BYTES),
             "signals": sum(_pages(n) for n in signal_bytes)}
@@ -152,29 +145,7 @@ class Node:
         try:
             _check_shm_room(shm_needs(cfg, self.pools.bytes_needed(cfg)), cfg)
             P.publish_config(reg, cfg.to_dict())
-            slots = len(P.proc_slots(cfg.tp))
-            sig = self._sig
-            sig[P.PROCS] = Signal.create(reg, P.PROCS, (slots, P.PROC_FIELDS), np.int64)
-            sig[P.HEARTBEAT] = Signal.create(reg, P.HEARTBEAT, slots, np.int64)
-            sig[P.READY] = Signal.create(reg, P.READY, slots, np.int32)
-            sig[P.NODE_STATUS] = Signal.create(reg, P.NODE_STATUS, P.STATUS_FIELDS, np.int64)
-            sig[P.ERRORS] = Signal.create(reg, P.ERRORS, (slots + 1, P.ERROR_BYTES), np.uint8)
-            Signal.create(reg, P.ENGINE_STATS, len(P.STATS), np.float64).close()
-            if cfg.check_ownership:
-                Signal.create(reg, P.OWNERS_DEVICE, cfg.num_gpu_blocks, np.int32)
-                Signal.create(reg, P.OWNERS_HOST, max(cfg.num_cpu_blocks, 1), np.int32)
-            if cfg.needs_allreduce:
-                AllReduce.create(reg, P.ALLREDUCE, cfg.tp, cfg.allreduce_capacity, peer_memory=cfg.device == "cuda")
-            reg.create_doorbell(P.ENGINE_BELL)
-            for r in range(cfg.tp):
-                pairs = [(P.worker_orders(r), P.worker_answers(r))]
-                if cfg.needs_transfer:
-                    pairs.append((P.transfer_orders(r), P.transfer_answers(r)))
-                if cfg.disaggregated:
-                    pairs.append((P.messager_orders(r), P.messager_answers(r)))
-                for orders, answers in pairs:
-                    orders.create(reg, RING_BYTES)
-                    answers.create(reg, RING_BYTES, bell=P.ENGINE_BELL)
+            self._sig.update(Topology.of(cfg).create(reg, RING_BYTES))
             self.pools.create(reg, cfg, self.progress)
         except BaseException:
             self.unlink()
@@ -192,17 +163,11 @@ class Node:
     # ---- children ------------------------------------------------------------------------
     def start_children(self) -> None:
         cfg = self.cfg
-        plan = [(P.ROLE_ENGINE, 0, "kvrt.runtime.engine.engine")]
-        plan += [(P.ROLE_WORKER, r, "kvrt.workers.worker") for r in range(cfg.tp)]
-        if cfg.needs_transfer:
-            plan += [(P.ROLE_TRANSFER, r, "kvrt.workers.cache_transfer") for r in range(cfg.tp)]
-        if cfg.disaggregated:
-            plan += [(P.ROLE_MESSAGER, r, "kvrt.workers.cache_messager") for r in range(cfg.tp)]
         level = logging.getLevelName(logging.getLogger().level)
         if cfg.log_dir and not os.path.isdir(cfg.log_dir):
             os.makedirs(cfg.log_dir, mode=0o700)  # logs carry prompts' fates: the user's alone
-        for role, rank, module in plan:
-            cmd = child_command(module, ["--node", cfg.node, "--log-level", level])
+        for role, rank in Topology.of(cfg).processes:
+            cmd = child_command(_PROGRAMS[role], ["--node", cfg.node, "--log-level", level])
             if role != P.ROLE_ENGINE:
                 cmd += ["--rank", str(rank)]
             out = None
@@ -222,20 +187,11 @@ class Node:
     def _assign_rings(self, role: int, rank: int, pid: int) -> None:
         """Write `pid` into the rings this child will write and read, before it attaches, so a
         child killed during start-up is reported by its peers' waits as dead, not awaited."""
-        cfg, reg = self.cfg, self.reg
-        pairs = [(P.ROLE_WORKER, P.to_worker, P.from_worker)]
-        if cfg.needs_transfer:
-            pairs.append((P.ROLE_TRANSFER, P.to_transfer, P.from_transfer))
-        if cfg.disaggregated:
-            pairs.append((P.ROLE_MESSAGER, P.to_messager, P.from_messager))
-        for peer_role, to_peer, from_peer in pairs:
-            for r in range(cfg.tp):
-                if role == P.ROLE_ENGINE:
-                    Ring.assign(reg.find(to_peer(r)), producer=pid)
-                    Ring.assign(reg.find(from_peer(r)), consumer=pid)
-                elif role == peer_role and rank == r:
-                    Ring.assign(reg.find(to_peer(r)), consumer=pid)
-                    Ring.assign(reg.find(from_peer(r)), producer=pid)
+        for link in Topology.of(self.cfg).links:
+            if link.producer == (role, rank):
+                Ring.assign(self.reg.find(link.channel.obj), producer=pid)
+            if link.consumer == (role, rank):
+                Ring.assign(self.reg.find(link.channel.obj), consumer=pid)
 
     def _dead_children(self, timeout: float) -> list[Child]:
         """Block up to `timeout` s until a child exits; returns every child that has exited
