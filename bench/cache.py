@@ -32,7 +32,7 @@ import numpy as np
 from kvrt.bench.belady import offline_hit_rate, uses
 from kvrt.bench.synthetic import PREFIX, TRACES, synthetic
 from kvrt.runtime.cache.keys import BlockHasher
-from kvrt.runtime.cache.policies.base import EvictionPolicy, make_policy, policy_names
+from kvrt.runtime.cache.policies.base import make_policy, policy_names
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 from kvrt.runtime.client.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens,
                            ideal_hit_tokens, load_trace, num_blocks)
@@ -95,7 +95,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
     """One pass over the trace with the eviction policy named `policy`; returns the row for this
     capacity (without the ideal and the bound)."""
     total = sum(num_blocks(r, block_size) for r in requests)
-    factory: type[EvictionPolicy] = make_policy(policy)  # type: ignore[assignment]
+    factory = make_policy(policy)
     cache = PrefixCache(block_size, capacity or total, host_blocks, policy=factory)
     rejected = 0
     start = time.perf_counter()

@@ -147,7 +147,7 @@ class Eviction(NodeStore):
                 ev, top = self._evictable(cand, par, f[NDEV, cand])
             cut = self._first_trigger(cand, par, top, ev is not None and not ev.all())
             if cut < m:
-                self._push_back(policy, cand[cut:].tolist())
+                policy.push_front_run(cand[cut:].tolist())
                 if ev is None:  # whole chains: the cut (after a chain's top) splits none
                     top = [t for t in top if t < cut]
                     ev = np.zeros(m, dtype=bool)
@@ -216,7 +216,7 @@ class Eviction(NodeStore):
                 cut = e if ev is None else int(at[e])
                 at = slice(0, e) if ev is None else at[:e]
             if cut < m:
-                self._push_back(policy, cand[cut:].tolist())
+                policy.push_front_run(cand[cut:].tolist())
             if e:
                 if task_id < 0:
                     task_id = next(self._task_ids)
@@ -452,7 +452,7 @@ class Eviction(NodeStore):
                 cut, leaf = t + 1, p  # that parent is next in line
                 break
         if cut < m:
-            self._push_back(policy, cand[cut:].tolist())
+            policy.push_front_run(cand[cut:].tolist())
             cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
         drop = cand.tolist()
         for v in cand[mapped].tolist():
@@ -495,7 +495,7 @@ class Eviction(NodeStore):
             last = (at.get(p, -1) <= i and child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0
                     and state[p] == CPU and ref[p] == 0 and p not in policy)
             if last:
-                self._push_back(policy, ids[i + 1:])
+                policy.push_front_run(ids[i + 1:])
             if cont_v[p] != v:  # `_unlink`
                 del kmap[keys[v]]
             self._detach_sibling(v)

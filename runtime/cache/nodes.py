@@ -24,7 +24,7 @@ host one CPU leaves; see runtime/cache/policies/base.py for the policy interface
 from __future__ import annotations
 
 import enum
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class NodeStore:
     _wanted_back: dict[int, int]
     _tasks: dict
 
-    def __init__(self, n: int, policy: Callable[[int], EvictionPolicy]):
+    def __init__(self, n: int, policy: type[EvictionPolicy]):
         self._f = np.repeat(RESET[:, None], n, axis=1)  # the node matrix: a row per field
         row = [memoryview(r) for r in self._f]
         self._parent_v, self._child_v, self._dev_v, self._ref_v = row[PARENT], row[CHILD], row[DEV], row[REF]
@@ -235,18 +235,6 @@ class NodeStore:
         top = self._top
         self._stack[top:top + len(ids)] = ids
         self._top = top + len(ids)
-
-    @staticmethod
-    def _push_back(policy: EvictionPolicy, nodes: list[int]) -> None:
-        """Give the rest of a cut eviction run (`nodes`, in eviction order) back to the front of
-        `policy`'s queue, as `push_front` of each, the last first, would; in one call where the
-        policy has `push_front_run` (an optional batch form of that loop)."""
-        run = getattr(policy, "push_front_run", None)
-        if run is not None:
-            run(nodes)
-            return
-        for v in reversed(nodes):
-            policy.push_front(v)
 
     def _device_child_gone(self, p: int) -> None:
         """One of p's children left the device; p may now be an evictable device leaf."""

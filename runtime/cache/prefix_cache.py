@@ -11,8 +11,9 @@ in-process and single-threaded: ordering by messages replaces a lock.
 - runtime/cache/nodes.py: the node store (every node a column of one int32 matrix), tree surgery;
 - runtime/cache/match.py: matching, recording and references;
 - runtime/cache/eviction.py: device allocation and eviction, in the order of an eviction policy
-  (runtime/cache/policies/base.py: the interface and the names; runtime/cache/policies/lru.py: LRU over leaves, the
-  default; runtime/cache/policies/reuse.py: age and reuse, with runtime/cache/use_sketch.py);
+  (runtime/cache/policies/base.py: the interface and the names; policies/gaps.py: age, reuse and
+  reuse gap, a node's default; policies/reuse.py: age and reuse, both with
+  runtime/cache/use_sketch.py; policies/lru.py: LRU over leaves, `PrefixCache`'s own default);
 - runtime/cache/tasks.py: transfer-task bookkeeping (swaps, deferred swap-ins, storage);
 - runtime/cache/reset.py: the reset (every block nothing holds freed, nothing matched after);
 - runtime/cache/check.py: the invariant checker.
@@ -73,7 +74,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
 
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0, *,
                  storage_lookup: StorageLookup | None = None, write_through: bool = False,
-                 policy: Callable[[int], EvictionPolicy] = EvictionQueue, low_water: int | None = None,
+                 policy: type[EvictionPolicy] = EvictionQueue, low_water: int | None = None,
                  storage_known: StorageLookup | None = None, observer: CacheObserver | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -90,8 +91,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         self._reqs: dict[Hashable, Request] = {}
         self._obs = observer
         # use counts that outlive eviction, for a policy that ranks by them
-        self._uses = UseSketch(len(self._keys), timed=getattr(policy, "counts_gaps", False)) \
-            if getattr(policy, "counts_uses", False) else None
+        self._uses = UseSketch(len(self._keys), timed=policy.counts_gaps) if policy.counts_uses else None
         # per counted request of a gap-counting policy: how long ago each of its keys was used
         # before (the sketch's answer at match), handed to the policy as its blocks are recorded
         self._ages: dict[Hashable, np.ndarray] = {}

@@ -2,10 +2,11 @@
 
 The cache keeps one queue per tier of the nodes eviction may take (device: unreferenced GPU
 nodes; host: CPU nodes) and tells it every change; the policy decides only the order in which
-`pop` hands them out. Age and reuse (runtime/cache/policies/reuse.py) is the default; age, reuse and
-reuse gap (runtime/cache/policies/gaps.py) and LRU over leaves (runtime/cache/policies/lru.py) the others; another policy is one
-new file with a class of this shape, passed as `PrefixCache(..., policy=TheClass)`, and named in
-`POLICIES` so that `--eviction NAME` picks it.
+`pop` hands them out. Age, reuse and reuse gap (runtime/cache/policies/gaps.py) is a node's
+default (`--eviction gaps`); age and reuse (runtime/cache/policies/reuse.py) and LRU over leaves
+(runtime/cache/policies/lru.py) are the others. Another policy is one new file with a subclass of
+`EvictionPolicy`, passed as `PrefixCache(..., policy=TheClass)`, and named in `_POLICIES` so that
+`--eviction NAME` picks it.
 
 What the cache guarantees and expects, whatever the policy:
 - `push` gets the nodes a request released, deepest first, so a policy that keeps that order
@@ -23,20 +24,25 @@ from __future__ import annotations
 
 import importlib
 
-from typing import Callable, Protocol
-
 import numpy as np
 
 
-class EvictionPolicy(Protocol):
+class EvictionPolicy:
     """One tier's evictable nodes, in the order they are to be evicted.
 
-    A policy class may set `counts_uses = True`: the cache then also counts, for every block a
-    request recorded, the earlier requests that used its key while it was not cached (a count
-    sketch, runtime/cache/use_sketch.py), so `hits` carries a block's history past its eviction. One
-    that also sets `counts_gaps = True` has a method `recorded(nodes, ages)`: the device tier's
-    policy is told, for the nodes a request just computed (a path, root side first), how many
-    requests ago each one's key was last used (-1: unknown)."""
+    A policy declares what more it needs from the cache, as class attributes the cache reads
+    once, when it is built (never probing for methods):
+    - `counts_uses = True`: the cache also counts, for every block a request recorded, the
+      earlier requests that used its key while it was not cached (a count sketch,
+      runtime/cache/use_sketch.py), so `hits` carries a block's history past its eviction;
+    - `counts_gaps = True` (with `counts_uses`): the device tier's policy is told through
+      `recorded` how many requests ago each computed node's key was last used.
+    The methods with a body are defaults a policy may replace with a faster or fuller one."""
+
+    counts_uses = False
+    counts_gaps = False
+
+    __slots__ = ()
 
     def __init__(self, capacity: int, hits: np.ndarray) -> None:
         """A queue for node ids 0 .. capacity-1. `hits[n]` is how many matches reused node `n`
@@ -45,33 +51,52 @@ class EvictionPolicy(Protocol):
 
     def __contains__(self, n: int) -> bool:
         """Is node `n` queued?"""
+        raise NotImplementedError
 
     def push(self, nodes: np.ndarray) -> None:
         """Nodes that became evictable (released, or moved to this tier), deepest first; the
         policy keeps the array (the caller does not modify it). A queued node is re-queued."""
+        raise NotImplementedError
 
     def push_front(self, n: int) -> None:
         """Node `n` (not queued) became a leaf again: it may be evicted next."""
+        raise NotImplementedError
+
+    def push_front_run(self, nodes: list[int]) -> None:
+        """`push_front` of each of `nodes` (none queued), the last one first, so that they come
+        back in this order: the rest of an eviction run that was cut short."""
+        for n in reversed(nodes):
+            self.push_front(n)
+
+    def recorded(self, nodes: np.ndarray, ages: np.ndarray) -> None:
+        """`nodes` (a path, root side first) were just computed; their keys were last used
+        `ages` requests ago (-1: unknown). Called only on a policy that `counts_gaps`."""
 
     def discard(self, nodes: np.ndarray) -> None:
         """Take `nodes` out (queued or not): they are in use again."""
+        raise NotImplementedError
 
     def discard_one(self, n: int) -> None:
         """`discard` for one node."""
+        raise NotImplementedError
 
     def pop(self) -> int:
         """The next node to evict, taken out of the queue; -1 if none is queued."""
+        raise NotImplementedError
 
     def pop_many(self, k: int) -> np.ndarray:
         """The next `k` nodes (int32; fewer if the queue runs out), taken out of the queue
         exactly as `k` calls of `pop` would take them."""
+        raise NotImplementedError
 
     def members(self) -> list[int]:
         """The queued nodes in eviction order (for the invariant checker)."""
+        raise NotImplementedError
 
     def stamped(self) -> list[int]:
         """The nodes the policy's own bookkeeping says are queued (for the invariant checker:
         must equal `members()` as a set)."""
+        raise NotImplementedError
 
 
 def policy_names() -> list[str]:
@@ -79,7 +104,7 @@ def policy_names() -> list[str]:
     return list(_POLICIES)
 
 
-def make_policy(name: str) -> Callable[[int, np.ndarray], EvictionPolicy]:
+def make_policy(name: str) -> type[EvictionPolicy]:
     """The policy class named `name` (one of `policy_names()`)."""
     try:
         module, cls = _POLICIES[name]

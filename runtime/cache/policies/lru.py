@@ -18,8 +18,10 @@ from collections import deque
 
 import numpy as np
 
+from kvrt.runtime.cache.policies.base import EvictionPolicy
 
-class EvictionQueue:
+
+class EvictionQueue(EvictionPolicy):
     """Node ids in eviction order (`pop` returns the least recently pushed live one).
 
     `push` appends at the most-recently-used end; `push_front` puts a node next in line (a node

@@ -41,6 +41,8 @@ import heapq
 
 import numpy as np
 
+from kvrt.runtime.cache.policies.base import EvictionPolicy
+
 from kvrt.runtime.cache.core import scan_live as _scan_c, stamp_runs as _stamp_runs_c
 
 # level of a use count: floor(2 * log2(1 + uses)), at most MAX_LEVEL (3 earlier uses): beyond
@@ -61,7 +63,7 @@ LONG_LOW, LONG_HIGH = 0.5, 0.7
 DECAY = 0.995
 
 
-class ReuseLevels:
+class ReuseLevels(EvictionPolicy):
     """One tier's evictable nodes, lowest (release time + bonus for reuse) first."""
 
     counts_uses = True  # the cache keeps use counts past eviction for it (runtime/cache/use_sketch.py)

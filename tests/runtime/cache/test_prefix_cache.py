@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.cache.policies.base import EvictionPolicy
 from kvrt.runtime.cache.policies.lru import EvictionQueue
 from kvrt.runtime.cache.prefix_cache import PrefixCache, TaskKind
 from kvrt.runtime.client.trace import expand_tokens, load_trace, default_trace_path
@@ -159,7 +160,7 @@ def test_eviction_is_lru_tail_first_and_cascades():
     assert c.lookup(ka) == 0 and c.lookup(keys(b)) == 3
 
 
-class MostRecentFirst:
+class MostRecentFirst(EvictionPolicy):
     """An alternative eviction policy (most recently released first), to show the policy is one
     class passed to the cache. O(n) per call: for this test only."""
 
