@@ -22,11 +22,12 @@ from kvrt.runtime.engine.sequence import Sequence
 from kvrt.runtime.engine.server import FRAMES, GONE, OVERFLOW, ClientNotice
 from kvrt.runtime.engine.stats import EngineStats
 from kvrt.runtime.node.config import NodeConfig
+from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.connector import KVConnector
 
 log = logging.getLogger("kvrt.engine")
-PEER_ONLY = (api.PdPrealloc, api.PdKvReady, api.PdAbort, api.PdAllocated, api.PdWelcome, api.PdRefused,
-             api.PdPing, api.PdPong)  # valid only inside (or to open) an authenticated peer session
+PEER_ONLY = (wire.PdPrealloc, wire.PdKvReady, wire.PdAbort, wire.PdAllocated, wire.PdWelcome, wire.PdRefused,
+             wire.PdPing, wire.PdPong)  # valid only inside (or to open) an authenticated peer session
 
 
 class ClientApi:
@@ -45,7 +46,7 @@ class ClientApi:
         self.accepting = True
         self._handlers = {api.GenerateRequest: self.on_generate, api.CancelRequest: self.on_cancel,
                           api.InfoRequest: self.on_info, api.ResetPrefixCacheRequest: self.on_reset,
-                          api.PdHello: self._not_a_peer_node, api.PdSealed: self._not_a_peer_node}
+                          wire.PdHello: self._not_a_peer_node, wire.PdSealed: self._not_a_peer_node}
         self._handlers.update({t: self._outside_session for t in PEER_ONLY})
 
     def take_in(self) -> None:

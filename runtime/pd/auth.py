@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from kvrt.ipc.errors import ProtocolError
 
 from kvrt.runtime.client import api
+from kvrt.runtime.pd import messages as wire
 
 SECRET_ENV = "KVRT_PD_SECRET"
 MIN_SECRET_BYTES = 16
@@ -97,12 +98,12 @@ class Session:
         return hmac.new(self.key, direction + self.session + counter.to_bytes(8, "little") + body,
                         hashlib.sha256).digest()
 
-    def seal(self, msg) -> api.PdSealed:
+    def seal(self, msg) -> wire.PdSealed:
         body = api.API.encode(msg)
         self.sent += 1
-        return api.PdSealed(self.session, self.sent, body, self._mac(self.sends, self.sent, body))
+        return wire.PdSealed(self.session, self.sent, body, self._mac(self.sends, self.sent, body))
 
-    def open(self, sealed: api.PdSealed):
+    def open(self, sealed: wire.PdSealed):
         """The inner message of `sealed`, or AuthError (which changes nothing here)."""
         if sealed.session != self.session:
             raise AuthError("sealed message of another session")
@@ -117,7 +118,7 @@ class Session:
         if counter <= self.received:
             raise AuthError(f"replayed message (counter {counter}, already at {self.received})")
         msg = api.API.decode(sealed.body)  # ProtocolError if malformed: nothing changed yet
-        if isinstance(msg, (api.PdSealed, api.PdHello, api.PdWelcome, api.PdRefused)):
+        if isinstance(msg, (wire.PdSealed, wire.PdHello, wire.PdWelcome, wire.PdRefused)):
             raise AuthError(f"{type(msg).__name__} cannot be sealed")
         self.received = counter
         return msg

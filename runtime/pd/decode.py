@@ -28,6 +28,7 @@ from kvrt.ipc.errors import ProtocolError
 from kvrt.runtime.client import api
 from kvrt.runtime.engine.intake import is_number, sampling_of, validate
 from kvrt.runtime.engine.sequence import Sequence, SeqState
+from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.auth import D2P, NONCE_BYTES, AuthError, Session, load_secret, session_key, welcome_mac
 
 from kvrt.runtime.pd.connector import ConnectorContext, KVConnector
@@ -75,9 +76,9 @@ class DecodeConnector(KVConnector):
 
     def on_peer_message(self, client: bytes, msg: object) -> bool:
         """A peer opens a session with PdHello; everything else it sends is sealed."""
-        if isinstance(msg, api.PdHello):
+        if isinstance(msg, wire.PdHello):
             self.on_peer_hello(client, msg)
-        elif isinstance(msg, api.PdSealed):
+        elif isinstance(msg, wire.PdSealed):
             self.on_sealed(client, msg)
         else:
             return False
@@ -87,7 +88,7 @@ class DecodeConnector(KVConnector):
         return client.startswith(PEER_CLIENT)
 
     # ---- sessions -----------------------------------------------------------------------------
-    def on_peer_hello(self, client: bytes, msg: api.PdHello) -> None:
+    def on_peer_hello(self, client: bytes, msg: wire.PdHello) -> None:
         """Open a session (unconfirmed until a sealed message proves P holds the secret)."""
         if not isinstance(msg.peer, str) or not 0 < len(msg.peer) <= MAX_PEER_NAME or \
                 not isinstance(msg.nonce, bytes) or len(msg.nonce) != NONCE_BYTES:
@@ -99,9 +100,9 @@ class DecodeConnector(KVConnector):
                                         msg.peer, D2P)
         while len(self._hellos) > MAX_PENDING_SESSIONS:
             self._hellos.popitem(last=False)
-        self.ctx.reply(client, api.PdWelcome(msg.nonce, session, welcome_mac(self.secret, msg.nonce, session, msg.peer)))
+        self.ctx.reply(client, wire.PdWelcome(msg.nonce, session, welcome_mac(self.secret, msg.nonce, session, msg.peer)))
 
-    def on_sealed(self, client: bytes, msg: api.PdSealed) -> None:
+    def on_sealed(self, client: bytes, msg: wire.PdSealed) -> None:
         sid = msg.session if isinstance(msg.session, bytes) else b""
         sess = self.sessions.get(sid) or self._hellos.get(sid)
         try:
@@ -110,13 +111,13 @@ class DecodeConnector(KVConnector):
             inner = sess.open(msg)
         except ProtocolError as e:
             _refused(self.ctx.stats, str(e))
-            self.ctx.reply(client, api.PdRefused(sid, str(e)))
+            self.ctx.reply(client, wire.PdRefused(sid, str(e)))
             return
         peer = self.peers.get(sess.peer)
         if sid in self._hellos:  # confirmed: it replaces the peer's earlier session (P restarted)
             if peer is None and len(self.peers) >= MAX_PEERS:
                 _refused(self.ctx.stats, f"too many peers ({MAX_PEERS}); {sess.peer!r} refused")
-                self.ctx.reply(client, api.PdRefused(sid, "too many peers"))
+                self.ctx.reply(client, wire.PdRefused(sid, "too many peers"))
                 return
             del self._hellos[sid]
             if peer is not None:
@@ -125,16 +126,16 @@ class DecodeConnector(KVConnector):
             self.sessions[sid] = sess
             log.info("prefill peer %s authenticated", sess.peer)
         peer.route = client  # P's socket may have reconnected
-        if isinstance(inner, api.PdPing):
-            self._to_peer(peer, api.PdPong(inner.nonce if _is_int(inner.nonce) else 0, self.free_for(peer.name)))
-        elif isinstance(inner, api.PdPrealloc):
+        if isinstance(inner, wire.PdPing):
+            self._to_peer(peer, wire.PdPong(inner.nonce if _is_int(inner.nonce) else 0, self.free_for(peer.name)))
+        elif isinstance(inner, wire.PdPrealloc):
             if self.ctx.accepting():
                 self.on_prealloc(peer, inner)
             else:
                 self._to_peer(peer, api.ErrorEvent(str(inner.request_id), api.STOPPING, "the decode node is stopping"))
-        elif isinstance(inner, api.PdKvReady):
+        elif isinstance(inner, wire.PdKvReady):
             self.on_kv_ready(peer, inner)
-        elif isinstance(inner, api.PdAbort):
+        elif isinstance(inner, wire.PdAbort):
             self.on_abort(peer, inner)
         elif isinstance(inner, api.CancelRequest):
             self.on_cancel(peer, inner)
@@ -167,7 +168,7 @@ class DecodeConnector(KVConnector):
     def _error(self, peer: _Peer, rid, code: str, why: str) -> None:
         self._to_peer(peer, api.ErrorEvent(rid if isinstance(rid, str) else "", code, f"decode node: {why}"))
 
-    def _check_prealloc(self, msg: api.PdPrealloc) -> str:
+    def _check_prealloc(self, msg: wire.PdPrealloc) -> str:
         cfg = self.ctx.cfg
         if problem := _check_id(msg.request_id):
             return problem
@@ -197,7 +198,7 @@ class DecodeConnector(KVConnector):
         room = int(stats[P.STAT["device_total"]]) - int(stats[P.STAT["device_used"]]) - taking
         return max(0, min(room, cfg.peer_max_blocks - self._held(peer)[0]))
 
-    def on_prealloc(self, peer: _Peer, msg: api.PdPrealloc) -> None:
+    def on_prealloc(self, peer: _Peer, msg: wire.PdPrealloc) -> None:
         rid = msg.request_id
         problem = self._check_prealloc(msg)
         internal = self.internal_id(peer.name, rid) if not problem else ""
@@ -240,7 +241,7 @@ class DecodeConnector(KVConnector):
         """Blocks held for a peer's request: tell P their ids; its lease starts now."""
         self.deadlines[seq.request_id] = time.monotonic() + self.lease_s
         peer = self.owner.get(seq.request_id, ("", ""))[0]
-        self.ctx.reply(seq.client, api.PdAllocated(
+        self.ctx.reply(seq.client, wire.PdAllocated(
             seq.request_id, np.asarray(blocks, dtype=np.int32), seq.num_computed,
             [self.descriptors[r] for r in range(self.ctx.cfg.tp)], self.lease_s,
             self.free_for(peer, taking=len(blocks))))
@@ -262,7 +263,7 @@ class DecodeConnector(KVConnector):
         for internal in [i for i in self.owner if i not in self.ctx.sched.seqs]:
             del self.owner[internal]
 
-    def on_kv_ready(self, peer: _Peer, msg: api.PdKvReady) -> None:
+    def on_kv_ready(self, peer: _Peer, msg: wire.PdKvReady) -> None:
         rid, token, logprob = msg.request_id, msg.first_token, msg.first_logprob
         if not _is_int(token) or not 0 <= token < self.ctx.cfg.vocab_size or not is_number(logprob) or logprob > 0:
             _refused(self.ctx.stats, f"kv-ready from {peer.name} with first token {token!r}, logprob {logprob!r}")
@@ -278,7 +279,7 @@ class DecodeConnector(KVConnector):
         if not self.ctx.sched.external_kv_arrived(seq, int(token), float(logprob)):
             self.ctx.finished(seq)
 
-    def on_abort(self, peer: _Peer, msg: api.PdAbort) -> None:
+    def on_abort(self, peer: _Peer, msg: wire.PdAbort) -> None:
         internal = self._owned(peer, msg.request_id)
         if internal is not None and internal in self.ctx.sched.external_ids:
             reason = msg.reason[:MAX_REASON] if isinstance(msg.reason, str) else ""

@@ -50,6 +50,7 @@ from kvrt.ipc.watchdog import Watchdog, pause_gap
 from kvrt.runtime.client import api
 from kvrt.runtime.engine.intake import sampling_of
 from kvrt.runtime.node.config import LEASE_MARGIN_S
+from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.auth import NONCE_BYTES, P2D, AuthError, Session, check_bytes, load_secret, new_nonce, \
     session_key, welcome_mac
 from kvrt.runtime.engine.sequence import Sequence, SeqState
@@ -105,7 +106,7 @@ class _Handoff:
 
     seq: Sequence
     link: _Link
-    alloc: api.PdAllocated
+    alloc: wire.PdAllocated
     lease_end: float  # when D's hold on the blocks ends (P's clock)
     next_block: int   # the first block not ordered yet
     tasks: set[int] = field(default_factory=set)  # its sends in flight
@@ -198,9 +199,9 @@ class PrefillConnector(KVConnector):
         link.nonces[nonce] = None
         while len(link.nonces) > 8:
             link.nonces.popitem(last=False)
-        self.ctx.send_raw(link.identity, api.PdHello(self.ctx.cfg.node, nonce))
+        self.ctx.send_raw(link.identity, wire.PdHello(self.ctx.cfg.node, nonce))
 
-    def _welcome(self, link: _Link, msg: api.PdWelcome) -> None:
+    def _welcome(self, link: _Link, msg: wire.PdWelcome) -> None:
         try:
             nonce = check_bytes(msg.nonce, NONCE_BYTES, "nonce")
             session = check_bytes(msg.session, NONCE_BYTES, "session")
@@ -259,7 +260,7 @@ class PrefillConnector(KVConnector):
                 self._link_lost(link, f"no answer to pings for {silent:.1f}s")
                 self._hello(link)
             else:
-                self._send(link, api.PdPing())
+                self._send(link, wire.PdPing())
 
     # ---- client side ----------------------------------------------------------------------
     def on_request(self, client: bytes, req: api.GenerateRequest) -> bool:
@@ -291,7 +292,7 @@ class PrefillConnector(KVConnector):
         if link.free_blocks >= 0:
             link.free_blocks = max(0, link.free_blocks - -(-(len(req.prompt) + req.max_new_tokens)
                                                            // self.ctx.cfg.block_size))
-        self._send(link, api.PdPrealloc(**req.generation()))
+        self._send(link, wire.PdPrealloc(**req.generation()))
 
     def _retry(self, p: _Pending, error: api.ErrorEvent) -> None:
         """The decode node asked for `p` refused it or was lost (`error` says which): ask the
@@ -308,7 +309,7 @@ class PrefillConnector(KVConnector):
         """True if the request is one of P's handoffs (then it is handled here)."""
         if (p := self.pending.pop(request_id, None)) is not None:
             if p.link is not None:
-                self._send(p.link, api.PdAbort(request_id, "cancelled by the client"))
+                self._send(p.link, wire.PdAbort(request_id, "cancelled by the client"))
             self.ctx.reply(p.client, api.FinishedEvent(request_id, np.empty(0, np.int32), "cancelled",
                                                        len(p.req.prompt)))
             return True
@@ -347,15 +348,15 @@ class PrefillConnector(KVConnector):
         return isinstance(msg, (P.SendDone, P.MessagerHello))  # P's ranks' hellos are for D only
 
     def _on_peer(self, link: _Link, msg) -> None:
-        if isinstance(msg, api.PdWelcome):
+        if isinstance(msg, wire.PdWelcome):
             self._welcome(link, msg)
             return
-        if isinstance(msg, api.PdRefused):
+        if isinstance(msg, wire.PdRefused):
             if link.session is not None and msg.session == link.session.session:
                 self._link_lost(link, f"the decode node refused the session: {str(msg.reason)[:MAX_REASON]}")
                 link.next_ping = 0.0  # hello again at once
             return
-        if not isinstance(msg, api.PdSealed) or link.session is None:
+        if not isinstance(msg, wire.PdSealed) or link.session is None:
             _refused(self.ctx.stats, f"unauthenticated {type(msg).__name__} from the decode peer {link.address}")
             return
         try:
@@ -369,11 +370,11 @@ class PrefillConnector(KVConnector):
             _refused(self.ctx.stats, f"{type(inner).__name__} from the decode node {link.address}: {problem}")
             return
         rid = getattr(inner, "request_id", "")
-        if isinstance(inner, (api.PdPong, api.PdAllocated)) and inner.free_blocks >= 0:
+        if isinstance(inner, (wire.PdPong, wire.PdAllocated)) and inner.free_blocks >= 0:
             if link.free_blocks < 0:
                 log.info("decode node %s: %d free blocks", link.address, inner.free_blocks)
             link.free_blocks = int(inner.free_blocks)
-        if isinstance(inner, api.PdAllocated):
+        if isinstance(inner, wire.PdAllocated):
             self._allocated(link, inner)
         elif isinstance(inner, api.TokenEvent):
             if (r := self.relays.get(rid)) is not None and r.link is link:
@@ -392,20 +393,20 @@ class PrefillConnector(KVConnector):
                 self.ctx.reply(seq.client, inner)
         elif isinstance(inner, api.ErrorEvent):
             self._peer_error(link, inner)
-        elif not isinstance(inner, api.PdPong):
+        elif not isinstance(inner, wire.PdPong):
             log.warning("unexpected %s from the decode node %s", type(inner).__name__, link.address)
 
     def _check(self, msg) -> str:
         """The first problem with a message from D, or "" (D is authenticated, but a bug there
         must not corrupt a request here)."""
         vocab, cfg = self.ctx.cfg.vocab_size, self.ctx.cfg
-        if isinstance(msg, (api.PdAllocated, api.TokenEvent, api.FinishedEvent, api.ErrorEvent)):
+        if isinstance(msg, (wire.PdAllocated, api.TokenEvent, api.FinishedEvent, api.ErrorEvent)):
             if problem := _check_id(msg.request_id):
                 return problem
-        if isinstance(msg, (api.PdAllocated, api.PdPong)):
+        if isinstance(msg, (wire.PdAllocated, wire.PdPong)):
             if not _is_int(msg.free_blocks) or not -1 <= msg.free_blocks < 1 << 31:
                 return f"free_blocks {msg.free_blocks!r}"
-        if isinstance(msg, api.PdAllocated):
+        if isinstance(msg, wire.PdAllocated):
             if not _is_int(msg.cached_tokens) or msg.cached_tokens < 0:
                 return f"cached_tokens {msg.cached_tokens!r}"
             if not isinstance(msg.lease_s, (int, float)) or isinstance(msg.lease_s, bool) or not 0 < msg.lease_s < 1e6:
@@ -434,10 +435,10 @@ class PrefillConnector(KVConnector):
             msg.message = msg.message[:MAX_REASON]
         return ""
 
-    def _allocated(self, link: _Link, msg: api.PdAllocated) -> None:
+    def _allocated(self, link: _Link, msg: wire.PdAllocated) -> None:
         p = self.pending.get(msg.request_id)
         if p is None or p.link is not link:  # timed out, cancelled or asked elsewhere meanwhile
-            self._send(link, api.PdAbort(msg.request_id, "the prefill node no longer has the request"))
+            self._send(link, wire.PdAbort(msg.request_id, "the prefill node no longer has the request"))
             return
         del self.pending[msg.request_id]
         req, cfg = p.req, self.ctx.cfg
@@ -473,7 +474,7 @@ class PrefillConnector(KVConnector):
 
     def _fail_pending(self, p: _Pending, why: str) -> None:
         if p.link is not None:
-            self._send(p.link, api.PdAbort(p.req.request_id, why))
+            self._send(p.link, wire.PdAbort(p.req.request_id, why))
         self.ctx.count_failed()
         self.ctx.reply(p.client, api.ErrorEvent(p.req.request_id, api.FAILED, why))
 
@@ -564,7 +565,7 @@ class PrefillConnector(KVConnector):
             del self.handoffs[rid]
             self.ctx.sched.release_held(seq)
             if h.lost is None:
-                self._send(link, api.PdAbort(rid, "the request ended on the prefill node"))
+                self._send(link, wire.PdAbort(rid, "the request ended on the prefill node"))
             return
         if not h.prefilled or (h.next_block < -(-seq.prompt_len // self.ctx.cfg.block_size)
                                and not h.error and h.lost is None):
@@ -577,7 +578,7 @@ class PrefillConnector(KVConnector):
         if error or seq.cancelled:
             why = error or "cancelled by the client"
             if h.lost is None:
-                self._send(link, api.PdAbort(rid, why))
+                self._send(link, wire.PdAbort(rid, why))
             if seq.cancelled and not error:
                 seq.finish_reason = "cancelled"
                 self.ctx.finished(seq)
@@ -585,7 +586,7 @@ class PrefillConnector(KVConnector):
                 self.ctx.count_failed()
                 self.ctx.reply(seq.client, api.ErrorEvent(rid, api.FAILED, f"KV handoff to the decode node failed: {why}"))
             return
-        self._send(link, api.PdKvReady(rid, int(seq.output[0]), seq.output_logprobs[0] if seq.logprobs else 0.0))
+        self._send(link, wire.PdKvReady(rid, int(seq.output[0]), seq.output_logprobs[0] if seq.logprobs else 0.0))
         self.relays[rid] = _Relay(seq, time.monotonic() + self.timeout, link)
 
     # ---- deadlines ----------------------------------------------------------------------------

@@ -14,9 +14,9 @@ import pytest
 import zmq
 
 from kvrt.ipc.config import NodeConfig
-from kvrt.runtime.client.api import (API, BAD_REQUEST, ErrorEvent, FinishedEvent, GenerateRequest, PdAllocated, PdKvReady,
-                         PdPrealloc, TokenEvent)
+from kvrt.runtime.client.api import API, BAD_REQUEST, ErrorEvent, FinishedEvent, GenerateRequest, TokenEvent
 from kvrt.runtime.engine.intake import validate
+from kvrt.runtime.pd.messages import PdAllocated, PdKvReady, PdPrealloc
 from tests.conftest import leftovers
 from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
 from tests.runtime.pd.test_pd import pd_node, pd_pair  # noqa: F401  (pd_node is a fixture)

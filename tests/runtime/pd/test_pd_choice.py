@@ -9,6 +9,7 @@ import pytest
 
 from kvrt.ipc import protocol as P
 from kvrt.runtime.client import api
+from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.engine.server import peer_identity
 from kvrt.runtime.node.config import NodeConfig
 from kvrt.runtime.pd.auth import D2P, P2D, Session, load_secret, session_key
@@ -52,7 +53,7 @@ class Harness:
         for identity, sealed in self.sent:
             i = int(identity.removeprefix(b"\x00peer!"))
             inner = self.d[i].open(sealed)
-            if isinstance(inner, api.PdPrealloc):
+            if isinstance(inner, wire.PdPrealloc):
                 out.append((i, inner.request_id))
         self.sent.clear()
         return out
@@ -64,8 +65,8 @@ def request(rid: str, n: int = 40) -> api.GenerateRequest:
 
 def test_each_request_goes_to_the_decode_node_with_most_free_blocks(tmp_path):
     h = Harness(tmp_path)
-    h.from_d(0, api.PdPong(0, 10))
-    h.from_d(1, api.PdPong(0, 20))
+    h.from_d(0, wire.PdPong(0, 10))
+    h.from_d(1, wire.PdPong(0, 20))
     for i in range(3):  # 6 blocks each: 20 -> 14 -> 8, then 10 is the most
         assert h.p.on_request(CLIENT, request(f"r{i}"))
     assert h.asked() == [(1, "r0"), (1, "r1"), (0, "r2")]
@@ -73,7 +74,7 @@ def test_each_request_goes_to_the_decode_node_with_most_free_blocks(tmp_path):
 
 def test_a_refused_request_goes_to_the_next_decode_node_then_fails_with_the_last_refusal(tmp_path):
     h = Harness(tmp_path)
-    h.from_d(1, api.PdPong(0, 50))
+    h.from_d(1, wire.PdPong(0, 50))
     h.p.on_request(CLIENT, request("r"))
     assert h.asked() == [(1, "r")]
     h.from_d(1, api.ErrorEvent("r", api.BAD_REQUEST, "decode node: quota"))
@@ -85,17 +86,17 @@ def test_a_refused_request_goes_to_the_next_decode_node_then_fails_with_the_last
 
 def test_an_allocation_from_a_decode_node_not_asked_is_given_back(tmp_path):
     h = Harness(tmp_path)
-    h.from_d(1, api.PdPong(0, 50))
+    h.from_d(1, wire.PdPong(0, 50))
     h.p.on_request(CLIENT, request("r"))
     h.asked()
-    h.from_d(0, api.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44))
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44))
     aborts = [h.d[0].open(s) for i, s in h.sent if i == peer_identity(0)]
-    assert [type(m) for m in aborts] == [api.PdAbort] and "r" in h.p.pending
+    assert [type(m) for m in aborts] == [wire.PdAbort] and "r" in h.p.pending
 
 
 @pytest.mark.parametrize("bad", ["many", -2, 1 << 40, 2.5, True])
 def test_a_bad_free_blocks_report_is_refused_and_changes_nothing(tmp_path, bad):
     h = Harness(tmp_path)
-    h.from_d(0, api.PdPong(0, 10))
-    h.from_d(0, api.PdPong(0, bad))
+    h.from_d(0, wire.PdPong(0, 10))
+    h.from_d(0, wire.PdPong(0, bad))
     assert h.stats[P.STAT["pd_refused"]] == 1 and h.p.links[0].free_blocks == 10

@@ -5,7 +5,7 @@ a fake clock for its watch of the links."""
 from __future__ import annotations
 
 from kvrt.ipc.watchdog import Watchdog, pause_gap
-from kvrt.runtime.client import api
+from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.prefill import PING_EVERY_S
 from tests.runtime.pd.test_pd_choice import Harness
 
@@ -35,7 +35,7 @@ def test_a_paused_prefill_node_keeps_its_decode_nodes_and_still_loses_a_silent_o
     assert all(link.session is not None for link in h.p.links)
     assert not h.p.gone()
     for _ in range(round((h.p.dead_after + 1.0) / 0.1)):  # D 0 answers each ping, D 1 never
-        h.from_d(0, api.PdPong(0, 10))
+        h.from_d(0, wire.PdPong(0, 10))
         _round(h, clock, 0.1)
     assert h.p.links[0].session is not None
     assert h.p.links[1].session is None  # lost: no answer for dead_after of P's running time

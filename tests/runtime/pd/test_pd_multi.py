@@ -200,6 +200,7 @@ def test_decode_node_reports_the_blocks_a_peer_could_get(pd_node, tmp_path):
     """D's pongs and allocation answers say how many blocks the peer could get now: the free or
     evictable blocks of D's pool, within that peer's quota (--pd-peer-max-blocks)."""
     from kvrt.runtime.client import api
+    from kvrt.runtime.pd import messages as wire
     from kvrt.runtime.pd.auth import load_secret
     from tests.runtime.pd.test_pd_security import FakePeer
 
@@ -210,17 +211,17 @@ def test_decode_node_reports_the_blocks_a_peer_could_get(pd_node, tmp_path):
             peer.handshake()
 
             def pong() -> int:
-                peer.send(api.PdPing(2))
+                peer.send(wire.PdPing(2))
                 deadline = time.monotonic() + 10
                 while True:
                     assert peer.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), "no pong within 10 s"
                     msg = peer.session.open(api.API.decode(peer.sock.recv()))
-                    if isinstance(msg, api.PdPong):
+                    if isinstance(msg, wire.PdPong):
                         return msg.free_blocks
 
             assert pong() == 40, "the quota bounds what this peer can get"
             got = peer.prealloc("r1", np.arange(40, dtype=np.int32), 8)  # 6 blocks of 8 tokens
-            assert isinstance(got, api.PdAllocated) and got.free_blocks == 34, got
+            assert isinstance(got, wire.PdAllocated) and got.free_blocks == 34, got
             assert pong() == 34
-            peer.send(api.PdAbort("r1", "test"))
+            peer.send(wire.PdAbort("r1", "test"))
             wait_for(lambda: pong() == 40, "the aborted request's blocks to count as free again")

@@ -18,6 +18,7 @@ import zmq
 
 from kvrt.runtime.client import api
 from kvrt.runtime.client.client import RequestError
+from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.auth import P2D, AuthError, Session, load_secret, new_nonce, session_key
 from tests.conftest import REPO
 from tests.launched import SMALL, launched, oracle, pd_secret_file
@@ -54,22 +55,22 @@ class FakePeer:
             left = deadline - time.monotonic()
             assert left > 0 and self.sock.poll(int(left * 1000)), f"no answer from D within {timeout}s"
             msg = api.API.decode(self.sock.recv())
-            if isinstance(msg, api.PdSealed) and self.session is not None:
+            if isinstance(msg, wire.PdSealed) and self.session is not None:
                 msg = self.session.open(msg)
-            if not isinstance(msg, api.PdPong):
+            if not isinstance(msg, wire.PdPong):
                 return msg
 
     def handshake(self) -> None:
         nonce = new_nonce()
-        self.send_clear(api.PdHello(self.name, nonce))
+        self.send_clear(wire.PdHello(self.name, nonce))
         welcome = self.recv()
-        assert isinstance(welcome, api.PdWelcome), welcome
+        assert isinstance(welcome, wire.PdWelcome), welcome
         self.session = Session(welcome.session, session_key(self.secret, nonce, welcome.session, self.name),
                                self.name, P2D)
-        self.send(api.PdPing(1))  # confirms the session
+        self.send(wire.PdPing(1))  # confirms the session
 
     def prealloc(self, rid: str, prompt, new: int = 8):
-        self.send(api.PdPrealloc(rid, np.asarray(prompt, np.int32), new))
+        self.send(wire.PdPrealloc(rid, np.asarray(prompt, np.int32), new))
         return self.recv()
 
 
@@ -105,10 +106,10 @@ def prompt(seed: int, n: int = 40) -> np.ndarray:
 def test_unauthenticated_peer_messages_are_refused_and_change_nothing(decode):
     with contextlib.closing(FakePeer(decode.port)) as raw:
         before = decode.engine_stats()
-        raw.send_clear(api.PdPrealloc("evil", prompt(1), 8))
+        raw.send_clear(wire.PdPrealloc("evil", prompt(1), 8))
         answer = raw.recv()
         assert isinstance(answer, api.ErrorEvent) and answer.code == "bad_request", answer
-        raw.send_clear(api.PdKvReady("evil", 7))
+        raw.send_clear(wire.PdKvReady("evil", 7))
         assert isinstance(raw.recv(), api.ErrorEvent)
         wait_for(lambda: decode.engine_stats()["pd_refused"] >= before["pd_refused"] + 2, "D to count them")
         assert decode.engine_stats()["device_used"] == 0
@@ -122,21 +123,21 @@ def test_a_wrong_secret_gets_no_session(decode):
     with contextlib.closing(FakePeer(decode.port, b"not the secret at all, 32 bytes!", "liar")) as liar:
         liar.handshake()  # D answers any hello; the first sealed message shows the key is wrong
         refused = liar.recv()
-        assert isinstance(refused, api.PdRefused) and "authentication" in refused.reason, refused
-        liar.send(api.PdPrealloc("x", prompt(2), 8))
-        assert isinstance(liar.recv(), api.PdRefused)
+        assert isinstance(refused, wire.PdRefused) and "authentication" in refused.reason, refused
+        liar.send(wire.PdPrealloc("x", prompt(2), 8))
+        assert isinstance(liar.recv(), wire.PdRefused)
     assert decode.engine_stats()["device_used"] == 0
 
 
 @pytest.mark.e2e
 def test_replayed_sealed_message_is_refused(decode, peer):
-    sealed = peer.session.seal(api.PdPrealloc("once", prompt(3), 8))
+    sealed = peer.session.seal(wire.PdPrealloc("once", prompt(3), 8))
     peer.send_clear(sealed)
-    assert isinstance(peer.recv(), api.PdAllocated)
+    assert isinstance(peer.recv(), wire.PdAllocated)
     peer.send_clear(sealed)  # the same bytes again
     refused = peer.recv()
-    assert isinstance(refused, api.PdRefused) and "replayed" in refused.reason
-    peer.send(api.PdAbort("once"))
+    assert isinstance(refused, wire.PdRefused) and "replayed" in refused.reason
+    peer.send(wire.PdAbort("once"))
 
 
 @pytest.mark.e2e
@@ -146,8 +147,8 @@ def test_bad_first_token_is_an_error_not_a_crash(decode, peer, token):
     D lives on, the request stays held, and a client request decoding meanwhile is untouched."""
     innocent = decode.client.submit(prompt(4), 24)
     got = peer.prealloc("r", prompt(5))
-    assert isinstance(got, api.PdAllocated) and got.request_id == "r", got
-    peer.send(api.PdKvReady("r", token))
+    assert isinstance(got, wire.PdAllocated) and got.request_id == "r", got
+    peer.send(wire.PdKvReady("r", token))
     err = peer.recv()
     assert isinstance(err, api.ErrorEvent) and err.code == "bad_request" and "first_token" in err.message
     results = []
@@ -156,19 +157,19 @@ def test_bad_first_token_is_an_error_not_a_crash(decode, peer, token):
         assert results or decode.proc.poll() is None
     assert results[0].request_id == innocent
     assert list(results[0].output_token_ids) == list(oracle().generate_dense(prompt(4), 24))
-    peer.send(api.PdAbort("r"))
+    peer.send(wire.PdAbort("r"))
 
 
 @pytest.mark.e2e
 def test_peers_touch_only_their_own_requests(decode, peer):
     got = peer.prealloc("mine", prompt(6))
-    assert isinstance(got, api.PdAllocated)
+    assert isinstance(got, wire.PdAllocated)
     wait_for(lambda: decode.engine_stats()["device_used"] > 0, "D to publish the blocks it holds")
     held = decode.engine_stats()["device_used"]
     with contextlib.closing(FakePeer(decode.port, decode.secret, "other")) as other:
         other.handshake()
-        other.send(api.PdAbort("mine"))
-        other.send(api.PdKvReady("mine", 5))
+        other.send(wire.PdAbort("mine"))
+        other.send(wire.PdKvReady("mine", 5))
         err = other.recv()
         assert isinstance(err, api.ErrorEvent) and err.code == "failed", err
         other.send(api.CancelRequest("mine"))
@@ -177,7 +178,7 @@ def test_peers_touch_only_their_own_requests(decode, peer):
         decode.client.cancel("pd:%s:mine" % peer.name)
         decode.client.generate([1], 1, request_id="pd:%s:mine" % peer.name)
     assert decode.engine_stats()["device_used"] == held
-    peer.send(api.PdKvReady("mine", 5))  # the owner still can
+    peer.send(wire.PdKvReady("mine", 5))  # the owner still can
     while not isinstance(msg := peer.recv(), api.FinishedEvent):
         assert isinstance(msg, api.TokenEvent), msg
     assert msg.request_id == "mine"
@@ -186,11 +187,11 @@ def test_peers_touch_only_their_own_requests(decode, peer):
 @pytest.mark.e2e
 def test_per_peer_quotas_bound_what_one_peer_holds(decode, peer):
     big = prompt(7, 200)  # 26 blocks of 8 with its 8 new tokens; the quota is 32 (half the pool)
-    assert isinstance(peer.prealloc("big1", big), api.PdAllocated)
+    assert isinstance(peer.prealloc("big1", big), wire.PdAllocated)
     err = peer.prealloc("big2", prompt(8, 200))
     assert isinstance(err, api.ErrorEvent) and "quota" in err.message, err
     assert decode.engine_stats()["device_used"] <= 32
-    peer.send(api.PdAbort("big1"))
+    peer.send(wire.PdAbort("big1"))
 
 
 @pytest.mark.e2e
@@ -201,7 +202,7 @@ def test_per_peer_quotas_bound_what_one_peer_holds(decode, peer):
 ])
 def test_bad_preallocations_get_an_error_and_hold_nothing(decode, peer, bad):
     fields = dict(request_id="b", prompt=prompt(9), max_new_tokens=8, eos_token_id=-1, use_cache=True) | bad
-    peer.send(api.PdPrealloc(**fields))
+    peer.send(wire.PdPrealloc(**fields))
     err = peer.recv()
     assert isinstance(err, api.ErrorEvent) and err.code == "bad_request", err
     assert decode.engine_stats()["device_used"] == 0
@@ -315,19 +316,19 @@ def test_sealed_messages_resist_tampering_replay_and_reflection():
 
     p = Session(sid, session_key(secret, nonce, sid, "p0"), "p0", P2D)
     d = Session(sid, session_key(secret, nonce, sid, "p0"), "p0", D2P)
-    first = p.seal(api.PdKvReady("r", 5))
-    assert d.open(first) == api.PdKvReady("r", 5)
+    first = p.seal(wire.PdKvReady("r", 5))
+    assert d.open(first) == wire.PdKvReady("r", 5)
     with pytest.raises(AuthError, match="replayed"):
         d.open(first)
-    second = p.seal(api.PdAbort("r"))
+    second = p.seal(wire.PdAbort("r"))
     with pytest.raises(AuthError, match="authentication code"):
-        d.open(api.PdSealed(sid, second.counter, second.body[:-1] + b"x", second.mac))
+        d.open(wire.PdSealed(sid, second.counter, second.body[:-1] + b"x", second.mac))
     with pytest.raises(AuthError, match="authentication code"):  # D's own message sent back to it
-        d.open(d.seal(api.PdPong()))
+        d.open(d.seal(wire.PdPong()))
     other = Session(sid, session_key(secret, new_nonce(), sid, "p1"), "p1", P2D)
     with pytest.raises(AuthError, match="authentication code"):
-        d.open(other.seal(api.PdAbort("r")))
-    assert d.open(second) == api.PdAbort("r")  # nothing above moved the counter
+        d.open(other.seal(wire.PdAbort("r")))
+    assert d.open(second) == wire.PdAbort("r")  # nothing above moved the counter
 
 
 @pytest.mark.e2e
