@@ -177,14 +177,14 @@ class TokenEvent:
     logprobs: list = field(default_factory=list)
 
 
-@API.message("finished")
 @dataclass
-class FinishedEvent:
-    """The whole answer and what it cost. Every prompt token is either cached (served by a tier:
+class Outcome:
+    """What a finished request gave and cost, as both the engine's FinishedEvent and the
+    client's Result tell it. Every prompt token is either cached (served by a tier:
     `cached_*`) or computed (the model ran it for this request: `computed_prompt_tokens`, each
     position counted once even if a preemption made it run again), so they add up to
     `prompt_tokens` (less only for a request cancelled before its prompt was through; see
-    runtime/engine/sequence.py). Times are measured by the engine from intake."""
+    runtime/engine/sequence.py)."""
 
     request_id: str
     output_token_ids: np.ndarray
@@ -195,6 +195,18 @@ class FinishedEvent:
     cached_storage: int = 0
     computed_prompt_tokens: int = 0
     preemptions: int = 0
+
+    def outcome(self) -> dict:
+        """This message's `Outcome` fields by name, to build another message from."""
+        return {f.name: getattr(self, f.name) for f in fields(Outcome)}
+
+
+@API.message("finished")
+@dataclass
+class FinishedEvent(Outcome):
+    """The whole answer and what it cost (see `Outcome`). Times are measured by the engine from
+    intake."""
+
     ttft_ms: float = 0.0
     e2e_ms: float = 0.0
     output_logprobs: list = field(default_factory=list)  # one per output token, if asked

@@ -42,7 +42,7 @@ import zmq
 
 from kvrt.ipc.errors import ProtocolError
 from kvrt.runtime.client.api import (API, CancelRequest, ErrorEvent, FinishedEvent, GenerateRequest, InfoReply,
-                         InfoRequest, ResetPrefixCacheReply, ResetPrefixCacheRequest, TokenEvent,
+                         InfoRequest, Outcome, ResetPrefixCacheReply, ResetPrefixCacheRequest, TokenEvent,
                          request_id_problem)
 from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
@@ -76,19 +76,10 @@ class RequestError(ClientError):
 
 
 @dataclass
-class Result:
-    """A finished request: the FinishedEvent's fields, with the engine's times renamed
-    `engine_*`, and the times measured by this client from the send."""
+class Result(Outcome):
+    """A finished request: the FinishedEvent's outcome, the engine's times (`engine_*`), and the
+    times measured by this client from the send."""
 
-    request_id: str
-    output_token_ids: np.ndarray
-    finish_reason: str
-    prompt_tokens: int
-    cached_device: int = 0
-    cached_host: int = 0
-    cached_storage: int = 0
-    computed_prompt_tokens: int = 0
-    preemptions: int = 0
     engine_ttft_ms: float = 0.0
     engine_e2e_ms: float = 0.0
     ttft_ms: float = 0.0   # send -> first token (-> the FinishedEvent when no token was streamed)
@@ -449,12 +440,9 @@ class Client:
 def _result(msg: FinishedEvent, req: _Req, now: float) -> Result:
     e2e = (now - req.t_send) * 1000
     first = req.t_first if req.t_first is not None and len(msg.output_token_ids) else now
-    return Result(request_id=msg.request_id, output_token_ids=np.asarray(msg.output_token_ids, dtype=np.int32),
-                  finish_reason=msg.finish_reason, prompt_tokens=int(msg.prompt_tokens),
-                  cached_device=int(msg.cached_device), cached_host=int(msg.cached_host),
-                  cached_storage=int(msg.cached_storage), computed_prompt_tokens=int(msg.computed_prompt_tokens),
-                  preemptions=int(msg.preemptions), engine_ttft_ms=float(msg.ttft_ms),
-                  engine_e2e_ms=float(msg.e2e_ms), ttft_ms=(first - req.t_send) * 1000, e2e_ms=e2e)
+    return Result(**dict(msg.outcome(), output_token_ids=np.asarray(msg.output_token_ids, dtype=np.int32)),
+                  engine_ttft_ms=float(msg.ttft_ms), engine_e2e_ms=float(msg.e2e_ms),
+                  ttft_ms=(first - req.t_send) * 1000, e2e_ms=e2e)
 
 
 class Generation:
