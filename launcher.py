@@ -164,11 +164,12 @@ def _add_launch(sub) -> argparse.ArgumentParser:
 
 def launch(args) -> int:
     from kvrt.ipc.errors import IpcError, NodeLive
+    from kvrt.ipc.ports import free_port
     from kvrt.runtime.node.config import ConfigError, NodeConfig
     from kvrt.runtime.node.supervisor import Node
     from kvrt.workers import kv_pool
 
-    port = args.port or (_free_port(args.host) if args.demo else 0)
+    port = args.port or (free_port(args.host) if args.demo else 0)
     d = NodeConfig(node="")
     if args.demo and args.num_gpu_blocks is None and args.num_cpu_blocks == d.num_cpu_blocks:
         args.num_gpu_blocks, args.num_cpu_blocks = DEMO_BLOCKS  # small enough that the host tier works too
@@ -287,15 +288,6 @@ def _seconds(text: str) -> float:
     if not math.isfinite(v) or v < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
     return v
-
-
-def _free_port(host: str) -> int:
-    """A TCP port the OS says is free now (for --demo without --port)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

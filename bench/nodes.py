@@ -3,7 +3,6 @@ client API answers, always stopped (SIGINT, then SIGKILL and `kvrt clean`)."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -11,28 +10,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.client import Client, ClientError
 
 REPO = str(Path(__file__).resolve().parents[1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """A free port P with P+1 free too (a node's KV events and their replay socket)."""
-    for _ in range(100):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no two consecutive free ports")
 
 
 class LaunchedNode:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvrt.bench.nodes import LaunchedNode, free_port
+from kvrt.ipc.ports import free_port
+from kvrt.bench.nodes import LaunchedNode
 from kvrt.runtime.client.client import Client, ClientError
 from kvrt.runtime.client.replay import (ProgressBar, add_trace_args, check_trace_args, fit_requests, fmt, pct, replay,
                             scaled_length, select_requests, trace_prompts)

@@ -37,7 +37,8 @@ from pathlib import Path
 import httpx2
 import numpy as np
 
-from kvrt.bench.nodes import REPO, LaunchedNode, free_port, free_port_pair
+from kvrt.ipc.ports import free_port, free_port_pair
+from kvrt.bench.nodes import REPO, LaunchedNode
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.client.replay import PromptSpec, add_trace_args, check_trace_args, fmt, load_requests, pct, trace_prompts
 from kvrt.runtime.client.trace import ideal_hit_tokens

@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvrt.bench.nodes import REPO, LaunchedNode, free_port
+from kvrt.ipc.ports import free_port
+from kvrt.bench.nodes import REPO, LaunchedNode
 from kvrt.ipc.layout import KVLayout
 from kvrt.ipc.storage_uri import parse_storage
 from kvrt.runtime.client.client import Client

@@ -10,7 +10,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvrt.ipc.config import NodeConfig
+from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.client import Client, ClientError
 from kvrt.runtime.node.status import snapshot
 from tests.conftest import REPO
@@ -82,12 +82,6 @@ def tiny_trace(path, requests: int = 12) -> str:
             f.write(json.dumps({"timestamp": i * 10, "input_length": 3 * 512 - 7, "output_length": 4,
                                 "hash_ids": ids}) + "\n")
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ import pytest
 from kvrt.ipc.protocol import STAT, STATS
 from kvrt.runtime.engine.metrics import Metrics
 from tests.conftest import REPO
-from tests.launched import free_port, tiny_trace
+from kvrt.ipc.ports import free_port
+from tests.launched import tiny_trace
 
 
 def http_get(url: str) -> tuple[int, str]:

@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ from typing import NoReturn
 
 import psutil
 
+from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.client import Client, ClientError
 from kvrt.runtime.node.supervisor import child_command
 
@@ -75,12 +75,6 @@ def check_launch_argv(argv: list[str]) -> argparse.Namespace:
         return parser.parse_args(["launch", *argv])
     except _ParseError as e:
         raise ValueError(f"kvrt launch {' '.join(argv)}: {e}") from None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Node:
@@ -244,7 +238,7 @@ def launch(model: str | os.PathLike | None = None, port: int | None = None, *,
     if port == 0:
         raise ValueError("port=0 means no client API, so the node could not be reached: leave port out "
                          "for a free one")
-    port = port if port is not None else _free_port(host)
+    port = port if port is not None else free_port(host)
     name = str(flags.pop("node", None) or f"kvrt{port}")
     if model is not None:
         flags["model"] = os.path.abspath(os.fspath(model))

@@ -26,13 +26,13 @@ import numpy as np
 from kvrt.ipc import protocol as P
 from kvrt.ipc.errors import ProtocolError
 from kvrt.runtime.client import api
-from kvrt.runtime.engine.intake import is_number, sampling_of, validate
+from kvrt.runtime.engine.intake import is_int, is_number, sampling_of, validate
 from kvrt.runtime.engine.sequence import Sequence, SeqState
 from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.auth import D2P, NONCE_BYTES, AuthError, Session, load_secret, session_key, welcome_mac
 
 from kvrt.runtime.pd.connector import ConnectorContext, KVConnector
-from kvrt.runtime.pd.peer import MAX_PEER_NAME, MAX_REASON, PEER_CLIENT, check_id as _check_id, is_int as _is_int, \
+from kvrt.runtime.pd.peer import MAX_PEER_NAME, MAX_REASON, PEER_CLIENT, check_id as _check_id, \
     refused as _refused
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class DecodeConnector(KVConnector):
             log.info("prefill peer %s authenticated", sess.peer)
         peer.route = client  # P's socket may have reconnected
         if isinstance(inner, wire.PdPing):
-            self._to_peer(peer, wire.PdPong(inner.nonce if _is_int(inner.nonce) else 0, self.free_for(peer.name)))
+            self._to_peer(peer, wire.PdPong(inner.nonce if is_int(inner.nonce) else 0, self.free_for(peer.name)))
         elif isinstance(inner, wire.PdPrealloc):
             if self.ctx.accepting():
                 self.on_prealloc(peer, inner)
@@ -172,7 +172,7 @@ class DecodeConnector(KVConnector):
         cfg = self.ctx.cfg
         if problem := _check_id(msg.request_id):
             return problem
-        if not _is_int(msg.max_new_tokens) or not _is_int(msg.eos_token_id) or not -1 <= msg.eos_token_id < cfg.vocab_size:
+        if not is_int(msg.max_new_tokens) or not is_int(msg.eos_token_id) or not -1 <= msg.eos_token_id < cfg.vocab_size:
             return "max_new_tokens and eos_token_id must be integers (eos_token_id -1 or in the vocabulary)"
         if not isinstance(msg.use_cache, bool):
             return "use_cache must be a boolean"
@@ -265,7 +265,7 @@ class DecodeConnector(KVConnector):
 
     def on_kv_ready(self, peer: _Peer, msg: wire.PdKvReady) -> None:
         rid, token, logprob = msg.request_id, msg.first_token, msg.first_logprob
-        if not _is_int(token) or not 0 <= token < self.ctx.cfg.vocab_size or not is_number(logprob) or logprob > 0:
+        if not is_int(token) or not 0 <= token < self.ctx.cfg.vocab_size or not is_number(logprob) or logprob > 0:
             _refused(self.ctx.stats, f"kv-ready from {peer.name} with first token {token!r}, logprob {logprob!r}")
             self._error(peer, rid, api.BAD_REQUEST, f"first_token must be an integer in [0, {self.ctx.cfg.vocab_size}) "
                                                     f"and first_logprob a number <= 0")

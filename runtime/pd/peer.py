@@ -16,10 +16,6 @@ MAX_REQUEST_ID = 256
 MAX_REASON = 512
 
 
-def is_int(v: object) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
 def check_id(rid: object) -> str:
     """The problem with a peer's request id, or ""."""
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID:

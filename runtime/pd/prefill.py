@@ -48,7 +48,7 @@ from kvrt.ipc.errors import ProtocolError
 from kvrt.ipc.rank_group import RankGroup
 from kvrt.ipc.watchdog import Watchdog, pause_gap
 from kvrt.runtime.client import api
-from kvrt.runtime.engine.intake import sampling_of
+from kvrt.runtime.engine.intake import is_int, sampling_of
 from kvrt.runtime.node.config import LEASE_MARGIN_S
 from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.auth import NONCE_BYTES, P2D, AuthError, Session, check_bytes, load_secret, new_nonce, \
@@ -57,7 +57,7 @@ from kvrt.runtime.engine.sequence import Sequence, SeqState
 from kvrt.runtime.engine.server import PEER, peer_identity
 
 from kvrt.runtime.pd.connector import ConnectorContext, KVConnector
-from kvrt.runtime.pd.peer import MAX_REASON, check_id as _check_id, is_int as _is_int, refused as _refused
+from kvrt.runtime.pd.peer import MAX_REASON, check_id as _check_id, refused as _refused
 
 log = logging.getLogger(__name__)
 PING_EVERY_S = 0.5    # a ping (or a hello while no session) this often
@@ -404,10 +404,10 @@ class PrefillConnector(KVConnector):
             if problem := _check_id(msg.request_id):
                 return problem
         if isinstance(msg, (wire.PdAllocated, wire.PdPong)):
-            if not _is_int(msg.free_blocks) or not -1 <= msg.free_blocks < 1 << 31:
+            if not is_int(msg.free_blocks) or not -1 <= msg.free_blocks < 1 << 31:
                 return f"free_blocks {msg.free_blocks!r}"
         if isinstance(msg, wire.PdAllocated):
-            if not _is_int(msg.cached_tokens) or msg.cached_tokens < 0:
+            if not is_int(msg.cached_tokens) or msg.cached_tokens < 0:
                 return f"cached_tokens {msg.cached_tokens!r}"
             if not isinstance(msg.lease_s, (int, float)) or isinstance(msg.lease_s, bool) or not 0 < msg.lease_s < 1e6:
                 return f"lease_s {msg.lease_s!r}"
@@ -416,8 +416,8 @@ class PrefillConnector(KVConnector):
             if len(msg.block_ids) and (msg.block_ids.min() < 0 or msg.block_ids.max() >= 1 << 30):
                 return "block ids out of range"
         elif isinstance(msg, api.TokenEvent):
-            if not _is_int(msg.index) or msg.index < 0 or not isinstance(msg.token_ids, list) or \
-                    not all(_is_int(t) and 0 <= t < vocab for t in msg.token_ids):
+            if not is_int(msg.index) or msg.index < 0 or not isinstance(msg.token_ids, list) or \
+                    not all(is_int(t) and 0 <= t < vocab for t in msg.token_ids):
                 return "index and token ids must be in range"
             if not _logprobs_ok(msg.logprobs, len(msg.token_ids)):
                 return "logprobs must be a list of numbers, at most one per token"
@@ -425,7 +425,7 @@ class PrefillConnector(KVConnector):
             out = msg.output_token_ids
             if len(out) > cfg.max_model_len or (len(out) and (out.min() < 0 or out.max() >= vocab)):
                 return "output token ids out of range"
-            if not isinstance(msg.finish_reason, str) or not _is_int(msg.prompt_tokens):
+            if not isinstance(msg.finish_reason, str) or not is_int(msg.prompt_tokens):
                 return "finish_reason and prompt_tokens"
             if not _logprobs_ok(msg.output_logprobs, len(out)):
                 return "output logprobs must be a list of numbers, at most one per token"

@@ -18,7 +18,8 @@ import pytest
 
 from kvrt.bench.serve import Arrival, Request, Slo, run_http, summarize, synthetic_requests
 from tests.conftest import REPO, leftovers
-from tests.launched import SMALL, free_port, launched
+from kvrt.ipc.ports import free_port
+from tests.launched import SMALL, launched
 from tests.runtime.http.test_http import _wait_healthy
 
 MAX_MODEL_LEN = 256

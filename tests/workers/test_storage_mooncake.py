@@ -15,7 +15,8 @@ import pytest
 
 from kvrt.ipc.storage_uri import parse_storage
 from tests.conftest import REPO
-from tests.launched import SMALL, free_port, launched, oracle, shared_prefix_prompts
+from kvrt.ipc.ports import free_port
+from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
 
 pytestmark = pytest.mark.e2e
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from kvrt.ipc.ports import free_port
 from kvrt.ipc.storage_uri import StorageSpec
 
 from kvrt.workers.storage.base import Storage, StorageError, StoreHung
@@ -366,14 +367,6 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen, timeout: float
             time.sleep(0.05)  # polling another process's port at start-up, not a hot path
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def store_main(argv: list[str]) -> int:
     """`kvrt store start`: a Mooncake master plus a client that lends it `--memory`, in the
     foreground until SIGINT/SIGTERM (then both stop and the pool's objects are gone)."""
@@ -393,7 +386,7 @@ def store_main(argv: list[str]) -> int:
 
     try:
         memory = parse_bytes(args.memory)
-        cmd = master_command(args.host, args.port, args.metrics_port or _free_port(args.host))
+        cmd = master_command(args.host, args.port, args.metrics_port or free_port(args.host))
     except (ValueError, StorageError) as e:
         print(f"kvrt store: {e}", file=sys.stderr)
         return 2

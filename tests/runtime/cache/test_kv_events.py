@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
-from kvrt.bench.nodes import free_port_pair
+from kvrt.ipc.ports import free_port_pair
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.cache.events import (CPU, END_OF_REPLAY, GPU, REPLAY_BATCHES, TOPIC, CachedBlock, KVEventPublisher,
                                decode_batch, encode_batch, removed_event, seq_bytes, stored_event)

@@ -12,11 +12,11 @@ import numpy as np
 import zmq
 import pytest
 
-from kvrt.bench.nodes import free_port_pair
+from kvrt.ipc.ports import free_port, free_port_pair
 from kvrt.runtime.cache.events import TOPIC, KVEventView, decode_batch
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.node.config import NodeConfig
-from tests.launched import SMALL, free_port, launched
+from tests.launched import SMALL, launched
 from tests.runtime.http.test_http import _wait_healthy
 
 pytestmark = pytest.mark.e2e

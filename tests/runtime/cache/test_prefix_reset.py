@@ -13,12 +13,12 @@ import numpy as np
 import zmq
 import pytest
 
-from kvrt.bench.nodes import free_port_pair
+from kvrt.ipc.ports import free_port, free_port_pair
 from kvrt.runtime.cache.events import KVEventView
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.client.client import Result
 from kvrt.runtime.node.config import NodeConfig
-from tests.launched import SMALL, free_port, launched, oracle
+from tests.launched import SMALL, launched, oracle
 from tests.runtime.http.test_http import _wait_healthy
 
 pytestmark = pytest.mark.e2e

@@ -27,7 +27,8 @@ from kvrt.runtime.http.openai_schema import CompletionRequest
 from kvrt.runtime.http.server import served_model_name
 from tests.conftest import REPO
 from tests.hfkit import greedy, make_checkpoint
-from tests.launched import SMALL, free_port, launched
+from kvrt.ipc.ports import free_port
+from tests.launched import SMALL, launched
 from tests.tokenizer_kit import make_tokenizer_dir
 
 MODEL = "kvrt-reference"

@@ -27,7 +27,7 @@ from kvrt.runtime.router.app import Router, create_app
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
 from kvrt.runtime.router.relay import EventRelay
-from tests.launched import free_port
+from kvrt.ipc.ports import free_port
 from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
 from tests.runtime.node.test_launch import launched  # noqa: F401  (the fixture)
 from tests.runtime.router.test_router import routing

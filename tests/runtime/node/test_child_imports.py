@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from kvrt.runtime.client.client import Client, ClientError
-from tests.launched import SMALL, free_port
+from kvrt.ipc.ports import free_port
+from tests.launched import SMALL
 
 pytestmark = pytest.mark.e2e
 

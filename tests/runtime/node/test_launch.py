@@ -102,7 +102,8 @@ def test_launch_ready_status_and_clean_stop(launched, node, tmp_path):
 
 @pytest.mark.parametrize("victim", ["engine[0]", "worker[0]", "cache-transfer[0]", "cache-messager[0]"])
 def test_sigkill_of_a_child_stops_the_node_nonzero_and_clean(launched, node, victim, tmp_path):
-    from tests.launched import free_port, pd_secret_file
+    from kvrt.ipc.ports import free_port
+    from tests.launched import pd_secret_file
 
     n = launched("--num-cpu-blocks", "8", "--role", "decode", "--port", str(free_port()),
                  "--pd-secret-file", pd_secret_file(tmp_path))

@@ -21,7 +21,7 @@ from kvrt.ipc.shm import Segment, object_name
 from kvrt.runtime.client.api import ErrorEvent, TokenEvent
 from kvrt.runtime.client.client import Client, Result
 from tests.conftest import REPO, leftovers
-from tests.launched import free_port
+from kvrt.ipc.ports import free_port
 from tests.runtime.node.test_launch import kvrt, launched  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.e2e

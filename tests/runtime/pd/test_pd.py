@@ -152,7 +152,7 @@ def test_killing_p_after_d_preallocated_returns_ds_blocks(pd_node, tmp_path):
         pcmd = [sys.executable, "-m", "kvrt.launcher", "launch", "--node", pd_node + "p", "--role", "prefill",
                 "--port", "0", "--decode-peer", f"tcp://127.0.0.1:{port}", *SMALL, *LONG,
                 "--pd-secret-file", secret]
-        from tests.launched import free_port
+        from kvrt.ipc.ports import free_port
 
         pport = free_port()
         pcmd[pcmd.index("--port") + 1] = str(pport)

@@ -17,7 +17,7 @@ import numpy as np
 import openai
 import pytest
 
-from kvrt.bench.nodes import free_port_pair
+from kvrt.ipc.ports import free_port, free_port_pair
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer
@@ -25,7 +25,7 @@ from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Candidate, Picker
 from tests.conftest import REPO
-from tests.launched import SMALL, free_port, interrupt, launched
+from tests.launched import SMALL, interrupt, launched
 from tests.runtime.http.test_http import _wait_healthy, leave_before_a_whole_answer
 from tests.tokenizer_kit import make_tokenizer_dir
 
