@@ -6,6 +6,7 @@ Each subcommand lives in the module that owns the behaviour; this file only disp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -24,6 +25,11 @@ BENCHES = {
     "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
+# the model's shape: flags for the reference model, config.json's for a checkpoint
+SHAPE_FLAGS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len")
+# `kvrt launch` flags named as a node config field whose field launch() works out from them
+WORKED_OUT = frozenset({"node", "port", "device", "num_gpu_blocks", "dtype", "pd_secret_file", "compute_dtype",
+                        *SHAPE_FLAGS})
 STRESS = {
     "ring": ("kvrt.bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),
 }
@@ -183,21 +189,12 @@ def launch(args) -> int:
         return 2
     # the KV pools hold what the model computes unless --dtype says otherwise
     kv_dtype = args.dtype or ("float16" if model.get("compute_dtype") == "float16" else d.dtype)
-    cfg = NodeConfig(node=node, role=args.role, tp=args.tp, decode_peer=args.decode_peer,
-                     pd_transport=args.pd_transport, pd_timeout=args.pd_timeout,
+    fields = {f.name for f in dataclasses.fields(NodeConfig)}
+    # a flag named as a config field is that field, as it is; the others were worked out above
+    same = {k: v for k, v in vars(args).items() if k in fields and k not in WORKED_OUT}
+    cfg = NodeConfig(**same, node=node, port=port, device=device, num_gpu_blocks=gpu_blocks, dtype=kv_dtype,
                      pd_secret_file=os.path.abspath(args.pd_secret_file) if args.pd_secret_file else "",
-                     pd_peer_max_blocks=args.pd_peer_max_blocks, pd_peer_max_preallocs=args.pd_peer_max_preallocs,
-                     device=device,
-                     block_size=args.block_size, num_gpu_blocks=gpu_blocks,
-                     gpu_memory_utilization=args.gpu_memory_utilization,
-                     num_cpu_blocks=args.num_cpu_blocks, storage=args.storage, eviction=args.eviction,
-                     host=args.host, port=port,
-                     metrics_port=args.metrics_port, log_dir=args.log_dir, dtype=kv_dtype, **shape, **model,
-                     kv_events_port=args.kv_events_port,
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1",
-                     ready_timeout=args.ready_timeout, rank_timeout=args.rank_timeout,
-                     hang_timeout=args.hang_timeout)
+                     check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1", **shape, **model)
     try:
         cfg.validate()
     except ConfigError as e:
@@ -251,13 +248,12 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
     defaults) for the reference model; from config.json for a checkpoint, checked end to end
     (headers, every tensor) here, before any process starts, with the compute dtype resolved
     for `device`. ValueError names what is wrong."""
-    names = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len")
-    given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
     if not args.model:
         if args.compute_dtype != "auto":
             raise ValueError(f"--compute-dtype {args.compute_dtype} is for --model checkpoints: the built-in "
                              f"reference model computes in float64 (its exactness is what the tests check)")
-        return {k: given.get(k, getattr(d, k)) for k in names}, {}
+        return {k: given.get(k, getattr(d, k)) for k in SHAPE_FLAGS}, {}
     from kvrt.workers.checkpoint import inspect
     from kvrt.workers.hf_model import resolve_compute_dtype
 
