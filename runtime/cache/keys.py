@@ -2,7 +2,7 @@
 
 Why this shape:
 - Block i's key hashes block i-1's key and block i's tokens, so equal keys mean equal prefixes
-  and a key alone finds a node (PREFIX_CACHE.md, "Behaviour to keep" 1). `chain_keys` is the
+  and a key alone finds a node, with no walk from the root. `chain_keys` is the
   one function that derives keys; the engine, a decode node receiving KV from a prefill node,
   and the storage tier must all agree on it, so it depends on nothing but the tokens: a fixed
   root key, little-endian int32 token bytes, no per-process seed such as Python's `hash()`.

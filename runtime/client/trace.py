@@ -1,4 +1,4 @@
-"""Request traces in the Mooncake format (shared/data/traces/README.md) and their token ids.
+"""Request traces in the Mooncake format and their token ids.
 
 One JSON object a line: `timestamp` (ms), `input_length`, `output_length`, and `hash_ids`, one id
 per 512-token block of the prompt (the last may be partial). Equal ids at equal positions mean

@@ -1,6 +1,6 @@
 """Request validation at intake: a bad request gets one clear message and changes nothing.
 
-Checked before anything is allocated (ARCHITECTURE.md §7): a request that passes can always
+Checked before anything is allocated: a request that passes can always
 run to the end on this node, alone if need be, so the scheduler never meets one that cannot.
 """
 from __future__ import annotations
