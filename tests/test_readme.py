@@ -21,6 +21,12 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert tests in ci
 
 
+def test_the_readme_names_the_fast_lane_as_the_development_guide_gives_it():
+    lane = '`python -m pytest -m "not e2e" -n 2`'
+    assert lane in readme().replace("\n", " ")
+    assert lane in open(f"{REPO}/docs/development.md").read()
+
+
 def test_quick_start_makes_a_venv_first_and_names_the_debian_packages_ci_installs():
     """A distribution's Python refuses `pip install` outside a virtual environment (PEP 668).
     The build needs no system headers but Python's: the prefix cache's C loops take xxhash
