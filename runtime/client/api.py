@@ -197,7 +197,7 @@ class Outcome:
     preemptions: int = 0
 
     def outcome(self) -> dict:
-        """This message's `Outcome` fields by name, to build another message from."""
+        """The `Outcome` fields by name, to build a FinishedEvent's client-side Result from."""
         return {f.name: getattr(self, f.name) for f in fields(Outcome)}
 
 
