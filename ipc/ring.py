@@ -38,7 +38,7 @@ import logging
 import os
 import struct
 import time
-from typing import Iterable, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
 from kvrt.ipc._atomic import Region
 from kvrt.ipc.doorbell import Doorbell
@@ -516,10 +516,6 @@ class Consumer(_End):
         more = f" ({self._suppressed} more not shown)" if self._suppressed else ""
         logger.warning("bad message on %s skipped: %s%s", self.name, err, more)
         self._suppressed = 0
-
-    def drain(self) -> Iterable[bytes]:
-        while (rec := self.try_get()) is not None:
-            yield rec
 
 
 def peek_stats(info: ObjectInfo) -> dict:

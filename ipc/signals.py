@@ -57,10 +57,6 @@ class Signal:
             return self._region.fetch_add64(self._offset(index), delta)
         raise IpcError(f"{self.name}: atomic add needs int32 or int64, not {self.array.dtype}")
 
-    def cas(self, index: int | tuple, expected: int, desired: int) -> bool:
-        fn = self._region.cas32 if self._bits == 32 else self._region.cas64
-        return fn(self._offset(index), expected, desired)
-
     def close(self) -> None:
         self.array = None
         self._region.release()

@@ -144,8 +144,9 @@ def conversation_trace():
 
 
 def test_selecting_whole_conversations_keeps_reuse_at_a_small_limit():
-    from kvrt.runtime.client.replay import scale_request, select_conversations
+    from kvrt.runtime.client.replay import select_conversations
     from kvrt.runtime.client.trace import ideal_hit_tokens
+    from tests.runtime.client.test_demo_workload import scale_request
 
     reqs = conversation_trace()
     first = [scale_request(r, 8) for r in reqs[:3]]

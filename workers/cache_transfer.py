@@ -153,11 +153,6 @@ class CacheTransfer:
         self.child.answer(self.answers, StorageKeys(self.rank, keys, True))
 
     # ---- tasks --------------------------------------------------------------------------
-    def execute(self, task: TransferTask) -> TransferDone:
-        """Run one task to its answer; any failure becomes ok=False with the reason, never an
-        exit. ProtocolError for a task that cannot be answered (no integer id)."""
-        return self.finish(self.start(task))
-
     def start(self, task: TransferTask) -> Started:
         """Check a task and issue its copies (a storage task runs whole here); a refusal or a
         failure is the answer already. ProtocolError for a task that cannot be answered."""

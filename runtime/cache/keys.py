@@ -91,10 +91,6 @@ class BlockHasher:
         self.root = root
         self.keys: list[bytes] = []
 
-    @property
-    def num_hashed_tokens(self) -> int:
-        return len(self.keys) * self.block_size
-
     def update(self, tokens) -> list[bytes]:
         """Hash the full blocks of `tokens` beyond those already hashed; returns the new keys."""
         arr = as_token_array(tokens)

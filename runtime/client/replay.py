@@ -60,13 +60,6 @@ def scaled_length(input_length: int, tokens_per_id: int) -> int:
     return -(-input_length * tokens_per_id // TRACE_BLOCK)
 
 
-def scale_request(req: TraceRequest, tokens_per_id: int) -> TraceRequest:
-    """The request with T tokens per id (hash ids and times kept, input_length scaled)."""
-    _check_tpi(tokens_per_id)
-    return TraceRequest(req.timestamp_ms, scaled_length(req.input_length, tokens_per_id), req.output_length,
-                        req.hash_ids)
-
-
 def scaled_tokens(req: TraceRequest, tokens_per_id: int, vocab_size: int | None = None,
                   length: int | None = None) -> np.ndarray:
     """Prompt token ids of `req` (an unscaled trace request) with T tokens per id: the first T

@@ -51,10 +51,3 @@ class StopStrings:
     def flush(self) -> str:
         held, self._held = self._held, ""
         return "" if self.stopped is not None else held
-
-
-def truncate_at_stop(text: str, stops: list[str] | tuple[str, ...]) -> tuple[str, str | None]:
-    """The whole text cut before its first stop string, and which one (None: no stop string)."""
-    scan = StopStrings(stops)
-    out = scan.feed(text)
-    return out + scan.flush(), scan.stopped

@@ -104,8 +104,8 @@ def num_blocks(req: TraceRequest, block_size: int) -> int:
 
 def ideal_hit_tokens(requests: Iterable[TraceRequest], block_size: int, tokens_per_id: int = TRACE_BLOCK) -> int:
     """Prompt tokens an unlimited prefix cache serves, requests one after another, when each
-    trace id stands for `tokens_per_id` tokens (512 in the trace itself; fewer for a trace scaled
-    by runtime.client.replay.scale_request, whose `input_length` is already scaled). Computed from
+    trace id stands for `tokens_per_id` tokens (512 in the trace itself; fewer for the requests
+    runtime.client.replay.trace_prompts records, whose `input_length` is already scaled). Computed from
     hash_ids alone, independently of the cache.
 
     A full block is identified by the prefix it ends: the trie node of the id holding its last

@@ -148,10 +148,6 @@ class Engine:
     def server(self, server: ApiServer | None) -> None:
         self.clients.server = server
 
-    def issue_cache_tasks(self) -> None:
-        """Send the swap/storage tasks the prefix cache asked for to every cache-transfer rank."""
-        self.tasks.issue()
-
     def ring_stats(self) -> dict[str, dict]:
         return {r.name.split(".", 2)[2]: r.stats()
                 for r in self.to_workers + self.to_transfer + self.to_messagers + self.inbound}

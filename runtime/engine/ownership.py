@@ -79,9 +79,6 @@ class OwnerTable:
         """Set every block's owner from its role in the prefix cache (the engine's truth)."""
         self.owners[:] = ROLE_OWNERS[roles]
 
-    def owned_by(self, blocks: np.ndarray, owner: int) -> bool:
-        return bool((self.owners[np.asarray(blocks)] == owner).all())
-
 
 class OwnerSync:
     """The engine's side of the check: before each order it sends, set every block's owner from

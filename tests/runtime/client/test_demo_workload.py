@@ -2,6 +2,7 @@
 ideal hit rate, and the replay driver and `kvrt replay` against the fake node of test_client."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -14,10 +15,16 @@ from hypothesis import strategies as st
 from kvrt.runtime.client.api import GenerateRequest
 from kvrt.runtime.client.client import Client
 from kvrt.runtime.client.demo import ConversationSource, Workload, build_workload, render, run_demo
-from kvrt.runtime.client.replay import (PromptSpec, ReplayResult, TraceSource, replay, scale_request,
+from kvrt.runtime.client.replay import (PromptSpec, ReplayResult, TraceSource, replay,
                             scaled_length, scaled_tokens, trace_prompts)
 from kvrt.runtime.client.trace import TRACE_BLOCK, TraceRequest, default_trace_path, expand_tokens, ideal_hit_tokens, load_trace
 from tests.runtime.client.test_client import BLOCK, FAIL_TOKEN, FakeNode, kvrt
+
+
+def scale_request(req: TraceRequest, tokens_per_id: int) -> TraceRequest:
+    """The request with T tokens per id (hash ids and times kept, input_length scaled)."""
+    return dataclasses.replace(req, input_length=scaled_length(req.input_length, tokens_per_id))
+
 
 # ---- the demo workload -----------------------------------------------------------------------
 
@@ -151,7 +158,7 @@ def test_scaling_keeps_sharing_and_the_ideal_matches_a_naive_count(ids_lists, da
     reqs = trace_from(ids_lists, tails)
     prompts = [scaled_tokens(r, tpi) for r in reqs]
     for r, p in zip(reqs, prompts):
-        assert len(p) == scaled_length(r.input_length, tpi) == scale_request(r, tpi).input_length
+        assert len(p) == scaled_length(r.input_length, tpi)
         assert (len(r.hash_ids) - 1) * tpi < len(p) <= len(r.hash_ids) * tpi
     # equal id prefixes <=> equal token prefixes
     for a, pa in zip(reqs, prompts):

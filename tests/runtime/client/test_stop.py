@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from kvrt.runtime.client.stop import MAX_STOP_STRINGS, StopStrings, truncate_at_stop
+from kvrt.runtime.client.stop import MAX_STOP_STRINGS, StopStrings
 
 
 def stream(pieces, stops):
     scan = StopStrings(stops)
     shown = "".join(scan.feed(p) for p in pieces) + scan.flush()
     return shown, scan.stopped
+
+
+def truncate_at_stop(text, stops):
+    """The whole text cut before its first stop string, and which one: one piece streamed."""
+    return stream([text], stops)
 
 
 @pytest.mark.parametrize("cut", range(1, 12))

@@ -61,7 +61,7 @@ def engine(node):
 
 def settle(eng: Engine) -> None:
     deadline = time.monotonic() + 20
-    eng.issue_cache_tasks()
+    eng.tasks.issue()
     while eng.transfer.inflight or eng.cache.snapshot()["tasks_inflight"]:
         assert time.monotonic() < deadline, "transfer tasks did not finish"
         eng.step()

@@ -68,7 +68,7 @@ def test_ownership_detector_refuses_a_wrong_order(ranks):
     client = TransferClient(out, rank_timeout=5, owners=(dev, host))
     dev.owners[[1, 2]] = P.OWNER_CACHE
     client.submit(task(1, P.SWAP2CPU, [1, 2], [0, 1]))  # cached device blocks out to free host blocks: fine
-    assert dev.owned_by([1, 2], P.OWNER_TRANSFER) and host.owned_by([0, 1], P.OWNER_TRANSFER)
+    assert (dev.owners[[1, 2]] == P.OWNER_TRANSFER).all() and (host.owners[[0, 1]] == P.OWNER_TRANSFER).all()
     dev.owners[3] = P.OWNER_WORKER  # the worker is computing into block 3 ...
     with pytest.raises(OwnershipError, match="device block 3 is owned by worker"):
         client.submit(task(2, P.SWAP2CPU, [3], [2]))  # ... so swapping it out is a race
