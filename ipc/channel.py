@@ -12,7 +12,7 @@ ProtocolError as an undecodable one, which the consumer counts and survives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Sequence, TypeVar
 
 from kvrt.ipc.codec import Codec
 from kvrt.ipc.errors import IpcError, ProtocolError
@@ -71,11 +71,15 @@ class Sender(_ChannelEnd[Producer]):
         channel.check_version(reg.find(channel.obj))
         return cls(channel, Producer.attach(reg, channel.obj))
 
+    def check(self, msg: Any) -> None:
+        """TypeError unless this channel carries messages of `msg`'s type."""
+        if not isinstance(msg, self.channel.carries):
+            raise TypeError(f"channel {self.name} carries {self.channel.carried()}, not {type(msg).__name__}")
+
     def put(self, msg: Any, timeout: float) -> None:
         """Encode and publish `msg` (a full ring waits up to `timeout` s, never drops); a message
         of a type this channel does not carry is a TypeError, and nothing is written."""
-        if not isinstance(msg, self.channel.carries):
-            raise TypeError(f"channel {self.name} carries {self.channel.carried()}, not {type(msg).__name__}")
+        self.check(msg)
         self.ring.put(self.channel.codec.encode(msg), timeout)
 
     def close(self) -> None:
@@ -83,6 +87,20 @@ class Sender(_ChannelEnd[Producer]):
 
     def detach(self) -> None:
         self.ring.detach()
+
+
+def broadcast(senders: Sequence[Sender], msg: Any, timeout: float) -> None:
+    """Publish `msg` on every sender, in order (an order to each rank of a group). Every
+    channel is checked before anything is written, so a refused message reaches no rank; the
+    message is encoded once per codec, since tp ranks get the same bytes."""
+    for s in senders:
+        s.check(msg)
+    encoded: dict[int, bytes] = {}
+    for s in senders:
+        codec = s.channel.codec
+        if id(codec) not in encoded:
+            encoded[id(codec)] = codec.encode(msg)
+        s.ring.put(encoded[id(codec)], timeout)
 
 
 class Receiver(_ChannelEnd[Consumer]):

@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 
 from kvrt.ipc import protocol as P
+from kvrt.ipc.channel import Receiver, Sender
 from kvrt.ipc.errors import ChannelClosed, PeerDead, RingCorrupt, WaitTimeout
 from kvrt.ipc.fanin import FanIn
 from kvrt.ipc.member import Member
-from kvrt.ipc.ring import Consumer, Producer
 from kvrt.ipc.signals import Signal
 from kvrt.ipc.storage_uri import parse_storage
 from kvrt.ipc.topology import ENGINE, Topology
@@ -84,7 +84,7 @@ class Engine:
         self.cfg = cfg = NodeConfig.from_dict(member.config.to_dict())
         kind = connector_class(cfg.role)
         self._open_rings()
-        self.fan = FanIn(self.inbound)
+        self.fan = FanIn([r.ring for r in self.inbound])  # one wait on every ring's shared doorbell
         self.owners = self._owner_tables()
         self.transfer = TransferClient(self.to_transfer, cfg.rank_timeout, owners=self.owners)
         self.storage = StorageIndex(cfg.tp, parse_storage(cfg.storage).shared) if cfg.storage else None
@@ -111,14 +111,14 @@ class Engine:
         self.stats.publish()
 
     def _open_rings(self) -> None:
-        """The engine's ends of the node's rings, as the node's topology declares them: orders
-        to each rank group (cache-messager[r] when the role's connector has ranks), every
+        """The engine's typed ends of the node's channels, as the node's topology declares them:
+        orders to each rank group (cache-messager[r] when the role's connector has ranks), every
         answer in."""
         reg, topo = self.member.reg, Topology.of(self.cfg)
-        self.to_workers: list[Producer] = [s.ring for s in topo.senders(reg, ENGINE, to=P.ROLE_WORKER)]
-        self.to_transfer: list[Producer] = [s.ring for s in topo.senders(reg, ENGINE, to=P.ROLE_TRANSFER)]
-        self.to_messagers: list[Producer] = [s.ring for s in topo.senders(reg, ENGINE, to=P.ROLE_MESSAGER)]
-        self.inbound: list[Consumer] = [r.ring for role in (P.ROLE_WORKER, P.ROLE_TRANSFER, P.ROLE_MESSAGER)
+        self.to_workers: list[Sender] = topo.senders(reg, ENGINE, to=P.ROLE_WORKER)
+        self.to_transfer: list[Sender] = topo.senders(reg, ENGINE, to=P.ROLE_TRANSFER)
+        self.to_messagers: list[Sender] = topo.senders(reg, ENGINE, to=P.ROLE_MESSAGER)
+        self.inbound: list[Receiver] = [r for role in (P.ROLE_WORKER, P.ROLE_TRANSFER, P.ROLE_MESSAGER)
                                         for r in topo.receivers(reg, ENGINE, of=role)]
 
     def _make_connector(self, kind: type[KVConnector]) -> KVConnector:
@@ -149,8 +149,8 @@ class Engine:
         self.clients.server = server
 
     def ring_stats(self) -> dict[str, dict]:
-        return {r.name.split(".", 2)[2]: r.stats()
-                for r in self.to_workers + self.to_transfer + self.to_messagers + self.inbound}
+        return {end.name.split(".", 2)[2]: end.ring.stats()
+                for end in self.to_workers + self.to_transfer + self.to_messagers + self.inbound}
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> int:
@@ -255,12 +255,12 @@ class Engine:
         return 0
 
     def _tell_children_to_stop(self) -> None:
-        bye = P.PROTOCOL.encode(P.Shutdown("node stopping"))
-        for ring in self.to_workers + self.to_transfer + self.to_messagers:
+        bye = P.Shutdown("node stopping")
+        for end in self.to_workers + self.to_transfer + self.to_messagers:
             try:
-                ring.put(bye, 1.0)
+                end.put(bye, 1.0)
             except (WaitTimeout, PeerDead, ChannelClosed) as e:
-                log.warning("could not tell %s to stop: %s", ring.name, e)
+                log.warning("could not tell %s to stop: %s", end.name, e)
 
     def abort(self) -> int:
         """SIGTERM while serving: fail every request in flight at once, naming why (a dead or

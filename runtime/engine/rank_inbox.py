@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvrt.ipc import protocol as P
+from kvrt.ipc.channel import Receiver
 from kvrt.ipc.errors import PeerDead, ProtocolError, WaitTimeout
 from kvrt.ipc.fanin import FanIn
-from kvrt.ipc.ring import Consumer
 from kvrt.runtime.engine.stats import EngineStats
 from kvrt.runtime.pd.connector import KVConnector
 
@@ -21,12 +20,15 @@ log = logging.getLogger("kvrt.engine")
 
 
 class RankInbox:
-    """The fan-in over `rings` (in fan-in order) and a handler per message type."""
+    """The fan-in over the `receivers`' rings (in fan-in order) and a handler per message type.
+    The fan-in reads bytes from whichever ring has some (it waits on their shared doorbell,
+    which one channel end cannot); each record is decoded by the receiver of the ring it came
+    from, so a message of a type its channel does not carry is refused like an undecodable one."""
 
-    def __init__(self, fan: FanIn, rings: list[Consumer], handlers: dict[type, Callable[[object], None]],
+    def __init__(self, fan: FanIn, receivers: list[Receiver], handlers: dict[type, Callable[[object], None]],
                  connector: KVConnector, stats: EngineStats):
         self.fan = fan
-        self.rings = rings
+        self.receivers = receivers
         self.handlers = handlers
         self.connector = connector
         self.stats = stats
@@ -48,17 +50,17 @@ class RankInbox:
     def dispatch(self, records: list[tuple[int, bytes]]) -> None:
         """Each answer to its handler, in the order they arrived."""
         for idx, rec in records:
-            self._on_record(rec, self.rings[idx])
+            self._on_record(rec, self.receivers[idx])
 
-    def _on_record(self, rec: bytes, ring: Consumer) -> None:
+    def _on_record(self, rec: bytes, receiver: Receiver) -> None:
         try:
-            msg = P.PROTOCOL.decode(rec)
+            msg = receiver.decode(rec)
         except ProtocolError as e:
-            ring.report_protocol_error(log, e)
+            receiver.ring.report_protocol_error(log, e)
             self.stats.count("protocol_errors")
             return
         handler = self.handlers.get(type(msg))
         if handler is not None:
             handler(msg)
         elif not self.connector.on_rank_message(msg):
-            log.warning("unexpected %s on %s", type(msg).__name__, ring.name)
+            log.warning("unexpected %s on %s", type(msg).__name__, receiver.name)

@@ -14,8 +14,8 @@ import math
 import numpy as np
 
 from kvrt.ipc import protocol as P
+from kvrt.ipc.channel import Sender, broadcast
 from kvrt.ipc.rank_group import RankGroup
-from kvrt.ipc.ring import Producer
 from kvrt.ipc.watchdog import Watchdog, pause_gap
 from kvrt.runtime.client import api
 from kvrt.runtime.engine.clients import Clients
@@ -36,7 +36,7 @@ class StepRunner:
     turn: a node paused whole with a step in flight goes on with it when resumed, since the
     deadline counts the engine's own running time."""
 
-    def __init__(self, cfg: NodeConfig, to_workers: list[Producer], sched: Scheduler, clients: Clients,
+    def __init__(self, cfg: NodeConfig, to_workers: list[Sender], sched: Scheduler, clients: Clients,
                  owners: OwnerSync, stats: EngineStats, tick_s: float):
         self.cfg = cfg
         self.to_workers = to_workers
@@ -67,9 +67,7 @@ class StepRunner:
             batch.top_k = np.array([seq.top_k for seq in step.seqs], dtype=np.int32)
             batch.seed = [seq.seed for seq in step.seqs]
             batch.logprobs = np.array([seq.logprobs for seq in step.seqs], dtype=np.int32)
-        data = P.PROTOCOL.encode(batch)
-        for ring in self.to_workers:
-            ring.put(data, self.cfg.rank_timeout)
+        broadcast(self.to_workers, batch, self.cfg.rank_timeout)
         self._answers = RankGroup(self.cfg.tp, math.inf)  # overdue by the watch instead
         self.stats.count("steps")
 

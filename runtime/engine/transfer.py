@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvrt.ipc.protocol import OWNER_TRANSFER, PROTOCOL, TransferDone, TransferTask
+from kvrt.ipc.channel import Sender, broadcast
+from kvrt.ipc.protocol import OWNER_TRANSFER, TransferDone, TransferTask
 from kvrt.ipc.rank_group import RankGroup
-from kvrt.ipc.ring import Producer
 from kvrt.runtime.engine.ownership import TASK_SOURCES, OwnerTable
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ class _Pending:
 
 
 class TransferClient:
-    def __init__(self, rings: list[Producer], rank_timeout: float, send_timeout: float = 5.0,
+    def __init__(self, senders: list[Sender], rank_timeout: float, send_timeout: float = 5.0,
                  owners: tuple[OwnerTable, OwnerTable] | None = None):
-        self.rings = rings
+        self.senders = senders
         self.owners = owners  # (device, host) tables in KVRT_CHECK_OWNERSHIP mode
         self.rank_timeout = rank_timeout
         self.send_timeout = send_timeout
@@ -78,10 +78,8 @@ class TransferClient:
             order = f"task {sent.task_id} ({sent.kind})"
             self.owners[0].hand_over(sent.device_blocks, OWNER_TRANSFER, dev_from, order)
             self.owners[1].hand_over(sent.host_blocks, OWNER_TRANSFER, host_from, order)
-        data = PROTOCOL.encode(sent)
-        self._pending[sent.task_id] = _Pending(sent, now, RankGroup(len(self.rings), sent.deadline))
-        for ring in self.rings:
-            ring.put(data, self.send_timeout)
+        self._pending[sent.task_id] = _Pending(sent, now, RankGroup(len(self.senders), sent.deadline))
+        broadcast(self.senders, sent, self.send_timeout)
 
     def on_answer(self, done: TransferDone) -> TaskResult | None:
         """Record one rank's answer; returns the result once every rank has answered."""

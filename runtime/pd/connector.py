@@ -24,7 +24,7 @@ Hooks (small on purpose; each says when it is called):
   node, from the connector's own ranks, and answers to requests a peer created;
 - `tick()`: periodic deadlines (leases, pings); `fail_all(why)` and `inflight` for stopping;
 - `has_ranks` (a class attribute): the connector has processes of its own (cache-messager[r]),
-  whose rings the engine attaches and hands it as `ConnectorContext.to_ranks`; it must agree
+  whose channels the engine attaches and hands it as `ConnectorContext.to_ranks`; it must agree
   with the rings the launcher creates (NodeConfig.disaggregated).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvrt.ipc.ring import Producer
+    from kvrt.ipc.channel import Sender
     from kvrt.runtime.client import api
     from kvrt.runtime.engine.sequence import Sequence
     from kvrt.runtime.node.config import NodeConfig
@@ -69,7 +69,7 @@ class ConnectorContext:
     count_finished: Callable[["Sequence"], None]
     count_failed: Callable[[], None]
     accepting: Callable[[], bool]                    # False once the node stops taking requests
-    to_ranks: list["Producer"]                       # the connector's own rank rings (cache-messager[r])
+    to_ranks: list["Sender"]                         # the connector's own rank channels (cache-messager[r])
 
 
 class SchedulerHooks:

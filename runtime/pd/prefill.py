@@ -44,6 +44,7 @@ from typing import Iterable
 import numpy as np
 
 from kvrt.ipc import protocol as P
+from kvrt.ipc.channel import broadcast
 from kvrt.ipc.errors import ProtocolError
 from kvrt.ipc.rank_group import RankGroup
 from kvrt.ipc.watchdog import Watchdog, pause_gap
@@ -527,9 +528,8 @@ class PrefillConnector(KVConnector):
         self.sends[task_id] = _Send(h, task_id, RankGroup(cfg.tp, deadline + SEND_GRACE_S), src, not h.prefilled)
         h.tasks.add(task_id)
         h.next_block = upto
-        data = P.PROTOCOL.encode(P.SendBlocks(task_id, rid, list(h.alloc.descriptors), src, dst, deadline))
-        for ring in self.ctx.to_ranks:
-            ring.put(data, cfg.rank_timeout)
+        broadcast(self.ctx.to_ranks, P.SendBlocks(task_id, rid, list(h.alloc.descriptors), src, dst, deadline),
+                  cfg.rank_timeout)
 
     def _on_send_done(self, done: P.SendDone) -> None:
         s = self.sends.get(done.task_id)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvrt.ipc import protocol as P
-from kvrt.ipc.channel import Channel, Receiver, Sender, VersionMismatch
+from kvrt.ipc.channel import Channel, Receiver, Sender, VersionMismatch, broadcast
 from kvrt.ipc.codec import Codec
 from kvrt.ipc.errors import ProtocolError
 from kvrt.ipc.registry import Registry
@@ -28,6 +28,25 @@ def test_a_message_of_another_type_is_refused_on_put_before_anything_is_written(
         assert inbox.get(1.0) == P.Shutdown("done")
         out.detach()
         inbox.detach()
+
+
+def test_a_broadcast_reaches_every_rank_or_none(node):
+    """An order to a rank group: a type one channel does not carry is refused before any rank
+    gets it; otherwise every rank gets the same message."""
+    with Registry.create(node) as reg:
+        for r in range(2):
+            P.worker_orders(r).create(reg, 4096)
+        P.transfer_orders(0).create(reg, 4096)
+        outs = [Sender.attach(reg, P.worker_orders(r)) for r in range(2)] + [Sender.attach(reg, P.transfer_orders(0))]
+        inboxes = [Receiver.attach(reg, ch) for ch in (P.worker_orders(0), P.worker_orders(1), P.transfer_orders(0))]
+        outs.reverse()  # the channel that carries it comes first: still nothing is written
+        with pytest.raises(TypeError, match="carries StepBatch, Shutdown, not TransferTask"):
+            broadcast(outs, P.TransferTask(1, P.SWAP2CPU, [1], [2], []), 1.0)
+        assert all(i.ring.try_get() is None for i in inboxes)
+        broadcast(outs, P.Shutdown("done"), 1.0)
+        assert [i.get(1.0) for i in inboxes] == [P.Shutdown("done")] * 3
+        for end in outs + inboxes:
+            end.detach()
 
 
 def test_a_decodable_message_of_another_type_is_a_protocol_error_on_get(node):

@@ -5,7 +5,7 @@ import pytest
 
 from kvrt.ipc import protocol as P
 from kvrt.ipc.registry import Registry
-from kvrt.ipc.ring import Consumer, Producer, Ring
+from kvrt.ipc.channel import Receiver, Sender
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 from kvrt.runtime.engine.ownership import TASK_SOURCES, OwnerTable, OwnershipError
@@ -16,9 +16,9 @@ from kvrt.runtime.engine.transfer import TransferClient
 def ranks(node):
     with Registry.create(node) as reg:
         for r in range(2):
-            Ring.create(reg, f"task.{r}", capacity=1 << 14)
-        out = [Producer.attach(reg, f"task.{r}") for r in range(2)]
-        inbox = [Consumer.attach(reg, f"task.{r}") for r in range(2)]
+            P.transfer_orders(r).create(reg, capacity=1 << 14)
+        out = [Sender.attach(reg, P.transfer_orders(r)) for r in range(2)]
+        inbox = [Receiver.attach(reg, P.transfer_orders(r)) for r in range(2)]
         yield out, inbox
         for x in out + inbox:
             x.detach()
@@ -29,7 +29,7 @@ def task(tid, kind, dev, host=(), keys=()):
 
 
 def answer(inbox, rank, ok=True, blocks=None):
-    task = P.PROTOCOL.decode(inbox[rank].get(1))
+    task = inbox[rank].get(1)
     n = len(task.device_blocks) if blocks is None else blocks
     return P.TransferDone(task.task_id, rank, ok, n, 100, 0.001, "" if ok else "disk on fire")
 
@@ -84,7 +84,7 @@ def test_tasks_carry_the_deadline_the_engine_expires_them_at(ranks):
     out, inbox = ranks
     client = TransferClient(out, rank_timeout=3)
     client.submit(task(1, P.SWAP2CPU, [1], [2]))
-    sent = [P.PROTOCOL.decode(inbox[r].get(1)) for r in range(2)]
+    sent = [inbox[r].get(1) for r in range(2)]
     assert sent[0].deadline == sent[1].deadline > 0
     assert client.expire(now=np.nextafter(sent[0].deadline, 0)) == []
     (res,) = client.expire(now=sent[0].deadline)
@@ -107,7 +107,7 @@ def test_the_task_the_cache_creates_is_the_task_on_the_wire(ranks):
     assert isinstance(swap_out, P.TransferTask) and swap_out.kind is P.TaskKind.SWAP2CPU
     client = TransferClient(out, rank_timeout=5)
     client.submit(swap_out)
-    assert [P.PROTOCOL.decode(inbox[r].get(1)).task_id for r in range(2)] == [swap_out.task_id] * 2
+    assert [inbox[r].get(1).task_id for r in range(2)] == [swap_out.task_id] * 2
     assert isinstance(swap_out.device_blocks, list)  # the cache's own task is left as it was
     client.on_answer(P.TransferDone(swap_out.task_id, 0, True, 2))
     res = client.on_answer(P.TransferDone(swap_out.task_id, 1, True, 2))
