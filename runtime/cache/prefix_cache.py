@@ -99,7 +99,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
 
     # ---- engine-facing API -------------------------------------------------------------------
     def match(self, request_id: Hashable, keys: Sequence[bytes], num_tokens: int,
-              count: bool = True) -> MatchResult:
+              count: bool = True, storage: bool = True) -> MatchResult:
         """Start a request of `num_tokens` tokens whose full blocks have `keys`, and match its
         cached prefix. At least the last token is always left to compute (its logits are needed),
         so a prompt that matches entirely gives its last block back.
@@ -107,20 +107,22 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         `keys` must be chained (each key hashes its parent's key, as runtime/cache/keys.py makes
         them): a key is found only under the node of the key before it. `count=False` keeps the
         match out of the hit counters: a request matched again after preemption or after a
-        failed allocation is still one request. If anything raises, the request is undone."""
+        failed allocation is still one request. `storage=False` matches the tree only: the
+        request read storage already and has not run since (see Scheduler._match). If anything
+        raises, the request is undone."""
         if request_id in self._reqs:
             raise ValueError(f"request {request_id!r} is already in the prefix cache")
         if num_tokens <= 0:
             raise ValueError(f"request {request_id!r}: num_tokens must be positive, got {num_tokens}")
         try:
-            return self._match(request_id, keys, num_tokens, count)
+            return self._match(request_id, keys, num_tokens, count, storage)
         except BaseException:
             if request_id in self._reqs:
                 self.release(request_id)
             raise
 
     def _match(self, request_id: Hashable, keys: Sequence[bytes], num_tokens: int,
-               count: bool) -> MatchResult:
+               count: bool, storage: bool) -> MatchResult:
         bs = self.block_size
         req = Request(keys, num_tokens, counted=count)
         self._reqs[request_id] = req
@@ -136,7 +138,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
             if ages is not None:
                 self._ages[request_id] = ages
         storage_hits = 0
-        if self.storage_lookup is not None and matched < limit:
+        if storage and self.storage_lookup is not None and matched < limit:
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
         req.cached_tokens = len(req.path) * bs
         req.host_hits, req.storage_hits = host_hits, storage_hits

@@ -25,7 +25,9 @@ device blocks that does not wait for the oldest such swap-in); running sequences
 preempted newest first, so the oldest always progresses. Deferred swap-ins get room oldest
 first, each as soon as it fits alone (runtime/cache/tasks.py), and a sequence that gave its
 blocks up to them is not matched again until none waits, so it cannot take the same blocks
-back (tests/runtime/engine/test_scheduler_liveness.py).
+back. A sequence reads storage at most once per admission: matched again before it ran, it
+finds what its read brought in the tree, and reads holding each other's room cannot repeat
+(tests/runtime/engine/test_scheduler_liveness.py).
 
 KV from or to outside (a KV connector, runtime/pd/) adds two life cycles, and the
 scheduler knows only the connector's hooks, never who is on the other side. A request whose
@@ -158,6 +160,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
+            seq.asked_storage = False  # matched again after a preemption, it may read again
             self.running.append(seq)
             self._add(step, seq, chunk)
             budget -= chunk
@@ -235,8 +238,16 @@ class Scheduler:
     def _match(self, seq: Sequence) -> None:
         """Match `seq` against the prefix cache (the hit counters count its first match only).
         Every match is remembered for the cached tokens it is told: a match given back may find
-        more when made again, and what it finds beyond the earlier ones is told in its tiers."""
-        res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens, count=not seq.counted)
+        more when made again, and what it finds beyond the earlier ones is told in its tiers.
+
+        Storage is read once per admission: a sequence matched again before it ran (its match
+        given back for lack of blocks) matches the tree only, where what its read found now
+        is. Else waiting sequences whose reads hold the blocks each other needs would give
+        their matches back, read again, and do so for ever (a shared store's lookup says
+        "maybe" to every key, so every match starts a read)."""
+        res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens, count=not seq.counted,
+                               storage=not seq.asked_storage)
+        seq.asked_storage = seq.asked_storage or res.storage_tokens > 0
         seq.matched = seq.counted = True
         seq.matches.append((res.device_tokens, res.host_tokens, res.storage_tokens))
         seq.num_computed = res.cached_tokens
@@ -328,6 +339,7 @@ class Scheduler:
                 break
             self.reserving.popleft()
             seq.state = SeqState.EXTERNAL
+            seq.asked_storage = False
             out.append(seq)
             self.connector.update_state_after_alloc(
                 seq, self.cache.block_table(seq.request_id)[:-(-tokens // self.block_size)])

@@ -59,6 +59,7 @@ class Sequence:
     matched: bool = False            # holds a prefix-cache entry (matched, maybe blocks)
     counted: bool = False            # its first match is in the hit counters (count it once)
     gave_way: bool = False           # gave its blocks up to swap-ins that wait for room
+    asked_storage: bool = False      # read storage since it was last admitted (ask once)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
     # per match made, in order: the prompt tokens it served from device, host and storage, in

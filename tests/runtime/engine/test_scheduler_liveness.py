@@ -29,16 +29,22 @@ BASES = [np.arange(1000 * b, 1000 * b + 200, dtype=np.int32) for b in range(3)]
 
 
 class _Store:
-    """A storage tier: keys written through become readable; reads may come back short."""
+    """A storage tier: keys written through become readable; reads may come back short. A
+    shared one (a Mooncake Store other nodes write to) cannot be listed: its lookup says "maybe
+    all of them" and the read finds out."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
         self.keys: set[bytes] = set()
+        self.shared = shared
 
-    def lookup(self, keys) -> int:
+    def held(self, keys) -> int:
         n = 0
         while n < len(keys) and keys[n] in self.keys:
             n += 1
         return n
+
+    def lookup(self, keys) -> int:
+        return len(keys) if self.shared else self.held(keys)
 
 
 def _request(rng: random.Random, i: int, bs: int, device: int) -> Sequence:
@@ -54,13 +60,14 @@ def _request(rng: random.Random, i: int, bs: int, device: int) -> Sequence:
     return Sequence.new(f"r{i}", prompt, new, bs, use_cache=rng.random() > 0.1)
 
 
-def _drive(seed: int, bs: int, device: int, host: int, storage: bool, seqs: int, batch: int,
+def _drive(seed: int, bs: int, device: int, host: int, storage: bool | str, seqs: int, batch: int,
            n_req: int, p_done: float, p_fail: float, p_cancel: float, low_water: int | None = None,
            rounds: int = 1) -> None:
     """`rounds` > 1 sends the same prompts again (new ids) once the previous round is done: their
-    prefixes were swapped out meanwhile, so many swap-ins wait for device blocks at once."""
+    prefixes were swapped out meanwhile, so many swap-ins wait for device blocks at once.
+    `storage` "shared": a tier whose lookup says "maybe" and whose reads find out."""
     rng = random.Random(seed)
-    store = _Store()
+    store = _Store(shared=storage == "shared")
     cache = PrefixCache(bs, device, host, storage_lookup=store.lookup if storage else None,
                         write_through=storage, low_water=low_water)
     sched = Scheduler(cache, max_num_seqs=seqs, max_num_batched_tokens=batch)
@@ -98,7 +105,7 @@ def _drive(seed: int, bs: int, device: int, host: int, storage: bool, seqs: int,
             ok = rng.random() >= p_fail
             blocks = None
             if t.kind is TaskKind.STORAGE2GPU and ok:
-                blocks = rng.randint(0, len(t.device_blocks))
+                blocks = rng.randint(0, store.held(t.keys) if store.shared else len(t.device_blocks))
             if t.kind is TaskKind.GPU2STORAGE and ok:
                 store.keys.update(t.keys)
             sched.on_task_outcome(cache.apply_task_result(t.task_id, ok, blocks))
@@ -125,7 +132,7 @@ def _drive(seed: int, bs: int, device: int, host: int, storage: bool, seqs: int,
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**32 - 1), bs=st.sampled_from([2, 4]), device=st.integers(6, 24),
-       host=st.sampled_from([0, 0, 4, 16]), storage=st.booleans(), seqs=st.integers(1, 8),
+       host=st.sampled_from([0, 0, 4, 16]), storage=st.sampled_from([False, True, "shared"]), seqs=st.integers(1, 8),
        batch=st.sampled_from([4, 16, 64]), n_req=st.integers(1, 10),
        p_done=st.sampled_from([0.2, 0.6, 1.0]), p_fail=st.sampled_from([0.0, 0.0, 0.2]),
        p_cancel=st.sampled_from([0.0, 0.0, 0.02]), low_water=st.sampled_from([None, 0, 3]))
@@ -138,7 +145,7 @@ def test_every_accepted_request_finishes(seed, bs, device, host, storage, seqs, 
 @given(seed=st.integers(0, 2**32 - 1), bs=st.sampled_from([2, 4]), device=st.integers(6, 24),
        host_ratio=st.sampled_from([1, 2, 3]), seqs=st.sampled_from([4, 16]), batch=st.sampled_from([16, 64]),
        n_req=st.integers(4, 14), p_done=st.sampled_from([0.3, 1.0]), p_fail=st.sampled_from([0.0, 0.0, 0.1]),
-       storage=st.booleans())
+       storage=st.sampled_from([False, True, "shared"]))
 def test_swap_ins_that_wait_together_for_more_room_than_the_device_has_all_finish(
         seed, bs, device, host_ratio, seqs, batch, n_req, p_done, p_fail, storage):
     """The same prompts sent again at once after a first round swapped their prefixes out: the
@@ -237,3 +244,33 @@ def test_a_waiting_match_never_keeps_a_running_request_from_growing():
         sched.finish_step(sched.schedule(), np.full(1, 7, dtype=np.int32))
     assert waiter.finish_reason == "length"
     cache.check()
+
+
+def test_requests_whose_shared_store_reads_hold_each_others_room_all_finish():
+    """A shared store's lookup says "maybe" to every key, so each match starts a read into new
+    device blocks. Two requests that together fill a 6-block device both read, both miss, and
+    each then lacks the blocks the other's read holds: matched again with another read each
+    time, they gave their matches back for ever. Storage is read once per admission."""
+    bs = 4
+    store = _Store(shared=True)
+    cache = PrefixCache(bs, 6, storage_lookup=store.lookup, write_through=True)
+    sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [Sequence.new("a", np.arange(20, dtype=np.int32), 2, bs),
+            Sequence.new("b", np.arange(100, 110, dtype=np.int32), 3, bs)]
+    for q in seqs:
+        sched.add(q)
+    reads = 0
+    for _ in range(200):
+        if sched.idle:
+            break
+        step = sched.schedule()
+        if step is not None:
+            sched.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
+        for t in cache.take_tasks():
+            if t.kind is TaskKind.STORAGE2GPU:
+                reads += 1
+            blocks = store.held(t.keys) if t.kind is TaskKind.STORAGE2GPU else None
+            sched.on_task_outcome(cache.apply_task_result(t.task_id, True, blocks))
+        cache.check()
+    assert [q.finish_reason for q in seqs] == ["length", "length"], [q.state for q in seqs]
+    assert reads <= 4, f"{reads} storage reads for two requests"
