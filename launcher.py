@@ -122,9 +122,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    help="client API port (ZeroMQ; used by kvrt generate/replay and runtime.client.client; 0 = none)")
     p.add_argument("--http-port", type=int, default=0, metavar="H",
                    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-                        "/health, /metrics) on --host:H; needs --port (0 = off)")
-    p.add_argument("--served-model-name", default="", metavar="NAME",
-                   help="the model id of the HTTP API (default: the --model directory's name, or kvrt-reference)")
+                        "/tokenize, /detokenize, /version, /health, /metrics) on --host:H; needs --port (0 = off)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids of the HTTP API, as vLLM's: requests may name any of them, /v1/models "
+                   "reports the first (default: --model exactly as given, or kvrt-reference)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus metrics port on 127.0.0.1 (0 = off)")
     p.add_argument("--kv-events-port", type=int, default=d.kv_events_port, metavar="P",
                    help="publish the prefix cache's KV events (vLLM's shape: block stored / removed / all cleared, per "
@@ -220,11 +221,11 @@ def launch(args) -> int:
         job = demo_job(cfg)
     http = None
     if args.http_port:
-        from kvrt.runtime.http.server import HttpServer, cache_info, served_model_name
+        from kvrt.runtime.http.server import HttpServer, cache_info, served_model_names
 
         try:
             http = HttpServer(args.host, args.http_port, args.host, port,
-                              served_model_name(args.served_model_name, args.model), args.metrics_port,
+                              served_model_names(args.served_model_name, args.model), cfg.node, args.metrics_port,
                               cache_info(cfg))
         except OSError as e:
             print(f"kvrt launch: error: {e}", file=sys.stderr)

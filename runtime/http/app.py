@@ -6,7 +6,12 @@ away, which is where a request is cancelled and its blocks freed.
 
 Text: prompts are encoded and answers decoded with the node's tokenizer (runtime/client/tokenizer.py);
 stop strings are cut as `kvrt generate` cuts them (runtime/client/stop.py). Each choice also carries its
-`token_ids` (a vLLM-style extension) so that a client can compare exact tokens.
+`token_ids` (a vLLM-style extension) so that a client can compare exact tokens. A checkpoint without a
+usable tokenizer still serves token-id prompts (its answers carry token ids and empty text); what
+needs text answers 400 naming what the tokenizer lacks.
+
+Beside the OpenAI routes, the operator routes vLLM's server has: /tokenize, /detokenize, /version,
+/reset_prefix_cache, and /metrics with vLLM's series (runtime/http/vllm_metrics.py).
 """
 from __future__ import annotations
 
@@ -18,11 +23,12 @@ import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
+from typing import AsyncIterator, Iterable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrt.runtime.client.api import BAD_REQUEST, DUPLICATE, ErrorEvent, InfoReply, TokenEvent
@@ -32,13 +38,16 @@ from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
 from kvrt.runtime.http.bridge import Bridge, Submission
-from kvrt.runtime.http.openai_schema import ChatRequest, CompletionRequest, SamplingBody
+from kvrt.runtime.http.openai_schema import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                             SamplingBody, TokenizeRequest)
+from kvrt.runtime.http.vllm_metrics import StatsReader, VllmMetrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
 MAX_BATCH = 64          # prompts in one /v1/completions request
 METRICS_TIMEOUT_S = 5.0
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 MAX_BODY_BYTES = 16 << 20  # far above any prompt the model takes, as JSON
 
 
@@ -71,6 +80,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     result: Result | None = None
+    last_tokens_at: float | None = None  # time.monotonic() of the latest answer that brought tokens
 
     def add(self, ids: list[int], logprobs: list[float | None]) -> tuple[str, list[int]]:
         """The text and tokens to show for new output tokens ("" once a stop string was seen)."""
@@ -94,21 +104,76 @@ class _Choice:
         return piece
 
 
-class Server:
-    """What the handlers share: the bridge to the engine, the model's name and tokenizer."""
+@dataclass
+class IdsOnly:
+    """The stand-in for a checkpoint without a usable tokenizer: token ids in, token ids out.
+    Its answers' text is empty (no vocabulary to decode with) and its EOS is the node's."""
 
-    def __init__(self, bridge: Bridge, model_name: str, metrics_port: int = 0, cache: dict | None = None) -> None:
+    why: str
+    name: str = "none"
+    vocab_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise TokenizerError(self.why)
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+class Server:
+    """What the handlers share: the bridge to the engine, the model's names and tokenizer, the
+    `vllm:` metrics. `model_names`: the ids requests may name; the first is the one reported."""
+
+    def __init__(self, bridge: Bridge, model_names: str | Sequence[str], metrics_port: int = 0,
+                 cache: dict | None = None, node: str = "") -> None:
         self.bridge = bridge
-        self.model_name = model_name
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        if not self.model_names:
+            raise ValueError("a server needs at least one model name")
+        self.model_name = self.model_names[0]
         self.metrics_port = metrics_port
         self.cache = cache
-        self._tokenizer: Tokenizer | None = None
+        self.metrics = VllmMetrics(self.model_name, _stats_reader(node))
+        self._tokenizer: Tokenizer | IdsOnly | None = None
 
-    def tokenizer(self) -> Tokenizer:
-        """The served model's tokenizer, loaded once the node said which model it serves."""
+    def decoder(self) -> Tokenizer | IdsOnly:
+        """The served model's tokenizer, loaded once the node said which model it serves; an
+        `IdsOnly` when the model has none usable (token ids are served all the same)."""
         if self._tokenizer is None:
-            self._tokenizer = node_tokenizer(self.node_info())
+            try:
+                self._tokenizer = node_tokenizer(self.node_info())
+            except TokenizerError as e:
+                log.warning("the HTTP API serves token ids only: %s", e)
+                self._tokenizer = IdsOnly(str(e))
         return self._tokenizer
+
+    def tokenizer(self, param: str | None = None) -> Tokenizer:
+        """The served model's tokenizer, for what needs text; 400 naming what it lacks when the
+        model has none usable."""
+        tok = self.decoder()
+        if isinstance(tok, IdsOnly):
+            raise ApiError(400, f"the model {self.model_name!r} has no usable tokenizer, so this node serves token "
+                                f"ids only (a prompt of ids to /v1/completions): {tok.why}", param=param,
+                           code="no_tokenizer")
+        return tok
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """The token ids of a conversation rendered with the model's chat template (which writes
+        its own special tokens: the tokenizer adds none unless asked)."""
+        tok = self.tokenizer("messages")
+        if tok.chat_template is None:
+            raise ApiError(400, f"the model {self.model_name!r} has no chat template ({tok.name}): use "
+                                f"/v1/completions", param="messages", code="no_chat_template")
+        try:
+            text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
+                [Message(m.role, m.text()) for m in messages], add_generation_prompt=add_generation_prompt)
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        except (ChatTemplateError, TokenizerError) as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
 
     def node_info(self) -> InfoReply:
         """The node's limits; 503 until the bridge has them, and once it stops."""
@@ -117,10 +182,13 @@ class Server:
         return self.bridge.info
 
     # ---- checks --------------------------------------------------------------------------
-    def check_model(self, body: SamplingBody) -> None:
-        if body.model != self.model_name:
-            raise ApiError(400, f"model {body.model!r:.100} is not served here; this node serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> None:
+        """A request names one of the served ids, or none (the served model, as vLLM reads it);
+        another is a 404, as vLLM and OpenAI answer it."""
+        if model is not None and model not in self.model_names:
+            raise ApiError(404, f"The model `{model:.100}` does not exist (this node serves "
+                                f"{', '.join(repr(n) for n in self.model_names)})", "NotFoundError", param="model",
+                           code="model_not_found")
 
     def check_prompt(self, ids: list[int], max_tokens: int, param: str) -> None:
         info = self.node_info()
@@ -137,7 +205,7 @@ class Server:
     def sampling(self, body: SamplingBody) -> tuple[int, Sampling]:
         """The engine's EOS id (-1: none) and sampling parameters of `body`; the tokenizer's
         further EOS ids become stop token ids. `ignore_eos` drops all of them."""
-        eos = [] if body.ignore_eos else list(self.tokenizer().eos_token_ids)
+        eos = [] if body.ignore_eos else list(self.decoder().eos_token_ids)
         info = self.node_info()
         if not eos and info.eos_token_id >= 0 and not body.ignore_eos:
             eos = [info.eos_token_id]
@@ -152,11 +220,12 @@ class Server:
         stops = body.stops()
         if problem := stop_problem(stops):
             raise ApiError(400, problem, param="stop")
+        tok = self.tokenizer("stop") if stops else self.decoder()
         eos, sampling = self.sampling(body)
         run = _Run(self)
         for i, ids in enumerate(prompts):
             rid = self.bridge.new_id()
-            run.choices[rid] = _Choice(i, ids, IncrementalDetokenizer(self.tokenizer(), ids), StopStrings(stops))
+            run.choices[rid] = _Choice(i, ids, IncrementalDetokenizer(tok, ids), StopStrings(stops))
             run.requests.append((rid, ids, max_tokens, eos, sampling))
         return run
 
@@ -170,6 +239,18 @@ class _Run:
         self.choices: dict[str, _Choice] = {}
         self.requests: list[tuple[str, list[int], int, int, Sampling]] = []
         self.pending: set[str] = set()
+        self.arrival = time.monotonic()
+
+    def _timed(self, ch: _Choice, n: int) -> None:
+        """Observe the latency of an answer that brought `n` tokens to `ch`."""
+        if not n:
+            return
+        now = time.monotonic()
+        if ch.last_tokens_at is None:
+            self.server.metrics.first_token(now - self.arrival)
+        else:
+            self.server.metrics.next_tokens(now - ch.last_tokens_at)
+        ch.last_tokens_at = now
 
     def start(self) -> None:
         """Send the requests; their events come to this run's queue."""
@@ -189,6 +270,7 @@ class _Run:
                 skip = max(len(ch.token_ids) - int(ev.index), 0)  # a resent overlap is not repeated
                 ids = [int(t) for t in ev.token_ids[skip:]]
                 lps = [float(x) for x in ev.logprobs[skip:]] if ev.logprobs else [None] * len(ids)
+                self._timed(ch, len(ids))
                 stopped_before = ch.stops.stopped is not None
                 piece, shown = ch.add(ids, lps)
                 if ch.stops.stopped is not None and not stopped_before:
@@ -201,8 +283,13 @@ class _Run:
                 res = ev  # a Result: the client converted the FinishedEvent
                 self.pending.discard(rid)
                 rest = [int(t) for t in res.output_token_ids[len(ch.token_ids):]]
+                if ch.stops.stopped is None:
+                    self._timed(ch, len(rest))
                 piece, shown = ch.add(rest, [None] * len(rest)) if rest else ("", [])
-                yield ch, piece + ch.end(res), shown, True
+                piece += ch.end(res)
+                self.server.metrics.finished(len(ch.prompt), len(res.output_token_ids),
+                                             time.monotonic() - self.arrival, ch.finish_reason or "length")
+                yield ch, piece, shown, True
 
     async def complete(self, request: Request) -> None:
         """Run to the end, or cancel when the client goes away first (a request without a
@@ -340,7 +427,8 @@ class BodyLimit:
 
 
 def create_app(server: Server) -> FastAPI:
-    """The ASGI app: /health, /v1/models, /v1/completions, /v1/chat/completions, /metrics, /kvrt/cache."""
+    """The ASGI app: /health, /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
+    /detokenize, /version, /reset_prefix_cache, /metrics, /kvrt/cache."""
     app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit)
 
@@ -373,7 +461,42 @@ def create_app(server: Server) -> FastAPI:
     async def models() -> JSONResponse:
         info = server.node_info()
         return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                                         "owned_by": "kvrt", "max_model_len": info.max_model_len}]})
+                                                         "owned_by": "kvrt", "root": server.model_name,
+                                                         "parent": None, "max_model_len": info.max_model_len}]})
+
+    @app.get("/version")
+    async def version_() -> JSONResponse:
+        return JSONResponse({"version": _version()})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        """vLLM's: a prompt's (or a conversation's) token ids, their count and the model's limit."""
+        server.check_model(body.model)
+        info = server.node_info()
+        if body.messages is not None:
+            ids = server.chat_prompt(body.messages, body.add_generation_prompt, bool(body.add_special_tokens))
+        else:
+            tok = server.tokenizer("prompt")
+            try:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            except TokenizerError as e:
+                raise ApiError(400, f"prompt: {e}", param="prompt") from None
+        out = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": None}
+        if body.return_token_strs:
+            tok = server.tokenizer()
+            out["token_strs"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        """vLLM's: the text of token ids (special tokens kept, as the ids say)."""
+        server.check_model(body.model)
+        info = server.node_info()
+        bad = [t for t in body.tokens if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary 0..{info.vocab_size - 1}",
+                           param="tokens", code="invalid_token_id")
+        return JSONResponse({"prompt": server.tokenizer("tokens").decode(body.tokens, skip_special_tokens=False)})
 
     @app.get("/kvrt/cache")
     async def cache() -> JSONResponse:
@@ -396,25 +519,28 @@ def create_app(server: Server) -> FastAPI:
                              "storage_keys_forgotten": got.storage})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics() -> Response:
+        """vLLM's series (runtime/http/vllm_metrics.py), and the engine's own from --metrics-port
+        when the node has one."""
+        ours = await asyncio.to_thread(server.metrics.exposition)
         if not server.metrics_port:
-            raise ApiError(404, "this node serves no metrics: launch it with --metrics-port P", code="no_metrics")
+            return Response(ours, media_type=PROMETHEUS_TEXT)
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
         try:
-            text = await asyncio.to_thread(_fetch, url)
+            engine = await asyncio.to_thread(_fetch, url)
         except (OSError, urllib.error.URLError) as e:
             raise ApiError(503, f"the node's metrics at {url} did not answer: {e}", "service_unavailable") from None
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(ours + engine, media_type=PROMETHEUS_TEXT)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        server.check_model(body)
-        tok = server.tokenizer()
+        server.check_model(body.model)
+        tok = server.decoder()
         p = body.prompt
         if isinstance(p, str):
-            prompts = [tok.encode(p)]
+            prompts = [server.tokenizer("prompt").encode(p)]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [tok.encode(x) for x in p]
+            prompts = [server.tokenizer("prompt").encode(x) for x in p]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]
         else:
@@ -453,17 +579,9 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        server.check_model(body)
+        server.check_model(body.model)
+        ids = server.chat_prompt(body.messages)
         tok = server.tokenizer()
-        if tok.chat_template is None:
-            raise ApiError(400, f"the model {server.model_name!r} has no chat template ({tok.name}): use "
-                                f"/v1/completions", param="messages", code="no_chat_template")
-        try:
-            text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
-                [Message(m.role, m.text()) for m in body.messages], add_generation_prompt=True)
-            ids = tok.encode(text, add_special_tokens=False)
-        except (ChatTemplateError, TokenizerError) as e:
-            raise ApiError(400, f"messages: {e}", param="messages") from None
         info = server.node_info()
         max_tokens = body.max_completion_tokens or body.max_tokens or max(info.max_model_len - len(ids), 1)
         server.check_prompt(ids, max_tokens, "messages")
@@ -500,6 +618,23 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-def _fetch(url: str) -> str:
+def _fetch(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=METRICS_TIMEOUT_S) as r:
-        return r.read().decode("utf-8", "replace")
+        return r.read()
+
+
+def _stats_reader(node: str) -> StatsReader:
+    """The engine's counters of `node` for the `vllm:` gauges (none without a node name: a
+    server built over a bridge alone, as in tests)."""
+    if not node:
+        return lambda: None
+    from kvrt.runtime.node.status import engine_counters
+
+    return lambda: engine_counters(node)
+
+
+def _version() -> str:
+    try:
+        return version("kvrt")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"

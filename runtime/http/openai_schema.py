@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -17,7 +17,7 @@ class SamplingBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # none: the served model
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -69,3 +69,33 @@ class ChatRequest(SamplingBody):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a `prompt`, or `messages` rendered with the chat template. Special
+    tokens are added to a prompt and not to a conversation (its template writes them) unless
+    `add_special_tokens` says otherwise."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

@@ -26,10 +26,13 @@ REFERENCE_MODEL_NAME = "kvrt-reference"
 STOP_WAIT_S = 10.0
 
 
-def served_model_name(name: str, model_dir: str) -> str:
-    """The model id of /v1/models: the name given, else the model directory's name, else the
-    built-in reference model's."""
-    return name or (os.path.basename(os.path.normpath(model_dir)) if model_dir else REFERENCE_MODEL_NAME)
+def served_model_names(names: list[str] | None, model: str) -> list[str]:
+    """The model ids of the HTTP API, as vLLM names them: the names given (the first is the one
+    /v1/models reports), else `--model` exactly as given (a path stays a path, so that a tool
+    that loads the tokenizer by model id, as guidellm and aiperf do, finds it on this machine
+    rather than asking a model hub for the directory's bare name), else the built-in reference
+    model's."""
+    return list(dict.fromkeys(names)) if names else [model] if model else [REFERENCE_MODEL_NAME]
 
 
 def cache_info(cfg: NodeConfig) -> dict:
@@ -49,11 +52,11 @@ class HttpServer:
     socket is bound here, before the node starts, so a port in use is an error of `kvrt launch`
     (OSError) rather than a thread that dies quietly."""
 
-    def __init__(self, host: str, port: int, client_host: str, client_port: int, model_name: str,
-                 metrics_port: int = 0, cache: dict | None = None) -> None:
+    def __init__(self, host: str, port: int, client_host: str, client_port: int, model_names: list[str],
+                 node: str = "", metrics_port: int = 0, cache: dict | None = None) -> None:
         connect = "127.0.0.1" if client_host in ("", "0.0.0.0", "::") else client_host
         self.bridge = Bridge(address_of(client_port, connect))
-        app = create_app(Server(self.bridge, model_name, metrics_port, cache))
+        app = create_app(Server(self.bridge, model_names, metrics_port, cache, node=node))
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                      access_log=False, lifespan="off", timeout_graceful_shutdown=2))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -74,6 +74,10 @@ def config_defaults(parser: argparse.ArgumentParser, path: str | Path) -> dict[s
 def _checked(path: str | Path, key: str, value: Any, action: argparse.Action) -> Any:
     if action.nargs == 0 and action.const is True:  # a store_true flag
         want, ok = "true or false", isinstance(value, bool)
+    elif action.nargs == "+" and action.type is None:  # strings: a list, or one string as its only item
+        value = [value] if isinstance(value, str) else value
+        want, ok = "a string or a non-empty list of strings", \
+            isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
     elif action.type is int:
         want, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
     elif action.type is float:

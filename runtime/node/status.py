@@ -81,6 +81,29 @@ def snapshot(node: str) -> dict:
         reg.close()
 
 
+def engine_counters(node: str) -> dict[str, float] | None:
+    """The engine's ENGINE_STATS counters by name, read from shared memory alone (no snapshot
+    of the rest of the node: a Prometheus scrape asks for these every few seconds); None while
+    the node has none to read (starting, stopped) or they are not all finite numbers."""
+    try:
+        reg = Registry.attach(node)
+    except (IpcError, OSError, ValueError):
+        return None
+    try:
+        sig = Signal.attach(reg, P.ENGINE_STATS)
+    except (IpcError, OSError, ValueError, TypeError):
+        return None
+    finally:
+        reg.close()
+    try:
+        values = [float(v) for v in sig.array]
+    finally:
+        sig.close()
+    if len(values) < len(P.STATS) or not all(math.isfinite(v) for v in values):
+        return None
+    return dict(zip(P.STATS, values))
+
+
 def _state(launcher_alive: bool, word: str, beat_age_s: float | None, damaged: bool) -> str:
     """The node's state as its launcher's liveness decides it (see the module docstring)."""
     if not launcher_alive:

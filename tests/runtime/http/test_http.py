@@ -24,7 +24,6 @@ from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer
 from kvrt.runtime.http.app import Server, create_app
 from kvrt.runtime.http.openai_schema import CompletionRequest
-from kvrt.runtime.http.server import served_model_name
 from tests.conftest import REPO
 from tests.hfkit import greedy, make_checkpoint
 from kvrt.ipc.ports import free_port
@@ -114,8 +113,10 @@ def test_completions_give_the_zeromq_greedy_tokens_and_exact_usage(ref_node):
 @pytest.mark.e2e
 def test_each_bad_input_is_a_400_in_the_openai_shape(ref_node):
     ln, oa, http = ref_node
-    bad = [dict(model="nope", prompt=[1, 2]),
-           dict(model=MODEL, prompt=[1, 99999]),
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.completions.create(model="nope", prompt=[1, 2])
+    assert e.value.body["code"] == "model_not_found"
+    bad = [dict(model=MODEL, prompt=[1, 99999]),
            dict(model=MODEL, prompt=[1, 2], max_tokens=5000),
            dict(model=MODEL, prompt=[1, 2], max_tokens=0),
            dict(model=MODEL, prompt=[1, 2], temperature=-1),
@@ -230,30 +231,25 @@ def test_chat_against_a_checkpoint_gives_the_reference_answer(node, tmp_path):
                   "--http-port", str(http)) as ln:
         _wait_healthy(http)
         oa = _client(http)
-        assert [m.id for m in oa.models.list().data] == ["qwen2"]
+        model = str(directory)  # the --model argument as given, as vLLM names it
+        assert [m.id for m in oa.models.list().data] == [model]
         msgs = [{"role": "user", "content": question}]
-        r = oa.chat.completions.create(model="qwen2", messages=msgs, max_tokens=8, temperature=0)
+        r = oa.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
         assert r.choices[0].model_extra["token_ids"] == want
         shown = [t for t in want if t not in tok.eos_token_ids]
         assert r.choices[0].message.content == tok.decode(shown)
         assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(want)
         parts = [{"role": "user", "content": [{"type": "text", "text": question[:5]},
                                               {"type": "text", "text": question[5:]}]}]
-        lp = oa.chat.completions.create(model="qwen2", messages=parts, max_tokens=8, temperature=0, logprobs=True)
+        lp = oa.chat.completions.create(model=model, messages=parts, max_tokens=8, temperature=0, logprobs=True)
         assert lp.choices[0].model_extra["token_ids"] == want, "text parts are the same message"
         assert len(lp.choices[0].logprobs.content) == len(want)
-        s = oa.chat.completions.create(model="qwen2", messages=msgs, max_tokens=8, temperature=0, stream=True,
+        s = oa.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, stream=True,
                                        stream_options={"include_usage": True})
         chunks = list(s)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tok.decode(shown)
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, "the second ask hits the prefix cache"
         assert ln.client.generate(prompt, 1).output_token_ids.tolist() == want[:1]
-
-
-def test_the_served_model_name():
-    assert served_model_name("", "") == "kvrt-reference"
-    assert served_model_name("", "/models/Qwen2.5-0.5B-Instruct/") == "Qwen2.5-0.5B-Instruct"
-    assert served_model_name("mine", "/models/x") == "mine"
 
 
 # ---- 503: unit tests over a fake bridge ------------------------------------------------------------
