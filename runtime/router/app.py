@@ -206,7 +206,8 @@ class Router:
                         headers={"x-kvrt-backend": b.url})
 
     async def get(self, path: str) -> Response:
-        """A GET answered by the first healthy backend (/v1/models)."""
+        """A GET answered by the first healthy backend (/v1/models, /version): the nodes behind
+        a router serve one model under the same ids, so any of them answers for all."""
         for i in self.backends.healthy():
             b = self.backends.items[i]
             try:
@@ -248,7 +249,8 @@ def _text(content: object) -> str:
 
 
 def create_app(router: Router) -> FastAPI:
-    """/health, /v1/models, /v1/completions, /v1/chat/completions, each forwarded."""
+    """/health, and forwarded: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
+    /detokenize, /version (a model id is the nodes' business: they answer one they do not serve)."""
     app = FastAPI(title="kvrt route", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health")
@@ -273,5 +275,17 @@ def create_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await router.forward(request, "/v1/chat/completions")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.forward(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.forward(request, "/detokenize")
+
+    @app.get("/version")
+    async def version() -> Response:
+        return await router.get("/version")
 
     return app

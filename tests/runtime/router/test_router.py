@@ -172,6 +172,12 @@ def test_cache_aware_and_round_robin_routing_over_two_nodes(node, tmp_path):
             chunks = list(oa.completions.create(model=MODEL, prompt=system + [4], max_tokens=4, temperature=0,
                                                 stream=True))
             assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+            with pytest.raises(openai.NotFoundError):  # the node's 404, relayed
+                oa.completions.create(model="nope", prompt=[1], max_tokens=1)
+            req = urllib.request.Request(ca + "/tokenize", json.dumps({"model": MODEL, "prompt": "ab"}).encode(),
+                                         {"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as t:
+                assert json.load(t)["tokens"] == list(b"ab")
         with routing(urls, "round-robin") as rr:
             landed = [_complete(rr, system + [8, i])[0] for i in range(4)]
             assert landed[0] != landed[1] and landed[0::2] == [landed[0]] * 2 and landed[1::2] == [landed[1]] * 2
