@@ -29,7 +29,7 @@ import numpy as np
 
 Q_TILE = 128            # query rows of a prefill chunk attended together
 SCORE_BUDGET = 1 << 20  # elements of one key tile's score matrix (bounds memory at long context)
-KV_BUDGET = 1 << 20     # elements of one key tile's gathered K (and as many of V)
+KV_BUDGET = 1 << 17     # elements of one key tile's gathered K (and as many of V): cache-sized
 # the cost model of grouping, in units of one query row attending one block of keys: the gather
 # of a block (paid once per sequence, whatever its query rows) and the fixed cost of a group's
 # round of array calls per layer
@@ -109,15 +109,16 @@ def plan_attention(spans: Sequence[Span], shape: AttnShape, xp: Any = np, q_tile
     bs = shape.block_size
     items = sorted(_items(spans, bs, q_tile), key=lambda it: (it[1], len(it[3])))
     packs: list[list[tuple[int, int, int, np.ndarray]]] = []
+    q = b = 0  # the last pack's padded rows and blocks
     for it in items:
-        if packs:
-            cur = packs[-1]
-            s, q, b = len(cur), max(x[1] for x in cur), max(len(x[3]) for x in cur)
-            merged = _cost(s + 1, max(q, it[1]), max(b, len(it[3])), call_cost)
-            if merged <= _cost(s, q, b, call_cost) + _cost(1, it[1], len(it[3]), call_cost):
-                cur.append(it)
-                continue
-        packs.append([it])
+        n, nb = it[1], len(it[3])
+        if packs and (_cost(len(packs[-1]) + 1, max(q, n), max(b, nb), call_cost)
+                      <= _cost(len(packs[-1]), q, b, call_cost) + _cost(1, n, nb, call_cost)):
+            packs[-1].append(it)
+            q, b = max(q, n), max(b, nb)
+        else:
+            packs.append([it])
+            q, b = n, nb
     groups = [_group(p, shape, xp, score_budget, kv_budget) for p in packs]
     return AttentionPlan(groups, sum(sp.n for sp in spans), shape)
 
