@@ -26,6 +26,7 @@ import numpy as np
 
 from kvrt.ipc.config import NodeConfig
 from kvrt.ipc.layout import KVLayout
+from kvrt.workers.attention import AttnShape, Span, paged_attention, plan_attention
 
 log = logging.getLogger("kvrt.workers.model")
 
@@ -108,16 +109,6 @@ class LayerWeights:
     w_gate: Any
     w_up: Any
     w_down: Any
-
-
-@dataclass
-class _Planned:
-    """A validated SeqInput: where its rows sit in the batch and its block table on xp."""
-
-    row0: int
-    n: int
-    start: int
-    table: Any  # xp int array, the blocks covering 0..start+n-1
 
 
 def _init_weights(shape: ModelShape) -> tuple[np.ndarray, list[dict], np.ndarray, np.ndarray]:
@@ -269,9 +260,10 @@ class Model:
                              f"max_model_len {s.max_model_len}")
         return tokens
 
-    def _plan(self, seqs: Sequence[SeqInput], num_blocks: int, bs: int) -> tuple[list[_Planned], np.ndarray, np.ndarray]:
-        """Validate the batch; returns the per-seq plans, all tokens and their positions."""
-        plans, toks, poss, slots, row = [], [], [], [], 0
+    def _plan(self, seqs: Sequence[SeqInput], num_blocks: int, bs: int) -> tuple[list[Span], np.ndarray, np.ndarray, np.ndarray]:
+        """Validate the batch; returns the per-seq spans, all tokens, their positions and the
+        pool blocks they are written to."""
+        plans, toks, poss, blks, slots, row = [], [], [], [], [], 0
         for i, seq in enumerate(seqs):
             who = f"seq {i}"
             start = int(seq.start)
@@ -292,8 +284,9 @@ class Model:
             if len(np.unique(table)) != nblk:
                 raise ValueError(f"{who}: block_table repeats a block id: {table.tolist()}")
             positions = np.arange(start, end, dtype=np.int64)
-            slots.append(table[positions // bs].astype(np.int64) * bs + positions % bs)
-            plans.append(_Planned(row, len(tokens), start, self.xp.asarray(table.astype(np.int64))))
+            blks.append(table[positions // bs].astype(np.int64))
+            slots.append(blks[-1] * bs + positions % bs)
+            plans.append(Span(row, len(tokens), start, table.astype(np.int64)))
             toks.append(tokens.astype(np.int64))
             poss.append(positions)
             row += len(tokens)
@@ -301,7 +294,7 @@ class Model:
         if len(np.unique(written)) != len(written):
             raise ValueError("two seqs of the batch would write the same pool slot "
                              "(block tables overlap beyond a shared prefix)")
-        return plans, np.concatenate(toks), np.concatenate(poss)
+        return plans, np.concatenate(toks), np.concatenate(poss), np.concatenate(blks)
 
     # ---- the paged path ----
 
@@ -311,23 +304,17 @@ class Model:
         if not seqs:
             return np.empty((0, s.vocab_size))
         bs = self._check_pool(pool)
-        plans, tokens, positions = self._plan(seqs, int(pool.shape[0]), bs)
+        plans, tokens, positions, blocks = self._plan(seqs, int(pool.shape[0]), bs)
         pos = xp.asarray(positions)
-        blk = xp.concatenate([p.table[(pos[p.row0:p.row0 + p.n]) // bs] for p in plans])
-        slot = pos % bs
+        blk, slot = xp.asarray(blocks), pos % bs
+        attn = plan_attention(plans, AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs), xp)
         x = self._embed(xp.asarray(tokens))
         for li, w in enumerate(self.layers):
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
             pool[blk, li, 0, slot] = k.astype(pool.dtype)
             pool[blk, li, 1, slot] = v.astype(pool.dtype)
-            outs = []
-            for p in plans:
-                ctx = p.start + p.n
-                kv = pool[p.table, li].astype(self.compute_dtype, copy=False)  # [nblk, 2, bs, kvh, hd]
-                kc = kv[:, 0].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
-                vc = kv[:, 1].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
-                outs.append(self._attend(q[p.row0:p.row0 + p.n], kc, vc, p.start))
-            x = x + self._reduce(self._mm(xp.concatenate(outs), w.wo))
+            att = paged_attention(xp, pool, li, q, attn, self.compute_dtype)
+            x = x + self._reduce(self._mm(att, w.wo))
             x = x + self._reduce(self._mlp(x, w))
             if self.beat is not None:
                 self.beat()

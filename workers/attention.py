@@ -1,0 +1,196 @@
+"""Causal attention of a whole step batch over the paged KV pool, in a few batched calls.
+
+A step mixes decode rows (one query each, contexts of any length) with prefill chunks (many
+queries over the cached context plus themselves). Attending each sequence alone costs a Python
+round of small array calls per sequence per layer (hundreds of kernel launches a step on a GPU)
+and a copy of its whole context out of the pool. Instead, once per step, `plan_attention` cuts
+the batch into *items* (a decode row, or a tile of at most `q_tile` rows of a prefill chunk) and
+packs items of similar shape into *groups*: each group is padded to its largest item (query rows
+and context blocks) and its block tables become one index array. Per layer, `paged_attention`
+then runs each group as batched matmuls over key tiles of a bounded size: each tile's K and V
+come out of the pool in one fancy index, and an online softmax (running max and running sum)
+folds the tiles together, so neither the gathered K/V nor the score matrix ever holds a long
+prompt's whole context at once. Padded keys (past a sequence's context, or past a query's own
+position) are masked; padded query rows repeat a real row and are dropped at the end.
+
+Which items share a group is a cost model: merging saves one round of calls and pays for the
+padding it adds, so decode rows of similar context lengths share one group while a decode row is
+never padded to a prefill chunk's row count. Only summation order differs from attending each
+sequence alone over its gathered context (~1e-15 relative in float64).
+
+The same code runs on numpy or CuPy (`xp`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+Q_TILE = 128            # query rows of a prefill chunk attended together
+SCORE_BUDGET = 1 << 20  # elements of one key tile's score matrix (bounds memory at long context)
+KV_BUDGET = 1 << 17     # elements of one key tile's gathered K (and as many of V): cache-sized
+# the cost model of grouping, in units of one query row attending one block of keys: the gather
+# of a block (paid once per sequence, whatever its query rows) and the fixed cost of a group's
+# round of array calls per layer
+GATHER_COST = 2.0
+CALL_COST = 400.0
+
+
+@dataclass(frozen=True)
+class Span:
+    """One sequence of the batch: its query rows [row0, row0 + n) of the batch at positions
+    start.., and its block table (host ints) covering positions 0..start + n - 1."""
+
+    row0: int
+    n: int
+    start: int
+    table: np.ndarray
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """What the attention needs of the model: query heads share KV heads in groups of
+    heads // kv_heads (GQA)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+@dataclass
+class _Group:
+    """Items attended in one batched call: S items padded to Q query rows and B context blocks."""
+
+    table: Any          # xp int [S, B]: block ids (padding repeats a valid block, masked)
+    rows: Any           # xp int [S, Q]: batch row of each query slot (padding repeats the last row)
+    qpos: Any           # xp int [S, 1, 1, Q, 1]: position of each query slot, to mask keys after it
+    min_pos: int        # the smallest query position: key tiles wholly at or before it need no mask
+    ctx: Any            # xp int [S, 1]: context length of each item (V past it is unwritten, zeroed)
+    min_ctx: int
+    keep: Any           # xp int: flat [S*Q] slots holding real rows, or None when all are real
+    dst: Any            # xp int: the batch rows of the kept slots
+    tile_blocks: int    # key blocks per tile
+
+
+@dataclass
+class AttentionPlan:
+    """A step batch cut into groups; built once per step, used by every layer."""
+
+    groups: list[_Group]
+    num_rows: int
+    shape: AttnShape
+
+
+def _cost(s: int, q: int, b: int, call_cost: float) -> float:
+    """What attending s items padded to q rows and b blocks costs (module constants' units)."""
+    return call_cost + s * b * (GATHER_COST + q)
+
+
+def _items(spans: Sequence[Span], bs: int, q_tile: int) -> list[tuple[int, int, int, np.ndarray]]:
+    """(first batch row, rows, first position, block table) of each item: a span's rows cut
+    into tiles of at most q_tile, each with only the blocks its last row can see."""
+    out = []
+    for sp in spans:
+        for a in range(0, sp.n, q_tile):
+            rows = min(q_tile, sp.n - a)
+            nblk = -(-(sp.start + a + rows) // bs)
+            out.append((sp.row0 + a, rows, sp.start + a, sp.table[:nblk]))
+    return out
+
+
+def plan_attention(spans: Sequence[Span], shape: AttnShape, xp: Any = np, q_tile: int = Q_TILE,
+                   score_budget: int = SCORE_BUDGET, kv_budget: int = KV_BUDGET,
+                   call_cost: float = CALL_COST) -> AttentionPlan:
+    """Group the batch's items (module docstring); q_tile and the budgets bound the rows, keys
+    and scores one call holds, call_cost trades padding for fewer calls (0: never pad, huge:
+    one group)."""
+    bs = shape.block_size
+    items = sorted(_items(spans, bs, q_tile), key=lambda it: (it[1], len(it[3])))
+    packs: list[list[tuple[int, int, int, np.ndarray]]] = []
+    q = b = 0  # the last pack's padded rows and blocks
+    for it in items:
+        n, nb = it[1], len(it[3])
+        if packs and (_cost(len(packs[-1]) + 1, max(q, n), max(b, nb), call_cost)
+                      <= _cost(len(packs[-1]), q, b, call_cost) + _cost(1, n, nb, call_cost)):
+            packs[-1].append(it)
+            q, b = max(q, n), max(b, nb)
+        else:
+            packs.append([it])
+            q, b = n, nb
+    groups = [_group(p, shape, xp, score_budget, kv_budget) for p in packs]
+    return AttentionPlan(groups, sum(sp.n for sp in spans), shape)
+
+
+def _group(items: list[tuple[int, int, int, np.ndarray]], shape: AttnShape, xp: Any,
+           score_budget: int, kv_budget: int) -> _Group:
+    s = len(items)
+    q = max(it[1] for it in items)
+    b = max(len(it[3]) for it in items)
+    table = np.empty((s, b), np.int64)
+    rows = np.empty((s, q), np.int64)
+    qpos = np.empty((s, q), np.int64)
+    for i, (row0, n, start, tbl) in enumerate(items):
+        table[i, :len(tbl)] = tbl
+        table[i, len(tbl):] = tbl[0]
+        r = np.minimum(np.arange(q), n - 1)
+        rows[i], qpos[i] = row0 + r, start + r
+    real = (np.arange(q)[None, :] < np.array([it[1] for it in items])[:, None]).ravel()
+    keep = None if real.all() else xp.asarray(np.flatnonzero(real))
+    per_block = max(s * shape.heads * q * shape.block_size / score_budget,
+                    s * shape.kv_heads * shape.head_dim * shape.block_size / kv_budget)
+    tile = int(max(1, min(b, 1 / per_block if per_block else b)))
+    ctx = np.array([it[2] + it[1] for it in items])
+    return _Group(xp.asarray(table), xp.asarray(rows), xp.asarray(qpos.reshape(s, 1, 1, q, 1)),
+                  int(qpos.min()), xp.asarray(ctx[:, None]), int(ctx.min()), keep, xp.asarray(rows.ravel()[real]), tile)
+
+
+def paged_attention(xp: Any, pool: Any, layer: int, q: Any, plan: AttentionPlan, compute_dtype: Any) -> Any:
+    """Causal attention of the batch's queries q [N, heads, head_dim] (scaled) over the keys and
+    values of layer `layer` of pool [blocks, layers, 2, block_size, kv_heads, head_dim], read in
+    compute_dtype; returns [N, heads * head_dim]."""
+    sh = plan.shape
+    out = xp.empty((plan.num_rows, sh.heads * sh.head_dim), dtype=q.dtype)
+    kpool, vpool = pool[:, layer, 0], pool[:, layer, 1]
+    for g in plan.groups:
+        res = _attend_group(xp, kpool, vpool, q, g, sh, compute_dtype)
+        out[g.dst] = res if g.keep is None else res[g.keep]
+    return out
+
+
+def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnShape, cd: Any) -> Any:
+    s, qn = g.rows.shape
+    b = g.table.shape[1]
+    kvh, grp, hd, bs = sh.kv_heads, sh.heads // sh.kv_heads, sh.head_dim, sh.block_size
+    # [S, Q, H, hd] -> [S, kvh, grp*Q, hd]: each KV head's query heads and rows in one matrix
+    qg = q[g.rows].reshape(s, qn, kvh, grp, hd).transpose(0, 2, 3, 1, 4).reshape(s, kvh, grp * qn, hd)
+    m = l = acc = None
+    for b0 in range(0, b, g.tile_blocks):
+        tbl = g.table[:, b0:b0 + g.tile_blocks]
+        t = tbl.shape[1] * bs
+        k = kpool[tbl].reshape(s, t, kvh, hd).astype(cd, copy=False)
+        v = vpool[tbl].reshape(s, t, kvh, hd).astype(cd, copy=False)
+        sc = (qg @ k.transpose(0, 2, 3, 1)).reshape(s, kvh, grp, qn, t)
+        kpos = xp.arange(b0 * bs, b0 * bs + t)
+        if b0 * bs + t - 1 > g.min_pos:  # some key of the tile lies after some query
+            sc = xp.where(kpos <= g.qpos, sc, -xp.inf)
+        if b0 * bs + t > g.min_ctx:  # unwritten slots (any bits, NaN too) must not reach 0 * v
+            v = xp.where((kpos < g.ctx)[:, :, None, None], v, 0)
+        mt = sc.max(axis=-1)
+        if m is None:
+            m_new = mt
+        else:
+            m_new = xp.maximum(m, mt)
+        sc -= m_new[..., None]
+        p = xp.exp(sc, out=sc)
+        pv = p.reshape(s, kvh, grp * qn, t) @ v.transpose(0, 2, 1, 3)
+        if m is None:
+            l, acc = p.sum(axis=-1), pv
+        else:
+            alpha = xp.exp(m - m_new)
+            l = l * alpha + p.sum(axis=-1)
+            acc = acc * alpha.reshape(s, kvh, grp * qn, 1) + pv
+        m = m_new
+    o = acc / l.reshape(s, kvh, grp * qn, 1)
+    return o.reshape(s, kvh, grp, qn, hd).transpose(0, 3, 1, 2, 4).reshape(s * qn, sh.heads * hd)
