@@ -150,7 +150,7 @@ def test_logprobs_are_the_models_log_softmax(ln, sock):
         sock.send(request(rid, prompt, 6, logprobs=True, **params))
         end = sock.until_end(rid)
         assert end.output_token_ids.tolist() == want
-        assert np.allclose(end.output_logprobs, want_lp, rtol=0, atol=1e-9), (end.output_logprobs, want_lp)
+        assert np.allclose(end.output_logprobs, want_lp, rtol=0, atol=1e-5), (end.output_logprobs, want_lp)
         streamed = [lp for ev in sock.events[rid] if isinstance(ev, TokenEvent) for lp in ev.logprobs]
         assert streamed == end.output_logprobs
     sock.send(request("no-lp", prompt, 3))
@@ -204,7 +204,7 @@ def test_pd_hands_the_sampling_parameters_to_decode(pd_node, tmp_path):  # noqa:
             s.close()
         assert isinstance(end, FinishedEvent), end
         assert end.output_token_ids.tolist() == want
-        assert np.allclose(end.output_logprobs, want_lp, rtol=0, atol=1e-9)
+        assert np.allclose(end.output_logprobs, want_lp, rtol=0, atol=1e-5)
         assert stopped.finish_reason == "stop" and stopped.output_token_ids.tolist() == stop_want
         assert p.idle_stats()["pd_sent_bytes"] > 0
 
