@@ -33,6 +33,7 @@ import numpy as np
 BLOCK = 256      # tokens per block of the two-level inverse-CDF walk
 GROUPS = 64      # tokens per group whose maxima bound the top-k threshold
 NUCLEUS_K = 64   # first candidate count for top-p without top-k; grows 8x while too small
+CHUNK = 8        # rows at a time on a CPU, so a chunk's float32 scratch stays in cache
 
 
 @dataclass
@@ -118,11 +119,12 @@ def _draw(z: Any, rows: SamplingRows, idx: np.ndarray, xp: Any) -> np.ndarray:
     u = uniforms(rows.seed[idx], rows.position[idx])
     cut = (k > 0) | (top_p < 1)
     for sel, fn in ((live & ~cut, _walk), (live & cut, _nucleus)):
-        s = np.flatnonzero(sel)
-        if len(s):
-            zs = _take(z, s, xp)
-            zm = zmax if len(s) == m else zmax[xp.asarray(s)]
-            tokens[s] = fn(zs, zm, inv_t[s], k[s], top_p[s], min_p[s], u[s], xp)
+        every = np.flatnonzero(sel)
+        for s in np.split(every, range(CHUNK, len(every), CHUNK)) if xp is np else [every]:
+            if len(s):
+                zs = _take(z, s, xp)
+                zm = zmax if len(s) == m else zmax[xp.asarray(s)]
+                tokens[s] = fn(zs, zm, inv_t[s], k[s], top_p[s], min_p[s], u[s], xp)
     return tokens
 
 
@@ -221,7 +223,7 @@ def _nucleus_once(z: Any, zmax: Any, groups: Any, inv_t: np.ndarray, k: np.ndarr
                   xp: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One try with `want` candidates per row: (rows drawn, rows needing more, tokens)."""
     m = z.shape[0]
-    t = _threshold(groups, want, xp)
+    t = _threshold(z, groups, want, xp)
     cand, vals, counts = _candidates(z, t, xp)
     c = cand.shape[1]
     q = xp.exp((vals.astype(xp.float64) - zmax[:, None].astype(xp.float64)) * xp.asarray(inv_t)[:, None])
@@ -254,16 +256,19 @@ def _group_maxima(z: Any, xp: Any) -> Any:
     return z[:, :n * GROUPS].reshape(m, GROUPS, n).max(axis=1)
 
 
-def _threshold(groups: Any, want: np.ndarray, xp: Any) -> Any:
+def _threshold(z: Any, groups: Any, want: np.ndarray, xp: Any) -> Any:
     """Per row, a logit with at least want[i] tokens at or above it: the want-th largest group
-    maximum (-inf, every token, when there are fewer groups)."""
+    maximum; past the group count, the want-th largest logit (a partial selection over the
+    row); -inf (every token) past the vocabulary."""
     m, n = groups.shape
-    t = xp.full(m, -xp.inf, dtype=groups.dtype)
+    vocab = z.shape[1]
+    t = xp.full(m, -xp.inf, dtype=z.dtype)
     for w in np.unique(want):
         rows = np.flatnonzero(want == w)
-        if w <= n:
-            g = groups if len(rows) == m else groups[xp.asarray(rows)]
-            t[xp.asarray(rows)] = xp.partition(g, n - int(w), axis=-1)[:, n - int(w)]
+        src, size = (groups, n) if w <= n else (z, vocab)
+        if w < vocab:
+            a = src if len(rows) == m else src[xp.asarray(rows)]
+            t[xp.asarray(rows)] = xp.partition(a, size - int(w), axis=-1)[:, size - int(w)]
     return t
 
 
