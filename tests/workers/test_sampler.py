@@ -117,11 +117,14 @@ def test_the_worker_reads_the_batch_fields_or_refuses_them():
     ok = Worker._sampling(batch(temperature=[0.0, 0.8], top_p=[1.0, 0.9], top_k=np.array([0, 4], np.int32),
                                 seed=[1, 2 ** 63 - 1], logprobs=np.array([0, 1], np.int32)))
     assert ok.position.tolist() == [2, 10] and ok.logprobs.tolist() == [False, True]
-    assert ok.seed.tolist() == [1, 2 ** 63 - 1]
+    assert ok.seed.tolist() == [1, 2 ** 63 - 1] and ok.min_p.tolist() == [0.0, 0.0]  # min_p may be absent
+    assert Worker._sampling(batch(temperature=[0.0, 0.8], top_p=[1.0, 0.9], top_k=np.array([0, 4], np.int32),
+                                  seed=[1, 2], logprobs=np.array([0, 1], np.int32), min_p=[0.0, 0.25])).min_p[1] == 0.25
     full = dict(temperature=[0.0, 0.8], top_p=[1.0, 0.9], top_k=np.array([0, 4], np.int32), seed=[1, 2],
                 logprobs=np.array([0, 1], np.int32))
     for field, bad in (("temperature", [0.5]), ("top_p", [1.0, 0.0]), ("temperature", [0.0, -1.0]),
-                       ("seed", [1, -2]), ("seed", ["a", 1]), ("top_k", np.array([0, -3], np.int32))):
+                       ("seed", [1, -2]), ("seed", ["a", 1]), ("top_k", np.array([0, -3], np.int32)),
+                       ("min_p", [0.0]), ("min_p", [0.0, 1.5]), ("min_p", [-0.1, 0.0])):
         with pytest.raises(ValueError, match="sampling"):
             Worker._sampling(batch(**{**full, field: bad}))
 
