@@ -23,6 +23,7 @@ BENCHES = {
     "route": ("kvrt.bench.route", "N nodes behind kvrt route: hit rate and TTFT per routing policy vs one node"),
     "model": ("kvrt.bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
     "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
+    "sampler": ("kvrt.bench.sampler", "sampling a token (temperature, top-k/p) vs the greedy argmax, a full sort and one read"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 # the model's shape: flags for the reference model, config.json's for a checkpoint

@@ -249,9 +249,10 @@ class StepBatch:
     block table tables[sum(table_lens[:i]) : ...] (only the blocks it needs, in token order).
 
     How sequence i's next token is chosen travels with it, one entry per sequence (all empty:
-    every sequence greedy): temperature[i] (0: greedy), top_p[i], top_k[i] (0: no limit),
+    every sequence greedy): temperature[i] (0: greedy), top_p[i], top_k[i] (0: no limit), min_p[i],
     seed[i] (with the token's position, the only source of randomness, so a request's tokens
-    do not depend on its batch) and logprobs[i] (1: answer the chosen token's log-probability).
+    do not depend on its batch) and logprobs[i] (1: answer the chosen token's log-probability);
+    min_p may stay empty (0, no limit, for every sequence).
     Floats and 64-bit seeds travel as msgpack lists (the codec's arrays are int32)."""
 
     step_id: int
@@ -265,6 +266,7 @@ class StepBatch:
     top_k: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     seed: list = field(default_factory=list)
     logprobs: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    min_p: list = field(default_factory=list)
 
 
 @PROTOCOL.message("step_result")

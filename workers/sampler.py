@@ -1,32 +1,49 @@
-"""Choosing the next token from a step's logits: greedy, or sampled with temperature, top-k
-and top-p, one row per sequence.
+"""Choosing the next token from a step's logits: greedy, or sampled with temperature, top-k,
+top-p and min-p, one row per sequence, at a small cost next to the model step that made them.
 
 Why the random draw is a function of (seed, position) only: a request's tokens must not
 depend on what else shares its step (batch composition, preemption and recompute, a prefill
 node sampling the first token and a decode node the rest). Each row takes one uniform number,
 a hash of its request's seed and the position of the token it samples, and turns it into a
-token by inverting the row's (truncated) cumulative distribution, so the same logits, seed
-and position always give the same token.
+token by inverting the row's (truncated) cumulative distribution, so the same logits,
+parameters, seed and position always give the same token.
 
-Greedy rows (temperature 0) are exactly argmax, as before sampling existed, so the
-exactness checks against the dense reference hold unchanged.
+Why nothing sorts the vocabulary: a vocabulary is ~10^5 tokens and a sort of each row costs
+more than the decode step itself. Without top-k and top-p, the draw walks the softmax in token
+order in two levels (sums of fixed blocks, then one block), so a row costs a few passes over
+its logits. With them, only the tokens that can be kept are sorted: a threshold from the
+maxima of fixed token groups (the K-th largest group maximum has at least K tokens at or above
+it) picks a candidate set barely larger than K, and top-p without top-k grows K until the
+nucleus ends inside the candidates (the full sort only when it never does).
+
+Greedy rows (temperature 0) are exactly argmax, as before sampling existed, so the exactness
+checks against the dense reference hold unchanged. Sorted orders break ties by the lower token
+id, as argmax does, so top_k 1 and a tiny top_p are exactly greedy; candidates are chosen and
+ordered on the logits as they come (no rounding to float32 first, which could create ties).
 
 The same code runs on numpy or cupy (`xp`); results come back as host numpy arrays.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+BLOCK = 256      # tokens per block of the two-level inverse-CDF walk
+GROUPS = 64      # tokens per group whose maxima bound the top-k threshold
+NUCLEUS_K = 64   # first candidate count for top-p without top-k; grows 8x while too small
+CHUNK = 8        # rows at a time on a CPU, so a chunk's float32 scratch stays in cache
 
 
 @dataclass
 class SamplingRows:
     """Per-row sampling parameters of one step (host arrays, one entry per sequence).
 
-    temperature 0 is greedy; top_k 0 keeps every token; top_p 1 keeps every token;
-    position is the index the sampled token will have in its sequence."""
+    temperature 0 is greedy; top_k 0 (or >= vocab) keeps every token; top_p 1 keeps every
+    token; min_p 0 keeps every token (else those with p >= min_p * max p); position is the
+    index the sampled token will have in its sequence. The kept set is top-k's, cut by top-p
+    over the top-k tokens' renormalised probabilities, cut by min-p."""
 
     temperature: np.ndarray  # float64
     top_p: np.ndarray        # float64
@@ -34,12 +51,17 @@ class SamplingRows:
     seed: np.ndarray         # uint64
     position: np.ndarray     # int64
     logprobs: np.ndarray     # bool: also return the log-probability of the chosen token
+    min_p: np.ndarray = field(default=None)  # float64; None: 0 (off) for every row
+
+    def __post_init__(self) -> None:
+        if self.min_p is None:
+            self.min_p = np.zeros(len(self.temperature))
 
     @classmethod
     def greedy(cls, n: int) -> "SamplingRows":
         """n greedy rows without logprobs (what a step without sampling parameters means)."""
         return cls(np.zeros(n), np.ones(n), np.zeros(n, np.int64), np.zeros(n, np.uint64),
-                   np.zeros(n, np.int64), np.zeros(n, bool))
+                   np.zeros(n, np.int64), np.zeros(n, bool), np.zeros(n))
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -65,42 +87,224 @@ def sample(logits: Any, rows: SamplingRows, xp: Any = np) -> tuple[np.ndarray, n
     """Tokens (host int32 [n]) and their log-probabilities under the model's unscaled logits
     (host float64 [n]; 0.0 for rows that did not ask) for logits [n, vocab] on `xp`."""
     n = int(logits.shape[0])
-    tokens = _host(logits.argmax(axis=-1)).astype(np.int32)
+    tokens = np.zeros(n, np.int32)
     hot = np.flatnonzero(rows.temperature > 0)
+    cold = np.flatnonzero(~(rows.temperature > 0))
+    if len(cold):
+        tokens[cold] = _host(_take(logits, cold, xp).argmax(axis=-1))
     if len(hot):
-        tokens[hot] = _sample_rows(logits[xp.asarray(hot)], rows, hot, xp)
+        tokens[hot] = _draw(_take(logits, hot, xp), rows, hot, xp)
     logprobs = np.zeros(n)
     want = np.flatnonzero(rows.logprobs)
     if len(want):
-        z = logits[xp.asarray(want)].astype(xp.float64)
-        zmax = z.max(axis=-1, keepdims=True)
-        lse = xp.log(xp.exp(z - zmax).sum(axis=-1)) + zmax[:, 0]
-        chosen = z[xp.arange(len(want)), xp.asarray(tokens[want].astype(np.int64))]
-        logprobs[want] = _host(chosen - lse)
+        logprobs[want] = _logprobs(_take(logits, want, xp), tokens[want], xp)
     return tokens, logprobs
 
 
-def _sample_rows(logits: Any, rows: SamplingRows, idx: np.ndarray, xp: Any) -> np.ndarray:
-    """Temperature, then top-k, then top-p over the renormalised rest, then one inverse-CDF
-    draw per row. Ties in the sort keep the lower token id first, as argmax does, so top_k 1
-    and a tiny top_p are exactly greedy."""
-    m, vocab = logits.shape
-    z = logits.astype(xp.float64) / xp.asarray(rows.temperature[idx])[:, None]
-    order = xp.argsort(-z, axis=-1, kind="stable") if xp is np else xp.argsort(-z, axis=-1)
-    zs = xp.take_along_axis(z, order, axis=-1)
-    rank = xp.arange(vocab)[None, :]
+def _draw(z: Any, rows: SamplingRows, idx: np.ndarray, xp: Any) -> np.ndarray:
+    """Sampled tokens of the rows `idx` of `rows`, whose logits are z [len(idx), vocab]."""
+    m, vocab = z.shape
+    tokens = np.zeros(m, np.int32)
+    zmax = z.max(axis=-1)
+    host_max = _host(zmax)
+    if not np.isfinite(host_max).all():
+        z, zmax, host_max = _finite_rows(z, host_max, xp)
+    live = host_max > -np.inf  # a row of -inf and NaN only has nothing to draw: argmax, as greedy
+    if not live.all():
+        tokens[~live] = _host(_take(z, np.flatnonzero(~live), xp).argmax(axis=-1))
+    inv_t = 1.0 / rows.temperature[idx]
     k = rows.top_k[idx].astype(np.int64)
-    k = np.where(k > 0, np.minimum(k, vocab), vocab)
-    zs = xp.where(rank < xp.asarray(k)[:, None], zs, -xp.inf)
-    p = xp.exp(zs - zs[:, :1])
-    p = p / p.sum(axis=-1, keepdims=True)
-    before = xp.cumsum(p, axis=-1) - p  # mass of the more likely tokens
-    p = xp.where(before < xp.asarray(rows.top_p[idx])[:, None], p, 0.0)
-    cdf = xp.cumsum(p, axis=-1)
+    k = np.where((k > 0) & (k < vocab), k, 0)
+    top_p, min_p = rows.top_p[idx].astype(np.float64), rows.min_p[idx].astype(np.float64)
     u = uniforms(rows.seed[idx], rows.position[idx])
-    target = xp.asarray(u)[:, None] * cdf[:, -1:]
-    pick = xp.minimum((cdf <= target).sum(axis=-1), xp.asarray(k - 1))
-    return _host(xp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]).astype(np.int32)
+    cut = (k > 0) | (top_p < 1)
+    for sel, fn in ((live & ~cut, _walk), (live & cut, _nucleus)):
+        every = np.flatnonzero(sel)
+        for s in np.split(every, range(CHUNK, len(every), CHUNK)) if xp is np else [every]:
+            if len(s):
+                zs = _take(z, s, xp)
+                zm = zmax if len(s) == m else zmax[xp.asarray(s)]
+                tokens[s] = fn(zs, zm, inv_t[s], k[s], top_p[s], min_p[s], u[s], xp)
+    return tokens
+
+
+def _finite_rows(z: Any, host_max: np.ndarray, xp: Any) -> tuple[Any, Any, np.ndarray]:
+    """z with NaN logits made -inf, and rows holding +inf made uniform over their +inf tokens
+    (what the limit of a huge logit means); its row maxima again."""
+    z = xp.where(xp.isnan(z), -xp.inf, z)
+    inf_rows = xp.asarray(host_max == np.inf)[:, None]
+    z = xp.where(inf_rows, xp.where(z == xp.inf, 0.0, -xp.inf).astype(z.dtype), z)
+    zmax = z.max(axis=-1)
+    return z, zmax, _host(zmax)
+
+
+def _probs(z: Any, zmax: Any, inv_t: np.ndarray, xp: Any) -> Any:
+    """exp((z - max) / temperature) in float32 [m, vocab]: the unnormalised softmax, 1 at
+    the maximum."""
+    p = xp.empty(z.shape, xp.float32)
+    xp.subtract(z, zmax[:, None], out=p, casting="same_kind")
+    if (inv_t != 1).any():
+        p *= xp.asarray(inv_t, xp.float32)[:, None]
+    return xp.exp(p, out=p)
+
+
+def _walk(z: Any, zmax: Any, inv_t: np.ndarray, k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+          u: np.ndarray, xp: Any) -> np.ndarray:
+    """Inverse CDF over the whole softmax (min-p applied) in token order, in two levels so
+    that no cumulative sum runs over the vocabulary: block sums, then one block."""
+    p = _probs(z, zmax, inv_t, xp)
+    if (min_p > 0).any():
+        p *= p >= xp.asarray(min_p, xp.float32)[:, None]
+    m, vocab = p.shape
+    full = vocab // BLOCK * BLOCK
+    sums = [p[:, :full].reshape(m, -1, BLOCK).sum(axis=-1)] if full else []
+    if full < vocab:
+        sums.append(p[:, full:].sum(axis=-1, keepdims=True))
+    s = xp.concatenate(sums, axis=-1).astype(xp.float64) if len(sums) > 1 else sums[0].astype(xp.float64)
+    b, rem = _invert(s, xp.asarray(u), xp)
+    cols = b[:, None] * BLOCK + xp.arange(BLOCK)[None, :]
+    inside = cols < vocab
+    vals = xp.take_along_axis(p, xp.minimum(cols, vocab - 1), axis=-1).astype(xp.float64) * inside
+    j = _pick(vals, rem, xp)
+    return _host(b * BLOCK + j).astype(np.int32)
+
+
+def _invert(s: Any, u: Any, xp: Any) -> tuple[Any, Any]:
+    """For masses s [m, n] (float64, some positive in each row) and uniforms u [m]: the index
+    whose cumulative interval holds u * total, and how far into it u * total lies. The index
+    always has positive mass, whatever the rounding."""
+    cs = xp.cumsum(s, axis=-1)
+    target = u * cs[:, -1]
+    i = xp.minimum((cs <= target[:, None]).sum(axis=-1), _last_positive(s, xp))
+    before = xp.take_along_axis(cs, xp.maximum(i - 1, 0)[:, None], axis=-1)[:, 0]
+    return i, target - xp.where(i > 0, before, 0.0)
+
+
+def _pick(vals: Any, rem: Any, xp: Any) -> Any:
+    """The index in each row of vals [m, n] (float64) where the running sum passes rem [m]
+    (the last positive one if rounding leaves it short)."""
+    inner = xp.cumsum(vals, axis=-1)
+    return xp.minimum((inner <= rem[:, None]).sum(axis=-1), _last_positive(vals, xp))
+
+
+def _last_positive(a: Any, xp: Any) -> Any:
+    n = a.shape[-1]
+    return n - 1 - xp.argmax(a[:, ::-1] > 0, axis=-1)
+
+
+def _nucleus(z: Any, zmax: Any, inv_t: np.ndarray, k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+             u: np.ndarray, xp: Any) -> np.ndarray:
+    """Top-k, top-p and min-p over a sorted candidate set that holds every kept token: k
+    candidates for top-k; for top-p alone, a set grown until the nucleus ends inside it. The
+    normaliser of top-p alone is the whole softmax's (float32), whatever the candidate count,
+    so the kept set does not depend on how many candidates it took."""
+    m, vocab = z.shape
+    norm = np.full(m, np.nan)  # top-p alone: the softmax's sum; with top-k: the k kept tokens'
+    alone = np.flatnonzero(k == 0)
+    if len(alone):
+        norm[alone] = _host(_probs(_take(z, alone, xp), zmax[xp.asarray(alone)] if len(alone) < m else zmax,
+                                   inv_t[alone], xp).sum(axis=-1)).astype(np.float64)
+    want = np.where(k > 0, k, NUCLEUS_K)
+    tokens = np.zeros(m, np.int32)
+    todo = np.arange(m)
+    groups = _group_maxima(z, xp)
+    while len(todo):
+        sub = lambda a: a if len(todo) == m else a[xp.asarray(todo)]  # noqa: E731
+        done, grow, got = _nucleus_once(sub(z), sub(zmax), sub(groups), inv_t[todo], k[todo], top_p[todo],
+                                        min_p[todo], norm[todo], u[todo], want[todo], xp)
+        tokens[todo[done]] = got[done]
+        todo = todo[grow]  # rows whose nucleus did not end inside their candidates
+        want[todo] *= 8
+    return tokens
+
+
+def _nucleus_once(z: Any, zmax: Any, groups: Any, inv_t: np.ndarray, k: np.ndarray, top_p: np.ndarray,
+                  min_p: np.ndarray, norm: np.ndarray, u: np.ndarray, want: np.ndarray,
+                  xp: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One try with `want` candidates per row: (rows drawn, rows needing more, tokens)."""
+    m = z.shape[0]
+    t = _threshold(z, groups, want, xp)
+    cand, vals, counts = _candidates(z, t, xp)
+    c = cand.shape[1]
+    q = xp.exp((vals.astype(xp.float64) - zmax[:, None].astype(xp.float64)) * xp.asarray(inv_t)[:, None])
+    rank = xp.arange(c)[None, :]
+    kk = xp.asarray(np.where(k > 0, k, c + 1))[:, None]
+    q = q * (rank < kk)
+    cq = xp.cumsum(q, axis=-1)
+    with_k = k > 0
+    last_k = xp.asarray(np.minimum(np.where(with_k, k, 1), _host(counts)) - 1)
+    n = xp.where(xp.asarray(with_k), xp.take_along_axis(cq, last_k[:, None], axis=-1)[:, 0],
+                 xp.asarray(np.nan_to_num(norm)))
+    keep = (cq - q < xp.asarray(top_p)[:, None] * n[:, None]) & (q >= xp.asarray(min_p)[:, None])
+    kept = q * keep
+    j = _pick(kept, xp.asarray(u) * xp.cumsum(kept, axis=-1)[:, -1], xp)
+    got = _host(xp.take_along_axis(cand, j[:, None], axis=-1)[:, 0]).astype(np.int32)
+    # a row needs more candidates when the token after its last could still be kept: its
+    # mass before that token is under top_p, and that token (at most the threshold's p) passes
+    # min-p and has mass
+    total = _host(xp.take_along_axis(cq, (counts - 1)[:, None], axis=-1)[:, 0])
+    qt = np.exp((_host(t).astype(np.float64) - _host(zmax).astype(np.float64)) * inv_t)
+    grow = ~with_k & np.isfinite(_host(t)) & (total < top_p * norm) & (qt >= min_p) & (qt > 0)
+    return np.flatnonzero(~grow), np.flatnonzero(grow), got
+
+
+def _group_maxima(z: Any, xp: Any) -> Any:
+    """The maxima of GROUPS-token groups of each row ([m, vocab // GROUPS]; strided groups, so
+    the reduction runs across contiguous rows)."""
+    m, vocab = z.shape
+    n = vocab // GROUPS
+    return z[:, :n * GROUPS].reshape(m, GROUPS, n).max(axis=1)
+
+
+def _threshold(z: Any, groups: Any, want: np.ndarray, xp: Any) -> Any:
+    """Per row, a logit with at least want[i] tokens at or above it: the want-th largest group
+    maximum; past the group count, the want-th largest logit (a partial selection over the
+    row); -inf (every token) past the vocabulary."""
+    m, n = groups.shape
+    vocab = z.shape[1]
+    t = xp.full(m, -xp.inf, dtype=z.dtype)
+    for w in np.unique(want):
+        rows = np.flatnonzero(want == w)
+        src, size = (groups, n) if w <= n else (z, vocab)
+        if w < vocab:
+            a = src if len(rows) == m else src[xp.asarray(rows)]
+            t[xp.asarray(rows)] = xp.partition(a, size - int(w), axis=-1)[:, size - int(w)]
+    return t
+
+
+def _candidates(z: Any, t: Any, xp: Any) -> tuple[Any, Any, Any]:
+    """The tokens at or above each row's threshold, sorted by logit (descending; ties by the
+    lower id), padded to one width: (ids [m, c] int64, -1 as padding; logits [m, c], -inf as
+    padding; counts [m])."""
+    m, vocab = z.shape
+    mask = z >= t[:, None]
+    flat = xp.flatnonzero(mask)
+    counts = mask.sum(axis=-1)
+    row, col = flat // vocab, flat % vocab
+    start = xp.cumsum(counts) - counts
+    at = xp.arange(len(flat)) - start[row]
+    c = int(_host(counts).max())
+    ids = xp.full((m, c), -1, dtype=xp.int64)
+    vals = xp.full((m, c), -xp.inf, dtype=z.dtype)
+    ids[row, at] = col
+    vals[row, at] = z[row, col]
+    order = xp.argsort(-vals, axis=-1, kind="stable") if xp is np else xp.argsort(-vals, axis=-1)
+    return xp.take_along_axis(ids, order, axis=-1), xp.take_along_axis(vals, order, axis=-1), counts
+
+
+def _logprobs(z: Any, tokens: np.ndarray, xp: Any) -> np.ndarray:
+    """log softmax(z)[token] per row, the log-sum-exp in float32 around the row maximum."""
+    zmax = z.max(axis=-1)
+    e = xp.empty(z.shape, xp.float32)
+    xp.subtract(z, zmax[:, None], out=e, casting="same_kind")
+    lse = xp.log(xp.exp(e, out=e).sum(axis=-1))
+    chosen = z[xp.arange(len(tokens)), xp.asarray(tokens.astype(np.int64))]
+    return _host((chosen - zmax).astype(xp.float32) - lse).astype(np.float64)
+
+
+def _take(a: Any, idx: np.ndarray, xp: Any) -> Any:
+    """Rows idx of a, without a copy when they are all of them (in order)."""
+    return a if len(idx) == a.shape[0] else a[xp.asarray(idx)]
 
 
 def _host(a: Any) -> np.ndarray:

@@ -104,16 +104,17 @@ class Worker:
         fields = (step.temperature, step.top_p, step.top_k, step.seed, step.logprobs)
         if all(len(f) == 0 for f in fields):
             return SamplingRows.greedy(n)
-        if any(len(f) != n for f in fields):
+        if any(len(f) != n for f in fields) or len(step.min_p) not in (0, n):
             raise ValueError(f"step batch sampling fields do not have one entry for each of its {n} sequences")
         try:
             rows = SamplingRows(np.asarray(step.temperature, np.float64), np.asarray(step.top_p, np.float64),
                                 np.asarray(step.top_k, np.int64), np.asarray(step.seed, np.uint64),
-                                step.starts.astype(np.int64) + step.query_lens, np.asarray(step.logprobs) != 0)
+                                step.starts.astype(np.int64) + step.query_lens, np.asarray(step.logprobs) != 0,
+                                np.asarray(step.min_p, np.float64) if len(step.min_p) else None)
         except (TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"step batch sampling fields: {e}") from None
         if not (np.all(rows.temperature >= 0) and np.all((rows.top_p > 0) & (rows.top_p <= 1))
-                and np.all(rows.top_k >= 0)):
+                and np.all(rows.top_k >= 0) and np.all((rows.min_p >= 0) & (rows.min_p <= 1))):
             raise ValueError("step batch sampling fields out of range")
         return rows
 

@@ -76,7 +76,8 @@ class Generation:
 
     Sampling: `temperature` 0 is greedy (exactly argmax); above 0 the logits are divided by
     it, cut to the `top_k` most likely tokens (0: no cut), then to the smallest set whose
-    probability reaches `top_p`, and one token is drawn. `seed` makes the draws reproducible
+    probability reaches `top_p`, then to the tokens at least `min_p` times as likely as the
+    likeliest (0: no cut), and one token is drawn. `seed` makes the draws reproducible
     (the same request with the same seed gives the same tokens, whatever else the node runs);
     None lets the node pick one. Any of `stop_token_ids` ends the request (finish reason
     "stop", the token included). `logprobs` True adds each output token's log-probability
@@ -94,6 +95,7 @@ class Generation:
     seed: int | None = None
     stop_token_ids: list = field(default_factory=list)
     logprobs: bool = False
+    min_p: float = 0.0
 
     def generation(self) -> dict:
         """This message's `Generation` fields by name, to build another message from."""

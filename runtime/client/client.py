@@ -129,6 +129,7 @@ class Sampling:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
+    min_p: float = 0.0
 
 
 @dataclass
@@ -559,6 +560,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: the smallest set of tokens "
                                                                         "whose probability reaches P (default 1)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest tokens (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="sample among the tokens at least P times as likely as the likeliest (0: all)")
     p.add_argument("--seed", type=int, default=None, help="seed of the draws: the same seed gives the same answer")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="with --text/--chat: end the answer before this text (repeatable)")
@@ -655,7 +658,7 @@ def generate_main(argv: list[str]) -> int:
             # The engine stops at `eos_token_id`; a model's other EOS ids (an instruct model ends its
             # turn with one, its text with another) are stop token ids.
             eos = list(prompt.eos_ids)
-            sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                                 stop_token_ids=eos[1:])
             gen = c.stream(prompt_arr, args.max_new_tokens, eos_token_id=eos[0] if eos else -1,
                            use_cache=not args.no_cache, sampling=sampling)

@@ -47,6 +47,8 @@ def sampling_problem(req: object, vocab_size: int) -> str:
         return f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy), got {show(t)}"
     if not is_number(req.top_p) or not 0 < req.top_p <= 1:
         return f"top_p must be a number in (0, 1], got {show(req.top_p)}"
+    if not is_number(req.min_p) or not 0 <= req.min_p <= 1:
+        return f"min_p must be a number in [0, 1] (0: no limit), got {show(req.min_p)}"
     if not is_int(req.top_k) or not 0 <= req.top_k <= vocab_size:
         return f"top_k must be an integer in [0, {vocab_size}] (0: no limit), got {show(req.top_k)}"
     if req.seed is not None and (not is_int(req.seed) or not 0 <= req.seed < SEED_LIMIT):
@@ -67,7 +69,7 @@ def sampling_of(req: object) -> dict:
     a seed gets one drawn here, once, so every step (and a decode node) uses the same."""
     if req.seed is None:
         req.seed = secrets.randbelow(SEED_LIMIT)
-    return dict(temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k),
+    return dict(temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k), min_p=float(req.min_p),
                 seed=int(req.seed), stop_token_ids=frozenset(req.stop_token_ids), logprobs=req.logprobs)
 
 

@@ -49,6 +49,7 @@ class Sequence:
     temperature: float = 0.0         # sampling (see workers/sampler.py); 0: greedy
     top_p: float = 1.0
     top_k: int = 0                   # 0: no limit
+    min_p: float = 0.0               # 0: no limit
     seed: int = 0                    # with a token's position, what its random draw depends on
     stop_token_ids: frozenset[int] = frozenset()  # end the request, finish reason "stop"
     logprobs: bool = False           # record each output token's log-probability

@@ -65,6 +65,7 @@ class StepRunner:
             batch.temperature = [seq.temperature for seq in step.seqs]
             batch.top_p = [seq.top_p for seq in step.seqs]
             batch.top_k = np.array([seq.top_k for seq in step.seqs], dtype=np.int32)
+            batch.min_p = [seq.min_p for seq in step.seqs]
             batch.seed = [seq.seed for seq in step.seqs]
             batch.logprobs = np.array([seq.logprobs for seq in step.seqs], dtype=np.int32)
         broadcast(self.to_workers, batch, self.cfg.rank_timeout)

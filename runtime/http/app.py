@@ -210,7 +210,7 @@ class Server:
         if not eos and info.eos_token_id >= 0 and not body.ignore_eos:
             eos = [info.eos_token_id]
         return (eos[0] if eos else -1), Sampling(temperature=body.temperature, top_p=body.top_p,
-                                                  top_k=max(body.top_k, 0), seed=body.seed, stop_token_ids=eos[1:],
+                                                  top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed, stop_token_ids=eos[1:],
                                                   logprobs=body.wants_logprobs())
 
     # ---- running -------------------------------------------------------------------------

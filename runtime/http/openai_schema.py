@@ -22,6 +22,7 @@ class SamplingBody(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extension
     seed: int | None = Field(default=None, ge=0, lt=1 << 63)  # the engine's seeds are one int64
     stop: Union[str, list[str], None] = None
     stream: bool = False

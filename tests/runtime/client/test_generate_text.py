@@ -154,10 +154,10 @@ def test_stop_strings_cut_the_text_and_cancel(tok, tok_dir):
 def test_sampling_options_reach_the_request(tok, tok_dir):
     with ScriptedNode(tok.encode("ok"), model_dir=tok_dir) as node:
         r = kvrt("--port", str(node.port), "--chat", "hi", "--max-new-tokens", "2", "--temperature", "0.7",
-                 "--top-p", "0.9", "--top-k", "5", "--seed", "42")
+                 "--top-p", "0.9", "--top-k", "5", "--min-p", "0.05", "--seed", "42")
         assert r.returncode == 0, r.stderr
         req = node.requests()[0]
-        assert (req.temperature, req.top_p, req.top_k, req.seed) == (0.7, 0.9, 5, 42)
+        assert (req.temperature, req.top_p, req.top_k, req.min_p, req.seed) == (0.7, 0.9, 5, 0.05, 42)
 
 
 @pytest.mark.e2e

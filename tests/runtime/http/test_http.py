@@ -120,6 +120,7 @@ def test_each_bad_input_is_a_400_in_the_openai_shape(ref_node):
            dict(model=MODEL, prompt=[1, 2], max_tokens=5000),
            dict(model=MODEL, prompt=[1, 2], max_tokens=0),
            dict(model=MODEL, prompt=[1, 2], temperature=-1),
+           dict(model=MODEL, prompt=[1, 2], extra_body={"min_p": 1.5}),
            dict(model=MODEL, prompt=[1, 2], extra_body={"max_tokens": "many"}),
            dict(model=MODEL, prompt=[1, 2], extra_body={"stop": [""]})]
     for kwargs in bad:

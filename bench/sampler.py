@@ -1,0 +1,203 @@
+"""`kvrt bench sampler`: what choosing the next token costs next to the greedy argmax.
+
+In one run, on the same logits ([batch, vocab] float32, the vocabulary of Qwen2-class models by
+default), for each batch size and each sampling setting:
+- `kvrt`: workers/sampler.py's `sample` (temperature 0 is the greedy row: argmax);
+- `naive`: the sampler kvrt had before, kept here as the baseline a straightforward
+  implementation gives: every sampled row sorted whole (stably, in float64), then temperature,
+  top-k, top-p and one inverse-CDF draw over the sorted row;
+- `torch`: softmax + `torch.multinomial`, with top-k and top-p by a sorted cumulative sum (as
+  Hugging Face's logits warpers do), when torch imports (else `-`);
+- `limit`: one read of the logits at the memory bandwidth measured in this run (the best of a
+  few whole-array reductions over 256 MiB): no sampler can take less.
+
+Ratios are over the greedy argmax of the same batch (what a sampled decode step pays on top of
+a greedy one is the ratio minus 1, times the argmax's time). The logits are synthetic and
+`peaked` as a language model's usually are (a N(0, 2^2) bulk, 20 tokens 12 to 22 above it, so
+a top-p 0.9 nucleus holds a few tokens), or `flat` (the bulk only: the nucleus holds most of
+the vocabulary, the worst case for top-p without top-k).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from kvrt.workers.sampler import SamplingRows, sample, uniforms
+
+CASES = {  # name -> (logits, SamplingRows fields)
+    "greedy": ("peaked", dict(temperature=0.0)),
+    "t1": ("peaked", dict(temperature=1.0)),
+    "t1 p0.9 k50": ("peaked", dict(temperature=1.0, top_p=0.9, top_k=50)),
+    "p0.9": ("peaked", dict(temperature=1.0, top_p=0.9)),
+    "p0.9 flat": ("flat", dict(temperature=1.0, top_p=0.9)),
+}
+BANDWIDTH_BYTES = 256 << 20
+
+
+@dataclass
+class Row:
+    batch: int
+    case: str
+    kvrt_ms: float
+    naive_ms: float | None
+    torch_ms: float | None
+    limit_ms: float
+    greedy_ms: float
+    kvrt_vs_greedy: float
+    naive_vs_greedy: float | None
+    torch_vs_greedy: float | None
+    nucleus_tokens: float | None  # mean tokens in the top-p nucleus (top-p cases)
+
+
+def best_ms(fn: Callable[[], Any], repeat: int, warm: bool = True) -> float:
+    """Best of `repeat` timed calls in ms (noise only ever slows a call down)."""
+    if warm:
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def bandwidth_gb_s(repeat: int) -> float:
+    """Read bandwidth of this machine's memory: the best whole-array reduction over an array
+    far larger than any cache."""
+    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
+    return max(BANDWIDTH_BYTES / best_ms(f, repeat) / 1e6 for f in (a.sum, a.max))
+
+
+def logits(kind: str, batch: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
+    z = (rng.standard_normal((batch, vocab)) * 2).astype(np.float32)
+    if kind == "peaked":
+        top = min(20, vocab)
+        for i in range(batch):
+            z[i, rng.choice(vocab, top, replace=False)] += np.linspace(22, 12, top, dtype=np.float32)
+    return z
+
+
+def rows_for(batch: int, fields: dict) -> SamplingRows:
+    r = SamplingRows.greedy(batch)
+    for name, v in fields.items():
+        getattr(r, name)[:] = v
+    r.seed[:] = np.arange(batch, dtype=np.uint64) * 7919
+    r.position[:] = 1000
+    return r
+
+
+def naive(z: np.ndarray, r: SamplingRows) -> np.ndarray:
+    """The full-sort sampler: per row a stable float64 sort of the vocabulary."""
+    vocab = z.shape[1]
+    x = z.astype(np.float64) / r.temperature[:, None]
+    order = np.argsort(-x, axis=-1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=-1)
+    k = np.where((r.top_k > 0) & (r.top_k < vocab), r.top_k, vocab)
+    xs = np.where(np.arange(vocab)[None, :] < k[:, None], xs, -np.inf)
+    p = np.exp(xs - xs[:, :1])
+    p /= p.sum(axis=-1, keepdims=True)
+    p = np.where(np.cumsum(p, axis=-1) - p < r.top_p[:, None], p, 0.0)
+    cdf = np.cumsum(p, axis=-1)
+    target = uniforms(r.seed, r.position)[:, None] * cdf[:, -1:]
+    pick = np.minimum((cdf <= target).sum(axis=-1), k - 1)
+    return np.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
+
+
+def torch_sampler() -> Callable[[np.ndarray, SamplingRows], Any] | None:
+    """softmax + multinomial with sorted top-k / top-p, as a PyTorch user writes it; None
+    without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+
+    def run(z: np.ndarray, r: SamplingRows) -> Any:
+        x = torch.from_numpy(z) / torch.from_numpy(r.temperature.astype(np.float32))[:, None]
+        k, p = int(r.top_k.max()), float(r.top_p.min())
+        if k > 0:
+            kth = torch.topk(x, k, dim=-1).values[:, -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p < 1:
+            xs, idx = torch.sort(x, descending=True, dim=-1)
+            ps = torch.softmax(xs, dim=-1)
+            drop = ps.cumsum(-1) - ps >= p
+            x = x.scatter(-1, idx, xs.masked_fill(drop, float("-inf")))
+        return torch.multinomial(torch.softmax(x, dim=-1), 1)
+
+    return run
+
+
+def nucleus_size(z: np.ndarray, top_p: float) -> float:
+    """Mean tokens in the top-p nucleus of each row at temperature 1."""
+    sizes = []
+    for row in z.astype(np.float64):
+        p = np.sort(np.exp(row - row.max()))[::-1]
+        sizes.append(int(np.searchsorted(np.cumsum(p) / p.sum(), top_p)) + 1)
+    return float(np.mean(sizes))
+
+
+def measure(vocab: int, batches: list[int], repeat: int, naive_repeat: int) -> tuple[float, list[Row]]:
+    rng = np.random.default_rng(0)
+    gb_s = bandwidth_gb_s(repeat)
+    th = torch_sampler()
+    out = []
+    for b in batches:
+        z = {kind: logits(kind, b, vocab, rng) for kind in ("peaked", "flat")}
+        greedy = best_ms(lambda: z["peaked"].argmax(axis=-1), repeat)
+        limit = z["peaked"].nbytes / gb_s / 1e6
+        for case, (kind, fields) in CASES.items():
+            r, x = rows_for(b, fields), z[kind]
+            ours = best_ms(lambda: sample(x, r), repeat)
+            if fields["temperature"] == 0:
+                base, tt = greedy, None
+            else:
+                base = best_ms(lambda: naive(x, r), naive_repeat, warm=False)
+                tt = best_ms(lambda: th(x, r), repeat) if th else None
+            nuc = nucleus_size(x, fields["top_p"]) if "top_p" in fields else None
+            out.append(Row(b, case, ours, base, tt, limit, greedy, ours / greedy, base / greedy,
+                           tt / greedy if tt is not None else None, nuc))
+    return gb_s, out
+
+
+def print_table(vocab: int, gb_s: float, rows: list[Row]) -> None:
+    print(f"vocab {vocab}, float32 logits; limit: one read at {gb_s:.1f} GB/s; x: over the greedy argmax "
+          f"of the same batch; best of the repeats")
+
+    def f(v: float | None, spec: str) -> str:
+        return format(v, spec) if v is not None else format("-", ">" + spec.lstrip(">").split(".")[0])
+
+    print(f"{'batch':>5} {'case':<12} {'kvrt ms':>9} {'naive ms':>9} {'torch ms':>9} {'limit ms':>9} "
+          f"{'kvrt x':>8} {'naive x':>8} {'torch x':>8} {'nucleus':>8}")
+    for r in rows:
+        print(f"{r.batch:>5} {r.case:<12} {r.kvrt_ms:>9.3f} {f(r.naive_ms, '>9.3f')} {f(r.torch_ms, '>9.3f')} "
+              f"{r.limit_ms:>9.3f} {r.kvrt_vs_greedy:>8.1f} {f(r.naive_vs_greedy, '>8.1f')} "
+              f"{f(r.torch_vs_greedy, '>8.1f')} {f(r.nucleus_tokens, '>8.0f')}")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvrt bench sampler", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help='print {"vocab", "bandwidth_gb_s", "rows": [...]} '
+                                                       'instead of a table')
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (default 151936)")
+    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default 1,8,32)")
+    p.add_argument("--repeat", type=int, default=20, help="timed calls per case, best kept (default 20)")
+    p.add_argument("--naive-repeat", type=int, default=2, help="timed calls of the naive sampler (default 2)")
+    args = p.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        p.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+    if not batches or min(batches) < 1 or args.vocab < 1:
+        p.error("--batches and --vocab must be positive")
+    gb_s, rows = measure(args.vocab, batches, max(args.repeat, 1), max(args.naive_repeat, 1))
+    if args.json:
+        print(json.dumps({"vocab": args.vocab, "bandwidth_gb_s": gb_s, "rows": [asdict(r) for r in rows]}))
+    else:
+        print_table(args.vocab, gb_s, rows)
+    return 0

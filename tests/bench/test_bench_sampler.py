@@ -1,0 +1,29 @@
+"""`kvrt bench sampler` on a tiny vocabulary: the JSON it promises, one row per batch and case."""
+from __future__ import annotations
+
+import json
+
+from kvrt.bench import sampler as bench
+from kvrt.launcher import BENCHES
+
+
+def test_bench_sampler_json_has_every_case_of_every_batch(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "BANDWIDTH_BYTES", 1 << 20)  # the real probe reads 256 MiB
+    assert BENCHES["sampler"][0] == "kvrt.bench.sampler"
+    assert bench.main(["--vocab", "300", "--batches", "1,3", "--repeat", "1", "--naive-repeat", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["vocab"] == 300 and out["bandwidth_gb_s"] > 0
+    rows = out["rows"]
+    assert [(r["batch"], r["case"]) for r in rows] == [(b, c) for b in (1, 3) for c in bench.CASES]
+    for r in rows:
+        assert r["kvrt_ms"] > 0 and r["greedy_ms"] > 0 and r["limit_ms"] > 0
+        assert r["kvrt_vs_greedy"] == r["kvrt_ms"] / r["greedy_ms"]
+        assert r["naive_ms"] > 0 and (r["torch_ms"] is None or r["torch_ms"] > 0)
+        assert (r["nucleus_tokens"] is None) == ("top_p" not in bench.CASES[r["case"]][1])
+
+
+def test_bench_sampler_table(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "BANDWIDTH_BYTES", 1 << 20)
+    assert bench.main(["--vocab", "100", "--batches", "2", "--repeat", "1", "--naive-repeat", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "kvrt ms" in lines[1] and len(lines) == 2 + len(bench.CASES)
