@@ -76,8 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if not args.trace.exists():
             p.error(f"no --trace given and the bundled trace is not at {args.trace}")
     elif str(args.trace).startswith(PREFIX):
-        if str(args.trace)[len(PREFIX):] not in TRACES:
-            p.error(f"--trace {args.trace}: known synthetic traces are {', '.join(TRACES)}")
+        family, _, seed = str(args.trace)[len(PREFIX):].partition(":")
+        if family not in TRACES or (seed and not seed.isdigit()):
+            p.error(f"--trace {args.trace}: known synthetic traces are {', '.join(TRACES)} (optionally NAME:SEED)")
     elif not args.trace.exists():
         p.error(f"--trace {args.trace}: no such file")
     return args
