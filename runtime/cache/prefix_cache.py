@@ -149,7 +149,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
             if self._shadow is not None:
                 seen, ours, lru = self._shadow.observe(keys, limit, matched)
                 if seen:
-                    window = 2 * self._shadow.capacity
+                    window = 8 * self._shadow.capacity
                     self._dev_lru.steer(seen, ours, lru, window)
                     self._host_lru.steer(seen, ours, lru, window)
         return MatchResult(list(req.blocks), dev_hits * bs, host_hits * bs, storage_hits * bs,

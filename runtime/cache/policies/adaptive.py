@@ -9,7 +9,7 @@ back is wrong for the workload (a held-out trace at 40,000 blocks lost two point
 Any fixed rule for when the bonus pays is tuned to the traces it was tuned on. Measuring instead
 is cheap: the cache replays each request's sampled keys through the shadow LRU and tells the
 policy, over the same keys, how many blocks it served and how many LRU would have (`steer`).
-Once per window (two shadow turnovers of sampled lookups, so that a change of weight has had
+Once per window (eight shadow turnovers of sampled lookups, so that a change of weight has had
 time to show in what the cache holds), the weight goes down a step when the cache served fewer
 of the window's sampled blocks than LRU would have by MARGIN of the lookups, up a step when it
 served more by as much, and stays in between (a window of one-off prompts, which neither serves, says

@@ -79,7 +79,7 @@ class EvictionPolicy:
 
     def steer(self, seen: int, ours: int, lru: int, window: int) -> None:
         """Of a request's `seen` sampled usable blocks, the cache served `ours` and a shadow LRU
-        held `lru`; `window` lookups make the shadow's turnover twice. Called only on a policy
+        held `lru`; `window`: the lookups of eight shadow turnovers. Called only on a policy
         that `shadows_lru`."""
 
     def discard(self, nodes: np.ndarray) -> None:
