@@ -114,9 +114,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "mooncake://HOST:PORT (a Mooncake Store shared by every node on that master; see kvrt store start) "
                    "(default: none)")
     p.add_argument("--eviction", choices=policy_names(), default=d.eviction,
-                   help=f"prefix cache eviction policy, both tiers (default {d.eviction}: by age, with a bonus "
-                   f"for blocks reused before whose reuse came back within the cache's reach, "
-                   f"runtime/cache/policies/gaps.py; reuse: by age and reuse count, runtime/cache/policies/reuse.py; "
+                   help=f"prefix cache eviction policy, both tiers (default {d.eviction}: gaps' order, its bonus "
+                   f"steered by what a sampled shadow LRU would have served, runtime/cache/policies/adaptive.py; "
+                   f"gaps: by age, with a bonus for blocks reused before whose reuse came back within the "
+                   f"cache's reach, runtime/cache/policies/gaps.py; reuse: by age and reuse count, runtime/cache/policies/reuse.py; "
                    f"lru: least recently used)")
     p.add_argument("--host", default=d.host, help=f"interface the client API listens on (default {d.host})")
     p.add_argument("--port", type=int, default=d.port,

@@ -60,6 +60,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw hit rate vs capacity (needs matplotlib: pip install 'kvrt[plot]'); without "
                         "--capacity-blocks, at 1/64, 1/16, 1/4 and all of the trace's distinct blocks")
+    p.add_argument("--suite", action="store_true",
+                   help="replay every synthetic family (its reported seed) and the bundled trace at 1/64, 1/16, "
+                        "1/4 and all of each trace's distinct blocks: one table per trace (--trace and "
+                        "--capacity-blocks are ignored)")
     p.add_argument("--evict-scaling", action="store_true",
                    help="also time eviction per block at 10k, 100k and 1M cached blocks")
     p.add_argument("--evict-sizes", type=int, nargs="+", default=list(EVICT_SIZES), metavar="N",
@@ -76,8 +80,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if not args.trace.exists():
             p.error(f"no --trace given and the bundled trace is not at {args.trace}")
     elif str(args.trace).startswith(PREFIX):
-        if str(args.trace)[len(PREFIX):] not in TRACES:
-            p.error(f"--trace {args.trace}: known synthetic traces are {', '.join(TRACES)}")
+        family, _, seed = str(args.trace)[len(PREFIX):].partition(":")
+        if family not in TRACES or (seed and not seed.isdigit()):
+            p.error(f"--trace {args.trace}: known synthetic traces are {', '.join(TRACES)} (optionally NAME:SEED)")
     elif not args.trace.exists():
         p.error(f"--trace {args.trace}: no such file")
     return args
@@ -183,7 +188,7 @@ def table(results: list[dict], scaling: list[dict], trace: Path, block_size: int
     r0 = results[0]
     lines = [f"trace {trace}: {r0['requests']:,} requests, {r0['blocks']:,} prompt blocks of "
              f"{block_size} tokens; ideal (unlimited) token hit rate {r0['ideal_hit_token_rate']:.2%}", ""]
-    head = (f"{'capacity':>10} {'host':>8} {'policy':>6} {'hit rate':>9} {'device':>8} {'host':>8} "
+    head = (f"{'capacity':>10} {'host':>8} {'policy':>8} {'hit rate':>9} {'device':>8} {'host':>8} "
             f"{'LRU':>8} {'bound':>8} {'ideal':>8} {'blocks/s':>10} {'evicted':>10} {'swapped':>9} "
             f"{'peak RSS':>9}")
     lines += [head, "-" * len(head)]
@@ -192,7 +197,7 @@ def table(results: list[dict], scaling: list[dict], trace: Path, block_size: int
         host = f"{r['hit_token_rate_host']:.2%}" if r["host_blocks"] else "-"
         bound = r.get("offline_bound_hit_token_rate")
         bound_s = "-" if bound is None else f"{bound:.2%}"
-        lines.append(f"{cap:>10} {r['host_blocks']:>8,} {r['policy']:>6} {r['hit_token_rate']:>9.2%} "
+        lines.append(f"{cap:>10} {r['host_blocks']:>8,} {r['policy']:>8} {r['hit_token_rate']:>9.2%} "
                      f"{r['hit_token_rate_device']:>8.2%} {host:>8} {r['lru_hit_token_rate']:>8.2%} "
                      f"{bound_s:>8} {r['ideal_hit_token_rate']:>8.2%} "
                      f"{r['blocks_per_s'] / 1e6:>9.2f}M {r['evicted_device_blocks']:>10,} "
@@ -242,8 +247,51 @@ def plot(results: list[dict], path: Path, trace: Path) -> None:
     plt.close(fig)
 
 
+def run_trace(requests: list[TraceRequest], capacities: list[int | None], args: argparse.Namespace) -> list[dict]:
+    """Every `--eviction` policy (and LRU) at each capacity, with the ideal and the bound."""
+    ideal = ideal_hit_tokens(requests, args.block_size) / sum(r.input_length for r in requests)
+    policies = list(dict.fromkeys(args.eviction))
+    bound_uses = None if args.no_bound or capacities == [None] else uses(requests, args.block_size)
+    results = []
+    for capacity in capacities:
+        rows = {name: replay(requests, args.block_size, capacity, args.host_blocks, name)
+                for name in dict.fromkeys(policies + ["lru"])}
+        bound = ideal if capacity is None else None
+        if bound_uses is not None and capacity is not None:
+            bound = offline_hit_rate(bound_uses, args.block_size, capacity)
+        for name in policies:
+            row = rows[name]
+            row["ideal_hit_token_rate"] = ideal
+            row["lru_hit_token_rate"] = rows["lru"]["hit_token_rate"]
+            row["offline_bound_hit_token_rate"] = bound
+            results.append(row)
+    return results
+
+
+def suite(args: argparse.Namespace) -> int:
+    """`--suite`: every synthetic family and the bundled trace, each at its plot capacities."""
+    traces: list[tuple[str, list[TraceRequest]]] = [(f"{PREFIX}{name}", synthetic(name)) for name in TRACES]
+    bundled = default_trace_path()
+    if bundled.exists():
+        traces.append((str(bundled), load_trace(bundled, args.limit)))
+    out = []
+    for name, requests in traces:
+        requests = requests[:args.limit]
+        results = run_trace(requests, plot_capacities(requests, args.block_size), args)
+        for r in results:
+            r["trace"] = name
+        out += results
+        if not args.json:
+            print(table(results, [], Path(name), args.block_size) + "\n", flush=True)
+    if args.json:
+        print(json.dumps({"results": out}, indent=1))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.suite:
+        return suite(args)
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -261,27 +309,12 @@ def main(argv: list[str]) -> int:
     if not requests:
         print(f"kvrt bench cache: {args.trace} has no requests", file=sys.stderr)
         return 2
-    ideal = ideal_hit_tokens(requests, args.block_size) / sum(r.input_length for r in requests)
     capacities = args.capacity_blocks or [None]
     if args.plot is not None and not args.capacity_blocks:
         capacities = plot_capacities(requests, args.block_size)
         print(f"kvrt bench cache: no --capacity-blocks: plotting device capacities {', '.join(map(str, capacities))}",
               file=sys.stderr)
-    policies = list(dict.fromkeys(args.eviction))
-    bound_uses = None if args.no_bound or capacities == [None] else uses(requests, args.block_size)
-    results = []
-    for capacity in capacities:
-        rows = {name: replay(requests, args.block_size, capacity, args.host_blocks, name)
-                for name in dict.fromkeys(policies + ["lru"])}
-        bound = ideal if capacity is None else None
-        if bound_uses is not None and capacity is not None:
-            bound = offline_hit_rate(bound_uses, args.block_size, capacity)
-        for name in policies:
-            row = rows[name]
-            row["ideal_hit_token_rate"] = ideal
-            row["lru_hit_token_rate"] = rows["lru"]["hit_token_rate"]
-            row["offline_bound_hit_token_rate"] = bound
-            results.append(row)
+    results = run_trace(requests, capacities, args)
     scaling = run_evict_scaling(args.evict_sizes, args.block_size) if args.evict_scaling else []
     if args.plot is not None:
         plot(results, args.plot, args.trace)

@@ -9,6 +9,16 @@ Mooncake format of runtime/client/trace.py (one hash id per 512-token block).
   Zipf), every question unique.
 - `agents`: agent loops over one long shared tool prompt, each step repeating the agent's whole
   history and adding a tool result, interleaved.
+- `scans`: interleaved chats, as `chats`, hit by bursts of long one-off prompts (batch jobs)
+  that a recency order lets flush the chats.
+- `qa`: long documents that arrive over time, each asked many questions while it is current
+  (popularity shifts: yesterday's document is not asked about again).
+- `shifting`: agent loops whose shared prefix grows and changes version over time (a tool list
+  that gains a tool, then a new system prompt), each loop on the version current at its start.
+
+Seeds: `synthetic:NAME` is the reported trace (a fixed seed per family); `synthetic:NAME:SEED`
+generates the same family from another seed. Eviction policies are tuned on seeds
+DEV_SEEDS only, and reported on the default ones, which they were never tuned on.
 """
 from __future__ import annotations
 
@@ -19,6 +29,7 @@ import numpy as np
 from kvrt.runtime.client.trace import TRACE_BLOCK, TraceRequest
 
 PREFIX = "synthetic:"
+DEV_SEEDS = range(100, 104)  # the seeds policies may be tuned on (never the reported ones)
 
 
 class _Ids:
@@ -91,12 +102,75 @@ def agents(seed: int = 3, loops: int = 96, steps: int = 40, active: int = 16) ->
                         lambda: int(rng.integers(1, 3)))
 
 
-TRACES: dict[str, Callable[[], list[TraceRequest]]] = {"chats": chats, "docs": docs, "agents": agents}
+def scans(seed: int = 4, conversations: int = 1200, active: int = 48, burst_every: int = 300,
+          burst: int = 12) -> list[TraceRequest]:
+    """`chats` with a burst of `burst` one-off prompts (20-80 blocks each) every ~`burst_every`
+    requests."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    systems = [ids.take(2) for _ in range(4)]
+    chat = _interleaved(rng, ids, conversations, active,
+                        lambda: (list(systems[int(rng.integers(len(systems)))]), int(rng.integers(2, 9))),
+                        lambda: int(rng.integers(1, 4)))
+    out: list[TraceRequest] = []
+    for i, r in enumerate(chat):
+        if i and rng.random() < 1 / burst_every:
+            out += [_request(ids.take(int(rng.integers(20, 81))), rng, 0) for _ in range(burst)]
+        out.append(r)
+    return [TraceRequest(t, r.input_length, r.output_length, r.hash_ids) for t, r in enumerate(out)]
+
+
+def qa(seed: int = 5, documents: int = 60, questions: int = 2400, live: int = 4) -> list[TraceRequest]:
+    """Documents of 20-100 blocks arriving one after another; each question picks one of the
+    `live` newest (the newest most often) and adds a unique 1-2 block question."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    texts = [ids.take(int(rng.integers(20, 101))) for _ in range(documents)]
+    out = []
+    for t in range(questions):
+        newest = min(documents - 1, t * documents // questions)
+        back = min(newest, int(rng.geometric(0.5)) - 1, live - 1)
+        out.append(_request(texts[newest - back] + ids.take(int(rng.integers(1, 3))), rng, t))
+    return out
+
+
+def shifting(seed: int = 6, loops: int = 160, steps: int = 25, active: int = 12,
+             versions: int = 8) -> list[TraceRequest]:
+    """Agent loops whose shared prefix changes as loops start: versions of a tool prompt, each
+    the previous one plus a tool (2-6 blocks), a new system prompt (8-16 blocks) every third
+    version; each step adds 1-3 blocks."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    prompt = ids.take(12)
+    prefixes = []
+    for v in range(versions):
+        prompt = (ids.take(int(rng.integers(8, 17))) + prompt[-8:] if v and v % 3 == 0
+                  else prompt + ids.take(int(rng.integers(2, 7))))
+        prefixes.append(prompt)
+    started = [0]
+
+    def start() -> tuple[list[int], int]:
+        v = min(versions - 1, started[0] * versions // loops)
+        started[0] += 1
+        return prefixes[v] + ids.take(2), int(rng.integers(steps // 2, steps + 1))
+
+    return _interleaved(rng, ids, loops, active, start, lambda: int(rng.integers(1, 4)))
+
+
+TRACES: dict[str, Callable[..., list[TraceRequest]]] = {"chats": chats, "docs": docs, "agents": agents,
+                                                       "scans": scans, "qa": qa, "shifting": shifting}
 
 
 def synthetic(name: str) -> list[TraceRequest]:
-    """The synthetic trace `name` (one of TRACES)."""
+    """The synthetic trace `name`: a family of TRACES, with `:SEED` for another seed than the
+    reported one."""
+    family, _, seed = name.partition(":")
     try:
-        return TRACES[name]()
+        make = TRACES[family]
     except KeyError:
-        raise ValueError(f"unknown synthetic trace {name!r} (known: {', '.join(TRACES)})") from None
+        raise ValueError(f"unknown synthetic trace {family!r} (known: {', '.join(TRACES)})") from None
+    if not seed:
+        return make()
+    if not seed.isdigit():
+        raise ValueError(f"synthetic trace {name!r}: the seed after ':' must be a number")
+    return make(seed=int(seed))

@@ -897,7 +897,50 @@ done:
     return res;
 }
 
+/* sample_keys(keys, threshold) -> indices: the positions of the block keys (16 bytes each) whose
+   hash word (bytes 8..11, little-endian: independent of the use sketch's slots, which read bytes
+   0..7) is below `threshold` (0 .. 2**32): the keys a sampled shadow cache follows
+   (runtime/cache/shadow_lru.py). */
+static PyObject *sample_keys(PyObject *self, PyObject *args) {
+    PyObject *keys, *fast = NULL, *out = NULL, *res = NULL;
+    unsigned long long threshold;
+    if (!PyArg_ParseTuple(args, "OK", &keys, &threshold))
+        return NULL;
+    fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    out = PyList_New(0);
+    if (out == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != KEY_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "sample_keys: every key must be 16 bytes");
+            goto done;
+        }
+        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(k) + 8;
+        uint64_t w = (uint64_t)b[0] | ((uint64_t)b[1] << 8) | ((uint64_t)b[2] << 16) | ((uint64_t)b[3] << 24);
+        if (w < threshold) {
+            PyObject *x = PyLong_FromSsize_t(i);
+            if (x == NULL || PyList_Append(out, x) < 0) {
+                Py_XDECREF(x);
+                goto done;
+            }
+            Py_DECREF(x);
+        }
+    }
+    res = out;
+    out = NULL;
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(fast);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"sample_keys", sample_keys, METH_VARARGS, "sample_keys(keys, threshold) -> positions of the sampled keys"},
     {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},
     {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},
     {"scan_live", scan_live, METH_VARARGS,

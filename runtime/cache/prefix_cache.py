@@ -42,6 +42,7 @@ from kvrt.runtime.cache.policies.base import EvictionPolicy
 from kvrt.runtime.cache.policies.lru import EvictionQueue
 from kvrt.runtime.cache.reset import CacheReset, ResetResult
 from kvrt.runtime.cache.tasks import TaskBook, TaskOutcome
+from kvrt.runtime.cache.shadow_lru import ShadowLRU
 from kvrt.runtime.cache.use_sketch import UseSketch
 
 __all__ = ["PrefixCache", "MatchResult", "ResetResult", "TaskKind", "TaskOutcome", "ROLE_FREE", "ROLE_TREE", "ROLE_PRIVATE",
@@ -96,6 +97,8 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         # before (the sketch's answer at match), handed to the policy as its blocks are recorded
         self._ages: dict[Hashable, np.ndarray] = {}
         self._low_water = max(1, num_device_blocks // 64) if low_water is None else low_water
+        # what LRU would have served, for a policy steered by it
+        self._shadow = ShadowLRU(num_device_blocks + num_host_blocks) if policy.shadows_lru else None
 
     # ---- engine-facing API -------------------------------------------------------------------
     def match(self, request_id: Hashable, keys: Sequence[bytes], num_tokens: int,
@@ -145,6 +148,12 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         req.loaded = bool(req.waiting)
         if count:
             self._count_match(req, keys, limit, dev_hits, host_hits, storage_hits)
+            if self._shadow is not None:
+                seen, ours, lru = self._shadow.observe(keys, limit, matched)
+                if seen:
+                    window = 8 * self._shadow.capacity
+                    self._dev_lru.steer(seen, ours, lru, window)
+                    self._host_lru.steer(seen, ours, lru, window)
         return MatchResult(list(req.blocks), dev_hits * bs, host_hits * bs, storage_hits * bs,
                            sorted(req.waiting))
 

@@ -2,8 +2,9 @@
 
 The cache keeps one queue per tier of the nodes eviction may take (device: unreferenced GPU
 nodes; host: CPU nodes) and tells it every change; the policy decides only the order in which
-`pop` hands them out. Age, reuse and reuse gap (runtime/cache/policies/gaps.py) is a node's
-default (`--eviction gaps`); age and reuse (runtime/cache/policies/reuse.py) and LRU over leaves
+`pop` hands them out. Reuse order steered by a shadow LRU (runtime/cache/policies/adaptive.py)
+is a node's default (`--eviction adaptive`); age, reuse and reuse gap (runtime/cache/policies/gaps.py,
+unsteered), age and reuse (runtime/cache/policies/reuse.py) and LRU over leaves
 (runtime/cache/policies/lru.py) are the others. Another policy is one new file with a subclass of
 `EvictionPolicy`, passed as `PrefixCache(..., policy=TheClass)`, and named in `_POLICIES` so that
 `--eviction NAME` picks it.
@@ -36,11 +37,15 @@ class EvictionPolicy:
       earlier requests that used its key while it was not cached (a count sketch,
       runtime/cache/use_sketch.py), so `hits` carries a block's history past its eviction;
     - `counts_gaps = True` (with `counts_uses`): the device tier's policy is told through
-      `recorded` how many requests ago each computed node's key was last used.
+      `recorded` how many requests ago each computed node's key was last used;
+    - `shadows_lru = True`: the cache replays every counted request's keys through a sampled
+      shadow LRU cache of its size (runtime/cache/shadow_lru.py) and calls `steer` on both
+      tiers' policies with what it served and what LRU would have.
     The methods with a body are defaults a policy may replace with a faster or fuller one."""
 
     counts_uses = False
     counts_gaps = False
+    shadows_lru = False
 
     __slots__ = ()
 
@@ -71,6 +76,11 @@ class EvictionPolicy:
     def recorded(self, nodes: np.ndarray, ages: np.ndarray) -> None:
         """`nodes` (a path, root side first) were just computed; their keys were last used
         `ages` requests ago (-1: unknown). Called only on a policy that `counts_gaps`."""
+
+    def steer(self, seen: int, ours: int, lru: int, window: int) -> None:
+        """Of a request's `seen` sampled usable blocks, the cache served `ours` and a shadow LRU
+        held `lru`; `window`: the lookups of eight shadow turnovers. Called only on a policy
+        that `shadows_lru`."""
 
     def discard(self, nodes: np.ndarray) -> None:
         """Take `nodes` out (queued or not): they are in use again."""
@@ -114,6 +124,7 @@ def make_policy(name: str) -> type[EvictionPolicy]:
 
 
 # name -> (module, class); imported on demand, so a policy's module is loaded only when chosen
-_POLICIES = {"gaps": ("kvrt.runtime.cache.policies.gaps", "ReuseGaps"),
+_POLICIES = {"adaptive": ("kvrt.runtime.cache.policies.adaptive", "Adaptive"),
+             "gaps": ("kvrt.runtime.cache.policies.gaps", "ReuseGaps"),
              "reuse": ("kvrt.runtime.cache.policies.reuse", "ReuseLevels"),
              "lru": ("kvrt.runtime.cache.policies.lru", "EvictionQueue")}

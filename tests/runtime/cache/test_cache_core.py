@@ -49,11 +49,12 @@ def _replay(c: PrefixCache, seed: int) -> list:
 # the policies whose cache calls these C functions (the others: all three): LRU keeps no use
 # counts and has a queue of its own; only `gaps` stamps when keys were used, and it splits a
 # released path into runs its own way
-POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"), "_stamp_c": ("gaps",),
-                  "_scan_c": ("gaps", "reuse"), "_stamp_runs_c": ("reuse",)}
+POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptive", "gaps", "reuse"),
+                  "_stamp_c": ("adaptive", "gaps"), "_scan_c": ("adaptive", "gaps", "reuse"),
+                  "_stamp_runs_c": ("reuse",)}
 
 
-@pytest.mark.parametrize("name", ["gaps", "reuse", "lru"])
+@pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("host", [0, 300])
 @pytest.mark.parametrize("module,attr,reference", [

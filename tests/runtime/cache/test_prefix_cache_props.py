@@ -241,3 +241,20 @@ class GapsCacheMachine(CacheMachine):
 
 GapsCacheMachine.TestCase.settings = CacheMachine.TestCase.settings
 TestPrefixCacheGapsProperties = GapsCacheMachine.TestCase
+
+
+class AdaptiveCacheMachine(CacheMachine):
+    """The same engine over the default `adaptive` eviction policy (a shadow LRU also sees every
+    counted request and steers both tiers' bonus weight)."""
+
+    POLICY = "adaptive"
+
+    @invariant()
+    def weight_in_range(self):
+        for q in (self.cache._dev_lru, self.cache._host_lru):
+            assert 0.0 <= q.weight <= 1.0
+        assert len(self.cache._shadow) <= self.cache._shadow.capacity
+
+
+AdaptiveCacheMachine.TestCase.settings = CacheMachine.TestCase.settings
+TestPrefixCacheAdaptiveProperties = AdaptiveCacheMachine.TestCase
