@@ -28,6 +28,8 @@ so they steer together: one policy governs device and host tiers.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kvrt.runtime.cache.policies.gaps import ReuseGaps
@@ -35,6 +37,7 @@ from kvrt.runtime.cache.policies.gaps import ReuseGaps
 # a window's lookups must show the cache ahead of LRU by this share for the weight to grow
 # (and behind it by as much for it to shrink)
 MARGIN = 0.002
+Z = 2.0  # standard errors a window's difference must exceed to count (beyond MARGIN)
 STEP = 1.0  # the weight moves by this much per window: all of the bonus or none
 # a window whose mean `gaps` bonus scale is below this leaves the weight alone
 IDLE_SCALE = 0.05
@@ -71,16 +74,20 @@ class Adaptive(ReuseGaps):
         self._lru += lru
         if self._seen < window:
             return
+        # a difference within Z standard errors is sampling noise, not a verdict (the two counts
+        # are of the same sampled blocks, so their difference varies by at most their sum)
+        noise = Z * math.sqrt(self._ours + self._lru) / self._seen
         ahead = (self._ours - self._lru) / self._seen
+        margin = max(MARGIN, noise)
         idle = self._scale_sum < IDLE_SCALE * max(1, self._pushes)
         self._seen = self._ours = self._lru = self._pushes = 0
         self._scale_sum = 0.0
         if idle:
             return
-        if ahead >= MARGIN:
+        if ahead >= margin:
             self.weight = min(1.0, self.weight + STEP)
             self._wait, self._probing = 1, False
-        elif self.weight > 0 and ahead < -MARGIN:
+        elif self.weight > 0 and ahead < -margin:
             self.weight = max(0.0, self.weight - STEP)
             if self.weight == 0 and self._probing:
                 self._wait *= 2  # the probe failed

@@ -491,16 +491,28 @@ def test_adaptive_steers_to_lru_when_reuse_order_loses():
     weights = []
     for _ in range(12):
         q.bonus_scale()
-        q.steer(100, 40, 50, 100)
+        q.steer(1000, 400, 500, 1000)
         weights.append(q.weight)
     assert weights[0] == 0.0
     probes = [i for i, w in enumerate(weights) if w > 0]
     assert probes == [1, 4, 9], weights  # after 1 window at 0, then 2, then 4
     for _ in range(4):
         q.bonus_scale()
-        q.steer(100, 60, 50, 100)
+        q.steer(1000, 600, 500, 1000)
     assert q.weight == 1.0
     q._long, q._reused = 0.0, 1.0  # no long reuse: `gaps` gives no bonus
     q.bonus_scale()
-    q.steer(100, 0, 100, 100)
+    q.steer(1000, 0, 1000, 1000)
     assert q.weight == 1.0
+
+
+def test_adaptive_takes_a_difference_within_sampling_noise_for_no_verdict():
+    """Ten points behind LRU over 100 sampled blocks is within two standard errors of the
+    shadow's sampling: the weight stays; the same share over 1,000 blocks moves it."""
+    q = Adaptive(64, np.zeros(64, dtype=np.int32))
+    q.bonus_scale()
+    q.steer(100, 40, 50, 100)
+    assert q.weight == 1.0
+    q.bonus_scale()
+    q.steer(1000, 400, 500, 1000)
+    assert q.weight == 0.0
