@@ -264,28 +264,17 @@ def create_app(router: Router) -> FastAPI:
                               if b.view is not None else None} for b in items]}
         return JSONResponse(body, 200 if router.backends.healthy() else 503)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.get("/v1/models")
+    def forwarded(path: str, post: bool) -> None:
+        if post:
+            async def endpoint(request: Request) -> Response:
+                return await router.forward(request, path)
+        else:
+            async def endpoint() -> Response:
+                return await router.get(path)
+        app.add_api_route(path, endpoint, methods=["POST" if post else "GET"])
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await router.forward(request, "/v1/chat/completions")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await router.forward(request, "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await router.forward(request, "/detokenize")
-
-    @app.get("/version")
-    async def version() -> Response:
-        return await router.get("/version")
-
+    for path in ("/v1/models", "/version"):
+        forwarded(path, post=False)
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        forwarded(path, post=True)
     return app
