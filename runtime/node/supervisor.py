@@ -239,6 +239,11 @@ class Node:
                     out.append((c, still))
         return out
 
+    def _in_step(self, c: Child) -> str:
+        """`, in step N` when the child said it was computing step N (a worker does)."""
+        step = int(self._sig[P.PROCS].array[self._slot(c), P.PROC_STEP]) - 1 if P.PROCS in self._sig else -1
+        return f", in step {step}" if step >= 0 else ""
+
     def wait_ready(self) -> None:
         """Wait for every child's ready flag, with a progress line and the config's timeout
         (which also bounds a child that hangs while starting)."""
@@ -309,7 +314,7 @@ class Node:
                     log.error("%s (pid %d) is hung: no heartbeat for %.1fs (--hang-timeout %g)",
                               c.name, c.proc.pid, age, self.cfg.hang_timeout)
                 c, age = hung[0]
-                self._fail(f"{c.name} (pid {c.proc.pid}) is hung (no heartbeat for {age:.1f}s)",
+                self._fail(f"{c.name} (pid {c.proc.pid}) is hung (no heartbeat for {age:.1f}s{self._in_step(c)})",
                            [c for c, _ in hung])
                 return 1
         log.info("signal %d: stopping node %s", self._stop_signal, self.cfg.node)
