@@ -39,6 +39,7 @@ from typing import Callable
 import zmq
 
 from kvrt.runtime.client.api import CLIENT_QUEUE
+from kvrt.runtime.node.limits import ZMQ_HANDSHAKE_MS
 
 log = logging.getLogger(__name__)
 POLL_MS = 100  # longest the I/O thread blocks before checking whether it should stop
@@ -85,6 +86,7 @@ class ApiServer:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # idle connections that never speak
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends fail (never block) for gone or full clients
         self._router.setsockopt(zmq.SNDHWM, client_queue)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)

@@ -41,6 +41,7 @@ from kvrt.ipc.signals import Signal
 from kvrt.ipc.topology import Topology
 from kvrt.ipc.watchdog import Watchdog, pause_gap
 from kvrt.runtime.node.config import NodeConfig
+from kvrt.runtime.node.limits import raise_open_files_limit
 
 log = logging.getLogger("kvrt.launch")
 RING_BYTES = 1 << 20
@@ -369,6 +370,7 @@ class Node:
     def run(self, job: Callable[[], int] | None = None) -> int:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._on_signal)
+        raise_open_files_limit()  # (the children inherit it)
         try:
             self.create_objects()
             self.start_children()
