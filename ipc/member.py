@@ -56,6 +56,11 @@ class Member:
     def beat(self) -> None:
         self.heartbeat.array[self.slot] = time.monotonic_ns()
 
+    def in_step(self, step_id: int) -> None:
+        """Publish the step this process is computing (-1: none), so that whoever finds it hung
+        can say in which step."""
+        self.procs.array[self.slot, P.PROC_STEP] = step_id + 1
+
     def set_ready(self) -> None:
         self.ready.array[self.slot] = 1
         log.info("%s ready (pid %d)", self.name, os.getpid())

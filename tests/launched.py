@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -86,12 +87,12 @@ def tiny_trace(path, requests: int = 12) -> str:
 
 @contextlib.contextmanager
 def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: float = 60.0,
-             port: int = 0):
+             port: int = 0, preexec: Callable[[], None] | None = None):
     port = port or free_port()
     cmd = [sys.executable, "-m", "kvrt.launcher", "launch", "--node", node, "--port", str(port),
            "--log-dir", str(log_dir), *opts]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=preexec)
     client = Client(port, timeout=60)
     try:
         deadline = time.monotonic() + ready_s

@@ -23,7 +23,7 @@ The same code runs on numpy or CuPy (`xp`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -146,20 +146,23 @@ def _group(items: list[tuple[int, int, int, np.ndarray]], shape: AttnShape, xp: 
                   int(qpos.min()), xp.asarray(ctx[:, None]), int(ctx.min()), keep, xp.asarray(rows.ravel()[real]), tile)
 
 
-def paged_attention(xp: Any, pool: Any, layer: int, q: Any, plan: AttentionPlan, compute_dtype: Any) -> Any:
+def paged_attention(xp: Any, pool: Any, layer: int, q: Any, plan: AttentionPlan, compute_dtype: Any,
+                    mark: Callable[[], None] | None = None) -> Any:
     """Causal attention of the batch's queries q [N, heads, head_dim] (scaled) over the keys and
     values of layer `layer` of pool [blocks, layers, 2, block_size, kv_heads, head_dim], read in
-    compute_dtype; returns [N, heads * head_dim]."""
+    compute_dtype; returns [N, heads * head_dim]. `mark` is called after each key tile (the
+    worker's progress: a long prompt's attention is many tiles)."""
     sh = plan.shape
     out = xp.empty((plan.num_rows, sh.heads * sh.head_dim), dtype=q.dtype)
     kpool, vpool = pool[:, layer, 0], pool[:, layer, 1]
     for g in plan.groups:
-        res = _attend_group(xp, kpool, vpool, q, g, sh, compute_dtype)
+        res = _attend_group(xp, kpool, vpool, q, g, sh, compute_dtype, mark)
         out[g.dst] = res if g.keep is None else res[g.keep]
     return out
 
 
-def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnShape, cd: Any) -> Any:
+def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnShape, cd: Any,
+                  mark: Callable[[], None] | None) -> Any:
     s, qn = g.rows.shape
     b = g.table.shape[1]
     kvh, grp, hd, bs = sh.kv_heads, sh.heads // sh.kv_heads, sh.head_dim, sh.block_size
@@ -192,5 +195,7 @@ def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnSh
             l = l * alpha + p.sum(axis=-1)
             acc = acc * alpha.reshape(s, kvh, grp * qn, 1) + pv
         m = m_new
+        if mark is not None:
+            mark()
     o = acc / l.reshape(s, kvh, grp * qn, 1)
     return o.reshape(s, kvh, grp, qn, hd).transpose(0, 3, 1, 2, 4).reshape(s * qn, sh.heads * hd)

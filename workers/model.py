@@ -145,8 +145,9 @@ class Model:
     `generate_dense` are the cache-free reference the runtime is checked against."""
 
     compute_dtype: Any = np.float64  # what K/V read from the pool are computed in (subclasses: float32)
-    # called after each layer of a paged step: the worker's heartbeat, so a long step of a big
-    # model (seconds per prefill chunk on a CPU) is not taken for a hung process
+    # called after each layer of a paged step and each key tile of its attention: the worker's
+    # progress marks (workers/progress.py), so a long step of a big model (seconds per prefill
+    # chunk on a CPU) is not taken for a hung process
     beat: Callable[[], None] | None = None
 
     def __init__(self, shape: ModelShape, xp: Any = np, kv_dtype: str = "float32") -> None:
@@ -313,7 +314,7 @@ class Model:
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
             pool[blk, li, 0, slot] = k.astype(pool.dtype)
             pool[blk, li, 1, slot] = v.astype(pool.dtype)
-            att = paged_attention(xp, pool, li, q, attn, self.compute_dtype)
+            att = paged_attention(xp, pool, li, q, attn, self.compute_dtype, self.beat)
             x = x + self._reduce(self._mm(att, w.wo))
             x = x + self._reduce(self._mlp(x, w))
             if self.beat is not None:

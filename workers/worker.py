@@ -30,6 +30,7 @@ from kvrt.workers.cuda_allreduce import peer_memory
 from kvrt.workers.hf_model import HFModel
 from kvrt.workers.kv_pool import attach_pools
 from kvrt.workers.model import Model, ModelShape, SeqInput
+from kvrt.workers.progress import Progress, ProgressBeat
 from kvrt.workers.sampler import SamplingRows, sample
 
 log = logging.getLogger("kvrt.workers.worker")
@@ -54,11 +55,14 @@ class Worker:
             self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
         if cfg.device == "cuda":  # CuPy's kernels compiled now, before ready, not in the first step
             self.model.warm_up(cfg.block_size)
-        self.model.beat = child.member.beat
         self.block_size = cfg.block_size
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
         me, topo = (P.ROLE_WORKER, child.rank), Topology.of(cfg)
         [self.orders], [self.answers] = topo.receivers(child.reg, me), topo.senders(child.reg, me)
+        self.progress = Progress()
+        self.model.beat = self.progress.mark  # the model marks its progress; the helper beats for it
+        self.beater = ProgressBeat(self.progress, child.member.beat, beat_period(cfg.hang_timeout),
+                                   cfg.hang_timeout).start()
 
     def serve(self) -> int:
         log.info("serving %s: %d device blocks, model %s, ownership checks %s", self.orders.name,
@@ -69,6 +73,15 @@ class Worker:
     def run_step(self, step: P.StepBatch) -> P.StepResult:
         """Compute one step; any failure becomes an error answer, never an exit."""
         t0 = time.perf_counter()
+        self.progress.begin(step.step_id)
+        self.child.member.in_step(step.step_id)
+        try:
+            return self._run_step(step, t0)
+        finally:
+            self.progress.end()
+            self.child.member.in_step(-1)
+
+    def _run_step(self, step: P.StepBatch, t0: float) -> P.StepResult:
         try:
             seqs = self._inputs(step)
             if self.owners is not None:
@@ -130,6 +143,7 @@ class Worker:
                          (P.OWNER_WORKER, P.OWNER_CACHE, P.OWNER_TRANSFER))
 
     def close(self) -> None:
+        self.beater.close()
         self.answers.close()
         self.orders.detach()
         if self.allreduce is not None:
@@ -137,6 +151,13 @@ class Worker:
         for pool in (self.device, self.host):
             if pool is not None:
                 pool.close()
+
+
+def beat_period(hang_timeout: float) -> float:
+    """How often the helper looks at the main thread's progress: several looks per hang timeout,
+    so one look that finds no progress (the main thread between two marks and descheduled)
+    is not all the launcher sees."""
+    return min(0.25, hang_timeout / 8) if hang_timeout > 0 else 0.25
 
 
 def main(argv: list[str] | None = None) -> int:

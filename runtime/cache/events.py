@@ -37,6 +37,8 @@ from typing import Callable, Iterable, Protocol, Sequence
 import msgpack
 import zmq
 
+from kvrt.runtime.node.limits import ZMQ_HANDSHAKE_MS
+
 log = logging.getLogger(__name__)
 
 GPU, CPU, STORAGE = "GPU", "CPU", "STORAGE"
@@ -108,6 +110,7 @@ class KVEventPublisher:
         try:
             for s in (self.pub, self.replay):
                 s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)
             self.pub.setsockopt(zmq.SNDHWM, SNDHWM)
             self.replay.setsockopt(zmq.SNDHWM, SNDHWM)
             # a replay request is one 8-byte number: anything larger is cut off before it is buffered

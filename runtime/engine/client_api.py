@@ -26,6 +26,7 @@ from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.connector import KVConnector
 
 log = logging.getLogger("kvrt.engine")
+TAKE_MAX = 256  # client messages handled per take_in (twice per turn of the loop)
 PEER_ONLY = (wire.PdPrealloc, wire.PdKvReady, wire.PdAbort, wire.PdAllocated, wire.PdWelcome, wire.PdRefused,
              wire.PdPing, wire.PdPong)  # valid only inside (or to open) an authenticated peer session
 
@@ -49,16 +50,20 @@ class ClientApi:
                           wire.PdHello: self._not_a_peer_node, wire.PdSealed: self._not_a_peer_node}
         self._handlers.update({t: self._outside_session for t in PEER_ONLY})
 
-    def take_in(self) -> None:
-        """Handle every queued client message (the I/O thread only queues bytes)."""
+    def take_in(self, limit: int = TAKE_MAX) -> bool:
+        """Handle at most `limit` queued client messages and notices (the I/O thread only queues
+        bytes); True when more are waiting. Bounded so that no flood of messages delays the
+        loop's heartbeat or its steps: the rest wait for the next turn, in the order the I/O
+        thread took them (fair between connections: server.py)."""
         server = self.clients.server
         if server is None:
-            return
-        notices = server.notices
-        while notices:
+            return False
+        notices, inbox = server.notices, server.inbox
+        while notices and limit > 0:
             self._on_notice(notices.popleft())
-        inbox = server.inbox
-        while inbox:
+            limit -= 1
+        while inbox and limit > 0:
+            limit -= 1
             client, data = inbox.popleft()
             if not data:
                 continue  # a liveness probe (a decode node probes its prefill node too)
@@ -71,6 +76,7 @@ class ClientApi:
             if not self.connector.on_peer_message(client, msg):
                 self._handlers.get(type(msg), self._not_a_request)(client, msg)
         self.clients.probe()
+        return bool(notices or inbox)
 
     def on_generate(self, client: bytes, req: api.GenerateRequest) -> None:
         rid, reply = req.request_id, self.clients.reply

@@ -179,15 +179,16 @@ class Engine:
             self._close_outlets()
 
     def step(self) -> None:
-        """One turn of the loop: intake, schedule, run, apply (then deadlines and counters).
+        """One turn of the loop: intake (a bounded batch of client messages: client_api.py),
+        schedule, run, apply (then deadlines and counters).
         What the wait brought is acted on in the same turn, before the housekeeping: the
         messages that cut it short are taken in (a peer's kv-ready, a decode node's token to
         relay), and the next step is launched as soon as the last one's answers are applied
         (else each waited for the housekeeping and the next turn: ~0.4 ms a hop on 2 cores)."""
         self.member.beat()
-        self.api.take_in()
+        more = self.api.take_in()
         self._schedule()
-        self.answers.dispatch(self.answers.wait(TICK_S))
+        self.answers.dispatch(self.answers.wait(0.0 if more else TICK_S))  # (client messages waiting: no sleep)
         self.connector.build_orders()  # the transfer orders the applied steps made due
         self.api.take_in()
         self._schedule()

@@ -7,6 +7,12 @@ poke). Answers go the other way through an inproc PUSH/PULL pair, because a Zero
 must only be used by one thread. The thread only moves bytes: decoding, validation and every
 decision stay on the engine thread.
 
+What a flood of messages cannot do: the thread stops reading once INBOX_MAX messages and
+notices wait for the engine (malformed multi-frame messages count too), and libzmq's ROUTER
+takes messages from its connections fair-queued (one from each connection with messages waiting,
+in turn), so a well-behaved client's message waits behind at most INBOX_MAX others however many
+the flooders send; the engine handles a bounded batch of them per turn of its loop.
+
 What a client cannot do to the engine's memory: a frame over `max_message_bytes` is refused by
 libzmq from its header, before anything is allocated (and the connection is dropped); a client
 that stops reading has at most CLIENT_QUEUE answers queued (the ROUTER's send high-water mark);
@@ -33,13 +39,14 @@ from typing import Callable
 import zmq
 
 from kvrt.runtime.client.api import CLIENT_QUEUE
+from kvrt.runtime.node.limits import ZMQ_HANDSHAKE_MS
 
 log = logging.getLogger(__name__)
 POLL_MS = 100  # longest the I/O thread blocks before checking whether it should stop
 
 
 PEER = b"\x00peer!"  # prefix of the identities under which messages from a P node's decode peers arrive
-INBOX_MAX = 4096  # client messages waiting for the engine before the I/O thread stops reading more
+INBOX_MAX = 1024  # client messages and notices waiting for the engine before the I/O thread stops reading more
 HEARTBEAT_IVL_MS = 5_000
 HEARTBEAT_TIMEOUT_MS = 30_000
 _KEEP = b"k"  # third frame of an answer on the inproc pair: keep it for a client that is not reading
@@ -79,6 +86,7 @@ class ApiServer:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # idle connections that never speak
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends fail (never block) for gone or full clients
         self._router.setsockopt(zmq.SNDHWM, client_queue)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -120,7 +128,7 @@ class ApiServer:
         for dealer in by_socket:
             poller.register(dealer, zmq.POLLIN)
         while not self._stop.is_set():
-            poller.modify(self._router, zmq.POLLIN if len(self.inbox) < INBOX_MAX else 0)
+            poller.modify(self._router, zmq.POLLIN if self._waiting() < INBOX_MAX else 0)
             for sock, _ in poller.poll(POLL_MS):
                 if sock is self._router:
                     self._receive()
@@ -204,9 +212,12 @@ class ApiServer:
             self.inbox.append((identity, data))
         self._wake()
 
+    def _waiting(self) -> int:
+        return len(self.inbox) + len(self.notices)
+
     def _receive(self) -> None:
         got = False
-        while len(self.inbox) < INBOX_MAX:
+        while self._waiting() < INBOX_MAX:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

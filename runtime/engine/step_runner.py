@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import numpy as np
 
@@ -25,6 +26,19 @@ from kvrt.runtime.engine.stats import EngineStats
 from kvrt.runtime.node.config import NodeConfig
 
 log = logging.getLogger("kvrt.engine")
+
+
+# Before any big step was answered, the rank timeout is taken to cover a step of this many
+# (token x context) position pairs (a 2,048-token prompt); a bigger one gets proportionally longer
+FIRST_STEP_WORK = float(1 << 22)
+SLACK = 4.0  # a step may take this many times as long per unit of work as the slowest one seen
+LEARN_WORK = 1 << 16  # a step smaller than this is mostly fixed costs: its speed is not learned
+
+
+def step_work(chunks: list[int], starts: list[int]) -> int:
+    """A step's size in (query token, context position) pairs: attention's cost, and at least
+    one per token (the rest of the model's cost is per token)."""
+    return sum(c * (s + c) for c, s in zip(chunks, starts))
 
 
 class StepTimeout(RuntimeError):
@@ -46,6 +60,10 @@ class StepRunner:
         self.stats = stats
         self._answers: RankGroup[P.StepResult] | None = None  # answers to the step in flight
         self._watch: Watchdog[str] = Watchdog(pause_gap(cfg.rank_timeout, tick_s))
+        self._s_per_work = 0.0  # the slowest seconds per unit of work of any answered step (0: none yet)
+        self._work = 0          # the work of the step in flight
+        self._launched = 0.0
+        self.deadline_s = cfg.rank_timeout  # how long the step in flight may take
 
     def launch(self, step: Step) -> None:
         """Send `step` to every worker rank (checked against the block owners in debug mode)."""
@@ -69,6 +87,9 @@ class StepRunner:
             batch.seed = [seq.seed for seq in step.seqs]
             batch.logprobs = np.array([seq.logprobs for seq in step.seqs], dtype=np.int32)
         broadcast(self.to_workers, batch, self.cfg.rank_timeout)
+        self._work = step_work(step.chunks, step.starts)
+        self._launched = time.monotonic()
+        self.deadline_s = self.deadline_for(self._work)
         self._answers = RankGroup(self.cfg.tp, math.inf)  # overdue by the watch instead
         self.stats.count("steps")
 
@@ -81,6 +102,8 @@ class StepRunner:
         if not answers.add(res.rank, res):
             return
         self._answers = None
+        if self._work >= LEARN_WORK:
+            self._s_per_work = max(self._s_per_work, (time.monotonic() - self._launched) / self._work)
         errors = [a.error for a in answers.answers if a.error]
         if errors:
             self.clients.apply(self.sched.fail_step(step, "; ".join(errors)))
@@ -88,18 +111,28 @@ class StepRunner:
             first = answers.answers[0]
             self.clients.apply(self.sched.finish_step(step, first.tokens, first.logprobs))
 
+    def deadline_for(self, work: int) -> float:
+        """How long a step of `work` may take: --rank-timeout, plus SLACK times what the slowest
+        big step (LEARN_WORK) answered so far took per unit of work (before any: the rank timeout per
+        FIRST_STEP_WORK). A step of thousands of prompt tokens takes far longer than a decode step,
+        and the worker's progress (its heartbeat) already shows it is not stuck; this deadline
+        bounds a worker that runs but never finishes."""
+        cfg = self.cfg
+        per_work = SLACK * self._s_per_work if self._s_per_work else cfg.rank_timeout / FIRST_STEP_WORK
+        return cfg.rank_timeout + per_work * work
+
     def check_deadline(self) -> None:
-        """StepTimeout once the step in flight has waited --rank-timeout of the engine's running
-        time for an answer (one round of the watch per call: once per turn of the loop); its
-        requests are told first."""
+        """StepTimeout once the step in flight has waited its deadline (`deadline_for`) of the
+        engine's running time for an answer (one round of the watch per call: once per turn of
+        the loop); its requests are told first."""
         self._watch.tick()
         step, answers = self.sched.inflight, self._answers
         if step is None or answers is None:
             return
-        if self._watch.observe("step", step.step_id) < self.cfg.rank_timeout:
+        if self._watch.observe("step", step.step_id) < self.deadline_s:
             return
         why = (f"worker rank(s) {answers.missing()} did not answer step {step.step_id} "
-               f"within {self.cfg.rank_timeout:.3g}s")
+               f"within {self.deadline_s:.3g}s")
         for seq in step.seqs:
             self.clients.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
         raise StepTimeout(why)

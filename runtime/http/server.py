@@ -18,6 +18,7 @@ import uvicorn
 from kvrt.runtime.client.client import address_of
 from kvrt.runtime.http.app import Server, create_app
 from kvrt.runtime.http.bridge import Bridge
+from kvrt.runtime.http.connections import IDLE_S, TOTAL, guarded_protocol
 from kvrt.runtime.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def cache_info(cfg: NodeConfig) -> dict:
 
 
 class HttpServer:
-    """uvicorn on (host, port) in a daemon thread, over a bridge to the node's client API. The
+    """uvicorn on (host, port) in a daemon thread, over a bridge to the node's client API, with
+    its connections bounded (runtime/http/connections.py). The
     socket is bound here, before the node starts, so a port in use is an error of `kvrt launch`
     (OSError) rather than a thread that dies quietly."""
 
@@ -58,7 +60,9 @@ class HttpServer:
         self.bridge = Bridge(address_of(client_port, connect))
         app = create_app(Server(self.bridge, model_names, metrics_port, cache, node=node))
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                     access_log=False, lifespan="off", timeout_graceful_shutdown=2))
+                                                     access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                                                     http=guarded_protocol(), timeout_keep_alive=IDLE_S,
+                                                     limit_concurrency=TOTAL))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:

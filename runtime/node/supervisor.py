@@ -41,6 +41,7 @@ from kvrt.ipc.signals import Signal
 from kvrt.ipc.topology import Topology
 from kvrt.ipc.watchdog import Watchdog, pause_gap
 from kvrt.runtime.node.config import NodeConfig
+from kvrt.runtime.node.limits import raise_open_files_limit
 
 log = logging.getLogger("kvrt.launch")
 RING_BYTES = 1 << 20
@@ -239,6 +240,11 @@ class Node:
                     out.append((c, still))
         return out
 
+    def _in_step(self, c: Child) -> str:
+        """`, in step N` when the child said it was computing step N (a worker does)."""
+        step = int(self._sig[P.PROCS].array[self._slot(c), P.PROC_STEP]) - 1 if P.PROCS in self._sig else -1
+        return f", in step {step}" if step >= 0 else ""
+
     def wait_ready(self) -> None:
         """Wait for every child's ready flag, with a progress line and the config's timeout
         (which also bounds a child that hangs while starting)."""
@@ -309,7 +315,7 @@ class Node:
                     log.error("%s (pid %d) is hung: no heartbeat for %.1fs (--hang-timeout %g)",
                               c.name, c.proc.pid, age, self.cfg.hang_timeout)
                 c, age = hung[0]
-                self._fail(f"{c.name} (pid {c.proc.pid}) is hung (no heartbeat for {age:.1f}s)",
+                self._fail(f"{c.name} (pid {c.proc.pid}) is hung (no heartbeat for {age:.1f}s{self._in_step(c)})",
                            [c for c, _ in hung])
                 return 1
         log.info("signal %d: stopping node %s", self._stop_signal, self.cfg.node)
@@ -364,6 +370,7 @@ class Node:
     def run(self, job: Callable[[], int] | None = None) -> int:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._on_signal)
+        raise_open_files_limit()  # (the children inherit it)
         try:
             self.create_objects()
             self.start_children()

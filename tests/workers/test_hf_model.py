@@ -134,11 +134,11 @@ def test_cupy_matches_dense(tmp_path):
     check_paged(ck, chunks=(40, 40, 1, 1), xp=cupy)
 
 
-def test_a_step_beats_after_every_layer(tmp_path):
-    """The worker's heartbeat is called inside a step, once per layer: a long prefill chunk of
-    a big checkpoint must not look like a hung worker."""
+def test_a_step_marks_progress_in_every_layer(tmp_path):
+    """The worker's progress mark is called inside a step, after each key tile of attention and
+    each layer: a long prefill chunk of a big checkpoint must not look like a hung worker."""
     model = HFModel(inspect(make_checkpoint(tmp_path, num_hidden_layers=3).path), 512)
     beats = []
     model.beat = lambda: beats.append(1)
     model.step(pool_for(model), [SeqInput(np.arange(20, dtype=np.int32), 0, np.arange(3, dtype=np.int32))])
-    assert len(beats) == 3
+    assert len(beats) == 2 * 3  # per layer: its one key tile of attention, then the layer's end

@@ -63,7 +63,7 @@ def damaged_node(node):
         procs, beats, _, word, stats = (s.array for s in sigs)
         pid = os.getpid()
         for slot, role in enumerate((P.ROLE_ENGINE, P.ROLE_WORKER)):
-            procs[slot] = (pid, role, 0, process_start_ms(pid))
+            procs[slot, :P.PROC_STEP] = (pid, role, 0, process_start_ms(pid))
         now = time.monotonic_ns()
         beats[:] = (now + 500_000_000, now + 3600 * 10**9)  # written just after status read the clock; garbage
         word[P.ST_NODE] = P.NODE_RUNNING

@@ -1,0 +1,77 @@
+"""A flood of client messages against a real node: two sockets sending info requests, malformed
+frames and multi-frame messages as fast as they can for several seconds. The engine takes a
+bounded batch per turn of its loop, so its heartbeat and its steps go on: the node does not
+stop, and a well-behaved client's requests complete with the right answers meanwhile."""
+from __future__ import annotations
+
+import logging
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO
+from tests.launched import SMALL, launched, oracle
+
+pytestmark = pytest.mark.e2e
+log = logging.getLogger(__name__)
+
+FLOOD_S = 6.0
+
+# two DEALERs in one process, each sending what it can without blocking and dropping its answers
+FLOODER = textwrap.dedent("""
+    import sys, time, zmq
+    from kvrt.runtime.client.api import API, InfoRequest
+    port, seconds = int(sys.argv[1]), float(sys.argv[2])
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    for s in socks:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{port}")
+    info = API.encode(InfoRequest(7))
+    garbage = [[info], [b"\\xc1garbage"], [b"a", b"b", b"c"], [info]]
+    sent, end, i = 0, time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        for s in socks:
+            try:
+                s.send_multipart(garbage[i % len(garbage)], zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                pass
+            i += 1
+            while True:
+                try:
+                    s.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+    print(sent / seconds)
+    ctx.destroy(linger=0)
+""")
+
+
+def test_a_flood_of_messages_neither_stops_the_node_nor_starves_a_good_client(node, tmp_path):
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 512, int(rng.integers(5, 60))).astype(np.int32) for _ in range(40)]
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "256", "--hang-timeout", "1") as ln:
+        flood = subprocess.Popen([sys.executable, "-c", FLOODER, str(ln.port), str(FLOOD_S)], cwd=REPO,
+                                 stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # the flood is on
+        got, latency_ms = [], []
+        for p in prompts:
+            if flood.poll() is not None:
+                break
+            res = ln.client.generate(p, 4, timeout=30)
+            got.append((p, [int(t) for t in res.output_token_ids]))
+            latency_ms.append(res.e2e_ms)
+        rate = float(flood.communicate(timeout=30)[0])
+        assert ln.proc.poll() is None, ln.logs()
+        assert ln.client.info(timeout=10).node == node
+    assert len(got) >= 3, "the good client finished fewer than 3 requests during the flood"
+    model = oracle()
+    assert all(out == model.generate_dense(p, 4) for p, out in got)
+    log.info("flood of %.0f messages/s: %d requests of a good client, e2e latency median %.1f ms, max %.1f ms",
+             rate, len(got), statistics.median(latency_ms), max(latency_ms))
