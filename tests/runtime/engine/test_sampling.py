@@ -255,3 +255,19 @@ def test_a_peers_first_logprob_is_checked_and_kept(decode, peer):  # noqa: F811
         assert isinstance(end, TokenEvent) and len(end.logprobs) == len(end.token_ids), end
     assert end.output_token_ids[0] == 5 and len(end.output_logprobs) == 4 and end.output_logprobs[0] == -1.25
     assert all(lp < 0 for lp in end.output_logprobs[1:])
+
+
+def test_a_sequence_bans_its_stops_before_min_tokens_and_counts_its_tokens_for_penalties():
+    from kvrt.runtime.engine.sequence import Sequence
+
+    seq = Sequence.new("p", np.array([5, 6, 5, 9], np.int32), 8, 4, eos_token_id=2, stop_token_ids=frozenset({3}),
+                       min_tokens=2, logit_bias={7: 1.5}, frequency_penalty=0.5)
+    assert seq.bias() == {7: 1.5, 2: -np.inf, 3: -np.inf}
+    for t in (6, 8, 6):
+        seq.append(t)
+    assert seq.bias() == {7: 1.5}
+    ids, counts = seq.penalty_counts()
+    assert dict(zip(ids.tolist(), counts.tolist())) == {6: 2, 8: 1}  # the output only
+    seq.repetition_penalty = 1.3  # covers the prompt: its other tokens with count 0
+    ids, counts = seq.penalty_counts()
+    assert dict(zip(ids.tolist(), counts.tolist())) == {6: 2, 8: 1, 5: 0, 9: 0}
