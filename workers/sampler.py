@@ -156,7 +156,8 @@ def top_logprobs(logits: Any, rows: SamplingRows, xp: Any = np) -> tuple[np.ndar
     """The `rows.top_logprobs[i]` most likely tokens of each row under the model's unscaled
     logits and their log-probabilities, most likely first (ties by the lower id): host int32
     ids and float64 logprobs [n, K], K the largest count asked (rows that asked fewer: their
-    first entries). A partial selection of K per row, then a sort of those K only."""
+    first entries). Candidates as the top-k draw finds them (a threshold from group maxima, so
+    barely more than K per row), sorted; no pass sorts the vocabulary."""
     n = int(logits.shape[0])
     ks = np.zeros(n, np.int64) if rows.top_logprobs is None else np.asarray(rows.top_logprobs, np.int64)
     k = int(ks.max()) if n else 0
@@ -164,15 +165,13 @@ def top_logprobs(logits: Any, rows: SamplingRows, xp: Any = np) -> tuple[np.ndar
         return np.zeros((n, 0), np.int32), np.zeros((n, 0))
     want = np.flatnonzero(ks > 0)
     z = _take(logits, want, xp)
-    vocab = int(z.shape[1])
-    k = min(k, vocab)
-    ids = xp.argpartition(-z, k - 1, axis=-1)[:, :k] if k < vocab else xp.broadcast_to(xp.arange(vocab), z.shape)
-    ids = xp.sort(ids, axis=-1)  # by id first, so the stable sort below breaks ties by the lower id
-    vals = xp.take_along_axis(z, ids, axis=-1)
-    order = xp.argsort(-vals, axis=-1, kind="stable") if xp is np else xp.argsort(-vals, axis=-1)
-    ids = xp.take_along_axis(ids, order, axis=-1)
-    lse = _logsumexp(z, xp)
-    lps = xp.take_along_axis(z, ids, axis=-1).astype(xp.float32) - lse[:, None]
+    k = min(k, int(z.shape[1]))
+    if not np.isfinite(_host(z.max(axis=-1))).all():
+        z = xp.where(xp.isnan(z), -xp.inf, z)
+    t = _threshold(z, _group_maxima(z, xp), np.full(len(want), k), xp)
+    cand, vals, _ = _candidates(z, t, xp)  # sorted, ties by the lower id; at least k per row
+    ids = cand[:, :k]
+    lps = vals[:, :k].astype(xp.float32) - _logsumexp(z, xp)[:, None]
     out_ids, out_lps = np.zeros((n, k), np.int32), np.zeros((n, k))
     out_ids[want], out_lps[want] = _host(ids), _host(lps)
     return out_ids, out_lps
