@@ -8,6 +8,10 @@ default), for each batch size and each sampling setting:
   top-k, top-p and one inverse-CDF draw over the sorted row;
 - `torch`: softmax + `torch.multinomial`, with top-k and top-p by a sorted cumulative sum (as
   Hugging Face's logits warpers do), when torch imports (else `-`);
+- the `pen` cases add a logit bias and repetition, frequency and presence penalties over a
+  2048-token prompt and 256 output tokens per row (`naive` and `torch` get the same
+  adjustments, a row at a time for `naive`, kvrt's for `torch`); `top20` adds 20 alternatives'
+  logprobs per row (`naive` and `torch`: without them);
 - `limit`: one read of the logits at the memory bandwidth measured in this run (the best of a
   few whole-array reductions over 256 MiB): no sampler can take less.
 
@@ -27,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvrt.workers.sampler import SamplingRows, sample, uniforms
+from kvrt.workers.sampler import SamplingRows, adjust, sample, top_logprobs, uniforms
 
 CASES = {  # name -> (logits, SamplingRows fields)
     "greedy": ("peaked", dict(temperature=0.0)),
@@ -35,7 +39,12 @@ CASES = {  # name -> (logits, SamplingRows fields)
     "t1 p0.9 k50": ("peaked", dict(temperature=1.0, top_p=0.9, top_k=50)),
     "p0.9": ("peaked", dict(temperature=1.0, top_p=0.9)),
     "p0.9 flat": ("flat", dict(temperature=1.0, top_p=0.9)),
+    # penalties over a 2048-token prompt and 256 output tokens per row, and a logit bias on 16
+    "greedy pen": ("peaked", dict(temperature=0.0, penalties=True)),
+    "t1 pen": ("peaked", dict(temperature=1.0, penalties=True)),
+    "t1 top20": ("peaked", dict(temperature=1.0, logprobs=True, top_logprobs=20)),
 }
+PROMPT_TOKENS, OUTPUT_TOKENS, BIASED = 2048, 256, 16
 BANDWIDTH_BYTES = 256 << 20
 
 
@@ -82,13 +91,52 @@ def logits(kind: str, batch: int, vocab: int, rng: np.random.Generator) -> np.nd
     return z
 
 
-def rows_for(batch: int, fields: dict) -> SamplingRows:
+def rows_for(batch: int, fields: dict, vocab: int, rng: np.random.Generator) -> SamplingRows:
     r = SamplingRows.greedy(batch)
     for name, v in fields.items():
-        getattr(r, name)[:] = v
+        if name == "penalties":
+            _penalties(r, vocab, rng)
+        elif name == "top_logprobs":
+            r.top_logprobs = np.full(batch, v, np.int64)
+        else:
+            getattr(r, name)[:] = v
     r.seed[:] = np.arange(batch, dtype=np.uint64) * 7919
     r.position[:] = 1000
     return r
+
+
+def _penalties(r: SamplingRows, vocab: int, rng: np.random.Generator) -> None:
+    """Each row's entries as the engine sends them: the distinct tokens of its prompt and output
+    (random ids) with their output counts; a bias on BIASED tokens."""
+    n = len(r.temperature)
+    ids, counts = [], []
+    for _ in range(n):
+        out = rng.integers(0, vocab, OUTPUT_TOKENS)
+        u, c = np.unique(out, return_counts=True)
+        only = np.setdiff1d(np.unique(rng.integers(0, vocab, PROMPT_TOKENS)), u, assume_unique=True)
+        ids.append(np.concatenate([u, only]))
+        counts.append(np.concatenate([c, np.zeros(len(only), np.int64)]))
+    r.pen_lens = np.array([len(i) for i in ids])
+    r.pen_ids, r.pen_counts = np.concatenate(ids), np.concatenate(counts)
+    r.repetition, r.frequency, r.presence = np.full(n, 1.1), np.full(n, 0.5), np.full(n, 0.3)
+    r.bias_lens = np.full(n, BIASED)
+    r.bias_ids = np.concatenate([rng.choice(vocab, BIASED, replace=False) for _ in range(n)])
+    r.bias_vals = np.full(n * BIASED, -5.0)
+
+
+def naive_adjust(z: np.ndarray, r: SamplingRows) -> np.ndarray:
+    """The adjustments a row at a time (what a per-request logits processor does)."""
+    z = z.copy()
+    b0 = p0 = 0
+    for i in range(len(z)):
+        nb, npn = int(r.bias_lens[i]), int(r.pen_lens[i])
+        z[i, r.bias_ids[b0:b0 + nb]] += r.bias_vals[b0:b0 + nb]
+        ids, c = r.pen_ids[p0:p0 + npn], r.pen_counts[p0:p0 + npn]
+        v = z[i, ids]
+        v = np.where(v > 0, v / r.repetition[i], v * r.repetition[i])
+        z[i, ids] = v - r.frequency[i] * c - r.presence[i] * (c > 0)
+        b0, p0 = b0 + nb, p0 + npn
+    return z
 
 
 def naive(z: np.ndarray, r: SamplingRows) -> np.ndarray:
@@ -151,13 +199,18 @@ def measure(vocab: int, batches: list[int], repeat: int, naive_repeat: int) -> t
         greedy = best_ms(lambda: z["peaked"].argmax(axis=-1), repeat)
         limit = z["peaked"].nbytes / gb_s / 1e6
         for case, (kind, fields) in CASES.items():
-            r, x = rows_for(b, fields), z[kind]
-            ours = best_ms(lambda: sample(x, r), repeat)
-            if fields["temperature"] == 0:
-                base, tt = greedy, None
+            r, x = rows_for(b, fields, vocab, rng), z[kind]
+            if "top_logprobs" in fields:
+                ours = best_ms(lambda: (top_logprobs(x, r), sample(x, r)), repeat)
             else:
-                base = best_ms(lambda: naive(x, r), naive_repeat, warm=False)
-                tt = best_ms(lambda: th(x, r), repeat) if th else None
+                ours = best_ms(lambda: sample(x, r), repeat)
+            pen = "penalties" in fields
+            if fields["temperature"] == 0:
+                base = best_ms(lambda: naive_adjust(x, r).argmax(axis=-1), naive_repeat) if pen else greedy
+                tt = None
+            else:
+                base = best_ms(lambda: naive(naive_adjust(x, r) if pen else x, r), naive_repeat, warm=False)
+                tt = best_ms(lambda: th(adjust(x, r), r), repeat) if th else None
             nuc = nucleus_size(x, fields["top_p"]) if "top_p" in fields else None
             out.append(Row(b, case, ours, base, tt, limit, greedy, ours / greedy, base / greedy,
                            tt / greedy if tt is not None else None, nuc))

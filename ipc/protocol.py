@@ -18,7 +18,7 @@ from kvrt.ipc.shm import Segment
 PROTOCOL = Codec()
 # the version of the contract below as a whole: a change to any message a channel carries
 # bumps it, and a process of another build is refused when it attaches to a node's channels
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
 CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
@@ -253,6 +253,12 @@ class StepBatch:
     seed[i] (with the token's position, the only source of randomness, so a request's tokens
     do not depend on its batch) and logprobs[i] (1: answer the chosen token's log-probability);
     min_p may stay empty (0, no limit, for every sequence).
+    The adjustments (workers/sampler.py's SamplingRows has their meaning), each group empty
+    when no sequence of the step uses it: top_logprobs[i] alternatives to answer; logit biases
+    (bias_lens[i] entries of bias_ids / bias_vals for sequence i, -inf banning a token);
+    penalties repetition[i], presence[i], frequency[i] over the tokens pen_ids with output
+    counts pen_counts (pen_lens[i] of them for sequence i), which the engine derives from the
+    sequence's tokens at each step (so they need no state on the worker).
     Floats and 64-bit seeds travel as msgpack lists (the codec's arrays are int32)."""
 
     step_id: int
@@ -267,6 +273,16 @@ class StepBatch:
     seed: list = field(default_factory=list)
     logprobs: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     min_p: list = field(default_factory=list)
+    top_logprobs: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    bias_lens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    bias_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    bias_vals: list = field(default_factory=list)
+    repetition: list = field(default_factory=list)
+    presence: list = field(default_factory=list)
+    frequency: list = field(default_factory=list)
+    pen_lens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    pen_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    pen_counts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
 
 
 @PROTOCOL.message("step_result")
@@ -275,7 +291,9 @@ class StepResult:
     """A rank's answer to a step: rank 0 sends the next token of every sequence, chosen as
     the batch said (the engine ignores it for a prefill chunk that does not end the known
     tokens), and its log-probability in `logprobs` (one float per sequence, 0.0 where not asked;
-    empty when none asked); other ranks only acknowledge. A non-empty `error` fails the step."""
+    empty when none asked), and the alternatives each sequence asked for (its batch's
+    top_logprobs[i] of them, most likely first, flattened in sequence order: `top_ids` and their
+    `top_logprobs`); other ranks only acknowledge. A non-empty `error` fails the step."""
 
     step_id: int
     rank: int
@@ -283,6 +301,8 @@ class StepResult:
     seconds: float = 0.0
     error: str = ""
     logprobs: list = field(default_factory=list)
+    top_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    top_logprobs: list = field(default_factory=list)
 
 
 # ---- engine <-> cache-messager (P->D handoff) ---------------------------------------------------

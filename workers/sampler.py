@@ -21,6 +21,12 @@ checks against the dense reference hold unchanged. Sorted orders break ties by t
 id, as argmax does, so top_k 1 and a tiny top_p are exactly greedy; candidates are chosen and
 ordered on the logits as they come (no rounding to float32 first, which could create ties).
 
+Why penalties and logit biases travel as (row, token) entries: a request's adjustments touch
+the few tokens it names or has seen, so each is one gather and one scatter over those entries
+for the whole batch (no pass over the vocabulary, no loop over rows), and the engine recomputes
+them from the request's tokens each step, so they stay right across preemption and P/D. The
+adjusted logits feed the draw and greedy's argmax; logprobs stay those of the model's own logits.
+
 The same code runs on numpy or cupy (`xp`); results come back as host numpy arrays.
 """
 from __future__ import annotations
@@ -43,7 +49,15 @@ class SamplingRows:
     temperature 0 is greedy; top_k 0 (or >= vocab) keeps every token; top_p 1 keeps every
     token; min_p 0 keeps every token (else those with p >= min_p * max p); position is the
     index the sampled token will have in its sequence. The kept set is top-k's, cut by top-p
-    over the top-k tokens' renormalised probabilities, cut by min-p."""
+    over the top-k tokens' renormalised probabilities, cut by min-p.
+
+    Adjustments before the draw (None: none for any row): first `bias_vals` is added to the
+    logits of `bias_ids` (bias_lens[i] entries for row i, each token once per row; -inf bans a
+    token); then the tokens `pen_ids` (pen_lens[i] for row i) with output counts `pen_counts`
+    get HF's repetition penalty (logit / r if positive, else * r: every listed token, so a
+    row lists its prompt's tokens too when r != 1) and OpenAI's frequency and presence
+    penalties (- f * count - p * (count > 0)). `top_logprobs[i]` alternatives are answered
+    by `top_logprobs()`."""
 
     temperature: np.ndarray  # float64
     top_p: np.ndarray        # float64
@@ -52,6 +66,16 @@ class SamplingRows:
     position: np.ndarray     # int64
     logprobs: np.ndarray     # bool: also return the log-probability of the chosen token
     min_p: np.ndarray = field(default=None)  # float64; None: 0 (off) for every row
+    top_logprobs: np.ndarray | None = None   # int64 [n]; None: 0 for every row
+    bias_lens: np.ndarray | None = None      # int64 [n]
+    bias_ids: np.ndarray | None = None       # int64 [sum(bias_lens)]
+    bias_vals: np.ndarray | None = None      # float64 [sum(bias_lens)]
+    repetition: np.ndarray | None = None     # float64 [n] (1: off), with presence and frequency
+    presence: np.ndarray | None = None       # float64 [n] (0: off)
+    frequency: np.ndarray | None = None      # float64 [n] (0: off)
+    pen_lens: np.ndarray | None = None       # int64 [n]
+    pen_ids: np.ndarray | None = None        # int64 [sum(pen_lens)]
+    pen_counts: np.ndarray | None = None     # int64 [sum(pen_lens)]: each token's count in the output
 
     def __post_init__(self) -> None:
         if self.min_p is None:
@@ -88,17 +112,77 @@ def sample(logits: Any, rows: SamplingRows, xp: Any = np) -> tuple[np.ndarray, n
     (host float64 [n]; 0.0 for rows that did not ask) for logits [n, vocab] on `xp`."""
     n = int(logits.shape[0])
     tokens = np.zeros(n, np.int32)
+    z = adjust(logits, rows, xp)
     hot = np.flatnonzero(rows.temperature > 0)
     cold = np.flatnonzero(~(rows.temperature > 0))
     if len(cold):
-        tokens[cold] = _host(_take(logits, cold, xp).argmax(axis=-1))
+        tokens[cold] = _host(_take(z, cold, xp).argmax(axis=-1))
     if len(hot):
-        tokens[hot] = _draw(_take(logits, hot, xp), rows, hot, xp)
+        tokens[hot] = _draw(_take(z, hot, xp), rows, hot, xp)
     logprobs = np.zeros(n)
     want = np.flatnonzero(rows.logprobs)
     if len(want):
         logprobs[want] = _logprobs(_take(logits, want, xp), tokens[want], xp)
     return tokens, logprobs
+
+
+def adjust(logits: Any, rows: SamplingRows, xp: Any = np) -> Any:
+    """The logits the draw sees: `logits` itself without adjustments, else a copy with the
+    rows' biases, then penalties, applied (see SamplingRows), one scatter each."""
+    n = int(logits.shape[0])
+    bias = rows.bias_lens is not None and int(np.sum(rows.bias_lens)) > 0
+    pen = rows.pen_lens is not None and int(np.sum(rows.pen_lens)) > 0
+    if not (bias or pen):
+        return logits
+    z = logits.copy()
+    ft = xp.float64 if z.dtype == xp.float64 else xp.float32  # the arithmetic: at least float32
+    if bias:
+        r = xp.asarray(np.repeat(np.arange(n), rows.bias_lens))
+        ids = xp.asarray(np.asarray(rows.bias_ids, np.int64))
+        z[r, ids] = (z[r, ids].astype(ft) + xp.asarray(rows.bias_vals, ft)).astype(z.dtype)
+    if pen:
+        hr = np.repeat(np.arange(n), rows.pen_lens)
+        r, ids = xp.asarray(hr), xp.asarray(np.asarray(rows.pen_ids, np.int64))
+        counts = np.asarray(rows.pen_counts, np.float64)
+        v = z[r, ids].astype(ft)
+        rep = xp.asarray(rows.repetition[hr], ft)
+        v = xp.where(v > 0, v / rep, v * rep)
+        v -= xp.asarray(rows.frequency[hr] * counts + rows.presence[hr] * (counts > 0), ft)
+        z[r, ids] = v.astype(z.dtype)
+    return z
+
+
+def top_logprobs(logits: Any, rows: SamplingRows, xp: Any = np) -> tuple[np.ndarray, np.ndarray]:
+    """The `rows.top_logprobs[i]` most likely tokens of each row under the model's unscaled
+    logits and their log-probabilities, most likely first (ties by the lower id): host int32
+    ids and float64 logprobs [n, K], K the largest count asked (rows that asked fewer: their
+    first entries). Candidates as the top-k draw finds them (a threshold from group maxima, so
+    barely more than K per row), sorted; no pass sorts the vocabulary."""
+    n = int(logits.shape[0])
+    ks = np.zeros(n, np.int64) if rows.top_logprobs is None else np.asarray(rows.top_logprobs, np.int64)
+    k = int(ks.max()) if n else 0
+    if k <= 0:
+        return np.zeros((n, 0), np.int32), np.zeros((n, 0))
+    want = np.flatnonzero(ks > 0)
+    z = _take(logits, want, xp)
+    k = min(k, int(z.shape[1]))
+    if not np.isfinite(_host(z.max(axis=-1))).all():
+        z = xp.where(xp.isnan(z), -xp.inf, z)
+    t = _threshold(z, _group_maxima(z, xp), np.full(len(want), k), xp)
+    cand, vals, _ = _candidates(z, t, xp)  # sorted, ties by the lower id; at least k per row
+    ids = cand[:, :k]
+    lps = vals[:, :k].astype(xp.float32) - _logsumexp(z, xp)[:, None]
+    out_ids, out_lps = np.zeros((n, k), np.int32), np.zeros((n, k))
+    out_ids[want], out_lps[want] = _host(ids), _host(lps)
+    return out_ids, out_lps
+
+
+def _logsumexp(z: Any, xp: Any) -> Any:
+    """log sum exp of each row of z, in float32 around the row maximum."""
+    zmax = z.max(axis=-1)
+    e = xp.empty(z.shape, xp.float32)
+    xp.subtract(z, zmax[:, None], out=e, casting="same_kind")
+    return xp.log(xp.exp(e, out=e).sum(axis=-1)) + zmax.astype(xp.float32)
 
 
 def _draw(z: Any, rows: SamplingRows, idx: np.ndarray, xp: Any) -> np.ndarray:
@@ -294,12 +378,8 @@ def _candidates(z: Any, t: Any, xp: Any) -> tuple[Any, Any, Any]:
 
 def _logprobs(z: Any, tokens: np.ndarray, xp: Any) -> np.ndarray:
     """log softmax(z)[token] per row, the log-sum-exp in float32 around the row maximum."""
-    zmax = z.max(axis=-1)
-    e = xp.empty(z.shape, xp.float32)
-    xp.subtract(z, zmax[:, None], out=e, casting="same_kind")
-    lse = xp.log(xp.exp(e, out=e).sum(axis=-1))
     chosen = z[xp.arange(len(tokens)), xp.asarray(tokens.astype(np.int64))]
-    return _host((chosen - zmax).astype(xp.float32) - lse).astype(np.float64)
+    return _host(chosen.astype(xp.float32) - _logsumexp(z, xp)).astype(np.float64)
 
 
 def _take(a: Any, idx: np.ndarray, xp: Any) -> Any:

@@ -31,7 +31,7 @@ from kvrt.workers.hf_model import HFModel
 from kvrt.workers.kv_pool import attach_pools
 from kvrt.workers.model import Model, ModelShape, SeqInput
 from kvrt.workers.progress import Progress, ProgressBeat
-from kvrt.workers.sampler import SamplingRows, sample
+from kvrt.workers.sampler import SamplingRows, sample, top_logprobs
 
 log = logging.getLogger("kvrt.workers.worker")
 _NO_TOKENS = np.empty(0, dtype=np.int32)
@@ -89,6 +89,7 @@ class Worker:
             rows = self._sampling(step)
             logits = self.model.step_logits(self.device.array, seqs)
             if self.child.rank == 0:
+                top_ids, top_lps = top_logprobs(logits, rows, np)
                 tokens, logprobs = sample(logits, rows, np)
         except (ValueError, OwnershipError) as e:
             log.error("step %d failed: %s", step.step_id, e)
@@ -96,8 +97,11 @@ class Worker:
                                 f"worker[{self.child.rank}] step {step.step_id}: {e}")
         if self.child.rank != 0:
             return P.StepResult(step.step_id, self.child.rank, _NO_TOKENS, time.perf_counter() - t0)
+        ks = rows.top_logprobs if rows.top_logprobs is not None else np.zeros(len(tokens), np.int64)
+        keep = np.arange(top_ids.shape[1])[None, :] < ks[:, None]  # each row's own count, in row order
         return P.StepResult(step.step_id, self.child.rank, tokens, time.perf_counter() - t0,
-                            logprobs=logprobs.tolist() if rows.logprobs.any() else [])
+                            logprobs=logprobs.tolist() if rows.logprobs.any() else [],
+                            top_ids=top_ids[keep].astype(np.int32), top_logprobs=top_lps[keep].tolist())
 
     def _inputs(self, step: P.StepBatch) -> list[SeqInput]:
         n = len(step.query_lens)
@@ -117,18 +121,38 @@ class Worker:
         fields = (step.temperature, step.top_p, step.top_k, step.seed, step.logprobs)
         if all(len(f) == 0 for f in fields):
             return SamplingRows.greedy(n)
-        if any(len(f) != n for f in fields) or len(step.min_p) not in (0, n):
+        per_seq = (step.min_p, step.top_logprobs, step.bias_lens, step.repetition, step.presence, step.frequency,
+                   step.pen_lens)
+        if any(len(f) != n for f in fields) or any(len(f) not in (0, n) for f in per_seq):
             raise ValueError(f"step batch sampling fields do not have one entry for each of its {n} sequences")
+        pens = (step.repetition, step.presence, step.frequency, step.pen_lens)
+        if len({len(f) for f in pens}) != 1:
+            raise ValueError("step batch penalty fields come together")
+
+        def opt(a, dtype):
+            return np.asarray(a, dtype) if len(a) else None
+
         try:
             rows = SamplingRows(np.asarray(step.temperature, np.float64), np.asarray(step.top_p, np.float64),
                                 np.asarray(step.top_k, np.int64), np.asarray(step.seed, np.uint64),
                                 step.starts.astype(np.int64) + step.query_lens, np.asarray(step.logprobs) != 0,
-                                np.asarray(step.min_p, np.float64) if len(step.min_p) else None)
+                                opt(step.min_p, np.float64), opt(step.top_logprobs, np.int64),
+                                opt(step.bias_lens, np.int64), np.asarray(step.bias_ids, np.int64),
+                                np.asarray(step.bias_vals, np.float64), opt(step.repetition, np.float64),
+                                opt(step.presence, np.float64), opt(step.frequency, np.float64),
+                                opt(step.pen_lens, np.int64), np.asarray(step.pen_ids, np.int64),
+                                np.asarray(step.pen_counts, np.int64))
         except (TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"step batch sampling fields: {e}") from None
         if not (np.all(rows.temperature >= 0) and np.all((rows.top_p > 0) & (rows.top_p <= 1))
                 and np.all(rows.top_k >= 0) and np.all((rows.min_p >= 0) & (rows.min_p <= 1))):
             raise ValueError("step batch sampling fields out of range")
+        _check_entries(rows.bias_lens, rows.bias_ids, len(rows.bias_vals), "bias")
+        _check_entries(rows.pen_lens, rows.pen_ids, len(rows.pen_counts), "penalty")
+        if rows.top_logprobs is not None and not np.all((rows.top_logprobs >= 0) & (rows.top_logprobs <= 64)):
+            raise ValueError("step batch top_logprobs out of range")
+        if rows.repetition is not None and not np.all(rows.repetition > 0):
+            raise ValueError("step batch repetition penalties must be positive")
         return rows
 
     def _check_owned(self, step_id: int, seqs: list[SeqInput]) -> None:
@@ -158,6 +182,19 @@ def beat_period(hang_timeout: float) -> float:
     so one look that finds no progress (the main thread between two marks and descheduled)
     is not all the launcher sees."""
     return min(0.25, hang_timeout / 8) if hang_timeout > 0 else 0.25
+
+
+def _check_entries(lens: np.ndarray | None, ids: np.ndarray, values: int, what: str) -> None:
+    """(row, token) entries agree with their row counts and name tokens at most once per row
+    (a repeated token would be scattered twice, once lost). The ids' range is the model's to
+    check (an index past the vocabulary fails the step)."""
+    total = 0 if lens is None else int(lens.sum())
+    if (lens is not None and np.any(lens < 0)) or total != len(ids) or values != len(ids):
+        raise ValueError(f"step batch {what} entries do not agree with their counts")
+    if total:
+        rows = np.repeat(np.arange(len(lens)), lens)
+        if np.any(ids < 0) or len(np.unique(rows * (int(ids.max()) + 1) + ids)) != total:
+            raise ValueError(f"step batch {what} entries name a token twice in a row, or a negative one")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,8 @@ MAX_REQUEST_ID_BYTES = 256
 MAX_REQUESTS_PER_CLIENT = 1024
 CLIENT_QUEUE = 1024           # answers queued for one client before it counts as not reading
 MESSAGE_SLACK = 64 << 10      # a message's bytes besides its token ids (keys, id, PD descriptors)
+MAX_TOP_LOGPROBS = 20         # alternatives per position, as OpenAI's and vLLM's APIs allow
+MAX_LOGIT_BIAS = 1024         # tokens one request may bias
 
 
 def max_message_bytes(max_model_len: int) -> int:
@@ -81,8 +83,16 @@ class Generation:
     (the same request with the same seed gives the same tokens, whatever else the node runs);
     None lets the node pick one. Any of `stop_token_ids` ends the request (finish reason
     "stop", the token included). `logprobs` True adds each output token's log-probability
-    under the model's unscaled logits to the answers. Stop strings need text, so they are
-    the client's (runtime/client/stop.py)."""
+    under the model's unscaled logits to the answers, and `top_logprobs` (up to
+    MAX_TOP_LOGPROBS) the most likely tokens and theirs at each position.
+
+    Adjustments, applied in this order before the draw (and before greedy's argmax):
+    `logit_bias`, [token id, bias] pairs (bias in [-100, 100]) added to the logits;
+    `min_tokens`: the EOS and stop token ids cannot be drawn before that many output tokens;
+    `repetition_penalty` (1: off) divides the positive logits of every token of the prompt
+    and output so far and multiplies the negative ones; `frequency_penalty` and
+    `presence_penalty` (0: off, in [-2, 2]) subtract f * count and p once from each token
+    the output holds. Stop strings need text, so they are the client's (runtime/client/stop.py)."""
 
     request_id: str
     prompt: np.ndarray
@@ -96,6 +106,12 @@ class Generation:
     stop_token_ids: list = field(default_factory=list)
     logprobs: bool = False
     min_p: float = 0.0
+    top_logprobs: int = 0
+    logit_bias: list = field(default_factory=list)
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def generation(self) -> dict:
         """This message's `Generation` fields by name, to build another message from."""
@@ -171,12 +187,14 @@ class ResetPrefixCacheReply:
 @dataclass
 class TokenEvent:
     """New output tokens of a streaming request, in order; `index` is the position of the first
-    of them in the output. `logprobs`: theirs, if the request asked (else empty)."""
+    of them in the output. `logprobs`: theirs, if the request asked (else empty); `top`: for
+    each of them, [ids, logprobs] of its most likely alternatives, if the request asked."""
 
     request_id: str
     index: int
     token_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    top: list = field(default_factory=list)
 
 
 @dataclass
@@ -212,6 +230,7 @@ class FinishedEvent(Outcome):
     ttft_ms: float = 0.0
     e2e_ms: float = 0.0
     output_logprobs: list = field(default_factory=list)  # one per output token, if asked
+    output_top: list = field(default_factory=list)  # [ids, logprobs] per output token, if asked
 
 
 @API.message("error")

@@ -130,6 +130,12 @@ class Sampling:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
     min_p: float = 0.0
+    top_logprobs: int = 0
+    logit_bias: list[list] = field(default_factory=list)  # [token id, bias] pairs
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 @dataclass

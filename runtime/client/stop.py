@@ -25,24 +25,30 @@ def stop_problem(stops: object) -> str:
 class StopStrings:
     """Scans streamed text. `feed` returns the text that may be shown now; once a stop string
     is seen, `stopped` holds it and no more text comes out (the stop string itself is not
-    shown). `flush` at the end of the stream returns what was held back."""
+    shown unless `include`). `flush` at the end of the stream returns what was held back."""
 
-    def __init__(self, stops: list[str] | tuple[str, ...]) -> None:
+    def __init__(self, stops: list[str] | tuple[str, ...], include: bool = False) -> None:
         if problem := stop_problem(stops):
             raise ValueError(problem)
         self.stops = list(stops)
+        self.include = include
         self.stopped: str | None = None
         self._held = ""
 
-    def feed(self, piece: str) -> str:
+    def feed(self, piece: str, check: bool = True) -> str:
+        """The text of `piece` that may be shown now. `check` False: the piece is shown whole
+        and not scanned (text before a request's min_tokens cannot stop it)."""
         if self.stopped is not None:
             return ""
         text = self._held + piece
+        if not check:
+            self._held = ""
+            return text
         found = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
         if found:
             at, self.stopped = min(found, key=lambda f: f[0])
             self._held = ""
-            return text[:at]
+            return text[:at + len(self.stopped)] if self.include else text[:at]
         keep = max((k for s in self.stops for k in range(1, min(len(s), len(text) + 1))
                     if text.endswith(s[:k])), default=0)
         self._held = text[len(text) - keep:] if keep else ""

@@ -59,7 +59,7 @@ class Clients:
         self.reply(seq.client, api.FinishedEvent(
             seq.request_id, seq.output.copy(), seq.finish_reason, seq.prompt_len, *seq.cached,
             seq.computed_prompt_tokens, seq.preemptions, ttft, (now - seq.arrival) * 1e3,
-            list(seq.output_logprobs)))
+            list(seq.output_logprobs), list(seq.output_top)))
 
     def apply(self, out: StepOutcome) -> None:
         """A step's outcome to its clients: streamed tokens, final answers, errors."""
@@ -67,7 +67,8 @@ class Clients:
             self.stats.count("generated_tokens")
             if seq.stream:
                 self.reply(seq.client, api.TokenEvent(seq.request_id, index, [int(seq.output[index])],
-                                                      seq.output_logprobs[index:index + 1]))
+                                                      seq.output_logprobs[index:index + 1],
+                                                      seq.output_top[index:index + 1]))
         for seq in out.finished:
             self.finished(seq)
         for seq, why in out.failed:

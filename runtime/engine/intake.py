@@ -10,7 +10,7 @@ import secrets
 
 import numpy as np
 
-from kvrt.runtime.client.api import GenerateRequest, request_id_problem
+from kvrt.runtime.client.api import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GenerateRequest, request_id_problem
 from kvrt.runtime.node.config import NodeConfig
 
 
@@ -31,6 +31,9 @@ def is_int(value: object) -> bool:
 MAX_TEMPERATURE = 100.0  # far past where the distribution is uniform in practice
 MAX_STOP_TOKEN_IDS = 64
 SEED_LIMIT = 1 << 63     # seeds are in [0, SEED_LIMIT): one int64 on every path
+MAX_BIAS = 100.0         # |logit bias|, as OpenAI's API bounds it
+MAX_PENALTY = 2.0        # |frequency or presence penalty|, as OpenAI's API bounds them
+MAX_REPETITION = 10.0    # repetition penalty in (0, MAX_REPETITION]
 
 
 def is_number(value: object) -> bool:
@@ -61,6 +64,34 @@ def sampling_problem(req: object, vocab_size: int) -> str:
             return f"stop_token_ids must hold token ids in [0, {vocab_size}), got {show(tok)}"
     if not isinstance(req.logprobs, bool):
         return f"logprobs must be true or false, got {show(req.logprobs)}"
+    if not is_int(req.top_logprobs) or not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {show(req.top_logprobs)}"
+    return adjustment_problem(req, vocab_size)
+
+
+def adjustment_problem(req: object, vocab_size: int) -> str:
+    """The first problem with a request's logit bias, min_tokens and penalties, or ""."""
+    bias = req.logit_bias
+    if not isinstance(bias, list) or len(bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias must be a list of at most {MAX_LOGIT_BIAS} [token id, bias] pairs, got {show(bias)}"
+    seen = set()
+    for pair in bias:
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2 or not is_int(pair[0])
+                or not 0 <= pair[0] < vocab_size or not is_number(pair[1]) or not -MAX_BIAS <= pair[1] <= MAX_BIAS):
+            return (f"logit_bias must hold [token id in [0, {vocab_size}), bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}]] "
+                    f"pairs, got {show(pair)}")
+        if pair[0] in seen:
+            return f"logit_bias names token {pair[0]} twice"
+        seen.add(pair[0])
+    if not is_int(req.min_tokens) or not 0 <= req.min_tokens <= (req.max_new_tokens if is_int(req.max_new_tokens) else 0):
+        return f"min_tokens must be an integer in [0, max_new_tokens], got {show(req.min_tokens)}"
+    r = req.repetition_penalty
+    if not is_number(r) or not 0 < r <= MAX_REPETITION:
+        return f"repetition_penalty must be a number in (0, {MAX_REPETITION:g}] (1: off), got {show(r)}"
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = getattr(req, name)
+        if not is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+            return f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: off), got {show(v)}"
     return ""
 
 
@@ -70,7 +101,10 @@ def sampling_of(req: object) -> dict:
     if req.seed is None:
         req.seed = secrets.randbelow(SEED_LIMIT)
     return dict(temperature=float(req.temperature), top_p=float(req.top_p), top_k=int(req.top_k), min_p=float(req.min_p),
-                seed=int(req.seed), stop_token_ids=frozenset(req.stop_token_ids), logprobs=req.logprobs)
+                seed=int(req.seed), stop_token_ids=frozenset(req.stop_token_ids), logprobs=req.logprobs,
+                top_logprobs=int(req.top_logprobs), logit_bias={int(t): float(b) for t, b in req.logit_bias},
+                min_tokens=int(req.min_tokens), repetition_penalty=float(req.repetition_penalty),
+                frequency_penalty=float(req.frequency_penalty), presence_penalty=float(req.presence_penalty))
 
 
 def validate(req: GenerateRequest, cfg: NodeConfig) -> str:

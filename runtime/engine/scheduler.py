@@ -291,21 +291,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- results --------------------------------------------------------------------------
-    def finish_step(self, step: Step, tokens: np.ndarray, logprobs: list[float] | None = None) -> StepOutcome:
-        """Apply rank 0's sampled tokens (and their log-probabilities, where asked): advance,
-        record written blocks, emit, finish."""
+    def finish_step(self, step: Step, tokens: np.ndarray, logprobs: list[float] | None = None,
+                    top: list[list] | None = None) -> StepOutcome:
+        """Apply rank 0's sampled tokens (and their log-probabilities and alternatives, where
+        asked): advance, record written blocks, emit, finish."""
         self.inflight = None
         out = StepOutcome()
         if logprobs is None or len(logprobs) != len(step.seqs):
             logprobs = [0.0] * len(step.seqs)
-        for seq, chunk, token, logprob in zip(step.seqs, step.chunks, tokens.tolist(), logprobs):
+        if top is None or len(top) != len(step.seqs):
+            top = [None] * len(step.seqs)
+        for seq, chunk, token, logprob, alt in zip(step.seqs, step.chunks, tokens.tolist(), logprobs, top):
             seq.num_computed += chunk
             if seq.cancelled:
                 self._finish(seq, "cancelled")
                 out.finished.append(seq)
                 continue
             if seq.num_computed == seq.num_tokens:  # the chunk ended the known tokens
-                seq.append(token, logprob)
+                seq.append(token, logprob, alt)
                 out.emitted.append((seq, seq.num_output - 1))
             self.cache.update(seq.request_id, seq.num_computed, seq.keys)
             if seq.done():
@@ -345,12 +348,13 @@ class Scheduler:
                 seq, self.cache.block_table(seq.request_id)[:-(-tokens // self.block_size)])
         return out
 
-    def external_kv_arrived(self, seq: Sequence, first_token: int, first_logprob: float = 0.0) -> bool:
+    def external_kv_arrived(self, seq: Sequence, first_token: int, first_logprob: float = 0.0,
+                            first_top: list | None = None) -> bool:
         """The external tokens' KV is written and `first_token` was sampled from it: record the
         received blocks and decode from here. False if the request is already done (then it is
         finished)."""
         seq.num_computed = self.external_ids.pop(seq.request_id)
-        seq.append(first_token, first_logprob)
+        seq.append(first_token, first_logprob, first_top)
         self.cache.update(seq.request_id, seq.num_computed, seq.keys)
         if seq.done():
             self._finish(seq, seq.finish_reason)

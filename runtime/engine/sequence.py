@@ -54,6 +54,14 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()  # end the request, finish reason "stop"
     logprobs: bool = False           # record each output token's log-probability
     output_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: int = 0            # record each output token's most likely alternatives
+    output_top: list[list] = field(default_factory=list)  # [ids, logprobs] per output token
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0              # EOS and stop token ids are banned before this many outputs
+    repetition_penalty: float = 1.0  # over prompt and output; 1: off
+    frequency_penalty: float = 0.0   # over the output; 0: off
+    presence_penalty: float = 0.0
+    _prompt_distinct: np.ndarray | None = None  # the prompt's distinct tokens, once asked
     num_tokens: int = 0              # prompt + output tokens known so far
     num_computed: int = 0            # tokens whose KV is written
     state: SeqState = SeqState.WAITING
@@ -139,14 +147,41 @@ class Sequence:
         self.hasher.update(self.tokens[:self.num_tokens])
         return self.hasher.keys
 
-    def append(self, token: int, logprob: float = 0.0) -> None:
-        """One output token and, if the request asked for them, its log-probability."""
+    def append(self, token: int, logprob: float = 0.0, top: list | None = None) -> None:
+        """One output token and, if the request asked for them, its log-probability and its
+        alternatives ([ids, logprobs])."""
         self.tokens[self.num_tokens] = token
         self.num_tokens += 1
         if self.logprobs:
             self.output_logprobs.append(float(logprob))
+        if self.top_logprobs:
+            self.output_top.append(top if top is not None else [[], []])
         if self.first_token_at == 0.0:
             self.first_token_at = time.monotonic()
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def bias(self) -> dict[int, float]:
+        """The logit biases of the next token: the request's, and -inf on its EOS and stop
+        token ids while it has fewer than min_tokens outputs."""
+        if self.num_output >= self.min_tokens:
+            return self.logit_bias
+        bans = set(self.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id >= 0 else set())
+        return {**self.logit_bias, **{t: -np.inf for t in bans}}
+
+    def penalty_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens the penalties of the next token touch and their counts in the output:
+        the output's distinct tokens, and the prompt's too (count 0 unless also in the output)
+        when the repetition penalty is on (it covers the prompt)."""
+        ids, counts = np.unique(self.output, return_counts=True)
+        if self.repetition_penalty != 1.0:
+            if self._prompt_distinct is None:
+                self._prompt_distinct = np.unique(self.tokens[:self.prompt_len])
+            only = np.setdiff1d(self._prompt_distinct, ids, assume_unique=True)
+            ids, counts = np.concatenate([ids, only]), np.concatenate([counts, np.zeros(len(only), counts.dtype)])
+        return ids, counts
 
     def done(self) -> bool:
         """Finished by length, end-of-sequence or a stop token (sets finish_reason)."""

@@ -79,13 +79,17 @@ class StepRunner:
         batch = P.StepBatch(step.step_id, np.concatenate(tokens), np.array(step.chunks, dtype=np.int32),
                             np.array(step.starts, dtype=np.int32), np.concatenate(tables).astype(np.int32),
                             np.array([len(t) for t in tables], dtype=np.int32))
-        if any(seq.temperature > 0 or seq.logprobs for seq in step.seqs):  # else all greedy: none sent
-            batch.temperature = [seq.temperature for seq in step.seqs]
-            batch.top_p = [seq.top_p for seq in step.seqs]
-            batch.top_k = np.array([seq.top_k for seq in step.seqs], dtype=np.int32)
-            batch.min_p = [seq.min_p for seq in step.seqs]
-            batch.seed = [seq.seed for seq in step.seqs]
-            batch.logprobs = np.array([seq.logprobs for seq in step.seqs], dtype=np.int32)
+        seqs = step.seqs
+        biases = [seq.bias() for seq in seqs]
+        if any(seq.temperature > 0 or seq.logprobs or seq.top_logprobs or seq.penalised for seq in seqs) \
+                or any(biases):  # else all greedy: none sent
+            batch.temperature = [seq.temperature for seq in seqs]
+            batch.top_p = [seq.top_p for seq in seqs]
+            batch.top_k = np.array([seq.top_k for seq in seqs], dtype=np.int32)
+            batch.min_p = [seq.min_p for seq in seqs]
+            batch.seed = [seq.seed for seq in seqs]
+            batch.logprobs = np.array([seq.logprobs for seq in seqs], dtype=np.int32)
+            _adjustments(batch, seqs, biases)
         broadcast(self.to_workers, batch, self.cfg.rank_timeout)
         self._work = step_work(step.chunks, step.starts)
         self._launched = time.monotonic()
@@ -109,7 +113,8 @@ class StepRunner:
             self.clients.apply(self.sched.fail_step(step, "; ".join(errors)))
         else:
             first = answers.answers[0]
-            self.clients.apply(self.sched.finish_step(step, first.tokens, first.logprobs))
+            self.clients.apply(self.sched.finish_step(step, first.tokens, first.logprobs,
+                                                      _alternatives(step, first)))
 
     def deadline_for(self, work: int) -> float:
         """How long a step of `work` may take: --rank-timeout, plus SLACK times what the slowest
@@ -136,3 +141,36 @@ class StepRunner:
         for seq in step.seqs:
             self.clients.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
         raise StepTimeout(why)
+
+
+def _adjustments(batch: P.StepBatch, seqs: list, biases: list[dict[int, float]]) -> None:
+    """The batch's top_logprobs, logit bias and penalty fields, each group only when some
+    sequence uses it; penalties as each sequence's distinct tokens and output counts now."""
+    if any(seq.top_logprobs for seq in seqs):
+        batch.top_logprobs = np.array([seq.top_logprobs for seq in seqs], dtype=np.int32)
+    if any(biases):
+        batch.bias_lens = np.array([len(b) for b in biases], dtype=np.int32)
+        batch.bias_ids = np.array([t for b in biases for t in b], dtype=np.int32)
+        batch.bias_vals = [v for b in biases for v in b.values()]
+    if any(seq.penalised for seq in seqs):
+        empty = (np.empty(0, np.int64), np.empty(0, np.int64))
+        counts = [seq.penalty_counts() if seq.penalised else empty for seq in seqs]
+        batch.repetition = [seq.repetition_penalty for seq in seqs]
+        batch.presence = [seq.presence_penalty for seq in seqs]
+        batch.frequency = [seq.frequency_penalty for seq in seqs]
+        batch.pen_lens = np.array([len(ids) for ids, _ in counts], dtype=np.int32)
+        batch.pen_ids = np.concatenate([ids for ids, _ in counts]).astype(np.int32)
+        batch.pen_counts = np.concatenate([c for _, c in counts]).astype(np.int32)
+
+
+def _alternatives(step: Step, res: P.StepResult) -> list[list] | None:
+    """Each sequence's [ids, logprobs] alternatives from rank 0's answer (None: none asked,
+    or an answer of the wrong size, which then gives each sequence empty ones)."""
+    ks = [seq.top_logprobs for seq in step.seqs]
+    if not any(ks) or len(res.top_ids) != sum(ks) or len(res.top_logprobs) != sum(ks):
+        return None
+    out, at = [], 0
+    for k in ks:
+        out.append([res.top_ids[at:at + k].tolist(), list(res.top_logprobs[at:at + k])])
+        at += k
+    return out

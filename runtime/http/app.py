@@ -16,6 +16,7 @@ Beside the OpenAI routes, the operator routes vLLM's server has: /tokenize, /det
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -75,28 +76,41 @@ class _Choice:
     prompt: list[int]
     detok: IncrementalDetokenizer
     stops: StopStrings
+    prompt_index: int = 0      # which prompt of the request (its n choices share it)
+    stop_ids: frozenset[int] = frozenset()  # EOS and stop token ids: their text is not shown
+    include_stop: bool = False  # ...unless the request asked (include_stop_str_in_output)
+    min_tokens: int = 0        # stop strings count only past this many output tokens
+    echo: str = ""             # the prompt's text, shown before the first piece
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    top: list[list | None] = field(default_factory=list)  # [ids, logprobs] per token, if asked
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     result: Result | None = None
     last_tokens_at: float | None = None  # time.monotonic() of the latest answer that brought tokens
 
-    def add(self, ids: list[int], logprobs: list[float | None]) -> tuple[str, list[int]]:
+    def add(self, ids: list[int], logprobs: list[float | None], top: list | None = None) -> tuple[str, list[int]]:
         """The text and tokens to show for new output tokens ("" once a stop string was seen)."""
         if self.stops.stopped is not None:
             return "", []
-        piece = self.stops.feed(self.detok.add(ids))
+        shown = ids if self.include_stop else [t for t in ids if t not in self.stop_ids]
+        piece = self.stops.feed(self.detok.add(shown), check=len(self.token_ids) + len(ids) > self.min_tokens)
         self.token_ids.extend(ids)
         self.logprobs.extend(logprobs)
+        self.top.extend(top if top else [None] * len(ids))
+        piece = self._echoed(piece)
         self.text.append(piece)
         if self.stops.stopped is not None:
             self.finish_reason = "stop"
         return piece, ids
 
+    def _echoed(self, piece: str) -> str:
+        echo, self.echo = self.echo, ""
+        return echo + piece
+
     def end(self, result: Result) -> str:
         self.result = result
-        piece = self.stops.feed(self.detok.flush()) + self.stops.flush()
+        piece = self._echoed(self.stops.feed(self.detok.flush()) + self.stops.flush())
         self.text.append(piece)
         if self.finish_reason is None:
             self.finish_reason = "stop" if self.stops.stopped is not None or result.finish_reason in ("eos", "stop") \
@@ -170,7 +184,7 @@ class Server:
                                 f"/v1/completions", param="messages", code="no_chat_template")
         try:
             text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
-                [Message(m.role, m.text()) for m in messages], add_generation_prompt=add_generation_prompt)
+                [Message(m.template_role(), m.text()) for m in messages], add_generation_prompt=add_generation_prompt)
             return tok.encode(text, add_special_tokens=add_special_tokens)
         except (ChatTemplateError, TokenizerError) as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
@@ -202,31 +216,65 @@ class Server:
             raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more than "
                                 f"the model's {info.max_model_len}", param=param, code="context_length_exceeded")
 
+    def check_body(self, body: SamplingBody) -> None:
+        """400 naming the first field kvrt does not implement, or a value it cannot take here."""
+        if name := body.unsupported():
+            raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_field")
+        vocab = self.node_info().vocab_size
+        for name, ids in (("logit_bias", list(body.logit_bias or {})), ("stop_token_ids", body.stop_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"{name}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param=name,
+                               code="invalid_token_id")
+
     def sampling(self, body: SamplingBody) -> tuple[int, Sampling]:
         """The engine's EOS id (-1: none) and sampling parameters of `body`; the tokenizer's
-        further EOS ids become stop token ids. `ignore_eos` drops all of them."""
+        further EOS ids become stop token ids, with the request's own. `ignore_eos` drops the
+        EOS ids."""
         eos = [] if body.ignore_eos else list(self.decoder().eos_token_ids)
         info = self.node_info()
         if not eos and info.eos_token_id >= 0 and not body.ignore_eos:
             eos = [info.eos_token_id]
-        return (eos[0] if eos else -1), Sampling(temperature=body.temperature, top_p=body.top_p,
-                                                  top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed, stop_token_ids=eos[1:],
-                                                  logprobs=body.wants_logprobs())
+        stops = list(dict.fromkeys(eos[1:] + [t for t in body.stop_token_ids or [] if t not in eos[:1]]))
+        top = body.top_logprobs_count()
+        return (eos[0] if eos else -1), Sampling(
+            temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed,
+            stop_token_ids=stops, logprobs=body.wants_logprobs(), top_logprobs=top,
+            logit_bias=[[t, b] for t, b in (body.logit_bias or {}).items()], min_tokens=body.min_tokens,
+            repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty)
 
     # ---- running -------------------------------------------------------------------------
-    def run(self, prompts: list[list[int]], max_tokens: int, body: SamplingBody) -> "_Run":
+    def run(self, prompts: list[list[int]], max_tokens: int, body: SamplingBody,
+            echoes: list[str] | None = None) -> "_Run":
         """The checked requests of one HTTP request, not sent yet: a stream sends them once its
-        generator runs, so that the generator's `finally` is sure to cancel them."""
+        generator runs, so that the generator's `finally` is sure to cancel them. Each prompt
+        gets `body.n` choices (index prompt * n + j, seed + j as vLLM numbers them); the first
+        choice of a prompt goes first and the others follow once it has its first token, so
+        that they find its prompt's blocks in the prefix cache instead of each computing them."""
         stops = body.stops()
         if problem := stop_problem(stops):
             raise ApiError(400, problem, param="stop")
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) is above max_tokens ({max_tokens})", param="min_tokens")
         tok = self.tokenizer("stop") if stops else self.decoder()
         eos, sampling = self.sampling(body)
+        stop_ids = frozenset(([eos] if eos >= 0 else []) + sampling.stop_token_ids)
         run = _Run(self)
         for i, ids in enumerate(prompts):
-            rid = self.bridge.new_id()
-            run.choices[rid] = _Choice(i, ids, IncrementalDetokenizer(tok, ids), StopStrings(stops))
-            run.requests.append((rid, ids, max_tokens, eos, sampling))
+            leader = None
+            for j in range(body.n):
+                rid = self.bridge.new_id()
+                run.choices[rid] = _Choice(i * body.n + j, ids, IncrementalDetokenizer(tok, ids, body.skip_special_tokens),
+                                           StopStrings(stops, body.include_stop_str_in_output), i, stop_ids,
+                                           body.include_stop_str_in_output, body.min_tokens,
+                                           echoes[i] if echoes else "")
+                own = sampling if body.seed is None else dataclasses.replace(sampling, seed=(body.seed + j) % (1 << 63))
+                run.requests.append((rid, ids, max_tokens, eos, own))
+                if leader is None:
+                    leader = rid
+                else:
+                    run.followers.setdefault(leader, []).append(rid)
         return run
 
 
@@ -238,7 +286,9 @@ class _Run:
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, _Choice] = {}
         self.requests: list[tuple[str, list[int], int, int, Sampling]] = []
-        self.pending: set[str] = set()
+        self.followers: dict[str, list[str]] = {}  # a prompt's first request -> its other choices
+        self.pending: set[str] = set()  # not finished
+        self.sent: set[str] = set()
         self.arrival = time.monotonic()
 
     def _timed(self, ch: _Choice, n: int) -> None:
@@ -253,11 +303,18 @@ class _Run:
         ch.last_tokens_at = now
 
     def start(self) -> None:
-        """Send the requests; their events come to this run's queue."""
-        loop = asyncio.get_running_loop()
+        """Send the requests (a prompt's other choices once its first has a token); their
+        events come to this run's queue."""
         self.pending = set(self.choices)
+        waiting = {r for rest in self.followers.values() for r in rest}
+        self._send([rid for rid, *_ in self.requests if rid not in waiting])
+
+    def _send(self, rids: list[str]) -> None:
+        loop = asyncio.get_running_loop()
         for rid, ids, max_tokens, eos, sampling in self.requests:
-            self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events))
+            if rid in rids and rid in self.pending and rid not in self.sent:
+                self.sent.add(rid)
+                self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events))
 
     async def __aiter__(self) -> AsyncIterator[tuple[_Choice, str, list[int], bool]]:
         """(choice, new text, new tokens, finished) as the engine answers; ApiError on an engine error."""
@@ -265,14 +322,17 @@ class _Run:
             rid, ev = await self.events.get()
             if rid not in self.pending:
                 continue
+            if not isinstance(ev, ErrorEvent):  # its first answer: its prompt's blocks are cached
+                self._send(self.followers.pop(rid, []))
             ch = self.choices[rid]
             if isinstance(ev, TokenEvent):
                 skip = max(len(ch.token_ids) - int(ev.index), 0)  # a resent overlap is not repeated
                 ids = [int(t) for t in ev.token_ids[skip:]]
                 lps = [float(x) for x in ev.logprobs[skip:]] if ev.logprobs else [None] * len(ids)
+                top = list(ev.top[skip:]) if ev.top else None
                 self._timed(ch, len(ids))
                 stopped_before = ch.stops.stopped is not None
-                piece, shown = ch.add(ids, lps)
+                piece, shown = ch.add(ids, lps, top)
                 if ch.stops.stopped is not None and not stopped_before:
                     self.server.bridge.cancel(rid)  # the rest is not wanted; its Result still brings the usage
                 yield ch, piece, shown, False
@@ -327,29 +387,34 @@ class _Run:
         return work.result()  # an engine error is raised here
 
     def cancel(self) -> None:
-        for rid in self.pending:
+        for rid in self.pending & self.sent:
             self.server.bridge.cancel(rid)
         self.pending.clear()
 
     def usage(self) -> dict:
-        prompt = sum(len(c.prompt) for c in self.choices.values())
+        """Token counts; a prompt counts once however many choices it has (as vLLM counts it)."""
+        prompt = sum(len(c.prompt) for c in {c.prompt_index: c for c in self.choices.values()}.values())
         completion = sum(len(c.token_ids) for c in self.choices.values())
         cached = sum(c.result.cached_tokens for c in self.choices.values() if c.result is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None]) -> dict:
-    """The completions API's logprobs of some tokens (only the chosen ones: no alternatives)."""
-    return {"tokens": [tok.decode([t]) for t in ids], "token_logprobs": lps, "top_logprobs": None}
+def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top: list[list | None]) -> dict:
+    """The completions API's logprobs of some tokens: each chosen token's, and its alternatives
+    (token text -> logprob) when asked."""
+    return {"tokens": [tok.decode([t]) for t in ids], "token_logprobs": lps,
+            "top_logprobs": [{tok.decode([a]): lp for a, lp in zip(*t)} if t else None for t in top]
+            if any(top) else None}
 
 
-def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None]) -> dict:
-    out = []
-    for t, lp in zip(ids, lps):
+def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top: list[list | None]) -> dict:
+    def entry(t: int, lp: float | None) -> dict:
         text = tok.decode([t])
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []})
-    return {"content": out}
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in zip(*alt)] if alt else []}
+                        for t, lp, alt in zip(ids, lps, top)]}
 
 
 def _engine_error(ev: ErrorEvent) -> ApiError:
@@ -535,22 +600,34 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
+        server.check_body(body)
+        if body.echo and body.wants_logprobs():
+            raise ApiError(400, "echo with logprobs (the prompt's logprobs) is not supported; echo alone is",
+                           param="echo", code="unsupported_field")
         tok = server.decoder()
         p = body.prompt
+        texts: list[str] | None = None
         if isinstance(p, str):
-            prompts = [server.tokenizer("prompt").encode(p)]
+            texts = [p]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [server.tokenizer("prompt").encode(x) for x in p]
+            texts = list(p)
+        if texts is not None:
+            prompts = [server.tokenizer("prompt").encode(x) for x in texts]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]
         else:
             prompts = [list(p)]
-        if not 0 < len(prompts) <= MAX_BATCH:
-            raise ApiError(400, f"a request takes 1..{MAX_BATCH} prompts, got {len(prompts)}", param="prompt")
+        if not 0 < len(prompts) * body.n <= MAX_BATCH:
+            raise ApiError(400, f"a request takes 1..{MAX_BATCH} prompts times n, got {len(prompts)} x {body.n}",
+                           param="prompt")
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS  # an explicit null is the default too
         for ids in prompts:
             server.check_prompt(ids, max_tokens, "prompt")
-        run = server.run(prompts, max_tokens, body)
+        echoes = None
+        if body.echo:
+            echoes = texts if texts is not None else [
+                server.tokenizer("echo").decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
+        run = server.run(prompts, max_tokens, body, echoes)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
         if body.stream:
@@ -560,8 +637,8 @@ def create_app(server: Server) -> FastAPI:
             def frame(ch, piece, ids, done):
                 if not (piece or ids or done):
                     return None
-                lp = _completion_logprobs(tok, ids, ch.logprobs[len(ch.logprobs) - len(ids):]) \
-                    if body.wants_logprobs() else None
+                at = len(ch.token_ids) - len(ids)
+                lp = _completion_logprobs(tok, ids, ch.logprobs[at:], ch.top[at:]) if body.wants_logprobs() else None
                 return {**base, "choices": [{"index": ch.index, "text": piece, "logprobs": lp,
                                              "finish_reason": ch.finish_reason if done else None,
                                              "token_ids": ids}]}
@@ -572,7 +649,7 @@ def create_app(server: Server) -> FastAPI:
         await run.complete(request)
         choices = sorted(run.choices.values(), key=lambda c: c.index)
         return JSONResponse({**base, "choices": [{"index": c.index, "text": "".join(c.text),
-                                                  "logprobs": _completion_logprobs(tok, c.token_ids, c.logprobs)
+                                                  "logprobs": _completion_logprobs(tok, c.token_ids, c.logprobs, c.top)
                                                   if body.wants_logprobs() else None,
                                                   "finish_reason": c.finish_reason, "token_ids": c.token_ids}
                                                  for c in choices], "usage": run.usage()})
@@ -580,6 +657,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         server.check_model(body.model)
+        server.check_body(body)
         ids = server.chat_prompt(body.messages)
         tok = server.tokenizer()
         info = server.node_info()
@@ -597,23 +675,25 @@ def create_app(server: Server) -> FastAPI:
             def frame(ch, piece, ids_, done):
                 if not (piece or done or (ids_ and body.logprobs)):
                     return None
-                lp = _chat_logprobs(tok, ids_, ch.logprobs[len(ch.logprobs) - len(ids_):]) if body.logprobs else None
-                return {**chunk, "choices": [{"index": 0, "delta": {"content": piece} if piece else {},
+                at = len(ch.token_ids) - len(ids_)
+                lp = _chat_logprobs(tok, ids_, ch.logprobs[at:], ch.top[at:]) if body.logprobs else None
+                return {**chunk, "choices": [{"index": ch.index, "delta": {"content": piece} if piece else {},
                                               "logprobs": lp, "finish_reason": ch.finish_reason if done else None}]}
 
-            opening = {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]}
+            opening = {**chunk, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None} for j in range(body.n)]}
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_stream(run, first, it, frame, chunk, usage, opening),
                                      media_type="text/event-stream")
         run.start()
         await run.complete(request)
-        c = next(iter(run.choices.values()))
-        message = {"role": "assistant", "content": "".join(c.text)}
-        return JSONResponse({**base, "choices": [{"index": 0, "message": message,
-                                                  "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs)
+        choices = sorted(run.choices.values(), key=lambda c: c.index)
+        return JSONResponse({**base, "choices": [{"index": c.index,
+                                                  "message": {"role": "assistant", "content": "".join(c.text)},
+                                                  "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs, c.top)
                                                   if body.logprobs else None, "finish_reason": c.finish_reason,
-                                                  "token_ids": c.token_ids}], "usage": run.usage()})
+                                                  "token_ids": c.token_ids} for c in choices],
+                             "usage": run.usage()})
 
     return app
 

@@ -7,15 +7,25 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+MAX_N = 16           # choices per prompt
+MAX_TOP_LOGPROBS = 20
+# fields a request may carry that ask nothing of the answer (an end-user id; how to call
+# tools in parallel, when tools, refused by name, were given)
+HARMLESS = frozenset({"user", "parallel_tool_calls"})
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
 class SamplingBody(BaseModel):
-    """What completions and chat requests share. Unknown fields are ignored, as OpenAI-compatible
-    servers do, so that clients sending newer options still work."""
+    """What completions and chat requests share. A field kvrt does not implement is refused by
+    name (`unsupported`), never silently ignored, unless it is null or asks nothing of the
+    answer (HARMLESS): a 200 always did what the request asked."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None  # none: the served model
     max_tokens: int | None = Field(default=None, ge=1)
@@ -27,12 +37,46 @@ class SamplingBody(BaseModel):
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     # vLLM's extension, which serving benchmarks send: generate max_tokens whatever the model's EOS
     ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM's extension (HF's meaning)
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's extensions from here on
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    tools: list | None = None             # refused unless empty (a later feature)
+    tool_choice: Union[str, dict, None] = None  # refused unless "none"
+    response_format: dict | None = None    # refused unless {"type": "text"}
+
+    @model_validator(mode="after")
+    def _bias_range(self) -> "SamplingBody":
+        for tok, bias in (self.logit_bias or {}).items():
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: the bias of token {tok} must be in [-100, 100], got {bias:g}")
+        return self
+
+    def unsupported(self) -> str | None:
+        """The first field this request sets that kvrt does not implement, or None."""
+        for name, value in (self.model_extra or {}).items():
+            if value is not None and name not in HARMLESS:
+                return name
+        if self.tools:
+            return "tools"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            return "response_format"
+        return None
 
     def wants_logprobs(self) -> bool:
         return False
+
+    def top_logprobs_count(self) -> int:
+        return 0
 
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -40,12 +84,15 @@ class SamplingBody(BaseModel):
 
 class CompletionRequest(SamplingBody):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    # only the chosen token's log-probability is known: 0 asks for it, without alternatives
-    logprobs: int | None = Field(default=None, ge=0, le=0)
-    echo: Literal[False] = False
+    # the chosen token's log-probability and this many alternatives
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    def top_logprobs_count(self) -> int:
+        return self.logprobs or 0
 
 
 class TextPart(BaseModel):
@@ -54,22 +101,35 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart]]
 
     def text(self) -> str:
         """The content as one string (a list of text parts joined, as OpenAI reads it)."""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
+    def template_role(self) -> str:
+        """The role the chat template sees: `developer` is OpenAI's newer name for `system`."""
+        return "system" if self.role == "developer" else self.role
+
 
 class ChatRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int = Field(default=0, ge=0, le=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    def top_logprobs_count(self) -> int:
+        return self.top_logprobs or 0 if self.logprobs else 0
 
 
 class TokenizeRequest(BaseModel):

@@ -275,8 +275,14 @@ class DecodeConnector(KVConnector):
         if seq is None or seq.state is not SeqState.EXTERNAL:
             self._error(peer, rid, api.FAILED, f"it holds no blocks for {rid!r} (lease expired?)")
             return
+        top = msg.first_top
+        if seq.top_logprobs and not _top_ok(top, seq.top_logprobs, self.ctx.cfg.vocab_size):
+            _refused(self.ctx.stats, f"kv-ready from {peer.name} with first alternatives {top!r:.80}")
+            self._error(peer, rid, api.BAD_REQUEST, f"first_top must be [ids, logprobs] of {seq.top_logprobs} "
+                                                    f"token ids and logprobs <= 0")
+            return
         self.deadlines.pop(internal, None)
-        if not self.ctx.sched.external_kv_arrived(seq, int(token), float(logprob)):
+        if not self.ctx.sched.external_kv_arrived(seq, int(token), float(logprob), top if seq.top_logprobs else None):
             self.ctx.finished(seq)
 
     def on_abort(self, peer: _Peer, msg: wire.PdAbort) -> None:
@@ -295,3 +301,10 @@ class DecodeConnector(KVConnector):
         seq = self.ctx.sched.cancel(internal)
         if seq is not None:
             self.ctx.finished(seq)
+
+
+def _top_ok(top: object, k: int, vocab: int) -> bool:
+    """A peer's [ids, logprobs] of k alternatives, each an id in the vocabulary and a logprob <= 0."""
+    return (isinstance(top, list) and len(top) == 2 and all(isinstance(x, list) and len(x) == k for x in top)
+            and all(is_int(t) and 0 <= t < vocab for t in top[0])
+            and all(is_number(x) and x <= 0 for x in top[1]))

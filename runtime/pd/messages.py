@@ -12,7 +12,7 @@ D answers a sealed message it cannot open with PdRefused (in clear: P then says 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -103,11 +103,13 @@ class PdAllocated:
 @dataclass
 class PdKvReady:
     """P -> D: every rank wrote the blocks; the request continues on D after `first_token`
-    (`first_logprob`: its log-probability, if the request asked)."""
+    (`first_logprob`: its log-probability, if the request asked; `first_top`: its alternatives,
+    [ids, logprobs], if the request asked)."""
 
     request_id: str
     first_token: int
     first_logprob: float = 0.0
+    first_top: list = field(default_factory=list)
 
 
 @API.message("pd_abort")

@@ -586,7 +586,8 @@ class PrefillConnector(KVConnector):
                 self.ctx.count_failed()
                 self.ctx.reply(seq.client, api.ErrorEvent(rid, api.FAILED, f"KV handoff to the decode node failed: {why}"))
             return
-        self._send(link, wire.PdKvReady(rid, int(seq.output[0]), seq.output_logprobs[0] if seq.logprobs else 0.0))
+        self._send(link, wire.PdKvReady(rid, int(seq.output[0]), seq.output_logprobs[0] if seq.logprobs else 0.0,
+                                        seq.output_top[0] if seq.top_logprobs else []))
         self.relays[rid] = _Relay(seq, time.monotonic() + self.timeout, link)
 
     # ---- deadlines ----------------------------------------------------------------------------

@@ -336,3 +336,81 @@ def test_the_chosen_token_is_always_one_the_filters_keep(batch):
             assert t in allowed(z[i], r.temperature[i], r.top_k[i], r.top_p[i], r.min_p[i])
             if r.top_k[i] == 1:
                 assert t == np.argmax(np.where(np.isnan(z[i]), -np.inf, z[i]))
+
+
+# ---- top logprobs, logit bias, penalties ------------------------------------------------------
+
+def test_top_logprobs_are_the_largest_of_a_float64_log_softmax_ties_by_lower_id():
+    z = logits(5, seed=11)
+    z[2, [7, 3, 40]] = 9.0  # a tie at the top: ids in ascending order
+    r = rows(5, temperature=0.0)
+    r.top_logprobs = np.array([0, 1, 3, 20, 64])
+    ids, lps = sampler.top_logprobs(z, r)
+    ref = log_softmax(z)
+    assert ids.shape == (5, 64) and not ids[0].any()
+    for i, k in enumerate(r.top_logprobs):
+        want = np.lexsort((np.arange(VOCAB), -ref[i]))[:k]  # by logprob, ties by id
+        assert ids[i, :k].tolist() == want.tolist()
+        np.testing.assert_allclose(lps[i, :k], ref[i, want], atol=1e-5)
+    assert ids[2, :3].tolist() == [3, 7, 40]
+
+
+def test_bias_and_penalties_match_a_hand_computed_expectation():
+    z = np.array([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
+                  [2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    r = rows(2, temperature=0.0, logprobs=True)
+    r.bias_lens, r.bias_ids, r.bias_vals = np.array([2, 0]), np.array([3, 4]), np.array([-np.inf, 5.0])
+    r.repetition, r.presence, r.frequency = np.array([1.0, 2.0]), np.array([0.0, 0.5]), np.array([0.0, 0.25])
+    # row 1: token 0 twice in the output, 1 once, 5 only in the prompt
+    r.pen_lens, r.pen_ids, r.pen_counts = np.array([0, 3]), np.array([0, 1, 5]), np.array([2, 1, 0])
+    want = z.copy()
+    want[0, 3], want[0, 4] = -np.inf, 3.0
+    want[1, 0] = 2.0 / 2 - 0.25 * 2 - 0.5     # positive: divided, then frequency and presence
+    want[1, 1] = -1.0 * 2 - 0.25 - 0.5        # negative: multiplied
+    want[1, 5] = 1.0 / 2                      # in the prompt only: repetition alone
+    np.testing.assert_array_equal(sampler.adjust(z, r), want)
+    tokens, lps = sample(z, r)
+    assert tokens.tolist() == want.argmax(axis=-1).tolist() == [4, 3]
+    np.testing.assert_allclose(lps, log_softmax(z)[[0, 1], [4, 3]], atol=1e-6)  # the model's own logits
+    assert sampler.adjust(z, rows(2)) is z  # nothing asked: no copy
+
+
+def test_a_banned_token_is_never_drawn_and_a_bias_moves_the_distribution():
+    z = np.array([2.0, 1.0, 0.5, 0.0])
+    n = 20000
+    r = rows(n, seed=3, position=np.arange(n))
+    r.bias_lens = np.ones(n, np.int64) * 2
+    r.bias_ids = np.tile([0, 3], n)
+    r.bias_vals = np.tile([-np.inf, 2.0], n)
+    tokens, _ = sample(np.broadcast_to(z, (n, 4)), r)
+    freq = np.bincount(tokens, minlength=4) / n
+    want = np.exp([-np.inf, 1.0, 0.5, 2.0]) / np.exp([-np.inf, 1.0, 0.5, 2.0]).sum()
+    assert freq[0] == 0 and np.abs(freq - want).max() < 0.015, (freq, want)
+
+
+def test_the_worker_reads_the_adjustments_or_refuses_them():
+    from kvrt.ipc import protocol as P
+    from kvrt.workers.worker import Worker
+
+    def batch(**kw):
+        b = P.StepBatch(1, np.array([1, 2], np.int32), np.array([1, 1], np.int32), np.array([0, 0], np.int32),
+                        np.array([0, 1], np.int32), np.array([1, 1], np.int32), temperature=[0.0, 1.0],
+                        top_p=[1.0, 1.0], top_k=np.zeros(2, np.int32), seed=[1, 2], logprobs=np.zeros(2, np.int32))
+        for k, v in kw.items():
+            setattr(b, k, v)
+        return b
+
+    r = Worker._sampling(batch(top_logprobs=np.array([0, 5], np.int32), bias_lens=np.array([1, 0], np.int32),
+                               bias_ids=np.array([9], np.int32), bias_vals=[-1.5], repetition=[1.0, 1.2],
+                               presence=[0.0, 0.1], frequency=[0.0, 0.2], pen_lens=np.array([0, 2], np.int32),
+                               pen_ids=np.array([4, 6], np.int32), pen_counts=np.array([1, 0], np.int32)))
+    assert r.top_logprobs.tolist() == [0, 5] and r.bias_vals.tolist() == [-1.5] and r.pen_ids.tolist() == [4, 6]
+    assert Worker._sampling(batch()).bias_lens is None
+    for bad in (dict(bias_lens=np.array([2, 0], np.int32), bias_ids=np.array([9, 9], np.int32), bias_vals=[1.0, 2.0]),
+                dict(bias_lens=np.array([1, 0], np.int32), bias_ids=np.array([9], np.int32), bias_vals=[]),
+                dict(top_logprobs=np.array([1], np.int32)),
+                dict(repetition=[1.0, 1.0], presence=[0.0, 0.0], frequency=[0.0, 0.0]),
+                dict(repetition=[0.0, 1.0], presence=[0.0, 0.0], frequency=[0.0, 0.0],
+                     pen_lens=np.zeros(2, np.int32))):
+        with pytest.raises(ValueError):
+            Worker._sampling(batch(**bad))

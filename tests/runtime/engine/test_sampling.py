@@ -63,14 +63,20 @@ def request(rid: str, prompt, new: int, **kw) -> GenerateRequest:
     return GenerateRequest(rid, np.asarray(prompt, np.int32), new, **kw)
 
 
-def expected(prompt, new: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(), min_p=0.0) -> tuple[list, list]:
+def expected(prompt, new: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(), min_p=0.0,
+             repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0) -> tuple[list, list]:
     """The tokens and logprobs a node must answer: the dense model's logits at each position,
-    sampled here with the request's parameters and (seed, position)."""
+    sampled here with the request's parameters, penalties (from the tokens so far, as the
+    sampler's entries mean them) and (seed, position)."""
     model, seq, out, lps = oracle(), [int(t) for t in prompt], [], []
     for _ in range(new):
         z = model.dense_logits(np.array(seq, np.int32))[-1:]
         r = SamplingRows(np.array([temperature]), np.array([top_p]), np.array([top_k]), np.array([seed], np.uint64),
                          np.array([len(seq)]), np.array([True]), np.array([min_p]))
+        ids = sorted(set(seq) if repetition_penalty != 1.0 else set(out))
+        r.repetition, r.frequency, r.presence = (np.array([repetition_penalty]), np.array([frequency_penalty]),
+                                                 np.array([presence_penalty]))
+        r.pen_lens, r.pen_ids, r.pen_counts = np.array([len(ids)]), np.array(ids), np.array([out.count(t) for t in ids])
         tokens, lp = sample(z, r)
         out.append(int(tokens[0]))
         lps.append(float(lp[0]))
@@ -96,6 +102,7 @@ def sock(ln):
 
 
 HOT = dict(temperature=2.5, top_p=0.95, top_k=100, min_p=0.02)  # flat enough that tokens differ between seeds
+PEN = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)
 
 
 @pytest.mark.e2e
@@ -200,13 +207,17 @@ def test_pd_hands_the_sampling_parameters_to_decode(pd_node, tmp_path):  # noqa:
         try:
             s.send(request("pd", prompt, 8, seed=4242, logprobs=True, **HOT))
             s.send(request("pd-stop", prompt, 8, seed=4242, stop_token_ids=[want[3]], **HOT))
-            end, stopped = s.until_end("pd"), s.until_end("pd-stop")
+            s.send(request("pd-pen", prompt, 8, seed=4242, top_logprobs=3, **HOT, **PEN))
+            end, stopped, pen = s.until_end("pd"), s.until_end("pd-stop"), s.until_end("pd-pen")
         finally:
             s.close()
         assert isinstance(end, FinishedEvent), end
         assert end.output_token_ids.tolist() == want
         assert np.allclose(end.output_logprobs, want_lp, rtol=0, atol=1e-5)
         assert stopped.finish_reason == "stop" and stopped.output_token_ids.tolist() == stop_want
+        pen_want = expected(prompt, 8, seed=4242, **HOT, **PEN)[0]
+        assert pen.output_token_ids.tolist() == pen_want != want, "the penalties hold on P and D"
+        assert len(pen.output_top) == 8 and all(len(ids) == len(lps) == 3 for ids, lps in pen.output_top)
         assert p.idle_stats()["pd_sent_bytes"] > 0
 
 
@@ -217,13 +228,14 @@ def test_seeded_sampling_survives_swaps_and_preemption(node, tmp_path):
     prompts = shared_prefix_prompts(seed=7)
     # 40 new tokens grow every request by 5 blocks: the running ones outgrow the pool, whatever
     # order the engine admits them in, so preemption is certain rather than a matter of timing
-    want = [expected(p, 40, seed=i, **HOT)[0] for i, p in enumerate(prompts)]
+    pens = [PEN if i % 2 else {} for i in range(len(prompts))]  # penalties come from the tokens, not state
+    want = [expected(p, 40, seed=i, **HOT, **pens[i])[0] for i, p in enumerate(prompts)]
     opts = (*SMALL, "--num-gpu-blocks", "40", "--num-cpu-blocks", "64", "--max-num-batched-tokens", "64")
     with launched(node, tmp_path, *opts, env={"KVRT_CHECK_OWNERSHIP": "1"}) as ln:
         s = Socket(ln.port)
         try:
             for i, p in enumerate(prompts):
-                s.send(request(f"r{i}", p, 40, seed=i, **HOT))
+                s.send(request(f"r{i}", p, 40, seed=i, **HOT, **pens[i]))
             got = [s.until_end(f"r{i}") for i in range(len(prompts))]
         finally:
             s.close()
@@ -255,3 +267,19 @@ def test_a_peers_first_logprob_is_checked_and_kept(decode, peer):  # noqa: F811
         assert isinstance(end, TokenEvent) and len(end.logprobs) == len(end.token_ids), end
     assert end.output_token_ids[0] == 5 and len(end.output_logprobs) == 4 and end.output_logprobs[0] == -1.25
     assert all(lp < 0 for lp in end.output_logprobs[1:])
+
+
+def test_a_sequence_bans_its_stops_before_min_tokens_and_counts_its_tokens_for_penalties():
+    from kvrt.runtime.engine.sequence import Sequence
+
+    seq = Sequence.new("p", np.array([5, 6, 5, 9], np.int32), 8, 4, eos_token_id=2, stop_token_ids=frozenset({3}),
+                       min_tokens=2, logit_bias={7: 1.5}, frequency_penalty=0.5)
+    assert seq.bias() == {7: 1.5, 2: -np.inf, 3: -np.inf}
+    for t in (6, 8, 6):
+        seq.append(t)
+    assert seq.bias() == {7: 1.5}
+    ids, counts = seq.penalty_counts()
+    assert dict(zip(ids.tolist(), counts.tolist())) == {6: 2, 8: 1}  # the output only
+    seq.repetition_penalty = 1.3  # covers the prompt: its other tokens with count 0
+    ids, counts = seq.penalty_counts()
+    assert dict(zip(ids.tolist(), counts.tolist())) == {6: 2, 8: 1, 5: 0, 9: 0}
