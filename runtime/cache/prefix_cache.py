@@ -172,12 +172,31 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         need = -(-num_tokens // self.block_size) - len(req.blocks)
         if need <= 0:
             return []
+        if req.dups:
+            self._drop_dups(req)
         got = self._take_device(need, urgent=req.admitted or req.loaded)
         if got is not None:
             req.blocks += got
             req.admitted = True
             self._swap_ahead()
         return got
+
+    def _drop_dups(self, req: Request) -> None:
+        """The request's private copies of blocks whose node was still being swapped in when it
+        recorded them: once the swap-in is done it reads the node's copy and its own is freed.
+        Holding both would make a request that fits the device alone need more than the device,
+        and it could then never grow. Done here because allocation happens between steps only,
+        when no step reads the private copy."""
+        dups = set(req.dups)
+        freed = []
+        for i, n in enumerate(req.path.tolist()):
+            b = req.blocks[i]
+            if b in dups and self._state_v[n] == GPU:
+                req.blocks[i] = self._dev_v[n]
+                freed.append(b)
+        if freed:
+            req.dups = [b for b in req.dups if b not in set(freed)]
+            self.device_pool.free(freed)
 
     def reclaimable(self, request_id: Hashable, num_tokens: int) -> bool:
         """Could `allocate(request_id, num_tokens)` succeed once in-flight tasks finish,

@@ -274,3 +274,10 @@ def test_requests_whose_shared_store_reads_hold_each_others_room_all_finish():
         cache.check()
     assert [q.finish_reason for q in seqs] == ["length", "length"], [q.state for q in seqs]
     assert reads <= 4, f"{reads} storage reads for two requests"
+
+
+def test_a_request_that_recorded_a_block_during_its_swap_in_still_fits_the_device():
+    """Found by the two-round property: a request computed a block whose node was being swapped
+    in at the same time, so it kept its own copy besides the node's; on a 6-block device that
+    request then needed 7 blocks and waited for ever. Its copy is freed once the swap-in is done."""
+    _drive(1367, 2, 6, 18, False, 4, 16, 6, 0.3, 0.0, 0.0, rounds=2)
