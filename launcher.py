@@ -58,6 +58,19 @@ def _detect_device() -> str:
         return "cpu"
 
 
+def _threads(value: str) -> int:
+    """--threads: a positive count, or auto (0)."""
+    if value == "auto":
+        return 0
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {value!r}")
+    return n
+
+
 def _add_launch(sub) -> argparse.ArgumentParser:
     from kvrt.runtime.cache.policies.base import policy_names
     from kvrt.runtime.node.config import NodeConfig
@@ -145,6 +158,12 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "accumulates in float32 (norms, attention, softmax, residual stream and logits stay float32); "
                    "bfloat16 is computed as float16 (CuPy has no bfloat16; BF16 weights convert exactly where they "
                    "fit, and a weight beyond float16's range is refused). The reference model computes in float64"),
+    p.add_argument("--threads", type=_threads, default=os.environ.get("KVRT_THREADS", "auto"),
+                   metavar="N|auto",
+                   help="BLAS threads of each worker's matmuls on a CPU (default: $KVRT_THREADS, else auto: one "
+                   "thread for a step of fewer than 64 token rows, such as a decode step, where threads that wait "
+                   "for each other cost more than they share, and every core of the worker's share (its CPUs / "
+                   "--tp) for larger steps, such as a prefill chunk); N fixes N threads for every step")
     p.add_argument("--vocab-size", type=int, default=None, help=f"model vocabulary (default {d.vocab_size})")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"longest prompt + output in tokens (default {d.max_model_len}; with --model its "
