@@ -21,7 +21,7 @@ BENCHES = {
     "replay": ("kvrt.bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
     "storage": ("kvrt.bench.storage", "storage tiers: Mooncake Store and file put/get vs a raw socket; cross-node TTFT with a shared store"),
     "route": ("kvrt.bench.route", "N nodes behind kvrt route: hit rate and TTFT per routing policy vs one node"),
-    "model": ("kvrt.bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
+    "model": ("kvrt.bench.model", "a (~0.5B-shaped) checkpoint's step by phase vs its roofline and vs transformers"),
     "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
