@@ -89,7 +89,7 @@ class Row:
     batch: int = 0
     context: int = 0      # tokens each sequence's KV held before the step
     tokens: int = 0       # tokens computed in one step
-    blas_threads: int = 0  # what the setting resolved to for this step
+    blas_threads: int = 0  # what the setting resolved to (auto: for the row's last step)
     ms: float | None = None           # kvrt, per step
     tokens_s: float | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)  # the median step's, "other" included
@@ -489,14 +489,14 @@ def run_setting(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, se
                 rows.append(row)
                 continue
             t, row.phases_ms, _ = kvrt_decode(runner, b, ctx, grid.decode_steps)
-            row.ms, row.tokens_s = t * 1e3, b / t
+            row.ms, row.tokens_s, row.blas_threads = t * 1e3, b / t, threads.last
             compare(row, [(ctx, 1)] * b, lambda: hf.decode(b, ctx, grid.decode_steps, row.blas_threads))
             rows.append(row)
             log.info("decode batch %d context %d threads %s (%s): %.1f ms", b, ctx, label, load, row.ms)
     for b in grid.prefill_batches:
         row = Row("prefill", label, load, b, 0, b * grid.prompt_len, threads.count(b * grid.prompt_len))
         t, row.phases_ms = kvrt_prefill(runner, b, grid.prompt_len, grid.prefill_repeats)
-        row.ms, row.tokens_s = t * 1e3, b * grid.prompt_len / t
+        row.ms, row.tokens_s, row.blas_threads = t * 1e3, b * grid.prompt_len / t, threads.last
         compare(row, [(0, grid.prompt_len)] * b,
                 lambda: hf.prefill(b, grid.prompt_len, grid.prefill_repeats, row.blas_threads))
         rows.append(row)
@@ -505,7 +505,7 @@ def run_setting(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, se
         b, ctx = grid.sample_batch, grid.contexts[0]
         row = Row("sampled", label, load, b, ctx, b, threads.count(b))
         t, row.phases_ms, greedy = kvrt_decode(runner, b, ctx, grid.decode_steps, sampled=True)
-        row.ms, row.tokens_s, row.greedy_ms = t * 1e3, b / t, greedy * 1e3
+        row.ms, row.tokens_s, row.greedy_ms, row.blas_threads = t * 1e3, b / t, greedy * 1e3, threads.last
         row.vs_greedy = row.ms / row.greedy_ms
         limits.roofline(row, [(ctx, 1)] * b)
         rows.append(row)
@@ -682,7 +682,7 @@ def main(argv: list[str]) -> int:
         load_s = time.perf_counter() - t0
         gb_s = memcpy_gb_s(xp, args.memcpy_mib << 20)
         rows = [Row("memcpy", gb_s=gb_s, note="d2d copy" if args.device == "cuda" else "np.copyto")]
-        counts = sorted({c for s in settings for c in ({1, cores} if s == AUTO else {s})})
+        counts = sorted({c for s in settings for c in (range(1, cores + 1) if s == AUTO else {s})})
         peaks = {}
         for n in counts:
             with BlasThreads(n, cores).for_rows(1):
