@@ -162,8 +162,9 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    metavar="N|auto",
                    help="BLAS threads of each worker's matmuls on a CPU (default: $KVRT_THREADS, else auto: one "
                    "thread for a step of fewer than 64 token rows, such as a decode step, where threads that wait "
-                   "for each other cost more than they share, and every core of the worker's share (its CPUs / "
-                   "--tp) for larger steps, such as a prefill chunk); N fixes N threads for every step")
+                   "for each other cost more than they share, and for larger steps, such as a prefill chunk, the cores "
+                   "of the worker's share (its CPUs / --tp) that other processes are not running on as the step "
+                   "starts, at least one); N fixes N threads for every step")
     p.add_argument("--vocab-size", type=int, default=None, help=f"model vocabulary (default {d.vocab_size})")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"longest prompt + output in tokens (default {d.max_model_len}; with --model its "
