@@ -30,7 +30,8 @@ In one run:
   `context` tokens (not `generate`, whose own bookkeeping would be charged to the model), prefill
   as one forward of the prompt; `kvrt/hf` is transformers' step time / kvrt's (above 1: kvrt
   faster). Without them the rows say why and the rest runs;
-- --threads 1,2,auto measures each thread setting, and --busy N repeats every row with N busy
+- --threads 1,2,auto measures each thread setting, the settings taking turns step by step so a
+  change in the machine's load falls on all alike, and --busy N repeats every row with N busy
   processes competing for the cores.
 
 Default grid: batches 1,8,32 at context 128, prefill at batch 1 and the sampled row (a few
@@ -273,17 +274,17 @@ def model_limits(model: HFModel, gb_s: float, gflop_s: dict[int, float]) -> Limi
 # ---- kvrt ------------------------------------------------------------------------------------
 
 class Runner:
-    """kvrt's steps as the worker runs them: the BLAS thread count for the step's rows, the
-    forward pass, then `sample`; each step's phases recorded."""
+    """kvrt's steps as the worker runs them at one thread setting: the BLAS thread count for
+    the step's rows, the forward pass, then `sample`; each step's phases recorded."""
 
     def __init__(self, model: HFModel, threads: BlasThreads) -> None:
         self.model, self.threads = model, threads
         self.clock = PhaseClock(model.xp)
-        model.phases = self.clock
 
     def step(self, pool: Any, seqs: list[SeqInput], rows: SamplingRows) -> tuple[np.ndarray, float, dict[str, float]]:
         """Tokens, seconds and phases (ms, with the rest as "other") of one step."""
         xp = self.model.xp
+        self.model.phases = self.clock
         self.clock.take()
         _sync(xp)
         t0 = time.perf_counter()
@@ -293,6 +294,7 @@ class Runner:
                 tokens, _ = sample(logits, rows, np)
         _sync(xp)
         t = time.perf_counter() - t0
+        self.model.phases = None
         phases = {k: v * 1e3 for k, v in self.clock.take().items()}
         phases[OTHER] = max(0.0, t * 1e3 - sum(phases.values()))
         return tokens, t, phases
@@ -313,9 +315,12 @@ def pool_bytes(model: HFModel, blocks: int) -> int:
     return blocks * model.shape.kv_layout(BLOCK_SIZE, model.kv_dtype.name).block_bytes
 
 
-def _median_step(results: list[tuple[float, dict[str, float]]]) -> tuple[float, dict[str, float]]:
-    """The median step (the lower middle one of an even count) and its phases, so the phases
-    add up to the time shown."""
+Step = tuple[float, dict[str, float], int]  # seconds, phases (ms), BLAS threads
+
+
+def _median_step(results: list[Step]) -> Step:
+    """The median step (the lower middle one of an even count), so its phases add up to the
+    time shown."""
     return sorted(results, key=lambda r: r[0])[(len(results) - 1) // 2]
 
 
@@ -325,44 +330,50 @@ def _sampled_rows(b: int, position: int) -> SamplingRows:
                         np.full(b, position, np.int64), np.zeros(b, bool))
 
 
-def kvrt_decode(runner: Runner, b: int, ctx: int, steps: int, sampled: bool = False
-                ) -> tuple[float, dict[str, float], float | None]:
-    """Median decode step (s) at batch b over ctx tokens of KV and its phases; with `sampled`,
-    the sampled steps' and, third, the interleaved greedy steps' median (s)."""
-    model = runner.model
+def kvrt_decode(runners: list[Runner], b: int, ctx: int, steps: int, sampled: bool = False
+                ) -> list[tuple[Step, float | None]]:
+    """For each runner (thread setting): its median decode step at batch b over ctx tokens of
+    KV; with `sampled`, the sampled steps' and the median of greedy steps interleaved with them
+    (s). The settings take turns step by step, so a change in the machine's load falls on all
+    of them alike (each setting's steps write the same slots: the values do not matter)."""
+    model = runners[0].model
     per_seq = -(-(ctx + steps + 1) // BLOCK_SIZE)
     pool = kv_pool(model, b * per_seq)
     tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
-    tok = np.random.default_rng(b).integers(0, model.shape.vocab_size, size=b).astype(np.int32)
-    out, greedy = [], []
+    first = np.random.default_rng(b).integers(0, model.shape.vocab_size, size=b).astype(np.int32)
+    toks = [first] * len(runners)
+    out: list[list[Step]] = [[] for _ in runners]
+    greedy: list[list[float]] = [[] for _ in runners]
     for j in range(steps + 1):  # the first step untimed
         pos = ctx + j
-        seqs = [SeqInput(tok[i:i + 1], pos, tables[i]) for i in range(b)]
-        if sampled:
-            _, t, _ = runner.step(pool, seqs, SamplingRows.greedy(b))
+        for r, runner in enumerate(runners):
+            seqs = [SeqInput(toks[r][i:i + 1], pos, tables[i]) for i in range(b)]
+            if sampled:
+                _, t, _ = runner.step(pool, seqs, SamplingRows.greedy(b))
+                if j:
+                    greedy[r].append(t)
+            toks[r], t, ph = runner.step(pool, seqs, _sampled_rows(b, pos + 1) if sampled else SamplingRows.greedy(b))
             if j:
-                greedy.append(t)
-        tok, t, ph = runner.step(pool, seqs, _sampled_rows(b, pos + 1) if sampled else SamplingRows.greedy(b))
-        if j:
-            out.append((t, ph))
-    t, ph = _median_step(out)
-    return t, ph, float(np.median(greedy)) if sampled else None
+                out[r].append((t, ph, runner.threads.last))
+    return [(_median_step(o), float(np.median(g)) if sampled else None) for o, g in zip(out, greedy)]
 
 
-def kvrt_prefill(runner: Runner, b: int, prompt_len: int, repeats: int) -> tuple[float, dict[str, float]]:
-    """Best of `repeats` prefill steps (s) of b prompts of prompt_len tokens, and its phases."""
-    model = runner.model
+def kvrt_prefill(runners: list[Runner], b: int, prompt_len: int, repeats: int) -> list[Step]:
+    """For each runner: its best of `repeats` prefill steps of b prompts of prompt_len tokens,
+    the runners taking turns."""
+    model = runners[0].model
     per_seq = -(-prompt_len // BLOCK_SIZE)
     pool = kv_pool(model, b * per_seq)
     tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
     prompts = np.random.default_rng(prompt_len).integers(0, model.shape.vocab_size, size=(b, prompt_len),
                                                          dtype=np.int32)
     seqs = [SeqInput(prompts[i], 0, tables[i]) for i in range(b)]
-    out = []
+    out: list[list[Step]] = [[] for _ in runners]
     for _ in range(repeats):
-        _, t, ph = runner.step(pool, seqs, SamplingRows.greedy(b))
-        out.append((t, ph))
-    return min(out, key=lambda r: r[0])
+        for r, runner in enumerate(runners):
+            _, t, ph = runner.step(pool, seqs, SamplingRows.greedy(b))
+            out[r].append((t, ph, runner.threads.last))
+    return [min(o, key=lambda x: x[0]) for o in out]
 
 
 # ---- transformers ----------------------------------------------------------------------------
@@ -459,57 +470,55 @@ class Grid:
     max_pool_bytes: int
 
 
-def run_setting(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, setting: int, load: str,
-                cores: int) -> list[Row]:
-    """Every row of the grid at one thread setting, kvrt then transformers for each."""
-    threads = BlasThreads(setting, cores)
-    runner = Runner(model, threads)
-    label = "auto" if setting == AUTO else str(setting)
+def run_grid(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, settings: list[int], load: str,
+             cores: int) -> list[Row]:
+    """Every row of the grid at each thread setting (the settings' steps interleaved), each
+    setting's kvrt row followed by transformers at the same thread count."""
+    runners = [Runner(model, BlasThreads(s, cores)) for s in settings]
+    labels = ["auto" if s == AUTO else str(s) for s in settings]
     rows: list[Row] = []
     # one untimed step first: the first call pays for lazy initialisation
-    runner.step(kv_pool(model, 1), [SeqInput(np.zeros(2, np.int32), 0, np.zeros(1, np.int32))],
-                SamplingRows.greedy(1))
+    for runner in runners:
+        runner.step(kv_pool(model, 1), [SeqInput(np.zeros(2, np.int32), 0, np.zeros(1, np.int32))],
+                    SamplingRows.greedy(1))
 
-    def compare(row: Row, seqs: list[tuple[int, int]], hf_time: Callable[[], float]) -> None:
+    def finish(row: Row, step: Step, seqs: list[tuple[int, int]], hf_time: Callable[[int], float] | None) -> None:
+        t, row.phases_ms, row.blas_threads = step
+        row.ms, row.tokens_s = t * 1e3, row.tokens / t
         limits.roofline(row, seqs)
-        if hf.model is None:
+        if hf_time is None:
+            pass
+        elif hf.model is None:
             row.note = hf.why
-            return
-        time.sleep(SWITCH_PAUSE_S)
-        row.hf_ms = hf_time() * 1e3
-        row.vs_hf = row.hf_ms / row.ms
-        time.sleep(SWITCH_PAUSE_S)
+        else:
+            time.sleep(SWITCH_PAUSE_S)
+            row.hf_ms = hf_time(row.blas_threads) * 1e3
+            row.vs_hf = row.hf_ms / row.ms
+            time.sleep(SWITCH_PAUSE_S)
+        rows.append(row)
+        log.info("%s batch %d context %d threads %s (%s): %.1f ms", row.kind, row.batch, row.context, row.threads,
+                 load, row.ms)
 
     for ctx in grid.contexts:
         for b in grid.batches:
-            row = Row("decode", label, load, b, ctx, b, threads.count(b))
             need = pool_bytes(model, b * -(-(ctx + grid.decode_steps + 1) // BLOCK_SIZE))
             if need > grid.max_pool_bytes:
-                row.note = f"skipped: its pool takes {need / 2**30:.1f} GiB > --max-pool-gib"
-                rows.append(row)
+                rows += [Row("decode", label, load, b, ctx, b, note=f"skipped: its pool takes {need / 2**30:.1f} GiB "
+                             f"> --max-pool-gib") for label in labels]
                 continue
-            t, row.phases_ms, _ = kvrt_decode(runner, b, ctx, grid.decode_steps)
-            row.ms, row.tokens_s, row.blas_threads = t * 1e3, b / t, threads.last
-            compare(row, [(ctx, 1)] * b, lambda: hf.decode(b, ctx, grid.decode_steps, row.blas_threads))
-            rows.append(row)
-            log.info("decode batch %d context %d threads %s (%s): %.1f ms", b, ctx, label, load, row.ms)
+            for label, (step, _) in zip(labels, kvrt_decode(runners, b, ctx, grid.decode_steps)):
+                finish(Row("decode", label, load, b, ctx, b), step, [(ctx, 1)] * b,
+                       lambda n: hf.decode(b, ctx, grid.decode_steps, n))
     for b in grid.prefill_batches:
-        row = Row("prefill", label, load, b, 0, b * grid.prompt_len, threads.count(b * grid.prompt_len))
-        t, row.phases_ms = kvrt_prefill(runner, b, grid.prompt_len, grid.prefill_repeats)
-        row.ms, row.tokens_s, row.blas_threads = t * 1e3, b * grid.prompt_len / t, threads.last
-        compare(row, [(0, grid.prompt_len)] * b,
-                lambda: hf.prefill(b, grid.prompt_len, grid.prefill_repeats, row.blas_threads))
-        rows.append(row)
-        log.info("prefill batch %d threads %s (%s): %.1f ms", b, label, load, row.ms)
+        for label, step in zip(labels, kvrt_prefill(runners, b, grid.prompt_len, grid.prefill_repeats)):
+            finish(Row("prefill", label, load, b, 0, b * grid.prompt_len), step, [(0, grid.prompt_len)] * b,
+                   lambda n: hf.prefill(b, grid.prompt_len, grid.prefill_repeats, n))
     if grid.sample_batch:
         b, ctx = grid.sample_batch, grid.contexts[0]
-        row = Row("sampled", label, load, b, ctx, b, threads.count(b))
-        t, row.phases_ms, greedy = kvrt_decode(runner, b, ctx, grid.decode_steps, sampled=True)
-        row.ms, row.tokens_s, row.greedy_ms, row.blas_threads = t * 1e3, b / t, greedy * 1e3, threads.last
-        row.vs_greedy = row.ms / row.greedy_ms
-        limits.roofline(row, [(ctx, 1)] * b)
-        rows.append(row)
-    model.phases = None
+        for label, (step, greedy) in zip(labels, kvrt_decode(runners, b, ctx, grid.decode_steps, sampled=True)):
+            row = Row("sampled", label, load, b, ctx, b, greedy_ms=greedy * 1e3)
+            finish(row, step, [(ctx, 1)] * b, None)
+            row.vs_greedy = row.ms / row.greedy_ms
     return rows
 
 
@@ -696,8 +705,7 @@ def main(argv: list[str]) -> int:
             hf.model, hf.why = None, "transformers skipped: --no-transformers"
         for load in ["quiet"] + ([f"busy {args.busy}"] if args.busy else []):
             with Busy(args.busy if load != "quiet" else 0):
-                for setting in settings:
-                    rows += run_setting(model, hf, limits, grid, setting, load, cores)
+                rows += run_grid(model, hf, limits, grid, settings, load, cores)
         c = info.config
         meta = dict(model=args.model or f"random {args.shape} Qwen2 (BF16 file)", arch=c.arch,
                     params=weight_params(model), weight_bytes=weight_bytes(model), compute_dtype=compute,

@@ -67,7 +67,7 @@ def test_cli_small_json_structure():
     steps = [r for r in rows if r["kind"] not in ("memcpy", "peak")]
     per_setting = [("decode", 1, 16), ("decode", 3, 16), ("prefill", 1, 0), ("sampled", 2, 16)]
     assert [(r["kind"], r["batch"], r["context"], r["threads"]) for r in steps] == \
-        [(*k, t) for t in ("1", "auto") for k in per_setting]
+        [(*k, t) for k in per_setting for t in ("1", "auto")]
     for r in steps:
         assert r["load"] == "quiet" and r["ms"] > 0 and r["tokens_s"] > 0
         if r["threads"] == "1" or r["tokens"] < PARALLEL_ROWS:
