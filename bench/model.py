@@ -79,7 +79,7 @@ BLOCK_SIZE = 16
 MEMCPY_BYTES = 1 << 30  # large enough to leave every cache far behind
 PEAK_N = 2048           # the peak matmul's side: large enough for the BLAS's best blocking
 SAMPLED = dict(temperature=1.0, top_p=0.9, top_k=50)
-SWITCH_PAUSE_S = 0.2    # between kvrt and torch: each one's idle threads stop spinning first
+SWITCH_PAUSE_S = 0.2    # between kvrt and torch, and between thread settings: idle threads stop spinning first
 
 
 @dataclass
@@ -330,6 +330,13 @@ def _sampled_rows(b: int, position: int) -> SamplingRows:
                         np.full(b, position, np.int64), np.zeros(b, bool))
 
 
+def _pause_between(runners: list[Runner]) -> None:
+    """Between two settings' steps: a BLAS's idle threads spin for a while after a step that
+    used them, and would slow the next setting's step, not their own."""
+    if len(runners) > 1:
+        time.sleep(SWITCH_PAUSE_S)
+
+
 def kvrt_decode(runners: list[Runner], b: int, ctx: int, steps: int, sampled: bool = False
                 ) -> list[tuple[Step, float | None]]:
     """For each runner (thread setting): its median decode step at batch b over ctx tokens of
@@ -347,6 +354,7 @@ def kvrt_decode(runners: list[Runner], b: int, ctx: int, steps: int, sampled: bo
     for j in range(steps + 1):  # the first step untimed
         pos = ctx + j
         for r, runner in enumerate(runners):
+            _pause_between(runners)
             seqs = [SeqInput(toks[r][i:i + 1], pos, tables[i]) for i in range(b)]
             if sampled:
                 _, t, _ = runner.step(pool, seqs, SamplingRows.greedy(b))
@@ -371,6 +379,7 @@ def kvrt_prefill(runners: list[Runner], b: int, prompt_len: int, repeats: int) -
     out: list[list[Step]] = [[] for _ in runners]
     for _ in range(repeats):
         for r, runner in enumerate(runners):
+            _pause_between(runners)
             _, t, ph = runner.step(pool, seqs, SamplingRows.greedy(b))
             out[r].append((t, ph, runner.threads.last))
     return [min(o, key=lambda x: x[0]) for o in out]
