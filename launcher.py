@@ -21,7 +21,7 @@ BENCHES = {
     "replay": ("kvrt.bench.replay", "a trace against a node it launches, prefix cache on vs off (TTFT, tokens computed)"),
     "storage": ("kvrt.bench.storage", "storage tiers: Mooncake Store and file put/get vs a raw socket; cross-node TTFT with a shared store"),
     "route": ("kvrt.bench.route", "N nodes behind kvrt route: hit rate and TTFT per routing policy vs one node"),
-    "model": ("kvrt.bench.model", "prefill/decode tokens/s of a (~0.5B-shaped) checkpoint vs the weight-streaming floor"),
+    "model": ("kvrt.bench.model", "a (~0.5B-shaped) checkpoint's step by phase vs its roofline and vs transformers"),
     "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
     "sampler": ("kvrt.bench.sampler", "sampling a token (temperature, top-k/p) vs the greedy argmax, a full sort and one read"),
 }
@@ -57,6 +57,19 @@ def _detect_device() -> str:
         return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
     except Exception:  # not installed, no driver, no device: all mean "use the CPU"
         return "cpu"
+
+
+def _threads(value: str) -> int:
+    """--threads: a positive count, or auto (0)."""
+    if value == "auto":
+        return 0
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {value!r}")
+    return n
 
 
 def _add_launch(sub) -> argparse.ArgumentParser:
@@ -148,6 +161,13 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "accumulates in float32 (norms, attention, softmax, residual stream and logits stay float32); "
                    "bfloat16 is computed as float16 (CuPy has no bfloat16; BF16 weights convert exactly where they "
                    "fit, and a weight beyond float16's range is refused). The reference model computes in float64"),
+    p.add_argument("--threads", type=_threads, default=os.environ.get("KVRT_THREADS", "auto"),
+                   metavar="N|auto",
+                   help="BLAS threads of each worker's matmuls on a CPU (default: $KVRT_THREADS, else auto: one "
+                   "thread for a step of fewer than 64 token rows, such as a decode step, where threads that wait "
+                   "for each other cost more than they share, and for larger steps, such as a prefill chunk, the cores "
+                   "of the worker's share (its CPUs / --tp) that other processes are not running on as the step "
+                   "starts, at least one); N fixes N threads for every step")
     p.add_argument("--vocab-size", type=int, default=None, help=f"model vocabulary (default {d.vocab_size})")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"longest prompt + output in tokens (default {d.max_model_len}; with --model its "

@@ -1,5 +1,5 @@
-"""`kvrt bench model`: prefill and decode throughput of a Hugging Face checkpoint through the
-worker's forward pass, next to the physical floor of a decode step.
+"""`kvrt bench model`: where a step of a Hugging Face checkpoint's forward pass spends its time,
+against the step's physical limit and against `transformers` running the same checkpoint.
 
 In one run:
 - without --model, a checkpoint of real ~0.5B shapes (Qwen2: hidden 896, 24 layers, 14 heads,
@@ -7,32 +7,53 @@ In one run:
   into a temporary directory (`--shape small`: a few-layer toy of the same kind, for a quick run);
 - it is loaded with the loader the worker uses (`HFModel`, memory-mapped safetensors) in the
   compute dtype a node would use (--compute-dtype, as `kvrt launch`'s: auto is float32 on a CPU
-  and the checkpoint's precision, float16 for BF16, on a GPU; the KV pool follows) and run
-  over a paged KV pool laid out by the node's KV layout spec (`ModelShape.kv_layout`), each
-  sequence with its own block table, through `step_logits`, the worker's call;
-- `memcpy`: one large copy (CPU: `np.copyto`; CUDA: a device-to-device copy), bytes read plus
-  written per second: the memory bandwidth this run gets;
-- prefill: one step of `batch` prompts of --prompt-len tokens, tokens/s;
-- decode: --decode-steps steps of one token per sequence, tokens/s and ms/step, next to the floor:
-  the time to read the model's weights (as held in memory) once at that bandwidth, since every
-  decode step reads all of them; `vs floor` is measured / floor (1.0 is the limit);
-- on CUDA, when `transformers` and `torch` import, a plain `generate` loop of the same
-  checkpoint at the largest batch, for scale.
+  and the checkpoint's precision, float16 for BF16, on a GPU; the KV pool follows) and run over a
+  paged KV pool laid out by the node's KV layout spec, each sequence with its own block table,
+  through `step_logits`, the worker's call, then the worker's `sample`, with the BLAS thread
+  count the worker would use (workers/threads.py);
+- the limits, measured first: `memcpy`, one large copy (bytes read plus written per second),
+  and `peak`, a large square matmul in the compute dtype at each thread count used (FLOP/s);
+- `decode` rows: at each --batches and --contexts, --decode-steps steps of one token per
+  sequence whose KV already holds `context` tokens (written into the pool directly: the values
+  do not change the work), median step; `prefill` rows: one step of a --prompt-len prompt per
+  sequence at each --prefill-batches, best of --prefill-repeats; a `sampled` row: decode at
+  --sample-batch with temperature 1, top_p 0.9, top_k 50, its steps interleaved with greedy ones,
+  `vs greedy` being sampled / greedy;
+- each row splits its step into phases (workers/phases.py: q/k/v/o and MLP projections,
+  attention, LM head, host<->device copies, sampling, and the rest) and stands next to its
+  roofline: the larger of the bytes it must move (the weights once, the KV it reads) at the
+  memcpy bandwidth and the FLOPs it must do (matmuls, causal attention) at the matmul peak of the
+  same thread count; `vs roof` is measured / roofline (1.0 is the limit);
+- when `torch` and `transformers` import, the same checkpoint's `transformers` model on the same
+  device, in the same dtype, with the same thread count (torch.set_num_threads), each row right
+  after kvrt's: decode as a manual loop of one forward per token over a `DynamicCache` holding
+  `context` tokens (not `generate`, whose own bookkeeping would be charged to the model), prefill
+  as one forward of the prompt; `kvrt/hf` is transformers' step time / kvrt's (above 1: kvrt
+  faster). Without them the rows say why and the rest runs;
+- --threads 1,2,auto measures each thread setting, the settings taking turns step by step so a
+  change in the machine's load falls on all alike, and --busy N repeats every row with N busy
+  processes competing for the cores.
 
-No timing is asserted anywhere; the figures are what this machine gave in this run.
+Default grid: batches 1,8,32 at context 128, prefill at batch 1 and the sampled row (a few
+minutes on 2 cores). The full grid: --contexts 128,2048,8192 --prefill-batches 1,8,32 (rows
+whose pool exceeds --max-pool-gib are skipped with a note). No timing is asserted anywhere; the
+figures are what this machine gave in this run.
 """
 from __future__ import annotations
 
 import argparse
+import inspect as pyinspect
 import json
 import logging
 import math
 import os
 import struct
+import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,6 +62,9 @@ from kvrt.workers.backend import BackendUnavailable, get_backend
 from kvrt.workers.checkpoint import inspect
 from kvrt.workers.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
 from kvrt.workers.model import SeqInput
+from kvrt.workers.phases import OTHER, SAMPLING, PhaseClock
+from kvrt.workers.sampler import SamplingRows, sample
+from kvrt.workers.threads import AUTO, BlasThreads, usable_cores
 
 log = logging.getLogger("kvrt.bench.model")
 
@@ -53,19 +77,33 @@ SHAPES = {
 }
 BLOCK_SIZE = 16
 MEMCPY_BYTES = 1 << 30  # large enough to leave every cache far behind
+PEAK_N = 2048           # the peak matmul's side: large enough for the BLAS's best blocking
+SAMPLED = dict(temperature=1.0, top_p=0.9, top_k=50)
+SWITCH_PAUSE_S = 0.2    # between kvrt and torch, and between thread settings: idle threads stop spinning first
 
 
 @dataclass
 class Row:
-    phase: str          # "memcpy", "prefill", "decode" or "transformers decode"
-    batch: int          # 0 for memcpy
-    tokens: int         # tokens computed in the timed part
-    seconds: float
+    kind: str             # "memcpy", "peak", "decode", "prefill" or "sampled"
+    threads: str = "-"    # the setting: "1", "2", ..., "auto"
+    load: str = "quiet"   # "quiet" or "busy N": N competing busy processes
+    batch: int = 0
+    context: int = 0      # tokens each sequence's KV held before the step
+    tokens: int = 0       # tokens computed in one step
+    blas_threads: int = 0  # what the setting resolved to (auto: for the row's last step)
+    ms: float | None = None           # kvrt, per step
     tokens_s: float | None = None
-    ms_step: float | None = None
-    floor_ms: float | None = None     # decode: one read of the weights at the measured bandwidth
-    vs_floor: float | None = None     # decode: ms_step / floor_ms
+    phases_ms: dict[str, float] = field(default_factory=dict)  # the median step's, "other" included
+    mem_ms: float | None = None       # bytes it must move at the memcpy bandwidth
+    flop_ms: float | None = None      # FLOPs it must do at the matmul peak of its thread count
+    roof_ms: float | None = None      # max(mem_ms, flop_ms)
+    vs_roof: float | None = None      # ms / roof_ms
+    hf_ms: float | None = None        # transformers, per step
+    vs_hf: float | None = None        # hf_ms / ms: kvrt's speed in units of transformers'
+    greedy_ms: float | None = None    # sampled: the interleaved greedy steps
+    vs_greedy: float | None = None    # sampled: ms / greedy_ms
     gb_s: float | None = None         # memcpy: bytes read + written per second
+    gflop_s: float | None = None      # peak
     note: str = ""
 
 
@@ -126,7 +164,8 @@ def write_checkpoint(directory: str, shape: str, seed: int = 0) -> dict:
     return cfg
 
 
-# ---- measurements ----------------------------------------------------------------------------
+
+# ---- limits ----------------------------------------------------------------------------------
 
 def _sync(xp: Any) -> None:
     if xp is not np:
@@ -145,6 +184,20 @@ def memcpy_gb_s(xp: Any, nbytes: int, repeat: int = 5) -> float:
         _sync(xp)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best / 1e9
+
+
+def matmul_gflop_s(xp: Any, dtype: str, n: int, repeat: int = 3) -> float:
+    """FLOP/s of an n x n by n x n matmul in `dtype` (the thread count in force), best of `repeat`."""
+    a = xp.full((n, n), 0.5, dtype=dtype)
+    b = xp.full((n, n), 0.25, dtype=dtype)
+    best = math.inf
+    for _ in range(repeat + 1):  # the first also pays for the BLAS's lazy start
+        _sync(xp)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(xp)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
 
 
 def weight_bytes(model: HFModel) -> int:
@@ -177,96 +230,406 @@ def _weight_arrays(model: HFModel) -> list[Any]:
     return list(seen.values())
 
 
-def run_model(model: HFModel, batches: list[int], prompt_len: int, steps: int, bw_gb_s: float,
-              wbytes: int, seed: int = 0) -> list[Row]:
-    """Prefill then decode at each batch, each sequence with its own blocks of one pool."""
-    xp, s = model.xp, model.shape
-    per_seq = -(-(prompt_len + steps) // BLOCK_SIZE)
-    layout = s.kv_layout(BLOCK_SIZE, model.kv_dtype.name)
-    pool = xp.zeros(layout.pool_shape(per_seq * max(batches)), dtype=layout.dtype)
-    rng = np.random.default_rng(seed)
-    floor_s = wbytes / (bw_gb_s * 1e9)
-    # one untimed step first: the first call pays for page faults and lazy initialisation
-    model.step_logits(pool, [SeqInput(np.zeros(min(prompt_len, BLOCK_SIZE), np.int32), 0, np.arange(per_seq))])
-    rows = []
-    for b in batches:
-        tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
-        prompts = rng.integers(0, s.vocab_size, size=(b, prompt_len), dtype=np.int32)
+@dataclass
+class Limits:
+    """What this machine can do, measured in this run, and what a step must do (`cost`)."""
+
+    gb_s: float                  # memcpy, read + written
+    gflop_s: dict[int, float]    # matmul peak by thread count
+    step_bytes: int              # a step's weight traffic: every weight once (an untied embedding: its rows)
+    layer_matmul_params: int     # q/k/v/o and MLP weights of all layers
+    head_params: int             # the LM head
+    attn_width: int              # query heads x head_dim of all layers summed
+    kv_token_bytes: int          # one token's K and V over all layers, in the pool
+
+    def cost(self, seqs: list[tuple[int, int]]) -> tuple[float, float]:
+        """(bytes, FLOPs) a step of sequences (context, new tokens) cannot do without: the
+        weights read once and each sequence's KV read once and its new KV written; the
+        projections of every token, the LM head of each sequence's last, and causal
+        attention (QK^T and PV: 4 FLOPs per query, key and query-head dimension)."""
+        tokens = sum(n for _, n in seqs)
+        kv = sum(ctx + n for ctx, n in seqs) * self.kv_token_bytes
+        pairs = sum(n * ctx + n * (n + 1) // 2 for ctx, n in seqs)  # (query, visible key) pairs
+        flops = 2 * self.layer_matmul_params * tokens + 2 * self.head_params * len(seqs) + 4 * self.attn_width * pairs
+        return float(self.step_bytes + kv), float(flops)
+
+    def roofline(self, row: Row, seqs: list[tuple[int, int]]) -> None:
+        nbytes, flops = self.cost(seqs)
+        row.mem_ms = nbytes / (self.gb_s * 1e9) * 1e3
+        row.flop_ms = flops / (self.gflop_s[row.blas_threads] * 1e9) * 1e3
+        row.roof_ms = max(row.mem_ms, row.flop_ms)
+        if row.ms:
+            row.vs_roof = row.ms / row.roof_ms
+
+
+def model_limits(model: HFModel, gb_s: float, gflop_s: dict[int, float]) -> Limits:
+    w0, s = model.layers[0], model.shape
+    per_layer = sum(int(a.size) for a in (w0.wq, w0.wk, w0.wv, w0.wo, w0.w_gate, w0.w_up, w0.w_down))
+    tied = model.config.tie_word_embeddings
+    return Limits(gb_s, gflop_s, weight_bytes(model) - (0 if tied else int(model.embed.nbytes)),
+                  per_layer * s.num_layers, int(model.lm_head.size), s.num_heads * s.head_dim * s.num_layers,
+                  2 * s.num_layers * s.num_kv_heads * s.head_dim * model.kv_dtype.itemsize)
+
+
+# ---- kvrt ------------------------------------------------------------------------------------
+
+class Runner:
+    """kvrt's steps as the worker runs them at one thread setting: the BLAS thread count for
+    the step's rows, the forward pass, then `sample`; each step's phases recorded."""
+
+    def __init__(self, model: HFModel, threads: BlasThreads) -> None:
+        self.model, self.threads = model, threads
+        self.clock = PhaseClock(model.xp)
+
+    def step(self, pool: Any, seqs: list[SeqInput], rows: SamplingRows) -> tuple[np.ndarray, float, dict[str, float]]:
+        """Tokens, seconds and phases (ms, with the rest as "other") of one step."""
+        xp = self.model.xp
+        self.model.phases = self.clock
+        self.clock.take()
         _sync(xp)
         t0 = time.perf_counter()
-        tok = model.step_logits(pool, [SeqInput(prompts[i], 0, tables[i]) for i in range(b)]).argmax(-1)
+        with self.threads.for_rows(sum(len(s.tokens) for s in seqs)):
+            logits = self.model.step_logits(pool, seqs)
+            with self.clock.span(SAMPLING):
+                tokens, _ = sample(logits, rows, np)
         _sync(xp)
         t = time.perf_counter() - t0
-        rows.append(Row("prefill", b, b * prompt_len, t, tokens_s=b * prompt_len / t))
+        self.model.phases = None
+        phases = {k: v * 1e3 for k, v in self.clock.take().items()}
+        phases[OTHER] = max(0.0, t * 1e3 - sum(phases.values()))
+        return tokens, t, phases
+
+
+def kv_pool(model: HFModel, blocks: int, seed: int = 0) -> Any:
+    """A pool of `blocks` blocks, every one holding random K/V (attention's work does not
+    depend on the values, and written pages cost no fault inside a timed step)."""
+    xp = model.xp
+    layout = model.shape.kv_layout(BLOCK_SIZE, model.kv_dtype.name)
+    pool = xp.empty(layout.pool_shape(blocks), dtype=layout.dtype)
+    one = np.random.default_rng(seed).standard_normal(layout.pool_shape(1)).astype(layout.dtype)
+    pool[:] = xp.asarray(one)
+    return pool
+
+
+def pool_bytes(model: HFModel, blocks: int) -> int:
+    return blocks * model.shape.kv_layout(BLOCK_SIZE, model.kv_dtype.name).block_bytes
+
+
+Step = tuple[float, dict[str, float], int]  # seconds, phases (ms), BLAS threads
+
+
+def _median_step(results: list[Step]) -> Step:
+    """The median step (the lower middle one of an even count), so its phases add up to the
+    time shown."""
+    return sorted(results, key=lambda r: r[0])[(len(results) - 1) // 2]
+
+
+def _sampled_rows(b: int, position: int) -> SamplingRows:
+    return SamplingRows(np.full(b, SAMPLED["temperature"]), np.full(b, SAMPLED["top_p"]),
+                        np.full(b, SAMPLED["top_k"], np.int64), np.arange(b, dtype=np.uint64),
+                        np.full(b, position, np.int64), np.zeros(b, bool))
+
+
+def _pause_between(runners: list[Runner]) -> None:
+    """Between two settings' steps: a BLAS's idle threads spin for a while after a step that
+    used them, and would slow the next setting's step, not their own."""
+    if len(runners) > 1:
+        time.sleep(SWITCH_PAUSE_S)
+
+
+def kvrt_decode(runners: list[Runner], b: int, ctx: int, steps: int, sampled: bool = False
+                ) -> list[tuple[Step, float | None]]:
+    """For each runner (thread setting): its median decode step at batch b over ctx tokens of
+    KV; with `sampled`, the sampled steps' and the median of greedy steps interleaved with them
+    (s). The settings take turns step by step, so a change in the machine's load falls on all
+    of them alike (each setting's steps write the same slots: the values do not matter)."""
+    model = runners[0].model
+    per_seq = -(-(ctx + steps + 1) // BLOCK_SIZE)
+    pool = kv_pool(model, b * per_seq)
+    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
+    first = np.random.default_rng(b).integers(0, model.shape.vocab_size, size=b).astype(np.int32)
+    toks = [first] * len(runners)
+    out: list[list[Step]] = [[] for _ in runners]
+    greedy: list[list[float]] = [[] for _ in runners]
+    for j in range(steps + 1):  # the first step untimed
+        pos = ctx + j
+        for r, runner in enumerate(runners):
+            _pause_between(runners)
+            seqs = [SeqInput(toks[r][i:i + 1], pos, tables[i]) for i in range(b)]
+            if sampled:
+                _, t, _ = runner.step(pool, seqs, SamplingRows.greedy(b))
+                if j:
+                    greedy[r].append(t)
+            toks[r], t, ph = runner.step(pool, seqs, _sampled_rows(b, pos + 1) if sampled else SamplingRows.greedy(b))
+            if j:
+                out[r].append((t, ph, runner.threads.last))
+    return [(_median_step(o), float(np.median(g)) if sampled else None) for o, g in zip(out, greedy)]
+
+
+def kvrt_prefill(runners: list[Runner], b: int, prompt_len: int, repeats: int) -> list[Step]:
+    """For each runner: its best of `repeats` prefill steps of b prompts of prompt_len tokens,
+    the runners taking turns."""
+    model = runners[0].model
+    per_seq = -(-prompt_len // BLOCK_SIZE)
+    pool = kv_pool(model, b * per_seq)
+    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
+    prompts = np.random.default_rng(prompt_len).integers(0, model.shape.vocab_size, size=(b, prompt_len),
+                                                         dtype=np.int32)
+    seqs = [SeqInput(prompts[i], 0, tables[i]) for i in range(b)]
+    out: list[list[Step]] = [[] for _ in runners]
+    for _ in range(repeats):
+        for r, runner in enumerate(runners):
+            _pause_between(runners)
+            _, t, ph = runner.step(pool, seqs, SamplingRows.greedy(b))
+            out[r].append((t, ph, runner.threads.last))
+    return [min(o, key=lambda x: x[0]) for o in out]
+
+
+# ---- transformers ----------------------------------------------------------------------------
+
+class Transformers:
+    """The same checkpoint's `transformers` model on the same device and dtype, or why not."""
+
+    def __init__(self, model_dir: str, device: str, compute_dtype: str) -> None:
+        self.why, self.model = "", None
+        try:
+            import torch  # optional: only this comparison needs it, and the project does not depend on it
+            import transformers
+            from transformers import AutoModelForCausalLM, DynamicCache
+        except ImportError as e:
+            self.why = f"transformers skipped: {e}"
+            return
+        self.torch, self.DynamicCache = torch, DynamicCache
+        self.device = "cuda" if device == "cuda" else "cpu"
+        self.dtype = torch.float32 if compute_dtype == "float32" else torch.float16
+        # `torch_dtype` became `dtype` in transformers 4.56; the old name only warns, an unknown
+        # one would be ignored and load float32, so the name is picked by version
+        major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+        kw = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": self.dtype}
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).to(self.device).eval()
+        # the cache argument's name: past_key_values until transformers renamed it cache
+        params = pyinspect.signature(self.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def _forward(self, ids: Any, positions: Any, cache: Any) -> Any:
+        return self.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                          **{self.cache_kw: cache})
+
+    def decode(self, b: int, ctx: int, steps: int, threads: int) -> float:
+        """Median seconds of one forward per token at batch b over a cache of ctx tokens."""
+        torch, cfg = self.torch, self.model.config
+        torch.set_num_threads(threads)
+        kvh = cfg.num_key_value_heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cache = self.DynamicCache(config=cfg)
+        gen = torch.Generator().manual_seed(0)
+        for li in range(cfg.num_hidden_layers):
+            k = torch.randn(b, kvh, ctx, hd, generator=gen).to(self.device, self.dtype)
+            v = torch.randn(b, kvh, ctx, hd, generator=gen).to(self.device, self.dtype)
+            cache.update(k, v, li)
+        tok = torch.randint(0, cfg.vocab_size, (b, 1), generator=gen).to(self.device)
         times = []
-        for j in range(steps):
-            seqs = [SeqInput(np.array([tok[i]], dtype=np.int32), prompt_len + j, tables[i]) for i in range(b)]
-            _sync(xp)
-            t0 = time.perf_counter()
-            tok = model.step_logits(pool, seqs).argmax(-1)
-            _sync(xp)
-            times.append(time.perf_counter() - t0)
-        step_s = float(np.median(times))
-        rows.append(Row("decode", b, b * steps, float(sum(times)), tokens_s=b / step_s, ms_step=step_s * 1e3,
-                        floor_ms=floor_s * 1e3, vs_floor=step_s / floor_s))
-        log.info("batch %d done", b)
+        with torch.inference_mode():
+            for j in range(steps + 1):  # the first step untimed
+                pos = torch.full((b, 1), ctx + j, device=self.device)
+                self._sync()
+                t0 = time.perf_counter()
+                out = self._forward(tok, pos, cache)
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                self._sync()
+                times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
+
+    def prefill(self, b: int, prompt_len: int, repeats: int, threads: int) -> float:
+        """Best of `repeats` forwards (s) of b prompts of prompt_len tokens into fresh caches."""
+        torch, cfg = self.torch, self.model.config
+        torch.set_num_threads(threads)
+        gen = torch.Generator().manual_seed(prompt_len)
+        ids = torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=gen).to(self.device)
+        pos = torch.arange(prompt_len, device=self.device).expand(b, -1)
+        best = math.inf
+        with torch.inference_mode():
+            self._forward(ids[:, :BLOCK_SIZE], pos[:, :BLOCK_SIZE], self.DynamicCache(config=cfg))  # warm-up
+            for _ in range(repeats):
+                self._sync()
+                t0 = time.perf_counter()
+                out = self._forward(ids, pos, self.DynamicCache(config=cfg))
+                out.logits[:, -1].argmax(-1)
+                self._sync()
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+
+# ---- the grid --------------------------------------------------------------------------------
+
+@dataclass
+class Grid:
+    batches: list[int]
+    contexts: list[int]
+    decode_steps: int
+    prompt_len: int
+    prefill_batches: list[int]
+    prefill_repeats: int
+    sample_batch: int
+    max_pool_bytes: int
+
+
+def run_grid(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, settings: list[int], load: str,
+             cores: int) -> list[Row]:
+    """Every row of the grid at each thread setting (the settings' steps interleaved), each
+    setting's kvrt row followed by transformers at the same thread count."""
+    runners = [Runner(model, BlasThreads(s, cores)) for s in settings]
+    labels = ["auto" if s == AUTO else str(s) for s in settings]
+    rows: list[Row] = []
+    # one untimed step first: the first call pays for lazy initialisation
+    for runner in runners:
+        runner.step(kv_pool(model, 1), [SeqInput(np.zeros(2, np.int32), 0, np.zeros(1, np.int32))],
+                    SamplingRows.greedy(1))
+
+    def finish(row: Row, step: Step, seqs: list[tuple[int, int]], hf_time: Callable[[int], float] | None) -> None:
+        t, row.phases_ms, row.blas_threads = step
+        row.ms, row.tokens_s = t * 1e3, row.tokens / t
+        limits.roofline(row, seqs)
+        if hf_time is None:
+            pass
+        elif hf.model is None:
+            row.note = hf.why
+        else:
+            time.sleep(SWITCH_PAUSE_S)
+            row.hf_ms = hf_time(row.blas_threads) * 1e3
+            row.vs_hf = row.hf_ms / row.ms
+            time.sleep(SWITCH_PAUSE_S)
+        rows.append(row)
+        log.info("%s batch %d context %d threads %s (%s): %.1f ms", row.kind, row.batch, row.context, row.threads,
+                 load, row.ms)
+
+    for ctx in grid.contexts:
+        for b in grid.batches:
+            need = pool_bytes(model, b * -(-(ctx + grid.decode_steps + 1) // BLOCK_SIZE))
+            if need > grid.max_pool_bytes:
+                rows += [Row("decode", label, load, b, ctx, b, note=f"skipped: its pool takes {need / 2**30:.1f} GiB "
+                             f"> --max-pool-gib") for label in labels]
+                continue
+            for label, (step, _) in zip(labels, kvrt_decode(runners, b, ctx, grid.decode_steps)):
+                finish(Row("decode", label, load, b, ctx, b), step, [(ctx, 1)] * b,
+                       lambda n: hf.decode(b, ctx, grid.decode_steps, n))
+    for b in grid.prefill_batches:
+        for label, step in zip(labels, kvrt_prefill(runners, b, grid.prompt_len, grid.prefill_repeats)):
+            finish(Row("prefill", label, load, b, 0, b * grid.prompt_len), step, [(0, grid.prompt_len)] * b,
+                   lambda n: hf.prefill(b, grid.prompt_len, grid.prefill_repeats, n))
+    if grid.sample_batch:
+        b, ctx = grid.sample_batch, grid.contexts[0]
+        for label, (step, greedy) in zip(labels, kvrt_decode(runners, b, ctx, grid.decode_steps, sampled=True)):
+            row = Row("sampled", label, load, b, ctx, b, greedy_ms=greedy * 1e3)
+            finish(row, step, [(ctx, 1)] * b, None)
+            row.vs_greedy = row.ms / row.greedy_ms
     return rows
 
 
-def transformers_row(model_dir: str, batch: int, prompt_len: int, steps: int, floor_ms: float) -> Row:
-    """A plain `transformers` generate loop over the same checkpoint (bf16 on the GPU), or a
-    row saying why there is none."""
-    try:
-        import torch  # optional: only this comparison needs it
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:
-        return Row("transformers decode", batch, 0, 0.0, note=f"skipped: {e}")
-    import transformers
+class Busy:
+    """N processes spinning on the CPU for the length of a `with` block: the competing load of
+    a shared machine."""
 
-    # `torch_dtype` became `dtype` in transformers 4.56; the old name only warns, an unknown one
-    # would be ignored and load float32, so the name is picked by version
-    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
-    kw = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.bfloat16}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).to("cuda").eval()
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
-    attn = torch.ones_like(ids)
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen] = []
 
-    def gen(n: int) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+    def __enter__(self) -> "Busy":
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        return self
 
-    gen(2)  # warm-up
-    one, full = gen(1), gen(steps + 1)  # the difference is `steps` decode steps
-    step_s = max(full - one, 1e-9) / steps
-    return Row("transformers decode", batch, batch * steps, full - one, tokens_s=batch / step_s,
-               ms_step=step_s * 1e3, floor_ms=floor_ms, vs_floor=step_s * 1e3 / floor_ms)
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
 
 
 # ---- output ----------------------------------------------------------------------------------
 
+PHASE_COLUMNS = ("projections", "attention", "lm_head", "copies", "sampling", "other")
+
+
+def _f(v: float | None, spec: str) -> str:
+    width = spec.lstrip(">").split(".")[0]
+    return format(v, spec) if v is not None else format("-", ">" + width)
+
+
 def print_table(rows: list[Row], meta: dict) -> None:
     print(f"model {meta['model']} ({meta['params'] / 1e6:.1f} M params, weights held as "
-          f"{meta['weight_bytes'] / 1e9:.2f} GB {meta['compute_dtype']}) on {meta['device']}; "
-          f"prompt {meta['prompt_len']} tokens, {meta['decode_steps']} decode steps (median step), "
-          f"block {meta['block_size']}; load {meta['load_s']:.1f} s")
-    print(f"{'phase':<20} {'batch':>5} {'tokens/s':>10} {'ms/step':>9} {'floor ms':>9} {'vs floor':>9} "
-          f"{'GB/s':>7}  note")
-
-    def f(v: float | None, spec: str) -> str:
-        return format(v, spec) if v is not None else format("-", ">" + spec.lstrip(">").split(".")[0])
-
+          f"{meta['weight_bytes'] / 1e9:.2f} GB {meta['compute_dtype']}) on {meta['device']} "
+          f"({meta['cores']} cores); block {meta['block_size']}; load {meta['load_s']:.1f} s; "
+          f"comparison: {meta['transformers']}")
     for r in rows:
-        print(f"{r.phase:<20} {r.batch or '-':>5} {f(r.tokens_s, '>10.1f')} {f(r.ms_step, '>9.1f')} "
-              f"{f(r.floor_ms, '>9.2f')} {f(r.vs_floor, '>9.1f')} {f(r.gb_s, '>7.1f')}  {r.note}")
+        if r.kind == "memcpy":
+            print(f"memcpy: {r.gb_s:.1f} GB/s read + written ({r.note})")
+        elif r.kind == "peak":
+            print(f"matmul peak at {r.blas_threads} thread(s): {r.gflop_s:.1f} GFLOP/s ({r.note})")
+    print("ms per step; phases of the median step (decode, sampled) or the best (prefill); "
+          "vs roof = ms / roofline; kvrt/hf = transformers' ms / kvrt's (above 1: kvrt faster)")
+    print(f"{'kind':<8} {'thr':>4} {'load':>6} {'batch':>5} {'ctx':>5} {'ms':>8} {'tok/s':>8} "
+          + " ".join(f"{c[:7]:>7}" for c in PHASE_COLUMNS)
+          + f" {'roof ms':>8} {'vs roof':>7} {'hf ms':>8} {'kvrt/hf':>7}  note")
     for r in rows:
-        if r.phase == "transformers decode" and r.ms_step:
-            ours = next((x for x in rows if x.phase == "decode" and x.batch == r.batch), None)
-            if ours is not None and ours.ms_step:
-                print(f"kvrt vs transformers at batch {r.batch}: {r.ms_step / ours.ms_step:.1f}x faster per step")
+        if r.kind in ("memcpy", "peak"):
+            continue
+        thr = f"{r.threads}" + (f"={r.blas_threads}" if r.threads == "auto" else "")
+        note = r.note or (f"sampled/greedy {r.vs_greedy:.2f} (greedy {r.greedy_ms:.1f} ms)"
+                          if r.vs_greedy is not None else "")
+        print(f"{r.kind:<8} {thr:>4} {r.load:>6} {r.batch:>5} {r.context:>5} {_f(r.ms, '>8.1f')} "
+              f"{_f(r.tokens_s, '>8.1f')} " + " ".join(_f(r.phases_ms.get(c), '>7.1f') for c in PHASE_COLUMNS)
+              + f" {_f(r.roof_ms, '>8.1f')} {_f(r.vs_roof, '>7.2f')} {_f(r.hf_ms, '>8.1f')} "
+              f"{_f(r.vs_hf, '>7.2f')}  {note}")
+    for line in thread_summary(rows):
+        print(line)
+
+
+def thread_summary(rows: list[Row]) -> list[str]:
+    """For each row measured at both 1 and 2 threads: 2 threads' time / 1 thread's, and the
+    per-step choice's / the better of the two (the choice holds up where both are <= 1.0x)."""
+    by = {(r.kind, r.load, r.batch, r.context, r.threads): r.ms for r in rows if r.ms}
+    out = []
+    for (kind, load, b, ctx, thr), ms in by.items():
+        one, two = by.get((kind, load, b, ctx, "1")), by.get((kind, load, b, ctx, "2"))
+        if thr != "1" or two is None:
+            continue
+        auto = by.get((kind, load, b, ctx, "auto"))
+        line = f"threads {kind} batch {b} ctx {ctx} ({load}): 2 threads / 1 = {two / one:.2f}"
+        if auto is not None:
+            line += f"; auto / best of 1 and 2 = {auto / min(one, two):.2f}"
+        out.append(line)
+    return out
+
+
+def _ints(p: argparse.ArgumentParser, name: str, value: str, allow_empty: bool = False) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v]
+    except ValueError:
+        p.error(f"{name} must be comma-separated integers, got {value!r}")
+    if (not out and not allow_empty) or any(v < 1 for v in out):
+        p.error(f"{name} must be positive")
+    return out
+
+
+def _settings(p: argparse.ArgumentParser, value: str) -> list[int]:
+    out = []
+    for v in value.split(","):
+        if v == "auto":
+            out.append(AUTO)
+        elif v.isdigit() and int(v) > 0:
+            out.append(int(v))
+        else:
+            p.error(f"--threads takes comma-separated positive counts or auto, got {value!r}")
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -276,28 +639,49 @@ def main(argv: list[str]) -> int:
                                    "~0.5B-shaped BF16 Qwen2 checkpoint into a temporary directory)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b",
                    help="shape of the checkpoint written without --model (default 0.5b; small: a toy)")
-    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default 1,8,32)")
-    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (default 32)")
-    p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per batch (default 8)")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated (default 1,8,32)")
+    p.add_argument("--contexts", default="128",
+                   help="tokens of KV each sequence holds before a decode step, comma-separated (default 128; "
+                   "the full grid: 128,2048,8192)")
+    p.add_argument("--decode-steps", type=int, default=5, help="timed decode steps per row, median shown (default 5)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prefill prompt tokens per sequence (default 512)")
+    p.add_argument("--prefill-batches", default="1",
+                   help="prefill batch sizes, comma-separated; empty for none (default 1; the full grid: 1,8,32)")
+    p.add_argument("--prefill-repeats", type=int, default=2, help="prefill steps per row, best shown (default 2)")
+    p.add_argument("--sample-batch", type=int, default=8,
+                   help="batch of the sampled-decode row (temperature 1, top_p 0.9, top_k 50) vs greedy, at the "
+                   "first context; 0 for none (default 8)")
+    p.add_argument("--threads", default="auto",
+                   help="BLAS thread settings to measure, comma-separated: counts and/or auto, the worker's "
+                   "per-step choice (kvrt launch --threads) (default auto; e.g. 1,2,auto)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="also measure every row with N busy processes competing for the CPU (default 0: quiet only)")
+    p.add_argument("--max-pool-gib", type=float, default=4.0,
+                   help="skip decode rows whose KV pool would exceed this many GiB (default 4)")
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="numpy on CPU or CuPy (default cpu)")
     p.add_argument("--compute-dtype", choices=REQUESTED_DTYPES, default="auto",
                    help="as kvrt launch's (default auto: float32 on a CPU, the checkpoint's precision on a GPU)")
     p.add_argument("--memcpy-mib", type=int, default=MEMCPY_BYTES >> 20,
                    help=f"bytes of the bandwidth copy, MiB (default {MEMCPY_BYTES >> 20})")
+    p.add_argument("--peak-n", type=int, default=PEAK_N, help=f"side of the peak matmul (default {PEAK_N})")
     p.add_argument("--json", action="store_true", help='print {"meta": {...}, "rows": [...]} instead of a table')
     args = p.parse_args(argv)
-    try:
-        batches = [int(b) for b in args.batches.split(",") if b]
-    except ValueError:
-        p.error(f"--batches must be comma-separated integers, got {args.batches!r}")
-    if not batches or min(batches) < 1 or args.prompt_len < 1 or args.decode_steps < 1 or args.memcpy_mib < 1:
-        p.error("--batches, --prompt-len, --decode-steps and --memcpy-mib must be positive")
+    grid = Grid(_ints(p, "--batches", args.batches), _ints(p, "--contexts", args.contexts), args.decode_steps,
+                args.prompt_len, _ints(p, "--prefill-batches", args.prefill_batches, allow_empty=True),
+                args.prefill_repeats, args.sample_batch, int(args.max_pool_gib * 2**30))
+    settings = _settings(p, args.threads)
+    if min(args.decode_steps, args.prompt_len, args.prefill_repeats, args.memcpy_mib, args.peak_n) < 1 \
+            or args.sample_batch < 0 or args.busy < 0:
+        p.error("--decode-steps, --prompt-len, --prefill-repeats, --memcpy-mib and --peak-n must be positive, "
+                "--sample-batch and --busy not negative")
     try:
         xp = get_backend(args.device).xp
     except BackendUnavailable as e:
         p.error(str(e))
     if args.device == "cuda" and (why := cuda_missing()):  # CuPy imports, but no driver or no GPU
         p.error(f"--device cuda cannot run here: {why}")
+    cores = usable_cores()
     with tempfile.TemporaryDirectory(prefix="kvrt-bench-model-") as tmp:
         model_dir = args.model
         if model_dir is None:
@@ -306,27 +690,38 @@ def main(argv: list[str]) -> int:
             write_checkpoint(model_dir, args.shape)
             log.info("wrote a %s checkpoint in %.1f s", args.shape, time.perf_counter() - t0)
         info = inspect(model_dir)
-        max_len = args.prompt_len + args.decode_steps + 1
+        max_len = max(max(grid.contexts) + args.decode_steps + 2, args.prompt_len)
         if max_len > info.config.max_position_embeddings:
-            p.error(f"--prompt-len + --decode-steps exceed the checkpoint's max_position_embeddings "
+            p.error(f"--contexts + --decode-steps or --prompt-len exceed the checkpoint's max_position_embeddings "
                     f"({info.config.max_position_embeddings})")
         compute = resolve_compute_dtype(args.compute_dtype, args.device, info)
         t0 = time.perf_counter()
         model = HFModel(info, max_len, xp, kv_dtype=compute, matmul_dtype=compute)
         load_s = time.perf_counter() - t0
-        wbytes, params = weight_bytes(model), weight_params(model)
-        bw = memcpy_gb_s(xp, args.memcpy_mib << 20)
-        rows = [Row("memcpy", 0, 0, 0.0, gb_s=bw, note="d2d copy" if args.device == "cuda" else "np.copyto")]
-        rows += run_model(model, batches, args.prompt_len, args.decode_steps, bw, wbytes)
-        if args.device == "cuda":
-            # transformers holds every weight in bf16: two bytes per parameter
-            floor_ms = params * 2 / (bw * 1e9) * 1e3
-            rows.append(transformers_row(model_dir, max(batches), args.prompt_len, args.decode_steps, floor_ms))
+        gb_s = memcpy_gb_s(xp, args.memcpy_mib << 20)
+        rows = [Row("memcpy", gb_s=gb_s, note="d2d copy" if args.device == "cuda" else "np.copyto")]
+        counts = sorted({c for s in settings for c in (range(1, cores + 1) if s == AUTO else {s})})
+        peaks = {}
+        for n in counts:
+            with BlasThreads(n, cores).for_rows(1):
+                peaks[n] = matmul_gflop_s(xp, compute, args.peak_n)
+            rows.append(Row("peak", str(n), blas_threads=n, gflop_s=peaks[n],
+                            note=f"{args.peak_n}x{args.peak_n} {compute} matmul"))
+        limits = model_limits(model, gb_s, peaks)
+        hf = Transformers(model_dir, args.device, compute) if not args.no_transformers else None
+        if hf is None:
+            hf = Transformers.__new__(Transformers)
+            hf.model, hf.why = None, "transformers skipped: --no-transformers"
+        for load in ["quiet"] + ([f"busy {args.busy}"] if args.busy else []):
+            with Busy(args.busy if load != "quiet" else 0):
+                rows += run_grid(model, hf, limits, grid, settings, load, cores)
         c = info.config
         meta = dict(model=args.model or f"random {args.shape} Qwen2 (BF16 file)", arch=c.arch,
-                    params=params, weight_bytes=wbytes, compute_dtype=compute, device=args.device,
-                    prompt_len=args.prompt_len, decode_steps=args.decode_steps, block_size=BLOCK_SIZE,
-                    load_s=load_s, memcpy_gb_s=bw)
+                    params=weight_params(model), weight_bytes=weight_bytes(model), compute_dtype=compute,
+                    device=args.device, cores=cores, block_size=BLOCK_SIZE, load_s=load_s, memcpy_gb_s=gb_s,
+                    peak_gflop_s={str(k): v for k, v in peaks.items()}, decode_steps=args.decode_steps,
+                    prompt_len=args.prompt_len, transformers=getattr(hf, "version", None) or hf.why,
+                    hf_decode="one forward per token over a DynamicCache (not generate)")
     if args.json:
         print(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
     else:

@@ -39,3 +39,23 @@ def test_stress_ring_cli():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["ok"] and out["received"] == 4000
+
+
+def launch_parser():
+    import argparse
+
+    from kvrt import launcher
+
+    return launcher._add_launch(argparse.ArgumentParser().add_subparsers())
+
+
+def test_launch_threads_flag_and_its_environment_default(monkeypatch):
+    """--threads N|auto reaches the node config as a count, 0 for auto; $KVRT_THREADS is the default."""
+    assert launch_parser().parse_args([]).threads == 0
+    assert launch_parser().parse_args(["--threads", "3"]).threads == 3
+    assert launch_parser().parse_args(["--threads", "auto"]).threads == 0
+    monkeypatch.setenv("KVRT_THREADS", "1")
+    assert launch_parser().parse_args([]).threads == 1
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(SystemExit):
+            launch_parser().parse_args(["--threads", bad])

@@ -240,7 +240,7 @@ class HFModel(Model):
 
     def _qkv(self, h: Any, w: HFLayerWeights, positions: Any) -> tuple[Any, Any, Any]:
         s, t = self.shape, h.shape[0]
-        q, k, v = self._mm(h, w.wq), self._mm(h, w.wk), self._mm(h, w.wv)
+        q, k, v = self._proj(h, w.wq), self._proj(h, w.wk), self._proj(h, w.wv)
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         q = q.reshape(t, s.num_heads, s.head_dim)

@@ -18,20 +18,23 @@ The same code runs on numpy or cupy (`xp`); results come back as host numpy arra
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
 from kvrt.ipc.config import NodeConfig
 from kvrt.ipc.layout import KVLayout
 from kvrt.workers.attention import AttnShape, Span, paged_attention, plan_attention
+from kvrt.workers.phases import ATTENTION, COPIES, LM_HEAD, PROJECTIONS, PhaseClock
 
 log = logging.getLogger("kvrt.workers.model")
 
 _EPS = 1e-6        # RMSNorm epsilon
 _DENSE_CHUNK = 512  # query rows per attention call in the dense reference (bounds its memory)
+_UNTIMED = contextlib.nullcontext()  # what `_phase` gives while no PhaseClock is attached
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,8 @@ class Model:
     # progress marks (workers/progress.py), so a long step of a big model (seconds per prefill
     # chunk on a CPU) is not taken for a hung process
     beat: Callable[[], None] | None = None
+    # a benchmark's phase recorder (workers/phases.py); None while serving, so a step pays nothing
+    phases: PhaseClock | None = None
 
     def __init__(self, shape: ModelShape, xp: Any = np, kv_dtype: str = "float32") -> None:
         self.shape = shape
@@ -164,6 +169,17 @@ class Model:
         log.debug("model %s on %s, kv dtype %s", shape, xp.__name__, self.kv_dtype)
 
     # ---- building blocks (shared by the paged and the dense path) ----
+
+    def _phase(self, name: str) -> ContextManager[None]:
+        """A span of phase `name` on the attached PhaseClock; nothing without one."""
+        return _UNTIMED if self.phases is None else self.phases.span(name)
+
+    def _proj(self, a: Any, w: Any, phase: str = PROJECTIONS) -> Any:
+        """`_mm`, counted as one of the step's projections (or as `phase`) when timed."""
+        if self.phases is None:
+            return self._mm(a, w)
+        with self.phases.span(phase):
+            return self._mm(a, w)
 
     def _host(self, a: Any) -> np.ndarray:
         return a if isinstance(a, np.ndarray) else a.get()
@@ -184,9 +200,9 @@ class Model:
         """Projections of the normed hidden states h [T, d]: q [T, H, hd] (scaled), and k, v
         [T, KVH, hd] rounded to the KV dtype, as the pool will hold them."""
         s, t = self.shape, h.shape[0]
-        q = self._rope(self._mm(h, w.wq).reshape(t, s.num_heads, s.head_dim), positions)
-        k = self._rope(self._mm(h, w.wk).reshape(t, s.num_kv_heads, s.head_dim), positions)
-        v = self._mm(h, w.wv).reshape(t, s.num_kv_heads, s.head_dim)
+        q = self._rope(self._proj(h, w.wq).reshape(t, s.num_heads, s.head_dim), positions)
+        k = self._rope(self._proj(h, w.wk).reshape(t, s.num_kv_heads, s.head_dim), positions)
+        v = self._proj(h, w.wv).reshape(t, s.num_kv_heads, s.head_dim)
         q = q * (float(s.head_dim) ** -0.5)
         return q, self._round_kv(k), self._round_kv(v)
 
@@ -218,15 +234,17 @@ class Model:
 
     def _mlp(self, x: Any, w: LayerWeights) -> Any:
         h = self._rms(x, w.mlp_norm)
-        gate = self._mm(h, w.w_gate)
-        return self._mm(gate / (1.0 + self.xp.exp(-gate)) * self._mm(h, w.w_up), w.w_down)
+        gate = self._proj(h, w.w_gate)
+        return self._proj(gate / (1.0 + self.xp.exp(-gate)) * self._proj(h, w.w_up), w.w_down)
 
     def _reduce(self, partial: Any) -> Any:
         """The sum over tensor-parallel ranks of a layer's partial output (one rank: itself)."""
         return partial
 
     def _logits(self, x: Any) -> np.ndarray:
-        return self._host(self._mm(self._rms(x, self.final_norm), self.lm_head))
+        logits = self._proj(self._rms(x, self.final_norm), self.lm_head, LM_HEAD)
+        with self._phase(COPIES):
+            return self._host(logits)
 
     # ---- validation ----
 
@@ -306,16 +324,18 @@ class Model:
             return np.empty((0, s.vocab_size))
         bs = self._check_pool(pool)
         plans, tokens, positions, blocks = self._plan(seqs, int(pool.shape[0]), bs)
-        pos = xp.asarray(positions)
-        blk, slot = xp.asarray(blocks), pos % bs
+        with self._phase(COPIES):
+            pos, tokens, blk = xp.asarray(positions), xp.asarray(tokens), xp.asarray(blocks)
+        slot = pos % bs
         attn = plan_attention(plans, AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs), xp)
-        x = self._embed(xp.asarray(tokens))
+        x = self._embed(tokens)
         for li, w in enumerate(self.layers):
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
-            pool[blk, li, 0, slot] = k.astype(pool.dtype)
-            pool[blk, li, 1, slot] = v.astype(pool.dtype)
-            att = paged_attention(xp, pool, li, q, attn, self.compute_dtype, self.beat)
-            x = x + self._reduce(self._mm(att, w.wo))
+            with self._phase(ATTENTION):
+                pool[blk, li, 0, slot] = k.astype(pool.dtype)
+                pool[blk, li, 1, slot] = v.astype(pool.dtype)
+                att = paged_attention(xp, pool, li, q, attn, self.compute_dtype, self.beat)
+            x = x + self._reduce(self._proj(att, w.wo))
             x = x + self._reduce(self._mlp(x, w))
             if self.beat is not None:
                 self.beat()

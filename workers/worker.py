@@ -32,6 +32,7 @@ from kvrt.workers.kv_pool import attach_pools
 from kvrt.workers.model import Model, ModelShape, SeqInput
 from kvrt.workers.progress import Progress, ProgressBeat
 from kvrt.workers.sampler import SamplingRows, sample, top_logprobs
+from kvrt.workers.threads import BlasThreads, usable_cores
 
 log = logging.getLogger("kvrt.workers.worker")
 _NO_TOKENS = np.empty(0, dtype=np.int32)
@@ -43,6 +44,7 @@ class Worker:
         cfg = child.cfg
         self.device, self.host = attach_pools(child.reg, child.rank, cfg)
         self.xp = get_backend(cfg.device).xp
+        self.threads = BlasThreads(cfg.threads, usable_cores(cfg.tp))
         self.allreduce = (AllReduce.attach(child.reg, P.ALLREDUCE, child.rank, cfg.rank_timeout,
                                            memory=peer_memory(cfg.device))
                           if cfg.needs_allreduce else None)
@@ -87,10 +89,11 @@ class Worker:
             if self.owners is not None:
                 self._check_owned(step.step_id, seqs)
             rows = self._sampling(step)
-            logits = self.model.step_logits(self.device.array, seqs)
-            if self.child.rank == 0:
-                top_ids, top_lps = top_logprobs(logits, rows, np)
-                tokens, logprobs = sample(logits, rows, np)
+            with self.threads.for_rows(len(step.tokens)):
+                logits = self.model.step_logits(self.device.array, seqs)
+                if self.child.rank == 0:
+                    top_ids, top_lps = top_logprobs(logits, rows, np)
+                    tokens, logprobs = sample(logits, rows, np)
         except (ValueError, OwnershipError) as e:
             log.error("step %d failed: %s", step.step_id, e)
             return P.StepResult(step.step_id, self.child.rank, _NO_TOKENS, time.perf_counter() - t0,

@@ -119,6 +119,8 @@ class NodeConfig(config.NodeConfig):
         if self.compute_dtype not in COMPUTE_DTYPES or (self.compute_dtype != "float32" and not self.model_dir):
             raise ConfigError(f"--compute-dtype resolves to {', '.join(COMPUTE_DTYPES)} for a --model checkpoint "
                               f"(float32 otherwise), got {self.compute_dtype!r}")
+        if self.threads < 0:
+            raise ConfigError(f"--threads must be >= 0 (0: auto), got {self.threads}")
         if self.block_size > self.max_model_len:
             raise ConfigError(f"--block-size {self.block_size} is longer than --max-model-len {self.max_model_len}")
         self._check_shared_names()

@@ -1,5 +1,6 @@
 """`kvrt bench model`: the checkpoint it writes loads with the real loader, and a tiny run
-through the real CLI prints the documented JSON structure. No timing is asserted; speed belongs
+through the real CLI prints the documented JSON structure (phases, roofline, thread settings,
+the transformers comparison where torch is installed). No timing is asserted; speed belongs
 to the benchmark's output."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import kvrt.bench.model as model_bench
 from tests.conftest import REPO
 from kvrt.workers.checkpoint import inspect
+from kvrt.workers.threads import PARALLEL_ROWS
 
 
 def test_written_checkpoint_loads_with_the_real_loader(tmp_path):
@@ -42,37 +44,104 @@ def test_default_shape_is_qwen2_5_0_5b():
             s["intermediate_size"], s["vocab_size"]) == (896, 24, 14, 2, 4864, 151936)
 
 
+QUICK = ["--shape", "small", "--batches", "1,3", "--contexts", "16", "--decode-steps", "2", "--prompt-len", "20",
+         "--sample-batch", "2", "--memcpy-mib", "8", "--peak-n", "64"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "model", *QUICK, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+
+
 @pytest.mark.e2e
 def test_cli_small_json_structure():
-    proc = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "model", "--shape", "small",
-                           "--batches", "1,3", "--prompt-len", "5", "--decode-steps", "2", "--memcpy-mib", "8",
-                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_cli("--threads", "1,auto", "--no-transformers", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     meta, rows = out["meta"], out["rows"]
-    assert meta["device"] == "cpu" and meta["prompt_len"] == 5 and meta["decode_steps"] == 2
-    assert meta["weight_bytes"] > 0 and meta["memcpy_gb_s"] > 0
-    assert [(r["phase"], r["batch"]) for r in rows] == [
-        ("memcpy", 0), ("prefill", 1), ("decode", 1), ("prefill", 3), ("decode", 3)]
-    assert rows[0]["gb_s"] > 0
-    for r in rows[1:]:
-        assert r["tokens_s"] > 0
-    for r in rows[2::2]:
-        assert r["tokens"] == 2 * r["batch"]
-        assert r["ms_step"] > 0 and r["floor_ms"] > 0
-        assert r["vs_floor"] == pytest.approx(r["ms_step"] / r["floor_ms"])
+    assert meta["device"] == "cpu" and meta["prompt_len"] == 20 and meta["decode_steps"] == 2
+    assert meta["weight_bytes"] > 0 and meta["memcpy_gb_s"] > 0 and "--no-transformers" in meta["transformers"]
+    cores = meta["cores"]
+    assert [(r["kind"], r["threads"]) for r in rows[:2]] == [("memcpy", "-"), ("peak", "1")]
+    assert rows[0]["gb_s"] > 0 and all(r["gflop_s"] > 0 for r in rows if r["kind"] == "peak")
+    steps = [r for r in rows if r["kind"] not in ("memcpy", "peak")]
+    per_setting = [("decode", 1, 16), ("decode", 3, 16), ("prefill", 1, 0), ("sampled", 2, 16)]
+    assert [(r["kind"], r["batch"], r["context"], r["threads"]) for r in steps] == \
+        [(*k, t) for k in per_setting for t in ("1", "auto")]
+    for r in steps:
+        assert r["load"] == "quiet" and r["ms"] > 0 and r["tokens_s"] > 0
+        if r["threads"] == "1" or r["tokens"] < PARALLEL_ROWS:
+            assert r["blas_threads"] == 1
+        assert 1 <= r["blas_threads"] <= cores  # auto: fewer where other processes hold cores
+        assert set(r["phases_ms"]) >= {"projections", "attention", "lm_head", "sampling", "other"}
+        assert sum(r["phases_ms"].values()) == pytest.approx(r["ms"], rel=1e-6)
+        assert r["roof_ms"] == max(r["mem_ms"], r["flop_ms"]) > 0
+        assert r["vs_roof"] == pytest.approx(r["ms"] / r["roof_ms"])
+        assert r["hf_ms"] is None and r["vs_hf"] is None
+        assert r["tokens"] == (20 * r["batch"] if r["kind"] == "prefill" else r["batch"])
+    for r in steps:
+        if r["kind"] == "sampled":
+            assert r["vs_greedy"] == pytest.approx(r["ms"] / r["greedy_ms"])
+        else:
+            assert "--no-transformers" in r["note"]
 
 
 @pytest.mark.e2e
-def test_cli_table_and_help():
-    proc = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "model", "--shape", "small",
-                           "--batches", "2", "--prompt-len", "4", "--decode-steps", "1", "--memcpy-mib", "8"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_cli_table_busy_rows_and_help():
+    proc = run_cli("--threads", "1,2", "--busy", "1", "--no-transformers", "--prefill-batches", "",
+                   "--sample-batch", "0", "--batches", "2")
     assert proc.returncode == 0, proc.stderr
-    assert "vs floor" in proc.stdout and "decode" in proc.stdout
+    assert "vs roof" in proc.stdout and "kvrt/hf" in proc.stdout and "busy 1" in proc.stdout
+    assert "threads decode batch 2 ctx 16 (busy 1): 2 threads / 1 =" in proc.stdout
     help_ = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "model", "--help"], cwd=REPO,
                            capture_output=True, text=True, timeout=60)
-    assert help_.returncode == 0 and "--decode-steps" in help_.stdout and "floor" in help_.stdout
+    assert help_.returncode == 0 and "--contexts" in help_.stdout and "roofline" in help_.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
+                    reason="torch and transformers are not installed here")
+def test_cli_transformers_side_by_side():
+    proc = run_cli("--batches", "2", "--sample-batch", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["meta"]["transformers"].startswith("transformers ")
+    steps = [r for r in out["rows"] if r["kind"] in ("decode", "prefill")]
+    assert [r["kind"] for r in steps] == ["decode", "prefill"]
+    for r in steps:
+        assert r["hf_ms"] > 0 and r["vs_hf"] == pytest.approx(r["hf_ms"] / r["ms"])
+
+
+def test_without_torch_the_comparison_says_why(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    hf = model_bench.Transformers(str(tmp_path), "cpu", "float32")
+    assert hf.model is None and hf.why.startswith("transformers skipped:")
+
+
+def test_step_cost_counts_weights_kv_and_causal_attention():
+    lim = model_bench.Limits(gb_s=1.0, gflop_s={1: 1.0}, step_bytes=1000, layer_matmul_params=10, head_params=3,
+                             attn_width=2, kv_token_bytes=4)
+    # one decode over 5 tokens of KV, one 3-token prompt
+    nbytes, flops = lim.cost([(5, 1), (0, 3)])
+    assert nbytes == 1000 + 4 * (6 + 3)
+    pairs = 1 * 5 + 1 + (1 + 2 + 3)  # each query sees the keys before it and itself
+    assert flops == 2 * 10 * 4 + 2 * 3 * 2 + 4 * 2 * pairs
+    row = model_bench.Row("decode", blas_threads=1, ms=1.0)
+    lim.roofline(row, [(5, 1)])
+    assert row.roof_ms == max(row.mem_ms, row.flop_ms) and row.vs_roof == pytest.approx(1.0 / row.roof_ms)
+
+
+def test_thread_summary_compares_two_threads_with_one():
+    rows = [model_bench.Row("decode", t, "quiet", 8, 128, ms=ms) for t, ms in (("1", 10.0), ("2", 12.0), ("auto", 10.0))]
+    [line] = model_bench.thread_summary(rows)
+    assert "2 threads / 1 = 1.20" in line and "auto / best of 1 and 2 = 1.00" in line
+
+
+@pytest.mark.e2e
+def test_busy_processes_are_gone_after_the_block():
+    with model_bench.Busy(2) as busy:
+        assert all(p.poll() is None for p in busy.procs) and len(busy.procs) == 2
+    assert all(p.returncode is not None for p in busy.procs)
 
 
 def test_bad_arguments_are_refused(capsys):
@@ -109,22 +178,13 @@ def test_cuda_without_a_usable_gpu_is_a_clear_error(monkeypatch, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers")
-                    is not None, reason="torch and transformers are installed here")
-def test_transformers_row_without_torch_is_a_noted_skip(tmp_path):
-    row = model_bench.transformers_row(str(tmp_path), 32, 8, 2, 1.0)
-    assert row.phase == "transformers decode" and row.batch == 32
-    assert row.note.startswith("skipped:") and row.tokens_s is None
-
-
 @pytest.mark.e2e
 def test_cli_float16_compute_holds_half_the_bytes():
     """--compute-dtype float16 (a GPU's default for this BF16 checkpoint) holds the projections
     and the embedding in two bytes, so the decode floor it is measured against halves too."""
     def run(dtype: str) -> dict:
-        proc = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "model", "--shape", "small", "--batches", "2",
-                               "--prompt-len", "4", "--decode-steps", "1", "--memcpy-mib", "8", "--compute-dtype", dtype,
-                               "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = run_cli("--batches", "2", "--threads", "1", "--prefill-batches", "", "--sample-batch", "0",
+                       "--no-transformers", "--compute-dtype", dtype, "--json")
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)["meta"]
 

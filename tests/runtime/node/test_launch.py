@@ -172,6 +172,7 @@ def test_second_launch_of_a_live_name_is_refused(launched, node):
     (["--dtype", "int8"], "float dtype"),
     (["--block-size", "8192"], "--max-model-len"),
     (["--compute-dtype", "float16"], "--model checkpoints"),
+    (["--threads", "0"], "--threads"),
 ])
 def test_bad_configuration_gets_a_clear_error(node, args, text):
     r = kvrt("launch", "--node", node, *args) if "--node" not in args else kvrt("launch", *args)
