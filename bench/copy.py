@@ -32,7 +32,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
 
 import numpy as np
 
@@ -43,6 +42,7 @@ from kvrt.ipc.ring import Consumer, Producer
 from kvrt.ipc.topology import ENGINE, Topology
 from kvrt.runtime.node.config import NodeConfig
 from kvrt.workers.backend import BackendUnavailable, Pool, get_backend
+from kvrt.bench.timing import best_seconds
 from kvrt.workers.kv_pool import PoolMaker, attach_pools, copy_blocks, fmt_bytes
 
 WAIT_S = 30.0
@@ -63,18 +63,6 @@ class Row:
     p99_us: float | None = None
     copy_p50_us: float | None = None
     limit_us: float | None = None
-
-
-def best_seconds(fn: Callable[[], Any], repeat: int) -> float:
-    """Best of `repeat` timed calls (noise only ever slows a copy down); one untimed warm-up.
-    Every copy here returns once its bytes landed, so wall time is the copy's time."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def limit_seconds(dev: Pool, host: Pool, n: int, repeat: int) -> dict[str, float]:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
 
+from kvrt.bench.timing import best_seconds
 from kvrt.workers.sampler import SamplingRows, adjust, sample, top_logprobs, uniforms
 
 CASES = {  # name -> (logits, SamplingRows fields)
@@ -64,15 +64,8 @@ class Row:
 
 
 def best_ms(fn: Callable[[], Any], repeat: int, warm: bool = True) -> float:
-    """Best of `repeat` timed calls in ms (noise only ever slows a call down)."""
-    if warm:
-        fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    """Best of `repeat` timed calls in ms."""
+    return best_seconds(fn, repeat, warm) * 1e3
 
 
 def bandwidth_gb_s(repeat: int) -> float:

@@ -248,7 +248,7 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
 def dense_logits(ck: Tiny, tokens) -> np.ndarray:
     """Logits [len(tokens), vocab] of the whole sequence, recomputed from scratch."""
     cfg, W = ck.config, ck.weights
-    d, h, kvh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = _head_dim(cfg)
     eps = cfg["rms_norm_eps"]
     arch = cfg["architectures"][0]

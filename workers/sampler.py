@@ -306,7 +306,6 @@ def _nucleus_once(z: Any, zmax: Any, groups: Any, inv_t: np.ndarray, k: np.ndarr
                   min_p: np.ndarray, norm: np.ndarray, u: np.ndarray, want: np.ndarray,
                   xp: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One try with `want` candidates per row: (rows drawn, rows needing more, tokens)."""
-    m = z.shape[0]
     t = _threshold(z, groups, want, xp)
     cand, vals, counts = _candidates(z, t, xp)
     c = cand.shape[1]

@@ -35,7 +35,5 @@ def test_three_long_prompts_in_one_step_finish_with_a_hang_timeout_of_one_second
             done.update((ev.request_id, [int(t) for t in ev.output_token_ids]) for ev in events
                         if isinstance(ev, Result))
         assert ln.proc.poll() is None, ln.logs()
-        log = ln.logs()
     model = Model(ModelShape.from_config(NodeConfig(node="", **SHAPE)))
     assert [done[r] for r in rids] == [model.generate_dense(p, NEW) for p in prompts]
-    assert "has run for" in log  # the worker said its step was long, and beat through it
