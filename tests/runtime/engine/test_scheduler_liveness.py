@@ -60,6 +60,27 @@ def _request(rng: random.Random, i: int, bs: int, device: int) -> Sequence:
     return Sequence.new(f"r{i}", prompt, new, bs, use_cache=rng.random() > 0.1)
 
 
+def _serve(sched: Scheduler, cache: PrefixCache, turns: int, check: bool = True,
+           blocks=lambda task: None) -> list:
+    """Run steps until the scheduler is idle (at most `turns`), every task done at once, a
+    storage read coming back with `blocks(task)` blocks. Returns the tasks applied."""
+    applied = []
+    for _ in range(turns):
+        if sched.idle:
+            break
+        step = sched.schedule()
+        done = cache.take_tasks()
+        if step is not None:
+            sched.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
+            done += cache.take_tasks()
+        for t in done:
+            sched.on_task_outcome(cache.apply_task_result(t.task_id, True, blocks(t)))
+        applied += done
+        if check:
+            cache.check()
+    return applied
+
+
 def _drive(seed: int, bs: int, device: int, host: int, storage: bool | str, seqs: int, batch: int,
            n_req: int, p_done: float, p_fail: float, p_cancel: float, low_water: int | None = None,
            rounds: int = 1) -> None:
@@ -165,17 +186,7 @@ def test_a_tiny_device_with_a_host_tier_serves_two_rounds_of_shared_prompts():
         seqs = [Sequence.new(f"{r}.{i}", p, 16, bs) for i, p in enumerate(crowding_prompts())]
         for q in seqs:
             sched.add(q)
-        for _ in range(5000):
-            if sched.idle:
-                break
-            step = sched.schedule()
-            done = cache.take_tasks()
-            if step is not None:
-                sched.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
-                done += cache.take_tasks()
-            for t in done:
-                sched.on_task_outcome(cache.apply_task_result(t.task_id, True))
-            cache.check()
+        _serve(sched, cache, 5000)
         assert [q.finish_reason for q in seqs] == ["length"] * len(seqs), (
             r, [q.request_id for q in seqs if q.state is not SeqState.FINISHED])
 
@@ -202,14 +213,7 @@ def test_long_decodes_that_fit_one_at_a_time_all_finish_together():
         seqs = [Sequence.new(str(i), np.arange(16, dtype=np.int32) + 100 * i, 3000, 16) for i in range(8)]
         for q in seqs:
             sched.add(q)
-        for _ in range(20_000):
-            if sched.idle:
-                break
-            step = sched.schedule()
-            if step is not None:
-                sched.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
-            for t in cache.take_tasks():
-                sched.on_task_outcome(cache.apply_task_result(t.task_id, True))
+        _serve(sched, cache, 20_000, check=False)
         assert all(q.finish_reason == "length" for q in seqs), [q.num_output for q in seqs]
         assert sched.preemptions <= 16, f"{sched.preemptions} preemptions (host blocks: {host})"
         cache.check()
@@ -259,19 +263,9 @@ def test_requests_whose_shared_store_reads_hold_each_others_room_all_finish():
             Sequence.new("b", np.arange(100, 110, dtype=np.int32), 3, bs)]
     for q in seqs:
         sched.add(q)
-    reads = 0
-    for _ in range(200):
-        if sched.idle:
-            break
-        step = sched.schedule()
-        if step is not None:
-            sched.finish_step(step, np.full(len(step.seqs), 7, dtype=np.int32))
-        for t in cache.take_tasks():
-            if t.kind is TaskKind.STORAGE2GPU:
-                reads += 1
-            blocks = store.held(t.keys) if t.kind is TaskKind.STORAGE2GPU else None
-            sched.on_task_outcome(cache.apply_task_result(t.task_id, True, blocks))
-        cache.check()
+    tasks = _serve(sched, cache, 200,
+                   blocks=lambda t: store.held(t.keys) if t.kind is TaskKind.STORAGE2GPU else None)
+    reads = sum(t.kind is TaskKind.STORAGE2GPU for t in tasks)
     assert [q.finish_reason for q in seqs] == ["length", "length"], [q.state for q in seqs]
     assert reads <= 4, f"{reads} storage reads for two requests"
 
