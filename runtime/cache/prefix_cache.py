@@ -195,7 +195,8 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
                 req.blocks[i] = self._dev_v[n]
                 freed.append(b)
         if freed:
-            req.dups = [b for b in req.dups if b not in set(freed)]
+            gone = set(freed)
+            req.dups = [b for b in req.dups if b not in gone]
             self.device_pool.free(freed)
 
     def reclaimable(self, request_id: Hashable, num_tokens: int) -> bool:
