@@ -16,8 +16,8 @@ maxima of fixed token groups (the K-th largest group maximum has at least K toke
 it) picks a candidate set barely larger than K, and top-p without top-k grows K until the
 nucleus ends inside the candidates (the full sort only when it never does).
 
-Greedy rows (temperature 0) are exactly argmax, as before sampling existed, so the exactness
-checks against the dense reference hold unchanged. Sorted orders break ties by the lower token
+Greedy rows (temperature 0, or below GREEDY_BELOW) are exactly argmax, as before sampling
+existed, so the exactness checks against the dense reference hold unchanged. Sorted orders break ties by the lower token
 id, as argmax does, so top_k 1 and a tiny top_p are exactly greedy; candidates are chosen and
 ordered on the logits as they come (no rounding to float32 first, which could create ties).
 
@@ -40,13 +40,16 @@ BLOCK = 256      # tokens per block of the two-level inverse-CDF walk
 GROUPS = 64      # tokens per group whose maxima bound the top-k threshold
 NUCLEUS_K = 64   # first candidate count for top-p without top-k; grows 8x while too small
 CHUNK = 8        # rows at a time on a CPU, so a chunk's float32 scratch stays in cache
+# below this temperature a row is greedy: the limit of softmax(z / t) as t -> 0 is the argmax,
+# and dividing float32 logits by a smaller t overflows (a draw from inf / nan picked token 0)
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
 class SamplingRows:
     """Per-row sampling parameters of one step (host arrays, one entry per sequence).
 
-    temperature 0 is greedy; top_k 0 (or >= vocab) keeps every token; top_p 1 keeps every
+    temperature 0 (or below GREEDY_BELOW) is greedy; top_k 0 (or >= vocab) keeps every token; top_p 1 keeps every
     token; min_p 0 keeps every token (else those with p >= min_p * max p); position is the
     index the sampled token will have in its sequence. The kept set is top-k's, cut by top-p
     over the top-k tokens' renormalised probabilities, cut by min-p.
@@ -113,8 +116,8 @@ def sample(logits: Any, rows: SamplingRows, xp: Any = np) -> tuple[np.ndarray, n
     n = int(logits.shape[0])
     tokens = np.zeros(n, np.int32)
     z = adjust(logits, rows, xp)
-    hot = np.flatnonzero(rows.temperature > 0)
-    cold = np.flatnonzero(~(rows.temperature > 0))
+    hot = np.flatnonzero(rows.temperature >= GREEDY_BELOW)
+    cold = np.flatnonzero(~(rows.temperature >= GREEDY_BELOW))
     if len(cold):
         tokens[cold] = _host(_take(z, cold, xp).argmax(axis=-1))
     if len(hot):

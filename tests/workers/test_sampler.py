@@ -41,6 +41,15 @@ def test_temperature_zero_is_argmax():
     assert not lp.any()
 
 
+@pytest.mark.parametrize("t", [1e-308, 5e-324, 1e-40, 9e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(t):
+    """Logits divided by 1e-308 overflow float32: such a row sampled token 0. The limit of the
+    distribution as the temperature falls is the argmax, so that is what it gets."""
+    z = logits(8)
+    tokens, _ = sample(z, rows(8, temperature=t, seed=np.arange(8), position=3))
+    assert tokens.tolist() == z.argmax(axis=-1).tolist()
+
+
 @pytest.mark.parametrize("limit", [dict(top_k=1), dict(top_p=1e-9), dict(top_k=1, top_p=0.5)])
 def test_top_k_one_and_tiny_top_p_are_greedy(limit):
     z = logits(32, seed=1)
