@@ -21,7 +21,6 @@ one that merely left after it.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import select
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from kvrt.ipc import protocol as P
+from kvrt.ipc.lifetime import die_with_parent
 from kvrt.ipc.registry import Registry
 from kvrt.ipc.ring import HEADER as RING_HEADER
 from kvrt.ipc.ring import Ring
@@ -48,7 +48,6 @@ RING_BYTES = 1 << 20
 PAGE = 4096
 ENGINE_ABORT_S = 5.0  # how long a failing node waits for the engine to fail its requests and exit
 SUPERVISE_S = 0.2  # the supervision loop's period: its longest wait for a child's exit
-_PR_SET_PDEATHSIG = 1
 _PROGRAMS = {P.ROLE_ENGINE: "kvrt.runtime.engine.engine", P.ROLE_WORKER: "kvrt.workers.worker",
              P.ROLE_TRANSFER: "kvrt.workers.cache_transfer", P.ROLE_MESSAGER: "kvrt.workers.cache_messager"}
 
@@ -121,10 +120,6 @@ def child_command(module: str, args: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", _BOOT, module, *args]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Node:
     def __init__(self, cfg: NodeConfig, pools: PoolMaker, progress: Callable[[str], None] = print):
         self.cfg = cfg
@@ -178,7 +173,7 @@ class Node:
                 os.fchmod(out, 0o600)  # also a file left by an earlier run with a wider mode
             try:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True,
-                                        preexec_fn=_die_with_parent, cwd=os.getcwd(), env=_child_env())
+                                        preexec_fn=die_with_parent, cwd=os.getcwd(), env=_child_env())
             finally:
                 if out is not None:
                     os.close(out)

@@ -255,3 +255,34 @@ def test_a_pool_the_store_cannot_address_goes_through_the_staging_area(store):
     finally:
         a.close()
         b.close()
+
+
+def test_a_sigkilled_store_takes_its_master_with_it():
+    """`kvrt store start` killed with SIGKILL runs no cleanup: its Mooncake master still gets
+    SIGTERM from the kernel (it used to keep running, holding the port)."""
+    s = Store()
+    try:
+        s.proc.kill()
+        s.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(s.master_pid, 0)
+            except ProcessLookupError:
+                break
+            if _zombie(s.master_pid):
+                break
+            time.sleep(0.1)  # waiting for another process to exit
+        else:
+            raise AssertionError(f"the master (pid {s.master_pid}) outlived its SIGKILLed store by 10 s")
+    finally:
+        s.stop()
+
+
+def _zombie(pid: int) -> bool:
+    """Exited but not reaped (its parent is gone, so init reaps it when it gets to it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

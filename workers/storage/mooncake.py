@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from kvrt.ipc.lifetime import die_with_parent
 from kvrt.ipc.ports import free_port
 from kvrt.ipc.storage_uri import StorageSpec
 
@@ -393,7 +394,7 @@ def store_main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    master = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    master = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)  # ends with us, even SIGKILLed
     client = None
     try:
         _wait_listening(args.host, args.port, master, MASTER_READY_S)
