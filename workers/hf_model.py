@@ -217,11 +217,11 @@ class HFModel(Model):
     def _embed(self, tokens: Any) -> Any:
         return self.embed[tokens].astype(np.float32, copy=False)
 
-    def _logits(self, x: Any) -> np.ndarray:
+    def _head(self, x: Any) -> Any:
         """Float32 logits; with float16 projections an activation beyond float16's range
         becomes inf and then nan, which must fail the step rather than answer token 0."""
-        logits = super()._logits(x)
-        if self.matmul_dtype == np.float16 and not np.isfinite(logits).all():
+        logits = super()._head(x)
+        if self.matmul_dtype == np.float16 and not bool(self.xp.isfinite(logits).all()):
             raise ValueError("non-finite logits: a float16 activation overflowed (beyond +-65504); "
                              "serve this checkpoint with --compute-dtype float32")
         return logits

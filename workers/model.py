@@ -29,6 +29,7 @@ from kvrt.ipc.config import NodeConfig
 from kvrt.ipc.layout import KVLayout
 from kvrt.workers.attention import AttnShape, Span, paged_attention, plan_attention
 from kvrt.workers.phases import ATTENTION, COPIES, LM_HEAD, PROJECTIONS, PhaseClock
+from kvrt.workers.prompt_logprobs import PromptQuery, PromptScores, score_prompt
 
 log = logging.getLogger("kvrt.workers.model")
 
@@ -241,8 +242,12 @@ class Model:
         """The sum over tensor-parallel ranks of a layer's partial output (one rank: itself)."""
         return partial
 
+    def _head(self, x: Any) -> Any:
+        """The logits of hidden states x [n, d], where x lies (on `xp`)."""
+        return self._proj(self._rms(x, self.final_norm), self.lm_head, LM_HEAD)
+
     def _logits(self, x: Any) -> np.ndarray:
-        logits = self._proj(self._rms(x, self.final_norm), self.lm_head, LM_HEAD)
+        logits = self._head(x)
         with self._phase(COPIES):
             return self._host(logits)
 
@@ -319,9 +324,15 @@ class Model:
 
     def step_logits(self, pool: Any, seqs: Sequence[SeqInput]) -> np.ndarray:
         """`step`, returning the logits of each seq's last position [len(seqs), vocab] (float64)."""
+        return self.step_outputs(pool, seqs)[0]
+
+    def step_outputs(self, pool: Any, seqs: Sequence[SeqInput],
+                     prompt: PromptQuery | None = None) -> tuple[np.ndarray, PromptScores | None]:
+        """`step_logits`, and from the same forward pass the prompt scores `prompt` asks for
+        (its rows index the batch's tokens, flattened in sequence order; workers/prompt_logprobs.py)."""
         xp, s = self.xp, self.shape
         if not seqs:
-            return np.empty((0, s.vocab_size))
+            return np.empty((0, s.vocab_size)), None
         bs = self._check_pool(pool)
         plans, tokens, positions, blocks = self._plan(seqs, int(pool.shape[0]), bs)
         with self._phase(COPIES):
@@ -340,7 +351,14 @@ class Model:
             if self.beat is not None:
                 self.beat()
         last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
-        return self._logits(x[last])
+        scores = None
+        if prompt is not None:
+            if len(prompt.rows) and (int(prompt.rows.max()) >= len(tokens) or int(prompt.rows.min()) < 0):
+                raise ValueError(f"prompt logprob rows outside the step's {len(tokens)} tokens")
+            if len(prompt.targets) and (int(prompt.targets.min()) < 0 or int(prompt.targets.max()) >= s.vocab_size):
+                raise ValueError(f"prompt logprob targets outside the vocabulary [0, {s.vocab_size})")
+            scores = score_prompt(self._head, x, prompt, s.vocab_size, xp)
+        return self._logits(x[last]), scores
 
     def warm_up(self, block_size: int) -> None:
         """One short step over a scratch pool of one block, its result dropped. CuPy compiles
