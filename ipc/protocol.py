@@ -18,7 +18,7 @@ from kvrt.ipc.shm import Segment
 PROTOCOL = Codec()
 # the version of the contract below as a whole: a change to any message a channel carries
 # bumps it, and a process of another build is refused when it attaches to a node's channels
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
 CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
@@ -259,6 +259,10 @@ class StepBatch:
     penalties repetition[i], presence[i], frequency[i] over the tokens pen_ids with output
     counts pen_counts (pen_lens[i] of them for sequence i), which the engine derives from the
     sequence's tokens at each step (so they need no state on the worker).
+    Prompt logprobs (all three empty when no sequence asks): the first prompt_rows[i] rows of
+    sequence i's tokens are scored, row r against prompt_targets (the token at the row's position
+    + 1, sequence i's prompt_rows[i] of them in order: the engine knows the prompt, so a chunk's
+    last row is scored against the next chunk's first token), with prompt_top[i] alternatives.
     Floats and 64-bit seeds travel as msgpack lists (the codec's arrays are int32)."""
 
     step_id: int
@@ -283,6 +287,9 @@ class StepBatch:
     pen_lens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     pen_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     pen_counts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    prompt_targets: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    prompt_top: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
 
 
 @PROTOCOL.message("step_result")
@@ -293,7 +300,11 @@ class StepResult:
     tokens), and its log-probability in `logprobs` (one float per sequence, 0.0 where not asked;
     empty when none asked), and the alternatives each sequence asked for (its batch's
     top_logprobs[i] of them, most likely first, flattened in sequence order: `top_ids` and their
-    `top_logprobs`); other ranks only acknowledge. A non-empty `error` fails the step."""
+    `top_logprobs`); other ranks only acknowledge. A non-empty `error` fails the step.
+    For the batch's prompt rows, in its order (all empty when none were asked): each target's
+    log-probability (`prompt_logprobs`) and rank (`prompt_ranks`: 1 + the tokens likelier than
+    it), and each row's prompt_top[i] alternatives, most likely first (`prompt_top_ids` and
+    `prompt_top_logprobs`, flattened row after row)."""
 
     step_id: int
     rank: int
@@ -303,6 +314,10 @@ class StepResult:
     logprobs: list = field(default_factory=list)
     top_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     top_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_ranks: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    prompt_top_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    prompt_top_logprobs: list = field(default_factory=list)
 
 
 # ---- engine <-> cache-messager (P->D handoff) ---------------------------------------------------

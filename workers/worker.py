@@ -31,6 +31,7 @@ from kvrt.workers.hf_model import HFModel
 from kvrt.workers.kv_pool import attach_pools
 from kvrt.workers.model import Model, ModelShape, SeqInput
 from kvrt.workers.progress import Progress, ProgressBeat
+from kvrt.workers.prompt_logprobs import PromptQuery
 from kvrt.workers.sampler import SamplingRows, sample, top_logprobs
 from kvrt.workers.threads import BlasThreads, usable_cores
 
@@ -89,8 +90,9 @@ class Worker:
             if self.owners is not None:
                 self._check_owned(step.step_id, seqs)
             rows = self._sampling(step)
+            query = self._prompt_query(step) if self.child.rank == 0 else None
             with self.threads.for_rows(len(step.tokens)):
-                logits = self.model.step_logits(self.device.array, seqs)
+                logits, scores = self.model.step_outputs(self.device.array, seqs, query)
                 if self.child.rank == 0:
                     top_ids, top_lps = top_logprobs(logits, rows, np)
                     tokens, logprobs = sample(logits, rows, np)
@@ -102,9 +104,13 @@ class Worker:
             return P.StepResult(step.step_id, self.child.rank, _NO_TOKENS, time.perf_counter() - t0)
         ks = rows.top_logprobs if rows.top_logprobs is not None else np.zeros(len(tokens), np.int64)
         keep = np.arange(top_ids.shape[1])[None, :] < ks[:, None]  # each row's own count, in row order
-        return P.StepResult(step.step_id, self.child.rank, tokens, time.perf_counter() - t0,
-                            logprobs=logprobs.tolist() if rows.logprobs.any() else [],
-                            top_ids=top_ids[keep].astype(np.int32), top_logprobs=top_lps[keep].tolist())
+        res = P.StepResult(step.step_id, self.child.rank, tokens, time.perf_counter() - t0,
+                           logprobs=logprobs.tolist() if rows.logprobs.any() else [],
+                           top_ids=top_ids[keep].astype(np.int32), top_logprobs=top_lps[keep].tolist())
+        if scores is not None:
+            res.prompt_logprobs, res.prompt_ranks = scores.logprobs.tolist(), scores.ranks.astype(np.int32)
+            res.prompt_top_ids, res.prompt_top_logprobs = scores.top_ids, scores.top_logprobs.tolist()
+        return res
 
     def _inputs(self, step: P.StepBatch) -> list[SeqInput]:
         n = len(step.query_lens)
@@ -115,6 +121,23 @@ class Worker:
         t_off = np.concatenate([[0], np.cumsum(step.table_lens)])
         return [SeqInput(step.tokens[q_off[i]:q_off[i + 1]], int(step.starts[i]), step.tables[t_off[i]:t_off[i + 1]])
                 for i in range(n)]
+
+    @staticmethod
+    def _prompt_query(step: P.StepBatch) -> PromptQuery | None:
+        """The prompt rows the batch asks to score (None: no sequence asks): sequence i's first
+        prompt_rows[i] rows, each with its target and the sequence's prompt_top[i]."""
+        if not len(step.prompt_rows) and not len(step.prompt_targets) and not len(step.prompt_top):
+            return None
+        n = len(step.query_lens)
+        counts, ks = step.prompt_rows.astype(np.int64), step.prompt_top.astype(np.int64)
+        if len(counts) != n or len(ks) != n or int(counts.sum()) != len(step.prompt_targets):
+            raise ValueError(f"step batch prompt logprob fields do not have one entry for each of its {n} "
+                             "sequences, or their targets do not add up")
+        if np.any(counts < 0) or np.any(counts > step.query_lens) or np.any((ks < 0) | (ks > 64)):
+            raise ValueError("step batch prompt logprob rows or alternatives out of range")
+        first = np.concatenate([[0], np.cumsum(step.query_lens.astype(np.int64))[:-1]])
+        rows = np.repeat(first, counts) + (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+        return PromptQuery(rows, step.prompt_targets.astype(np.int64), np.repeat(ks, counts))
 
     @staticmethod
     def _sampling(step: P.StepBatch) -> SamplingRows:

@@ -122,9 +122,14 @@ class Generation:
 @dataclass
 class GenerateRequest(Generation):
     """Generation of up to `max_new_tokens` tokens after `prompt` (see `Generation`).
-    `stream` False sends only the FinishedEvent."""
+    `stream` False sends only the FinishedEvent. `prompt_logprobs` k (0..MAX_TOP_LOGPROBS; None:
+    not asked) scores the prompt: each prompt token's log-probability given the tokens before it
+    (none for the first) and rank, and the k likeliest tokens at its position, under the model's
+    unscaled logits; such a request takes no prefix-cache hits while its prompt is scored (a
+    cached block has no logits). A prefill node scores it itself (it is not handed to decode)."""
 
     stream: bool = True
+    prompt_logprobs: int | None = None
 
 
 @API.message("cancel")
@@ -188,13 +193,21 @@ class ResetPrefixCacheReply:
 class TokenEvent:
     """New output tokens of a streaming request, in order; `index` is the position of the first
     of them in the output. `logprobs`: theirs, if the request asked (else empty); `top`: for
-    each of them, [ids, logprobs] of its most likely alternatives, if the request asked."""
+    each of them, [ids, logprobs] of its most likely alternatives, if the request asked.
+    The event of the first output token (index 0) of a request that asked for prompt logprobs
+    also carries them, for prompt positions 1, 2, ... (position 0 has nothing before it):
+    each prompt token's log-probability (`prompt_logprobs`), rank (`prompt_ranks`: 1 + the
+    tokens likelier than it) and, with k > 0, [ids, logprobs] of the k likeliest tokens there
+    (`prompt_top`)."""
 
     request_id: str
     index: int
     token_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     top: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_ranks: list = field(default_factory=list)
+    prompt_top: list = field(default_factory=list)
 
 
 @dataclass
@@ -231,6 +244,9 @@ class FinishedEvent(Outcome):
     e2e_ms: float = 0.0
     output_logprobs: list = field(default_factory=list)  # one per output token, if asked
     output_top: list = field(default_factory=list)  # [ids, logprobs] per output token, if asked
+    prompt_logprobs: list = field(default_factory=list)  # the prompt's scores, if asked (as TokenEvent's)
+    prompt_ranks: list = field(default_factory=list)
+    prompt_top: list = field(default_factory=list)
 
 
 @API.message("error")

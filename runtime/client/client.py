@@ -121,7 +121,8 @@ class Result(Outcome):
 class Sampling:
     """How a request picks its tokens (the rules are GenerateRequest's in runtime/client/api.py; the
     engine checks the values). The default is greedy. Any of `stop_token_ids` ends the request
-    with finish reason "stop". `logprobs` makes each TokenEvent carry its tokens' log-probabilities."""
+    with finish reason "stop". `logprobs` makes each TokenEvent carry its tokens' log-probabilities;
+    `prompt_logprobs` k (None: not asked) makes the first one carry the prompt's, with k alternatives."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -136,6 +137,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    prompt_logprobs: int | None = None
 
 
 @dataclass

@@ -101,7 +101,7 @@ class ClientApi:
         self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size, self.cfg.key_root,
                                     client=client,
                                     eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
-                                    **sampling))
+                                    prompt_logprobs=req.prompt_logprobs, **sampling))
 
     def on_cancel(self, client: bytes, req: api.CancelRequest) -> None:
         rid = req.request_id

@@ -59,16 +59,19 @@ class Clients:
         self.reply(seq.client, api.FinishedEvent(
             seq.request_id, seq.output.copy(), seq.finish_reason, seq.prompt_len, *seq.cached,
             seq.computed_prompt_tokens, seq.preemptions, ttft, (now - seq.arrival) * 1e3,
-            list(seq.output_logprobs), list(seq.output_top)))
+            list(seq.output_logprobs), list(seq.output_top), seq.prompt_lps, seq.prompt_ranks, seq.prompt_top))
 
     def apply(self, out: StepOutcome) -> None:
         """A step's outcome to its clients: streamed tokens, final answers, errors."""
         for seq, index in out.emitted:
             self.stats.count("generated_tokens")
             if seq.stream:
-                self.reply(seq.client, api.TokenEvent(seq.request_id, index, [int(seq.output[index])],
-                                                      seq.output_logprobs[index:index + 1],
-                                                      seq.output_top[index:index + 1]))
+                ev = api.TokenEvent(seq.request_id, index, [int(seq.output[index])],
+                                    seq.output_logprobs[index:index + 1], seq.output_top[index:index + 1])
+                if index == 0 and seq.prompt_logprobs is not None:
+                    ev.prompt_logprobs, ev.prompt_ranks, ev.prompt_top = seq.prompt_lps, seq.prompt_ranks, \
+                        seq.prompt_top
+                self.reply(seq.client, ev)
         for seq in out.finished:
             self.finished(seq)
         for seq, why in out.failed:

@@ -123,6 +123,9 @@ def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
             return f"{name} must be true or false, got {show(getattr(req, name))}"
     if problem := sampling_problem(req, cfg.vocab_size):
         return problem
+    k = req.prompt_logprobs
+    if k is not None and (not is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS):
+        return f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {show(k)}"
     prompt = req.prompt
     if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.dtype != np.int32:
         return f"prompt must be int32 token ids, got {show(prompt)}"

@@ -245,7 +245,8 @@ class Scheduler:
         is. Else waiting sequences whose reads hold the blocks each other needs would give
         their matches back, read again, and do so for ever (a shared store's lookup says
         "maybe" to every key, so every match starts a read)."""
-        res = self.cache.match(seq.request_id, seq.keys, seq.num_tokens, count=not seq.counted,
+        keys = seq.keys if seq.reads_cache else []  # (its blocks are recorded under its keys all the same)
+        res = self.cache.match(seq.request_id, keys, seq.num_tokens, count=not seq.counted,
                                storage=not seq.asked_storage)
         seq.asked_storage = seq.asked_storage or res.storage_tokens > 0
         seq.matched = seq.counted = True

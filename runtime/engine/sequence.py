@@ -62,6 +62,10 @@ class Sequence:
     frequency_penalty: float = 0.0   # over the output; 0: off
     presence_penalty: float = 0.0
     _prompt_distinct: np.ndarray | None = None  # the prompt's distinct tokens, once asked
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives
+    prompt_lps: list[float] = field(default_factory=list)  # of prompt positions 1, 2, ... so far
+    prompt_ranks: list[int] = field(default_factory=list)
+    prompt_top: list[list] = field(default_factory=list)  # [ids, logprobs] per scored position
     num_tokens: int = 0              # prompt + output tokens known so far
     num_computed: int = 0            # tokens whose KV is written
     state: SeqState = SeqState.WAITING
@@ -158,6 +162,37 @@ class Sequence:
             self.output_top.append(top if top is not None else [[], []])
         if self.first_token_at == 0.0:
             self.first_token_at = time.monotonic()
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The request asked for its prompt's logprobs and some positions are not scored yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_lps) < self.prompt_len - 1
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether a match may serve this request cached blocks. A request still scoring its
+        prompt takes no hits, as vLLM does: a cached block has KV but no logits, and the scores
+        of its positions need the model's hidden states there, so they are computed (and the
+        blocks this request writes are cached for others all the same). Recomputing only the
+        hit's logits would cost the same forward pass over those positions."""
+        return not self.scores_prompt
+
+    def prompt_rows(self, start: int, chunk: int) -> int:
+        """How many rows of a chunk of `chunk` tokens at `start` are scored: those whose next
+        token is a prompt token (rows are scored again after a preemption, and kept once)."""
+        return max(0, min(chunk, self.prompt_len - 1 - start)) if self.scores_prompt else 0
+
+    def add_prompt_scores(self, start: int, lps: list[float], ranks: list[int], top: list[list] | None) -> None:
+        """Scores of prompt positions start + 1, start + 2, ... (rows from `start`); positions
+        already scored (a chunk run again after a preemption) keep their first values."""
+        skip = len(self.prompt_lps) - start
+        if skip < 0:
+            raise ValueError(f"{self.request_id}: prompt scores from position {start + 1} leave a gap after "
+                             f"{len(self.prompt_lps)}")
+        self.prompt_lps += lps[skip:]
+        self.prompt_ranks += ranks[skip:]
+        if self.prompt_logprobs:
+            self.prompt_top += (top or [[[], []]] * len(lps))[skip:]
 
     @property
     def penalised(self) -> bool:

@@ -90,6 +90,7 @@ class StepRunner:
             batch.seed = [seq.seed for seq in seqs]
             batch.logprobs = np.array([seq.logprobs for seq in seqs], dtype=np.int32)
             _adjustments(batch, seqs, biases)
+        _prompt_rows(batch, step)
         broadcast(self.to_workers, batch, self.cfg.rank_timeout)
         self._work = step_work(step.chunks, step.starts)
         self._launched = time.monotonic()
@@ -111,6 +112,8 @@ class StepRunner:
         errors = [a.error for a in answers.answers if a.error]
         if errors:
             self.clients.apply(self.sched.fail_step(step, "; ".join(errors)))
+        elif problem := _prompt_scores(step, answers.answers[0]):
+            self.clients.apply(self.sched.fail_step(step, f"worker[0]: {problem}"))
         else:
             first = answers.answers[0]
             self.clients.apply(self.sched.finish_step(step, first.tokens, first.logprobs,
@@ -161,6 +164,40 @@ def _adjustments(batch: P.StepBatch, seqs: list, biases: list[dict[int, float]])
         batch.pen_lens = np.array([len(ids) for ids, _ in counts], dtype=np.int32)
         batch.pen_ids = np.concatenate([ids for ids, _ in counts]).astype(np.int32)
         batch.pen_counts = np.concatenate([c for _, c in counts]).astype(np.int32)
+
+
+def _prompt_rows(batch: P.StepBatch, step: Step) -> None:
+    """The batch's prompt-logprob fields, when some sequence still scores its prompt: each
+    sequence's rows to score and their targets (the prompt token after each row's position)."""
+    rows = [seq.prompt_rows(start, chunk) for seq, chunk, start in zip(step.seqs, step.chunks, step.starts)]
+    if not any(rows):
+        return
+    batch.prompt_rows = np.array(rows, dtype=np.int32)
+    batch.prompt_targets = np.concatenate([seq.tokens[start + 1:start + 1 + n]
+                                           for seq, start, n in zip(step.seqs, step.starts, rows)]).astype(np.int32)
+    batch.prompt_top = np.array([seq.prompt_logprobs or 0 for seq in step.seqs], dtype=np.int32)
+
+
+def _prompt_scores(step: Step, res: P.StepResult) -> str:
+    """Give each sequence that scores its prompt its rows' scores from rank 0's answer; what is
+    wrong with the answer's size ("" when nothing)."""
+    rows = [seq.prompt_rows(start, chunk) for seq, chunk, start in zip(step.seqs, step.chunks, step.starts)]
+    ks = [(seq.prompt_logprobs or 0) if n else 0 for seq, n in zip(step.seqs, rows)]
+    n, tops = sum(rows), sum(r * k for r, k in zip(rows, ks))
+    if (len(res.prompt_logprobs), len(res.prompt_ranks), len(res.prompt_top_ids), len(res.prompt_top_logprobs)) \
+            != (n, n, tops, tops):
+        return (f"answered {len(res.prompt_logprobs)} prompt logprobs and {len(res.prompt_top_ids)} alternatives "
+                f"for {n} prompt rows with {tops} alternatives")
+    at, top_at = 0, 0
+    ids, lps = res.prompt_top_ids.tolist(), list(res.prompt_top_logprobs)
+    for seq, start, r, k in zip(step.seqs, step.starts, rows, ks):
+        if not r:
+            continue
+        top = [[ids[top_at + i * k:top_at + (i + 1) * k], lps[top_at + i * k:top_at + (i + 1) * k]] for i in range(r)]
+        seq.add_prompt_scores(start, list(res.prompt_logprobs[at:at + r]), res.prompt_ranks[at:at + r].tolist(),
+                              top if k else None)
+        at, top_at = at + r, top_at + r * k
+    return ""
 
 
 def _alternatives(step: Step, res: P.StepResult) -> list[list] | None:

@@ -388,6 +388,8 @@ class PrefillConnector(KVConnector):
                 seq = r.seq
                 inner.cached_device, inner.cached_host, inner.cached_storage = seq.cached
                 inner.computed_prompt_tokens, inner.preemptions = seq.computed_prompt_tokens, seq.preemptions
+                inner.prompt_logprobs, inner.prompt_ranks, inner.prompt_top = seq.prompt_lps, seq.prompt_ranks, \
+                    seq.prompt_top
                 inner.ttft_ms = (seq.first_token_at - seq.arrival) * 1e3
                 inner.e2e_ms = (time.monotonic() - seq.arrival) * 1e3
                 self.ctx.count_finished(seq)
@@ -452,7 +454,7 @@ class PrefillConnector(KVConnector):
         seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size, cfg.key_root,
                            client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
-                           arrival=p.arrival, **sampling_of(req))
+                           arrival=p.arrival, prompt_logprobs=req.prompt_logprobs, **sampling_of(req))
         # D's lease began after our ask: its end on P's clock is on the safe side
         self.handoffs[req.request_id] = _Handoff(seq, link, msg, p.arrival + msg.lease_s,
                                                  msg.cached_tokens // cfg.block_size)
