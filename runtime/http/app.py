@@ -81,11 +81,14 @@ class _Choice:
     include_stop: bool = False  # ...unless the request asked (include_stop_str_in_output)
     min_tokens: int = 0        # stop strings count only past this many output tokens
     echo: str = ""             # the prompt's text, shown before the first piece
+    own_stop_ids: frozenset[int] = frozenset()  # the request's stop_token_ids (its stop_reason)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top: list[list | None] = field(default_factory=list)  # [ids, logprobs] per token, if asked
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    prompt_shown: bool = False  # a stream sent its prompt's scores
     result: Result | None = None
     last_tokens_at: float | None = None  # time.monotonic() of the latest answer that brought tokens
 
@@ -101,7 +104,7 @@ class _Choice:
         piece = self._echoed(piece)
         self.text.append(piece)
         if self.stops.stopped is not None:
-            self.finish_reason = "stop"
+            self.finish_reason, self.stop_reason = "stop", self.stops.stopped
         return piece, ids
 
     def _echoed(self, piece: str) -> str:
@@ -115,6 +118,10 @@ class _Choice:
         if self.finish_reason is None:
             self.finish_reason = "stop" if self.stops.stopped is not None or result.finish_reason in ("eos", "stop") \
                 else "length"
+            if self.stops.stopped is not None:
+                self.stop_reason = self.stops.stopped
+            elif result.finish_reason == "stop" and self.token_ids and self.token_ids[-1] in self.own_stop_ids:
+                self.stop_reason = self.token_ids[-1]  # (the tokenizer's other EOS ids are EOS: null)
         return piece
 
 
@@ -240,6 +247,7 @@ class Server:
         return (eos[0] if eos else -1), Sampling(
             temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed,
             stop_token_ids=stops, logprobs=body.wants_logprobs(), top_logprobs=top,
+            prompt_logprobs=body.prompt_logprobs_count(),
             logit_bias=[[t, b] for t, b in (body.logit_bias or {}).items()], min_tokens=body.min_tokens,
             repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty)
@@ -268,8 +276,12 @@ class Server:
                 run.choices[rid] = _Choice(i * body.n + j, ids, IncrementalDetokenizer(tok, ids, body.skip_special_tokens),
                                            StopStrings(stops, body.include_stop_str_in_output), i, stop_ids,
                                            body.include_stop_str_in_output, body.min_tokens,
-                                           echoes[i] if echoes else "")
+                                           echoes[i] if echoes else "", frozenset(body.stop_token_ids or ()))
                 own = sampling if body.seed is None else dataclasses.replace(sampling, seed=(body.seed + j) % (1 << 63))
+                if leader is not None:  # the prompt's first choice scores it for all
+                    own = dataclasses.replace(own, prompt_logprobs=None)
+                elif own.prompt_logprobs is not None:
+                    run.scorers.add(rid)
                 run.requests.append((rid, ids, max_tokens, eos, own))
                 if leader is None:
                     leader = rid
@@ -290,6 +302,15 @@ class _Run:
         self.pending: set[str] = set()  # not finished
         self.sent: set[str] = set()
         self.arrival = time.monotonic()
+        self.scorers: set[str] = set()  # requests that score their prompt: each prompt's first choice
+        self.prompt_scores: dict[int, tuple[list, list, list]] = {}  # by prompt: (logprobs, ranks, top)
+
+    def unshown_prompt(self, ch: _Choice) -> tuple[list, list, list] | None:
+        """The scores of `ch`'s prompt the first time a stream asks for that choice, then None."""
+        if ch.prompt_shown or ch.prompt_index not in self.prompt_scores:
+            return None
+        ch.prompt_shown = True
+        return self.prompt_scores[ch.prompt_index]
 
     def _timed(self, ch: _Choice, n: int) -> None:
         """Observe the latency of an answer that brought `n` tokens to `ch`."""
@@ -330,6 +351,9 @@ class _Run:
                 ids = [int(t) for t in ev.token_ids[skip:]]
                 lps = [float(x) for x in ev.logprobs[skip:]] if ev.logprobs else [None] * len(ids)
                 top = list(ev.top[skip:]) if ev.top else None
+                if int(ev.index) == 0 and rid in self.scorers:
+                    self.prompt_scores.setdefault(ch.prompt_index, (list(ev.prompt_logprobs), list(ev.prompt_ranks),
+                                                                    list(ev.prompt_top)))
                 self._timed(ch, len(ids))
                 stopped_before = ch.stops.stopped is not None
                 piece, shown = ch.add(ids, lps, top)
@@ -342,6 +366,9 @@ class _Run:
             else:
                 res = ev  # a Result: the client converted the FinishedEvent
                 self.pending.discard(rid)
+                if rid in self.scorers and res.finish_reason != "cancelled":
+                    self.prompt_scores.setdefault(ch.prompt_index, (res.prompt_logprobs, res.prompt_ranks,
+                                                                    res.prompt_top))
                 rest = [int(t) for t in res.output_token_ids[len(ch.token_ids):]]
                 if ch.stops.stopped is None:
                     self._timed(ch, len(rest))
@@ -400,12 +427,39 @@ class _Run:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top: list[list | None]) -> dict:
+def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top: list[list | None],
+                         prompt: list[int] | None = None, scores: tuple | None = None,
+                         body: CompletionRequest | None = None) -> dict:
     """The completions API's logprobs of some tokens: each chosen token's, and its alternatives
-    (token text -> logprob) when asked."""
+    (token text -> logprob) when asked. With `echo` and the prompt's `scores` (logprobs, ranks,
+    top) the prompt's tokens come first, the first with null as it has nothing before it (as
+    OpenAI and vLLM answer it), each with the request's `logprobs` alternatives."""
+    if body is not None and body.echo and scores is not None:
+        k, plps, _, ptop = body.logprobs or 0, scores[0], scores[1], scores[2]
+        gap = [None] * (len(prompt) - 1 - len(plps))  # (a request cancelled before its prompt was scored)
+        alts = [[t[0][:k], t[1][:k]] for t in ptop] if k and ptop else [None] * len(plps)
+        ids, lps, top = list(prompt) + list(ids), [None, *plps, *gap] + list(lps), [None, *alts, *gap] + list(top)
     return {"tokens": [tok.decode([t]) for t in ids], "token_logprobs": lps,
             "top_logprobs": [{tok.decode([a]): lp for a, lp in zip(*t)} if t else None for t in top]
             if any(top) else None}
+
+
+def _prompt_logprobs(tok: Tokenizer, prompt: list[int], scores: tuple | None, k: int | None) -> list | None:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then for each token a map of
+    token id -> {logprob, rank, decoded_token} holding the token itself and the k likeliest
+    there. None when not asked (or not scored: a request cancelled first)."""
+    if k is None or scores is None:
+        return None
+    lps, ranks, top = scores
+    out: list = [None]
+    for i, (lp, rank) in enumerate(zip(lps, ranks)):
+        entry = {int(prompt[i + 1]): (lp, rank)}
+        if k and top:
+            for r, (a, alp) in enumerate(zip(top[i][0][:k], top[i][1][:k])):
+                entry.setdefault(int(a), (alp, r + 1))
+        out.append({str(a): {"logprob": v, "rank": int(r), "decoded_token": tok.decode([a])}
+                    for a, (v, r) in entry.items()})
+    return out
 
 
 def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top: list[list | None]) -> dict:
@@ -601,9 +655,6 @@ def create_app(server: Server) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
         server.check_body(body)
-        if body.echo and body.wants_logprobs():
-            raise ApiError(400, "echo with logprobs (the prompt's logprobs) is not supported; echo alone is",
-                           param="echo", code="unsupported_field")
         tok = server.decoder()
         p = body.prompt
         texts: list[str] | None = None
@@ -635,23 +686,33 @@ def create_app(server: Server) -> FastAPI:
             it, first = await run.first(request)
 
             def frame(ch, piece, ids, done):
-                if not (piece or ids or done):
+                scores = run.unshown_prompt(ch)
+                if not (piece or ids or done or scores):
                     return None
                 at = len(ch.token_ids) - len(ids)
-                lp = _completion_logprobs(tok, ids, ch.logprobs[at:], ch.top[at:]) if body.wants_logprobs() else None
+                lp = _completion_logprobs(tok, ids, ch.logprobs[at:], ch.top[at:], ch.prompt, scores, body) \
+                    if body.wants_logprobs() else None
                 return {**base, "choices": [{"index": ch.index, "text": piece, "logprobs": lp,
                                              "finish_reason": ch.finish_reason if done else None,
-                                             "token_ids": ids}]}
+                                             "stop_reason": ch.stop_reason if done else None, "token_ids": ids,
+                                             "prompt_logprobs": _prompt_logprobs(tok, ch.prompt, scores,
+                                                                                 body.prompt_logprobs)}]}
 
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_stream(run, first, it, frame, base, usage), media_type="text/event-stream")
         run.start()
         await run.complete(request)
         choices = sorted(run.choices.values(), key=lambda c: c.index)
+        scores = run.prompt_scores
         return JSONResponse({**base, "choices": [{"index": c.index, "text": "".join(c.text),
-                                                  "logprobs": _completion_logprobs(tok, c.token_ids, c.logprobs, c.top)
+                                                  "logprobs": _completion_logprobs(
+                                                      tok, c.token_ids, c.logprobs, c.top, c.prompt,
+                                                      scores.get(c.prompt_index), body)
                                                   if body.wants_logprobs() else None,
-                                                  "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+                                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                                  "token_ids": c.token_ids,
+                                                  "prompt_logprobs": _prompt_logprobs(
+                                                      tok, c.prompt, scores.get(c.prompt_index), body.prompt_logprobs)}
                                                  for c in choices], "usage": run.usage()})
 
     @app.post("/v1/chat/completions")
@@ -673,15 +734,21 @@ def create_app(server: Server) -> FastAPI:
             it, first = await run.first(request)
 
             def frame(ch, piece, ids_, done):
-                if not (piece or done or (ids_ and body.logprobs)):
+                scores = run.unshown_prompt(ch) if body.prompt_logprobs is not None else None
+                if not (piece or done or (ids_ and body.logprobs) or scores):
                     return None
                 at = len(ch.token_ids) - len(ids_)
                 lp = _chat_logprobs(tok, ids_, ch.logprobs[at:], ch.top[at:]) if body.logprobs else None
-                return {**chunk, "choices": [{"index": ch.index, "delta": {"content": piece} if piece else {},
-                                              "logprobs": lp, "finish_reason": ch.finish_reason if done else None}]}
+                out = {**chunk, "choices": [{"index": ch.index, "delta": {"content": piece} if piece else {},
+                                             "logprobs": lp, "finish_reason": ch.finish_reason if done else None,
+                                             "stop_reason": ch.stop_reason if done else None}]}
+                if scores is not None:
+                    out["prompt_logprobs"] = _prompt_logprobs(tok, ch.prompt, scores, body.prompt_logprobs)
+                return out
 
             opening = {**chunk, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None} for j in range(body.n)]}
+                                             "logprobs": None, "finish_reason": None, "stop_reason": None}
+                                            for j in range(body.n)]}
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_stream(run, first, it, frame, chunk, usage, opening),
                                      media_type="text/event-stream")
@@ -692,8 +759,11 @@ def create_app(server: Server) -> FastAPI:
                                                   "message": {"role": "assistant", "content": "".join(c.text)},
                                                   "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs, c.top)
                                                   if body.logprobs else None, "finish_reason": c.finish_reason,
-                                                  "token_ids": c.token_ids} for c in choices],
-                             "usage": run.usage()})
+                                                  "stop_reason": c.stop_reason, "token_ids": c.token_ids}
+                                                 for c in choices],
+                             "usage": run.usage(),
+                             "prompt_logprobs": _prompt_logprobs(tok, ids, run.prompt_scores.get(0),
+                                                                 body.prompt_logprobs)})
 
     return app
 

@@ -48,6 +48,8 @@ class SamplingBody(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: each prompt token's logprob and rank, and this many alternatives at its position
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None             # refused unless empty (a later feature)
     tool_choice: Union[str, dict, None] = None  # refused unless "none"
     response_format: dict | None = None    # refused unless {"type": "text"}
@@ -78,6 +80,10 @@ class SamplingBody(BaseModel):
     def top_logprobs_count(self) -> int:
         return 0
 
+    def prompt_logprobs_count(self) -> int | None:
+        """The alternatives the engine scores the prompt with; None: the prompt is not scored."""
+        return self.prompt_logprobs
+
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
@@ -93,6 +99,12 @@ class CompletionRequest(SamplingBody):
 
     def top_logprobs_count(self) -> int:
         return self.logprobs or 0
+
+    def prompt_logprobs_count(self) -> int | None:
+        """`echo` with `logprobs` k shows the prompt's logprobs too, with k alternatives."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class TextPart(BaseModel):

@@ -153,13 +153,92 @@ def test_n_choices_echo_and_prompt_lists(served):
     assert e.choices[0].text == e.choices[1].text, "greedy choices agree"
 
 
+def _prompt_reference(ck, prompt: list[int]) -> np.ndarray:
+    """The float64 log-softmax of the dense reference's logits at every prompt position but the last."""
+    z = dense_logits(ck, prompt)[:-1].astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+@pytest.mark.e2e
+def test_prompt_logprobs_echo_and_stop_reason(served):
+    ck, tok, oa, model, ln = served
+    prompt = tok.encode("Every prompt token is scored given the tokens before it, whatever its chunk")
+    ref = _prompt_reference(ck, prompt)
+    at = np.arange(len(prompt) - 1)
+    want_lp = ref[at, prompt[1:]]
+    # echo with logprobs: the prompt's tokens first (the first with null), then the answer's
+    r = oa.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2,
+                              extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    out = r.choices[0].model_extra["token_ids"]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(prompt) + 1
+    assert lp.tokens[:len(prompt)] == [tok.decode([t]) for t in prompt]
+    np.testing.assert_allclose(lp.token_logprobs[1:len(prompt)], want_lp, rtol=0, atol=2e-3)
+    for i in range(1, len(prompt)):
+        top2 = np.sort(ref[i - 1])[::-1][:2]
+        assert all(np.abs(top2 - v).min() < 2e-3 for v in lp.top_logprobs[i].values())
+    assert r.choices[0].text.startswith(tok.decode(prompt))
+    assert r.choices[0].model_extra["prompt_logprobs"] is None, "not asked"
+    # vLLM's prompt_logprobs, with a prefix the cache holds (it is computed all the same) and n
+    k = 3
+    v = oa.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, n=2,
+                              extra_body={"prompt_logprobs": k, "ignore_eos": True})
+    for c in v.choices:
+        pl = c.model_extra["prompt_logprobs"]
+        assert pl[0] is None and len(pl) == len(prompt)
+        for i, entry in enumerate(pl[1:]):
+            mine = entry[str(prompt[i + 1])]
+            assert abs(mine["logprob"] - want_lp[i]) < 2e-3 and mine["decoded_token"] == tok.decode([prompt[i + 1]])
+            assert abs(mine["rank"] - (1 + (ref[i] > want_lp[i]).sum())) <= 1  # (float32 near-ties)
+            best = np.lexsort((np.arange(ref.shape[1]), -ref[i]))[:k]
+            assert {str(int(t)) for t in best} <= set(entry) and len(entry) in (k, k + 1)
+            assert [entry[str(int(t))]["rank"] for t in best] == [1, 2, 3] or mine["rank"] <= k
+    assert v.choices[0].model_extra["prompt_logprobs"] == v.choices[1].model_extra["prompt_logprobs"]
+    assert r.choices[0].logprobs.token_logprobs[1:len(prompt)] == [
+        v.choices[0].model_extra["prompt_logprobs"][i + 1][str(prompt[i + 1])]["logprob"] for i in range(len(prompt) - 1)]
+    # streamed: the first chunk of each choice carries them; echo with logprobs streams too
+    s = list(oa.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, stream=True, echo=True,
+                                   logprobs=1, extra_body={"prompt_logprobs": k, "ignore_eos": True}))
+    assert s[0].choices[0].model_extra["prompt_logprobs"] == v.choices[0].model_extra["prompt_logprobs"]
+    assert all(ch.choices[0].model_extra["prompt_logprobs"] is None for ch in s[1:])
+    assert [t for ch in s for t in ch.choices[0].logprobs.token_logprobs][:len(prompt)] == \
+        r.choices[0].logprobs.token_logprobs[:len(prompt)]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = oa.chat.completions.create(model=model, messages=messages, max_completion_tokens=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 0})
+    pl = chat.model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == chat.usage.prompt_tokens and all(len(e) == 1 for e in pl[1:])
+    # stop_reason: the stop string or stop token id that ended a choice; null for EOS and length
+    x = tok.encode("a")[0]
+    by_string = oa.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logit_bias={x: 100},
+                                      stop=["a"])
+    by_id = oa.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logit_bias={x: 100},
+                                  extra_body={"stop_token_ids": [x]})
+    eos = tok.eos_token_ids[0]
+    by_eos = oa.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logit_bias={eos: 100})
+    by_length = oa.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.choices[0].model_extra["stop_reason"] for c in (by_string, by_id, by_eos, by_length)] == ["a", x, None,
+                                                                                                     None]
+    assert [c.choices[0].finish_reason for c in (by_string, by_id, by_eos, by_length)] == ["stop"] * 3 + ["length"]
+    streamed = list(oa.chat.completions.create(model=model, messages=messages, max_completion_tokens=8, temperature=0,
+                                               logit_bias={x: 100}, stop="a", stream=True))
+    assert streamed[-1].choices[0].model_extra["stop_reason"] == "a"
+    assert all(ch.choices[0].model_extra["stop_reason"] is None for ch in streamed[:-1])
+    plain = oa.chat.completions.create(model=model, messages=messages, max_completion_tokens=8, temperature=0,
+                                       logit_bias={x: 100}, extra_body={"stop_token_ids": [x]})
+    assert plain.choices[0].model_extra["stop_reason"] == x and plain.model_extra["prompt_logprobs"] is None
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"suffix": "x"}, "suffix"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ({"n": 17}, "n"),
     ({"logprobs": 21}, "logprobs"),
     ({"logit_bias": {"5": 101}}, None),
