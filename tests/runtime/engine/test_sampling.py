@@ -208,7 +208,10 @@ def test_pd_hands_the_sampling_parameters_to_decode(pd_node, tmp_path):  # noqa:
             s.send(request("pd", prompt, 8, seed=4242, logprobs=True, **HOT))
             s.send(request("pd-stop", prompt, 8, seed=4242, stop_token_ids=[want[3]], **HOT))
             s.send(request("pd-pen", prompt, 8, seed=4242, top_logprobs=3, **HOT, **PEN))
+            s.send(request("pd-prompt", prompt, 8, prompt_logprobs=2))
             end, stopped, pen = s.until_end("pd"), s.until_end("pd-stop"), s.until_end("pd-pen")
+            scored = s.until_end("pd-prompt")
+            first = [ev for ev in s.events["pd-prompt"] if isinstance(ev, TokenEvent)][0]
         finally:
             s.close()
         assert isinstance(end, FinishedEvent), end
@@ -218,6 +221,14 @@ def test_pd_hands_the_sampling_parameters_to_decode(pd_node, tmp_path):  # noqa:
         pen_want = expected(prompt, 8, seed=4242, **HOT, **PEN)[0]
         assert pen.output_token_ids.tolist() == pen_want != want, "the penalties hold on P and D"
         assert len(pen.output_top) == 8 and all(len(ids) == len(lps) == 3 for ids, lps in pen.output_top)
+        # P scores the prompt it prefills: in its first token's event and in D's answer it relays
+        z = oracle().dense_logits(prompt.astype(np.int32))[:-1]
+        z = z - z.max(-1, keepdims=True)
+        lsm = (z - np.log(np.exp(z).sum(-1, keepdims=True)))[np.arange(len(z)), prompt[1:]]
+        assert scored.output_token_ids.tolist() == oracle().generate_dense(prompt, 8)
+        for ev in (first, scored):
+            np.testing.assert_allclose(ev.prompt_logprobs, lsm, rtol=0, atol=1e-9)
+            assert len(ev.prompt_ranks) == len(ev.prompt_top) == len(prompt) - 1
         assert p.idle_stats()["pd_sent_bytes"] > 0
 
 
