@@ -222,6 +222,10 @@ def test_prompt_logprobs_echo_and_stop_reason(served):
     assert [c.choices[0].model_extra["stop_reason"] for c in (by_string, by_id, by_eos, by_length)] == ["a", x, None,
                                                                                                      None]
     assert [c.choices[0].finish_reason for c in (by_string, by_id, by_eos, by_length)] == ["stop"] * 3 + ["length"]
+    shown = oa.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logit_bias={x: 100},
+                                  stop=["a"], extra_body={"include_stop_str_in_output": True})
+    assert (by_string.choices[0].text, shown.choices[0].text, shown.choices[0].model_extra["stop_reason"]) == \
+        ("", "a", "a")
     streamed = list(oa.chat.completions.create(model=model, messages=messages, max_completion_tokens=8, temperature=0,
                                                logit_bias={x: 100}, stop="a", stream=True))
     assert streamed[-1].choices[0].model_extra["stop_reason"] == "a"
