@@ -60,8 +60,8 @@ def score_prompt(head: Callable[[Any], Any], hidden: Any, query: PromptQuery, vo
     per = max(1, BLOCK_BYTES // (8 * max(vocab, 1)))
     for a in range(0, n, per):
         b = min(n, a + per)
-        z = head(hidden[xp.asarray(query.rows[a:b])]).astype(xp.float64)
-        lp, rank, top_ids, top_lps = _score_block(z, query.targets[a:b], query.ks[a:b], xp)
+        lp, rank, top_ids, top_lps = _score_block(head(hidden[xp.asarray(query.rows[a:b])]), query.targets[a:b],
+                                                  query.ks[a:b], xp)
         lps[a:b], ranks[a:b] = lp, rank
         ids_out.append(top_ids)
         lps_out.append(top_lps)
@@ -69,25 +69,32 @@ def score_prompt(head: Callable[[Any], Any], hidden: Any, query: PromptQuery, vo
     return PromptScores(lps, ranks, cat(ids_out, np.int32), cat(lps_out, np.float64))
 
 
-def _score_block(z: Any, targets: np.ndarray, ks: np.ndarray, xp: Any) -> tuple[np.ndarray, ...]:
-    """One block of float64 logits z [m, vocab]: host (logprobs [m], ranks [m], top ids and
-    logprobs flattened, ks[i] of row i)."""
-    m, vocab = z.shape
+def _score_block(logits: Any, targets: np.ndarray, ks: np.ndarray, xp: Any) -> tuple[np.ndarray, ...]:
+    """One block of logits [m, vocab] as the head made them: host (logprobs [m], ranks [m],
+    top ids and logprobs flattened, ks[i] of row i). Ranks and the choice of alternatives read
+    the logits as they are (float32 to float64 is exact and keeps their order); the values are
+    float64, and the exponentials overwrite the one float64 copy (a block's bytes are touched
+    a few times, never allocated twice)."""
+    m = logits.shape[0]
+    at, t = xp.arange(m), xp.asarray(targets.astype(np.int64))
+    rank = (logits > logits[at, t][:, None]).sum(axis=-1) + 1
+    ids = None
+    if m and int(ks.max()) > 0:
+        rows = SamplingRows.greedy(m)
+        rows.top_logprobs = ks
+        ids, _ = top_logprobs(logits, rows, xp)  # the sampler's choice of alternatives: ties by the lower id
+    z = logits.astype(xp.float64)  # a copy of our own
+    chosen = z[at, t]
+    vals = None if ids is None else xp.take_along_axis(z, xp.asarray(ids.astype(np.int64)), axis=-1)
     zmax = z.max(axis=-1, keepdims=True)
-    lse = xp.log(xp.exp(z - zmax).sum(axis=-1)) + zmax[:, 0]
-    t = xp.asarray(targets.astype(np.int64))
-    chosen = z[xp.arange(m), t]
-    rank = (z > chosen[:, None]).sum(axis=-1) + 1
-    lp = chosen - lse
-    if not m or int(ks.max()) <= 0:
-        return _host(lp), _host(rank), np.empty(0, np.int32), np.empty(0)
-    rows = SamplingRows.greedy(m)
-    rows.top_logprobs = ks
-    ids, _ = top_logprobs(z, rows, xp)  # the sampler's choice of alternatives: ties by the lower id
-    k = ids.shape[1]
-    top = _host(xp.take_along_axis(z, xp.asarray(ids.astype(np.int64)), axis=-1) - lse[:, None])
-    keep = np.arange(k)[None, :] < np.minimum(ks, k)[:, None]
-    return _host(lp), _host(rank), ids[keep].astype(np.int32), top[keep]
+    xp.subtract(z, zmax, out=z)
+    lse = xp.log(xp.exp(z, out=z).sum(axis=-1)) + zmax[:, 0]
+    lp = _host(chosen - lse)
+    if ids is None:
+        return lp, _host(rank), np.empty(0, np.int32), np.empty(0)
+    top = _host(vals - lse[:, None])
+    keep = np.arange(ids.shape[1])[None, :] < np.minimum(ks, ids.shape[1])[:, None]
+    return lp, _host(rank), ids[keep].astype(np.int32), top[keep]
 
 
 def _host(a: Any) -> np.ndarray:

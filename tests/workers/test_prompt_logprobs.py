@@ -103,3 +103,29 @@ def test_rows_outside_the_step_are_refused():
         model.step_outputs(pool, [seq], PromptQuery(np.array([3]), np.array([1]), np.array([0])))
     with pytest.raises(ValueError, match="targets"):
         model.step_outputs(pool, [seq], PromptQuery(np.array([0]), np.array([SMALL.vocab_size]), np.array([0])))
+
+
+def test_cupy_scores_equal_numpys():
+    """The same scores from logits on a GPU (skipped without CUDA)."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        gpus = 0
+    if gpus == 0:
+        pytest.skip("no CUDA device")
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((300, 5000)) * 3).astype(np.float32)
+    query = PromptQuery(np.arange(300), rng.integers(0, 5000, 300), rng.integers(0, 21, 300))
+    want = score_prompt(lambda h: h, logits, query, 5000)
+    got = score_prompt(lambda h: h, cupy.asarray(logits), query, 5000, cupy)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-9)
+    assert got.ranks.tolist() == want.ranks.tolist() and got.top_ids.tolist() == want.top_ids.tolist()
+    np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=0, atol=1e-9)
+    model, ref = Model(SMALL, xp=cupy), Model(SMALL)
+    prompt = prompt_of(rng, 37, SMALL.vocab_size)
+    pool = make_pool(SMALL, 32, 4, xp=cupy)
+    q = PromptQuery(np.arange(36), prompt[1:].astype(np.int64), np.full(36, 3))
+    _, s = model.step_outputs(pool, [SeqInput(prompt, 0, np.arange(10, dtype=np.int32))], q)
+    np.testing.assert_allclose(s.logprobs, reference(ref.dense_logits(prompt)[:-1], prompt[1:], q.ks)[0],
+                               rtol=0, atol=1e-9)
