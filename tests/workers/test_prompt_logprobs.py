@@ -61,11 +61,11 @@ def test_no_rows_and_no_alternatives():
     assert got.ranks.tolist() == [1, 1, 1] and len(got.top_ids) == 0
 
 
-def prompt_scores(model: Model, prompt: np.ndarray, chunks: list[int], k: int) -> tuple:
+def prompt_scores(model: Model, prompt: np.ndarray, chunks: list[int], k: int, block_size: int = 4) -> tuple:
     """Prefill `prompt` in `chunks` as the engine does: each chunk's rows scored against the
     token after them (the next chunk's first included), the last prompt position not scored."""
-    pool = make_pool(model.shape, 32, 4)
-    table = np.arange(-(-len(prompt) // 4), dtype=np.int32)
+    pool = make_pool(model.shape, 32, block_size, dtype=model.kv_dtype.name)
+    table = np.arange(-(-len(prompt) // block_size), dtype=np.int32)
     lps, ranks, ids, tops, pos = [], [], [], [], 0
     for c in chunks:
         n = min(c, len(prompt) - 1 - pos)
@@ -129,3 +129,39 @@ def test_cupy_scores_equal_numpys():
     _, s = model.step_outputs(pool, [SeqInput(prompt, 0, np.arange(10, dtype=np.int32))], q)
     np.testing.assert_allclose(s.logprobs, reference(ref.dense_logits(prompt)[:-1], prompt[1:], q.ks)[0],
                                rtol=0, atol=1e-9)
+
+
+def test_the_worker_reads_the_batchs_prompt_rows():
+    """Sequence i's first prompt_rows[i] rows, at its offset in the flattened tokens, each
+    with its target and its sequence's alternatives; fields that disagree fail the step."""
+    from kvrt.ipc import protocol as P
+    from kvrt.workers.worker import Worker
+
+    def batch(rows, targets, top):
+        return P.StepBatch(1, np.zeros(10, np.int32), np.array([4, 1, 5], np.int32), np.zeros(3, np.int32),
+                           np.zeros(3, np.int32), np.ones(3, np.int32), prompt_rows=np.array(rows, np.int32),
+                           prompt_targets=np.array(targets, np.int32), prompt_top=np.array(top, np.int32))
+
+    assert Worker._prompt_query(P.StepBatch(1, *(np.zeros(0, np.int32),) * 5)) is None
+    q = Worker._prompt_query(batch([3, 0, 2], [7, 8, 9, 10, 11], [2, 0, 5]))
+    assert q.rows.tolist() == [0, 1, 2, 5, 6] and q.targets.tolist() == [7, 8, 9, 10, 11]
+    assert q.ks.tolist() == [2, 2, 2, 5, 5]
+    for bad in (([3, 0], [7, 8, 9], [2, 0]), ([3, 0, 2], [7, 8], [2, 0, 5]), ([5, 0, 0], [1] * 5, [0, 0, 0]),
+                ([1, 0, 0], [1], [65, 0, 0])):
+        with pytest.raises(ValueError, match="prompt logprob"):
+            Worker._prompt_query(batch(*bad))
+
+
+def test_a_checkpoint_scores_its_prompt_as_its_own_logits_say(tmp_path):
+    """Through a checkpoint's model (float32 logits), chunked: the float64 log-softmax of the
+    logits the same model computes for the whole prompt at once."""
+    from kvrt.workers.checkpoint import inspect
+    from kvrt.workers.hf_model import HFModel
+    from tests.hfkit import VOCAB, make_checkpoint
+
+    model = HFModel(inspect(make_checkpoint(tmp_path, "Qwen2ForCausalLM").path), 512)
+    prompt = np.random.default_rng(5).integers(0, VOCAB, 29).astype(np.int32)
+    got = prompt_scores(model, prompt, [11, 11, 7], 4, block_size=8)
+    want = reference(model.dense_logits(prompt)[:-1], prompt[1:], np.full(28, 4))
+    np.testing.assert_allclose(got[0], want[0], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(got[3], want[3], rtol=0, atol=1e-4)
