@@ -435,7 +435,7 @@ def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None]
     top) the prompt's tokens come first, the first with null as it has nothing before it (as
     OpenAI and vLLM answer it), each with the request's `logprobs` alternatives."""
     if body is not None and body.echo and scores is not None:
-        k, plps, _, ptop = body.logprobs or 0, scores[0], scores[1], scores[2]
+        k, (plps, _, ptop) = body.logprobs or 0, scores
         gap = [None] * (len(prompt) - 1 - len(plps))  # (a request cancelled before its prompt was scored)
         alts = [[t[0][:k], t[1][:k]] for t in ptop] if k and ptop else [None] * len(plps)
         ids, lps, top = list(prompt) + list(ids), [None, *plps, *gap] + list(lps), [None, *alts, *gap] + list(top)
