@@ -209,6 +209,10 @@ def test_prompt_logprobs_echo_and_stop_reason(served):
                                       extra_body={"prompt_logprobs": 0})
     pl = chat.model_extra["prompt_logprobs"]
     assert pl[0] is None and len(pl) == chat.usage.prompt_tokens and all(len(e) == 1 for e in pl[1:])
+    chunks = list(oa.chat.completions.create(model=model, messages=messages, max_completion_tokens=1, temperature=0,
+                                             stream=True, extra_body={"prompt_logprobs": 0}))
+    assert [ch.model_extra.get("prompt_logprobs") for ch in chunks][:2] == [None, pl]
+    assert all(ch.model_extra.get("prompt_logprobs") is None for ch in chunks[2:])
     # stop_reason: the stop string or stop token id that ended a choice; null for EOS and length
     x = tok.encode("a")[0]
     by_string = oa.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logit_bias={x: 100},
