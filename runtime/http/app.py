@@ -704,6 +704,8 @@ def create_app(server: Server) -> FastAPI:
     async def chat(body: ChatRequest, request: Request):
         server.check_model(body.model)
         server.check_body(body)
+        if problem := body.tools_problem():
+            raise ApiError(400, problem[1], param=problem[0])
         text, ids = server.chat_prompt(body.messages, tools=body.template_tools(),
                                        template_kwargs=body.chat_template_kwargs)
         tok = server.tokenizer()

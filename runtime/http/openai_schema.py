@@ -198,11 +198,9 @@ class ChatMessage(BaseModel):
 TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
-def _template_kwargs(kwargs: dict | None) -> dict | None:
+def template_kwargs_problem(kwargs: dict | None) -> str | None:
     taken = sorted(TEMPLATE_RESERVED & set(kwargs or {}))
-    if taken:
-        raise ValueError(f"chat_template_kwargs: {taken[0]} is the server's to set")
-    return kwargs
+    return f"chat_template_kwargs: {taken[0]} is the server's to set" if taken else None
 
 
 class ChatRequest(SamplingBody):
@@ -220,17 +218,19 @@ class ChatRequest(SamplingBody):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    @model_validator(mode="after")
-    def _tools(self) -> "ChatRequest":
+    def tools_problem(self) -> tuple[str, str] | None:
+        """(the field, what is wrong) when the tools, the choice among them or the template's
+        variables do not fit together."""
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) < len(names):
-            raise ValueError("tools: two tools have the same name")
+            return "tools", "tools: two tools have the same name"
         if self.tool_choice not in (None, "none") and not names:
-            raise ValueError("tool_choice: a choice of tools needs tools")
+            return "tool_choice", "tool_choice: a choice of tools needs tools"
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice: {self.tool_choice.function.name!r} is not one of the tools")
-        _template_kwargs(self.chat_template_kwargs)
-        return self
+            return "tool_choice", f"tool_choice: {self.tool_choice.function.name!r} is not one of the tools"
+        if problem := template_kwargs_problem(self.chat_template_kwargs):
+            return "chat_template_kwargs", problem
+        return None
 
     def _unsupported_tools(self) -> str | None:
         return None  # chat's own
@@ -274,7 +274,8 @@ class TokenizeRequest(BaseModel):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
-        _template_kwargs(self.chat_template_kwargs)
+        if problem := template_kwargs_problem(self.chat_template_kwargs):
+            raise ValueError(problem)
         return self
 
     def template_tools(self) -> list[dict] | None:
