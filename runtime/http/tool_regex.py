@@ -42,9 +42,9 @@ def forced_call_regex(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
     """One call of one of `tools` ((name, parameters schema) pairs), in format `fmt`."""
     if not tools:
         raise ValueError("a forced call needs at least one tool")
-    key = "arguments" if fmt == HERMES else "parameters"
     if fmt not in (HERMES, LLAMA3_JSON):
         raise ValueError(f"unknown tool-call format {fmt!r}")
+    key = "arguments" if fmt == HERMES else "parameters"
     calls = []
     for name, parameters in tools:
         head = _literal('{"name": ' + json.dumps(name, ensure_ascii=False) + f', "{key}": ')

@@ -95,7 +95,7 @@ FRAGMENTS = st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "<think>",
 MESSY = st.lists(FRAGMENTS, max_size=24).map("".join)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(hermes_answers())
 def test_hermes_calls_and_content_are_read_whole(answer):
     text, content, calls = answer
@@ -105,7 +105,7 @@ def test_hermes_calls_and_content_are_read_whole(answer):
     assert all(isinstance(json.loads(c.arguments), dict) for c in got)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(llama_answers())
 def test_llama3_json_calls_are_read_whole(answer):
     text, content, calls = answer
@@ -114,7 +114,7 @@ def test_llama3_json_calls_are_read_whole(answer):
     assert [(c.name, c.arguments) for c in got] == calls
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.sampled_from([HERMES, LLAMA3_JSON]), st.booleans(), st.booleans(),
        st.one_of(hermes_answers().map(lambda a: a[0]), llama_answers().map(lambda a: a[0]), MESSY),
        st.lists(st.integers(0, 10_000), max_size=12))
@@ -130,7 +130,7 @@ def test_deltas_cut_anywhere_join_into_the_whole_message(fmt, reasoning, thinkin
         assert all("<tool_call>" not in d.get("content", "") for d in deltas) or "<tool_call>" in whole["content"]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(hermes_answers(), st.lists(st.integers(0, 10_000), max_size=30))
 def test_streamed_calls_never_leak_markup_into_content(answer, cuts):
     text, content, calls = answer
@@ -188,7 +188,7 @@ def test_reasoning_is_split_from_the_answer():
     assert both["reasoning_content"] == "call <tool_call>?" and both["tool_calls"][0]["function"]["name"] == "f"
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(st.booleans(), st.lists(st.sampled_from(["<think>", "</think>", "<thi", "nk>", "</", "\n", " ", "ab"]),
                                max_size=12).map("".join), st.lists(st.integers(0, 1000), max_size=8))
 def test_reasoning_deltas_cut_anywhere_join_into_the_whole(inside, text, cuts):

@@ -48,7 +48,7 @@ def _walks(regex: str, text: str) -> bool:
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(args=VALID_WEATHER, compact=st.booleans())
 def test_valid_calls_match_and_parse_back(fmt, args, compact):
     regex = forced_call_regex(fmt, TOOLS)
@@ -60,7 +60,7 @@ def test_valid_calls_match_and_parse_back(fmt, args, compact):
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(args=VALID_WEATHER, bad=st.sampled_from(["name", "unit", "missing", "type", "extra", "markup"]))
 def test_calls_off_the_tools_or_their_schema_do_not_match(fmt, args, bad):
     regex = forced_call_regex(fmt, TOOLS)
