@@ -226,9 +226,10 @@ class Server:
         except ToolSchemaError as e:
             raise ApiError(400, f"tools: {e}", param="tools") from None
 
-    def output(self, fmt: str | None, prompt_text: str) -> ChatOutput:
-        """A fresh reader of one chat answer."""
-        return ChatOutput(fmt, self.reasoning_parser is not None, prompt_opens_thinking(prompt_text))
+    def output(self, fmt: str | None, prompt_text: str, forced: bool = False) -> ChatOutput:
+        """A fresh reader of one chat answer. A forced call is the whole answer, so it does not
+        start inside a thinking the prompt opened."""
+        return ChatOutput(fmt, self.reasoning_parser is not None, prompt_opens_thinking(prompt_text) and not forced)
 
     def node_info(self) -> InfoReply:
         """The node's limits; 503 until the bridge has them, and once it stops."""
@@ -723,7 +724,7 @@ def create_app(server: Server) -> FastAPI:
 
         if body.stream:
             chunk = {**base, "object": "chat.completion.chunk"}
-            outputs = {j: server.output(fmt, text) for j in range(body.n)}
+            outputs = {j: server.output(fmt, text, guided is not None) for j in range(body.n)}
 
             run.start()
             it, first = await run.first(request)
@@ -751,7 +752,7 @@ def create_app(server: Server) -> FastAPI:
         await run.complete(request)
         choices = []
         for c in sorted(run.choices.values(), key=lambda c: c.index):
-            out = server.output(fmt, text)
+            out = server.output(fmt, text, guided is not None)
             choices.append({"index": c.index, "message": out.message("".join(c.text)),
                             "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs, c.top) if body.logprobs else None,
                             "finish_reason": finish_reason(c, out), "token_ids": c.token_ids})

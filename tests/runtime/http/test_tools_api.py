@@ -141,6 +141,16 @@ def test_a_forced_call_asks_the_engine_for_a_guided_answer(tok, choice, allowed)
     assert bridge.submitted[0].sampling.guided == {"kind": "regex", "spec": want}
 
 
+def test_a_forced_call_after_a_prompt_that_opens_thinking_is_read_as_a_call(tok):
+    opening = tok.__class__(**{**tok.__dict__, "chat_template": QWEN3_LIKE + "{{ '<think>\\n' }}"})
+    c, _ = _app(opening, CALL, reasoning_parser="qwen3", tool_call_parser="hermes")
+    for choice, calls in (("required", 1), ("auto", 0)):
+        msg = c.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER], "tool_choice": choice}) \
+            .json()["choices"][0]["message"]
+        assert len(msg["tool_calls"]) == calls, (choice, msg)
+        assert (msg["reasoning_content"] is None) == bool(calls), "unforced, the answer starts in the thinking"
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
