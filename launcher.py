@@ -12,6 +12,9 @@ import logging
 import os
 import sys
 
+from kvrt.runtime.http.reasoning import PARSERS as REASONING_PARSERS
+from kvrt.runtime.http.tool_calls import PARSERS as TOOL_CALL_PARSERS
+
 # benchmark name -> (module, one-line help); each module has main(argv) -> int
 BENCHES = {
     "ipc": ("kvrt.bench.ipc", "ring vs multiprocessing.Queue, BaseManager over TCP and pyzmq ipc://"),
@@ -141,6 +144,12 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model ids of the HTTP API, as vLLM's: requests may name any of them, /v1/models "
                    "reports the first (default: --model exactly as given, or kvrt-reference)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how the HTTP API reads tool calls in chat answers, as vLLM's flag: hermes (<tool_call> "
+                   "JSON, Qwen2.5/Qwen3) or llama3_json (Llama 3.1+) (default: the format the chat template names)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a thinking model's <think>...</think> into the HTTP API's reasoning_content, as "
+                   "vLLM's flag (default: off)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus metrics port on 127.0.0.1 (0 = off)")
     p.add_argument("--kv-events-port", type=int, default=d.kv_events_port, metavar="P",
                    help="publish the prefix cache's KV events (vLLM's shape: block stored / removed / all cleared, per "
@@ -248,7 +257,7 @@ def launch(args) -> int:
         try:
             http = HttpServer(args.host, args.http_port, args.host, port,
                               served_model_names(args.served_model_name, args.model), cfg.node, args.metrics_port,
-                              cache_info(cfg))
+                              cache_info(cfg), args.tool_call_parser, args.reasoning_parser)
         except OSError as e:
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 1

@@ -92,7 +92,9 @@ class Generation:
     `repetition_penalty` (1: off) divides the positive logits of every token of the prompt
     and output so far and multiplies the negative ones; `frequency_penalty` and
     `presence_penalty` (0: off, in [-2, 2]) subtract f * count and p once from each token
-    the output holds. Stop strings need text, so they are the client's (runtime/client/stop.py)."""
+    the output holds. Stop strings need text, so they are the client's (runtime/client/stop.py).
+
+    `guided`: what the output must match, {"kind": "regex", "spec": REGEX} (None: anything)."""
 
     request_id: str
     prompt: np.ndarray
@@ -112,6 +114,7 @@ class Generation:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    guided: dict | None = None
 
     def generation(self) -> dict:
         """This message's `Generation` fields by name, to build another message from."""

@@ -30,13 +30,24 @@ class ChatTemplateError(ValueError):
 
 @dataclass
 class Message:
-    """One turn of a conversation."""
+    """One turn of a conversation. `content` is None only for an assistant turn that just
+    called tools; `tool_calls` are OpenAI's shape with each call's arguments as a mapping (as
+    templates write them); `tool_call_id` is a tool result's call."""
 
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
 
-    def to_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def to_dict(self) -> dict[str, Any]:
+        """What the template sees: the fields set, as Hugging Face passes a message."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 @dataclass
@@ -63,8 +74,9 @@ class ChatTemplate:
         if not messages:
             raise ChatTemplateError("a conversation needs at least one message")
         for m in messages:
-            if not (isinstance(m, Message) and isinstance(m.role, str) and isinstance(m.content, str)):
-                raise ChatTemplateError(f"a message is a role and a text content, got {m!r}")
+            if not (isinstance(m, Message) and isinstance(m.role, str)
+                    and (isinstance(m.content, str) or (m.content is None and m.tool_calls))):
+                raise ChatTemplateError(f"a message is a role and a text content (or tool calls), got {m!r}")
         variables = {"tools": None, "documents": None, **dict(self.special_tokens), **extra}
         try:
             return self._compiled.render(messages=[m.to_dict() for m in messages],

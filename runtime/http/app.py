@@ -39,8 +39,12 @@ from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
 from kvrt.runtime.http.bridge import Bridge, Submission
+from kvrt.runtime.http.chat_output import ChatOutput
 from kvrt.runtime.http.openai_schema import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
                                              SamplingBody, TokenizeRequest)
+from kvrt.runtime.http.reasoning import prompt_opens_thinking
+from kvrt.runtime.http.tool_calls import default_parser
+from kvrt.runtime.http.tool_regex import ToolSchemaError, forced_call_regex
 from kvrt.runtime.http.vllm_metrics import StatsReader, VllmMetrics
 
 log = logging.getLogger(__name__)
@@ -149,8 +153,11 @@ class Server:
     `vllm:` metrics. `model_names`: the ids requests may name; the first is the one reported."""
 
     def __init__(self, bridge: Bridge, model_names: str | Sequence[str], metrics_port: int = 0,
-                 cache: dict | None = None, node: str = "") -> None:
+                 cache: dict | None = None, node: str = "", tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.bridge = bridge
+        self.tool_call_parser = tool_call_parser  # None: the chat template's own format, if it names one
+        self.reasoning_parser = reasoning_parser
         self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
         if not self.model_names:
             raise ValueError("a server needs at least one model name")
@@ -182,19 +189,54 @@ class Server:
         return tok
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
-        """The token ids of a conversation rendered with the model's chat template (which writes
-        its own special tokens: the tokenizer adds none unless asked)."""
+                    add_special_tokens: bool = False, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """The text and token ids of a conversation rendered with the model's chat template
+        (which writes its own special tokens: the tokenizer adds none unless asked), with the
+        request's `tools` and further template variables."""
         tok = self.tokenizer("messages")
         if tok.chat_template is None:
             raise ApiError(400, f"the model {self.model_name!r} has no chat template ({tok.name}): use "
                                 f"/v1/completions", param="messages", code="no_chat_template")
         try:
             text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
-                [Message(m.template_role(), m.text()) for m in messages], add_generation_prompt=add_generation_prompt)
-            return tok.encode(text, add_special_tokens=add_special_tokens)
+                [Message(m.template_role(), m.text(), m.template_calls(), m.tool_call_id, m.name, m.reasoning_content)
+                 for m in messages], add_generation_prompt=add_generation_prompt, **(template_kwargs or {}),
+                tools=tools)
+            return text, tok.encode(text, add_special_tokens=add_special_tokens)
         except (ChatTemplateError, TokenizerError) as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
+
+    def tool_format(self) -> str | None:
+        """The format tool calls are read in: --tool-call-parser, else the one the chat template
+        asks for (None: neither names one)."""
+        return self.tool_call_parser or default_parser(self.tokenizer().chat_template)
+
+    def chat_output(self, body: ChatRequest) -> tuple[str | None, dict | None]:
+        """How a chat request's answers are read and forced: the tool-call format (None: calls
+        are not read) and the guided-decoding spec of a forced call (None: nothing forced)."""
+        choice = body.choice()
+        if choice == "none":
+            return None, None  # tools are rendered all the same, as vLLM does, and never read
+        fmt = self.tool_format()
+        if fmt is None:
+            raise ApiError(400, f"tool_choice {choice!r}: this server reads no tool calls from {self.model_name!r} "
+                                f"(its chat template names no format): start it with --tool-call-parser",
+                           param="tool_choice", code="unsupported_field")
+        if choice == "auto":
+            return fmt, None
+        named = body.tool_choice.function.name if choice == "function" else None
+        allowed = [(t.function.name, t.function.parameters) for t in body.tools or []
+                   if named is None or t.function.name == named]
+        try:
+            return fmt, {"kind": "regex", "spec": forced_call_regex(fmt, allowed)}
+        except ToolSchemaError as e:
+            raise ApiError(400, f"tools: {e}", param="tools") from None
+
+    def output(self, fmt: str | None, prompt_text: str, forced: bool = False) -> ChatOutput:
+        """A fresh reader of one chat answer. A forced call is the whole answer, so it does not
+        start inside a thinking the prompt opened."""
+        return ChatOutput(fmt, self.reasoning_parser is not None, prompt_opens_thinking(prompt_text) and not forced)
 
     def node_info(self) -> InfoReply:
         """The node's limits; 503 until the bridge has them, and once it stops."""
@@ -254,12 +296,13 @@ class Server:
 
     # ---- running -------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], max_tokens: int, body: SamplingBody,
-            echoes: list[str] | None = None) -> "_Run":
+            echoes: list[str] | None = None, guided: dict | None = None) -> "_Run":
         """The checked requests of one HTTP request, not sent yet: a stream sends them once its
         generator runs, so that the generator's `finally` is sure to cancel them. Each prompt
         gets `body.n` choices (index prompt * n + j, seed + j as vLLM numbers them); the first
         choice of a prompt goes first and the others follow once it has its first token, so
-        that they find its prompt's blocks in the prefix cache instead of each computing them."""
+        that they find its prompt's blocks in the prefix cache instead of each computing them.
+        `guided`: what the answers must match (runtime/client/api.py's Generation.guided)."""
         stops = body.stops()
         if problem := stop_problem(stops):
             raise ApiError(400, problem, param="stop")
@@ -267,6 +310,8 @@ class Server:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) is above max_tokens ({max_tokens})", param="min_tokens")
         tok = self.tokenizer("stop") if stops else self.decoder()
         eos, sampling = self.sampling(body)
+        if guided is not None:
+            sampling = dataclasses.replace(sampling, guided=guided)
         stop_ids = frozenset(([eos] if eos >= 0 else []) + sampling.stop_token_ids)
         run = _Run(self)
         for i, ids in enumerate(prompts):
@@ -491,7 +536,8 @@ def _sse(obj) -> str:
 async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, include_usage: bool,
                   opening: dict | None = None) -> AsyncIterator[str]:
     """The server-sent events of one answer, for both endpoints: an optional opening frame,
-    `frame(choice, text, token_ids, done)` for each event (None: nothing to send), the usage
+    `frame(choice, text, token_ids, done)` for each event (None: nothing to send; a list: those
+    frames), the usage
     frame if asked, then `[DONE]`. A request that fails (the engine failed it, naming why; or
     this side failed) ends with an error frame instead, and no `[DONE]`: the status 200 went out
     with the first frame, and a failed answer must not read as a finished one. The request is
@@ -501,8 +547,8 @@ async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, incl
             yield _sse(opening)
         async for ch, piece, ids, done in _chain(first, rest):
             out = frame(ch, piece, ids, done)
-            if out is not None:
-                yield _sse(out)
+            for one in out if isinstance(out, list) else [] if out is None else [out]:
+                yield _sse(one)
         if include_usage:
             yield _sse({**usage_base, "choices": [], "usage": run.usage()})
     except ApiError as e:
@@ -593,7 +639,8 @@ def create_app(server: Server) -> FastAPI:
         server.check_model(body.model)
         info = server.node_info()
         if body.messages is not None:
-            ids = server.chat_prompt(body.messages, body.add_generation_prompt, bool(body.add_special_tokens))
+            _, ids = server.chat_prompt(body.messages, body.add_generation_prompt, bool(body.add_special_tokens),
+                                        body.template_tools(), body.chat_template_kwargs)
         else:
             tok = server.tokenizer("prompt")
             try:
@@ -719,32 +766,50 @@ def create_app(server: Server) -> FastAPI:
     async def chat(body: ChatRequest, request: Request):
         server.check_model(body.model)
         server.check_body(body)
-        ids = server.chat_prompt(body.messages)
+        if problem := body.tools_problem():
+            raise ApiError(400, problem[1], param=problem[0])
+        text, ids = server.chat_prompt(body.messages, tools=body.template_tools(),
+                                       template_kwargs=body.chat_template_kwargs)
         tok = server.tokenizer()
         info = server.node_info()
         max_tokens = body.max_completion_tokens or body.max_tokens or max(info.max_model_len - len(ids), 1)
         server.check_prompt(ids, max_tokens, "messages")
-        run = server.run([ids], max_tokens, body)
+        fmt, guided = server.chat_output(body)
+        run = server.run([ids], max_tokens, body, guided=guided)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name}
+
+        def finish_reason(ch: _Choice, out: ChatOutput) -> str | None:
+            """A finished answer that called tools says so, unless it was cut short."""
+            return "tool_calls" if out.called and ch.finish_reason == "stop" else ch.finish_reason
+
         if body.stream:
             chunk = {**base, "object": "chat.completion.chunk"}
+            outputs = {j: server.output(fmt, text, guided is not None) for j in range(body.n)}
 
             run.start()
             it, first = await run.first(request)
 
             def frame(ch, piece, ids_, done):
                 scores = run.unshown_prompt(ch) if body.prompt_logprobs is not None else None
-                if not (piece or done or (ids_ and body.logprobs) or scores):
-                    return None
+                out = outputs[ch.index]
+                deltas = out.feed(piece) if piece else []
+                if done:
+                    deltas += out.finish()
+                if not deltas and (done or (ids_ and body.logprobs) or scores):
+                    deltas = [{}]
                 at = len(ch.token_ids) - len(ids_)
                 lp = _chat_logprobs(tok, ids_, ch.logprobs[at:], ch.top[at:]) if body.logprobs else None
-                out = {**chunk, "choices": [{"index": ch.index, "delta": {"content": piece} if piece else {},
-                                             "logprobs": lp, "finish_reason": ch.finish_reason if done else None,
-                                             "stop_reason": ch.stop_reason if done else None}]}
-                if scores is not None:
-                    out["prompt_logprobs"] = _prompt_logprobs(tok, ch.prompt, scores, body.prompt_logprobs)
-                return out
+                frames = []
+                for k, d in enumerate(deltas):
+                    last = done and k == len(deltas) - 1
+                    one = {**chunk, "choices": [{"index": ch.index, "delta": d, "logprobs": lp if k == 0 else None,
+                                                 "finish_reason": finish_reason(ch, out) if last else None,
+                                                 "stop_reason": ch.stop_reason if last else None}]}
+                    if k == 0 and scores is not None:
+                        one["prompt_logprobs"] = _prompt_logprobs(tok, ch.prompt, scores, body.prompt_logprobs)
+                    frames.append(one)
+                return frames
 
             opening = {**chunk, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None, "stop_reason": None}
@@ -754,14 +819,14 @@ def create_app(server: Server) -> FastAPI:
                                      media_type="text/event-stream")
         run.start()
         await run.complete(request)
-        choices = sorted(run.choices.values(), key=lambda c: c.index)
-        return JSONResponse({**base, "choices": [{"index": c.index,
-                                                  "message": {"role": "assistant", "content": "".join(c.text)},
-                                                  "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs, c.top)
-                                                  if body.logprobs else None, "finish_reason": c.finish_reason,
-                                                  "stop_reason": c.stop_reason, "token_ids": c.token_ids}
-                                                 for c in choices],
-                             "usage": run.usage(),
+        choices = []
+        for c in sorted(run.choices.values(), key=lambda c: c.index):
+            out = server.output(fmt, text, guided is not None)
+            choices.append({"index": c.index, "message": out.message("".join(c.text)),
+                            "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs, c.top) if body.logprobs else None,
+                            "finish_reason": finish_reason(c, out), "stop_reason": c.stop_reason,
+                            "token_ids": c.token_ids})
+        return JSONResponse({**base, "choices": choices, "usage": run.usage(),
                              "prompt_logprobs": _prompt_logprobs(tok, ids, run.prompt_scores.get(0),
                                                                  body.prompt_logprobs)})
 

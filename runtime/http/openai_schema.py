@@ -2,15 +2,16 @@
 body's types against them before any handler (and any engine state) sees it."""
 from __future__ import annotations
 
-from typing import Literal, Union
+import json
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 MAX_N = 16           # choices per prompt
 MAX_TOP_LOGPROBS = 20
-# fields a request may carry that ask nothing of the answer (an end-user id; how to call
-# tools in parallel, when tools, refused by name, were given)
+# fields a request may carry that ask nothing of the answer (an end-user id; whether tools may be
+# called in parallel: every call an answer makes is read, and a forced answer is one call)
 HARMLESS = frozenset({"user", "parallel_tool_calls"})
 
 
@@ -50,8 +51,8 @@ class SamplingBody(BaseModel):
     skip_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and rank, and this many alternatives at its position
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list | None = None             # refused unless empty (a later feature)
-    tool_choice: Union[str, dict, None] = None  # refused unless "none"
+    tools: list | None = None             # chat's (ChatRequest); elsewhere refused unless empty
+    tool_choice: Union[str, dict, None] = None  # chat's; elsewhere refused unless "none"
     response_format: dict | None = None    # refused unless {"type": "text"}
 
     @model_validator(mode="after")
@@ -66,12 +67,17 @@ class SamplingBody(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if value is not None and name not in HARMLESS:
                 return name
+        if name := self._unsupported_tools():
+            return name
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            return "response_format"
+        return None
+
+    def _unsupported_tools(self) -> str | None:
         if self.tools:
             return "tools"
         if self.tool_choice not in (None, "none"):
             return "tool_choice"
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            return "response_format"
         return None
 
     def wants_logprobs(self) -> bool:
@@ -112,17 +118,101 @@ class TextPart(BaseModel):
     text: str
 
 
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDef(BaseModel):
+    """A tool's function: its `parameters` are a JSON schema of its arguments (an object)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function the answer must call."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the API gave it
+
+
+class CalledTool(BaseModel):
+    """A call an earlier assistant turn made."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart]]
+    content: Union[str, list[TextPart], None] = None  # none: an assistant turn that only called tools
+    tool_calls: list[CalledTool] | None = None  # an assistant's
+    tool_call_id: str | None = None             # a tool result's: the call it answers
+    name: str | None = None
+    reasoning_content: str | None = None        # an assistant's thinking, for templates that show it
 
-    def text(self) -> str:
+    @model_validator(mode="after")
+    def _shape(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message calls tools, not a {self.role} one")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content: a {self.role} message needs a content")
+        for c in self.tool_calls or []:
+            try:
+                args = json.loads(c.function.arguments)
+            except ValueError:
+                raise ValueError(f"tool_calls: the arguments of {c.function.name!r} are not JSON") from None
+            if not isinstance(args, dict):
+                raise ValueError(f"tool_calls: the arguments of {c.function.name!r} are not a JSON object")
+        return self
+
+    def text(self) -> str | None:
         """The content as one string (a list of text parts joined, as OpenAI reads it)."""
+        if self.content is None:
+            return None
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def template_calls(self) -> list[dict] | None:
+        """The calls as a chat template reads them: arguments as a mapping (Hugging Face's and
+        vLLM's way), since templates write them with `tojson`."""
+        if self.tool_calls is None:
+            return None
+        return [{**({"id": c.id} if c.id is not None else {}), "type": "function",
+                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls]
 
     def template_role(self) -> str:
         """The role the chat template sees: `developer` is OpenAI's newer name for `system`."""
         return "system" if self.role == "developer" else self.role
+
+
+# what the server itself gives a chat template, which chat_template_kwargs may not replace
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def template_kwargs_problem(kwargs: dict | None) -> str | None:
+    taken = sorted(TEMPLATE_RESERVED & set(kwargs or {}))
+    return f"chat_template_kwargs: {taken[0]} is the server's to set" if taken else None
 
 
 class ChatRequest(SamplingBody):
@@ -130,12 +220,44 @@ class ChatRequest(SamplingBody):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: more template variables
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def tools_problem(self) -> tuple[str, str] | None:
+        """(the field, what is wrong) when the tools, the choice among them or the template's
+        variables do not fit together."""
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            return "tools", "tools: two tools have the same name"
+        if self.tool_choice not in (None, "none") and not names:
+            return "tool_choice", "tool_choice: a choice of tools needs tools"
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            return "tool_choice", f"tool_choice: {self.tool_choice.function.name!r} is not one of the tools"
+        if problem := template_kwargs_problem(self.chat_template_kwargs):
+            return "chat_template_kwargs", problem
+        return None
+
+    def _unsupported_tools(self) -> str | None:
+        return None  # chat's own
+
+    def choice(self) -> str:
+        """The tool choice in effect: "none", "auto", "required" or the named function's "function"."""
+        if not self.tools:
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else "function"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template reads them (OpenAI's shape, as Hugging Face passes them)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
@@ -157,12 +279,19 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[Tool] | None = None            # rendered with messages, as chat renders them
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
+        if problem := template_kwargs_problem(self.chat_template_kwargs):
+            raise ValueError(problem)
         return self
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(BaseModel):

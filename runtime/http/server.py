@@ -55,10 +55,12 @@ class HttpServer:
     (OSError) rather than a thread that dies quietly."""
 
     def __init__(self, host: str, port: int, client_host: str, client_port: int, model_names: list[str],
-                 node: str = "", metrics_port: int = 0, cache: dict | None = None) -> None:
+                 node: str = "", metrics_port: int = 0, cache: dict | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         connect = "127.0.0.1" if client_host in ("", "0.0.0.0", "::") else client_host
         self.bridge = Bridge(address_of(client_port, connect))
-        app = create_app(Server(self.bridge, model_names, metrics_port, cache, node=node))
+        app = create_app(Server(self.bridge, model_names, metrics_port, cache, node=node,
+                                tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser))
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                      access_log=False, lifespan="off", timeout_graceful_shutdown=2,
                                                      http=guarded_protocol(), timeout_keep_alive=IDLE_S,
