@@ -10,7 +10,8 @@ import secrets
 
 import numpy as np
 
-from kvrt.runtime.client.api import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GenerateRequest, request_id_problem
+from kvrt.runtime.client.api import (MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GenerateRequest, cache_salt_problem,
+                                     request_id_problem)
 from kvrt.runtime.node.config import NodeConfig
 
 
@@ -122,6 +123,8 @@ def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
         if not isinstance(getattr(req, name), bool):
             return f"{name} must be true or false, got {show(getattr(req, name))}"
     if problem := sampling_problem(req, cfg.vocab_size):
+        return problem
+    if problem := cache_salt_problem(req.cache_salt):
         return problem
     prompt = req.prompt
     if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.dtype != np.int32:
