@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from kvrt.ipc.ports import free_port, free_port_pair
-from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.cache.keys import BlockHasher, salted_root
 from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer
 from kvrt.runtime.router.app import Router
@@ -67,6 +67,10 @@ def test_prompt_keys_are_the_nodes_keys_for_ids_text_and_chat(tmp_path):
     text = r.keys("/v1/completions", json.dumps({"prompt": ["héllo world", "other"]}).encode())
     assert text[(b"a" * 16, 4)] == BlockHasher(4, b"a" * 16).update(ByteTokenizer().encode("héllo world"))
     assert r.keys("/v1/completions", b"not json") == {} and r.keys("/v1/chat/completions", b"{}") == {}
+    salted = r.keys("/v1/completions", json.dumps({"prompt": ids, "cache_salt": "tenant-a"}).encode())
+    assert salted[(b"a" * 16, 4)] == BlockHasher(4, salted_root(b"a" * 16, "tenant-a")).update(ids)  # as the node
+    assert not set(salted[(b"a" * 16, 4)]) & set(keys[(b"a" * 16, 4)])
+    assert r.keys("/v1/completions", json.dumps({"prompt": ids, "cache_salt": 7}).encode()) == {}
     r.backends.stop()
     tok_dir = make_tokenizer_dir(tmp_path / "tok")
     r = _router(tok_dir)
