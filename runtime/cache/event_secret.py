@@ -101,6 +101,11 @@ class EventSecret:
     server_secret: bytes = field(repr=False)
     client_secret: bytes = field(repr=False)
     salt_key: bytes = field(repr=False)
+    # BLAKE2b already keyed with salt_key: a copy per key skips hashing the key block again (half the time)
+    _keyed: "hashlib._Hash" = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_keyed", hashlib.blake2b(digest_size=KEY_BYTES, key=self.salt_key))
 
     @classmethod
     def of(cls, secret: bytes) -> "EventSecret":
@@ -115,8 +120,10 @@ class EventSecret:
         return cls.of(read_secret(path))
 
     def publish(self, key: bytes) -> bytes:
-        """The published form of an internal block key."""
-        return hashlib.blake2b(key, digest_size=KEY_BYTES, key=self.salt_key).digest()
+        """The published form of an internal block key: BLAKE2b(key) keyed with `salt_key`."""
+        h = self._keyed.copy()
+        h.update(key)
+        return h.digest()
 
     def serve(self, sock: zmq.Socket) -> None:
         """Make `sock` (before it binds) a CURVE server with this deployment's key."""

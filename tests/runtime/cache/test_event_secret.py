@@ -5,6 +5,7 @@ oracle fails: hashing the right prompts under the published root matches none of
 holder's view finds every one. The rule that events beyond loopback need a secret is checked too."""
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 
@@ -34,7 +35,9 @@ def test_the_secret_file_is_checked_and_gives_stable_keys(tmp_path):
     good = _secret_file(tmp_path)
     assert read_secret(good) == b"0123456789abcdef0123456789abcdef"
     assert EventSecret.load(good) == EventSecret.of(read_secret(good))  # both ends derive the same keys
-    assert EventSecret.of(b"x" * 16).publish(ROOT) != EventSecret.of(b"y" * 16).publish(ROOT)
+    x = EventSecret.of(b"x" * 16)
+    assert x.publish(ROOT) == hashlib.blake2b(ROOT, digest_size=16, key=x.salt_key).digest() == x.publish(ROOT)
+    assert x.publish(ROOT) != EventSecret.of(b"y" * 16).publish(ROOT) and x.publish(ROOT) != ROOT
     shown = repr(EventSecret.of(b"x" * 16))  # a log line never holds a secret key
     assert not any(k.decode() in shown for k in (EventSecret.of(b"x" * 16).server_secret,
                                                   EventSecret.of(b"x" * 16).client_secret))
