@@ -24,12 +24,14 @@ the node accepts that on a loopback `--host` only (`needs_secret`).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
 import os
 import stat
 from dataclasses import dataclass, field
+from typing import Callable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -38,6 +40,7 @@ from zmq.utils import z85
 from kvrt.runtime.cache.keys import KEY_BYTES
 
 MIN_SECRET_BYTES = 16
+PUBLISHED_MEMO = 1 << 16  # keys whose published form is kept (some 15 MB at most)
 MAKE_SECRET_HINT = ("make one with `python -c 'import secrets; print(secrets.token_hex(32))' > events.secret && "
                     "chmod 600 events.secret` and give the same file to every node (--events-secret-file) and to "
                     "kvrt route (--events-secret-file)")
@@ -103,9 +106,13 @@ class EventSecret:
     salt_key: bytes = field(repr=False)
     # BLAKE2b already keyed with salt_key: a copy per key skips hashing the key block again (half the time)
     _keyed: "hashlib._Hash" = field(init=False, repr=False, compare=False)
+    # published forms of recent keys: a block is published when stored and again when removed, and
+    # a router maps the same prefixes (system prompts) for request after request
+    _memo: Callable[[bytes], bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_keyed", hashlib.blake2b(digest_size=KEY_BYTES, key=self.salt_key))
+        object.__setattr__(self, "_memo", functools.lru_cache(maxsize=PUBLISHED_MEMO)(self._hash))
 
     @classmethod
     def of(cls, secret: bytes) -> "EventSecret":
@@ -121,6 +128,9 @@ class EventSecret:
 
     def publish(self, key: bytes) -> bytes:
         """The published form of an internal block key: BLAKE2b(key) keyed with `salt_key`."""
+        return self._memo(key)
+
+    def _hash(self, key: bytes) -> bytes:
         h = self._keyed.copy()
         h.update(key)
         return h.digest()
