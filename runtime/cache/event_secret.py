@@ -116,6 +116,10 @@ class EventSecret:
 
     @classmethod
     def of(cls, secret: bytes) -> "EventSecret":
+        """The keys of `secret`; ValueError when this libzmq has no CURVE (built without libsodium)."""
+        if not zmq.has("curve"):
+            raise ValueError(f"--events-secret-file needs ZeroMQ's CURVE, which this libzmq "
+                             f"({zmq.zmq_version()}) was built without: install pyzmq's own wheel")
         server = z85.encode(_derive(secret, b"kvrt.kv-ev.srv", 32))
         client = z85.encode(_derive(secret, b"kvrt.kv-ev.sub", 32))
         return cls(server_public=zmq.curve_public(server), client_public=zmq.curve_public(client),
@@ -123,7 +127,7 @@ class EventSecret:
 
     @classmethod
     def load(cls, path: str) -> "EventSecret":
-        """From `--events-secret-file PATH` (ValueError as `read_secret`)."""
+        """From `--events-secret-file PATH` (ValueError as `read_secret` and `of`)."""
         return cls.of(read_secret(path))
 
     def publish(self, key: bytes) -> bytes:

@@ -130,7 +130,7 @@ class NodeConfig(config.NodeConfig):
     def _check_events_secret(self) -> None:
         """KV events beyond loopback need the deployment secret: without it anyone who reaches
         the port reads which prompts are cached (runtime/cache/event_secret.py)."""
-        from kvrt.runtime.cache.event_secret import MAKE_SECRET_HINT, needs_secret, read_secret
+        from kvrt.runtime.cache.event_secret import MAKE_SECRET_HINT, EventSecret, needs_secret
 
         if self.events_secret_file and not self.kv_events_port:
             raise ConfigError("--events-secret-file guards the KV events: it needs --kv-events-port")
@@ -139,7 +139,7 @@ class NodeConfig(config.NodeConfig):
                               f"the events tell which prompts are cached; {MAKE_SECRET_HINT}")
         if self.events_secret_file:
             try:
-                read_secret(self.events_secret_file)
+                EventSecret.load(self.events_secret_file)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
 
