@@ -33,7 +33,7 @@ DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with de
 SHAPE_FLAGS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len")
 # `kvrt launch` flags named as a node config field whose field launch() works out from them
 WORKED_OUT = frozenset({"node", "port", "device", "num_gpu_blocks", "dtype", "pd_secret_file", "compute_dtype",
-                        *SHAPE_FLAGS})
+                        "events_secret_file", *SHAPE_FLAGS})
 STRESS = {
     "ring": ("kvrt.bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),
 }
@@ -154,6 +154,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-events-port", type=int, default=d.kv_events_port, metavar="P",
                    help="publish the prefix cache's KV events (vLLM's shape: block stored / removed / all cleared, per "
                         "tier) on a ZeroMQ PUB socket on --host:P, with replay and snapshots on P+1 (0 = off)")
+    p.add_argument("--events-secret-file", default="", metavar="PATH",
+                   help="the KV events' deployment secret (at least 16 bytes, mode 0600; the same file for every "
+                        "node and kvrt route): only subscribers holding it are admitted (ZeroMQ CURVE) and the "
+                        "published block keys are hashed with it; required when --host is not loopback")
     p.add_argument("--log-dir", default="", help="write each process's log to DIR/<role>-<rank>.log (default: stderr)")
     p.add_argument("--model", default="", metavar="DIR",
                    help="serve a Hugging Face checkpoint directory (config.json + safetensors; Llama, Qwen2, "
@@ -226,6 +230,7 @@ def launch(args) -> int:
     same = {k: v for k, v in vars(args).items() if k in fields and k not in WORKED_OUT}
     cfg = NodeConfig(**same, node=node, port=port, device=device, num_gpu_blocks=gpu_blocks, dtype=kv_dtype,
                      pd_secret_file=os.path.abspath(args.pd_secret_file) if args.pd_secret_file else "",
+                     events_secret_file=os.path.abspath(args.events_secret_file) if args.events_secret_file else "",
                      check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1", **shape, **model)
     try:
         cfg.validate()

@@ -31,6 +31,7 @@ class NodeConfig:
     port: int = 0
     metrics_port: int = 0
     kv_events_port: int = 0  # KV events PUB port (replay on the next one; 0 = off), on host
+    events_secret_file: str = ""  # the KV events' deployment secret (CURVE, keyed keys); needed beyond loopback
     log_dir: str = ""
     # model shape (the KV pools' block shape follows from it)
     num_layers: int = 4

@@ -9,9 +9,11 @@ ZeroMQ PUB socket, in vLLM's KV events shape so that routers built for vLLM cons
   the payload, a msgpack `KVEventBatch` as vLLM's msgspec structs encode it (array-like, tagged):
   `[ts, [event, ...]]` with events `["BlockStored", block_hashes, parent_block_hash, token_ids,
   block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`;
-- block hashes are the prefix cache's own 16-byte keys (runtime/cache/keys.py), so a subscriber that
-  hashes a prompt the same way finds them; `token_ids` is empty (the cache keeps keys, not
-  tokens: a subscriber hashes its own prompts); `medium` is "GPU", "CPU" or "STORAGE";
+- block hashes are 16 bytes: the prefix cache's own keys (runtime/cache/keys.py), or, with a
+  deployment secret, their keyed hash (runtime/cache/event_secret.py), so that only a subscriber
+  holding the secret can tie them to prompts (it hashes a prompt as the node does, then maps the
+  keys); `token_ids` is empty (the cache keeps keys, not tokens: a subscriber hashes its own
+  prompts); `medium` is "GPU", "CPU" or "STORAGE";
 - one batch per engine step (nothing is sent for a step that changed nothing), numbered 1, 2, ...
   without gaps, so a subscriber that sees a gap knows it missed something.
 
@@ -24,7 +26,8 @@ then `[-1, b""]`. When the batches it asks for are no longer kept it gets a snap
 batch numbered as the last one published, `AllBlocksCleared` followed by a `BlockStored` for
 every block the cache holds now; applying it replaces the subscriber's view, and later batches
 apply on top. The replay socket is served by the engine loop itself (between steps), so a
-snapshot reads the cache with nobody changing it.
+snapshot reads the cache with nobody changing it. With a deployment secret both sockets are
+CURVE servers that admit only subscribers holding it (runtime/cache/event_secret.py).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 import msgpack
 import zmq
 
+from kvrt.runtime.cache.event_secret import EventSecret
 from kvrt.runtime.node.limits import ZMQ_HANDSHAKE_MS
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,7 @@ TOPIC = b"kv-events"
 SNDHWM = 10_000          # batches queued per subscriber before new ones are dropped
 REPLAY_BATCHES = 1_000   # batches kept for replay
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+CURVE_MAXMSGSIZE = 1024  # replay socket, with CURVE: its handshake's commands must fit
 MAX_REPLAY_REQUESTS = 16  # served per engine turn: a flood of requests cannot stall the loop
 
 Event = list  # one event as it is encoded: [tag, fields...]
@@ -94,13 +99,19 @@ class KVEventPublisher:
     loop; neither blocks.
 
     `snapshot()` lists every block the cache holds now (for a subscriber that is too far behind).
+    With a `secret`, the sockets admit only its subscribers and the keys are published in their
+    keyed-hash form; the ZAP handler that admits them runs on a context of the publisher's own,
+    so that no other socket of the process is ever asked for credentials.
     """
 
     def __init__(self, host: str, port: int, block_size: int, snapshot: Callable[[], Iterable[CachedBlock]],
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, secret: EventSecret | None = None):
         self.block_size = block_size
         self._snapshot = snapshot
-        self._ctx = ctx or zmq.Context.instance()
+        self._secret = secret
+        self._own_ctx = secret is not None
+        self._ctx = zmq.Context() if secret is not None else ctx or zmq.Context.instance()
+        self._auth = secret.authenticator(self._ctx) if secret is not None else None
         self._pending: list[Event] = []
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self.seq = 0
@@ -114,21 +125,30 @@ class KVEventPublisher:
             self.pub.setsockopt(zmq.SNDHWM, SNDHWM)
             self.replay.setsockopt(zmq.SNDHWM, SNDHWM)
             # a replay request is one 8-byte number: anything larger is cut off before it is buffered
-            self.replay.setsockopt(zmq.MAXMSGSIZE, 64)
+            # (CURVE's handshake commands count too: its INITIATE is some 300 bytes)
+            self.replay.setsockopt(zmq.MAXMSGSIZE, 64 if secret is None else CURVE_MAXMSGSIZE)
+            if secret is not None:
+                secret.serve(self.pub)
+                secret.serve(self.replay)
             self.pub.bind(f"tcp://{host}:{port}")
             self.replay.bind(f"tcp://{host}:{port + 1}")
         except zmq.ZMQError as e:
             self.close()
             raise OSError(f"--kv-events-port: cannot bind {host}:{port} and {port + 1}: {e}") from None
 
+    def _published(self, keys: Sequence[bytes]) -> Sequence[bytes]:
+        return keys if self._secret is None else [self._secret.publish(k) for k in keys]
+
     # ---- the observer the prefix cache calls
     def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None) -> None:
         if keys:
-            self._pending.append(stored_event(keys, parent, self.block_size, medium))
+            if self._secret is not None and parent is not None:
+                parent = self._secret.publish(parent)
+            self._pending.append(stored_event(self._published(keys), parent, self.block_size, medium))
 
     def removed(self, medium: str, keys: Sequence[bytes]) -> None:
         if keys:
-            self._pending.append(removed_event(keys, medium))
+            self._pending.append(removed_event(self._published(keys), medium))
 
     def cleared(self) -> None:
         self._pending.append(["AllBlocksCleared"])
@@ -184,13 +204,21 @@ class KVEventPublisher:
     def snapshot_payload(self) -> bytes:
         """One batch that replaces a subscriber's view with the cache's blocks now."""
         events: list[Event] = [["AllBlocksCleared"]]
+        publish = self._secret.publish if self._secret is not None else None
         for b in self._snapshot():
-            events.append(stored_event([b.key], b.parent, self.block_size, b.medium))
+            key, parent = (b.key, b.parent) if publish is None else (publish(b.key), b.parent and publish(b.parent))
+            events.append(stored_event([key], parent, self.block_size, b.medium))
         return encode_batch(events)
 
     def close(self) -> None:
         self.pub.close(0)
         self.replay.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_ctx:
+            self._ctx.term()
+            self._own_ctx = False
 
 
 # ---- the subscriber's end -------------------------------------------------------------------------
@@ -224,13 +252,19 @@ class KVEventView:
     `poll()` applies what arrived. A batch whose number skips some asks the replay socket for
     the missing ones (or a snapshot, which replaces the view) before it is applied; a subscriber
     that starts late does the same at once (`sync()`), so its view starts complete. Malformed
-    batches are counted and skipped: a node's events are input, never trusted."""
+    batches are counted and skipped: a node's events are input, never trusted.
 
-    def __init__(self, events: str, replay: str, ctx: zmq.Context | None = None):
+    With the node's `secret` the view subscribes as a CURVE client, and `prefix()` takes the
+    node's internal keys and maps them to their published form itself."""
+
+    def __init__(self, events: str, replay: str, ctx: zmq.Context | None = None, secret: EventSecret | None = None):
         self._ctx = ctx or zmq.Context.instance()
+        self._secret = secret
         self.replay_addr = replay
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
+        if secret is not None:
+            secret.subscribe(self.sub)
         self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self.sub.connect(events)
         self.media: dict[bytes, set[str]] = {}
@@ -241,11 +275,12 @@ class KVEventView:
         self.lost = 0  # batches a replay could not bring back (the view may lack their changes)
 
     def prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` the node holds (any tier)."""
+        """How many leading `keys` (internal block keys) the node holds (any tier)."""
         n = 0
         media = self.media
+        publish = self._secret.publish if self._secret is not None else None
         for k in keys:
-            if k not in media:
+            if (k if publish is None else publish(k)) not in media:
                 break
             n += 1
         return n
@@ -280,6 +315,8 @@ class KVEventView:
         earlier request can never be mistaken for this one's)."""
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        if self._secret is not None:
+            self._secret.subscribe(s)
         try:
             s.connect(self.replay_addr)
             s.send_multipart([b"", seq_bytes(start)])

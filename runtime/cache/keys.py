@@ -16,9 +16,16 @@ Why this shape:
   (tests/runtime/cache/cache_reference.py holds that loop, the reference it is tested against).
 - `BlockHasher` keeps the last key and the number of blocks hashed: a request that grows
   (chunked prefill, output tokens) hashes each block exactly once.
+- A request's `cache_salt` (vLLM's field) moves its chain to a root of its own (`salted_root`),
+  so its first block's key, and hence every later one, differs from any other salt's: tenants
+  with different salts never share a block, on any tier (storage objects are named by these keys
+  too), and a hit (`cached_tokens`, the time to first token) only ever comes from the same salt.
+  The salted root is a BLAKE2b keyed hash, not xxh3: a tenant's salt must not be recoverable
+  from the keys its blocks are published under.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 
@@ -57,6 +64,14 @@ class ModelIdentity:
         encoded (sorted JSON), in a domain of its own so it never equals `ROOT_KEY`."""
         blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
         return xxh3_128_digest(_IDENTITY_DOMAIN + blob)
+
+
+def salted_root(root: bytes, cache_salt: str) -> bytes:
+    """The root of the key chain of requests with this `cache_salt` ("" is no salt: `root`)."""
+    if not cache_salt:
+        return root
+    return hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=KEY_BYTES, key=root,
+                           person=b"kvrt.cache-salt").digest()
 
 
 def chain_keys(token_bytes: bytes, block_size: int, parent: bytes = ROOT_KEY) -> list[bytes]:

@@ -47,6 +47,7 @@ CLIENT_QUEUE = 1024           # answers queued for one client before it counts a
 MESSAGE_SLACK = 64 << 10      # a message's bytes besides its token ids (keys, id, PD descriptors)
 MAX_TOP_LOGPROBS = 20         # alternatives per position, as OpenAI's and vLLM's APIs allow
 MAX_LOGIT_BIAS = 1024         # tokens one request may bias
+MAX_CACHE_SALT_BYTES = 256    # a request's cache_salt, as UTF-8
 
 
 def max_message_bytes(max_model_len: int) -> int:
@@ -66,6 +67,19 @@ def request_id_problem(request_id: object) -> str:
         return f"request_id is {size} bytes long; at most {MAX_REQUEST_ID_BYTES} are allowed"
     if not request_id.isprintable():
         return "request_id must be printable (no control characters or line breaks)"
+    return ""
+
+
+def cache_salt_problem(cache_salt: object) -> str:
+    """What is wrong with a cache salt, or "" ("" itself is no salt)."""
+    if not isinstance(cache_salt, str):
+        return f"cache_salt must be a string, got {type(cache_salt).__name__}"
+    try:
+        size = len(cache_salt.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "cache_salt must be valid Unicode text (no lone surrogates)"
+    if size > MAX_CACHE_SALT_BYTES:
+        return f"cache_salt is {size} bytes long as UTF-8; at most {MAX_CACHE_SALT_BYTES} are allowed"
     return ""
 
 
@@ -94,7 +108,12 @@ class Generation:
     `presence_penalty` (0: off, in [-2, 2]) subtract f * count and p once from each token
     the output holds. Stop strings need text, so they are the client's (runtime/client/stop.py).
 
-    `guided`: what the output must match, {"kind": "regex", "spec": REGEX} (None: anything)."""
+    `guided`: what the output must match, {"kind": "regex", "spec": REGEX} (None: anything).
+
+
+    `cache_salt` (vLLM's field; "" for none) keeps the request's prefix-cache blocks apart from
+    those of every other salt (runtime/cache/keys.py salted_root): requests share cached blocks
+    only with requests of the same salt, so one tenant cannot learn from a hit what another sent."""
 
     request_id: str
     prompt: np.ndarray
@@ -115,6 +134,7 @@ class Generation:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     guided: dict | None = None
+    cache_salt: str = ""
 
     def generation(self) -> dict:
         """This message's `Generation` fields by name, to build another message from."""

@@ -43,7 +43,7 @@ import zmq
 from kvrt.ipc.errors import ProtocolError
 from kvrt.runtime.client.api import (API, CancelRequest, ErrorEvent, FinishedEvent, GenerateRequest, InfoReply,
                          InfoRequest, Outcome, ResetPrefixCacheReply, ResetPrefixCacheRequest, TokenEvent,
-                         request_id_problem)
+                         cache_salt_problem, request_id_problem)
 from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
@@ -295,10 +295,12 @@ class Client:
 
     def submit(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
                use_cache: bool = True, request_id: str | None = None, stream: bool = True,
-               sampling: Sampling | None = None) -> str:
-        """Send a request without waiting; its events come from poll(). Returns its id."""
+               sampling: Sampling | None = None, cache_salt: str | None = None) -> str:
+        """Send a request without waiting; its events come from poll(). Returns its id.
+        `cache_salt`: the request shares cached blocks only with requests of the same salt
+        (one per tenant; see GenerateRequest)."""
         return self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned=False,
-                            sampling=sampling)
+                            sampling=sampling, cache_salt=cache_salt)
 
     def poll(self, timeout: float = 0.0) -> list:
         """Events of submitted requests, in arrival order: TokenEvent (new tokens), Result (the
@@ -322,21 +324,23 @@ class Client:
 
     def stream(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
                use_cache: bool = True, request_id: str | None = None,
-               timeout: float | None = None, sampling: Sampling | None = None) -> "Generation":
+               timeout: float | None = None, sampling: Sampling | None = None,
+               cache_salt: str | None = None) -> "Generation":
         """Start a request and iterate its output token ids as they arrive; `.result` holds the
         Result once the iteration ends. Leaving the loop early cancels the request."""
         rid = self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, True, owned=True,
-                           sampling=sampling)
+                           sampling=sampling, cache_salt=cache_salt)
         return Generation(self, rid, self._timeout(timeout))
 
     def generate(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
                  use_cache: bool = True, request_id: str | None = None, timeout: float | None = None,
-                 on_token: Callable[[int], None] | None = None, sampling: Sampling | None = None) -> Result:
+                 on_token: Callable[[int], None] | None = None, sampling: Sampling | None = None,
+                 cache_salt: str | None = None) -> Result:
         """Run one request to the end (calling `on_token` for each token as it arrives) and
         return its Result. RequestError if the engine fails it, ClientError if the node falls
         silent for `timeout` s (the request is then cancelled)."""
         with self.stream(prompt, max_new_tokens, eos_token_id=eos_token_id, use_cache=use_cache,
-                         request_id=request_id, timeout=timeout, sampling=sampling) as gen:
+                         request_id=request_id, timeout=timeout, sampling=sampling, cache_salt=cache_salt) as gen:
             for tok in gen:
                 if on_token is not None:
                     on_token(tok)
@@ -350,7 +354,7 @@ class Client:
         return t
 
     def _submit(self, prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned,
-                sampling: Sampling | None = None) -> str:
+                sampling: Sampling | None = None, cache_salt: str | None = None) -> str:
         arr = as_prompt(prompt)
         try:
             max_new_tokens, eos_token_id = operator.index(max_new_tokens), operator.index(eos_token_id)
@@ -361,9 +365,12 @@ class Client:
             raise ValueError(problem)
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already in flight on this client")
+        salt = "" if cache_salt is None else cache_salt
+        if problem := cache_salt_problem(salt):
+            raise ValueError(problem)
         msg = GenerateRequest(request_id=rid, prompt=arr, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, use_cache=bool(use_cache), stream=bool(stream),
-                              **dataclasses.asdict(sampling or Sampling()))
+                              cache_salt=salt, **dataclasses.asdict(sampling or Sampling()))
         self._reqs[rid] = _Req(time.perf_counter(), owned)
         try:
             self._send(msg, f"request {rid}")

@@ -12,6 +12,7 @@ import logging
 import os
 
 from kvrt.ipc.errors import ProtocolError
+from kvrt.runtime.cache.keys import salted_root
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 from kvrt.runtime.client import api
 from kvrt.runtime.engine.cache_tasks import CacheTasks
@@ -98,7 +99,8 @@ class ClientApi:
         sampling = sampling_of(req)  # (picks the seed before a connector forwards the request)
         if self.connector.on_request(client, req):
             return
-        self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size, self.cfg.key_root,
+        self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size,
+                                    salted_root(self.cfg.key_root, req.cache_salt),
                                     client=client,
                                     eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
                                     prompt_logprobs=req.prompt_logprobs, **sampling))

@@ -30,6 +30,7 @@ from kvrt.ipc.member import Member
 from kvrt.ipc.signals import Signal
 from kvrt.ipc.storage_uri import parse_storage
 from kvrt.ipc.topology import ENGINE, Topology
+from kvrt.runtime.cache.event_secret import EventSecret
 from kvrt.runtime.cache.events import KVEventPublisher
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache
@@ -223,8 +224,9 @@ class Engine:
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
         if cfg.kv_events_port:
+            secret = EventSecret.load(cfg.events_secret_file) if cfg.events_secret_file else None
             self.kv_events = self.tasks.kv_events = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.block_size,
-                                                                     self.cache.cached_blocks)
+                                                                     self.cache.cached_blocks, secret=secret)
             self.cache.observe(self.kv_events)
             self.kv_events.cleared()  # batch 1: a subscriber that knew an earlier life of this node forgets it
         if cfg.port:

@@ -10,7 +10,8 @@ import secrets
 
 import numpy as np
 
-from kvrt.runtime.client.api import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GenerateRequest, request_id_problem
+from kvrt.runtime.client.api import (MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GenerateRequest, cache_salt_problem,
+                                     request_id_problem)
 from kvrt.runtime.node.config import NodeConfig
 
 
@@ -126,6 +127,8 @@ def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
     k = req.prompt_logprobs
     if k is not None and (not is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS):
         return f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {show(k)}"
+    if problem := cache_salt_problem(req.cache_salt):
+        return problem
     prompt = req.prompt
     if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.dtype != np.int32:
         return f"prompt must be int32 token ids, got {show(prompt)}"

@@ -313,7 +313,7 @@ class Server:
         if guided is not None:
             sampling = dataclasses.replace(sampling, guided=guided)
         stop_ids = frozenset(([eos] if eos >= 0 else []) + sampling.stop_token_ids)
-        run = _Run(self)
+        run = _Run(self, body.cache_salt or "")
         for i, ids in enumerate(prompts):
             leader = None
             for j in range(body.n):
@@ -338,8 +338,9 @@ class Server:
 class _Run:
     """The engine requests of one HTTP request, and their events as they arrive."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, cache_salt: str = "") -> None:
         self.server = server
+        self.cache_salt = cache_salt
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, _Choice] = {}
         self.requests: list[tuple[str, list[int], int, int, Sampling]] = []
@@ -380,7 +381,8 @@ class _Run:
         for rid, ids, max_tokens, eos, sampling in self.requests:
             if rid in rids and rid in self.pending and rid not in self.sent:
                 self.sent.add(rid)
-                self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events))
+                self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events,
+                                                     self.cache_salt))
 
     async def __aiter__(self) -> AsyncIterator[tuple[_Choice, str, list[int], bool]]:
         """(choice, new text, new tokens, finished) as the engine answers; ApiError on an engine error."""

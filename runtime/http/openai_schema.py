@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvrt.runtime.client.api import cache_salt_problem
 
 
 MAX_N = 16           # choices per prompt
@@ -54,6 +56,15 @@ class SamplingBody(BaseModel):
     tools: list | None = None             # chat's (ChatRequest); elsewhere refused unless empty
     tool_choice: Union[str, dict, None] = None  # chat's; elsewhere refused unless "none"
     response_format: dict | None = None    # refused unless {"type": "text"}
+    # vLLM's: the request shares cached blocks only with requests of the same salt (one per tenant)
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v: str | None) -> str | None:
+        if v is not None and (problem := cache_salt_problem(v) or ("" if v else "cache_salt must not be empty")):
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _bias_range(self) -> "SamplingBody":

@@ -15,6 +15,7 @@ import threading
 
 import uvicorn
 
+from kvrt.runtime.cache.event_secret import EventSecret
 from kvrt.runtime.client.client import address_of
 from kvrt.runtime.http.app import Server, create_app
 from kvrt.runtime.http.bridge import Bridge
@@ -40,12 +41,15 @@ def cache_info(cfg: NodeConfig) -> dict:
     """What a cache-aware router needs to know of this node (GET /kvrt/cache): how it keys blocks
     (the block size and the root of the key chain, runtime/cache/keys.py), the model directory its
     tokenizer is read from (empty: the reference model, one token per byte) and where its KV events are
-    published (null when the node publishes none; a 0.0.0.0 host means "this node's address")."""
+    published (null when the node publishes none; a 0.0.0.0 host means "this node's address"), with
+    the CURVE public key its event sockets serve with (null without --events-secret-file): public by
+    design, it lets a router tell whether it holds the same secret."""
     events = f"tcp://{cfg.host}:{cfg.kv_events_port}" if cfg.kv_events_port else None
     replay = f"tcp://{cfg.host}:{cfg.kv_events_port + 1}" if cfg.kv_events_port else None
+    curve = EventSecret.load(cfg.events_secret_file).server_public.decode() if cfg.events_secret_file else None
     return {"node": cfg.node, "block_size": cfg.block_size, "key_root": cfg.key_root.hex(),
             "model_dir": os.path.abspath(cfg.model_dir) if cfg.model_dir else "",
-            "kv_events": events, "kv_events_replay": replay}
+            "kv_events": events, "kv_events_replay": replay, "kv_events_curve_key": curve}
 
 
 class HttpServer:

@@ -100,6 +100,7 @@ class NodeConfig(config.NodeConfig):
         if not 0 <= self.kv_events_port <= 65534:
             raise ConfigError(f"--kv-events-port must be 0..65534 (replay listens on the next port), "
                               f"got {self.kv_events_port}")
+        self._check_events_secret()
         for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len",
                      "max_num_seqs", "max_num_batched_tokens"):
             _positive("--" + name.replace("_", "-"), getattr(self, name))
@@ -125,6 +126,22 @@ class NodeConfig(config.NodeConfig):
             raise ConfigError(f"--block-size {self.block_size} is longer than --max-model-len {self.max_model_len}")
         self._check_shared_names()
         return self
+
+    def _check_events_secret(self) -> None:
+        """KV events beyond loopback need the deployment secret: without it anyone who reaches
+        the port reads which prompts are cached (runtime/cache/event_secret.py)."""
+        from kvrt.runtime.cache.event_secret import MAKE_SECRET_HINT, EventSecret, needs_secret
+
+        if self.events_secret_file and not self.kv_events_port:
+            raise ConfigError("--events-secret-file guards the KV events: it needs --kv-events-port")
+        if self.kv_events_port and not self.events_secret_file and needs_secret(self.host):
+            raise ConfigError(f"--kv-events-port on --host {self.host} (not loopback) needs --events-secret-file: "
+                              f"the events tell which prompts are cached; {MAKE_SECRET_HINT}")
+        if self.events_secret_file:
+            try:
+                EventSecret.load(self.events_secret_file)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def shared_objects(self) -> list[str]:
         """Short names of every shared object the launcher registers for this node (a ring

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvrt.ipc import protocol as P
 from kvrt.ipc.errors import ProtocolError
+from kvrt.runtime.cache.keys import salted_root
 from kvrt.runtime.client import api
 from kvrt.runtime.engine.intake import is_int, is_number, sampling_of, validate
 from kvrt.runtime.engine.sequence import Sequence, SeqState
@@ -219,7 +220,8 @@ class DecodeConnector(KVConnector):
             _refused(self.ctx.stats, f"preallocation from {peer.name}: {problem}")
             self._error(peer, rid, api.BAD_REQUEST, problem)
             return
-        seq = Sequence.new(internal, msg.prompt, int(msg.max_new_tokens), cfg.block_size, self.ctx.cfg.key_root,
+        seq = Sequence.new(internal, msg.prompt, int(msg.max_new_tokens), cfg.block_size,
+                           salted_root(self.ctx.cfg.key_root, msg.cache_salt),
                            client=peer.client, eos_token_id=int(msg.eos_token_id), use_cache=msg.use_cache,
                            **sampling_of(msg))
         self.owner[internal] = (peer.name, rid)

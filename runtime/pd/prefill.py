@@ -48,6 +48,7 @@ from kvrt.ipc.channel import broadcast
 from kvrt.ipc.errors import ProtocolError
 from kvrt.ipc.rank_group import RankGroup
 from kvrt.ipc.watchdog import Watchdog, pause_gap
+from kvrt.runtime.cache.keys import salted_root
 from kvrt.runtime.client import api
 from kvrt.runtime.engine.intake import is_int, sampling_of
 from kvrt.runtime.node.config import LEASE_MARGIN_S
@@ -451,7 +452,8 @@ class PrefillConnector(KVConnector):
                                   f"{len(msg.block_ids)} blocks and {msg.cached_tokens} cached tokens; this "
                                   f"prefill node has --tp {cfg.tp} and a prompt of {len(req.prompt)} tokens")
             return
-        seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size, cfg.key_root,
+        seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size,
+                           salted_root(cfg.key_root, req.cache_salt),
                            client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
                            arrival=p.arrival, prompt_logprobs=req.prompt_logprobs, **sampling_of(req))

@@ -24,7 +24,8 @@ import httpx2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.cache.keys import BlockHasher, salted_root
+from kvrt.runtime.client.api import cache_salt_problem
 from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
 from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError
 
@@ -95,7 +96,8 @@ class Router:
         return []
 
     def keys(self, path: str, raw: bytes) -> dict[tuple[bytes, int], list[bytes]]:
-        """The prompt's block keys under each backend's (key root, block size)."""
+        """The prompt's block keys under each backend's (key root, block size), chained from the
+        root of the request's `cache_salt` as the node chains them (runtime/cache/keys.py)."""
         if self.picker.policy != "cache-aware":
             return {}
         try:
@@ -106,11 +108,15 @@ class Router:
             return {}
         if not ids:
             return {}
+        salt = body.get("cache_salt") or ""
+        if cache_salt_problem(salt):  # the node will say so
+            return {}
         out = {}
         for b in self.backends.items:
             if b.key_root and (b.key_root, b.block_size) not in out:
                 try:
-                    out[(b.key_root, b.block_size)] = BlockHasher(b.block_size, b.key_root).update(ids)
+                    hasher = BlockHasher(b.block_size, salted_root(b.key_root, salt))
+                    out[(b.key_root, b.block_size)] = hasher.update(ids)
                 except (ValueError, OverflowError):
                     return {}
         return out

@@ -2,7 +2,9 @@
 
 Each backend is a kvrt node's HTTP base URL. The router learns from `GET /kvrt/cache` how the
 node keys its blocks (block size, key root: runtime/cache/keys.py) and where it publishes its KV
-events, and keeps a view of its cache from them (runtime/cache/events.py KVEventView). A health
+events, and keeps a view of its cache from them (runtime/cache/events.py KVEventView). A node whose
+events need the deployment secret (runtime/cache/event_secret.py) is read with the router's
+`--events-secret-file`, if it is the same secret; otherwise the node gets no cache affinity. A health
 thread asks every backend's `/health` every HEALTH_INTERVAL_S; a backend that fails it (or a
 request's connection) is out until it answers again, and then its view starts afresh (a node
 that restarted numbers its batches from 1 again). An events thread applies every backend's
@@ -18,6 +20,7 @@ from urllib.parse import urlsplit
 import httpx2
 import zmq
 
+from kvrt.runtime.cache.event_secret import EventSecret
 from kvrt.runtime.cache.events import KVEventView
 from kvrt.runtime.cache.keys import KEY_BYTES
 
@@ -57,6 +60,7 @@ class Backend:
     up_count: int = 0  # times it came up; the events thread renews the view when this moves
     view_of: int = 0   # the up_count the view was made for
     _events_addr: tuple[str, str] | None = field(default=None, repr=False)
+    _events_secret: EventSecret | None = field(default=None, repr=False)  # the node's events need it
 
     def cached_prefix(self, keys_by_root: dict[tuple[bytes, int], list[bytes]]) -> int:
         """Leading blocks of a request this node holds, from its KV events (0 without them)."""
@@ -71,13 +75,14 @@ class Backends:
     """Every backend, the health thread and the events thread."""
 
     def __init__(self, urls: list[str], *, events: bool = True, health_interval: float = HEALTH_INTERVAL_S,
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, secret: EventSecret | None = None):
         if not urls:
             raise ValueError("give at least one backend")
         if not health_interval > 0:
             raise ValueError(f"the health interval must be > 0 s, got {health_interval}")
         self.items = [Backend(base_url(u)) for u in urls]
         self.events = events
+        self.secret = secret
         self.health_interval = health_interval
         self._ctx = ctx or zmq.Context()
         self._stop = threading.Event()
@@ -162,10 +167,20 @@ class Backends:
             raise ValueError(f"backend {b.url}: bad key root or block size in /kvrt/cache")
         b.block_size, b.key_root, b.described = bs, root, True
         b.model_dir = str(info.get("model_dir") or "")
-        ev, rp = info.get("kv_events"), info.get("kv_events_replay")
+        ev, rp, curve = info.get("kv_events"), info.get("kv_events_replay"), info.get("kv_events_curve_key")
+        if isinstance(ev, str) and isinstance(rp, str) and curve is not None and self.events:
+            if self.secret is None:
+                log.warning("backend %s publishes its KV events for holders of its --events-secret-file only: "
+                            "give kvrt route the same file, or it gets no cache affinity", b.url)
+                return
+            if curve != self.secret.server_public.decode():
+                log.warning("backend %s publishes its KV events under another secret than this router's "
+                            "--events-secret-file: it gets no cache affinity", b.url)
+                return
         if isinstance(ev, str) and isinstance(rp, str):
             host = urlsplit(b.url).hostname
             b._events_addr = (ev.replace("0.0.0.0", host), rp.replace("0.0.0.0", host))
+            b._events_secret = self.secret if curve is not None else None
         elif self.events:
             log.warning("backend %s publishes no KV events (--kv-events-port): it gets no cache affinity", b.url)
 
@@ -193,6 +208,6 @@ class Backends:
         old, b.view = b.view, None
         if old is not None:
             old.close()
-        view = KVEventView(*b._events_addr, self._ctx)
+        view = KVEventView(*b._events_addr, self._ctx, b._events_secret)
         view.sync()
         b.view, b.view_of = view, b.up_count

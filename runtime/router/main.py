@@ -9,6 +9,7 @@ import sys
 
 import uvicorn
 
+from kvrt.runtime.cache.event_secret import EventSecret
 from kvrt.runtime.router.app import Router, create_app
 from kvrt.runtime.router.backends import HEALTH_INTERVAL_S, Backends
 from kvrt.runtime.router.policy import POLICIES, Picker
@@ -36,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="", metavar="DIR",
                    help="the served model's tokenizer files, to find text prompts' blocks (default: the model "
                         "directory the backends report; the byte tokenizer for the reference model)")
+    p.add_argument("--events-secret-file", default="", metavar="PATH",
+                   help="the nodes' KV events secret (their --events-secret-file): to subscribe to events that "
+                        "need it and to map prompts to the keys they publish (nodes without one are read as they are)")
     return p
 
 
@@ -46,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         picker = Picker(args.policy, args.load_margin)
+        secret = EventSecret.load(args.events_secret_file) if args.events_secret_file else None
         backends = Backends([u for u in args.backends.split(",") if u.strip()],
-                            events=args.policy == "cache-aware", health_interval=args.health_interval)
+                            events=args.policy == "cache-aware", health_interval=args.health_interval, secret=secret)
     except ValueError as e:
         print(f"kvrt route: error: {e}", file=sys.stderr)
         return 2

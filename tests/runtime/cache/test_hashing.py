@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvrt.runtime.cache.keys import KEY_BYTES, ROOT_KEY, BlockHasher, as_token_array, chain_keys
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrt.runtime.cache.keys import KEY_BYTES, ROOT_KEY, BlockHasher, as_token_array, chain_keys, salted_root
 from tests.conftest import run_py
 
 BS = 16
@@ -113,6 +116,20 @@ def test_the_model_identity_roots_the_chain():
     assert not set(rooted) & set(keys_of(toks))
     with pytest.raises(ValueError, match="root"):
         BlockHasher(BS, root=b"short")
+
+
+@given(a=st.text(max_size=40), b=st.text(max_size=40))
+def test_a_cache_salt_moves_the_whole_chain(a, b):
+    """Requests share a block key (and so a cached block, on any tier: storage objects are named
+    by these keys) only when their salts are equal; "" is no salt, the node's own root."""
+    toks = tokens(3 * BS)
+    ka, kb = (BlockHasher(BS, salted_root(ROOT_KEY, s)).update(toks) for s in (a, b))
+    if a == b:
+        assert ka == kb
+    else:
+        assert not set(ka) & set(kb), "two salts share a block"
+    assert salted_root(ROOT_KEY, "") == ROOT_KEY
+    assert len(salted_root(ROOT_KEY, a or "x")) == KEY_BYTES and salted_root(ROOT_KEY, a or "x") != ROOT_KEY
 
 
 def test_the_c_loop_derives_the_python_loops_keys():

@@ -159,9 +159,9 @@ def test_batches_are_numbered_vllm_shaped_and_replayed_or_snapshotted():
         ctx.term()
 
 
-def test_a_vllm_shaped_decoder_reads_kvrt_batches():
-    """vLLM's subscriber decodes batches with msgspec structs (array-like, tagged); the same
-    struct shapes, declared here, decode kvrt's payloads, snapshots included."""
+def vllm_structs():
+    """vLLM's KV event structs, declared here in its shapes: (decode, BlockStored, BlockRemoved,
+    AllBlocksCleared), decode taking a payload to a KVEventBatch."""
     msgspec = pytest.importorskip("msgspec")
 
     opts = dict(array_like=True, omit_defaults=True, gc=False)  # (annotations here are strings: defstruct)
@@ -175,8 +175,13 @@ def test_a_vllm_shaped_decoder_reads_kvrt_batches():
     KVEventBatch = msgspec.defstruct("KVEventBatch", [("ts", float),
                                                       ("events", list[BlockStored | BlockRemoved | AllBlocksCleared])],
                                      **opts)
+    return msgspec.msgpack.Decoder(type=KVEventBatch).decode, BlockStored, BlockRemoved, AllBlocksCleared
 
-    decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+
+def test_a_vllm_shaped_decoder_reads_kvrt_batches():
+    """vLLM's subscriber decodes batches with msgspec structs (array-like, tagged); the same
+    struct shapes, declared here, decode kvrt's payloads, snapshots included."""
+    decode, BlockStored, BlockRemoved, AllBlocksCleared = vllm_structs()
     batch = decode(encode_batch([stored_event([b"a" * 16, b"b" * 16], None, 16, GPU),
                                  removed_event([b"a" * 16], CPU), ["AllBlocksCleared"]]))
     assert batch.events == [BlockStored([b"a" * 16, b"b" * 16], None, [], 16, None, "GPU"),

@@ -171,7 +171,8 @@ BAD = [("temperature", "hot"), ("temperature", -0.5), ("temperature", float("nan
        ("top_k", 513), ("seed", -1), ("seed", 1 << 63), ("seed", "7"), ("stop_token_ids", 5),
        ("stop_token_ids", [512]), ("stop_token_ids", [-1]), ("stop_token_ids", [True]),
        ("stop_token_ids", list(range(65))), ("logprobs", 1), ("min_p", -0.1), ("min_p", 1.5), ("min_p", None),
-       ("min_p", True)]
+       ("min_p", True), ("cache_salt", 5), ("cache_salt", None), ("cache_salt", "x" * 257),
+       ("cache_salt", "\ud800")]
 
 
 @pytest.mark.parametrize("field,value", BAD)

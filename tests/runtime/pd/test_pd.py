@@ -76,6 +76,22 @@ def test_pd_answers_equal_the_reference(pd_node, tmp_path, transport, env):
         assert de["device_cached"] > 0, "D records the blocks it received (after kv-ready)"
 
 
+def test_a_cache_salt_holds_on_both_sides_of_the_handoff(pd_node, tmp_path):
+    """P and D both chain a salted request's keys from its salt's root: a tenant's repeated
+    prompt finds its blocks on P and on D (fewer bytes travel), another salt finds none on either."""
+    prompt = np.random.default_rng(3).integers(0, 512, 48).astype(np.int32)
+    want = oracle().generate_dense(prompt, NEW)
+    with pd_pair(pd_node, tmp_path) as (p, _):
+        results, sent = [], [0]
+        for salt in ("tenant-a", "tenant-a", "tenant-b"):
+            results.append(p.client.generate(prompt, NEW, cache_salt=salt))
+            sent.append(p.idle_stats()["pd_sent_bytes"])
+        assert [r.output_token_ids.tolist() for r in results] == [want] * 3
+        assert [r.cached_device > 0 for r in results] == [False, True, False]
+        first, again, other = (b - a for a, b in zip(sent, sent[1:]))
+        assert again < first and other == first, sent
+
+
 def conversations(seed: int, n: int = 4, turns: int = 3) -> list[np.ndarray]:
     """Multi-turn prompts in arrival order: each turn is the previous prompt plus a (scripted)
     answer and a new user message, under one of two system prompts."""

@@ -18,7 +18,8 @@ import openai
 import pytest
 
 from kvrt.ipc.ports import free_port, free_port_pair
-from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.cache.event_secret import EventSecret
+from kvrt.runtime.cache.keys import BlockHasher, salted_root
 from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer
 from kvrt.runtime.router.app import Router
@@ -67,6 +68,10 @@ def test_prompt_keys_are_the_nodes_keys_for_ids_text_and_chat(tmp_path):
     text = r.keys("/v1/completions", json.dumps({"prompt": ["héllo world", "other"]}).encode())
     assert text[(b"a" * 16, 4)] == BlockHasher(4, b"a" * 16).update(ByteTokenizer().encode("héllo world"))
     assert r.keys("/v1/completions", b"not json") == {} and r.keys("/v1/chat/completions", b"{}") == {}
+    salted = r.keys("/v1/completions", json.dumps({"prompt": ids, "cache_salt": "tenant-a"}).encode())
+    assert salted[(b"a" * 16, 4)] == BlockHasher(4, salted_root(b"a" * 16, "tenant-a")).update(ids)  # as the node
+    assert not set(salted[(b"a" * 16, 4)]) & set(keys[(b"a" * 16, 4)])
+    assert r.keys("/v1/completions", json.dumps({"prompt": ids, "cache_salt": 7}).encode()) == {}
     r.backends.stop()
     tok_dir = make_tokenizer_dir(tmp_path / "tok")
     r = _router(tok_dir)
@@ -77,6 +82,39 @@ def test_prompt_keys_are_the_nodes_keys_for_ids_text_and_chat(tmp_path):
     want = BlockHasher(4, b"b" * 16).update(tok.encode(rendered, add_special_tokens=False))
     assert want and r.keys("/v1/chat/completions", json.dumps({"messages": msgs}).encode())[(b"b" * 16, 4)] == want
     r.backends.stop()
+
+
+class _Described:
+    """An httpx2 client stand-in whose every GET answers one /kvrt/cache description."""
+
+    def __init__(self, info: dict) -> None:
+        self.info = info
+
+    def get(self, url: str):
+        return type("R", (), {"status_code": 200, "json": lambda _: self.info})()
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_router_reads_a_nodes_events_only_with_the_nodes_secret():
+    """A node's events under the router's secret are read with it; open events are read as they
+    are; events under a secret the router lacks, or another one, give no view (no affinity)."""
+    ours, theirs = EventSecret.of(b"o" * 32), EventSecret.of(b"t" * 32)
+    base = {"key_root": (b"r" * 16).hex(), "block_size": 8, "kv_events": "tcp://0.0.0.0:5557",
+            "kv_events_replay": "tcp://0.0.0.0:5558"}
+    cases = [(ours, ours, ours), (ours, None, None), (ours, theirs, "none"), (None, ours, "none"), (None, None, None)]
+    for router_secret, node_secret, read_with in cases:
+        backends = Backends(["http://10.0.0.7:8000"], secret=router_secret)
+        backends._http = _Described({**base, "kv_events_curve_key":
+                                     node_secret.server_public.decode() if node_secret else None})
+        b = backends.items[0]
+        backends._describe(b)
+        if read_with == "none":
+            assert b._events_addr is None
+        else:
+            assert b._events_addr == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558") and b._events_secret is read_with
+        backends.stop()
 
 
 @contextlib.contextmanager
