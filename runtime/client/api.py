@@ -110,7 +110,6 @@ class Generation:
 
     `guided`: what the output must match, {"kind": "regex", "spec": REGEX} (None: anything).
 
-
     `cache_salt` (vLLM's field; "" for none) keeps the request's prefix-cache blocks apart from
     those of every other salt (runtime/cache/keys.py salted_root): requests share cached blocks
     only with requests of the same salt, so one tenant cannot learn from a hit what another sent."""
