@@ -37,9 +37,12 @@ class Store:
 
     def __init__(self, secret_dir, memory: str = "128M", port: int = 0):
         self.port = port or free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "store", "start", "--port", str(self.port),
-                                      "--memory", memory], cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+        self.metrics_port = free_port()  # the master's HTTP admin server (it lists every object)
+        self.stderr = os.path.join(str(secret_dir), f"store-{self.port}.stderr")
+        with open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "store", "start", "--port",
+                                          str(self.port), "--memory", memory, "--metrics-port", str(self.metrics_port)],
+                                         cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
         line = self.proc.stdout.readline()  # the ready line, or "" when it exited first
         if "mooncake master on" not in line:
             self.stop()
@@ -290,3 +293,113 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+# ---- the store as a trust boundary: forged objects, other groups, listeners ----------------------
+def forge_every_object(store: Store) -> int:
+    """What a third party that reaches the store does: list the objects on the master's admin
+    port and overwrite each kvrt object with as many random bytes, through a client of its own."""
+    from urllib.request import urlopen
+
+    from kvrt.workers.storage.mooncake import open_client
+
+    with urlopen(f"http://127.0.0.1:{store.metrics_port}/get_all_keys", timeout=10) as r:
+        names = [n for n in r.read().decode().split() if n.startswith("kvrt-")]
+    client = open_client(f"127.0.0.1:{store.port}", "127.0.0.1", 0)
+    try:
+        sizes = [int(client.get_size(n)) for n in names]
+        forged = np.random.default_rng(0).integers(0, 256, (len(names), max(sizes, default=1)), dtype=np.uint8)
+        assert client.register_buffer(int(forged.ctypes.data), int(forged.nbytes)) == 0
+        put = client.batch_upsert_from(names, [int(row.ctypes.data) for row in forged], sizes)
+        assert list(put) == [0] * len(names), put
+    finally:
+        client.close()
+    return len(names)
+
+
+def test_signed_objects_a_third_party_overwrote_are_misses_that_never_reach_the_pool(store):
+    from kvrt.workers.storage.mac import BlockMac
+
+    spec = parse_storage(store.uri)
+    a = MooncakeStorage(spec, rank=0, mac=BlockMac(b"k" * 32, b"model"))
+    b = MooncakeStorage(spec, rank=0, mac=BlockMac(b"k" * 32, b"model"))
+    try:
+        src, dst = blocks(4, 1), np.zeros((4, 2, 2, 8, 16), np.float32)
+        a.register(src)
+        b.register(dst)
+        keys = [bytes([i + 1]) * 16 for i in range(4)]
+        assert a.put_many(keys, list(src)) == 4 * src[0].nbytes
+        assert b.get_many(keys, list(dst)) == 4 and np.array_equal(dst, src)
+        dst[:] = 0
+        assert forge_every_object(store) == 4
+        assert b.get_many(keys, list(dst)) == 0 and not dst.any(), "not a byte of a forged object reaches the pool"
+        assert b.forged == 1 and b.errors == 0
+        assert b.exists_many(keys[:1]) == 0, "the forged object is removed, so the real block can be written again"
+        a.put_many(keys, list(src))
+        assert b.get_many(keys, list(dst)) == 1 and np.array_equal(dst[0], src[0]) and b.forged == 2
+        unsigned = MooncakeStorage(spec, rank=0)  # an object without a MAC is forged too
+        unsigned.register(src)
+        unsigned.put_many([b"\x09" * 16], [src[0]])
+        unsigned.close()
+        assert b.get_many([b"\x09" * 16], [dst[0]]) == 0 and b.forged == 3
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_node_answers_right_after_a_third_party_forged_the_store(node, tmp_path, store):
+    prompts = shared_prefix_prompts(seed=12, systems=2, users=1)
+    opts = (*SMALL, "--num-gpu-blocks", "64", *store.node_opts)
+    with launched(node + "a", tmp_path / "a", *opts) as a:
+        for p in prompts:
+            a.client.generate(p, NEW)
+        a.idle_stats()  # its write-through is done
+    assert forge_every_object(store) > 0
+    with launched(node + "b", tmp_path / "b", *opts) as b:
+        res = [b.client.generate(p, NEW) for p in prompts]
+        stats = b.idle_stats()
+    assert [r.output_token_ids.tolist() for r in res] == [oracle().generate_dense(p, NEW) for p in prompts]
+    assert all(r.cached_storage == 0 for r in res)
+    assert stats["storage_forged"] > 0 and stats["failed_requests"] == 0
+
+
+def test_a_node_with_another_secret_gets_none_of_its_blocks_served(node, tmp_path, store):
+    prompts = shared_prefix_prompts(seed=13, systems=2, users=1)
+    base = (*SMALL, "--num-gpu-blocks", "64", "--storage", store.uri)
+    with launched(node + "x", tmp_path / "x", *base, "--storage-secret-file", pd_secret_file(tmp_path, "store")) as x:
+        for p in prompts:
+            x.client.generate(p, NEW)
+        x.idle_stats()
+    with launched(node + "b", tmp_path / "b", *base, "--storage-secret-file", store.secret) as b:
+        res = [b.client.generate(p, NEW) for p in prompts]
+        stats = b.idle_stats()
+    assert [r.output_token_ids.tolist() for r in res] == [oracle().generate_dense(p, NEW) for p in prompts]
+    assert all(r.cached_storage == 0 for r in res)
+    assert stats["storage_forged"] > 0 and stats["failed_requests"] == 0
+
+
+def test_a_shared_store_without_a_secret_is_refused_unless_insecure(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvrt.launcher", "launch", "--node", "x", "--storage",
+                        "mooncake://127.0.0.1:1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--storage-secret-file" in r.stderr and "--storage-insecure" in r.stderr, r.stderr
+
+
+def _listeners(pid: int) -> list[str]:
+    import psutil
+
+    return sorted(f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process(pid).net_connections(kind="tcp")
+                  if c.status == psutil.CONN_LISTEN)
+
+
+def test_the_store_listens_on_its_host_and_names_what_it_cannot_confine(store):
+    """The master binds --host (RPC and its admin/metrics server); the lender's transfer engine
+    (Mooncake 0.3 wheels) ignores the bind address: every listener of it that is not on --host
+    is named in the store's warning."""
+    master = _listeners(store.master_pid)
+    assert f"127.0.0.1:{store.port}" in master and f"127.0.0.1:{store.metrics_port}" in master
+    assert all(a.startswith("127.0.0.1:") for a in master), master
+    with open(store.stderr) as f:
+        err = f.read()
+    for addr in _listeners(store.proc.pid):
+        assert addr.startswith("127.0.0.1:") or addr in err.split("listens on ")[1].split(" although")[0], \
+            (addr, err[-2000:])

@@ -341,8 +341,9 @@ class MooncakeStorage(Storage):
 
     def _remove(self, name: str) -> None:
         """Take a forged object out of the store (best effort: its name is then free for the
-        real block)."""
-        out = self._call("batch_remove", "batch_remove", [name])
+        real block). Forced: the read just made holds a lease on it for seconds, and whoever
+        else reads it before it goes checks its MAC too."""
+        out = self._call("batch_remove", "batch_remove", [name], True)
         if out is None or out[0] != 0:
             log.info("mooncake store %s: removing forged object %s returned %s", self.spec.master, name, out)
 
