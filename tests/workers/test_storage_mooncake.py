@@ -378,12 +378,6 @@ def test_a_node_with_another_secret_gets_none_of_its_blocks_served(node, tmp_pat
     assert stats["storage_forged"] > 0 and stats["failed_requests"] == 0
 
 
-def test_a_shared_store_without_a_secret_is_refused_unless_insecure(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "kvrt.launcher", "launch", "--node", "x", "--storage",
-                        "mooncake://127.0.0.1:1"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--storage-secret-file" in r.stderr and "--storage-insecure" in r.stderr, r.stderr
-
-
 def _listeners(pid: int) -> list[str]:
     import psutil
 
