@@ -294,7 +294,7 @@ class MooncakeStorage(Storage):
             return 0
         outs = [_flat(o) for o in outs[:n]]
         if self.mac is not None:
-            return self._get_signed(keys[:n], outs)
+            return self._get_signed(keys[:n], outs, deadline)
         staged = not all(self._direct(o) for o in outs)
         bufs = list(self._area("stage", n, outs[0].nbytes)[:n]) if staged else outs
         got = self._call("batch_get_into", "batch_get_into", [self.name(k) for k in keys[:n]],
@@ -313,10 +313,10 @@ class MooncakeStorage(Storage):
                 o[:] = b
         return done
 
-    def _get_signed(self, keys: Sequence[bytes], outs: list[np.ndarray]) -> int:
+    def _get_signed(self, keys: Sequence[bytes], outs: list[np.ndarray], deadline: float) -> int:
         """Read objects of block + MAC into the staging area, check them in order, and copy the
-        leading valid ones into `outs`; a missing or wrong MAC ends the prefix (see the module
-        docstring)."""
+        leading valid ones into `outs` unless `deadline` passed meanwhile; a missing or wrong
+        MAC ends the prefix (see the module docstring)."""
         n, nbytes = len(keys), outs[0].nbytes
         rows = self._area("sealed", n, nbytes + MAC_BYTES)[:n]
         names = [self.name(k) for k in keys]
@@ -324,6 +324,8 @@ class MooncakeStorage(Storage):
                          [r.nbytes for r in rows])
         if got is None:
             self.errors += 1
+            return 0
+        if deadline and time.monotonic() >= deadline:  # the blocks in `outs` may be someone else's now
             return 0
         done = 0
         for name, r, row, out in zip(names, got, rows, outs):
