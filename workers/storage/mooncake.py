@@ -458,7 +458,9 @@ def store_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvrt store", description="a Mooncake Store for --storage mooncake://")
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     s = sub.add_parser("start", help="start a master and lend it memory, in the foreground (Ctrl-C stops)")
-    s.add_argument("--host", default="127.0.0.1", help="address the master listens on (default 127.0.0.1)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address the master's RPC and admin server listen on (default 127.0.0.1); the lent "
+                   "memory's transfer ports are on every interface with Mooncake 0.3 wheels (printed at start)")
     s.add_argument("--port", type=int, default=50051, help="master RPC port: nodes use mooncake://HOST:PORT (default 50051)")
     s.add_argument("--memory", default="1G", help="memory this process lends the pool, e.g. 512M, 4G (default 1G)")
     s.add_argument("--metrics-port", type=int, default=0, help="the master's HTTP metrics port (default: a free one)")
