@@ -33,7 +33,7 @@ DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with de
 SHAPE_FLAGS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len")
 # `kvrt launch` flags named as a node config field whose field launch() works out from them
 WORKED_OUT = frozenset({"node", "port", "device", "num_gpu_blocks", "dtype", "pd_secret_file", "compute_dtype",
-                        "events_secret_file", *SHAPE_FLAGS})
+                        "events_secret_file", "storage_secret_file", *SHAPE_FLAGS})
 STRESS = {
     "ring": ("kvrt.bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),
 }
@@ -129,6 +129,14 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--storage", default="", help="storage tier: file:DIR[?max_bytes=N] (node-local, capped, LRU-evicted) or "
                    "mooncake://HOST:PORT (a Mooncake Store shared by every node on that master; see kvrt store start) "
                    "(default: none)")
+    p.add_argument("--storage-secret-file", default="", metavar="PATH",
+                   help="file holding the secret the nodes of a storage tier share (at least 16 bytes, mode 0600): "
+                   "every block written carries a MAC keyed by it, and a block read without a valid one is a miss "
+                   "(counted in storage_forged), never served. Needed for mooncake:// unless --storage-insecure; "
+                   "optional for file: (default: none)")
+    p.add_argument("--storage-insecure", action="store_true",
+                   help="use a mooncake:// store without --storage-secret-file: its blocks, which anyone who "
+                   "reaches the store can write, are served unchecked")
     p.add_argument("--eviction", choices=policy_names(), default=d.eviction,
                    help=f"prefix cache eviction policy, both tiers (default {d.eviction}: gaps' order, its bonus "
                    f"steered by what a sampled shadow LRU would have served, runtime/cache/policies/adaptive.py; "
@@ -231,6 +239,7 @@ def launch(args) -> int:
     cfg = NodeConfig(**same, node=node, port=port, device=device, num_gpu_blocks=gpu_blocks, dtype=kv_dtype,
                      pd_secret_file=os.path.abspath(args.pd_secret_file) if args.pd_secret_file else "",
                      events_secret_file=os.path.abspath(args.events_secret_file) if args.events_secret_file else "",
+                     storage_secret_file=os.path.abspath(args.storage_secret_file) if args.storage_secret_file else "",
                      check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1", **shape, **model)
     try:
         cfg.validate()

@@ -7,6 +7,9 @@ batch), fresh keys for every put, median over repeats:
   start` in another process (master + the memory it lends), TCP over loopback: `put_many` from
   and `get_many` into a registered pool, as a cache-transfer rank does;
 - `file`: the file tier (workers/storage/base.py) in a temporary directory (page cache, no fsync);
+- `mooncake+mac`, `file+mac`: the same with a storage secret: every object signed on the way in
+  and checked on the way out (keyed BLAKE2b, workers/storage/mac.py), a read landing in the
+  backend's own buffer and copied into the pool once checked;
 - `socket`: the limit for moving the same bytes to another process: a plain Python TCP socket
   over loopback to a server process that receives into (or sends from) its own buffer, one
   `sendall`/`recv_into` per block, one ack per batch.
@@ -14,13 +17,16 @@ Each tier's figures come with their ratio to the socket's.
 
 Cross node: a store; node A computes `--requests` distinct prompts (written through to the
 store) and stops; node B, started afterwards on the same store, serves the same prompts (storage
-hits); node B again without the store computes them. TTFT as the client sees it.
+hits); node B again without the store computes them. Nodes A and B share a storage secret (a
+node on a shared store needs one). TTFT as the client sees it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
+import shutil
 import signal
 import socket
 import statistics
@@ -73,8 +79,13 @@ class Store:
             self.stop()
             raise RuntimeError(f"kvrt store start did not come up (exit {self.proc.returncode}): {line!r}")
         self.uri = f"mooncake://127.0.0.1:{self.port}"
+        self.secret_dir = tempfile.mkdtemp(prefix="kvrt-bench-store-")
+        self.secret = os.path.join(self.secret_dir, "store.secret")  # the benchmark's node group's
+        with open(os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
 
     def stop(self) -> None:
+        shutil.rmtree(getattr(self, "secret_dir", ""), ignore_errors=True)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -193,6 +204,7 @@ def _time_tier(name: str, tier, pool: np.ndarray, args: argparse.Namespace) -> l
 
 def io_rows(args: argparse.Namespace, store: Store | None) -> list[IoRow]:
     from kvrt.workers.storage.base import FileStorage
+    from kvrt.workers.storage.mac import BlockMac
     from kvrt.workers.storage.mooncake import MooncakeStorage
 
     layout = KVLayout.of_node(args.num_layers, args.block_size, args.num_kv_heads, args.head_dim, args.dtype, 1)
@@ -205,15 +217,18 @@ def io_rows(args: argparse.Namespace, store: Store | None) -> list[IoRow]:
         rows += _time_tier("socket", sock, pool, args)
     finally:
         sock.close()
+    mac = BlockMac(secrets.token_bytes(32), b"kvrt bench storage")
     if store is not None:
-        mc = MooncakeStorage(parse_storage(store.uri), rank=0)
-        try:
-            mc.register(pool)
-            rows += _time_tier("mooncake", mc, pool, args)
-        finally:
-            mc.close()
-    with tempfile.TemporaryDirectory(prefix="kvrt-bench-storage-") as d:
-        rows += _time_tier("file", FileStorage(d, 0), pool, args)
+        for tier, signer in (("mooncake", None), ("mooncake+mac", mac)):
+            mc = MooncakeStorage(parse_storage(store.uri), rank=0, mac=signer)
+            try:
+                mc.register(pool)
+                rows += _time_tier(tier, mc, pool, args)
+            finally:
+                mc.close()
+    for tier, signer in (("file", None), ("file+mac", mac)):
+        with tempfile.TemporaryDirectory(prefix="kvrt-bench-storage-") as d:
+            rows += _time_tier(tier, FileStorage(d, 0, mac=signer), pool, args)
     base = {r.op: r.gb_s for r in rows if r.tier == "socket"}
     for r in rows:
         r.vs_socket = r.gb_s / base[r.op]
@@ -243,8 +258,9 @@ def cross_node_rows(args: argparse.Namespace, store: Store) -> list[dict]:
     tag = f"bs{os.getpid()}"
     _say(f"cross node: {args.requests} prompts of {args.prompt} tokens computed on node A, then asked of node B")
     rows = []
-    for name, case, opts in (("a", "node A computes (store)", ["--storage", store.uri]),
-                             ("b", "node B, store hit", ["--storage", store.uri]),
+    shared = ["--storage", store.uri, "--storage-secret-file", store.secret]
+    for name, case, opts in (("a", "node A computes (store)", shared),
+                             ("b", "node B, store hit", shared),
                              ("c", "node B, no store", [])):
         node = LaunchedNode.ready(tag + name, opts, _say)
         try:
@@ -261,9 +277,9 @@ def cross_node_rows(args: argparse.Namespace, store: Store) -> list[dict]:
 
 # ---- main -------------------------------------------------------------------------------------
 def print_tables(io: list[IoRow], cross: list[dict], notes: list[str]) -> None:
-    print(f"{'tier':<9} {'op':<4} {'MiB':>6} {'GB/s':>7} {'ms p50':>8} {'ms p90':>8} {'vs socket':>10}")
+    print(f"{'tier':<12} {'op':<4} {'MiB':>6} {'GB/s':>7} {'ms p50':>8} {'ms p90':>8} {'vs socket':>10}")
     for r in io:
-        print(f"{r.tier:<9} {r.op:<4} {r.mib:>6.0f} {r.gb_s:>7.2f} {r.latency_ms:>8.2f} {r.latency_p90_ms:>8.2f} "
+        print(f"{r.tier:<12} {r.op:<4} {r.mib:>6.0f} {r.gb_s:>7.2f} {r.latency_ms:>8.2f} {r.latency_p90_ms:>8.2f} "
               f"{r.vs_socket:>10.2f}")
     if cross:
         print(f"\n{'cross node':<26} {'TTFT p50 ms':>12} {'mean ms':>9} {'from storage':>13} {'vs no store':>12}")

@@ -27,6 +27,8 @@ class NodeConfig:
     gpu_memory_utilization: float = 0.9  # share of a GPU's free memory the default device pool takes
     num_cpu_blocks: int = 0
     storage: str = ""
+    storage_secret_file: str = ""  # the node group's storage secret: objects carry a MAC keyed by it
+    storage_insecure: bool = False  # a shared store without a secret: its blocks are served unchecked
     host: str = "127.0.0.1"  # interface the client API (and the PD handshake) listen on
     port: int = 0
     metrics_port: int = 0

@@ -6,13 +6,18 @@ kernel itself: every outgoing connection (a ZeroMQ peer, a store client) gets a 
 the ephemeral range, and `bind(port 0)` picks from that same range. So the ports handed out here
 come from below it, where only an explicit bind can take them, and at random, so that two
 callers (a test's three sockets, two tests at once) rarely meet. Callers that can, bind port 0
-instead and read back what they got."""
+instead and read back what they got.
+
+And the other question a process asks about ports: which of its own listeners are open on
+every interface although it was told to use one (`listening_wider_than`): Mooncake's transfer
+engine has no working option to bind one address, so kvrt reports what it could not confine."""
 from __future__ import annotations
 
 import random
 import socket
 from pathlib import Path
 
+WILDCARDS = ("", "0.0.0.0", "::", "*")
 LOWEST = 20000  # above the registered services people run on a node
 TRIES = 200
 
@@ -56,6 +61,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         if _bindable(host, p):
             return p
     raise RuntimeError(f"no free TCP port on {host} outside the ephemeral range after {TRIES} tries")
+
+
+def listening_wider_than(host: str) -> list[str]:
+    """This process's listening TCP sockets bound to a wildcard address rather than `host`
+    ("ip:port" each); none when `host` is a wildcard itself."""
+    import psutil
+
+    if host in WILDCARDS:
+        return []
+    try:
+        conns = psutil.Process().net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return []
+    return sorted(f"{c.laddr.ip}:{c.laddr.port}" for c in conns
+                  if c.status == psutil.CONN_LISTEN and c.laddr.ip in WILDCARDS)
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:

@@ -180,6 +180,7 @@ class TransferDone:
     seconds: float = 0.0
     error: str = ""
     store_errors: int = 0  # storage tasks: store failures that became misses (never an error here)
+    store_forged: int = 0  # storage tasks: objects without a valid MAC, answered as misses
 
 
 @PROTOCOL.message("storage_keys")
@@ -234,6 +235,7 @@ STATS = (
     "generated_tokens", "computed_prompt_tokens", "finished_requests", "failed_requests",
     "pd_sent_bytes", "pd_refused",
     "storage_errors",  # store failures (error returns, exceptions, a dead master) answered as misses
+    "storage_forged",  # storage objects without a valid MAC (planted, or another group's) answered as misses
     "pd_early_blocks", "pd_early_bytes",  # P->D blocks sent while the prefill still ran
     "recomputed_prompt_tokens",  # prompt positions run again for a request (after a preemption)
 )

@@ -19,6 +19,9 @@ from urllib.parse import parse_qsl
 FILE, MOONCAKE = "file", "mooncake"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _QUERY = {FILE: {"max_bytes"}, MOONCAKE: {"segment_bytes"}}
+MAKE_SECRET_HINT = ("make one with `python -c 'import secrets; print(secrets.token_hex(32))' > store.secret && "
+                    "chmod 600 store.secret` and give the same file to every node on the store "
+                    "(--storage-secret-file)")
 
 
 @dataclass(frozen=True)

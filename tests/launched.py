@@ -60,12 +60,13 @@ class Launched:
         return "\n".join(out)
 
 
-def pd_secret_file(directory) -> str:
-    """A fresh shared secret for a prefill/decode pair, in a 0600 file under `directory`."""
+def pd_secret_file(directory, what: str = "pd") -> str:
+    """A fresh shared secret for a prefill/decode pair (or, `what` "store", a storage tier's
+    node group), in a 0600 file under `directory`."""
     import secrets
 
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(str(directory), f"pd-{secrets.token_hex(4)}.secret")
+    path = os.path.join(str(directory), f"{what}-{secrets.token_hex(4)}.secret")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))

@@ -39,6 +39,7 @@ from kvrt.workers.kv_pool import CopyJob, PoolError, attach_pools, block_list, s
 from kvrt.workers.storage.base import StorageError, StoreHung
 from kvrt.workers.storage.factory import open_storage
 from kvrt.workers.storage.io import block_io
+from kvrt.workers.storage.mac import node_mac
 
 log = logging.getLogger("kvrt.workers.cache_transfer")  # not __main__ under python -m
 
@@ -70,7 +71,7 @@ class CacheTransfer:
         cfg, reg, rank = child.cfg, child.reg, child.rank
         self.rank = rank
         self.device, self.host = attach_pools(reg, rank, cfg)
-        self.storage = open_storage(cfg.storage, rank, cfg.tp, cfg.host, child.beat)
+        self.storage = open_storage(cfg.storage, rank, cfg.tp, cfg.host, child.beat, node_mac(cfg))
         self.blocks = block_io(self.device, self.storage, child.beat) if self.storage is not None else None
         self.owners: dict[str, np.ndarray] = {}
         if cfg.check_ownership:
@@ -196,9 +197,10 @@ class CacheTransfer:
                                     time.perf_counter() - started.t0, error)
         return started
 
-    def _ok(self, started: Started, blocks: int, nbytes: int, store_errors: int = 0) -> None:
+    def _ok(self, started: Started, blocks: int, nbytes: int, store_errors: int = 0, store_forged: int = 0) -> None:
         started.done = TransferDone(started.task.task_id, self.rank, True, blocks, nbytes,
-                                    time.perf_counter() - started.t0, store_errors=store_errors)
+                                    time.perf_counter() - started.t0, store_errors=store_errors,
+                                    store_forged=store_forged)
 
     def _run(self, started: Started) -> None:
         task = started.task
@@ -243,7 +245,7 @@ class CacheTransfer:
             raise ValueError(f"a storage task needs one non-empty bytes key per device block "
                              f"({len(dev)} blocks, {len(keys)} keys)")
         self._check_owned(started.what, dev, None)
-        errors = self.storage.errors
+        errors, forged = self.storage.errors, self.storage.forged
         if task.kind == protocol.STORAGE2GPU:
             done = self._read(dev, keys, task.deadline)
             nbytes = done * self.device.block_bytes
@@ -251,7 +253,7 @@ class CacheTransfer:
             done, nbytes = self._write(dev, keys)
         store_errors = self.storage.errors - errors
         self._check_owned(f"{started.what}, after the copy", dev, None)
-        self._ok(started, done, nbytes, store_errors)
+        self._ok(started, done, nbytes, store_errors, self.storage.forged - forged)
 
     # the handler of every task kind (the kind table is ipc/protocol.py's TaskKind)
     _HANDLERS = {TaskKind.SWAP2CPU: _swap, TaskKind.SWAP2GPU: _swap,

@@ -95,6 +95,7 @@ class CacheTasks:
         """What a storage write stored, or a read found there or missing (or corrupt)."""
         task = result.task
         self.stats.count("storage_errors", result.store_errors)
+        self.stats.count("storage_forged", result.store_forged)
         learn = not self.storage.from_before_reset(task.task_id)
         if task.kind == P.GPU2STORAGE and result.ok and learn:
             self.storage.add(task.keys)

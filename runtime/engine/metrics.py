@@ -66,7 +66,11 @@ class _StatsCollector:
                                  ("kvrt_steps", "steps", "forward steps sent to the workers"),
                                  ("kvrt_pd_sent_bytes", "pd_sent_bytes", "KV bytes written into the decode node"),
                                  ("kvrt_pd_early_bytes", "pd_early_bytes",
-                                  "KV bytes written into the decode node while their prefill still ran")):
+                                  "KV bytes written into the decode node while their prefill still ran"),
+                                 ("kvrt_storage_errors", "storage_errors",
+                                  "storage failures (error returns, damaged objects, a dead store) answered as misses"),
+                                 ("kvrt_storage_forged", "storage_forged",
+                                  "storage objects without a valid MAC answered as misses (never served)")):
             yield CounterMetricFamily(name, what, value=float(s[STAT[stat]]))
         seqs = GaugeMetricFamily("kvrt_sequences", "sequences by scheduler state", labels=["state"])
         for state in ("running", "waiting", "loading"):

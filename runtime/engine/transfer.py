@@ -38,6 +38,7 @@ class TaskResult:
     seconds: float
     error: str = ""
     store_errors: int = 0  # store failures the ranks answered as misses
+    store_forged: int = 0  # objects without a valid MAC the ranks answered as misses
 
 
 @dataclass
@@ -97,7 +98,8 @@ class TransferClient:
         errors = [f"rank {a.rank}: {a.error}" for a in answers if not a.ok]
         return TaskResult(p.task, not errors, min(a.blocks for a in answers), sum(a.nbytes for a in answers),
                           time.monotonic() - p.started, "; ".join(errors),
-                          sum(a.store_errors for a in answers if isinstance(a.store_errors, int)))
+                          sum(a.store_errors for a in answers if isinstance(a.store_errors, int)),
+                          sum(a.store_forged for a in answers if isinstance(a.store_forged, int)))
 
     def expire(self, now: float | None = None) -> list[TaskResult]:
         """Fail every task whose deadline passed, naming the ranks that did not answer."""

@@ -4,6 +4,7 @@ secret, the model identity) is added here, and the launcher validates once befor
 from __future__ import annotations
 
 import math
+import os
 from functools import cached_property
 
 import numpy as np
@@ -88,12 +89,7 @@ class NodeConfig(config.NodeConfig):
         if self.eviction not in policy_names():
             raise ConfigError(f"--eviction {self.eviction!r}: known policies are {', '.join(policy_names())}")
         if self.storage:
-            from kvrt.ipc.storage_uri import parse_storage
-
-            try:
-                parse_storage(self.storage)
-            except ValueError as e:
-                raise ConfigError(f"--storage: {e}") from None
+            self._validate_storage()
         for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{name} must be 0..65535, got {port}")
@@ -141,6 +137,39 @@ class NodeConfig(config.NodeConfig):
             try:
                 EventSecret.load(self.events_secret_file)
             except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+    def _validate_storage(self) -> None:
+        """The storage setting, its secret, and the default that keeps a shared store from
+        serving blocks anyone could have written: a Mooncake store takes objects from whoever
+        reaches its master or a process lending it memory (it has no authentication), so a
+        node on one needs a storage secret, or --storage-insecure to accept that. A file
+        directory must be this user's own and closed to others; a secret is optional there
+        (only this user and root can write into it) and guards against their other processes."""
+        from kvrt.ipc.private import check_private_dir, read_secret_file
+        from kvrt.ipc.storage_uri import MAKE_SECRET_HINT, parse_storage
+
+        try:
+            spec = parse_storage(self.storage)
+        except ValueError as e:
+            raise ConfigError(f"--storage: {e}") from None
+        if self.storage_secret_file and self.storage_insecure:
+            raise ConfigError("--storage-secret-file and --storage-insecure contradict each other: give one")
+        if self.storage_secret_file:
+            try:
+                read_secret_file(self.storage_secret_file, "--storage-secret-file", MAKE_SECRET_HINT)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        elif spec.shared and not self.storage_insecure:
+            raise ConfigError(f"--storage {self.storage} is a store other parties can write to (it has no "
+                              f"authentication): give the node group's secret with --storage-secret-file, "
+                              f"so that every block carries a MAC and a forged one is never served, or "
+                              f"--storage-insecure to serve its blocks unchecked; {MAKE_SECRET_HINT}")
+        if not spec.shared:
+            try:
+                if os.path.exists(spec.path):
+                    check_private_dir(spec.path, "--storage directory")
+            except (ValueError, OSError) as e:
                 raise ConfigError(str(e)) from None
 
     def shared_objects(self) -> list[str]:

@@ -233,6 +233,9 @@ def render(snap: dict) -> str:
                   f"{c('seqs_loading')}  steps {c('steps')}  preemptions {c('preemptions')}  "
                   f"finished {c('finished_requests')}  failed {c('failed_requests')}  generated tokens "
                   f"{c('generated_tokens')}  prompt tokens computed {c('computed_prompt_tokens')}"]
+        if cfg.get("storage"):
+            lines.append(f"storage {cfg['storage']}  errors {c('storage_errors')}  forged (no valid MAC, not served) "
+                         f"{c('storage_forged')}")
         if cfg.get("role", "mixed") != "mixed":
             lines.append(f"PD role {cfg['role']}  transport {cfg.get('pd_transport', '?')}  "
                          f"KV bytes sent to the decode node {c('pd_sent_bytes')}  of them while prefilling "

@@ -23,16 +23,15 @@ import hashlib
 import hmac
 import os
 import secrets
-import stat
 from dataclasses import dataclass
 
 from kvrt.ipc.errors import ProtocolError
+from kvrt.ipc.private import check_secret_length, read_secret_file
 
 from kvrt.runtime.client import api
 from kvrt.runtime.pd import messages as wire
 
 SECRET_ENV = "KVRT_PD_SECRET"
-MIN_SECRET_BYTES = 16
 NONCE_BYTES = 16
 P2D, D2P = b"p2d", b"d2p"
 MAKE_SECRET_HINT = ("make one with `python -c 'import secrets; print(secrets.token_hex(32))' > pd.secret && "
@@ -49,25 +48,12 @@ def load_secret(path: str) -> bytes:
     one when there is none or it is too short (a short secret can be guessed offline from one
     captured handshake)."""
     if path:
-        try:
-            st = os.stat(path)
-            with open(path, "rb") as f:
-                secret = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"--pd-secret-file {path}: cannot read it ({e.strerror})") from None
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ValueError(f"--pd-secret-file {path} is readable by other users (mode "
-                             f"{stat.S_IMODE(st.st_mode):o}); chmod 600 it")
-        where = f"--pd-secret-file {path}"
-    else:
-        secret = os.environ.get(SECRET_ENV, "").strip().encode()
-        where = f"${SECRET_ENV}"
-        if not secret:
-            raise ValueError(f"prefill and decode nodes need a shared secret (--pd-secret-file or "
-                             f"${SECRET_ENV}); {MAKE_SECRET_HINT}")
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"the PD secret in {where} is {len(secret)} bytes; use at least "
-                         f"{MIN_SECRET_BYTES} random bytes: {MAKE_SECRET_HINT}")
+        return read_secret_file(path, "--pd-secret-file", MAKE_SECRET_HINT)
+    secret = os.environ.get(SECRET_ENV, "").strip().encode()
+    if not secret:
+        raise ValueError(f"prefill and decode nodes need a shared secret (--pd-secret-file or "
+                         f"${SECRET_ENV}); {MAKE_SECRET_HINT}")
+    check_secret_length(secret, f"${SECRET_ENV}", MAKE_SECRET_HINT)
     return secret
 
 

@@ -36,3 +36,13 @@ def test_a_held_port_is_never_handed_out():
     finally:
         for s in held:
             s.close()
+
+
+def test_listeners_on_every_interface_are_named_and_those_on_the_host_are_not():
+    from kvrt.ipc.ports import listening_wider_than
+
+    with socket.create_server(("0.0.0.0", 0)) as wide, socket.create_server(("127.0.0.1", 0)) as narrow:
+        found = listening_wider_than("127.0.0.1")
+        assert f"0.0.0.0:{wide.getsockname()[1]}" in found
+        assert not any(a.endswith(f":{narrow.getsockname()[1]}") for a in found)
+        assert listening_wider_than("0.0.0.0") == [], "asked for every interface: nothing is wider"

@@ -44,7 +44,7 @@ def test_damaged_objects_are_misses_not_crashes(tmp_path, damage):
     elif damage == "empty":
         open(path, "wb").close()
     elif damage == "flipped":
-        open(path, "wb").write(data[:50] + bytes([data[50] ^ 1]) + data[51:])
+        open(path, "wb").write(data[:100] + bytes([data[100] ^ 1]) + data[101:])  # (a payload byte)
     elif damage == "magic":
         open(path, "wb").write(b"X" + data[1:])
     elif damage == "longer":

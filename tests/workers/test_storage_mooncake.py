@@ -16,7 +16,7 @@ import pytest
 from kvrt.ipc.storage_uri import parse_storage
 from tests.conftest import REPO
 from kvrt.ipc.ports import free_port
-from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
+from tests.launched import SMALL, launched, oracle, pd_secret_file, shared_prefix_prompts
 
 pytestmark = pytest.mark.e2e
 
@@ -32,19 +32,25 @@ NEW = 4
 
 
 class Store:
-    """`kvrt store start` in a subprocess: the master's port and pid, and a clean stop."""
+    """`kvrt store start` in a subprocess: the master's port and pid, the flags of a node on it
+    (with a storage secret made in `secret_dir`), and a clean stop."""
 
-    def __init__(self, memory: str = "128M", port: int = 0):
+    def __init__(self, secret_dir, memory: str = "128M", port: int = 0):
         self.port = port or free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "store", "start", "--port", str(self.port),
-                                      "--memory", memory], cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+        self.metrics_port = free_port()  # the master's HTTP admin server (it lists every object)
+        self.stderr = os.path.join(str(secret_dir), f"store-{self.port}.stderr")
+        with open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "store", "start", "--port",
+                                          str(self.port), "--memory", memory, "--metrics-port", str(self.metrics_port)],
+                                         cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
         line = self.proc.stdout.readline()  # the ready line, or "" when it exited first
         if "mooncake master on" not in line:
             self.stop()
             raise AssertionError(f"kvrt store start did not come up (exit {self.proc.returncode}): {line!r}")
         self.master_pid = int(line.split("(pid ")[1].split(")")[0])
         self.uri = f"mooncake://127.0.0.1:{self.port}"
+        self.secret = pd_secret_file(secret_dir, "store")  # the node group's
+        self.node_opts = ("--storage", self.uri, "--storage-secret-file", self.secret)
 
     def kill_master(self) -> None:
         os.kill(self.master_pid, signal.SIGKILL)
@@ -67,8 +73,8 @@ class Store:
 
 
 @pytest.fixture
-def store():
-    s = Store()
+def store(tmp_path):
+    s = Store(tmp_path)
     try:
         yield s
     finally:
@@ -128,7 +134,7 @@ def test_a_dead_master_means_misses_not_errors(store):
 def test_a_prompt_computed_on_one_node_is_a_storage_hit_on_another(node, tmp_path, store, tp):
     """Each rank stores its own head shards; a block is a hit only where every rank read it."""
     prompts = shared_prefix_prompts(seed=5, systems=2, users=2)
-    opts = (*SMALL, "--num-gpu-blocks", "128", "--storage", store.uri, "--tp", str(tp))
+    opts = (*SMALL, "--num-gpu-blocks", "128", *store.node_opts, "--tp", str(tp))
     want = [oracle(tp).generate_dense(p, NEW) for p in prompts]
     with launched(node + "a", tmp_path / "a", *opts) as a:
         got_a = [a.client.generate(p, NEW).output_token_ids.tolist() for p in prompts]
@@ -147,7 +153,7 @@ def test_a_prompt_computed_on_one_node_is_a_storage_hit_on_another(node, tmp_pat
 
 def test_a_node_keeps_serving_when_the_master_dies(node, tmp_path, store):
     prompts = shared_prefix_prompts(seed=6, systems=2, users=3)
-    opts = (*SMALL, "--num-gpu-blocks", "128", "--storage", store.uri)
+    opts = (*SMALL, "--num-gpu-blocks", "128", *store.node_opts)
     with launched(node, tmp_path, *opts) as ln:
         before = [ln.client.generate(p, NEW) for p in prompts[:2]]
         ln.idle_stats()  # their write-through is done
@@ -166,7 +172,7 @@ def test_under_memory_pressure_every_request_finishes_with_store_lookups(node, t
     from kvrt.runtime.client.client import Result
 
     prompts = shared_prefix_prompts(seed=8, systems=3, users=4)  # 12 prompts of up to 16 blocks
-    opts = (*SMALL, "--num-gpu-blocks", "40", "--max-num-seqs", "4", "--storage", store.uri)
+    opts = (*SMALL, "--num-gpu-blocks", "40", "--max-num-seqs", "4", *store.node_opts)
     with launched(node, tmp_path, *opts) as ln:
         for round_ in range(2):  # the second round's prefixes come from the store
             ids = {ln.client.submit(p, NEW, stream=False): i for i, p in enumerate(prompts)}
@@ -187,13 +193,13 @@ def test_blocks_a_dead_master_did_not_take_are_written_after_it_restarts(node, t
     it writes them again when it computes them."""
     rng = np.random.default_rng(4)
     first, *fillers = [rng.integers(0, 512, 6 * 8 + 1).astype(np.int32) for _ in range(5)]
-    opts = (*SMALL, "--num-gpu-blocks", "16", "--storage", store.uri)
+    opts = (*SMALL, "--num-gpu-blocks", "16", *store.node_opts)
     with launched(node + "a", tmp_path / "a", *opts) as a:
         store.kill_master()
         store.stop()
         assert a.client.generate(first, NEW).cached_tokens == 0
         assert a.idle_stats()["storage_errors"] > 0  # its write-through was refused
-        again = Store(port=store.port)  # a new master (empty) on the same address
+        again = Store(tmp_path, port=store.port)  # a new master (empty) on the same address
         store.proc, store.master_pid, store.master_killed = again.proc, again.master_pid, False
         time.sleep(RETRY_S + 0.5)  # the client leaves a master that failed alone this long
         for p in fillers:  # push `first` out of the 16-block device: it is computed again
@@ -212,7 +218,8 @@ def test_a_node_started_while_no_master_listens_serves_with_misses(node, tmp_pat
     """Setting a client up with no master would retry for ever: the node starts, serves every
     request (computed) and counts the store as failing."""
     prompt = shared_prefix_prompts(seed=7, systems=1, users=1)[0]
-    with launched(node, tmp_path, *SMALL, "--storage", f"mooncake://127.0.0.1:{free_port()}") as ln:
+    with launched(node, tmp_path, *SMALL, "--storage", f"mooncake://127.0.0.1:{free_port()}",
+                  "--storage-insecure") as ln:
         res = ln.client.generate(prompt, NEW)
         stats = ln.idle_stats()
     assert res.output_token_ids.tolist() == oracle().generate_dense(prompt, NEW) and res.cached_tokens == 0
@@ -223,7 +230,7 @@ def test_objects_in_memory_a_dead_process_lent_are_misses(node, tmp_path, store)
     """The process that lent the pool its memory dies (the master lives on): every object in
     it is a miss, counted, and the next node computes its prompts with the right answers."""
     prompts = shared_prefix_prompts(seed=10, systems=2, users=1)
-    opts = (*SMALL, "--num-gpu-blocks", "64", "--storage", store.uri)
+    opts = (*SMALL, "--num-gpu-blocks", "64", *store.node_opts)
     with launched(node + "a", tmp_path / "a", *opts) as a:
         for p in prompts:
             a.client.generate(p, NEW)
@@ -257,10 +264,10 @@ def test_a_pool_the_store_cannot_address_goes_through_the_staging_area(store):
         b.close()
 
 
-def test_a_sigkilled_store_takes_its_master_with_it():
+def test_a_sigkilled_store_takes_its_master_with_it(tmp_path):
     """`kvrt store start` killed with SIGKILL runs no cleanup: its Mooncake master still gets
     SIGTERM from the kernel (it used to keep running, holding the port)."""
-    s = Store()
+    s = Store(tmp_path)
     try:
         s.proc.kill()
         s.proc.wait(10)
@@ -286,3 +293,107 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+# ---- the store as a trust boundary: forged objects, other groups, listeners ----------------------
+def forge_every_object(store: Store) -> int:
+    """What a third party that reaches the store does: list the objects on the master's admin
+    port and overwrite each kvrt object with as many random bytes, through a client of its own."""
+    from urllib.request import urlopen
+
+    from kvrt.workers.storage.mooncake import open_client
+
+    with urlopen(f"http://127.0.0.1:{store.metrics_port}/get_all_keys", timeout=10) as r:
+        names = [n for n in r.read().decode().split() if n.startswith("kvrt-")]
+    client = open_client(f"127.0.0.1:{store.port}", "127.0.0.1", 0)
+    try:
+        sizes = [int(client.get_size(n)) for n in names]
+        forged = np.random.default_rng(0).integers(0, 256, (len(names), max(sizes, default=1)), dtype=np.uint8)
+        assert client.register_buffer(int(forged.ctypes.data), int(forged.nbytes)) == 0
+        put = client.batch_upsert_from(names, [int(row.ctypes.data) for row in forged], sizes)
+        assert list(put) == [0] * len(names), put
+    finally:
+        client.close()
+    return len(names)
+
+
+def test_signed_objects_a_third_party_overwrote_are_misses_that_never_reach_the_pool(store):
+    from kvrt.workers.storage.mac import BlockMac
+
+    spec = parse_storage(store.uri)
+    a = MooncakeStorage(spec, rank=0, mac=BlockMac(b"k" * 32, b"model"))
+    b = MooncakeStorage(spec, rank=0, mac=BlockMac(b"k" * 32, b"model"))
+    try:
+        src, dst = blocks(4, 1), np.zeros((4, 2, 2, 8, 16), np.float32)
+        a.register(src)
+        b.register(dst)
+        keys = [bytes([i + 1]) * 16 for i in range(4)]
+        assert a.put_many(keys, list(src)) == 4 * src[0].nbytes
+        assert b.get_many(keys, list(dst)) == 4 and np.array_equal(dst, src)
+        dst[:] = 0
+        assert forge_every_object(store) == 4
+        assert b.get_many(keys, list(dst)) == 0 and not dst.any(), "not a byte of a forged object reaches the pool"
+        assert b.forged == 1 and b.errors == 0
+        assert b.exists_many(keys[:1]) == 0, "the forged object is removed, so the real block can be written again"
+        a.put_many(keys, list(src))
+        assert b.get_many(keys, list(dst)) == 1 and np.array_equal(dst[0], src[0]) and b.forged == 2
+        unsigned = MooncakeStorage(spec, rank=0)  # an object without a MAC is forged too
+        unsigned.register(src)
+        unsigned.put_many([b"\x09" * 16], [src[0]])
+        unsigned.close()
+        assert b.get_many([b"\x09" * 16], [dst[0]]) == 0 and b.forged == 3
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_node_answers_right_after_a_third_party_forged_the_store(node, tmp_path, store):
+    prompts = shared_prefix_prompts(seed=12, systems=2, users=1)
+    opts = (*SMALL, "--num-gpu-blocks", "64", *store.node_opts)
+    with launched(node + "a", tmp_path / "a", *opts) as a:
+        for p in prompts:
+            a.client.generate(p, NEW)
+        a.idle_stats()  # its write-through is done
+    assert forge_every_object(store) > 0
+    with launched(node + "b", tmp_path / "b", *opts) as b:
+        res = [b.client.generate(p, NEW) for p in prompts]
+        stats = b.idle_stats()
+    assert [r.output_token_ids.tolist() for r in res] == [oracle().generate_dense(p, NEW) for p in prompts]
+    assert all(r.cached_storage == 0 for r in res)
+    assert stats["storage_forged"] > 0 and stats["failed_requests"] == 0
+
+
+def test_a_node_with_another_secret_gets_none_of_its_blocks_served(node, tmp_path, store):
+    prompts = shared_prefix_prompts(seed=13, systems=2, users=1)
+    base = (*SMALL, "--num-gpu-blocks", "64", "--storage", store.uri)
+    with launched(node + "x", tmp_path / "x", *base, "--storage-secret-file", pd_secret_file(tmp_path, "store")) as x:
+        for p in prompts:
+            x.client.generate(p, NEW)
+        x.idle_stats()
+    with launched(node + "b", tmp_path / "b", *base, "--storage-secret-file", store.secret) as b:
+        res = [b.client.generate(p, NEW) for p in prompts]
+        stats = b.idle_stats()
+    assert [r.output_token_ids.tolist() for r in res] == [oracle().generate_dense(p, NEW) for p in prompts]
+    assert all(r.cached_storage == 0 for r in res)
+    assert stats["storage_forged"] > 0 and stats["failed_requests"] == 0
+
+
+def _listeners(pid: int) -> list[str]:
+    import psutil
+
+    return sorted(f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process(pid).net_connections(kind="tcp")
+                  if c.status == psutil.CONN_LISTEN)
+
+
+def test_the_store_listens_on_its_host_and_names_what_it_cannot_confine(store):
+    """The master binds --host (RPC and its admin/metrics server); the lender's transfer engine
+    (Mooncake 0.3 wheels) ignores the bind address: every listener of it that is not on --host
+    is named in the store's warning."""
+    master = _listeners(store.master_pid)
+    assert f"127.0.0.1:{store.port}" in master and f"127.0.0.1:{store.metrics_port}" in master
+    assert all(a.startswith("127.0.0.1:") for a in master), master
+    with open(store.stderr) as f:
+        err = f.read()
+    for addr in _listeners(store.proc.pid):
+        assert addr.startswith("127.0.0.1:") or addr in err.split("listens on ")[1].split(" although")[0], \
+            (addr, err[-2000:])

@@ -11,7 +11,7 @@ import pytest
 
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.node.config import NodeConfig
-from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
+from tests.launched import SMALL, launched, oracle, pd_secret_file, shared_prefix_prompts
 from kvrt.workers.storage.base import FileStorage
 
 pytestmark = pytest.mark.e2e
@@ -26,6 +26,42 @@ def block_keys(prompt: np.ndarray) -> list[bytes]:
     hasher = BlockHasher(BS, root)
     hasher.update(prompt)
     return hasher.keys
+
+
+@pytest.mark.parametrize("planter", ["unsigned", "another secret"])
+def test_planted_objects_with_a_valid_checksum_are_recomputed_not_served(node, tmp_path, planter):
+    """Whoever else can write into the directory replaces a signed node's objects with its own
+    blocks, checksummed as the tier wants them but without the group's MAC (or with another
+    group's): the node computes those blocks (right answers) and counts the one that ended its
+    prefix, which it removes and so writes again (the next is found by the next read)."""
+    from kvrt.workers.storage.mac import BlockMac
+
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 512, 4 * BS + 3).astype(np.int32)
+    store = str(tmp_path / "store")
+    opts = (*SMALL, "--num-gpu-blocks", "64", "--storage", f"file:{store}",
+            "--storage-secret-file", pd_secret_file(tmp_path, "store"))
+    want = oracle().generate_dense(prompt, NEW)
+    with launched(node, tmp_path / "a", *opts) as ln:
+        assert ln.client.generate(prompt, NEW).output_token_ids.tolist() == want
+        ln.idle_stats()
+    forger = FileStorage(store, 0, mac=None if planter == "unsigned" else BlockMac(b"x" * 32, b"whatever"))
+    keys = block_keys(prompt)
+    shape = NodeConfig(node="x", num_layers=2, num_kv_heads=2, head_dim=16, block_size=BS).block_shape
+    for k in keys:
+        forger.put(k, rng.standard_normal(shape).astype(np.float32))
+    with launched(node, tmp_path / "b", *opts) as ln:
+        res = ln.client.generate(prompt, NEW)
+        stats = ln.idle_stats()
+    assert res.output_token_ids.tolist() == want and res.cached_storage == 0
+    assert stats["storage_forged"] == 1, "the first forged object ends the prefix"
+    assert stats["storage_errors"] == 0 and stats["failed_requests"] == 0
+    with launched(node, tmp_path / "c", *opts) as ln:
+        res = ln.client.generate(prompt, NEW)
+        stats = ln.idle_stats()
+    assert res.output_token_ids.tolist() == want
+    assert res.cached_storage == BS and stats["storage_forged"] == 1, \
+        "the forged object that was read was removed and written again; the next one ends the prefix now"
 
 
 def test_corrupted_and_truncated_objects_are_recomputed_not_served(node, tmp_path):
@@ -90,6 +126,6 @@ def test_bench_storage_json_quick():
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     tiers = {(r["tier"], r["op"]) for r in res["io"]}
-    want = {"socket", "file"} | ({"mooncake"} if unavailable_reason() is None else set())
+    want = {"socket", "file", "file+mac"} | ({"mooncake", "mooncake+mac"} if unavailable_reason() is None else set())
     assert tiers == {(t, op) for t in want for op in ("put", "get")}
     assert all(r["gb_s"] > 0 and r["vs_socket"] > 0 for r in res["io"]) and res["cross_node"] == []

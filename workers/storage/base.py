@@ -9,10 +9,15 @@ crash, because the engine treats storage as a cache and recomputes what it canno
 name and moved into place with os.replace, so a reader sees the old object or the new one,
 never half of one. Every object carries an xxh3-64 of its key and payload in its header and
 `get` verifies it (and the length) before it reports a hit, so a truncated, corrupted or
-misplaced file is a miss and its block is recomputed. There is no fsync: after a power loss a
+misplaced file is a miss and its block is recomputed. With a storage secret the header also
+carries the object's MAC (workers/storage/mac.py: a checksum guards against damage, the MAC
+against blocks planted by whoever else can write into the directory); a missing or wrong one
+is a miss counted as forged, and the payload is read into a buffer of this backend and
+checked before it is copied into the pool. There is no fsync: after a power loss a
 torn file fails its checksum and is a miss, which is all a cache needs. Directories are
 created 0700 and objects 0600 whatever the umask: KV blocks are the users' prompts in another
-form, as private as the prompts.
+form, as private as the prompts. An existing directory of another user, or one that lets group
+or others in, is refused (ipc/private.py).
 
 `max_bytes` caps what a rank's objects take (each rank gets its share of the directory's cap):
 a write that goes over it deletes the least recently used objects (by the time they were last
@@ -36,12 +41,17 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import xxhash
 
+from kvrt.ipc.private import check_private_dir
+
+from kvrt.workers.storage.mac import MAC_BYTES, BlockMac, ForgeryLog
+
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVRTBLK1"
+MAGIC = b"KVRTBLK2"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
-_HEADER = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of key + payload
+_HEADER = struct.Struct(f"<8sQQ{MAC_BYTES}s")  # magic, payload length, xxh3-64 of key + payload, MAC (zeros: none)
+_NO_MAC = bytes(MAC_BYTES)
 
 
 class StorageError(RuntimeError):
@@ -72,6 +82,9 @@ class Storage(ABC):
         """Every key with an object for this rank (the engine's storage index starts from it)."""
 
     errors = 0  # store failures (error returns, exceptions, damaged objects) answered as misses so far
+    forged = 0  # objects without a valid MAC answered as misses so far (only with a MAC signer)
+    mac: BlockMac | None = None  # signs what is written, checks what is read (None: no storage secret)
+    forgeries: ForgeryLog        # each backend's own, made in its __init__
     beat: Callable[[], None] = staticmethod(lambda: None)  # the caller's heartbeat, while a batch runs
 
     def register(self, array: np.ndarray) -> None:
@@ -104,6 +117,11 @@ class Storage(ABC):
     def close(self) -> None:
         """Let go of connections and registrations (the objects stay)."""
 
+    def _reject(self, name: str, why: str) -> None:
+        """An object whose MAC is missing or wrong: counted and logged (rate-limited), a miss."""
+        self.forged += 1
+        self.forgeries.rejected(name, why)
+
 
 def _digest(key: bytes, payload: memoryview) -> int:
     h = xxhash.xxh3_64(key)
@@ -120,19 +138,21 @@ def _bytes_of(a: np.ndarray) -> memoryview:
 class FileStorage(Storage):
     """One file per (key, rank) under a directory, with a checksummed header."""
 
-    def __init__(self, directory: str, rank: int, max_bytes: int = 0):
+    def __init__(self, directory: str, rank: int, max_bytes: int = 0, mac: BlockMac | None = None):
         self.directory = os.path.abspath(directory)
         self.rank = rank
         self.max_bytes = max_bytes
+        self.mac = mac
+        self.forgeries = ForgeryLog(self.directory)
         self._tmp_seq = 0
+        self._scratch = np.empty(0, np.uint8)  # where a signed object is checked before it reaches `out`
         try:
             _make_private_dirs(self.directory)
+            check_private_dir(self.directory, "storage directory")
         except OSError as e:
             raise StorageError(f"storage directory {self.directory}: {e}") from None
-        mode = os.stat(self.directory).st_mode & 0o777
-        if mode & 0o077:
-            log.warning("storage directory %s already existed with mode %o: other users may read "
-                        "its KV blocks (chmod 700 it)", self.directory, mode)
+        except ValueError as e:
+            raise StorageError(str(e)) from None
         # key -> object bytes, least recently used first (only kept under a cap)
         self._used: OrderedDict[bytes, int] = OrderedDict()
         self._total = 0
@@ -200,15 +220,24 @@ class FileStorage(Storage):
             except OSError:
                 pass
 
+    def _name(self, key: bytes) -> bytes:
+        """What the MAC binds an object to: its key and rank."""
+        return f"{key.hex()}.r{self.rank}".encode()
+
     def get(self, key: bytes, out: np.ndarray) -> bool:
         path = self.path(key)
-        buf = _bytes_of(out)
+        dest = _bytes_of(out)
+        buf = dest
+        if self.mac is not None:  # checked before a byte of it reaches the pool
+            if self._scratch.nbytes < len(dest):
+                self._scratch = np.empty(len(dest), np.uint8)
+            buf = memoryview(self._scratch[:len(dest)])
         try:
             with open(path, "rb") as f:  # buffered: readinto fills the block or hits EOF
                 head = f.read(_HEADER.size)
                 if len(head) != _HEADER.size:
                     return self._corrupt(path, "truncated header")
-                magic, length, digest = _HEADER.unpack(head)
+                magic, length, digest, mac = _HEADER.unpack(head)
                 if magic != MAGIC:
                     return self._corrupt(path, "bad magic")
                 if length != len(buf):
@@ -223,6 +252,12 @@ class FileStorage(Storage):
             return False
         if _digest(key, buf) != digest:
             return self._corrupt(path, "checksum mismatch")
+        if self.mac is not None:
+            if not self.mac.valid(self._name(key), buf, mac):
+                self._reject(path, "has no MAC" if mac == _NO_MAC else "has a wrong MAC")
+                _remove(path)  # (else `put_many` would never write the real block over it)
+                return False
+            dest[:] = buf
         self._touch(key, path)
         return True
 
@@ -232,10 +267,7 @@ class FileStorage(Storage):
         would end there for good."""
         log.warning("storage object %s is corrupt (%s): treated as a miss and removed", path, why)
         self.errors += 1
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        _remove(path)
         return False
 
     def put(self, key: bytes, data: np.ndarray) -> None:
@@ -248,7 +280,8 @@ class FileStorage(Storage):
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
                 os.fchmod(f.fileno(), FILE_MODE)  # the umask may have taken bits off
                 # buffered: write writes everything or raises
-                f.write(_HEADER.pack(MAGIC, len(buf), _digest(key, buf)))
+                mac = self.mac.of(self._name(key), buf) if self.mac is not None else _NO_MAC
+                f.write(_HEADER.pack(MAGIC, len(buf), _digest(key, buf), mac))
                 f.write(buf)
             os.replace(tmp, path)
             if self.max_bytes:
@@ -263,6 +296,13 @@ class FileStorage(Storage):
             except OSError:
                 pass
             raise StorageError(f"storage write {path} failed: {e}") from None
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _make_private_dirs(path: str) -> None:

@@ -24,6 +24,14 @@ node's hang detector must not take a slow store for a hung process); the caller 
 for the call to end, because a read that was given up on could land in blocks the engine has
 since given to someone else. A call that outlives the client's own timeouts by far
 (`CALL_LIMIT_S`) means a hung client: StoreHung, and the rank exits rather than risk that.
+
+Signed objects (a storage secret, workers/storage/mac.py): an object is the block's bytes
+followed by their MAC. Writes stay zero copy (one put from two buffers: the block, and its MAC
+in a registered array of this backend). Reads land in a registered area of this backend
+(block + MAC per row), each object is checked there, and only checked blocks are copied into
+the pool: a forged object never touches it. One that fails is a miss, counted in `forged`,
+and removed from the store (else the existence check before each write would keep the real
+block from ever being written again under its name).
 """
 from __future__ import annotations
 
@@ -39,10 +47,11 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from kvrt.ipc.lifetime import die_with_parent
-from kvrt.ipc.ports import free_port
+from kvrt.ipc.ports import WILDCARDS, free_port, listening_wider_than
 from kvrt.ipc.storage_uri import StorageSpec
 
 from kvrt.workers.storage.base import Storage, StorageError, StoreHung
+from kvrt.workers.storage.mac import MAC_BYTES, BlockMac, ForgeryLog
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +88,11 @@ def unavailable_reason() -> str | None:
 
 def open_client(master: str, host: str, segment_bytes: int) -> Any:
     """A set-up store client of the master at `master` that lends `segment_bytes` of its own
-    memory to the pool; StorageError when the master does not take it."""
+    memory to the pool; StorageError when the master does not take it. The client's transfer
+    engine is asked to listen on `host` only (MC_TCP_BIND_ADDRESS); the 0.3 wheels listen on
+    every interface regardless, which `wide_open_warning` reports."""
+    if host not in WILDCARDS:
+        os.environ["MC_TCP_BIND_ADDRESS"] = host  # honoured by builds that support it
     store = load_store_module().MooncakeDistributedStore()
     rc = store.setup({"local_hostname": host, "metadata_server": "P2PHANDSHAKE",
                       "global_segment_size": int(segment_bytes), "local_buffer_size": 0,
@@ -89,12 +102,27 @@ def open_client(master: str, host: str, segment_bytes: int) -> Any:
     return store
 
 
+def wide_open_warning(host: str, who: str) -> str:
+    """What this process's store client listens on beyond `host` (empty: nothing), as a warning:
+    whoever reaches those ports can read and write the memory the client lends the pool."""
+    wide = listening_wider_than(host)
+    if not wide:
+        return ""
+    return (f"{who}: this Mooncake build listens on {', '.join(wide)} although it was given {host} (it has no "
+            f"working option to bind one interface); whoever reaches those ports can read and write the "
+            f"store's memory in this process: firewall them to the nodes' addresses")
+
+
 class MooncakeStorage(Storage):
     """One rank's client of a Mooncake Store pool (see the module docstring)."""
 
-    def __init__(self, spec: StorageSpec, rank: int, host: str = "127.0.0.1", retry_s: float = RETRY_S):
+    def __init__(self, spec: StorageSpec, rank: int, host: str = "127.0.0.1", retry_s: float = RETRY_S,
+                 mac: BlockMac | None = None):
         load_store_module()  # a missing wheel is a start-up error, not a stream of misses
         self.spec = spec
+        self.mac = mac
+        self.forgeries = ForgeryLog(f"mooncake://{spec.master}")
+        self.forged = 0
         self.rank = rank
         self.host = socket.gethostbyname(socket.gethostname()) if host in ("", "0.0.0.0", "::") else host
         self.retry_s = retry_s
@@ -104,7 +132,7 @@ class MooncakeStorage(Storage):
         self._down = False
         self._pools: list[np.ndarray] = []           # registered with the client
         self._regions: list[tuple[int, int]] = []    # their [start, end) addresses
-        self._staging: np.ndarray | None = None
+        self._areas: dict[str, np.ndarray] = {}  # registered [rows, bytes] areas of this backend, by use
         self._connect()
 
     # ---- the client and its health
@@ -134,6 +162,9 @@ class MooncakeStorage(Storage):
             return None
         log.info("mooncake store %s: rank %d connected from %s (lends %d bytes)", self.spec.master, self.rank,
                  self.host, self.spec.segment_bytes)
+        wide = wide_open_warning(self.host, f"mooncake store client of rank {self.rank}")
+        if wide:
+            log.warning("%s", wide)
         self._client = client
         return client
 
@@ -215,13 +246,15 @@ class MooncakeStorage(Storage):
         end = start + buf.nbytes
         return buf.flags.c_contiguous and any(a <= start and end <= b for a, b in self._regions)
 
-    def _stage(self, n: int, nbytes: int) -> np.ndarray:
-        """A registered [n, nbytes] staging area (grown on demand, registered like a pool)."""
-        s = self._staging
-        if s is None or s.shape[0] < n or s.shape[1] != nbytes:
-            s = self._staging = np.empty((max(n, STAGING_BLOCKS), nbytes), np.uint8)
-            self.register(s)
-        return s
+    def _area(self, use: str, n: int, nbytes: int) -> np.ndarray:
+        """A registered [n, nbytes] area for `use` (grown on demand, registered like a pool):
+        "stage" for buffers outside every pool, "macs" for the MACs of a signed put, "sealed"
+        for the objects of a signed read."""
+        a = self._areas.get(use)
+        if a is None or a.shape[0] < n or a.shape[1] != nbytes:
+            a = self._areas[use] = np.empty((max(n, STAGING_BLOCKS), nbytes), np.uint8)
+            self.register(a)
+        return a
 
     # ---- the Storage interface
     def name(self, key: bytes) -> str:
@@ -260,8 +293,10 @@ class MooncakeStorage(Storage):
         if not n or (deadline and time.monotonic() >= deadline):  # (the check may have been slow)
             return 0
         outs = [_flat(o) for o in outs[:n]]
+        if self.mac is not None:
+            return self._get_signed(keys[:n], outs, deadline)
         staged = not all(self._direct(o) for o in outs)
-        bufs = list(self._stage(n, outs[0].nbytes)[:n]) if staged else outs
+        bufs = list(self._area("stage", n, outs[0].nbytes)[:n]) if staged else outs
         got = self._call("batch_get_into", "batch_get_into", [self.name(k) for k in keys[:n]],
                          [int(b.ctypes.data) for b in bufs], [b.nbytes for b in bufs])
         if got is None:
@@ -277,6 +312,42 @@ class MooncakeStorage(Storage):
             for o, b in zip(outs[:done], bufs):
                 o[:] = b
         return done
+
+    def _get_signed(self, keys: Sequence[bytes], outs: list[np.ndarray], deadline: float) -> int:
+        """Read objects of block + MAC into the staging area, check them in order, and copy the
+        leading valid ones into `outs` unless `deadline` passed meanwhile; a missing or wrong
+        MAC ends the prefix (see the module docstring)."""
+        n, nbytes = len(keys), outs[0].nbytes
+        rows = self._area("sealed", n, nbytes + MAC_BYTES)[:n]
+        names = [self.name(k) for k in keys]
+        got = self._call("batch_get_into", "batch_get_into", names, [int(r.ctypes.data) for r in rows],
+                         [r.nbytes for r in rows])
+        if got is None:
+            self.errors += 1
+            return 0
+        if deadline and time.monotonic() >= deadline:  # the blocks in `outs` may be someone else's now
+            return 0
+        done = 0
+        for name, r, row, out in zip(names, got, rows, outs):
+            if r == nbytes + MAC_BYTES and self.mac.valid(name.encode(), row[:nbytes], row[nbytes:]):
+                out[:] = row[:nbytes]
+                done += 1
+                continue
+            if r == nbytes + MAC_BYTES or r == nbytes:
+                self._reject(name, "has a wrong MAC" if r != nbytes else "has no MAC")
+                self._remove(name)
+            else:  # gone since the check (evicted), or a foreign size: as an unsigned read's
+                self.errors += r < 0 and r != -704
+            break
+        return done
+
+    def _remove(self, name: str) -> None:
+        """Take a forged object out of the store (best effort: its name is then free for the
+        real block). Forced: the read just made holds a lease on it for seconds, and whoever
+        else reads it before it goes checks its MAC too."""
+        out = self._call("batch_remove", "batch_remove", [name], True)
+        if out is None or out[0] != 0:
+            log.info("mooncake store %s: removing forged object %s returned %s", self.spec.master, name, out)
 
     def put_many(self, keys: Sequence[bytes], datas: Sequence[np.ndarray]) -> int:
         """Store the blocks (an object that exists already is left as it is); returns the
@@ -294,11 +365,20 @@ class MooncakeStorage(Storage):
         datas = [_flat(datas[i]) for i in todo]
         bufs = datas
         if not all(self._direct(d) for d in datas):
-            bufs = list(self._stage(len(datas), datas[0].nbytes)[:len(datas)])
+            bufs = list(self._area("stage", len(datas), datas[0].nbytes)[:len(datas)])
             for b, d in zip(bufs, datas):
                 b[:] = d
-        put = self._call("batch_put_from", "batch_put_from", [self.name(k) for k in keys],
-                         [int(b.ctypes.data) for b in bufs], [b.nbytes for b in bufs])
+        names = [self.name(k) for k in keys]
+        if self.mac is not None:  # block + MAC, from the block where it is and a MAC row of ours
+            macs = self._area("macs", len(bufs), MAC_BYTES)
+            for m, name, b in zip(macs, names, bufs):
+                m[:] = np.frombuffer(self.mac.of(name.encode(), b), np.uint8)
+            put = self._call("batch_put_from_multi_buffers", "batch_put_from_multi_buffers", names,
+                             [[int(b.ctypes.data), int(m.ctypes.data)] for b, m in zip(bufs, macs)],
+                             [[b.nbytes, MAC_BYTES] for b in bufs])
+        else:
+            put = self._call("batch_put_from", "batch_put_from", names,
+                             [int(b.ctypes.data) for b in bufs], [b.nbytes for b in bufs])
         if put is None:
             self.errors += 1
             return 0
@@ -378,7 +458,9 @@ def store_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvrt store", description="a Mooncake Store for --storage mooncake://")
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     s = sub.add_parser("start", help="start a master and lend it memory, in the foreground (Ctrl-C stops)")
-    s.add_argument("--host", default="127.0.0.1", help="address the master listens on (default 127.0.0.1)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address the master's RPC and admin server listen on (default 127.0.0.1); the lent "
+                   "memory's transfer ports are on every interface with Mooncake 0.3 wheels (printed at start)")
     s.add_argument("--port", type=int, default=50051, help="master RPC port: nodes use mooncake://HOST:PORT (default 50051)")
     s.add_argument("--memory", default="1G", help="memory this process lends the pool, e.g. 512M, 4G (default 1G)")
     s.add_argument("--metrics-port", type=int, default=0, help="the master's HTTP metrics port (default: a free one)")
@@ -399,6 +481,9 @@ def store_main(argv: list[str]) -> int:
     try:
         _wait_listening(args.host, args.port, master, MASTER_READY_S)
         client = open_client(f"{args.host}:{args.port}", args.host, memory)
+        wide = wide_open_warning(args.host, f"kvrt store (pid {os.getpid()})")
+        if wide:
+            print(f"kvrt store: warning: {wide}", file=sys.stderr, flush=True)
         print(f"kvrt store: mooncake master on {args.host}:{args.port} (pid {master.pid}), {memory} bytes lent; "
               f"nodes: --storage mooncake://{args.host}:{args.port}; Ctrl-C stops", flush=True)
         while not stop.wait(0.5):

@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from kvrt.ipc.ports import WILDCARDS, listening_wider_than
+
 from kvrt.workers.backend import Pool
 from kvrt.workers.transports.base import (Endpoint, TransferError, Transport, TransportUnavailable, check_descriptor,
                         check_same_layout, plan_runs)
@@ -99,21 +101,6 @@ def pool_pointer(pool: Pool) -> int:
     return int(arr.ctypes.data)
 
 
-_WILDCARDS = ("", "0.0.0.0", "::", "*")
-
-
-def _listening_wider_than(host: str) -> list[str]:
-    """This process's listening TCP sockets bound to a wildcard address (not just `host`)."""
-    import psutil
-
-    try:
-        conns = psutil.Process().net_connections(kind="tcp")
-    except (psutil.Error, OSError):
-        return []
-    return sorted(f"{c.laddr.ip}:{c.laddr.port}" for c in conns
-                  if c.status == psutil.CONN_LISTEN and c.laddr.ip in _WILDCARDS and c.laddr.ip != host)
-
-
 def _bad_batch(bid: int) -> bool:
     return bid <= 0 or bid >= 1 << 63  # 0 (or -1 seen unsigned) means the submit failed
 
@@ -137,7 +124,7 @@ class MooncakeTransport(Transport):
         self.connect_timeout_s = float(connect_timeout_s)
         self.host = local.host
         bind = local.bind or self.host
-        if bind not in _WILDCARDS:
+        if bind not in WILDCARDS:
             os.environ["MC_TCP_BIND_ADDRESS"] = bind  # honoured by builds that support it
         self._engine = mod.TransferEngine()
         rc = self._engine.initialize(self.host, "P2PHANDSHAKE", protocol, device)
@@ -145,7 +132,7 @@ class MooncakeTransport(Transport):
             raise TransferError(f"mooncake transport of {self.who}: the engine did not start on {self.host} "
                                 f"({protocol}{', devices ' + device if device else ''}): initialize returned {rc}")
         self.port = int(self._engine.get_rpc_port())
-        self.wide_open = [] if bind in _WILDCARDS else _listening_wider_than(bind)
+        self.wide_open = listening_wider_than(bind)
         if self.wide_open:
             log.warning("mooncake transport of %s: this Mooncake build listens on %s although the node is "
                         "configured for %s (it has no option to bind one interface); anyone who reaches those "

@@ -154,6 +154,8 @@ def test_second_launch_of_a_live_name_is_refused(launched, node):
     (["--num-gpu-blocks", "-3"], "--num-gpu-blocks"),
     (["--num-cpu-blocks", "-1"], "--num-cpu-blocks"),
     (["--storage", "s3://x"], "file:DIR"),
+    (["--storage", "mooncake://127.0.0.1:1"], "--storage-insecure"),
+    (["--storage", "mooncake://127.0.0.1:1", "--storage-secret-file", "/nonexistent"], "cannot read it"),
     (["--node", "a.b"], "--node"),
     (["--tp", "3"], "divide"),
     (["--port", "70000"], "--port"),
