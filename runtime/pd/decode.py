@@ -36,6 +36,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import numpy as np
 
@@ -133,6 +134,13 @@ class DecodeConnector(KVConnector):
     def is_peer_client(self, client: bytes) -> bool:
         return client.startswith(PEER_CLIENT)
 
+    def busy(self, request_id: str) -> bool:
+        return request_id in self.queued
+
+    def requests(self) -> Iterable[tuple[str, bytes]]:
+        """Queued preallocations (the scheduler's requests are listed by the engine)."""
+        yield from ((internal, PEER_CLIENT + q.peer.encode()) for internal, q in self.queued.items())
+
     # ---- sessions -----------------------------------------------------------------------------
     def on_peer_hello(self, client: bytes, msg: wire.PdHello) -> None:
         """Open a session (unconfirmed until a sealed message proves P holds the secret)."""
@@ -168,6 +176,7 @@ class DecodeConnector(KVConnector):
             del self._hellos[sid]
             if peer is not None:
                 self.sessions.pop(peer.session.session, None)
+                self._forget_queued(sess.peer)  # P forgot what it asked in the old session
             peer = self.peers[sess.peer] = _Peer(sess.peer, sess, client)
             self.sessions[sid] = sess
             log.info("prefill peer %s authenticated", sess.peer)
@@ -437,6 +446,11 @@ class DecodeConnector(KVConnector):
         seq = self.ctx.sched.cancel(internal)
         if seq is not None:
             self.ctx.finished(seq)
+
+    def _forget_queued(self, peer: str) -> None:
+        for internal in [i for i, q in self.queued.items() if q.peer == peer]:
+            del self.queued[internal]
+            self.deadlines.pop(internal, None)
 
     def fail_all(self, why: str) -> None:
         """The node stops: queued preallocations fail (the scheduler's requests are told by the engine)."""
