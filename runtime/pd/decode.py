@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -112,6 +112,7 @@ class DecodeConnector(KVConnector):
         self._hellos: OrderedDict[bytes, Session] = OrderedDict()  # not yet confirmed, oldest first
         self.owner: dict[str, tuple[str, str]] = {}  # internal request id -> (peer, P's request id)
         self.queued: OrderedDict[str, _Queued] = OrderedDict()  # internal id -> over its peer's share, oldest first
+        self.queued_of: Counter[str] = Counter()  # peer -> its preallocations in `queued`
         self.received: dict[str, float] = {}  # internal id -> when its preallocation came, until it has blocks
 
     def on_rank_message(self, msg: object) -> bool:
@@ -293,15 +294,16 @@ class DecodeConnector(KVConnector):
         if not problem and len(self.descriptors) < cfg.tp:
             problem = "the decode node's cache-messagers are not ready"
         if not problem:
-            ahead = sum(q.peer == peer.name for q in self.queued.values())
-            over = self._over(peer.name, need, self._usage()) or \
-                (f"{ahead} of its preallocations are queued before it" if ahead else "")
+            ahead = self.queued_of[peer.name]  # (queued behind them: no need to weigh its share)
+            over = f"{ahead} of its preallocations are queued before it" if ahead else \
+                self._over(peer.name, need, self._usage())
             if over and not msg.wait:
                 problem = f"peer {peer.name} is over its share: {over}"
             elif over and ahead >= MAX_QUEUED:
                 problem = f"peer {peer.name} has {ahead} preallocations queued for its share: {over}"
             elif over:
                 self.queued[internal] = _Queued(peer.name, msg, need)
+                self.queued_of[peer.name] += 1
                 self.deadlines[internal] = time.monotonic() + self.wait_s
                 return
         if problem:
@@ -333,7 +335,7 @@ class DecodeConnector(KVConnector):
             if name in held_back or self._over(name, q.need, usage):
                 held_back.add(name)
                 continue
-            del self.queued[internal]
+            self._dequeue(internal)
             u = usage[name]
             u.queued -= q.need
             u.held += q.need
@@ -369,7 +371,7 @@ class DecodeConnector(KVConnector):
         now = time.monotonic()
         for rid in [r for r, t in self.deadlines.items() if t <= now]:
             del self.deadlines[rid]
-            if (q := self.queued.pop(rid, None)) is not None:
+            if (q := self._dequeue(rid)) is not None:
                 self._expire_queued(q, now)
                 continue
             seq = self.ctx.sched.seqs.get(rid)
@@ -421,10 +423,8 @@ class DecodeConnector(KVConnector):
             self.ctx.finished(seq)
 
     def on_abort(self, peer: _Peer, msg: wire.PdAbort) -> None:
-        if not _check_id(msg.request_id) and \
-                self.queued.pop(internal := self.internal_id(peer.name, msg.request_id), None) is not None:
-            self.deadlines.pop(internal, None)  # it held nothing yet
-            return
+        if not _check_id(msg.request_id) and self._dequeue(self.internal_id(peer.name, msg.request_id)):
+            return  # it held nothing yet
         internal = self._owned(peer, msg.request_id)
         if internal is not None and internal in self.ctx.sched.external_ids:
             reason = msg.reason[:MAX_REASON] if isinstance(msg.reason, str) else ""
@@ -435,8 +435,7 @@ class DecodeConnector(KVConnector):
     def on_cancel(self, peer: _Peer, msg: api.CancelRequest) -> None:
         internal = self._owned(peer, msg.request_id)
         if internal is None and not _check_id(msg.request_id) and \
-                (q := self.queued.pop(self.internal_id(peer.name, msg.request_id), None)) is not None:
-            self.deadlines.pop(self.internal_id(peer.name, msg.request_id), None)
+                (q := self._dequeue(self.internal_id(peer.name, msg.request_id))) is not None:
             self._to_peer(peer, api.FinishedEvent(q.msg.request_id, np.empty(0, np.int32), "cancelled",
                                                   len(q.msg.prompt)))
             return
@@ -447,17 +446,25 @@ class DecodeConnector(KVConnector):
         if seq is not None:
             self.ctx.finished(seq)
 
+    def _dequeue(self, internal: str) -> _Queued | None:
+        """Take a preallocation out of the queue (and its wait's deadline), if it is there."""
+        q = self.queued.pop(internal, None)
+        if q is not None:
+            self.deadlines.pop(internal, None)
+            self.queued_of[q.peer] -= 1
+            if not self.queued_of[q.peer]:
+                del self.queued_of[q.peer]
+        return q
+
     def _forget_queued(self, peer: str) -> None:
         for internal in [i for i, q in self.queued.items() if q.peer == peer]:
-            del self.queued[internal]
-            self.deadlines.pop(internal, None)
+            self._dequeue(internal)
 
     def fail_all(self, why: str) -> None:
         """The node stops: queued preallocations fail (the scheduler's requests are told by the engine)."""
-        for q in self.queued.values():
+        for internal in list(self.queued):
+            q = self._dequeue(internal)
             self._error(self.peers[q.peer], q.msg.request_id, api.STOPPING, why)
-            self.deadlines.pop(self.internal_id(q.peer, q.msg.request_id), None)
-        self.queued.clear()
 
 
 def fair_share(total: int, limit: int, others: list[int]) -> int:

@@ -117,6 +117,8 @@ def test_a_peer_over_its_share_waits_and_a_second_peer_gets_its_part(pd_node, tm
         allocated(a.recv(), "a1")
         ask(a, "a2", 2)  # 52 of 64 blocks: alone, a peer may use the whole pool
         allocated(a.recv(), "a2")
+        ask(a, "a0", 6)  # queued, then given back: it is never allocated (a3 is, below)
+        a.send(wire.PdAbort("a0"))
         ask(a, "a3", 3, wait=False)  # over: refused at once when P says it has another decode node
         err = a.recv()
         assert isinstance(err, api.ErrorEvent) and "share of 64" in err.message, err
