@@ -106,10 +106,11 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "mode 0600; default: $KVRT_PD_SECRET). Make one with: python -c 'import secrets; "
                    "print(secrets.token_hex(32))' > pd.secret && chmod 600 pd.secret")
     p.add_argument("--pd-peer-max-blocks", type=int, default=d.pd_peer_max_blocks,
-                   help="decode role: device blocks one prefill peer may hold at once (default: half the pool)")
+                   help="decode role: device blocks one prefill peer may ever hold at once; within it each peer "
+                   "gets a max-min fair share of the pool, and a request over its share waits (default: the pool)")
     p.add_argument("--pd-peer-max-preallocs", type=int, default=d.pd_peer_max_preallocs,
-                   help=f"decode role: preallocations one prefill peer may have waiting for its KV "
-                   f"(default {d.pd_peer_max_preallocs})")
+                   help=f"decode role: preallocations one prefill peer may have waiting for its KV; more wait in "
+                   f"D's queue (default {d.pd_peer_max_preallocs})")
     p.add_argument("--tp", type=int, default=d.tp,
                    help="tensor-parallel ranks (default 1). With --model each rank holds 1/N of the heads, KV "
                    "heads and MLP, and an all-reduce over shared memory sums their outputs (same tokens as "

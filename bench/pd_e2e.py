@@ -91,7 +91,7 @@ def rows(args: argparse.Namespace) -> list[dict]:
 def _rows_of(args: argparse.Namespace, length: int) -> list[dict]:
     prompts = _prompts(args, length)
     bs = 16  # the launcher's default block size
-    # the whole prompt in D under a P's quota (half of D's pool)
+    # the whole prompt in D, twice over
     blocks = max(512, 2 * -(-(length + args.e2e_new) // bs) + 16)
     base = ["--max-model-len", str(length + args.e2e_new + 16), "--num-gpu-blocks", str(blocks)]
     tag = f"b{os.getpid()}"

@@ -58,8 +58,8 @@ class NodeConfig:
     pd_transport: str = "shm"    # how P's cache-messagers write into D's pools: shm or mooncake
     pd_timeout: float = 30.0     # P's wait for D's blocks; D's lease on blocks awaiting KV
     pd_secret_file: str = ""     # the peers' shared secret (else $KVRT_PD_SECRET); PD roles need one
-    pd_peer_max_blocks: int = 0  # D: blocks one peer may hold at once (0: half the device pool)
-    pd_peer_max_preallocs: int = 16  # D: preallocations one peer may have waiting for kv-ready
+    pd_peer_max_blocks: int = 0  # D: blocks one peer may ever hold at once, within its fair share (0: the pool)
+    pd_peer_max_preallocs: int = 16  # D: preallocations one peer may have waiting for kv-ready (more queue)
     check_ownership: bool = False
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
@@ -83,10 +83,6 @@ class NodeConfig:
     @property
     def disaggregated(self) -> bool:
         return self.role != "mixed"
-
-    @property
-    def peer_max_blocks(self) -> int:
-        return self.pd_peer_max_blocks or max(1, self.num_gpu_blocks // 2)
 
     @property
     def needs_allreduce(self) -> bool:

@@ -81,7 +81,11 @@ class PdPong:
 class PdPrealloc(Generation):
     """P asks D to hold blocks for a request's prompt (D matches its own prefix cache first:
     only blocks past `cached_tokens` of D's answer travel). The sampling parameters are the
-    request's (P already picked the seed)."""
+    request's (P already picked the seed). `wait`: when the peer is over its share of D's
+    pool, D queues the request until blocks come back (bounded by its lease); False: D
+    refuses it at once instead (P has another decode node to ask)."""
+
+    wait: bool = True
 
 
 @API.message("pd_allocated")
@@ -97,6 +101,7 @@ class PdAllocated:
     descriptors: list
     lease_s: float
     free_blocks: int = -1  # as in PdPong, once these blocks are taken
+    waited_s: float = 0.0  # how long D kept the request queued before it allocated: the lease began that late
 
 
 @API.message("pd_kv_ready")

@@ -59,7 +59,7 @@ from kvrt.runtime.engine.sequence import Sequence, SeqState
 from kvrt.runtime.engine.server import PEER, peer_identity
 
 from kvrt.runtime.pd.connector import ConnectorContext, KVConnector
-from kvrt.runtime.pd.peer import MAX_REASON, check_id as _check_id, refused as _refused
+from kvrt.runtime.pd.peer import MAX_REASON, check_id as _check_id, Refusals
 
 log = logging.getLogger(__name__)
 PING_EVERY_S = 0.5    # a ping (or a hello while no session) this often
@@ -93,6 +93,7 @@ class _Pending:
     deadline: float
     arrival: float = field(default_factory=time.monotonic)
     link: _Link | None = None  # the decode node asked (it waits for a session otherwise)
+    asked_at: float = 0.0      # when it was asked (P's clock): D's lease cannot begin earlier
     tried: set[int] = field(default_factory=set)  # decode nodes that refused it or were lost
     last_error: api.ErrorEvent | None = None  # why the last one tried did not take it
 
@@ -144,6 +145,7 @@ class PrefillConnector(KVConnector):
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         self.timeout = ctx.cfg.pd_timeout
+        self._refused = Refusals(ctx.stats)
         self.secret = load_secret(ctx.cfg.pd_secret_file)
         self.links = [_Link(i, address) for i, address in enumerate(ctx.cfg.decode_peers)]
         self._by_identity = {link.identity: link for link in self.links}
@@ -209,15 +211,15 @@ class PrefillConnector(KVConnector):
             session = check_bytes(msg.session, NONCE_BYTES, "session")
             mac = check_bytes(msg.mac, 32, "mac")
         except AuthError as e:
-            _refused(self.ctx.stats, f"welcome: {e}")
+            self._refused(f"welcome: {e}")
             return
         if nonce not in link.nonces:
             if link.session is None:  # an answer to an earlier hello once a session is up is expected
-                _refused(self.ctx.stats, "welcome to a hello this node did not send")
+                self._refused("welcome to a hello this node did not send")
             return
         peer = self.ctx.cfg.node
         if not hmac.compare_digest(mac, welcome_mac(self.secret, nonce, session, peer)):
-            _refused(self.ctx.stats, "welcome not signed with the shared secret: check --pd-secret-file on both nodes")
+            self._refused("welcome not signed with the shared secret: check --pd-secret-file on both nodes")
             return
         link.nonces.clear()  # D may still answer hellos sent before this one: those are stale now
         if link.session is not None:
@@ -290,11 +292,12 @@ class PrefillConnector(KVConnector):
                 self.ctx.reply(p.client, p.last_error)
             return
         link = max(up, key=lambda x: x.free_blocks)  # the first listed among equals
-        p.link = link
+        p.link, p.asked_at = link, time.monotonic()
         if link.free_blocks >= 0:
             link.free_blocks = max(0, link.free_blocks - -(-(len(req.prompt) + req.max_new_tokens)
                                                            // self.ctx.cfg.block_size))
-        self._send(link, wire.PdPrealloc(**req.generation()))
+        # over this peer's share, a decode node queues the request only if no other is left to ask
+        self._send(link, wire.PdPrealloc(**req.generation(), wait=len(up) == 1))
 
     def _retry(self, p: _Pending, error: api.ErrorEvent) -> None:
         """The decode node asked for `p` refused it or was lost (`error` says which): ask the
@@ -339,7 +342,7 @@ class PrefillConnector(KVConnector):
         if not client.startswith(PEER):
             return False
         if (link := self._by_identity.get(client)) is None:
-            _refused(self.ctx.stats, f"a message from an unknown decode peer socket {client!r}")
+            self._refused(f"a message from an unknown decode peer socket {client!r}")
         else:
             self._on_peer(link, msg)
         return True
@@ -359,17 +362,17 @@ class PrefillConnector(KVConnector):
                 link.next_ping = 0.0  # hello again at once
             return
         if not isinstance(msg, wire.PdSealed) or link.session is None:
-            _refused(self.ctx.stats, f"unauthenticated {type(msg).__name__} from the decode peer {link.address}")
+            self._refused(f"unauthenticated {type(msg).__name__} from the decode peer {link.address}")
             return
         try:
             inner = link.session.open(msg)
         except ProtocolError as e:
-            _refused(self.ctx.stats, f"from the decode peer {link.address}: {e}")
+            self._refused(f"from the decode peer {link.address}: {e}")
             return
         link.news += 1
         problem = self._check(inner)
         if problem:
-            _refused(self.ctx.stats, f"{type(inner).__name__} from the decode node {link.address}: {problem}")
+            self._refused(f"{type(inner).__name__} from the decode node {link.address}: {problem}")
             return
         rid = getattr(inner, "request_id", "")
         if isinstance(inner, (wire.PdPong, wire.PdAllocated)) and inner.free_blocks >= 0:
@@ -415,6 +418,9 @@ class PrefillConnector(KVConnector):
                 return f"cached_tokens {msg.cached_tokens!r}"
             if not isinstance(msg.lease_s, (int, float)) or isinstance(msg.lease_s, bool) or not 0 < msg.lease_s < 1e6:
                 return f"lease_s {msg.lease_s!r}"
+            if not isinstance(msg.waited_s, (int, float)) or isinstance(msg.waited_s, bool) or \
+                    not 0 <= msg.waited_s < 1e6:
+                return f"waited_s {msg.waited_s!r}"
             if not isinstance(msg.descriptors, list) or not all(isinstance(d, dict) for d in msg.descriptors):
                 return "descriptors must be a list of maps"
             if len(msg.block_ids) and (msg.block_ids.min() < 0 or msg.block_ids.max() >= 1 << 30):
@@ -457,8 +463,9 @@ class PrefillConnector(KVConnector):
                            client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
                            arrival=p.arrival, prompt_logprobs=req.prompt_logprobs, **sampling_of(req))
-        # D's lease began after our ask: its end on P's clock is on the safe side
-        self.handoffs[req.request_id] = _Handoff(seq, link, msg, p.arrival + msg.lease_s,
+        # D's lease began after our ask plus the time D kept it queued: its end on P's clock
+        # is on the safe side
+        self.handoffs[req.request_id] = _Handoff(seq, link, msg, p.asked_at + msg.waited_s + msg.lease_s,
                                                  msg.cached_tokens // cfg.block_size)
         self.ctx.sched.add(seq)
 

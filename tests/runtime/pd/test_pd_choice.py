@@ -47,14 +47,15 @@ class Harness:
     def from_d(self, i: int, msg) -> None:
         assert self.p.on_peer_message(peer_identity(i), self.d[i].seal(msg))
 
-    def asked(self) -> list[tuple[int, str]]:
-        """(decode node, request id) of every preallocation sent since the last call."""
+    def asked(self, wait: bool = False) -> list[tuple]:
+        """(decode node, request id[, whether it may queue]) of every preallocation sent since
+        the last call."""
         out = []
         for identity, sealed in self.sent:
             i = int(identity.removeprefix(b"\x00peer!"))
             inner = self.d[i].open(sealed)
             if isinstance(inner, wire.PdPrealloc):
-                out.append((i, inner.request_id))
+                out.append((i, inner.request_id, inner.wait) if wait else (i, inner.request_id))
         self.sent.clear()
         return out
 
@@ -100,3 +101,44 @@ def test_a_bad_free_blocks_report_is_refused_and_changes_nothing(tmp_path, bad):
     h.from_d(0, wire.PdPong(0, 10))
     h.from_d(0, wire.PdPong(0, bad))
     assert h.stats[P.STAT["pd_refused"]] == 1 and h.p.links[0].free_blocks == 10
+
+
+def test_only_the_last_decode_node_left_to_try_is_asked_to_queue(tmp_path):
+    """Over P's share, a decode node asked to queue would keep the request from one with room."""
+    h = Harness(tmp_path)
+    h.from_d(1, wire.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r"))
+    assert h.asked(wait=True) == [(1, "r", False)]
+    h.from_d(1, api.ErrorEvent("r", api.BAD_REQUEST, "decode node: peer p0 is over its share"))
+    assert h.asked(wait=True) == [(0, "r", True)]
+
+
+class _Sched:
+    def __init__(self):
+        self.added = []
+
+    def add(self, seq) -> None:
+        self.added.append(seq)
+
+
+def test_the_lease_counts_from_when_the_decode_node_stopped_queueing(tmp_path):
+    """D's lease begins once it allocated: after P's ask plus what the request waited in D's
+    queue, so P's reckoning of its end must add that wait (else a request that waited would be
+    taken for one whose lease is nearly over)."""
+    h = Harness(tmp_path)
+    h.p.ctx.sched = _Sched()
+    h.from_d(0, wire.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r"))
+    asked_at = h.p.pending["r"].asked_at
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44, 12.5))
+    assert h.p.handoffs["r"].lease_end == pytest.approx(asked_at + 42.5)
+    assert [s.request_id for s in h.p.ctx.sched.added] == ["r"]
+
+
+@pytest.mark.parametrize("bad", [-1.0, "x", True, 1e9])
+def test_a_bad_queue_wait_is_refused(tmp_path, bad):
+    h = Harness(tmp_path)
+    h.from_d(0, wire.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r"))
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44, bad))
+    assert h.stats[P.STAT["pd_refused"]] == 1 and "r" in h.p.pending and "r" not in h.p.handoffs

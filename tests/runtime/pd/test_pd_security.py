@@ -1,5 +1,5 @@
 """A decode node D facing hostile peers on its handshake port: peer messages need an
-authenticated session, a peer touches only its own requests, quotas bound what one peer holds,
+authenticated session, a peer touches only its own requests, shares bound what one peer holds,
 and no field of a peer message can hurt D or an unrelated request. Then P's side: stale send
 orders never write into blocks D may have reused, D's death is noticed fast, and a restarted D
 is served again at once. Real nodes, real sockets, real processes."""
@@ -185,19 +185,23 @@ def test_peers_touch_only_their_own_requests(decode, peer):
 
 
 @pytest.mark.e2e
-def test_per_peer_quotas_bound_what_one_peer_holds(decode, peer):
-    big = prompt(7, 200)  # 26 blocks of 8 with its 8 new tokens; the quota is 32 (half the pool)
-    assert isinstance(peer.prealloc("big1", big), wire.PdAllocated)
-    err = peer.prealloc("big2", prompt(8, 200))
-    assert isinstance(err, api.ErrorEvent) and "quota" in err.message, err
-    assert decode.engine_stats()["device_used"] <= 32
+def test_per_peer_shares_bound_what_one_peer_holds(decode, peer):
+    """A peer alone may hold the whole pool of 64 blocks, never more (over it, a peer that may
+    not wait is refused; tests/runtime/pd/test_pd_quota.py has the waiting)."""
+    for rid, seed in (("big1", 7), ("big2", 8)):  # 26 blocks of 8 each with its 8 new tokens
+        assert isinstance(peer.prealloc(rid, prompt(seed, 200)), wire.PdAllocated)
+    peer.send(wire.PdPrealloc("big3", prompt(9, 200), 8, wait=False))
+    err = peer.recv()
+    assert isinstance(err, api.ErrorEvent) and "share of 64" in err.message, err
+    assert decode.engine_stats()["device_used"] <= 64
     peer.send(wire.PdAbort("big1"))
+    peer.send(wire.PdAbort("big2"))
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("bad", [
     dict(request_id=""), dict(request_id=7), dict(request_id="x" * 1000), dict(max_new_tokens=True),
-    dict(max_new_tokens=0), dict(eos_token_id=512), dict(eos_token_id=-2), dict(use_cache="yes"),
+    dict(max_new_tokens=0), dict(eos_token_id=512), dict(eos_token_id=-2), dict(use_cache="yes"), dict(wait=1),
     dict(prompt=np.array([512], np.int32)), dict(prompt=np.empty(0, np.int32)),
 ])
 def test_bad_preallocations_get_an_error_and_hold_nothing(decode, peer, bad):
