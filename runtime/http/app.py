@@ -32,12 +32,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrt.runtime.client.api import BAD_REQUEST, DUPLICATE, ErrorEvent, InfoReply, TokenEvent
+from kvrt.runtime.client.api import BAD_REQUEST, DUPLICATE, TOO_MANY, ErrorEvent, InfoReply, TokenEvent
 from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
 from kvrt.runtime.client.client import ClientError, Result, Sampling, node_tokenizer
 from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
+from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
 from kvrt.runtime.http.bridge import Bridge, Submission
 from kvrt.runtime.http.openai_schema import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
                                              SamplingBody, TokenizeRequest)
@@ -49,7 +50,6 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
 MAX_BATCH = 64          # prompts in one /v1/completions request
 METRICS_TIMEOUT_S = 5.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-MAX_BODY_BYTES = 16 << 20  # far above any prompt the model takes, as JSON
 
 
 class ApiError(Exception):
@@ -188,6 +188,12 @@ class Server:
             return tok.encode(text, add_special_tokens=add_special_tokens)
         except (ChatTemplateError, TokenizerError) as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
+
+    def max_body_bytes(self) -> int:
+        """The largest request body this server reads: from the served model's length once the
+        node said it (runtime/http/body_limit.py)."""
+        info = self.bridge.info
+        return max_body_bytes(info.max_model_len if info is not None else DEFAULT_MODEL_LEN)
 
     def node_info(self) -> InfoReply:
         """The node's limits; 503 until the bridge has them, and once it stops."""
@@ -420,6 +426,8 @@ def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top:
 def _engine_error(ev: ErrorEvent) -> ApiError:
     if ev.code in (BAD_REQUEST, DUPLICATE):
         return ApiError(400, f"the engine refused the request: {ev.message}", code=ev.code)
+    if ev.code == TOO_MANY:  # this HTTP client's quota, not the node's state
+        return ApiError(429, f"over capacity: {ev.message}", "rate_limit_exceeded", code=ev.code)
     return ApiError(503, f"the node cannot serve the request now ({ev.code}): {ev.message}", "service_unavailable",
                     code=ev.code)
 
@@ -463,39 +471,12 @@ async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, incl
     yield "data: [DONE]\n\n"
 
 
-class BodyLimit:
-    """ASGI middleware: a body over `limit` bytes is refused (413) before it is read whole, so
-    an untrusted client cannot make the server hold an arbitrary amount of memory."""
-
-    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
-        if not declared.isdigit() or int(declared) > self.limit:
-            return await _error(413, f"a request body takes at most {self.limit} bytes", "invalid_request_error",
-                                code="body_too_large")(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.limit:  # a chunked body declares no length
-                raise ApiError(413, f"a request body takes at most {self.limit} bytes", code="body_too_large")
-            return msg
-
-        await self.app(scope, counted, send)
-
-
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
     """The ASGI app: /health, /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-    /detokenize, /version, /reset_prefix_cache, /metrics, /kvrt/cache."""
+    /detokenize, /version, /reset_prefix_cache, /metrics, /kvrt/cache; its bodies bounded in size
+    and in time (`body_s`: runtime/http/body_limit.py)."""
     app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, limit=server.max_body_bytes, body_s=body_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:

@@ -18,7 +18,7 @@ import uvicorn
 from kvrt.runtime.client.client import address_of
 from kvrt.runtime.http.app import Server, create_app
 from kvrt.runtime.http.bridge import Bridge
-from kvrt.runtime.http.connections import IDLE_S, TOTAL, guarded_protocol
+from kvrt.runtime.http.connections import uvicorn_config
 from kvrt.runtime.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
@@ -39,18 +39,20 @@ def served_model_names(names: list[str] | None, model: str) -> list[str]:
 def cache_info(cfg: NodeConfig) -> dict:
     """What a cache-aware router needs to know of this node (GET /kvrt/cache): how it keys blocks
     (the block size and the root of the key chain, runtime/cache/keys.py), the model directory its
-    tokenizer is read from (empty: the reference model, one token per byte) and where its KV events are
+    tokenizer is read from (empty: the reference model, one token per byte), its model's length (the
+router's body limit follows from it) and where its KV events are
     published (null when the node publishes none; a 0.0.0.0 host means "this node's address")."""
     events = f"tcp://{cfg.host}:{cfg.kv_events_port}" if cfg.kv_events_port else None
     replay = f"tcp://{cfg.host}:{cfg.kv_events_port + 1}" if cfg.kv_events_port else None
     return {"node": cfg.node, "block_size": cfg.block_size, "key_root": cfg.key_root.hex(),
+            "max_model_len": cfg.max_model_len,
             "model_dir": os.path.abspath(cfg.model_dir) if cfg.model_dir else "",
             "kv_events": events, "kv_events_replay": replay}
 
 
 class HttpServer:
     """uvicorn on (host, port) in a daemon thread, over a bridge to the node's client API, with
-    its connections bounded (runtime/http/connections.py). The
+    its connections and bodies bounded (runtime/http/connections.py, body_limit.py). The
     socket is bound here, before the node starts, so a port in use is an error of `kvrt launch`
     (OSError) rather than a thread that dies quietly."""
 
@@ -59,10 +61,7 @@ class HttpServer:
         connect = "127.0.0.1" if client_host in ("", "0.0.0.0", "::") else client_host
         self.bridge = Bridge(address_of(client_port, connect))
         app = create_app(Server(self.bridge, model_names, metrics_port, cache, node=node))
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                     access_log=False, lifespan="off", timeout_graceful_shutdown=2,
-                                                     http=guarded_protocol(), timeout_keep_alive=IDLE_S,
-                                                     limit_concurrency=TOTAL))
+        self._server = uvicorn.Server(uvicorn_config(app, host, port))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
