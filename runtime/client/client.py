@@ -289,10 +289,12 @@ class Client:
 
     def submit(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
                use_cache: bool = True, request_id: str | None = None, stream: bool = True,
-               sampling: Sampling | None = None) -> str:
-        """Send a request without waiting; its events come from poll(). Returns its id."""
+               sampling: Sampling | None = None, on_behalf_of: str = "") -> str:
+        """Send a request without waiting; its events come from poll(). Returns its id.
+        `on_behalf_of`: this client's own client it is for (its quota is that one's: see
+        runtime/client/api.py GenerateRequest)."""
         return self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned=False,
-                            sampling=sampling)
+                            sampling=sampling, on_behalf_of=on_behalf_of)
 
     def poll(self, timeout: float = 0.0) -> list:
         """Events of submitted requests, in arrival order: TokenEvent (new tokens), Result (the
@@ -344,7 +346,7 @@ class Client:
         return t
 
     def _submit(self, prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned,
-                sampling: Sampling | None = None) -> str:
+                sampling: Sampling | None = None, on_behalf_of: str = "") -> str:
         arr = as_prompt(prompt)
         try:
             max_new_tokens, eos_token_id = operator.index(max_new_tokens), operator.index(eos_token_id)
@@ -357,7 +359,7 @@ class Client:
             raise ValueError(f"request {rid!r} is already in flight on this client")
         msg = GenerateRequest(request_id=rid, prompt=arr, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, use_cache=bool(use_cache), stream=bool(stream),
-                              **dataclasses.asdict(sampling or Sampling()))
+                              on_behalf_of=on_behalf_of, **dataclasses.asdict(sampling or Sampling()))
         self._reqs[rid] = _Req(time.perf_counter(), owned)
         try:
             self._send(msg, f"request {rid}")

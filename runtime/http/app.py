@@ -252,12 +252,13 @@ class Server:
 
     # ---- running -------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], max_tokens: int, body: SamplingBody,
-            echoes: list[str] | None = None) -> "_Run":
+            echoes: list[str] | None = None, who: str = "") -> "_Run":
         """The checked requests of one HTTP request, not sent yet: a stream sends them once its
         generator runs, so that the generator's `finally` is sure to cancel them. Each prompt
         gets `body.n` choices (index prompt * n + j, seed + j as vLLM numbers them); the first
         choice of a prompt goes first and the others follow once it has its first token, so
-        that they find its prompt's blocks in the prefix cache instead of each computing them."""
+        that they find its prompt's blocks in the prefix cache instead of each computing them.
+        `who`: the HTTP client, whose quota of requests in flight at the engine they count against."""
         stops = body.stops()
         if problem := stop_problem(stops):
             raise ApiError(400, problem, param="stop")
@@ -266,7 +267,7 @@ class Server:
         tok = self.tokenizer("stop") if stops else self.decoder()
         eos, sampling = self.sampling(body)
         stop_ids = frozenset(([eos] if eos >= 0 else []) + sampling.stop_token_ids)
-        run = _Run(self)
+        run = _Run(self, who)
         for i, ids in enumerate(prompts):
             leader = None
             for j in range(body.n):
@@ -287,8 +288,9 @@ class Server:
 class _Run:
     """The engine requests of one HTTP request, and their events as they arrive."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, who: str = "") -> None:
         self.server = server
+        self.who = who
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, _Choice] = {}
         self.requests: list[tuple[str, list[int], int, int, Sampling]] = []
@@ -320,7 +322,7 @@ class _Run:
         for rid, ids, max_tokens, eos, sampling in self.requests:
             if rid in rids and rid in self.pending and rid not in self.sent:
                 self.sent.add(rid)
-                self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events))
+                self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events, self.who))
 
     async def __aiter__(self) -> AsyncIterator[tuple[_Choice, str, list[int], bool]]:
         """(choice, new text, new tokens, finished) as the engine answers; ApiError on an engine error."""
@@ -608,7 +610,7 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
         if body.echo:
             echoes = texts if texts is not None else [
                 server.tokenizer("echo").decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
-        run = server.run(prompts, max_tokens, body, echoes)
+        run = server.run(prompts, max_tokens, body, echoes, _who(request))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
         if body.stream:
@@ -644,7 +646,7 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
         info = server.node_info()
         max_tokens = body.max_completion_tokens or body.max_tokens or max(info.max_model_len - len(ids), 1)
         server.check_prompt(ids, max_tokens, "messages")
-        run = server.run([ids], max_tokens, body)
+        run = server.run([ids], max_tokens, body, who=_who(request))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name}
         if body.stream:
@@ -677,6 +679,12 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
                              "usage": run.usage()})
 
     return app
+
+
+def _who(request: Request) -> str:
+    """An HTTP client's identity for its quota: its address (a port is not: a client opens as
+    many connections as it likes). Behind `kvrt route` every client is the router's address."""
+    return request.client.host if request.client else ""
 
 
 def _fetch(url: str) -> bytes:

@@ -39,6 +39,7 @@ class Submission:
     sampling: Sampling
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    on_behalf_of: str = ""  # the HTTP client's identity: its quota at the engine is its own
 
 
 class Bridge:
@@ -130,7 +131,7 @@ class Bridge:
             self._routes[sub.request_id] = sub
             try:
                 client.submit(np.asarray(sub.prompt, dtype=np.int64), sub.max_tokens, eos_token_id=sub.eos_token_id,
-                              request_id=sub.request_id, sampling=sub.sampling)
+                              request_id=sub.request_id, sampling=sub.sampling, on_behalf_of=sub.on_behalf_of)
             except Exception as e:  # noqa: BLE001 - one request's failure must not end the thread
                 if not isinstance(e, (ValueError, ClientError)):
                     log.exception("request %s could not be sent", sub.request_id)
