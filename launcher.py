@@ -74,6 +74,7 @@ def _threads(value: str) -> int:
 
 def _add_launch(sub) -> argparse.ArgumentParser:
     from kvrt.runtime.cache.policies.base import policy_names
+    from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S
     from kvrt.runtime.node.config import NodeConfig
 
     d = NodeConfig(node="")
@@ -138,6 +139,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=0, metavar="H",
                    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                         "/tokenize, /detokenize, /version, /health, /metrics) on --host:H; needs --port (0 = off)")
+    p.add_argument("--http-engine-timeout", type=float, default=ENGINE_TIMEOUT_S, metavar="S",
+                   help=f"the HTTP server fails (504) every request in flight when the engine sends nothing at all "
+                        f"(not even its liveness probes, one a second) for S seconds: it is stopped, hung or "
+                        f"unreachable (default {ENGINE_TIMEOUT_S:g}; keep it above the longest step)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model ids of the HTTP API, as vLLM's: requests may name any of them, /v1/models "
                    "reports the first (default: --model exactly as given, or kvrt-reference)")
@@ -233,6 +238,9 @@ def launch(args) -> int:
     if args.http_port and not 0 < args.http_port <= 65535:
         print(f"kvrt launch: error: --http-port must be 1..65535, got {args.http_port}", file=sys.stderr)
         return 2
+    if not args.http_engine_timeout > 0:
+        print(f"kvrt launch: error: --http-engine-timeout must be > 0, got {args.http_engine_timeout}", file=sys.stderr)
+        return 2
     if args.http_port and not port:
         print("kvrt launch: error: --http-port serves through the client API: give --port too", file=sys.stderr)
         return 2
@@ -248,7 +256,7 @@ def launch(args) -> int:
         try:
             http = HttpServer(args.host, args.http_port, args.host, port,
                               served_model_names(args.served_model_name, args.model), cfg.node, args.metrics_port,
-                              cache_info(cfg))
+                              cache_info(cfg), args.http_engine_timeout)
         except OSError as e:
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 1

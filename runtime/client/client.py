@@ -212,6 +212,7 @@ class Client:
         self._ids = itertools.count(1)
         self._nonces = itertools.count(1)
         self._reqs: dict[str, _Req] = {}
+        self.last_heard = time.monotonic()  # when the node last sent anything (its liveness probes included)
         self._pending: deque = deque()    # events for poll()
         self._replies: dict[int, InfoReply | ResetPrefixCacheReply] = {}  # by nonce
         self.protocol_errors = 0
@@ -389,6 +390,7 @@ class Client:
             raise ClientError(f"client for {self.address} is closed")
         if not self._sock.poll(int(timeout * 1000) if timeout > 0 else 0, zmq.POLLIN):
             return False
+        self.last_heard = time.monotonic()
         for _ in range(10_000):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)

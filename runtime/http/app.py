@@ -39,7 +39,7 @@ from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
 from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
-from kvrt.runtime.http.bridge import Bridge, Submission
+from kvrt.runtime.http.bridge import UNRESPONSIVE, Bridge, Submission
 from kvrt.runtime.http.openai_schema import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
                                              SamplingBody, TokenizeRequest)
 from kvrt.runtime.http.vllm_metrics import StatsReader, VllmMetrics
@@ -428,6 +428,8 @@ def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top:
 def _engine_error(ev: ErrorEvent) -> ApiError:
     if ev.code in (BAD_REQUEST, DUPLICATE):
         return ApiError(400, f"the engine refused the request: {ev.message}", code=ev.code)
+    if ev.code == UNRESPONSIVE:
+        return ApiError(504, ev.message, "service_unavailable", code=ev.code)
     if ev.code == TOO_MANY:  # this HTTP client's quota, not the node's state
         return ApiError(429, f"over capacity: {ev.message}", "rate_limit_exceeded", code=ev.code)
     return ApiError(503, f"the node cannot serve the request now ({ev.code}): {ev.message}", "service_unavailable",

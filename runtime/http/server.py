@@ -17,7 +17,7 @@ import uvicorn
 
 from kvrt.runtime.client.client import address_of
 from kvrt.runtime.http.app import Server, create_app
-from kvrt.runtime.http.bridge import Bridge
+from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S, Bridge
 from kvrt.runtime.http.connections import uvicorn_config
 from kvrt.runtime.node.config import NodeConfig
 
@@ -57,9 +57,10 @@ class HttpServer:
     (OSError) rather than a thread that dies quietly."""
 
     def __init__(self, host: str, port: int, client_host: str, client_port: int, model_names: list[str],
-                 node: str = "", metrics_port: int = 0, cache: dict | None = None) -> None:
+                 node: str = "", metrics_port: int = 0, cache: dict | None = None,
+                 engine_timeout: float = ENGINE_TIMEOUT_S) -> None:
         connect = "127.0.0.1" if client_host in ("", "0.0.0.0", "::") else client_host
-        self.bridge = Bridge(address_of(client_port, connect))
+        self.bridge = Bridge(address_of(client_port, connect), engine_timeout)
         app = create_app(Server(self.bridge, model_names, metrics_port, cache, node=node))
         self._server = uvicorn.Server(uvicorn_config(app, host, port))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
