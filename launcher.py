@@ -372,6 +372,9 @@ def _main(argv: list[str]) -> int:
     quiet = args.command == "launch" and args.demo and not args.verbose
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvrt.ipc.log_limit import limit_logs
+
+    limit_logs()  # a flood of bad input is not a flood of log lines (the HTTP server's and the router's)
     if args.command == "launch":
         return launch(args)
     if args.command == "status":

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvrt.ipc.log_limit import limit_logs
 
 IDLE_S = 5.0             # a connection that says nothing for this long is closed
 HEADER_S = 10.0          # a request's headers must be whole this long after its first byte may come
@@ -104,6 +107,8 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 0, **guard) -> uvic
     """The uvicorn settings of every kvrt HTTP server: the guarded protocol (`guard`: its
     limits), no access log, no lifespan, a short graceful stop. uvicorn's own `limit_concurrency`
     is left off: its 503 would not say why."""
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                          timeout_graceful_shutdown=2, http=guarded_protocol(**guard),
-                          timeout_keep_alive=guard.get("idle_s", IDLE_S))
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=2, http=guarded_protocol(**guard),
+                            timeout_keep_alive=guard.get("idle_s", IDLE_S))
+    limit_logs(logging.getLogger("uvicorn"))  # its own handler ("Invalid HTTP request received." per bad request)
+    return config

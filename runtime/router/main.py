@@ -9,6 +9,7 @@ import sys
 
 import uvicorn
 
+from kvrt.ipc.log_limit import limit_logs
 from kvrt.runtime.http.connections import uvicorn_config
 from kvrt.runtime.router.app import BACKEND_TIMEOUT_S, SLOW_S, Router, create_app
 from kvrt.runtime.router.backends import HEALTH_INTERVAL_S, Backends
@@ -84,4 +85,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limit_logs()  # a flood of bad input is not a flood of log lines
     sys.exit(main())
