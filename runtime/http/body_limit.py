@@ -9,8 +9,9 @@ is read. A body that trickles in (a slowloris on the body) is cut with a 408 onc
 passed since its headers. Either answer closes the connection (the rest of the body is never
 read) and the app sees the client as gone.
 
-The limit follows from the model's length: the longest prompt as JSON, text escaped, many
-times over the client API's largest message (runtime/client/api.py max_message_bytes).
+The limit follows from the model's length: the client API's largest message (runtime/client/api.py
+max_message_bytes, the longest prompt as int32) times JSON_FACTOR, room for a batch of long
+prompts as JSON token ids or escaped text.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from kvrt.runtime.client.api import max_message_bytes
 from kvrt.runtime.http.connections import refusal
 
 BODY_S = 30.0         # a request's whole body must arrive within this long of its headers
-JSON_FACTOR = 16      # HTTP body bytes per client-API message byte: a token as escaped JSON text
+JSON_FACTOR = 64      # HTTP body bytes per client-API message byte: a batch of prompts, tokens as escaped JSON text
 DEFAULT_MODEL_LEN = 32768  # the limit's model length until the served one is known
 
 
