@@ -8,8 +8,14 @@ it at the first byte received, so a connection that never sends a request, or se
 headers a byte at a time (slowloris), was held for ever, and a thousand of them exhausted the
 launcher's file descriptors. A connection over its address's share or over the server's total
 is answered 503 "over capacity" (in the OpenAI error shape, so that a client shows why) and
-closed at once, before anything is read. The body's own size and time limits are an ASGI
-middleware (runtime/http/body_limit.py): h11 hands the body over in pieces.
+closed before anything is read. The body's own size and time limits are an ASGI middleware
+(runtime/http/body_limit.py): h11 hands the body over in pieces.
+
+Every close is a lingering one: the answer goes out, then the write side is shut, and what the
+client still sends is read and dropped until it closes too (at most LINGER_S). Closing a socket
+with unread input makes the kernel send a reset, which can reach the client before the answer
+and discard it: a client that had already sent its request would see "connection reset" rather
+than the 503, 408 or 413 that says why.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ IDLE_S = 5.0             # a connection that says nothing for this long is close
 HEADER_S = 10.0          # a request's headers must be whole this long after its first byte may come
 PER_ADDRESS = 256        # connections one client address may hold at once
 TOTAL = 4096             # connections of the whole server
+LINGER_S = 5.0           # a closed connection's input is drained this long at most
 OVER_CAPACITY = "over_capacity"
 
 
@@ -38,8 +45,41 @@ def refusal(status: int, reason: str, message: str, code: str) -> bytes:
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
+class _Lingering:
+    """A transport whose close() lingers (see the module's docstring); everything else is the
+    transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, linger_s: float) -> None:
+        self._transport, self._loop, self._linger_s = transport, loop, linger_s
+        self.lingering = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.lingering or self._transport.is_closing():
+            return
+        self.lingering = True
+        try:
+            self._transport.write_eof()  # (after what is buffered)
+            self._transport.resume_reading()
+        except (OSError, RuntimeError, NotImplementedError):
+            self._transport.close()
+            return
+        self._timer = self._loop.call_later(self._linger_s, self._transport.close)
+
+    def closed(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s: float = IDLE_S,
-                     header_s: float = HEADER_S) -> type[H11Protocol]:
+                     header_s: float = HEADER_S, linger_s: float = LINGER_S) -> type[H11Protocol]:
     """An h11 protocol class (uvicorn's `http=`) with the idle and header timeouts and the
     connection limits; each call makes a class with its own count of connections (one per server)."""
     by_address: Counter[str] = Counter()
@@ -55,6 +95,7 @@ def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s:
         _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            transport = _Lingering(transport, self.loop, linger_s)  # type: ignore[assignment]
             super().connection_made(transport)
             self._address = self.client[0] if self.client else ""
             by_address[self._address] += 1
@@ -82,6 +123,11 @@ def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s:
                 self.transport.write(slow)
                 self.transport.close()
 
+        def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:  # closed: drained, not read
+                return
+            super().data_received(data)
+
         def handle_events(self) -> None:
             cycle = self.cycle
             super().handle_events()
@@ -95,6 +141,7 @@ def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()
+            self.transport.closed()
             by_address[self._address] -= 1
             if by_address[self._address] <= 0:
                 del by_address[self._address]

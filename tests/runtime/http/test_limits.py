@@ -1,14 +1,17 @@
 """The HTTP layer's limits over real sockets, a node's app and the router's alike (uvicorn in a
 thread, the guarded protocol): a body over the limit is refused while it streams in (413), a
 client that trickles its headers or its body is cut (408), a connection over the limits is
-refused as "over capacity" (503), and meanwhile a well-behaved client is served."""
+refused as "over capacity" (503, which the client reads: no reset), and meanwhile a well-behaved
+client is served. 2,000 streams at once to a real node: 256 stream, the rest read why not."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import select
 import socket
 import threading
+from collections import Counter
 import urllib.error
 import urllib.request
 
@@ -16,14 +19,18 @@ import openai
 import psutil
 import pytest
 
+from kvrt.ipc.ports import free_port
+from kvrt.runtime.client.api import TokenEvent
 from kvrt.runtime.http.app import Server
 from kvrt.runtime.http.app import create_app as node_app
 from kvrt.runtime.http.body_limit import max_body_bytes
+from kvrt.runtime.http.connections import PER_ADDRESS
 from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.app import create_app as router_app
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
-from tests.runtime.http.test_http import MODEL, _FakeBridge
+from tests.launched import SMALL, launched
+from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
 from tests.uvicorn_thread import serving
 
 BIG = 64 << 20      # bytes a hostile client offers
@@ -31,10 +38,10 @@ CHUNK = 64 << 10
 
 
 @contextlib.contextmanager
-def _app(kind: str, body_s: float = 30.0):
+def _app(kind: str, body_s: float = 30.0, bridge: _FakeBridge | None = None):
     """The node's app over a fake engine (model length 64), or the router's over no live backend."""
     if kind == "node":
-        yield node_app(Server(_FakeBridge(True), MODEL), body_s=body_s)
+        yield node_app(Server(bridge or _FakeBridge(True), MODEL), body_s=body_s)
         return
     backends = Backends(["http://127.0.0.1:9"], events=False)
     backends.items[0].max_model_len = 64  # as a node would report it: the router's limit is the node's
@@ -163,3 +170,52 @@ def test_connections_over_an_address_share_or_the_total_are_over_capacity():
                 oa.models.list()
             assert e.value.status_code == 503 and "over capacity" in e.value.message
             assert "limit of 12 connections" in e.value.message
+
+
+class _Holding(_FakeBridge):
+    """An engine that answers each request's first token, then holds it."""
+
+    def submit(self, sub) -> None:
+        sub.loop.call_soon_threadsafe(sub.events.put_nowait, (sub.request_id, TokenEvent(sub.request_id, 0, [7])))
+
+
+async def _many_streams(base: str, n: int, max_tokens: int) -> Counter:
+    """`n` streams at once from one address: how each began ("stream", or the error it got)."""
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0) as oa:
+        held = []
+
+        async def one() -> str:
+            try:
+                held.append(await oa.completions.create(model=MODEL, prompt=[1, 2], max_tokens=max_tokens,
+                                                            stream=True))
+                return "stream"
+            except openai.APIStatusError as e:
+                return f"{e.status_code} {e.message}"
+            except openai.APIError as e:
+                return f"{type(e).__name__}: {e.__cause__!r}"
+
+        out = Counter(await asyncio.gather(*(one() for _ in range(n))))
+        for s in held:
+            await s.close()
+        return out
+
+
+def test_streams_past_an_address_share_read_over_capacity_not_a_reset():
+    """The refusal is a lingering close: a client that sent its request before the server
+    answered reads the 503, not a connection reset."""
+    with _app("node", bridge=_Holding(True)) as app, serving(app, per_address=32) as base:
+        got = asyncio.run(_many_streams(base, 200, 8))
+    refused = "503 Error code: 503 - over capacity: this address already holds 32 connections to this server; retry later"
+    assert got == Counter({"stream": 32, refused: 168}), got
+
+
+@pytest.mark.e2e
+def test_two_thousand_streams_to_a_node_are_served_or_told_over_capacity(node, tmp_path):
+    http = free_port()
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "1024", "--max-num-seqs", str(PER_ADDRESS),
+                  "--max-num-batched-tokens", str(4 * PER_ADDRESS), "--http-port", str(http)):
+        _wait_healthy(http)
+        got = asyncio.run(_many_streams(f"http://127.0.0.1:{http}", 2000, 3000))
+    refused = (f"503 Error code: 503 - over capacity: this address already holds {PER_ADDRESS} connections to this server; "
+               f"retry later")
+    assert got == Counter({"stream": PER_ADDRESS, refused: 2000 - PER_ADDRESS}), got
