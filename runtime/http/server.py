@@ -40,8 +40,8 @@ def cache_info(cfg: NodeConfig) -> dict:
     """What a cache-aware router needs to know of this node (GET /kvrt/cache): how it keys blocks
     (the block size and the root of the key chain, runtime/cache/keys.py), the model directory its
     tokenizer is read from (empty: the reference model, one token per byte), its model's length (the
-router's body limit follows from it) and where its KV events are
-    published (null when the node publishes none; a 0.0.0.0 host means "this node's address")."""
+    router's body limit follows from it) and where its KV events are published (null when the node
+    publishes none; a 0.0.0.0 host means "this node's address")."""
     events = f"tcp://{cfg.host}:{cfg.kv_events_port}" if cfg.kv_events_port else None
     replay = f"tcp://{cfg.host}:{cfg.kv_events_port + 1}" if cfg.kv_events_port else None
     return {"node": cfg.node, "block_size": cfg.block_size, "key_root": cfg.key_root.hex(),
