@@ -77,6 +77,7 @@ def _threads(value: str) -> int:
 
 def _add_launch(sub) -> argparse.ArgumentParser:
     from kvrt.runtime.cache.policies.base import policy_names
+    from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S
     from kvrt.runtime.node.config import NodeConfig
 
     d = NodeConfig(node="")
@@ -150,6 +151,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=0, metavar="H",
                    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                         "/tokenize, /detokenize, /version, /health, /metrics) on --host:H; needs --port (0 = off)")
+    p.add_argument("--http-engine-timeout", type=float, default=ENGINE_TIMEOUT_S, metavar="S",
+                   help=f"the HTTP server fails (504) every request in flight when the engine sends nothing at all "
+                        f"(not even its liveness probes, one a second) for S seconds: it is stopped, hung or "
+                        f"unreachable (default {ENGINE_TIMEOUT_S:g}; keep it above the longest step)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model ids of the HTTP API, as vLLM's: requests may name any of them, /v1/models "
                    "reports the first (default: --model exactly as given, or kvrt-reference)")
@@ -257,6 +262,9 @@ def launch(args) -> int:
     if args.http_port and not 0 < args.http_port <= 65535:
         print(f"kvrt launch: error: --http-port must be 1..65535, got {args.http_port}", file=sys.stderr)
         return 2
+    if not args.http_engine_timeout > 0:
+        print(f"kvrt launch: error: --http-engine-timeout must be > 0, got {args.http_engine_timeout}", file=sys.stderr)
+        return 2
     if args.http_port and not port:
         print("kvrt launch: error: --http-port serves through the client API: give --port too", file=sys.stderr)
         return 2
@@ -272,7 +280,8 @@ def launch(args) -> int:
         try:
             http = HttpServer(args.host, args.http_port, args.host, port,
                               served_model_names(args.served_model_name, args.model), cfg.node, args.metrics_port,
-                              cache_info(cfg), args.tool_call_parser, args.reasoning_parser)
+                              cache_info(cfg), args.tool_call_parser, args.reasoning_parser,
+                              engine_timeout=args.http_engine_timeout)
         except OSError as e:
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 1
@@ -388,6 +397,9 @@ def _main(argv: list[str]) -> int:
     quiet = args.command == "launch" and args.demo and not args.verbose
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvrt.ipc.log_limit import limit_logs
+
+    limit_logs()  # a flood of bad input is not a flood of log lines (the HTTP server's and the router's)
     if args.command == "launch":
         return launch(args)
     if args.command == "status":

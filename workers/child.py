@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from kvrt.ipc.log_limit import limit_logs
 from kvrt.ipc import protocol
 from kvrt.ipc.channel import Receiver, Sender
 from kvrt.ipc.config import NodeConfig
@@ -180,6 +181,7 @@ def setup_logging(tag: str, level: str) -> None:
     child's stderr goes: the terminal or --log-dir)."""
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s {tag} %(name)s: %(message)s")
+    limit_logs()  # a flood of bad input (a P/D peer's) is not a flood of log lines
 
 
 def run_child(role: int, make: Callable[[Child], Server], argv: list[str] | None = None) -> int:

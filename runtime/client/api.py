@@ -14,7 +14,7 @@ can cancel it (to any other, the request is unknown).
 What the engine tolerates from one client, so that no client can grow it without bound: a
 message of at most `max_message_bytes` (bigger frames are dropped by libzmq before they are
 read, and the connection with them), request ids of at most MAX_REQUEST_ID_BYTES printable
-characters, MAX_REQUESTS_PER_CLIENT requests in flight, and a client that stops reading until
+characters, MAX_REQUESTS_PER_CLIENT requests in flight (per name it sends them on behalf of), and a client that stops reading until
 CLIENT_QUEUE answers wait for it has its requests cancelled (ErrorEvent SLOW_CLIENT, sent once
 it reads again). A client that disconnects has its requests cancelled. The engine checks
 connections by sending an empty message now and then: clients ignore empty messages.
@@ -42,6 +42,7 @@ SLOW_CLIENT = "slow_client"    # the client did not read its answers: its reques
 TOO_MANY = "too_many_requests"  # the client already has MAX_REQUESTS_PER_CLIENT requests in flight
 
 MAX_REQUEST_ID_BYTES = 256
+MAX_ON_BEHALF_OF_BYTES = 256
 MAX_REQUESTS_PER_CLIENT = 1024
 CLIENT_QUEUE = 1024           # answers queued for one client before it counts as not reading
 MESSAGE_SLACK = 64 << 10      # a message's bytes besides its token ids (keys, id, PD descriptors)
@@ -148,10 +149,15 @@ class GenerateRequest(Generation):
     not asked) scores the prompt: each prompt token's log-probability given the tokens before it
     (none for the first) and rank, and the k likeliest tokens at its position, under the model's
     unscaled logits; such a request takes no prefix-cache hits while its prompt is scored (a
-    cached block has no logits). A prefill node scores it itself (it is not handed to decode)."""
+    cached block has no logits). A prefill node scores it itself (it is not handed to decode).
+    `on_behalf_of` names the client's own client
+    (an HTTP server's: the remote address) whose quota the request counts against: the
+    engine's MAX_REQUESTS_PER_CLIENT is per (socket, on_behalf_of), so that one HTTP client's
+    burst does not take another's share of the server's one socket."""
 
     stream: bool = True
     prompt_logprobs: int | None = None
+    on_behalf_of: str = ""
 
 
 @API.message("cancel")

@@ -218,6 +218,7 @@ class Client:
         self._ids = itertools.count(1)
         self._nonces = itertools.count(1)
         self._reqs: dict[str, _Req] = {}
+        self.last_heard = time.monotonic()  # when the node last sent anything (its liveness probes included)
         self._pending: deque = deque()    # events for poll()
         self._replies: dict[int, InfoReply | ResetPrefixCacheReply] = {}  # by nonce
         self.protocol_errors = 0
@@ -295,12 +296,13 @@ class Client:
 
     def submit(self, prompt: Iterable[int] | np.ndarray, max_new_tokens: int, *, eos_token_id: int = -1,
                use_cache: bool = True, request_id: str | None = None, stream: bool = True,
-               sampling: Sampling | None = None, cache_salt: str | None = None) -> str:
+               sampling: Sampling | None = None, cache_salt: str | None = None, on_behalf_of: str = "") -> str:
         """Send a request without waiting; its events come from poll(). Returns its id.
         `cache_salt`: the request shares cached blocks only with requests of the same salt
-        (one per tenant; see GenerateRequest)."""
+        (one per tenant; see GenerateRequest). `on_behalf_of`: this client's own client it is
+        for (its quota is that one's: see runtime/client/api.py GenerateRequest)."""
         return self._submit(prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned=False,
-                            sampling=sampling, cache_salt=cache_salt)
+                            sampling=sampling, cache_salt=cache_salt, on_behalf_of=on_behalf_of)
 
     def poll(self, timeout: float = 0.0) -> list:
         """Events of submitted requests, in arrival order: TokenEvent (new tokens), Result (the
@@ -354,7 +356,7 @@ class Client:
         return t
 
     def _submit(self, prompt, max_new_tokens, eos_token_id, use_cache, request_id, stream, owned,
-                sampling: Sampling | None = None, cache_salt: str | None = None) -> str:
+                sampling: Sampling | None = None, cache_salt: str | None = None, on_behalf_of: str = "") -> str:
         arr = as_prompt(prompt)
         try:
             max_new_tokens, eos_token_id = operator.index(max_new_tokens), operator.index(eos_token_id)
@@ -370,7 +372,7 @@ class Client:
             raise ValueError(problem)
         msg = GenerateRequest(request_id=rid, prompt=arr, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, use_cache=bool(use_cache), stream=bool(stream),
-                              cache_salt=salt, **dataclasses.asdict(sampling or Sampling()))
+                              cache_salt=salt, on_behalf_of=on_behalf_of, **dataclasses.asdict(sampling or Sampling()))
         self._reqs[rid] = _Req(time.perf_counter(), owned)
         try:
             self._send(msg, f"request {rid}")
@@ -400,6 +402,7 @@ class Client:
             raise ClientError(f"client for {self.address} is closed")
         if not self._sock.poll(int(timeout * 1000) if timeout > 0 else 0, zmq.POLLIN):
             return False
+        self.last_heard = time.monotonic()
         for _ in range(10_000):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)

@@ -91,11 +91,13 @@ class ClientApi:
         if rid in self.sched.seqs or self.connector.busy(rid):
             reply(client, api.ErrorEvent(rid, api.DUPLICATE, f"request id {rid!r} is already in flight"))
             return
-        if self.clients.at_limit(client):
-            reply(client, api.ErrorEvent(rid, api.TOO_MANY, f"this client already has "
+        key = self.clients.quota_key(client, req.on_behalf_of)
+        if self.clients.at_limit(client, key):
+            who = f"client {req.on_behalf_of}" if req.on_behalf_of else "this client"
+            reply(client, api.ErrorEvent(rid, api.TOO_MANY, f"{who} already has "
                                          f"{api.MAX_REQUESTS_PER_CLIENT} requests in flight"))
             return
-        self.clients.admitted(client)
+        self.clients.admitted(key, rid, client)
         sampling = sampling_of(req)  # (picks the seed before a connector forwards the request)
         if self.connector.on_request(client, req):
             return

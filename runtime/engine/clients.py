@@ -34,7 +34,8 @@ class Clients:
         self.metrics = metrics
         self.server: ApiServer | None = None
         self.connector: KVConnector | None = None
-        self._per_client: dict[bytes, int] = {}  # requests in flight per client (recounted every PROBE_S)
+        self._per_client: dict[bytes, int] = {}  # requests in flight per quota key (recounted every PROBE_S)
+        self._key_of: dict[str, bytes] = {}  # a request sent on behalf of someone -> its quota key
         self._next_probe = 0.0
 
     # ---- sending ----------------------------------------------------------------------------
@@ -104,14 +105,22 @@ class Clients:
             return seq.client
         return next((c for r, c in self.connector.requests() if r == rid), None)
 
-    def at_limit(self, client: bytes) -> bool:
-        """`client` already has MAX_REQUESTS_PER_CLIENT requests in flight."""
-        if self._per_client.get(client, 0) >= api.MAX_REQUESTS_PER_CLIENT:
-            self._per_client[client] = len(self.requests_of(client))  # the count is an upper bound
-        return self._per_client.get(client, 0) >= api.MAX_REQUESTS_PER_CLIENT
+    @staticmethod
+    def quota_key(client: bytes, on_behalf_of: str) -> bytes:
+        """Whose quota a request counts against: its socket's, or the socket's client's it names
+        (an HTTP server's remote client), which no other socket can take a share of."""
+        return client + b"\0" + on_behalf_of.encode() if on_behalf_of else client
 
-    def admitted(self, client: bytes) -> None:
-        self._per_client[client] = self._per_client.get(client, 0) + 1
+    def at_limit(self, client: bytes, key: bytes) -> bool:
+        """`key` (a quota key of `client`'s) already has MAX_REQUESTS_PER_CLIENT requests in flight."""
+        if self._per_client.get(key, 0) >= api.MAX_REQUESTS_PER_CLIENT:  # the count is an upper bound
+            self._per_client[key] = sum(self._key_of.get(r, client) == key for r in self.requests_of(client))
+        return self._per_client.get(key, 0) >= api.MAX_REQUESTS_PER_CLIENT
+
+    def admitted(self, key: bytes, rid: str, client: bytes) -> None:
+        self._per_client[key] = self._per_client.get(key, 0) + 1
+        if key != client:
+            self._key_of[rid] = key
 
     def cancel(self, client: bytes, rid: str) -> None:
         """Cancel `client`'s request `rid` (in flight: checked by the caller)."""
@@ -144,11 +153,13 @@ class Clients:
         if now < self._next_probe:
             return
         self._next_probe = now + PROBE_S
-        owners = [seq.client for seq in self.sched.seqs.values()]
-        owners += [c for _, c in self.connector.requests()]
+        owners = [(rid, seq.client) for rid, seq in self.sched.seqs.items()]
+        owners += list(self.connector.requests())
+        self._key_of = {rid: self._key_of[rid] for rid, _ in owners if rid in self._key_of}
         self._per_client = {}
-        for c in owners:
-            self._per_client[c] = self._per_client.get(c, 0) + 1
-        for c in self._per_client:
+        for rid, c in owners:
+            key = self._key_of.get(rid, c)
+            self._per_client[key] = self._per_client.get(key, 0) + 1
+        for c in dict.fromkeys(c for _, c in owners):
             if c and not self.connector.is_peer_client(c):  # a peer's requests: its session's
                 self.server.probe(c)

@@ -31,6 +31,7 @@ from kvrt.ipc.signals import Signal
 from kvrt.ipc.storage_uri import parse_storage
 from kvrt.ipc.topology import ENGINE, Topology
 from kvrt.runtime.cache.event_secret import EventSecret
+from kvrt.ipc.log_limit import limit_logs
 from kvrt.runtime.cache.events import KVEventPublisher
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
+    limit_logs()  # a flood of bad input is not a flood of log lines
     stop = StopRequest().install()
     member = Member.join(args.node, P.ROLE_ENGINE, 0)
     try:

@@ -10,7 +10,8 @@ import secrets
 
 import numpy as np
 
-from kvrt.runtime.client.api import (MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GenerateRequest, cache_salt_problem,
+from kvrt.runtime.client.api import (MAX_LOGIT_BIAS, MAX_ON_BEHALF_OF_BYTES, MAX_TOP_LOGPROBS, GenerateRequest,
+                                     cache_salt_problem,
                                      request_id_problem)
 from kvrt.runtime.node.config import NodeConfig
 
@@ -122,6 +123,10 @@ def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
     for name in ("use_cache", "stream"):
         if not isinstance(getattr(req, name), bool):
             return f"{name} must be true or false, got {show(getattr(req, name))}"
+    who = req.on_behalf_of
+    if not isinstance(who, str) or len(who.encode("utf-8", "replace")) > MAX_ON_BEHALF_OF_BYTES \
+            or not who.isprintable():
+        return f"on_behalf_of must be a printable string of at most {MAX_ON_BEHALF_OF_BYTES} bytes, got {show(who)}"
     if problem := sampling_problem(req, cfg.vocab_size):
         return problem
     k = req.prompt_logprobs

@@ -32,13 +32,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrt.runtime.client.api import BAD_REQUEST, DUPLICATE, ErrorEvent, InfoReply, TokenEvent
+from kvrt.runtime.client.api import BAD_REQUEST, DUPLICATE, TOO_MANY, ErrorEvent, InfoReply, TokenEvent
 from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
 from kvrt.runtime.client.client import ClientError, Result, Sampling, node_tokenizer
 from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
-from kvrt.runtime.http.bridge import Bridge, Submission
+from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
+from kvrt.runtime.http.bridge import UNRESPONSIVE, Bridge, Submission
 from kvrt.runtime.http.chat_output import ChatOutput
 from kvrt.runtime.http.openai_schema import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
                                              SamplingBody, TokenizeRequest)
@@ -53,7 +54,6 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
 MAX_BATCH = 64          # prompts in one /v1/completions request
 METRICS_TIMEOUT_S = 5.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-MAX_BODY_BYTES = 16 << 20  # far above any prompt the model takes, as JSON
 
 
 class ApiError(Exception):
@@ -238,6 +238,12 @@ class Server:
         start inside a thinking the prompt opened."""
         return ChatOutput(fmt, self.reasoning_parser is not None, prompt_opens_thinking(prompt_text) and not forced)
 
+    def max_body_bytes(self) -> int:
+        """The largest request body this server reads: from the served model's length once the
+        node said it (runtime/http/body_limit.py)."""
+        info = self.bridge.info
+        return max_body_bytes(info.max_model_len if info is not None else DEFAULT_MODEL_LEN)
+
     def node_info(self) -> InfoReply:
         """The node's limits; 503 until the bridge has them, and once it stops."""
         if not self.bridge.ready or self.bridge.info is None:
@@ -296,12 +302,13 @@ class Server:
 
     # ---- running -------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], max_tokens: int, body: SamplingBody,
-            echoes: list[str] | None = None, guided: dict | None = None) -> "_Run":
+            echoes: list[str] | None = None, who: str = "", guided: dict | None = None) -> "_Run":
         """The checked requests of one HTTP request, not sent yet: a stream sends them once its
         generator runs, so that the generator's `finally` is sure to cancel them. Each prompt
         gets `body.n` choices (index prompt * n + j, seed + j as vLLM numbers them); the first
         choice of a prompt goes first and the others follow once it has its first token, so
         that they find its prompt's blocks in the prefix cache instead of each computing them.
+        `who`: the HTTP client, whose quota of requests in flight at the engine they count against.
         `guided`: what the answers must match (runtime/client/api.py's Generation.guided)."""
         stops = body.stops()
         if problem := stop_problem(stops):
@@ -313,7 +320,7 @@ class Server:
         if guided is not None:
             sampling = dataclasses.replace(sampling, guided=guided)
         stop_ids = frozenset(([eos] if eos >= 0 else []) + sampling.stop_token_ids)
-        run = _Run(self, body.cache_salt or "")
+        run = _Run(self, who, body.cache_salt or "")
         for i, ids in enumerate(prompts):
             leader = None
             for j in range(body.n):
@@ -338,8 +345,9 @@ class Server:
 class _Run:
     """The engine requests of one HTTP request, and their events as they arrive."""
 
-    def __init__(self, server: Server, cache_salt: str = "") -> None:
+    def __init__(self, server: Server, who: str = "", cache_salt: str = "") -> None:
         self.server = server
+        self.who = who
         self.cache_salt = cache_salt
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, _Choice] = {}
@@ -382,7 +390,7 @@ class _Run:
             if rid in rids and rid in self.pending and rid not in self.sent:
                 self.sent.add(rid)
                 self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events,
-                                                     self.cache_salt))
+                                                     self.cache_salt, self.who))
 
     async def __aiter__(self) -> AsyncIterator[tuple[_Choice, str, list[int], bool]]:
         """(choice, new text, new tokens, finished) as the engine answers; ApiError on an engine error."""
@@ -521,6 +529,10 @@ def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top:
 def _engine_error(ev: ErrorEvent) -> ApiError:
     if ev.code in (BAD_REQUEST, DUPLICATE):
         return ApiError(400, f"the engine refused the request: {ev.message}", code=ev.code)
+    if ev.code == UNRESPONSIVE:
+        return ApiError(504, ev.message, "service_unavailable", code=ev.code)
+    if ev.code == TOO_MANY:  # this HTTP client's quota, not the node's state
+        return ApiError(429, f"over capacity: {ev.message}", "rate_limit_exceeded", code=ev.code)
     return ApiError(503, f"the node cannot serve the request now ({ev.code}): {ev.message}", "service_unavailable",
                     code=ev.code)
 
@@ -565,39 +577,12 @@ async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, incl
     yield "data: [DONE]\n\n"
 
 
-class BodyLimit:
-    """ASGI middleware: a body over `limit` bytes is refused (413) before it is read whole, so
-    an untrusted client cannot make the server hold an arbitrary amount of memory."""
-
-    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
-        if not declared.isdigit() or int(declared) > self.limit:
-            return await _error(413, f"a request body takes at most {self.limit} bytes", "invalid_request_error",
-                                code="body_too_large")(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.limit:  # a chunked body declares no length
-                raise ApiError(413, f"a request body takes at most {self.limit} bytes", code="body_too_large")
-            return msg
-
-        await self.app(scope, counted, send)
-
-
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
     """The ASGI app: /health, /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-    /detokenize, /version, /reset_prefix_cache, /metrics, /kvrt/cache."""
+    /detokenize, /version, /reset_prefix_cache, /metrics, /kvrt/cache; its bodies bounded in size
+    and in time (`body_s`: runtime/http/body_limit.py)."""
     app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, limit=server.max_body_bytes, body_s=body_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
@@ -727,7 +712,7 @@ def create_app(server: Server) -> FastAPI:
         if body.echo:
             echoes = texts if texts is not None else [
                 server.tokenizer("echo").decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
-        run = server.run(prompts, max_tokens, body, echoes)
+        run = server.run(prompts, max_tokens, body, echoes, _who(request))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
         if body.stream:
@@ -777,7 +762,7 @@ def create_app(server: Server) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens or max(info.max_model_len - len(ids), 1)
         server.check_prompt(ids, max_tokens, "messages")
         fmt, guided = server.chat_output(body)
-        run = server.run([ids], max_tokens, body, guided=guided)
+        run = server.run([ids], max_tokens, body, who=_who(request), guided=guided)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name}
 
@@ -833,6 +818,12 @@ def create_app(server: Server) -> FastAPI:
                                                                  body.prompt_logprobs)})
 
     return app
+
+
+def _who(request: Request) -> str:
+    """An HTTP client's identity for its quota: its address (a port is not: a client opens as
+    many connections as it likes). Behind `kvrt route` every client is the router's address."""
+    return request.client.host if request.client else ""
 
 
 def _fetch(url: str) -> bytes:

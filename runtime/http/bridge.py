@@ -5,6 +5,13 @@ block, so it cannot live on the asyncio loop that serves HTTP. This thread alone
 the loop hands it submissions and cancels through a queue, and it hands each request's events
 back to that request's asyncio queue with `call_soon_threadsafe`. The engine runs in its own
 process, so nothing here can block the engine loop.
+
+Every HTTP request waits on this thread, and this thread never leaves one waiting for ever: a
+request ends with the engine's answer; or with an error when the bridge stops or fails; or, when
+the engine sends nothing at all (not even the liveness probes it sends every second to a client
+with requests in flight) for `engine_timeout` s while requests are in flight, with an error
+naming the engine that went silent (stopped, hung, or its connection gone), and the requests
+are cancelled there.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -24,6 +32,8 @@ from kvrt.runtime.client.client import Client, ClientError, Result, Sampling
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005     # how long the thread waits for the engine before it looks at its inbox again
+ENGINE_TIMEOUT_S = 60.0  # the engine's longest silence with requests in flight (a long step's included)
+UNRESPONSIVE = "engine_unresponsive"
 INFO_WAIT_S = 1.0  # one try at the node's info while it starts
 RESET_WAIT_S = 10.0  # for the engine's answer to a prefix-cache reset (it answers within a loop turn)
 
@@ -40,13 +50,18 @@ class Submission:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     cache_salt: str = ""
+    on_behalf_of: str = ""  # the HTTP client's identity: its quota at the engine is its own
 
 
 class Bridge:
     """Submits requests for the HTTP handlers and routes the engine's answers back to them."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, engine_timeout: float = ENGINE_TIMEOUT_S) -> None:
+        if not engine_timeout > 0:
+            raise ValueError(f"the engine timeout must be > 0 s, got {engine_timeout}")
         self.address = address
+        self.engine_timeout = engine_timeout
+        self._busy_since = 0.0  # when requests came in flight after none were
         self.info: InfoReply | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[str, Submission] = {}
@@ -103,6 +118,7 @@ class Bridge:
                     self._drain(client)
                     for ev in client.poll(POLL_S):
                         self._route(ev)
+                    self._check_engine(client)
         except Exception:  # the thread must not die silently: every waiter gets an answer
             log.exception("the HTTP bridge to %s failed", self.address)
         finally:
@@ -110,6 +126,30 @@ class Bridge:
             for rid in list(self._routes):
                 self._deliver(rid, ErrorEvent(request_id=rid, code="stopping", message="the HTTP server is stopping"),
                               last=True)
+
+    def _check_engine(self, client: Client) -> None:
+        """Fail (and cancel) every request in flight when the engine has sent nothing for
+        `engine_timeout` s since they came in flight."""
+        if not self._routes:
+            self._busy_since = 0.0
+            return
+        now = time.monotonic()
+        if not self._busy_since:
+            self._busy_since = now
+        silent = now - max(client.last_heard, self._busy_since)
+        if silent < self.engine_timeout:
+            return
+        why = (f"the engine at {self.address} sent nothing for {silent:.1f} s (not even its liveness probes) "
+               f"while requests were in flight: it is stopped, hung or unreachable (--http-engine-timeout "
+               f"{self.engine_timeout:g})")
+        log.error("%s: failing its %d requests", why, len(self._routes))
+        for rid in list(self._routes):
+            try:
+                client.cancel(rid)  # (read once it runs again)
+            except ClientError:
+                pass
+            self._deliver(rid, ErrorEvent(request_id=rid, code=UNRESPONSIVE, message=why), last=True)
+        self._busy_since = 0.0
 
     def _drain(self, client: Client) -> None:
         while True:
@@ -131,7 +171,8 @@ class Bridge:
             self._routes[sub.request_id] = sub
             try:
                 client.submit(np.asarray(sub.prompt, dtype=np.int64), sub.max_tokens, eos_token_id=sub.eos_token_id,
-                              request_id=sub.request_id, sampling=sub.sampling, cache_salt=sub.cache_salt)
+                              request_id=sub.request_id, sampling=sub.sampling, cache_salt=sub.cache_salt,
+                              on_behalf_of=sub.on_behalf_of)
             except Exception as e:  # noqa: BLE001 - one request's failure must not end the thread
                 if not isinstance(e, (ValueError, ClientError)):
                     log.exception("request %s could not be sent", sub.request_id)

@@ -18,8 +18,8 @@ import uvicorn
 from kvrt.runtime.cache.event_secret import EventSecret
 from kvrt.runtime.client.client import address_of
 from kvrt.runtime.http.app import Server, create_app
-from kvrt.runtime.http.bridge import Bridge
-from kvrt.runtime.http.connections import IDLE_S, TOTAL, guarded_protocol
+from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S, Bridge
+from kvrt.runtime.http.connections import uvicorn_config
 from kvrt.runtime.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
@@ -40,35 +40,34 @@ def served_model_names(names: list[str] | None, model: str) -> list[str]:
 def cache_info(cfg: NodeConfig) -> dict:
     """What a cache-aware router needs to know of this node (GET /kvrt/cache): how it keys blocks
     (the block size and the root of the key chain, runtime/cache/keys.py), the model directory its
-    tokenizer is read from (empty: the reference model, one token per byte) and where its KV events are
-    published (null when the node publishes none; a 0.0.0.0 host means "this node's address"), with
-    the CURVE public key its event sockets serve with (null without --events-secret-file): public by
-    design, it lets a router tell whether it holds the same secret."""
+    tokenizer is read from (empty: the reference model, one token per byte), its model's length (the
+    router's body limit follows from it) and where its KV events are published (null when the node
+    publishes none; a 0.0.0.0 host means "this node's address"), with the CURVE public key its event
+    sockets serve with (null without --events-secret-file): public by design, it lets a router tell
+    whether it holds the same secret."""
     events = f"tcp://{cfg.host}:{cfg.kv_events_port}" if cfg.kv_events_port else None
     replay = f"tcp://{cfg.host}:{cfg.kv_events_port + 1}" if cfg.kv_events_port else None
     curve = EventSecret.load(cfg.events_secret_file).server_public.decode() if cfg.events_secret_file else None
     return {"node": cfg.node, "block_size": cfg.block_size, "key_root": cfg.key_root.hex(),
+            "max_model_len": cfg.max_model_len,
             "model_dir": os.path.abspath(cfg.model_dir) if cfg.model_dir else "",
             "kv_events": events, "kv_events_replay": replay, "kv_events_curve_key": curve}
 
 
 class HttpServer:
     """uvicorn on (host, port) in a daemon thread, over a bridge to the node's client API, with
-    its connections bounded (runtime/http/connections.py). The
+    its connections and bodies bounded (runtime/http/connections.py, body_limit.py). The
     socket is bound here, before the node starts, so a port in use is an error of `kvrt launch`
     (OSError) rather than a thread that dies quietly."""
 
     def __init__(self, host: str, port: int, client_host: str, client_port: int, model_names: list[str],
                  node: str = "", metrics_port: int = 0, cache: dict | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, engine_timeout: float = ENGINE_TIMEOUT_S) -> None:
         connect = "127.0.0.1" if client_host in ("", "0.0.0.0", "::") else client_host
-        self.bridge = Bridge(address_of(client_port, connect))
+        self.bridge = Bridge(address_of(client_port, connect), engine_timeout)
         app = create_app(Server(self.bridge, model_names, metrics_port, cache, node=node,
                                 tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser))
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                     access_log=False, lifespan="off", timeout_graceful_shutdown=2,
-                                                     http=guarded_protocol(), timeout_keep_alive=IDLE_S,
-                                                     limit_concurrency=TOTAL))
+        self._server = uvicorn.Server(uvicorn_config(app, host, port))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:

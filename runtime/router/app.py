@@ -11,6 +11,16 @@ after that is reported as one, never as an answer: an event stream that the back
 ends with an error event and no `[DONE]` (runtime/router/relay.py), and any other answer is read whole
 before its status goes out, so that one cut mid-body is a 502 rather than a truncated 200. A
 client that goes away closes the upstream stream, which cancels the request on the node.
+
+A careful proxy: what a backend sends is checked before it is passed on. A 2xx answer whose body
+is not JSON, or an event stream whose first event is not an OpenAI chunk, is a 502 naming the
+backend (never a 200 with junk); junk later in a stream ends it with an error event. A backend
+that sends no answer headers within `--backend-timeout` (or nothing between two chunks of a
+stream for as long) is cut: the request reached it, so it is not sent again to another backend
+(the node may be computing it; sending it twice doubles the load on a fleet already slow, and
+closing the connection cancels it on the node): the client gets a 504, and the backend is marked
+slow for SLOW_S, during which new requests go to the others when there are others. A backend
+that could not be reached (nothing was sent) is tried once on another, as before.
 """
 from __future__ import annotations
 
@@ -18,6 +28,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from typing import AsyncIterator, Awaitable, TypeVar
 
 import httpx2
@@ -28,16 +39,16 @@ from kvrt.runtime.cache.keys import BlockHasher, salted_root
 from kvrt.runtime.client.api import cache_salt_problem
 from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
 from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError
-
+from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Candidate, Picker
 from kvrt.runtime.router.relay import EventRelay, error_event
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 << 20
 CONNECT_TIMEOUT_S = 5.0
-READ_TIMEOUT_S = 600.0  # between two chunks of an answer (a long prefill comes before the first)
+BACKEND_TIMEOUT_S = 300.0  # for a backend's answer headers, and between two chunks of its answer
+SLOW_S = 30.0           # a backend that timed out is avoided this long
 ATTEMPTS = 2            # the first backend, then one other
 PASSED_HEADERS = ("authorization", "content-type", "accept")
 T = TypeVar("T")
@@ -50,12 +61,22 @@ def _error(status: int, message: str, type_: str = "service_unavailable", code: 
 class Router:
     """Routing state shared by the handlers: backends, policy, tokenizer, upstream client."""
 
-    def __init__(self, backends: Backends, picker: Picker, tokenizer_dir: str = "") -> None:
+    def __init__(self, backends: Backends, picker: Picker, tokenizer_dir: str = "",
+                 backend_timeout: float = BACKEND_TIMEOUT_S) -> None:
+        if not backend_timeout > 0:
+            raise ValueError(f"the backend timeout must be > 0 s, got {backend_timeout}")
         self.backends = backends
         self.picker = picker
         self.tokenizer_dir = tokenizer_dir
+        self.backend_timeout = backend_timeout
         self._tokenizer: Tokenizer | None = None
-        self.client = httpx2.AsyncClient(timeout=httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+        self.client = httpx2.AsyncClient(timeout=httpx2.Timeout(backend_timeout, connect=CONNECT_TIMEOUT_S))
+
+    def max_body_bytes(self) -> int:
+        """The largest request body the router reads: the nodes' (from the longest model length a
+        backend reported; runtime/http/body_limit.py)."""
+        lens = [b.max_model_len for b in self.backends.items if b.max_model_len]
+        return max_body_bytes(max(lens) if lens else DEFAULT_MODEL_LEN)
 
     # ---- keys
     def tokenizer(self) -> Tokenizer | None:
@@ -123,15 +144,24 @@ class Router:
 
     # ---- choosing and forwarding
     def choose(self, keys: dict, exclude: list[int]) -> int | None:
-        items = self.backends.items
-        cands = [Candidate(i, items[i].inflight, items[i].cached_prefix(keys) if keys else 0)
-                 for i in self.backends.healthy() if i not in exclude]
+        """A healthy backend not tried yet for this request; one marked slow only when no other is left."""
+        items, now = self.backends.items, time.monotonic()
+        open_ = [i for i in self.backends.healthy() if i not in exclude]
+        fast = [i for i in open_ if items[i].slow_until <= now]
+        cands = [Candidate(i, items[i].inflight, items[i].cached_prefix(keys) if keys else 0) for i in fast or open_]
         return self.picker.pick(cands).index if cands else None
 
+    def _timed_out(self, i: int, what: str) -> str:
+        """Backend i sent nothing for the backend timeout: avoided for SLOW_S; why, for the client."""
+        b = self.backends.items[i]
+        why = f"backend {b.url} sent no {what} within {self.backend_timeout:g} s (--backend-timeout)"
+        if b.slow_until <= time.monotonic():
+            log.warning("%s: avoided for %g s", why, SLOW_S)
+        b.slow_until = time.monotonic() + SLOW_S
+        return why
+
     async def forward(self, request: Request, path: str) -> Response:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        raw = await request.body()  # (bounded in size and time by the BodyLimit middleware)
         keys = self.keys(path, raw)
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
         tried: list[int] = []
@@ -146,6 +176,10 @@ class Router:
             try:  # an answer without a stream has its headers only once it is whole: the client may leave first
                 resp = await _unless_gone(self.client.send(self.client.build_request(
                     "POST", b.url + path, content=raw, headers=headers), stream=True), request)
+            except (httpx2.ReadTimeout, httpx2.WriteTimeout, httpx2.PoolTimeout):
+                b.inflight -= 1  # it has the request (or part of it): not sent again, see the module's docstring
+                why = self._timed_out(i, "answer headers")
+                return _error(504, why, code="backend_timeout")
             except httpx2.TransportError as e:
                 b.inflight -= 1
                 why = f"backend {b.url} failed: {e or type(e).__name__}"
@@ -163,27 +197,72 @@ class Router:
             media = resp.headers.get("content-type")
             if not (media or "").startswith("text/event-stream"):
                 return await self._whole(i, resp, request)
-            return StreamingResponse(self._relay(i, resp), status_code=resp.status_code, media_type=media,
-                                     headers={"x-kvrt-backend": b.url})
+            return await self._stream(i, resp, request)
         return _error(503, f"no backend could take the request: {why}")
 
     def _broke_off(self, i: int, e: httpx2.HTTPError) -> str:
-        """Why backend i's answer is cut; a connection that failed takes the backend out."""
+        """Why backend i's answer is cut; a connection that failed takes the backend out, one
+        that went silent marks it slow."""
+        if isinstance(e, httpx2.TimeoutException):
+            return self._timed_out(i, "part of its answer")
         why = f"backend {self.backends.items[i].url} broke off its answer: {e or type(e).__name__}"
         if isinstance(e, httpx2.TransportError):
             self.backends.mark_down(i, why)
         return why
 
-    async def _relay(self, i: int, resp: httpx2.Response) -> AsyncIterator[bytes]:
-        """Backend i's event stream, whole events as they come; ended with an error event when
-        the backend breaks it off or ends it as no node ends an answer."""
+    async def _stream(self, i: int, resp: httpx2.Response, request: Request) -> Response:
+        """Backend i's event stream, passed on once its first whole event is in and is what a
+        node sends (else a 502: the status is not out yet)."""
         b = self.backends.items[i]
         events = EventRelay()
+        chunks = resp.aiter_raw()
+
+        async def first() -> bytes:
+            while True:
+                out = events.feed(await chunks.__anext__())
+                if out or events.junk:
+                    return out
+
         try:
-            async for chunk in resp.aiter_raw():
-                if out := events.feed(chunk):
-                    yield out
-            why = "" if events.finished else f"backend {b.url} ended its event stream without [DONE] or an error"
+            head = await _unless_gone(first(), request)
+        except (httpx2.HTTPError, StopAsyncIteration) as e:
+            await resp.aclose()
+            b.inflight -= 1
+            why = (f"backend {b.url} ended its event stream before its first event"
+                   if isinstance(e, StopAsyncIteration) else self._broke_off(i, e))
+            log.warning("%s", why)
+            return _error(502, why, code="backend_broke_off")
+        if head is None:
+            await resp.aclose()
+            b.inflight -= 1
+            return Response(status_code=499)
+        if not head:  # junk before any event
+            await resp.aclose()
+            b.inflight -= 1
+            why = f"backend {b.url} answered {resp.status_code} with an event that is not an OpenAI chunk: {events.junk}"
+            log.warning("%s", why)
+            return _error(502, why, code="backend_junk")
+        return StreamingResponse(self._relay(i, resp, events, chunks, head), status_code=resp.status_code,
+                                 media_type=resp.headers.get("content-type"), headers={"x-kvrt-backend": b.url})
+
+    async def _relay(self, i: int, resp: httpx2.Response, events: EventRelay, chunks: AsyncIterator[bytes],
+                     head: bytes) -> AsyncIterator[bytes]:
+        """Backend i's event stream, whole events as they come; ended with an error event when
+        the backend breaks it off, sends junk or ends it as no node ends an answer."""
+        b = self.backends.items[i]
+        why, code = "", "backend_broke_off"
+        try:
+            yield head
+            if not events.junk:
+                async for chunk in chunks:
+                    if out := events.feed(chunk):
+                        yield out
+                    if events.junk:
+                        break
+            if events.junk:
+                why, code = f"backend {b.url} sent an event that is not an OpenAI chunk: {events.junk}", "backend_junk"
+            elif not events.finished:
+                why = f"backend {b.url} ended its event stream without [DONE] or an error"
         except httpx2.HTTPError as e:
             why = self._broke_off(i, e)
         finally:
@@ -191,23 +270,28 @@ class Router:
             b.inflight -= 1
         if why:
             log.warning("%s", why)
-            yield error_event(why)
+            yield error_event(why, code)
 
     async def _whole(self, i: int, resp: httpx2.Response, request: Request) -> Response:
         """Backend i's answer read whole, then sent with its status: a 502 when the backend
-        breaks it off; nothing when the client goes away first (the upstream is closed)."""
+        breaks it off or answers 2xx with a body that is not JSON; nothing when the client goes
+        away first (the upstream is closed)."""
         b = self.backends.items[i]
         try:
             body = await _unless_gone(resp.aread(), request)
         except httpx2.HTTPError as e:
             why = self._broke_off(i, e)
             log.warning("%s", why)
-            return _error(502, why, code="backend_broke_off")
+            return _error(504 if isinstance(e, httpx2.TimeoutException) else 502, why, code="backend_broke_off")
         finally:
             await resp.aclose()
             b.inflight -= 1
         if body is None:
             return Response(status_code=499)  # the client left: nobody reads it
+        if 200 <= resp.status_code < 300 and not _is_json_object(body):
+            why = f"backend {b.url} answered {resp.status_code} with a body that is not a JSON object: {body[:100]!r}"
+            log.warning("%s", why)
+            return _error(502, why, code="backend_junk")
         return Response(body, resp.status_code, media_type=resp.headers.get("content-type"),
                         headers={"x-kvrt-backend": b.url})
 
@@ -245,6 +329,13 @@ async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
     return None if left else task.result()
 
 
+def _is_json_object(body: bytes) -> bool:
+    try:
+        return isinstance(json.loads(body), dict)
+    except ValueError:
+        return False
+
+
 def _text(content: object) -> str:
     """A chat message's text: a string, or the text parts of a list of parts."""
     if isinstance(content, str):
@@ -254,16 +345,20 @@ def _text(content: object) -> str:
     return ""
 
 
-def create_app(router: Router) -> FastAPI:
+def create_app(router: Router, body_s: float = BODY_S) -> FastAPI:
     """/health, and forwarded: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-    /detokenize, /version (a model id is the nodes' business: they answer one they do not serve)."""
+    /detokenize, /version (a model id is the nodes' business: they answer one they do not serve);
+    request bodies bounded as a node bounds them (runtime/http/body_limit.py)."""
     app = FastAPI(title="kvrt route", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=router.max_body_bytes, body_s=body_s)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         items = router.backends.items
+        now = time.monotonic()
         body = {"status": "ok" if router.backends.healthy() else "no healthy backend", "policy": router.picker.policy,
-                "backends": [{"url": b.url, "healthy": b.healthy, "inflight": b.inflight, "routed": b.routed,
+                "backends": [{"url": b.url, "healthy": b.healthy, "slow": b.slow_until > now, "inflight": b.inflight,
+                              "routed": b.routed,
                               "cached_blocks": len(b.view.media) if b.view is not None else None,
                               "events": {"last_seq": b.view.last_seq, "gaps": b.view.gaps, "lost": b.view.lost,
                                          "snapshots": b.view.snapshots, "malformed": b.view.malformed}

@@ -53,6 +53,8 @@ class Backend:
     block_size: int = 0
     key_root: bytes = b""
     model_dir: str = ""
+    max_model_len: int = 0  # 0: not said
+    slow_until: float = 0.0  # time.monotonic() until which requests avoid it (it timed out)
     described: bool = False  # /kvrt/cache was asked (a node without it gets no cache affinity)
     view: KVEventView | None = None
     failures: int = 0
@@ -167,6 +169,8 @@ class Backends:
             raise ValueError(f"backend {b.url}: bad key root or block size in /kvrt/cache")
         b.block_size, b.key_root, b.described = bs, root, True
         b.model_dir = str(info.get("model_dir") or "")
+        mml = info.get("max_model_len")
+        b.max_model_len = mml if isinstance(mml, int) and 0 < mml <= 1 << 24 else 0
         ev, rp, curve = info.get("kv_events"), info.get("kv_events_replay"), info.get("kv_events_curve_key")
         if isinstance(ev, str) and isinstance(rp, str) and curve is not None and self.events:
             if self.secret is None:

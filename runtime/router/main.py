@@ -9,8 +9,10 @@ import sys
 
 import uvicorn
 
+from kvrt.ipc.log_limit import limit_logs
 from kvrt.runtime.cache.event_secret import EventSecret
-from kvrt.runtime.router.app import Router, create_app
+from kvrt.runtime.http.connections import uvicorn_config
+from kvrt.runtime.router.app import BACKEND_TIMEOUT_S, SLOW_S, Router, create_app
 from kvrt.runtime.router.backends import HEALTH_INTERVAL_S, Backends
 from kvrt.runtime.router.policy import POLICIES, Picker
 
@@ -34,6 +36,11 @@ def parser() -> argparse.ArgumentParser:
                         "loses its affinity (default 4)")
     p.add_argument("--health-interval", type=float, default=HEALTH_INTERVAL_S, metavar="S",
                    help=f"seconds between two /health checks of every backend (default {HEALTH_INTERVAL_S:g})")
+    p.add_argument("--backend-timeout", type=float, default=BACKEND_TIMEOUT_S, metavar="S",
+                   help=f"seconds a backend may take to send an answer's headers (a non-streamed answer's come "
+                        f"once it is whole) or between two chunks of it; past it the client gets a 504 (the request "
+                        f"is not sent again: the backend has it) and the backend is avoided for {SLOW_S:g} s "
+                        f"(default {BACKEND_TIMEOUT_S:g})")
     p.add_argument("--tokenizer", default="", metavar="DIR",
                    help="the served model's tokenizer files, to find text prompts' blocks (default: the model "
                         "directory the backends report; the byte tokenizer for the reference model)")
@@ -50,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         picker = Picker(args.policy, args.load_margin)
+        if not args.backend_timeout > 0:
+            raise ValueError(f"--backend-timeout must be > 0, got {args.backend_timeout}")
         secret = EventSecret.load(args.events_secret_file) if args.events_secret_file else None
         backends = Backends([u for u in args.backends.split(",") if u.strip()],
                             events=args.policy == "cache-aware", health_interval=args.health_interval, secret=secret)
@@ -66,9 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvrt route: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     backends.start()
-    app = create_app(Router(backends, picker, args.tokenizer))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=2))
+    app = create_app(Router(backends, picker, args.tokenizer, args.backend_timeout))
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port))
     log.info("routing on %s:%d to %d backends (%s)", args.host, args.port, len(backends.items), args.policy)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn stops on them, then raises them again: here a no-op
         signal.signal(sig, lambda *_: None)
@@ -82,4 +90,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limit_logs()  # a flood of bad input is not a flood of log lines
     sys.exit(main())

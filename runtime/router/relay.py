@@ -4,7 +4,9 @@ A node ends a whole answer with `data: [DONE]`, and one it failed with an error 
 status 200 went out with the first byte, a stream that ends any other way (the connection
 dropped, a read failed, the body just stopped) would read as finished to a client: the router
 then ends it with an error event of its own and no `[DONE]` (the openai client raises on it).
-Events are passed on whole, so that this error event never lands inside a half-sent one.
+Events are passed on whole, so that this error event never lands inside a half-sent one. An
+event that is not what a node sends (its data neither `[DONE]` nor a JSON object with `choices`
+or `error`) is junk: it is not passed on, and the stream ends there with an error event.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import re
 
 # an event ends at a blank line; the node writes "\n", other servers may write "\r\n"
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
-_DONE, _ERROR, _DATA = "done", "error", "data"
+MAX_EVENT_BYTES = 4 << 20
+_DONE, _ERROR, _DATA, _JUNK = "done", "error", "data", "junk"
 
 
 class EventRelay:
@@ -22,6 +25,7 @@ class EventRelay:
     def __init__(self) -> None:
         self._pending = b""
         self._last = ""
+        self.junk = ""  # the first junk event, shown
 
     @property
     def finished(self) -> bool:
@@ -29,41 +33,52 @@ class EventRelay:
         return self._last in (_DONE, _ERROR)
 
     def feed(self, chunk: bytes) -> bytes:
-        """The whole events that `chunk` completes (b"" while the current one is still open)."""
+        """The whole events that `chunk` completes (b"" while the current one is still open),
+        up to the first junk event (then `junk` says what it was, and nothing more is taken)."""
+        if self.junk:
+            return b""
         buf = self._pending + chunk
         ends = list(_EVENT_END.finditer(buf, max(len(self._pending) - 3, 0)))  # an end may straddle chunks
         if not ends:
             self._pending = buf
+            if len(buf) > MAX_EVENT_BYTES:  # no node sends one this long: not held without bound
+                self.junk, self._pending = f"an event longer than {MAX_EVENT_BYTES} bytes: {buf[:60]!r}", b""
             return b""
         self._pending = buf[ends[-1].end():]
-        starts = [0] + [m.end() for m in ends[:-1]]
-        for start, end in zip(reversed(starts), reversed(ends)):
-            kind = _kind(buf[start:end.start()])
+        start = 0
+        for end in ends:
+            event = buf[start:end.start()]
+            kind = _kind(event)
+            if kind == _JUNK:
+                self.junk = f"{event[:100]!r}"
+                self._pending = b""
+                return buf[:start]
             if kind:
                 self._last = kind
-                break
-        return buf[:ends[-1].end()]
+            start = end.end()
+        return buf[:start]
 
 
 def _kind(event: bytes) -> str:
-    """What one event is by its first data line, as the openai client reads it: an error when
-    its data is a JSON object with an "error" ("" for an event without data: a comment)."""
+    """What one event is by its first data line, as the openai client reads it: `[DONE]`, an
+    error (a JSON object with an "error"), a chunk (one with "choices"), else junk ("" for an
+    event without data: a comment)."""
     for line in event.splitlines():
         if line.startswith(b"data:"):
             value = line[5:].strip()
             if value == b"[DONE]":
                 return _DONE
-            if b'"error"' not in value:
-                return _DATA
             try:
                 obj = json.loads(value)
             except ValueError:
-                return _DATA
-            return _ERROR if isinstance(obj, dict) and obj.get("error") else _DATA
+                return _JUNK
+            if not isinstance(obj, dict):
+                return _JUNK
+            return _ERROR if obj.get("error") else _DATA if isinstance(obj.get("choices"), list) else _JUNK
     return ""
 
 
-def error_event(message: str) -> bytes:
-    """An error event in the node's shape, with the code that says the router's backend broke off."""
-    body = {"error": {"message": message, "type": "service_unavailable", "param": None, "code": "backend_broke_off"}}
+def error_event(message: str, code: str = "backend_broke_off") -> bytes:
+    """An error event in the node's shape, with a code that says what the router's backend did."""
+    body = {"error": {"message": message, "type": "service_unavailable", "param": None, "code": code}}
     return f"data: {json.dumps(body)}\n\n".encode()

@@ -277,13 +277,15 @@ class _FakeBridge:
         pass
 
 
-@pytest.mark.parametrize("ready,code", [(False, "stopping"), (True, "stopping"), (True, "too_many_requests")])
-def test_a_node_that_cannot_serve_now_answers_503(ready, code):
+@pytest.mark.parametrize("ready,code,status", [(False, "stopping", 503), (True, "stopping", 503),
+                                              (True, "too_many_requests", 429)])
+def test_a_node_that_cannot_serve_now_answers_503_and_an_http_clients_quota_429(ready, code, status):
     with TestClient(create_app(Server(_FakeBridge(ready, code), MODEL)), raise_server_exceptions=False) as c:
         for stream in (False, True):
             r = c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2, "stream": stream})
-            assert r.status_code == 503, r.text
+            assert r.status_code == (503 if not ready else status), r.text
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert ("over capacity" in r.json()["error"]["message"]) == (ready and status == 429)
         assert c.get("/health").status_code == (200 if ready else 503)
 
 

@@ -1,0 +1,221 @@
+"""The HTTP layer's limits over real sockets, a node's app and the router's alike (uvicorn in a
+thread, the guarded protocol): a body over the limit is refused while it streams in (413), a
+client that trickles its headers or its body is cut (408), a connection over the limits is
+refused as "over capacity" (503, which the client reads: no reset), and meanwhile a well-behaved
+client is served. 2,000 streams at once to a real node: 256 stream, the rest read why not."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import select
+import socket
+import threading
+from collections import Counter
+import urllib.error
+import urllib.request
+
+import openai
+import psutil
+import pytest
+
+from kvrt.ipc.ports import free_port
+from kvrt.runtime.client.api import TokenEvent
+from kvrt.runtime.http.app import Server
+from kvrt.runtime.http.app import create_app as node_app
+from kvrt.runtime.http.body_limit import max_body_bytes
+from kvrt.runtime.http.connections import PER_ADDRESS
+from kvrt.runtime.router.app import Router
+from kvrt.runtime.router.app import create_app as router_app
+from kvrt.runtime.router.backends import Backends
+from kvrt.runtime.router.policy import Picker
+from tests.launched import SMALL, launched
+from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
+from tests.uvicorn_thread import serving
+
+BIG = 64 << 20      # bytes a hostile client offers
+CHUNK = 64 << 10
+
+
+@contextlib.contextmanager
+def _app(kind: str, body_s: float = 30.0, bridge: _FakeBridge | None = None):
+    """The node's app over a fake engine (model length 64), or the router's over no live backend."""
+    if kind == "node":
+        yield node_app(Server(bridge or _FakeBridge(True), MODEL), body_s=body_s)
+        return
+    backends = Backends(["http://127.0.0.1:9"], events=False)
+    backends.items[0].max_model_len = 64  # as a node would report it: the router's limit is the node's
+    try:
+        yield router_app(Router(backends, Picker("round-robin")), body_s=body_s)
+    finally:
+        backends.stop()
+
+
+LIMIT = max_body_bytes(64)
+
+
+def _connect(base: str) -> socket.socket:
+    host, port = base.rsplit("/", 1)[1].split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def _answer(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a reset after its answer ends it too)."""
+    out = b""
+    with contextlib.suppress(ConnectionResetError, socket.timeout):
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def _get(base: str, path: str) -> int:
+    try:
+        with urllib.request.urlopen(base + path, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.mark.parametrize("kind", ["node", "router"])
+def test_a_chunked_body_over_the_limit_is_refused_while_it_streams_in(kind):
+    me = psutil.Process()
+    with _app(kind) as app, serving(app) as base:
+        before = me.memory_info().rss
+        s = _connect(base)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"transfer-encoding: chunked\r\n\r\n")
+        piece = b"%x\r\n%s\r\n" % (CHUNK, b" " * CHUNK)
+        sent = 0
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            while sent < BIG and not select.select([s], [], [], 0)[0]:  # until the server answers
+                s.sendall(piece)
+                sent += CHUNK
+        got = _answer(s)
+        s.close()
+        grown = me.memory_info().rss - before
+        assert _get(base, "/version" if kind == "node" else "/health") in (200, 503)  # still serving
+    assert got.startswith(b"HTTP/1.1 413 "), got[:200]
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_too_large"
+    assert sent < LIMIT + (16 << 20), f"{sent} bytes went in before the refusal (limit {LIMIT}; socket buffers)"
+    assert grown < 4 * LIMIT + (16 << 20), f"the server grew by {grown} bytes"
+
+
+@pytest.mark.parametrize("kind", ["node", "router"])
+def test_a_declared_length_over_the_limit_is_refused_before_the_body(kind):
+    with _app(kind) as app, serving(app) as base:
+        s = _connect(base)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % BIG)
+        got = _answer(s)  # nothing of the body was sent
+        s.close()
+    assert got.startswith(b"HTTP/1.1 413 ") and b"connection: close" in got.lower(), got[:300]
+
+
+def _trickle(base: str, head: bytes, data: bytes, every_s: float, out: list) -> None:
+    """Send `head` at once, then `data` a byte at a time, one every `every_s`, until the server
+    answers or closes."""
+    s = _connect(base)
+    try:
+        s.sendall(head)
+        for b in data:
+            if select.select([s], [], [], every_s)[0]:
+                break
+            s.sendall(bytes([b]))
+        out.append(_answer(s))
+    except (BrokenPipeError, ConnectionResetError):
+        out.append(_answer(s))
+    finally:
+        s.close()
+
+
+def test_slow_headers_and_slow_bodies_are_cut_and_a_well_behaved_client_is_served():
+    slow_head = (b"", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" + b"x" * 400)
+    slow_body = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 200\r\n\r\n", b"{" * 200)
+    with _app("node", body_s=1.0) as app, serving(app, header_s=1.0) as base:
+        got: list[bytes] = []
+        threads = [threading.Thread(target=_trickle, args=(base, *(slow_head if i % 2 else slow_body), 0.05, got))
+                   for i in range(60)]
+        for t in threads:
+            t.start()
+        served = [_get(base, "/health") for _ in range(20)]
+        for t in threads:
+            t.join(30)
+    assert served == [200] * 20
+    assert len(got) == 60
+    heads = [g for g in got if b"header_timeout" in g]
+    bodies = [g for g in got if b"body_timeout" in g]
+    assert len(heads) == 30 and all(g.startswith(b"HTTP/1.1 408 ") for g in heads), got[:2]
+    assert len(bodies) == 30 and all(g.startswith(b"HTTP/1.1 408 ") for g in bodies), got[:2]
+
+
+def test_connections_over_an_address_share_or_the_total_are_over_capacity():
+    with _app("node") as app, serving(app, per_address=8, total=12) as base:
+        with contextlib.ExitStack() as held:
+            for _ in range(8):
+                held.enter_context(_connect(base))
+            oa = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=10, max_retries=0)
+            with pytest.raises(openai.APIStatusError) as e:
+                oa.models.list()
+            assert e.value.status_code == 503 and "over capacity" in e.value.message
+            assert "this address" in e.value.message and "not ready" not in e.value.message
+    with _app("node") as app, serving(app, host="0.0.0.0", per_address=8, total=12) as base:
+        port = int(base.rsplit(":", 1)[1])
+        with contextlib.ExitStack() as held:
+            for i in range(12):  # from 127.0.0.2 ... (the whole of 127/8 is this machine)
+                c = held.enter_context(socket.socket())
+                c.bind((f"127.0.0.{2 + i % 3}", 0))
+                c.connect(("127.0.0.1", port))
+            oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=10, max_retries=0)
+            with pytest.raises(openai.APIStatusError) as e:
+                oa.models.list()
+            assert e.value.status_code == 503 and "over capacity" in e.value.message
+            assert "limit of 12 connections" in e.value.message
+
+
+class _Holding(_FakeBridge):
+    """An engine that answers each request's first token, then holds it."""
+
+    def submit(self, sub) -> None:
+        sub.loop.call_soon_threadsafe(sub.events.put_nowait, (sub.request_id, TokenEvent(sub.request_id, 0, [7])))
+
+
+async def _many_streams(base: str, n: int, max_tokens: int) -> Counter:
+    """`n` streams at once from one address: how each began ("stream", or the error it got)."""
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0) as oa:
+        held = []
+
+        async def one() -> str:
+            try:
+                held.append(await oa.completions.create(model=MODEL, prompt=[1, 2], max_tokens=max_tokens,
+                                                            stream=True))
+                return "stream"
+            except openai.APIStatusError as e:
+                return f"{e.status_code} {e.message}"
+            except openai.APIError as e:
+                return f"{type(e).__name__}: {e.__cause__!r}"
+
+        out = Counter(await asyncio.gather(*(one() for _ in range(n))))
+        for s in held:
+            await s.close()
+        return out
+
+
+def test_streams_past_an_address_share_read_over_capacity_not_a_reset():
+    """The refusal is a lingering close: a client that sent its request before the server
+    answered reads the 503, not a connection reset."""
+    with _app("node", bridge=_Holding(True)) as app, serving(app, per_address=32) as base:
+        got = asyncio.run(_many_streams(base, 200, 8))
+    refused = "503 Error code: 503 - over capacity: this address already holds 32 connections to this server; retry later"
+    assert got == Counter({"stream": 32, refused: 168}), got
+
+
+@pytest.mark.e2e
+def test_two_thousand_streams_to_a_node_are_served_or_told_over_capacity(node, tmp_path):
+    http = free_port()
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "1024", "--max-num-seqs", str(PER_ADDRESS),
+                  "--max-num-batched-tokens", str(4 * PER_ADDRESS), "--http-port", str(http)):
+        _wait_healthy(http)
+        got = asyncio.run(_many_streams(f"http://127.0.0.1:{http}", 2000, 3000))
+    refused = (f"503 Error code: 503 - over capacity: this address already holds {PER_ADDRESS} connections to this server; "
+               f"retry later")
+    assert got == Counter({"stream": PER_ADDRESS, refused: 2000 - PER_ADDRESS}), got

@@ -1,0 +1,112 @@
+"""The router as a careful proxy, over real sockets (the router's app served by uvicorn in a
+thread, its backends tiny scripted HTTP servers: the peers, not the unit under test): a backend
+that sends no headers within --backend-timeout is a 504 (not sent again) and avoided after, so
+that the next request goes to another; a backend that answers 200 with junk is a 502, never a 200
+with junk; junk or a cut in the middle of a stream ends it with an error event."""
+from __future__ import annotations
+
+import contextlib
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
+
+import httpx2
+import pytest
+
+from kvrt.runtime.router.app import Router, create_app
+from kvrt.runtime.router.backends import Backends
+from kvrt.runtime.router.policy import Picker
+from tests.runtime.http.test_stream_failures import CHUNK, _last_event, _scripted, _sse
+from tests.uvicorn_thread import serving
+
+OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"id": "y"}'
+BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
+
+
+@contextlib.contextmanager
+def _stalling() -> Iterator[tuple[str, list]]:
+    """A backend that reads each request and never answers (until the test ends); yields its URL
+    and the requests it got."""
+    release, got = threading.Event(), []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            got.append(self.rfile.read(int(self.headers.get("content-length", 0))))
+            release.wait(30)
+
+        def log_message(self, *_) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", got
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()
+        t.join(5)
+
+
+@contextlib.contextmanager
+def _routed(urls: list[str], policy: str = "round-robin", timeout: float = 30.0) -> Iterator[tuple[str, Backends]]:
+    backends = Backends(urls, events=False)
+    for b in backends.items:
+        b.healthy = True  # no health thread: the scripts answer POSTs only
+    try:
+        with serving(create_app(Router(backends, Picker(policy), backend_timeout=timeout))) as base:
+            yield base, backends
+    finally:
+        backends.stop()
+
+
+def _post(base: str, body: dict = BODY) -> httpx2.Response:
+    return httpx2.post(base + "/v1/completions", json=body, timeout=60)
+
+
+def test_a_backend_without_headers_in_time_is_a_504_sent_once_and_then_avoided():
+    with _stalling() as (slow, got), _scripted(OK) as ok, _routed([slow, ok], timeout=0.5) as (base, backends):
+        first = _post(base)  # round-robin: the stalling backend first
+        assert first.status_code == 504, first.text
+        err = first.json()["error"]
+        assert err["code"] == "backend_timeout" and slow in err["message"] and "--backend-timeout" in err["message"]
+        assert len(got) == 1, "a request the backend has is not sent again"
+        assert backends.items[0].slow_until > 0
+        health = httpx2.get(base + "/health", timeout=10).json()
+        assert [b["slow"] for b in health["backends"]] == [True, False]
+        after = [_post(base) for _ in range(4)]  # round-robin would give the stalling one two of them
+        assert [r.status_code for r in after] == [200] * 4 and len(got) == 1
+        assert {r.headers["x-kvrt-backend"] for r in after} == {ok}
+
+
+@pytest.mark.parametrize("answer,stream", [
+    (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 9\r\n\r\nnot json!", False),
+    (b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 13\r\n\r\n<html></html>", False),
+    (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 9\r\n\r\n[1, 2, 3]", False),
+    (_sse(b"data: hello\n\n", b"data: [DONE]\n\n"), True),
+    (_sse(b'data: {"no": "choices"}\n\n', b"data: [DONE]\n\n"), True),
+])
+def test_a_backend_answering_200_with_junk_is_a_502(answer, stream):
+    with _scripted(answer) as junk, _routed([junk]) as (base, _):
+        r = _post(base, {**BODY, "stream": stream})
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["code"] == "backend_junk" and junk in err["message"], err
+
+
+def test_junk_in_the_middle_of_a_stream_ends_it_with_an_error_event():
+    with _scripted(_sse(CHUNK, b"data: <junk>\n\n", CHUNK, b"data: [DONE]\n\n")) as junk, _routed([junk]) as (base, _):
+        r = _post(base, {**BODY, "stream": True})
+    assert r.status_code == 200 and r.content.startswith(CHUNK), r.content
+    assert b"data: <junk>\n" not in r.content and b"[DONE]" not in r.content  # (its error event quotes it)
+    err = _last_event(r.content)["error"]
+    assert err["code"] == "backend_junk" and "not an OpenAI chunk" in err["message"]
+
+
+def test_a_stream_cut_mid_way_ends_with_an_error_event_over_real_sockets():
+    with _scripted(_sse(CHUNK, b'data: {"id": "x", "cho', whole=False)) as cut, _routed([cut]) as (base, _):
+        r = _post(base, {**BODY, "stream": True})
+    assert r.status_code == 200 and b"[DONE]" not in r.content
+    assert _last_event(r.content)["error"]["code"] == "backend_broke_off"
