@@ -92,7 +92,15 @@ class Generation:
     `repetition_penalty` (1: off) divides the positive logits of every token of the prompt
     and output so far and multiplies the negative ones; `frequency_penalty` and
     `presence_penalty` (0: off, in [-2, 2]) subtract f * count and p once from each token
-    the output holds. Stop strings need text, so they are the client's (runtime/client/stop.py)."""
+    the output holds. Stop strings need text, so they are the client's (runtime/client/stop.py).
+
+    `guided` constrains the output to a grammar: {"kind": "json_object" | "json_schema" |
+    "regex", "spec": text} (spec: the JSON schema as JSON text, the regex, or "" for
+    json_object). Each token is drawn only from those the grammar allows next, after the
+    adjustments above, and the request's EOS only once the grammar is complete (so such a
+    request needs an `eos_token_id`); max_new_tokens may cut it first (finish reason "length").
+    Checked at intake (runtime/engine/grammars.py); the node must serve a checkpoint with a
+    tokenizer.json, whose vocabulary the grammar is compiled against."""
 
     request_id: str
     prompt: np.ndarray
@@ -112,6 +120,7 @@ class Generation:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    guided: dict | None = None
 
     def generation(self) -> dict:
         """This message's `Generation` fields by name, to build another message from."""

@@ -11,6 +11,7 @@ import secrets
 import numpy as np
 
 from kvrt.runtime.client.api import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GenerateRequest, request_id_problem
+from kvrt.runtime.engine.grammars import guided_problem
 from kvrt.runtime.node.config import NodeConfig
 
 
@@ -123,6 +124,12 @@ def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
             return f"{name} must be true or false, got {show(getattr(req, name))}"
     if problem := sampling_problem(req, cfg.vocab_size):
         return problem
+    if problem := guided_problem(req.guided):
+        return problem
+    if req.guided is not None and not cfg.model_dir:
+        return "guided decoding needs a tokenizer: serve a checkpoint (kvrt launch --model DIR)"
+    if req.guided is not None and req.eos_token_id < 0:
+        return "guided decoding needs an eos_token_id: the grammar's answer ends with it"
     prompt = req.prompt
     if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.dtype != np.int32:
         return f"prompt must be int32 token ids, got {show(prompt)}"

@@ -221,7 +221,7 @@ class DecodeConnector(KVConnector):
             return
         seq = Sequence.new(internal, msg.prompt, int(msg.max_new_tokens), cfg.block_size, self.ctx.cfg.key_root,
                            client=peer.client, eos_token_id=int(msg.eos_token_id), use_cache=msg.use_cache,
-                           **sampling_of(msg))
+                           guide=self.ctx.guide(msg), **sampling_of(msg))
         self.owner[internal] = (peer.name, rid)
         self.ctx.sched.add(seq)  # held for P's KV: see get_num_new_matched_tokens
         self.deadlines[internal] = time.monotonic() + self.lease_s

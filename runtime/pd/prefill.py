@@ -452,7 +452,7 @@ class PrefillConnector(KVConnector):
         seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size, cfg.key_root,
                            client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
-                           arrival=p.arrival, **sampling_of(req))
+                           arrival=p.arrival, guide=self.ctx.guide(req), **sampling_of(req))
         # D's lease began after our ask: its end on P's clock is on the safe side
         self.handoffs[req.request_id] = _Handoff(seq, link, msg, p.arrival + msg.lease_s,
                                                  msg.cached_tokens // cfg.block_size)
