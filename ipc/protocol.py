@@ -18,7 +18,7 @@ from kvrt.ipc.shm import Segment
 PROTOCOL = Codec()
 # the version of the contract below as a whole: a change to any message a channel carries
 # bumps it, and a process of another build is refused when it attaches to a node's channels
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
 CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
@@ -259,6 +259,11 @@ class StepBatch:
     penalties repetition[i], presence[i], frequency[i] over the tokens pen_ids with output
     counts pen_counts (pen_lens[i] of them for sequence i), which the engine derives from the
     sequence's tokens at each step (so they need no state on the worker).
+    Guided decoding (empty when no sequence of the step is guided): sequence guided_rows[j] may
+    only take the tokens whose bits are set in guided_mask[j * W : (j + 1) * W], W = ceil(vocab
+    / 32) int32 words (token t: bit t % 32 of word t // 32); the engine keeps the grammar state
+    and sends the mask it allows now, so the worker holds none. At most
+    max_guided_rows(vocab) guided rows a step, so that a step always fits its ring's record.
     Floats and 64-bit seeds travel as msgpack lists (the codec's arrays are int32)."""
 
     step_id: int
@@ -283,6 +288,18 @@ class StepBatch:
     pen_lens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     pen_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     pen_counts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    guided_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    guided_mask: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+
+
+# the bytes of one step's guided masks: a ring holds records up to half its size (1 MiB
+# rings, runtime/node/supervisor.py), and the rest of a step stays well under the other half
+GUIDED_MASK_BYTES = 256 << 10
+
+
+def max_guided_rows(vocab_size: int) -> int:
+    """How many guided sequences one step may carry: 13 at a 151,936-token vocabulary."""
+    return max(1, GUIDED_MASK_BYTES // (4 * -(-vocab_size // 32)))
 
 
 @PROTOCOL.message("step_result")

@@ -98,6 +98,7 @@ class Engine:
                                  write_through=self.storage is not None,
                                  policy=make_policy(cfg.eviction))
         self.sched = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.sched.max_guided = P.max_guided_rows(cfg.vocab_size)
         # guided decoding's grammars, compiled against the checkpoint's tokenizer in a thread
         # that wakes the loop when one is done
         self.grammars = Grammars(lambda: read_token_bytes(cfg.model_dir), wake=self.fan.poke) \

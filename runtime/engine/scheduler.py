@@ -93,6 +93,7 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # ended while the connector read their blocks: not released yet
         self.inflight: Step | None = None
+        self.max_guided = 1 << 30  # guided sequences per step (their masks must fit the step message)
         self.compiling: list[Sequence] = []  # waiting for their grammar (guided decoding), in arrival order
         self.failed: list[tuple[Sequence, str]] = []  # failed outside a step, not told yet
         self._step_ids = itertools.count(1)
@@ -140,6 +141,8 @@ class Scheduler:
                 if seq.guide.problem:
                     self._fail_guided(seq)
                 continue  # (a decode node's request whose grammar still compiles)
+            if seq.guide is not None and self._guided(step) >= self.max_guided:
+                continue  # its mask would not fit this step: the next one
             chunk = min(seq.num_tokens - seq.num_computed, budget)
             preemptions = self.preemptions
             if self._grow(seq, seq.num_computed + chunk, step):
@@ -156,6 +159,8 @@ class Scheduler:
                     self._unmatch(seq)
                 self.compiling.append(seq)
                 continue
+            if seq.guide is not None and self._guided(step) >= self.max_guided:
+                break
             if not seq.matched:
                 if not self._may_match(seq):
                     break
@@ -183,6 +188,10 @@ class Scheduler:
             return None
         self.inflight = step
         return step
+
+    @staticmethod
+    def _guided(step: Step) -> int:
+        return sum(seq.guide is not None for seq in step.seqs)
 
     def _grammars_ready(self) -> None:
         """Sequences whose grammar is now compiled go back to the front of the queue (they
