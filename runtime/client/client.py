@@ -136,6 +136,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    guided: dict | None = None  # {"kind": "json_object" | "json_schema" | "regex", "spec": text}
 
 
 @dataclass

@@ -101,7 +101,7 @@ class Engine:
         self.sched.max_guided = P.max_guided_rows(cfg.vocab_size)
         # guided decoding's grammars, compiled against the checkpoint's tokenizer in a thread
         # that wakes the loop when one is done
-        self.grammars = Grammars(lambda: read_token_bytes(cfg.model_dir), wake=self.fan.poke) \
+        self.grammars = Grammars(lambda: read_token_bytes(cfg.model_dir)[0], wake=self.fan.poke) \
             if cfg.model_dir else None
         self.stats = EngineStats(Signal.attach(member.reg, P.ENGINE_STATS), self.cache, self.sched, self.transfer)
         self.metrics = Metrics(self.stats.array, self.ring_stats)
