@@ -177,7 +177,7 @@ def _mask(z: Any, rows: np.ndarray, allowed: np.ndarray, xp: Any) -> None:
     sub = z[r]
     masked = xp.where(keep, sub, xp.asarray(-xp.inf, z.dtype))
     dead = ~(masked > -xp.inf).any(axis=-1)  # (NaN compares False: such a row counts as dead)
-    if bool(_host(dead.any())):
+    if bool(dead.any()):  # (one value: a host bool on cupy too)
         masked = xp.where(dead[:, None], xp.where(keep, xp.asarray(0, z.dtype), xp.asarray(-xp.inf, z.dtype)),
                           masked)
     z[r] = masked
