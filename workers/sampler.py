@@ -172,15 +172,38 @@ def _mask(z: Any, rows: np.ndarray, allowed: np.ndarray, xp: Any) -> None:
     """Guided rows of z (in place) keep their allowed tokens' logits, -inf elsewhere; a row
     whose allowed logits are all -inf or NaN becomes 0 on every allowed token (see the module
     docstring)."""
-    r = xp.asarray(np.asarray(rows, np.int64))
-    keep = unpack_mask(xp.asarray(allowed), int(z.shape[1]), xp)
-    sub = z[r]
-    masked = xp.where(keep, sub, xp.asarray(-xp.inf, z.dtype))
-    dead = ~(masked > -xp.inf).any(axis=-1)  # (NaN compares False: such a row counts as dead)
+    n, vocab = z.shape
+    rows = np.asarray(rows, np.int64)
+    if xp is np and len(rows) > CHUNK:  # a chunk's scratch stays in cache
+        for at in range(0, len(rows), CHUNK):
+            _mask(z, rows[at:at + CHUNK], allowed[at:at + CHUNK], xp)
+        return
+    full = len(rows) == n and bool(np.all(rows == np.arange(n)))  # every row guided: no gather
+    r = None if full else xp.asarray(rows)
+    sub = z if full else z[r]
+    banned = unpack_mask(~xp.asarray(allowed), vocab, xp)
+    _ban(sub, banned, xp)
+    dead = ~(sub.max(axis=-1) > -xp.inf)  # (a NaN maximum counts as dead too)
     if bool(dead.any()):  # (one value: a host bool on cupy too)
-        masked = xp.where(dead[:, None], xp.where(keep, xp.asarray(0, z.dtype), xp.asarray(-xp.inf, z.dtype)),
-                          masked)
-    z[r] = masked
+        sub[dead] = xp.where(banned[dead], xp.asarray(-xp.inf, z.dtype), xp.asarray(0, z.dtype))
+    if not full:
+        z[r] = sub
+
+
+_NEG_INF_BITS = int(np.float32(-np.inf).view(np.int32))
+
+
+def _ban(a: Any, banned: Any, xp: Any) -> None:
+    """a[banned] = -inf, in place. For float32, by bit operations on the int32 view (a random
+    mask makes a masked store branch at every token: ten times slower at 151k tokens here)."""
+    if a.dtype == xp.float32 and a.flags.c_contiguous:
+        m = banned.view(xp.int8).astype(xp.int32)
+        xp.negative(m, out=m)  # banned: every bit set
+        bits = a.view(xp.int32)
+        bits &= ~m
+        bits |= m & _NEG_INF_BITS
+    else:
+        a[...] = xp.where(banned, xp.asarray(-xp.inf, a.dtype), a)
 
 
 def unpack_mask(words: Any, vocab: int, xp: Any = np) -> Any:

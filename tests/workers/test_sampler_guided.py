@@ -25,11 +25,12 @@ def pack(keep: np.ndarray) -> np.ndarray:
 
 @st.composite
 def guided_batches(draw):
-    n = draw(st.integers(1, 6))
+    n = draw(st.integers(1, 12))  # (past CHUNK rows: masked a chunk at a time)
     vocab = draw(st.sampled_from([5, 32, 33, 300, 1000]))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
-    z = (rng.standard_normal((n, vocab)) * draw(st.sampled_from([0.5, 3.0, 30.0]))).astype(np.float32)
+    dtype = draw(st.sampled_from([np.float32, np.float64]))  # (float32: by bit operations)
+    z = (rng.standard_normal((n, vocab)) * draw(st.sampled_from([0.5, 3.0, 30.0]))).astype(dtype)
     if draw(st.booleans()):  # non-finite logits here and there
         z[rng.random((n, vocab)) < 0.05] = rng.choice([np.inf, -np.inf, np.nan])
     guided = np.flatnonzero(rng.random(n) < 0.7)
