@@ -8,6 +8,11 @@ so the state is right on every path without being sent anywhere. A token appende
 grammar is compiled (a decode node's first token, while its own compile runs) waits in
 `_early` and is replayed once the index is there.
 
+Why the engine holds it and the worker only gets a mask (the split vLLM v1 makes too): the
+engine already sees every token of every request, on every path, while the worker holds no
+per-request state at all (a step is self-contained, so a preempted or handed-off request needs
+nothing moved); the sampler then applies the mask in the same pass as the rest of sampling.
+
 The mask is bit t % 32 of word t // 32 set when token t is allowed (outlines-core writes it so),
 int32 words as the step message carries them. A state that allows no token is dead: the
 request fails rather than sample outside its grammar.

@@ -29,6 +29,12 @@ back. A sequence reads storage at most once per admission: matched again before 
 finds what its read brought in the tree, and reads holding each other's room cannot repeat
 (tests/runtime/engine/test_scheduler_liveness.py).
 
+A guided request (runtime/engine/guide.py) runs only once its grammar is compiled: one that
+reaches the head of the queue before then waits aside (`compiling`, holding no blocks) and goes
+back to the front when it is ready, so requests behind it are not held up by a compile; one
+whose grammar fails is finished and told through `take_failed`. No step carries more guided
+sequences than `max_guided` (their masks must fit the step message).
+
 KV from or to outside (a KV connector, runtime/pd/) adds two life cycles, and the
 scheduler knows only the connector's hooks, never who is on the other side. A request whose
 tokens an external source supplies asynchronously (`get_num_new_matched_tokens`) waits in its
