@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -127,24 +126,23 @@ class Grammars:
         self._max = max_cached
         self._vocab: dict[int, Any] = {}      # EOS id -> outlines Vocabulary (compile thread only)
         self._bytes: dict[int, bytes] | None = None
-        self._lock = threading.Lock()         # the cache: the loop asks, the thread never touches it
 
     def compile(self, guided: dict, eos_token_id: int) -> Future:
         """The Index of `guided` with `eos_token_id` as its end, compiled or on its way (a
-        Future: its exception is a ValueError that names the spec)."""
+        Future: its exception is a ValueError that names the spec). A failure is cached like a
+        success: compiling is deterministic, so asking again would only fail again."""
         key = (guided["kind"], guided.get("spec", ""), eos_token_id)
-        with self._lock:
-            fut = self._cache.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
-                self._cache.move_to_end(key)
-                return fut
-            fut = self._pool.submit(self._build, dict(guided), eos_token_id)
-            if self._wake is not None:
-                fut.add_done_callback(lambda _: self._wake())
-            self._cache[key] = fut
-            while len(self._cache) > self._max:
-                self._cache.popitem(last=False)
+        fut = self._cache.get(key)  # (the engine's thread only: the compile thread never touches it)
+        if fut is not None:
+            self._cache.move_to_end(key)
             return fut
+        fut = self._pool.submit(self._build, dict(guided), eos_token_id)
+        if self._wake is not None:
+            fut.add_done_callback(lambda _: self._wake())
+        self._cache[key] = fut
+        while len(self._cache) > self._max:
+            self._cache.popitem(last=False)
+        return fut
 
     def _build(self, guided: dict, eos: int) -> Any:
         from outlines_core import Index
