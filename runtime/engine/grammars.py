@@ -25,6 +25,7 @@ import json
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("kvrt.engine")
@@ -114,6 +115,15 @@ def describe(guided: dict) -> str:
     return guided["kind"] + (f" {spec[:60]!r}" + ("..." if len(spec) > 60 else "") if spec else "")
 
 
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled grammar: its outlines-core Index, and how many token ids its vocabulary spans
+    (a mask written from it needs room for all of them, even where the model has fewer)."""
+
+    index: Any
+    vocab_size: int
+
+
 class Grammars:
     """Compiled grammars of one node, by (spec, EOS id); `token_bytes` loads the vocabulary
     (id -> bytes, runtime/engine/token_bytes.py), once, in the compile thread."""
@@ -128,8 +138,8 @@ class Grammars:
         self._bytes: dict[int, bytes] | None = None
 
     def compile(self, guided: dict, eos_token_id: int) -> Future:
-        """The Index of `guided` with `eos_token_id` as its end, compiled or on its way (a
-        Future: its exception is a ValueError that names the spec). A failure is cached like a
+        """The grammar of `guided` with `eos_token_id` as its end, compiled or on its way (a
+        Future of a `Compiled`: its exception is a ValueError that names the spec). A failure is cached like a
         success: compiling is deterministic, so asking again would only fail again."""
         key = (guided["kind"], guided.get("spec", ""), eos_token_id)
         fut = self._cache.get(key)  # (the engine's thread only: the compile thread never touches it)
@@ -144,7 +154,7 @@ class Grammars:
             self._cache.popitem(last=False)
         return fut
 
-    def _build(self, guided: dict, eos: int) -> Any:
+    def _build(self, guided: dict, eos: int) -> Compiled:
         from outlines_core import Index
 
         try:
@@ -153,7 +163,7 @@ class Grammars:
         except ValueError as e:
             raise ValueError(f"cannot compile guided {describe(guided)}: {e}") from None
         log.info("compiled guided %s", describe(guided))
-        return index
+        return Compiled(index, max(max(self._bytes), eos) + 1)
 
     def _vocabulary(self, eos: int) -> Any:
         from outlines_core import Vocabulary

@@ -45,6 +45,8 @@ class GuideState:
         self.problem = ""
         self.finished = False  # the EOS was taken in a final state
         self.mask = np.zeros(mask_words(vocab_size), np.int32)
+        self.vocab_size = vocab_size
+        self._scratch: np.ndarray | None = None  # the whole mask, when the tokenizer spans more ids
         self._index = index
         self._guide = None     # outlines_core.Guide, once the index is there
         self._early: list[int] = []
@@ -69,7 +71,10 @@ class GuideState:
             return False
         from outlines_core import Guide
 
-        self._guide = Guide(self._index.result())
+        compiled = self._index.result()
+        self._guide = Guide(compiled.index)
+        words = mask_words(compiled.vocab_size)
+        self._scratch = np.zeros(words, np.int32) if words > len(self.mask) else None
         self._refresh()
         early, self._early = self._early, []
         for token in early:
@@ -97,10 +102,17 @@ class GuideState:
         self._refresh()
 
     def _refresh(self) -> None:
-        """`mask` from the state (outlines-core writes no word past its length: tokens past the
-        model's vocabulary are cut); an empty one is a dead state."""
-        self.mask[:] = 0
-        self._guide.write_mask_into(self.mask.ctypes.data, self.mask.size, 4)
+        """`mask` from the state (a tokenizer with ids past the model's vocabulary is written
+        whole into a scratch first, and cut: the model cannot produce those); an empty one is a
+        dead state."""
+        out = self.mask if self._scratch is None else self._scratch
+        out[:] = 0
+        self._guide.write_mask_into(out.ctypes.data, out.size, 4)
+        if self._scratch is not None:
+            self.mask[:] = self._scratch[:len(self.mask)]
+            past = len(self.mask) * 32 - self.vocab_size  # bits of the last word past the model's tokens
+            if past:
+                self.mask.view(np.uint32)[-1] &= np.uint32((1 << (32 - past)) - 1)
         if not self.mask.any():
             self.problem = f"guided {describe(self.guided)} came to a state that allows no token of this model"
 

@@ -128,6 +128,20 @@ def test_a_grammar_that_cannot_compile_or_in_time_fails_the_request():
     small.close()
 
 
+def test_a_tokenizer_with_more_ids_than_the_model_is_cut_to_the_model():
+    """Token ids past the model's vocabulary are never allowed, and a state that allows only
+    such tokens is dead."""
+    big = Grammars(lambda: {0: b"a", 1: b"b", 40: b"c", 70: b"d"})
+    for regex, want in (("[abc]", [0, 1]), ("d", [])):
+        spec = {"kind": "regex", "spec": regex}
+        g = GuideState(spec, big.compile(spec, 2), 2, 40)  # a model of 40 tokens: "c" (40) is past it
+        g._index.result()
+        assert g.ready() == bool(want)
+        got = np.flatnonzero(np.unpackbits(g.mask.view(np.uint8), bitorder="little")).tolist()
+        assert got == want and (("allows no token" in g.problem) == (not want))
+    big.close()
+
+
 def test_the_cache_compiles_a_spec_once(grammars):
     spec = {"kind": "json_object", "spec": ""}
     assert grammars.compile(spec, 2) is grammars.compile(dict(spec), 2)

@@ -11,6 +11,7 @@ import numpy as np
 from outlines_core import Index, Vocabulary
 
 from kvrt.runtime.cache.prefix_cache import PrefixCache
+from kvrt.runtime.engine.grammars import Compiled
 from kvrt.runtime.engine.guide import GuideState
 from kvrt.runtime.engine.scheduler import Scheduler
 from kvrt.runtime.engine.sequence import Sequence, SeqState
@@ -19,9 +20,9 @@ BS, VOCAB, EOS = 4, 64, 63
 SPEC = {"kind": "regex", "spec": "ab"}
 
 
-def index() -> Index:
+def index() -> Compiled:
     """'ab' over tokens a=1, b=2 (and 'ab'=3)."""
-    return Index("ab", Vocabulary(EOS, {"a": [1], "b": [2], "ab": [3]}))
+    return Compiled(Index("ab", Vocabulary(EOS, {"a": [1], "b": [2], "ab": [3]})), EOS + 1)
 
 
 def allowed(mask: np.ndarray) -> list[int]:
