@@ -202,7 +202,8 @@ def _ban(a: Any, banned: Any, xp: Any, scratch: Any) -> None:
         a[...] = xp.where(banned, xp.asarray(-xp.inf, a.dtype), a)
         return
     m, tmp = scratch[0, :a.shape[0]], scratch[1, :a.shape[0]]
-    xp.negative(banned.view(xp.int8), out=m, casting="unsafe")  # banned: every bit set
+    m[...] = banned.view(xp.int8)
+    xp.negative(m, out=m)  # banned: every bit set
     bits = a.view(xp.int32)
     xp.bitwise_xor(bits, _NEG_INF_BITS, out=tmp)
     xp.bitwise_and(tmp, m, out=tmp)
