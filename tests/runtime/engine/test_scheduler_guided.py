@@ -29,8 +29,8 @@ def allowed(mask: np.ndarray) -> list[int]:
     return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist()
 
 
-def guided(rid: str, fut: Future, n: int = 6, new: int = 4) -> Sequence:
-    prompt = np.arange(n, dtype=np.int32) + 10
+def guided(rid: str, fut: Future, n: int = 6, new: int = 4, first: int = 10) -> Sequence:
+    prompt = np.arange(n, dtype=np.int32) + first
     return Sequence.new(rid, prompt, new, BS, eos_token_id=EOS, guide=GuideState(SPEC, fut, EOS, VOCAB))
 
 
@@ -121,3 +121,24 @@ def test_no_step_carries_more_guided_rows_than_the_cap():
         s.finish_step(step, np.array([1 if q.guide is not None and not q.num_output else
                                       (2 if q.guide is not None else 5) for q in step.seqs], np.int32))
     assert all(q.state is SeqState.FINISHED for q in seqs)
+
+
+def test_preemption_keeps_the_grammar_state():
+    """Requests preempted and recomputed go on from where their grammar was: a model that takes
+    the lowest allowed token writes exactly 'aaaaaab' then EOS, however often it was preempted."""
+    cache = PrefixCache(BS, 12)  # too few blocks for three growing requests: preemptions
+    s = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=64)
+    fut: Future = Future()
+    fut.set_result(Compiled(Index("a{6}b", Vocabulary(EOS, {"a": [1], "b": [2]})), EOS + 1))
+    seqs = [guided(str(i), fut, n=14, new=10, first=100 * i) for i in range(3)]  # (no shared prefix)
+    for q in seqs:
+        s.add(q)
+    for _ in range(200):
+        step = s.schedule()
+        if step is None:
+            break
+        s.finish_step(step, np.array([allowed(q.guide.mask)[0] for q in step.seqs], np.int32))
+    assert s.preemptions > 0
+    for q in seqs:
+        assert q.finish_reason == "eos" and q.output.tolist() == [1] * 6 + [2, EOS], q.output
+    cache.check()
