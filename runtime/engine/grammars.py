@@ -36,9 +36,12 @@ MAX_CACHED = 64            # compiled grammars kept (least recently asked droppe
 GRAMMAR_TIMEOUT_S = 120.0  # how long a request waits for its grammar before it fails
 
 
-def guided_problem(guided: object) -> str:
-    """The first problem with a request's `guided` field, or "": its shape, and whether its
-    schema or regex can be compiled at all (a cheap check here; the index itself is built later)."""
+def guided_problem(guided: object, check_regex: bool = False) -> str:
+    """The first problem with a request's `guided` field, or "": its shape, whether its schema
+    can be turned into a regex, and with `check_regex` whether outlines-core reads a regex at
+    all (the HTTP server asks, to answer 400; the engine does not: a regex's automaton can grow
+    exponentially with its text, and the engine's loop builds none, so a bad regex there fails
+    its request when the compile thread meets it)."""
     if guided is None:
         return ""
     if not isinstance(guided, dict) or set(guided) - {"kind", "spec"} or "kind" not in guided:
@@ -51,7 +54,9 @@ def guided_problem(guided: object) -> str:
     if len(spec.encode("utf-8", "replace")) > MAX_SPEC_BYTES:
         return f"guided spec is longer than {MAX_SPEC_BYTES} bytes"
     try:
-        regex_of(guided)
+        regex = regex_of(guided)
+        if check_regex and kind == "regex":
+            _check_regex(regex)
     except ValueError as e:
         return str(e)
     return ""
@@ -63,7 +68,6 @@ def regex_of(guided: dict) -> str:
     if kind == "regex":
         if not spec:
             raise ValueError("guided regex is empty")
-        _check_regex(spec)
         return spec
     from outlines_core.json_schema import build_regex_from_schema
 

@@ -236,7 +236,7 @@ class Server:
             spec, name = body.guided()
         except ValueError as e:
             raise ApiError(400, str(e), param=str(e).split(":", 1)[0], code="invalid_response_format") from None
-        if spec is not None and (problem := guided_problem(spec)):
+        if spec is not None and (problem := guided_problem(spec, check_regex=True)):
             raise ApiError(400, f"{name}: {problem}", param=name, code="invalid_response_format")
         return spec
 
