@@ -15,6 +15,14 @@ default), for each batch size and each sampling setting:
 - `limit`: one read of the logits at the memory bandwidth measured in this run (the best of a
   few whole-array reductions over 256 MiB): no sampler can take less.
 
+Guided decoding, after the table: the same greedy and t=1 steps with every row guided (a
+packed allowed-token mask per row, half the vocabulary allowed, unpacked and applied in the
+sampler) next to the unmasked step, as a ratio; what the engine pays per guided row and token
+to move its grammar state and write the next mask; and the time to compile a typical JSON
+schema, and JSON mode, against a synthetic byte-level vocabulary of the same size (all 256
+bytes, then random 2 to 8 character pieces of JSON-ish text: no tokenizer is downloaded).
+`--no-guided` leaves that part out.
+
 Ratios are over the greedy argmax of the same batch (what a sampled decode step pays on top of
 a greedy one is the ratio minus 1, times the argmax's time). The logits are synthetic and
 `peaked` as a language model's usually are (a N(0, 2^2) bulk, 20 tokens 12 to 22 above it, so
@@ -31,6 +39,8 @@ from typing import Any, Callable
 import numpy as np
 
 from kvrt.bench.timing import best_seconds
+from kvrt.runtime.engine.grammars import Grammars
+from kvrt.runtime.engine.guide import GuideState, mask_words
 from kvrt.workers.sampler import SamplingRows, adjust, sample, top_logprobs, uniforms
 
 CASES = {  # name -> (logits, SamplingRows fields)
@@ -45,6 +55,12 @@ CASES = {  # name -> (logits, SamplingRows fields)
     "t1 top20": ("peaked", dict(temperature=1.0, logprobs=True, top_logprobs=20)),
 }
 PROMPT_TOKENS, OUTPUT_TOKENS, BIASED = 2048, 256, 16
+GUIDED_CASES = ("greedy", "t1")
+GUIDED_DENSITY = 0.5  # the share of the vocabulary a guided row allows (inside a JSON string: most)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}},
+                                           "ok": {"type": "boolean"}}, "required": ["name", "age"]}
+PIECE_ALPHABET = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ,.:;\"'{}[]_-\n"
 BANDWIDTH_BYTES = 256 << 20
 
 
@@ -210,6 +226,81 @@ def measure(vocab: int, batches: list[int], repeat: int, naive_repeat: int) -> t
     return gb_s, out
 
 
+@dataclass
+class GuidedRow:
+    batch: int
+    case: str
+    unmasked_ms: float
+    masked_ms: float
+    masked_vs_unmasked: float
+
+
+def measure_guided(vocab: int, batches: list[int], repeat: int) -> list[GuidedRow]:
+    """Every row guided vs none, same logits and parameters, side by side."""
+    rng = np.random.default_rng(1)
+    out = []
+    for b in batches:
+        x = logits("peaked", b, vocab, rng)
+        keep = rng.random((b, mask_words(vocab) * 32)) < GUIDED_DENSITY
+        words = np.packbits(keep, axis=-1, bitorder="little").view("<i4").astype(np.int32)
+        for case in GUIDED_CASES:
+            r = rows_for(b, CASES[case][1], vocab, rng)
+            plain = best_ms(lambda: sample(x, r), repeat)
+            r.allowed_rows, r.allowed = np.arange(b), words
+            masked = best_ms(lambda: sample(x, r), repeat)
+            out.append(GuidedRow(b, case, plain, masked, masked / plain))
+    return out
+
+
+def synthetic_vocabulary(vocab: int, seed: int = 0) -> dict[int, bytes]:
+    """A byte-level vocabulary of `vocab` tokens: the 256 bytes, then distinct random pieces."""
+    rng = np.random.default_rng(seed)
+    pieces = {bytes([b]) for b in range(256)}
+    alphabet = np.frombuffer(PIECE_ALPHABET, np.uint8)
+    while len(pieces) < vocab:
+        n = int(rng.integers(2, 9))
+        pieces.add(rng.choice(alphabet, n).tobytes())
+    return dict(enumerate(sorted(pieces)))
+
+
+def measure_grammar(vocab: int) -> dict:
+    """Seconds to compile the typical schema and JSON mode over a synthetic vocabulary (one
+    run each: a compile is seconds, not noise), and microseconds per guided token for the
+    engine's state update and mask write (a walk through allowed tokens)."""
+    import time
+
+    eos = vocab - 1
+    token_bytes = synthetic_vocabulary(vocab - 1)
+    grammars = Grammars(lambda: token_bytes)
+    schema = {"kind": "json_schema", "spec": json.dumps(SCHEMA)}
+    out = {}
+    try:
+        grammars.compile({"kind": "regex", "spec": "x"}, eos).result()  # the vocabulary, built once, not timed
+        for name, spec in (("json_schema", schema), ("json_object", {"kind": "json_object", "spec": ""})):
+            t0 = time.perf_counter()
+            grammars.compile(spec, eos).result()
+            out[f"compile_{name}_s"] = time.perf_counter() - t0
+        guide = GuideState(schema, grammars.compile(schema, eos), eos, vocab)
+        guide.ready()
+        rng = np.random.default_rng(2)
+        steps, spent = 0, 0.0
+        for _ in range(200):
+            allowed = np.flatnonzero(np.unpackbits(guide.mask.view(np.uint8), bitorder="little")[:vocab])
+            allowed = allowed[allowed != eos]
+            if not len(allowed) or guide.problem:
+                break
+            token = int(rng.choice(allowed))
+            t0 = time.perf_counter()
+            guide.advance(token)  # the state, then the next mask
+            spent += time.perf_counter() - t0
+            steps += 1
+        out["state_and_mask_us_per_token"] = spent / max(steps, 1) * 1e6
+        out["walk_tokens"] = steps
+    finally:
+        grammars.close()
+    return out
+
+
 def print_table(vocab: int, gb_s: float, rows: list[Row]) -> None:
     print(f"vocab {vocab}, float32 logits; limit: one read at {gb_s:.1f} GB/s; x: over the greedy argmax "
           f"of the same batch; best of the repeats")
@@ -234,6 +325,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default 1,8,32)")
     p.add_argument("--repeat", type=int, default=20, help="timed calls per case, best kept (default 20)")
     p.add_argument("--naive-repeat", type=int, default=2, help="timed calls of the naive sampler (default 2)")
+    p.add_argument("--no-guided", action="store_true", help="leave out guided decoding's masked steps and "
+                                                            "grammar compile")
     args = p.parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",") if b]
@@ -242,8 +335,20 @@ def main(argv: list[str]) -> int:
     if not batches or min(batches) < 1 or args.vocab < 1:
         p.error("--batches and --vocab must be positive")
     gb_s, rows = measure(args.vocab, batches, max(args.repeat, 1), max(args.naive_repeat, 1))
+    guided = [] if args.no_guided else measure_guided(args.vocab, batches, max(args.repeat, 1))
+    grammar = {} if args.no_guided else measure_grammar(args.vocab)
     if args.json:
-        print(json.dumps({"vocab": args.vocab, "bandwidth_gb_s": gb_s, "rows": [asdict(r) for r in rows]}))
-    else:
-        print_table(args.vocab, gb_s, rows)
+        print(json.dumps({"vocab": args.vocab, "bandwidth_gb_s": gb_s, "rows": [asdict(r) for r in rows],
+                          "guided": [asdict(g) for g in guided], "grammar": grammar}))
+        return 0
+    print_table(args.vocab, gb_s, rows)
+    if guided:
+        print(f"\nguided: every row masked ({GUIDED_DENSITY:.0%} of the vocabulary allowed) vs the same step unmasked")
+        print(f"{'batch':>5} {'case':<8} {'unmasked ms':>12} {'masked ms':>10} {'masked x':>9}")
+        for g in guided:
+            print(f"{g.batch:>5} {g.case:<8} {g.unmasked_ms:>12.3f} {g.masked_ms:>10.3f} {g.masked_vs_unmasked:>9.2f}")
+        print(f"grammar over a synthetic {args.vocab}-token byte-level vocabulary: compile "
+              f"{grammar['compile_json_schema_s']:.2f} s (typical JSON schema), {grammar['compile_json_object_s']:.2f} s "
+              f"(JSON mode); engine state + mask per guided token {grammar['state_and_mask_us_per_token']:.0f} us "
+              f"({grammar['walk_tokens']} tokens)")
     return 0

@@ -265,6 +265,11 @@ class StepBatch:
     sequence i's tokens are scored, row r against prompt_targets (the token at the row's position
     + 1, sequence i's prompt_rows[i] of them in order: the engine knows the prompt, so a chunk's
     last row is scored against the next chunk's first token), with prompt_top[i] alternatives.
+    Guided decoding (empty when no sequence of the step is guided): sequence guided_rows[j] may
+    only take the tokens whose bits are set in guided_mask[j * W : (j + 1) * W], W = ceil(vocab
+    / 32) int32 words (token t: bit t % 32 of word t // 32); the engine keeps the grammar state
+    and sends the mask it allows now, so the worker holds none. At most
+    max_guided_rows(vocab) guided rows a step, so that a step always fits its ring's record.
     Floats and 64-bit seeds travel as msgpack lists (the codec's arrays are int32)."""
 
     step_id: int
@@ -292,6 +297,18 @@ class StepBatch:
     prompt_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     prompt_targets: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     prompt_top: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    guided_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    guided_mask: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+
+
+# the bytes of one step's guided masks: a ring holds records up to half its size (1 MiB
+# rings, runtime/node/supervisor.py), and the rest of a step stays well under the other half
+GUIDED_MASK_BYTES = 256 << 10
+
+
+def max_guided_rows(vocab_size: int) -> int:
+    """How many guided sequences one step may carry: 13 at a 151,936-token vocabulary."""
+    return max(1, GUIDED_MASK_BYTES // (4 * -(-vocab_size // 32)))
 
 
 @PROTOCOL.message("step_result")

@@ -27,6 +27,13 @@ for the whole batch (no pass over the vocabulary, no loop over rows), and the en
 them from the request's tokens each step, so they stay right across preemption and P/D. The
 adjusted logits feed the draw and greedy's argmax; logprobs stay those of the model's own logits.
 
+Why guided decoding is a mask in `adjust`: a grammar allows a set of next tokens, and a token
+outside it must never be chosen, by greedy's argmax or by any draw. The engine sends each guided
+row's set as packed bits; they are unpacked on the device the logits are on and every other
+token's logit becomes -inf after the biases and penalties, before temperature, top-k, top-p and
+min-p, so every path after it only ever sees allowed tokens. A row whose allowed tokens all came
+out -inf (a bias banned them) draws among them as if uniform instead: still inside the grammar.
+
 The same code runs on numpy or cupy (`xp`); results come back as host numpy arrays.
 """
 from __future__ import annotations
@@ -59,8 +66,9 @@ class SamplingRows:
     token); then the tokens `pen_ids` (pen_lens[i] for row i) with output counts `pen_counts`
     get HF's repetition penalty (logit / r if positive, else * r: every listed token, so a
     row lists its prompt's tokens too when r != 1) and OpenAI's frequency and presence
-    penalties (- f * count - p * (count > 0)). `top_logprobs[i]` alternatives are answered
-    by `top_logprobs()`."""
+    penalties (- f * count - p * (count > 0)). Then the guided rows `allowed_rows` keep only
+    the tokens set in their `allowed` bits (see the module docstring). `top_logprobs[i]`
+    alternatives are answered by `top_logprobs()`."""
 
     temperature: np.ndarray  # float64
     top_p: np.ndarray        # float64
@@ -79,6 +87,8 @@ class SamplingRows:
     pen_lens: np.ndarray | None = None       # int64 [n]
     pen_ids: np.ndarray | None = None        # int64 [sum(pen_lens)]
     pen_counts: np.ndarray | None = None     # int64 [sum(pen_lens)]: each token's count in the output
+    allowed_rows: np.ndarray | None = None   # int64 [g]: the guided rows
+    allowed: np.ndarray | None = None        # int32 [g, words]: their allowed tokens, bit t % 32 of word t // 32
 
     def __post_init__(self) -> None:
         if self.min_p is None:
@@ -131,11 +141,12 @@ def sample(logits: Any, rows: SamplingRows, xp: Any = np) -> tuple[np.ndarray, n
 
 def adjust(logits: Any, rows: SamplingRows, xp: Any = np) -> Any:
     """The logits the draw sees: `logits` itself without adjustments, else a copy with the
-    rows' biases, then penalties, applied (see SamplingRows), one scatter each."""
+    rows' biases, then penalties, then guided masks applied (see SamplingRows), one scatter each."""
     n = int(logits.shape[0])
     bias = rows.bias_lens is not None and int(np.sum(rows.bias_lens)) > 0
     pen = rows.pen_lens is not None and int(np.sum(rows.pen_lens)) > 0
-    if not (bias or pen):
+    guided = rows.allowed_rows is not None and len(rows.allowed_rows) > 0
+    if not (bias or pen or guided):
         return logits
     z = logits.copy()
     ft = xp.float64 if z.dtype == xp.float64 else xp.float32  # the arithmetic: at least float32
@@ -152,7 +163,67 @@ def adjust(logits: Any, rows: SamplingRows, xp: Any = np) -> Any:
         v = xp.where(v > 0, v / rep, v * rep)
         v -= xp.asarray(rows.frequency[hr] * counts + rows.presence[hr] * (counts > 0), ft)
         z[r, ids] = v.astype(z.dtype)
+    if guided:
+        _mask(z, rows.allowed_rows, rows.allowed, xp)
     return z
+
+
+def _mask(z: Any, rows: np.ndarray, allowed: np.ndarray, xp: Any) -> None:
+    """Guided rows of z (in place) keep their allowed tokens' logits, -inf elsewhere; a row
+    whose allowed logits are all -inf or NaN becomes 0 on every allowed token (see the module
+    docstring). On a CPU a chunk of rows at a time, with one scratch for all, so that what it
+    touches stays in cache and no chunk faults fresh pages in."""
+    n, vocab = z.shape
+    rows = np.asarray(rows, np.int64)
+    step = CHUNK if xp is np else max(len(rows), 1)
+    scratch = xp.empty((2, min(step, len(rows)), vocab), xp.int32) if z.dtype == xp.float32 else None
+    for at in range(0, len(rows), step):
+        part = rows[at:at + step]
+        run = bool(np.all(part == np.arange(part[0], part[0] + len(part))))
+        r = None if run else xp.asarray(part)
+        sub = z[int(part[0]):int(part[0]) + len(part)] if run else z[r]  # consecutive rows: a view
+        banned = unpack_mask(~xp.asarray(allowed[at:at + step]), vocab, xp)
+        _ban(sub, banned, xp, scratch)
+        dead = ~(sub.max(axis=-1) > -xp.inf)  # (a NaN maximum counts as dead too)
+        if bool(dead.any()):  # (one value: a host bool on cupy too)
+            sub[dead] = xp.where(banned[dead], xp.asarray(-xp.inf, z.dtype), xp.asarray(0, z.dtype))
+        if not run:
+            z[r] = sub
+
+
+_NEG_INF_BITS = int(np.float32(-np.inf).view(np.int32))
+
+
+def _ban(a: Any, banned: Any, xp: Any, scratch: Any) -> None:
+    """a[banned] = -inf, in place. Float32 rows by bit operations on their int32 view, a blend
+    with -inf's bits through an all-ones mask (a masked store branches at every token of a
+    random mask: ten times slower at 151k tokens here), in `scratch` ([2, >= rows, vocab] int32)."""
+    if scratch is None or not a.flags.c_contiguous:
+        a[...] = xp.where(banned, xp.asarray(-xp.inf, a.dtype), a)
+        return
+    m, tmp = scratch[0, :a.shape[0]], scratch[1, :a.shape[0]]
+    m[...] = banned.view(xp.int8)
+    xp.negative(m, out=m)  # banned: every bit set
+    bits = a.view(xp.int32)
+    xp.bitwise_xor(bits, _NEG_INF_BITS, out=tmp)
+    xp.bitwise_and(tmp, m, out=tmp)
+    xp.bitwise_xor(bits, tmp, out=bits)  # banned: -inf's bits; else its own
+
+
+def unpack_mask(words: Any, vocab: int, xp: Any = np) -> Any:
+    """bool [g, vocab] from packed int32 words [g, W] (token t: bit t % 32 of word t // 32):
+    numpy unpacks the little-endian bytes; cupy shifts each token's word."""
+    if xp is np:
+        b = np.ascontiguousarray(words, dtype="<i4").view(np.uint8)
+        return np.unpackbits(b, axis=-1, count=vocab, bitorder="little").astype(bool)
+    return shift_unpack(words, vocab, xp)
+
+
+def shift_unpack(words: Any, vocab: int, xp: Any) -> Any:
+    """`unpack_mask` by a gather and a shift per token, for an array module without unpackbits
+    along an axis."""
+    t = xp.arange(vocab)
+    return ((words[:, t // 32] >> (t % 32).astype(xp.int32)) & 1).astype(bool)
 
 
 def top_logprobs(logits: Any, rows: SamplingRows, xp: Any = np) -> tuple[np.ndarray, np.ndarray]:

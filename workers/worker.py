@@ -59,6 +59,7 @@ class Worker:
         if cfg.device == "cuda":  # CuPy's kernels compiled now, before ready, not in the first step
             self.model.warm_up(cfg.block_size)
         self.block_size = cfg.block_size
+        self.vocab_size = cfg.vocab_size  # the logits' width: what a guided mask covers
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
         me, topo = (P.ROLE_WORKER, child.rank), Topology.of(cfg)
         [self.orders], [self.answers] = topo.receivers(child.reg, me), topo.senders(child.reg, me)
@@ -91,6 +92,7 @@ class Worker:
                 self._check_owned(step.step_id, seqs)
             rows = self._sampling(step)
             query = self._prompt_query(step) if self.child.rank == 0 else None
+            rows.allowed_rows, rows.allowed = _guided(step, len(step.query_lens), self.vocab_size)
             with self.threads.for_rows(len(step.tokens)):
                 logits, scores = self.model.step_outputs(self.device.array, seqs, query)
                 if self.child.rank == 0:
@@ -208,6 +210,23 @@ def beat_period(hang_timeout: float) -> float:
     so one look that finds no progress (the main thread between two marks and descheduled)
     is not all the launcher sees."""
     return min(0.25, hang_timeout / 8) if hang_timeout > 0 else 0.25
+
+
+def _guided(step: P.StepBatch, n: int, vocab: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The guided rows and their masks [g, words] (None, None: no row guided); ValueError when
+    they do not fit the batch or a mask allows no token (a token outside it would be garbage)."""
+    g = len(step.guided_rows)
+    if g == 0 and len(step.guided_mask) == 0:
+        return None, None
+    words = -(-vocab // 32)
+    rows = np.asarray(step.guided_rows, np.int64)
+    if len(step.guided_mask) != g * words or not np.all((rows >= 0) & (rows < n)) or len(np.unique(rows)) != g:
+        raise ValueError(f"step batch guided masks: {g} rows of {n} and {len(step.guided_mask)} words "
+                         f"({words} a row for a vocabulary of {vocab})")
+    mask = np.asarray(step.guided_mask, np.int32).reshape(g, words)
+    if not mask.any(axis=-1).all():
+        raise ValueError("step batch guided masks: a row allows no token")
+    return rows, mask
 
 
 def _check_entries(lens: np.ndarray | None, ids: np.ndarray, values: int, what: str) -> None:

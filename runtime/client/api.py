@@ -109,7 +109,13 @@ class Generation:
     `presence_penalty` (0: off, in [-2, 2]) subtract f * count and p once from each token
     the output holds. Stop strings need text, so they are the client's (runtime/client/stop.py).
 
-    `guided`: what the output must match, {"kind": "regex", "spec": REGEX} (None: anything).
+    `guided` constrains the output to a grammar: {"kind": "json_object" | "json_schema" |
+    "regex", "spec": text} (spec: the JSON schema as JSON text, the regex, or "" for
+    json_object). Each token is drawn only from those the grammar allows next, after the
+    adjustments above, and the request's EOS only once the grammar is complete (so such a
+    request needs an `eos_token_id`); max_new_tokens may cut it first (finish reason "length").
+    Checked at intake (runtime/engine/grammars.py); the node must serve a checkpoint with a
+    tokenizer.json, whose vocabulary the grammar is compiled against.
 
     `cache_salt` (vLLM's field; "" for none) keeps the request's prefix-cache blocks apart from
     those of every other salt (runtime/cache/keys.py salted_root): requests share cached blocks

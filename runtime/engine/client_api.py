@@ -17,6 +17,8 @@ from kvrt.runtime.cache.prefix_cache import PrefixCache
 from kvrt.runtime.client import api
 from kvrt.runtime.engine.cache_tasks import CacheTasks
 from kvrt.runtime.engine.clients import Clients
+from kvrt.runtime.engine.grammars import Grammars
+from kvrt.runtime.engine.guide import guide_for
 from kvrt.runtime.engine.intake import is_int, sampling_of, show, validate
 from kvrt.runtime.engine.scheduler import Scheduler
 from kvrt.runtime.engine.sequence import Sequence
@@ -37,8 +39,9 @@ class ClientApi:
     once the node stops taking requests."""
 
     def __init__(self, cfg: NodeConfig, clients: Clients, sched: Scheduler, cache: PrefixCache,
-                 connector: KVConnector, tasks: CacheTasks, stats: EngineStats):
+                 connector: KVConnector, tasks: CacheTasks, stats: EngineStats, grammars: Grammars | None = None):
         self.cfg = cfg
+        self.grammars = grammars
         self.clients = clients
         self.sched = sched
         self.cache = cache
@@ -105,7 +108,8 @@ class ClientApi:
                                     salted_root(self.cfg.key_root, req.cache_salt),
                                     client=client,
                                     eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
-                                    prompt_logprobs=req.prompt_logprobs, **sampling))
+                                    prompt_logprobs=req.prompt_logprobs,
+                                    guide=guide_for(req, self.grammars, self.cfg.vocab_size), **sampling))
 
     def on_cancel(self, client: bytes, req: api.CancelRequest) -> None:
         rid = req.request_id

@@ -40,6 +40,8 @@ from kvrt.runtime.client import api
 from kvrt.runtime.engine.cache_tasks import CacheTasks
 from kvrt.runtime.engine.client_api import ClientApi
 from kvrt.runtime.engine.clients import Clients
+from kvrt.runtime.engine.grammars import Grammars
+from kvrt.runtime.engine.guide import guide_for
 from kvrt.runtime.engine.metrics import Metrics
 from kvrt.runtime.engine.ownership import OwnerSync, OwnerTable
 from kvrt.runtime.engine.rank_inbox import RankInbox
@@ -47,6 +49,7 @@ from kvrt.runtime.engine.scheduler import Scheduler
 from kvrt.runtime.engine.server import ApiServer
 from kvrt.runtime.engine.stats import EngineStats
 from kvrt.runtime.engine.step_runner import StepRunner, StepTimeout
+from kvrt.runtime.engine.token_bytes import read_token_bytes
 from kvrt.runtime.engine.transfer import TransferClient
 from kvrt.runtime.node.config import NodeConfig
 from kvrt.runtime.pd.connector import ConnectorContext, KVConnector
@@ -97,6 +100,11 @@ class Engine:
                                  write_through=self.storage is not None,
                                  policy=make_policy(cfg.eviction))
         self.sched = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.sched.max_guided = P.max_guided_rows(cfg.vocab_size)
+        # guided decoding's grammars, compiled against the checkpoint's tokenizer in a thread
+        # that wakes the loop when one is done
+        self.grammars = Grammars(lambda: read_token_bytes(cfg.model_dir)[0], wake=self.fan.poke) \
+            if cfg.model_dir else None
         self.stats = EngineStats(Signal.attach(member.reg, P.ENGINE_STATS), self.cache, self.sched, self.transfer)
         self.metrics = Metrics(self.stats.array, self.ring_stats)
         self.clients = Clients(self.sched, self.stats, self.metrics)
@@ -105,7 +113,8 @@ class Engine:
         self.tasks = CacheTasks(self.transfer, self.cache, self.sched, self.storage, sync, self.stats,
                                 self.metrics, cfg.storage)
         self.steps = StepRunner(cfg, self.to_workers, self.sched, self.clients, sync, self.stats, TICK_S)
-        self.api = ClientApi(cfg, self.clients, self.sched, self.cache, self.connector, self.tasks, self.stats)
+        self.api = ClientApi(cfg, self.clients, self.sched, self.cache, self.connector, self.tasks, self.stats,
+                             self.grammars)
         self.answers = RankInbox(self.fan, self.inbound, {P.StepResult: self.steps.on_result,
                                                           P.TransferDone: self.tasks.on_done,
                                                           P.StorageKeys: self.tasks.on_storage_keys},
@@ -130,7 +139,8 @@ class Engine:
             cfg=self.cfg, stats=self.stats.array, sched=self.sched, block_table=self.cache.block_table,
             reply=clients.reply, send_raw=clients.send_raw, finished=clients.finished,
             count_finished=self.stats.count_finished, count_failed=self.stats.count_failed,
-            accepting=lambda: self.api.accepting, to_ranks=self.to_messagers)
+            accepting=lambda: self.api.accepting, to_ranks=self.to_messagers,
+            guide=lambda req: guide_for(req, self.grammars, self.cfg.vocab_size))
         return kind(ctx)
 
     def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:
@@ -179,6 +189,8 @@ class Engine:
             return 1
         finally:
             self._close_outlets()
+            if self.grammars is not None:
+                self.grammars.close()
 
     def step(self) -> None:
         """One turn of the loop: intake (a bounded batch of client messages: client_api.py),
@@ -203,6 +215,7 @@ class Engine:
         self.sched.admit_external()
         if self.sched.inflight is None and self.tasks.storage_ready:
             step = self.sched.schedule()
+            self.clients.apply(self.sched.take_failed())  # guided requests whose grammar failed
             self.tasks.issue()  # admission may have asked for swaps or storage reads
             if step is not None:
                 self.steps.launch(step)

@@ -13,6 +13,7 @@ import numpy as np
 from kvrt.runtime.client.api import (MAX_LOGIT_BIAS, MAX_ON_BEHALF_OF_BYTES, MAX_TOP_LOGPROBS, GenerateRequest,
                                      cache_salt_problem,
                                      request_id_problem)
+from kvrt.runtime.engine.grammars import guided_problem
 from kvrt.runtime.node.config import NodeConfig
 
 
@@ -134,6 +135,12 @@ def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
         return f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {show(k)}"
     if problem := cache_salt_problem(req.cache_salt):
         return problem
+    if problem := guided_problem(req.guided):
+        return problem
+    if req.guided is not None and not cfg.model_dir:
+        return "guided decoding needs a tokenizer: serve a checkpoint (kvrt launch --model DIR)"
+    if req.guided is not None and req.eos_token_id < 0:
+        return "guided decoding needs an eos_token_id: the grammar's answer ends with it"
     prompt = req.prompt
     if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.dtype != np.int32:
         return f"prompt must be int32 token ids, got {show(prompt)}"

@@ -29,6 +29,12 @@ back. A sequence reads storage at most once per admission: matched again before 
 finds what its read brought in the tree, and reads holding each other's room cannot repeat
 (tests/runtime/engine/test_scheduler_liveness.py).
 
+A guided request (runtime/engine/guide.py) runs only once its grammar is compiled: one that
+reaches the head of the queue before then waits aside (`compiling`, holding no blocks) and goes
+back to the front when it is ready, so requests behind it are not held up by a compile; one
+whose grammar fails is finished and told through `take_failed`. No step carries more guided
+sequences than `max_guided` (their masks must fit the step message).
+
 KV from or to outside (a KV connector, runtime/pd/) adds two life cycles, and the
 scheduler knows only the connector's hooks, never who is on the other side. A request whose
 tokens an external source supplies asynchronously (`get_num_new_matched_tokens`) waits in its
@@ -93,6 +99,9 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # ended while the connector read their blocks: not released yet
         self.inflight: Step | None = None
+        self.max_guided = 1 << 30  # guided sequences per step (their masks must fit the step message)
+        self.compiling: list[Sequence] = []  # waiting for their grammar (guided decoding), in arrival order
+        self.failed: list[tuple[Sequence, str]] = []  # failed outside a step, not told yet
         self._step_ids = itertools.count(1)
         self.preemptions = 0
 
@@ -128,11 +137,18 @@ class Scheduler:
         step = Step(next(self._step_ids))
         budget = self.max_num_batched_tokens
         short = False  # a running sequence lacked blocks: admit nobody new in this step
+        self._grammars_ready()
         for seq in list(self.running):
             if budget <= 0 or len(step.seqs) >= self.max_num_seqs:
                 break
             if seq.state is not SeqState.RUNNING:
                 continue  # preempted while this step was being built
+            if seq.guide is not None and not seq.guide.ready():
+                if seq.guide.problem:
+                    self._fail_guided(seq)
+                continue  # (a decode node's request whose grammar still compiles)
+            if seq.guide is not None and self._guided(step) >= self.max_guided:
+                continue  # its mask would not fit this step: the next one
             chunk = min(seq.num_tokens - seq.num_computed, budget)
             preemptions = self.preemptions
             if self._grow(seq, seq.num_computed + chunk, step):
@@ -143,6 +159,14 @@ class Scheduler:
             short |= self.preemptions != preemptions
         while not short and self.waiting and budget > 0 and len(step.seqs) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.guide is not None and not seq.guide.ready():
+                self.waiting.popleft()  # waits for its grammar aside, holding nothing
+                if seq.matched:
+                    self._unmatch(seq)
+                self.compiling.append(seq)
+                continue
+            if seq.guide is not None and self._guided(step) >= self.max_guided:
+                break
             if not seq.matched:
                 if not self._may_match(seq):
                     break
@@ -170,6 +194,37 @@ class Scheduler:
             return None
         self.inflight = step
         return step
+
+    @staticmethod
+    def _guided(step: Step) -> int:
+        return sum(seq.guide is not None for seq in step.seqs)
+
+    def _grammars_ready(self) -> None:
+        """Sequences whose grammar is now compiled go back to the front of the queue (they
+        arrived before those queued since), in arrival order; those whose grammar failed fail."""
+        if not self.compiling:
+            return
+        ready = []
+        for seq in list(self.compiling):
+            if seq.guide.ready() or seq.guide.problem:
+                if seq.guide.problem:
+                    self._fail_guided(seq)
+                else:
+                    self.compiling.remove(seq)
+                    ready.append(seq)
+        for seq in reversed(ready):
+            self.waiting.appendleft(seq)
+
+    def _fail_guided(self, seq: Sequence) -> None:
+        """A guided sequence whose grammar cannot be followed fails (`take_failed` tells it)."""
+        self._finish(seq, "error")
+        self.failed.append((seq, seq.guide.problem))
+
+    def take_failed(self) -> StepOutcome:
+        """The sequences that failed outside a step since the last call (their grammar did not
+        compile, in time or at all), to tell their clients."""
+        out, self.failed = StepOutcome(failed=self.failed), []
+        return out
 
     def _add(self, step: Step, seq: Sequence, chunk: int) -> None:
         start = seq.num_computed
@@ -312,7 +367,10 @@ class Scheduler:
                 seq.append(token, logprob, alt)
                 out.emitted.append((seq, seq.num_output - 1))
             self.cache.update(seq.request_id, seq.num_computed, seq.keys)
-            if seq.done():
+            if not seq.done() and seq.guide is not None and seq.guide.problem:
+                self._finish(seq, "error")  # never a token outside the grammar: the request fails
+                out.failed.append((seq, seq.guide.problem))
+            elif seq.done():
                 self._finish(seq, seq.finish_reason)
                 out.finished.append(seq)
             elif seq.num_output and self.connector.takes_over(seq):
@@ -426,6 +484,8 @@ class Scheduler:
         self.loading.pop(seq.request_id, None)
         queue = {SeqState.RUNNING: self.running,
                  SeqState.WAITING: self.reserving if external else self.waiting}.get(state)
+        if seq in self.compiling:
+            queue = self.compiling
         if queue is not None:
             queue.remove(seq)
         if seq.matched:

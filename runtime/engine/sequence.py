@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvrt.runtime.cache.keys import ROOT_KEY, BlockHasher
+from kvrt.runtime.engine.guide import GuideState
 
 
 class SeqState(enum.Enum):
@@ -61,6 +62,7 @@ class Sequence:
     repetition_penalty: float = 1.0  # over prompt and output; 1: off
     frequency_penalty: float = 0.0   # over the output; 0: off
     presence_penalty: float = 0.0
+    guide: GuideState | None = None  # guided decoding: the grammar state its output reached
     _prompt_distinct: np.ndarray | None = None  # the prompt's distinct tokens, once asked
     prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives
     prompt_lps: list[float] = field(default_factory=list)  # of prompt positions 1, 2, ... so far
@@ -153,9 +155,11 @@ class Sequence:
 
     def append(self, token: int, logprob: float = 0.0, top: list | None = None) -> None:
         """One output token and, if the request asked for them, its log-probability and its
-        alternatives ([ids, logprobs])."""
+        alternatives ([ids, logprobs]); a guided request's grammar state follows it."""
         self.tokens[self.num_tokens] = token
         self.num_tokens += 1
+        if self.guide is not None:
+            self.guide.advance(int(token))
         if self.logprobs:
             self.output_logprobs.append(float(logprob))
         if self.top_logprobs:

@@ -91,6 +91,10 @@ class StepRunner:
             batch.logprobs = np.array([seq.logprobs for seq in seqs], dtype=np.int32)
             _adjustments(batch, seqs, biases)
         _prompt_rows(batch, step)
+        guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
+        if guided:  # each guided sequence's allowed tokens now (runtime/engine/guide.py)
+            batch.guided_rows = np.array(guided, dtype=np.int32)
+            batch.guided_mask = np.concatenate([seqs[i].guide.mask for i in guided])
         broadcast(self.to_workers, batch, self.cfg.rank_timeout)
         self._work = step_work(step.chunks, step.starts)
         self._launched = time.monotonic()

@@ -38,6 +38,7 @@ from kvrt.runtime.client.client import ClientError, Result, Sampling, node_token
 from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
+from kvrt.runtime.engine.grammars import guided_problem
 from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
 from kvrt.runtime.http.bridge import UNRESPONSIVE, Bridge, Submission
 from kvrt.runtime.http.chat_output import ChatOutput
@@ -275,12 +276,24 @@ class Server:
         """400 naming the first field kvrt does not implement, or a value it cannot take here."""
         if name := body.unsupported():
             raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_field")
+        self.guided(body)
         vocab = self.node_info().vocab_size
         for name, ids in (("logit_bias", list(body.logit_bias or {})), ("stop_token_ids", body.stop_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ApiError(400, f"{name}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param=name,
                                code="invalid_token_id")
+
+    def guided(self, body: SamplingBody) -> dict | None:
+        """The guided spec of `body` (structured output), checked as the engine checks it (its
+        schema or regex can be followed): 400 naming the field that asked, else."""
+        try:
+            spec, name = body.guided()
+        except ValueError as e:
+            raise ApiError(400, str(e), param=str(e).split(":", 1)[0], code="invalid_response_format") from None
+        if spec is not None and (problem := guided_problem(spec, check_regex=True)):
+            raise ApiError(400, f"{name}: {problem}", param=name, code="invalid_response_format")
+        return spec
 
     def sampling(self, body: SamplingBody) -> tuple[int, Sampling]:
         """The engine's EOS id (-1: none) and sampling parameters of `body`; the tokenizer's
@@ -298,7 +311,7 @@ class Server:
             prompt_logprobs=body.prompt_logprobs_count(),
             logit_bias=[[t, b] for t, b in (body.logit_bias or {}).items()], min_tokens=body.min_tokens,
             repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-            presence_penalty=body.presence_penalty)
+            presence_penalty=body.presence_penalty, guided=self.guided(body))
 
     # ---- running -------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], max_tokens: int, body: SamplingBody,

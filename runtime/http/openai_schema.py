@@ -55,7 +55,10 @@ class SamplingBody(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None             # chat's (ChatRequest); elsewhere refused unless empty
     tool_choice: Union[str, dict, None] = None  # chat's; elsewhere refused unless "none"
-    response_format: dict | None = None    # refused unless {"type": "text"}
+    # structured output: OpenAI's response_format, or vLLM's guided_json / guided_regex
+    response_format: dict | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
     # vLLM's: the request shares cached blocks only with requests of the same salt (one per tenant)
     cache_salt: str | None = None
 
@@ -90,6 +93,33 @@ class SamplingBody(BaseModel):
         if self.tool_choice not in (None, "none"):
             return "tool_choice"
         return None
+
+    def guided(self) -> tuple[dict | None, str]:
+        """The engine's guided spec ({"kind", "spec"}: runtime/client/api.py's Generation) that
+        the request asks for, and the field that asked; ValueError (naming that field) when
+        the field is malformed. A text response_format asks for nothing."""
+        asked = [(n, v) for n, v in (("response_format", self.response_format), ("guided_json", self.guided_json),
+                                     ("guided_regex", self.guided_regex)) if v is not None
+                 and v != {"type": "text"}]
+        if not asked:
+            return None, ""
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1][0]}: give one of response_format, guided_json and guided_regex")
+        name, value = asked[0]
+        if name == "guided_regex":
+            return {"kind": "regex", "spec": value}, name
+        if name == "guided_json":
+            return {"kind": "json_schema", "spec": value if isinstance(value, str) else json.dumps(value)}, name
+        kind = value.get("type")
+        if kind == "json_object":
+            return {"kind": "json_object", "spec": ""}, name
+        if kind == "json_schema":
+            schema = (value.get("json_schema") or {}).get("schema") if isinstance(value.get("json_schema"), dict) \
+                else None
+            if not isinstance(schema, dict):
+                raise ValueError('response_format: json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+            return {"kind": "json_schema", "spec": json.dumps(schema)}, name
+        raise ValueError(f"response_format: type must be text, json_object or json_schema, got {str(kind)[:40]!r}")
 
     def wants_logprobs(self) -> bool:
         return False

@@ -70,6 +70,7 @@ class ConnectorContext:
     count_failed: Callable[[], None]
     accepting: Callable[[], bool]                    # False once the node stops taking requests
     to_ranks: list["Sender"]                         # the connector's own rank channels (cache-messager[r])
+    guide: Callable[[object], object] = lambda req: None  # a request's grammar state (guided decoding)
 
 
 class SchedulerHooks:

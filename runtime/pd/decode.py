@@ -319,7 +319,8 @@ class DecodeConnector(KVConnector):
         seq = Sequence.new(internal, msg.prompt, int(msg.max_new_tokens), cfg.block_size,
                            salted_root(peer_key_root(cfg.key_root, peer.name), msg.cache_salt),
                            client=peer.client,
-                           eos_token_id=int(msg.eos_token_id), use_cache=msg.use_cache, **sampling_of(msg))
+                           eos_token_id=int(msg.eos_token_id), use_cache=msg.use_cache, guide=self.ctx.guide(msg),
+                           **sampling_of(msg))
         self.owner[internal] = (peer.name, msg.request_id)
         self.ctx.sched.add(seq)  # held for P's KV: see get_num_new_matched_tokens
         self.deadlines[internal] = received + self.wait_s

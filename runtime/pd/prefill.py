@@ -462,7 +462,8 @@ class PrefillConnector(KVConnector):
                            salted_root(cfg.key_root, req.cache_salt),
                            client=p.client,
                            eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
-                           arrival=p.arrival, prompt_logprobs=req.prompt_logprobs, **sampling_of(req))
+                           arrival=p.arrival, prompt_logprobs=req.prompt_logprobs,
+                           guide=self.ctx.guide(req), **sampling_of(req))
         # D's lease began after our ask plus the time D kept it queued: its end on P's clock
         # is on the safe side
         self.handoffs[req.request_id] = _Handoff(seq, link, msg, p.asked_at + msg.waited_s + msg.lease_s,

@@ -1,4 +1,5 @@
-"""`kvrt bench sampler` on a tiny vocabulary: the JSON it promises, one row per batch and case."""
+"""`kvrt bench sampler` on a tiny vocabulary: the JSON it promises, one row per batch and case,
+and per batch and guided case, with the grammar figures."""
 from __future__ import annotations
 
 import json
@@ -20,10 +21,21 @@ def test_bench_sampler_json_has_every_case_of_every_batch(capsys, monkeypatch):
         assert r["kvrt_vs_greedy"] == r["kvrt_ms"] / r["greedy_ms"]
         assert r["naive_ms"] > 0 and (r["torch_ms"] is None or r["torch_ms"] > 0)
         assert (r["nucleus_tokens"] is None) == ("top_p" not in bench.CASES[r["case"]][1])
+    guided = out["guided"]
+    assert [(g["batch"], g["case"]) for g in guided] == [(b, c) for b in (1, 3) for c in bench.GUIDED_CASES]
+    for g in guided:
+        assert g["masked_vs_unmasked"] == g["masked_ms"] / g["unmasked_ms"] > 0
+    grammar = out["grammar"]
+    assert grammar["compile_json_schema_s"] > 0 and grammar["compile_json_object_s"] > 0
+    assert grammar["walk_tokens"] > 0 and grammar["state_and_mask_us_per_token"] > 0
 
 
 def test_bench_sampler_table(capsys, monkeypatch):
     monkeypatch.setattr(bench, "BANDWIDTH_BYTES", 1 << 20)
     assert bench.main(["--vocab", "100", "--batches", "2", "--repeat", "1", "--naive-repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "kvrt ms" in lines[1] and len(lines) == 2 + len(bench.CASES)
+    assert "kvrt ms" in lines[1] and "masked x" in lines[2 + len(bench.CASES) + 2]
+    assert lines[-1].startswith("grammar over a synthetic 100-token")
+    assert len(lines) == 2 + len(bench.CASES) + 3 + len(bench.GUIDED_CASES) + 1
+    assert bench.main(["--vocab", "100", "--batches", "2", "--repeat", "1", "--naive-repeat", "1", "--no-guided"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2 + len(bench.CASES)
