@@ -331,6 +331,9 @@ class Server:
         tok = self.tokenizer("stop") if stops else self.decoder()
         eos, sampling = self.sampling(body)
         if guided is not None:
+            if sampling.guided is not None:  # a forced call is the whole answer: it cannot also be that
+                raise ApiError(400, "tool_choice: a forced tool call cannot be combined with structured output "
+                                    "(response_format, guided_json or guided_regex)", param="tool_choice")
             sampling = dataclasses.replace(sampling, guided=guided)
         stop_ids = frozenset(([eos] if eos >= 0 else []) + sampling.stop_token_ids)
         run = _Run(self, who, body.cache_salt or "")

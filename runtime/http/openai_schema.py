@@ -83,8 +83,6 @@ class SamplingBody(BaseModel):
                 return name
         if name := self._unsupported_tools():
             return name
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            return "response_format"
         return None
 
     def _unsupported_tools(self) -> str | None:

@@ -158,6 +158,7 @@ def test_a_forced_call_after_a_prompt_that_opens_thinking_is_read_as_a_call(tok)
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such"}}}],
       "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, None),
