@@ -38,26 +38,13 @@ def peer_key_root(root: bytes, peer: str) -> bytes:
 
 @dataclass
 class Refusals:
-    """Counts refused peer messages (every one, in `pd_refused`) and logs them at most `burst`
-    per `every_s` seconds, saying how many were left out: a peer sending garbage in a loop
-    must not fill the disk with the same line."""
+    """Counts every refused peer message (in `pd_refused`) and logs it; the process's log
+    filter (ipc/log_limit.py) lets one such line out per interval with a count of the rest, so
+    a peer sending garbage in a loop cannot fill the disk with the same line."""
 
     stats: np.ndarray
-    every_s: float = 10.0
-    burst: int = 5
-    _window_end: float = 0.0
-    _logged: int = 0
-    _left_out: int = 0
 
     def __call__(self, why: str) -> None:
         """Count and log a refused peer message (it changed nothing)."""
         self.stats[P.STAT["pd_refused"]] += 1
-        now = time.monotonic()
-        if now >= self._window_end:
-            self._window_end, self._logged = now + self.every_s, 0
-        if self._logged >= self.burst:
-            self._left_out += 1
-            return
-        self._logged += 1
-        more, self._left_out = self._left_out, 0
-        log.warning("peer message refused: %s%s", why, f" ({more} more refused, not logged)" if more else "")
+        log.warning("peer message refused: %s", why)

@@ -1,5 +1,5 @@
-"""What both P/D sides share (runtime/pd/peer.py): refused peer messages are all counted but
-logged at a bounded rate; a peer's key root is its own."""
+"""What both P/D sides share (runtime/pd/peer.py): refused peer messages are all counted and
+logged through the rate-limiting log filter; a peer's key root is its own."""
 from __future__ import annotations
 
 import logging
@@ -7,20 +7,27 @@ import logging
 import numpy as np
 
 from kvrt.ipc import protocol as P
+from kvrt.ipc.log_limit import RateLimit
 from kvrt.runtime.pd.peer import Refusals, peer_key_root
 
 
-def test_refusals_are_all_counted_and_logged_at_a_bounded_rate(caplog):
+def test_refusals_are_all_counted_and_logged_at_the_log_filters_rate(caplog):
     stats = np.zeros(len(P.STAT), dtype=np.int64)
-    refuse = Refusals(stats, every_s=3600.0, burst=5)
-    with caplog.at_level(logging.WARNING, logger="kvrt.runtime.pd"):
-        for i in range(20):
-            refuse(f"bad {i}")
-        assert stats[P.STAT["pd_refused"]] == 20
-        assert [r.getMessage() for r in caplog.records] == [f"peer message refused: bad {i}" for i in range(5)]
-        refuse._window_end = 0.0  # the next window
-        refuse("bad 20")
-    assert caplog.records[-1].getMessage() == "peer message refused: bad 20 (15 more refused, not logged)"
+    refuse = Refusals(stats)
+    now = [0.0]
+    limit = RateLimit(interval_s=10.0, clock=lambda: now[0])
+    caplog.handler.addFilter(limit)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvrt.runtime.pd"):
+            for i in range(20):
+                refuse(f"bad {i}")
+            now[0] = 11.0
+            refuse("bad 20")
+    finally:
+        caplog.handler.removeFilter(limit)
+    assert stats[P.STAT["pd_refused"]] == 21
+    assert [r.getMessage() for r in caplog.records] == [
+        "peer message refused: bad 0", "peer message refused: bad 20 [and 19 more like it in the last 10 s]"]
 
 
 def test_each_peer_has_a_key_root_of_its_own():
