@@ -52,6 +52,9 @@ REPLAY_BATCHES = 1_000   # batches kept for replay
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 CURVE_MAXMSGSIZE = 1024  # replay socket, with CURVE: its handshake's commands must fit
 MAX_REPLAY_REQUESTS = 16  # served per engine turn: a flood of requests cannot stall the loop
+# replay answers per second, in bursts of MAX_REPLAY_REQUESTS: a subscriber asks only when it
+# missed a batch, so a flood of requests waits in its connections instead of taking engine turns
+REPLAY_PER_S = 64.0
 
 Event = list  # one event as it is encoded: [tag, fields...]
 
@@ -105,7 +108,8 @@ class KVEventPublisher:
     """
 
     def __init__(self, host: str, port: int, block_size: int, snapshot: Callable[[], Iterable[CachedBlock]],
-                 ctx: zmq.Context | None = None, secret: EventSecret | None = None):
+                 ctx: zmq.Context | None = None, secret: EventSecret | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.block_size = block_size
         self._snapshot = snapshot
         self._secret = secret
@@ -116,6 +120,9 @@ class KVEventPublisher:
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self.seq = 0
         self.dropped = 0
+        self._snap: tuple[int, bytes] | None = None  # the snapshot at a number: the same until it changes
+        self._clock = clock
+        self._tokens, self._refilled = float(MAX_REPLAY_REQUESTS), clock()
         self.pub = self._ctx.socket(zmq.PUB)
         self.replay = self._ctx.socket(zmq.ROUTER)
         try:
@@ -170,12 +177,18 @@ class KVEventPublisher:
                 log.warning("kv events: %d batches dropped for subscribers that do not keep up", self.dropped)
 
     def serve_replay(self) -> None:
-        """Answer the replay requests that arrived (a bounded number per call)."""
-        for _ in range(MAX_REPLAY_REQUESTS):
+        """Answer the replay requests that arrived: at most MAX_REPLAY_REQUESTS per call and
+        REPLAY_PER_S a second, so that requests sent in a loop (each answer can be a snapshot of
+        the whole cache) cost the engine a bounded share of its time; the rest wait unread."""
+        now = self._clock()
+        self._tokens = min(float(MAX_REPLAY_REQUESTS), self._tokens + (now - self._refilled) * REPLAY_PER_S)
+        self._refilled = now
+        while self._tokens >= 1.0:
             try:
                 frames = self.replay.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._tokens -= 1.0
             self._answer(frames)
 
     def _answer(self, frames: list[bytes]) -> None:
@@ -202,7 +215,14 @@ class KVEventPublisher:
             log.warning("kv events: a replay subscriber does not read; its answer was cut short")
 
     def snapshot_payload(self) -> bytes:
-        """One batch that replaces a subscriber's view with the cache's blocks now."""
+        """One batch that replaces a subscriber's view with the cache's blocks now. Built once
+        per batch number: every change to the cache is an event that takes a new number at the
+        flush before any answer, so the snapshot at a number never changes."""
+        if self._snap is None or self._snap[0] != self.seq:
+            self._snap = (self.seq, self._build_snapshot())
+        return self._snap[1]
+
+    def _build_snapshot(self) -> bytes:
         events: list[Event] = [["AllBlocksCleared"]]
         publish = self._secret.publish if self._secret is not None else None
         for b in self._snapshot():

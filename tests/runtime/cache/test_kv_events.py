@@ -15,7 +15,8 @@ from hypothesis.stateful import initialize, invariant
 
 from kvrt.ipc.ports import free_port_pair
 from kvrt.runtime.cache.keys import BlockHasher
-from kvrt.runtime.cache.events import (CPU, END_OF_REPLAY, GPU, REPLAY_BATCHES, TOPIC, CachedBlock, KVEventPublisher,
+from kvrt.runtime.cache.events import (CPU, END_OF_REPLAY, GPU, MAX_REPLAY_REQUESTS, REPLAY_BATCHES, REPLAY_PER_S, TOPIC,
+                                       CachedBlock, KVEventPublisher,
                                decode_batch, encode_batch, removed_event, seq_bytes, stored_event)
 from kvrt.runtime.cache.prefix_cache import PrefixCache, TaskKind
 from tests.runtime.cache.test_prefix_cache_props import CacheMachine
@@ -186,3 +187,58 @@ def test_a_vllm_shaped_decoder_reads_kvrt_batches():
                                  removed_event([b"a" * 16], CPU), ["AllBlocksCleared"]]))
     assert batch.events == [BlockStored([b"a" * 16, b"b" * 16], None, [], 16, None, "GPU"),
                             BlockRemoved([b"a" * 16], "CPU"), AllBlocksCleared()]
+
+
+def test_a_flood_of_replay_requests_is_answered_at_a_bounded_rate_from_one_snapshot():
+    """Replay requests sent in a loop (each answer a snapshot of the whole cache) take a bounded
+    share of the engine's turns: at most MAX_REPLAY_REQUESTS per turn and REPLAY_PER_S a second,
+    the snapshot built once per batch number; every request is still answered in the end."""
+    ctx = zmq.Context()
+    port = free_port_pair()
+    builds, now = [], [0.0]
+
+    def snapshot():
+        builds.append(1)
+        return [CachedBlock(i.to_bytes(16, "big"), None, GPU) for i in range(100)]
+
+    pub = KVEventPublisher("127.0.0.1", port, 16, snapshot, ctx, clock=lambda: now[0])
+    flooder = ctx.socket(zmq.DEALER)
+    flooder.setsockopt(zmq.LINGER, 0)
+    flooder.connect(f"tcp://127.0.0.1:{port + 1}")
+    try:
+        pub.removed(GPU, [b"x" * 16])
+        pub.flush()
+        for _ in range(REPLAY_BATCHES + 1):  # more batches than are kept: each answer is a snapshot
+            pub.removed(GPU, [b"y" * 16])
+            pub.flush()
+        n = 3 * MAX_REPLAY_REQUESTS
+        for _ in range(n):
+            flooder.send_multipart([b"", seq_bytes(1)])
+
+        def answered() -> int:
+            ends = 0
+            while flooder.poll(50):
+                ends += flooder.recv_multipart()[1] == END_OF_REPLAY
+            return ends
+
+        got = 0
+        for _ in range(50):  # one turn's burst, however often the loop turns at one instant
+            pub.serve_replay()
+            got += answered()
+        assert got == MAX_REPLAY_REQUESTS
+        now[0] = 0.5 * MAX_REPLAY_REQUESTS / REPLAY_PER_S  # half a burst's worth of time
+        pub.serve_replay()
+        assert answered() == MAX_REPLAY_REQUESTS // 2
+        got += MAX_REPLAY_REQUESTS // 2
+        for k in range(1, 100):  # and every request is answered in the end
+            now[0] += 1.0
+            pub.serve_replay()
+            got += answered()
+            if got == n:
+                break
+        assert got == n
+        assert len(builds) == 1, "one snapshot per batch number"
+    finally:
+        flooder.close(0)
+        pub.close()
+        ctx.term()
