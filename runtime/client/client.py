@@ -43,7 +43,7 @@ import zmq
 from kvrt.ipc.errors import ProtocolError
 from kvrt.runtime.client.api import (API, CancelRequest, ErrorEvent, FinishedEvent, GenerateRequest, InfoReply,
                          InfoRequest, Outcome, ResetPrefixCacheReply, ResetPrefixCacheRequest, TokenEvent,
-                         cache_salt_problem, request_id_problem)
+                         MESSAGE_SLACK, cache_salt_problem, max_message_bytes, request_id_problem)
 from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
@@ -217,6 +217,7 @@ class Client:
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
         self._nonces = itertools.count(1)
+        self._model_len: int | None = None  # the node's max_model_len, once asked
         self._reqs: dict[str, _Req] = {}
         self.last_heard = time.monotonic()  # when the node last sent anything (its liveness probes included)
         self._pending: deque = deque()    # events for poll()
@@ -373,19 +374,34 @@ class Client:
         msg = GenerateRequest(request_id=rid, prompt=arr, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, use_cache=bool(use_cache), stream=bool(stream),
                               cache_salt=salt, on_behalf_of=on_behalf_of, **dataclasses.asdict(sampling or Sampling()))
+        data = API.encode(msg)
+        if len(data) > MESSAGE_SLACK and len(data) > (limit := max_message_bytes(self._max_model_len())):
+            # the node's socket would drop it unread (and the connection): say why here instead
+            raise ValueError(f"request {rid}: a prompt of {len(arr)} tokens is longer than the node's "
+                             f"max_model_len ({self._max_model_len()}): its message of {len(data)} bytes is over "
+                             f"the {limit} the node reads")
         self._reqs[rid] = _Req(time.perf_counter(), owned)
         try:
-            self._send(msg, f"request {rid}")
+            self._send_bytes(data, f"request {rid}")
         except BaseException:
             del self._reqs[rid]
             raise
         return rid
 
+    def _max_model_len(self) -> int:
+        """The node's max_model_len, asked once (only a long prompt needs it)."""
+        if self._model_len is None:
+            self._model_len = self.info().max_model_len
+        return self._model_len
+
     def _send(self, msg, what: str) -> None:
+        self._send_bytes(API.encode(msg), what)
+
+    def _send_bytes(self, data: bytes, what: str) -> None:
         if self._sock is None:
             raise ClientError(f"client for {self.address} is closed")
         try:
-            self._sock.send(API.encode(msg), zmq.NOBLOCK)
+            self._sock.send(data, zmq.NOBLOCK)
         except zmq.ZMQError as e:  # Again included: with unlimited HWM only a broken socket
             raise ClientError(f"could not send the {what} to {self.address}: {e}") from None
 

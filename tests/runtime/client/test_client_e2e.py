@@ -97,6 +97,16 @@ def test_engine_errors_raise_request_error(ln):
     assert ln.client.generate([1, 2], 1).num_output_tokens == 1
 
 
+def test_a_prompt_too_long_for_the_nodes_socket_is_refused_by_the_client_naming_the_limit(ln):
+    """The node's socket drops a message over its size limit unread: the client says why
+    before sending, instead of a request that never answers."""
+    model_len = ln.client.info().max_model_len
+    with pytest.raises(ValueError, match=f"max_model_len \\({model_len}\\)"):
+        ln.client.generate(np.ones(model_len + 20_000, np.int32), 1)
+    assert ln.client.in_flight == 0
+    assert ln.client.generate([1, 2], 1).num_output_tokens == 1
+
+
 def test_generate_cli(ln):
     prompt = [5, 6, 7, 8]
     want = oracle().generate_dense(np.array(prompt), 6)
