@@ -939,7 +939,222 @@ done:
     return res;
 }
 
+/* ---- the `reuse` and `gaps` policies' per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py)
+
+A 1-D vector of `n` items of `itemsize` bytes (0: any length), writable if asked; -1 with an
+exception set (the buffer released) if it is not. */
+static int vector(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, int writable, const char *what) {
+    if (PyObject_GetBuffer(obj, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (b->ndim != 1 || b->itemsize != itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: a vector of %zd-byte items", what, itemsize);
+        PyBuffer_Release(b);
+        b->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+/* Every id of `nodes` (int32) below `cap`; -1 with an IndexError if not. */
+static int ids_below(const Py_buffer *nodes, Py_ssize_t cap, const char *what) {
+    if (!is_int32(nodes)) {
+        PyErr_Format(PyExc_ValueError, "%s: node ids must be int32", what);
+        return -1;
+    }
+    const int32_t *v = nodes->buf;
+    for (Py_ssize_t i = 0; i < nodes->shape[0]; i++)
+        if (v[i] < 0 || v[i] >= cap) {
+            PyErr_Format(PyExc_IndexError, "%s: node id out of range", what);
+            return -1;
+        }
+    return 0;
+}
+
+/* policy_release(hits, matched, released, nodes, now) -> lost: what a push of released `nodes`
+   (int32, distinct) records per node in the `reuse` family of policies: how many have earlier uses
+   (hits, int32) but were not matched since their last push (matched, bool: the reuse the cache
+   had lost), then matched[v] = False and released[v] (int64) = now. */
+static PyObject *policy_release(PyObject *self, PyObject *args) {
+    PyObject *hobj, *mobj, *robj, *nobj;
+    long long now;
+    Py_buffer hb = {0}, mb = {0}, rb = {0}, nb = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOL", &hobj, &mobj, &robj, &nobj, &now))
+        return NULL;
+    if (vector(hobj, &hb, 4, 0, "policy_release") < 0 || vector(mobj, &mb, 1, 1, "policy_release") < 0 ||
+        vector(robj, &rb, 8, 1, "policy_release") < 0 || vector(nobj, &nb, 4, 0, "policy_release") < 0)
+        goto done;
+    Py_ssize_t cap = hb.shape[0];
+    if (mb.shape[0] != cap || rb.shape[0] != cap) {
+        PyErr_SetString(PyExc_ValueError, "policy_release: hits, matched and released differ in length");
+        goto done;
+    }
+    if (ids_below(&nb, cap, "policy_release") < 0)
+        goto done;
+    const int32_t *hits = hb.buf, *nodes = nb.buf;
+    unsigned char *matched = mb.buf;
+    int64_t *released = rb.buf;
+    Py_ssize_t lost = 0;
+    for (Py_ssize_t i = 0; i < nb.shape[0]; i++) {
+        int32_t v = nodes[i];
+        lost += !matched[v] && hits[v] != 0;
+        matched[v] = 0;
+        released[v] = now;
+    }
+    res = PyLong_FromSsize_t(lost);
+done:
+    if (hb.obj) PyBuffer_Release(&hb);
+    if (mb.obj) PyBuffer_Release(&mb);
+    if (rb.obj) PyBuffer_Release(&rb);
+    if (nb.obj) PyBuffer_Release(&nb);
+    return res;
+}
+
+/* policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long): `nodes`
+   (int32, distinct) are matched: of those queued (stamp, int64, >= 0), how many, and how many
+   were released (int64 clock) more than `turnover` releases ago; then matched[v] (bool) = True
+   and stamp[v] = -1 for all. */
+static PyObject *policy_discard(PyObject *self, PyObject *args) {
+    PyObject *sobj, *robj, *mobj, *nobj;
+    long long clock;
+    double turnover;
+    Py_buffer sb = {0}, rb = {0}, mb = {0}, nb = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOLd", &sobj, &robj, &mobj, &nobj, &clock, &turnover))
+        return NULL;
+    if (vector(sobj, &sb, 8, 1, "policy_discard") < 0 || vector(robj, &rb, 8, 0, "policy_discard") < 0 ||
+        vector(mobj, &mb, 1, 1, "policy_discard") < 0 || vector(nobj, &nb, 4, 0, "policy_discard") < 0)
+        goto done;
+    Py_ssize_t cap = sb.shape[0];
+    if (rb.shape[0] != cap || mb.shape[0] != cap) {
+        PyErr_SetString(PyExc_ValueError, "policy_discard: stamp, released and matched differ in length");
+        goto done;
+    }
+    if (ids_below(&nb, cap, "policy_discard") < 0)
+        goto done;
+    int64_t *stamp = sb.buf;
+    const int64_t *released = rb.buf;
+    unsigned char *matched = mb.buf;
+    const int32_t *nodes = nb.buf;
+    Py_ssize_t queued = 0, lng = 0;
+    for (Py_ssize_t i = 0; i < nb.shape[0]; i++) {
+        int32_t v = nodes[i];
+        if (stamp[v] >= 0) {
+            queued++;
+            lng += (double)(clock - released[v]) > turnover;
+        }
+        matched[v] = 1;
+        stamp[v] = -1;
+    }
+    res = Py_BuildValue("nn", queued, lng);
+done:
+    if (sb.obj) PyBuffer_Release(&sb);
+    if (rb.obj) PyBuffer_Release(&rb);
+    if (mb.obj) PyBuffer_Release(&mb);
+    if (nb.obj) PyBuffer_Release(&nb);
+    return res;
+}
+
+/* gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial)
+   -> runs: the `gaps` policy's priorities for released `nodes` (int32, distinct), as
+   `ReuseGaps.push` ranks them: a node of h earlier uses (hits, int32) has level
+   levels[min(h, len - 1)] (int64) and, when `unit` > 0, priority
+   (now + max(level, int64(unit * hold'))) * span + level, where hold' is hold[min(h, len - 1)]
+   (float64) but 0 for h == 1 with a last gap (ghost, int64) above `far1` or h == 2 above `far2`;
+   with unit <= 0, now * span + level. Writes prio (int64) and ghost = -1 per node, splits `nodes`
+   into runs of equal priority, stamps (int64) the j-th run's nodes with serial + j, and returns
+   the runs as (start, end, priority, level) tuples. */
+static PyObject *gaps_rank(PyObject *self, PyObject *args) {
+    PyObject *hobj, *gobj, *pobj, *sobj, *nobj, *lobj, *dobj;
+    long long now, span, serial;
+    double unit, far1, far2;
+    Py_buffer hb = {0}, gb = {0}, pb = {0}, sb = {0}, nb = {0}, lb = {0}, db = {0};
+    PyObject *res = NULL, *runs = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLdddLL", &hobj, &gobj, &pobj, &sobj, &nobj, &lobj, &dobj, &now,
+                          &unit, &far1, &far2, &span, &serial))
+        return NULL;
+    if (vector(hobj, &hb, 4, 0, "gaps_rank") < 0 || vector(gobj, &gb, 8, 1, "gaps_rank") < 0 ||
+        vector(pobj, &pb, 8, 1, "gaps_rank") < 0 || vector(sobj, &sb, 8, 1, "gaps_rank") < 0 ||
+        vector(nobj, &nb, 4, 0, "gaps_rank") < 0 || vector(lobj, &lb, 8, 0, "gaps_rank") < 0 ||
+        vector(dobj, &db, 8, 0, "gaps_rank") < 0)
+        goto done;
+    Py_ssize_t cap = hb.shape[0], nlev = lb.shape[0], nhold = db.shape[0], n = nb.shape[0];
+    if (gb.shape[0] != cap || pb.shape[0] != cap || sb.shape[0] != cap || nlev < 1 || nhold < 1) {
+        PyErr_SetString(PyExc_ValueError, "gaps_rank: hits, ghost, prio and stamp differ in length, or no levels");
+        goto done;
+    }
+    if (ids_below(&nb, cap, "gaps_rank") < 0)
+        goto done;
+    const int32_t *hits = hb.buf, *nodes = nb.buf;
+    int64_t *ghost = gb.buf, *prio = pb.buf, *stamp = sb.buf;
+    const int64_t *levels = lb.buf;
+    const double *hold = db.buf;
+    runs = PyList_New(0);
+    if (runs == NULL)
+        goto done;
+    long long s = serial - 1, run_prio = 0, run_lv = 0;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t v = nodes[i];
+        int32_t h = hits[v] < 0 ? 0 : hits[v];
+        int64_t gap = ghost[v];
+        ghost[v] = -1;
+        int64_t lv = levels[h < nlev ? h : nlev - 1];
+        int64_t due = now;
+        if (unit > 0) {
+            int32_t u = h < nhold ? h : (int32_t)(nhold - 1);
+            double hd = hold[u];
+            if ((u == 1 && (double)gap > far1) || (u == 2 && (double)gap > far2))
+                hd = 0.0;
+            int64_t b = (int64_t)(unit * hd);
+            due = now + (lv > b ? lv : b);
+        }
+        int64_t p = due * span + lv;
+        prio[v] = p;
+        if (i == 0 || p != run_prio) {
+            if (i > 0) {
+                PyObject *t = Py_BuildValue("(nnLL)", start, i, run_prio, run_lv);
+                if (t == NULL || PyList_Append(runs, t) < 0) {
+                    Py_XDECREF(t);
+                    goto done;
+                }
+                Py_DECREF(t);
+            }
+            start = i;
+            run_prio = p;
+            run_lv = lv;
+            s++;
+        }
+        stamp[v] = s;
+    }
+    if (n) {
+        PyObject *t = Py_BuildValue("(nnLL)", start, n, run_prio, run_lv);
+        if (t == NULL || PyList_Append(runs, t) < 0) {
+            Py_XDECREF(t);
+            goto done;
+        }
+        Py_DECREF(t);
+    }
+    res = runs;
+    runs = NULL;
+done:
+    Py_XDECREF(runs);
+    if (hb.obj) PyBuffer_Release(&hb);
+    if (gb.obj) PyBuffer_Release(&gb);
+    if (pb.obj) PyBuffer_Release(&pb);
+    if (sb.obj) PyBuffer_Release(&sb);
+    if (nb.obj) PyBuffer_Release(&nb);
+    if (lb.obj) PyBuffer_Release(&lb);
+    if (db.obj) PyBuffer_Release(&db);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
+    {"policy_discard", policy_discard, METH_VARARGS,
+     "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},
+    {"gaps_rank", gaps_rank, METH_VARARGS,
+     "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial) -> runs"},
     {"sample_keys", sample_keys, METH_VARARGS, "sample_keys(keys, threshold) -> positions of the sampled keys"},
     {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},
     {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},

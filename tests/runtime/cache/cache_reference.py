@@ -202,6 +202,46 @@ def stamp_runs(stamp: np.ndarray, nodes: np.ndarray, level: np.ndarray, serial: 
     return starts
 
 
+# ---- the `reuse` family's per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py)
+def policy_release(hits: np.ndarray, matched: np.ndarray, released: np.ndarray, nodes: np.ndarray, now: int) -> int:
+    lost = int(np.count_nonzero(hits[nodes][~matched[nodes]]))
+    matched[nodes] = False
+    released[nodes] = now
+    return lost
+
+
+def policy_discard(stamp: np.ndarray, released: np.ndarray, matched: np.ndarray, nodes: np.ndarray, clock: int,
+                   turnover: float) -> tuple[int, int]:
+    queued = nodes[stamp[nodes] >= 0]
+    long = int(np.count_nonzero(clock - released[queued] > turnover))
+    matched[nodes] = True
+    stamp[nodes] = -1
+    return len(queued), long
+
+
+def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: np.ndarray, nodes: np.ndarray,
+              levels: np.ndarray, hold_by_uses: np.ndarray, now: int, unit: float, far1: float, far2: float,
+              span: int, serial: int) -> list[tuple[int, int, int, int]]:
+    h = hits[nodes]
+    gap = ghost[nodes]
+    ghost[nodes] = -1
+    lv = levels[np.minimum(h, len(levels) - 1)]
+    if unit > 0:
+        uses = np.minimum(h, len(hold_by_uses) - 1)
+        hold = hold_by_uses[uses]
+        hold[((uses == 1) & (gap > far1)) | ((uses == 2) & (gap > far2))] = 0.0
+        due = now + np.maximum(lv, (unit * hold).astype(np.int64))
+    else:
+        due = np.full(len(nodes), now, dtype=np.int64)
+    prio = due * span + lv
+    prio_row[nodes] = prio
+    starts = [0] + (np.flatnonzero(prio[1:] != prio[:-1]) + 1).tolist() if len(nodes) else []
+    ends = starts[1:] + [len(nodes)]
+    for j, (a, b) in enumerate(zip(starts, ends)):
+        stamp[nodes[a:b]] = serial + j
+    return [(a, b, int(prio[a]), int(lv[a])) for a, b in zip(starts, ends)]
+
+
 class OneAtATime(PrefixCache):
     """A prefix cache whose eviction pops one victim at a time from its policies and swaps it
     out or drops it (the loop the cache ran before its eviction was batched): device victims
