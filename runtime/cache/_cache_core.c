@@ -1149,7 +1149,232 @@ done:
     return res;
 }
 
+/* ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py, tasks.py) */
+
+/* The row indices of `rows` (a tuple of `n` ints, each a row of `f`) into r[]; -1 with an
+   exception if not. */
+static int row_tuple(PyObject *rows, Py_ssize_t n, const Py_buffer *f, long *r, const char *what) {
+    if (!PyTuple_Check(rows) || PyTuple_GET_SIZE(rows) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: rows must be a tuple of %zd", what, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
+        if (r[i] < 0 || r[i] >= f->shape[0]) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s: row out of range", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int append_long(PyObject *list, long x) {
+    PyObject *o = PyLong_FromLong(x);
+    if (o == NULL || PyList_Append(list, o) < 0) {
+        Py_XDECREF(o);
+        return -1;
+    }
+    Py_DECREF(o);
+    return 0;
+}
+
+/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy)
+   -> (cut, leaf) or None: drop the host leaves of the popped run `cand` (int32) as
+   `Eviction._drop_host_run` does when the run is whole chains of host-only (`cpu`) nodes, each
+   node a leaf once the nodes before it are gone (its only child is the node right before it);
+   None, nothing written, for a run of any other shape. Each chain's top (whose parent is not
+   the next node; the last node always) is unlinked from its parent's child list and
+   continuation, in order, until one leaves its parent an unreferenced host-only leaf that is
+   not queued (`parent in policy` is asked of the policy then): the run is cut after that top,
+   `leaf` is that parent (-1 if none) and `cut` the length of the part dropped. Of that part,
+   keys that were not their parent's continuation (as found before any unlinking) leave the key
+   map, keys are cleared, host blocks appended to `hosts`, columns reset to `reset` and ids put
+   on the free-id stack from index `at`. rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST). */
+static PyObject *drop_host_run(PyObject *self, PyObject *args) {
+    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hosts, *sobj, *policy;
+    long cpu;
+    Py_ssize_t at;
+    Py_buffer f = {0}, cb = {0}, st = {0};
+    PyObject *res = NULL;
+    unsigned char *mapped = NULL;
+    if (!PyArg_ParseTuple(args, "OOOlOO!O!O!OnO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
+                          &PyDict_Type, &kmap, &PyList_Type, &hosts, &sobj, &at, &policy))
+        return NULL;
+    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    long r[8];
+    if (row_tuple(rows, 8, &f, r, "drop_host_run") < 0)
+        goto done;
+    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], m = cb.shape[0];
+    if (st.ndim != 1 || !is_int32(&st) || at < 0 || at + m > st.shape[0] || !PyTuple_Check(reset) ||
+        PyTuple_GET_SIZE(reset) != nrows || nrows > 32 || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack, reset or keys");
+        goto done;
+    }
+    int32_t reset_v[32];
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
+        if (x == -1 && PyErr_Occurred())
+            goto done;
+        reset_v[i] = (int32_t)x;
+    }
+    int32_t *M = f.buf;
+    int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
+            *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *STATE = M + r[5] * ncols,
+            *REF = M + r[6] * ncols, *HOST = M + r[7] * ncols;
+    const int32_t *cand = cb.buf;
+    if (m == 0) {
+        res = Py_BuildValue("(nl)", (Py_ssize_t)0, -1L);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = cand[i];
+        if (PARENT[v] < 0 || PARENT[v] >= ncols || PREV[v] >= ncols || NEXT[v] >= ncols) {
+            PyErr_SetString(PyExc_ValueError, "drop_host_run: a node's links are out of range");
+            goto done;
+        }
+    }
+    /* the usual shape, or nothing done */
+    int usual = CHILD[cand[0]] < 0;
+    for (Py_ssize_t i = 0; usual && i < m; i++)
+        usual = STATE[cand[i]] == cpu;
+    for (Py_ssize_t j = 0; usual && j + 1 < m; j++) {
+        int32_t v = cand[j], c = CHILD[cand[j + 1]];
+        int link = PARENT[v] == cand[j + 1], only = link && PREV[v] < 0 && NEXT[v] < 0;
+        usual = !(link && !only) && (c < 0 || (only && c == v));
+    }
+    if (!usual) {
+        res = Py_None;
+        Py_INCREF(res);
+        goto done;
+    }
+    mapped = PyMem_Malloc(m);
+    if (mapped == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        mapped[i] = CONT[PARENT[cand[i]]] != cand[i];
+    Py_ssize_t cut = m;
+    long leaf = -1;
+    for (Py_ssize_t t = 0; t < m; t++) {
+        int32_t v = cand[t];
+        if (t + 1 < m && PARENT[v] == cand[t + 1])
+            continue;  /* not a top: its parent goes right after it */
+        int32_t p = PARENT[v], b = PREV[v], a = NEXT[v];  /* `_detach_sibling` */
+        if (CONT[p] == v)
+            CONT[p] = -1;
+        if (b >= 0)
+            NEXT[b] = a;
+        else
+            CHILD[p] = a;
+        if (a >= 0)
+            PREV[a] = b;
+        if (CHILD[p] < 0 && STATE[p] == cpu && REF[p] == 0) {
+            PyObject *x = PyLong_FromLong(p);
+            int queued = x ? PySequence_Contains(policy, x) : -1;
+            Py_XDECREF(x);
+            if (queued < 0)
+                goto done;
+            if (!queued) {
+                cut = t + 1;
+                leaf = p;
+                break;
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < cut; i++)
+        if (mapped[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, cand[i])) < 0)
+            goto done;
+    int32_t *stack = st.buf;
+    for (Py_ssize_t i = 0; i < cut; i++) {
+        int32_t v = cand[i];
+        if (append_long(hosts, HOST[v]) < 0)
+            goto done;
+        PyObject *old = PyList_GET_ITEM(node_keys, v);
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(node_keys, v, Py_None);
+        Py_XDECREF(old);
+        for (Py_ssize_t k = 0; k < nrows; k++)
+            M[k * ncols + v] = reset_v[k];
+        stack[at + i] = v;
+    }
+    res = Py_BuildValue("(nl)", cut, leaf);
+done:
+    PyMem_Free(mapped);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&cb);
+    if (st.obj) PyBuffer_Release(&st);
+    return res;
+}
+
+/* mark_swap_out(f, vs, hosts, rows, swap2cpu, task, task_id, node_keys, victims, victim_keys,
+   devs, host_blocks): make the nodes `vs` (int32, in eviction order) SWAP2CPU in task `task_id`
+   as `Eviction._mark_swap_out` does: the i-th takes the i-th host block from the end of the list
+   `hosts` (those leave it), its device block goes to `devs` and its host block to
+   `host_blocks`, its id to `victims` and its key to `victim_keys`, its task (int64) is set and
+   its device children count cleared. rows = (HOST, DEV, STATE, NDEV). */
+static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
+    PyObject *fobj, *vobj, *hosts, *rows, *tobj, *node_keys, *victims, *victim_keys, *devs, *hblocks;
+    long swap2cpu;
+    long long task_id;
+    Py_buffer f = {0}, vb = {0}, tb = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOO!OlOLO!O!O!O!O!", &fobj, &vobj, &PyList_Type, &hosts, &rows, &swap2cpu, &tobj,
+                          &task_id, &PyList_Type, &node_keys, &PyList_Type, &victims, &PyList_Type, &victim_keys,
+                          &PyList_Type, &devs, &PyList_Type, &hblocks))
+        return NULL;
+    if (matrix_and_ids(fobj, vobj, &f, &vb) < 0)
+        return NULL;
+    if (vector(tobj, &tb, 8, 1, "mark_swap_out") < 0)
+        goto done;
+    long r[4];
+    if (row_tuple(rows, 4, &f, r, "mark_swap_out") < 0)
+        goto done;
+    Py_ssize_t ncols = f.shape[1], e = vb.shape[0], nh = PyList_GET_SIZE(hosts);
+    if (e > nh || tb.shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "mark_swap_out: fewer host blocks than victims, or bad task row or keys");
+        goto done;
+    }
+    int32_t *M = f.buf;
+    int32_t *HOST = M + r[0] * ncols, *DEV = M + r[1] * ncols, *STATE = M + r[2] * ncols, *NDEV = M + r[3] * ncols;
+    int64_t *task = tb.buf;
+    const int32_t *vs = vb.buf;
+    for (Py_ssize_t i = 0; i < e; i++) {  /* host blocks are checked before any write */
+        long h = PyLong_AsLong(PyList_GET_ITEM(hosts, nh - 1 - i));
+        if (h == -1 && PyErr_Occurred())
+            goto done;
+    }
+    for (Py_ssize_t i = 0; i < e; i++) {
+        int32_t v = vs[i];
+        PyObject *h = PyList_GET_ITEM(hosts, nh - 1 - i);
+        HOST[v] = (int32_t)PyLong_AsLong(h);
+        if (append_long(devs, DEV[v]) < 0 || PyList_Append(hblocks, h) < 0 || append_long(victims, v) < 0 ||
+            PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
+            goto done;
+        STATE[v] = (int32_t)swap2cpu;
+        task[v] = task_id;
+        NDEV[v] = 0;
+    }
+    if (PyList_SetSlice(hosts, nh - e, nh, NULL) < 0)
+        goto done;
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&vb);
+    if (tb.obj) PyBuffer_Release(&tb);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"drop_host_run", drop_host_run, METH_VARARGS,
+     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy) -> (cut, leaf) or None"},
+    {"mark_swap_out", mark_swap_out, METH_VARARGS,
+     "mark_swap_out(f, vs, hosts, rows, swap2cpu, task, task_id, node_keys, victims, victim_keys, devs, host_blocks)"},
     {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
     {"policy_discard", policy_discard, METH_VARARGS,
      "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},

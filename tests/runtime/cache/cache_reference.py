@@ -242,6 +242,68 @@ def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: 
     return [(a, b, int(prio[a]), int(lv[a])) for a, b in zip(starts, ends)]
 
 
+# ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py)
+def drop_host_run(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, reset: tuple, node_keys: list,
+                  kmap: dict, hosts: list, stack: np.ndarray, at: int, policy) -> tuple[int, int] | None:
+    parent, child, nxt, prev, cont, state, ref, host = rows
+    m = len(cand)
+    g = f[:, cand]
+    par, ch = g[parent], g[child]
+    link = par[:-1] == cand[1:]
+    # a node goes if it has no child, or its only child is the run's node right before it
+    only = link & (g[prev, :-1] < 0) & (g[nxt, :-1] < 0)
+    usual = (ch[0] < 0 and (g[state] == cpu).all() and ((ch[1:] < 0) | (only & (ch[1:] == cand[:-1]))).all()
+             and not (link & ~only).any())
+    if not usual:
+        return None
+    mapped = f[cont, par] != cand  # found through the key map, not as their parent's continuation
+    top = np.flatnonzero(~link).tolist()
+    top.append(m - 1)
+    cut, leaf = m, -1
+    for t in top:
+        v = int(cand[t])
+        p, before, after = int(f[parent, v]), int(f[prev, v]), int(f[nxt, v])
+        if f[cont, p] == v:
+            f[cont, p] = -1
+        if before >= 0:
+            f[nxt, before] = after
+        else:
+            f[child, p] = after
+        if after >= 0:
+            f[prev, after] = before
+        if f[child, p] < 0 and f[state, p] == cpu and f[ref, p] == 0 and p not in policy:
+            cut, leaf = t + 1, p
+            break
+    cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
+    for v in cand[mapped].tolist():
+        del kmap[node_keys[v]]
+    for v in cand.tolist():
+        node_keys[v] = None
+    hosts += g[host].tolist()
+    f[:, cand] = np.array(reset, dtype=np.int32)[:, None]
+    stack[at:at + cut] = cand
+    return cut, leaf
+
+
+def mark_swap_out(f: np.ndarray, vs: np.ndarray, hosts: list, rows: tuple, swap2cpu: int, task: np.ndarray,
+                  task_id: int, node_keys: list, victims: list, victim_keys: list, devs: list,
+                  host_blocks: list) -> None:
+    host, dev, state, ndev = rows
+    e = len(vs)
+    take = hosts[-e:]
+    del hosts[-e:]
+    take.reverse()
+    f[host, vs] = take
+    devs.extend(f[dev, vs].tolist())
+    host_blocks.extend(take)
+    f[state, vs] = swap2cpu
+    task[vs] = task_id
+    ids = vs.tolist()
+    victims += ids
+    victim_keys += [node_keys[v] for v in ids]
+    f[ndev, vs] = 0
+
+
 class OneAtATime(PrefixCache):
     """A prefix cache whose eviction pops one victim at a time from its policies and swaps it
     out or drops it (the loop the cache ran before its eviction was batched): device victims

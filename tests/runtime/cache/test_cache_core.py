@@ -82,7 +82,8 @@ POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptiv
         (cache_match, "_walk_c", ref.walk), (use_sketch, "_stamp_c", ref.sketch_stamp),
         (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys),
         (reuse_levels, "_release_c", ref.policy_release), (reuse_levels, "_discard_c", ref.policy_discard),
-        (reuse_gaps, "_rank_c", ref.gaps_rank))])
+        (reuse_gaps, "_rank_c", ref.gaps_rank), (cache_eviction, "_drop_host_run_c", ref.drop_host_run),
+        (cache_eviction, "_mark_swap_out_c", ref.mark_swap_out))])
 def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
     """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
@@ -91,7 +92,8 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
     sketch remembers (sketch_raise, the `reuse` policy), the `reuse` policy's scan of its
     queue for a run (scan_live) and split of a released path into runs (stamp_runs), the
     `reuse` family's marks per released and matched node (policy_release, policy_discard) and
-    the `gaps` ranking of a released path (gaps_rank), and the
+    the `gaps` ranking of a released path (gaps_rank), a host tier's drop of a run of host
+    leaves (drop_host_run) and marking of swap-out victims (mark_swap_out), and the
     block keys themselves (chain_keys), in C or in numpy leave the same cache (and queues) at every step,
     with and without a host tier."""
     cls = make_policy(name)
@@ -108,7 +110,8 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
         assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
     # the reference ran in the C function's place, wherever the cache calls it (with a host
     # tier victims are swapped out, not dropped a run at a time)
-    unused = name not in POLICIES_USING.get(attr, (name,)) or (attr == "_drop_run_c" and host)
+    unused = (name not in POLICIES_USING.get(attr, (name,)) or (attr == "_drop_run_c" and host)
+              or (attr in ("_drop_host_run_c", "_mark_swap_out_c") and not host))
     assert bool(calls) != unused
 
 
