@@ -1370,7 +1370,165 @@ done:
     return res;
 }
 
+/* drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf): the
+   node-by-node unlinking of `Eviction._drop_host_slow`, for a popped run `cand` (int32) of
+   host-only (`cpu`) nodes of any shape (RuntimeError, nothing done, if one is not): in order,
+   a node with children is skipped (parked); any other leaves the key map (if it is not its
+   parent's continuation) and its parent's child list, and goes to `freed`; when its parent
+   became an unreferenced host-only leaf that is neither queued (`parent in policy`, asked of
+   the policy then) nor later in the run, the walk ends there: `last` is that node's index and
+   `leaf` the parent (-1, -1 if none). `pos` (int32, -1 everywhere) is scratch, left as found.
+   rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF). */
+static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
+    PyObject *fobj, *cobj, *rows, *node_keys, *kmap, *pobj, *policy;
+    long cpu;
+    Py_buffer f = {0}, cb = {0}, pb = {0};
+    PyObject *res = NULL, *freed = NULL;
+    int pos_set = 0;
+    if (!PyArg_ParseTuple(args, "OOOlO!O!OO", &fobj, &cobj, &rows, &cpu, &PyList_Type, &node_keys, &PyDict_Type,
+                          &kmap, &pobj, &policy))
+        return NULL;
+    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+        return NULL;
+    if (vector(pobj, &pb, 4, 1, "drop_host_nodes") < 0)
+        goto done;
+    long r[7];
+    if (row_tuple(rows, 7, &f, r, "drop_host_nodes") < 0)
+        goto done;
+    Py_ssize_t ncols = f.shape[1], m = cb.shape[0];
+    if (pb.shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_nodes: bad scratch or keys");
+        goto done;
+    }
+    int32_t *M = f.buf, *pos = pb.buf;
+    int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
+            *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *STATE = M + r[5] * ncols, *REF = M + r[6] * ncols;
+    const int32_t *cand = cb.buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = cand[i];
+        if (STATE[v] != cpu) {
+            PyErr_SetString(PyExc_RuntimeError, "the host eviction queue holds a node that is not on the host only");
+            goto done;
+        }
+        if (PARENT[v] < 0 || PARENT[v] >= ncols || PREV[v] >= ncols || NEXT[v] >= ncols) {
+            PyErr_SetString(PyExc_ValueError, "drop_host_nodes: a node's links are out of range");
+            goto done;
+        }
+    }
+    freed = PyList_New(0);
+    if (freed == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < m; i++)
+        pos[cand[i]] = (int32_t)i;
+    pos_set = 1;
+    Py_ssize_t last = -1;
+    long leaf = -1;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = cand[i];
+        if (CHILD[v] >= 0)
+            continue;  /* parked: requeued when its last child leaves */
+        int32_t p = PARENT[v], b = PREV[v], a = NEXT[v];
+        int ends = pos[p] <= i && CHILD[p] == v && a < 0 && b < 0 && STATE[p] == cpu && REF[p] == 0;
+        if (ends) {
+            PyObject *x = PyLong_FromLong(p);
+            int queued = x ? PySequence_Contains(policy, x) : -1;
+            Py_XDECREF(x);
+            if (queued < 0)
+                goto done;
+            ends = !queued;
+        }
+        if (CONT[p] != v && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, v)) < 0)
+            goto done;
+        if (CONT[p] == v)  /* `_detach_sibling` */
+            CONT[p] = -1;
+        if (b >= 0)
+            NEXT[b] = a;
+        else
+            CHILD[p] = a;
+        if (a >= 0)
+            PREV[a] = b;
+        if (append_long(freed, v) < 0)
+            goto done;
+        if (ends) {
+            last = i;
+            leaf = p;
+            break;
+        }
+    }
+    res = Py_BuildValue("(Onl)", freed, last, leaf);
+done:
+    if (pos_set)
+        for (Py_ssize_t i = 0; i < m; i++)
+            pos[cand[i]] = -1;
+    Py_XDECREF(freed);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&cb);
+    if (pb.obj) PyBuffer_Release(&pb);
+    return res;
+}
+
+/* finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual
+   answer to a swap-out, as `TaskBook._finish_swap_out` applies it: if every one of `nodes`
+   (int32) is still SWAP2CPU in task `task_id` (task, int64), each becomes `cpu` without a task
+   or a device block, and their device blocks are returned in order; else None, nothing written.
+   rows = (DEV, STATE). */
+static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
+    PyObject *fobj, *nobj, *tobj, *rows;
+    long long task_id;
+    long swap2cpu, cpu;
+    Py_buffer f = {0}, nb = {0}, tb = {0};
+    PyObject *res = NULL, *devs = NULL;
+    if (!PyArg_ParseTuple(args, "OOOLOll", &fobj, &nobj, &tobj, &task_id, &rows, &swap2cpu, &cpu))
+        return NULL;
+    if (matrix_and_ids(fobj, nobj, &f, &nb) < 0)
+        return NULL;
+    if (vector(tobj, &tb, 8, 1, "finish_swap_out") < 0)
+        goto done;
+    long r[2];
+    if (row_tuple(rows, 2, &f, r, "finish_swap_out") < 0)
+        goto done;
+    Py_ssize_t ncols = f.shape[1], m = nb.shape[0];
+    if (tb.shape[0] != ncols) {
+        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length");
+        goto done;
+    }
+    int32_t *M = f.buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols;
+    int64_t *task = tb.buf;
+    const int32_t *nodes = nb.buf;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (task[nodes[i]] != task_id || STATE[nodes[i]] != swap2cpu) {
+            res = Py_None;
+            Py_INCREF(res);
+            goto done;
+        }
+    devs = PyList_New(m);
+    if (devs == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = nodes[i];
+        PyObject *x = PyLong_FromLong(DEV[v]);
+        if (x == NULL)
+            goto done;
+        PyList_SET_ITEM(devs, i, x);
+        DEV[v] = -1;
+        STATE[v] = (int32_t)cpu;
+        task[v] = -1;
+    }
+    res = devs;
+    devs = NULL;
+done:
+    Py_XDECREF(devs);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&nb);
+    if (tb.obj) PyBuffer_Release(&tb);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"drop_host_nodes", drop_host_nodes, METH_VARARGS,
+     "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf)"},
+    {"finish_swap_out", finish_swap_out, METH_VARARGS,
+     "finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
     {"drop_host_run", drop_host_run, METH_VARARGS,
      "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy) -> (cut, leaf) or None"},
     {"mark_swap_out", mark_swap_out, METH_VARARGS,

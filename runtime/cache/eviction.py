@@ -28,8 +28,9 @@ import numpy as np
 
 from kvrt.ipc.protocol import TaskKind
 
-from kvrt.runtime.cache.core import (chain_tops as _chain_tops_c, drop_host_run as _drop_host_run_c,
-                                    drop_run as _drop_run_c, mark_swap_out as _mark_swap_out_c)
+from kvrt.runtime.cache.core import (chain_tops as _chain_tops_c, drop_host_nodes as _drop_host_nodes_c,
+                                    drop_host_run as _drop_host_run_c, drop_run as _drop_run_c,
+                                    mark_swap_out as _mark_swap_out_c)
 from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
                           PREV, REF, RESET, STATE, SWAP2CPU, NodeStore)
 
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV)
 RESET_ROW = tuple(RESET.tolist())
 # the rows drop_host_run and mark_swap_out read and write, in their order
-HOST_DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST)
+HOST_DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST)  # drop_host_nodes: all but HOST
 SWAP_OUT_ROWS = (HOST, DEV, STATE, NDEV)
 
 
@@ -447,29 +448,14 @@ class Eviction(NodeStore):
         are freed together at the end, in order, as `_free_node` frees them (host queue nodes
         are CPU nodes without a task or a device block, already out of both queues)."""
         f = self._f
-        if not (f[STATE, cand] == CPU).all():
-            raise RuntimeError("the host eviction queue holds a node that is not on the host only")
-        child_v, parent_v, next_v, prev_v = self._child_v, self._parent_v, self._next_v, self._prev_v
-        cont_v, state, ref, policy = self._cont_v, self._state_v, self._ref_v, self._host_lru
-        keys, kmap = self._keys, self._map
-        ids = cand.tolist()
-        at = {v: i for i, v in enumerate(ids)}
-        freed: list[int] = []
-        for i, v in enumerate(ids):
-            if child_v[v] >= 0:
-                continue  # parked: requeued when its last child leaves
-            p = parent_v[v]
-            last = (at.get(p, -1) <= i and child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0
-                    and state[p] == CPU and ref[p] == 0 and p not in policy)
-            if last:
-                policy.push_front_run(ids[i + 1:])
-            if cont_v[p] != v:  # `_unlink`
-                del kmap[keys[v]]
-            self._detach_sibling(v)
-            freed.append(v)
-            if last:
-                self._host_leaf_again(p)  # p is next, ahead of the rest
-                break
+        policy = self._host_lru
+        # the walk and the unlinking, one C call (runtime/cache/_cache_core.c drop_host_nodes)
+        freed, last, leaf = _drop_host_nodes_c(f, cand, HOST_DROP_ROWS[:7], CPU, self._keys, self._map,
+                                               self._pos_scratch, policy)
+        if last >= 0:
+            policy.push_front_run(cand[last + 1:].tolist())
+            self._host_leaf_again(leaf)  # the parent is next, ahead of the rest
+        keys = self._keys
         if self._obs is not None:
             for v in freed:
                 self._tell_lost(v)

@@ -304,6 +304,48 @@ def mark_swap_out(f: np.ndarray, vs: np.ndarray, hosts: list, rows: tuple, swap2
     f[ndev, vs] = 0
 
 
+def drop_host_nodes(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, node_keys: list, kmap: dict,
+                    pos: np.ndarray, policy) -> tuple[list[int], int, int]:
+    parent, child, nxt, prev, cont, state, ref = rows
+    if not (f[state, cand] == cpu).all():
+        raise RuntimeError("the host eviction queue holds a node that is not on the host only")
+    ids = cand.tolist()
+    at = {v: i for i, v in enumerate(ids)}
+    freed: list[int] = []
+    for i, v in enumerate(ids):
+        if f[child, v] >= 0:
+            continue
+        p, before, after = int(f[parent, v]), int(f[prev, v]), int(f[nxt, v])
+        last = (at.get(p, -1) <= i and f[child, p] == v and after < 0 and before < 0
+                and f[state, p] == cpu and f[ref, p] == 0 and p not in policy)
+        if f[cont, p] != v:
+            del kmap[node_keys[v]]
+        if f[cont, p] == v:
+            f[cont, p] = -1
+        if before >= 0:
+            f[nxt, before] = after
+        else:
+            f[child, p] = after
+        if after >= 0:
+            f[prev, after] = before
+        freed.append(v)
+        if last:
+            return freed, i, p
+    return freed, -1, -1
+
+
+def finish_swap_out(f: np.ndarray, nodes: np.ndarray, task: np.ndarray, task_id: int, rows: tuple, swap2cpu: int,
+                    cpu: int) -> list[int] | None:
+    dev, state = rows
+    if not ((task[nodes] == task_id).all() and (f[state, nodes] == swap2cpu).all()):
+        return None
+    devs = f[dev, nodes].tolist()
+    f[dev, nodes] = -1
+    f[state, nodes] = cpu
+    task[nodes] = -1
+    return devs
+
+
 class OneAtATime(PrefixCache):
     """A prefix cache whose eviction pops one victim at a time from its policies and swaps it
     out or drops it (the loop the cache ran before its eviction was batched): device victims

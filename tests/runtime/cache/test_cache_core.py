@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvrt.runtime.cache import eviction as cache_eviction, match as cache_match, keys as hashing, use_sketch
+from kvrt.runtime.cache import (eviction as cache_eviction, keys as hashing, match as cache_match, tasks as cache_tasks,
+                                use_sketch)
 from kvrt.runtime.cache._cache_core import deref, drop_run, new_chain, touch_device
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.cache.nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
@@ -15,6 +16,7 @@ from kvrt.runtime.cache.policies import gaps as reuse_gaps, reuse as reuse_level
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 from tests.runtime.cache import cache_reference as ref
+from tests.runtime.cache.test_eviction_policies import _workload
 
 BS = 4
 
@@ -82,8 +84,7 @@ POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptiv
         (cache_match, "_walk_c", ref.walk), (use_sketch, "_stamp_c", ref.sketch_stamp),
         (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys),
         (reuse_levels, "_release_c", ref.policy_release), (reuse_levels, "_discard_c", ref.policy_discard),
-        (reuse_gaps, "_rank_c", ref.gaps_rank), (cache_eviction, "_drop_host_run_c", ref.drop_host_run),
-        (cache_eviction, "_mark_swap_out_c", ref.mark_swap_out))])
+        (reuse_gaps, "_rank_c", ref.gaps_rank))])
 def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
     """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
@@ -92,8 +93,7 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
     sketch remembers (sketch_raise, the `reuse` policy), the `reuse` policy's scan of its
     queue for a run (scan_live) and split of a released path into runs (stamp_runs), the
     `reuse` family's marks per released and matched node (policy_release, policy_discard) and
-    the `gaps` ranking of a released path (gaps_rank), a host tier's drop of a run of host
-    leaves (drop_host_run) and marking of swap-out victims (mark_swap_out), and the
+    the `gaps` ranking of a released path (gaps_rank), and the
     block keys themselves (chain_keys), in C or in numpy leave the same cache (and queues) at every step,
     with and without a host tier."""
     cls = make_policy(name)
@@ -110,9 +110,57 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
         assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
     # the reference ran in the C function's place, wherever the cache calls it (with a host
     # tier victims are swapped out, not dropped a run at a time)
-    unused = (name not in POLICIES_USING.get(attr, (name,)) or (attr == "_drop_run_c" and host)
-              or (attr in ("_drop_host_run_c", "_mark_swap_out_c") and not host))
+    unused = name not in POLICIES_USING.get(attr, (name,)) or (attr == "_drop_run_c" and host)
     assert bool(calls) != unused
+
+
+@pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
+@pytest.mark.parametrize("module,attr,reference", [
+    pytest.param(module, attr, reference, id=attr) for module, attr, reference in (
+        (cache_eviction, "_drop_host_run_c", ref.drop_host_run), (cache_eviction, "_mark_swap_out_c", ref.mark_swap_out),
+        (cache_eviction, "_drop_host_nodes_c", ref.drop_host_nodes),
+        (cache_tasks, "_finish_swap_out_c", ref.finish_swap_out))])
+def test_host_tier_c_work_equals_numpy(name, module, attr, reference, monkeypatch):
+    """A host tier's drop of a run of host leaves (drop_host_run; node by node for a run of any
+    shape: branches, parked parents, drop_host_nodes), marking of swap-out victims
+    (mark_swap_out) and a swap-out's answer (finish_swap_out), in C or in numpy, leave the same
+    cache, queues and policies at every step of a workload with requests in flight and a small
+    host tier, whose eviction takes runs of every shape."""
+    cls = make_policy(name)
+
+    def replay() -> list:
+        c = PrefixCache(BS, 96, 32, policy=cls)
+        states = []
+        for op, rid, tokens in _workload(0, 300):
+            if op == "start":
+                if not c.match(rid, BlockHasher(BS).update(tokens), len(tokens)).ready:
+                    _settle(c)
+                if c.allocate(rid, len(tokens)) is None:
+                    _settle(c)
+                    if not c.is_ready(rid) or c.allocate(rid, len(tokens)) is None:
+                        continue  # (released when the workload finishes it)
+                c.update(rid, len(tokens))
+            else:
+                c.release(rid)
+            _settle(c)
+            states.append((c._f.copy(), c._task.copy(), list(c._keys), dict(c._map), c._dev_lru.members(),
+                           c._host_lru.members(), _policy_state(c._dev_lru), _policy_state(c._host_lru),
+                           c.snapshot()))
+        c.check()
+        return states
+
+    fast = replay()
+    calls = []
+
+    def counted(*args):
+        calls.append(attr)
+        return reference(*args)
+
+    monkeypatch.setattr(module, attr, counted)
+    slow = replay()
+    for step, (a, b) in enumerate(zip(fast, slow)):
+        assert (a[0] == b[0]).all() and (a[1] == b[1]).all() and a[2:] == b[2:], f"step {step}"
+    assert calls
 
 
 def test_new_chain_checks_before_it_writes():
