@@ -1,5 +1,7 @@
-/* The prefix cache's per-block inner loops in C: chained block keys (runtime/cache/keys.py) and the
-use-count sketch's updates (runtime/cache/use_sketch.py).
+/* The prefix cache's per-block inner loops in C: chained block keys (runtime/cache/keys.py), the
+use-count sketch's updates (runtime/cache/use_sketch.py), the node matrix work of matching,
+recording, releasing and evicting (runtime/cache/match.py, eviction.py, tasks.py) and the `reuse`
+family of policies' per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py).
 
 Why C: in Python each costs a call or a few numpy operations per block or per request of a
 couple of hundred blocks (a key slice, concatenation and hash call per block; a join, a view
@@ -939,7 +941,605 @@ done:
     return res;
 }
 
+/* ---- the `reuse` and `gaps` policies' per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py)
+
+A 1-D vector of `n` items of `itemsize` bytes (0: any length), writable if asked; -1 with an
+exception set (the buffer released) if it is not. */
+static int vector(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, int writable, const char *what) {
+    if (PyObject_GetBuffer(obj, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (b->ndim != 1 || b->itemsize != itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: a vector of %zd-byte items", what, itemsize);
+        PyBuffer_Release(b);
+        b->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+/* Every id of `nodes` (int32) below `cap`; -1 with an IndexError if not. */
+static int ids_below(const Py_buffer *nodes, Py_ssize_t cap, const char *what) {
+    if (!is_int32(nodes)) {
+        PyErr_Format(PyExc_ValueError, "%s: node ids must be int32", what);
+        return -1;
+    }
+    const int32_t *v = nodes->buf;
+    for (Py_ssize_t i = 0; i < nodes->shape[0]; i++)
+        if (v[i] < 0 || v[i] >= cap) {
+            PyErr_Format(PyExc_IndexError, "%s: node id out of range", what);
+            return -1;
+        }
+    return 0;
+}
+
+/* policy_release(hits, matched, released, nodes, now) -> lost: what a push of released `nodes`
+   (int32, distinct) records per node in the `reuse` family of policies: how many have earlier uses
+   (hits, int32) but were not matched since their last push (matched, bool: the reuse the cache
+   had lost), then matched[v] = False and released[v] (int64) = now. */
+static PyObject *policy_release(PyObject *self, PyObject *args) {
+    PyObject *hobj, *mobj, *robj, *nobj;
+    long long now;
+    Py_buffer hb = {0}, mb = {0}, rb = {0}, nb = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOL", &hobj, &mobj, &robj, &nobj, &now))
+        return NULL;
+    if (vector(hobj, &hb, 4, 0, "policy_release") < 0 || vector(mobj, &mb, 1, 1, "policy_release") < 0 ||
+        vector(robj, &rb, 8, 1, "policy_release") < 0 || vector(nobj, &nb, 4, 0, "policy_release") < 0)
+        goto done;
+    Py_ssize_t cap = hb.shape[0];
+    if (mb.shape[0] != cap || rb.shape[0] != cap) {
+        PyErr_SetString(PyExc_ValueError, "policy_release: hits, matched and released differ in length");
+        goto done;
+    }
+    if (ids_below(&nb, cap, "policy_release") < 0)
+        goto done;
+    const int32_t *hits = hb.buf, *nodes = nb.buf;
+    unsigned char *matched = mb.buf;
+    int64_t *released = rb.buf;
+    Py_ssize_t lost = 0;
+    for (Py_ssize_t i = 0; i < nb.shape[0]; i++) {
+        int32_t v = nodes[i];
+        lost += !matched[v] && hits[v] != 0;
+        matched[v] = 0;
+        released[v] = now;
+    }
+    res = PyLong_FromSsize_t(lost);
+done:
+    if (hb.obj) PyBuffer_Release(&hb);
+    if (mb.obj) PyBuffer_Release(&mb);
+    if (rb.obj) PyBuffer_Release(&rb);
+    if (nb.obj) PyBuffer_Release(&nb);
+    return res;
+}
+
+/* policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long): `nodes`
+   (int32, distinct) are matched: of those queued (stamp, int64, >= 0), how many, and how many
+   were released (int64 clock) more than `turnover` releases ago; then matched[v] (bool) = True
+   and stamp[v] = -1 for all. */
+static PyObject *policy_discard(PyObject *self, PyObject *args) {
+    PyObject *sobj, *robj, *mobj, *nobj;
+    long long clock;
+    double turnover;
+    Py_buffer sb = {0}, rb = {0}, mb = {0}, nb = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOLd", &sobj, &robj, &mobj, &nobj, &clock, &turnover))
+        return NULL;
+    if (vector(sobj, &sb, 8, 1, "policy_discard") < 0 || vector(robj, &rb, 8, 0, "policy_discard") < 0 ||
+        vector(mobj, &mb, 1, 1, "policy_discard") < 0 || vector(nobj, &nb, 4, 0, "policy_discard") < 0)
+        goto done;
+    Py_ssize_t cap = sb.shape[0];
+    if (rb.shape[0] != cap || mb.shape[0] != cap) {
+        PyErr_SetString(PyExc_ValueError, "policy_discard: stamp, released and matched differ in length");
+        goto done;
+    }
+    if (ids_below(&nb, cap, "policy_discard") < 0)
+        goto done;
+    int64_t *stamp = sb.buf;
+    const int64_t *released = rb.buf;
+    unsigned char *matched = mb.buf;
+    const int32_t *nodes = nb.buf;
+    Py_ssize_t queued = 0, lng = 0;
+    for (Py_ssize_t i = 0; i < nb.shape[0]; i++) {
+        int32_t v = nodes[i];
+        if (stamp[v] >= 0) {
+            queued++;
+            lng += (double)(clock - released[v]) > turnover;
+        }
+        matched[v] = 1;
+        stamp[v] = -1;
+    }
+    res = Py_BuildValue("nn", queued, lng);
+done:
+    if (sb.obj) PyBuffer_Release(&sb);
+    if (rb.obj) PyBuffer_Release(&rb);
+    if (mb.obj) PyBuffer_Release(&mb);
+    if (nb.obj) PyBuffer_Release(&nb);
+    return res;
+}
+
+/* gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial)
+   -> runs: the `gaps` policy's priorities for released `nodes` (int32, distinct), as
+   `ReuseGaps.push` ranks them: a node of h earlier uses (hits, int32) has level
+   levels[min(h, len - 1)] (int64) and, when `unit` > 0, priority
+   (now + max(level, int64(unit * hold'))) * span + level, where hold' is hold[min(h, len - 1)]
+   (float64) but 0 for h == 1 with a last gap (ghost, int64) above `far1` or h == 2 above `far2`;
+   with unit <= 0, now * span + level. Writes prio (int64) and ghost = -1 per node, splits `nodes`
+   into runs of equal priority, stamps (int64) the j-th run's nodes with serial + j, and returns
+   the runs as (start, end, priority, level) tuples. */
+static PyObject *gaps_rank(PyObject *self, PyObject *args) {
+    PyObject *hobj, *gobj, *pobj, *sobj, *nobj, *lobj, *dobj;
+    long long now, span, serial;
+    double unit, far1, far2;
+    Py_buffer hb = {0}, gb = {0}, pb = {0}, sb = {0}, nb = {0}, lb = {0}, db = {0};
+    PyObject *res = NULL, *runs = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLdddLL", &hobj, &gobj, &pobj, &sobj, &nobj, &lobj, &dobj, &now,
+                          &unit, &far1, &far2, &span, &serial))
+        return NULL;
+    if (vector(hobj, &hb, 4, 0, "gaps_rank") < 0 || vector(gobj, &gb, 8, 1, "gaps_rank") < 0 ||
+        vector(pobj, &pb, 8, 1, "gaps_rank") < 0 || vector(sobj, &sb, 8, 1, "gaps_rank") < 0 ||
+        vector(nobj, &nb, 4, 0, "gaps_rank") < 0 || vector(lobj, &lb, 8, 0, "gaps_rank") < 0 ||
+        vector(dobj, &db, 8, 0, "gaps_rank") < 0)
+        goto done;
+    Py_ssize_t cap = hb.shape[0], nlev = lb.shape[0], nhold = db.shape[0], n = nb.shape[0];
+    if (gb.shape[0] != cap || pb.shape[0] != cap || sb.shape[0] != cap || nlev < 1 || nhold < 1) {
+        PyErr_SetString(PyExc_ValueError, "gaps_rank: hits, ghost, prio and stamp differ in length, or no levels");
+        goto done;
+    }
+    if (ids_below(&nb, cap, "gaps_rank") < 0)
+        goto done;
+    const int32_t *hits = hb.buf, *nodes = nb.buf;
+    int64_t *ghost = gb.buf, *prio = pb.buf, *stamp = sb.buf;
+    const int64_t *levels = lb.buf;
+    const double *hold = db.buf;
+    runs = PyList_New(0);
+    if (runs == NULL)
+        goto done;
+    long long s = serial - 1, run_prio = 0, run_lv = 0;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t v = nodes[i];
+        int32_t h = hits[v] < 0 ? 0 : hits[v];
+        int64_t gap = ghost[v];
+        ghost[v] = -1;
+        int64_t lv = levels[h < nlev ? h : nlev - 1];
+        int64_t due = now;
+        if (unit > 0) {
+            int32_t u = h < nhold ? h : (int32_t)(nhold - 1);
+            double hd = hold[u];
+            if ((u == 1 && (double)gap > far1) || (u == 2 && (double)gap > far2))
+                hd = 0.0;
+            int64_t b = (int64_t)(unit * hd);
+            due = now + (lv > b ? lv : b);
+        }
+        int64_t p = due * span + lv;
+        prio[v] = p;
+        if (i == 0 || p != run_prio) {
+            if (i > 0) {
+                PyObject *t = Py_BuildValue("(nnLL)", start, i, run_prio, run_lv);
+                if (t == NULL || PyList_Append(runs, t) < 0) {
+                    Py_XDECREF(t);
+                    goto done;
+                }
+                Py_DECREF(t);
+            }
+            start = i;
+            run_prio = p;
+            run_lv = lv;
+            s++;
+        }
+        stamp[v] = s;
+    }
+    if (n) {
+        PyObject *t = Py_BuildValue("(nnLL)", start, n, run_prio, run_lv);
+        if (t == NULL || PyList_Append(runs, t) < 0) {
+            Py_XDECREF(t);
+            goto done;
+        }
+        Py_DECREF(t);
+    }
+    res = runs;
+    runs = NULL;
+done:
+    Py_XDECREF(runs);
+    if (hb.obj) PyBuffer_Release(&hb);
+    if (gb.obj) PyBuffer_Release(&gb);
+    if (pb.obj) PyBuffer_Release(&pb);
+    if (sb.obj) PyBuffer_Release(&sb);
+    if (nb.obj) PyBuffer_Release(&nb);
+    if (lb.obj) PyBuffer_Release(&lb);
+    if (db.obj) PyBuffer_Release(&db);
+    return res;
+}
+
+/* ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py, tasks.py) */
+
+/* The row indices of `rows` (a tuple of `n` ints, each a row of `f`) into r[]; -1 with an
+   exception if not. */
+static int row_tuple(PyObject *rows, Py_ssize_t n, const Py_buffer *f, long *r, const char *what) {
+    if (!PyTuple_Check(rows) || PyTuple_GET_SIZE(rows) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: rows must be a tuple of %zd", what, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
+        if (r[i] < 0 || r[i] >= f->shape[0]) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s: row out of range", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int append_long(PyObject *list, long x) {
+    PyObject *o = PyLong_FromLong(x);
+    if (o == NULL || PyList_Append(list, o) < 0) {
+        Py_XDECREF(o);
+        return -1;
+    }
+    Py_DECREF(o);
+    return 0;
+}
+
+/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy)
+   -> (cut, leaf) or None: drop the host leaves of the popped run `cand` (int32) as
+   `Eviction._drop_host_run` does when the run is whole chains of host-only (`cpu`) nodes, each
+   node a leaf once the nodes before it are gone (its only child is the node right before it);
+   None, nothing written, for a run of any other shape. Each chain's top (whose parent is not
+   the next node; the last node always) is unlinked from its parent's child list and
+   continuation, in order, until one leaves its parent an unreferenced host-only leaf that is
+   not queued (`parent in policy` is asked of the policy then): the run is cut after that top,
+   `leaf` is that parent (-1 if none) and `cut` the length of the part dropped. Of that part,
+   keys that were not their parent's continuation (as found before any unlinking) leave the key
+   map, keys are cleared, host blocks appended to `hosts`, columns reset to `reset` and ids put
+   on the free-id stack from index `at`. rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST). */
+static PyObject *drop_host_run(PyObject *self, PyObject *args) {
+    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hosts, *sobj, *policy;
+    long cpu;
+    Py_ssize_t at;
+    Py_buffer f = {0}, cb = {0}, st = {0};
+    PyObject *res = NULL;
+    unsigned char *mapped = NULL;
+    if (!PyArg_ParseTuple(args, "OOOlOO!O!O!OnO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
+                          &PyDict_Type, &kmap, &PyList_Type, &hosts, &sobj, &at, &policy))
+        return NULL;
+    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    long r[8];
+    if (row_tuple(rows, 8, &f, r, "drop_host_run") < 0)
+        goto done;
+    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], m = cb.shape[0];
+    if (st.ndim != 1 || !is_int32(&st) || at < 0 || at + m > st.shape[0] || !PyTuple_Check(reset) ||
+        PyTuple_GET_SIZE(reset) != nrows || nrows > 32 || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack, reset or keys");
+        goto done;
+    }
+    int32_t reset_v[32];
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
+        if (x == -1 && PyErr_Occurred())
+            goto done;
+        reset_v[i] = (int32_t)x;
+    }
+    int32_t *M = f.buf;
+    int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
+            *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *STATE = M + r[5] * ncols,
+            *REF = M + r[6] * ncols, *HOST = M + r[7] * ncols;
+    const int32_t *cand = cb.buf;
+    if (m == 0) {
+        res = Py_BuildValue("(nl)", (Py_ssize_t)0, -1L);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = cand[i];
+        if (PARENT[v] < 0 || PARENT[v] >= ncols || PREV[v] >= ncols || NEXT[v] >= ncols) {
+            PyErr_SetString(PyExc_ValueError, "drop_host_run: a node's links are out of range");
+            goto done;
+        }
+    }
+    /* the usual shape, or nothing done */
+    int usual = CHILD[cand[0]] < 0;
+    for (Py_ssize_t i = 0; usual && i < m; i++)
+        usual = STATE[cand[i]] == cpu;
+    for (Py_ssize_t j = 0; usual && j + 1 < m; j++) {
+        int32_t v = cand[j], c = CHILD[cand[j + 1]];
+        int link = PARENT[v] == cand[j + 1], only = link && PREV[v] < 0 && NEXT[v] < 0;
+        usual = !(link && !only) && (c < 0 || (only && c == v));
+    }
+    if (!usual) {
+        res = Py_None;
+        Py_INCREF(res);
+        goto done;
+    }
+    mapped = PyMem_Malloc(m);
+    if (mapped == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        mapped[i] = CONT[PARENT[cand[i]]] != cand[i];
+    Py_ssize_t cut = m;
+    long leaf = -1;
+    for (Py_ssize_t t = 0; t < m; t++) {
+        int32_t v = cand[t];
+        if (t + 1 < m && PARENT[v] == cand[t + 1])
+            continue;  /* not a top: its parent goes right after it */
+        int32_t p = PARENT[v], b = PREV[v], a = NEXT[v];  /* `_detach_sibling` */
+        if (CONT[p] == v)
+            CONT[p] = -1;
+        if (b >= 0)
+            NEXT[b] = a;
+        else
+            CHILD[p] = a;
+        if (a >= 0)
+            PREV[a] = b;
+        if (CHILD[p] < 0 && STATE[p] == cpu && REF[p] == 0) {
+            PyObject *x = PyLong_FromLong(p);
+            int queued = x ? PySequence_Contains(policy, x) : -1;
+            Py_XDECREF(x);
+            if (queued < 0)
+                goto done;
+            if (!queued) {
+                cut = t + 1;
+                leaf = p;
+                break;
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < cut; i++)
+        if (mapped[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, cand[i])) < 0)
+            goto done;
+    int32_t *stack = st.buf;
+    for (Py_ssize_t i = 0; i < cut; i++) {
+        int32_t v = cand[i];
+        if (append_long(hosts, HOST[v]) < 0)
+            goto done;
+        PyObject *old = PyList_GET_ITEM(node_keys, v);
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(node_keys, v, Py_None);
+        Py_XDECREF(old);
+        for (Py_ssize_t k = 0; k < nrows; k++)
+            M[k * ncols + v] = reset_v[k];
+        stack[at + i] = v;
+    }
+    res = Py_BuildValue("(nl)", cut, leaf);
+done:
+    PyMem_Free(mapped);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&cb);
+    if (st.obj) PyBuffer_Release(&st);
+    return res;
+}
+
+/* mark_swap_out(f, vs, hosts, rows, swap2cpu, task, task_id, node_keys, victims, victim_keys,
+   devs, host_blocks): make the nodes `vs` (int32, in eviction order) SWAP2CPU in task `task_id`
+   as `Eviction._mark_swap_out` does: the i-th takes the i-th host block from the end of the list
+   `hosts` (those leave it), its device block goes to `devs` and its host block to
+   `host_blocks`, its id to `victims` and its key to `victim_keys`, its task (int64) is set and
+   its device children count cleared. rows = (HOST, DEV, STATE, NDEV). */
+static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
+    PyObject *fobj, *vobj, *hosts, *rows, *tobj, *node_keys, *victims, *victim_keys, *devs, *hblocks;
+    long swap2cpu;
+    long long task_id;
+    Py_buffer f = {0}, vb = {0}, tb = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOO!OlOLO!O!O!O!O!", &fobj, &vobj, &PyList_Type, &hosts, &rows, &swap2cpu, &tobj,
+                          &task_id, &PyList_Type, &node_keys, &PyList_Type, &victims, &PyList_Type, &victim_keys,
+                          &PyList_Type, &devs, &PyList_Type, &hblocks))
+        return NULL;
+    if (matrix_and_ids(fobj, vobj, &f, &vb) < 0)
+        return NULL;
+    if (vector(tobj, &tb, 8, 1, "mark_swap_out") < 0)
+        goto done;
+    long r[4];
+    if (row_tuple(rows, 4, &f, r, "mark_swap_out") < 0)
+        goto done;
+    Py_ssize_t ncols = f.shape[1], e = vb.shape[0], nh = PyList_GET_SIZE(hosts);
+    if (e > nh || tb.shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "mark_swap_out: fewer host blocks than victims, or bad task row or keys");
+        goto done;
+    }
+    int32_t *M = f.buf;
+    int32_t *HOST = M + r[0] * ncols, *DEV = M + r[1] * ncols, *STATE = M + r[2] * ncols, *NDEV = M + r[3] * ncols;
+    int64_t *task = tb.buf;
+    const int32_t *vs = vb.buf;
+    for (Py_ssize_t i = 0; i < e; i++) {  /* host blocks are checked before any write */
+        long h = PyLong_AsLong(PyList_GET_ITEM(hosts, nh - 1 - i));
+        if (h == -1 && PyErr_Occurred())
+            goto done;
+    }
+    for (Py_ssize_t i = 0; i < e; i++) {
+        int32_t v = vs[i];
+        PyObject *h = PyList_GET_ITEM(hosts, nh - 1 - i);
+        HOST[v] = (int32_t)PyLong_AsLong(h);
+        if (append_long(devs, DEV[v]) < 0 || PyList_Append(hblocks, h) < 0 || append_long(victims, v) < 0 ||
+            PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
+            goto done;
+        STATE[v] = (int32_t)swap2cpu;
+        task[v] = task_id;
+        NDEV[v] = 0;
+    }
+    if (PyList_SetSlice(hosts, nh - e, nh, NULL) < 0)
+        goto done;
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&vb);
+    if (tb.obj) PyBuffer_Release(&tb);
+    return res;
+}
+
+/* drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf): the
+   node-by-node unlinking of `Eviction._drop_host_slow`, for a popped run `cand` (int32) of
+   host-only (`cpu`) nodes of any shape (RuntimeError, nothing done, if one is not): in order,
+   a node with children is skipped (parked); any other leaves the key map (if it is not its
+   parent's continuation) and its parent's child list, and goes to `freed`; when its parent
+   became an unreferenced host-only leaf that is neither queued (`parent in policy`, asked of
+   the policy then) nor later in the run, the walk ends there: `last` is that node's index and
+   `leaf` the parent (-1, -1 if none). `pos` (int32, -1 everywhere) is scratch, left as found.
+   rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF). */
+static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
+    PyObject *fobj, *cobj, *rows, *node_keys, *kmap, *pobj, *policy;
+    long cpu;
+    Py_buffer f = {0}, cb = {0}, pb = {0};
+    PyObject *res = NULL, *freed = NULL;
+    int pos_set = 0;
+    if (!PyArg_ParseTuple(args, "OOOlO!O!OO", &fobj, &cobj, &rows, &cpu, &PyList_Type, &node_keys, &PyDict_Type,
+                          &kmap, &pobj, &policy))
+        return NULL;
+    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+        return NULL;
+    if (vector(pobj, &pb, 4, 1, "drop_host_nodes") < 0)
+        goto done;
+    long r[7];
+    if (row_tuple(rows, 7, &f, r, "drop_host_nodes") < 0)
+        goto done;
+    Py_ssize_t ncols = f.shape[1], m = cb.shape[0];
+    if (pb.shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_nodes: bad scratch or keys");
+        goto done;
+    }
+    int32_t *M = f.buf, *pos = pb.buf;
+    int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
+            *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *STATE = M + r[5] * ncols, *REF = M + r[6] * ncols;
+    const int32_t *cand = cb.buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = cand[i];
+        if (STATE[v] != cpu) {
+            PyErr_SetString(PyExc_RuntimeError, "the host eviction queue holds a node that is not on the host only");
+            goto done;
+        }
+        if (PARENT[v] < 0 || PARENT[v] >= ncols || PREV[v] >= ncols || NEXT[v] >= ncols) {
+            PyErr_SetString(PyExc_ValueError, "drop_host_nodes: a node's links are out of range");
+            goto done;
+        }
+    }
+    freed = PyList_New(0);
+    if (freed == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < m; i++)
+        pos[cand[i]] = (int32_t)i;
+    pos_set = 1;
+    Py_ssize_t last = -1;
+    long leaf = -1;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = cand[i];
+        if (CHILD[v] >= 0)
+            continue;  /* parked: requeued when its last child leaves */
+        int32_t p = PARENT[v], b = PREV[v], a = NEXT[v];
+        int ends = pos[p] <= i && CHILD[p] == v && a < 0 && b < 0 && STATE[p] == cpu && REF[p] == 0;
+        if (ends) {
+            PyObject *x = PyLong_FromLong(p);
+            int queued = x ? PySequence_Contains(policy, x) : -1;
+            Py_XDECREF(x);
+            if (queued < 0)
+                goto done;
+            ends = !queued;
+        }
+        if (CONT[p] != v && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, v)) < 0)
+            goto done;
+        if (CONT[p] == v)  /* `_detach_sibling` */
+            CONT[p] = -1;
+        if (b >= 0)
+            NEXT[b] = a;
+        else
+            CHILD[p] = a;
+        if (a >= 0)
+            PREV[a] = b;
+        if (append_long(freed, v) < 0)
+            goto done;
+        if (ends) {
+            last = i;
+            leaf = p;
+            break;
+        }
+    }
+    res = Py_BuildValue("(Onl)", freed, last, leaf);
+done:
+    if (pos_set)
+        for (Py_ssize_t i = 0; i < m; i++)
+            pos[cand[i]] = -1;
+    Py_XDECREF(freed);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&cb);
+    if (pb.obj) PyBuffer_Release(&pb);
+    return res;
+}
+
+/* finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual
+   answer to a swap-out, as `TaskBook._finish_swap_out` applies it: if every one of `nodes`
+   (int32) is still SWAP2CPU in task `task_id` (task, int64), each becomes `cpu` without a task
+   or a device block, and their device blocks are returned in order; else None, nothing written.
+   rows = (DEV, STATE). */
+static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
+    PyObject *fobj, *nobj, *tobj, *rows;
+    long long task_id;
+    long swap2cpu, cpu;
+    Py_buffer f = {0}, nb = {0}, tb = {0};
+    PyObject *res = NULL, *devs = NULL;
+    if (!PyArg_ParseTuple(args, "OOOLOll", &fobj, &nobj, &tobj, &task_id, &rows, &swap2cpu, &cpu))
+        return NULL;
+    if (matrix_and_ids(fobj, nobj, &f, &nb) < 0)
+        return NULL;
+    if (vector(tobj, &tb, 8, 1, "finish_swap_out") < 0)
+        goto done;
+    long r[2];
+    if (row_tuple(rows, 2, &f, r, "finish_swap_out") < 0)
+        goto done;
+    Py_ssize_t ncols = f.shape[1], m = nb.shape[0];
+    if (tb.shape[0] != ncols) {
+        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length");
+        goto done;
+    }
+    int32_t *M = f.buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols;
+    int64_t *task = tb.buf;
+    const int32_t *nodes = nb.buf;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (task[nodes[i]] != task_id || STATE[nodes[i]] != swap2cpu) {
+            res = Py_None;
+            Py_INCREF(res);
+            goto done;
+        }
+    devs = PyList_New(m);
+    if (devs == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = nodes[i];
+        PyObject *x = PyLong_FromLong(DEV[v]);
+        if (x == NULL)
+            goto done;
+        PyList_SET_ITEM(devs, i, x);
+        DEV[v] = -1;
+        STATE[v] = (int32_t)cpu;
+        task[v] = -1;
+    }
+    res = devs;
+    devs = NULL;
+done:
+    Py_XDECREF(devs);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&nb);
+    if (tb.obj) PyBuffer_Release(&tb);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"drop_host_nodes", drop_host_nodes, METH_VARARGS,
+     "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf)"},
+    {"finish_swap_out", finish_swap_out, METH_VARARGS,
+     "finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
+    {"drop_host_run", drop_host_run, METH_VARARGS,
+     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy) -> (cut, leaf) or None"},
+    {"mark_swap_out", mark_swap_out, METH_VARARGS,
+     "mark_swap_out(f, vs, hosts, rows, swap2cpu, task, task_id, node_keys, victims, victim_keys, devs, host_blocks)"},
+    {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
+    {"policy_discard", policy_discard, METH_VARARGS,
+     "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},
+    {"gaps_rank", gaps_rank, METH_VARARGS,
+     "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial) -> runs"},
     {"sample_keys", sample_keys, METH_VARARGS, "sample_keys(keys, threshold) -> positions of the sampled keys"},
     {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},
     {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},

@@ -8,14 +8,17 @@ against lives in tests/runtime/cache/cache_reference.py.
 from __future__ import annotations
 
 try:
-    from kvrt.runtime.cache._cache_core import (chain_keys, chain_tops, deref, drop_run, new_chain, sample_keys,
-                                                scan_live, sketch_add, sketch_count, sketch_raise, sketch_stamp,
-                                                stamp_runs, touch_device, walk)
+    from kvrt.runtime.cache._cache_core import (chain_keys, chain_tops, deref, drop_host_nodes, drop_host_run,
+                                                drop_run, finish_swap_out, gaps_rank, mark_swap_out, new_chain,
+                                                policy_discard, policy_release, sample_keys, scan_live, sketch_add,
+                                                sketch_count, sketch_raise, sketch_stamp, stamp_runs, touch_device,
+                                                walk)
 except ImportError as e:
     if e.name != f"{__package__}._cache_core":  # it loaded and said what is wrong (xxhash) itself
         raise
     raise ImportError(f"runtime.cache._cache_core, the prefix cache's C loops, is not built or was built from "
                       f"older source ({e}): build it with `pip install -e .` in the checkout") from e
 
-__all__ = ["chain_keys", "chain_tops", "deref", "drop_run", "new_chain", "sample_keys", "scan_live", "sketch_add",
-           "sketch_count", "sketch_raise", "sketch_stamp", "stamp_runs", "touch_device", "walk"]
+__all__ = ["chain_keys", "chain_tops", "deref", "drop_host_nodes", "drop_host_run", "drop_run", "finish_swap_out",
+           "gaps_rank", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "sample_keys", "scan_live",
+           "sketch_add", "sketch_count", "sketch_raise", "sketch_stamp", "stamp_runs", "touch_device", "walk"]

@@ -13,8 +13,10 @@ surviving parent) and the keys held by the key map; the victims, their order and
 written are those of popping and dropping one node at a time (tests/runtime/cache/test_eviction_policies.py
 compares both). With a host tier, victims are swapped out a run at a time the same way
 (`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
-leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU with a few
-array writes. Once the host tier runs out, the rest is dropped one victim at a time
+leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU; each of
+those steps is one C call (runtime/cache/_cache_core.c drop_host_run, drop_host_nodes,
+mark_swap_out; tests/runtime/cache/test_cache_core.py checks them against the numpy code they
+replaced). Once the host tier runs out, the rest is dropped one victim at a time
 (`_drop_one_by_one`): with a host tier a victim may have host-only children (its whole subtree
 goes with it) and a parent on the host only (which becomes a host leaf), which the batched drop
 does not handle; and the host tier runs out only when no host block is free or held by an
@@ -28,9 +30,11 @@ import numpy as np
 
 from kvrt.ipc.protocol import TaskKind
 
-from kvrt.runtime.cache.core import chain_tops as _chain_tops_c, drop_run as _drop_run_c
+from kvrt.runtime.cache.core import (chain_tops as _chain_tops_c, drop_host_nodes as _drop_host_nodes_c,
+                                    drop_host_run as _drop_host_run_c, drop_run as _drop_run_c,
+                                    mark_swap_out as _mark_swap_out_c)
 from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
-                          PREV, RESET, STATE, SWAP2CPU, NodeStore)
+                          PREV, REF, RESET, STATE, SWAP2CPU, NodeStore)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,9 @@ log = logging.getLogger(__name__)
 # values a freed node's column is reset to
 DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV)
 RESET_ROW = tuple(RESET.tolist())
+# the rows drop_host_run and mark_swap_out read and write, in their order
+HOST_DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST)  # drop_host_nodes: all but HOST
+SWAP_OUT_ROWS = (HOST, DEV, STATE, NDEV)
 
 
 class Eviction(NodeStore):
@@ -237,24 +244,13 @@ class Eviction(NodeStore):
         parent that becomes an unqueued evictable device leaf at the front. Their device and
         host blocks are appended to `blocks`. `outside`: the victims' parents that are not
         victims themselves, one per victim, if the caller knows them."""
-        f = self._f
-        take = hosts[-e:]
-        del hosts[-e:]
-        take.reverse()
-        f[HOST, vs] = take
-        blocks[0].extend(f[DEV, vs].tolist())
-        blocks[1].extend(take)
-        f[STATE, vs] = SWAP2CPU
-        self._task[vs] = task_id
         self._host_cached += e
         self._idle -= e
-        ids = vs.tolist()
-        victims += ids
-        keys = self._keys
-        victim_keys += [keys[v] for v in ids]
+        # one C call: host blocks, device blocks, state, task, keys and device children per victim
+        _mark_swap_out_c(self._f, vs, hosts, SWAP_OUT_ROWS, SWAP2CPU, self._task, task_id, self._keys, victims,
+                         victim_keys, blocks[0], blocks[1])
         # each victim's device children went before it: none is left; only parents outside the
         # run (the chains' tops') lose device children that stay
-        f[NDEV, vs] = 0
         if outside is None:
             pos = self._pos_scratch
             pos[vs] = 0
@@ -424,49 +420,23 @@ class Eviction(NodeStore):
     def _drop_host_run(self, cand: np.ndarray, hosts: list[int]) -> int:
         """Drop the host leaves of the popped run `cand` as one-at-a-time eviction would, their
         blocks appended to `hosts`; returns how many. A run whose every node is a leaf once the
-        nodes before it are gone (a chain's only child comes right before it) is freed at once;
-        it is cut after the first node whose drop makes its parent an unqueued host leaf (that
-        parent comes next), the rest going back to the front of the queue."""
-        f = self._f
+        nodes before it are gone (a chain's only child comes right before it) is freed at once,
+        in one C call (runtime/cache/_cache_core.c drop_host_run); it is cut after the first node
+        whose drop makes its parent an unqueued host leaf (that parent comes next), the rest
+        going back to the front of the queue."""
         policy = self._host_lru
-        m = len(cand)
-        g = f[:, cand]
-        par, child = g[PARENT], g[CHILD]
-        link = par[:-1] == cand[1:]
-        # a node goes if it has no child, or its only child is the run's node right before it
-        only = link & (g[PREV, :-1] < 0) & (g[NEXT, :-1] < 0)
-        usual = (child[0] < 0 and (g[STATE] == CPU).all()
-                 and ((child[1:] < 0) | (only & (child[1:] == cand[:-1]))).all()
-                 and not (link & ~only).any())
-        if not usual:
+        names = None if self._obs is None else [self._keys[v] for v in cand.tolist()]
+        got = _drop_host_run_c(self._f, cand, HOST_DROP_ROWS, CPU, RESET_ROW, self._keys, self._map, hosts,
+                               self._stack, self._top, policy)
+        if got is None:
             return self._drop_host_slow(cand, hosts)
-        keys, kmap = self._keys, self._map
-        mapped = f[CONT, par] != cand  # found through the key map, not as their parent's continuation
-        child_v, state, ref = self._child_v, self._state_v, self._ref_v
-        top = np.flatnonzero(~link).tolist()
-        top.append(m - 1)
-        cut, leaf = m, -1
-        for t in top:
-            p = self._detach_sibling(int(cand[t]))
-            if child_v[p] < 0 and state[p] == CPU and ref[p] == 0 and p not in policy:
-                cut, leaf = t + 1, p  # that parent is next in line
-                break
-        if cut < m:
+        cut, leaf = got
+        if cut < len(cand):
             policy.push_front_run(cand[cut:].tolist())
-            cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
-        drop = cand.tolist()
-        for v in cand[mapped].tolist():
-            del kmap[keys[v]]
-        if self._obs is not None:  # host-only nodes
-            self._obs.removed(ON_HOST, [keys[v] for v in drop])
-        for v in drop:
-            keys[v] = None
-        hosts += g[HOST].tolist()
+        if names is not None:  # host-only nodes
+            self._obs.removed(ON_HOST, names[:cut])
         self._host_cached -= cut
-        f[:, cand] = RESET[:, None]
-        top_ = self._top
-        self._stack[top_:top_ + cut] = cand
-        self._top = top_ + cut
+        self._top += cut
         if leaf >= 0:
             policy.push_front(leaf)
         return cut
@@ -480,29 +450,14 @@ class Eviction(NodeStore):
         are freed together at the end, in order, as `_free_node` frees them (host queue nodes
         are CPU nodes without a task or a device block, already out of both queues)."""
         f = self._f
-        if not (f[STATE, cand] == CPU).all():
-            raise RuntimeError("the host eviction queue holds a node that is not on the host only")
-        child_v, parent_v, next_v, prev_v = self._child_v, self._parent_v, self._next_v, self._prev_v
-        cont_v, state, ref, policy = self._cont_v, self._state_v, self._ref_v, self._host_lru
-        keys, kmap = self._keys, self._map
-        ids = cand.tolist()
-        at = {v: i for i, v in enumerate(ids)}
-        freed: list[int] = []
-        for i, v in enumerate(ids):
-            if child_v[v] >= 0:
-                continue  # parked: requeued when its last child leaves
-            p = parent_v[v]
-            last = (at.get(p, -1) <= i and child_v[p] == v and next_v[v] < 0 and prev_v[v] < 0
-                    and state[p] == CPU and ref[p] == 0 and p not in policy)
-            if last:
-                policy.push_front_run(ids[i + 1:])
-            if cont_v[p] != v:  # `_unlink`
-                del kmap[keys[v]]
-            self._detach_sibling(v)
-            freed.append(v)
-            if last:
-                self._host_leaf_again(p)  # p is next, ahead of the rest
-                break
+        policy = self._host_lru
+        # the walk and the unlinking, one C call (runtime/cache/_cache_core.c drop_host_nodes)
+        freed, last, leaf = _drop_host_nodes_c(f, cand, HOST_DROP_ROWS[:7], CPU, self._keys, self._map,
+                                               self._pos_scratch, policy)
+        if last >= 0:
+            policy.push_front_run(cand[last + 1:].tolist())
+            self._host_leaf_again(leaf)  # the parent is next, ahead of the rest
+        keys = self._keys
         if self._obs is not None:
             for v in freed:
                 self._tell_lost(v)

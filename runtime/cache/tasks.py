@@ -27,7 +27,11 @@ from kvrt.runtime.cache.match import Request
 from kvrt.runtime.cache.nodes import (CPU, DETACHED, DEV, FREE, GPU, HOST, NO_NODES, ON_DEVICE, ON_HOST, REF, STATE,
                           SWAP2CPU, SWAP2GPU, NodeStore)
 
+from kvrt.runtime.cache.core import finish_swap_out as _finish_swap_out_c
+
 log = logging.getLogger(__name__)
+
+SWAP_OUT_DONE_ROWS = (DEV, STATE)  # the rows finish_swap_out writes, in its order
 
 
 @dataclass(slots=True)
@@ -121,12 +125,10 @@ class TaskBook(NodeStore):
         task_id = t.task.task_id
         nodes = np.array(t.nodes, dtype=np.int32)
         f = self._f
-        if ok and (self._task[nodes] == task_id).all() and (f[STATE, nodes] == SWAP2CPU).all():
-            # the usual answer: every node still in the tree and still this task's; all at once
-            devs = f[DEV, nodes].tolist()
-            f[DEV, nodes] = -1
-            f[STATE, nodes] = CPU
-            self._task[nodes] = -1
+        # the usual answer: every node still in the tree and still this task's; all at once, in
+        # one C call (runtime/cache/_cache_core.c finish_swap_out; None: some node is not)
+        devs = _finish_swap_out_c(f, nodes, self._task, task_id, SWAP_OUT_DONE_ROWS, SWAP2CPU, CPU) if ok else None
+        if devs is not None:
             self._dev_returning -= len(devs)
             self._dev_cached -= len(devs)
             if self._obs is not None:

@@ -29,8 +29,11 @@ before their parents.
 """
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
+from kvrt.runtime.cache.core import gaps_rank as _rank_c
 from kvrt.runtime.cache.policies.reuse import LEVELS, MAX_LEVEL, ReuseLevels
 
 # bonus in cache turnovers by earlier uses (0, 1, 2, 3 or more): a block with no earlier use
@@ -80,35 +83,25 @@ class ReuseGaps(ReuseLevels):
 
     def push(self, nodes: np.ndarray) -> None:
         """Queue `nodes` (released, deepest first) with priority now + the bonus for their reuse,
-        none for a block whose last reuse gap exceeds what its bonus would hold."""
+        none for a block whose last reuse gap exceeds what its bonus would hold. The ranking,
+        the stamps and the split into runs of equal priority are one C call
+        (runtime/cache/_cache_core.c gaps_rank); along a path priorities grow toward the root, so
+        a path is a few runs (a host tier's batch of swapped-out nodes is no path: any number)."""
         if not len(nodes):
             return
-        now, avg, hits = self._release(nodes)
-        gap = self._ghost[nodes]  # -1 (not looked at) but for blocks just computed
-        self._ghost[nodes] = -1
-        lv = LEVELS[np.minimum(hits, len(LEVELS) - 1)]
+        now, avg = self._release(nodes)
         turnover = self._capacity / avg
         unit = self.bonus_scale() * min(MAX_TURNOVER, turnover)
-        if unit > 0:
-            uses = np.minimum(hits, len(HOLD) - 1)
-            hold = HOLD[uses]
-            far = ((uses == 1) & (gap > REACH * turnover)) | ((uses == 2) & (gap > REACH_TWICE * turnover))
-            hold[far] = 0.0
-            # at least one release per level, as in `reuse`
-            due = now + np.maximum(lv, (unit * hold).astype(np.int64))
-        else:  # no long reuse: LRU order
-            due = np.full(len(nodes), now, dtype=np.int64)
-        # the level in the low bits: no two levels share a priority (within a release, deepest
-        # first), so a node queued again at the front (`push_front`, with its own priority and
-        # level) goes back among its equals only
-        prio = due * LEVEL_SPAN + lv
-        self._prio[nodes] = prio
-        if prio[0] == prio[-1] and (len(prio) < 3 or (prio == prio[0]).all()):
-            self._add(nodes, int(prio[0]), int(lv[0]))
-        else:  # along a path priorities grow toward the root: a few runs (a host tier's batch of
-            # swapped-out nodes is no path: any number)
-            starts = [0] + (np.flatnonzero(prio[1:] != prio[:-1]) + 1).tolist()
-            for a, b in zip(starts, starts[1:] + [len(lv)]):
-                self._add(nodes[a:b], int(prio[a]), int(lv[a]))
+        # the level in the low bits of a priority: no two levels share one (within a release,
+        # deepest first), so a node queued again at the front (`push_front`, with its own
+        # priority and level) goes back among its equals only
+        s = self._serial
+        runs = _rank_c(self._hits, self._ghost, self._prio, self._stamp, nodes, LEVELS, HOLD, now, unit,
+                       REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, s)
+        self._serial = s + len(runs)
+        heap = self._heap
+        for j, (a, b, prio, level) in enumerate(runs):
+            heapq.heappush(heap, [prio, level, s + j, s + j, nodes[a:b], -1])
+        self._queued += len(nodes)
         if self._queued > self._limit:
             self._compact()

@@ -43,7 +43,8 @@ import numpy as np
 
 from kvrt.runtime.cache.policies.base import EvictionPolicy
 
-from kvrt.runtime.cache.core import scan_live as _scan_c, stamp_runs as _stamp_runs_c
+from kvrt.runtime.cache.core import (policy_discard as _discard_c, policy_release as _release_c, scan_live as _scan_c,
+                                    stamp_runs as _stamp_runs_c)
 
 # level of a use count: floor(2 * log2(1 + uses)), at most MAX_LEVEL (3 earlier uses): beyond
 # that more protection only keeps popular but finished prefixes (an agent loop that ended) in
@@ -96,7 +97,8 @@ class ReuseLevels(EvictionPolicy):
         """Queue `nodes` (released, deepest first) with priority now + bonus for their reuse."""
         if not len(nodes):
             return
-        now, avg, hits = self._release(nodes)
+        now, avg = self._release(nodes)
+        hits = self._hits[nodes]
         lv = LEVELS.take(hits, mode="clip")
         # at least one release per level: with none, equal priorities would leave the order to
         # tie-breaks that batched and one-at-a-time eviction do not share
@@ -114,29 +116,20 @@ class ReuseLevels(EvictionPolicy):
         if self._queued > self._limit:
             self._compact()
 
-    def _release(self, nodes: np.ndarray) -> tuple[int, float, np.ndarray]:
-        """What every push of released `nodes` counts, here and in the policies built on this
-        one: the release clock, the moving average release size, the reuse the cache had lost
-        (blocks computed again although their key was used before); returns (now, average
-        release size, the nodes' earlier uses)."""
+    def _release(self, nodes: np.ndarray) -> tuple[int, float]:
+        """What every push of released `nodes` (int32, distinct) counts, here and in the policies
+        built on this one: the release clock, the moving average release size, the reuse the
+        cache had lost (blocks computed again although their key was used before; the per-node
+        part in one C call, runtime/cache/_cache_core.c policy_release); returns (now, average
+        release size)."""
         now = self._clock
         self._clock = now + 1
         avg = self._avg_push
         avg = self._avg_push = 0.99 * avg + 0.01 * len(nodes) if avg else float(len(nodes))
-        hits = self._hits[nodes]
-        lost = int(np.count_nonzero(hits[~self._matched[nodes]]))
+        lost = _release_c(self._hits, self._matched, self._released, nodes, now)
         self._long += lost
         self._reused += lost
-        self._matched[nodes] = False
-        self._released[nodes] = now
-        return now, avg, hits
-
-    def _add(self, nodes: np.ndarray, prio: int, level: int) -> None:
-        s = self._serial
-        self._serial = s + 1
-        self._stamp[nodes] = s
-        heapq.heappush(self._heap, [prio, level, s, s, nodes, -1])
-        self._queued += len(nodes)
+        return now, avg
 
     def push_front(self, n: int) -> None:
         """Queue `n` again with the priority of its last release, ahead of its equals."""
@@ -177,15 +170,15 @@ class ReuseLevels(EvictionPolicy):
 
     def discard(self, nodes: np.ndarray) -> None:
         """Take `nodes` out (a request matched them) and count how many of the queued ones were
-        released more than a turnover ago: reuse that recency order alone would have lost."""
-        queued = nodes[self._stamp[nodes] >= 0]
-        if len(queued) and self._avg_push:
-            turnover = self._capacity / self._avg_push
-            long = int(np.count_nonzero(self._clock - self._released[queued] > turnover))
+        released more than a turnover ago: reuse that recency order alone would have lost (per
+        node in one C call, runtime/cache/_cache_core.c policy_discard)."""
+        avg = self._avg_push
+        nodes = np.ascontiguousarray(nodes, dtype=np.int32)  # (a reset's are int64)
+        queued, long = _discard_c(self._stamp, self._released, self._matched, nodes, self._clock,
+                                  self._capacity / avg if avg else 0.0)
+        if queued and avg:
             self._long = DECAY * self._long + long
-            self._reused = DECAY * self._reused + len(queued)
-        self._matched[nodes] = True
-        self._stamp[nodes] = -1
+            self._reused = DECAY * self._reused + queued
 
     def discard_one(self, n: int) -> None:
         self._stamp_v[n] = -1

@@ -202,6 +202,150 @@ def stamp_runs(stamp: np.ndarray, nodes: np.ndarray, level: np.ndarray, serial: 
     return starts
 
 
+# ---- the `reuse` family's per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py)
+def policy_release(hits: np.ndarray, matched: np.ndarray, released: np.ndarray, nodes: np.ndarray, now: int) -> int:
+    lost = int(np.count_nonzero(hits[nodes][~matched[nodes]]))
+    matched[nodes] = False
+    released[nodes] = now
+    return lost
+
+
+def policy_discard(stamp: np.ndarray, released: np.ndarray, matched: np.ndarray, nodes: np.ndarray, clock: int,
+                   turnover: float) -> tuple[int, int]:
+    queued = nodes[stamp[nodes] >= 0]
+    long = int(np.count_nonzero(clock - released[queued] > turnover))
+    matched[nodes] = True
+    stamp[nodes] = -1
+    return len(queued), long
+
+
+def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: np.ndarray, nodes: np.ndarray,
+              levels: np.ndarray, hold_by_uses: np.ndarray, now: int, unit: float, far1: float, far2: float,
+              span: int, serial: int) -> list[tuple[int, int, int, int]]:
+    h = hits[nodes]
+    gap = ghost[nodes]
+    ghost[nodes] = -1
+    lv = levels[np.minimum(h, len(levels) - 1)]
+    if unit > 0:
+        uses = np.minimum(h, len(hold_by_uses) - 1)
+        hold = hold_by_uses[uses]
+        hold[((uses == 1) & (gap > far1)) | ((uses == 2) & (gap > far2))] = 0.0
+        due = now + np.maximum(lv, (unit * hold).astype(np.int64))
+    else:
+        due = np.full(len(nodes), now, dtype=np.int64)
+    prio = due * span + lv
+    prio_row[nodes] = prio
+    starts = [0] + (np.flatnonzero(prio[1:] != prio[:-1]) + 1).tolist() if len(nodes) else []
+    ends = starts[1:] + [len(nodes)]
+    for j, (a, b) in enumerate(zip(starts, ends)):
+        stamp[nodes[a:b]] = serial + j
+    return [(a, b, int(prio[a]), int(lv[a])) for a, b in zip(starts, ends)]
+
+
+# ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py)
+def drop_host_run(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, reset: tuple, node_keys: list,
+                  kmap: dict, hosts: list, stack: np.ndarray, at: int, policy) -> tuple[int, int] | None:
+    parent, child, nxt, prev, cont, state, ref, host = rows
+    m = len(cand)
+    g = f[:, cand]
+    par, ch = g[parent], g[child]
+    link = par[:-1] == cand[1:]
+    # a node goes if it has no child, or its only child is the run's node right before it
+    only = link & (g[prev, :-1] < 0) & (g[nxt, :-1] < 0)
+    usual = (ch[0] < 0 and (g[state] == cpu).all() and ((ch[1:] < 0) | (only & (ch[1:] == cand[:-1]))).all()
+             and not (link & ~only).any())
+    if not usual:
+        return None
+    mapped = f[cont, par] != cand  # found through the key map, not as their parent's continuation
+    top = np.flatnonzero(~link).tolist()
+    top.append(m - 1)
+    cut, leaf = m, -1
+    for t in top:
+        v = int(cand[t])
+        p, before, after = int(f[parent, v]), int(f[prev, v]), int(f[nxt, v])
+        if f[cont, p] == v:
+            f[cont, p] = -1
+        if before >= 0:
+            f[nxt, before] = after
+        else:
+            f[child, p] = after
+        if after >= 0:
+            f[prev, after] = before
+        if f[child, p] < 0 and f[state, p] == cpu and f[ref, p] == 0 and p not in policy:
+            cut, leaf = t + 1, p
+            break
+    cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
+    for v in cand[mapped].tolist():
+        del kmap[node_keys[v]]
+    for v in cand.tolist():
+        node_keys[v] = None
+    hosts += g[host].tolist()
+    f[:, cand] = np.array(reset, dtype=np.int32)[:, None]
+    stack[at:at + cut] = cand
+    return cut, leaf
+
+
+def mark_swap_out(f: np.ndarray, vs: np.ndarray, hosts: list, rows: tuple, swap2cpu: int, task: np.ndarray,
+                  task_id: int, node_keys: list, victims: list, victim_keys: list, devs: list,
+                  host_blocks: list) -> None:
+    host, dev, state, ndev = rows
+    e = len(vs)
+    take = hosts[-e:]
+    del hosts[-e:]
+    take.reverse()
+    f[host, vs] = take
+    devs.extend(f[dev, vs].tolist())
+    host_blocks.extend(take)
+    f[state, vs] = swap2cpu
+    task[vs] = task_id
+    ids = vs.tolist()
+    victims += ids
+    victim_keys += [node_keys[v] for v in ids]
+    f[ndev, vs] = 0
+
+
+def drop_host_nodes(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, node_keys: list, kmap: dict,
+                    pos: np.ndarray, policy) -> tuple[list[int], int, int]:
+    parent, child, nxt, prev, cont, state, ref = rows
+    if not (f[state, cand] == cpu).all():
+        raise RuntimeError("the host eviction queue holds a node that is not on the host only")
+    ids = cand.tolist()
+    at = {v: i for i, v in enumerate(ids)}
+    freed: list[int] = []
+    for i, v in enumerate(ids):
+        if f[child, v] >= 0:
+            continue
+        p, before, after = int(f[parent, v]), int(f[prev, v]), int(f[nxt, v])
+        last = (at.get(p, -1) <= i and f[child, p] == v and after < 0 and before < 0
+                and f[state, p] == cpu and f[ref, p] == 0 and p not in policy)
+        if f[cont, p] != v:
+            del kmap[node_keys[v]]
+        if f[cont, p] == v:
+            f[cont, p] = -1
+        if before >= 0:
+            f[nxt, before] = after
+        else:
+            f[child, p] = after
+        if after >= 0:
+            f[prev, after] = before
+        freed.append(v)
+        if last:
+            return freed, i, p
+    return freed, -1, -1
+
+
+def finish_swap_out(f: np.ndarray, nodes: np.ndarray, task: np.ndarray, task_id: int, rows: tuple, swap2cpu: int,
+                    cpu: int) -> list[int] | None:
+    dev, state = rows
+    if not ((task[nodes] == task_id).all() and (f[state, nodes] == swap2cpu).all()):
+        return None
+    devs = f[dev, nodes].tolist()
+    f[dev, nodes] = -1
+    f[state, nodes] = cpu
+    task[nodes] = -1
+    return devs
+
+
 class OneAtATime(PrefixCache):
     """A prefix cache whose eviction pops one victim at a time from its policies and swaps it
     out or drops it (the loop the cache ran before its eviction was batched): device victims

@@ -7,14 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvrt.runtime.cache import eviction as cache_eviction, match as cache_match, keys as hashing, use_sketch
+from kvrt.runtime.cache import (eviction as cache_eviction, keys as hashing, match as cache_match, tasks as cache_tasks,
+                                use_sketch)
 from kvrt.runtime.cache._cache_core import deref, drop_run, new_chain, touch_device
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.cache.nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
-from kvrt.runtime.cache.policies import reuse as reuse_levels
+from kvrt.runtime.cache.policies import gaps as reuse_gaps, reuse as reuse_levels
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 from tests.runtime.cache import cache_reference as ref
+from tests.runtime.cache.test_eviction_policies import _workload
 
 BS = 4
 
@@ -23,6 +25,20 @@ def _settle(c: PrefixCache) -> None:
     while tasks := c.take_tasks():
         for t in tasks:
             c.apply_task_result(t.task_id, True)
+
+
+def _policy_state(q) -> dict:
+    """A policy's own bookkeeping: its scalars (clock, moving sums, weight...) exactly and its
+    per-node arrays (priorities, stamps, release times...), by slot."""
+    out = {}
+    for cls in type(q).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            v = getattr(q, name, None)
+            if isinstance(v, np.ndarray):
+                out[name] = v.tolist()
+            elif isinstance(v, (int, float, bool)):
+                out[name] = v
+    return out
 
 
 def _replay(c: PrefixCache, seed: int) -> list:
@@ -41,7 +57,8 @@ def _replay(c: PrefixCache, seed: int) -> list:
             c.update(i, len(tokens))
         c.release(i)
         _settle(c)
-        states.append((c._f.copy(), list(c._keys), dict(c._map), c._dev_lru.members(), c.snapshot()))
+        states.append((c._f.copy(), list(c._keys), dict(c._map), c._dev_lru.members(), c._host_lru.members(),
+                       _policy_state(c._dev_lru), _policy_state(c._host_lru), c.snapshot()))
     c.check()
     return states
 
@@ -51,7 +68,8 @@ def _replay(c: PrefixCache, seed: int) -> list:
 # released path into runs its own way
 POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptive", "gaps", "reuse"),
                   "_stamp_c": ("adaptive", "gaps"), "_scan_c": ("adaptive", "gaps", "reuse"),
-                  "_stamp_runs_c": ("reuse",)}
+                  "_stamp_runs_c": ("reuse",), "_release_c": ("adaptive", "gaps", "reuse"),
+                  "_discard_c": ("adaptive", "gaps", "reuse"), "_rank_c": ("adaptive", "gaps")}
 
 
 @pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
@@ -64,14 +82,18 @@ POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptiv
         (use_sketch, "_raise_c", ref.sketch_raise), (cache_eviction, "_chain_tops_c", ref.chain_tops),
         (reuse_levels, "_scan_c", ref.scan_live), (reuse_levels, "_stamp_runs_c", ref.stamp_runs),
         (cache_match, "_walk_c", ref.walk), (use_sketch, "_stamp_c", ref.sketch_stamp),
-        (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys))])
+        (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys),
+        (reuse_levels, "_release_c", ref.policy_release), (reuse_levels, "_discard_c", ref.policy_discard),
+        (reuse_gaps, "_rank_c", ref.gaps_rank))])
 def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
     """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
     with host hits takes the general path), releasing one (deref), counting a request's keys
     in the use sketch (sketch_add, sketch_stamp) and giving recorded blocks the uses the
     sketch remembers (sketch_raise, the `reuse` policy), the `reuse` policy's scan of its
-    queue for a run (scan_live) and split of a released path into runs (stamp_runs), and the
+    queue for a run (scan_live) and split of a released path into runs (stamp_runs), the
+    `reuse` family's marks per released and matched node (policy_release, policy_discard) and
+    the `gaps` ranking of a released path (gaps_rank), and the
     block keys themselves (chain_keys), in C or in numpy leave the same cache (and queues) at every step,
     with and without a host tier."""
     cls = make_policy(name)
@@ -90,6 +112,55 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
     # tier victims are swapped out, not dropped a run at a time)
     unused = name not in POLICIES_USING.get(attr, (name,)) or (attr == "_drop_run_c" and host)
     assert bool(calls) != unused
+
+
+@pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
+@pytest.mark.parametrize("module,attr,reference", [
+    pytest.param(module, attr, reference, id=attr) for module, attr, reference in (
+        (cache_eviction, "_drop_host_run_c", ref.drop_host_run), (cache_eviction, "_mark_swap_out_c", ref.mark_swap_out),
+        (cache_eviction, "_drop_host_nodes_c", ref.drop_host_nodes),
+        (cache_tasks, "_finish_swap_out_c", ref.finish_swap_out))])
+def test_host_tier_c_work_equals_numpy(name, module, attr, reference, monkeypatch):
+    """A host tier's drop of a run of host leaves (drop_host_run; node by node for a run of any
+    shape: branches, parked parents, drop_host_nodes), marking of swap-out victims
+    (mark_swap_out) and a swap-out's answer (finish_swap_out), in C or in numpy, leave the same
+    cache, queues and policies at every step of a workload with requests in flight and a small
+    host tier, whose eviction takes runs of every shape."""
+    cls = make_policy(name)
+
+    def replay() -> list:
+        c = PrefixCache(BS, 96, 32, policy=cls)
+        states = []
+        for op, rid, tokens in _workload(0, 300):
+            if op == "start":
+                if not c.match(rid, BlockHasher(BS).update(tokens), len(tokens)).ready:
+                    _settle(c)
+                if c.allocate(rid, len(tokens)) is None:
+                    _settle(c)
+                    if not c.is_ready(rid) or c.allocate(rid, len(tokens)) is None:
+                        continue  # (released when the workload finishes it)
+                c.update(rid, len(tokens))
+            else:
+                c.release(rid)
+            _settle(c)
+            states.append((c._f.copy(), c._task.copy(), list(c._keys), dict(c._map), c._dev_lru.members(),
+                           c._host_lru.members(), _policy_state(c._dev_lru), _policy_state(c._host_lru),
+                           c.snapshot()))
+        c.check()
+        return states
+
+    fast = replay()
+    calls = []
+
+    def counted(*args):
+        calls.append(attr)
+        return reference(*args)
+
+    monkeypatch.setattr(module, attr, counted)
+    slow = replay()
+    for step, (a, b) in enumerate(zip(fast, slow)):
+        assert (a[0] == b[0]).all() and (a[1] == b[1]).all() and a[2:] == b[2:], f"step {step}"
+    assert calls
 
 
 def test_new_chain_checks_before_it_writes():
@@ -168,3 +239,39 @@ def test_a_run_popped_in_c_is_what_pops_give():
             break
     with pytest.raises(ValueError):
         reuse_levels._scan_c(a._stamp, np.zeros(3, dtype=np.int32), 0, 5, np.empty(4, dtype=np.int32), 0)
+
+
+def test_policy_bookkeeping_in_c_equals_numpy():
+    """The `reuse` family's per-node marks (policy_release, policy_discard) and the `gaps` ranking
+    (gaps_rank) give exactly what their numpy references give on random inputs, every branch
+    included (long gaps that lose the bonus, no bonus at all, runs of any length)."""
+    from kvrt.runtime.cache._cache_core import gaps_rank, policy_discard, policy_release
+    from kvrt.runtime.cache.policies.gaps import HOLD, LEVEL_SPAN
+    from kvrt.runtime.cache.policies.reuse import LEVELS
+    rng = np.random.default_rng(11)
+    cap = 64
+    for case in range(300):
+        hits = rng.integers(0, 6, cap).astype(np.int32)
+        nodes = rng.permutation(cap)[:int(rng.integers(0, cap))].astype(np.int32)
+        if case % 3 == 0:  # paths: uses fall toward the leaf, so priorities form runs
+            hits[nodes] = np.sort(hits[nodes])
+        arrays = {"ghost": rng.integers(-1, 400, cap), "prio": rng.integers(0, 99, cap),
+                  "stamp": rng.integers(-1, 9, cap), "released": rng.integers(0, 50, cap),
+                  "matched": rng.random(cap) < 0.5}
+        unit = float(rng.choice([0.0, rng.random() * 30, 200.0]))
+        turnover = float(rng.random() * 60) if case % 2 else float(rng.integers(1, 60))  # ties too
+        now, serial = int(rng.integers(50, 99)), int(rng.integers(0, 1000))
+        outs = []
+        for impl in ((policy_release, policy_discard, gaps_rank),
+                     (ref.policy_release, ref.policy_discard, ref.gaps_rank)):
+            a = {k: v.copy() for k, v in arrays.items()}
+            got = [impl[0](hits, a["matched"], a["released"], nodes, now),
+                   impl[2](hits, a["ghost"], a["prio"], a["stamp"], nodes, LEVELS, HOLD, now, unit,
+                           6.0 * turnover, 10.0 * turnover, LEVEL_SPAN, serial)]
+            got.append(impl[1](a["stamp"], a["released"], a["matched"], nodes[::2].copy(), now + 1, turnover))
+            outs.append((got, {k: v.tolist() for k, v in a.items()}))
+        assert outs[0] == outs[1], f"case {case}"
+    with pytest.raises(IndexError):
+        policy_release(hits, arrays["matched"], arrays["released"], np.array([cap], dtype=np.int32), 0)
+    with pytest.raises(ValueError):
+        policy_discard(arrays["stamp"], arrays["released"], arrays["matched"], nodes.astype(np.int64), 0, 1.0)
