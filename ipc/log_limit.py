@@ -6,7 +6,8 @@ an invalid HTTP request), so a flood of bad input became a flood of log lines th
 disk and buried everything else. A filter on the process's log handlers lets each kind of
 warning (its logger, level and message template) out once per interval; the next one let out
 after the interval says how many were held back ("... [and 41 more like it in the last 10 s]").
-INFO and below are not limited.
+Only WARNING is limited: an ERROR says something is wrong with the node itself (an ownership
+violation, a failed stream), which no amount of bad input should hide.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ MAX_KINDS = 1024  # kinds tracked at once (a message formatted before logging ma
 
 
 class RateLimit(logging.Filter):
-    """A handler filter: each kind of record at WARNING or above at most once per `interval_s`."""
+    """A handler filter: each kind of WARNING record at most once per `interval_s`."""
 
     def __init__(self, interval_s: float = INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -30,7 +31,7 @@ class RateLimit(logging.Filter):
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
+        if record.levelno != logging.WARNING:
             return True
         kind = (record.name, record.levelno, record.msg if isinstance(record.msg, str) else type(record.msg).__name__)
         now = self._clock()

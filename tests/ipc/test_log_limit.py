@@ -35,6 +35,7 @@ def test_one_line_per_kind_per_interval_and_the_count_of_the_rest():
     assert out == ["refused: 0"]
     assert f.filter(_record("another kind %d", 1)), "each kind has its own budget"
     assert f.filter(_record("refused: %s", "x", level=logging.INFO)), "INFO is not limited"
+    assert all(f.filter(_record("refused: %s", i, level=logging.ERROR)) for i in range(3)), "nor is ERROR"
     clock.now = 10.0
     r = _record("refused: %s", "late")
     assert f.filter(r) and r.getMessage() == "refused: late [and 49 more like it in the last 10 s]"

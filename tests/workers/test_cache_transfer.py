@@ -143,7 +143,8 @@ def test_malformed_messages_are_counted_and_skipped(node, tmp_path):
         out, _ = kit.ends(0)
         assert out.stats()["protocol_errors"] == 4
         log = kit.log_text(0)
-        assert "unexpected TransferDone" in log and "version 99 not supported" in log
+        # one line for the four: the log filter holds back warnings of one kind (ipc/log_limit.py)
+        assert log.count("skipped: undecodable message") == 1 and "unexpected TransferDone" not in log
         assert kit.procs[0].poll() is None
 
 
