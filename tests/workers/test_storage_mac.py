@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvrt.ipc.config import NodeConfig
 from kvrt.workers.storage.base import FileStorage, StorageError
-from kvrt.workers.storage.mac import BlockMac, ForgeryLog, node_identity, node_mac
+from kvrt.workers.storage.mac import BlockMac, node_identity, node_mac
 
 KEY = bytes(range(16))
 SECRET, OTHER = b"s" * 32, b"t" * 32
@@ -98,14 +98,6 @@ def test_an_unsigned_node_still_reads_signed_objects_by_checksum(tmp_path):
     signed(tmp_path).put(KEY, block(3))
     out = np.zeros((2, 2, 4, 8), np.float32)
     assert signed(tmp_path, secret=None).get(KEY, out) and np.array_equal(out, block(3))
-
-
-def test_forgeries_are_logged_at_most_once_per_period(caplog):
-    log = ForgeryLog("here", every_s=3600)
-    with caplog.at_level("WARNING"):
-        for i in range(50):
-            log.rejected(f"obj{i}", "has no MAC")
-    assert len(caplog.records) == 1 and "obj0" in caplog.text
 
 
 @pytest.mark.parametrize("mode", [0o750, 0o705, 0o720, 0o777])

@@ -43,7 +43,7 @@ import xxhash
 
 from kvrt.ipc.private import check_private_dir
 
-from kvrt.workers.storage.mac import MAC_BYTES, BlockMac, ForgeryLog
+from kvrt.workers.storage.mac import MAC_BYTES, BlockMac
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class Storage(ABC):
     errors = 0  # store failures (error returns, exceptions, damaged objects) answered as misses so far
     forged = 0  # objects without a valid MAC answered as misses so far (only with a MAC signer)
     mac: BlockMac | None = None  # signs what is written, checks what is read (None: no storage secret)
-    forgeries: ForgeryLog        # each backend's own, made in its __init__
+    where = ""  # the store, as its log lines name it
     beat: Callable[[], None] = staticmethod(lambda: None)  # the caller's heartbeat, while a batch runs
 
     def register(self, array: np.ndarray) -> None:
@@ -118,9 +118,10 @@ class Storage(ABC):
         """Let go of connections and registrations (the objects stay)."""
 
     def _reject(self, name: str, why: str) -> None:
-        """An object whose MAC is missing or wrong: counted and logged (rate-limited), a miss."""
+        """An object whose MAC is missing or wrong: counted and logged (the log filter of the
+        process, ipc/log_limit.py, lets one such line out per interval), a miss."""
         self.forged += 1
-        self.forgeries.rejected(name, why)
+        log.warning("storage %s: object %s %s: not served, a miss", self.where, name, why)
 
 
 def _digest(key: bytes, payload: memoryview) -> int:
@@ -143,7 +144,7 @@ class FileStorage(Storage):
         self.rank = rank
         self.max_bytes = max_bytes
         self.mac = mac
-        self.forgeries = ForgeryLog(self.directory)
+        self.where = self.directory
         self._tmp_seq = 0
         self._scratch = np.empty(0, np.uint8)  # where a signed object is checked before it reaches `out`
         try:

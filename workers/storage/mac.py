@@ -14,15 +14,13 @@ own, so the same file could serve another purpose without its MACs being reusabl
 BLAKE3 and not the stdlib's BLAKE2b or HMAC-SHA256: every byte a node stores or reads goes
 through it, and BLAKE3's SIMD code hashes an order of magnitude faster than either on one core,
 which is what keeps a signed read near an unsigned one (`kvrt bench storage`, rows `+mac`). A missing or wrong
-MAC makes the object a miss (counted as `storage_forged`, logged at most once per
-LOG_EVERY_S), never a hit; the backend checks it before any byte of the object reaches the
+MAC makes the object a miss (counted as `storage_forged`, logged through the process's log
+filter, ipc/log_limit.py, one line per interval), never a hit; the backend checks it before any byte of the object reaches the
 KV pool.
 """
 from __future__ import annotations
 
 import hmac
-import logging
-import time
 
 from blake3 import blake3
 
@@ -30,11 +28,8 @@ from kvrt.ipc.config import NodeConfig
 from kvrt.ipc.private import read_secret_file
 from kvrt.ipc.storage_uri import MAKE_SECRET_HINT
 
-log = logging.getLogger(__name__)
-
 MAC_BYTES = 32
 KEY_CONTEXT = "kvrt storage object MAC v1"
-LOG_EVERY_S = 10.0
 
 
 class BlockMac:
@@ -70,23 +65,3 @@ def node_mac(cfg: NodeConfig) -> BlockMac | None:
         return None
     secret = read_secret_file(cfg.storage_secret_file, "--storage-secret-file", MAKE_SECRET_HINT)
     return BlockMac(secret, node_identity(cfg))
-
-
-class ForgeryLog:
-    """Logs rejected objects at most once per LOG_EVERY_S: a forger could otherwise fill the
-    node's log (and its disk) one object at a time."""
-
-    def __init__(self, where: str, every_s: float = LOG_EVERY_S):
-        self.where = where
-        self.every_s = every_s
-        self._last = -every_s
-        self._quiet = 0
-
-    def rejected(self, name: str, why: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self._quiet += 1
-            return
-        more = f" ({self._quiet} more since the last report)" if self._quiet else ""
-        log.warning("storage %s: object %s %s: not served, a miss%s", self.where, name, why, more)
-        self._last, self._quiet = now, 0

@@ -51,7 +51,7 @@ from kvrt.ipc.ports import WILDCARDS, free_port, listening_wider_than
 from kvrt.ipc.storage_uri import StorageSpec
 
 from kvrt.workers.storage.base import Storage, StorageError, StoreHung
-from kvrt.workers.storage.mac import MAC_BYTES, BlockMac, ForgeryLog
+from kvrt.workers.storage.mac import MAC_BYTES, BlockMac
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class MooncakeStorage(Storage):
         load_store_module()  # a missing wheel is a start-up error, not a stream of misses
         self.spec = spec
         self.mac = mac
-        self.forgeries = ForgeryLog(f"mooncake://{spec.master}")
+        self.where = f"mooncake://{spec.master}"
         self.forged = 0
         self.rank = rank
         self.host = socket.gethostbyname(socket.gethostname()) if host in ("", "0.0.0.0", "::") else host
