@@ -28,8 +28,6 @@ import functools
 import hashlib
 import hmac
 import ipaddress
-import os
-import stat
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,9 +35,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from kvrt.ipc.private import read_secret_file
 from kvrt.runtime.cache.keys import KEY_BYTES
 
-MIN_SECRET_BYTES = 16
 PUBLISHED_MEMO = 1 << 16  # keys whose published form is kept (some 15 MB at most)
 MAKE_SECRET_HINT = ("make one with `python -c 'import secrets; print(secrets.token_hex(32))' > events.secret && "
                     "chmod 600 events.secret` and give the same file to every node (--events-secret-file) and to "
@@ -47,21 +45,9 @@ MAKE_SECRET_HINT = ("make one with `python -c 'import secrets; print(secrets.tok
 
 
 def read_secret(path: str) -> bytes:
-    """The secret in `path` (surrounding whitespace stripped); ValueError saying what is wrong
-    when it cannot be read, is readable by other users, or is too short to resist guessing."""
-    try:
-        st = os.stat(path)
-        with open(path, "rb") as f:
-            secret = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"--events-secret-file {path}: cannot read it ({e.strerror})") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"--events-secret-file {path} is readable by other users (mode "
-                         f"{stat.S_IMODE(st.st_mode):o}); chmod 600 it")
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"--events-secret-file {path} holds {len(secret)} bytes; use at least "
-                         f"{MIN_SECRET_BYTES} random bytes: {MAKE_SECRET_HINT}")
-    return secret
+    """The secret in `path`; ValueError saying what is wrong when it cannot be read, is readable
+    by other users, or is too short to resist guessing (ipc/private.py, as every secret file)."""
+    return read_secret_file(path, "--events-secret-file", MAKE_SECRET_HINT)
 
 
 def is_loopback(host: str) -> bool:
