@@ -29,7 +29,7 @@ from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.app import create_app as router_app
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
-from tests.launched import SMALL, launched
+from tests.launched import SMALL, launched, oracle
 from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
 from tests.uvicorn_thread import serving
 
@@ -213,9 +213,13 @@ def test_streams_past_an_address_share_read_over_capacity_not_a_reset():
 def test_two_thousand_streams_to_a_node_are_served_or_told_over_capacity(node, tmp_path):
     http = free_port()
     with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "1024", "--max-num-seqs", str(PER_ADDRESS),
-                  "--max-num-batched-tokens", str(4 * PER_ADDRESS), "--http-port", str(http)):
+                  "--max-num-batched-tokens", str(4 * PER_ADDRESS), "--http-port", str(http)) as ln:
         _wait_healthy(http)
         got = asyncio.run(_many_streams(f"http://127.0.0.1:{http}", 2000, 3000))
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", timeout=60, max_retries=0)
+        after = oa.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=3, temperature=0)
+        assert after.choices[0].token_ids == oracle().generate_dense([4, 5, 6], 3)  # served, and right
+        assert ln.proc.poll() is None, ln.logs()
     refused = (f"503 Error code: 503 - over capacity: this address already holds {PER_ADDRESS} connections to this server; "
                f"retry later")
     assert got == Counter({"stream": PER_ADDRESS, refused: 2000 - PER_ADDRESS}), got
