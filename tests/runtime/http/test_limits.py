@@ -11,6 +11,7 @@ import json
 import select
 import socket
 import threading
+import time
 from collections import Counter
 import urllib.error
 import urllib.request
@@ -23,7 +24,7 @@ from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.api import TokenEvent
 from kvrt.runtime.http.app import Server
 from kvrt.runtime.http.app import create_app as node_app
-from kvrt.runtime.http.body_limit import max_body_bytes
+from kvrt.runtime.http.body_limit import BODIES_AT_ONCE, SMALL_BODY, max_body_bytes
 from kvrt.runtime.http.connections import PER_ADDRESS
 from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.app import create_app as router_app
@@ -146,6 +147,44 @@ def test_slow_headers_and_slow_bodies_are_cut_and_a_well_behaved_client_is_serve
     bodies = [g for g in got if b"body_timeout" in g]
     assert len(heads) == 30 and all(g.startswith(b"HTTP/1.1 408 ") for g in heads), got[:2]
     assert len(bodies) == 30 and all(g.startswith(b"HTTP/1.1 408 ") for g in bodies), got[:2]
+
+
+def test_large_bodies_coming_in_at_once_share_a_budget_and_small_requests_never_wait():
+    """BODIES_AT_ONCE connections that each declare a body near the limit and stall after its
+    first part hold the budget: another such body is not read until they are cut (408), then it
+    is answered; a request without a large body is served meanwhile."""
+    order: list[str] = []
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    size = LIMIT - 100
+    body = b'{"model": "%s", "prompt": [' % MODEL.encode() + b"1," * ((size - 40) // 2)
+    body += b"1]}" + b" " * (size - len(body) - 3)
+
+    def stalled(i: int) -> None:
+        s = _connect(base)
+        s.sendall(head % size + body[:SMALL_BODY + 4096])
+        order.append(f"stalled {_answer(s)[:12].decode()}")
+        s.close()
+
+    def whole() -> None:
+        s = _connect(base)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(head % size + body)
+        order.append(f"whole {s.recv(12).decode()}")  # (the status line: the connection stays open)
+        s.close()
+
+    with _app("node", body_s=2.0) as app, serving(app) as base:
+        stalls = [threading.Thread(target=stalled, args=(i,)) for i in range(BODIES_AT_ONCE)]
+        for t in stalls:
+            t.start()
+        time.sleep(0.5)  # (the stalled bodies are in the server: a test's ordering of clients)
+        late = threading.Thread(target=whole)
+        late.start()
+        assert _get(base, "/health") == 200
+        order.append("health")
+        for t in [*stalls, late]:
+            t.join(30)
+    assert order[0] == "health" and order[-1] == "whole HTTP/1.1 400", order
+    assert sorted(order[1:-1]) == ["stalled HTTP/1.1 408"] * BODIES_AT_ONCE, order
 
 
 def test_connections_over_an_address_share_or_the_total_are_over_capacity():

@@ -1,7 +1,8 @@
 """Attacks on a real node's HTTP port, rerun as they were first made: a prompt longer than the
 model and a body over the limit get an error (never a request dropped unanswered), a temperature
 at or below 1e-308 samples the greedy token (dividing by it once overflowed into garbage), eight
-16 MiB bodies at once are refused without the HTTP server growing by their size, and a killed
+16 MiB bodies at once, or eight just under the limit (long prompts, or lists of the wrong type),
+are answered without the HTTP server growing by many times their size, and a killed
 engine ends an HTTP client's stream with an error. Each ends by checking that the node still
 serves a well-behaved client the right answer (the killed engine's node stops, as designed)."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import socket
 
 import openai
@@ -23,6 +25,7 @@ from tests.runtime.http.test_stream_failures import _stream_killing
 from tests.runtime.node.test_launch import launched as launched_bg  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.e2e
+log = logging.getLogger(__name__)
 
 MODEL_LEN = 4096   # the default --max-model-len
 BODY = 16 << 20    # each of the eight bodies of the original attack
@@ -59,13 +62,13 @@ def test_a_prompt_over_the_model_length_is_an_error_and_a_tiny_temperature_is_gr
     _serves_right(oa)
 
 
-def _post_whole(port: int, body_bytes: int) -> bytes:
-    """POST a body of `body_bytes` (a JSON prompt of zeros), declaring its length and sending all
-    of it whatever the server answers early: the first bytes of the answer."""
-    head = {"model": MODEL, "max_tokens": 1, "prompt": []}
-    text = json.dumps(head).encode()
-    fill = body_bytes - len(text)
-    body = text[:-2] + b"0" + b",0" * ((fill - 1) // 2) + b" " * ((fill - 1) % 2) + b"]}"
+def _post_whole(port: int, body_bytes: int, item: bytes) -> bytes:
+    """POST a body of `body_bytes` (a JSON prompt of `item`s), declaring its length and sending
+    all of it whatever the server answers early: the first bytes of the answer."""
+    text = json.dumps({"model": MODEL, "max_tokens": 1, "prompt": []}).encode()
+    fill = body_bytes - len(text) - len(item)
+    body = text[:-2] + item + (b"," + item) * (fill // (len(item) + 1)) + b" " * (fill % (len(item) + 1)) \
+        + b"]}"
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
     try:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -81,20 +84,17 @@ def _post_whole(port: int, body_bytes: int) -> bytes:
         s.close()
 
 
-UNDER = pytest.param(max_body_bytes(MODEL_LEN) - 64, id="just-under-the-limit", marks=pytest.mark.xfail(
-    strict=True, reason="open: a body under the limit is parsed whole, about 9 times its size in the server, and "
-    "nothing bounds how many are parsed at once (eight of 5 MiB grew it by about 360 MiB; at --max-model-len 32768 "
-    "the limit is 40 MiB, so the original eight 16 MiB bodies pass it)"))
-
-
-@pytest.mark.parametrize("size", [pytest.param(BODY, id="16MiB"), UNDER])
-def test_eight_large_bodies_at_once_are_refused_without_the_server_holding_them(http_node, size):
+@pytest.mark.parametrize("size, item", [(BODY, b"0"), (max_body_bytes(MODEL_LEN) - 64, b"0"),
+                                        (max_body_bytes(MODEL_LEN) - 64, b"0.5")],
+                         ids=["16MiB", "token-ids-just-under-the-limit", "floats-just-under-the-limit"])
+def test_eight_large_bodies_at_once_are_refused_without_the_server_holding_them(http_node, size, item):
     ln, http, oa = http_node
     server = psutil.Process(ln.proc.pid)  # the launcher: the HTTP server is a thread in it
     before = server.memory_info().rss
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda _: _post_whole(http, size), range(8)))
+        answers = list(pool.map(lambda _: _post_whole(http, size, item), range(8)))
     grown = server.memory_info().rss - before
+    log.info("eight bodies of %d bytes: the HTTP server grew by %d MiB", size, grown >> 20)
     want = b"HTTP/1.1 413 " if size > max_body_bytes(MODEL_LEN) else b"HTTP/1.1 400 "
     assert all(a.startswith(want) for a in answers), [a[:120] for a in answers]
     assert grown < GROWTH, f"the HTTP server grew by {grown >> 20} MiB over eight bodies of {size >> 20} MiB"
