@@ -24,7 +24,7 @@ from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.api import TokenEvent
 from kvrt.runtime.http.app import Server
 from kvrt.runtime.http.app import create_app as node_app
-from kvrt.runtime.http.body_limit import BODIES_AT_ONCE, SMALL_BODY, max_body_bytes
+from kvrt.runtime.http.body_limit import BODIES_AT_ONCE, SMALL_BODY, BodyLimit, max_body_bytes
 from kvrt.runtime.http.connections import PER_ADDRESS
 from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.app import create_app as router_app
@@ -172,15 +172,22 @@ def test_large_bodies_coming_in_at_once_share_a_budget_and_small_requests_never_
         order.append(f"whole {s.recv(12).decode()}")  # (the status line: the connection stays open)
         s.close()
 
-    with _app("node", body_s=2.0) as app, serving(app) as base:
+    with _app("node", body_s=5.0) as app, serving(app) as base:
         stalls = [threading.Thread(target=stalled, args=(i,)) for i in range(BODIES_AT_ONCE)]
         for t in stalls:
             t.start()
-        time.sleep(0.5)  # (the stalled bodies are in the server: a test's ordering of clients)
-        late = threading.Thread(target=whole)
-        late.start()
+        limiter = None
+        deadline = time.monotonic() + 10
+        while limiter is None or limiter.budget.held < BODIES_AT_ONCE * size:  # the stalled bodies hold it all
+            assert time.monotonic() < deadline, "the stalled bodies did not take the budget within 10 s"
+            time.sleep(0.01)  # waiting for the server's thread
+            limiter = app.middleware_stack
+            while limiter is not None and not isinstance(limiter, BodyLimit):
+                limiter = getattr(limiter, "app", None)
         assert _get(base, "/health") == 200
         order.append("health")
+        late = threading.Thread(target=whole)
+        late.start()
         for t in [*stalls, late]:
             t.join(30)
     assert order[0] == "health" and order[-1] == "whole HTTP/1.1 400", order
