@@ -606,7 +606,10 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        for err in errors:  # a validator's exception, kept here, holds the body through its frames (a cycle)
+            err.pop("ctx", None)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         return _error(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
                       "invalid_request_error", ".".join(loc) or None)

@@ -9,6 +9,14 @@ is read. A body that trickles in (a slowloris on the body) is cut with a 408 onc
 passed since its headers. Either answer closes the connection (the rest of the body is never
 read) and the app sees the client as gone.
 
+Large bodies coming in at once are bounded together too: each connection's body is held whole
+before it is parsed, so many connections each sending a body just under the limit would hold
+that many limits. Bodies past SMALL_BODY share one budget of BODIES_AT_ONCE times the limit: such
+a body takes room for all of itself (its declared length, else the limit; room taken piecemeal
+could deadlock) and is not read further until it has it (the client waits, TCP holds its bytes);
+the room is free again once the body is in, and a body that finds none before its deadline gets
+a 503 "over capacity". One body alone always fits, and small bodies never wait.
+
 The limit follows from the model's length: the client API's largest message (runtime/client/api.py
 max_message_bytes, the longest prompt as int32) times JSON_FACTOR, room for a batch of long
 prompts as JSON token ids or escaped text.
@@ -23,6 +31,8 @@ from kvrt.runtime.client.api import max_message_bytes
 from kvrt.runtime.http.connections import refusal
 
 BODY_S = 30.0         # a request's whole body must arrive within this long of its headers
+SMALL_BODY = 64 << 10  # bodies up to this many bytes never wait for the shared budget
+BODIES_AT_ONCE = 4    # the shared budget of large bodies' bytes, in body limits
 JSON_FACTOR = 64      # HTTP body bytes per client-API message byte: a batch of prompts, tokens as escaped JSON text
 DEFAULT_MODEL_LEN = 32768  # the limit's model length until the served one is known
 
@@ -30,6 +40,34 @@ DEFAULT_MODEL_LEN = 32768  # the limit's model length until the served one is kn
 def max_body_bytes(max_model_len: int) -> int:
     """The largest request body an HTTP server in front of a model of this length reads."""
     return JSON_FACTOR * max_message_bytes(max_model_len)
+
+
+class _Budget:
+    """Bytes of large bodies the server holds, against a cap: `take` waits for room until a
+    deadline, `give` frees room. Whoever holds nothing may take past the cap (one body alone
+    always fits)."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self._freed: asyncio.Condition | None = None  # made in the server's loop, on first use
+
+    async def take(self, n: int, cap: int, deadline: float) -> bool:
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        async with self._freed:
+            while self.held + n > cap and self.held > 0:
+                try:
+                    await asyncio.wait_for(self._freed.wait(), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    return False
+            self.held += n
+            return True
+
+    async def give(self, n: int) -> None:
+        if n and self._freed is not None:
+            async with self._freed:
+                self.held -= n
+                self._freed.notify_all()
 
 
 class BodyLimit:
@@ -42,6 +80,7 @@ class BodyLimit:
         self.app = app
         self.limit = limit
         self.body_s = body_s
+        self.budget = _Budget()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -52,10 +91,10 @@ class BodyLimit:
             return await _answer(send, 413, "Content Too Large", f"a request body takes at most {limit} bytes",
                                  "body_too_large")
         deadline = time.monotonic() + self.body_s
-        seen, whole, answered = 0, False, False
+        seen, whole, answered, mine = 0, False, False, 0
 
         async def counted():
-            nonlocal seen, whole, answered
+            nonlocal seen, whole, answered, mine
             if answered:
                 return {"type": "http.disconnect"}
             if whole:  # the body is in: what comes now is the client leaving
@@ -74,6 +113,17 @@ class BodyLimit:
                 await _answer(send, 413, "Content Too Large", f"a request body takes at most {limit} bytes",
                               "body_too_large")
                 return {"type": "http.disconnect"}
+            if seen > SMALL_BODY and not mine:  # room for the whole body at once (parts taken could deadlock)
+                n = int(declared) if declared is not None else limit
+                if not await self.budget.take(n, BODIES_AT_ONCE * limit, deadline):
+                    answered = True
+                    await _answer(send, 503, "Service Unavailable", "over capacity: the server is reading other "
+                                  "large request bodies; retry later", "over_capacity")
+                    return {"type": "http.disconnect"}
+                mine += n
+            if whole:  # in: the app parses it now (on this thread, one body at a time)
+                await self.budget.give(mine)
+                mine = 0
             return msg
 
         async def guarded_send(msg) -> None:
@@ -85,6 +135,8 @@ class BodyLimit:
         except Exception:  # noqa: BLE001 - what the app made of the disconnect it read (ClientDisconnect)
             if not answered:
                 raise
+        finally:
+            await self.budget.give(mine)
 
 
 async def _answer(send, status: int, reason: str, message: str, code: str) -> None:

@@ -3,12 +3,26 @@ body's types against them before any handler (and any engine state) sees it."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.types import FailFast
 
 from kvrt.runtime.client.api import cache_salt_problem
 
+
+T = TypeVar("T")
+
+# A list in a body, validated up to its first bad element: pydantic otherwise builds an error per
+# bad element, and a 5 MiB list of them (a body under the limit) held hundreds of MiB of errors.
+class _FailFast(FailFast):
+    """FailFast that a Union can hold (it puts its members in a set)."""
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+
+Each = Annotated[list[T], _FailFast()]
 
 MAX_N = 16           # choices per prompt
 MAX_TOP_LOGPROBS = 20
@@ -37,7 +51,7 @@ class SamplingBody(BaseModel):
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extension
     seed: int | None = Field(default=None, ge=0, lt=1 << 63)  # the engine's seeds are one int64
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, Each[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -48,7 +62,7 @@ class SamplingBody(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM's extension (HF's meaning)
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extensions from here on
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Each[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and rank, and this many alternatives at its position
@@ -133,11 +147,29 @@ class SamplingBody(BaseModel):
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+def _all_of(items: list, kind: type) -> bool:
+    return all(type(x) is kind for x in items)  # (exactly: a bool is no token id)
+
+
 class CompletionRequest(SamplingBody):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     # the chosen token's log-probability and this many alternatives
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, v: Any) -> Union[str, list[str], list[int], list[list[int]]]:
+        """One pass over the prompt and one error at most. Why: pydantic's union validated a list
+        against each of its list members, element by element, so a long list of the wrong type
+        built an error per element per member (a 5 MiB body of floats: 3.9 million errors, half a
+        GiB and seconds of CPU in the HTTP server), and a valid list of token ids cost several
+        times its size."""
+        if isinstance(v, str) or isinstance(v, list) and (
+                _all_of(v, str) or _all_of(v, int) or all(type(x) is list and _all_of(x, int) for x in v)):
+            return v
+        raise ValueError("a prompt is a string, a list of strings, a list of token ids or a list of lists of "
+                         "token ids")
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
@@ -204,8 +236,8 @@ class CalledTool(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None  # none: an assistant turn that only called tools
-    tool_calls: list[CalledTool] | None = None  # an assistant's
+    content: Union[str, Each[TextPart], None] = None  # none: an assistant turn that only called tools
+    tool_calls: Each[CalledTool] | None = None  # an assistant's
     tool_call_id: str | None = None             # a tool result's: the call it answers
     name: str | None = None
     reasoning_content: str | None = None        # an assistant's thinking, for templates that show it
@@ -255,11 +287,11 @@ def template_kwargs_problem(kwargs: dict | None) -> str | None:
 
 
 class ChatRequest(SamplingBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Each[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Tool] | None = None
+    tools: Each[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: more template variables
 
@@ -314,11 +346,11 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: Each[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
-    tools: list[Tool] | None = None            # rendered with messages, as chat renders them
+    tools: Each[Tool] | None = None            # rendered with messages, as chat renders them
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -339,4 +371,4 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: Each[int]

@@ -397,3 +397,44 @@ def test_the_store_listens_on_its_host_and_names_what_it_cannot_confine(store):
     for addr in _listeners(store.proc.pid):
         assert addr.startswith("127.0.0.1:") or addr in err.split("listens on ")[1].split(" although")[0], \
             (addr, err[-2000:])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stopped_store_stops_its_master(tmp_path, sig):
+    """`kill` (or Ctrl-C) of `kvrt store start`: it exits and its master with it (the master
+    used to keep running, holding the port and every object)."""
+    s = Store(tmp_path)
+    try:
+        s.proc.send_signal(sig)
+        s.proc.wait(20)
+        deadline = time.monotonic() + 10
+        while not _zombie(s.master_pid):
+            assert time.monotonic() < deadline, f"the master (pid {s.master_pid}) outlived its stopped store by 10 s"
+            time.sleep(0.1)  # waiting for another process to exit
+    finally:
+        s.stop()
+
+
+def test_a_node_serves_right_after_a_third_party_removed_every_object(node, tmp_path, store):
+    """What anyone who reaches the master's admin port can do (`POST /api/v1/remove_all`): the
+    nodes on the store see misses, compute again and answer right, and keep serving."""
+    from urllib.request import Request, urlopen
+
+    prompts = shared_prefix_prompts(seed=14, systems=2, users=1)
+    want = [oracle().generate_dense(p, NEW) for p in prompts]
+    opts = (*SMALL, "--num-gpu-blocks", "64", *store.node_opts)
+    with launched(node + "a", tmp_path / "a", *opts) as a:
+        for p in prompts:
+            a.client.generate(p, NEW)
+        a.idle_stats()  # its write-through is done
+        with urlopen(Request(f"http://127.0.0.1:{store.metrics_port}/api/v1/remove_all", method="POST"),
+                     timeout=10) as r:
+            assert r.status == 200
+        with launched(node + "b", tmp_path / "b", *opts) as b:
+            res = [b.client.generate(p, NEW) for p in prompts]
+            stats = b.idle_stats()
+        assert [r.output_token_ids.tolist() for r in res] == want
+        assert all(r.cached_storage == 0 for r in res) and stats["failed_requests"] == 0
+        a.client.reset_prefix_cache()  # (A, too, must go to the store now)
+        assert [a.client.generate(p, NEW).output_token_ids.tolist() for p in prompts] == want
+        assert a.proc.poll() is None, a.logs()

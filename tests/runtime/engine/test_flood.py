@@ -1,5 +1,5 @@
 """A flood of client messages against a real node: two sockets sending info requests, malformed
-frames and multi-frame messages as fast as they can for several seconds. The engine takes a
+frames, multi-frame messages and unauthenticated peer messages as fast as they can for several seconds. The engine takes a
 bounded batch per turn of its loop, so its heartbeat and its steps go on: the node does not
 stop, and a well-behaved client's requests complete with the right answers meanwhile."""
 from __future__ import annotations
@@ -26,6 +26,7 @@ FLOOD_S = 6.0
 FLOODER = textwrap.dedent("""
     import sys, time, zmq
     from kvrt.runtime.client.api import API, InfoRequest
+    from kvrt.runtime.pd.messages import PdAbort
     port, seconds = int(sys.argv[1]), float(sys.argv[2])
     ctx = zmq.Context()
     socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
@@ -33,7 +34,8 @@ FLOODER = textwrap.dedent("""
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"tcp://127.0.0.1:{port}")
     info = API.encode(InfoRequest(7))
-    garbage = [[info], [b"\\xc1garbage"], [b"a", b"b", b"c"], [info]]
+    peer = API.encode(PdAbort("r"))  # a peer message outside a session: refused (and logged, rate-limited)
+    garbage = [[info], [b"\\xc1garbage"], [b"a", b"b", b"c"], [peer]]
     sent, end, i = 0, time.monotonic() + seconds, 0
     while time.monotonic() < end:
         for s in socks:

@@ -11,6 +11,7 @@ import json
 import select
 import socket
 import threading
+import time
 from collections import Counter
 import urllib.error
 import urllib.request
@@ -23,13 +24,13 @@ from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.api import TokenEvent
 from kvrt.runtime.http.app import Server
 from kvrt.runtime.http.app import create_app as node_app
-from kvrt.runtime.http.body_limit import max_body_bytes
+from kvrt.runtime.http.body_limit import BODIES_AT_ONCE, SMALL_BODY, BodyLimit, max_body_bytes
 from kvrt.runtime.http.connections import PER_ADDRESS
 from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.app import create_app as router_app
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
-from tests.launched import SMALL, launched
+from tests.launched import SMALL, launched, oracle
 from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
 from tests.uvicorn_thread import serving
 
@@ -148,6 +149,51 @@ def test_slow_headers_and_slow_bodies_are_cut_and_a_well_behaved_client_is_serve
     assert len(bodies) == 30 and all(g.startswith(b"HTTP/1.1 408 ") for g in bodies), got[:2]
 
 
+def test_large_bodies_coming_in_at_once_share_a_budget_and_small_requests_never_wait():
+    """BODIES_AT_ONCE connections that each declare a body near the limit and stall after its
+    first part hold the budget: another such body is not read until they are cut (408), then it
+    is answered; a request without a large body is served meanwhile."""
+    order: list[str] = []
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    size = LIMIT - 100
+    body = b'{"model": "%s", "prompt": [' % MODEL.encode() + b"1," * ((size - 40) // 2)
+    body += b"1]}" + b" " * (size - len(body) - 3)
+
+    def stalled(i: int) -> None:
+        s = _connect(base)
+        s.sendall(head % size + body[:SMALL_BODY + 4096])
+        order.append(f"stalled {_answer(s)[:12].decode()}")
+        s.close()
+
+    def whole() -> None:
+        s = _connect(base)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(head % size + body)
+        order.append(f"whole {s.recv(12).decode()}")  # (the status line: the connection stays open)
+        s.close()
+
+    with _app("node", body_s=5.0) as app, serving(app) as base:
+        stalls = [threading.Thread(target=stalled, args=(i,)) for i in range(BODIES_AT_ONCE)]
+        for t in stalls:
+            t.start()
+        limiter = None
+        deadline = time.monotonic() + 10
+        while limiter is None or limiter.budget.held < BODIES_AT_ONCE * size:  # the stalled bodies hold it all
+            assert time.monotonic() < deadline, "the stalled bodies did not take the budget within 10 s"
+            time.sleep(0.01)  # waiting for the server's thread
+            limiter = app.middleware_stack
+            while limiter is not None and not isinstance(limiter, BodyLimit):
+                limiter = getattr(limiter, "app", None)
+        assert _get(base, "/health") == 200
+        order.append("health")
+        late = threading.Thread(target=whole)
+        late.start()
+        for t in [*stalls, late]:
+            t.join(30)
+    assert order[0] == "health" and order[-1] == "whole HTTP/1.1 400", order
+    assert sorted(order[1:-1]) == ["stalled HTTP/1.1 408"] * BODIES_AT_ONCE, order
+
+
 def test_connections_over_an_address_share_or_the_total_are_over_capacity():
     with _app("node") as app, serving(app, per_address=8, total=12) as base:
         with contextlib.ExitStack() as held:
@@ -213,9 +259,13 @@ def test_streams_past_an_address_share_read_over_capacity_not_a_reset():
 def test_two_thousand_streams_to_a_node_are_served_or_told_over_capacity(node, tmp_path):
     http = free_port()
     with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "1024", "--max-num-seqs", str(PER_ADDRESS),
-                  "--max-num-batched-tokens", str(4 * PER_ADDRESS), "--http-port", str(http)):
+                  "--max-num-batched-tokens", str(4 * PER_ADDRESS), "--http-port", str(http)) as ln:
         _wait_healthy(http)
         got = asyncio.run(_many_streams(f"http://127.0.0.1:{http}", 2000, 3000))
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", timeout=60, max_retries=0)
+        after = oa.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=3, temperature=0)
+        assert after.choices[0].token_ids == oracle().generate_dense([4, 5, 6], 3)  # served, and right
+        assert ln.proc.poll() is None, ln.logs()
     refused = (f"503 Error code: 503 - over capacity: this address already holds {PER_ADDRESS} connections to this server; "
                f"retry later")
     assert got == Counter({"stream": PER_ADDRESS, refused: 2000 - PER_ADDRESS}), got

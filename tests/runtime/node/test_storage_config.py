@@ -53,3 +53,24 @@ def test_a_file_tier_needs_no_secret_but_a_private_directory(tmp_path):
         os.chown(d, 4321, -1)
         with pytest.raises(ConfigError, match="belongs to uid 4321"):
             NodeConfig(node="n", storage=f"file:{d}").validate()
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_node_refuses_a_storage_directory_another_user_made_first(node, tmp_path):
+    """Another local user creates the storage directory first (to plant blocks there): `kvrt
+    launch` stops at once naming the owner, before it reads any object."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.launched import SMALL
+
+    d = tmp_path / "store"
+    d.mkdir(mode=0o700)
+    (d / "planted").write_bytes(b"\0" * 64)
+    os.chown(d, 4321, 4321)
+    r = subprocess.run([sys.executable, "-m", "kvrt.launcher", "launch", "--node", node, *SMALL,
+                        "--log-dir", str(tmp_path), "--storage", f"file:{d}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and "belongs to uid 4321" in r.stderr, (r.returncode, r.stderr[-2000:])

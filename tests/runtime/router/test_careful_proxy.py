@@ -110,3 +110,40 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event_over_real_sockets():
         r = _post(base, {**BODY, "stream": True})
     assert r.status_code == 200 and b"[DONE]" not in r.content
     assert _last_event(r.content)["error"]["code"] == "backend_broke_off"
+
+
+@pytest.mark.e2e
+def test_a_stopped_node_behind_the_router_costs_one_timeout_then_the_other_node_serves(node, tmp_path):
+    """Two real nodes behind `kvrt route --backend-timeout 2`; one's launcher (its HTTP server)
+    SIGSTOPped before any request: requests are answered (at most one 504 naming it, none held
+    for long), the rest by the other node with the right tokens; resumed, it serves again."""
+    import os
+    import signal
+
+    from kvrt.ipc.ports import free_port
+    from tests.launched import SMALL, launched, oracle
+    from tests.runtime.http.test_http import MODEL, _wait_healthy
+    from tests.runtime.router.test_router import routing
+
+    ports = [free_port(), free_port()]
+    want = oracle().generate_dense([3, 4, 5], 3)
+    with launched(node + "a", tmp_path / "a", *SMALL, "--http-port", str(ports[0])) as a, \
+            launched(node + "b", tmp_path / "b", *SMALL, "--http-port", str(ports[1])):
+        for p in ports:
+            _wait_healthy(p)
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        with routing(urls, "round-robin", "--backend-timeout", "2") as base:
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            try:
+                got = [httpx2.post(base + "/v1/completions", json={"model": MODEL, "prompt": [3, 4, 5],
+                                   "max_tokens": 3, "temperature": 0}, timeout=60) for _ in range(4)]
+            finally:
+                os.kill(a.proc.pid, signal.SIGCONT)
+            codes = [r.status_code for r in got]
+            assert codes.count(504) <= 1 and codes.count(200) >= 3, [r.text for r in got]
+            assert all(urls[0] in r.json()["error"]["message"] for r in got if r.status_code == 504)
+            served = [r for r in got if r.status_code == 200]
+            assert all(r.headers["x-kvrt-backend"] == urls[1] and r.json()["choices"][0]["token_ids"] == want
+                       for r in served)
+        _wait_healthy(ports[0])
+        assert a.proc.poll() is None
