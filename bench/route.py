@@ -47,6 +47,7 @@ import numpy as np
 from kvrt.ipc.ports import free_port, free_port_pair
 from kvrt.bench.nodes import REPO, LaunchedNode
 from kvrt.bench.peer_router import PEER_POLICY, PEERS, PeerRouter, installed
+from kvrt.bench.synthetic import PREFIX, TRACES, synthetic
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.client.replay import PromptSpec, add_trace_args, check_trace_args, fmt, load_requests, pct, trace_prompts
 from kvrt.runtime.client.trace import ideal_hit_tokens
@@ -85,7 +86,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "measure each router's own cost (default 150; 0: skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
+    name = str(args.trace or "")
+    args.synthetic = name[len(PREFIX):] if name.startswith(PREFIX) else ""
+    if args.synthetic:  # a generated trace (bench/synthetic.py): checked here, not as a file
+        family, _, seed = args.synthetic.partition(":")
+        if family not in TRACES or (seed and not seed.isdigit()):
+            p.error(f"--trace {name}: known synthetic traces are {', '.join(TRACES)} (optionally NAME:SEED)")
+        args.trace = None
     check_trace_args(p, args)
+    if args.synthetic:
+        args.trace = Path(PREFIX + args.synthetic)
     if args.nodes < 1:
         p.error(f"--nodes must be >= 1, got {args.nodes}")
     args.policies = [x for x in args.policies.split(",") if x]
@@ -289,12 +299,15 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
 
 
 PEER_ROW = "sglang-router " + PEER_POLICY
+GAP_S = 0.02
 
 
 def overhead(fleet: Fleet, n: int, timeout: float) -> dict:
     """Each router's own cost per request: one node, one request at a time (a 1-token prompt
     asking one new token, not streamed), sent directly, through `kvrt route` and through the
-    peer in turn, so that all three see the same moments of a noisy machine."""
+    peer in turn, so that all three see the same moments of a noisy machine. GAP_S apart: a
+    node answers a request that arrives just as its previous one finished some 40 ms late, which
+    would charge whichever target comes next in the turn."""
     url = fleet.urls[0]
     kvrt_base = fleet.route("cache-aware", [url])
     peer = PeerRouter([url])
@@ -306,6 +319,7 @@ def overhead(fleet: Fleet, n: int, timeout: float) -> dict:
             for i in range(n + 5):  # the first 5 of each warm connections and caches up
                 for name, base in targets.items():
                     body = {"model": MODEL, "prompt": as_text(np.asarray([i % 94])), "max_tokens": 1, "temperature": 0}
+                    time.sleep(GAP_S)  # see the docstring
                     t0 = time.perf_counter()
                     r = client.post(base + "/v1/completions", json=body)
                     dt = (time.perf_counter() - t0) * 1e3
@@ -409,7 +423,7 @@ def render(out: dict) -> str:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per request
-    requests = load_requests(args.parser, args)
+    requests = synthetic(args.synthetic)[:args.limit] if args.synthetic else load_requests(args.parser, args)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
