@@ -18,6 +18,13 @@ their prefix caches over prompt tokens asked, every tier, summed over the nodes)
 (time to the first streamed token, queueing included), throughput, failures, and the ideal hit
 rate for the same requests (an unlimited single cache, one request at a time). Trace ids are
 scaled to --tokens-per-id tokens as in `kvrt bench replay`, which keeps the trace's sharing.
+
+`--peer sglang-router` (bench/peer_router.py) runs the same requests through SGLang's router
+(cache-aware) beside `kvrt route`, in front of the same nodes, twice: with roomy pools (the
+default size) and with pools too small for the working set (--small-blocks); prompts go as
+text then (SGLang's router refuses token ids), one byte per token. Then each router's own cost:
+one node, one request at a time (one new token, not streamed), sent directly, through `kvrt
+route` and through the peer in turn; its overhead is its p50 latency minus the direct one's.
 """
 from __future__ import annotations
 
@@ -39,6 +46,8 @@ import numpy as np
 
 from kvrt.ipc.ports import free_port, free_port_pair
 from kvrt.bench.nodes import REPO, LaunchedNode
+from kvrt.bench.peer_router import PEER_POLICY, PEERS, PeerRouter, installed
+from kvrt.bench.synthetic import PREFIX, TRACES, synthetic
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.client.replay import PromptSpec, add_trace_args, check_trace_args, fmt, load_requests, pct, trace_prompts
 from kvrt.runtime.client.trace import ideal_hit_tokens
@@ -66,15 +75,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "for the requests in flight; the one-node row gets N x B)")
     p.add_argument("--policies", default=",".join(POLICIES), metavar="P,P",
                    help=f"policies to run, comma-separated (default {','.join(POLICIES)})")
+    p.add_argument("--peer", choices=PEERS, default=None,
+                   help="also run the requests through this router (cache-aware) in front of the same nodes, with "
+                        "roomy and with small pools, and compare each router's own cost per request; skipped, with "
+                        "a message, when it is not installed")
+    p.add_argument("--small-blocks", type=int, default=0, metavar="B",
+                   help="--peer: device blocks per node of the small pools (default 0: a third of the roomy ones)")
+    p.add_argument("--overhead-requests", type=int, default=150, metavar="N",
+                   help="--peer: requests sent one at a time to each of direct, kvrt route and the peer to "
+                        "measure each router's own cost (default 150; 0: skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
+    name = str(args.trace or "")
+    args.synthetic = name[len(PREFIX):] if name.startswith(PREFIX) else ""
+    if args.synthetic:  # a generated trace (bench/synthetic.py): checked here, not as a file
+        family, _, seed = args.synthetic.partition(":")
+        if family not in TRACES or (seed and not seed.isdigit()):
+            p.error(f"--trace {name}: known synthetic traces are {', '.join(TRACES)} (optionally NAME:SEED)")
+        args.trace = None
     check_trace_args(p, args)
+    if args.synthetic:
+        args.trace = Path(PREFIX + args.synthetic)
     if args.nodes < 1:
         p.error(f"--nodes must be >= 1, got {args.nodes}")
     args.policies = [x for x in args.policies.split(",") if x]
     bad = [x for x in args.policies if x not in POLICIES]
     if bad:
         p.error(f"unknown policy {bad[0]!r}: one of {', '.join(POLICIES)}")
+    if args.small_blocks < 0 or args.overhead_requests < 0:
+        p.error("--small-blocks and --overhead-requests must be >= 0")
     args.parser = p
     return args
 
@@ -121,25 +150,28 @@ class Fleet:
             node.wait_ready()
             _wait_http(f"http://127.0.0.1:{h}", f"node {node.name}")
 
-    def route(self, policy: str) -> str:
-        """Start `kvrt route` in front of the nodes; its base URL once healthy."""
+    def route(self, policy: str, urls: list[str] | None = None) -> str:
+        """Start `kvrt route` in front of the nodes (or of `urls`); its base URL once healthy."""
         port = free_port()
         self._router_log = tempfile.NamedTemporaryFile("w+", prefix="kvrt-bench-route-", suffix=".log", delete=False)
         self.router = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "route", "--port", str(port), "--backends",
-                                        ",".join(self.urls), "--policy", policy], cwd=REPO, stdout=self._router_log,
+                                        ",".join(urls or self.urls), "--policy", policy], cwd=REPO, stdout=self._router_log,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         base = f"http://127.0.0.1:{port}"
         _wait_http(base, "the router", self.router)
         return base
 
-    def counters(self) -> tuple[int, int]:
-        """(prompt tokens asked, prompt tokens served from a cache), summed over the nodes."""
+    def counters(self) -> tuple[int, int, list[int]]:
+        """(prompt tokens asked, prompt tokens served from a cache, summed over the nodes;
+        requests each node finished)."""
         asked = hit = 0
+        done = []
         for node in self.nodes:
             e = snapshot(node.name)["engine"]
             asked += e["query_tokens"]
             hit += e["hit_tokens_device"] + e["hit_tokens_host"] + e["hit_tokens_storage"]
-        return asked, hit
+            done.append(e["finished_requests"])
+        return asked, hit, done
 
     def stop_router(self) -> None:
         if self.router is None:
@@ -182,8 +214,23 @@ def _wait_http(base: str, what: str, proc: subprocess.Popen | None = None) -> No
         time.sleep(0.1)  # waiting for another process to start
 
 
-def send_all(base: str, specs: list[PromptSpec], concurrency: int, timeout: float) -> dict:
-    """Every request through `base` (streamed, `concurrency` in flight, in order): TTFTs, failures."""
+def as_text(prompt: np.ndarray) -> str:
+    """A token-id prompt as text the byte tokenizer reads back one token per id: printable ASCII,
+    so equal prefixes stay equal (and unequal ones of a block's length differ but by chance)."""
+    return "".join(chr(33 + int(t) % 94) for t in prompt)
+
+
+def _first_token(line: str) -> bool:
+    """Whether an event-stream line carries generated tokens (token ids or text)."""
+    if not line.startswith("data: {"):
+        return False
+    flat = line.replace(" ", "")
+    return ('"token_ids":[' in flat and '"token_ids":[]' not in flat) or ('"text":"' in flat and '"text":""' not in flat)
+
+
+def send_all(base: str, specs: list[PromptSpec], concurrency: int, timeout: float, text: bool = False) -> dict:
+    """Every request through `base` (streamed, `concurrency` in flight, in order; prompts as
+    text when `text`): TTFTs, failures."""
     ttfts: list[float] = []
     failed: list[str] = []
     lock = threading.Lock()
@@ -191,7 +238,8 @@ def send_all(base: str, specs: list[PromptSpec], concurrency: int, timeout: floa
                           limits=httpx2.Limits(max_connections=concurrency * 2))
 
     def one(spec: PromptSpec) -> None:
-        body = {"model": MODEL, "prompt": spec.prompt.tolist(), "max_tokens": spec.max_new_tokens,
+        body = {"model": MODEL, "prompt": as_text(spec.prompt) if text else spec.prompt.tolist(),
+                "max_tokens": spec.max_new_tokens,
                 "temperature": 0, "stream": True}
         t0 = time.perf_counter()
         first = None
@@ -201,8 +249,7 @@ def send_all(base: str, specs: list[PromptSpec], concurrency: int, timeout: floa
                     r.read()
                     raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
                 for line in r.iter_lines():
-                    if first is None and line.startswith("data: {") and '"token_ids":[' in line.replace(" ", "") \
-                            and '"token_ids":[]' not in line.replace(" ", ""):
+                    if first is None and _first_token(line):
                         first = time.perf_counter() - t0
             with lock:
                 if first is None:
@@ -229,27 +276,127 @@ def shifted(specs: list[PromptSpec], k: int) -> list[PromptSpec]:
 
 
 def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: argparse.Namespace, say,
-            ideal: float | None) -> dict:
+            ideal: float | None, text: bool = False, pool: str | None = None) -> dict:
     """Send `specs` through `base`; the hit rate from `fleet`'s counters over this run."""
     say(f"{name}: {len(fleet.nodes)} node(s) x {fleet.blocks} device blocks, {len(specs)} requests")
     before = fleet.counters()
-    sent = send_all(base, specs, args.concurrency, args.timeout)
+    sent = send_all(base, specs, args.concurrency, args.timeout, text)
     time.sleep(0.3)  # the engines publish their counters once per loop turn
     after = fleet.counters()
-    routed = None
-    if fleet.router is not None:  # how the router spread the requests over the nodes
-        routed = [b["routed"] for b in httpx2.get(base + "/health", timeout=10).json()["backends"]]
+    # how the requests spread over the nodes, from the nodes' own counts (a router's may differ: retries)
+    routed = [int(a - b) for a, b in zip(after[2], before[2])] if len(fleet.nodes) > 1 else None
     asked, hit = after[0] - before[0], after[1] - before[1]
     t = np.asarray(sent["ttfts"]) if sent["ttfts"] else None
     if sent["failed"]:
         say(f"{name}: {len(sent['failed'])} failed, e.g. {sent['failed'][0]}")
-    return {"policy": name, "nodes": len(fleet.nodes), "blocks_per_node": fleet.blocks,
+    return {"policy": name, **({"pool": pool} if pool else {}), "nodes": len(fleet.nodes), "blocks_per_node": fleet.blocks,
             "hit_token_rate": hit / asked if asked else None, "ideal_hit_token_rate": ideal,
             "ttft_p50_ms": float(np.percentile(t, 50)) if t is not None else None,
             "ttft_p99_ms": float(np.percentile(t, 99)) if t is not None else None,
             "requests": len(specs), "failed": len(sent["failed"]), "wall_s": sent["wall_s"],
             "req_per_s": len(sent["ttfts"]) / sent["wall_s"] if sent["wall_s"] else None,
             "prompt_tokens": asked, "routed_per_node": routed}
+
+
+PEER_ROW = "sglang-router " + PEER_POLICY
+GAP_S = 0.02
+
+
+def overhead(fleet: Fleet, n: int, timeout: float) -> dict:
+    """Each router's own cost per request: one node, one request at a time (a 1-token prompt
+    asking one new token, not streamed), sent directly, through `kvrt route` and through the
+    peer in turn, so that all three see the same moments of a noisy machine. GAP_S apart: a
+    node answers a request that arrives just as its previous one finished some 40 ms late, which
+    would charge whichever target comes next in the turn."""
+    url = fleet.urls[0]
+    kvrt_base = fleet.route("cache-aware", [url])
+    peer = PeerRouter([url])
+    try:
+        _wait_http(peer.base, "the peer router", peer.proc)
+        targets = {"direct": url, "kvrt route": kvrt_base, PEER_ROW: peer.base}
+        lat: dict[str, list[float]] = {k: [] for k in targets}
+        with httpx2.Client(timeout=timeout) as client:
+            for i in range(n + 5):  # the first 5 of each warm connections and caches up
+                for name, base in targets.items():
+                    body = {"model": MODEL, "prompt": as_text(np.asarray([i % 94])), "max_tokens": 1, "temperature": 0}
+                    time.sleep(GAP_S)  # see the docstring
+                    t0 = time.perf_counter()
+                    r = client.post(base + "/v1/completions", json=body)
+                    dt = (time.perf_counter() - t0) * 1e3
+                    if r.status_code != 200:
+                        raise RuntimeError(f"{name}: HTTP {r.status_code}: {r.text[:200]}")
+                    if i >= 5:
+                        lat[name].append(dt)
+    finally:
+        peer.stop()
+        fleet.stop_router()
+    p50 = {k: float(np.percentile(v, 50)) for k, v in lat.items()}
+    return {"requests": n, "p50_ms": p50,
+            "overhead_p50_ms": {k: p50[k] - p50["direct"] for k in targets if k != "direct"}}
+
+
+def peer_run(args: argparse.Namespace, specs: list[PromptSpec], ideal: float | None, say) -> dict:
+    """`--peer`: kvrt's policies and the peer in front of the same nodes, roomy then small pools
+    (prompts as text), then each router's cost per request."""
+    roomy = pool_blocks(specs, args)
+    small = args.small_blocks or max(1, roomy // 3)
+    results, cost, k = [], None, 0
+    for pool, blocks in (("roomy", roomy), ("small", small)):
+        fleet = Fleet(args.nodes, blocks, args.block_size, say, pool[0])
+        try:
+            fleet.wait_ready()
+            for policy in args.policies:
+                results.append(measure(policy, fleet, fleet.route(policy), shifted(specs, k), args, say, ideal,
+                                       text=True, pool=pool))
+                fleet.stop_router()
+                k += 1
+            peer = PeerRouter(fleet.urls)
+            try:
+                _wait_http(peer.base, "the peer router", peer.proc)
+                results.append(measure(PEER_ROW, fleet, peer.base, shifted(specs, k), args, say, ideal, text=True,
+                                       pool=pool))
+            finally:
+                peer.stop()
+            k += 1
+            if pool == "roomy" and args.overhead_requests:
+                cost = overhead(fleet, args.overhead_requests, args.timeout)
+        finally:
+            fleet.stop()
+    ratios = {}
+    for pool in ("roomy", "small"):
+        rows = {r["policy"]: r for r in results if r.get("pool") == pool}
+        ca, peer_row = rows.get("cache-aware"), rows.get(PEER_ROW)
+        if ca and peer_row:
+            ratios[pool] = {key: (ca[key] / peer_row[key] if ca[key] is not None and peer_row[key] else None)
+                            for key in ("hit_token_rate", "ttft_p50_ms", "ttft_p99_ms", "req_per_s")}
+    return {"results": results, "blocks_per_node": {"roomy": roomy, "small": small},
+            "kvrt_over_peer": ratios, "router_cost": cost}
+
+
+def render_peer(out: dict) -> str:
+    c = out["config"]
+    lines = [f"kvrt bench route --peer {c['peer']}: first {c['requests']} requests of {Path(c['trace']).name} as text, "
+             f"{c['tokens_per_id']} tokens per trace id, block {c['block_size']}, at most {c['max_new_tokens_cap']} "
+             f"new tokens, concurrency {c['concurrency']}; {c['nodes']} nodes x {c['blocks_per_node']['roomy']} "
+             f"(roomy) or {c['blocks_per_node']['small']} (small) device blocks", "",
+             f"{'pool':<7}{'router':<28}{'hit rate':>10}{'ideal':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'req/s':>8}"
+             f"{'failed':>8}  per node"]
+    for r in out["results"]:
+        name = r["policy"] if r["policy"] == PEER_ROW else "kvrt route " + r["policy"]
+        lines.append(f"{r['pool']:<7}{name:<28}{pct(r['hit_token_rate']):>10}{pct(r['ideal_hit_token_rate']):>10}"
+                     f"{fmt(r['ttft_p50_ms'], '.1f', ' ms'):>11}{fmt(r['ttft_p99_ms'], '.1f', ' ms'):>11}"
+                     f"{fmt(r['req_per_s'], '.2f'):>8}{r['failed']:>8}  "
+                     f"{'/'.join(map(str, r['routed_per_node'])) if r['routed_per_node'] else ''}")
+    for pool, q in out["kvrt_over_peer"].items():
+        lines.append(f"\n{pool} pools, kvrt cache-aware / {PEER_ROW}: hit rate {fmt(q['hit_token_rate'], '.2f', 'x')}"
+                     f" (goal >= {'1.10' if pool == 'small' else '1.00'}x), TTFT p50 {fmt(q['ttft_p50_ms'], '.2f', 'x')},"
+                     f" p99 {fmt(q['ttft_p99_ms'], '.2f', 'x')} (goal <= 1.00x), req/s {fmt(q['req_per_s'], '.2f', 'x')}")
+    cost = out["router_cost"]
+    if cost:
+        o, p50 = cost["overhead_p50_ms"], cost["p50_ms"]
+        lines.append(f"\nrouter cost, one node, one request at a time ({cost['requests']} each, p50 latency over direct "
+                     f"{p50['direct']:.2f} ms): kvrt route +{o['kvrt route']:.2f} ms, {PEER_ROW} +{o[PEER_ROW]:.2f} ms")
+    return "\n".join(lines)
 
 
 def render(out: dict) -> str:
@@ -276,7 +423,7 @@ def render(out: dict) -> str:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per request
-    requests = load_requests(args.parser, args)
+    requests = synthetic(args.synthetic)[:args.limit] if args.synthetic else load_requests(args.parser, args)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -286,6 +433,24 @@ def main(argv: list[str]) -> int:
     scaled = [s.trace for s in specs]
     total = sum(t.input_length for t in scaled)
     ideal = ideal_hit_tokens(scaled, args.block_size, args.tokens_per_id) / total if total else None
+    if args.peer and not installed(args.peer):
+        say(f"kvrt bench route: {args.peer} is not installed (pip install {args.peer}): the peer is skipped")
+        args.peer = None
+    if args.peer:
+        try:
+            peer = peer_run(args, specs, ideal, say)
+        except KeyboardInterrupt:
+            say("kvrt bench route: interrupted")
+            return 130
+        except RuntimeError as e:
+            say(f"kvrt bench route: error: {e}")
+            return 1
+        out = {"config": {"trace": str(args.trace), "requests": len(specs), "tokens_per_id": args.tokens_per_id,
+                          "block_size": args.block_size, "max_new_tokens_cap": args.max_new_tokens_cap,
+                          "concurrency": args.concurrency, "nodes": args.nodes, "peer": args.peer,
+                          "blocks_per_node": peer.pop("blocks_per_node")}, **peer}
+        print(json.dumps(out, indent=1) if args.json else render_peer(out))
+        return 1 if any(r["failed"] for r in out["results"]) else 0
     blocks = pool_blocks(specs, args)
     results = []
     fleet = Fleet(args.nodes, blocks, args.block_size, say, "n")

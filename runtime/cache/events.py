@@ -305,6 +305,21 @@ class KVEventView:
             n += 1
         return n
 
+    def weighted_prefix(self, keys: Sequence[bytes], slow: float) -> tuple[int, float]:
+        """How many leading `keys` the node holds (as `prefix`), and their worth: a block held
+        on no tier but a slower one than the device (host memory, storage) counts `slow`, as it
+        must be copied back before it serves."""
+        n, worth = 0, 0.0
+        media = self.media
+        publish = self._secret.publish if self._secret is not None else None
+        for k in keys:
+            held = media.get(k if publish is None else publish(k))
+            if held is None:
+                break
+            n += 1
+            worth += 1.0 if GPU in held else slow
+        return n, worth
+
     def sync(self) -> None:
         """Catch up from the replay socket (everything after the last batch applied)."""
         self._replay(self.last_seq + 1, None)

@@ -29,6 +29,9 @@ MAX_TOP_LOGPROBS = 20
 # fields a request may carry that ask nothing of the answer (an end-user id; whether tools may be
 # called in parallel: every call an answer makes is read, and a forced answer is one call)
 HARMLESS = frozenset({"user", "parallel_tool_calls"})
+# SGLang's fields at the value that asks nothing beyond what kvrt does (stop strings trimmed from
+# the text, no hidden states): SGLang's router sets them on every request it forwards
+HARMLESS_AT = {"no_stop_trim": False, "return_hidden_states": False}
 
 
 class StreamOptions(BaseModel):
@@ -40,7 +43,7 @@ class StreamOptions(BaseModel):
 class SamplingBody(BaseModel):
     """What completions and chat requests share. A field kvrt does not implement is refused by
     name (`unsupported`), never silently ignored, unless it is null or asks nothing of the
-    answer (HARMLESS): a 200 always did what the request asked."""
+    answer (HARMLESS, HARMLESS_AT): a 200 always did what the request asked."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -93,7 +96,7 @@ class SamplingBody(BaseModel):
     def unsupported(self) -> str | None:
         """The first field this request sets that kvrt does not implement, or None."""
         for name, value in (self.model_extra or {}).items():
-            if value is not None and name not in HARMLESS:
+            if value is not None and name not in HARMLESS and not (name in HARMLESS_AT and value is HARMLESS_AT[name]):
                 return name
         if name := self._unsupported_tools():
             return name

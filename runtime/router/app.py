@@ -148,8 +148,16 @@ class Router:
         items, now = self.backends.items, time.monotonic()
         open_ = [i for i in self.backends.healthy() if i not in exclude]
         fast = [i for i in open_ if items[i].slow_until <= now]
-        cands = [Candidate(i, items[i].inflight, items[i].cached_prefix(keys) if keys else 0) for i in fast or open_]
-        return self.picker.pick(cands).index if cands else None
+        cands = []
+        for i in fast or open_:
+            own = items[i].keys_of(keys) if keys else []
+            cands.append(Candidate(i, items[i].inflight, items[i].cached_prefix(own, now), len(own)))
+        if not cands:
+            return None
+        i = self.picker.pick(cands).index
+        if keys:
+            items[i].sent(items[i].keys_of(keys), now)
+        return i
 
     def _timed_out(self, i: int, what: str) -> str:
         """Backend i sent nothing for the backend timeout: avoided for SLOW_S; why, for the client."""

@@ -9,6 +9,12 @@ thread asks every backend's `/health` every HEALTH_INTERVAL_S; a backend that fa
 request's connection) is out until it answers again, and then its view starts afresh (a node
 that restarted numbers its batches from 1 again). An events thread applies every backend's
 batches as they arrive.
+
+Events come after the fact (a node publishes a block once its prefill wrote it), so a backend
+also keeps the keys of the requests the router sent it for PENDING_S: a request that shares a
+prefix with one still in its prefill counts that prefix as held there (as it will be), instead
+of seeing a cold fleet and going elsewhere. What the events say overrides nothing else: a key
+the node evicted is held only while it is pending.
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ log = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 1.0
 EVENTS_POLL_MS = 20
+PENDING_S = 2.0       # a sent request's keys count as held this long (its prefill is under way)
+PENDING_MAX = 1 << 16  # pending keys kept per backend before the stale ones are dropped
+SLOW_TIER = 0.5       # a block on host memory or storage only counts for this much of one on the device
 
 
 def base_url(url: str) -> str:
@@ -61,16 +70,36 @@ class Backend:
     routed: int = 0
     up_count: int = 0  # times it came up; the events thread renews the view when this moves
     view_of: int = 0   # the up_count the view was made for
+    pending: dict[bytes, float] = field(default_factory=dict, repr=False)  # key -> when a request with it was sent
     _events_addr: tuple[str, str] | None = field(default=None, repr=False)
     _events_secret: EventSecret | None = field(default=None, repr=False)  # the node's events need it
 
-    def cached_prefix(self, keys_by_root: dict[tuple[bytes, int], list[bytes]]) -> int:
-        """Leading blocks of a request this node holds, from its KV events (0 without them)."""
+    def keys_of(self, keys_by_root: dict[tuple[bytes, int], list[bytes]]) -> list[bytes]:
+        """A request's block keys as this node chains them ([] when not known)."""
+        return keys_by_root.get((self.key_root, self.block_size), []) if self.key_root else []
+
+    def cached_prefix(self, keys: list[bytes], now: float) -> float:
+        """Leading blocks of a request this node holds, from its KV events (a block on a slower
+        tier counting SLOW_TIER), then those of requests sent to it within PENDING_S (0 without
+        events)."""
         view = self.view
-        if view is None or not self.key_root:
+        if view is None or not keys:
             return 0
-        keys = keys_by_root.get((self.key_root, self.block_size))
-        return view.prefix(keys) if keys else 0
+        n, worth = view.weighted_prefix(keys, SLOW_TIER)
+        pending, since = self.pending, now - PENDING_S
+        while n < len(keys) and pending.get(keys[n], 0.0) >= since:
+            n += 1
+            worth += 1.0
+        return worth
+
+    def sent(self, keys: list[bytes], now: float) -> None:
+        """A request with these keys went to this node."""
+        pending = self.pending
+        if len(pending) + len(keys) > PENDING_MAX:
+            since = now - PENDING_S
+            self.pending = pending = {k: t for k, t in pending.items() if t >= since}
+        for k in keys:
+            pending[k] = now
 
 
 class Backends:

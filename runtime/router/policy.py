@@ -5,8 +5,17 @@ keys it holds) skips that prefill, so a conversation's later turns should go whe
 turns went. Pure affinity makes one node hot (every turn of a popular system prompt lands on
 it), so affinity counts only among nodes whose in-flight requests exceed the least loaded one's
 by at most a margin: past it, a node loses its affinity and the request goes elsewhere (and
-warms a second node's cache). With nothing cached anywhere the least loaded node wins; ties go
-round-robin so an idle fleet is still spread.
+warms a second node's cache).
+
+Why the rest, for pools under pressure: what a node will hold next is what it is sent now, so
+the nodes' caches together hold the most of the working set when each prefix lives on one node
+and new prefixes are spread so that every node writes about as much: a request whose prefix no
+node holds for a good share (at most AFFINITY_SHARE of its blocks, e.g. only a system prompt every
+node has) is a new prefix, and goes to the node that has recently written the fewest new blocks
+(the blocks the nodes it was sent to did not hold, decayed by INFLOW_DECAY per request: the
+nodes' churn, which is what evicts). Counting a request's size rather than requests matters when
+prompts differ in length: a node sent a few long one-off prompts has evicted as much as one sent
+many short ones. Ties go to the least loaded, then round-robin, so an idle fleet is still spread.
 """
 from __future__ import annotations
 
@@ -15,20 +24,25 @@ from dataclasses import dataclass
 from typing import Sequence
 
 POLICIES = ("cache-aware", "round-robin", "least-load")
+AFFINITY_SHARE = 0.3   # a prefix held for at most this share of a request's blocks does not bind it
+INFLOW_DECAY = 0.99    # per request routed: a node's written blocks count for about the last 100
 
 
 @dataclass
 class Candidate:
     """One healthy backend as a policy sees it: its index, requests in flight through the
-    router, and how many leading blocks of this request it holds."""
+    router, how many leading blocks of this request it holds (a block on a slower tier counts
+    for less), and the request's full blocks (0: not known)."""
 
     index: int
     load: int
-    cached_blocks: int = 0
+    cached_blocks: float = 0
+    blocks: int = 0
 
 
 class Picker:
-    """Chooses among candidates by `policy`; holds only the round-robin cursor."""
+    """Chooses among candidates by `policy`; holds the round-robin cursor and, for cache-aware,
+    the new blocks each backend was recently sent."""
 
     def __init__(self, policy: str, load_margin: int = 4):
         if policy not in POLICIES:
@@ -38,6 +52,7 @@ class Picker:
         self.policy = policy
         self.load_margin = load_margin
         self._turn = itertools.count()
+        self.inflow: dict[int, float] = {}  # backend index -> new blocks sent to it, decayed
 
     def pick(self, cands: Sequence[Candidate]) -> Candidate:
         """The backend for one request (`cands` is never empty)."""
@@ -51,4 +66,11 @@ class Picker:
         if self.policy == "least-load":
             return next(c for c in order if c.load == least)
         eligible = [c for c in order if c.load <= least + self.load_margin]
-        return max(eligible, key=lambda c: (c.cached_blocks, -c.load))
+        inflow = self.inflow
+        best = max(eligible, key=lambda c: (c.cached_blocks, -inflow.get(c.index, 0.0), -c.load))
+        if best.blocks and best.cached_blocks <= AFFINITY_SHARE * best.blocks:  # a new prefix: spread it
+            best = min(eligible, key=lambda c: (inflow.get(c.index, 0.0), c.load))
+        for i in inflow:
+            inflow[i] *= INFLOW_DECAY
+        inflow[best.index] = inflow.get(best.index, 0.0) + max(0.0, best.blocks - best.cached_blocks)
+        return best

@@ -26,3 +26,20 @@ def test_bench_route_json_has_a_row_per_policy_and_the_one_node_row(tmp_path):
         assert r["requests"] == 12 and r["failed"] == 0
         assert 0 <= r["hit_token_rate"] <= r["ideal_hit_token_rate"] + 1e-9
         assert r["ttft_p50_ms"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"]
+
+
+def test_bench_route_peer_runs_both_routers_on_roomy_and_small_pools(tmp_path):
+    pytest.importorskip("sglang_router")
+    trace = tiny_trace(tmp_path / "trace.jsonl")
+    out = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "route", "--nodes", "2", "--limit", "12",
+                          "--trace", trace, "--policies", "cache-aware", "--peer", "sglang-router",
+                          "--overhead-requests", "5", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    assert [(r["pool"], r["policy"]) for r in got["results"]] == [
+        ("roomy", "cache-aware"), ("roomy", "sglang-router cache_aware"),
+        ("small", "cache-aware"), ("small", "sglang-router cache_aware")]
+    for r in got["results"]:
+        assert r["failed"] == 0 and sum(r["routed_per_node"]) == 12
+    assert set(got["kvrt_over_peer"]) == {"roomy", "small"}
+    assert set(got["router_cost"]["overhead_p50_ms"]) == {"kvrt route", "sglang-router cache_aware"}

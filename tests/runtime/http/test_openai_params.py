@@ -277,3 +277,14 @@ def test_chat_refusals_and_what_asks_nothing_is_accepted():
                       {"tools": []}):
             r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, **extra})
             assert r.status_code == 503, (extra, r.text)
+
+
+def test_sglang_router_defaults_ask_nothing_but_their_other_values_are_refused():
+    """SGLang's router adds no_stop_trim/return_hidden_states at their off values to every body."""
+    from kvrt.runtime.http.openai_schema import CompletionRequest
+
+    off = CompletionRequest(prompt="a", no_stop_trim=False, return_hidden_states=False, user="u")
+    assert off.unsupported() is None
+    assert CompletionRequest(prompt="a", no_stop_trim=True).unsupported() == "no_stop_trim"
+    assert CompletionRequest(prompt="a", return_hidden_states=True).unsupported() == "return_hidden_states"
+    assert CompletionRequest(prompt="a", no_stop_trim=0).unsupported() == "no_stop_trim"
