@@ -336,7 +336,11 @@ class Server:
                                     "(response_format, guided_json or guided_regex)", param="tool_choice")
             sampling = dataclasses.replace(sampling, guided=guided)
         stop_ids = frozenset(([eos] if eos >= 0 else []) + sampling.stop_token_ids)
-        run = _Run(self, who, body.cache_salt or "")
+        # an answer nobody reads before its end comes from the engine whole: one message, not one
+        # per token (a burst of such requests cannot then flood the server's one engine client)
+        whole = not body.stream and not stops and body.n == 1 and not sampling.logprobs \
+            and not sampling.top_logprobs and sampling.prompt_logprobs is None
+        run = _Run(self, who, body.cache_salt or "", engine_stream=not whole)
         for i, ids in enumerate(prompts):
             leader = None
             for j in range(body.n):
@@ -361,10 +365,11 @@ class Server:
 class _Run:
     """The engine requests of one HTTP request, and their events as they arrive."""
 
-    def __init__(self, server: Server, who: str = "", cache_salt: str = "") -> None:
+    def __init__(self, server: Server, who: str = "", cache_salt: str = "", engine_stream: bool = True) -> None:
         self.server = server
         self.who = who
         self.cache_salt = cache_salt
+        self.engine_stream = engine_stream  # False: the engine sends each answer whole, at its end
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, _Choice] = {}
         self.requests: list[tuple[str, list[int], int, int, Sampling]] = []
@@ -406,7 +411,7 @@ class _Run:
             if rid in rids and rid in self.pending and rid not in self.sent:
                 self.sent.add(rid)
                 self.server.bridge.submit(Submission(rid, ids, max_tokens, eos, sampling, loop, self.events,
-                                                     self.cache_salt, self.who))
+                                                     self.cache_salt, self.who, self.engine_stream))
 
     async def __aiter__(self) -> AsyncIterator[tuple[_Choice, str, list[int], bool]]:
         """(choice, new text, new tokens, finished) as the engine answers; ApiError on an engine error."""
@@ -441,7 +446,9 @@ class _Run:
                     self.prompt_scores.setdefault(ch.prompt_index, (res.prompt_logprobs, res.prompt_ranks,
                                                                     res.prompt_top))
                 rest = [int(t) for t in res.output_token_ids[len(ch.token_ids):]]
-                if ch.stops.stopped is None:
+                if not self.engine_stream and rest:  # its first token's time is the engine's
+                    self.server.metrics.first_token(res.engine_ttft_ms / 1e3)
+                elif ch.stops.stopped is None:
                     self._timed(ch, len(rest))
                 piece, shown = ch.add(rest, [None] * len(rest)) if rest else ("", [])
                 piece += ch.end(res)

@@ -51,6 +51,7 @@ class Submission:
     events: asyncio.Queue
     cache_salt: str = ""
     on_behalf_of: str = ""  # the HTTP client's identity: its quota at the engine is its own
+    stream: bool = True  # False: the engine sends only the finished answer (nothing reads it before)
 
 
 class Bridge:
@@ -171,8 +172,8 @@ class Bridge:
             self._routes[sub.request_id] = sub
             try:
                 client.submit(np.asarray(sub.prompt, dtype=np.int64), sub.max_tokens, eos_token_id=sub.eos_token_id,
-                              request_id=sub.request_id, sampling=sub.sampling, cache_salt=sub.cache_salt,
-                              on_behalf_of=sub.on_behalf_of)
+                              request_id=sub.request_id, stream=sub.stream, sampling=sub.sampling,
+                              cache_salt=sub.cache_salt, on_behalf_of=sub.on_behalf_of)
             except Exception as e:  # noqa: BLE001 - one request's failure must not end the thread
                 if not isinstance(e, (ValueError, ClientError)):
                     log.exception("request %s could not be sent", sub.request_id)
