@@ -446,8 +446,10 @@ class _Run:
                     self.prompt_scores.setdefault(ch.prompt_index, (res.prompt_logprobs, res.prompt_ranks,
                                                                     res.prompt_top))
                 rest = [int(t) for t in res.output_token_ids[len(ch.token_ids):]]
-                if not self.engine_stream and rest:  # its first token's time is the engine's
+                if not self.engine_stream and rest:  # its token times are the engine's
                     self.server.metrics.first_token(res.engine_ttft_ms / 1e3)
+                    if len(rest) > 1:
+                        self.server.metrics.next_tokens((res.engine_e2e_ms - res.engine_ttft_ms) / 1e3 / (len(rest) - 1))
                 elif ch.stops.stopped is None:
                     self._timed(ch, len(rest))
                 piece, shown = ch.add(rest, [None] * len(rest)) if rest else ("", [])
