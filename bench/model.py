@@ -20,16 +20,20 @@ In one run:
   --sample-batch with temperature 1, top_p 0.9, top_k 50, its steps interleaved with greedy ones,
   `vs greedy` being sampled / greedy;
 - each row splits its step into phases (workers/phases.py: q/k/v/o and MLP projections,
-  attention, LM head, host<->device copies, sampling, and the rest) and stands next to its
+  attention, LM head, host<->device copies, sampling, and the rest; on a GPU from a second copy
+  of the step, since timing a phase there means a device sync at its ends) and stands next to its
   roofline: the larger of the bytes it must move (the weights once, the KV it reads) at the
   memcpy bandwidth and the FLOPs it must do (matmuls, causal attention) at the matmul peak of the
   same thread count; `vs roof` is measured / roofline (1.0 is the limit);
 - when `torch` and `transformers` import, the same checkpoint's `transformers` model on the same
   device, in the same dtype, with the same thread count (torch.set_num_threads), each row right
   after kvrt's: decode as a manual loop of one forward per token over a `DynamicCache` holding
-  `context` tokens (not `generate`, whose own bookkeeping would be charged to the model), prefill
-  as one forward of the prompt; `kvrt/hf` is transformers' step time / kvrt's (above 1: kvrt
-  faster). Without them the rows say why and the rest runs;
+  `context` tokens (the model alone: `kvrt/hf`), and as greedy `generate` after a `context`-token
+  prompt, per new token (the loop a transformers user runs, its bookkeeping included:
+  `kvrt/gen`), prefill as one forward of the prompt; each ratio is transformers' step time /
+  kvrt's (above 1: kvrt faster). Without them the rows say why and the rest runs;
+- on a GPU, `graph ms`: the same decode step's kernels captured once as a CUDA graph and
+  replayed, the floor of those kernels without Python's cost of launching each one;
 - --threads 1,2,auto measures each thread setting, the settings taking turns step by step so a
   change in the machine's load falls on all alike, and --busy N repeats every row with N busy
   processes competing for the cores.
@@ -42,6 +46,7 @@ figures are what this machine gave in this run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect as pyinspect
 import json
 import logging
@@ -61,7 +66,7 @@ from kvrt.bench.copy import cuda_missing
 from kvrt.workers.backend import BackendUnavailable, get_backend
 from kvrt.workers.checkpoint import inspect
 from kvrt.workers.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
-from kvrt.workers.model import SeqInput
+from kvrt.workers.model import Model, SeqInput
 from kvrt.workers.phases import OTHER, SAMPLING, PhaseClock
 from kvrt.workers.sampler import SamplingRows, sample
 from kvrt.workers.threads import AUTO, BlasThreads, usable_cores
@@ -94,12 +99,17 @@ class Row:
     ms: float | None = None           # kvrt, per step
     tokens_s: float | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)  # the median step's, "other" included
+    phased_ms: float | None = None    # what the phases add up to: on a GPU a step of its own, timed
+    #                                   with a device sync around each phase, so above `ms`
+    graph_ms: float | None = None     # decode on a GPU: the same step's kernels replayed as one CUDA graph
     mem_ms: float | None = None       # bytes it must move at the memcpy bandwidth
     flop_ms: float | None = None      # FLOPs it must do at the matmul peak of its thread count
     roof_ms: float | None = None      # max(mem_ms, flop_ms)
     vs_roof: float | None = None      # ms / roof_ms
     hf_ms: float | None = None        # transformers, per step
     vs_hf: float | None = None        # hf_ms / ms: kvrt's speed in units of transformers'
+    gen_ms: float | None = None       # decode: transformers' `generate`, per step
+    vs_gen: float | None = None       # gen_ms / ms
     greedy_ms: float | None = None    # sampled: the interleaved greedy steps
     vs_greedy: float | None = None    # sampled: ms / greedy_ms
     gb_s: float | None = None         # memcpy: bytes read + written per second
@@ -275,7 +285,9 @@ def model_limits(model: HFModel, gb_s: float, gflop_s: dict[int, float]) -> Limi
 
 class Runner:
     """kvrt's steps as the worker runs them at one thread setting: the BLAS thread count for
-    the step's rows, the forward pass, then `sample`; each step's phases recorded."""
+    the step's rows, the forward pass, then `sample`; each step's phases recorded. On a GPU a
+    phase is timed by synchronising the device at its ends, which would slow the step itself,
+    so there the phases come from a second, untimed copy of the step."""
 
     def __init__(self, model: HFModel, threads: BlasThreads) -> None:
         self.model, self.threads = model, threads
@@ -283,21 +295,28 @@ class Runner:
 
     def step(self, pool: Any, seqs: list[SeqInput], rows: SamplingRows) -> tuple[np.ndarray, float, dict[str, float]]:
         """Tokens, seconds and phases (ms, with the rest as "other") of one step."""
-        xp = self.model.xp
-        self.model.phases = self.clock
+        on_gpu = self.model.xp is not np
+        if on_gpu:
+            tokens, t = self._run(pool, seqs, rows, None)
         self.clock.take()
+        tokens, t_phased = self._run(pool, seqs, rows, self.clock)
+        phases = {k: v * 1e3 for k, v in self.clock.take().items()}
+        phases[OTHER] = max(0.0, t_phased * 1e3 - sum(phases.values()))
+        return tokens, t if on_gpu else t_phased, phases
+
+    def _run(self, pool: Any, seqs: list[SeqInput], rows: SamplingRows, clock: PhaseClock | None
+             ) -> tuple[np.ndarray, float]:
+        xp = self.model.xp
+        self.model.phases = clock
         _sync(xp)
         t0 = time.perf_counter()
         with self.threads.for_rows(sum(len(s.tokens) for s in seqs)):
             logits = self.model.step_logits(pool, seqs)
-            with self.clock.span(SAMPLING):
+            with self.clock.span(SAMPLING) if clock else contextlib.nullcontext():
                 tokens, _ = sample(logits, rows, np)
         _sync(xp)
-        t = time.perf_counter() - t0
         self.model.phases = None
-        phases = {k: v * 1e3 for k, v in self.clock.take().items()}
-        phases[OTHER] = max(0.0, t * 1e3 - sum(phases.values()))
-        return tokens, t, phases
+        return tokens, time.perf_counter() - t0
 
 
 def kv_pool(model: HFModel, blocks: int, seed: int = 0) -> Any:
@@ -364,6 +383,40 @@ def kvrt_decode(runners: list[Runner], b: int, ctx: int, steps: int, sampled: bo
             if j:
                 out[r].append((t, ph, runner.threads.last))
     return [(_median_step(o), float(np.median(g)) if sampled else None) for o, g in zip(out, greedy)]
+
+
+def graph_decode(model: HFModel, b: int, ctx: int, steps: int) -> float | str:
+    """On a GPU: the median seconds of a decode step at batch b over ctx tokens of KV whose
+    kernels (the layers and the LM head) are captured once as a CUDA graph and replayed, so
+    no kernel pays its launch from Python: the floor this step's kernels reach, next to the
+    eager step's time. A string says why it could not be measured."""
+    cp = model.xp
+    per_seq = -(-(ctx + 1) // BLOCK_SIZE)
+    pool = kv_pool(model, b * per_seq)
+    seqs = [SeqInput(np.zeros(1, np.int32), ctx, np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32))
+            for i in range(b)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    memory = cp.cuda.MemoryPool()  # the graph's own: its buffers are never handed to anything else
+    try:
+        with cp.cuda.using_allocator(memory.malloc), stream:
+            inputs = model.prepare(pool, seqs)
+            run = lambda: Model._head(model, model.forward(pool, inputs)[inputs.last])  # noqa: E731
+            run()
+            stream.synchronize()
+            stream.begin_capture()
+            logits = run()
+            graph = stream.end_capture()
+            times = []
+            for _ in range(steps + 1):
+                stream.synchronize()
+                t0 = time.perf_counter()
+                graph.launch(stream)
+                stream.synchronize()
+                times.append(time.perf_counter() - t0)
+            del logits
+    except Exception as e:  # noqa: BLE001 (the row says why, the bench goes on)
+        return f"graph capture failed: {type(e).__name__}: {e}"
+    return float(np.median(times[1:]))
 
 
 def kvrt_prefill(runners: list[Runner], b: int, prompt_len: int, repeats: int) -> list[Step]:
@@ -445,6 +498,30 @@ class Transformers:
                 times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
 
+    def generate(self, b: int, ctx: int, steps: int, threads: int) -> float:
+        """Seconds per decode step of greedy `generate` at batch b after a ctx-token prompt, the
+        loop a user of transformers runs: (best run of 1 + steps new tokens - best run of 1) /
+        steps, so the prompt's prefill and the call's set-up are not charged to the steps."""
+        torch, cfg = self.torch, self.model.config
+        torch.set_num_threads(threads)
+        gen = torch.Generator().manual_seed(ctx)
+        ids = torch.randint(0, cfg.vocab_size, (b, max(ctx, 1)), generator=gen).to(self.device)
+        mask = torch.ones_like(ids)
+
+        def run(new: int) -> float:
+            self._sync()
+            t0 = time.perf_counter()
+            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                do_sample=False, pad_token_id=0)
+            self._sync()
+            return time.perf_counter() - t0
+
+        with torch.inference_mode():
+            run(2)  # warm-up
+            one = min(run(1) for _ in range(2))
+            many = min(run(1 + steps) for _ in range(2))
+        return max(many - one, 0.0) / steps
+
     def prefill(self, b: int, prompt_len: int, repeats: int, threads: int) -> float:
         """Best of `repeats` forwards (s) of b prompts of prompt_len tokens into fresh caches."""
         torch, cfg = self.torch, self.model.config
@@ -491,18 +568,23 @@ def run_grid(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, setti
         runner.step(kv_pool(model, 1), [SeqInput(np.zeros(2, np.int32), 0, np.zeros(1, np.int32))],
                     SamplingRows.greedy(1))
 
-    def finish(row: Row, step: Step, seqs: list[tuple[int, int]], hf_time: Callable[[int], float] | None) -> None:
+    def finish(row: Row, step: Step, seqs: list[tuple[int, int]], hf_time: Callable[[int], float] | None,
+               gen_time: Callable[[int], float] | None = None) -> None:
         t, row.phases_ms, row.blas_threads = step
         row.ms, row.tokens_s = t * 1e3, row.tokens / t
+        row.phased_ms = sum(row.phases_ms.values())
         limits.roofline(row, seqs)
         if hf_time is None:
             pass
         elif hf.model is None:
-            row.note = hf.why
+            row.note = row.note or hf.why
         else:
             time.sleep(SWITCH_PAUSE_S)
             row.hf_ms = hf_time(row.blas_threads) * 1e3
             row.vs_hf = row.hf_ms / row.ms
+            if gen_time is not None:
+                row.gen_ms = gen_time(row.blas_threads) * 1e3
+                row.vs_gen = row.gen_ms / row.ms
             time.sleep(SWITCH_PAUSE_S)
         rows.append(row)
         log.info("%s batch %d context %d threads %s (%s): %.1f ms", row.kind, row.batch, row.context, row.threads,
@@ -515,9 +597,15 @@ def run_grid(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, setti
                 rows += [Row("decode", label, load, b, ctx, b, note=f"skipped: its pool takes {need / 2**30:.1f} GiB "
                              f"> --max-pool-gib") for label in labels]
                 continue
+            graph = graph_decode(model, b, ctx, grid.decode_steps) if model.xp is not np else None
             for label, (step, _) in zip(labels, kvrt_decode(runners, b, ctx, grid.decode_steps)):
-                finish(Row("decode", label, load, b, ctx, b), step, [(ctx, 1)] * b,
-                       lambda n: hf.decode(b, ctx, grid.decode_steps, n))
+                row = Row("decode", label, load, b, ctx, b)
+                if isinstance(graph, float):
+                    row.graph_ms = graph * 1e3
+                elif graph:
+                    row.note = graph
+                finish(row, step, [(ctx, 1)] * b, lambda n: hf.decode(b, ctx, grid.decode_steps, n),
+                       lambda n: hf.generate(b, ctx, grid.decode_steps, n))
     for b in grid.prefill_batches:
         for label, step in zip(labels, kvrt_prefill(runners, b, grid.prompt_len, grid.prefill_repeats)):
             finish(Row("prefill", label, load, b, 0, b * grid.prompt_len), step, [(0, grid.prompt_len)] * b,
@@ -575,10 +663,12 @@ def print_table(rows: list[Row], meta: dict) -> None:
         elif r.kind == "peak":
             print(f"matmul peak at {r.blas_threads} thread(s): {r.gflop_s:.1f} GFLOP/s ({r.note})")
     print("ms per step; phases of the median step (decode, sampled) or the best (prefill); "
-          "vs roof = ms / roofline; kvrt/hf = transformers' ms / kvrt's (above 1: kvrt faster)")
+          "vs roof = ms / roofline; kvrt/hf = transformers' ms / kvrt's (above 1: kvrt faster); "
+          "kvrt/gen = the same for transformers' generate; graph ms = kvrt's step replayed as a CUDA graph")
     print(f"{'kind':<8} {'thr':>4} {'load':>6} {'batch':>5} {'ctx':>5} {'ms':>8} {'tok/s':>8} "
           + " ".join(f"{c[:7]:>7}" for c in PHASE_COLUMNS)
-          + f" {'roof ms':>8} {'vs roof':>7} {'hf ms':>8} {'kvrt/hf':>7}  note")
+          + f" {'roof ms':>8} {'vs roof':>7} {'hf ms':>8} {'kvrt/hf':>7} {'gen ms':>8} {'kvrt/gen':>8}"
+          + f" {'graph ms':>8}  note")
     for r in rows:
         if r.kind in ("memcpy", "peak"):
             continue
@@ -588,7 +678,7 @@ def print_table(rows: list[Row], meta: dict) -> None:
         print(f"{r.kind:<8} {thr:>4} {r.load:>6} {r.batch:>5} {r.context:>5} {_f(r.ms, '>8.1f')} "
               f"{_f(r.tokens_s, '>8.1f')} " + " ".join(_f(r.phases_ms.get(c), '>7.1f') for c in PHASE_COLUMNS)
               + f" {_f(r.roof_ms, '>8.1f')} {_f(r.vs_roof, '>7.2f')} {_f(r.hf_ms, '>8.1f')} "
-              f"{_f(r.vs_hf, '>7.2f')}  {note}")
+              f"{_f(r.vs_hf, '>7.2f')} {_f(r.gen_ms, '>8.1f')} {_f(r.vs_gen, '>8.2f')} {_f(r.graph_ms, '>8.2f')}  {note}")
     for line in thread_summary(rows):
         print(line)
 
@@ -702,11 +792,12 @@ def main(argv: list[str]) -> int:
         rows = [Row("memcpy", gb_s=gb_s, note="d2d copy" if args.device == "cuda" else "np.copyto")]
         counts = sorted({c for s in settings for c in (range(1, cores + 1) if s == AUTO else {s})})
         peaks = {}
-        for n in counts:
+        for n in counts if args.device == "cpu" else counts[:1]:  # a GPU's matmul takes no BLAS threads
             with BlasThreads(n, cores).for_rows(1):
                 peaks[n] = matmul_gflop_s(xp, compute, args.peak_n)
             rows.append(Row("peak", str(n), blas_threads=n, gflop_s=peaks[n],
                             note=f"{args.peak_n}x{args.peak_n} {compute} matmul"))
+        peaks = {n: peaks.get(n, peaks[counts[0]]) for n in counts}
         limits = model_limits(model, gb_s, peaks)
         hf = Transformers(model_dir, args.device, compute) if not args.no_transformers else None
         if hf is None:
@@ -721,7 +812,7 @@ def main(argv: list[str]) -> int:
                     device=args.device, cores=cores, block_size=BLOCK_SIZE, load_s=load_s, memcpy_gb_s=gb_s,
                     peak_gflop_s={str(k): v for k, v in peaks.items()}, decode_steps=args.decode_steps,
                     prompt_len=args.prompt_len, transformers=getattr(hf, "version", None) or hf.why,
-                    hf_decode="one forward per token over a DynamicCache (not generate)")
+                    hf_decode="one forward per token over a DynamicCache; gen: greedy generate, per new token")
     if args.json:
         print(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
     else:

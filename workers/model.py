@@ -27,7 +27,8 @@ import numpy as np
 
 from kvrt.ipc.config import NodeConfig
 from kvrt.ipc.layout import KVLayout
-from kvrt.workers.attention import AttnShape, Span, paged_attention, plan_attention
+from kvrt.workers.attention import (KV_BUDGET, SCORE_BUDGET, AttentionPlan, AttnShape, Span, paged_attention,
+                                    plan_attention)
 from kvrt.workers.phases import ATTENTION, COPIES, LM_HEAD, PROJECTIONS, PhaseClock
 from kvrt.workers.prompt_logprobs import PromptQuery, PromptScores, score_prompt
 
@@ -86,6 +87,19 @@ class ModelShape:
         return cls(num_layers=layout.num_layers, num_heads=layout.kv_heads, num_kv_heads=layout.kv_heads,
                    head_dim=layout.head_dim, vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len,
                    seed=cfg.model_seed)
+
+
+@dataclass
+class StepInputs:
+    """A prepared step batch on the device (`Model.prepare`): each token's id, position, pool
+    block and slot, the batch rows whose logits are read, and the attention plan."""
+
+    tokens: Any
+    positions: Any
+    blocks: Any
+    slots: Any
+    last: Any
+    attn: AttentionPlan
 
 
 @dataclass
@@ -155,6 +169,9 @@ class Model:
     beat: Callable[[], None] | None = None
     # a benchmark's phase recorder (workers/phases.py); None while serving, so a step pays nothing
     phases: PhaseClock | None = None
+    # attention's key-tile budgets, scores and keys (workers/attention.py); the warm-up shrinks
+    # them for one step
+    attn_budgets: tuple[int, int] = (SCORE_BUDGET, KV_BUDGET)
 
     def __init__(self, shape: ModelShape, xp: Any = np, kv_dtype: str = "float32") -> None:
         self.shape = shape
@@ -330,48 +347,74 @@ class Model:
                      prompt: PromptQuery | None = None) -> tuple[np.ndarray, PromptScores | None]:
         """`step_logits`, and from the same forward pass the prompt scores `prompt` asks for
         (its rows index the batch's tokens, flattened in sequence order; workers/prompt_logprobs.py)."""
-        xp, s = self.xp, self.shape
+        s = self.shape
         if not seqs:
             return np.empty((0, s.vocab_size)), None
+        inputs = self.prepare(pool, seqs)
+        x = self.forward(pool, inputs)
+        scores = None
+        if prompt is not None:
+            n = int(inputs.tokens.shape[0])
+            if len(prompt.rows) and (int(prompt.rows.max()) >= n or int(prompt.rows.min()) < 0):
+                raise ValueError(f"prompt logprob rows outside the step's {n} tokens")
+            if len(prompt.targets) and (int(prompt.targets.min()) < 0 or int(prompt.targets.max()) >= s.vocab_size):
+                raise ValueError(f"prompt logprob targets outside the vocabulary [0, {s.vocab_size})")
+            scores = score_prompt(self._head, x, prompt, s.vocab_size, self.xp)
+        return self._logits(x[inputs.last]), scores
+
+    def prepare(self, pool: Any, seqs: Sequence[SeqInput]) -> StepInputs:
+        """The host half of a step: the batch validated and planned, its inputs on the device.
+        Split from `forward` so that everything after it is device work alone (no host round
+        trip), which is what a CUDA graph can capture."""
+        xp, s = self.xp, self.shape
         bs = self._check_pool(pool)
         plans, tokens, positions, blocks = self._plan(seqs, int(pool.shape[0]), bs)
         with self._phase(COPIES):
-            pos, tokens, blk = xp.asarray(positions), xp.asarray(tokens), xp.asarray(blocks)
-        slot = pos % bs
-        attn = plan_attention(plans, AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs), xp)
-        x = self._embed(tokens)
+            pos, toks, blk = xp.asarray(positions), xp.asarray(tokens), xp.asarray(blocks)
+            last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
+        score_budget, kv_budget = self.attn_budgets
+        attn = plan_attention(plans, AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs), xp,
+                              score_budget=score_budget, kv_budget=kv_budget)
+        return StepInputs(toks, pos, blk, pos % bs, last, attn)
+
+    def forward(self, pool: Any, inputs: StepInputs) -> Any:
+        """The layers over a prepared batch: each token's K/V written to the pool, the hidden
+        states [tokens, d] returned (on the device)."""
+        xp = self.xp
+        x = self._embed(inputs.tokens)
         for li, w in enumerate(self.layers):
-            q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
+            q, k, v = self._qkv(self._rms(x, w.attn_norm), w, inputs.positions)
             with self._phase(ATTENTION):
-                pool[blk, li, 0, slot] = k.astype(pool.dtype)
-                pool[blk, li, 1, slot] = v.astype(pool.dtype)
-                att = paged_attention(xp, pool, li, q, attn, self.compute_dtype, self.beat)
+                pool[inputs.blocks, li, 0, inputs.slots] = k.astype(pool.dtype)
+                pool[inputs.blocks, li, 1, inputs.slots] = v.astype(pool.dtype)
+                att = paged_attention(xp, pool, li, q, inputs.attn, self.compute_dtype, self.beat)
             x = x + self._reduce(self._proj(att, w.wo))
             x = x + self._reduce(self._mlp(x, w))
             if self.beat is not None:
                 self.beat()
-        last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
-        scores = None
-        if prompt is not None:
-            if len(prompt.rows) and (int(prompt.rows.max()) >= len(tokens) or int(prompt.rows.min()) < 0):
-                raise ValueError(f"prompt logprob rows outside the step's {len(tokens)} tokens")
-            if len(prompt.targets) and (int(prompt.targets.min()) < 0 or int(prompt.targets.max()) >= s.vocab_size):
-                raise ValueError(f"prompt logprob targets outside the vocabulary [0, {s.vocab_size})")
-            scores = score_prompt(self._head, x, prompt, s.vocab_size, xp)
-        return self._logits(x[last]), scores
+        return x
 
     def warm_up(self, block_size: int) -> None:
-        """One short step over a scratch pool of one block, its result dropped. CuPy compiles
-        each kernel at its first call (seconds for a forward pass where its kernel cache is
-        empty), and a worker's first real step must not spend that between two heartbeats (the
-        launcher takes a worker silent for --hang-timeout as hung)."""
+        """On a GPU, short steps over a scratch pool, their results dropped. CuPy compiles each
+        kernel at its first call, for each dtype and count of dimensions (not of length one)
+        it meets: seconds for a forward pass where its kernel cache is empty, which a worker's
+        first real steps must not spend past their deadline. So `warm_up_steps` takes each
+        shape serving takes (module function). Nothing to compile on numpy."""
+        if self.xp is np:
+            return
         layout = self.shape.kv_layout(block_size, self.kv_dtype.name)
-        pool = self.xp.zeros(layout.pool_shape(1), dtype=layout.dtype)
-        n = min(2, block_size, self.shape.max_model_len)
+        pool = self.xp.zeros(layout.pool_shape(WARM_UP_BLOCKS), dtype=layout.dtype)
+        budgets = self.attn_budgets
         try:
-            self.step_logits(pool, [SeqInput(np.zeros(n, np.int32), 0, np.zeros(1, np.int32))])
+            for seqs, tiny_tiles in warm_up_steps(block_size, self.shape.max_model_len):
+                self.attn_budgets = (1, 1) if tiny_tiles else budgets
+                rows = sum(len(s.tokens) for s in seqs)
+                self.step_outputs(pool, seqs, PromptQuery(np.arange(rows, dtype=np.int64),
+                                                          np.zeros(rows, np.int64), np.ones(rows, np.int64)))
         except ValueError as e:  # e.g. float16 overflow: a request may still fit, and fails alone
             log.warning("warm-up step failed (kernels compiled anyway): %s", e)
+        finally:
+            self.attn_budgets = budgets
 
     def step(self, pool: Any, seqs: Sequence[SeqInput]) -> np.ndarray:
         """Run one batch: store each seq's new K/V into `pool` at its positions (block =
@@ -410,3 +453,24 @@ class Model:
             if tok == eos_token_id:
                 break
         return out
+
+
+WARM_UP_BLOCKS = 4  # the scratch pool of `Model.warm_up`
+
+
+def warm_up_steps(block_size: int, max_model_len: int) -> list[tuple[list[SeqInput], bool]]:
+    """The batches a GPU worker's warm-up runs (over a pool of WARM_UP_BLOCKS blocks), each as
+    (seqs, whether to cut its keys into tiles of one block): one and two sequences; one and
+    several query rows; one block and several (padded to the longest); one key tile and
+    several (the online softmax's merge). Every length that can be one is once one and once
+    more, since a length of one drops a dimension from the kernel CuPy compiles."""
+    n = max(1, min(block_size + 1, max_model_len - 1))  # a prompt over two blocks, where they fit
+    table = np.arange(WARM_UP_BLOCKS - 1, dtype=np.int32)
+    one = np.zeros(1, np.int32)
+    short = SeqInput(one, 0, np.array([WARM_UP_BLOCKS - 1], np.int32))
+    prompt = SeqInput(np.zeros(n, np.int32), 0, table)
+    batches = [[prompt], [short], [prompt, short]]
+    if n + 1 <= max_model_len:
+        tail = SeqInput(one, n, table)  # a decode row over the prompt's blocks
+        batches += [[tail], [short, tail]]
+    return [(b, tiny) for b in batches for tiny in (False, True)]

@@ -56,8 +56,10 @@ class Worker:
                                       matmul_dtype=cfg.compute_dtype)
         else:
             self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
-        if cfg.device == "cuda":  # CuPy's kernels compiled now, before ready, not in the first step
+        if cfg.device == "cuda":  # CuPy's kernels compiled now, before ready, not in the first steps
+            t0 = time.monotonic()
             self.model.warm_up(cfg.block_size)
+            log.info("warm-up steps (CuPy's kernels compiled) in %.1f s", time.monotonic() - t0)
         self.block_size = cfg.block_size
         self.vocab_size = cfg.vocab_size  # the logits' width: what a guided mask covers
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None

@@ -33,6 +33,14 @@ log = logging.getLogger("kvrt.engine")
 FIRST_STEP_WORK = float(1 << 22)
 SLACK = 4.0  # a step may take this many times as long per unit of work as the slowest one seen
 LEARN_WORK = 1 << 16  # a step smaller than this is mostly fixed costs: its speed is not learned
+# On a GPU the workers compile a kernel at its first use (CuPy, for each dtype and shape class;
+# seconds each where the kernel cache is empty, a fresh machine's case). The worker's warm-up
+# compiles what a short batch needs, yet a node's first steps still meet new shapes: each of its
+# first COMPILE_STEPS steps may take COMPILE_ALLOWANCE_S longer. A worker stopped or blocked is
+# still found by its heartbeat within --hang-timeout; this only delays the case of a worker that
+# spins forever inside one of its very first steps.
+COMPILE_STEPS = 1000
+COMPILE_ALLOWANCE_S = 60.0
 
 
 def step_work(chunks: list[int], starts: list[int]) -> int:
@@ -63,6 +71,7 @@ class StepRunner:
         self._s_per_work = 0.0  # the slowest seconds per unit of work of any answered step (0: none yet)
         self._work = 0          # the work of the step in flight
         self._launched = 0.0
+        self._answered = 0      # steps every rank answered so far
         self.deadline_s = cfg.rank_timeout  # how long the step in flight may take
 
     def launch(self, step: Step) -> None:
@@ -111,6 +120,7 @@ class StepRunner:
         if not answers.add(res.rank, res):
             return
         self._answers = None
+        self._answered += 1
         if self._work >= LEARN_WORK:
             self._s_per_work = max(self._s_per_work, (time.monotonic() - self._launched) / self._work)
         errors = [a.error for a in answers.answers if a.error]
@@ -128,10 +138,12 @@ class StepRunner:
         big step (LEARN_WORK) answered so far took per unit of work (before any: the rank timeout per
         FIRST_STEP_WORK). A step of thousands of prompt tokens takes far longer than a decode step,
         and the worker's progress (its heartbeat) already shows it is not stuck; this deadline
-        bounds a worker that runs but never finishes."""
+        bounds a worker that runs but never finishes. A GPU node's first steps may also compile
+        kernels (COMPILE_ALLOWANCE_S)."""
         cfg = self.cfg
         per_work = SLACK * self._s_per_work if self._s_per_work else cfg.rank_timeout / FIRST_STEP_WORK
-        return cfg.rank_timeout + per_work * work
+        compiling = COMPILE_ALLOWANCE_S if cfg.device == "cuda" and self._answered < COMPILE_STEPS else 0.0
+        return cfg.rank_timeout + per_work * work + compiling
 
     def check_deadline(self) -> None:
         """StepTimeout once the step in flight has waited its deadline (`deadline_for`) of the

@@ -74,10 +74,11 @@ def test_cli_small_json_structure():
             assert r["blas_threads"] == 1
         assert 1 <= r["blas_threads"] <= cores  # auto: fewer where other processes hold cores
         assert set(r["phases_ms"]) >= {"projections", "attention", "lm_head", "sampling", "other"}
-        assert sum(r["phases_ms"].values()) == pytest.approx(r["ms"], rel=1e-6)
+        assert sum(r["phases_ms"].values()) == pytest.approx(r["ms"], rel=1e-6) == pytest.approx(r["phased_ms"])
+        assert r["graph_ms"] is None  # a GPU's
         assert r["roof_ms"] == max(r["mem_ms"], r["flop_ms"]) > 0
         assert r["vs_roof"] == pytest.approx(r["ms"] / r["roof_ms"])
-        assert r["hf_ms"] is None and r["vs_hf"] is None
+        assert r["hf_ms"] is None and r["vs_hf"] is None and r["gen_ms"] is None
         assert r["tokens"] == (20 * r["batch"] if r["kind"] == "prefill" else r["batch"])
     for r in steps:
         if r["kind"] == "sampled":
@@ -110,6 +111,8 @@ def test_cli_transformers_side_by_side():
     assert [r["kind"] for r in steps] == ["decode", "prefill"]
     for r in steps:
         assert r["hf_ms"] > 0 and r["vs_hf"] == pytest.approx(r["hf_ms"] / r["ms"])
+    assert steps[0]["gen_ms"] >= 0 and steps[0]["vs_gen"] == pytest.approx(steps[0]["gen_ms"] / steps[0]["ms"])
+    assert steps[1]["gen_ms"] is None
 
 
 def test_without_torch_the_comparison_says_why(monkeypatch, tmp_path):

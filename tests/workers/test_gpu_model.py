@@ -5,8 +5,9 @@ that runs it on a lent GPU machine is in docs/development.md, "GPU validation"):
   tokens, float32 compute exact to 1e-4;
 - the all-reduce over CUDA IPC buffers (workers/cuda_allreduce.py) between real processes on
   one GPU: exact sums, bit-identical on every rank, both buffers reused many times;
-- a node with `--device cuda --tp 2` on one GPU, float16 and float32 compute: the reference's
-  greedy tokens, through the prefix cache and swaps to the host tier.
+- a node with `--device cuda`, `--tp 1` and `--tp 2` on one GPU, float16, bfloat16 (computed as
+  float16) and float32 compute: the reference's greedy tokens, through the prefix cache and
+  swaps to the host tier.
 """
 from __future__ import annotations
 
@@ -86,9 +87,10 @@ def test_cuda_ipc_allreduce_between_processes_on_one_gpu(node):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("compute", ["float16", "float32"])
-def test_two_ranks_on_one_gpu_serve_the_reference(node, tmp_path, checkpoint, prompts, expected, compute):
-    opts = (*OPTS, "--device", "cuda", "--model", checkpoint.path, "--tp", "2", "--compute-dtype", compute,
+@pytest.mark.parametrize("tp, compute", [(1, "float16"), (1, "bfloat16"), (2, "float16"), (2, "bfloat16"),
+                                         (2, "float32")])
+def test_a_cuda_node_serves_the_reference(node, tmp_path, checkpoint, prompts, expected, tp, compute):
+    opts = (*OPTS, "--device", "cuda", "--model", checkpoint.path, "--tp", str(tp), "--compute-dtype", compute,
             "--num-gpu-blocks", "48", "--num-cpu-blocks", "64", "--max-num-batched-tokens", "64")
     with launched(node, tmp_path, *opts, env={"KVRT_CHECK_OWNERSHIP": "1"}, ready_s=180) as ln:
         assert tokens(run_all(ln.client, prompts)) == expected, ln.logs()

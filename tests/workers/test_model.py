@@ -244,6 +244,35 @@ def test_warm_up_is_a_step_of_its_own(small, bs):
     assert seq.out == small.generate_dense(prompt, 5)
 
 
+@pytest.mark.parametrize("bs, max_len", [(1, 64), (4, 64), (16, 64), (16, 3)])
+def test_warm_up_takes_the_attention_shapes_serving_takes(bs, max_len):
+    """CuPy compiles a kernel per dtype and count of dimensions longer than one: the warm-up's
+    batches must plan to one and two items, one and several query rows (padded), one and
+    several blocks, one and several key tiles, each valid for a model of max_len positions."""
+    from kvrt.workers.attention import AttnShape, Span, plan_attention
+    from kvrt.workers.model import WARM_UP_BLOCKS, Model, warm_up_steps
+
+    shape = replace(SMALL, max_model_len=max_len)
+    model, pool = Model(shape), make_pool(shape, WARM_UP_BLOCKS, bs)
+    seen = set()
+    for seqs, tiny in warm_up_steps(bs, max_len):
+        model._plan(seqs, WARM_UP_BLOCKS, bs)  # valid: raises otherwise
+        spans, row = [], 0
+        for s in seqs:
+            spans.append(Span(row, len(s.tokens), s.start, np.asarray(s.block_table, np.int64)))
+            row += len(s.tokens)
+        budgets = {"score_budget": 1, "kv_budget": 1} if tiny else {}
+        plan = plan_attention(spans, AttnShape(4, 2, 16, bs), np, **budgets)
+        for g in plan.groups:
+            items, q, blocks = g.rows.shape[0], g.rows.shape[1], g.table.shape[1]
+            seen.add((min(items, 2), min(q, 2), min(blocks, 2), min(-(-blocks // g.tile_blocks), 2)))
+        model.step_logits(pool, seqs)
+    want = {(1, 1, 1, 1), (1, 2, 2, 2), (1, 1, 2, 1), (1, 1, 2, 2), (2, 1, 2, 2), (2, 2, 2, 2)}
+    if max_len > bs + 2:  # room for a prompt over two blocks and a row after it
+        assert want <= seen, want - seen
+    assert {(1, 1, 1, 1)} <= seen
+
+
 def test_weights_are_seeded():
     p = prompt_of(np.random.default_rng(1), 20, SMALL.vocab_size)
     assert np.array_equal(Model(SMALL).dense_logits(p), Model(SMALL).dense_logits(p))
