@@ -34,6 +34,9 @@ In one run:
   kvrt's (above 1: kvrt faster). Without them the rows say why and the rest runs;
 - on a GPU, `graph ms`: the same decode step's kernels captured once as a CUDA graph and
   replayed, the floor of those kernels without Python's cost of launching each one;
+- `--count-ops`, instead of timing: the array operations per layer of each row's step, counted
+  on NumPy (bench/array_ops.py); on a GPU each is a kernel launch, and launches, not the
+  kernels' work, are what a small step's time is made of there;
 - --threads 1,2,auto measures each thread setting, the settings taking turns step by step so a
   change in the machine's load falls on all alike, and --busy N repeats every row with N busy
   processes competing for the cores.
@@ -62,11 +65,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvrt.bench.array_ops import count_step
 from kvrt.bench.copy import cuda_missing
 from kvrt.workers.backend import BackendUnavailable, get_backend
 from kvrt.workers.checkpoint import inspect
 from kvrt.workers.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
-from kvrt.workers.model import Model, SeqInput
+from kvrt.workers.model import Model, SeqInput, attention_budgets
 from kvrt.workers.phases import OTHER, SAMPLING, PhaseClock
 from kvrt.workers.sampler import SamplingRows, sample
 from kvrt.workers.threads import AUTO, BlasThreads, usable_cores
@@ -274,7 +278,7 @@ class Limits:
 
 def model_limits(model: HFModel, gb_s: float, gflop_s: dict[int, float]) -> Limits:
     w0, s = model.layers[0], model.shape
-    per_layer = sum(int(a.size) for a in (w0.wq, w0.wk, w0.wv, w0.wo, w0.w_gate, w0.w_up, w0.w_down))
+    per_layer = sum(int(a.size) for a in (w0.wqkv, w0.wo, w0.w_gate_up, w0.w_down))
     tied = model.config.tie_word_embeddings
     return Limits(gb_s, gflop_s, weight_bytes(model) - (0 if tied else int(model.embed.nbytes)),
                   per_layer * s.num_layers, int(model.lm_head.size), s.num_heads * s.head_dim * s.num_layers,
@@ -436,6 +440,37 @@ def kvrt_prefill(runners: list[Runner], b: int, prompt_len: int, repeats: int) -
             _, t, ph = runner.step(pool, seqs, SamplingRows.greedy(b))
             out[r].append((t, ph, runner.threads.last))
     return [min(o, key=lambda x: x[0]) for o in out]
+
+
+def count_rows(info: Any, max_len: int, compute: str, grid: Grid, budgets: tuple[int, int]) -> list[dict]:
+    """Array operations per layer of one step of each decode row (batch x context) and each
+    prefill row, counted on NumPy in the compute dtype `compute` with attention's key-tile
+    `budgets` (a GPU's with --device cuda, which needs no GPU for this; bench/array_ops.py)."""
+    out = []
+    shapes = [("decode", b, ctx, 1) for ctx in grid.contexts for b in grid.batches]
+    shapes += [("prefill", b, 0, grid.prompt_len) for b in grid.prefill_batches]
+    for kind, b, ctx, n in shapes:
+        model = HFModel(info, max_len, np, kv_dtype=compute, matmul_dtype=compute)
+        model.attn_budgets = budgets
+        per_seq = -(-(ctx + n) // BLOCK_SIZE)
+        seqs = [SeqInput(np.zeros(n, np.int32), ctx, np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32))
+                for i in range(b)]
+        counts = count_step(model, kv_pool(model, b * per_seq), seqs)
+        layers = model.config.num_layers
+        out.append(dict(kind=kind, batch=b, context=ctx, ops_per_layer=sum(counts.values()) / layers,
+                        ops_per_step=sum(counts.values()),
+                        top={k: v / layers for k, v in counts.most_common(8)}))
+    return out
+
+
+def format_ops(rows: list[dict], compute: str) -> str:
+    lines = [f"array operations of one step's layers, counted on NumPy ({compute}); each is a kernel launch on CuPy",
+             f"{'kind':<8} {'batch':>5} {'ctx':>5} {'per layer':>9} {'per step':>8}  most frequent, per layer"]
+    for r in rows:
+        top = ", ".join(f"{k} {v:g}" for k, v in r["top"].items())
+        lines.append(f"{r['kind']:<8} {r['batch']:>5} {r['context']:>5} {r['ops_per_layer']:>9.1f} "
+                     f"{r['ops_per_step']:>8}  {top}")
+    return "\n".join(lines)
 
 
 # ---- transformers ----------------------------------------------------------------------------
@@ -755,6 +790,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--memcpy-mib", type=int, default=MEMCPY_BYTES >> 20,
                    help=f"bytes of the bandwidth copy, MiB (default {MEMCPY_BYTES >> 20})")
     p.add_argument("--peak-n", type=int, default=PEAK_N, help=f"side of the peak matmul (default {PEAK_N})")
+    p.add_argument("--count-ops", action="store_true",
+                   help="instead of timing: count the array operations (kernel launches on a GPU) per layer of "
+                        "each decode and prefill row, on NumPy (bench/array_ops.py; --device cuda: with a GPU's "
+                        "attention tiles, no GPU needed)")
     p.add_argument("--json", action="store_true", help='print {"meta": {...}, "rows": [...]} instead of a table')
     args = p.parse_args(argv)
     grid = Grid(_ints(p, "--batches", args.batches), _ints(p, "--contexts", args.contexts), args.decode_steps,
@@ -766,10 +805,10 @@ def main(argv: list[str]) -> int:
         p.error("--decode-steps, --prompt-len, --prefill-repeats, --memcpy-mib and --peak-n must be positive, "
                 "--sample-batch and --busy not negative")
     try:
-        xp = get_backend(args.device).xp
+        xp = np if args.count_ops else get_backend(args.device).xp
     except BackendUnavailable as e:
         p.error(str(e))
-    if args.device == "cuda" and (why := cuda_missing()):  # CuPy imports, but no driver or no GPU
+    if args.device == "cuda" and not args.count_ops and (why := cuda_missing()):  # CuPy imports, but no GPU
         p.error(f"--device cuda cannot run here: {why}")
     cores = usable_cores()
     with tempfile.TemporaryDirectory(prefix="kvrt-bench-model-") as tmp:
@@ -785,6 +824,10 @@ def main(argv: list[str]) -> int:
             p.error(f"--contexts + --decode-steps or --prompt-len exceed the checkpoint's max_position_embeddings "
                     f"({info.config.max_position_embeddings})")
         compute = resolve_compute_dtype(args.compute_dtype, args.device, info)
+        if args.count_ops:
+            ops = count_rows(info, max_len, compute, grid, attention_budgets(np if args.device == "cpu" else None))
+            print(json.dumps({"compute_dtype": compute, "rows": ops}) if args.json else format_ops(ops, compute))
+            return 0
         t0 = time.perf_counter()
         model = HFModel(info, max_len, xp, kv_dtype=compute, matmul_dtype=compute)
         load_s = time.perf_counter() - t0

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvrt.workers.checkpoint import CheckpointError, CheckpointInfo, Weights, inspect
-from kvrt.workers.model import LayerWeights, Model, ModelShape
+from kvrt.workers.model import LayerWeights, Model, ModelShape, attention_budgets
 
 log = logging.getLogger("kvrt.workers.hf_model")
 
@@ -93,9 +93,7 @@ def to_half(name: str, a: np.ndarray) -> np.ndarray:
 
 @dataclass
 class HFLayerWeights(LayerWeights):
-    bq: Any = None      # Qwen2: q/k/v projection biases
-    bk: Any = None
-    bv: Any = None
+    bqkv: Any = None    # Qwen2: q/k/v projection biases, side by side as `wqkv`'s columns
     q_norm: Any = None  # Qwen3: per-head RMSNorm weights [head_dim]
     k_norm: Any = None
 
@@ -133,6 +131,7 @@ class HFModel(Model):
         self.shape = s = shape_of(info, max_model_len, tp)
         self.allreduce = allreduce if tp > 1 else None
         self.xp = xp
+        self.attn_budgets = attention_budgets(xp)
         self.kv_dtype = np.dtype(kv_dtype)
         self.eps = np.float32(c.rms_norm_eps)
         self.inv_freq = xp.asarray(c.inv_freq())
@@ -145,7 +144,7 @@ class HFModel(Model):
         mlp_rows = slice(rank * s.mlp_dim, (rank + 1) * s.mlp_dim)
         whole = slice(None)
 
-        def get(name: str, transpose: bool = False, rows: slice = whole, cols: slice = whole) -> Any:
+        def host(name: str, transpose: bool = False, rows: slice = whole, cols: slice = whole) -> np.ndarray:
             """This rank's slice of a tensor ([in, out] for a projection): a matrix in the
             compute dtype, a vector (norm weights, biases) in float32."""
             a = weights.get(name)
@@ -154,7 +153,14 @@ class HFModel(Model):
                 a = to_half(name, a)
             # a projection is held [in, out] in one contiguous block: activations times a
             # transposed view ran half as fast again for a few rows on a CPU's BLAS
-            return xp.asarray(np.ascontiguousarray(a.T) if transpose else a)
+            return np.ascontiguousarray(a.T) if transpose else a
+
+        def get(name: str, transpose: bool = False, rows: slice = whole, cols: slice = whole) -> Any:
+            return xp.asarray(host(name, transpose, rows, cols))
+
+        def side_by_side(names: list[str], rows: list[slice], transpose: bool = True) -> Any:
+            """Tensors' blocks concatenated along their output (last) axis, on the device."""
+            return xp.asarray(np.concatenate([host(n, transpose, r) for n, r in zip(names, rows)], axis=-1))
 
         if c.tie_word_embeddings:  # one array: the LM head's [in, out] block, the embedding a view of it
             self.lm_head = get("model.embed_tokens.weight", transpose=True)
@@ -167,18 +173,14 @@ class HFModel(Model):
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             bias = c.attention_bias
+            qkv = [p + f"self_attn.{n}_proj." for n in "qkv"]
             self.layers.append(HFLayerWeights(
                 attn_norm=get(p + "input_layernorm.weight"), mlp_norm=get(p + "post_attention_layernorm.weight"),
-                wq=get(p + "self_attn.q_proj.weight", True, q_rows),
-                wk=get(p + "self_attn.k_proj.weight", True, kv_rows),
-                wv=get(p + "self_attn.v_proj.weight", True, kv_rows),
+                wqkv=side_by_side([n + "weight" for n in qkv], [q_rows, kv_rows, kv_rows]),
                 wo=get(p + "self_attn.o_proj.weight", True, cols=q_rows),
-                w_gate=get(p + "mlp.gate_proj.weight", True, mlp_rows),
-                w_up=get(p + "mlp.up_proj.weight", True, mlp_rows),
+                w_gate_up=side_by_side([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [mlp_rows, mlp_rows]),
                 w_down=get(p + "mlp.down_proj.weight", True, cols=mlp_rows),
-                bq=get(p + "self_attn.q_proj.bias", rows=q_rows) if bias else None,
-                bk=get(p + "self_attn.k_proj.bias", rows=kv_rows) if bias else None,
-                bv=get(p + "self_attn.v_proj.bias", rows=kv_rows) if bias else None,
+                bqkv=side_by_side([n + "bias" for n in qkv], [q_rows, kv_rows, kv_rows], False) if bias else None,
                 q_norm=get(p + "self_attn.q_norm.weight") if c.qk_norm else None,
                 k_norm=get(p + "self_attn.k_norm.weight") if c.qk_norm else None))
             if time.monotonic() - t0 > PROGRESS_AFTER_S:
@@ -235,25 +237,16 @@ class HFModel(Model):
     def _rms(self, x: Any, w: Any) -> Any:
         return x / self.xp.sqrt(self.xp.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
 
-    def _rope(self, x: Any, positions: Any) -> Any:
+    def _rope_tables(self, positions: Any) -> tuple[Any, Any]:
+        cos, sin = super()._rope_tables(positions)
         xp = self.xp
-        ang = positions.astype(xp.float64)[:, None] * self.inv_freq[None, :]
-        cos = (xp.cos(ang) * self.rope_scale).astype(xp.float32)[:, None, :]
-        sin = (xp.sin(ang) * self.rope_scale).astype(xp.float32)[:, None, :]
-        half = self.shape.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return xp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+        return (cos * self.rope_scale).astype(xp.float32), (sin * self.rope_scale).astype(xp.float32)
 
-    def _qkv(self, h: Any, w: HFLayerWeights, positions: Any) -> tuple[Any, Any, Any]:
-        s, t = self.shape, h.shape[0]
-        q, k, v = self._proj(h, w.wq), self._proj(h, w.wk), self._proj(h, w.wv)
-        if w.bq is not None:
-            q, k, v = q + w.bq, k + w.bk, v + w.bv
-        q = q.reshape(t, s.num_heads, s.head_dim)
-        k = k.reshape(t, s.num_kv_heads, s.head_dim)
+    def _qkv(self, h: Any, w: HFLayerWeights, rope: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+        y = self._proj(h, w.wqkv)
+        if w.bqkv is not None:
+            y = y + w.bqkv
+        q, k, v = self._split_qkv(y)
         if w.q_norm is not None:
             q, k = self._rms(q, w.q_norm), self._rms(k, w.k_norm)
-        q = self._rope(q, positions) * np.float32(float(s.head_dim) ** -0.5)
-        k = self._rope(k, positions)
-        v = v.reshape(t, s.num_kv_heads, s.head_dim)
-        return q, self._round_kv(k), self._round_kv(v)
+        return self._rope(q, rope) * np.float32(float(self.shape.head_dim) ** -0.5), self._rope(k, rope), v

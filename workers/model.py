@@ -118,14 +118,16 @@ class SeqInput:
 
 @dataclass
 class LayerWeights:
+    """One layer's weights, projections as [in, out] blocks. The q, k and v projections are one
+    block side by side (`wqkv`), as are the MLP's gate and up projections (`w_gate_up`): one
+    matmul each instead of three and two, since on a GPU a step's time is mostly the count of
+    its kernel launches."""
+
     attn_norm: Any
-    wq: Any
-    wk: Any
-    wv: Any
+    wqkv: Any       # [d, (heads + 2 * kv_heads) * head_dim]: q, then k, then v
     wo: Any
     mlp_norm: Any
-    w_gate: Any
-    w_up: Any
+    w_gate_up: Any  # [d, 2 * mlp]: gate, then up
     w_down: Any
 
 
@@ -169,17 +171,22 @@ class Model:
     beat: Callable[[], None] | None = None
     # a benchmark's phase recorder (workers/phases.py); None while serving, so a step pays nothing
     phases: PhaseClock | None = None
-    # attention's key-tile budgets, scores and keys (workers/attention.py); the warm-up shrinks
-    # them for one step
+    # attention's key-tile budgets, scores and keys (workers/attention.py; `attention_budgets`);
+    # the warm-up shrinks them for one step
     attn_budgets: tuple[int, int] = (SCORE_BUDGET, KV_BUDGET)
 
     def __init__(self, shape: ModelShape, xp: Any = np, kv_dtype: str = "float32") -> None:
         self.shape = shape
         self.xp = xp
+        self.attn_budgets = attention_budgets(xp)
         self.kv_dtype = np.dtype(kv_dtype)
         embed, layers, final_norm, lm_head = _init_weights(shape)
         self.embed = xp.asarray(embed)
-        self.layers = [LayerWeights(**{k: xp.asarray(v) for k, v in lw.items()}) for lw in layers]
+        self.layers = [LayerWeights(
+            attn_norm=xp.asarray(lw["attn_norm"]), wqkv=xp.asarray(np.concatenate([lw["wq"], lw["wk"], lw["wv"]], 1)),
+            wo=xp.asarray(lw["wo"]), mlp_norm=xp.asarray(lw["mlp_norm"]),
+            w_gate_up=xp.asarray(np.concatenate([lw["w_gate"], lw["w_up"]], 1)), w_down=xp.asarray(lw["w_down"]))
+            for lw in layers]
         self.final_norm = xp.asarray(final_norm)
         self.lm_head = xp.asarray(lm_head)
         half = shape.head_dim // 2
@@ -205,24 +212,35 @@ class Model:
     def _rms(self, x: Any, w: Any) -> Any:
         return x / self.xp.sqrt(self.xp.mean(x * x, axis=-1, keepdims=True) + _EPS) * w
 
-    def _rope(self, x: Any, positions: Any) -> Any:
-        """Rotate-half rotary embedding of x [T, heads, hd] at absolute positions [T]."""
+    def _rope_tables(self, positions: Any) -> tuple[Any, Any]:
+        """The rotary embedding's tables [T, 1, hd] at absolute positions [T], once a step for
+        every layer's q and k: cos repeated over both halves, and sin negated over the first
+        half (so a rotation is two products and a sum, `_rope`)."""
         xp = self.xp
         ang = positions.astype(xp.float64)[:, None] * self.inv_freq[None, :]
         cos, sin = xp.cos(ang)[:, None, :], xp.sin(ang)[:, None, :]
-        half = self.shape.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return xp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+        return xp.concatenate([cos, cos], axis=-1), xp.concatenate([-sin, sin], axis=-1)
 
-    def _qkv(self, h: Any, w: LayerWeights, positions: Any) -> tuple[Any, Any, Any]:
-        """Projections of the normed hidden states h [T, d]: q [T, H, hd] (scaled), and k, v
-        [T, KVH, hd] rounded to the KV dtype, as the pool will hold them."""
-        s, t = self.shape, h.shape[0]
-        q = self._rope(self._proj(h, w.wq).reshape(t, s.num_heads, s.head_dim), positions)
-        k = self._rope(self._proj(h, w.wk).reshape(t, s.num_kv_heads, s.head_dim), positions)
-        v = self._proj(h, w.wv).reshape(t, s.num_kv_heads, s.head_dim)
-        q = q * (float(s.head_dim) ** -0.5)
-        return q, self._round_kv(k), self._round_kv(v)
+    def _rope(self, x: Any, rope: tuple[Any, Any]) -> Any:
+        """Rotate-half rotary embedding of x [T, heads, hd] by the step's `_rope_tables`:
+        [x1 cos - x2 sin, x2 cos + x1 sin] for the halves x1, x2 of each head."""
+        cos, sin = rope
+        half = self.shape.head_dim // 2
+        return x * cos + self.xp.concatenate([x[..., half:], x[..., :half]], axis=-1) * sin
+
+    def _split_qkv(self, y: Any) -> tuple[Any, Any, Any]:
+        """The q [T, H, hd], k and v [T, KVH, hd] column blocks of the fused projection y."""
+        s, t = self.shape, y.shape[0]
+        qd, kvd = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        return (y[:, :qd].reshape(t, s.num_heads, s.head_dim), y[:, qd:qd + kvd].reshape(t, s.num_kv_heads, s.head_dim),
+                y[:, qd + kvd:].reshape(t, s.num_kv_heads, s.head_dim))
+
+    def _qkv(self, h: Any, w: LayerWeights, rope: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+        """Projections of the normed hidden states h [T, d]: q [T, H, hd] (rotated and scaled),
+        k (rotated) and v [T, KVH, hd], in the compute dtype (the pool rounds k and v to the
+        KV dtype as it stores them; the dense path rounds them the same way)."""
+        q, k, v = self._split_qkv(self._proj(h, w.wqkv))
+        return self._rope(q, rope) * (float(self.shape.head_dim) ** -0.5), self._rope(k, rope), v
 
     def _round_kv(self, a: Any) -> Any:
         return a.astype(self.kv_dtype).astype(self.compute_dtype)
@@ -251,9 +269,10 @@ class Model:
         return self.embed[tokens]
 
     def _mlp(self, x: Any, w: LayerWeights) -> Any:
-        h = self._rms(x, w.mlp_norm)
-        gate = self._proj(h, w.w_gate)
-        return self._proj(gate / (1.0 + self.xp.exp(-gate)) * self._proj(h, w.w_up), w.w_down)
+        gate_up = self._proj(self._rms(x, w.mlp_norm), w.w_gate_up)
+        m = gate_up.shape[1] // 2
+        gate = gate_up[:, :m]
+        return self._proj(gate / (1.0 + self.xp.exp(-gate)) * gate_up[:, m:], w.w_down)
 
     def _reduce(self, partial: Any) -> Any:
         """The sum over tensor-parallel ranks of a layer's partial output (one rank: itself)."""
@@ -382,8 +401,9 @@ class Model:
         states [tokens, d] returned (on the device)."""
         xp = self.xp
         x = self._embed(inputs.tokens)
+        rope = self._rope_tables(inputs.positions)
         for li, w in enumerate(self.layers):
-            q, k, v = self._qkv(self._rms(x, w.attn_norm), w, inputs.positions)
+            q, k, v = self._qkv(self._rms(x, w.attn_norm), w, rope)
             with self._phase(ATTENTION):
                 pool[inputs.blocks, li, 0, inputs.slots] = k.astype(pool.dtype)
                 pool[inputs.blocks, li, 1, inputs.slots] = v.astype(pool.dtype)
@@ -430,10 +450,11 @@ class Model:
         xp = self.xp
         tokens = self._check_tokens(tokens, 0, "dense_logits")
         n = len(tokens)
-        pos = xp.arange(n)
+        rope = self._rope_tables(xp.arange(n))
         x = self._embed(xp.asarray(tokens.astype(np.int64)))
         for w in self.layers:
-            q, k, v = self._qkv(self._rms(x, w.attn_norm), w, pos)
+            q, k, v = self._qkv(self._rms(x, w.attn_norm), w, rope)
+            k, v = self._round_kv(k), self._round_kv(v)
             outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i)
                     for i in range(0, n, _DENSE_CHUNK)]
             x = x + self._reduce(self._mm(xp.concatenate(outs), w.wo))
@@ -474,3 +495,16 @@ def warm_up_steps(block_size: int, max_model_len: int) -> list[tuple[list[SeqInp
         tail = SeqInput(one, n, table)  # a decode row over the prompt's blocks
         batches += [[tail], [short, tail]]
     return [(b, tiny) for b in batches for tiny in (False, True)]
+
+
+GPU_TILE_SCALE = 16  # a GPU's key tiles hold this many times the elements of a CPU's
+
+
+def attention_budgets(xp: Any) -> tuple[int, int]:
+    """The key tiles' budgets (score elements, K elements) for arrays on `xp`. On a CPU a tile
+    is sized to stay in cache; on a GPU each tile is a round of a dozen kernel launches, which
+    cost more than the memory a bigger tile takes (16 times a CPU's: 64 MiB of float32 scores
+    at most, so a decode batch of 32 over 512 tokens is one tile)."""
+    if xp is np:
+        return SCORE_BUDGET, KV_BUDGET
+    return SCORE_BUDGET * GPU_TILE_SCALE, KV_BUDGET * GPU_TILE_SCALE

@@ -88,6 +88,23 @@ def test_cli_small_json_structure():
 
 
 @pytest.mark.e2e
+def test_cli_counts_array_operations_without_a_gpu():
+    """--count-ops counts on NumPy; with --device cuda, a GPU's bigger key tiles make a decode
+    batch's attention fewer operations (one tile), and no GPU is needed for that."""
+    rows = {}
+    for device in ("cpu", "cuda"):
+        proc = run_cli("--count-ops", "--device", device, "--compute-dtype", "float32", "--batches", "1,8",
+                       "--contexts", "16,64", "--json")
+        assert proc.returncode == 0, proc.stderr
+        rows[device] = json.loads(proc.stdout)["rows"]
+        assert [(r["kind"], r["batch"], r["context"]) for r in rows[device]] == \
+            [("decode", 1, 16), ("decode", 8, 16), ("decode", 1, 64), ("decode", 8, 64), ("prefill", 1, 0)]
+        for r in rows[device]:
+            assert r["ops_per_layer"] > 0 and r["ops_per_step"] >= r["ops_per_layer"] and r["top"]
+    assert all(g["ops_per_layer"] <= c["ops_per_layer"] for g, c in zip(rows["cuda"], rows["cpu"]))
+
+
+@pytest.mark.e2e
 def test_cli_table_busy_rows_and_help():
     proc = run_cli("--threads", "1,2", "--busy", "1", "--no-transformers", "--prefill-batches", "",
                    "--sample-batch", "0", "--batches", "2")

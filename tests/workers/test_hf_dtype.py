@@ -92,9 +92,9 @@ def test_float16_weights_are_float16(tmp_path):
     model = HFModel(inspect(make_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype="BF16").path), 512,
                     kv_dtype="float16", matmul_dtype="float16")
     w = model.layers[0]
-    assert {a.dtype for a in (model.embed, model.lm_head, w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down)} \
+    assert {a.dtype for a in (model.embed, model.lm_head, w.wqkv, w.wo, w.w_gate_up, w.w_down)} \
         == {np.dtype(np.float16)}
-    assert {a.dtype for a in (model.final_norm, w.attn_norm, w.mlp_norm, w.bq, w.bk, w.bv)} == {np.dtype(np.float32)}
+    assert {a.dtype for a in (model.final_norm, w.attn_norm, w.mlp_norm, w.bqkv)} == {np.dtype(np.float32)}
 
 
 def greedy_paged(model: HFModel, prompt: np.ndarray, new: int) -> list[int]:

@@ -376,3 +376,19 @@ def test_cupy_matches_dense():
     drive(m, pool, seqs, rng, max_chunk=16)
     for s in seqs:
         assert s.out == m.generate_dense(s.prompt, s.max_new) == ref.generate_dense(s.prompt, s.max_new)
+
+
+def test_a_gpus_key_tiles_are_bigger_than_a_cpus():
+    """On a GPU a key tile is a round of kernel launches, so its tiles hold more (a decode batch
+    of 32 over 512 tokens of a 2-KV-head, 64-dim model in one tile); on a CPU they stay
+    cache-sized."""
+    from kvrt.workers.attention import KV_BUDGET, SCORE_BUDGET, AttnShape, Span, plan_attention
+    from kvrt.workers.model import attention_budgets
+
+    assert attention_budgets(np) == (SCORE_BUDGET, KV_BUDGET)
+    gpu = attention_budgets(object())
+    assert gpu[0] > SCORE_BUDGET and gpu[1] > KV_BUDGET
+    spans = [Span(i, 1, 511, np.arange(i * 32, (i + 1) * 32)) for i in range(32)]
+    plan = plan_attention(spans, AttnShape(14, 2, 64, 16), np, score_budget=gpu[0], kv_budget=gpu[1])
+    assert [g.tile_blocks for g in plan.groups] == [32]
+    assert Model(SMALL).attn_budgets == attention_budgets(np)
