@@ -37,6 +37,7 @@ import numpy as np
 if TYPE_CHECKING:
     from kvrt.ipc.channel import Sender
     from kvrt.runtime.client import api
+    from kvrt.runtime.engine.scheduler import Step
     from kvrt.runtime.engine.sequence import Sequence
     from kvrt.runtime.node.config import NodeConfig
 
@@ -46,6 +47,7 @@ class SchedulerVerbs(Protocol):
 
     seqs: dict[str, "Sequence"]
     external_ids: dict[str, int]
+    inflight: "Step | None"  # the step the worker ranks compute now (its sequences' blocks are theirs)
 
     def add(self, seq: "Sequence") -> None: ...
     def cancel(self, request_id: str) -> "Sequence | None": ...
