@@ -37,9 +37,14 @@ import numpy as np
 if TYPE_CHECKING:
     from kvrt.ipc.channel import Sender
     from kvrt.runtime.client import api
-    from kvrt.runtime.engine.scheduler import Step
     from kvrt.runtime.engine.sequence import Sequence
     from kvrt.runtime.node.config import NodeConfig
+
+
+class StepView(Protocol):
+    """The step the worker ranks compute now, as a connector sees it."""
+
+    seqs: list["Sequence"]  # their blocks are the workers' until the step is answered
 
 
 class SchedulerVerbs(Protocol):
@@ -47,7 +52,7 @@ class SchedulerVerbs(Protocol):
 
     seqs: dict[str, "Sequence"]
     external_ids: dict[str, int]
-    inflight: "Step | None"  # the step the worker ranks compute now (its sequences' blocks are theirs)
+    inflight: StepView | None
 
     def add(self, seq: "Sequence") -> None: ...
     def cancel(self, request_id: str) -> "Sequence | None": ...
