@@ -41,11 +41,18 @@ if TYPE_CHECKING:
     from kvrt.runtime.node.config import NodeConfig
 
 
+class StepView(Protocol):
+    """The step the worker ranks compute now, as a connector sees it."""
+
+    seqs: list["Sequence"]  # their blocks are the workers' until the step is answered
+
+
 class SchedulerVerbs(Protocol):
     """What a connector may ask of the scheduler (its narrow view of it)."""
 
     seqs: dict[str, "Sequence"]
     external_ids: dict[str, int]
+    inflight: StepView | None
 
     def add(self, seq: "Sequence") -> None: ...
     def cancel(self, request_id: str) -> "Sequence | None": ...

@@ -4,12 +4,15 @@ node D.
 For a client request P
 1. asks D to hold blocks (PdPrealloc); D answers with its block ids, the prompt tokens it
    already has cached, its ranks' transport descriptors and a lease (PdAllocated);
-2. prefills like a mixed node, recording its own computed blocks in its own prefix cache
-   after each chunk (so its hit rate holds up) and streams the first token to the client at
-   once;
-3. after each prefill chunk, orders every cache-messager rank to write the full blocks that
-   chunk completed (those D lacks) into D's block ids, so the transfer overlaps the rest of
-   the prefill; once the prefill is done it orders the rest (the last, partial block); when
+2. meanwhile prefills like a mixed node (the round trip to D is hidden behind the prefill
+   instead of adding to the first token's latency), recording its own computed blocks in its
+   own prefix cache after each chunk (so its hit rate holds up), and streams the first token
+   to the client at once; a request whose prefill ends before D answered waits for D,
+   holding its blocks;
+3. once D answered, orders every cache-messager rank to write the full blocks the prefill
+   completed so far (those D lacks) into D's block ids, then after each chunk the blocks it
+   completed, so the transfer overlaps the rest of the prefill; once the prefill is done it
+   orders the rest (the last, partial block), before the first token goes to the client; when
    every send is reported written, tells D "kv ready" with the first token, releases its
    request (its blocks stay cached) and relays D's tokens to the client.
 
@@ -19,7 +22,8 @@ its first token) keeps its blocks until its sends are answered (Scheduler.releas
 is told to let its blocks go only then.
 
 Every wait has a deadline (`--pd-timeout`): P fails a request D does not allocate for or stops
-answering for. Peer messages travel only inside an authenticated session (runtime/pd/auth.py), and
+answering for (one whose step is in flight fails when that step ends: its blocks are the
+worker's until then). Peer messages travel only inside an authenticated session (runtime/pd/auth.py), and
 every field of D's messages is checked before it touches a request. P pings D while idle and
 fails requests at once when D stopped answering, instead of after --pd-timeout each; D's
 silence is counted in P's own running time (ipc/watchdog.py), so P paused and resumed does not
@@ -86,16 +90,17 @@ class _Link:
 
 @dataclass
 class _Pending:
-    """A request waiting for D's blocks."""
+    """A request waiting for D's blocks; it prefills meanwhile."""
 
     client: bytes
     req: api.GenerateRequest
+    seq: Sequence  # in the scheduler since it came
     deadline: float
-    arrival: float = field(default_factory=time.monotonic)
     link: _Link | None = None  # the decode node asked (it waits for a session otherwise)
     asked_at: float = 0.0      # when it was asked (P's clock): D's lease cannot begin earlier
     tried: set[int] = field(default_factory=set)  # decode nodes that refused it or were lost
     last_error: api.ErrorEvent | None = None  # why the last one tried did not take it
+    prefilled: bool = False  # the first token is out: it waits for D holding its blocks
 
     @property
     def asked(self) -> bool:
@@ -112,10 +117,10 @@ class _Handoff:
     alloc: wire.PdAllocated
     lease_end: float  # when D's hold on the blocks ends (P's clock)
     next_block: int   # the first block not ordered yet
+    prefilled: bool = False  # the first token is out: the last blocks are ordered, kv-ready follows
     tasks: set[int] = field(default_factory=set)  # its sends in flight
     error: str = ""   # the first failure: nothing more is ordered and the handoff fails
     lost: api.ErrorEvent | None = None  # D gave the blocks up, or was lost, while P prefilled
-    prefilled: bool = False  # the first token is out: the last blocks are ordered, kv-ready follows
     ended: bool = False      # the request ended on P first: D is told once no send is in flight
 
 
@@ -152,6 +157,8 @@ class PrefillConnector(KVConnector):
         self.pending: dict[str, _Pending] = {}
         self.sends: dict[int, _Send] = {}
         self.handoffs: dict[str, _Handoff] = {}  # requests prefilling here for a decode node
+        # requests that failed before D allocated while their step was in flight: ended when it ends
+        self.failing: dict[str, tuple[Sequence, api.ErrorEvent]] = {}
         self.relays: dict[str, _Relay] = {}
         self._task_ids = itertools.count(1)
         self.dead_after = min(DEAD_AFTER_S, self.timeout)
@@ -161,7 +168,7 @@ class PrefillConnector(KVConnector):
         return request_id in self.pending or request_id in self.relays or request_id in self.handoffs
 
     def requests(self) -> Iterable[tuple[str, bytes]]:
-        yield from ((rid, p.client) for rid, p in self.pending.items())
+        """Relayed requests (those waiting for D's blocks, or sending, are in the scheduler)."""
         yield from ((rid, r.seq.client) for rid, r in self.relays.items())
 
     def is_peer_client(self, client: bytes) -> bool:
@@ -268,14 +275,23 @@ class PrefillConnector(KVConnector):
 
     # ---- client side ----------------------------------------------------------------------
     def on_request(self, client: bytes, req: api.GenerateRequest) -> bool:
-        """A request of more than one token is handed off: it waits here for D's blocks."""
+        """A request of more than one token is handed off: D is asked for blocks, and the
+        request prefills here meanwhile."""
         if req.max_new_tokens <= 1:
             return False
         if why := self.gone():
             self.ctx.count_failed()
             self.ctx.reply(client, api.ErrorEvent(req.request_id, api.FAILED, f"decode node unreachable: {why}"))
             return True
-        p = self.pending[req.request_id] = _Pending(client, req, time.monotonic() + self.timeout)
+        cfg = self.ctx.cfg
+        seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size,
+                           salted_root(cfg.key_root, req.cache_salt),
+                           client=client,
+                           eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
+                           prompt_logprobs=req.prompt_logprobs,
+                           guide=self.ctx.guide(req), **sampling_of(req))
+        p = self.pending[req.request_id] = _Pending(client, req, seq, time.monotonic() + self.timeout)
+        self.ctx.sched.add(seq)
         self._ask(p)
         return True
 
@@ -287,9 +303,7 @@ class PrefillConnector(KVConnector):
         up = [link for link in self.links if link.session is not None and link.index not in p.tried]
         if not up:
             if len(p.tried) == len(self.links) and p.last_error is not None:
-                self.pending.pop(req.request_id, None)
-                self.ctx.count_failed()
-                self.ctx.reply(p.client, p.last_error)
+                self._give_up(p, p.last_error)
             return
         link = max(up, key=lambda x: x.free_blocks)  # the first listed among equals
         p.link, p.asked_at = link, time.monotonic()
@@ -315,8 +329,11 @@ class PrefillConnector(KVConnector):
         if (p := self.pending.pop(request_id, None)) is not None:
             if p.link is not None:
                 self._send(p.link, wire.PdAbort(request_id, "cancelled by the client"))
-            self.ctx.reply(p.client, api.FinishedEvent(request_id, np.empty(0, np.int32), "cancelled",
-                                                       len(p.req.prompt)))
+            if not p.prefilled:
+                return False  # the scheduler cancels it (now, or when its step ends)
+            p.seq.cancelled = True  # parked for D's blocks: no step has it
+            self.ctx.sched.drop(p.seq, "cancelled")
+            self.ctx.finished(p.seq)
             return True
         if (r := self.relays.get(request_id)) is not None:
             self._send(r.link, api.CancelRequest(request_id))
@@ -331,6 +348,8 @@ class PrefillConnector(KVConnector):
         """A handoff request ended on P before its handoff (EOS as the first token, a failed
         step, a cancel): D can give its blocks back instead of at the lease's end, once no
         send writes into them. (A prefilled one ends when its last send is answered.)"""
+        if (p := self.pending.pop(request_id, None)) is not None and p.link is not None:
+            self._send(p.link, wire.PdAbort(request_id, "the request ended on the prefill node"))
         h = self.handoffs.get(request_id)
         if h is not None and not h.prefilled:
             h.ended = True
@@ -450,7 +469,6 @@ class PrefillConnector(KVConnector):
         if p is None or p.link is not link:  # timed out, cancelled or asked elsewhere meanwhile
             self._send(link, wire.PdAbort(msg.request_id, "the prefill node no longer has the request"))
             return
-        del self.pending[msg.request_id]
         req, cfg = p.req, self.ctx.cfg
         if len(msg.descriptors) != cfg.tp or len(msg.block_ids) < -(-len(req.prompt) // cfg.block_size) \
                 or msg.cached_tokens > len(req.prompt):
@@ -458,17 +476,16 @@ class PrefillConnector(KVConnector):
                                   f"{len(msg.block_ids)} blocks and {msg.cached_tokens} cached tokens; this "
                                   f"prefill node has --tp {cfg.tp} and a prompt of {len(req.prompt)} tokens")
             return
-        seq = Sequence.new(req.request_id, req.prompt, req.max_new_tokens, cfg.block_size,
-                           salted_root(cfg.key_root, req.cache_salt),
-                           client=p.client,
-                           eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
-                           arrival=p.arrival, prompt_logprobs=req.prompt_logprobs,
-                           guide=self.ctx.guide(req), **sampling_of(req))
+        del self.pending[msg.request_id]
         # D's lease began after our ask plus the time D kept it queued: its end on P's clock
         # is on the safe side
-        self.handoffs[req.request_id] = _Handoff(seq, link, msg, p.asked_at + msg.waited_s + msg.lease_s,
-                                                 msg.cached_tokens // cfg.block_size)
-        self.ctx.sched.add(seq)
+        h = self.handoffs[req.request_id] = _Handoff(p.seq, link, msg, p.asked_at + msg.waited_s + msg.lease_s,
+                                                     msg.cached_tokens // cfg.block_size, p.prefilled)
+        # what the prefill wrote so far goes now, not at the next step's end (a prefilled
+        # request has no step to wait for)
+        self._order_due(h)
+        if h.prefilled:
+            self._settle(h)
 
     def _peer_error(self, link: _Link, msg: api.ErrorEvent) -> None:
         rid = msg.request_id
@@ -488,36 +505,68 @@ class PrefillConnector(KVConnector):
     def _fail_pending(self, p: _Pending, why: str) -> None:
         if p.link is not None:
             self._send(p.link, wire.PdAbort(p.req.request_id, why))
+        self._give_up(p, api.ErrorEvent(p.req.request_id, api.FAILED, why))
+
+    def _give_up(self, p: _Pending, error: api.ErrorEvent) -> None:
+        """`p` fails with `error` before D allocated: its prefill ends here, at once or, while
+        its step is in flight (the worker writes its blocks), when that step ends."""
+        self.pending.pop(p.req.request_id, None)
+        step = self.ctx.sched.inflight
+        if step is not None and p.seq in step.seqs:
+            self.failing[p.req.request_id] = (p.seq, error)
+            return
+        self._fail_seq(p.seq, error)
+
+    def _fail_seq(self, seq: Sequence, error: api.ErrorEvent) -> None:
+        self.ctx.sched.drop(seq, "failed")
         self.ctx.count_failed()
-        self.ctx.reply(p.client, api.ErrorEvent(p.req.request_id, api.FAILED, why))
+        self.ctx.reply(seq.client, error)
 
     # ---- sending blocks ---------------------------------------------------------------------
     def takes_over(self, seq: Sequence) -> bool:
-        """A handoff request's first token is out: it stops here, holding its blocks, until
-        its KV is in D (the rest of its blocks are ordered in build_orders)."""
-        h = self.handoffs.get(seq.request_id)
-        if h is None or h.seq is not seq or h.ended:
-            return False
-        h.prefilled = True
-        return True
+        """A handoff request sampled its first token: it stops here, holding its blocks, until
+        its KV is in D. Its last blocks are ordered now, before the token is sent to the
+        client, so that the cache-messagers start writing them first (kv-ready waits for them;
+        the token only has to reach the client). One that D has not allocated for yet waits
+        for D's answer; one that failed meanwhile ends once the step is applied."""
+        rid = seq.request_id
+        if (h := self.handoffs.get(rid)) is not None and h.seq is seq and not h.ended:
+            h.prefilled = True
+            self._order_due(h)
+            return True
+        if (p := self.pending.get(rid)) is not None and p.seq is seq:
+            p.prefilled = True
+            return True
+        return rid in self.failing and self.failing[rid][0] is seq
 
     def build_orders(self) -> None:
-        """After the step's answers: order the blocks each handoff's prefill completed since its
-        last order (all that is left once the prefill is done)."""
-        bs = self.ctx.cfg.block_size
+        """After the step's answers: end the requests that failed during it; order the blocks
+        each handoff's prefill completed since its last order (all that is left once the
+        prefill is done)."""
+        step = self.ctx.sched.inflight
+        for rid, (seq, error) in list(self.failing.items()):
+            if step is None or seq not in step.seqs:
+                del self.failing[rid]
+                if seq.state is not SeqState.FINISHED:  # (else it ended in the step and was told)
+                    self._fail_seq(seq, error)
         for h in list(self.handoffs.values()):
-            seq = h.seq
-            if not h.ended and not h.error and h.lost is None:
-                if h.prefilled:
-                    upto = -(-seq.prompt_len // bs)
-                elif seq.state is SeqState.RUNNING:  # full blocks only: the next chunk writes the partial one
-                    upto = min(seq.num_computed, seq.prompt_len) // bs
-                else:
-                    upto = 0
-                if upto > h.next_block:
-                    self._order(h, upto)
+            self._order_due(h)
             if h.prefilled:
                 self._settle(h)
+
+    def _order_due(self, h: _Handoff) -> None:
+        """Order the blocks of `h` its prefill completed and no order covers yet."""
+        seq, bs = h.seq, self.ctx.cfg.block_size
+        if h.ended or h.error or h.lost is not None:
+            return
+        if h.prefilled:
+            upto = -(-seq.prompt_len // bs)
+        elif seq.state is SeqState.RUNNING:  # full blocks only: the next chunk writes the partial one
+            upto = min(seq.num_computed, seq.prompt_len) // bs
+        else:
+            upto = 0
+        if upto > h.next_block:
+            self._order(h, upto)
 
     def _order(self, h: _Handoff, upto: int) -> None:
         """Order every rank to write blocks [next_block, upto) of the request into D's blocks,
@@ -607,7 +656,7 @@ class PrefillConnector(KVConnector):
         self._ping()
         now = time.monotonic()
         for rid in [r for r, p in self.pending.items() if p.deadline <= now]:
-            p = self.pending.pop(rid)
+            p = self.pending[rid]
             self._fail_pending(p, f"the decode node did not allocate blocks for {rid} within {self.timeout:g}s "
                                   f"(--pd-timeout)" if p.asked else f"no session with the decode node within "
                                   f"{self.timeout:g}s (--pd-timeout); is --pd-secret-file the same on both nodes?")
@@ -622,9 +671,13 @@ class PrefillConnector(KVConnector):
                                                                          f"{rid} ({self.timeout:g}s, --pd-timeout)"))
 
     def fail_all(self, why: str) -> None:
-        for p in list(self.pending.values()):
-            self._fail_pending(p, why)
+        """D lets go of what it holds for requests not handed off yet; their clients are told
+        by the engine (their sequences are the scheduler's)."""
+        for p in self.pending.values():
+            if p.link is not None:
+                self._send(p.link, wire.PdAbort(p.req.request_id, why))
         self.pending.clear()
+        self.failing.clear()
         for r in self.relays.values():
             self.ctx.reply(r.seq.client, api.ErrorEvent(r.seq.request_id, api.STOPPING, why))
         self.relays.clear()

@@ -14,10 +14,60 @@ from kvrt.runtime.engine.server import peer_identity
 from kvrt.runtime.node.config import NodeConfig
 from kvrt.runtime.pd.auth import D2P, P2D, Session, load_secret, session_key
 from kvrt.runtime.pd.connector import ConnectorContext
+from kvrt.runtime.engine.sequence import SeqState
 from kvrt.runtime.pd.prefill import PrefillConnector
 from tests.launched import pd_secret_file
 
 CLIENT = b"client-1"
+
+
+class _Sched:
+    """The scheduler verbs the connector uses: records what it adds and drops."""
+
+    def __init__(self):
+        self.added = []
+        self.dropped = []
+        self.inflight = None
+
+    def add(self, seq) -> None:
+        self.added.append(seq)
+
+    def drop(self, seq, reason: str) -> None:
+        seq.state = SeqState.FINISHED
+        self.dropped.append((seq.request_id, reason))
+
+
+class _Step:
+    def __init__(self, seqs):
+        self.seqs = seqs
+
+
+class _Ranks:
+    """A cache-messager rank's order channel: keeps the orders."""
+
+    def __init__(self):
+        self.orders = []
+
+    def check(self, msg) -> None:
+        pass
+
+    @property
+    def channel(self):
+        return self
+
+    @property
+    def codec(self):
+        return self
+
+    @property
+    def ring(self):
+        return self
+
+    def encode(self, msg):
+        return msg
+
+    def put(self, msg, timeout: float) -> None:
+        self.orders.append(msg)
 
 
 class Harness:
@@ -30,11 +80,13 @@ class Harness:
         self.stats = np.zeros(len(P.STAT), dtype=np.int64)
         self.sent: list[tuple[bytes, object]] = []
         self.replies: list[tuple[bytes, object]] = []
-        ctx = ConnectorContext(cfg=cfg, stats=self.stats, sched=None, block_table=lambda rid: [],
+        self.sched = _Sched()
+        self.ranks = _Ranks()
+        ctx = ConnectorContext(cfg=cfg, stats=self.stats, sched=self.sched, block_table=lambda rid: list(range(100, 110)),
                                reply=lambda c, m, keep=False: self.replies.append((c, m)),
                                send_raw=lambda c, m: self.sent.append((c, m)), finished=lambda seq: None,
                                count_finished=lambda seq: None, count_failed=lambda: None,
-                               accepting=lambda: True, to_ranks=[])
+                               accepting=lambda: True, to_ranks=[self.ranks])
         self.p = PrefillConnector(ctx)
         secret = load_secret(path)
         self.d: list[Session] = []
@@ -113,26 +165,17 @@ def test_only_the_last_decode_node_left_to_try_is_asked_to_queue(tmp_path):
     assert h.asked(wait=True) == [(0, "r", True)]
 
 
-class _Sched:
-    def __init__(self):
-        self.added = []
-
-    def add(self, seq) -> None:
-        self.added.append(seq)
-
-
 def test_the_lease_counts_from_when_the_decode_node_stopped_queueing(tmp_path):
     """D's lease begins once it allocated: after P's ask plus what the request waited in D's
     queue, so P's reckoning of its end must add that wait (else a request that waited would be
     taken for one whose lease is nearly over)."""
     h = Harness(tmp_path)
-    h.p.ctx.sched = _Sched()
     h.from_d(0, wire.PdPong(0, 50))
     h.p.on_request(CLIENT, request("r"))
     asked_at = h.p.pending["r"].asked_at
     h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44, 12.5))
     assert h.p.handoffs["r"].lease_end == pytest.approx(asked_at + 42.5)
-    assert [s.request_id for s in h.p.ctx.sched.added] == ["r"]
+    assert [s.request_id for s in h.sched.added] == ["r"]
 
 
 @pytest.mark.parametrize("bad", [-1.0, "x", True, 1e9])
@@ -142,3 +185,59 @@ def test_a_bad_queue_wait_is_refused(tmp_path, bad):
     h.p.on_request(CLIENT, request("r"))
     h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44, bad))
     assert h.stats[P.STAT["pd_refused"]] == 1 and "r" in h.p.pending and "r" not in h.p.handoffs
+
+
+def test_a_request_prefills_while_its_decode_node_is_asked(tmp_path):
+    """The round trip to D is hidden behind the prefill: the request is in the scheduler as
+    soon as D is asked, not once D answered."""
+    h = Harness(tmp_path)
+    h.from_d(0, wire.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r"))
+    assert h.asked() == [(0, "r")] and [s.request_id for s in h.sched.added] == ["r"]
+
+
+def test_a_prefill_done_before_the_allocation_waits_and_sends_every_block_at_once(tmp_path):
+    h = Harness(tmp_path)
+    h.from_d(0, wire.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r", n=40))  # 5 blocks of 8
+    seq = h.sched.added[0]
+    seq.state, seq.num_computed = SeqState.RUNNING, 40
+    assert h.p.takes_over(seq) and h.p.pending["r"].prefilled and not h.ranks.orders
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 8, [{}], 30.0, 44))
+    [order] = h.ranks.orders  # D had the first block: the other four
+    assert order.src_blocks.tolist() == [101, 102, 103, 104] and order.dst_blocks.tolist() == [1, 2, 3, 4]
+    assert h.p.handoffs["r"].prefilled and not h.sched.dropped
+
+
+def test_a_handoffs_last_blocks_are_ordered_when_its_first_token_is_sampled(tmp_path):
+    """Before the token goes to the client (takes_over runs inside the step's results)."""
+    h = Harness(tmp_path)
+    h.from_d(0, wire.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r", n=36))
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44))
+    seq = h.sched.added[0]
+    seq.state, seq.num_computed = SeqState.RUNNING, 36
+    assert not h.ranks.orders
+    assert h.p.takes_over(seq)
+    [order] = h.ranks.orders
+    assert order.src_blocks.tolist() == [100, 101, 102, 103, 104]
+
+
+def test_a_request_that_fails_during_its_step_ends_when_the_step_does(tmp_path):
+    """Its blocks are the worker's until the step is answered: nothing is dropped before."""
+    h = Harness(tmp_path)
+    h.from_d(1, wire.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r"))
+    seq = h.sched.added[0]
+    h.sched.inflight = _Step([seq])
+    h.from_d(1, api.ErrorEvent("r", api.BAD_REQUEST, "decode node: no"))
+    h.from_d(0, api.ErrorEvent("r", api.BAD_REQUEST, "decode node: no either"))
+    assert not h.sched.dropped and not h.replies and "r" not in h.p.pending
+    h.p.build_orders()
+    assert not h.sched.dropped  # the step is still in flight
+    seq.state, seq.num_computed = SeqState.RUNNING, 40
+    assert h.p.takes_over(seq)  # its prefill ended in that step: parked, not decoded here
+    h.sched.inflight = None
+    h.p.build_orders()
+    assert h.sched.dropped == [("r", "failed")]
+    assert [(c, m.message) for c, m in h.replies] == [(CLIENT, "decode node: no either")]
