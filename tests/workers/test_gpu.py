@@ -13,13 +13,10 @@ from kvrt.ipc.protocol import PROTOCOL, TransferTask
 from tests.conftest import REPO, leftovers, run_py
 from tests.nodekit import NodeKit
 from kvrt.workers.backend import NumpyBackend
+from tests.gpukit import cuda_cupy
 
-cupy = pytest.importorskip("cupy")
-try:
-    _GPUS = cupy.cuda.runtime.getDeviceCount()
-except cupy.cuda.runtime.CUDARuntimeError:
-    _GPUS = 0
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(_GPUS == 0, reason="no CUDA device")]
+cupy = cuda_cupy()
+pytestmark = pytest.mark.e2e
 
 # The "worker": opens the rank's device pool by IPC handle (CUDA refuses to open a handle in
 # the process that exported it, so this must be another process), then fills or checksums.

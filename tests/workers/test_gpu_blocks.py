@@ -13,6 +13,7 @@ from kvrt.runtime.node.config import ConfigError, NodeConfig
 from tests.conftest import REPO
 from kvrt.workers.backend import DeviceMemoryError
 from kvrt.workers.kv_pool import fmt_bytes, plan_gpu_blocks, ranks_per_device
+from tests.gpukit import cuda_cupy
 
 GIB = 1 << 30
 BB = 2 << 20  # a 2 MiB block
@@ -60,30 +61,18 @@ def test_cpu_default_is_unchanged():
 
 
 def test_cuda_free_memory_on_a_gpu():
-    cupy = pytest.importorskip("cupy")
-    try:
-        gpus = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        gpus = 0
-    if not gpus:
-        pytest.skip("no CUDA device")
+    cupy = cuda_cupy()
     from kvrt.workers.kv_pool import cuda_free_bytes
 
     free = cuda_free_bytes()
-    assert len(free) == gpus and all(f > 0 for f in free)
+    assert len(free) == cupy.cuda.runtime.getDeviceCount() and all(f > 0 for f in free)
     with pytest.raises(DeviceMemoryError, match="free"):
         plan_gpu_blocks(max(free) // BB + 1, 0.9, BB, 1, free[:1])
 
 
 @pytest.mark.e2e
 def test_launch_on_a_gpu_refuses_more_blocks_than_it_holds(node):
-    cupy = pytest.importorskip("cupy")
-    try:
-        gpus = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        gpus = 0
-    if not gpus:
-        pytest.skip("no CUDA device")
+    cuda_cupy()
     r = subprocess.run([sys.executable, "-m", "kvrt.launcher", "launch", "--node", node, "--device", "cuda",
                         "--num-gpu-blocks", str(1 << 40)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--num-gpu-blocks" in r.stderr and "free" in r.stderr, r.stderr

@@ -19,13 +19,9 @@ from tests.launched import launched
 from tests.workers.test_hf_dtype import ARCHS, F16_TOL, check_dtype, check_greedy
 from tests.workers.test_hf_oracle import OPTS, checkpoint, expected, prompts  # noqa: F401 (fixtures)
 from tests.runtime.engine.test_oracle import run_all, tokens
+from tests.gpukit import cuda_cupy
 
-cupy = pytest.importorskip("cupy")
-try:
-    _GPUS = cupy.cuda.runtime.getDeviceCount()
-except cupy.cuda.runtime.CUDARuntimeError:
-    _GPUS = 0
-pytestmark = pytest.mark.skipif(_GPUS == 0, reason="no CUDA device")
+cupy = cuda_cupy()
 
 
 @pytest.mark.parametrize("file_dtype", ["BF16", "F16", "F32"])

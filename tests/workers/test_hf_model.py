@@ -12,6 +12,7 @@ from tests.hfkit import LLAMA3_SCALING, VOCAB, dense_logits, make_checkpoint, tr
 from kvrt.workers.checkpoint import inspect
 from kvrt.workers.hf_model import HFModel
 from kvrt.workers.model import SeqInput
+from tests.gpukit import cuda_cupy
 
 BS = 8
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -120,13 +121,7 @@ def test_bf16_decoding_is_exact(tmp_path):
 
 def test_cupy_matches_dense(tmp_path):
     """The same code path on a GPU (CuPy), where one is present, yarn's scaled cos and sin too."""
-    cupy = pytest.importorskip("cupy")
-    try:
-        gpus = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        gpus = 0
-    if gpus == 0:
-        pytest.skip("no CUDA device")
+    cupy = cuda_cupy()
     for arch in ARCHS:
         check_paged(make_checkpoint(tmp_path / arch, arch, dtype="BF16"), xp=cupy)
     cfg = transformers_config("Qwen2ForCausalLM", ROPES["yarn-mscale"], **NARROW)  # cos and sin scaled on the GPU

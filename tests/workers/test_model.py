@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvrt.ipc.config import NodeConfig
 from kvrt.workers.model import Model, ModelShape, SeqInput
+from tests.gpukit import cuda_cupy
 
 SMALL = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128,
                    mlp_dim=64, max_model_len=256, seed=3)
@@ -362,13 +363,7 @@ def test_dense_validation(small):
 # ---- GPU ----
 
 def test_cupy_matches_dense():
-    cupy = pytest.importorskip("cupy")
-    try:
-        gpus = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        gpus = 0
-    if gpus == 0:
-        pytest.skip("no CUDA device")
+    cupy = cuda_cupy()
     m, ref = Model(SMALL, xp=cupy), Model(SMALL)
     rng = np.random.default_rng(8)
     seqs = [Seq(prompt_of(rng, n, SMALL.vocab_size), 6) for n in (37, 5, 60)]

@@ -13,6 +13,7 @@ from kvrt.workers import prompt_logprobs as pl
 from kvrt.workers.model import Model, SeqInput
 from kvrt.workers.prompt_logprobs import PromptQuery, score_prompt
 from tests.workers.test_model import SMALL, make_pool, prompt_of
+from tests.gpukit import cuda_cupy
 
 
 def reference(logits: np.ndarray, targets: np.ndarray, ks: np.ndarray) -> tuple:
@@ -107,13 +108,7 @@ def test_rows_outside_the_step_are_refused():
 
 def test_cupy_scores_equal_numpys():
     """The same scores from logits on a GPU (skipped without CUDA)."""
-    cupy = pytest.importorskip("cupy")
-    try:
-        gpus = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        gpus = 0
-    if gpus == 0:
-        pytest.skip("no CUDA device")
+    cupy = cuda_cupy()
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal((300, 5000)) * 3).astype(np.float32)
     query = PromptQuery(np.arange(300), rng.integers(0, 5000, 300), rng.integers(0, 21, 300))

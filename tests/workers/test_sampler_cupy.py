@@ -9,14 +9,10 @@ import numpy as np
 import pytest
 
 from kvrt.workers.sampler import SamplingRows, sample, top_logprobs
-from tests.workers.test_sampler_guided import pack
+from tests.workers.test_sampler_guided import pack, random_rows
+from tests.gpukit import cuda_cupy
 
-cupy = pytest.importorskip("cupy")
-try:
-    _GPUS = cupy.cuda.runtime.getDeviceCount()
-except cupy.cuda.runtime.CUDARuntimeError:
-    _GPUS = 0
-pytestmark = pytest.mark.skipif(_GPUS == 0, reason="no CUDA device")
+cupy = cuda_cupy()
 
 
 def batch(seed: int, vocab: int, dtype: type) -> tuple[np.ndarray, SamplingRows]:
@@ -27,13 +23,7 @@ def batch(seed: int, vocab: int, dtype: type) -> tuple[np.ndarray, SamplingRows]
     z = (rng.standard_normal((n, vocab)) * rng.choice([0.5, 3.0, 30.0])).astype(dtype)
     if seed % 3 == 0:
         z[rng.random((n, vocab)) < 0.001] = rng.choice([np.inf, -np.inf, np.nan])
-    r = SamplingRows.greedy(n)
-    r.temperature[:] = rng.choice([0.0, 0.7, 1.0, 2.0], n)
-    r.top_k[:] = rng.choice([0, 1, 3, 50], n)
-    r.top_p[:] = rng.choice([1.0, 0.9, 0.3], n)
-    r.min_p[:] = rng.choice([0.0, 0.1], n)
-    r.seed[:] = rng.integers(0, 2**63, n, dtype=np.uint64)
-    r.position[:] = rng.integers(0, 1000, n)
+    r = random_rows(rng, n)
     r.logprobs[:] = rng.random(n) < 0.5
     r.top_logprobs = rng.choice([0, 1, 5, 20], n)
     r.bias_lens = rng.integers(0, 4, n)

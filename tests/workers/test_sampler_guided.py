@@ -23,6 +23,18 @@ def pack(keep: np.ndarray) -> np.ndarray:
     return np.packbits(padded, axis=-1, bitorder="little").view("<i4").astype(np.int32)
 
 
+def random_rows(rng: np.random.Generator, n: int) -> SamplingRows:
+    """n rows, greedy and sampled, under every filter, each with its seed and position."""
+    r = SamplingRows.greedy(n)
+    r.temperature[:] = rng.choice([0.0, 0.7, 1.0, 2.0], n)
+    r.top_k[:] = rng.choice([0, 1, 3, 50], n)
+    r.top_p[:] = rng.choice([1.0, 0.9, 0.3], n)
+    r.min_p[:] = rng.choice([0.0, 0.1], n)
+    r.seed[:] = rng.integers(0, 2**63, n, dtype=np.uint64)
+    r.position[:] = rng.integers(0, 1000, n)
+    return r
+
+
 @st.composite
 def guided_batches(draw):
     n = draw(st.integers(1, 12))  # (past CHUNK rows: masked a chunk at a time)
@@ -37,13 +49,7 @@ def guided_batches(draw):
     density = draw(st.sampled_from([0.002, 0.05, 0.5, 1.0]))
     keep = rng.random((len(guided), vocab)) < density
     keep[np.arange(len(guided)), rng.integers(0, vocab, len(guided))] = True  # never empty
-    r = SamplingRows.greedy(n)
-    r.temperature[:] = rng.choice([0.0, 0.7, 1.0, 2.0], n)
-    r.top_k[:] = rng.choice([0, 1, 3, 50], n)
-    r.top_p[:] = rng.choice([1.0, 0.9, 0.3], n)
-    r.min_p[:] = rng.choice([0.0, 0.1], n)
-    r.seed[:] = rng.integers(0, 2**63, n, dtype=np.uint64)
-    r.position[:] = rng.integers(0, 1000, n)
+    r = random_rows(rng, n)
     if draw(st.booleans()):  # ban some tokens, perhaps every allowed one of a row
         bans = [np.flatnonzero(keep[j]) if j < len(guided) and rng.random() < 0.3 else rng.choice(vocab, 2, False)
                 for j in range(n)]
