@@ -9,8 +9,8 @@ In one run:
   compute dtype a node would use (--compute-dtype, as `kvrt launch`'s: auto is float32 on a CPU
   and the checkpoint's precision, float16 for BF16, on a GPU; the KV pool follows) and run over a
   paged KV pool laid out by the node's KV layout spec, each sequence with its own block table,
-  through `step_logits`, the worker's call, then the worker's `sample`, with the BLAS thread
-  count the worker would use (workers/threads.py);
+  through `step_outputs`, the worker's call, then the worker's `sample` on the same device,
+  with the BLAS thread count the worker would use (workers/threads.py);
 - the limits, measured first: `memcpy`, one large copy (bytes read plus written per second),
   and `peak`, a large square matmul in the compute dtype at each thread count used (FLOP/s);
 - `decode` rows: at each --batches and --contexts, --decode-steps steps of one token per
@@ -315,9 +315,9 @@ class Runner:
         _sync(xp)
         t0 = time.perf_counter()
         with self.threads.for_rows(sum(len(s.tokens) for s in seqs)):
-            logits = self.model.step_logits(pool, seqs)
+            logits, _ = self.model.step_outputs(pool, seqs, on_device=True)
             with self.clock.span(SAMPLING) if clock else contextlib.nullcontext():
-                tokens, _ = sample(logits, rows, np)
+                tokens, _ = sample(logits, rows, xp)
         _sync(xp)
         self.model.phases = None
         return tokens, time.perf_counter() - t0

@@ -362,10 +362,12 @@ class Model:
         """`step`, returning the logits of each seq's last position [len(seqs), vocab] (float64)."""
         return self.step_outputs(pool, seqs)[0]
 
-    def step_outputs(self, pool: Any, seqs: Sequence[SeqInput],
-                     prompt: PromptQuery | None = None) -> tuple[np.ndarray, PromptScores | None]:
+    def step_outputs(self, pool: Any, seqs: Sequence[SeqInput], prompt: PromptQuery | None = None,
+                     on_device: bool = False) -> tuple[Any, PromptScores | None]:
         """`step_logits`, and from the same forward pass the prompt scores `prompt` asks for
-        (its rows index the batch's tokens, flattened in sequence order; workers/prompt_logprobs.py)."""
+        (its rows index the batch's tokens, flattened in sequence order; workers/prompt_logprobs.py).
+        With `on_device` the logits stay where the model computes them (float32 on `xp`): the
+        worker samples there, and only the chosen tokens cross to the host."""
         s = self.shape
         if not seqs:
             return np.empty((0, s.vocab_size)), None
@@ -379,7 +381,7 @@ class Model:
             if len(prompt.targets) and (int(prompt.targets.min()) < 0 or int(prompt.targets.max()) >= s.vocab_size):
                 raise ValueError(f"prompt logprob targets outside the vocabulary [0, {s.vocab_size})")
             scores = score_prompt(self._head, x, prompt, s.vocab_size, self.xp)
-        return self._logits(x[inputs.last]), scores
+        return (self._head(x[inputs.last]) if on_device else self._logits(x[inputs.last])), scores
 
     def prepare(self, pool: Any, seqs: Sequence[SeqInput]) -> StepInputs:
         """The host half of a step: the batch validated and planned, its inputs on the device.

@@ -96,10 +96,10 @@ class Worker:
             query = self._prompt_query(step) if self.child.rank == 0 else None
             rows.allowed_rows, rows.allowed = _guided(step, len(step.query_lens), self.vocab_size)
             with self.threads.for_rows(len(step.tokens)):
-                logits, scores = self.model.step_outputs(self.device.array, seqs, query)
-                if self.child.rank == 0:
-                    top_ids, top_lps = top_logprobs(logits, rows, np)
-                    tokens, logprobs = sample(logits, rows, np)
+                logits, scores = self.model.step_outputs(self.device.array, seqs, query, on_device=True)
+                if self.child.rank == 0:  # on the device: only the tokens and logprobs come back
+                    top_ids, top_lps = top_logprobs(logits, rows, self.xp)
+                    tokens, logprobs = sample(logits, rows, self.xp)
         except (ValueError, OwnershipError) as e:
             log.error("step %d failed: %s", step.step_id, e)
             return P.StepResult(step.step_id, self.child.rank, _NO_TOKENS, time.perf_counter() - t0,
