@@ -735,50 +735,6 @@ done:
     return res;
 }
 
-/* scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned): the scan of one entry of a
-   lazily invalidated queue (runtime/cache/policies/reuse.py): walk `nodes` (int32) in order, taking
-   each node whose stamp (int64) is still `serial` (its stamp becomes -1, the node goes to
-   out[at + taken]), until `k` are taken; `scanned` is how many entries were walked. */
-static PyObject *scan_live(PyObject *self, PyObject *args) {
-    PyObject *sobj, *nobj, *oobj;
-    long long serial;
-    Py_ssize_t k, at;
-    Py_buffer st = {0}, nb = {0}, out = {0};
-    PyObject *res = NULL;
-    if (!PyArg_ParseTuple(args, "OOLnOn", &sobj, &nobj, &serial, &k, &oobj, &at))
-        return NULL;
-    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
-    if (st.ndim != 1 || st.itemsize != 8 || nb.ndim != 1 || !is_int32(&nb) || out.ndim != 1 ||
-        !is_int32(&out) || k < 0 || at < 0 || at + k > out.shape[0]) {
-        PyErr_SetString(PyExc_ValueError, "scan_live: need int64 stamps, int32 nodes and room in out");
-        goto done;
-    }
-    int64_t *stamp = st.buf;
-    const int32_t *nodes = nb.buf;
-    int32_t *o = out.buf;
-    Py_ssize_t n = nb.shape[0], cap = st.shape[0], taken = 0, i = 0;
-    for (; i < n && taken < k; i++) {
-        int32_t v = nodes[i];
-        if (v < 0 || v >= cap) {
-            PyErr_SetString(PyExc_IndexError, "scan_live: node id out of range");
-            goto done;
-        }
-        if (stamp[v] == serial) {
-            stamp[v] = -1;
-            o[at + taken++] = v;
-        }
-    }
-    res = Py_BuildValue("nn", taken, i);
-done:
-    if (st.obj) PyBuffer_Release(&st);
-    if (nb.obj) PyBuffer_Release(&nb);
-    if (out.obj) PyBuffer_Release(&out);
-    return res;
-}
-
 /* stamp_runs(stamp, nodes, level, serial) -> starts: split `nodes` (int32) into runs of equal
    `level` (int64, one per node), stamp (int64) the nodes of the j-th run with serial + j, and
    return where each run starts (0 first): the bookkeeping of one heap entry per run in
@@ -970,6 +926,164 @@ static int ids_below(const Py_buffer *nodes, Py_ssize_t cap, const char *what) {
             return -1;
         }
     return 0;
+}
+
+/* ---- the `reuse` queue's heap (runtime/cache/policies/reuse.py): entries are lists
+   [priority, level, order, serial, nodes, cursor], ordered as heapq orders them, by their first
+   three items (ints; `order` is unique, so no two entries compare equal). */
+
+/* The first three items of heap entry `e`, or -1 with an exception if it is no such entry. */
+static int entry_key(PyObject *e, long long *key) {
+    if (!PyList_Check(e) || PyList_GET_SIZE(e) < 6) {
+        PyErr_SetString(PyExc_TypeError, "pop_live: a heap entry must be a list of 6 items");
+        return -1;
+    }
+    for (int i = 0; i < 3; i++) {
+        key[i] = PyLong_AsLongLong(PyList_GET_ITEM(e, i));
+        if (key[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+/* Is entry a before entry b (a < b, as heapq compares them)? 1, 0, or -1 with an exception. */
+static int entry_less(PyObject *a, PyObject *b) {
+    long long ka[3], kb[3];
+    if (entry_key(a, ka) < 0 || entry_key(b, kb) < 0)
+        return -1;
+    for (int i = 0; i < 3; i++)
+        if (ka[i] != kb[i])
+            return ka[i] < kb[i];
+    return 0;
+}
+
+/* heapq.heappop(heap) for a non-empty heap, the popped entry released: the last entry moves to
+   the top, sinks to a leaf along the smaller children, then rises to its place (heapq's
+   _siftup and _siftdown), so the list is left exactly as heapq leaves it. */
+static int heap_pop(PyObject *heap) {
+    Py_ssize_t n = PyList_GET_SIZE(heap) - 1;
+    PyObject *item = PyList_GET_ITEM(heap, n);
+    Py_INCREF(item);
+    if (PyList_SetSlice(heap, n, n + 1, NULL) < 0) {
+        Py_DECREF(item);
+        return -1;
+    }
+    if (n == 0) {
+        Py_DECREF(item);  /* (it was the top) */
+        return 0;
+    }
+    PyObject **h = ((PyListObject *)heap)->ob_item;
+    Py_DECREF(h[0]);  /* the top leaves; `item` takes a slot instead, with the reference taken above */
+    Py_ssize_t pos = 0, child = 1;
+    while (child < n) {
+        if (child + 1 < n) {
+            int lt = entry_less(h[child], h[child + 1]);
+            if (lt < 0)
+                goto fail;
+            if (!lt)
+                child++;
+        }
+        h[pos] = h[child];
+        pos = child;
+        child = 2 * pos + 1;
+    }
+    while (pos > 0) {
+        Py_ssize_t parent = (pos - 1) >> 1;
+        int lt = entry_less(item, h[parent]);
+        if (lt < 0)
+            goto fail;
+        if (!lt)
+            break;
+        h[pos] = h[parent];
+        pos = parent;
+    }
+    h[pos] = item;
+    return 0;
+fail:  /* (only with a malformed entry: the list is no longer a heap) */
+    h[pos] = item;
+    return -1;
+}
+
+/* pop_live(heap, stamp, k, out) -> (taken, dropped): `ReuseLevels.pop_many`'s walk of its heap:
+   up to `k` nodes into out[:taken] (int32), as `k` pops would hand them out. The top entry's
+   nodes (an int32 array or a list of ints) are scanned from its cursor (at least 0), taking
+   each whose stamp (int64) is still the entry's serial (the stamp becomes -1); an entry used up
+   before `k` are taken leaves the heap (`dropped` counts its nodes), else its cursor is left
+   after the last node taken. */
+static PyObject *pop_live(PyObject *self, PyObject *args) {
+    PyObject *heap, *sobj, *oobj;
+    Py_ssize_t k;
+    Py_buffer st = {0}, out = {0};
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "O!OnO", &PyList_Type, &heap, &sobj, &k, &oobj))
+        return NULL;
+    if (vector(sobj, &st, 8, 1, "pop_live") < 0)
+        return NULL;
+    if (vector(oobj, &out, 4, 1, "pop_live") < 0)
+        goto done;
+    if (!is_int32(&out) || k < 0 || k > out.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "pop_live: need int32 room for k nodes in out");
+        goto done;
+    }
+    int64_t *stamp = st.buf;
+    int32_t *o = out.buf;
+    Py_ssize_t cap = st.shape[0], taken = 0, dropped = 0;
+    while (PyList_GET_SIZE(heap) && taken < k) {
+        PyObject *e = PyList_GET_ITEM(heap, 0);
+        if (!PyList_Check(e) || PyList_GET_SIZE(e) < 6) {
+            PyErr_SetString(PyExc_TypeError, "pop_live: a heap entry must be a list of 6 items");
+            goto done;
+        }
+        long long serial = PyLong_AsLongLong(PyList_GET_ITEM(e, 3));
+        Py_ssize_t start = PyLong_AsSsize_t(PyList_GET_ITEM(e, 5));
+        if (PyErr_Occurred())
+            goto done;
+        start = start < 0 ? 0 : start;
+        PyObject *nobj = PyList_GET_ITEM(e, 4);
+        Py_buffer nb = {0};
+        Py_ssize_t n;
+        if (PyList_Check(nobj)) {
+            n = PyList_GET_SIZE(nobj);
+        } else {
+            if (vector(nobj, &nb, 4, 0, "pop_live") < 0)
+                goto done;
+            n = nb.shape[0];
+        }
+        Py_ssize_t i = start;
+        int bad = 0;
+        for (; i < n && taken < k; i++) {
+            long v = nb.obj ? ((const int32_t *)nb.buf)[i] : PyLong_AsLong(PyList_GET_ITEM(nobj, i));
+            if (v < 0 || v >= cap) {
+                bad = 1;
+                break;
+            }
+            if (stamp[v] == serial) {
+                stamp[v] = -1;
+                o[taken++] = (int32_t)v;
+            }
+        }
+        if (nb.obj)
+            PyBuffer_Release(&nb);
+        if (bad) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "pop_live: node id out of range");
+            goto done;
+        }
+        if (taken == k) {
+            PyObject *cursor = PyLong_FromSsize_t(i);
+            if (cursor == NULL || PyList_SetItem(e, 5, cursor) < 0)
+                goto done;
+            break;
+        }
+        dropped += n;
+        if (heap_pop(heap) < 0)
+            goto done;
+    }
+    res = Py_BuildValue("nn", taken, dropped);
+done:
+    if (st.obj) PyBuffer_Release(&st);
+    if (out.obj) PyBuffer_Release(&out);
+    return res;
 }
 
 /* policy_release(hits, matched, released, nodes, now) -> lost: what a push of released `nodes`
@@ -1543,8 +1657,7 @@ static PyMethodDef methods[] = {
     {"sample_keys", sample_keys, METH_VARARGS, "sample_keys(keys, threshold) -> positions of the sampled keys"},
     {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},
     {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},
-    {"scan_live", scan_live, METH_VARARGS,
-     "scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned)"},
+    {"pop_live", pop_live, METH_VARARGS, "pop_live(heap, stamp, k, out) -> (taken, dropped)"},
     {"chain_tops", chain_tops, METH_VARARGS, "chain_tops(f, cand, par, ndev_row) -> tops of a run of whole chains, or None"},
     {"sketch_raise", sketch_raise, METH_VARARGS,
      "sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes"},

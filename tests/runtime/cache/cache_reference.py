@@ -12,6 +12,7 @@ runtime/cache/eviction.py must reproduce exactly (tests/runtime/cache/test_evict
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -180,17 +181,26 @@ def drop_run(f: np.ndarray, drop: np.ndarray, par: np.ndarray, top: list[int], r
 
 
 # ---- the `reuse` queue (runtime/cache/policies/reuse.py)
-def scan_live(stamp: np.ndarray, nodes: np.ndarray, serial: int, k: int, out: np.ndarray,
-              at: int) -> tuple[int, int]:
-    taken = i = 0
-    while i < len(nodes) and taken < k:
-        v = nodes[i]
-        i += 1
-        if stamp[v] == serial:
-            stamp[v] = -1
-            out[at + taken] = v
-            taken += 1
-    return taken, i
+def pop_live(heap: list, stamp: np.ndarray, k: int, out: np.ndarray) -> tuple[int, int]:
+    taken = dropped = 0
+    while heap and taken < k:
+        e = heap[0]
+        start = max(e[5], 0)
+        nodes = np.asarray(e[4][start:], dtype=np.int32)
+        i = 0
+        while i < len(nodes) and taken < k:
+            v = nodes[i]
+            i += 1
+            if stamp[v] == e[3]:
+                stamp[v] = -1
+                out[taken] = v
+                taken += 1
+        if taken == k:
+            e[5] = start + i
+            break
+        heapq.heappop(heap)
+        dropped += len(e[4])
+    return taken, dropped
 
 
 def stamp_runs(stamp: np.ndarray, nodes: np.ndarray, level: np.ndarray, serial: int) -> list[int]:
