@@ -20,6 +20,7 @@ lives on in tests/runtime/cache/cache_reference.py as the reference (tests compa
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -81,6 +82,178 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     return out;
 }
 
+static int is_int32(const Py_buffer *b) {
+    size_t n = b->format ? strlen(b->format) : 0;
+    return b->itemsize == 4 && n && b->format[n - 1] == 'i' && (n == 1 || strchr("@=<", b->format[0]));
+}
+
+/* ---- arguments: the buffers a function reads and writes, taken, checked and released together
+
+take_bufs(&v, what, spec, obj...): one buffer per letter of `spec`, from the objects that
+follow it: 'm' the node matrix (int32, 2-D, C order), 'n' node ids (int32, each a column of the
+matrix, the first buffer, or where there is none below the length of the buffer before them),
+'i' an int32 vector, 'b',
+'u', 'q' vectors of 1-, 4- and 8-byte items; upper case: written too. '=' before a letter: as
+long as the buffer before it. 0, or -1 with an exception set and nothing held; `drop_bufs`
+releases them. */
+#define MAX_BUFS 8
+typedef struct {
+    Py_buffer b[MAX_BUFS];
+    int n;
+} bufs;
+
+static void drop_bufs(bufs *v) {
+    for (int i = 0; i < v->n; i++)
+        PyBuffer_Release(&v->b[i]);
+    v->n = 0;
+}
+
+/* Does buffer `b` fit letter `c` (lower case) of a take_bufs spec? */
+static int fits(const Py_buffer *b, char c) {
+    if (c == 'm')
+        return b->ndim == 2 && is_int32(b);
+    if (b->ndim != 1)
+        return 0;
+    if (c == 'i' || c == 'n')
+        return is_int32(b);
+    return b->itemsize == (c == 'b' ? 1 : c == 'u' ? 4 : 8);
+}
+
+static int vtake_bufs(bufs *v, const char *what, const char *spec, va_list ap) {
+    static const char *kinds = "m: an int32 matrix; n, i: an int32 vector; b, u, q: a vector of 1-, 4-, 8-byte items";
+    v->n = 0;
+    int same = 0;
+    for (const char *c = spec; *c; c++) {
+        if (*c == '=') {
+            same = 1;
+            continue;
+        }
+        char lower = (char)(*c | 0x20);
+        Py_buffer *b = &v->b[v->n];
+        if (v->n == MAX_BUFS || strchr("mnibuq", lower) == NULL) {
+            PyErr_Format(PyExc_SystemError, "%s: bad buffer spec %s", what, spec);
+            goto fail;
+        }
+        if (PyObject_GetBuffer(va_arg(ap, PyObject *), b,
+                               (*c != lower ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            goto fail;
+        v->n++;
+        if (!fits(b, lower)) {
+            PyErr_Format(PyExc_ValueError, "%s: argument %d is not %c (%s)", what, v->n, lower, kinds);
+            goto fail;
+        }
+        if (same && b->shape[0] != b[-1].shape[0]) {
+            PyErr_Format(PyExc_ValueError, "%s: argument %d must be as long as the one before it", what, v->n);
+            goto fail;
+        }
+        same = 0;
+        if (lower == 'n') {
+            const int32_t *id = b->buf;
+            Py_ssize_t cap = v->b[0].ndim == 2 ? v->b[0].shape[1] : v->n < 2 ? 0 : b[-1].shape[0];
+            for (Py_ssize_t i = 0; i < b->shape[0]; i++)
+                if (id[i] < 0 || id[i] >= cap) {
+                    PyErr_Format(PyExc_IndexError, "%s: node id out of range", what);
+                    goto fail;
+                }
+        }
+    }
+    return 0;
+fail:
+    drop_bufs(v);
+    return -1;
+}
+
+static int take_bufs(bufs *v, const char *what, const char *spec, ...) {
+    va_list ap;
+    va_start(ap, spec);
+    int r = vtake_bufs(v, what, spec, ap);
+    va_end(ap);
+    return r;
+}
+
+/* The row indices of `rows` (a tuple of `n` ints, each a row of `f`) into r[]; -1 with an
+   exception if not. */
+static int row_tuple(PyObject *rows, Py_ssize_t n, const Py_buffer *f, long *r, const char *what) {
+    if (!PyTuple_Check(rows) || PyTuple_GET_SIZE(rows) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: rows must be a tuple of %zd", what, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
+        if (r[i] < 0 || r[i] >= f->shape[0]) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s: row out of range", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Append the new object `x` (NULL: its creation failed) to `list`, taking it over; -1 on failure. */
+static int append_new(PyObject *list, PyObject *x) {
+    int r = x == NULL ? -1 : PyList_Append(list, x);
+    Py_XDECREF(x);
+    return r;
+}
+
+static int append_long(PyObject *list, long x) {
+    return append_new(list, PyLong_FromLong(x));
+}
+
+/* The values a freed node's column is reset to: the tuple `reset`, one int per row of `f`, into
+v[] (room for MAX_ROWS); -1 with an exception if not. */
+#define MAX_ROWS 32
+static int reset_column(PyObject *reset, const Py_buffer *f, int32_t *v, const char *what) {
+    Py_ssize_t nrows = f->shape[0];
+    if (!PyTuple_Check(reset) || PyTuple_GET_SIZE(reset) != nrows || nrows > MAX_ROWS) {
+        PyErr_Format(PyExc_ValueError, "%s: reset must be a tuple of one int per row", what);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
+        if (x == -1 && PyErr_Occurred())
+            return -1;
+        v[i] = (int32_t)x;
+    }
+    return 0;
+}
+
+/* ---- node surgery shared by the eviction functions (the rows of one node matrix) */
+
+/* `_detach_sibling`: node v leaves its parent p's child list (and continuation). */
+static void detach(int32_t *CHILD, int32_t *NEXT, int32_t *PREV, int32_t *CONT, int32_t p, int32_t v) {
+    int32_t b = PREV[v], a = NEXT[v];
+    if (CONT[p] == v)
+        CONT[p] = -1;
+    if (b >= 0)
+        NEXT[b] = a;
+    else
+        CHILD[p] = a;
+    if (a >= 0)
+        PREV[a] = b;
+}
+
+/* Node v's column freed: its key slot cleared, its fields reset to reset_v, its id on the free-id
+   stack. */
+static void free_column(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, const int32_t *reset_v, PyObject *node_keys,
+                        int32_t *stack, int32_t v) {
+    PyObject *old = PyList_GET_ITEM(node_keys, v);
+    Py_INCREF(Py_None);
+    PyList_SET_ITEM(node_keys, v, Py_None);
+    Py_XDECREF(old);
+    for (Py_ssize_t k = 0; k < nrows; k++)
+        M[k * ncols + v] = reset_v[k];
+    *stack = v;
+}
+
+/* Is node p queued in the eviction policy (`p in policy`)? 1, 0, or -1 with an exception. */
+static int queued(PyObject *policy, long p) {
+    PyObject *x = PyLong_FromLong(p);
+    int r = x ? PySequence_Contains(policy, x) : -1;
+    Py_XDECREF(x);
+    return r;
+}
+
 /* The two slots of each of `n` 16-byte keys; 0 if one is not 16 bytes (or `keys` is no sequence). */
 static int key_slots(PyObject *fast, uint64_t mask, uint64_t *a, uint64_t *b) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -110,42 +283,53 @@ static uint64_t *new_key_slots(PyObject *fast, uint64_t mask, int *ok) {
     return slots;
 }
 
-/* Parse (row0, row1, keys, mask[, out]) for the sketch functions; slots of the keys in a[], b[]. */
+/* The sketch functions' arguments: the buffers `spec` names (take_bufs; two rows first, each
+longer than the mask), the keys and the slots of the keys (a[] then b[], 2n); ok is 0 where a key is
+not 16 bytes. */
 typedef struct {
-    Py_buffer r0, r1, out;
+    bufs v;
     PyObject *fast;
     uint64_t *slots;
     Py_ssize_t n;
     int ok;
 } sketch_args;
 
-static int sketch_begin(PyObject *args, sketch_args *s, int with_out) {
-    PyObject *keys;
-    unsigned long long mask;
+static int sketch_begin(sketch_args *s, const char *what, PyObject *keys, unsigned long long mask,
+                        const char *spec, ...) {
     memset(s, 0, sizeof *s);
-    int parsed = with_out ? PyArg_ParseTuple(args, "w*w*OKw*", &s->r0, &s->r1, &keys, &mask, &s->out)
-                          : PyArg_ParseTuple(args, "w*w*OK", &s->r0, &s->r1, &keys, &mask);
-    if (!parsed)
+    va_list ap;
+    va_start(ap, spec);
+    int got = vtake_bufs(&s->v, what, spec, ap);
+    va_end(ap);
+    if (got < 0)
         return -1;
     s->fast = PySequence_Fast(keys, "keys must be a sequence");
     if (s->fast == NULL)
         return -1;
     s->n = PySequence_Fast_GET_SIZE(s->fast);
-    if ((Py_ssize_t)mask >= s->r0.len || (Py_ssize_t)mask >= s->r1.len ||
-        (with_out && s->out.len < s->n * (Py_ssize_t)sizeof(int32_t))) {
-        PyErr_SetString(PyExc_ValueError, "sketch rows shorter than the mask, or output too short");
+    if ((Py_ssize_t)mask >= s->v.b[0].shape[0] || (Py_ssize_t)mask >= s->v.b[1].shape[0]) {
+        PyErr_Format(PyExc_ValueError, "%s: sketch rows shorter than the mask", what);
         return -1;
     }
     s->slots = new_key_slots(s->fast, mask, &s->ok);
     return s->slots == NULL ? -1 : 0;
 }
 
-static void sketch_end(sketch_args *s) {
+/* Is buffer `i` of the sketch arguments at least `n` items long? Else a ValueError. */
+static int sketch_room(sketch_args *s, int i, Py_ssize_t n, const char *what) {
+    if (s->v.b[i].shape[0] >= n)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s: argument %d shorter than the keys", what, i + 1);
+    return -1;
+}
+
+/* Release the arguments; returns `res` (a new reference; NULL stays NULL, an error). */
+static PyObject *sketch_end(sketch_args *s, PyObject *res) {
     PyMem_Free(s->slots);
     Py_XDECREF(s->fast);
-    if (s->r0.obj) PyBuffer_Release(&s->r0);
-    if (s->r1.obj) PyBuffer_Release(&s->r1);
-    if (s->out.obj) PyBuffer_Release(&s->out);
+    drop_bufs(&s->v);
+    Py_XINCREF(res);
+    return res;
 }
 
 static void add_row(uint8_t *row, const uint64_t *slot, Py_ssize_t n, uint8_t *tmp) {
@@ -156,46 +340,45 @@ static void add_row(uint8_t *row, const uint64_t *slot, Py_ssize_t n, uint8_t *t
 }
 
 static PyObject *sketch_add(PyObject *self, PyObject *args) {
+    PyObject *r0, *r1, *keys, *res = NULL;
+    unsigned long long mask;
     sketch_args s;
-    PyObject *res = NULL;
-    if (sketch_begin(args, &s, 0) == 0) {
-        if (s.ok) {
-            uint8_t *tmp = PyMem_Malloc(s.n ? s.n : 1);
-            if (tmp == NULL) {
-                PyErr_NoMemory();
-            } else {
-                add_row(s.r0.buf, s.slots, s.n, tmp);
-                add_row(s.r1.buf, s.slots + s.n, s.n, tmp);
-                PyMem_Free(tmp);
-                res = Py_True;
-            }
-        } else {
-            res = Py_False;
-        }
+    if (!PyArg_ParseTuple(args, "OOOK", &r0, &r1, &keys, &mask))
+        return NULL;
+    if (sketch_begin(&s, "sketch_add", keys, mask, "BB", r0, r1) < 0)
+        goto done;
+    uint8_t *tmp = PyMem_Malloc(s.n ? s.n : 1);
+    if (tmp == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    sketch_end(&s);
-    Py_XINCREF(res);
-    return res;
+    if (s.ok) {
+        add_row(s.v.b[0].buf, s.slots, s.n, tmp);
+        add_row(s.v.b[1].buf, s.slots + s.n, s.n, tmp);
+    }
+    PyMem_Free(tmp);
+    res = s.ok ? Py_True : Py_False;
+done:
+    return sketch_end(&s, res);
 }
 
 static PyObject *sketch_count(PyObject *self, PyObject *args) {
+    PyObject *r0, *r1, *keys, *out, *res = NULL;
+    unsigned long long mask;
     sketch_args s;
-    PyObject *res = NULL;
-    if (sketch_begin(args, &s, 1) == 0) {
-        if (s.ok) {
-            const uint8_t *r0 = s.r0.buf, *r1 = s.r1.buf;
-            int32_t *out = s.out.buf;
-            const uint64_t *a = s.slots, *b = s.slots + s.n;
-            for (Py_ssize_t i = 0; i < s.n; i++)
-                out[i] = r0[a[i]] < r1[b[i]] ? r0[a[i]] : r1[b[i]];
-            res = Py_True;
-        } else {
-            res = Py_False;
-        }
-    }
-    sketch_end(&s);
-    Py_XINCREF(res);
-    return res;
+    if (!PyArg_ParseTuple(args, "OOOKO", &r0, &r1, &keys, &mask, &out))
+        return NULL;
+    if (sketch_begin(&s, "sketch_count", keys, mask, "bbI", r0, r1, out) < 0 ||
+        sketch_room(&s, 2, s.n, "sketch_count") < 0)
+        goto done;
+    const uint8_t *a0 = s.v.b[0].buf, *a1 = s.v.b[1].buf;
+    int32_t *o = s.v.b[2].buf;
+    const uint64_t *a = s.slots, *b = s.slots + s.n;
+    for (Py_ssize_t i = 0; s.ok && i < s.n; i++)
+        o[i] = a0[a[i]] < a1[b[i]] ? a0[a[i]] : a1[b[i]];
+    res = s.ok ? Py_True : Py_False;
+done:
+    return sketch_end(&s, res);
 }
 
 /* sketch_stamp(stamps0, stamps1, keys, mask, now, ages): the timed sketch's last-use stamps
@@ -203,54 +386,29 @@ static PyObject *sketch_count(PyObject *self, PyObject *args) {
    0 (never stamped); then both stamps of every key become `now`. All reads come before the
    writes, as numpy's gather-then-scatter does. False (nothing changed) if a key is not 16 bytes. */
 static PyObject *sketch_stamp(PyObject *self, PyObject *args) {
-    Py_buffer s0 = {0}, s1 = {0}, ages = {0};
-    PyObject *keys, *fast = NULL, *res = NULL;
+    PyObject *s0, *s1, *keys, *ages, *res = NULL;
     unsigned long long mask;
     unsigned long now;
-    uint64_t *slots = NULL;
-    if (!PyArg_ParseTuple(args, "w*w*OKkw*", &s0, &s1, &keys, &mask, &now, &ages))
+    sketch_args s;
+    if (!PyArg_ParseTuple(args, "OOOKkO", &s0, &s1, &keys, &mask, &now, &ages))
         return NULL;
-    fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL)
+    if (sketch_begin(&s, "sketch_stamp", keys, mask, "UUQ", s0, s1, ages) < 0 ||
+        sketch_room(&s, 2, s.n, "sketch_stamp") < 0)
         goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    if (s0.itemsize != 4 || s1.itemsize != 4 || ages.itemsize != 8 ||
-        (Py_ssize_t)mask >= s0.len / 4 || (Py_ssize_t)mask >= s1.len / 4 || ages.len < n * 8) {
-        PyErr_SetString(PyExc_ValueError, "stamp rows must be uint32 longer than the mask, ages int64 of len(keys)");
-        goto done;
-    }
-    int ok;
-    if ((slots = new_key_slots(fast, mask, &ok)) == NULL)
-        goto done;
-    if (!ok) {
-        res = Py_False;
-        goto done;
-    }
-    uint32_t *r0 = s0.buf, *r1 = s1.buf;
-    int64_t *out = ages.buf;
-    const uint64_t *a = slots, *b = slots + n;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    uint32_t *r0 = s.v.b[0].buf, *r1 = s.v.b[1].buf;
+    int64_t *out = s.v.b[2].buf;
+    const uint64_t *a = s.slots, *b = s.slots + s.n;
+    for (Py_ssize_t i = 0; s.ok && i < s.n; i++) {
         uint32_t last = r0[a[i]] < r1[b[i]] ? r0[a[i]] : r1[b[i]];
         out[i] = last ? (int64_t)now - (int64_t)last : -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; s.ok && i < s.n; i++) {
         r0[a[i]] = (uint32_t)now;
         r1[b[i]] = (uint32_t)now;
     }
-    res = Py_True;
+    res = s.ok ? Py_True : Py_False;
 done:
-    PyMem_Free(slots);
-    Py_XDECREF(fast);
-    if (s0.obj) PyBuffer_Release(&s0);
-    if (s1.obj) PyBuffer_Release(&s1);
-    if (ages.obj) PyBuffer_Release(&ages);
-    Py_XINCREF(res);
-    return res;
-}
-
-static int is_int32(const Py_buffer *b) {
-    size_t n = b->format ? strlen(b->format) : 0;
-    return b->itemsize == 4 && n && b->format[n - 1] == 'i' && (n == 1 || strchr("@=<", b->format[0]));
+    return sketch_end(&s, res);
 }
 
 /* new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): the columns `ids` (int32) of the
@@ -260,35 +418,20 @@ static int is_int32(const Py_buffer *b) {
    (0 for the last), rows[5] (STATE) `gpu`; and node_keys[id] = keys[j]. What
    `MatchRecord._new_chain` wrote with a dozen numpy operations and a loop. */
 static PyObject *new_chain(PyObject *self, PyObject *args) {
-    Py_buffer f = {0}, ids = {0};
+    bufs bv;
     long parent, gpu;
     PyObject *fobj, *idobj, *blocks, *rows, *node_keys, *keys, *res = NULL;
     PyObject *fb = NULL, *fk = NULL;
     if (!PyArg_ParseTuple(args, "OOlOOlO!O", &fobj, &idobj, &parent, &blocks, &rows, &gpu,
                           &PyList_Type, &node_keys, &keys))
         return NULL;
-    if (PyObject_GetBuffer(fobj, &f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (take_bufs(&bv, "new_chain", "Mn", fobj, idobj) < 0)
         return NULL;
-    if (PyObject_GetBuffer(idobj, &ids, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&f);
-        return NULL;
-    }
-    Py_ssize_t k = ids.len / (Py_ssize_t)sizeof(int32_t);
+    const Py_buffer *f = &bv.b[0];
+    Py_ssize_t k = bv.b[1].shape[0], ncols = f->shape[1], nkeys = PyList_GET_SIZE(node_keys);
     long r[7];
-    if (f.ndim != 2 || !is_int32(&f) || ids.ndim != 1 || !is_int32(&ids) || !PyTuple_Check(rows) ||
-        PyTuple_GET_SIZE(rows) != 7) {
-        PyErr_SetString(PyExc_ValueError, "new_chain: f must be a C-ordered int32 matrix, ids int32, 7 rows");
+    if (row_tuple(rows, 7, f, r, "new_chain") < 0)
         goto done;
-    }
-    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], nkeys = PyList_GET_SIZE(node_keys);
-    for (int i = 0; i < 7; i++) {
-        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
-        if (r[i] < 0 || r[i] >= nrows) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "new_chain: row out of range");
-            goto done;
-        }
-    }
     fb = PySequence_Fast(blocks, "blocks must be a sequence");
     fk = fb ? PySequence_Fast(keys, "keys must be a sequence") : NULL;
     if (fk == NULL)
@@ -297,9 +440,9 @@ static PyObject *new_chain(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "new_chain: ids, blocks and keys differ in length");
         goto done;
     }
-    const int32_t *id = ids.buf;
+    const int32_t *id = bv.b[1].buf;
     for (Py_ssize_t j = 0; j < k; j++) { /* check everything before writing anything */
-        if (id[j] < 0 || id[j] >= ncols || id[j] >= nkeys) {
+        if (id[j] >= nkeys) {
             PyErr_SetString(PyExc_IndexError, "new_chain: node id out of range");
             goto done;
         }
@@ -311,7 +454,7 @@ static PyObject *new_chain(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    int32_t *m = f.buf;
+    int32_t *m = f->buf;
     for (Py_ssize_t j = 0; j < k; j++) {
         Py_ssize_t c = id[j];
         int32_t next = j + 1 < k ? id[j + 1] : -1;
@@ -333,8 +476,7 @@ static PyObject *new_chain(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(fb);
     Py_XDECREF(fk);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&ids);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -351,47 +493,31 @@ done:
 static PyObject *drop_run(PyObject *self, PyObject *args) {
     PyObject *fobj, *dobj, *pobj, *sobj, *top, *rows, *reset, *node_keys, *kmap, *devs;
     Py_ssize_t at;
-    Py_buffer f = {0}, d = {0}, p = {0}, st = {0};
+    bufs bv;
     PyObject *res = NULL, *ft = NULL, *freed = NULL;
     if (!PyArg_ParseTuple(args, "OOOOOOO!O!O!On", &fobj, &dobj, &pobj, &top, &rows, &reset,
                           &PyList_Type, &node_keys, &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at))
         return NULL;
-    if (PyObject_GetBuffer(fobj, &f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(dobj, &d, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(pobj, &p, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
-    if (f.ndim != 2 || !is_int32(&f) || d.ndim != 1 || !is_int32(&d) || p.ndim != 1 || !is_int32(&p) ||
-        st.ndim != 1 || !is_int32(&st) || d.shape[0] != p.shape[0] || !PyTuple_Check(rows) ||
-        PyTuple_GET_SIZE(rows) != 7 || !PyTuple_Check(reset) || PyTuple_GET_SIZE(reset) != f.shape[0]) {
-        PyErr_SetString(PyExc_ValueError, "drop_run: bad argument shapes or types");
-        goto done;
-    }
-    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], m = d.shape[0];
-    Py_ssize_t nkeys = PyList_GET_SIZE(node_keys);
+    if (take_bufs(&bv, "drop_run", "Mn=nI", fobj, dobj, pobj, sobj) < 0)
+        return NULL;
+    const Py_buffer *f = &bv.b[0];
+    Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = bv.b[1].shape[0];
     long r[7];
-    for (int i = 0; i < 7; i++) {
-        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
-        if (r[i] < 0 || r[i] >= nrows) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "drop_run: row out of range");
-            goto done;
-        }
+    int32_t reset_v[MAX_ROWS];
+    if (row_tuple(rows, 7, f, r, "drop_run") < 0 || reset_column(reset, f, reset_v, "drop_run") < 0)
+        goto done;
+    if (PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_run: a key slot per node");
+        goto done;
     }
-    int32_t *M = f.buf;
-    const int32_t *drop = d.buf, *par = p.buf;
+    int32_t *M = f->buf;
+    const int32_t *drop = bv.b[1].buf, *par = bv.b[2].buf;
     int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
             *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *NDEV = M + r[5] * ncols,
             *DEV = M + r[6] * ncols;
-    if (at < 0 || at + m > st.shape[0]) {
+    if (at < 0 || at + m > bv.b[3].shape[0]) {
         PyErr_SetString(PyExc_IndexError, "drop_run: the free-id stack overflows");
         goto done;
-    }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (drop[i] < 0 || drop[i] >= ncols || drop[i] >= nkeys || par[i] < 0 || par[i] >= ncols) {
-            PyErr_SetString(PyExc_IndexError, "drop_run: node id out of range");
-            goto done;
-        }
     }
     ft = PySequence_Fast(top, "top must be a sequence");
     if (ft == NULL)
@@ -410,17 +536,6 @@ static PyObject *drop_run(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    int32_t reset_v[32];
-    if (nrows > 32) {
-        PyErr_SetString(PyExc_ValueError, "drop_run: too many rows");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < nrows; i++) {
-        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
-        if (x == -1 && PyErr_Occurred())
-            goto done;
-        reset_v[i] = (int32_t)x;
-    }
     freed = PyList_New(0);
     if (freed == NULL)
         goto done;
@@ -430,51 +545,26 @@ static PyObject *drop_run(PyObject *self, PyObject *args) {
             goto done;
     }
     for (Py_ssize_t j = 0; j < ntop; j++) { /* `_detach_sibling`, then one device child fewer */
-        int32_t v = drop[PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j))];
-        int32_t q = PARENT[v], b = PREV[v], a = NEXT[v];
-        if (CONT[q] == v)
-            CONT[q] = -1;
-        if (b >= 0)
-            NEXT[b] = a;
-        else
-            CHILD[q] = a;
-        if (a >= 0)
-            PREV[a] = b;
+        int32_t v = drop[PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j))], q = PARENT[v];
+        detach(CHILD, NEXT, PREV, CONT, q, v);
         if (--NDEV[q] == 0) {
-            PyObject *x = PyLong_FromLong(q);
-            if (x == NULL || PyList_Append(freed, x) < 0) {
-                Py_XDECREF(x);
+            if (append_new(freed, PyLong_FromLong(q)) < 0)
                 goto done;
-            }
-            Py_DECREF(x);
         }
     }
-    int32_t *stack = st.buf;
+    int32_t *stack = bv.b[3].buf;
     for (Py_ssize_t i = 0; i < m; i++) {
         int32_t v = drop[i];
-        PyObject *x = PyLong_FromLong(DEV[v]);
-        if (x == NULL || PyList_Append(devs, x) < 0) {
-            Py_XDECREF(x);
+        if (append_new(devs, PyLong_FromLong(DEV[v])) < 0)
             goto done;
-        }
-        Py_DECREF(x);
-        PyObject *old = PyList_GET_ITEM(node_keys, v);
-        Py_INCREF(Py_None);
-        PyList_SET_ITEM(node_keys, v, Py_None);
-        Py_XDECREF(old);
-        for (Py_ssize_t k = 0; k < nrows; k++)
-            M[k * ncols + v] = reset_v[k];
-        stack[at + i] = v;
+        free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
     }
     res = freed;
     freed = NULL;
 done:
     Py_XDECREF(freed);
     Py_XDECREF(ft);
-    if (f.obj) PyBuffer_Release(&f);
-    if (d.obj) PyBuffer_Release(&d);
-    if (p.obj) PyBuffer_Release(&p);
-    if (st.obj) PyBuffer_Release(&st);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -484,48 +574,28 @@ done:
    no cap) and by every earlier key's (a running minimum), and at least 0. `hits` is an int32
    row of the node matrix. */
 static PyObject *sketch_raise(PyObject *self, PyObject *args) {
-    PyObject *r0o, *r1o, *keys, *hobj, *nobj, *capo;
+    PyObject *r0, *r1, *keys, *hobj, *nobj, *capo, *res = NULL;
     unsigned long long mask;
-    Py_buffer r0 = {0}, r1 = {0}, h = {0}, nb = {0};
-    PyObject *fast = NULL, *res = NULL;
-    uint64_t *slots = NULL;
-    if (!PyArg_ParseTuple(args, "OOOKOOO", &r0o, &r1o, &keys, &mask, &hobj, &nobj, &capo))
+    sketch_args s;
+    if (!PyArg_ParseTuple(args, "OOOKOOO", &r0, &r1, &keys, &mask, &hobj, &nobj, &capo))
         return NULL;
-    if (PyObject_GetBuffer(r0o, &r0, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(r1o, &r1, PyBUF_SIMPLE) < 0 ||
-        PyObject_GetBuffer(hobj, &h, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (sketch_begin(&s, "sketch_raise", keys, mask, "bbIn", r0, r1, hobj, nobj) < 0)
         goto done;
-    fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL)
-        goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    if ((Py_ssize_t)mask >= r0.len || (Py_ssize_t)mask >= r1.len || h.ndim != 1 || !is_int32(&h) ||
-        nb.ndim != 1 || !is_int32(&nb) || nb.shape[0] != n) {
-        PyErr_SetString(PyExc_ValueError, "sketch_raise: bad rows, hits or nodes");
+    if (s.v.b[3].shape[0] != s.n) {
+        PyErr_SetString(PyExc_ValueError, "sketch_raise: one node per key");
         goto done;
     }
     long cap = 0;
     int capped = capo != Py_None;
     if (capped && (cap = PyLong_AsLong(capo)) == -1 && PyErr_Occurred())
         goto done;
-    const int32_t *nodes = nb.buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (nodes[i] < 0 || nodes[i] >= h.shape[0]) {
-            PyErr_SetString(PyExc_IndexError, "sketch_raise: node id out of range");
-            goto done;
-        }
-    int ok;
-    if ((slots = new_key_slots(fast, mask, &ok)) == NULL)
-        goto done;
-    if (!ok) {
-        res = Py_False;
-        Py_INCREF(res);
-        goto done;
-    }
-    const uint8_t *a0 = r0.buf, *a1 = r1.buf;
-    int32_t *hits = h.buf;
+    const uint8_t *a0 = s.v.b[0].buf, *a1 = s.v.b[1].buf;
+    int32_t *hits = s.v.b[2].buf;
+    const int32_t *nodes = s.v.b[3].buf;
+    const uint64_t *slots = s.slots;
+    Py_ssize_t n = s.n;
     long run = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; s.ok && i < n; i++) {
         long c0 = a0[slots[i]], c1 = a1[slots[n + i]];
         long e = (c0 < c1 ? c0 : c1) - 1;
         if (i == 0)
@@ -536,41 +606,9 @@ static PyObject *sketch_raise(PyObject *self, PyObject *args) {
         if (hits[nodes[i]] < v)
             hits[nodes[i]] = (int32_t)v;
     }
-    res = Py_True;
-    Py_INCREF(res);
+    res = s.ok ? Py_True : Py_False;
 done:
-    PyMem_Free(slots);
-    Py_XDECREF(fast);
-    if (r0.obj) PyBuffer_Release(&r0);
-    if (r1.obj) PyBuffer_Release(&r1);
-    if (h.obj) PyBuffer_Release(&h);
-    if (nb.obj) PyBuffer_Release(&nb);
-    return res;
-}
-
-/* A node matrix (int32, C order) and an int32 vector of node ids in it, checked. */
-static int matrix_and_ids(PyObject *fobj, PyObject *iobj, Py_buffer *f, Py_buffer *ids) {
-    if (PyObject_GetBuffer(fobj, f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    if (PyObject_GetBuffer(iobj, ids, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(f);
-        return -1;
-    }
-    if (f->ndim == 2 && is_int32(f) && ids->ndim == 1 && is_int32(ids)) {
-        const int32_t *id = ids->buf;
-        Py_ssize_t ncols = f->shape[1];
-        for (Py_ssize_t i = 0; i < ids->shape[0]; i++)
-            if (id[i] < 0 || id[i] >= ncols) {
-                PyErr_SetString(PyExc_IndexError, "node id out of range");
-                goto bad;
-            }
-        return 0;
-    }
-    PyErr_SetString(PyExc_ValueError, "need a C-ordered int32 matrix and int32 node ids");
-bad:
-    PyBuffer_Release(f);
-    PyBuffer_Release(ids);
-    return -1;
+    return sketch_end(&s, res);
 }
 
 static int row_index(long r, const Py_buffer *f) {
@@ -588,18 +626,19 @@ static int row_index(long r, const Py_buffer *f) {
 static PyObject *touch_device(PyObject *self, PyObject *args) {
     PyObject *fobj, *pobj;
     long rr, rh, rs, rd, gpu;
-    Py_buffer f, pb;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOlllll", &fobj, &pobj, &rr, &rh, &rs, &rd, &gpu))
         return NULL;
-    if (matrix_and_ids(fobj, pobj, &f, &pb) < 0)
+    if (take_bufs(&bv, "touch_device", "Mn", fobj, pobj) < 0)
         return NULL;
     PyObject *res = NULL, *blocks = NULL;
-    if (row_index(rr, &f) < 0 || row_index(rh, &f) < 0 || row_index(rs, &f) < 0 || row_index(rd, &f) < 0)
+    if (row_index(rr, &bv.b[0]) < 0 || row_index(rh, &bv.b[0]) < 0 || row_index(rs, &bv.b[0]) < 0 ||
+        row_index(rd, &bv.b[0]) < 0)
         goto done;
-    Py_ssize_t ncols = f.shape[1], n = pb.shape[0];
-    int32_t *M = f.buf;
+    Py_ssize_t ncols = bv.b[0].shape[1], n = bv.b[1].shape[0];
+    int32_t *M = bv.b[0].buf;
     int32_t *REF = M + rr * ncols, *HITS = M + rh * ncols, *STATE = M + rs * ncols, *DEV = M + rd * ncols;
-    const int32_t *path = pb.buf;
+    const int32_t *path = bv.b[1].buf;
     for (Py_ssize_t i = 0; i < n; i++)
         if (STATE[path[i]] != gpu) {
             res = Py_None;
@@ -626,8 +665,7 @@ static PyObject *touch_device(PyObject *self, PyObject *args) {
     res = Py_BuildValue("lO", unused, blocks);
 done:
     Py_XDECREF(blocks);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&pb);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -637,27 +675,22 @@ done:
 static PyObject *deref(PyObject *self, PyObject *args) {
     PyObject *fobj, *pobj, *oobj;
     long rr, rs, gpu;
-    Py_buffer f, pb, out;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOlllO", &fobj, &pobj, &rr, &rs, &gpu, &oobj))
         return NULL;
-    if (matrix_and_ids(fobj, pobj, &f, &pb) < 0)
+    if (take_bufs(&bv, "deref", "MnI", fobj, pobj, oobj) < 0)
         return NULL;
     PyObject *res = NULL;
-    if (PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&f);
-        PyBuffer_Release(&pb);
-        return NULL;
-    }
-    Py_ssize_t ncols = f.shape[1], n = pb.shape[0];
-    if (row_index(rr, &f) < 0 || row_index(rs, &f) < 0)
+    Py_ssize_t ncols = bv.b[0].shape[1], n = bv.b[1].shape[0];
+    if (row_index(rr, &bv.b[0]) < 0 || row_index(rs, &bv.b[0]) < 0)
         goto done;
-    if (out.ndim != 1 || !is_int32(&out) || out.shape[0] < n) {
-        PyErr_SetString(PyExc_ValueError, "deref: out must be int32, as long as the path");
+    if (bv.b[2].shape[0] < n) {
+        PyErr_SetString(PyExc_ValueError, "deref: out must be as long as the path");
         goto done;
     }
-    int32_t *M = f.buf, *o = out.buf;
+    int32_t *M = bv.b[0].buf, *o = bv.b[2].buf;
     int32_t *REF = M + rr * ncols, *STATE = M + rs * ncols;
-    const int32_t *path = pb.buf;
+    const int32_t *path = bv.b[1].buf;
     Py_ssize_t k = 0;
     int all_gpu = 1;
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
@@ -669,9 +702,7 @@ static PyObject *deref(PyObject *self, PyObject *args) {
     }
     res = Py_BuildValue("nO", k, all_gpu ? Py_True : Py_False);
 done:
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&pb);
-    PyBuffer_Release(&out);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -683,25 +714,16 @@ done:
 static PyObject *chain_tops(PyObject *self, PyObject *args) {
     PyObject *fobj, *cobj, *pobj;
     long rn;
-    Py_buffer f, cb, pb;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOOl", &fobj, &cobj, &pobj, &rn))
         return NULL;
-    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+    if (take_bufs(&bv, "chain_tops", "mn=i", fobj, cobj, pobj) < 0)
         return NULL;
     PyObject *res = NULL, *tops = NULL;
-    if (PyObject_GetBuffer(pobj, &pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&f);
-        PyBuffer_Release(&cb);
-        return NULL;
-    }
-    Py_ssize_t m = cb.shape[0];
-    if (row_index(rn, &f) < 0)
+    Py_ssize_t m = bv.b[1].shape[0];
+    if (row_index(rn, &bv.b[0]) < 0)
         goto done;
-    if (pb.ndim != 1 || !is_int32(&pb) || pb.shape[0] != m) {
-        PyErr_SetString(PyExc_ValueError, "chain_tops: par must be int32, as long as the run");
-        goto done;
-    }
-    const int32_t *cand = cb.buf, *par = pb.buf, *NDEV = (int32_t *)f.buf + rn * f.shape[1];
+    const int32_t *cand = bv.b[1].buf, *par = bv.b[2].buf, *NDEV = (int32_t *)bv.b[0].buf + rn * bv.b[0].shape[1];
     if (m && NDEV[cand[0]] != 0) {
         res = Py_None;
         Py_INCREF(res);
@@ -718,20 +740,14 @@ static PyObject *chain_tops(PyObject *self, PyObject *args) {
         goto done;
     for (Py_ssize_t i = 0; i < m; i++)
         if (i == m - 1 || par[i] != cand[i + 1]) {
-            PyObject *x = PyLong_FromSsize_t(i);
-            if (x == NULL || PyList_Append(tops, x) < 0) {
-                Py_XDECREF(x);
+            if (append_new(tops, PyLong_FromSsize_t(i)) < 0)
                 goto done;
-            }
-            Py_DECREF(x);
         }
     res = tops;
     tops = NULL;
 done:
     Py_XDECREF(tops);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&cb);
-    PyBuffer_Release(&pb);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -742,40 +758,24 @@ done:
 static PyObject *stamp_runs(PyObject *self, PyObject *args) {
     PyObject *sobj, *nobj, *lobj;
     long long serial;
-    Py_buffer st = {0}, nb = {0}, lb = {0};
+    bufs bv;
     PyObject *res = NULL, *starts = NULL;
     if (!PyArg_ParseTuple(args, "OOOL", &sobj, &nobj, &lobj, &serial))
         return NULL;
-    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(lobj, &lb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
-    if (st.ndim != 1 || st.itemsize != 8 || nb.ndim != 1 || !is_int32(&nb) || lb.ndim != 1 ||
-        lb.itemsize != 8 || lb.shape[0] != nb.shape[0]) {
-        PyErr_SetString(PyExc_ValueError, "stamp_runs: need int64 stamps and levels, int32 nodes");
-        goto done;
-    }
-    int64_t *stamp = st.buf;
-    const int64_t *lv = lb.buf;
-    const int32_t *nodes = nb.buf;
-    Py_ssize_t n = nb.shape[0], cap = st.shape[0];
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (nodes[i] < 0 || nodes[i] >= cap) {
-            PyErr_SetString(PyExc_IndexError, "stamp_runs: node id out of range");
-            goto done;
-        }
+    if (take_bufs(&bv, "stamp_runs", "Qn=q", sobj, nobj, lobj) < 0)
+        return NULL;
+    int64_t *stamp = bv.b[0].buf;
+    const int64_t *lv = bv.b[2].buf;
+    const int32_t *nodes = bv.b[1].buf;
+    Py_ssize_t n = bv.b[1].shape[0];
     starts = PyList_New(0);
     if (starts == NULL)
         goto done;
     long long s = serial - 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i == 0 || lv[i] != lv[i - 1]) {
-            PyObject *x = PyLong_FromSsize_t(i);
-            if (x == NULL || PyList_Append(starts, x) < 0) {
-                Py_XDECREF(x);
+            if (append_new(starts, PyLong_FromSsize_t(i)) < 0)
                 goto done;
-            }
-            Py_DECREF(x);
             s++;
         }
         stamp[nodes[i]] = s;
@@ -784,9 +784,7 @@ static PyObject *stamp_runs(PyObject *self, PyObject *args) {
     starts = NULL;
 done:
     Py_XDECREF(starts);
-    if (st.obj) PyBuffer_Release(&st);
-    if (nb.obj) PyBuffer_Release(&nb);
-    if (lb.obj) PyBuffer_Release(&lb);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -798,27 +796,26 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     PyObject *fobj, *node_keys, *kmap, *keys, *oobj;
     long rc, rp;
     Py_ssize_t limit;
-    Py_buffer f = {0}, out = {0};
+    bufs bv;
     PyObject *fast = NULL, *res = NULL;
     if (!PyArg_ParseTuple(args, "OllO!O!OnO", &fobj, &rc, &rp, &PyList_Type, &node_keys, &PyDict_Type,
                           &kmap, &keys, &limit, &oobj))
         return NULL;
-    if (PyObject_GetBuffer(fobj, &f, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
+    if (take_bufs(&bv, "walk", "mI", fobj, oobj) < 0)
+        return NULL;
+    const Py_buffer *f = &bv.b[0], *out = &bv.b[1];
     fast = PySequence_Fast(keys, "keys must be a sequence");
     if (fast == NULL)
         goto done;
-    if (f.ndim != 2 || !is_int32(&f) || row_index(rc, &f) < 0 || row_index(rp, &f) < 0 ||
-        out.ndim != 1 || !is_int32(&out) || limit < 0 || limit > out.shape[0] ||
+    if (row_index(rc, f) < 0 || row_index(rp, f) < 0 || limit < 0 || limit > out->shape[0] ||
         limit > PySequence_Fast_GET_SIZE(fast)) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "walk: bad matrix, rows, limit or output");
         goto done;
     }
-    Py_ssize_t ncols = f.shape[1], nkeys = PyList_GET_SIZE(node_keys);
-    const int32_t *CONT = (int32_t *)f.buf + rc * ncols, *PARENT = (int32_t *)f.buf + rp * ncols;
-    int32_t *o = out.buf;
+    Py_ssize_t ncols = f->shape[1], nkeys = PyList_GET_SIZE(node_keys);
+    const int32_t *CONT = (int32_t *)f->buf + rc * ncols, *PARENT = (int32_t *)f->buf + rp * ncols;
+    int32_t *o = out->buf;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     int32_t n = 0;
     Py_ssize_t i = 0;
@@ -850,8 +847,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     res = PyLong_FromSsize_t(i);
 done:
     Py_XDECREF(fast);
-    if (f.obj) PyBuffer_Release(&f);
-    if (out.obj) PyBuffer_Release(&out);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -881,12 +877,8 @@ static PyObject *sample_keys(PyObject *self, PyObject *args) {
         const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(k) + 8;
         uint64_t w = (uint64_t)b[0] | ((uint64_t)b[1] << 8) | ((uint64_t)b[2] << 16) | ((uint64_t)b[3] << 24);
         if (w < threshold) {
-            PyObject *x = PyLong_FromSsize_t(i);
-            if (x == NULL || PyList_Append(out, x) < 0) {
-                Py_XDECREF(x);
+            if (append_new(out, PyLong_FromSsize_t(i)) < 0)
                 goto done;
-            }
-            Py_DECREF(x);
         }
     }
     res = out;
@@ -895,37 +887,6 @@ done:
     Py_XDECREF(out);
     Py_XDECREF(fast);
     return res;
-}
-
-/* ---- the `reuse` and `gaps` policies' per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py)
-
-A 1-D vector of `n` items of `itemsize` bytes (0: any length), writable if asked; -1 with an
-exception set (the buffer released) if it is not. */
-static int vector(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, int writable, const char *what) {
-    if (PyObject_GetBuffer(obj, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    if (b->ndim != 1 || b->itemsize != itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s: a vector of %zd-byte items", what, itemsize);
-        PyBuffer_Release(b);
-        b->obj = NULL;
-        return -1;
-    }
-    return 0;
-}
-
-/* Every id of `nodes` (int32) below `cap`; -1 with an IndexError if not. */
-static int ids_below(const Py_buffer *nodes, Py_ssize_t cap, const char *what) {
-    if (!is_int32(nodes)) {
-        PyErr_Format(PyExc_ValueError, "%s: node ids must be int32", what);
-        return -1;
-    }
-    const int32_t *v = nodes->buf;
-    for (Py_ssize_t i = 0; i < nodes->shape[0]; i++)
-        if (v[i] < 0 || v[i] >= cap) {
-            PyErr_Format(PyExc_IndexError, "%s: node id out of range", what);
-            return -1;
-        }
-    return 0;
 }
 
 /* ---- the `reuse` queue's heap (runtime/cache/policies/reuse.py): entries are lists
@@ -1013,21 +974,19 @@ fail:  /* (only with a malformed entry: the list is no longer a heap) */
 static PyObject *pop_live(PyObject *self, PyObject *args) {
     PyObject *heap, *sobj, *oobj;
     Py_ssize_t k;
-    Py_buffer st = {0}, out = {0};
+    bufs bv;
     PyObject *res = NULL;
     if (!PyArg_ParseTuple(args, "O!OnO", &PyList_Type, &heap, &sobj, &k, &oobj))
         return NULL;
-    if (vector(sobj, &st, 8, 1, "pop_live") < 0)
+    if (take_bufs(&bv, "pop_live", "QI", sobj, oobj) < 0)
         return NULL;
-    if (vector(oobj, &out, 4, 1, "pop_live") < 0)
-        goto done;
-    if (!is_int32(&out) || k < 0 || k > out.shape[0]) {
+    if (k < 0 || k > bv.b[1].shape[0]) {
         PyErr_SetString(PyExc_ValueError, "pop_live: need int32 room for k nodes in out");
         goto done;
     }
-    int64_t *stamp = st.buf;
-    int32_t *o = out.buf;
-    Py_ssize_t cap = st.shape[0], taken = 0, dropped = 0;
+    int64_t *stamp = bv.b[0].buf;
+    int32_t *o = bv.b[1].buf;
+    Py_ssize_t cap = bv.b[0].shape[0], taken = 0, dropped = 0;
     while (PyList_GET_SIZE(heap) && taken < k) {
         PyObject *e = PyList_GET_ITEM(heap, 0);
         if (!PyList_Check(e) || PyList_GET_SIZE(e) < 6) {
@@ -1040,19 +999,19 @@ static PyObject *pop_live(PyObject *self, PyObject *args) {
             goto done;
         start = start < 0 ? 0 : start;
         PyObject *nobj = PyList_GET_ITEM(e, 4);
-        Py_buffer nb = {0};
+        bufs nb = {.n = 0};  /* nodes in an array, or none for a list */
         Py_ssize_t n;
         if (PyList_Check(nobj)) {
             n = PyList_GET_SIZE(nobj);
         } else {
-            if (vector(nobj, &nb, 4, 0, "pop_live") < 0)
+            if (take_bufs(&nb, "pop_live", "i", nobj) < 0)
                 goto done;
-            n = nb.shape[0];
+            n = nb.b[0].shape[0];
         }
         Py_ssize_t i = start;
         int bad = 0;
         for (; i < n && taken < k; i++) {
-            long v = nb.obj ? ((const int32_t *)nb.buf)[i] : PyLong_AsLong(PyList_GET_ITEM(nobj, i));
+            long v = nb.n ? ((const int32_t *)nb.b[0].buf)[i] : PyLong_AsLong(PyList_GET_ITEM(nobj, i));
             if (v < 0 || v >= cap) {
                 bad = 1;
                 break;
@@ -1062,8 +1021,7 @@ static PyObject *pop_live(PyObject *self, PyObject *args) {
                 o[taken++] = (int32_t)v;
             }
         }
-        if (nb.obj)
-            PyBuffer_Release(&nb);
+        drop_bufs(&nb);
         if (bad) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_IndexError, "pop_live: node id out of range");
@@ -1081,10 +1039,11 @@ static PyObject *pop_live(PyObject *self, PyObject *args) {
     }
     res = Py_BuildValue("nn", taken, dropped);
 done:
-    if (st.obj) PyBuffer_Release(&st);
-    if (out.obj) PyBuffer_Release(&out);
+    drop_bufs(&bv);
     return res;
 }
+
+/* ---- the `reuse` and `gaps` policies' per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py) */
 
 /* policy_release(hits, matched, released, nodes, now) -> lost: what a push of released `nodes`
    (int32, distinct) records per node in the `reuse` family of policies: how many have earlier uses
@@ -1093,37 +1052,23 @@ done:
 static PyObject *policy_release(PyObject *self, PyObject *args) {
     PyObject *hobj, *mobj, *robj, *nobj;
     long long now;
-    Py_buffer hb = {0}, mb = {0}, rb = {0}, nb = {0};
-    PyObject *res = NULL;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOOOL", &hobj, &mobj, &robj, &nobj, &now))
         return NULL;
-    if (vector(hobj, &hb, 4, 0, "policy_release") < 0 || vector(mobj, &mb, 1, 1, "policy_release") < 0 ||
-        vector(robj, &rb, 8, 1, "policy_release") < 0 || vector(nobj, &nb, 4, 0, "policy_release") < 0)
-        goto done;
-    Py_ssize_t cap = hb.shape[0];
-    if (mb.shape[0] != cap || rb.shape[0] != cap) {
-        PyErr_SetString(PyExc_ValueError, "policy_release: hits, matched and released differ in length");
-        goto done;
-    }
-    if (ids_below(&nb, cap, "policy_release") < 0)
-        goto done;
-    const int32_t *hits = hb.buf, *nodes = nb.buf;
-    unsigned char *matched = mb.buf;
-    int64_t *released = rb.buf;
+    if (take_bufs(&bv, "policy_release", "i=B=Qn", hobj, mobj, robj, nobj) < 0)
+        return NULL;
+    const int32_t *hits = bv.b[0].buf, *nodes = bv.b[3].buf;
+    unsigned char *matched = bv.b[1].buf;
+    int64_t *released = bv.b[2].buf;
     Py_ssize_t lost = 0;
-    for (Py_ssize_t i = 0; i < nb.shape[0]; i++) {
+    for (Py_ssize_t i = 0; i < bv.b[3].shape[0]; i++) {
         int32_t v = nodes[i];
         lost += !matched[v] && hits[v] != 0;
         matched[v] = 0;
         released[v] = now;
     }
-    res = PyLong_FromSsize_t(lost);
-done:
-    if (hb.obj) PyBuffer_Release(&hb);
-    if (mb.obj) PyBuffer_Release(&mb);
-    if (rb.obj) PyBuffer_Release(&rb);
-    if (nb.obj) PyBuffer_Release(&nb);
-    return res;
+    drop_bufs(&bv);
+    return PyLong_FromSsize_t(lost);
 }
 
 /* policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long): `nodes`
@@ -1134,26 +1079,17 @@ static PyObject *policy_discard(PyObject *self, PyObject *args) {
     PyObject *sobj, *robj, *mobj, *nobj;
     long long clock;
     double turnover;
-    Py_buffer sb = {0}, rb = {0}, mb = {0}, nb = {0};
-    PyObject *res = NULL;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOOOLd", &sobj, &robj, &mobj, &nobj, &clock, &turnover))
         return NULL;
-    if (vector(sobj, &sb, 8, 1, "policy_discard") < 0 || vector(robj, &rb, 8, 0, "policy_discard") < 0 ||
-        vector(mobj, &mb, 1, 1, "policy_discard") < 0 || vector(nobj, &nb, 4, 0, "policy_discard") < 0)
-        goto done;
-    Py_ssize_t cap = sb.shape[0];
-    if (rb.shape[0] != cap || mb.shape[0] != cap) {
-        PyErr_SetString(PyExc_ValueError, "policy_discard: stamp, released and matched differ in length");
-        goto done;
-    }
-    if (ids_below(&nb, cap, "policy_discard") < 0)
-        goto done;
-    int64_t *stamp = sb.buf;
-    const int64_t *released = rb.buf;
-    unsigned char *matched = mb.buf;
-    const int32_t *nodes = nb.buf;
+    if (take_bufs(&bv, "policy_discard", "Q=q=Bn", sobj, robj, mobj, nobj) < 0)
+        return NULL;
+    int64_t *stamp = bv.b[0].buf;
+    const int64_t *released = bv.b[1].buf;
+    unsigned char *matched = bv.b[2].buf;
+    const int32_t *nodes = bv.b[3].buf;
     Py_ssize_t queued = 0, lng = 0;
-    for (Py_ssize_t i = 0; i < nb.shape[0]; i++) {
+    for (Py_ssize_t i = 0; i < bv.b[3].shape[0]; i++) {
         int32_t v = nodes[i];
         if (stamp[v] >= 0) {
             queued++;
@@ -1162,13 +1098,8 @@ static PyObject *policy_discard(PyObject *self, PyObject *args) {
         matched[v] = 1;
         stamp[v] = -1;
     }
-    res = Py_BuildValue("nn", queued, lng);
-done:
-    if (sb.obj) PyBuffer_Release(&sb);
-    if (rb.obj) PyBuffer_Release(&rb);
-    if (mb.obj) PyBuffer_Release(&mb);
-    if (nb.obj) PyBuffer_Release(&nb);
-    return res;
+    drop_bufs(&bv);
+    return Py_BuildValue("nn", queued, lng);
 }
 
 /* gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial)
@@ -1184,27 +1115,22 @@ static PyObject *gaps_rank(PyObject *self, PyObject *args) {
     PyObject *hobj, *gobj, *pobj, *sobj, *nobj, *lobj, *dobj;
     long long now, span, serial;
     double unit, far1, far2;
-    Py_buffer hb = {0}, gb = {0}, pb = {0}, sb = {0}, nb = {0}, lb = {0}, db = {0};
+    bufs bv;
     PyObject *res = NULL, *runs = NULL;
     if (!PyArg_ParseTuple(args, "OOOOOOOLdddLL", &hobj, &gobj, &pobj, &sobj, &nobj, &lobj, &dobj, &now,
                           &unit, &far1, &far2, &span, &serial))
         return NULL;
-    if (vector(hobj, &hb, 4, 0, "gaps_rank") < 0 || vector(gobj, &gb, 8, 1, "gaps_rank") < 0 ||
-        vector(pobj, &pb, 8, 1, "gaps_rank") < 0 || vector(sobj, &sb, 8, 1, "gaps_rank") < 0 ||
-        vector(nobj, &nb, 4, 0, "gaps_rank") < 0 || vector(lobj, &lb, 8, 0, "gaps_rank") < 0 ||
-        vector(dobj, &db, 8, 0, "gaps_rank") < 0)
-        goto done;
-    Py_ssize_t cap = hb.shape[0], nlev = lb.shape[0], nhold = db.shape[0], n = nb.shape[0];
-    if (gb.shape[0] != cap || pb.shape[0] != cap || sb.shape[0] != cap || nlev < 1 || nhold < 1) {
-        PyErr_SetString(PyExc_ValueError, "gaps_rank: hits, ghost, prio and stamp differ in length, or no levels");
+    if (take_bufs(&bv, "gaps_rank", "i=Q=Q=Qnqq", hobj, gobj, pobj, sobj, nobj, lobj, dobj) < 0)
+        return NULL;
+    Py_ssize_t nlev = bv.b[5].shape[0], nhold = bv.b[6].shape[0], n = bv.b[4].shape[0];
+    if (nlev < 1 || nhold < 1) {
+        PyErr_SetString(PyExc_ValueError, "gaps_rank: no levels");
         goto done;
     }
-    if (ids_below(&nb, cap, "gaps_rank") < 0)
-        goto done;
-    const int32_t *hits = hb.buf, *nodes = nb.buf;
-    int64_t *ghost = gb.buf, *prio = pb.buf, *stamp = sb.buf;
-    const int64_t *levels = lb.buf;
-    const double *hold = db.buf;
+    const int32_t *hits = bv.b[0].buf, *nodes = bv.b[4].buf;
+    int64_t *ghost = bv.b[1].buf, *prio = bv.b[2].buf, *stamp = bv.b[3].buf;
+    const int64_t *levels = bv.b[5].buf;
+    const double *hold = bv.b[6].buf;
     runs = PyList_New(0);
     if (runs == NULL)
         goto done;
@@ -1229,12 +1155,8 @@ static PyObject *gaps_rank(PyObject *self, PyObject *args) {
         prio[v] = p;
         if (i == 0 || p != run_prio) {
             if (i > 0) {
-                PyObject *t = Py_BuildValue("(nnLL)", start, i, run_prio, run_lv);
-                if (t == NULL || PyList_Append(runs, t) < 0) {
-                    Py_XDECREF(t);
+                if (append_new(runs, Py_BuildValue("(nnLL)", start, i, run_prio, run_lv)) < 0)
                     goto done;
-                }
-                Py_DECREF(t);
             }
             start = i;
             run_prio = p;
@@ -1244,56 +1166,18 @@ static PyObject *gaps_rank(PyObject *self, PyObject *args) {
         stamp[v] = s;
     }
     if (n) {
-        PyObject *t = Py_BuildValue("(nnLL)", start, n, run_prio, run_lv);
-        if (t == NULL || PyList_Append(runs, t) < 0) {
-            Py_XDECREF(t);
+        if (append_new(runs, Py_BuildValue("(nnLL)", start, n, run_prio, run_lv)) < 0)
             goto done;
-        }
-        Py_DECREF(t);
     }
     res = runs;
     runs = NULL;
 done:
     Py_XDECREF(runs);
-    if (hb.obj) PyBuffer_Release(&hb);
-    if (gb.obj) PyBuffer_Release(&gb);
-    if (pb.obj) PyBuffer_Release(&pb);
-    if (sb.obj) PyBuffer_Release(&sb);
-    if (nb.obj) PyBuffer_Release(&nb);
-    if (lb.obj) PyBuffer_Release(&lb);
-    if (db.obj) PyBuffer_Release(&db);
+    drop_bufs(&bv);
     return res;
 }
 
 /* ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py, tasks.py) */
-
-/* The row indices of `rows` (a tuple of `n` ints, each a row of `f`) into r[]; -1 with an
-   exception if not. */
-static int row_tuple(PyObject *rows, Py_ssize_t n, const Py_buffer *f, long *r, const char *what) {
-    if (!PyTuple_Check(rows) || PyTuple_GET_SIZE(rows) != n) {
-        PyErr_Format(PyExc_ValueError, "%s: rows must be a tuple of %zd", what, n);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
-        if (r[i] < 0 || r[i] >= f->shape[0]) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "%s: row out of range", what);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-static int append_long(PyObject *list, long x) {
-    PyObject *o = PyLong_FromLong(x);
-    if (o == NULL || PyList_Append(list, o) < 0) {
-        Py_XDECREF(o);
-        return -1;
-    }
-    Py_DECREF(o);
-    return 0;
-}
 
 /* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy)
    -> (cut, leaf) or None: drop the host leaves of the popped run `cand` (int32) as
@@ -1311,37 +1195,29 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hosts, *sobj, *policy;
     long cpu;
     Py_ssize_t at;
-    Py_buffer f = {0}, cb = {0}, st = {0};
+    bufs bv;
     PyObject *res = NULL;
     unsigned char *mapped = NULL;
     if (!PyArg_ParseTuple(args, "OOOlOO!O!O!OnO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
                           &PyDict_Type, &kmap, &PyList_Type, &hosts, &sobj, &at, &policy))
         return NULL;
-    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+    if (take_bufs(&bv, "drop_host_run", "MnI", fobj, cobj, sobj) < 0)
         return NULL;
-    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
+    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *st = &bv.b[2];
     long r[8];
-    if (row_tuple(rows, 8, &f, r, "drop_host_run") < 0)
+    int32_t reset_v[MAX_ROWS];
+    if (row_tuple(rows, 8, f, r, "drop_host_run") < 0 || reset_column(reset, f, reset_v, "drop_host_run") < 0)
         goto done;
-    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], m = cb.shape[0];
-    if (st.ndim != 1 || !is_int32(&st) || at < 0 || at + m > st.shape[0] || !PyTuple_Check(reset) ||
-        PyTuple_GET_SIZE(reset) != nrows || nrows > 32 || PyList_GET_SIZE(node_keys) < ncols) {
-        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack, reset or keys");
+    Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = cb->shape[0];
+    if (at < 0 || at + m > st->shape[0] || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack or keys");
         goto done;
     }
-    int32_t reset_v[32];
-    for (Py_ssize_t i = 0; i < nrows; i++) {
-        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
-        if (x == -1 && PyErr_Occurred())
-            goto done;
-        reset_v[i] = (int32_t)x;
-    }
-    int32_t *M = f.buf;
+    int32_t *M = f->buf;
     int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
             *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *STATE = M + r[5] * ncols,
             *REF = M + r[6] * ncols, *HOST = M + r[7] * ncols;
-    const int32_t *cand = cb.buf;
+    const int32_t *cand = cb->buf;
     if (m == 0) {
         res = Py_BuildValue("(nl)", (Py_ssize_t)0, -1L);
         goto done;
@@ -1380,22 +1256,13 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
         int32_t v = cand[t];
         if (t + 1 < m && PARENT[v] == cand[t + 1])
             continue;  /* not a top: its parent goes right after it */
-        int32_t p = PARENT[v], b = PREV[v], a = NEXT[v];  /* `_detach_sibling` */
-        if (CONT[p] == v)
-            CONT[p] = -1;
-        if (b >= 0)
-            NEXT[b] = a;
-        else
-            CHILD[p] = a;
-        if (a >= 0)
-            PREV[a] = b;
+        int32_t p = PARENT[v];
+        detach(CHILD, NEXT, PREV, CONT, p, v);
         if (CHILD[p] < 0 && STATE[p] == cpu && REF[p] == 0) {
-            PyObject *x = PyLong_FromLong(p);
-            int queued = x ? PySequence_Contains(policy, x) : -1;
-            Py_XDECREF(x);
-            if (queued < 0)
+            int q = queued(policy, p);
+            if (q < 0)
                 goto done;
-            if (!queued) {
+            if (!q) {
                 cut = t + 1;
                 leaf = p;
                 break;
@@ -1405,25 +1272,17 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < cut; i++)
         if (mapped[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, cand[i])) < 0)
             goto done;
-    int32_t *stack = st.buf;
+    int32_t *stack = st->buf;
     for (Py_ssize_t i = 0; i < cut; i++) {
         int32_t v = cand[i];
         if (append_long(hosts, HOST[v]) < 0)
             goto done;
-        PyObject *old = PyList_GET_ITEM(node_keys, v);
-        Py_INCREF(Py_None);
-        PyList_SET_ITEM(node_keys, v, Py_None);
-        Py_XDECREF(old);
-        for (Py_ssize_t k = 0; k < nrows; k++)
-            M[k * ncols + v] = reset_v[k];
-        stack[at + i] = v;
+        free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
     }
     res = Py_BuildValue("(nl)", cut, leaf);
 done:
     PyMem_Free(mapped);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&cb);
-    if (st.obj) PyBuffer_Release(&st);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -1437,28 +1296,27 @@ static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
     PyObject *fobj, *vobj, *hosts, *rows, *tobj, *node_keys, *victims, *victim_keys, *devs, *hblocks;
     long swap2cpu;
     long long task_id;
-    Py_buffer f = {0}, vb = {0}, tb = {0};
+    bufs bv;
     PyObject *res = NULL;
     if (!PyArg_ParseTuple(args, "OOO!OlOLO!O!O!O!O!", &fobj, &vobj, &PyList_Type, &hosts, &rows, &swap2cpu, &tobj,
                           &task_id, &PyList_Type, &node_keys, &PyList_Type, &victims, &PyList_Type, &victim_keys,
                           &PyList_Type, &devs, &PyList_Type, &hblocks))
         return NULL;
-    if (matrix_and_ids(fobj, vobj, &f, &vb) < 0)
+    if (take_bufs(&bv, "mark_swap_out", "MnQ", fobj, vobj, tobj) < 0)
         return NULL;
-    if (vector(tobj, &tb, 8, 1, "mark_swap_out") < 0)
-        goto done;
+    Py_buffer *f = &bv.b[0], *vb = &bv.b[1], *tb = &bv.b[2];
     long r[4];
-    if (row_tuple(rows, 4, &f, r, "mark_swap_out") < 0)
+    if (row_tuple(rows, 4, f, r, "mark_swap_out") < 0)
         goto done;
-    Py_ssize_t ncols = f.shape[1], e = vb.shape[0], nh = PyList_GET_SIZE(hosts);
-    if (e > nh || tb.shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
+    Py_ssize_t ncols = f->shape[1], e = vb->shape[0], nh = PyList_GET_SIZE(hosts);
+    if (e > nh || tb->shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
         PyErr_SetString(PyExc_ValueError, "mark_swap_out: fewer host blocks than victims, or bad task row or keys");
         goto done;
     }
-    int32_t *M = f.buf;
+    int32_t *M = f->buf;
     int32_t *HOST = M + r[0] * ncols, *DEV = M + r[1] * ncols, *STATE = M + r[2] * ncols, *NDEV = M + r[3] * ncols;
-    int64_t *task = tb.buf;
-    const int32_t *vs = vb.buf;
+    int64_t *task = tb->buf;
+    const int32_t *vs = vb->buf;
     for (Py_ssize_t i = 0; i < e; i++) {  /* host blocks are checked before any write */
         long h = PyLong_AsLong(PyList_GET_ITEM(hosts, nh - 1 - i));
         if (h == -1 && PyErr_Occurred())
@@ -1480,9 +1338,7 @@ static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&vb);
-    if (tb.obj) PyBuffer_Release(&tb);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -1498,28 +1354,27 @@ done:
 static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
     PyObject *fobj, *cobj, *rows, *node_keys, *kmap, *pobj, *policy;
     long cpu;
-    Py_buffer f = {0}, cb = {0}, pb = {0};
+    bufs bv;
     PyObject *res = NULL, *freed = NULL;
     int pos_set = 0;
     if (!PyArg_ParseTuple(args, "OOOlO!O!OO", &fobj, &cobj, &rows, &cpu, &PyList_Type, &node_keys, &PyDict_Type,
                           &kmap, &pobj, &policy))
         return NULL;
-    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+    if (take_bufs(&bv, "drop_host_nodes", "MnI", fobj, cobj, pobj) < 0)
         return NULL;
-    if (vector(pobj, &pb, 4, 1, "drop_host_nodes") < 0)
-        goto done;
+    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *pb = &bv.b[2];
     long r[7];
-    if (row_tuple(rows, 7, &f, r, "drop_host_nodes") < 0)
+    if (row_tuple(rows, 7, f, r, "drop_host_nodes") < 0)
         goto done;
-    Py_ssize_t ncols = f.shape[1], m = cb.shape[0];
-    if (pb.shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
+    Py_ssize_t ncols = f->shape[1], m = cb->shape[0];
+    if (pb->shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
         PyErr_SetString(PyExc_ValueError, "drop_host_nodes: bad scratch or keys");
         goto done;
     }
-    int32_t *M = f.buf, *pos = pb.buf;
+    int32_t *M = f->buf, *pos = pb->buf;
     int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
             *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *STATE = M + r[5] * ncols, *REF = M + r[6] * ncols;
-    const int32_t *cand = cb.buf;
+    const int32_t *cand = cb->buf;
     for (Py_ssize_t i = 0; i < m; i++) {
         int32_t v = cand[i];
         if (STATE[v] != cpu) {
@@ -1546,23 +1401,14 @@ static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
         int32_t p = PARENT[v], b = PREV[v], a = NEXT[v];
         int ends = pos[p] <= i && CHILD[p] == v && a < 0 && b < 0 && STATE[p] == cpu && REF[p] == 0;
         if (ends) {
-            PyObject *x = PyLong_FromLong(p);
-            int queued = x ? PySequence_Contains(policy, x) : -1;
-            Py_XDECREF(x);
-            if (queued < 0)
+            int q = queued(policy, p);
+            if (q < 0)
                 goto done;
-            ends = !queued;
+            ends = !q;
         }
         if (CONT[p] != v && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, v)) < 0)
             goto done;
-        if (CONT[p] == v)  /* `_detach_sibling` */
-            CONT[p] = -1;
-        if (b >= 0)
-            NEXT[b] = a;
-        else
-            CHILD[p] = a;
-        if (a >= 0)
-            PREV[a] = b;
+        detach(CHILD, NEXT, PREV, CONT, p, v);
         if (append_long(freed, v) < 0)
             goto done;
         if (ends) {
@@ -1577,9 +1423,7 @@ done:
         for (Py_ssize_t i = 0; i < m; i++)
             pos[cand[i]] = -1;
     Py_XDECREF(freed);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&cb);
-    if (pb.obj) PyBuffer_Release(&pb);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -1592,25 +1436,24 @@ static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
     PyObject *fobj, *nobj, *tobj, *rows;
     long long task_id;
     long swap2cpu, cpu;
-    Py_buffer f = {0}, nb = {0}, tb = {0};
+    bufs bv;
     PyObject *res = NULL, *devs = NULL;
     if (!PyArg_ParseTuple(args, "OOOLOll", &fobj, &nobj, &tobj, &task_id, &rows, &swap2cpu, &cpu))
         return NULL;
-    if (matrix_and_ids(fobj, nobj, &f, &nb) < 0)
+    if (take_bufs(&bv, "finish_swap_out", "MnQ", fobj, nobj, tobj) < 0)
         return NULL;
-    if (vector(tobj, &tb, 8, 1, "finish_swap_out") < 0)
-        goto done;
+    Py_buffer *f = &bv.b[0], *nb = &bv.b[1], *tb = &bv.b[2];
     long r[2];
-    if (row_tuple(rows, 2, &f, r, "finish_swap_out") < 0)
+    if (row_tuple(rows, 2, f, r, "finish_swap_out") < 0)
         goto done;
-    Py_ssize_t ncols = f.shape[1], m = nb.shape[0];
-    if (tb.shape[0] != ncols) {
+    Py_ssize_t ncols = f->shape[1], m = nb->shape[0];
+    if (tb->shape[0] != ncols) {
         PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length");
         goto done;
     }
-    int32_t *M = f.buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols;
-    int64_t *task = tb.buf;
-    const int32_t *nodes = nb.buf;
+    int32_t *M = f->buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols;
+    int64_t *task = tb->buf;
+    const int32_t *nodes = nb->buf;
     for (Py_ssize_t i = 0; i < m; i++)
         if (task[nodes[i]] != task_id || STATE[nodes[i]] != swap2cpu) {
             res = Py_None;
@@ -1634,9 +1477,7 @@ static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
     devs = NULL;
 done:
     Py_XDECREF(devs);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&nb);
-    if (tb.obj) PyBuffer_Release(&tb);
+    drop_bufs(&bv);
     return res;
 }
 
