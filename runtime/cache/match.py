@@ -342,8 +342,8 @@ class MatchRecord(NodeStore):
         zero = zero[:k]
         if not k:
             return
-        st = NO_NODES if all_gpu else f[STATE, zero]
-        if not st.any():
+        st = None if all_gpu else f[STATE, zero]
+        if st is None or not st.any():
             self._dev_lru.push(zero)
             self._idle += len(zero)
             return
