@@ -1112,6 +1112,27 @@ static PyObject *policy_discard(PyObject *self, PyObject *args) {
     return Py_BuildValue("nn", queued, lng);
 }
 
+/* ghost_ages(ghost, nodes, ages): ghost[nodes[i]] = the largest of ages[0..i] (int64; nodes int32,
+   one age each): `ReuseGaps.recorded`, a running maximum scattered to the nodes. */
+static PyObject *ghost_ages(PyObject *self, PyObject *args) {
+    PyObject *gobj, *nobj, *aobj;
+    bufs bv;
+    if (!PyArg_ParseTuple(args, "OOO", &gobj, &nobj, &aobj))
+        return NULL;
+    if (take_bufs(&bv, "ghost_ages", "Qn=q", gobj, nobj, aobj) < 0)
+        return NULL;
+    int64_t *ghost = bv.b[0].buf;
+    const int32_t *nodes = bv.b[1].buf;
+    const int64_t *ages = bv.b[2].buf;
+    int64_t run = INT64_MIN;
+    for (Py_ssize_t i = 0; i < bv.b[1].shape[0]; i++) {
+        run = ages[i] > run ? ages[i] : run;
+        ghost[nodes[i]] = run;
+    }
+    drop_bufs(&bv);
+    Py_RETURN_NONE;
+}
+
 /* gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial)
    -> runs: the `gaps` policy's priorities for released `nodes` (int32, distinct), as
    `ReuseGaps.push` ranks them: a node of h earlier uses (hits, int32) has level
@@ -1505,6 +1526,7 @@ static PyMethodDef methods[] = {
     {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
     {"policy_discard", policy_discard, METH_VARARGS,
      "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},
+    {"ghost_ages", ghost_ages, METH_VARARGS, "ghost_ages(ghost, nodes, ages): ghost[nodes] = running maximum of ages"},
     {"gaps_rank", gaps_rank, METH_VARARGS,
      "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial) -> runs"},
     {"sample_keys", sample_keys, METH_VARARGS, "sample_keys(keys, threshold) -> positions of the sampled keys"},

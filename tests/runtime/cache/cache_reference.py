@@ -229,6 +229,10 @@ def policy_discard(stamp: np.ndarray, released: np.ndarray, matched: np.ndarray,
     return len(queued), long
 
 
+def ghost_ages(ghost: np.ndarray, nodes: np.ndarray, ages: np.ndarray) -> None:
+    ghost[nodes] = np.maximum.accumulate(ages)
+
+
 def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: np.ndarray, nodes: np.ndarray,
               levels: np.ndarray, hold_by_uses: np.ndarray, now: int, unit: float, far1: float, far2: float,
               span: int, serial: int) -> list[tuple[int, int, int, int]]:

@@ -69,7 +69,8 @@ def _replay(c: PrefixCache, seed: int) -> list:
 POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptive", "gaps", "reuse"),
                   "_stamp_c": ("adaptive", "gaps"), "_pop_c": ("adaptive", "gaps", "reuse"),
                   "_stamp_runs_c": ("reuse",), "_release_c": ("adaptive", "gaps", "reuse"),
-                  "_discard_c": ("adaptive", "gaps", "reuse"), "_rank_c": ("adaptive", "gaps")}
+                  "_discard_c": ("adaptive", "gaps", "reuse"), "_rank_c": ("adaptive", "gaps"),
+                  "_ghost_c": ("adaptive", "gaps")}
 
 
 @pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
@@ -84,7 +85,7 @@ POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptiv
         (cache_match, "_walk_c", ref.walk), (use_sketch, "_stamp_c", ref.sketch_stamp),
         (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys),
         (reuse_levels, "_release_c", ref.policy_release), (reuse_levels, "_discard_c", ref.policy_discard),
-        (reuse_gaps, "_rank_c", ref.gaps_rank))])
+        (reuse_gaps, "_rank_c", ref.gaps_rank), (reuse_gaps, "_ghost_c", ref.ghost_ages))])
 def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
     """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
@@ -93,7 +94,7 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
     sketch remembers (sketch_raise, the `reuse` policy), the `reuse` policy's scan of its
     queue for a run (pop_live: its heap walk) and split of a released path into runs (stamp_runs), the
     `reuse` family's marks per released and matched node (policy_release, policy_discard) and
-    the `gaps` ranking of a released path (gaps_rank), and the
+    the `gaps` ranking of a released path (gaps_rank) and ages of recorded nodes (ghost_ages), and the
     block keys themselves (chain_keys), in C or in numpy leave the same cache (and queues) at every step,
     with and without a host tier."""
     cls = make_policy(name)
