@@ -13,7 +13,7 @@ lives on in tests/runtime/cache/cache_reference.py as the reference (tests compa
   `xxhash` package (a dependency) already loaded: its extension module exports XXH3_128bits, so
   the module looks it up there at init (dlsym) and builds with nothing but Python's headers,
   the same function computing the same bytes as the package does (checked at init).
-- sketch_add / sketch_count / sketch_stamp: a 16-byte key's two slots are its first 8 bytes (native byte order,
+- sketch_add / sketch_count: a 16-byte key's two slots are its first 8 bytes (native byte order,
   as numpy reads them) masked, and the same shifted right by 32, masked; adding is numpy's
   gather-then-scatter `row[slots] = minimum(row[slots], 254) + 1` (a slot that two keys share
   gains one, not two). Either returns False, changing nothing, if a key is not 16 bytes. */
@@ -292,9 +292,9 @@ static uint64_t *new_key_slots(PyObject *fast, uint64_t mask, int *ok) {
     return slots;
 }
 
-/* The sketch functions' arguments: the buffers `spec` names (take_bufs; two rows first, each
-longer than the mask), the keys and the slots of the keys (a[] then b[], 2n); ok is 0 where a key is
-not 16 bytes. */
+/* The sketch functions' arguments: the buffers `spec` names (take_bufs; the first `rows` are rows,
+each longer than the mask), the keys and the slots of the keys (a[] then b[], 2n); ok is 0 where a
+key is not 16 bytes. */
 typedef struct {
     bufs v;
     PyObject *fast;
@@ -303,7 +303,7 @@ typedef struct {
     int ok;
 } sketch_args;
 
-static int sketch_begin(sketch_args *s, const char *what, PyObject *keys, unsigned long long mask,
+static int sketch_begin(sketch_args *s, const char *what, PyObject *keys, unsigned long long mask, int rows,
                         const char *spec, ...) {
     memset(s, 0, sizeof *s);
     va_list ap;
@@ -316,10 +316,11 @@ static int sketch_begin(sketch_args *s, const char *what, PyObject *keys, unsign
     if (s->fast == NULL)
         return -1;
     s->n = PySequence_Fast_GET_SIZE(s->fast);
-    if ((Py_ssize_t)mask >= s->v.b[0].shape[0] || (Py_ssize_t)mask >= s->v.b[1].shape[0]) {
-        PyErr_Format(PyExc_ValueError, "%s: sketch rows shorter than the mask", what);
-        return -1;
-    }
+    for (int i = 0; i < rows; i++)
+        if ((Py_ssize_t)mask >= s->v.b[i].shape[0]) {
+            PyErr_Format(PyExc_ValueError, "%s: sketch rows shorter than the mask", what);
+            return -1;
+        }
     s->slots = new_key_slots(s->fast, mask, &s->ok);
     return s->slots == NULL ? -1 : 0;
 }
@@ -348,22 +349,43 @@ static void add_row(uint8_t *row, const uint64_t *slot, Py_ssize_t n, uint8_t *t
         row[slot[i]] = tmp[i];
 }
 
+/* sketch_add(row0, row1, keys, mask[, stamps0, stamps1, now, ages]) -> False if a key is not 16
+   bytes (nothing changed). With the stamps (the timed sketch's last uses, uint32 rows), first
+   ages[i] (int64) = now - the older of key i's two stamps, or -1 where that is 0 (never
+   stamped), then both stamps of every key become `now`, all reads before the writes as numpy's
+   gather-then-scatter does; then the counts are added. One pass over the keys' slots for both. */
 static PyObject *sketch_add(PyObject *self, PyObject *args) {
-    PyObject *r0, *r1, *keys, *res = NULL;
+    PyObject *r0, *r1, *keys, *s0 = NULL, *s1 = NULL, *ages = NULL, *res = NULL;
     unsigned long long mask;
+    unsigned long now = 0;
     sketch_args s;
-    if (!PyArg_ParseTuple(args, "OOOK", &r0, &r1, &keys, &mask))
+    if (!PyArg_ParseTuple(args, "OOOK|OOkO", &r0, &r1, &keys, &mask, &s0, &s1, &now, &ages))
         return NULL;
-    if (sketch_begin(&s, "sketch_add", keys, mask, "BB", r0, r1) < 0)
+    int timed = ages != NULL;
+    if (sketch_begin(&s, "sketch_add", keys, mask, timed ? 4 : 2, timed ? "BBUUQ" : "BB", r0, r1, s0, s1, ages) < 0 ||
+        (timed && sketch_room(&s, 4, s.n, "sketch_add") < 0))
         goto done;
     uint8_t *tmp = PyMem_Malloc(s.n ? s.n : 1);
     if (tmp == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    const uint64_t *a = s.slots, *b = s.slots + s.n;
+    if (s.ok && timed) {
+        uint32_t *t0 = s.v.b[2].buf, *t1 = s.v.b[3].buf;
+        int64_t *out = s.v.b[4].buf;
+        for (Py_ssize_t i = 0; i < s.n; i++) {
+            uint32_t last = t0[a[i]] < t1[b[i]] ? t0[a[i]] : t1[b[i]];
+            out[i] = last ? (int64_t)now - (int64_t)last : -1;
+        }
+        for (Py_ssize_t i = 0; i < s.n; i++) {
+            t0[a[i]] = (uint32_t)now;
+            t1[b[i]] = (uint32_t)now;
+        }
+    }
     if (s.ok) {
-        add_row(s.v.b[0].buf, s.slots, s.n, tmp);
-        add_row(s.v.b[1].buf, s.slots + s.n, s.n, tmp);
+        add_row(s.v.b[0].buf, a, s.n, tmp);
+        add_row(s.v.b[1].buf, b, s.n, tmp);
     }
     PyMem_Free(tmp);
     res = s.ok ? Py_True : Py_False;
@@ -377,7 +399,7 @@ static PyObject *sketch_count(PyObject *self, PyObject *args) {
     sketch_args s;
     if (!PyArg_ParseTuple(args, "OOOKO", &r0, &r1, &keys, &mask, &out))
         return NULL;
-    if (sketch_begin(&s, "sketch_count", keys, mask, "bbI", r0, r1, out) < 0 ||
+    if (sketch_begin(&s, "sketch_count", keys, mask, 2, "bbI", r0, r1, out) < 0 ||
         sketch_room(&s, 2, s.n, "sketch_count") < 0)
         goto done;
     const uint8_t *a0 = s.v.b[0].buf, *a1 = s.v.b[1].buf;
@@ -385,36 +407,6 @@ static PyObject *sketch_count(PyObject *self, PyObject *args) {
     const uint64_t *a = s.slots, *b = s.slots + s.n;
     for (Py_ssize_t i = 0; s.ok && i < s.n; i++)
         o[i] = a0[a[i]] < a1[b[i]] ? a0[a[i]] : a1[b[i]];
-    res = s.ok ? Py_True : Py_False;
-done:
-    return sketch_end(&s, res);
-}
-
-/* sketch_stamp(stamps0, stamps1, keys, mask, now, ages): the timed sketch's last-use stamps
-   (uint32 rows): ages[i] (int64) = now - the older of key i's two stamps, or -1 where that is
-   0 (never stamped); then both stamps of every key become `now`. All reads come before the
-   writes, as numpy's gather-then-scatter does. False (nothing changed) if a key is not 16 bytes. */
-static PyObject *sketch_stamp(PyObject *self, PyObject *args) {
-    PyObject *s0, *s1, *keys, *ages, *res = NULL;
-    unsigned long long mask;
-    unsigned long now;
-    sketch_args s;
-    if (!PyArg_ParseTuple(args, "OOOKkO", &s0, &s1, &keys, &mask, &now, &ages))
-        return NULL;
-    if (sketch_begin(&s, "sketch_stamp", keys, mask, "UUQ", s0, s1, ages) < 0 ||
-        sketch_room(&s, 2, s.n, "sketch_stamp") < 0)
-        goto done;
-    uint32_t *r0 = s.v.b[0].buf, *r1 = s.v.b[1].buf;
-    int64_t *out = s.v.b[2].buf;
-    const uint64_t *a = s.slots, *b = s.slots + s.n;
-    for (Py_ssize_t i = 0; s.ok && i < s.n; i++) {
-        uint32_t last = r0[a[i]] < r1[b[i]] ? r0[a[i]] : r1[b[i]];
-        out[i] = last ? (int64_t)now - (int64_t)last : -1;
-    }
-    for (Py_ssize_t i = 0; s.ok && i < s.n; i++) {
-        r0[a[i]] = (uint32_t)now;
-        r1[b[i]] = (uint32_t)now;
-    }
     res = s.ok ? Py_True : Py_False;
 done:
     return sketch_end(&s, res);
@@ -589,7 +581,7 @@ static PyObject *sketch_raise(PyObject *self, PyObject *args) {
     sketch_args s;
     if (!PyArg_ParseTuple(args, "OOOKOOO", &r0, &r1, &keys, &mask, &hobj, &nobj, &capo))
         return NULL;
-    if (sketch_begin(&s, "sketch_raise", keys, mask, "bbIn", r0, r1, hobj, nobj) < 0)
+    if (sketch_begin(&s, "sketch_raise", keys, mask, 2, "bbIn", r0, r1, hobj, nobj) < 0)
         goto done;
     if (s.v.b[3].shape[0] != s.n) {
         PyErr_SetString(PyExc_ValueError, "sketch_raise: one node per key");
@@ -1544,9 +1536,8 @@ static PyMethodDef methods[] = {
     {"new_chain", new_chain, METH_VARARGS,
      "new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): write a new chain's columns"},
     {"sketch_add", sketch_add, METH_VARARGS,
-     "sketch_add(row0, row1, keys, mask) -> False if a key is not 16 bytes (nothing added)"},
-    {"sketch_stamp", sketch_stamp, METH_VARARGS,
-     "sketch_stamp(stamps0, stamps1, keys, mask, now, ages) -> False if a key is not 16 bytes; ages (int64) before now"},
+     "sketch_add(row0, row1, keys, mask[, stamps0, stamps1, now, ages]) -> False if a key is not 16 bytes "
+     "(nothing added); with the stamps, ages (int64) before now"},
     {"sketch_count", sketch_count, METH_VARARGS,
      "sketch_count(row0, row1, keys, mask, out) -> False if a key is not 16 bytes; counts in out (int32)"},
     {"chain_keys", chain_keys, METH_VARARGS,

@@ -11,7 +11,7 @@ try:
     from kvrt.runtime.cache._cache_core import (chain_keys, chain_tops, deref, drop_host_nodes, drop_host_run,
                                                 drop_run, finish_swap_out, gaps_rank, ghost_ages, mark_swap_out, new_chain,
                                                 policy_discard, policy_release, pop_live, sample_keys, sketch_add,
-                                                sketch_count, sketch_raise, sketch_stamp, stamp_runs, touch_device,
+                                                sketch_count, sketch_raise, stamp_runs, touch_device,
                                                 walk)
 except ImportError as e:
     if e.name != f"{__package__}._cache_core":  # it loaded and said what is wrong (xxhash) itself
@@ -21,4 +21,4 @@ except ImportError as e:
 
 __all__ = ["chain_keys", "chain_tops", "deref", "drop_host_nodes", "drop_host_run", "drop_run", "finish_swap_out",
            "gaps_rank", "ghost_ages", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live", "sample_keys",
-           "sketch_add", "sketch_count", "sketch_raise", "sketch_stamp", "stamp_runs", "touch_device", "walk"]
+           "sketch_add", "sketch_count", "sketch_raise", "stamp_runs", "touch_device", "walk"]

@@ -47,11 +47,17 @@ def _slots(keys: Sequence[bytes], mask: int) -> tuple[np.ndarray, np.ndarray] | 
     return h & m, (h >> np.uint64(32)) & m
 
 
-def sketch_add(r0: np.ndarray, r1: np.ndarray, keys: Sequence[bytes], mask: int) -> bool:
+def sketch_add(r0: np.ndarray, r1: np.ndarray, keys: Sequence[bytes], mask: int, s0: np.ndarray | None = None,
+               s1: np.ndarray | None = None, now: int = 0, ages: np.ndarray | None = None) -> bool:
     slots = _slots(keys, mask)
     if slots is None:
         return False
     a, b = slots
+    if ages is not None:
+        last = np.minimum(s0[a], s1[b]).astype(np.int64)
+        ages[:len(keys)] = np.where(last > 0, now - last, -1)
+        s0[a] = now
+        s1[b] = now
     r0[a] = np.minimum(r0[a], 254) + 1  # gather, then scatter: a shared slot gains one
     r1[b] = np.minimum(r1[b], 254) + 1
     return True
@@ -63,19 +69,6 @@ def sketch_count(r0: np.ndarray, r1: np.ndarray, keys: Sequence[bytes], mask: in
         return False
     a, b = slots
     out[:len(keys)] = np.minimum(r0[a], r1[b])
-    return True
-
-
-def sketch_stamp(s0: np.ndarray, s1: np.ndarray, keys: Sequence[bytes], mask: int, now: int,
-                 ages: np.ndarray) -> bool:
-    slots = _slots(keys, mask)
-    if slots is None:
-        return False
-    a, b = slots
-    last = np.minimum(s0[a], s1[b]).astype(np.int64)
-    ages[:len(keys)] = np.where(last > 0, now - last, -1)
-    s0[a] = now
-    s1[b] = now
     return True
 
 

@@ -67,7 +67,7 @@ def _replay(c: PrefixCache, seed: int) -> list:
 # counts and has a queue of its own; only `gaps` stamps when keys were used, and it splits a
 # released path into runs its own way
 POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptive", "gaps", "reuse"),
-                  "_stamp_c": ("adaptive", "gaps"), "_pop_c": ("adaptive", "gaps", "reuse"),
+                  "_pop_c": ("adaptive", "gaps", "reuse"),
                   "_stamp_runs_c": ("reuse",), "_release_c": ("adaptive", "gaps", "reuse"),
                   "_discard_c": ("adaptive", "gaps", "reuse"), "_rank_c": ("adaptive", "gaps"),
                   "_ghost_c": ("adaptive", "gaps")}
@@ -82,7 +82,7 @@ POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptiv
         (cache_match, "_touch_c", ref.touch_device), (cache_match, "_deref_c", ref.deref),
         (use_sketch, "_raise_c", ref.sketch_raise), (cache_eviction, "_chain_tops_c", ref.chain_tops),
         (reuse_levels, "_pop_c", ref.pop_live), (reuse_levels, "_stamp_runs_c", ref.stamp_runs),
-        (cache_match, "_walk_c", ref.walk), (use_sketch, "_stamp_c", ref.sketch_stamp),
+        (cache_match, "_walk_c", ref.walk),
         (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys),
         (reuse_levels, "_release_c", ref.policy_release), (reuse_levels, "_discard_c", ref.policy_discard),
         (reuse_gaps, "_rank_c", ref.gaps_rank), (reuse_gaps, "_ghost_c", ref.ghost_ages))])
@@ -90,7 +90,7 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
     """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
     with host hits takes the general path), releasing one (deref), counting a request's keys
-    in the use sketch (sketch_add, sketch_stamp) and giving recorded blocks the uses the
+    in the use sketch (sketch_add, stamping when each was last used too) and giving recorded blocks the uses the
     sketch remembers (sketch_raise, the `reuse` policy), the `reuse` policy's scan of its
     queue for a run (pop_live: its heap walk) and split of a released path into runs (stamp_runs), the
     `reuse` family's marks per released and matched node (policy_release, policy_discard) and
