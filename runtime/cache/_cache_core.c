@@ -853,40 +853,81 @@ done:
     return res;
 }
 
-/* sample_keys(keys, threshold) -> indices: the positions of the block keys (16 bytes each) whose
+/* shadow_observe(od, keys, threshold, usable, served, capacity) -> (seen, ours, lru): a request
+   through the sampled shadow LRU (runtime/cache/shadow_lru.py, `ShadowLRU.observe`), whose keys
+   are those of an OrderedDict `od`, least recent first. A block key (16 bytes) is followed if its
    hash word (bytes 8..11, little-endian: independent of the use sketch's slots, which read bytes
-   0..7) is below `threshold` (0 .. 2**32): the keys a sampled shadow cache follows
-   (runtime/cache/shadow_lru.py). */
-static PyObject *sample_keys(PyObject *self, PyObject *args) {
-    PyObject *keys, *fast = NULL, *out = NULL, *res = NULL;
+   0..7) is below `threshold` (0 .. 2**32). Of the followed keys among the first `usable`: how
+   many, how many of them the cache served (the first `served`), how many `od` holds; then the
+   followed keys become the most recent, deepest first (moved to the end, or added), and the
+   least recent leave until `od` holds `capacity`. */
+static PyObject *shadow_observe(PyObject *self, PyObject *args) {
+    PyObject *od, *keys, *fast = NULL, *move = NULL, *popitem = NULL, *res = NULL;
     unsigned long long threshold;
-    if (!PyArg_ParseTuple(args, "OK", &keys, &threshold))
+    Py_ssize_t usable, served, capacity, *picked = NULL, np = 0;
+    if (!PyArg_ParseTuple(args, "O!OKnnn", &PyDict_Type, &od, &keys, &threshold, &usable, &served, &capacity))
         return NULL;
     fast = PySequence_Fast(keys, "keys must be a sequence");
     if (fast == NULL)
         return NULL;
-    out = PyList_New(0);
-    if (out == NULL)
-        goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
+    picked = PyMem_Malloc((n ? n : 1) * sizeof *picked);
+    if (picked == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = items[i];
         if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != KEY_BYTES) {
-            PyErr_SetString(PyExc_ValueError, "sample_keys: every key must be 16 bytes");
+            PyErr_SetString(PyExc_ValueError, "shadow_observe: every key must be 16 bytes");
             goto done;
         }
         const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(k) + 8;
         uint64_t w = (uint64_t)b[0] | ((uint64_t)b[1] << 8) | ((uint64_t)b[2] << 16) | ((uint64_t)b[3] << 24);
-        if (w < threshold) {
-            if (append_new(out, PyLong_FromSsize_t(i)) < 0)
+        if (w < threshold)
+            picked[np++] = i;
+    }
+    Py_ssize_t seen = 0, ours = 0, lru = 0;
+    for (Py_ssize_t j = 0; j < np && picked[j] < usable; j++) {
+        int held = PyDict_Contains(od, items[picked[j]]);
+        if (held < 0)
+            goto done;
+        seen++;
+        ours += picked[j] < served;
+        lru += held;
+    }
+    if (np) {
+        move = PyObject_GetAttrString(od, "move_to_end");
+        popitem = move ? PyObject_GetAttrString(od, "popitem") : NULL;
+        if (popitem == NULL)
+            goto done;
+    }
+    for (Py_ssize_t j = np - 1; j >= 0; j--) {  /* deepest first: the root side ends most recent */
+        PyObject *k = items[picked[j]];
+        int held = PyDict_Contains(od, k);
+        if (held < 0)
+            goto done;
+        if (held) {
+            PyObject *r = PyObject_CallOneArg(move, k);
+            if (r == NULL)
                 goto done;
+            Py_DECREF(r);
+        } else if (PyObject_SetItem(od, k, Py_None) < 0) {
+            goto done;
         }
     }
-    res = out;
-    out = NULL;
+    for (Py_ssize_t over = np ? PyObject_Size(od) - capacity : 0; over > 0; over--) {
+        PyObject *r = PyObject_CallOneArg(popitem, Py_False);  /* the least recent */
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    res = Py_BuildValue("nnn", seen, ours, lru);
 done:
-    Py_XDECREF(out);
+    PyMem_Free(picked);
+    Py_XDECREF(move);
+    Py_XDECREF(popitem);
     Py_XDECREF(fast);
     return res;
 }
@@ -1521,7 +1562,8 @@ static PyMethodDef methods[] = {
     {"ghost_ages", ghost_ages, METH_VARARGS, "ghost_ages(ghost, nodes, ages): ghost[nodes] = running maximum of ages"},
     {"gaps_rank", gaps_rank, METH_VARARGS,
      "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial) -> runs"},
-    {"sample_keys", sample_keys, METH_VARARGS, "sample_keys(keys, threshold) -> positions of the sampled keys"},
+    {"shadow_observe", shadow_observe, METH_VARARGS,
+     "shadow_observe(od, keys, threshold, usable, served, capacity) -> (seen, ours, lru)"},
     {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},
     {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},
     {"pop_live", pop_live, METH_VARARGS, "pop_live(heap, stamp, k, out) -> (taken, dropped)"},
