@@ -961,6 +961,25 @@ static int entry_less(PyObject *a, PyObject *b) {
     return 0;
 }
 
+/* Put `item` at heap slot `pos` or above, where it belongs, moving the entries it passes down
+   (heapq's _siftdown from the top); 0, or -1 with an exception (item left at pos). */
+static int rise(PyObject **h, Py_ssize_t pos, PyObject *item) {
+    while (pos > 0) {
+        Py_ssize_t parent = (pos - 1) >> 1;
+        int lt = entry_less(item, h[parent]);
+        if (lt < 0)
+            break;
+        if (!lt) {
+            h[pos] = item;
+            return 0;
+        }
+        h[pos] = h[parent];
+        pos = parent;
+    }
+    h[pos] = item;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 /* heapq.heappop(heap) for a non-empty heap, the popped entry released: the last entry moves to
    the top, sinks to a leaf along the smaller children, then rises to its place (heapq's
    _siftup and _siftdown), so the list is left exactly as heapq leaves it. */
@@ -991,21 +1010,24 @@ static int heap_pop(PyObject *heap) {
         pos = child;
         child = 2 * pos + 1;
     }
-    while (pos > 0) {
-        Py_ssize_t parent = (pos - 1) >> 1;
-        int lt = entry_less(item, h[parent]);
-        if (lt < 0)
-            goto fail;
-        if (!lt)
-            break;
-        h[pos] = h[parent];
-        pos = parent;
-    }
-    h[pos] = item;
-    return 0;
+    return rise(h, pos, item);
 fail:  /* (only with a malformed entry: the list is no longer a heap) */
     h[pos] = item;
     return -1;
+}
+
+/* heapq.heappush(heap, [prio, level, serial, serial, nodes[a:b], -1]): the `gaps` policy's entry
+   for a run of released nodes. */
+static int push_run(PyObject *heap, PyObject *nodes, Py_ssize_t a, Py_ssize_t b, long long prio, long long level,
+                    long long serial) {
+    PyObject *e = Py_BuildValue("[LLLLNi]", prio, level, serial, serial, PySequence_GetSlice(nodes, a, b), -1);
+    if (e == NULL || PyList_Append(heap, e) < 0) {
+        Py_XDECREF(e);
+        return -1;
+    }
+    Py_DECREF(e);  /* (the heap holds it) */
+    Py_ssize_t n = PyList_GET_SIZE(heap);
+    return rise(((PyListObject *)heap)->ob_item, n - 1, e);
 }
 
 /* pop_live(heap, stamp, k, out) -> (taken, dropped): `ReuseLevels.pop_many`'s walk of its heap:
@@ -1166,23 +1188,24 @@ static PyObject *ghost_ages(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial)
+/* gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial, heap)
    -> runs: the `gaps` policy's priorities for released `nodes` (int32, distinct), as
    `ReuseGaps.push` ranks them: a node of h earlier uses (hits, int32) has level
    levels[min(h, len - 1)] (int64) and, when `unit` > 0, priority
    (now + max(level, int64(unit * hold'))) * span + level, where hold' is hold[min(h, len - 1)]
    (float64) but 0 for h == 1 with a last gap (ghost, int64) above `far1` or h == 2 above `far2`;
    with unit <= 0, now * span + level. Writes prio (int64) and ghost = -1 per node, splits `nodes`
-   into runs of equal priority, stamps (int64) the j-th run's nodes with serial + j, and returns
-   the runs as (start, end, priority, level) tuples. */
+   into runs of equal priority, stamps (int64) the j-th run's nodes with serial + j, pushes its
+   entry [priority, level, serial + j, serial + j, nodes[start:end], -1] on `heap` (as heapq
+   does) and returns how many runs there were. */
 static PyObject *gaps_rank(PyObject *self, PyObject *args) {
-    PyObject *hobj, *gobj, *pobj, *sobj, *nobj, *lobj, *dobj;
+    PyObject *hobj, *gobj, *pobj, *sobj, *nobj, *lobj, *dobj, *heap;
     long long now, span, serial;
     double unit, far1, far2;
     bufs bv;
-    PyObject *res = NULL, *runs = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLdddLL", &hobj, &gobj, &pobj, &sobj, &nobj, &lobj, &dobj, &now,
-                          &unit, &far1, &far2, &span, &serial))
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLdddLLO!", &hobj, &gobj, &pobj, &sobj, &nobj, &lobj, &dobj, &now,
+                          &unit, &far1, &far2, &span, &serial, &PyList_Type, &heap))
         return NULL;
     if (take_bufs(&bv, "gaps_rank", "i=Q=Q=Qnqq", hobj, gobj, pobj, sobj, nobj, lobj, dobj) < 0)
         return NULL;
@@ -1195,9 +1218,6 @@ static PyObject *gaps_rank(PyObject *self, PyObject *args) {
     int64_t *ghost = bv.b[1].buf, *prio = bv.b[2].buf, *stamp = bv.b[3].buf;
     const int64_t *levels = bv.b[5].buf;
     const double *hold = bv.b[6].buf;
-    runs = PyList_New(0);
-    if (runs == NULL)
-        goto done;
     long long s = serial - 1, run_prio = 0, run_lv = 0;
     Py_ssize_t start = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -1219,7 +1239,7 @@ static PyObject *gaps_rank(PyObject *self, PyObject *args) {
         prio[v] = p;
         if (i == 0 || p != run_prio) {
             if (i > 0) {
-                if (append_new(runs, Py_BuildValue("(nnLL)", start, i, run_prio, run_lv)) < 0)
+                if (push_run(heap, nobj, start, i, run_prio, run_lv, s) < 0)
                     goto done;
             }
             start = i;
@@ -1230,13 +1250,11 @@ static PyObject *gaps_rank(PyObject *self, PyObject *args) {
         stamp[v] = s;
     }
     if (n) {
-        if (append_new(runs, Py_BuildValue("(nnLL)", start, n, run_prio, run_lv)) < 0)
+        if (push_run(heap, nobj, start, n, run_prio, run_lv, s) < 0)
             goto done;
     }
-    res = runs;
-    runs = NULL;
+    res = PyLong_FromLongLong(s - serial + 1);
 done:
-    Py_XDECREF(runs);
     drop_bufs(&bv);
     return res;
 }
@@ -1493,33 +1511,42 @@ done:
     return res;
 }
 
-/* finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual
-   answer to a swap-out, as `TaskBook._finish_swap_out` applies it: if every one of `nodes`
-   (int32) is still SWAP2CPU in task `task_id` (task, int64), each becomes `cpu` without a task
-   or a device block, and their device blocks are returned in order; else None, nothing written.
-   rows = (DEV, STATE). */
+/* finish_swap_out(f, nodes, ids, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual
+   answer to a swap-out, as `TaskBook._finish_swap_out` applies it. The list `nodes` is written
+   to `ids` (int32, as long), then if every one of them is still SWAP2CPU in task `task_id`
+   (task, int64), each becomes `cpu` without a task or a device block, and their device blocks
+   are returned in order; else None, nothing else written. rows = (DEV, STATE). */
 static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
-    PyObject *fobj, *nobj, *tobj, *rows;
+    PyObject *fobj, *list, *iobj, *tobj, *rows;
     long long task_id;
     long swap2cpu, cpu;
     bufs bv;
     PyObject *res = NULL, *devs = NULL;
-    if (!PyArg_ParseTuple(args, "OOOLOll", &fobj, &nobj, &tobj, &task_id, &rows, &swap2cpu, &cpu))
+    if (!PyArg_ParseTuple(args, "OO!OOLOll", &fobj, &PyList_Type, &list, &iobj, &tobj, &task_id, &rows, &swap2cpu,
+                          &cpu))
         return NULL;
-    if (take_bufs(&bv, "finish_swap_out", "MnQ", fobj, nobj, tobj) < 0)
+    if (take_bufs(&bv, "finish_swap_out", "MIQ", fobj, iobj, tobj) < 0)
         return NULL;
     Py_buffer *f = &bv.b[0], *nb = &bv.b[1], *tb = &bv.b[2];
     long r[2];
     if (row_tuple(rows, 2, f, r, "finish_swap_out") < 0)
         goto done;
     Py_ssize_t ncols = f->shape[1], m = nb->shape[0];
-    if (tb->shape[0] != ncols) {
-        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length");
+    if (tb->shape[0] != ncols || PyList_GET_SIZE(list) != m) {
+        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length, ids the list's");
         goto done;
     }
-    int32_t *M = f->buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols;
+    int32_t *M = f->buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols, *nodes = nb->buf;
     int64_t *task = tb->buf;
-    const int32_t *nodes = nb->buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        long v = PyLong_AsLong(PyList_GET_ITEM(list, i));
+        if (v < 0 || v >= ncols) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "finish_swap_out: node id out of range");
+            goto done;
+        }
+        nodes[i] = (int32_t)v;
+    }
     for (Py_ssize_t i = 0; i < m; i++)
         if (task[nodes[i]] != task_id || STATE[nodes[i]] != swap2cpu) {
             res = Py_None;
@@ -1551,7 +1578,7 @@ static PyMethodDef methods[] = {
     {"drop_host_nodes", drop_host_nodes, METH_VARARGS,
      "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf)"},
     {"finish_swap_out", finish_swap_out, METH_VARARGS,
-     "finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
+     "finish_swap_out(f, nodes, ids, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
     {"drop_host_run", drop_host_run, METH_VARARGS,
      "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy) -> (cut, leaf) or None"},
     {"mark_swap_out", mark_swap_out, METH_VARARGS,
@@ -1561,7 +1588,7 @@ static PyMethodDef methods[] = {
      "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},
     {"ghost_ages", ghost_ages, METH_VARARGS, "ghost_ages(ghost, nodes, ages): ghost[nodes] = running maximum of ages"},
     {"gaps_rank", gaps_rank, METH_VARARGS,
-     "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial) -> runs"},
+     "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial, heap) -> runs"},
     {"shadow_observe", shadow_observe, METH_VARARGS,
      "shadow_observe(od, keys, threshold, usable, served, capacity) -> (seen, ours, lru)"},
     {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},

@@ -29,8 +29,6 @@ before their parents.
 """
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
 from kvrt.runtime.cache.core import gaps_rank as _rank_c, ghost_ages as _ghost_c
@@ -97,12 +95,8 @@ class ReuseGaps(ReuseLevels):
         # deepest first), so a node queued again at the front (`push_front`, with its own
         # priority and level) goes back among its equals only
         s = self._serial
-        runs = _rank_c(self._hits, self._ghost, self._prio, self._stamp, nodes, LEVELS, HOLD, now, unit,
-                       REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, s)
-        self._serial = s + len(runs)
-        heap = self._heap
-        for j, (a, b, prio, level) in enumerate(runs):
-            heapq.heappush(heap, [prio, level, s + j, s + j, nodes[a:b], -1])
+        self._serial = s + _rank_c(self._hits, self._ghost, self._prio, self._stamp, nodes, LEVELS, HOLD, now, unit,
+                                   REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, s, self._heap)
         self._queued += len(nodes)
         if self._queued > self._limit:
             self._compact()

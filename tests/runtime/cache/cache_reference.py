@@ -229,7 +229,7 @@ def ghost_ages(ghost: np.ndarray, nodes: np.ndarray, ages: np.ndarray) -> None:
 
 def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: np.ndarray, nodes: np.ndarray,
               levels: np.ndarray, hold_by_uses: np.ndarray, now: int, unit: float, far1: float, far2: float,
-              span: int, serial: int) -> list[tuple[int, int, int, int]]:
+              span: int, serial: int, heap: list) -> int:
     h = hits[nodes]
     gap = ghost[nodes]
     ghost[nodes] = -1
@@ -247,7 +247,8 @@ def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: 
     ends = starts[1:] + [len(nodes)]
     for j, (a, b) in enumerate(zip(starts, ends)):
         stamp[nodes[a:b]] = serial + j
-    return [(a, b, int(prio[a]), int(lv[a])) for a, b in zip(starts, ends)]
+        heapq.heappush(heap, [int(prio[a]), int(lv[a]), serial + j, serial + j, nodes[a:b], -1])
+    return len(starts)
 
 
 # ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py)
@@ -342,8 +343,9 @@ def drop_host_nodes(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, node
     return freed, -1, -1
 
 
-def finish_swap_out(f: np.ndarray, nodes: np.ndarray, task: np.ndarray, task_id: int, rows: tuple, swap2cpu: int,
-                    cpu: int) -> list[int] | None:
+def finish_swap_out(f: np.ndarray, node_list: list[int], nodes: np.ndarray, task: np.ndarray, task_id: int,
+                    rows: tuple, swap2cpu: int, cpu: int) -> list[int] | None:
+    nodes[:] = node_list
     dev, state = rows
     if not ((task[nodes] == task_id).all() and (f[state, nodes] == swap2cpu).all()):
         return None

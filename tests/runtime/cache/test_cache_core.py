@@ -4,6 +4,8 @@ after every request of a workload with shared prefixes, branches and eviction, t
 code run once with each C function and once with its reference in its place."""
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
 
@@ -280,14 +282,18 @@ def test_policy_bookkeeping_in_c_equals_numpy():
         unit = float(rng.choice([0.0, rng.random() * 30, 200.0]))
         turnover = float(rng.random() * 60) if case % 2 else float(rng.integers(1, 60))  # ties too
         now, serial = int(rng.integers(50, 99)), int(rng.integers(0, 1000))
+        heap = [[int(p), 0, -j - 1, -j - 1, [j], 0] for j, p in enumerate(rng.integers(0, 200, 12) * LEVEL_SPAN)]
+        heapq.heapify(heap)  # entries already queued: the runs' entries go among them
         outs = []
         for impl in ((policy_release, policy_discard, gaps_rank),
                      (ref.policy_release, ref.policy_discard, ref.gaps_rank)):
             a = {k: v.copy() for k, v in arrays.items()}
+            h = [e.copy() for e in heap]
             got = [impl[0](hits, a["matched"], a["released"], nodes, now),
                    impl[2](hits, a["ghost"], a["prio"], a["stamp"], nodes, LEVELS, HOLD, now, unit,
-                           6.0 * turnover, 10.0 * turnover, LEVEL_SPAN, serial)]
+                           6.0 * turnover, 10.0 * turnover, LEVEL_SPAN, serial, h)]
             got.append(impl[1](a["stamp"], a["released"], a["matched"], nodes[::2].copy(), now + 1, turnover))
+            got.append([e[:4] + [np.asarray(e[4]).tolist(), e[5]] for e in h])
             outs.append((got, {k: v.tolist() for k, v in a.items()}))
         assert outs[0] == outs[1], f"case {case}"
     with pytest.raises(IndexError):
