@@ -134,8 +134,10 @@ static int vtake_bufs(bufs *v, const char *what, const char *spec, va_list ap) {
             PyErr_Format(PyExc_SystemError, "%s: bad buffer spec %s", what, spec);
             goto fail;
         }
+        /* (the format only where it is checked: numpy builds it for each new array asked) */
+        int format = strchr("mni", lower) ? PyBUF_FORMAT : 0;
         if (PyObject_GetBuffer(va_arg(ap, PyObject *), b,
-                               (*c != lower ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+                               (*c != lower ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | format) < 0)
             goto fail;
         v->n++;
         if (!fits(b, lower)) {
