@@ -191,6 +191,16 @@ static int row_tuple(PyObject *rows, Py_ssize_t n, const Py_buffer *f, long *r, 
     return 0;
 }
 
+/* The int `item` as an index below `n` into *out; -1 with an exception (IndexError if out of range). */
+static int index_below(PyObject *item, Py_ssize_t n, Py_ssize_t *out, const char *what) {
+    *out = PyLong_AsSsize_t(item);
+    if (*out >= 0 && *out < n)
+        return 0;
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_IndexError, "%s: index out of range", what);
+    return -1;
+}
+
 /* Append the new object `x` (NULL: its creation failed) to `list`, taking it over; -1 on failure. */
 static int append_new(PyObject *list, PyObject *x) {
     int r = x == NULL ? -1 : PyList_Append(list, x);
@@ -527,12 +537,9 @@ static PyObject *drop_run(PyObject *self, PyObject *args) {
         goto done;
     Py_ssize_t ntop = PySequence_Fast_GET_SIZE(ft);
     for (Py_ssize_t j = 0; j < ntop; j++) {
-        Py_ssize_t t = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j));
-        if (t < 0 || t >= m) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_IndexError, "drop_run: top index out of range");
+        Py_ssize_t t;
+        if (index_below(PySequence_Fast_GET_ITEM(ft, j), m, &t, "drop_run") < 0)
             goto done;
-        }
         int32_t v = drop[t], q = PARENT[v], b = PREV[v], a = NEXT[v];
         if (q < 0 || q >= ncols || b >= ncols || a >= ncols) {
             PyErr_SetString(PyExc_ValueError, "drop_run: a top's links are out of range");
@@ -1172,16 +1179,13 @@ static PyObject *policy_discard(PyObject *self, PyObject *args) {
 /* ghost_ages(ghost, nodes, ages): ghost[nodes[i]] = the largest of ages[0..i] (int64; nodes int32,
    one age each): `ReuseGaps.recorded`, a running maximum scattered to the nodes. */
 static PyObject *ghost_ages(PyObject *self, PyObject *args) {
-    PyObject *gobj, *nobj, *aobj;
+    PyObject *g, *n, *a;
     bufs bv;
-    if (!PyArg_ParseTuple(args, "OOO", &gobj, &nobj, &aobj))
+    if (!PyArg_ParseTuple(args, "OOO", &g, &n, &a) || take_bufs(&bv, "ghost_ages", "Qn=q", g, n, a) < 0)
         return NULL;
-    if (take_bufs(&bv, "ghost_ages", "Qn=q", gobj, nobj, aobj) < 0)
-        return NULL;
-    int64_t *ghost = bv.b[0].buf;
     const int32_t *nodes = bv.b[1].buf;
     const int64_t *ages = bv.b[2].buf;
-    int64_t run = INT64_MIN;
+    int64_t *ghost = bv.b[0].buf, run = INT64_MIN;
     for (Py_ssize_t i = 0; i < bv.b[1].shape[0]; i++) {
         run = ages[i] > run ? ages[i] : run;
         ghost[nodes[i]] = run;
@@ -1541,12 +1545,9 @@ static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
     int32_t *M = f->buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols, *nodes = nb->buf;
     int64_t *task = tb->buf;
     for (Py_ssize_t i = 0; i < m; i++) {
-        long v = PyLong_AsLong(PyList_GET_ITEM(list, i));
-        if (v < 0 || v >= ncols) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_IndexError, "finish_swap_out: node id out of range");
+        Py_ssize_t v;
+        if (index_below(PyList_GET_ITEM(list, i), ncols, &v, "finish_swap_out") < 0)
             goto done;
-        }
         nodes[i] = (int32_t)v;
     }
     for (Py_ssize_t i = 0; i < m; i++)
