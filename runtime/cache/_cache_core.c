@@ -1,7 +1,8 @@
 /* The prefix cache's per-block inner loops in C: chained block keys (runtime/cache/keys.py), the
 use-count sketch's updates (runtime/cache/use_sketch.py), the node matrix work of matching,
-recording, releasing and evicting (runtime/cache/match.py, eviction.py, tasks.py) and the `reuse`
-family of policies' per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py).
+recording, releasing and evicting (runtime/cache/match.py, eviction.py, tasks.py), the `reuse`
+family of policies' per-node bookkeeping and heap (runtime/cache/policies/reuse.py, gaps.py) and
+the sampled shadow LRU's step per request (runtime/cache/shadow_lru.py).
 
 Why C: in Python each costs a call or a few numpy operations per block or per request of a
 couple of hundred blocks (a key slice, concatenation and hash call per block; a join, a view
