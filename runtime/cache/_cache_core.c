@@ -1,7 +1,8 @@
 /* The prefix cache's per-block inner loops in C: chained block keys (runtime/cache/keys.py), the
 use-count sketch's updates (runtime/cache/use_sketch.py), the node matrix work of matching,
-recording, releasing and evicting (runtime/cache/match.py, eviction.py, tasks.py) and the `reuse`
-family of policies' per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py).
+recording, releasing and evicting (runtime/cache/match.py, eviction.py, tasks.py), the `reuse`
+family of policies' per-node bookkeeping and heap (runtime/cache/policies/reuse.py, gaps.py) and
+the sampled shadow LRU's step per request (runtime/cache/shadow_lru.py).
 
 Why C: in Python each costs a call or a few numpy operations per block or per request of a
 couple of hundred blocks (a key slice, concatenation and hash call per block; a join, a view
@@ -13,13 +14,14 @@ lives on in tests/runtime/cache/cache_reference.py as the reference (tests compa
   `xxhash` package (a dependency) already loaded: its extension module exports XXH3_128bits, so
   the module looks it up there at init (dlsym) and builds with nothing but Python's headers,
   the same function computing the same bytes as the package does (checked at init).
-- sketch_add / sketch_count / sketch_stamp: a 16-byte key's two slots are its first 8 bytes (native byte order,
+- sketch_add / sketch_count: a 16-byte key's two slots are its first 8 bytes (native byte order,
   as numpy reads them) masked, and the same shifted right by 32, masked; adding is numpy's
   gather-then-scatter `row[slots] = minimum(row[slots], 254) + 1` (a slot that two keys share
   gains one, not two). Either returns False, changing nothing, if a key is not 16 bytes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -81,6 +83,199 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     return out;
 }
 
+static int is_int32(const Py_buffer *b) {
+    size_t n = b->format ? strlen(b->format) : 0;
+    return b->itemsize == 4 && n && b->format[n - 1] == 'i' && (n == 1 || strchr("@=<", b->format[0]));
+}
+
+/* ---- arguments: the buffers a function reads and writes, taken, checked and released together
+
+take_bufs(&v, what, spec, obj...): one buffer per letter of `spec`, from the objects that
+follow it: 'm' the node matrix (int32, 2-D, C order), 'n' node ids (int32, each a column of the
+matrix, the first buffer, or where there is none below the length of the buffer before them),
+'i' an int32 vector, 'b',
+'u', 'q' vectors of 1-, 4- and 8-byte items; upper case: written too. '=' before a letter: as
+long as the buffer before it. 0, or -1 with an exception set and nothing held; `drop_bufs`
+releases them. */
+#define MAX_BUFS 8
+typedef struct {
+    Py_buffer b[MAX_BUFS];
+    int n;
+} bufs;
+
+static void drop_bufs(bufs *v) {
+    for (int i = 0; i < v->n; i++)
+        PyBuffer_Release(&v->b[i]);
+    v->n = 0;
+}
+
+/* Does buffer `b` fit letter `c` (lower case) of a take_bufs spec? */
+static int fits(const Py_buffer *b, char c) {
+    if (c == 'm')
+        return b->ndim == 2 && is_int32(b);
+    if (b->ndim != 1)
+        return 0;
+    if (c == 'i' || c == 'n')
+        return is_int32(b);
+    return b->itemsize == (c == 'b' ? 1 : c == 'u' ? 4 : 8);
+}
+
+static int vtake_bufs(bufs *v, const char *what, const char *spec, va_list ap) {
+    static const char *kinds = "m: an int32 matrix; n, i: an int32 vector; b, u, q: a vector of 1-, 4-, 8-byte items";
+    v->n = 0;
+    int same = 0;
+    for (const char *c = spec; *c; c++) {
+        if (*c == '=') {
+            same = 1;
+            continue;
+        }
+        char lower = (char)(*c | 0x20);
+        Py_buffer *b = &v->b[v->n];
+        if (v->n == MAX_BUFS || strchr("mnibuq", lower) == NULL) {
+            PyErr_Format(PyExc_SystemError, "%s: bad buffer spec %s", what, spec);
+            goto fail;
+        }
+        /* (the format only where it is checked: numpy builds it for each new array asked) */
+        int format = strchr("mni", lower) ? PyBUF_FORMAT : 0;
+        if (PyObject_GetBuffer(va_arg(ap, PyObject *), b,
+                               (*c != lower ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | format) < 0)
+            goto fail;
+        v->n++;
+        if (!fits(b, lower)) {
+            PyErr_Format(PyExc_ValueError, "%s: argument %d is not %c (%s)", what, v->n, lower, kinds);
+            goto fail;
+        }
+        if (same && b->shape[0] != b[-1].shape[0]) {
+            PyErr_Format(PyExc_ValueError, "%s: argument %d must be as long as the one before it", what, v->n);
+            goto fail;
+        }
+        same = 0;
+        if (lower == 'n') {
+            const int32_t *id = b->buf;
+            Py_ssize_t cap = v->b[0].ndim == 2 ? v->b[0].shape[1] : v->n < 2 ? 0 : b[-1].shape[0];
+            for (Py_ssize_t i = 0; i < b->shape[0]; i++)
+                if (id[i] < 0 || id[i] >= cap) {
+                    PyErr_Format(PyExc_IndexError, "%s: node id out of range", what);
+                    goto fail;
+                }
+        }
+    }
+    return 0;
+fail:
+    drop_bufs(v);
+    return -1;
+}
+
+static int take_bufs(bufs *v, const char *what, const char *spec, ...) {
+    va_list ap;
+    va_start(ap, spec);
+    int r = vtake_bufs(v, what, spec, ap);
+    va_end(ap);
+    return r;
+}
+
+/* The row indices of `rows` (a tuple of `n` ints, each a row of `f`) into r[]; -1 with an
+   exception if not. */
+static int row_tuple(PyObject *rows, Py_ssize_t n, const Py_buffer *f, long *r, const char *what) {
+    if (!PyTuple_Check(rows) || PyTuple_GET_SIZE(rows) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: rows must be a tuple of %zd", what, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
+        if (r[i] < 0 || r[i] >= f->shape[0]) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s: row out of range", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The int `item` as an index below `n` into *out; -1 with an exception (IndexError if out of range). */
+static int index_below(PyObject *item, Py_ssize_t n, Py_ssize_t *out, const char *what) {
+    *out = PyLong_AsSsize_t(item);
+    if (*out >= 0 && *out < n)
+        return 0;
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_IndexError, "%s: index out of range", what);
+    return -1;
+}
+
+/* Append the new object `x` (NULL: its creation failed) to `list`, taking it over; -1 on failure. */
+static int append_new(PyObject *list, PyObject *x) {
+    int r = x == NULL ? -1 : PyList_Append(list, x);
+    Py_XDECREF(x);
+    return r;
+}
+
+static int append_long(PyObject *list, long x) {
+    return append_new(list, PyLong_FromLong(x));
+}
+
+/* The values a freed node's column is reset to: the tuple `reset`, one int per row of `f`, into
+v[] (room for MAX_ROWS); -1 with an exception if not. */
+#define MAX_ROWS 32
+static int reset_column(PyObject *reset, const Py_buffer *f, int32_t *v, const char *what) {
+    Py_ssize_t nrows = f->shape[0];
+    if (!PyTuple_Check(reset) || PyTuple_GET_SIZE(reset) != nrows || nrows > MAX_ROWS) {
+        PyErr_Format(PyExc_ValueError, "%s: reset must be a tuple of one int per row", what);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
+        if (x == -1 && PyErr_Occurred())
+            return -1;
+        v[i] = (int32_t)x;
+    }
+    return 0;
+}
+
+/* ---- node surgery shared by the eviction functions (the rows of one node matrix) */
+
+/* `_detach_sibling`: node v leaves its parent p's child list (and continuation). */
+static void detach(int32_t *CHILD, int32_t *NEXT, int32_t *PREV, int32_t *CONT, int32_t p, int32_t v) {
+    int32_t b = PREV[v], a = NEXT[v];
+    if (CONT[p] == v)
+        CONT[p] = -1;
+    if (b >= 0)
+        NEXT[b] = a;
+    else
+        CHILD[p] = a;
+    if (a >= 0)
+        PREV[a] = b;
+}
+
+/* Node v's column freed: its key slot cleared, its fields reset to reset_v, its id on the free-id
+   stack. */
+static void free_column(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, const int32_t *reset_v, PyObject *node_keys,
+                        int32_t *stack, int32_t v) {
+    PyObject *old = PyList_GET_ITEM(node_keys, v);
+    Py_INCREF(Py_None);
+    PyList_SET_ITEM(node_keys, v, Py_None);
+    Py_XDECREF(old);
+    for (Py_ssize_t k = 0; k < nrows; k++)
+        M[k * ncols + v] = reset_v[k];
+    *stack = v;
+}
+
+/* Ask for the key object of node ids[i + KEY_AHEAD] (of n) ahead of its use: a run's keys were
+   made long ago and are scattered in memory, and reading (or freeing) each in turn waits for
+   memory once per node; asked for a few nodes ahead, the waits overlap. */
+#define KEY_AHEAD 8
+static inline void key_ahead(PyObject *node_keys, const int32_t *ids, Py_ssize_t i, Py_ssize_t n) {
+    if (i + KEY_AHEAD < n)
+        __builtin_prefetch(PyList_GET_ITEM(node_keys, ids[i + KEY_AHEAD]), 1);
+}
+
+/* Is node p queued in the eviction policy (`p in policy`)? 1, 0, or -1 with an exception. */
+static int queued(PyObject *policy, long p) {
+    PyObject *x = PyLong_FromLong(p);
+    int r = x ? PySequence_Contains(policy, x) : -1;
+    Py_XDECREF(x);
+    return r;
+}
+
 /* The two slots of each of `n` 16-byte keys; 0 if one is not 16 bytes (or `keys` is no sequence). */
 static int key_slots(PyObject *fast, uint64_t mask, uint64_t *a, uint64_t *b) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -110,42 +305,54 @@ static uint64_t *new_key_slots(PyObject *fast, uint64_t mask, int *ok) {
     return slots;
 }
 
-/* Parse (row0, row1, keys, mask[, out]) for the sketch functions; slots of the keys in a[], b[]. */
+/* The sketch functions' arguments: the buffers `spec` names (take_bufs; the first `rows` are rows,
+each longer than the mask), the keys and the slots of the keys (a[] then b[], 2n); ok is 0 where a
+key is not 16 bytes. */
 typedef struct {
-    Py_buffer r0, r1, out;
+    bufs v;
     PyObject *fast;
     uint64_t *slots;
     Py_ssize_t n;
     int ok;
 } sketch_args;
 
-static int sketch_begin(PyObject *args, sketch_args *s, int with_out) {
-    PyObject *keys;
-    unsigned long long mask;
+static int sketch_begin(sketch_args *s, const char *what, PyObject *keys, unsigned long long mask, int rows,
+                        const char *spec, ...) {
     memset(s, 0, sizeof *s);
-    int parsed = with_out ? PyArg_ParseTuple(args, "w*w*OKw*", &s->r0, &s->r1, &keys, &mask, &s->out)
-                          : PyArg_ParseTuple(args, "w*w*OK", &s->r0, &s->r1, &keys, &mask);
-    if (!parsed)
+    va_list ap;
+    va_start(ap, spec);
+    int got = vtake_bufs(&s->v, what, spec, ap);
+    va_end(ap);
+    if (got < 0)
         return -1;
     s->fast = PySequence_Fast(keys, "keys must be a sequence");
     if (s->fast == NULL)
         return -1;
     s->n = PySequence_Fast_GET_SIZE(s->fast);
-    if ((Py_ssize_t)mask >= s->r0.len || (Py_ssize_t)mask >= s->r1.len ||
-        (with_out && s->out.len < s->n * (Py_ssize_t)sizeof(int32_t))) {
-        PyErr_SetString(PyExc_ValueError, "sketch rows shorter than the mask, or output too short");
-        return -1;
-    }
+    for (int i = 0; i < rows; i++)
+        if ((Py_ssize_t)mask >= s->v.b[i].shape[0]) {
+            PyErr_Format(PyExc_ValueError, "%s: sketch rows shorter than the mask", what);
+            return -1;
+        }
     s->slots = new_key_slots(s->fast, mask, &s->ok);
     return s->slots == NULL ? -1 : 0;
 }
 
-static void sketch_end(sketch_args *s) {
+/* Is buffer `i` of the sketch arguments at least `n` items long? Else a ValueError. */
+static int sketch_room(sketch_args *s, int i, Py_ssize_t n, const char *what) {
+    if (s->v.b[i].shape[0] >= n)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s: argument %d shorter than the keys", what, i + 1);
+    return -1;
+}
+
+/* Release the arguments; returns `res` (a new reference; NULL stays NULL, an error). */
+static PyObject *sketch_end(sketch_args *s, PyObject *res) {
     PyMem_Free(s->slots);
     Py_XDECREF(s->fast);
-    if (s->r0.obj) PyBuffer_Release(&s->r0);
-    if (s->r1.obj) PyBuffer_Release(&s->r1);
-    if (s->out.obj) PyBuffer_Release(&s->out);
+    drop_bufs(&s->v);
+    Py_XINCREF(res);
+    return res;
 }
 
 static void add_row(uint8_t *row, const uint64_t *slot, Py_ssize_t n, uint8_t *tmp) {
@@ -155,102 +362,67 @@ static void add_row(uint8_t *row, const uint64_t *slot, Py_ssize_t n, uint8_t *t
         row[slot[i]] = tmp[i];
 }
 
+/* sketch_add(row0, row1, keys, mask[, stamps0, stamps1, now, ages]) -> False if a key is not 16
+   bytes (nothing changed). With the stamps (the timed sketch's last uses, uint32 rows), first
+   ages[i] (int64) = now - the older of key i's two stamps, or -1 where that is 0 (never
+   stamped), then both stamps of every key become `now`, all reads before the writes as numpy's
+   gather-then-scatter does; then the counts are added. One pass over the keys' slots for both. */
 static PyObject *sketch_add(PyObject *self, PyObject *args) {
+    PyObject *r0, *r1, *keys, *s0 = NULL, *s1 = NULL, *ages = NULL, *res = NULL;
+    unsigned long long mask;
+    unsigned long now = 0;
     sketch_args s;
-    PyObject *res = NULL;
-    if (sketch_begin(args, &s, 0) == 0) {
-        if (s.ok) {
-            uint8_t *tmp = PyMem_Malloc(s.n ? s.n : 1);
-            if (tmp == NULL) {
-                PyErr_NoMemory();
-            } else {
-                add_row(s.r0.buf, s.slots, s.n, tmp);
-                add_row(s.r1.buf, s.slots + s.n, s.n, tmp);
-                PyMem_Free(tmp);
-                res = Py_True;
-            }
-        } else {
-            res = Py_False;
+    if (!PyArg_ParseTuple(args, "OOOK|OOkO", &r0, &r1, &keys, &mask, &s0, &s1, &now, &ages))
+        return NULL;
+    int timed = ages != NULL;
+    if (sketch_begin(&s, "sketch_add", keys, mask, timed ? 4 : 2, timed ? "BBUUQ" : "BB", r0, r1, s0, s1, ages) < 0 ||
+        (timed && sketch_room(&s, 4, s.n, "sketch_add") < 0))
+        goto done;
+    uint8_t *tmp = PyMem_Malloc(s.n ? s.n : 1);
+    if (tmp == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const uint64_t *a = s.slots, *b = s.slots + s.n;
+    if (s.ok && timed) {
+        uint32_t *t0 = s.v.b[2].buf, *t1 = s.v.b[3].buf;
+        int64_t *out = s.v.b[4].buf;
+        for (Py_ssize_t i = 0; i < s.n; i++) {
+            uint32_t last = t0[a[i]] < t1[b[i]] ? t0[a[i]] : t1[b[i]];
+            out[i] = last ? (int64_t)now - (int64_t)last : -1;
+        }
+        for (Py_ssize_t i = 0; i < s.n; i++) {
+            t0[a[i]] = (uint32_t)now;
+            t1[b[i]] = (uint32_t)now;
         }
     }
-    sketch_end(&s);
-    Py_XINCREF(res);
-    return res;
+    if (s.ok) {
+        add_row(s.v.b[0].buf, a, s.n, tmp);
+        add_row(s.v.b[1].buf, b, s.n, tmp);
+    }
+    PyMem_Free(tmp);
+    res = s.ok ? Py_True : Py_False;
+done:
+    return sketch_end(&s, res);
 }
 
 static PyObject *sketch_count(PyObject *self, PyObject *args) {
-    sketch_args s;
-    PyObject *res = NULL;
-    if (sketch_begin(args, &s, 1) == 0) {
-        if (s.ok) {
-            const uint8_t *r0 = s.r0.buf, *r1 = s.r1.buf;
-            int32_t *out = s.out.buf;
-            const uint64_t *a = s.slots, *b = s.slots + s.n;
-            for (Py_ssize_t i = 0; i < s.n; i++)
-                out[i] = r0[a[i]] < r1[b[i]] ? r0[a[i]] : r1[b[i]];
-            res = Py_True;
-        } else {
-            res = Py_False;
-        }
-    }
-    sketch_end(&s);
-    Py_XINCREF(res);
-    return res;
-}
-
-/* sketch_stamp(stamps0, stamps1, keys, mask, now, ages): the timed sketch's last-use stamps
-   (uint32 rows): ages[i] (int64) = now - the older of key i's two stamps, or -1 where that is
-   0 (never stamped); then both stamps of every key become `now`. All reads come before the
-   writes, as numpy's gather-then-scatter does. False (nothing changed) if a key is not 16 bytes. */
-static PyObject *sketch_stamp(PyObject *self, PyObject *args) {
-    Py_buffer s0 = {0}, s1 = {0}, ages = {0};
-    PyObject *keys, *fast = NULL, *res = NULL;
+    PyObject *r0, *r1, *keys, *out, *res = NULL;
     unsigned long long mask;
-    unsigned long now;
-    uint64_t *slots = NULL;
-    if (!PyArg_ParseTuple(args, "w*w*OKkw*", &s0, &s1, &keys, &mask, &now, &ages))
+    sketch_args s;
+    if (!PyArg_ParseTuple(args, "OOOKO", &r0, &r1, &keys, &mask, &out))
         return NULL;
-    fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL)
+    if (sketch_begin(&s, "sketch_count", keys, mask, 2, "bbI", r0, r1, out) < 0 ||
+        sketch_room(&s, 2, s.n, "sketch_count") < 0)
         goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    if (s0.itemsize != 4 || s1.itemsize != 4 || ages.itemsize != 8 ||
-        (Py_ssize_t)mask >= s0.len / 4 || (Py_ssize_t)mask >= s1.len / 4 || ages.len < n * 8) {
-        PyErr_SetString(PyExc_ValueError, "stamp rows must be uint32 longer than the mask, ages int64 of len(keys)");
-        goto done;
-    }
-    int ok;
-    if ((slots = new_key_slots(fast, mask, &ok)) == NULL)
-        goto done;
-    if (!ok) {
-        res = Py_False;
-        goto done;
-    }
-    uint32_t *r0 = s0.buf, *r1 = s1.buf;
-    int64_t *out = ages.buf;
-    const uint64_t *a = slots, *b = slots + n;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t last = r0[a[i]] < r1[b[i]] ? r0[a[i]] : r1[b[i]];
-        out[i] = last ? (int64_t)now - (int64_t)last : -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        r0[a[i]] = (uint32_t)now;
-        r1[b[i]] = (uint32_t)now;
-    }
-    res = Py_True;
+    const uint8_t *a0 = s.v.b[0].buf, *a1 = s.v.b[1].buf;
+    int32_t *o = s.v.b[2].buf;
+    const uint64_t *a = s.slots, *b = s.slots + s.n;
+    for (Py_ssize_t i = 0; s.ok && i < s.n; i++)
+        o[i] = a0[a[i]] < a1[b[i]] ? a0[a[i]] : a1[b[i]];
+    res = s.ok ? Py_True : Py_False;
 done:
-    PyMem_Free(slots);
-    Py_XDECREF(fast);
-    if (s0.obj) PyBuffer_Release(&s0);
-    if (s1.obj) PyBuffer_Release(&s1);
-    if (ages.obj) PyBuffer_Release(&ages);
-    Py_XINCREF(res);
-    return res;
-}
-
-static int is_int32(const Py_buffer *b) {
-    size_t n = b->format ? strlen(b->format) : 0;
-    return b->itemsize == 4 && n && b->format[n - 1] == 'i' && (n == 1 || strchr("@=<", b->format[0]));
+    return sketch_end(&s, res);
 }
 
 /* new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): the columns `ids` (int32) of the
@@ -260,35 +432,20 @@ static int is_int32(const Py_buffer *b) {
    (0 for the last), rows[5] (STATE) `gpu`; and node_keys[id] = keys[j]. What
    `MatchRecord._new_chain` wrote with a dozen numpy operations and a loop. */
 static PyObject *new_chain(PyObject *self, PyObject *args) {
-    Py_buffer f = {0}, ids = {0};
+    bufs bv;
     long parent, gpu;
     PyObject *fobj, *idobj, *blocks, *rows, *node_keys, *keys, *res = NULL;
     PyObject *fb = NULL, *fk = NULL;
     if (!PyArg_ParseTuple(args, "OOlOOlO!O", &fobj, &idobj, &parent, &blocks, &rows, &gpu,
                           &PyList_Type, &node_keys, &keys))
         return NULL;
-    if (PyObject_GetBuffer(fobj, &f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (take_bufs(&bv, "new_chain", "Mn", fobj, idobj) < 0)
         return NULL;
-    if (PyObject_GetBuffer(idobj, &ids, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&f);
-        return NULL;
-    }
-    Py_ssize_t k = ids.len / (Py_ssize_t)sizeof(int32_t);
+    const Py_buffer *f = &bv.b[0];
+    Py_ssize_t k = bv.b[1].shape[0], ncols = f->shape[1], nkeys = PyList_GET_SIZE(node_keys);
     long r[7];
-    if (f.ndim != 2 || !is_int32(&f) || ids.ndim != 1 || !is_int32(&ids) || !PyTuple_Check(rows) ||
-        PyTuple_GET_SIZE(rows) != 7) {
-        PyErr_SetString(PyExc_ValueError, "new_chain: f must be a C-ordered int32 matrix, ids int32, 7 rows");
+    if (row_tuple(rows, 7, f, r, "new_chain") < 0)
         goto done;
-    }
-    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], nkeys = PyList_GET_SIZE(node_keys);
-    for (int i = 0; i < 7; i++) {
-        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
-        if (r[i] < 0 || r[i] >= nrows) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "new_chain: row out of range");
-            goto done;
-        }
-    }
     fb = PySequence_Fast(blocks, "blocks must be a sequence");
     fk = fb ? PySequence_Fast(keys, "keys must be a sequence") : NULL;
     if (fk == NULL)
@@ -297,9 +454,9 @@ static PyObject *new_chain(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "new_chain: ids, blocks and keys differ in length");
         goto done;
     }
-    const int32_t *id = ids.buf;
+    const int32_t *id = bv.b[1].buf;
     for (Py_ssize_t j = 0; j < k; j++) { /* check everything before writing anything */
-        if (id[j] < 0 || id[j] >= ncols || id[j] >= nkeys) {
+        if (id[j] >= nkeys) {
             PyErr_SetString(PyExc_IndexError, "new_chain: node id out of range");
             goto done;
         }
@@ -311,7 +468,7 @@ static PyObject *new_chain(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    int32_t *m = f.buf;
+    int32_t *m = f->buf;
     for (Py_ssize_t j = 0; j < k; j++) {
         Py_ssize_t c = id[j];
         int32_t next = j + 1 < k ? id[j + 1] : -1;
@@ -333,8 +490,7 @@ static PyObject *new_chain(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(fb);
     Py_XDECREF(fk);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&ids);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -351,75 +507,45 @@ done:
 static PyObject *drop_run(PyObject *self, PyObject *args) {
     PyObject *fobj, *dobj, *pobj, *sobj, *top, *rows, *reset, *node_keys, *kmap, *devs;
     Py_ssize_t at;
-    Py_buffer f = {0}, d = {0}, p = {0}, st = {0};
+    bufs bv;
     PyObject *res = NULL, *ft = NULL, *freed = NULL;
     if (!PyArg_ParseTuple(args, "OOOOOOO!O!O!On", &fobj, &dobj, &pobj, &top, &rows, &reset,
                           &PyList_Type, &node_keys, &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at))
         return NULL;
-    if (PyObject_GetBuffer(fobj, &f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(dobj, &d, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(pobj, &p, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
-    if (f.ndim != 2 || !is_int32(&f) || d.ndim != 1 || !is_int32(&d) || p.ndim != 1 || !is_int32(&p) ||
-        st.ndim != 1 || !is_int32(&st) || d.shape[0] != p.shape[0] || !PyTuple_Check(rows) ||
-        PyTuple_GET_SIZE(rows) != 7 || !PyTuple_Check(reset) || PyTuple_GET_SIZE(reset) != f.shape[0]) {
-        PyErr_SetString(PyExc_ValueError, "drop_run: bad argument shapes or types");
-        goto done;
-    }
-    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], m = d.shape[0];
-    Py_ssize_t nkeys = PyList_GET_SIZE(node_keys);
+    if (take_bufs(&bv, "drop_run", "Mn=nI", fobj, dobj, pobj, sobj) < 0)
+        return NULL;
+    const Py_buffer *f = &bv.b[0];
+    Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = bv.b[1].shape[0];
     long r[7];
-    for (int i = 0; i < 7; i++) {
-        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
-        if (r[i] < 0 || r[i] >= nrows) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "drop_run: row out of range");
-            goto done;
-        }
+    int32_t reset_v[MAX_ROWS];
+    if (row_tuple(rows, 7, f, r, "drop_run") < 0 || reset_column(reset, f, reset_v, "drop_run") < 0)
+        goto done;
+    if (PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_run: a key slot per node");
+        goto done;
     }
-    int32_t *M = f.buf;
-    const int32_t *drop = d.buf, *par = p.buf;
+    int32_t *M = f->buf;
+    const int32_t *drop = bv.b[1].buf, *par = bv.b[2].buf;
     int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
             *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *NDEV = M + r[5] * ncols,
             *DEV = M + r[6] * ncols;
-    if (at < 0 || at + m > st.shape[0]) {
+    if (at < 0 || at + m > bv.b[3].shape[0]) {
         PyErr_SetString(PyExc_IndexError, "drop_run: the free-id stack overflows");
         goto done;
-    }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (drop[i] < 0 || drop[i] >= ncols || drop[i] >= nkeys || par[i] < 0 || par[i] >= ncols) {
-            PyErr_SetString(PyExc_IndexError, "drop_run: node id out of range");
-            goto done;
-        }
     }
     ft = PySequence_Fast(top, "top must be a sequence");
     if (ft == NULL)
         goto done;
     Py_ssize_t ntop = PySequence_Fast_GET_SIZE(ft);
     for (Py_ssize_t j = 0; j < ntop; j++) {
-        Py_ssize_t t = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j));
-        if (t < 0 || t >= m) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_IndexError, "drop_run: top index out of range");
+        Py_ssize_t t;
+        if (index_below(PySequence_Fast_GET_ITEM(ft, j), m, &t, "drop_run") < 0)
             goto done;
-        }
         int32_t v = drop[t], q = PARENT[v], b = PREV[v], a = NEXT[v];
         if (q < 0 || q >= ncols || b >= ncols || a >= ncols) {
             PyErr_SetString(PyExc_ValueError, "drop_run: a top's links are out of range");
             goto done;
         }
-    }
-    int32_t reset_v[32];
-    if (nrows > 32) {
-        PyErr_SetString(PyExc_ValueError, "drop_run: too many rows");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < nrows; i++) {
-        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
-        if (x == -1 && PyErr_Occurred())
-            goto done;
-        reset_v[i] = (int32_t)x;
     }
     freed = PyList_New(0);
     if (freed == NULL)
@@ -430,51 +556,27 @@ static PyObject *drop_run(PyObject *self, PyObject *args) {
             goto done;
     }
     for (Py_ssize_t j = 0; j < ntop; j++) { /* `_detach_sibling`, then one device child fewer */
-        int32_t v = drop[PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j))];
-        int32_t q = PARENT[v], b = PREV[v], a = NEXT[v];
-        if (CONT[q] == v)
-            CONT[q] = -1;
-        if (b >= 0)
-            NEXT[b] = a;
-        else
-            CHILD[q] = a;
-        if (a >= 0)
-            PREV[a] = b;
+        int32_t v = drop[PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j))], q = PARENT[v];
+        detach(CHILD, NEXT, PREV, CONT, q, v);
         if (--NDEV[q] == 0) {
-            PyObject *x = PyLong_FromLong(q);
-            if (x == NULL || PyList_Append(freed, x) < 0) {
-                Py_XDECREF(x);
+            if (append_new(freed, PyLong_FromLong(q)) < 0)
                 goto done;
-            }
-            Py_DECREF(x);
         }
     }
-    int32_t *stack = st.buf;
+    int32_t *stack = bv.b[3].buf;
     for (Py_ssize_t i = 0; i < m; i++) {
         int32_t v = drop[i];
-        PyObject *x = PyLong_FromLong(DEV[v]);
-        if (x == NULL || PyList_Append(devs, x) < 0) {
-            Py_XDECREF(x);
+        key_ahead(node_keys, drop, i, m);
+        if (append_new(devs, PyLong_FromLong(DEV[v])) < 0)
             goto done;
-        }
-        Py_DECREF(x);
-        PyObject *old = PyList_GET_ITEM(node_keys, v);
-        Py_INCREF(Py_None);
-        PyList_SET_ITEM(node_keys, v, Py_None);
-        Py_XDECREF(old);
-        for (Py_ssize_t k = 0; k < nrows; k++)
-            M[k * ncols + v] = reset_v[k];
-        stack[at + i] = v;
+        free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
     }
     res = freed;
     freed = NULL;
 done:
     Py_XDECREF(freed);
     Py_XDECREF(ft);
-    if (f.obj) PyBuffer_Release(&f);
-    if (d.obj) PyBuffer_Release(&d);
-    if (p.obj) PyBuffer_Release(&p);
-    if (st.obj) PyBuffer_Release(&st);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -484,48 +586,28 @@ done:
    no cap) and by every earlier key's (a running minimum), and at least 0. `hits` is an int32
    row of the node matrix. */
 static PyObject *sketch_raise(PyObject *self, PyObject *args) {
-    PyObject *r0o, *r1o, *keys, *hobj, *nobj, *capo;
+    PyObject *r0, *r1, *keys, *hobj, *nobj, *capo, *res = NULL;
     unsigned long long mask;
-    Py_buffer r0 = {0}, r1 = {0}, h = {0}, nb = {0};
-    PyObject *fast = NULL, *res = NULL;
-    uint64_t *slots = NULL;
-    if (!PyArg_ParseTuple(args, "OOOKOOO", &r0o, &r1o, &keys, &mask, &hobj, &nobj, &capo))
+    sketch_args s;
+    if (!PyArg_ParseTuple(args, "OOOKOOO", &r0, &r1, &keys, &mask, &hobj, &nobj, &capo))
         return NULL;
-    if (PyObject_GetBuffer(r0o, &r0, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(r1o, &r1, PyBUF_SIMPLE) < 0 ||
-        PyObject_GetBuffer(hobj, &h, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (sketch_begin(&s, "sketch_raise", keys, mask, 2, "bbIn", r0, r1, hobj, nobj) < 0)
         goto done;
-    fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL)
-        goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    if ((Py_ssize_t)mask >= r0.len || (Py_ssize_t)mask >= r1.len || h.ndim != 1 || !is_int32(&h) ||
-        nb.ndim != 1 || !is_int32(&nb) || nb.shape[0] != n) {
-        PyErr_SetString(PyExc_ValueError, "sketch_raise: bad rows, hits or nodes");
+    if (s.v.b[3].shape[0] != s.n) {
+        PyErr_SetString(PyExc_ValueError, "sketch_raise: one node per key");
         goto done;
     }
     long cap = 0;
     int capped = capo != Py_None;
     if (capped && (cap = PyLong_AsLong(capo)) == -1 && PyErr_Occurred())
         goto done;
-    const int32_t *nodes = nb.buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (nodes[i] < 0 || nodes[i] >= h.shape[0]) {
-            PyErr_SetString(PyExc_IndexError, "sketch_raise: node id out of range");
-            goto done;
-        }
-    int ok;
-    if ((slots = new_key_slots(fast, mask, &ok)) == NULL)
-        goto done;
-    if (!ok) {
-        res = Py_False;
-        Py_INCREF(res);
-        goto done;
-    }
-    const uint8_t *a0 = r0.buf, *a1 = r1.buf;
-    int32_t *hits = h.buf;
+    const uint8_t *a0 = s.v.b[0].buf, *a1 = s.v.b[1].buf;
+    int32_t *hits = s.v.b[2].buf;
+    const int32_t *nodes = s.v.b[3].buf;
+    const uint64_t *slots = s.slots;
+    Py_ssize_t n = s.n;
     long run = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; s.ok && i < n; i++) {
         long c0 = a0[slots[i]], c1 = a1[slots[n + i]];
         long e = (c0 < c1 ? c0 : c1) - 1;
         if (i == 0)
@@ -536,41 +618,9 @@ static PyObject *sketch_raise(PyObject *self, PyObject *args) {
         if (hits[nodes[i]] < v)
             hits[nodes[i]] = (int32_t)v;
     }
-    res = Py_True;
-    Py_INCREF(res);
+    res = s.ok ? Py_True : Py_False;
 done:
-    PyMem_Free(slots);
-    Py_XDECREF(fast);
-    if (r0.obj) PyBuffer_Release(&r0);
-    if (r1.obj) PyBuffer_Release(&r1);
-    if (h.obj) PyBuffer_Release(&h);
-    if (nb.obj) PyBuffer_Release(&nb);
-    return res;
-}
-
-/* A node matrix (int32, C order) and an int32 vector of node ids in it, checked. */
-static int matrix_and_ids(PyObject *fobj, PyObject *iobj, Py_buffer *f, Py_buffer *ids) {
-    if (PyObject_GetBuffer(fobj, f, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    if (PyObject_GetBuffer(iobj, ids, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(f);
-        return -1;
-    }
-    if (f->ndim == 2 && is_int32(f) && ids->ndim == 1 && is_int32(ids)) {
-        const int32_t *id = ids->buf;
-        Py_ssize_t ncols = f->shape[1];
-        for (Py_ssize_t i = 0; i < ids->shape[0]; i++)
-            if (id[i] < 0 || id[i] >= ncols) {
-                PyErr_SetString(PyExc_IndexError, "node id out of range");
-                goto bad;
-            }
-        return 0;
-    }
-    PyErr_SetString(PyExc_ValueError, "need a C-ordered int32 matrix and int32 node ids");
-bad:
-    PyBuffer_Release(f);
-    PyBuffer_Release(ids);
-    return -1;
+    return sketch_end(&s, res);
 }
 
 static int row_index(long r, const Py_buffer *f) {
@@ -588,18 +638,19 @@ static int row_index(long r, const Py_buffer *f) {
 static PyObject *touch_device(PyObject *self, PyObject *args) {
     PyObject *fobj, *pobj;
     long rr, rh, rs, rd, gpu;
-    Py_buffer f, pb;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOlllll", &fobj, &pobj, &rr, &rh, &rs, &rd, &gpu))
         return NULL;
-    if (matrix_and_ids(fobj, pobj, &f, &pb) < 0)
+    if (take_bufs(&bv, "touch_device", "Mn", fobj, pobj) < 0)
         return NULL;
     PyObject *res = NULL, *blocks = NULL;
-    if (row_index(rr, &f) < 0 || row_index(rh, &f) < 0 || row_index(rs, &f) < 0 || row_index(rd, &f) < 0)
+    if (row_index(rr, &bv.b[0]) < 0 || row_index(rh, &bv.b[0]) < 0 || row_index(rs, &bv.b[0]) < 0 ||
+        row_index(rd, &bv.b[0]) < 0)
         goto done;
-    Py_ssize_t ncols = f.shape[1], n = pb.shape[0];
-    int32_t *M = f.buf;
+    Py_ssize_t ncols = bv.b[0].shape[1], n = bv.b[1].shape[0];
+    int32_t *M = bv.b[0].buf;
     int32_t *REF = M + rr * ncols, *HITS = M + rh * ncols, *STATE = M + rs * ncols, *DEV = M + rd * ncols;
-    const int32_t *path = pb.buf;
+    const int32_t *path = bv.b[1].buf;
     for (Py_ssize_t i = 0; i < n; i++)
         if (STATE[path[i]] != gpu) {
             res = Py_None;
@@ -626,8 +677,7 @@ static PyObject *touch_device(PyObject *self, PyObject *args) {
     res = Py_BuildValue("lO", unused, blocks);
 done:
     Py_XDECREF(blocks);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&pb);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -637,27 +687,22 @@ done:
 static PyObject *deref(PyObject *self, PyObject *args) {
     PyObject *fobj, *pobj, *oobj;
     long rr, rs, gpu;
-    Py_buffer f, pb, out;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOlllO", &fobj, &pobj, &rr, &rs, &gpu, &oobj))
         return NULL;
-    if (matrix_and_ids(fobj, pobj, &f, &pb) < 0)
+    if (take_bufs(&bv, "deref", "MnI", fobj, pobj, oobj) < 0)
         return NULL;
     PyObject *res = NULL;
-    if (PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&f);
-        PyBuffer_Release(&pb);
-        return NULL;
-    }
-    Py_ssize_t ncols = f.shape[1], n = pb.shape[0];
-    if (row_index(rr, &f) < 0 || row_index(rs, &f) < 0)
+    Py_ssize_t ncols = bv.b[0].shape[1], n = bv.b[1].shape[0];
+    if (row_index(rr, &bv.b[0]) < 0 || row_index(rs, &bv.b[0]) < 0)
         goto done;
-    if (out.ndim != 1 || !is_int32(&out) || out.shape[0] < n) {
-        PyErr_SetString(PyExc_ValueError, "deref: out must be int32, as long as the path");
+    if (bv.b[2].shape[0] < n) {
+        PyErr_SetString(PyExc_ValueError, "deref: out must be as long as the path");
         goto done;
     }
-    int32_t *M = f.buf, *o = out.buf;
+    int32_t *M = bv.b[0].buf, *o = bv.b[2].buf;
     int32_t *REF = M + rr * ncols, *STATE = M + rs * ncols;
-    const int32_t *path = pb.buf;
+    const int32_t *path = bv.b[1].buf;
     Py_ssize_t k = 0;
     int all_gpu = 1;
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
@@ -669,9 +714,7 @@ static PyObject *deref(PyObject *self, PyObject *args) {
     }
     res = Py_BuildValue("nO", k, all_gpu ? Py_True : Py_False);
 done:
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&pb);
-    PyBuffer_Release(&out);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -683,25 +726,16 @@ done:
 static PyObject *chain_tops(PyObject *self, PyObject *args) {
     PyObject *fobj, *cobj, *pobj;
     long rn;
-    Py_buffer f, cb, pb;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOOl", &fobj, &cobj, &pobj, &rn))
         return NULL;
-    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+    if (take_bufs(&bv, "chain_tops", "mn=i", fobj, cobj, pobj) < 0)
         return NULL;
     PyObject *res = NULL, *tops = NULL;
-    if (PyObject_GetBuffer(pobj, &pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&f);
-        PyBuffer_Release(&cb);
-        return NULL;
-    }
-    Py_ssize_t m = cb.shape[0];
-    if (row_index(rn, &f) < 0)
+    Py_ssize_t m = bv.b[1].shape[0];
+    if (row_index(rn, &bv.b[0]) < 0)
         goto done;
-    if (pb.ndim != 1 || !is_int32(&pb) || pb.shape[0] != m) {
-        PyErr_SetString(PyExc_ValueError, "chain_tops: par must be int32, as long as the run");
-        goto done;
-    }
-    const int32_t *cand = cb.buf, *par = pb.buf, *NDEV = (int32_t *)f.buf + rn * f.shape[1];
+    const int32_t *cand = bv.b[1].buf, *par = bv.b[2].buf, *NDEV = (int32_t *)bv.b[0].buf + rn * bv.b[0].shape[1];
     if (m && NDEV[cand[0]] != 0) {
         res = Py_None;
         Py_INCREF(res);
@@ -718,64 +752,14 @@ static PyObject *chain_tops(PyObject *self, PyObject *args) {
         goto done;
     for (Py_ssize_t i = 0; i < m; i++)
         if (i == m - 1 || par[i] != cand[i + 1]) {
-            PyObject *x = PyLong_FromSsize_t(i);
-            if (x == NULL || PyList_Append(tops, x) < 0) {
-                Py_XDECREF(x);
+            if (append_new(tops, PyLong_FromSsize_t(i)) < 0)
                 goto done;
-            }
-            Py_DECREF(x);
         }
     res = tops;
     tops = NULL;
 done:
     Py_XDECREF(tops);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&cb);
-    PyBuffer_Release(&pb);
-    return res;
-}
-
-/* scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned): the scan of one entry of a
-   lazily invalidated queue (runtime/cache/policies/reuse.py): walk `nodes` (int32) in order, taking
-   each node whose stamp (int64) is still `serial` (its stamp becomes -1, the node goes to
-   out[at + taken]), until `k` are taken; `scanned` is how many entries were walked. */
-static PyObject *scan_live(PyObject *self, PyObject *args) {
-    PyObject *sobj, *nobj, *oobj;
-    long long serial;
-    Py_ssize_t k, at;
-    Py_buffer st = {0}, nb = {0}, out = {0};
-    PyObject *res = NULL;
-    if (!PyArg_ParseTuple(args, "OOLnOn", &sobj, &nobj, &serial, &k, &oobj, &at))
-        return NULL;
-    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
-    if (st.ndim != 1 || st.itemsize != 8 || nb.ndim != 1 || !is_int32(&nb) || out.ndim != 1 ||
-        !is_int32(&out) || k < 0 || at < 0 || at + k > out.shape[0]) {
-        PyErr_SetString(PyExc_ValueError, "scan_live: need int64 stamps, int32 nodes and room in out");
-        goto done;
-    }
-    int64_t *stamp = st.buf;
-    const int32_t *nodes = nb.buf;
-    int32_t *o = out.buf;
-    Py_ssize_t n = nb.shape[0], cap = st.shape[0], taken = 0, i = 0;
-    for (; i < n && taken < k; i++) {
-        int32_t v = nodes[i];
-        if (v < 0 || v >= cap) {
-            PyErr_SetString(PyExc_IndexError, "scan_live: node id out of range");
-            goto done;
-        }
-        if (stamp[v] == serial) {
-            stamp[v] = -1;
-            o[at + taken++] = v;
-        }
-    }
-    res = Py_BuildValue("nn", taken, i);
-done:
-    if (st.obj) PyBuffer_Release(&st);
-    if (nb.obj) PyBuffer_Release(&nb);
-    if (out.obj) PyBuffer_Release(&out);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -786,40 +770,24 @@ done:
 static PyObject *stamp_runs(PyObject *self, PyObject *args) {
     PyObject *sobj, *nobj, *lobj;
     long long serial;
-    Py_buffer st = {0}, nb = {0}, lb = {0};
+    bufs bv;
     PyObject *res = NULL, *starts = NULL;
     if (!PyArg_ParseTuple(args, "OOOL", &sobj, &nobj, &lobj, &serial))
         return NULL;
-    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(lobj, &lb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
-    if (st.ndim != 1 || st.itemsize != 8 || nb.ndim != 1 || !is_int32(&nb) || lb.ndim != 1 ||
-        lb.itemsize != 8 || lb.shape[0] != nb.shape[0]) {
-        PyErr_SetString(PyExc_ValueError, "stamp_runs: need int64 stamps and levels, int32 nodes");
-        goto done;
-    }
-    int64_t *stamp = st.buf;
-    const int64_t *lv = lb.buf;
-    const int32_t *nodes = nb.buf;
-    Py_ssize_t n = nb.shape[0], cap = st.shape[0];
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (nodes[i] < 0 || nodes[i] >= cap) {
-            PyErr_SetString(PyExc_IndexError, "stamp_runs: node id out of range");
-            goto done;
-        }
+    if (take_bufs(&bv, "stamp_runs", "Qn=q", sobj, nobj, lobj) < 0)
+        return NULL;
+    int64_t *stamp = bv.b[0].buf;
+    const int64_t *lv = bv.b[2].buf;
+    const int32_t *nodes = bv.b[1].buf;
+    Py_ssize_t n = bv.b[1].shape[0];
     starts = PyList_New(0);
     if (starts == NULL)
         goto done;
     long long s = serial - 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i == 0 || lv[i] != lv[i - 1]) {
-            PyObject *x = PyLong_FromSsize_t(i);
-            if (x == NULL || PyList_Append(starts, x) < 0) {
-                Py_XDECREF(x);
+            if (append_new(starts, PyLong_FromSsize_t(i)) < 0)
                 goto done;
-            }
-            Py_DECREF(x);
             s++;
         }
         stamp[nodes[i]] = s;
@@ -828,9 +796,7 @@ static PyObject *stamp_runs(PyObject *self, PyObject *args) {
     starts = NULL;
 done:
     Py_XDECREF(starts);
-    if (st.obj) PyBuffer_Release(&st);
-    if (nb.obj) PyBuffer_Release(&nb);
-    if (lb.obj) PyBuffer_Release(&lb);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -842,27 +808,26 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     PyObject *fobj, *node_keys, *kmap, *keys, *oobj;
     long rc, rp;
     Py_ssize_t limit;
-    Py_buffer f = {0}, out = {0};
+    bufs bv;
     PyObject *fast = NULL, *res = NULL;
     if (!PyArg_ParseTuple(args, "OllO!O!OnO", &fobj, &rc, &rp, &PyList_Type, &node_keys, &PyDict_Type,
                           &kmap, &keys, &limit, &oobj))
         return NULL;
-    if (PyObject_GetBuffer(fobj, &f, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
-        PyObject_GetBuffer(oobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
+    if (take_bufs(&bv, "walk", "mI", fobj, oobj) < 0)
+        return NULL;
+    const Py_buffer *f = &bv.b[0], *out = &bv.b[1];
     fast = PySequence_Fast(keys, "keys must be a sequence");
     if (fast == NULL)
         goto done;
-    if (f.ndim != 2 || !is_int32(&f) || row_index(rc, &f) < 0 || row_index(rp, &f) < 0 ||
-        out.ndim != 1 || !is_int32(&out) || limit < 0 || limit > out.shape[0] ||
+    if (row_index(rc, f) < 0 || row_index(rp, f) < 0 || limit < 0 || limit > out->shape[0] ||
         limit > PySequence_Fast_GET_SIZE(fast)) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "walk: bad matrix, rows, limit or output");
         goto done;
     }
-    Py_ssize_t ncols = f.shape[1], nkeys = PyList_GET_SIZE(node_keys);
-    const int32_t *CONT = (int32_t *)f.buf + rc * ncols, *PARENT = (int32_t *)f.buf + rp * ncols;
-    int32_t *o = out.buf;
+    Py_ssize_t ncols = f->shape[1], nkeys = PyList_GET_SIZE(node_keys);
+    const int32_t *CONT = (int32_t *)f->buf + rc * ncols, *PARENT = (int32_t *)f->buf + rp * ncols;
+    int32_t *o = out->buf;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     int32_t n = 0;
     Py_ssize_t i = 0;
@@ -894,83 +859,266 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     res = PyLong_FromSsize_t(i);
 done:
     Py_XDECREF(fast);
-    if (f.obj) PyBuffer_Release(&f);
-    if (out.obj) PyBuffer_Release(&out);
+    drop_bufs(&bv);
     return res;
 }
 
-/* sample_keys(keys, threshold) -> indices: the positions of the block keys (16 bytes each) whose
+/* shadow_observe(od, keys, threshold, usable, served, capacity) -> (seen, ours, lru): a request
+   through the sampled shadow LRU (runtime/cache/shadow_lru.py, `ShadowLRU.observe`), whose keys
+   are those of an OrderedDict `od`, least recent first. A block key (16 bytes) is followed if its
    hash word (bytes 8..11, little-endian: independent of the use sketch's slots, which read bytes
-   0..7) is below `threshold` (0 .. 2**32): the keys a sampled shadow cache follows
-   (runtime/cache/shadow_lru.py). */
-static PyObject *sample_keys(PyObject *self, PyObject *args) {
-    PyObject *keys, *fast = NULL, *out = NULL, *res = NULL;
+   0..7) is below `threshold` (0 .. 2**32). Of the followed keys among the first `usable`: how
+   many, how many of them the cache served (the first `served`), how many `od` holds; then the
+   followed keys become the most recent, deepest first (moved to the end, or added), and the
+   least recent leave until `od` holds `capacity`. */
+static PyObject *shadow_observe(PyObject *self, PyObject *args) {
+    PyObject *od, *keys, *fast = NULL, *move = NULL, *popitem = NULL, *res = NULL;
     unsigned long long threshold;
-    if (!PyArg_ParseTuple(args, "OK", &keys, &threshold))
+    Py_ssize_t usable, served, capacity, *picked = NULL, np = 0;
+    if (!PyArg_ParseTuple(args, "O!OKnnn", &PyDict_Type, &od, &keys, &threshold, &usable, &served, &capacity))
         return NULL;
     fast = PySequence_Fast(keys, "keys must be a sequence");
     if (fast == NULL)
         return NULL;
-    out = PyList_New(0);
-    if (out == NULL)
-        goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
+    picked = PyMem_Malloc((n ? n : 1) * sizeof *picked);
+    if (picked == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = items[i];
         if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != KEY_BYTES) {
-            PyErr_SetString(PyExc_ValueError, "sample_keys: every key must be 16 bytes");
+            PyErr_SetString(PyExc_ValueError, "shadow_observe: every key must be 16 bytes");
             goto done;
         }
         const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(k) + 8;
         uint64_t w = (uint64_t)b[0] | ((uint64_t)b[1] << 8) | ((uint64_t)b[2] << 16) | ((uint64_t)b[3] << 24);
-        if (w < threshold) {
-            PyObject *x = PyLong_FromSsize_t(i);
-            if (x == NULL || PyList_Append(out, x) < 0) {
-                Py_XDECREF(x);
+        if (w < threshold)
+            picked[np++] = i;
+    }
+    Py_ssize_t seen = 0, ours = 0, lru = 0;
+    for (Py_ssize_t j = 0; j < np && picked[j] < usable; j++) {
+        int held = PyDict_Contains(od, items[picked[j]]);
+        if (held < 0)
+            goto done;
+        seen++;
+        ours += picked[j] < served;
+        lru += held;
+    }
+    if (np) {
+        move = PyObject_GetAttrString(od, "move_to_end");
+        popitem = move ? PyObject_GetAttrString(od, "popitem") : NULL;
+        if (popitem == NULL)
+            goto done;
+    }
+    for (Py_ssize_t j = np - 1; j >= 0; j--) {  /* deepest first: the root side ends most recent */
+        PyObject *k = items[picked[j]];
+        int held = PyDict_Contains(od, k);
+        if (held < 0)
+            goto done;
+        if (held) {
+            PyObject *r = PyObject_CallOneArg(move, k);
+            if (r == NULL)
                 goto done;
-            }
-            Py_DECREF(x);
+            Py_DECREF(r);
+        } else if (PyObject_SetItem(od, k, Py_None) < 0) {
+            goto done;
         }
     }
-    res = out;
-    out = NULL;
+    for (Py_ssize_t over = np ? PyObject_Size(od) - capacity : 0; over > 0; over--) {
+        PyObject *r = PyObject_CallOneArg(popitem, Py_False);  /* the least recent */
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    res = Py_BuildValue("nnn", seen, ours, lru);
 done:
-    Py_XDECREF(out);
+    PyMem_Free(picked);
+    Py_XDECREF(move);
+    Py_XDECREF(popitem);
     Py_XDECREF(fast);
     return res;
 }
 
-/* ---- the `reuse` and `gaps` policies' per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py)
+/* ---- the `reuse` queue's heap (runtime/cache/policies/reuse.py): entries are lists
+   [priority, level, order, serial, nodes, cursor], ordered as heapq orders them, by their first
+   three items (ints; `order` is unique, so no two entries compare equal). */
 
-A 1-D vector of `n` items of `itemsize` bytes (0: any length), writable if asked; -1 with an
-exception set (the buffer released) if it is not. */
-static int vector(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, int writable, const char *what) {
-    if (PyObject_GetBuffer(obj, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    if (b->ndim != 1 || b->itemsize != itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s: a vector of %zd-byte items", what, itemsize);
-        PyBuffer_Release(b);
-        b->obj = NULL;
+/* The first three items of heap entry `e`, or -1 with an exception if it is no such entry. */
+static int entry_key(PyObject *e, long long *key) {
+    if (!PyList_Check(e) || PyList_GET_SIZE(e) < 6) {
+        PyErr_SetString(PyExc_TypeError, "pop_live: a heap entry must be a list of 6 items");
         return -1;
     }
-    return 0;
-}
-
-/* Every id of `nodes` (int32) below `cap`; -1 with an IndexError if not. */
-static int ids_below(const Py_buffer *nodes, Py_ssize_t cap, const char *what) {
-    if (!is_int32(nodes)) {
-        PyErr_Format(PyExc_ValueError, "%s: node ids must be int32", what);
-        return -1;
-    }
-    const int32_t *v = nodes->buf;
-    for (Py_ssize_t i = 0; i < nodes->shape[0]; i++)
-        if (v[i] < 0 || v[i] >= cap) {
-            PyErr_Format(PyExc_IndexError, "%s: node id out of range", what);
+    for (int i = 0; i < 3; i++) {
+        key[i] = PyLong_AsLongLong(PyList_GET_ITEM(e, i));
+        if (key[i] == -1 && PyErr_Occurred())
             return -1;
-        }
+    }
     return 0;
 }
+
+/* Is entry a before entry b (a < b, as heapq compares them)? 1, 0, or -1 with an exception. */
+static int entry_less(PyObject *a, PyObject *b) {
+    long long ka[3], kb[3];
+    if (entry_key(a, ka) < 0 || entry_key(b, kb) < 0)
+        return -1;
+    for (int i = 0; i < 3; i++)
+        if (ka[i] != kb[i])
+            return ka[i] < kb[i];
+    return 0;
+}
+
+/* Put `item` at heap slot `pos` or above, where it belongs, moving the entries it passes down
+   (heapq's _siftdown from the top); 0, or -1 with an exception (item left at pos). */
+static int rise(PyObject **h, Py_ssize_t pos, PyObject *item) {
+    while (pos > 0) {
+        Py_ssize_t parent = (pos - 1) >> 1;
+        int lt = entry_less(item, h[parent]);
+        if (lt < 0)
+            break;
+        if (!lt) {
+            h[pos] = item;
+            return 0;
+        }
+        h[pos] = h[parent];
+        pos = parent;
+    }
+    h[pos] = item;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* heapq.heappop(heap) for a non-empty heap, the popped entry released: the last entry moves to
+   the top, sinks to a leaf along the smaller children, then rises to its place (heapq's
+   _siftup and _siftdown), so the list is left exactly as heapq leaves it. */
+static int heap_pop(PyObject *heap) {
+    Py_ssize_t n = PyList_GET_SIZE(heap) - 1;
+    PyObject *item = PyList_GET_ITEM(heap, n);
+    Py_INCREF(item);
+    if (PyList_SetSlice(heap, n, n + 1, NULL) < 0) {
+        Py_DECREF(item);
+        return -1;
+    }
+    if (n == 0) {
+        Py_DECREF(item);  /* (it was the top) */
+        return 0;
+    }
+    PyObject **h = ((PyListObject *)heap)->ob_item;
+    Py_DECREF(h[0]);  /* the top leaves; `item` takes a slot instead, with the reference taken above */
+    Py_ssize_t pos = 0, child = 1;
+    while (child < n) {
+        if (child + 1 < n) {
+            int lt = entry_less(h[child], h[child + 1]);
+            if (lt < 0)
+                goto fail;
+            if (!lt)
+                child++;
+        }
+        h[pos] = h[child];
+        pos = child;
+        child = 2 * pos + 1;
+    }
+    return rise(h, pos, item);
+fail:  /* (only with a malformed entry: the list is no longer a heap) */
+    h[pos] = item;
+    return -1;
+}
+
+/* heapq.heappush(heap, [prio, level, serial, serial, nodes[a:b], -1]): the `gaps` policy's entry
+   for a run of released nodes. */
+static int push_run(PyObject *heap, PyObject *nodes, Py_ssize_t a, Py_ssize_t b, long long prio, long long level,
+                    long long serial) {
+    PyObject *e = Py_BuildValue("[LLLLNi]", prio, level, serial, serial, PySequence_GetSlice(nodes, a, b), -1);
+    if (e == NULL || PyList_Append(heap, e) < 0) {
+        Py_XDECREF(e);
+        return -1;
+    }
+    Py_DECREF(e);  /* (the heap holds it) */
+    Py_ssize_t n = PyList_GET_SIZE(heap);
+    return rise(((PyListObject *)heap)->ob_item, n - 1, e);
+}
+
+/* pop_live(heap, stamp, k, out) -> (taken, dropped): `ReuseLevels.pop_many`'s walk of its heap:
+   up to `k` nodes into out[:taken] (int32), as `k` pops would hand them out. The top entry's
+   nodes (an int32 array or a list of ints) are scanned from its cursor (at least 0), taking
+   each whose stamp (int64) is still the entry's serial (the stamp becomes -1); an entry used up
+   before `k` are taken leaves the heap (`dropped` counts its nodes), else its cursor is left
+   after the last node taken. */
+static PyObject *pop_live(PyObject *self, PyObject *args) {
+    PyObject *heap, *sobj, *oobj;
+    Py_ssize_t k;
+    bufs bv;
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "O!OnO", &PyList_Type, &heap, &sobj, &k, &oobj))
+        return NULL;
+    if (take_bufs(&bv, "pop_live", "QI", sobj, oobj) < 0)
+        return NULL;
+    if (k < 0 || k > bv.b[1].shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "pop_live: need int32 room for k nodes in out");
+        goto done;
+    }
+    int64_t *stamp = bv.b[0].buf;
+    int32_t *o = bv.b[1].buf;
+    Py_ssize_t cap = bv.b[0].shape[0], taken = 0, dropped = 0;
+    while (PyList_GET_SIZE(heap) && taken < k) {
+        PyObject *e = PyList_GET_ITEM(heap, 0);
+        if (!PyList_Check(e) || PyList_GET_SIZE(e) < 6) {
+            PyErr_SetString(PyExc_TypeError, "pop_live: a heap entry must be a list of 6 items");
+            goto done;
+        }
+        long long serial = PyLong_AsLongLong(PyList_GET_ITEM(e, 3));
+        Py_ssize_t start = PyLong_AsSsize_t(PyList_GET_ITEM(e, 5));
+        if (PyErr_Occurred())
+            goto done;
+        start = start < 0 ? 0 : start;
+        PyObject *nobj = PyList_GET_ITEM(e, 4);
+        bufs nb = {.n = 0};  /* nodes in an array, or none for a list */
+        Py_ssize_t n;
+        if (PyList_Check(nobj)) {
+            n = PyList_GET_SIZE(nobj);
+        } else {
+            if (take_bufs(&nb, "pop_live", "i", nobj) < 0)
+                goto done;
+            n = nb.b[0].shape[0];
+        }
+        Py_ssize_t i = start;
+        int bad = 0;
+        for (; i < n && taken < k; i++) {
+            long v = nb.n ? ((const int32_t *)nb.b[0].buf)[i] : PyLong_AsLong(PyList_GET_ITEM(nobj, i));
+            if (v < 0 || v >= cap) {
+                bad = 1;
+                break;
+            }
+            if (stamp[v] == serial) {
+                stamp[v] = -1;
+                o[taken++] = (int32_t)v;
+            }
+        }
+        drop_bufs(&nb);
+        if (bad) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "pop_live: node id out of range");
+            goto done;
+        }
+        if (taken == k) {
+            PyObject *cursor = PyLong_FromSsize_t(i);
+            if (cursor == NULL || PyList_SetItem(e, 5, cursor) < 0)
+                goto done;
+            break;
+        }
+        dropped += n;
+        if (heap_pop(heap) < 0)
+            goto done;
+    }
+    res = Py_BuildValue("nn", taken, dropped);
+done:
+    drop_bufs(&bv);
+    return res;
+}
+
+/* ---- the `reuse` and `gaps` policies' per-node bookkeeping (runtime/cache/policies/reuse.py, gaps.py) */
 
 /* policy_release(hits, matched, released, nodes, now) -> lost: what a push of released `nodes`
    (int32, distinct) records per node in the `reuse` family of policies: how many have earlier uses
@@ -979,37 +1127,23 @@ static int ids_below(const Py_buffer *nodes, Py_ssize_t cap, const char *what) {
 static PyObject *policy_release(PyObject *self, PyObject *args) {
     PyObject *hobj, *mobj, *robj, *nobj;
     long long now;
-    Py_buffer hb = {0}, mb = {0}, rb = {0}, nb = {0};
-    PyObject *res = NULL;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOOOL", &hobj, &mobj, &robj, &nobj, &now))
         return NULL;
-    if (vector(hobj, &hb, 4, 0, "policy_release") < 0 || vector(mobj, &mb, 1, 1, "policy_release") < 0 ||
-        vector(robj, &rb, 8, 1, "policy_release") < 0 || vector(nobj, &nb, 4, 0, "policy_release") < 0)
-        goto done;
-    Py_ssize_t cap = hb.shape[0];
-    if (mb.shape[0] != cap || rb.shape[0] != cap) {
-        PyErr_SetString(PyExc_ValueError, "policy_release: hits, matched and released differ in length");
-        goto done;
-    }
-    if (ids_below(&nb, cap, "policy_release") < 0)
-        goto done;
-    const int32_t *hits = hb.buf, *nodes = nb.buf;
-    unsigned char *matched = mb.buf;
-    int64_t *released = rb.buf;
+    if (take_bufs(&bv, "policy_release", "i=B=Qn", hobj, mobj, robj, nobj) < 0)
+        return NULL;
+    const int32_t *hits = bv.b[0].buf, *nodes = bv.b[3].buf;
+    unsigned char *matched = bv.b[1].buf;
+    int64_t *released = bv.b[2].buf;
     Py_ssize_t lost = 0;
-    for (Py_ssize_t i = 0; i < nb.shape[0]; i++) {
+    for (Py_ssize_t i = 0; i < bv.b[3].shape[0]; i++) {
         int32_t v = nodes[i];
         lost += !matched[v] && hits[v] != 0;
         matched[v] = 0;
         released[v] = now;
     }
-    res = PyLong_FromSsize_t(lost);
-done:
-    if (hb.obj) PyBuffer_Release(&hb);
-    if (mb.obj) PyBuffer_Release(&mb);
-    if (rb.obj) PyBuffer_Release(&rb);
-    if (nb.obj) PyBuffer_Release(&nb);
-    return res;
+    drop_bufs(&bv);
+    return PyLong_FromSsize_t(lost);
 }
 
 /* policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long): `nodes`
@@ -1020,26 +1154,17 @@ static PyObject *policy_discard(PyObject *self, PyObject *args) {
     PyObject *sobj, *robj, *mobj, *nobj;
     long long clock;
     double turnover;
-    Py_buffer sb = {0}, rb = {0}, mb = {0}, nb = {0};
-    PyObject *res = NULL;
+    bufs bv;
     if (!PyArg_ParseTuple(args, "OOOOLd", &sobj, &robj, &mobj, &nobj, &clock, &turnover))
         return NULL;
-    if (vector(sobj, &sb, 8, 1, "policy_discard") < 0 || vector(robj, &rb, 8, 0, "policy_discard") < 0 ||
-        vector(mobj, &mb, 1, 1, "policy_discard") < 0 || vector(nobj, &nb, 4, 0, "policy_discard") < 0)
-        goto done;
-    Py_ssize_t cap = sb.shape[0];
-    if (rb.shape[0] != cap || mb.shape[0] != cap) {
-        PyErr_SetString(PyExc_ValueError, "policy_discard: stamp, released and matched differ in length");
-        goto done;
-    }
-    if (ids_below(&nb, cap, "policy_discard") < 0)
-        goto done;
-    int64_t *stamp = sb.buf;
-    const int64_t *released = rb.buf;
-    unsigned char *matched = mb.buf;
-    const int32_t *nodes = nb.buf;
+    if (take_bufs(&bv, "policy_discard", "Q=q=Bn", sobj, robj, mobj, nobj) < 0)
+        return NULL;
+    int64_t *stamp = bv.b[0].buf;
+    const int64_t *released = bv.b[1].buf;
+    unsigned char *matched = bv.b[2].buf;
+    const int32_t *nodes = bv.b[3].buf;
     Py_ssize_t queued = 0, lng = 0;
-    for (Py_ssize_t i = 0; i < nb.shape[0]; i++) {
+    for (Py_ssize_t i = 0; i < bv.b[3].shape[0]; i++) {
         int32_t v = nodes[i];
         if (stamp[v] >= 0) {
             queued++;
@@ -1048,52 +1173,58 @@ static PyObject *policy_discard(PyObject *self, PyObject *args) {
         matched[v] = 1;
         stamp[v] = -1;
     }
-    res = Py_BuildValue("nn", queued, lng);
-done:
-    if (sb.obj) PyBuffer_Release(&sb);
-    if (rb.obj) PyBuffer_Release(&rb);
-    if (mb.obj) PyBuffer_Release(&mb);
-    if (nb.obj) PyBuffer_Release(&nb);
-    return res;
+    drop_bufs(&bv);
+    return Py_BuildValue("nn", queued, lng);
 }
 
-/* gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial)
+/* ghost_ages(ghost, nodes, ages): ghost[nodes[i]] = the largest of ages[0..i] (int64; nodes int32,
+   one age each): `ReuseGaps.recorded`, a running maximum scattered to the nodes. */
+static PyObject *ghost_ages(PyObject *self, PyObject *args) {
+    PyObject *g, *n, *a;
+    bufs bv;
+    if (!PyArg_ParseTuple(args, "OOO", &g, &n, &a) || take_bufs(&bv, "ghost_ages", "Qn=q", g, n, a) < 0)
+        return NULL;
+    const int32_t *nodes = bv.b[1].buf;
+    const int64_t *ages = bv.b[2].buf;
+    int64_t *ghost = bv.b[0].buf, run = INT64_MIN;
+    for (Py_ssize_t i = 0; i < bv.b[1].shape[0]; i++) {
+        run = ages[i] > run ? ages[i] : run;
+        ghost[nodes[i]] = run;
+    }
+    drop_bufs(&bv);
+    Py_RETURN_NONE;
+}
+
+/* gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial, heap)
    -> runs: the `gaps` policy's priorities for released `nodes` (int32, distinct), as
    `ReuseGaps.push` ranks them: a node of h earlier uses (hits, int32) has level
    levels[min(h, len - 1)] (int64) and, when `unit` > 0, priority
    (now + max(level, int64(unit * hold'))) * span + level, where hold' is hold[min(h, len - 1)]
    (float64) but 0 for h == 1 with a last gap (ghost, int64) above `far1` or h == 2 above `far2`;
    with unit <= 0, now * span + level. Writes prio (int64) and ghost = -1 per node, splits `nodes`
-   into runs of equal priority, stamps (int64) the j-th run's nodes with serial + j, and returns
-   the runs as (start, end, priority, level) tuples. */
+   into runs of equal priority, stamps (int64) the j-th run's nodes with serial + j, pushes its
+   entry [priority, level, serial + j, serial + j, nodes[start:end], -1] on `heap` (as heapq
+   does) and returns how many runs there were. */
 static PyObject *gaps_rank(PyObject *self, PyObject *args) {
-    PyObject *hobj, *gobj, *pobj, *sobj, *nobj, *lobj, *dobj;
+    PyObject *hobj, *gobj, *pobj, *sobj, *nobj, *lobj, *dobj, *heap;
     long long now, span, serial;
     double unit, far1, far2;
-    Py_buffer hb = {0}, gb = {0}, pb = {0}, sb = {0}, nb = {0}, lb = {0}, db = {0};
-    PyObject *res = NULL, *runs = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLdddLL", &hobj, &gobj, &pobj, &sobj, &nobj, &lobj, &dobj, &now,
-                          &unit, &far1, &far2, &span, &serial))
+    bufs bv;
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLdddLLO!", &hobj, &gobj, &pobj, &sobj, &nobj, &lobj, &dobj, &now,
+                          &unit, &far1, &far2, &span, &serial, &PyList_Type, &heap))
         return NULL;
-    if (vector(hobj, &hb, 4, 0, "gaps_rank") < 0 || vector(gobj, &gb, 8, 1, "gaps_rank") < 0 ||
-        vector(pobj, &pb, 8, 1, "gaps_rank") < 0 || vector(sobj, &sb, 8, 1, "gaps_rank") < 0 ||
-        vector(nobj, &nb, 4, 0, "gaps_rank") < 0 || vector(lobj, &lb, 8, 0, "gaps_rank") < 0 ||
-        vector(dobj, &db, 8, 0, "gaps_rank") < 0)
-        goto done;
-    Py_ssize_t cap = hb.shape[0], nlev = lb.shape[0], nhold = db.shape[0], n = nb.shape[0];
-    if (gb.shape[0] != cap || pb.shape[0] != cap || sb.shape[0] != cap || nlev < 1 || nhold < 1) {
-        PyErr_SetString(PyExc_ValueError, "gaps_rank: hits, ghost, prio and stamp differ in length, or no levels");
+    if (take_bufs(&bv, "gaps_rank", "i=Q=Q=Qnqq", hobj, gobj, pobj, sobj, nobj, lobj, dobj) < 0)
+        return NULL;
+    Py_ssize_t nlev = bv.b[5].shape[0], nhold = bv.b[6].shape[0], n = bv.b[4].shape[0];
+    if (nlev < 1 || nhold < 1) {
+        PyErr_SetString(PyExc_ValueError, "gaps_rank: no levels");
         goto done;
     }
-    if (ids_below(&nb, cap, "gaps_rank") < 0)
-        goto done;
-    const int32_t *hits = hb.buf, *nodes = nb.buf;
-    int64_t *ghost = gb.buf, *prio = pb.buf, *stamp = sb.buf;
-    const int64_t *levels = lb.buf;
-    const double *hold = db.buf;
-    runs = PyList_New(0);
-    if (runs == NULL)
-        goto done;
+    const int32_t *hits = bv.b[0].buf, *nodes = bv.b[4].buf;
+    int64_t *ghost = bv.b[1].buf, *prio = bv.b[2].buf, *stamp = bv.b[3].buf;
+    const int64_t *levels = bv.b[5].buf;
+    const double *hold = bv.b[6].buf;
     long long s = serial - 1, run_prio = 0, run_lv = 0;
     Py_ssize_t start = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -1115,12 +1246,8 @@ static PyObject *gaps_rank(PyObject *self, PyObject *args) {
         prio[v] = p;
         if (i == 0 || p != run_prio) {
             if (i > 0) {
-                PyObject *t = Py_BuildValue("(nnLL)", start, i, run_prio, run_lv);
-                if (t == NULL || PyList_Append(runs, t) < 0) {
-                    Py_XDECREF(t);
+                if (push_run(heap, nobj, start, i, run_prio, run_lv, s) < 0)
                     goto done;
-                }
-                Py_DECREF(t);
             }
             start = i;
             run_prio = p;
@@ -1130,56 +1257,16 @@ static PyObject *gaps_rank(PyObject *self, PyObject *args) {
         stamp[v] = s;
     }
     if (n) {
-        PyObject *t = Py_BuildValue("(nnLL)", start, n, run_prio, run_lv);
-        if (t == NULL || PyList_Append(runs, t) < 0) {
-            Py_XDECREF(t);
+        if (push_run(heap, nobj, start, n, run_prio, run_lv, s) < 0)
             goto done;
-        }
-        Py_DECREF(t);
     }
-    res = runs;
-    runs = NULL;
+    res = PyLong_FromLongLong(s - serial + 1);
 done:
-    Py_XDECREF(runs);
-    if (hb.obj) PyBuffer_Release(&hb);
-    if (gb.obj) PyBuffer_Release(&gb);
-    if (pb.obj) PyBuffer_Release(&pb);
-    if (sb.obj) PyBuffer_Release(&sb);
-    if (nb.obj) PyBuffer_Release(&nb);
-    if (lb.obj) PyBuffer_Release(&lb);
-    if (db.obj) PyBuffer_Release(&db);
+    drop_bufs(&bv);
     return res;
 }
 
 /* ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py, tasks.py) */
-
-/* The row indices of `rows` (a tuple of `n` ints, each a row of `f`) into r[]; -1 with an
-   exception if not. */
-static int row_tuple(PyObject *rows, Py_ssize_t n, const Py_buffer *f, long *r, const char *what) {
-    if (!PyTuple_Check(rows) || PyTuple_GET_SIZE(rows) != n) {
-        PyErr_Format(PyExc_ValueError, "%s: rows must be a tuple of %zd", what, n);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        r[i] = PyLong_AsLong(PyTuple_GET_ITEM(rows, i));
-        if (r[i] < 0 || r[i] >= f->shape[0]) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "%s: row out of range", what);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-static int append_long(PyObject *list, long x) {
-    PyObject *o = PyLong_FromLong(x);
-    if (o == NULL || PyList_Append(list, o) < 0) {
-        Py_XDECREF(o);
-        return -1;
-    }
-    Py_DECREF(o);
-    return 0;
-}
 
 /* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy)
    -> (cut, leaf) or None: drop the host leaves of the popped run `cand` (int32) as
@@ -1197,37 +1284,29 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hosts, *sobj, *policy;
     long cpu;
     Py_ssize_t at;
-    Py_buffer f = {0}, cb = {0}, st = {0};
+    bufs bv;
     PyObject *res = NULL;
     unsigned char *mapped = NULL;
     if (!PyArg_ParseTuple(args, "OOOlOO!O!O!OnO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
                           &PyDict_Type, &kmap, &PyList_Type, &hosts, &sobj, &at, &policy))
         return NULL;
-    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+    if (take_bufs(&bv, "drop_host_run", "MnI", fobj, cobj, sobj) < 0)
         return NULL;
-    if (PyObject_GetBuffer(sobj, &st, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto done;
+    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *st = &bv.b[2];
     long r[8];
-    if (row_tuple(rows, 8, &f, r, "drop_host_run") < 0)
+    int32_t reset_v[MAX_ROWS];
+    if (row_tuple(rows, 8, f, r, "drop_host_run") < 0 || reset_column(reset, f, reset_v, "drop_host_run") < 0)
         goto done;
-    Py_ssize_t nrows = f.shape[0], ncols = f.shape[1], m = cb.shape[0];
-    if (st.ndim != 1 || !is_int32(&st) || at < 0 || at + m > st.shape[0] || !PyTuple_Check(reset) ||
-        PyTuple_GET_SIZE(reset) != nrows || nrows > 32 || PyList_GET_SIZE(node_keys) < ncols) {
-        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack, reset or keys");
+    Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = cb->shape[0];
+    if (at < 0 || at + m > st->shape[0] || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack or keys");
         goto done;
     }
-    int32_t reset_v[32];
-    for (Py_ssize_t i = 0; i < nrows; i++) {
-        long x = PyLong_AsLong(PyTuple_GET_ITEM(reset, i));
-        if (x == -1 && PyErr_Occurred())
-            goto done;
-        reset_v[i] = (int32_t)x;
-    }
-    int32_t *M = f.buf;
+    int32_t *M = f->buf;
     int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
             *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *STATE = M + r[5] * ncols,
             *REF = M + r[6] * ncols, *HOST = M + r[7] * ncols;
-    const int32_t *cand = cb.buf;
+    const int32_t *cand = cb->buf;
     if (m == 0) {
         res = Py_BuildValue("(nl)", (Py_ssize_t)0, -1L);
         goto done;
@@ -1266,22 +1345,13 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
         int32_t v = cand[t];
         if (t + 1 < m && PARENT[v] == cand[t + 1])
             continue;  /* not a top: its parent goes right after it */
-        int32_t p = PARENT[v], b = PREV[v], a = NEXT[v];  /* `_detach_sibling` */
-        if (CONT[p] == v)
-            CONT[p] = -1;
-        if (b >= 0)
-            NEXT[b] = a;
-        else
-            CHILD[p] = a;
-        if (a >= 0)
-            PREV[a] = b;
+        int32_t p = PARENT[v];
+        detach(CHILD, NEXT, PREV, CONT, p, v);
         if (CHILD[p] < 0 && STATE[p] == cpu && REF[p] == 0) {
-            PyObject *x = PyLong_FromLong(p);
-            int queued = x ? PySequence_Contains(policy, x) : -1;
-            Py_XDECREF(x);
-            if (queued < 0)
+            int q = queued(policy, p);
+            if (q < 0)
                 goto done;
-            if (!queued) {
+            if (!q) {
                 cut = t + 1;
                 leaf = p;
                 break;
@@ -1291,25 +1361,18 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < cut; i++)
         if (mapped[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, cand[i])) < 0)
             goto done;
-    int32_t *stack = st.buf;
+    int32_t *stack = st->buf;
     for (Py_ssize_t i = 0; i < cut; i++) {
         int32_t v = cand[i];
+        key_ahead(node_keys, cand, i, cut);
         if (append_long(hosts, HOST[v]) < 0)
             goto done;
-        PyObject *old = PyList_GET_ITEM(node_keys, v);
-        Py_INCREF(Py_None);
-        PyList_SET_ITEM(node_keys, v, Py_None);
-        Py_XDECREF(old);
-        for (Py_ssize_t k = 0; k < nrows; k++)
-            M[k * ncols + v] = reset_v[k];
-        stack[at + i] = v;
+        free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
     }
     res = Py_BuildValue("(nl)", cut, leaf);
 done:
     PyMem_Free(mapped);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&cb);
-    if (st.obj) PyBuffer_Release(&st);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -1323,28 +1386,27 @@ static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
     PyObject *fobj, *vobj, *hosts, *rows, *tobj, *node_keys, *victims, *victim_keys, *devs, *hblocks;
     long swap2cpu;
     long long task_id;
-    Py_buffer f = {0}, vb = {0}, tb = {0};
+    bufs bv;
     PyObject *res = NULL;
     if (!PyArg_ParseTuple(args, "OOO!OlOLO!O!O!O!O!", &fobj, &vobj, &PyList_Type, &hosts, &rows, &swap2cpu, &tobj,
                           &task_id, &PyList_Type, &node_keys, &PyList_Type, &victims, &PyList_Type, &victim_keys,
                           &PyList_Type, &devs, &PyList_Type, &hblocks))
         return NULL;
-    if (matrix_and_ids(fobj, vobj, &f, &vb) < 0)
+    if (take_bufs(&bv, "mark_swap_out", "MnQ", fobj, vobj, tobj) < 0)
         return NULL;
-    if (vector(tobj, &tb, 8, 1, "mark_swap_out") < 0)
-        goto done;
+    Py_buffer *f = &bv.b[0], *vb = &bv.b[1], *tb = &bv.b[2];
     long r[4];
-    if (row_tuple(rows, 4, &f, r, "mark_swap_out") < 0)
+    if (row_tuple(rows, 4, f, r, "mark_swap_out") < 0)
         goto done;
-    Py_ssize_t ncols = f.shape[1], e = vb.shape[0], nh = PyList_GET_SIZE(hosts);
-    if (e > nh || tb.shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
+    Py_ssize_t ncols = f->shape[1], e = vb->shape[0], nh = PyList_GET_SIZE(hosts);
+    if (e > nh || tb->shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
         PyErr_SetString(PyExc_ValueError, "mark_swap_out: fewer host blocks than victims, or bad task row or keys");
         goto done;
     }
-    int32_t *M = f.buf;
+    int32_t *M = f->buf;
     int32_t *HOST = M + r[0] * ncols, *DEV = M + r[1] * ncols, *STATE = M + r[2] * ncols, *NDEV = M + r[3] * ncols;
-    int64_t *task = tb.buf;
-    const int32_t *vs = vb.buf;
+    int64_t *task = tb->buf;
+    const int32_t *vs = vb->buf;
     for (Py_ssize_t i = 0; i < e; i++) {  /* host blocks are checked before any write */
         long h = PyLong_AsLong(PyList_GET_ITEM(hosts, nh - 1 - i));
         if (h == -1 && PyErr_Occurred())
@@ -1352,6 +1414,7 @@ static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < e; i++) {
         int32_t v = vs[i];
+        key_ahead(node_keys, vs, i, e);
         PyObject *h = PyList_GET_ITEM(hosts, nh - 1 - i);
         HOST[v] = (int32_t)PyLong_AsLong(h);
         if (append_long(devs, DEV[v]) < 0 || PyList_Append(hblocks, h) < 0 || append_long(victims, v) < 0 ||
@@ -1366,9 +1429,7 @@ static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&vb);
-    if (tb.obj) PyBuffer_Release(&tb);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -1384,28 +1445,27 @@ done:
 static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
     PyObject *fobj, *cobj, *rows, *node_keys, *kmap, *pobj, *policy;
     long cpu;
-    Py_buffer f = {0}, cb = {0}, pb = {0};
+    bufs bv;
     PyObject *res = NULL, *freed = NULL;
     int pos_set = 0;
     if (!PyArg_ParseTuple(args, "OOOlO!O!OO", &fobj, &cobj, &rows, &cpu, &PyList_Type, &node_keys, &PyDict_Type,
                           &kmap, &pobj, &policy))
         return NULL;
-    if (matrix_and_ids(fobj, cobj, &f, &cb) < 0)
+    if (take_bufs(&bv, "drop_host_nodes", "MnI", fobj, cobj, pobj) < 0)
         return NULL;
-    if (vector(pobj, &pb, 4, 1, "drop_host_nodes") < 0)
-        goto done;
+    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *pb = &bv.b[2];
     long r[7];
-    if (row_tuple(rows, 7, &f, r, "drop_host_nodes") < 0)
+    if (row_tuple(rows, 7, f, r, "drop_host_nodes") < 0)
         goto done;
-    Py_ssize_t ncols = f.shape[1], m = cb.shape[0];
-    if (pb.shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
+    Py_ssize_t ncols = f->shape[1], m = cb->shape[0];
+    if (pb->shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
         PyErr_SetString(PyExc_ValueError, "drop_host_nodes: bad scratch or keys");
         goto done;
     }
-    int32_t *M = f.buf, *pos = pb.buf;
+    int32_t *M = f->buf, *pos = pb->buf;
     int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
             *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *STATE = M + r[5] * ncols, *REF = M + r[6] * ncols;
-    const int32_t *cand = cb.buf;
+    const int32_t *cand = cb->buf;
     for (Py_ssize_t i = 0; i < m; i++) {
         int32_t v = cand[i];
         if (STATE[v] != cpu) {
@@ -1432,23 +1492,14 @@ static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
         int32_t p = PARENT[v], b = PREV[v], a = NEXT[v];
         int ends = pos[p] <= i && CHILD[p] == v && a < 0 && b < 0 && STATE[p] == cpu && REF[p] == 0;
         if (ends) {
-            PyObject *x = PyLong_FromLong(p);
-            int queued = x ? PySequence_Contains(policy, x) : -1;
-            Py_XDECREF(x);
-            if (queued < 0)
+            int q = queued(policy, p);
+            if (q < 0)
                 goto done;
-            ends = !queued;
+            ends = !q;
         }
         if (CONT[p] != v && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, v)) < 0)
             goto done;
-        if (CONT[p] == v)  /* `_detach_sibling` */
-            CONT[p] = -1;
-        if (b >= 0)
-            NEXT[b] = a;
-        else
-            CHILD[p] = a;
-        if (a >= 0)
-            PREV[a] = b;
+        detach(CHILD, NEXT, PREV, CONT, p, v);
         if (append_long(freed, v) < 0)
             goto done;
         if (ends) {
@@ -1463,40 +1514,43 @@ done:
         for (Py_ssize_t i = 0; i < m; i++)
             pos[cand[i]] = -1;
     Py_XDECREF(freed);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&cb);
-    if (pb.obj) PyBuffer_Release(&pb);
+    drop_bufs(&bv);
     return res;
 }
 
-/* finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual
-   answer to a swap-out, as `TaskBook._finish_swap_out` applies it: if every one of `nodes`
-   (int32) is still SWAP2CPU in task `task_id` (task, int64), each becomes `cpu` without a task
-   or a device block, and their device blocks are returned in order; else None, nothing written.
-   rows = (DEV, STATE). */
+/* finish_swap_out(f, nodes, ids, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual
+   answer to a swap-out, as `TaskBook._finish_swap_out` applies it. The list `nodes` is written
+   to `ids` (int32, as long), then if every one of them is still SWAP2CPU in task `task_id`
+   (task, int64), each becomes `cpu` without a task or a device block, and their device blocks
+   are returned in order; else None, nothing else written. rows = (DEV, STATE). */
 static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
-    PyObject *fobj, *nobj, *tobj, *rows;
+    PyObject *fobj, *list, *iobj, *tobj, *rows;
     long long task_id;
     long swap2cpu, cpu;
-    Py_buffer f = {0}, nb = {0}, tb = {0};
+    bufs bv;
     PyObject *res = NULL, *devs = NULL;
-    if (!PyArg_ParseTuple(args, "OOOLOll", &fobj, &nobj, &tobj, &task_id, &rows, &swap2cpu, &cpu))
+    if (!PyArg_ParseTuple(args, "OO!OOLOll", &fobj, &PyList_Type, &list, &iobj, &tobj, &task_id, &rows, &swap2cpu,
+                          &cpu))
         return NULL;
-    if (matrix_and_ids(fobj, nobj, &f, &nb) < 0)
+    if (take_bufs(&bv, "finish_swap_out", "MIQ", fobj, iobj, tobj) < 0)
         return NULL;
-    if (vector(tobj, &tb, 8, 1, "finish_swap_out") < 0)
-        goto done;
+    Py_buffer *f = &bv.b[0], *nb = &bv.b[1], *tb = &bv.b[2];
     long r[2];
-    if (row_tuple(rows, 2, &f, r, "finish_swap_out") < 0)
+    if (row_tuple(rows, 2, f, r, "finish_swap_out") < 0)
         goto done;
-    Py_ssize_t ncols = f.shape[1], m = nb.shape[0];
-    if (tb.shape[0] != ncols) {
-        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length");
+    Py_ssize_t ncols = f->shape[1], m = nb->shape[0];
+    if (tb->shape[0] != ncols || PyList_GET_SIZE(list) != m) {
+        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length, ids the list's");
         goto done;
     }
-    int32_t *M = f.buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols;
-    int64_t *task = tb.buf;
-    const int32_t *nodes = nb.buf;
+    int32_t *M = f->buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols, *nodes = nb->buf;
+    int64_t *task = tb->buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        Py_ssize_t v;
+        if (index_below(PyList_GET_ITEM(list, i), ncols, &v, "finish_swap_out") < 0)
+            goto done;
+        nodes[i] = (int32_t)v;
+    }
     for (Py_ssize_t i = 0; i < m; i++)
         if (task[nodes[i]] != task_id || STATE[nodes[i]] != swap2cpu) {
             res = Py_None;
@@ -1520,9 +1574,7 @@ static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
     devs = NULL;
 done:
     Py_XDECREF(devs);
-    PyBuffer_Release(&f);
-    PyBuffer_Release(&nb);
-    if (tb.obj) PyBuffer_Release(&tb);
+    drop_bufs(&bv);
     return res;
 }
 
@@ -1530,7 +1582,7 @@ static PyMethodDef methods[] = {
     {"drop_host_nodes", drop_host_nodes, METH_VARARGS,
      "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf)"},
     {"finish_swap_out", finish_swap_out, METH_VARARGS,
-     "finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
+     "finish_swap_out(f, nodes, ids, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
     {"drop_host_run", drop_host_run, METH_VARARGS,
      "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy) -> (cut, leaf) or None"},
     {"mark_swap_out", mark_swap_out, METH_VARARGS,
@@ -1538,13 +1590,14 @@ static PyMethodDef methods[] = {
     {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
     {"policy_discard", policy_discard, METH_VARARGS,
      "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},
+    {"ghost_ages", ghost_ages, METH_VARARGS, "ghost_ages(ghost, nodes, ages): ghost[nodes] = running maximum of ages"},
     {"gaps_rank", gaps_rank, METH_VARARGS,
-     "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial) -> runs"},
-    {"sample_keys", sample_keys, METH_VARARGS, "sample_keys(keys, threshold) -> positions of the sampled keys"},
+     "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial, heap) -> runs"},
+    {"shadow_observe", shadow_observe, METH_VARARGS,
+     "shadow_observe(od, keys, threshold, usable, served, capacity) -> (seen, ours, lru)"},
     {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},
     {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},
-    {"scan_live", scan_live, METH_VARARGS,
-     "scan_live(stamp, nodes, serial, k, out, at) -> (taken, scanned)"},
+    {"pop_live", pop_live, METH_VARARGS, "pop_live(heap, stamp, k, out) -> (taken, dropped)"},
     {"chain_tops", chain_tops, METH_VARARGS, "chain_tops(f, cand, par, ndev_row) -> tops of a run of whole chains, or None"},
     {"sketch_raise", sketch_raise, METH_VARARGS,
      "sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes"},
@@ -1556,9 +1609,8 @@ static PyMethodDef methods[] = {
     {"new_chain", new_chain, METH_VARARGS,
      "new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): write a new chain's columns"},
     {"sketch_add", sketch_add, METH_VARARGS,
-     "sketch_add(row0, row1, keys, mask) -> False if a key is not 16 bytes (nothing added)"},
-    {"sketch_stamp", sketch_stamp, METH_VARARGS,
-     "sketch_stamp(stamps0, stamps1, keys, mask, now, ages) -> False if a key is not 16 bytes; ages (int64) before now"},
+     "sketch_add(row0, row1, keys, mask[, stamps0, stamps1, now, ages]) -> False if a key is not 16 bytes "
+     "(nothing added); with the stamps, ages (int64) before now"},
     {"sketch_count", sketch_count, METH_VARARGS,
      "sketch_count(row0, row1, keys, mask, out) -> False if a key is not 16 bytes; counts in out (int32)"},
     {"chain_keys", chain_keys, METH_VARARGS,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 try:
     from kvrt.runtime.cache._cache_core import (chain_keys, chain_tops, deref, drop_host_nodes, drop_host_run,
-                                                drop_run, finish_swap_out, gaps_rank, mark_swap_out, new_chain,
-                                                policy_discard, policy_release, sample_keys, scan_live, sketch_add,
-                                                sketch_count, sketch_raise, sketch_stamp, stamp_runs, touch_device,
+                                                drop_run, finish_swap_out, gaps_rank, ghost_ages, mark_swap_out, new_chain,
+                                                policy_discard, policy_release, pop_live, shadow_observe, sketch_add,
+                                                sketch_count, sketch_raise, stamp_runs, touch_device,
                                                 walk)
 except ImportError as e:
     if e.name != f"{__package__}._cache_core":  # it loaded and said what is wrong (xxhash) itself
@@ -20,5 +20,5 @@ except ImportError as e:
                       f"older source ({e}): build it with `pip install -e .` in the checkout") from e
 
 __all__ = ["chain_keys", "chain_tops", "deref", "drop_host_nodes", "drop_host_run", "drop_run", "finish_swap_out",
-           "gaps_rank", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "sample_keys", "scan_live",
-           "sketch_add", "sketch_count", "sketch_raise", "sketch_stamp", "stamp_runs", "touch_device", "walk"]
+           "gaps_rank", "ghost_ages", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live", "shadow_observe",
+           "sketch_add", "sketch_count", "sketch_raise", "stamp_runs", "touch_device", "walk"]

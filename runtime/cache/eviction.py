@@ -144,7 +144,7 @@ class Eviction(NodeStore):
             m = len(cand)
             if not m:
                 break
-            par = f[PARENT, cand]
+            par = f[PARENT].take(cand)
             top = self._chain_tops(cand, par)
             if top is not None:
                 # the usual run: chains released deepest first, each node's only device child
@@ -193,7 +193,7 @@ class Eviction(NodeStore):
             m = len(cand)
             if not m:
                 break
-            par = f[PARENT, cand]
+            par = f[PARENT].take(cand)
             nd = None
             if wanted:
                 back = np.fromiter((v in wanted for v in cand.tolist()), dtype=bool, count=m)

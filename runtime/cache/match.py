@@ -247,21 +247,19 @@ class MatchRecord(NodeStore):
         top = self._top
         ids = self._stack[top - k:top].copy()
         self._top = top - k
-        cand = ids.tolist()
         if self._child(parent, keys[0]) < 0:  # then no later key is in the tree either
-            self._new_chain(parent, ids, cand, keys, blocks)
+            self._new_chain(parent, ids, keys, blocks)
         else:
-            ids = np.array(self._record_slow(req, parent, cand, keys, blocks, i0), dtype=np.int32)
+            ids = np.array(self._record_slow(req, parent, ids.tolist(), keys, blocks, i0), dtype=np.int32)
         req.path = np.concatenate((path, ids))
 
-    def _new_chain(self, parent: int, ids: np.ndarray, cand: list[int], keys: list[bytes],
-                   blocks: list[int]) -> None:
+    def _new_chain(self, parent: int, ids: np.ndarray, keys: list[bytes], blocks: list[int]) -> None:
         _new_chain_c(self._f, ids, parent, blocks, CHAIN_ROWS, GPU, self._keys, keys)
-        self._link(cand[0], keys[0], parent)
+        self._link(int(ids[0]), keys[0], parent)
         self._ndev_v[parent] += 1
-        self._dev_cached += len(cand)
+        self._dev_cached += len(ids)
         if self._obs is not None:
-            self._tell_stored(ON_DEVICE, cand)
+            self._tell_stored(ON_DEVICE, ids.tolist())
 
     def _record_slow(self, req: Request, parent: int, cand: list[int], keys: list[bytes],
                      blocks: list[int], i0: int) -> list[int]:
@@ -342,8 +340,8 @@ class MatchRecord(NodeStore):
         zero = zero[:k]
         if not k:
             return
-        st = NO_NODES if all_gpu else f[STATE, zero]
-        if not st.any():
+        st = None if all_gpu else f[STATE, zero]
+        if st is None or not st.any():
             self._dev_lru.push(zero)
             self._idle += len(zero)
             return

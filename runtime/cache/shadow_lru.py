@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from kvrt.runtime.cache.core import sample_keys as _sample_c
+from kvrt.runtime.cache.core import shadow_observe as _observe_c
 
 MIN_ENTRIES = 1024
 
@@ -34,7 +34,7 @@ class ShadowLRU:
 
     def __init__(self, capacity: int):
         self.rate = min(1.0, MIN_ENTRIES / max(1, capacity))
-        # keys whose hash word (runtime/cache/_cache_core.c sample_keys) is below this are followed
+        # keys whose hash word (runtime/cache/_cache_core.c shadow_observe) is below this are followed
         self._threshold = min(1 << 32, int(self.rate * (1 << 32)))
         self.capacity = max(1, round(self.rate * capacity))
         self._od: OrderedDict[bytes, None] = OrderedDict()
@@ -42,29 +42,9 @@ class ShadowLRU:
     def observe(self, keys: Sequence[bytes], usable: int, served: int) -> tuple[int, int, int]:
         """A request with block `keys` matched `served` of its first `usable` (the ones a match
         may serve); returns (sampled usable blocks, how many of them the cache served, how many
-        the shadow LRU held), then makes the request's sampled keys the most recent."""
-        picked = _sample_c(keys, self._threshold)
-        if not picked:
-            return 0, 0, 0
-        od = self._od
-        seen = ours = lru = 0
-        for i in picked:
-            if i >= usable:
-                break
-            seen += 1
-            ours += i < served
-            lru += keys[i] in od
-        move = od.move_to_end
-        for i in reversed(picked):  # deepest first, so the root side ends most recent
-            k = keys[i]
-            if k in od:
-                move(k)
-            else:
-                od[k] = None
-        over = len(od) - self.capacity
-        for _ in range(over):
-            od.popitem(last=False)
-        return seen, ours, lru
+        the shadow LRU held), then makes the request's sampled keys the most recent, the root
+        side last. One C call (runtime/cache/_cache_core.c shadow_observe) on the OrderedDict."""
+        return _observe_c(self._od, keys, self._threshold, usable, served, self.capacity)
 
     def __len__(self) -> int:
         return len(self._od)

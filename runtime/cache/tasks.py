@@ -123,11 +123,12 @@ class TaskBook(NodeStore):
         same blocks offered to it again and again while requests wait for them. Nodes matched
         again meanwhile were already GPU; their host blocks are the task's orphans."""
         task_id = t.task.task_id
-        nodes = np.array(t.nodes, dtype=np.int32)
+        nodes = np.empty(len(t.nodes), dtype=np.int32)  # (filled from the list by the C call)
         f = self._f
         # the usual answer: every node still in the tree and still this task's; all at once, in
         # one C call (runtime/cache/_cache_core.c finish_swap_out; None: some node is not)
-        devs = _finish_swap_out_c(f, nodes, self._task, task_id, SWAP_OUT_DONE_ROWS, SWAP2CPU, CPU) if ok else None
+        devs = (_finish_swap_out_c(f, t.nodes, nodes, self._task, task_id, SWAP_OUT_DONE_ROWS, SWAP2CPU, CPU)
+                if ok else None)
         if devs is not None:
             self._dev_returning -= len(devs)
             self._dev_cached -= len(devs)

@@ -25,8 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvrt.runtime.cache.core import (sketch_add as _add_c, sketch_count as _count_c, sketch_raise as _raise_c,
-                         sketch_stamp as _stamp_c)
+from kvrt.runtime.cache.core import sketch_add as _add_c, sketch_count as _count_c, sketch_raise as _raise_c
 
 MIN_BITS, MAX_BITS = 16, 24
 SLOTS_PER_NODE = 64
@@ -55,22 +54,20 @@ class UseSketch:
         know), else None. ValueError, nothing counted, if a key is not 16 bytes."""
         if not len(keys):
             return np.empty(0, dtype=np.int64) if self._stamps is not None else None
-        ages = self._stamp(keys) if self._stamps is not None else None
-        if not _add_c(self._r0, self._r1, keys, self._int_mask):
-            raise _not_block_keys()
+        if self._stamps is None:
+            ages = None
+            if not _add_c(self._r0, self._r1, keys, self._int_mask):
+                raise _not_block_keys()
+        else:  # stamped and counted in one call
+            now = self._now + 1
+            ages = np.empty(len(keys), dtype=np.int64)
+            if not _add_c(self._r0, self._r1, keys, self._int_mask, self._s0, self._s1, now, ages):
+                raise _not_block_keys()
+            self._now = now
         self._added += len(keys)
         if self._added >= self._halve_at:
             self._rows >>= 1
             self._added = 0
-        return ages
-
-    def _stamp(self, keys: Sequence[bytes]) -> np.ndarray:
-        """How many requests ago each key was used before (-1: never); stamps them now."""
-        now = self._now + 1
-        ages = np.empty(len(keys), dtype=np.int64)
-        if not _stamp_c(self._s0, self._s1, keys, self._int_mask, now, ages):
-            raise _not_block_keys()
-        self._now = now
         return ages
 
     def count(self, keys: Sequence[bytes]) -> np.ndarray:

@@ -29,11 +29,9 @@ before their parents.
 """
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
-from kvrt.runtime.cache.core import gaps_rank as _rank_c
+from kvrt.runtime.cache.core import gaps_rank as _rank_c, ghost_ages as _ghost_c
 from kvrt.runtime.cache.policies.reuse import LEVELS, MAX_LEVEL, ReuseLevels
 
 # bonus in cache turnovers by earlier uses (0, 1, 2, 3 or more): a block with no earlier use
@@ -78,8 +76,9 @@ class ReuseGaps(ReuseLevels):
         (-1: not known to have been used). `nodes` is a path from the root side: a block's key
         was used no more recently than its parent's, so an age is raised to its ancestors' (a
         sketch collision can only make one look recent), which also keeps the bonus from
-        shrinking toward the root (a released path stays a few runs)."""
-        self._ghost[nodes] = np.maximum.accumulate(ages)
+        shrinking toward the root (a released path stays a few runs). One C call
+        (runtime/cache/_cache_core.c ghost_ages)."""
+        _ghost_c(self._ghost, nodes, ages)
 
     def push(self, nodes: np.ndarray) -> None:
         """Queue `nodes` (released, deepest first) with priority now + the bonus for their reuse,
@@ -96,12 +95,8 @@ class ReuseGaps(ReuseLevels):
         # deepest first), so a node queued again at the front (`push_front`, with its own
         # priority and level) goes back among its equals only
         s = self._serial
-        runs = _rank_c(self._hits, self._ghost, self._prio, self._stamp, nodes, LEVELS, HOLD, now, unit,
-                       REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, s)
-        self._serial = s + len(runs)
-        heap = self._heap
-        for j, (a, b, prio, level) in enumerate(runs):
-            heapq.heappush(heap, [prio, level, s + j, s + j, nodes[a:b], -1])
+        self._serial = s + _rank_c(self._hits, self._ghost, self._prio, self._stamp, nodes, LEVELS, HOLD, now, unit,
+                                   REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, s, self._heap)
         self._queued += len(nodes)
         if self._queued > self._limit:
             self._compact()

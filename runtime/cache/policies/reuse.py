@@ -43,7 +43,7 @@ import numpy as np
 
 from kvrt.runtime.cache.policies.base import EvictionPolicy
 
-from kvrt.runtime.cache.core import (policy_discard as _discard_c, policy_release as _release_c, scan_live as _scan_c,
+from kvrt.runtime.cache.core import (policy_discard as _discard_c, policy_release as _release_c, pop_live as _pop_c,
                                     stamp_runs as _stamp_runs_c)
 
 # level of a use count: floor(2 * log2(1 + uses)), at most MAX_LEVEL (3 earlier uses): beyond
@@ -206,22 +206,12 @@ class ReuseLevels(EvictionPolicy):
 
     def pop_many(self, k: int) -> np.ndarray:
         """Up to `k` nodes, as `k` calls of `pop` would return them: nothing is pushed meanwhile,
-        so the heap's top entry stays on top until it is used up. Each entry is scanned in one C
-        call (runtime/cache/_cache_core.c scan_live), into one array."""
+        so the heap's top entry stays on top until it is used up. The walk of the heap (each
+        entry scanned from its cursor, used-up entries popped) is one C call
+        (runtime/cache/_cache_core.c pop_live), into one array."""
         out = np.empty(k, dtype=np.int32)
-        got = 0
-        heap = self._heap
-        while heap and got < k:
-            e = heap[0]
-            start = max(e[5], 0)
-            taken, scanned = _scan_c(self._stamp, np.asarray(e[4][start:], dtype=np.int32), e[3], k - got,
-                                     out, got)
-            got += taken
-            if got == k:
-                e[5] = start + scanned
-                break
-            heapq.heappop(heap)
-            self._queued -= len(e[4])
+        got, dropped = _pop_c(self._heap, self._stamp, k, out)
+        self._queued -= dropped
         return out[:got]
 
     def members(self) -> list[int]:

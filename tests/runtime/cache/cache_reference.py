@@ -12,6 +12,8 @@ runtime/cache/eviction.py must reproduce exactly (tests/runtime/cache/test_evict
 """
 from __future__ import annotations
 
+import heapq
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -46,11 +48,17 @@ def _slots(keys: Sequence[bytes], mask: int) -> tuple[np.ndarray, np.ndarray] | 
     return h & m, (h >> np.uint64(32)) & m
 
 
-def sketch_add(r0: np.ndarray, r1: np.ndarray, keys: Sequence[bytes], mask: int) -> bool:
+def sketch_add(r0: np.ndarray, r1: np.ndarray, keys: Sequence[bytes], mask: int, s0: np.ndarray | None = None,
+               s1: np.ndarray | None = None, now: int = 0, ages: np.ndarray | None = None) -> bool:
     slots = _slots(keys, mask)
     if slots is None:
         return False
     a, b = slots
+    if ages is not None:
+        last = np.minimum(s0[a], s1[b]).astype(np.int64)
+        ages[:len(keys)] = np.where(last > 0, now - last, -1)
+        s0[a] = now
+        s1[b] = now
     r0[a] = np.minimum(r0[a], 254) + 1  # gather, then scatter: a shared slot gains one
     r1[b] = np.minimum(r1[b], 254) + 1
     return True
@@ -62,19 +70,6 @@ def sketch_count(r0: np.ndarray, r1: np.ndarray, keys: Sequence[bytes], mask: in
         return False
     a, b = slots
     out[:len(keys)] = np.minimum(r0[a], r1[b])
-    return True
-
-
-def sketch_stamp(s0: np.ndarray, s1: np.ndarray, keys: Sequence[bytes], mask: int, now: int,
-                 ages: np.ndarray) -> bool:
-    slots = _slots(keys, mask)
-    if slots is None:
-        return False
-    a, b = slots
-    last = np.minimum(s0[a], s1[b]).astype(np.int64)
-    ages[:len(keys)] = np.where(last > 0, now - last, -1)
-    s0[a] = now
-    s1[b] = now
     return True
 
 
@@ -180,17 +175,26 @@ def drop_run(f: np.ndarray, drop: np.ndarray, par: np.ndarray, top: list[int], r
 
 
 # ---- the `reuse` queue (runtime/cache/policies/reuse.py)
-def scan_live(stamp: np.ndarray, nodes: np.ndarray, serial: int, k: int, out: np.ndarray,
-              at: int) -> tuple[int, int]:
-    taken = i = 0
-    while i < len(nodes) and taken < k:
-        v = nodes[i]
-        i += 1
-        if stamp[v] == serial:
-            stamp[v] = -1
-            out[at + taken] = v
-            taken += 1
-    return taken, i
+def pop_live(heap: list, stamp: np.ndarray, k: int, out: np.ndarray) -> tuple[int, int]:
+    taken = dropped = 0
+    while heap and taken < k:
+        e = heap[0]
+        start = max(e[5], 0)
+        nodes = np.asarray(e[4][start:], dtype=np.int32)
+        i = 0
+        while i < len(nodes) and taken < k:
+            v = nodes[i]
+            i += 1
+            if stamp[v] == e[3]:
+                stamp[v] = -1
+                out[taken] = v
+                taken += 1
+        if taken == k:
+            e[5] = start + i
+            break
+        heapq.heappop(heap)
+        dropped += len(e[4])
+    return taken, dropped
 
 
 def stamp_runs(stamp: np.ndarray, nodes: np.ndarray, level: np.ndarray, serial: int) -> list[int]:
@@ -219,9 +223,13 @@ def policy_discard(stamp: np.ndarray, released: np.ndarray, matched: np.ndarray,
     return len(queued), long
 
 
+def ghost_ages(ghost: np.ndarray, nodes: np.ndarray, ages: np.ndarray) -> None:
+    ghost[nodes] = np.maximum.accumulate(ages)
+
+
 def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: np.ndarray, nodes: np.ndarray,
               levels: np.ndarray, hold_by_uses: np.ndarray, now: int, unit: float, far1: float, far2: float,
-              span: int, serial: int) -> list[tuple[int, int, int, int]]:
+              span: int, serial: int, heap: list) -> int:
     h = hits[nodes]
     gap = ghost[nodes]
     ghost[nodes] = -1
@@ -239,7 +247,8 @@ def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: 
     ends = starts[1:] + [len(nodes)]
     for j, (a, b) in enumerate(zip(starts, ends)):
         stamp[nodes[a:b]] = serial + j
-    return [(a, b, int(prio[a]), int(lv[a])) for a, b in zip(starts, ends)]
+        heapq.heappush(heap, [int(prio[a]), int(lv[a]), serial + j, serial + j, nodes[a:b], -1])
+    return len(starts)
 
 
 # ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py)
@@ -334,8 +343,9 @@ def drop_host_nodes(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, node
     return freed, -1, -1
 
 
-def finish_swap_out(f: np.ndarray, nodes: np.ndarray, task: np.ndarray, task_id: int, rows: tuple, swap2cpu: int,
-                    cpu: int) -> list[int] | None:
+def finish_swap_out(f: np.ndarray, node_list: list[int], nodes: np.ndarray, task: np.ndarray, task_id: int,
+                    rows: tuple, swap2cpu: int, cpu: int) -> list[int] | None:
+    nodes[:] = node_list
     dev, state = rows
     if not ((task[nodes] == task_id).all() and (f[state, nodes] == swap2cpu).all()):
         return None
@@ -410,3 +420,28 @@ class OneAtATime(PrefixCache):
         self.metrics.evicted_host_blocks += dropped
         return got
 
+
+# ---- the sampled shadow LRU (runtime/cache/shadow_lru.py)
+def shadow_observe(od: OrderedDict, keys: Sequence[bytes], threshold: int, usable: int, served: int,
+                   capacity: int) -> tuple[int, int, int]:
+    if any(len(k) != KEY_BYTES for k in keys):
+        raise ValueError("shadow_observe: every key must be 16 bytes")
+    picked = [i for i, k in enumerate(keys) if int.from_bytes(k[8:12], "little") < threshold]
+    if not picked:
+        return 0, 0, 0
+    seen = ours = lru = 0
+    for i in picked:
+        if i >= usable:
+            break
+        seen += 1
+        ours += i < served
+        lru += keys[i] in od
+    for i in reversed(picked):  # deepest first, so the root side ends most recent
+        k = keys[i]
+        if k in od:
+            od.move_to_end(k)
+        else:
+            od[k] = None
+    for _ in range(len(od) - capacity):
+        od.popitem(last=False)
+    return seen, ours, lru

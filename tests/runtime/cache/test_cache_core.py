@@ -4,6 +4,8 @@ after every request of a workload with shared prefixes, branches and eviction, t
 code run once with each C function and once with its reference in its place."""
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
 
@@ -67,9 +69,10 @@ def _replay(c: PrefixCache, seed: int) -> list:
 # counts and has a queue of its own; only `gaps` stamps when keys were used, and it splits a
 # released path into runs its own way
 POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptive", "gaps", "reuse"),
-                  "_stamp_c": ("adaptive", "gaps"), "_scan_c": ("adaptive", "gaps", "reuse"),
+                  "_pop_c": ("adaptive", "gaps", "reuse"),
                   "_stamp_runs_c": ("reuse",), "_release_c": ("adaptive", "gaps", "reuse"),
-                  "_discard_c": ("adaptive", "gaps", "reuse"), "_rank_c": ("adaptive", "gaps")}
+                  "_discard_c": ("adaptive", "gaps", "reuse"), "_rank_c": ("adaptive", "gaps"),
+                  "_ghost_c": ("adaptive", "gaps")}
 
 
 @pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
@@ -80,20 +83,20 @@ POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptiv
         (cache_match, "_new_chain_c", ref.new_chain), (cache_eviction, "_drop_run_c", ref.drop_run),
         (cache_match, "_touch_c", ref.touch_device), (cache_match, "_deref_c", ref.deref),
         (use_sketch, "_raise_c", ref.sketch_raise), (cache_eviction, "_chain_tops_c", ref.chain_tops),
-        (reuse_levels, "_scan_c", ref.scan_live), (reuse_levels, "_stamp_runs_c", ref.stamp_runs),
-        (cache_match, "_walk_c", ref.walk), (use_sketch, "_stamp_c", ref.sketch_stamp),
+        (reuse_levels, "_pop_c", ref.pop_live), (reuse_levels, "_stamp_runs_c", ref.stamp_runs),
+        (cache_match, "_walk_c", ref.walk),
         (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys),
         (reuse_levels, "_release_c", ref.policy_release), (reuse_levels, "_discard_c", ref.policy_discard),
-        (reuse_gaps, "_rank_c", ref.gaps_rank))])
+        (reuse_gaps, "_rank_c", ref.gaps_rank), (reuse_gaps, "_ghost_c", ref.ghost_ages))])
 def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
     """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
     with host hits takes the general path), releasing one (deref), counting a request's keys
-    in the use sketch (sketch_add, sketch_stamp) and giving recorded blocks the uses the
+    in the use sketch (sketch_add, stamping when each was last used too) and giving recorded blocks the uses the
     sketch remembers (sketch_raise, the `reuse` policy), the `reuse` policy's scan of its
-    queue for a run (scan_live) and split of a released path into runs (stamp_runs), the
+    queue for a run (pop_live: its heap walk) and split of a released path into runs (stamp_runs), the
     `reuse` family's marks per released and matched node (policy_release, policy_discard) and
-    the `gaps` ranking of a released path (gaps_rank), and the
+    the `gaps` ranking of a released path (gaps_rank) and ages of recorded nodes (ghost_ages), and the
     block keys themselves (chain_keys), in C or in numpy leave the same cache (and queues) at every step,
     with and without a host tier."""
     cls = make_policy(name)
@@ -219,26 +222,44 @@ def test_touch_and_deref_leave_a_path_off_the_device_alone():
 
 
 def test_a_run_popped_in_c_is_what_pops_give():
-    """`ReuseLevels.pop_many` (each entry scanned in C) returns what as many `pop` calls return,
-    stale entries (discarded, pushed again) skipped, a partly used entry resumed."""
+    """`ReuseLevels.pop_many` (the heap walked in C) returns what as many `pop` calls return,
+    stale entries (discarded, pushed again) skipped, a partly used entry resumed, entries given
+    back at the front (lists) mixed with pushed ones (arrays); and it leaves the heap, the
+    stamps and the count of queued entries exactly as the Python walk with heapq does."""
     rng = np.random.default_rng(5)
     hits = rng.integers(0, 5, 300).astype(np.int32)
-    queues = [reuse_levels.ReuseLevels(300, hits), reuse_levels.ReuseLevels(300, hits)]
+    queues = [reuse_levels.ReuseLevels(300, hits) for _ in range(3)]
     for q in queues:
         for j in range(15):
             q.push(np.arange(20 * j + 19, 20 * j - 1, -1, dtype=np.int32))
         q.discard(np.arange(0, 300, 7, dtype=np.int32))
         q.push(np.arange(0, 300, 21, dtype=np.int32))
-    a, b = queues
+    a, b, c = queues
+
+    def heap(q) -> list:
+        return [e[:4] + [np.asarray(e[4]).tolist(), e[5]] for e in q._heap]
+
+    rounds = 0
     while True:
         k = int(rng.integers(1, 40))
         got = a.pop_many(k)
         want = [v for v in (b.pop() for _ in range(k)) if v >= 0]
         assert got.dtype == np.int32 and got.tolist() == want
+        out = np.empty(k, dtype=np.int32)
+        taken, dropped = ref.pop_live(c._heap, c._stamp, k, out)
+        c._queued -= dropped
+        assert out[:taken].tolist() == want
+        assert heap(a) == heap(c) and a._stamp.tolist() == c._stamp.tolist() and a._queued == c._queued
+        rounds += 1
+        if rounds % 4 == 0 and len(got) > 2:  # give part of the run back, as a cut eviction run does
+            for q in (a, b, c):
+                q.push_front_run(got[1:].tolist())
         if not want:
             break
-    with pytest.raises(ValueError):
-        reuse_levels._scan_c(a._stamp, np.zeros(3, dtype=np.int32), 0, 5, np.empty(4, dtype=np.int32), 0)
+    with pytest.raises(ValueError):  # no room for k nodes
+        reuse_levels._pop_c([], a._stamp, 5, np.empty(4, dtype=np.int32))
+    with pytest.raises(TypeError):  # not a heap entry
+        reuse_levels._pop_c([[0, 0, 0]], a._stamp, 1, np.empty(1, dtype=np.int32))
 
 
 def test_policy_bookkeeping_in_c_equals_numpy():
@@ -261,14 +282,18 @@ def test_policy_bookkeeping_in_c_equals_numpy():
         unit = float(rng.choice([0.0, rng.random() * 30, 200.0]))
         turnover = float(rng.random() * 60) if case % 2 else float(rng.integers(1, 60))  # ties too
         now, serial = int(rng.integers(50, 99)), int(rng.integers(0, 1000))
+        heap = [[int(p), 0, -j - 1, -j - 1, [j], 0] for j, p in enumerate(rng.integers(0, 200, 12) * LEVEL_SPAN)]
+        heapq.heapify(heap)  # entries already queued: the runs' entries go among them
         outs = []
         for impl in ((policy_release, policy_discard, gaps_rank),
                      (ref.policy_release, ref.policy_discard, ref.gaps_rank)):
             a = {k: v.copy() for k, v in arrays.items()}
+            h = [e.copy() for e in heap]
             got = [impl[0](hits, a["matched"], a["released"], nodes, now),
                    impl[2](hits, a["ghost"], a["prio"], a["stamp"], nodes, LEVELS, HOLD, now, unit,
-                           6.0 * turnover, 10.0 * turnover, LEVEL_SPAN, serial)]
+                           6.0 * turnover, 10.0 * turnover, LEVEL_SPAN, serial, h)]
             got.append(impl[1](a["stamp"], a["released"], a["matched"], nodes[::2].copy(), now + 1, turnover))
+            got.append([e[:4] + [np.asarray(e[4]).tolist(), e[5]] for e in h])
             outs.append((got, {k: v.tolist() for k, v in a.items()}))
         assert outs[0] == outs[1], f"case {case}"
     with pytest.raises(IndexError):

@@ -16,7 +16,6 @@ def _reference(monkeypatch, timed: bool = False) -> UseSketch:
     from now on)."""
     monkeypatch.setattr(use_sketch, "_add_c", ref.sketch_add)
     monkeypatch.setattr(use_sketch, "_count_c", ref.sketch_count)
-    monkeypatch.setattr(use_sketch, "_stamp_c", ref.sketch_stamp)
     return UseSketch(100, timed=timed)
 
 
