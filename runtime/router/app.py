@@ -182,8 +182,7 @@ class Router:
             b = self.backends.items[i]
             b.inflight += 1
             try:  # an answer without a stream has its headers only once it is whole: the client may leave first
-                resp = await _unless_gone(self.client.send(self.client.build_request(
-                    "POST", b.url + path, content=raw, headers=headers), stream=True), request)
+                got = await _unless_gone(self._fetch(b.url + path, raw, headers), request)
             except (httpx2.ReadTimeout, httpx2.WriteTimeout, httpx2.PoolTimeout):
                 b.inflight -= 1  # it has the request (or part of it): not sent again, see the module's docstring
                 why = self._timed_out(i, "answer headers")
@@ -193,20 +192,36 @@ class Router:
                 why = f"backend {b.url} failed: {e or type(e).__name__}"
                 self.backends.mark_down(i, why)
                 continue
-            if resp is None:  # the client left: the cancelled send closed the upstream, which cancels the request
+            if got is None:  # the client left: the cancelled send closed the upstream, which cancels the request
                 b.inflight -= 1
                 return Response(status_code=499)
+            resp, body = got
             if resp.status_code >= 500:
                 await resp.aclose()
                 b.inflight -= 1
                 why = f"backend {b.url} answered {resp.status_code}"
                 continue
             b.routed += 1
-            media = resp.headers.get("content-type")
-            if not (media or "").startswith("text/event-stream"):
-                return await self._whole(i, resp, request)
-            return await self._stream(i, resp, request)
+            if body is None:
+                return await self._stream(i, resp, request)
+            return self._whole(i, resp, body)
         return _error(503, f"no backend could take the request: {why}")
+
+    async def _fetch(self, url: str, raw: bytes, headers: dict[str, str]
+                     ) -> tuple[httpx2.Response, bytes | httpx2.HTTPError | None]:
+        """The backend's answer, and its body read whole (or how reading it failed) unless it is
+        an event stream (None) or a 5xx: one wait for both, so that a plain answer costs one
+        watch on the client rather than two."""
+        resp = await self.client.send(self.client.build_request("POST", url, content=raw, headers=headers),
+                                      stream=True)
+        if resp.status_code >= 500 or resp.headers.get("content-type", "").startswith("text/event-stream"):
+            return resp, None
+        try:
+            return resp, await resp.aread()
+        except httpx2.HTTPError as e:
+            return resp, e
+        finally:
+            await resp.aclose()
 
     def _broke_off(self, i: int, e: httpx2.HTTPError) -> str:
         """Why backend i's answer is cut; a connection that failed takes the backend out, one
@@ -280,22 +295,15 @@ class Router:
             log.warning("%s", why)
             yield error_event(why, code)
 
-    async def _whole(self, i: int, resp: httpx2.Response, request: Request) -> Response:
-        """Backend i's answer read whole, then sent with its status: a 502 when the backend
-        breaks it off or answers 2xx with a body that is not JSON; nothing when the client goes
-        away first (the upstream is closed)."""
+    def _whole(self, i: int, resp: httpx2.Response, body: bytes | httpx2.HTTPError) -> Response:
+        """Backend i's answer read whole (or how reading it failed), sent with its status: a 502
+        when the backend broke it off or answered 2xx with a body that is not JSON."""
         b = self.backends.items[i]
-        try:
-            body = await _unless_gone(resp.aread(), request)
-        except httpx2.HTTPError as e:
-            why = self._broke_off(i, e)
+        b.inflight -= 1
+        if isinstance(body, httpx2.HTTPError):
+            why = self._broke_off(i, body)
             log.warning("%s", why)
-            return _error(504 if isinstance(e, httpx2.TimeoutException) else 502, why, code="backend_broke_off")
-        finally:
-            await resp.aclose()
-            b.inflight -= 1
-        if body is None:
-            return Response(status_code=499)  # the client left: nobody reads it
+            return _error(504 if isinstance(body, httpx2.TimeoutException) else 502, why, code="backend_broke_off")
         if 200 <= resp.status_code < 300 and not _is_json_object(body):
             why = f"backend {b.url} answered {resp.status_code} with a body that is not a JSON object: {body[:100]!r}"
             log.warning("%s", why)
