@@ -32,8 +32,11 @@ import time
 from typing import AsyncIterator, Awaitable, TypeVar
 
 import httpx2
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from kvrt.runtime.cache.keys import BlockHasher, salted_root
 from kvrt.runtime.client.api import cache_salt_problem
@@ -361,15 +364,14 @@ def _text(content: object) -> str:
     return ""
 
 
-def create_app(router: Router, body_s: float = BODY_S) -> FastAPI:
+def create_app(router: Router, body_s: float = BODY_S) -> Starlette:
     """/health, and forwarded: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
     /detokenize, /version (a model id is the nodes' business: they answer one they do not serve);
-    request bodies bounded as a node bounds them (runtime/http/body_limit.py)."""
-    app = FastAPI(title="kvrt route", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, limit=router.max_body_bytes, body_s=body_s)
+    request bodies bounded as a node bounds them (runtime/http/body_limit.py). A bare Starlette
+    app: the router reads no request model, and FastAPI's layers (dependency solving, its
+    middlewares) would be paid on every forwarded request."""
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         items = router.backends.items
         now = time.monotonic()
         body = {"status": "ok" if router.backends.healthy() else "no healthy backend", "policy": router.picker.policy,
@@ -381,17 +383,17 @@ def create_app(router: Router, body_s: float = BODY_S) -> FastAPI:
                               if b.view is not None else None} for b in items]}
         return JSONResponse(body, 200 if router.backends.healthy() else 503)
 
-    def forwarded(path: str, post: bool) -> None:
+    def forwarded(path: str, post: bool) -> Route:
         if post:
             async def endpoint(request: Request) -> Response:
                 return await router.forward(request, path)
         else:
-            async def endpoint() -> Response:
+            async def endpoint(request: Request) -> Response:
                 return await router.get(path)
-        app.add_api_route(path, endpoint, methods=["POST" if post else "GET"])
+        return Route(path, endpoint, methods=["POST" if post else "GET"])
 
-    for path in ("/v1/models", "/version"):
-        forwarded(path, post=False)
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
-        forwarded(path, post=True)
-    return app
+    routes = [Route("/health", health, methods=["GET"])]
+    routes += [forwarded(path, post=False) for path in ("/v1/models", "/version")]
+    routes += [forwarded(path, post=True) for path in ("/v1/completions", "/v1/chat/completions", "/tokenize",
+                                                       "/detokenize")]
+    return Starlette(routes=routes, middleware=[Middleware(BodyLimit, limit=router.max_body_bytes, body_s=body_s)])
