@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # a line per forwarded request: a cost on every request
     backends.start()
     app = create_app(Router(backends, picker, args.tokenizer, args.backend_timeout))
-    server = uvicorn.Server(uvicorn_config(app, args.host, args.port))
+    config = uvicorn_config(app, args.host, args.port)
+    config.lifespan = "on"  # the app closes its upstream connections at shutdown
+    server = uvicorn.Server(config)
     log.info("routing on %s:%d to %d backends (%s)", args.host, args.port, len(backends.items), args.policy)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn stops on them, then raises them again: here a no-op
         signal.signal(sig, lambda *_: None)
