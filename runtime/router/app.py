@@ -9,8 +9,10 @@ cannot be reached, or answers 5xx, before the answer's first byte: the request g
 another backend (and an unreachable one is out until its next good health check). A failure
 after that is reported as one, never as an answer: an event stream that the backend breaks off
 ends with an error event and no `[DONE]` (runtime/router/relay.py), and any other answer is read whole
-before its status goes out, so that one cut mid-body is a 502 rather than a truncated 200. A
-client that goes away closes the upstream stream, which cancels the request on the node.
+before its status goes out, so that one cut mid-body is a 502 rather than a truncated 200. (Of
+a stream, what arrives in the same read as the cut is not passed on: the client library reports
+the cut first.) A client that goes away closes the upstream stream, which cancels the request on
+the node.
 
 A careful proxy: what a backend sends is checked before it is passed on. A 2xx answer whose body
 is not JSON, or an event stream whose first event is not an OpenAI chunk, is a 502 naming the
@@ -82,10 +84,12 @@ class Router:
         parser and thin layers cost about a third of the CPU per request of a pure-Python client,
         and the router's cost is paid on every request. Made on first use, in the server's event
         loop, which it belongs to. Bodies pass as the node sent them (no decompression, none asked
-        for; a body without a content type goes without one)."""
+        for; a body without a content type goes without one). A request waits for a free pooled
+        connection at most the backend timeout, and for a new one to connect CONNECT_TIMEOUT_S."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=self.backend_timeout),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.backend_timeout, sock_connect=CONNECT_TIMEOUT_S,
+                                              sock_read=self.backend_timeout),
                 auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"))
         return self._session
 
