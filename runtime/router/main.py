@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"kvrt route: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    logging.getLogger("httpx2").setLevel(logging.WARNING)  # a line per forwarded request: a cost on every request
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # the health checks: not a line per check
     backends.start()
     app = create_app(Router(backends, picker, args.tokenizer, args.backend_timeout))
     config = uvicorn_config(app, args.host, args.port)
