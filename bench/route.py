@@ -24,7 +24,8 @@ scaled to --tokens-per-id tokens as in `kvrt bench replay`, which keeps the trac
 default size) and with pools too small for the working set (--small-blocks); prompts go as
 text then (SGLang's router refuses token ids), one byte per token. Then each router's own cost:
 one node, one request at a time (one new token, not streamed), sent directly, through `kvrt
-route` and through the peer in turn; its overhead is its p50 latency minus the direct one's.
+route` and through the peer in turn; its overhead is its p50 latency minus the direct one's, and
+its CPU per request the CPU time its process used over those requests.
 """
 from __future__ import annotations
 
@@ -314,9 +315,13 @@ def overhead(fleet: Fleet, n: int, timeout: float) -> dict:
     try:
         _wait_http(peer.base, "the peer router", peer.proc)
         targets = {"direct": url, "kvrt route": kvrt_base, PEER_ROW: peer.base}
+        pids = {"kvrt route": fleet.router.pid, PEER_ROW: peer.proc.pid}
         lat: dict[str, list[float]] = {k: [] for k in targets}
+        cpu0: dict[str, float] = {}
         with httpx2.Client(timeout=timeout) as client:
             for i in range(n + 5):  # the first 5 of each warm connections and caches up
+                if i == 5:
+                    cpu0 = {k: cpu_s(pid) for k, pid in pids.items()}
                 for name, base in targets.items():
                     body = {"model": MODEL, "prompt": as_text(np.asarray([i % 94])), "max_tokens": 1, "temperature": 0}
                     time.sleep(GAP_S)  # see the docstring
@@ -327,12 +332,21 @@ def overhead(fleet: Fleet, n: int, timeout: float) -> dict:
                         raise RuntimeError(f"{name}: HTTP {r.status_code}: {r.text[:200]}")
                     if i >= 5:
                         lat[name].append(dt)
+        cpu_ms = {k: (cpu_s(pid) - cpu0[k]) * 1e3 / n for k, pid in pids.items()} if n else {}
     finally:
         peer.stop()
         fleet.stop_router()
     p50 = {k: float(np.percentile(v, 50)) for k, v in lat.items()}
     return {"requests": n, "p50_ms": p50,
-            "overhead_p50_ms": {k: p50[k] - p50["direct"] for k in targets if k != "direct"}}
+            "overhead_p50_ms": {k: p50[k] - p50["direct"] for k in targets if k != "direct"},
+            "cpu_ms_per_request": cpu_ms}
+
+
+def cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system, all threads) process `pid` has used so far (Linux):
+    a router's cost that the machine's other load inflates less than its latency."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def peer_run(args: argparse.Namespace, specs: list[PromptSpec], ideal: float | None, say) -> dict:
@@ -396,6 +410,9 @@ def render_peer(out: dict) -> str:
         o, p50 = cost["overhead_p50_ms"], cost["p50_ms"]
         lines.append(f"\nrouter cost, one node, one request at a time ({cost['requests']} each, p50 latency over direct "
                      f"{p50['direct']:.2f} ms): kvrt route +{o['kvrt route']:.2f} ms, {PEER_ROW} +{o[PEER_ROW]:.2f} ms")
+        if cpu := cost.get("cpu_ms_per_request"):
+            lines.append(f"router CPU per request (its process, all threads): kvrt route {cpu['kvrt route']:.2f} ms, "
+                         f"{PEER_ROW} {cpu[PEER_ROW]:.2f} ms")
     return "\n".join(lines)
 
 

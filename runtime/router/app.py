@@ -9,8 +9,10 @@ cannot be reached, or answers 5xx, before the answer's first byte: the request g
 another backend (and an unreachable one is out until its next good health check). A failure
 after that is reported as one, never as an answer: an event stream that the backend breaks off
 ends with an error event and no `[DONE]` (runtime/router/relay.py), and any other answer is read whole
-before its status goes out, so that one cut mid-body is a 502 rather than a truncated 200. A
-client that goes away closes the upstream stream, which cancels the request on the node.
+before its status goes out, so that one cut mid-body is a 502 rather than a truncated 200. (Of
+a stream, what arrives in the same read as the cut is not passed on: the client library reports
+the cut first.) A client that goes away closes the upstream stream, which cancels the request on
+the node.
 
 A careful proxy: what a backend sends is checked before it is passed on. A 2xx answer whose body
 is not JSON, or an event stream whose first event is not an OpenAI chunk, is a 502 naming the
@@ -25,15 +27,20 @@ that could not be reached (nothing was sent) is tried once on another, as before
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, TypeVar
 
-import httpx2
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+import aiohttp
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from kvrt.runtime.cache.keys import BlockHasher, salted_root
 from kvrt.runtime.client.api import cache_salt_problem
@@ -70,7 +77,27 @@ class Router:
         self.tokenizer_dir = tokenizer_dir
         self.backend_timeout = backend_timeout
         self._tokenizer: Tokenizer | None = None
-        self.client = httpx2.AsyncClient(timeout=httpx2.Timeout(backend_timeout, connect=CONNECT_TIMEOUT_S))
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        """The upstream client, its keep-alive connections reused across requests. aiohttp: its C
+        parser and thin layers cost about a third of the CPU per request of a pure-Python client,
+        and the router's cost is paid on every request. Made on first use, in the server's event
+        loop, which it belongs to. Bodies pass as the node sent them (no decompression, none asked
+        for; a body without a content type goes without one). A request waits for a free pooled
+        connection at most the backend timeout, and for a new one to connect CONNECT_TIMEOUT_S."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.backend_timeout, sock_connect=CONNECT_TIMEOUT_S,
+                                              sock_read=self.backend_timeout),
+                auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"))
+        return self._session
+
+    async def aclose(self) -> None:
+        """Closes the upstream connections (at the server's shutdown)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     def max_body_bytes(self) -> int:
         """The largest request body the router reads: the nodes' (from the longest model length a
@@ -182,83 +209,89 @@ class Router:
             b = self.backends.items[i]
             b.inflight += 1
             try:  # an answer without a stream has its headers only once it is whole: the client may leave first
-                resp = await _unless_gone(self.client.send(self.client.build_request(
-                    "POST", b.url + path, content=raw, headers=headers), stream=True), request)
-            except (httpx2.ReadTimeout, httpx2.WriteTimeout, httpx2.PoolTimeout):
-                b.inflight -= 1  # it has the request (or part of it): not sent again, see the module's docstring
-                why = self._timed_out(i, "answer headers")
-                return _error(504, why, code="backend_timeout")
-            except httpx2.TransportError as e:
+                got = await _unless_gone(self._fetch(b.url + path, raw, headers), request)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 b.inflight -= 1
+                if _silent(e):  # it has the request (or part of it): not sent again, see the module's docstring
+                    why = self._timed_out(i, "answer headers")
+                    return _error(504, why, code="backend_timeout")
                 why = f"backend {b.url} failed: {e or type(e).__name__}"
                 self.backends.mark_down(i, why)
                 continue
-            if resp is None:  # the client left: the cancelled send closed the upstream, which cancels the request
+            if got is None:  # the client left: the cancelled send closed the upstream, which cancels the request
                 b.inflight -= 1
                 return Response(status_code=499)
-            if resp.status_code >= 500:
-                await resp.aclose()
+            if got.resp.status >= 500:
+                got.resp.close()
                 b.inflight -= 1
-                why = f"backend {b.url} answered {resp.status_code}"
+                why = f"backend {b.url} answered {got.resp.status}"
                 continue
             b.routed += 1
-            media = resp.headers.get("content-type")
-            if not (media or "").startswith("text/event-stream"):
-                return await self._whole(i, resp, request)
-            return await self._stream(i, resp, request)
+            if got.events is None:
+                return self._whole(i, got)
+            return self._stream(i, got)
         return _error(503, f"no backend could take the request: {why}")
 
-    def _broke_off(self, i: int, e: httpx2.HTTPError) -> str:
+    async def _fetch(self, url: str, raw: bytes, headers: dict[str, str]) -> _Answer:
+        """The backend's answer with its body read whole, or its event stream's first whole
+        events (nothing more of a 5xx): sent and read in one task, so that a request costs one
+        watch on the client, and what came with the answer's headers is read before a cut that
+        followed it (the client library reports a cut ahead of the bytes still buffered)."""
+        resp = await self.session().post(url, data=raw, headers=headers)
+        got = _Answer(resp)
+        if resp.status >= 500:
+            return got
+        try:
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                got.events, got.chunks = EventRelay(), resp.content.iter_any()
+                while not got.head and not got.events.junk:
+                    got.head = got.events.feed(await got.chunks.__anext__())
+            else:
+                got.body = await resp.read()
+                resp.release()
+        except (aiohttp.ClientError, asyncio.TimeoutError, StopAsyncIteration) as e:
+            got.failed = e
+            resp.close()
+        except BaseException:  # cancelled: the client left; closing the connection cancels the request on the node
+            resp.close()
+            raise
+        return got
+
+    def _broke_off(self, i: int, e: BaseException) -> str:
         """Why backend i's answer is cut; a connection that failed takes the backend out, one
         that went silent marks it slow."""
-        if isinstance(e, httpx2.TimeoutException):
+        if _silent(e):
             return self._timed_out(i, "part of its answer")
         why = f"backend {self.backends.items[i].url} broke off its answer: {e or type(e).__name__}"
-        if isinstance(e, httpx2.TransportError):
-            self.backends.mark_down(i, why)
+        self.backends.mark_down(i, why)
         return why
 
-    async def _stream(self, i: int, resp: httpx2.Response, request: Request) -> Response:
+    def _stream(self, i: int, got: _Answer) -> Response:
         """Backend i's event stream, passed on once its first whole event is in and is what a
         node sends (else a 502: the status is not out yet)."""
-        b = self.backends.items[i]
-        events = EventRelay()
-        chunks = resp.aiter_raw()
-
-        async def first() -> bytes:
-            while True:
-                out = events.feed(await chunks.__anext__())
-                if out or events.junk:
-                    return out
-
-        try:
-            head = await _unless_gone(first(), request)
-        except (httpx2.HTTPError, StopAsyncIteration) as e:
-            await resp.aclose()
+        b, resp, events = self.backends.items[i], got.resp, got.events
+        if got.failed is not None:
             b.inflight -= 1
             why = (f"backend {b.url} ended its event stream before its first event"
-                   if isinstance(e, StopAsyncIteration) else self._broke_off(i, e))
+                   if isinstance(got.failed, StopAsyncIteration) else self._broke_off(i, got.failed))
             log.warning("%s", why)
             return _error(502, why, code="backend_broke_off")
-        if head is None:
-            await resp.aclose()
+        if not got.head:  # junk before any event
+            resp.close()
             b.inflight -= 1
-            return Response(status_code=499)
-        if not head:  # junk before any event
-            await resp.aclose()
-            b.inflight -= 1
-            why = f"backend {b.url} answered {resp.status_code} with an event that is not an OpenAI chunk: {events.junk}"
+            why = f"backend {b.url} answered {resp.status} with an event that is not an OpenAI chunk: {events.junk}"
             log.warning("%s", why)
             return _error(502, why, code="backend_junk")
-        return StreamingResponse(self._relay(i, resp, events, chunks, head), status_code=resp.status_code,
+        return StreamingResponse(self._relay(i, resp, events, got.chunks, got.head), status_code=resp.status,
                                  media_type=resp.headers.get("content-type"), headers={"x-kvrt-backend": b.url})
 
-    async def _relay(self, i: int, resp: httpx2.Response, events: EventRelay, chunks: AsyncIterator[bytes],
+    async def _relay(self, i: int, resp: aiohttp.ClientResponse, events: EventRelay, chunks: AsyncIterator[bytes],
                      head: bytes) -> AsyncIterator[bytes]:
         """Backend i's event stream, whole events as they come; ended with an error event when
         the backend breaks it off, sends junk or ends it as no node ends an answer."""
         b = self.backends.items[i]
         why, code = "", "backend_broke_off"
+        done = False
         try:
             yield head
             if not events.junk:
@@ -271,36 +304,33 @@ class Router:
                 why, code = f"backend {b.url} sent an event that is not an OpenAI chunk: {events.junk}", "backend_junk"
             elif not events.finished:
                 why = f"backend {b.url} ended its event stream without [DONE] or an error"
-        except httpx2.HTTPError as e:
+            done = not why
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             why = self._broke_off(i, e)
-        finally:
-            await resp.aclose()
+        finally:  # a whole answer leaves the connection for the next request; any other end closes it
+            if done:
+                resp.release()
+            else:
+                resp.close()
             b.inflight -= 1
         if why:
             log.warning("%s", why)
             yield error_event(why, code)
 
-    async def _whole(self, i: int, resp: httpx2.Response, request: Request) -> Response:
-        """Backend i's answer read whole, then sent with its status: a 502 when the backend
-        breaks it off or answers 2xx with a body that is not JSON; nothing when the client goes
-        away first (the upstream is closed)."""
-        b = self.backends.items[i]
-        try:
-            body = await _unless_gone(resp.aread(), request)
-        except httpx2.HTTPError as e:
-            why = self._broke_off(i, e)
+    def _whole(self, i: int, got: _Answer) -> Response:
+        """Backend i's answer read whole, sent with its status: a 502 when the backend broke it
+        off or answered 2xx with a body that is not JSON."""
+        b, resp, body = self.backends.items[i], got.resp, got.body
+        b.inflight -= 1
+        if got.failed is not None:
+            why = self._broke_off(i, got.failed)
             log.warning("%s", why)
-            return _error(504 if isinstance(e, httpx2.TimeoutException) else 502, why, code="backend_broke_off")
-        finally:
-            await resp.aclose()
-            b.inflight -= 1
-        if body is None:
-            return Response(status_code=499)  # the client left: nobody reads it
-        if 200 <= resp.status_code < 300 and not _is_json_object(body):
-            why = f"backend {b.url} answered {resp.status_code} with a body that is not a JSON object: {body[:100]!r}"
+            return _error(504 if _silent(got.failed) else 502, why, code="backend_broke_off")
+        if 200 <= resp.status < 300 and not _is_json_object(body):
+            why = f"backend {b.url} answered {resp.status} with a body that is not a JSON object: {body[:100]!r}"
             log.warning("%s", why)
             return _error(502, why, code="backend_junk")
-        return Response(body, resp.status_code, media_type=resp.headers.get("content-type"),
+        return Response(body, resp.status, media_type=resp.headers.get("content-type"),
                         headers={"x-kvrt-backend": b.url})
 
     async def get(self, path: str) -> Response:
@@ -309,11 +339,12 @@ class Router:
         for i in self.backends.healthy():
             b = self.backends.items[i]
             try:
-                r = await self.client.get(b.url + path, timeout=CONNECT_TIMEOUT_S)
-            except httpx2.TransportError as e:
+                async with self.session().get(b.url + path, timeout=aiohttp.ClientTimeout(total=CONNECT_TIMEOUT_S)) as r:
+                    body = await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self.backends.mark_down(i, str(e) or type(e).__name__)
                 continue
-            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+            return Response(body, r.status, media_type=r.headers.get("content-type"))
         return _error(503, "no backend is healthy")
 
 
@@ -337,6 +368,27 @@ async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
     return None if left else task.result()
 
 
+@dataclass
+class _Answer:
+    """A backend's answer as `Router._fetch` read it: its body whole, or its event stream's
+    first whole events (`head`, with the relay and the rest of the chunks), or how reading
+    failed."""
+
+    resp: aiohttp.ClientResponse
+    body: bytes = b""
+    events: EventRelay | None = None
+    chunks: AsyncIterator[bytes] | None = None
+    head: bytes = b""
+    failed: BaseException | None = None
+
+
+def _silent(e: BaseException) -> bool:
+    """Whether an upstream failure is a backend that went silent (no answer headers, or nothing
+    between two chunks, within the backend timeout) rather than one that could not be reached or
+    broke the connection (a connect timeout is one that could not be reached)."""
+    return isinstance(e, asyncio.TimeoutError) and not isinstance(e, aiohttp.ConnectionTimeoutError)
+
+
 def _is_json_object(body: bytes) -> bool:
     try:
         return isinstance(json.loads(body), dict)
@@ -353,15 +405,14 @@ def _text(content: object) -> str:
     return ""
 
 
-def create_app(router: Router, body_s: float = BODY_S) -> FastAPI:
+def create_app(router: Router, body_s: float = BODY_S) -> Starlette:
     """/health, and forwarded: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
     /detokenize, /version (a model id is the nodes' business: they answer one they do not serve);
-    request bodies bounded as a node bounds them (runtime/http/body_limit.py)."""
-    app = FastAPI(title="kvrt route", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, limit=router.max_body_bytes, body_s=body_s)
+    request bodies bounded as a node bounds them (runtime/http/body_limit.py). A bare Starlette
+    app: the router reads no request model, and FastAPI's layers (dependency solving, its
+    middlewares) would be paid on every forwarded request."""
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         items = router.backends.items
         now = time.monotonic()
         body = {"status": "ok" if router.backends.healthy() else "no healthy backend", "policy": router.picker.policy,
@@ -373,17 +424,24 @@ def create_app(router: Router, body_s: float = BODY_S) -> FastAPI:
                               if b.view is not None else None} for b in items]}
         return JSONResponse(body, 200 if router.backends.healthy() else 503)
 
-    def forwarded(path: str, post: bool) -> None:
+    def forwarded(path: str, post: bool) -> Route:
         if post:
             async def endpoint(request: Request) -> Response:
                 return await router.forward(request, path)
         else:
-            async def endpoint() -> Response:
+            async def endpoint(request: Request) -> Response:
                 return await router.get(path)
-        app.add_api_route(path, endpoint, methods=["POST" if post else "GET"])
+        return Route(path, endpoint, methods=["POST" if post else "GET"])
 
-    for path in ("/v1/models", "/version"):
-        forwarded(path, post=False)
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
-        forwarded(path, post=True)
-    return app
+    routes = [Route("/health", health, methods=["GET"])]
+    routes += [forwarded(path, post=False) for path in ("/v1/models", "/version")]
+    routes += [forwarded(path, post=True) for path in ("/v1/completions", "/v1/chat/completions", "/tokenize",
+                                                       "/detokenize")]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await router.aclose()
+
+    return Starlette(routes=routes, middleware=[Middleware(BodyLimit, limit=router.max_body_bytes, body_s=body_s)],
+                     lifespan=lifespan)

@@ -74,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"kvrt route: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # the health checks: not a line per check
     backends.start()
     app = create_app(Router(backends, picker, args.tokenizer, args.backend_timeout))
-    server = uvicorn.Server(uvicorn_config(app, args.host, args.port))
+    config = uvicorn_config(app, args.host, args.port)
+    config.lifespan = "on"  # the app closes its upstream connections at shutdown
+    server = uvicorn.Server(config)
     log.info("routing on %s:%d to %d backends (%s)", args.host, args.port, len(backends.items), args.policy)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn stops on them, then raises them again: here a no-op
         signal.signal(sig, lambda *_: None)

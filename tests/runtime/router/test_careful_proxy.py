@@ -147,3 +147,42 @@ def test_a_stopped_node_behind_the_router_costs_one_timeout_then_the_other_node_
                        for r in served)
         _wait_healthy(ports[0])
         assert a.proc.poll() is None
+
+
+@contextlib.contextmanager
+def _keeping_alive(answer: bytes) -> Iterator[tuple[str, list]]:
+    """A backend that answers every POST with `answer` (whole, with its length or chunked) and
+    keeps the connection; yields its URL and the client port of each request it got."""
+    ports: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            ports.append(self.client_address[1])
+            self.wfile.write(answer)
+            self.wfile.flush()
+
+        def log_message(self, *_) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", ports
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(5)
+
+
+@pytest.mark.parametrize("answer,stream", [(OK, False), (_sse(CHUNK, b"data: [DONE]\n\n"), True)])
+def test_requests_one_after_another_reuse_one_connection_to_the_backend(answer, stream):
+    with _keeping_alive(answer) as (url, ports), _routed([url]) as (base, _):
+        for _ in range(3):
+            r = _post(base, dict(BODY, stream=stream))
+            assert r.status_code == 200 and b"error" not in r.content, r.content
+    assert len(ports) == 3 and len(set(ports)) == 1, ports
