@@ -1,7 +1,10 @@
 """Shared fixtures: a unique node name per test, and a check that nothing of it is left in /dev/shm;
-and the guard that keeps the fast lane free of processes."""
+the guard that keeps the fast lane free of processes; and the turns of e2e tests on two
+pytest-xdist workers."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import multiprocessing.util
 import os
 import subprocess
@@ -60,10 +63,37 @@ def _refuse_processes(item: pytest.Item):
     return saved
 
 
+@contextlib.contextmanager
+def _turn(item: pytest.Item):
+    """On pytest-xdist workers (`-n 2`), e2e tests run two at a time, except one marked `alone`,
+    which runs with no other test beside it: it waits on short timeouts of real processes, bounds
+    a time, or keeps every core busy, and a second test on a 2-core machine would be a flake.
+    A readers-writer lock shared by the workers, on two bytes of one file in the run's temporary
+    directory: byte 1 is held shared by a test and exclusively by an `alone` one; byte 0, the
+    turnstile, is held while waiting for byte 1, so a waiting `alone` test is not overtaken."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    # the run's directory, above each worker's own (pytest removes it with old runs)
+    path = item.config._tmp_path_factory.getbasetemp().parent / "e2e-turns.lock"
+    mode = fcntl.LOCK_EX if item.get_closest_marker("alone") is not None else fcntl.LOCK_SH
+    with open(path, "a+b") as f:
+        fcntl.lockf(f, fcntl.LOCK_EX, 1, 0)
+        try:
+            fcntl.lockf(f, mode, 1, 1)
+        finally:
+            fcntl.lockf(f, fcntl.LOCK_UN, 1, 0)
+        try:
+            yield
+        finally:
+            fcntl.lockf(f, fcntl.LOCK_UN, 1, 1)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if item.get_closest_marker("e2e") is not None:
-        yield
+        with _turn(item):
+            yield
         return
     saved = _refuse_processes(item)
     try:

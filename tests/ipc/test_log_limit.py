@@ -51,6 +51,7 @@ def test_messages_formatted_before_logging_do_not_grow_it_without_bound():
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 def test_a_flooded_node_logs_a_few_lines(node, tmp_path):
     http = free_port()
     with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "32", "--http-port", str(http)) as ln:

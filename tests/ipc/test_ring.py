@@ -122,6 +122,7 @@ c.detach()
 """
 
 
+@pytest.mark.alone
 @pytest.mark.e2e
 def test_dead_producer_ends_the_wait_and_a_new_one_takes_over(ring):
     reg, p, c = ring

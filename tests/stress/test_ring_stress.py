@@ -4,7 +4,7 @@ import pytest
 from kvrt.bench.stress_ring import build_parser, run_stress
 from tests.conftest import leftovers
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 
 def _run(node, *argv):

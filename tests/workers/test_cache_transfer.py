@@ -204,6 +204,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.alone
 def test_orphan_exits_by_itself_when_its_launcher_is_killed(node, tmp_path):
     fake = spawn_py(FAKE_LAUNCHER, node, str(tmp_path))
     pid = 0

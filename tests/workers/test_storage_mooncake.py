@@ -111,6 +111,7 @@ def test_batched_zero_copy_round_trip_and_misses(store):
         b.close()
 
 
+@pytest.mark.alone
 def test_a_dead_master_means_misses_not_errors(store):
     s = MooncakeStorage(parse_storage(store.uri), rank=0, retry_s=60.0)
     try:
@@ -151,6 +152,7 @@ def test_a_prompt_computed_on_one_node_is_a_storage_hit_on_another(node, tmp_pat
     assert stats["storage_errors"] == 0 and stats["failed_requests"] == 0
 
 
+@pytest.mark.alone
 def test_a_node_keeps_serving_when_the_master_dies(node, tmp_path, store):
     prompts = shared_prefix_prompts(seed=6, systems=2, users=3)
     opts = (*SMALL, "--num-gpu-blocks", "128", *store.node_opts)
@@ -187,6 +189,7 @@ def test_under_memory_pressure_every_request_finishes_with_store_lookups(node, t
     assert stats["failed_requests"] == 0 and stats["hit_tokens_storage"] > 0
 
 
+@pytest.mark.alone
 def test_blocks_a_dead_master_did_not_take_are_written_after_it_restarts(node, tmp_path, store):
     """A master restart is misses, then a working store again; and a write the dead master
     refused is not taken for done: the read that misses them makes the node forget them, so
@@ -264,6 +267,7 @@ def test_a_pool_the_store_cannot_address_goes_through_the_staging_area(store):
         b.close()
 
 
+@pytest.mark.alone
 def test_a_sigkilled_store_takes_its_master_with_it(tmp_path):
     """`kvrt store start` killed with SIGKILL runs no cleanup: its Mooncake master still gets
     SIGTERM from the kernel (it used to keep running, holding the port)."""

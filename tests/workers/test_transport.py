@@ -326,6 +326,7 @@ print("closed", flush=True)
 """
 
 
+@pytest.mark.alone
 @pytest.mark.e2e
 @needs_mooncake
 def test_mooncake_loopback_between_two_processes(names, tmp_path):

@@ -134,6 +134,7 @@ ctx.destroy(linger=0)
 """
 
 
+@pytest.mark.alone
 def test_a_flood_of_replay_requests_leaves_another_client_served_right(node, tmp_path):
     """Two sockets asking the replay port for everything from batch 1 as fast as they can (each
     answer a snapshot of the whole cache) while another client sends its requests: the node

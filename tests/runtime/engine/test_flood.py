@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import REPO
 from tests.launched import SMALL, launched, oracle
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 log = logging.getLogger(__name__)
 
 FLOOD_S = 6.0

@@ -18,7 +18,7 @@ from tests.runtime.http.test_stream_failures import SMALL, _last_event, _recordi
 from tests.runtime.node.test_launch import launched  # noqa: F401  (the fixture)
 from tests.runtime.router.test_router import routing
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 LONG = 3000
 

@@ -257,6 +257,7 @@ def test_streams_past_an_address_share_read_over_capacity_not_a_reset():
     assert got == Counter({"stream": 32, refused: 168}), got
 
 
+@pytest.mark.alone
 @pytest.mark.e2e
 def test_two_thousand_streams_to_a_node_are_served_or_told_over_capacity(node, tmp_path):
     http = free_port()

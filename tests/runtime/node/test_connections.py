@@ -18,7 +18,7 @@ import pytest
 from kvrt.ipc.ports import free_port, free_port_pair
 from tests.launched import SMALL, launched, oracle
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 SOFT = 256  # the node's soft open-files limit at start (a user's default is often 1,024)
 IDLE = 300  # idle connections to each port: past SOFT, and past the HTTP port's 256 per address

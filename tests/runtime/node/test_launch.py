@@ -100,6 +100,7 @@ def test_launch_ready_status_and_clean_stop(launched, node, tmp_path):
     assert not leftovers(node)
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("victim", ["engine[0]", "worker[0]", "cache-transfer[0]", "cache-messager[0]"])
 def test_sigkill_of_a_child_stops_the_node_nonzero_and_clean(launched, node, victim, tmp_path):
     from kvrt.ipc.ports import free_port

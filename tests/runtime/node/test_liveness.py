@@ -13,7 +13,7 @@ from kvrt.runtime.client.client import Result
 from kvrt.workers.model import Model, ModelShape
 from tests.launched import launched
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 PROMPT, NEW = 4096, 3
 # one layer, wide enough that the layer takes seconds over 3 x 4,096 tokens on one core

@@ -24,7 +24,7 @@ from tests.conftest import REPO, leftovers
 from kvrt.ipc.ports import free_port
 from tests.runtime.node.test_launch import kvrt, launched  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 SMALL = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16", "--block-size", "8",
          "--num-gpu-blocks", "1200")  # room for three 3000-token requests

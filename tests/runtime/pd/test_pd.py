@@ -140,6 +140,7 @@ def wait_for(cond, what: str, timeout: float = 20.0) -> None:
 LONG = ("--max-num-batched-tokens", "4", "--max-model-len", "8192", "--num-gpu-blocks", "1024")
 
 
+@pytest.mark.alone
 def test_killing_d_mid_handoff_fails_the_request_and_frees_p(pd_node, tmp_path):
     prompt = np.random.default_rng(1).integers(0, 512, 2000).astype(np.int32)
     with pd_pair(pd_node, tmp_path, *LONG, "--pd-timeout", "3", "--rank-timeout", "1.5") as (p, d):
@@ -159,6 +160,7 @@ def test_killing_d_mid_handoff_fails_the_request_and_frees_p(pd_node, tmp_path):
         assert p.client.generate([1, 2, 3], 1).finish_reason == "length"  # one token: P alone still serves
 
 
+@pytest.mark.alone
 def test_killing_p_after_d_preallocated_returns_ds_blocks(pd_node, tmp_path):
     prompt = np.random.default_rng(2).integers(0, 512, 2000).astype(np.int32)
     secret = pd_secret_file(tmp_path)
@@ -201,6 +203,7 @@ def _answers(client) -> bool:
 
 
 
+@pytest.mark.alone
 def test_a_lease_too_short_for_the_handoff_fails_cleanly(pd_node, tmp_path):
     """P never writes into blocks whose lease may end mid-write: with a 2 s lease and a 2 s
     bound on a send, every handoff is refused; the request fails naming the lease, and both

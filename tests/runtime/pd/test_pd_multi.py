@@ -58,6 +58,7 @@ def multi_node(pd_node):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_requests_go_to_the_decode_node_with_most_free_blocks(multi_node, tmp_path, transport):
     """D0 (listed first) has 64 blocks, D1 has 512: every request goes to D1."""
@@ -76,6 +77,7 @@ def test_requests_go_to_the_decode_node_with_most_free_blocks(multi_node, tmp_pa
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 def test_a_refused_request_goes_to_the_next_decode_node(multi_node, tmp_path):
     """D0 has the most free blocks but takes one preallocation per peer at a time: the burst's
     other requests, refused there, are decoded by D1."""
@@ -95,6 +97,7 @@ def test_a_refused_request_goes_to_the_next_decode_node(multi_node, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 def test_a_dead_decode_node_leaves_the_others_serving(multi_node, tmp_path):
     """D0 (most free blocks) is SIGKILLed: once P has noticed, every request goes to D1."""
     prompts = shared_prefix_prompts(seed=33)
@@ -121,6 +124,7 @@ def test_a_dead_decode_node_leaves_the_others_serving(multi_node, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 def test_requests_asked_of_a_decode_node_that_stops_answering_go_to_another(multi_node, tmp_path):
     """D0 (most free blocks) is paused (SIGSTOP) with no request on it; the requests P then asks
     of it get no answer, and once P counts D0 as lost they are asked of D1 and all finish."""
@@ -148,6 +152,7 @@ def test_requests_asked_of_a_decode_node_that_stops_answering_go_to_another(mult
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_several_prefill_nodes_share_one_decode_node(multi_node, tmp_path, transport):
     """Two prefill nodes on one decode node, both busy at once: every answer is the reference,
@@ -196,6 +201,7 @@ def test_a_decode_peer_list_is_read_in_order():
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 def test_decode_node_reports_the_blocks_a_peer_could_get(pd_node, tmp_path):
     """D's pongs and allocation answers say how many blocks the peer could get now: the free or
     evictable blocks of D's pool, within that peer's quota (--pd-peer-max-blocks)."""

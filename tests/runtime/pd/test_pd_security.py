@@ -249,6 +249,7 @@ def _child_pid(launcher: subprocess.Popen, module: str) -> int:
     raise AssertionError(f"no {module} process under {launcher.pid}")
 
 
+@pytest.mark.alone
 @pytest.mark.e2e
 def test_a_paused_messager_never_writes_into_blocks_d_took_back(pd_node, tmp_path):
     """SIGSTOP P's cache-messager past --rank-timeout: P fails the request and D takes its blocks
@@ -292,6 +293,7 @@ def _config(node: str):
         reg.close()
 
 
+@pytest.mark.alone
 @pytest.mark.e2e
 def test_requests_fail_fast_once_d_is_gone(pd_node, tmp_path):
     from tests.runtime.pd.test_pd import kill_node
@@ -335,6 +337,7 @@ def test_sealed_messages_resist_tampering_replay_and_reflection():
     assert d.open(second) == wire.PdAbort("r")  # nothing above moved the counter
 
 
+@pytest.mark.alone
 @pytest.mark.e2e
 def test_the_first_handoff_after_d_restarts_succeeds(pd_node, tmp_path):
     """D stops and starts again on the same port: P notices the new D (its session is refused),
