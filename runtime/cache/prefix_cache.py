@@ -35,8 +35,8 @@ from kvrt.runtime.cache.eviction import Eviction
 from kvrt.runtime.cache.match import MatchRecord, MatchResult, Request
 from kvrt.runtime.cache.metrics import CacheMetrics
 from kvrt.runtime.cache.pool import BlockPool
-from kvrt.runtime.cache.nodes import (CPU, DETACHED, DEV, FREE, GPU, HITS, HOST, ON_DEVICE, ON_HOST, PARENT, STATE, SWAP2CPU,
-                          SWAP2GPU, NodeStore)
+from kvrt.runtime.cache.nodes import (CPU, DETACHED, DEV, FREE, GPU, HITS, HOST, ON_DEVICE, ON_HOST, PARENT, ROOT, STATE,
+                                      SWAP2CPU, SWAP2GPU, NodeStore)
 from kvrt.runtime.cache.events import CacheObserver, CachedBlock
 from kvrt.runtime.cache.policies.base import EvictionPolicy
 from kvrt.runtime.cache.policies.lru import EvictionQueue
@@ -208,7 +208,23 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         need = -(-num_tokens // self.block_size) - len(req.blocks)
         if not (req.admitted or req.loaded):
             need += self._deferred_need
-        return need <= self.device_pool.num_free + self._dev_returning + self._idle
+        return need <= self.device_pool.num_free + self._dev_returning + self._idle - self._idle_above_deferred()
+
+    def _idle_above_deferred(self) -> int:
+        """Idle device nodes no eviction can take while swap-ins wait for room: the ancestors
+        of a deferred swap-in's nodes (a node with a child on its way to the device is not a
+        leaf). Counting them as room would make a request wait for blocks that only the
+        deferred swap-in, itself waiting for room, could free: a stall."""
+        seen: set[int] = set()
+        parked = 0
+        for t in self._deferred:
+            for n in t.nodes:
+                p = self._parent_v[n]
+                while p > ROOT and p not in seen:
+                    seen.add(p)
+                    parked += self._state_v[p] == GPU and self._ref_v[p] == 0
+                    p = self._parent_v[p]
+        return parked
 
     def waits_for_room(self, request_id: Hashable) -> bool:
         """Does the request wait for a deferred swap-in (one that has no device blocks yet)?
@@ -222,7 +238,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         blocks: only a request giving up blocks can make it (the scheduler then preempts a
         loading request). Younger ones wait their turn, served as the oldest are."""
         return bool(self._deferred) and not self._dev_returning and (
-            len(self._deferred[0].nodes) > self.device_pool.num_free + self._idle)
+            len(self._deferred[0].nodes) > self.device_pool.num_free + self._idle - self._idle_above_deferred())
 
     @property
     def swap_ins_wait(self) -> bool:
