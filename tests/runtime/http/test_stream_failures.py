@@ -166,6 +166,21 @@ def test_a_request_the_engine_fails_after_its_first_token_is_an_error_streamed_o
 # ---- the router over scripted backends ------------------------------------------------------------
 
 @contextlib.contextmanager
+def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` serving on a free loopback port in a thread; yields its URL."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(5)
+
+
+@contextlib.contextmanager
 def _scripted(answer: bytes) -> Iterator[str]:
     """An HTTP server on a free loopback port that answers every POST with the raw bytes
     `answer` (status line, headers, body: as given, however broken) and then hangs up."""
@@ -180,15 +195,8 @@ def _scripted(answer: bytes) -> Iterator[str]:
         def log_message(self, *_) -> None:
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=srv.serve_forever, name="scripted-backend", daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        t.join(5)
+    with http_server(Handler) as url:
+        yield url
 
 
 def _sse(*events: bytes, whole: bool = True) -> bytes:

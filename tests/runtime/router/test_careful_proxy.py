@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Iterator
 
 import httpx2
@@ -16,7 +16,7 @@ import pytest
 from kvrt.runtime.router.app import Router, create_app
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
-from tests.runtime.http.test_stream_failures import CHUNK, _last_event, _scripted, _sse
+from tests.runtime.http.test_stream_failures import CHUNK, _last_event, _scripted, _sse, http_server
 from tests.uvicorn_thread import serving
 
 OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"id": "y"}'
@@ -37,17 +37,11 @@ def _stalling() -> Iterator[tuple[str, list]]:
         def log_message(self, *_) -> None:
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", got
-    finally:
-        release.set()
-        srv.shutdown()
-        srv.server_close()
-        t.join(5)
+    with http_server(Handler) as url:
+        try:
+            yield url, got
+        finally:
+            release.set()
 
 
 @contextlib.contextmanager
@@ -168,16 +162,8 @@ def _keeping_alive(answer: bytes) -> Iterator[tuple[str, list]]:
         def log_message(self, *_) -> None:
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", ports
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        t.join(5)
+    with http_server(Handler) as url:
+        yield url, ports
 
 
 @pytest.mark.parametrize("answer,stream", [(OK, False), (_sse(CHUNK, b"data: [DONE]\n\n"), True)])
