@@ -108,29 +108,10 @@ def test_node_publishes_the_prompts_keys_evictions_and_replays_a_late_subscriber
 
 
 REPLAY_FLOODER = """
-import sys, time, zmq
-address, seconds = sys.argv[1], float(sys.argv[2])
-ctx = zmq.Context()
-socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
-for s in socks:
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDHWM, 100000)
-    s.connect(address)
-sent, end = 0, time.monotonic() + seconds
-while time.monotonic() < end:
-    for s in socks:
-        try:
-            s.send_multipart([b"", (1).to_bytes(8, "big")], zmq.NOBLOCK)  # from batch 1: a snapshot each
-            sent += 1
-        except zmq.Again:
-            pass
-        while True:
-            try:
-                s.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-print(sent / seconds)
-ctx.destroy(linger=0)
+import sys
+from tests.flooder import flood
+# from batch 1: a snapshot each
+print(flood(sys.argv[1], [[b"", (1).to_bytes(8, "big")]], float(sys.argv[2]), sndhwm=100000))
 """
 
 

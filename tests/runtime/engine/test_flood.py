@@ -24,34 +24,15 @@ FLOOD_S = 6.0
 
 # two DEALERs in one process, each sending what it can without blocking and dropping its answers
 FLOODER = textwrap.dedent("""
-    import sys, time, zmq
+    import sys
     from kvrt.runtime.client.api import API, InfoRequest
     from kvrt.runtime.pd.messages import PdAbort
+    from tests.flooder import flood
     port, seconds = int(sys.argv[1]), float(sys.argv[2])
-    ctx = zmq.Context()
-    socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
-    for s in socks:
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://127.0.0.1:{port}")
     info = API.encode(InfoRequest(7))
     peer = API.encode(PdAbort("r"))  # a peer message outside a session: refused (and logged, rate-limited)
     garbage = [[info], [b"\\xc1garbage"], [b"a", b"b", b"c"], [peer]]
-    sent, end, i = 0, time.monotonic() + seconds, 0
-    while time.monotonic() < end:
-        for s in socks:
-            try:
-                s.send_multipart(garbage[i % len(garbage)], zmq.NOBLOCK)
-                sent += 1
-            except zmq.Again:
-                pass
-            i += 1
-            while True:
-                try:
-                    s.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-    print(sent / seconds)
-    ctx.destroy(linger=0)
+    print(flood(f"tcp://127.0.0.1:{port}", garbage, seconds))
 """)
 
 
