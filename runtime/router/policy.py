@@ -23,6 +23,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
+from kvrt.runtime.router.sharing import Sharing
+
 POLICIES = ("cache-aware", "round-robin", "least-load")
 AFFINITY_SHARE = 0.3   # a prefix held for at most this share of a request's blocks does not bind it
 INFLOW_DECAY = 0.99    # per request routed: a node's written blocks count for about the last 100
@@ -53,11 +55,17 @@ class Picker:
         self.load_margin = load_margin
         self._turn = itertools.count()
         self.inflow: dict[int, float] = {}  # backend index -> new blocks sent to it, decayed
+        self.sharing = Sharing()
 
-    def pick(self, cands: Sequence[Candidate]) -> Candidate:
-        """The backend for one request (`cands` is never empty)."""
+    def pick(self, cands: Sequence[Candidate], keys: Sequence[bytes] = ()) -> Candidate:
+        """The backend for one request (`cands` is never empty); `keys`: its block keys (any
+        backend's: only their shape is used), for what other prompts share of it."""
         if not cands:
             raise ValueError("no candidate backend")
+        shared = 0
+        if keys and self.policy == "cache-aware":
+            shared = self.sharing.shared(keys)
+            self.sharing.observe(keys)
         start = next(self._turn)
         order = [cands[(start + i) % len(cands)] for i in range(len(cands))]  # ties: round-robin
         if self.policy == "round-robin":
@@ -68,8 +76,8 @@ class Picker:
         eligible = [c for c in order if c.load <= least + self.load_margin]
         inflow = self.inflow
         best = max(eligible, key=lambda c: (c.cached_blocks, -inflow.get(c.index, 0.0), -c.load))
-        if best.blocks and best.cached_blocks <= AFFINITY_SHARE * best.blocks:  # a new prefix: spread it
-            best = min(eligible, key=lambda c: (inflow.get(c.index, 0.0), c.load))
+        if best.blocks and best.cached_blocks <= max(shared, AFFINITY_SHARE * best.blocks):  # a new prefix: spread it
+            best = min(eligible, key=lambda c: (inflow.get(c.index, 0.0) + max(0.0, c.blocks - c.cached_blocks), c.load))
         for i in inflow:
             inflow[i] *= INFLOW_DECAY
         inflow[best.index] = inflow.get(best.index, 0.0) + max(0.0, best.blocks - best.cached_blocks)
