@@ -10,12 +10,16 @@ warms a second node's cache).
 Why the rest, for pools under pressure: what a node will hold next is what it is sent now, so
 the nodes' caches together hold the most of the working set when each prefix lives on one node
 and new prefixes are spread so that every node writes about as much: a request whose prefix no
-node holds for a good share (at most AFFINITY_SHARE of its blocks, e.g. only a system prompt every
-node has) is a new prefix, and goes to the node that has recently written the fewest new blocks
-(the blocks the nodes it was sent to did not hold, decayed by INFLOW_DECAY per request: the
-nodes' churn, which is what evicts). Counting a request's size rather than requests matters when
-prompts differ in length: a node sent a few long one-off prompts has evicted as much as one sent
-many short ones. Ties go to the least loaded, then round-robin, so an idle fleet is still spread.
+node holds for a good share (at most AFFINITY_SHARE of its blocks), or of which the nodes hold no
+more than other prompts share too (runtime/router/sharing.py: a system prompt, a tool list, but
+not a conversation's own history), is a new prefix: it goes to the node whose churn stays the
+lowest once it is sent there, counting the blocks that node would have to write for it (the
+nodes' recent churn: the blocks they were sent and did not hold, decayed by INFLOW_DECAY per
+request). So a shared prefix is copied to another node once the node holding it writes more than
+the copy costs, instead of pinning every prompt under it to one node that evicts them all while
+the others idle. Counting a request's size rather than requests matters when prompts differ in
+length: a node sent a few long one-off prompts has evicted as much as one sent many short ones.
+Ties go to the least loaded, then round-robin, so an idle fleet is still spread.
 """
 from __future__ import annotations
 

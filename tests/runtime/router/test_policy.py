@@ -40,3 +40,39 @@ def test_new_prefixes_keep_the_nodes_writes_within_one_request_of_each_other(n, 
         assert max(written) - min(written) <= max(sizes) + 1e-9
     if len(sizes) >= n:
         assert min(counts) >= 1
+
+
+def _keys(blocks: list[int]) -> list[bytes]:
+    return [bytes([b]) * 16 for b in blocks]  # distinct per block: enough for the sharing record's shape
+
+
+def test_a_shared_prefix_is_copied_off_a_churning_node_but_a_conversations_own_history_is_followed():
+    ca = Picker("cache-aware")
+    tools = list(range(20))
+    ca.sharing.observe(_keys(tools + [100]))
+    ca.sharing.observe(_keys(tools + [101]))  # two loops under one tool list: it is shared
+    ca.inflow = {0: 200.0, 1: 0.0}
+    # node 0 holds the tool list (20 of 22 blocks) but writes far more than copying it to node 1 costs
+    assert ca.pick([Candidate(0, 0, 20, 22), Candidate(1, 0, 0, 22)], _keys(tools + [102, 103])).index == 1
+    # the next step of the loop now on node 0: node 0 holds its own history too, so it follows it
+    ca.inflow = {0: 200.0, 1: 0.0}
+    assert ca.pick([Candidate(0, 0, 21, 23), Candidate(1, 0, 0, 23)], _keys(tools + [100, 104, 105])).index == 0
+    # copying is not worth it while node 0's churn is about as low as node 1's would be with the copy
+    ca.inflow = {0: 10.0, 1: 0.0}
+    assert ca.pick([Candidate(0, 0, 20, 22), Candidate(1, 0, 0, 22)], _keys(tools + [106, 107])).index == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 5), st.integers(0, 4),
+       st.lists(st.tuples(st.lists(st.floats(0, 64), min_size=5, max_size=5), st.integers(1, 64),
+                          st.lists(st.integers(0, 3), min_size=1, max_size=8)), min_size=1, max_size=200))
+def test_no_node_is_starved_whatever_the_nodes_events_say_they_hold(n, margin, reqs):
+    """Requests that stay in flight, each node claiming any prefix of any request: the busiest
+    node is never more than the load margin and one request ahead of the idlest, so every node
+    keeps getting requests however the caches look."""
+    ca = Picker("cache-aware", load_margin=margin)
+    loads = [0] * n
+    for held, size, shape in reqs:
+        cands = [Candidate(i, loads[i], min(held[i], size), size) for i in range(n)]
+        loads[ca.pick(cands, _keys(shape)).index] += 1
+        assert max(loads) - min(loads) <= margin + 1
