@@ -9,16 +9,23 @@ warms a second node's cache).
 
 Why the rest, for pools under pressure: what a node will hold next is what it is sent now, so
 the nodes' caches together hold the most of the working set when each prefix lives on one node
-and new prefixes are spread so that every node writes about as much: a request whose prefix no
-node holds for a good share (at most AFFINITY_SHARE of its blocks), or of which the nodes hold no
-more than other prompts share too (runtime/router/sharing.py: a system prompt, a tool list, but
-not a conversation's own history), is a new prefix: it goes to the node whose churn stays the
-lowest once it is sent there, counting the blocks that node would have to write for it (the
-nodes' recent churn: the blocks they were sent and did not hold, decayed by INFLOW_DECAY per
-request). So a shared prefix is copied to another node once the node holding it writes more than
-the copy costs, instead of pinning every prompt under it to one node that evicts them all while
-the others idle. Counting a request's size rather than requests matters when prompts differ in
-length: a node sent a few long one-off prompts has evicted as much as one sent many short ones.
+and new prefixes are spread so that every node writes about as much. The nodes' churn is the
+blocks each was sent and did not hold, decayed by INFLOW_DECAY per request (what evicts).
+Counting a request's size rather than requests matters when prompts differ in length: a node
+sent a few long one-off prompts has evicted as much as one sent many short ones.
+
+- A request of which no node holds more than a sliver (AFFINITY_SHARE of its blocks) is a new
+  prefix: it goes to the node with the least churn. Anything more is a hit worth taking now (a
+  conversation whose node evicted the tail of its history still hits the head there).
+- A request of which the nodes hold no more than other prompts share too (runtime/router/
+  sharing.py: a system prompt, a tool list, a document; not a conversation's own history) follows
+  the node holding it only while that node's churn stays within COPY_SLACK of the fleet's mean
+  (plus the copy's own blocks) of the least-churning node's; past that it goes there and the
+  shared prefix is copied. Otherwise every prompt under one shared prefix piles onto the node
+  that held it first (agent loops over one tool list: all on one node), whose pool churns and
+  evicts them all while the other nodes idle.
+- Any other request follows the node holding the most of it.
+
 Ties go to the least loaded, then round-robin, so an idle fleet is still spread.
 """
 from __future__ import annotations
@@ -30,7 +37,8 @@ from typing import Sequence
 from kvrt.runtime.router.sharing import Sharing
 
 POLICIES = ("cache-aware", "round-robin", "least-load")
-AFFINITY_SHARE = 0.3   # a prefix held for at most this share of a request's blocks does not bind it
+AFFINITY_SHARE = 0.1   # a prefix held for at most this share of a request's blocks does not bind
+COPY_SLACK = 0.5       # churn, as a share of the fleet's mean, a node holding only shared blocks may run ahead it
 INFLOW_DECAY = 0.99    # per request routed: a node's written blocks count for about the last 100
 
 
@@ -80,8 +88,14 @@ class Picker:
         eligible = [c for c in order if c.load <= least + self.load_margin]
         inflow = self.inflow
         best = max(eligible, key=lambda c: (c.cached_blocks, -inflow.get(c.index, 0.0), -c.load))
-        if best.blocks and best.cached_blocks <= max(shared, AFFINITY_SHARE * best.blocks):  # a new prefix: spread it
-            best = min(eligible, key=lambda c: (inflow.get(c.index, 0.0) + max(0.0, c.blocks - c.cached_blocks), c.load))
+        if best.blocks and best.cached_blocks <= AFFINITY_SHARE * best.blocks:  # a new prefix: spread it
+            best = min(eligible, key=lambda c: (inflow.get(c.index, 0.0), c.load))
+        elif best.cached_blocks <= shared:  # only what other prompts share: copied off a node that churns far more
+            low = min(eligible, key=lambda c: (inflow.get(c.index, 0.0), c.load))
+            mean = sum(inflow.get(c.index, 0.0) for c in cands) / len(cands)
+            ahead = inflow.get(best.index, 0.0) - inflow.get(low.index, 0.0)
+            if ahead > COPY_SLACK * mean + best.cached_blocks - low.cached_blocks:
+                best = low
         for i in inflow:
             inflow[i] *= INFLOW_DECAY
         inflow[best.index] = inflow.get(best.index, 0.0) + max(0.0, best.blocks - best.cached_blocks)

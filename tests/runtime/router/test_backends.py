@@ -35,13 +35,14 @@ def test_held_blocks_count_by_tier_and_pending_ones_until_they_expire():
 
 
 def test_a_prefix_the_nodes_events_say_it_evicted_no_longer_draws_its_requests():
-    """Node 0 held a conversation and then evicted it (a BlockRemoved event): the next turn is a
-    new prefix for the policy, spread by churn, and no longer follows node 0."""
+    """Node 0 held a conversation and then evicted all but its first block, which node 1 holds
+    too (BlockRemoved events): the next turn no longer follows node 0 but the lesser churn."""
     keys = [bytes([i]) * 16 for i in range(8)]
     b0, ctx0 = _backend({})
     b1, ctx1 = _backend({})
     try:
         b0.view._apply(1, encode_batch([stored_event(keys[:6], None, 4, GPU)]))
+        b1.view._apply(1, encode_batch([stored_event(keys[:1], None, 4, GPU)]))  # both hold the first block
         ca = Picker("cache-aware")
         ca.inflow = {0: 30.0, 1: 0.0}  # node 0 wrote more: only its cache draws the request there
         cands = lambda: [Candidate(i, 0, b.cached_prefix(keys, 100.0), len(keys)) for i, b in enumerate((b0, b1))]

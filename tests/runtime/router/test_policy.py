@@ -76,3 +76,10 @@ def test_no_node_is_starved_whatever_the_nodes_events_say_they_hold(n, margin, r
         cands = [Candidate(i, loads[i], min(held[i], size), size) for i in range(n)]
         loads[ca.pick(cands, _keys(shape)).index] += 1
         assert max(loads) - min(loads) <= margin + 1
+
+
+def test_the_head_of_a_history_its_node_partly_evicted_still_draws_the_next_turn():
+    ca = Picker("cache-aware")
+    ca.inflow = {0: 80.0, 1: 0.0}
+    # node 0 evicted the tail of a conversation's 20 blocks and still holds 3: those are hits now
+    assert ca.pick([Candidate(0, 0, 3, 20), Candidate(1, 0, 0, 20)], _keys(list(range(20)))).index == 0
