@@ -19,11 +19,12 @@ sent a few long one-off prompts has evicted as much as one sent many short ones.
   conversation whose node evicted the tail of its history still hits the head there).
 - A request of which the nodes hold no more than other prompts share too (runtime/router/
   sharing.py: a system prompt, a tool list, a document; not a conversation's own history) follows
-  the node holding it only while that node's churn stays within COPY_SLACK of the fleet's mean
-  (plus the copy's own blocks) of the least-churning node's; past that it goes there and the
+  the node holding it only while that node's churn stays below 1 + COPY_SLACK times the least
+  churning node's plus the blocks a copy there would write; past that it goes there and the
   shared prefix is copied. Otherwise every prompt under one shared prefix piles onto the node
   that held it first (agent loops over one tool list: all on one node), whose pool churns and
-  evicts them all while the other nodes idle.
+  evicts them all while the other nodes idle; and a node that idles is never worth a copy when
+  the slack is a share of the fleet's mean churn rather than of the idle node's own.
 - Any other request follows the node holding the most of it.
 
 Ties go to the least loaded, then round-robin, so an idle fleet is still spread.
@@ -38,7 +39,7 @@ from kvrt.runtime.router.sharing import Sharing
 
 POLICIES = ("cache-aware", "round-robin", "least-load")
 AFFINITY_SHARE = 0.1   # a prefix held for at most this share of a request's blocks does not bind
-COPY_SLACK = 0.5       # churn, as a share of the fleet's mean, a node holding only shared blocks may run ahead it
+COPY_SLACK = 0.5       # how far (a share of the least churn) a node holding only shared blocks may churn ahead it
 INFLOW_DECAY = 0.99    # per request routed: a node's written blocks count for about the last 100
 
 
@@ -92,9 +93,8 @@ class Picker:
             best = min(eligible, key=lambda c: (inflow.get(c.index, 0.0), c.load))
         elif best.cached_blocks <= shared:  # only what other prompts share: copied off a node that churns far more
             low = min(eligible, key=lambda c: (inflow.get(c.index, 0.0), c.load))
-            mean = sum(inflow.get(c.index, 0.0) for c in cands) / len(cands)
-            ahead = inflow.get(best.index, 0.0) - inflow.get(low.index, 0.0)
-            if ahead > COPY_SLACK * mean + best.cached_blocks - low.cached_blocks:
+            least_churn = inflow.get(low.index, 0.0)
+            if inflow.get(best.index, 0.0) > (1 + COPY_SLACK) * least_churn + best.cached_blocks - low.cached_blocks:
                 best = low
         for i in inflow:
             inflow[i] *= INFLOW_DECAY

@@ -2,6 +2,8 @@
 test_router.py)."""
 from __future__ import annotations
 
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,3 +85,39 @@ def test_the_head_of_a_history_its_node_partly_evicted_still_draws_the_next_turn
     ca.inflow = {0: 80.0, 1: 0.0}
     # node 0 evicted the tail of a conversation's 20 blocks and still holds 3: those are hits now
     assert ca.pick([Candidate(0, 0, 3, 20), Candidate(1, 0, 0, 20)], _keys(list(range(20)))).index == 0
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(2, 6), st.integers(0, 2**32))
+def test_agent_loops_under_one_tool_list_spread_over_every_node(n, seed):
+    """Loops that all start with one long tool list: the node that held it first does not keep
+    them all (each node holds what it was sent, never evicting: the policy alone spreads them)."""
+    rnd = random.Random(seed)
+    ca = Picker("cache-aware")
+    held: list[set[bytes]] = [set() for _ in range(n)]
+    tools = list(range(24))
+    loops = [tools + [1000 + i] for i in range(4 * n)]
+    counts = [0] * n
+    for step in range(40 * n):
+        k = rnd.randrange(len(loops)) if step >= len(loops) else step  # every loop starts, then any steps
+        loops[k] = loops[k] + [10_000 + step]
+        keys = _keys_wide(loops[k])
+        cands = []
+        for i in range(n):
+            m = 0
+            while m < len(keys) and keys[m] in held[i]:
+                m += 1
+            cands.append(Candidate(i, 0, m, len(keys)))
+        i = ca.pick(cands, keys).index
+        held[i].update(keys)
+        counts[i] += 1
+    assert min(counts) > 0
+
+
+def _keys_wide(blocks: list[int]) -> list[bytes]:
+    """Chained keys of any ints (each key stands for the whole prefix up to its block)."""
+    out, h = [], 0
+    for b in blocks:
+        h = hash((h, b))
+        out.append(h.to_bytes(16, "big", signed=True))
+    return out
