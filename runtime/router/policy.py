@@ -75,10 +75,7 @@ class Picker:
         backend's: only their shape is used), for what other prompts share of it."""
         if not cands:
             raise ValueError("no candidate backend")
-        shared = 0
-        if keys and self.policy == "cache-aware":
-            shared = self.sharing.shared(keys)
-            self.sharing.observe(keys)
+        shared = self.sharing.see(keys) if keys and self.policy == "cache-aware" else 0
         start = next(self._turn)
         order = [cands[(start + i) % len(cands)] for i in range(len(cands))]  # ties: round-robin
         if self.policy == "round-robin":

@@ -13,7 +13,9 @@ How: the router sees every prompt's chained block keys (a key stands for the who
 its block), so a key seen followed by two different keys is where prompts part: everything up
 to it is shared. A prompt ending at a key does not make it shared (the next turn of the same
 conversation continues it). Memory is bounded by keeping two generations of at most `capacity`
-keys each: a key not seen for a generation is forgotten (and counts as unshared again).
+keys each: a key not seen for a generation is forgotten (and counts as unshared again). The
+work per prompt is a few list passes over its keys (no Python-level branch per key but where
+prompts part): the router does it for every request.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Sequence
 
 CAPACITY = 1 << 18  # keys per generation (two generations: 16-byte keys, some tens of MiB at most)
 _BRANCH = b""       # the next-key mark of a key seen followed by two different keys (a key is never empty)
+_UNSEEN = object()
 
 
 class Sharing:
@@ -33,39 +36,35 @@ class Sharing:
         self._new: dict[bytes, bytes | None] = {}  # key -> the key seen after it (None: none yet; _BRANCH: several)
         self._old: dict[bytes, bytes | None] = {}
 
-    def _get(self, key: bytes) -> bytes | None | bool:
-        """The key's next-key mark, or False when it was not seen."""
-        got = self._new.get(key, False)
-        if got is False:
-            got = self._old.get(key, False)
-        return got
-
-    def shared(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` some other prompt seen had too, up to where they parted (0:
-        none, or only prompts this one continues)."""
+    def see(self, keys: Sequence[bytes]) -> int:
+        """Record a prompt's keys; returns how many of its leading keys some prompt seen before
+        had too, up to where they parted (0: none, or only prompts this one continues)."""
+        n = len(keys)
+        if n == 0:
+            return 0
+        new, old, unseen = self._new, self._old, _UNSEEN
+        get = new.get
+        marks = [get(k, unseen) for k in keys]
+        if old:
+            get = old.get
+            marks = [get(k, unseen) if m is unseen else m for k, m in zip(keys, marks)]
+        nexts = keys[1:]
+        # where this prompt parts from one seen: the key was followed by another key than here
+        parts = [i for i, (m, nk) in enumerate(zip(marks, nexts)) if m is not unseen and m is not None and m != nk]
+        try:
+            walk = marks.index(unseen)  # a key's descendants count only through keys seen (they are chained)
+        except ValueError:
+            walk = n
         depth = 0
-        for i in range(len(keys) - 1):
-            nxt = self._get(keys[i])
-            if nxt is False:
-                break
-            if nxt == _BRANCH or (nxt is not None and nxt != keys[i + 1]):
+        for i in reversed(parts):
+            if i < walk:
                 depth = i + 1
-        return depth
-
-    def observe(self, keys: Sequence[bytes]) -> None:
-        """Record a prompt's keys (after `shared` was asked for it)."""
-        new = self._new
-        for i, k in enumerate(keys):
-            nxt = keys[i + 1] if i + 1 < len(keys) else None
-            got = new.get(k, False)
-            if got is False:
-                got = self._old.get(k, False)
-            if got is False or got is None:
-                mark = nxt
-            elif nxt is None or got == nxt:
-                mark = got
-            else:
-                mark = _BRANCH
-            new[k] = mark
+                break
+        new.update(zip(keys, nexts))
+        for i in parts:
+            new[keys[i]] = _BRANCH
+        last = marks[-1]
+        new[keys[-1]] = None if last is unseen else last
         if len(new) > self.capacity:
             self._old, self._new = new, {}
+        return depth

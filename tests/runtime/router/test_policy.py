@@ -51,8 +51,8 @@ def _keys(blocks: list[int]) -> list[bytes]:
 def test_a_shared_prefix_is_copied_off_a_churning_node_but_a_conversations_own_history_is_followed():
     ca = Picker("cache-aware")
     tools = list(range(20))
-    ca.sharing.observe(_keys(tools + [100]))
-    ca.sharing.observe(_keys(tools + [101]))  # two loops under one tool list: it is shared
+    ca.sharing.see(_keys(tools + [100]))
+    ca.sharing.see(_keys(tools + [101]))  # two loops under one tool list: it is shared
     ca.inflow = {0: 200.0, 1: 0.0}
     # node 0 holds the tool list (20 of 22 blocks) but writes far more than copying it to node 1 costs
     assert ca.pick([Candidate(0, 0, 20, 22), Candidate(1, 0, 0, 22)], _keys(tools + [102, 103])).index == 1

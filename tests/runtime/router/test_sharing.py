@@ -21,24 +21,23 @@ def chained(blocks: list[int]) -> list[bytes]:
 def test_prompts_that_part_share_the_prefix_before_the_parting_and_a_continued_one_shares_nothing():
     s = Sharing()
     system, a, b = [1, 2], [10, 11, 12], [20, 21]
-    s.observe(chained(system + a))
-    assert s.shared(chained(system + b)) == 2  # it parts from a after the system prompt
-    s.observe(chained(system + b))
-    assert s.shared(chained(system + a + [13])) == 2  # the system prompt is shared, a's own history is not
-    s.observe(chained(system + a + [13]))  # the next turn of a continues it: still only the system prompt
-    assert s.shared(chained(system + a + [13, 14])) == 2
-    assert s.shared(chained([7, 8, 9])) == 0
+    assert s.see(chained(system + a)) == 0
+    assert s.see(chained(system + b)) == 2  # it parts from a after the system prompt
+    assert s.see(chained(system + a + [13])) == 2  # the system prompt is shared, a's own history is not
+    assert s.see(chained(system + a + [13, 14])) == 2  # the next turn of a continues it
+    assert s.see(chained([7, 8, 9])) == 0
+    assert s.see([]) == 0
 
 
 def test_memory_is_bounded_and_a_forgotten_key_is_unshared_again():
     s = Sharing(capacity=8)
-    s.observe(chained([1, 2, 3]))
-    s.observe(chained([1, 2, 4]))
-    assert s.shared(chained([1, 2, 5])) == 2
+    s.see(chained([1, 2, 3]))
+    s.see(chained([1, 2, 4]))
+    assert s.see(chained([1, 2, 5])) == 2
     for i in range(40):  # other prompts push the first ones out (two generations of 8 keys)
-        s.observe(chained([100 + i]))
+        s.see(chained([100 + i]))
     assert len(s._new) + len(s._old) <= 2 * (8 + 1)
-    assert s.shared(chained([1, 2, 5])) == 0
+    assert s.see(chained([1, 2, 6])) == 0
 
 
 def _oracle(seen: list[list[int]], p: list[int]) -> int:
@@ -56,5 +55,4 @@ def _oracle(seen: list[list[int]], p: list[int]) -> int:
 def test_shared_depth_is_where_some_prompt_seen_parted_from_this_one(prompts):
     s = Sharing()
     for i, p in enumerate(prompts):
-        assert s.shared(chained(p)) == _oracle(prompts[:i], p)
-        s.observe(chained(p))
+        assert s.see(chained(p)) == _oracle(prompts[:i], p)
