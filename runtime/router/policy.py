@@ -39,7 +39,7 @@ from kvrt.runtime.router.sharing import Sharing
 
 POLICIES = ("cache-aware", "round-robin", "least-load")
 AFFINITY_SHARE = 0.1   # a prefix held for at most this share of a request's blocks does not bind
-COPY_SLACK = 0.5       # how far (a share of the least churn) a node holding only shared blocks may churn ahead it
+COPY_SLACK = 0.5       # how far ahead of the least churn (a share of it) a node holding only shared blocks may churn
 INFLOW_DECAY = 0.99    # per request routed: a node's written blocks count for about the last 100
 
 
@@ -57,7 +57,7 @@ class Candidate:
 
 class Picker:
     """Chooses among candidates by `policy`; holds the round-robin cursor and, for cache-aware,
-    the new blocks each backend was recently sent."""
+    the new blocks each backend was recently sent and where the prompts seen part."""
 
     def __init__(self, policy: str, load_margin: int = 4):
         if policy not in POLICIES:
