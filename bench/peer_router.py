@@ -35,7 +35,9 @@ class PeerRouter:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvrt-bench-sglang-router-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", *urls, "--policy", PEER_POLICY, "--log-level", "warn"],
+             "--worker-urls", *urls, "--policy", PEER_POLICY, "--log-level", "warn",
+             # its metrics exporter's own port (by default a fixed one: a second router on the machine would fail)
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property

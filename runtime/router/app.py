@@ -175,13 +175,14 @@ class Router:
         items, now = self.backends.items, time.monotonic()
         open_ = [i for i in self.backends.healthy() if i not in exclude]
         fast = [i for i in open_ if items[i].slow_until <= now]
-        cands = []
+        cands, shape = [], []
         for i in fast or open_:
             own = items[i].keys_of(keys) if keys else []
+            shape = shape or own
             cands.append(Candidate(i, items[i].inflight, items[i].cached_prefix(own, now), len(own)))
         if not cands:
             return None
-        i = self.picker.pick(cands).index
+        i = self.picker.pick(cands, shape).index
         if keys:
             items[i].sent(items[i].keys_of(keys), now)
         return i
