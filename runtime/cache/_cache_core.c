@@ -1199,7 +1199,7 @@ static PyObject *ghost_ages(PyObject *self, PyObject *args) {
    -> runs: the `gaps` policy's priorities for released `nodes` (int32, distinct), as
    `ReuseGaps.push` ranks them: a node of h earlier uses (hits, int32) has level
    levels[min(h, len - 1)] (int64) and, when `unit` > 0, priority
-   (now + max(level, int64(unit * hold'))) * span + level, where hold' is hold[min(h, len - 1)]
+   (now + int64(unit * hold')) * span + level, where hold' is hold[min(h, len - 1)]
    (float64) but 0 for h == 1 with a last gap (ghost, int64) above `far1` or h == 2 above `far2`;
    with unit <= 0, now * span + level. Writes prio (int64) and ghost = -1 per node, splits `nodes`
    into runs of equal priority, stamps (int64) the j-th run's nodes with serial + j, pushes its
@@ -1239,8 +1239,7 @@ static PyObject *gaps_rank(PyObject *self, PyObject *args) {
             double hd = hold[u];
             if ((u == 1 && (double)gap > far1) || (u == 2 && (double)gap > far2))
                 hd = 0.0;
-            int64_t b = (int64_t)(unit * hd);
-            due = now + (lv > b ? lv : b);
+            due = now + (int64_t)(unit * hd);
         }
         int64_t p = due * span + lv;
         prio[v] = p;

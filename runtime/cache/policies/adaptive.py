@@ -14,7 +14,12 @@ time to show in what the cache holds), the weight goes down a step when the cach
 of the window's sampled blocks than LRU would have by MARGIN of the lookups, up a step when it
 served more by as much, and stays in between (a window of one-off prompts, which neither serves, says
 nothing): it settles where reuse order pays, and at zero, which is exactly LRU's order, where
-it does not. At zero the cache cannot beat
+it does not. "By as much" is also beyond two standard errors of the difference, with the
+request as the unit of sampling: a request's blocks are one prefix, found or lost together, so
+in a small cache, where a window is a dozen requests, one lost document is a lump of hundreds
+of blocks, not hundreds of independent misses, and does not flip the weight. When the weight
+drops to zero the queued blocks lose their bonus too (`_drop_bonus`): the queue is in LRU's
+order at once rather than once the bonuses already given have run out. At zero the cache cannot beat
 LRU, so the weight is probed again (one step) after a wait that doubles with every probe that
 failed, which keeps the cost of probing a vanishing share of the windows while a workload that
 changes is still noticed. A window in which `gaps` itself gave (almost) no bonus says nothing
@@ -28,11 +33,12 @@ so they steer together: one policy governs device and host tiers.
 """
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
 
-from kvrt.runtime.cache.policies.gaps import ReuseGaps
+from kvrt.runtime.cache.policies.gaps import LEVEL_SPAN, ReuseGaps
 
 # a window's lookups must show the cache ahead of LRU by this share for the weight to grow
 # (and behind it by as much for it to shrink)
@@ -48,12 +54,14 @@ class Adaptive(ReuseGaps):
 
     shadows_lru = True  # the cache runs a sampled shadow LRU and calls `steer` per request
 
-    __slots__ = ("weight", "_seen", "_ours", "_lru", "_scale_sum", "_pushes", "_wait", "_idle", "_probing")
+    __slots__ = ("weight", "_seen", "_diff", "_sq", "_scale_sum", "_pushes", "_wait", "_idle", "_probing")
 
     def __init__(self, capacity: int, hits: np.ndarray):
         super().__init__(capacity, hits)
         self.weight = 1.0
-        self._seen = self._ours = self._lru = 0
+        # the window's sampled lookups, and the sum and the sum of squares of its requests'
+        # differences (blocks the cache served minus blocks the shadow LRU held)
+        self._seen = self._diff = self._sq = 0
         self._scale_sum = 0.0  # the `gaps` scale summed over the window's pushes
         self._pushes = 0
         self._wait = 1      # windows at weight 0 before the next probe
@@ -69,18 +77,22 @@ class Adaptive(ReuseGaps):
     def steer(self, seen: int, ours: int, lru: int, window: int) -> None:
         """A request's `seen` sampled usable blocks: `ours` served by the cache, `lru` held by
         the shadow LRU; at the end of a window of `window` lookups, step the weight."""
+        d = ours - lru
         self._seen += seen
-        self._ours += ours
-        self._lru += lru
+        self._diff += d
+        self._sq += d * d
         if self._seen < window:
             return
-        # a difference within Z standard errors is sampling noise, not a verdict (the two counts
-        # are of the same sampled blocks, so their difference varies by at most their sum)
-        noise = Z * math.sqrt(self._ours + self._lru) / self._seen
-        ahead = (self._ours - self._lru) / self._seen
+        # a difference within Z standard errors is noise, not a verdict. The unit of sampling is
+        # the request, not the block: a request's blocks are one prefix, found or lost together
+        # (a document of hundreds of blocks), so the difference's variance is the sum of the
+        # requests' squared differences; counted per block it would look hundreds of times
+        # surer than it is, and a few lumps would flip the weight
+        noise = Z * math.sqrt(self._sq) / self._seen
+        ahead = self._diff / self._seen
         margin = max(MARGIN, noise)
         idle = self._scale_sum < IDLE_SCALE * max(1, self._pushes)
-        self._seen = self._ours = self._lru = self._pushes = 0
+        self._seen = self._diff = self._sq = self._pushes = 0
         self._scale_sum = 0.0
         if idle:
             return
@@ -89,10 +101,28 @@ class Adaptive(ReuseGaps):
             self._wait, self._probing = 1, False
         elif self.weight > 0 and ahead < -margin:
             self.weight = max(0.0, self.weight - STEP)
-            if self.weight == 0 and self._probing:
-                self._wait *= 2  # the probe failed
+            if self.weight == 0:
+                if self._probing:
+                    self._wait *= 2  # the probe failed
+                self._drop_bonus()
             self._probing = False
         elif self.weight == 0:
             self._idle += 1
             if self._idle >= self._wait:
                 self.weight, self._idle, self._probing = STEP, 0, True
+
+    def _drop_bonus(self) -> None:
+        """Give every queued node the priority of its release alone, as if pushed at weight 0.
+        Why: a weight of 0 scales only later pushes; the blocks queued with a bonus would
+        otherwise keep it for as long as it lasts, ahead of the newer blocks LRU would keep
+        (the order the weight just chose), and every switch to LRU order cost hits for a while.
+        One pass over the heap's entries (a run's nodes share a release) and a heapify, at most
+        once per window of eight turnovers: O(1) per pushed block amortised."""
+        released, prio = self._released, self._prio
+        prio[:] = released * LEVEL_SPAN + prio % LEVEL_SPAN
+        for e in self._heap:
+            nodes = e[4]
+            i = max(e[5], 0)
+            if i < len(nodes):
+                e[0] = int(released[nodes[i]]) * LEVEL_SPAN + e[1]
+        heapq.heapify(self._heap)

@@ -21,7 +21,13 @@ clock (one release) and of the sketch's.
 
 Same self-tuning as `reuse` (the share of long reuse scales the bonus), except that with no
 long reuse at all there is no bonus at all: the order is then exactly LRU's (release order,
-deepest first), so short interleaved chats lose nothing to LRU.
+deepest first), so short interleaved chats lose nothing to LRU. A bonus is the scale times the
+hold, rounded down to whole releases, with no floor: a small scale is a small bonus, and a block
+with no bonus (beyond its reach) has none. (A floor of one release per level, as `reuse` keeps
+for its tie-breaks, is up to four releases, which in a small cache, where a turnover is one or
+two releases, is a bonus of turnovers: without it `gaps` loses less to LRU at 1/64 of the
+blocks of `qa` and `agents`, docs/benchmarks.md; here the level in a priority's low bits breaks
+the ties.)
 
 Prefix order: an ancestor has at least its descendants' uses and a gap no longer than theirs
 (ages from the sketch are made so along a path), so its bonus is never smaller and leaves go

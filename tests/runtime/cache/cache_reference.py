@@ -238,7 +238,7 @@ def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: 
         uses = np.minimum(h, len(hold_by_uses) - 1)
         hold = hold_by_uses[uses]
         hold[((uses == 1) & (gap > far1)) | ((uses == 2) & (gap > far2))] = 0.0
-        due = now + np.maximum(lv, (unit * hold).astype(np.int64))
+        due = now + (unit * hold).astype(np.int64)
     else:
         due = np.full(len(nodes), now, dtype=np.int64)
     prio = due * span + lv

@@ -483,6 +483,15 @@ def test_adaptive_loses_nothing_to_lru_on_any_trace_family(family):
         assert replay(reqs, 64, cap, 0, "adaptive")["hit_token_rate"] >= lru - 0.001, cap
 
 
+def behind(q: Adaptive, share: float, requests: int = 100) -> None:
+    """One window of 1,000 sampled lookups over `requests` requests, in which the cache served
+    `share` of them fewer than the shadow LRU held, spread evenly over the requests."""
+    per = 1000 // requests
+    q.bonus_scale()
+    for _ in range(requests):
+        q.steer(per, per // 2 - round(share * per), per // 2, 1000)
+
+
 def test_adaptive_steers_to_lru_when_reuse_order_loses():
     """Fed windows in which the cache served fewer sampled blocks than the shadow LRU held, the
     weight falls to 0 (LRU order: a step is the whole bonus) and then probes again after waits that double; windows where
@@ -490,29 +499,46 @@ def test_adaptive_steers_to_lru_when_reuse_order_loses():
     q = Adaptive(64, np.zeros(64, dtype=np.int32))
     weights = []
     for _ in range(12):
-        q.bonus_scale()
-        q.steer(1000, 400, 500, 1000)
+        behind(q, 0.1)
         weights.append(q.weight)
     assert weights[0] == 0.0
     probes = [i for i, w in enumerate(weights) if w > 0]
     assert probes == [1, 4, 9], weights  # after 1 window at 0, then 2, then 4
     for _ in range(4):
-        q.bonus_scale()
-        q.steer(1000, 600, 500, 1000)
+        behind(q, -0.1)
     assert q.weight == 1.0
     q._long, q._reused = 0.0, 1.0  # no long reuse: `gaps` gives no bonus
-    q.bonus_scale()
-    q.steer(1000, 0, 1000, 1000)
+    behind(q, 1.0)
     assert q.weight == 1.0
 
 
 def test_adaptive_takes_a_difference_within_sampling_noise_for_no_verdict():
-    """Ten points behind LRU over 100 sampled blocks is within two standard errors of the
-    shadow's sampling: the weight stays; the same share over 1,000 blocks moves it."""
+    """The request is the unit of sampling: ten points behind LRU carried by one request (one
+    prefix lost whole) is no verdict, nor spread over four; the same share spread over a hundred
+    requests moves the weight."""
     q = Adaptive(64, np.zeros(64, dtype=np.int32))
-    q.bonus_scale()
-    q.steer(100, 40, 50, 100)
+    behind(q, 0.1, requests=1)
     assert q.weight == 1.0
-    q.bonus_scale()
-    q.steer(1000, 400, 500, 1000)
+    behind(q, 0.1, requests=4)
+    assert q.weight == 1.0
+    behind(q, 0.1, requests=100)
     assert q.weight == 0.0
+
+
+def test_adaptive_drops_the_bonus_of_queued_blocks_with_the_weight():
+    """When the weight falls to 0 the queue is in release order at once (LRU's), also for the
+    blocks queued with a bonus, and a parked node comes back with its release's priority."""
+    hits = np.zeros(64, dtype=np.int32)
+    hits[:8] = 3  # popular blocks: a bonus of several turnovers
+    q = Adaptive(64, hits)
+    paths = [np.arange(i, i + 8)[::-1].astype(np.int32) for i in range(0, 32, 8)]  # deepest first
+    for path in paths:
+        q.push(path.copy())
+    in_release_order = np.concatenate(paths).tolist()
+    assert q.members() == in_release_order[8:] + in_release_order[:8]  # 0..7 kept for their reuse
+    parked = q.pop()  # 15: popped and parked, as a node that still had children
+    behind(q, 0.1)
+    assert q.weight == 0.0
+    assert q.members() == [n for n in in_release_order if n != parked]
+    q.push_front(parked)
+    assert q.members() == in_release_order[:8] + [parked] + in_release_order[9:]
