@@ -315,7 +315,9 @@ def overhead(fleet: Fleet, n: int, timeout: float, peer_name: str | None = PEERS
     asking one new token, not streamed), sent directly, through `kvrt route` and through the
     peer (when `peer_name`) in turn, so that all of them see the same moments of a noisy machine.
     GAP_S apart: a node answers a request that arrives just as its previous one finished some
-    40 ms late, which would charge whichever target comes next in the turn."""
+    40 ms late, which would charge whichever target comes next in the turn. Besides the p50s'
+    difference, the median of each turn's difference (paired: the node's own jitter from one
+    moment to the next, larger than a router's cost, is taken out where it is shared)."""
     url = fleet.urls[0]
     kvrt_base = fleet.route("cache-aware", [url])
     peer = PeerRouter([url]) if peer_name else None
@@ -348,8 +350,11 @@ def overhead(fleet: Fleet, n: int, timeout: float, peer_name: str | None = PEERS
             peer.stop()
         fleet.stop_router()
     p50 = {k: float(np.percentile(v, 50)) for k, v in lat.items()}
+    direct = np.asarray(lat["direct"])
     return {"requests": n, "p50_ms": p50,
             "overhead_p50_ms": {k: p50[k] - p50["direct"] for k in targets if k != "direct"},
+            "paired_overhead_p50_ms": {k: float(np.median(np.asarray(v) - direct)) for k, v in lat.items()
+                                       if k != "direct"},
             "cpu_ms_per_request": cpu_ms}
 
 
@@ -426,13 +431,18 @@ def render_cost(cost: dict) -> str:
     o, p50, cpu = cost["overhead_p50_ms"], cost["p50_ms"], cost.get("cpu_ms_per_request") or {}
     lines = [f"router cost, one node, one request at a time ({cost['requests']} each, p50 latency over direct "
              f"{p50['direct']:.2f} ms): " + ", ".join(f"{k} +{v:.2f} ms" for k, v in o.items())]
+    if paired := cost.get("paired_overhead_p50_ms"):
+        lines.append("median of each turn's latency over that turn's direct one: "
+                     + ", ".join(f"{k} +{v:.2f} ms" for k, v in paired.items()))
     if cpu:
         lines.append("router CPU per request (its process, all threads): "
                      + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu.items()))
     if PEER_ROW in o:
         lat = o["kvrt route"] / o[PEER_ROW] if o[PEER_ROW] > 0 else None
+        pq = paired["kvrt route"] / paired[PEER_ROW] if paired and paired[PEER_ROW] > 0 else None
         c = cpu["kvrt route"] / cpu[PEER_ROW] if cpu.get(PEER_ROW) else None
-        lines.append(f"kvrt route / {PEER_ROW}: cost {fmt(lat, '.2f', 'x')} (goal <= 1.00x), CPU {fmt(c, '.2f', 'x')}")
+        lines.append(f"kvrt route / {PEER_ROW}: cost {fmt(lat, '.2f', 'x')} (goal <= 1.00x), paired "
+                     f"{fmt(pq, '.2f', 'x')}, CPU {fmt(c, '.2f', 'x')}")
     return "\n".join(lines)
 
 

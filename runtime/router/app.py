@@ -84,10 +84,12 @@ class Router:
         parser and thin layers cost about a third of the CPU per request of a pure-Python client,
         and the router's cost is paid on every request. Made on first use, in the server's event
         loop, which it belongs to. Bodies pass as the node sent them (no decompression, none asked
-        for; a body without a content type goes without one). A request waits for a free pooled
-        connection at most the backend timeout, and for a new one to connect CONNECT_TIMEOUT_S."""
+        for; a body without a content type goes without one), and no cookie a node sets is kept
+        (it would go with other clients' requests). A request waits for a free pooled connection
+        at most the backend timeout, and for a new one to connect CONNECT_TIMEOUT_S."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
+                cookie_jar=aiohttp.DummyCookieJar(),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.backend_timeout, sock_connect=CONNECT_TIMEOUT_S,
                                               sock_read=self.backend_timeout),
                 auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"))
