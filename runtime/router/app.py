@@ -293,22 +293,24 @@ class Router:
                                                               "x-kvrt-backend": b.url})
         why, code = "", "backend_broke_off"
         done = False
-        try:
+        try:  # (a write that fails is the client gone: it ends the request, the backend is not blamed)
             await out.prepare(request)
             await out.write(got.head)
-            if not events.junk:
-                async for chunk in got.chunks:
-                    if piece := events.feed(chunk):
-                        await out.write(piece)
-                    if events.junk:
-                        break
-            if events.junk:
+            while not events.junk:
+                try:
+                    chunk = await got.chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    why = self._broke_off(i, e)
+                    break
+                if piece := events.feed(chunk):
+                    await out.write(piece)
+            if not why and events.junk:
                 why, code = f"backend {b.url} sent an event that is not an OpenAI chunk: {events.junk}", "backend_junk"
-            elif not events.finished:
+            elif not why and not events.finished:
                 why = f"backend {b.url} ended its event stream without [DONE] or an error"
             done = not why
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            why = self._broke_off(i, e)
         finally:  # a whole answer leaves the connection for the next request; any other end closes it
             if done:
                 resp.release()

@@ -27,7 +27,8 @@ class Refused(Exception):
 
 
 async def read_body(request: web.BaseRequest, limit: int, body_s: float, budget: Budget) -> bytes:
-    """The whole body: a `content-length` over `limit` is refused before any of it is read, a
+    """The whole body: a `content-length` over `limit` is refused before any of it is read (a
+    client that asked to be told, `expect: 100-continue`, is told to go on only below it), a
     body that passes it while streaming in as soon as it does (413), one not whole within
     `body_s` of its headers is a 408, and one past SMALL_BODY waits for room in the shared
     `budget` (a 503 when none frees before that deadline)."""
@@ -35,6 +36,8 @@ async def read_body(request: web.BaseRequest, limit: int, body_s: float, budget:
     if declared is not None and declared > limit:
         raise _too_large(limit)
     content = request.content
+    if request.headers.get("expect", "").lower() == "100-continue" and not content.is_eof():
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client waits for it to send the body
     if content.is_eof():  # whole already (the common case: a small body in the headers' read)
         raw = await content.read()
         if len(raw) > limit:
