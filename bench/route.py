@@ -26,7 +26,8 @@ text then (SGLang's router refuses token ids), one byte per token. Then each rou
 one node, one request at a time (one new token, not streamed), sent directly, through `kvrt
 route` and through the peer in turn; its overhead is its p50 latency minus the direct one's, and
 its CPU per request the CPU time its process used over those requests. `--cost-only` runs just
-that part, in front of one node (a few minutes less, for work on the router's own cost).
+that part, in front of one node, or with `--cost-backend instant` in front of a backend that
+answers at once (bench/instant_backend.py: no node's time, and its jitter, in the measure).
 """
 from __future__ import annotations
 
@@ -89,6 +90,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cost-only", action="store_true",
                    help="only each router's own cost per request (one node; --peer's router beside kvrt route when "
                         "given and installed): no trace is replayed")
+    p.add_argument("--cost-backend", choices=("node", "instant"), default="node",
+                   help="--cost-only: the backend behind the routers: a node, or a backend that answers every "
+                        "completion at once, without computing (default node)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     name = str(args.trace or "")
@@ -111,6 +115,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--small-blocks and --overhead-requests must be >= 0")
     if args.cost_only and not args.overhead_requests:
         p.error("--cost-only measures with --overhead-requests requests: give it > 0")
+    if args.cost_backend != "node" and not args.cost_only:
+        p.error("--cost-backend goes with --cost-only")
     args.parser = p
     return args
 
@@ -310,15 +316,16 @@ GAP_S = 0.02
 COST_BLOCKS = 256  # --cost-only: the one node's device blocks (its requests are one token long)
 
 
-def overhead(fleet: Fleet, n: int, timeout: float, peer_name: str | None = PEERS[0]) -> dict:
+def overhead(fleet: Fleet, n: int, timeout: float, peer_name: str | None = PEERS[0], url: str = "") -> dict:
     """Each router's own cost per request: one node, one request at a time (a 1-token prompt
     asking one new token, not streamed), sent directly, through `kvrt route` and through the
     peer (when `peer_name`) in turn, so that all of them see the same moments of a noisy machine.
     GAP_S apart: a node answers a request that arrives just as its previous one finished some
     40 ms late, which would charge whichever target comes next in the turn. Besides the p50s'
     difference, the median of each turn's difference (paired: the node's own jitter from one
-    moment to the next, larger than a router's cost, is taken out where it is shared)."""
-    url = fleet.urls[0]
+    moment to the next, larger than a router's cost, is taken out where it is shared). `url`: the
+    backend (default the fleet's first node)."""
+    url = url or fleet.urls[0]
     kvrt_base = fleet.route("cache-aware", [url])
     peer = PeerRouter([url]) if peer_name else None
     try:
@@ -468,11 +475,22 @@ def render(out: dict) -> str:
 
 
 def cost_only(args: argparse.Namespace, say) -> int:
-    """`--cost-only`: each router's cost per request in front of one node, nothing else."""
-    fleet = Fleet(1, COST_BLOCKS, args.block_size, say, "c")
+    """`--cost-only`: each router's cost per request in front of one node, or of a backend that
+    answers at once, nothing else."""
+    instant = args.cost_backend == "instant"
+    fleet = Fleet(0 if instant else 1, COST_BLOCKS, args.block_size, say, "c")
+    backend = None
     try:
-        fleet.wait_ready()
-        cost = overhead(fleet, args.overhead_requests, args.timeout, args.peer)
+        if instant:
+            port = free_port()
+            backend = subprocess.Popen([sys.executable, "-m", "kvrt.bench.instant_backend", str(port)], cwd=REPO,
+                                       stdin=subprocess.DEVNULL)
+            url = f"http://127.0.0.1:{port}"
+            _wait_http(url, "the instant backend", backend)
+        else:
+            fleet.wait_ready()
+            url = fleet.urls[0]
+        cost = overhead(fleet, args.overhead_requests, args.timeout, args.peer, url)
     except KeyboardInterrupt:
         say("kvrt bench route: interrupted")
         return 130
@@ -481,7 +499,15 @@ def cost_only(args: argparse.Namespace, say) -> int:
         return 1
     finally:
         fleet.stop()
-    out = {"config": {"peer": args.peer, "requests": args.overhead_requests}, "router_cost": cost}
+        if backend is not None:
+            backend.send_signal(signal.SIGINT)
+            try:
+                backend.wait(10)
+            except subprocess.TimeoutExpired:
+                backend.kill()
+                backend.wait(10)
+    out = {"config": {"peer": args.peer, "requests": args.overhead_requests, "backend": args.cost_backend},
+           "router_cost": cost}
     print(json.dumps(out, indent=1) if args.json else render_cost(cost))
     return 0
 

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvrt.runtime.http.connections import HEADER_S, IDLE_S, LINGER_S, OVER_CAPACITY, PER_ADDRESS, TOTAL, refusal
 
+log = logging.getLogger(__name__)
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 SHUTDOWN_S = 2.0   # requests in flight at a stop are given this long
 MAX_LINE = 16 << 10  # bytes of a request line or of one header (a node's h11 takes 16 KiB of headers)
@@ -126,6 +129,15 @@ class _Guarded(web.RequestHandler):
             transport.close()
             return
         self._timer = self._clock.call_later(self._limits.linger_s, transport.close)
+
+    def log_exception(self, *args, **kw) -> None:
+        """A request that is not valid HTTP is the client's doing: one WARNING line (rate-limited
+        per kind, ipc/log_limit.py), not an ERROR with a traceback per request."""
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            log.warning("invalid HTTP request from %s: %s", self._address, " ".join(str(exc).split())[:200])
+            return
+        super().log_exception(*args, **kw)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
