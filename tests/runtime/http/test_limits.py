@@ -31,7 +31,7 @@ from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
 from tests.launched import SMALL, launched, oracle
 from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
-from tests.router_thread import serving_router
+from tests.routing_thread import serving_router
 from tests.uvicorn_thread import serving
 
 BIG = 64 << 20      # bytes a hostile client offers

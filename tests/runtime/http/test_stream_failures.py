@@ -30,7 +30,7 @@ from kvrt.runtime.router.relay import EventRelay
 from kvrt.ipc.ports import free_port
 from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
 from tests.runtime.node.test_launch import launched  # noqa: F401  (the fixture)
-from tests.router_thread import serving_router
+from tests.routing_thread import serving_router
 from tests.runtime.router.test_router import routing
 
 SMALL = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16", "--block-size", "8",

@@ -17,7 +17,7 @@ from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
 from tests.runtime.http.test_stream_failures import CHUNK, _last_event, _scripted, _sse, http_server
-from tests.router_thread import serving_router
+from tests.routing_thread import serving_router
 
 OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"id": "y"}'
 BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}

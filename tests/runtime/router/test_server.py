@@ -17,7 +17,7 @@ import httpx2
 from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
-from tests.router_thread import serving_router
+from tests.routing_thread import serving_router
 from tests.runtime.http.test_stream_failures import CHUNK, _scripted, http_server
 from tests.runtime.router.test_careful_proxy import OK
 
