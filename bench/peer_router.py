@@ -35,8 +35,7 @@ class PeerRouter:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvrt-bench-sglang-router-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", *urls, "--policy", PEER_POLICY, "--log-level", "warn",
-             "--prometheus-port", str(free_port())],  # its default port is taken by any other run beside
+             "--worker-urls", *urls, "--policy", PEER_POLICY, "--log-level", "warn"],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property
