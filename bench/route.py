@@ -102,7 +102,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if family not in TRACES or (seed and not seed.isdigit()):
             p.error(f"--trace {name}: known synthetic traces are {', '.join(TRACES)} (optionally NAME:SEED)")
         args.trace = None
-    check_trace_args(p, args)
+    if not args.cost_only:  # (which replays no trace)
+        check_trace_args(p, args)
+    elif not args.timeout > 0:
+        p.error(f"--timeout must be > 0, got {args.timeout}")
     if args.synthetic:
         args.trace = Path(PREFIX + args.synthetic)
     if args.nodes < 1:
