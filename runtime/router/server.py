@@ -150,13 +150,20 @@ class _Guarded(web.RequestHandler):
 
 
 def _timed(handler: Handler) -> Handler:
-    """`handler`, with the connection's header timer off while it runs."""
+    """`handler`, its answer sent, with the connection's timers off meanwhile (a slow reader of a
+    long answer is not taken for an idle connection)."""
 
     async def run(request: web.BaseRequest) -> web.StreamResponse:
         proto = request.protocol
         proto.busy()
         try:
-            return await handler(request)
+            resp = await handler(request)
+            try:
+                await resp.prepare(request)
+                await resp.write_eof()
+            except ConnectionError:  # the client left (aiohttp sees it gone and drops the connection)
+                pass
+            return resp
         finally:
             if request.transport is not None and not request.transport.is_closing():
                 proto.idle()
