@@ -439,7 +439,7 @@ def render_peer(out: dict) -> str:
 def render_cost(cost: dict) -> str:
     """Each router's cost per request: its latency over direct, its CPU, and kvrt's over the peer's."""
     o, p50, cpu = cost["overhead_p50_ms"], cost["p50_ms"], cost.get("cpu_ms_per_request") or {}
-    lines = [f"router cost, one node, one request at a time ({cost['requests']} each, p50 latency over direct "
+    lines = [f"router cost, one backend, one request at a time ({cost['requests']} each, p50 latency over direct "
              f"{p50['direct']:.2f} ms): " + ", ".join(f"{k} +{v:.2f} ms" for k, v in o.items())]
     if paired := cost.get("paired_overhead_p50_ms"):
         lines.append("median of each turn's latency over that turn's direct one: "
