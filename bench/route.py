@@ -25,7 +25,9 @@ default size) and with pools too small for the working set (--small-blocks); pro
 text then (SGLang's router refuses token ids), one byte per token. Then each router's own cost:
 one node, one request at a time (one new token, not streamed), sent directly, through `kvrt
 route` and through the peer in turn; its overhead is its p50 latency minus the direct one's, and
-its CPU per request the CPU time its process used over those requests.
+its CPU per request the CPU time its process used over those requests. `--cost-only` runs just
+that part, in front of one node, or with `--cost-backend instant` in front of a backend that
+answers at once (bench/instant_backend.py: no node's time, and its jitter, in the measure).
 """
 from __future__ import annotations
 
@@ -85,6 +87,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--overhead-requests", type=int, default=150, metavar="N",
                    help="--peer: requests sent one at a time to each of direct, kvrt route and the peer to "
                         "measure each router's own cost (default 150; 0: skip)")
+    p.add_argument("--cost-only", action="store_true",
+                   help="only each router's own cost per request (one node; --peer's router beside kvrt route when "
+                        "given and installed): no trace is replayed")
+    p.add_argument("--cost-backend", choices=("node", "instant"), default="node",
+                   help="--cost-only: the backend behind the routers: a node, or a backend that answers every "
+                        "completion at once, without computing (default node)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     name = str(args.trace or "")
@@ -94,7 +102,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if family not in TRACES or (seed and not seed.isdigit()):
             p.error(f"--trace {name}: known synthetic traces are {', '.join(TRACES)} (optionally NAME:SEED)")
         args.trace = None
-    check_trace_args(p, args)
+    if not args.cost_only:  # (which replays no trace)
+        check_trace_args(p, args)
+    elif not args.timeout > 0:
+        p.error(f"--timeout must be > 0, got {args.timeout}")
     if args.synthetic:
         args.trace = Path(PREFIX + args.synthetic)
     if args.nodes < 1:
@@ -105,6 +116,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown policy {bad[0]!r}: one of {', '.join(POLICIES)}")
     if args.small_blocks < 0 or args.overhead_requests < 0:
         p.error("--small-blocks and --overhead-requests must be >= 0")
+    if args.cost_only and not args.overhead_requests:
+        p.error("--cost-only measures with --overhead-requests requests: give it > 0")
+    if args.cost_backend != "node" and not args.cost_only:
+        p.error("--cost-backend goes with --cost-only")
     args.parser = p
     return args
 
@@ -301,21 +316,28 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
 
 PEER_ROW = "sglang-router " + PEER_POLICY
 GAP_S = 0.02
+COST_BLOCKS = 256  # --cost-only: the one node's device blocks (its requests are one token long)
 
 
-def overhead(fleet: Fleet, n: int, timeout: float) -> dict:
+def overhead(fleet: Fleet, n: int, timeout: float, peer_name: str | None = PEERS[0], url: str = "") -> dict:
     """Each router's own cost per request: one node, one request at a time (a 1-token prompt
     asking one new token, not streamed), sent directly, through `kvrt route` and through the
-    peer in turn, so that all three see the same moments of a noisy machine. GAP_S apart: a
-    node answers a request that arrives just as its previous one finished some 40 ms late, which
-    would charge whichever target comes next in the turn."""
-    url = fleet.urls[0]
+    peer (when `peer_name`) in turn, so that all of them see the same moments of a noisy machine.
+    GAP_S apart: a node answers a request that arrives just as its previous one finished some
+    40 ms late, which would charge whichever target comes next in the turn. Besides the p50s'
+    difference, the median of each turn's difference (paired: the node's own jitter from one
+    moment to the next, larger than a router's cost, is taken out where it is shared). `url`: the
+    backend (default the fleet's first node)."""
+    url = url or fleet.urls[0]
     kvrt_base = fleet.route("cache-aware", [url])
-    peer = PeerRouter([url])
+    peer = PeerRouter([url]) if peer_name else None
     try:
-        _wait_http(peer.base, "the peer router", peer.proc)
-        targets = {"direct": url, "kvrt route": kvrt_base, PEER_ROW: peer.base}
-        pids = {"kvrt route": fleet.router.pid, PEER_ROW: peer.proc.pid}
+        targets = {"direct": url, "kvrt route": kvrt_base}
+        pids = {"kvrt route": fleet.router.pid}
+        if peer is not None:
+            _wait_http(peer.base, "the peer router", peer.proc)
+            targets[PEER_ROW] = peer.base
+            pids[PEER_ROW] = peer.proc.pid
         lat: dict[str, list[float]] = {k: [] for k in targets}
         cpu0: dict[str, float] = {}
         with httpx2.Client(timeout=timeout) as client:
@@ -334,11 +356,15 @@ def overhead(fleet: Fleet, n: int, timeout: float) -> dict:
                         lat[name].append(dt)
         cpu_ms = {k: (cpu_s(pid) - cpu0[k]) * 1e3 / n for k, pid in pids.items()} if n else {}
     finally:
-        peer.stop()
+        if peer is not None:
+            peer.stop()
         fleet.stop_router()
     p50 = {k: float(np.percentile(v, 50)) for k, v in lat.items()}
+    direct = np.asarray(lat["direct"])
     return {"requests": n, "p50_ms": p50,
             "overhead_p50_ms": {k: p50[k] - p50["direct"] for k in targets if k != "direct"},
+            "paired_overhead_p50_ms": {k: float(np.median(np.asarray(v) - direct)) for k, v in lat.items()
+                                       if k != "direct"},
             "cpu_ms_per_request": cpu_ms}
 
 
@@ -405,14 +431,28 @@ def render_peer(out: dict) -> str:
         lines.append(f"\n{pool} pools, kvrt cache-aware / {PEER_ROW}: hit rate {fmt(q['hit_token_rate'], '.2f', 'x')}"
                      f" (goal >= {'1.10' if pool == 'small' else '1.00'}x), TTFT p50 {fmt(q['ttft_p50_ms'], '.2f', 'x')},"
                      f" p99 {fmt(q['ttft_p99_ms'], '.2f', 'x')} (goal <= 1.00x), req/s {fmt(q['req_per_s'], '.2f', 'x')}")
-    cost = out["router_cost"]
-    if cost:
-        o, p50 = cost["overhead_p50_ms"], cost["p50_ms"]
-        lines.append(f"\nrouter cost, one node, one request at a time ({cost['requests']} each, p50 latency over direct "
-                     f"{p50['direct']:.2f} ms): kvrt route +{o['kvrt route']:.2f} ms, {PEER_ROW} +{o[PEER_ROW]:.2f} ms")
-        if cpu := cost.get("cpu_ms_per_request"):
-            lines.append(f"router CPU per request (its process, all threads): kvrt route {cpu['kvrt route']:.2f} ms, "
-                         f"{PEER_ROW} {cpu[PEER_ROW]:.2f} ms")
+    if out["router_cost"]:
+        lines += ["", render_cost(out["router_cost"])]
+    return "\n".join(lines)
+
+
+def render_cost(cost: dict) -> str:
+    """Each router's cost per request: its latency over direct, its CPU, and kvrt's over the peer's."""
+    o, p50, cpu = cost["overhead_p50_ms"], cost["p50_ms"], cost.get("cpu_ms_per_request") or {}
+    lines = [f"router cost, one backend, one request at a time ({cost['requests']} each, p50 latency over direct "
+             f"{p50['direct']:.2f} ms): " + ", ".join(f"{k} +{v:.2f} ms" for k, v in o.items())]
+    if paired := cost.get("paired_overhead_p50_ms"):
+        lines.append("median of each turn's latency over that turn's direct one: "
+                     + ", ".join(f"{k} +{v:.2f} ms" for k, v in paired.items()))
+    if cpu:
+        lines.append("router CPU per request (its process, all threads): "
+                     + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu.items()))
+    if PEER_ROW in o:
+        lat = o["kvrt route"] / o[PEER_ROW] if o[PEER_ROW] > 0 else None
+        pq = paired["kvrt route"] / paired[PEER_ROW] if paired and paired[PEER_ROW] > 0 else None
+        c = cpu["kvrt route"] / cpu[PEER_ROW] if cpu.get(PEER_ROW) else None
+        lines.append(f"kvrt route / {PEER_ROW}: cost {fmt(lat, '.2f', 'x')} (goal <= 1.00x), paired "
+                     f"{fmt(pq, '.2f', 'x')}, CPU {fmt(c, '.2f', 'x')}")
     return "\n".join(lines)
 
 
@@ -437,22 +477,62 @@ def render(out: dict) -> str:
     return "\n".join(lines)
 
 
+def cost_only(args: argparse.Namespace, say) -> int:
+    """`--cost-only`: each router's cost per request in front of one node, or of a backend that
+    answers at once, nothing else."""
+    instant = args.cost_backend == "instant"
+    fleet = Fleet(0 if instant else 1, COST_BLOCKS, args.block_size, say, "c")
+    backend = None
+    try:
+        if instant:
+            port = free_port()
+            backend = subprocess.Popen([sys.executable, "-m", "kvrt.bench.instant_backend", str(port)], cwd=REPO,
+                                       stdin=subprocess.DEVNULL)
+            url = f"http://127.0.0.1:{port}"
+            _wait_http(url, "the instant backend", backend)
+        else:
+            fleet.wait_ready()
+            url = fleet.urls[0]
+        cost = overhead(fleet, args.overhead_requests, args.timeout, args.peer, url)
+    except KeyboardInterrupt:
+        say("kvrt bench route: interrupted")
+        return 130
+    except RuntimeError as e:
+        say(f"kvrt bench route: error: {e}")
+        return 1
+    finally:
+        fleet.stop()
+        if backend is not None:
+            backend.send_signal(signal.SIGINT)
+            try:
+                backend.wait(10)
+            except subprocess.TimeoutExpired:
+                backend.kill()
+                backend.wait(10)
+    out = {"config": {"peer": args.peer, "requests": args.overhead_requests, "backend": args.cost_backend},
+           "router_cost": cost}
+    print(json.dumps(out, indent=1) if args.json else render_cost(cost))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per request
-    requests = synthetic(args.synthetic)[:args.limit] if args.synthetic else load_requests(args.parser, args)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.peer and not installed(args.peer):
+        say(f"kvrt bench route: {args.peer} is not installed (pip install {args.peer}): the peer is skipped")
+        args.peer = None
+    if args.cost_only:
+        return cost_only(args, say)
+    requests = synthetic(args.synthetic)[:args.limit] if args.synthetic else load_requests(args.parser, args)
     specs = trace_prompts(requests, args.tokens_per_id, vocab_size=VOCAB, max_new_tokens_cap=args.max_new_tokens_cap,
                           max_model_len=MAX_MODEL_LEN)
     scaled = [s.trace for s in specs]
     total = sum(t.input_length for t in scaled)
     ideal = ideal_hit_tokens(scaled, args.block_size, args.tokens_per_id) / total if total else None
-    if args.peer and not installed(args.peer):
-        say(f"kvrt bench route: {args.peer} is not installed (pip install {args.peer}): the peer is skipped")
-        args.peer = None
     if args.peer:
         try:
             peer = peer_run(args, specs, ideal, say)

@@ -42,7 +42,7 @@ def max_body_bytes(max_model_len: int) -> int:
     return JSON_FACTOR * max_message_bytes(max_model_len)
 
 
-class _Budget:
+class Budget:
     """Bytes of large bodies the server holds, against a cap: `take` waits for room until a
     deadline, `give` frees room. Whoever holds nothing may take past the cap (one body alone
     always fits)."""
@@ -80,7 +80,7 @@ class BodyLimit:
         self.app = app
         self.limit = limit
         self.body_s = body_s
-        self.budget = _Budget()
+        self.budget = Budget()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

@@ -27,29 +27,26 @@ that could not be reached (nothing was sent) is tried once on another, as before
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable
 
 import aiohttp
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from aiohttp import web
 
 from kvrt.runtime.cache.keys import BlockHasher, salted_root
 from kvrt.runtime.client.api import cache_salt_problem
 from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
 from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError
-from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
+from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, Budget, max_body_bytes
 from kvrt.runtime.router.backends import Backends
+from kvrt.runtime.router.body import Refused, read_body
 from kvrt.runtime.router.policy import Candidate, Picker
 from kvrt.runtime.router.relay import EventRelay, error_event
+from kvrt.runtime.router.server import lingering_answer
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +55,14 @@ BACKEND_TIMEOUT_S = 300.0  # for a backend's answer headers, and between two chu
 SLOW_S = 30.0           # a backend that timed out is avoided this long
 ATTEMPTS = 2            # the first backend, then one other
 PASSED_HEADERS = ("authorization", "content-type", "accept")
-T = TypeVar("T")
 
 
-def _error(status: int, message: str, type_: str = "service_unavailable", code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}}, status)
+def _json(body: object, status: int) -> web.Response:
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str, type_: str = "service_unavailable", code: str | None = None) -> web.Response:
+    return _json({"error": {"message": message, "type": type_, "param": None, "code": code}}, status)
 
 
 class Router:
@@ -84,10 +84,12 @@ class Router:
         parser and thin layers cost about a third of the CPU per request of a pure-Python client,
         and the router's cost is paid on every request. Made on first use, in the server's event
         loop, which it belongs to. Bodies pass as the node sent them (no decompression, none asked
-        for; a body without a content type goes without one). A request waits for a free pooled
-        connection at most the backend timeout, and for a new one to connect CONNECT_TIMEOUT_S."""
+        for; a body without a content type goes without one), and no cookie a node sets is kept
+        (it would go with other clients' requests). A request waits for a free pooled connection
+        at most the backend timeout, and for a new one to connect CONNECT_TIMEOUT_S."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
+                cookie_jar=aiohttp.DummyCookieJar(),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.backend_timeout, sock_connect=CONNECT_TIMEOUT_S,
                                               sock_read=self.backend_timeout),
                 auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"))
@@ -196,10 +198,13 @@ class Router:
         b.slow_until = time.monotonic() + SLOW_S
         return why
 
-    async def forward(self, request: Request, path: str) -> Response:
-        raw = await request.body()  # (bounded in size and time by the BodyLimit middleware)
+    async def forward(self, request: web.BaseRequest, raw: bytes, path: str) -> web.StreamResponse:
+        """`raw`, the request's body, to a backend the policy picks; its answer, passed on. A
+        client that leaves cancels this (the server's handler cancellation): the upstream
+        request is then closed, which cancels it on the node."""
         keys = self.keys(path, raw)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
+        got_headers = request.headers
+        headers = {k: v for k in PASSED_HEADERS if (v := got_headers.get(k)) is not None}
         tried: list[int] = []
         why = "no backend is healthy"
         for _ in range(ATTEMPTS):
@@ -209,8 +214,8 @@ class Router:
             tried.append(i)
             b = self.backends.items[i]
             b.inflight += 1
-            try:  # an answer without a stream has its headers only once it is whole: the client may leave first
-                got = await _unless_gone(self._fetch(b.url + path, raw, headers), request)
+            try:
+                got = await self._fetch(b.url + path, raw, headers)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 b.inflight -= 1
                 if _silent(e):  # it has the request (or part of it): not sent again, see the module's docstring
@@ -219,9 +224,9 @@ class Router:
                 why = f"backend {b.url} failed: {e or type(e).__name__}"
                 self.backends.mark_down(i, why)
                 continue
-            if got is None:  # the client left: the cancelled send closed the upstream, which cancels the request
+            except BaseException:  # cancelled: the client left (the send was cancelled and closed)
                 b.inflight -= 1
-                return Response(status_code=499)
+                raise
             if got.resp.status >= 500:
                 got.resp.close()
                 b.inflight -= 1
@@ -230,14 +235,14 @@ class Router:
             b.routed += 1
             if got.events is None:
                 return self._whole(i, got)
-            return self._stream(i, got)
+            return await self._stream(i, got, request)
         return _error(503, f"no backend could take the request: {why}")
 
     async def _fetch(self, url: str, raw: bytes, headers: dict[str, str]) -> _Answer:
         """The backend's answer with its body read whole, or its event stream's first whole
-        events (nothing more of a 5xx): sent and read in one task, so that a request costs one
-        watch on the client, and what came with the answer's headers is read before a cut that
-        followed it (the client library reports a cut ahead of the bytes still buffered)."""
+        events (nothing more of a 5xx): read before the answer's status goes out, so that what
+        came with the answer's headers is read before a cut that followed it (the client
+        library reports a cut ahead of the bytes still buffered)."""
         resp = await self.session().post(url, data=raw, headers=headers)
         got = _Answer(resp)
         if resp.status >= 500:
@@ -267,9 +272,11 @@ class Router:
         self.backends.mark_down(i, why)
         return why
 
-    def _stream(self, i: int, got: _Answer) -> Response:
+    async def _stream(self, i: int, got: _Answer, request: web.BaseRequest) -> web.StreamResponse:
         """Backend i's event stream, passed on once its first whole event is in and is what a
-        node sends (else a 502: the status is not out yet)."""
+        node sends (else a 502: the status is not out yet), then whole events as they come;
+        ended with an error event when the backend breaks it off, sends junk or ends it as no
+        node ends an answer."""
         b, resp, events = self.backends.items[i], got.resp, got.events
         if got.failed is not None:
             b.inflight -= 1
@@ -283,31 +290,28 @@ class Router:
             why = f"backend {b.url} answered {resp.status} with an event that is not an OpenAI chunk: {events.junk}"
             log.warning("%s", why)
             return _error(502, why, code="backend_junk")
-        return StreamingResponse(self._relay(i, resp, events, got.chunks, got.head), status_code=resp.status,
-                                 media_type=resp.headers.get("content-type"), headers={"x-kvrt-backend": b.url})
-
-    async def _relay(self, i: int, resp: aiohttp.ClientResponse, events: EventRelay, chunks: AsyncIterator[bytes],
-                     head: bytes) -> AsyncIterator[bytes]:
-        """Backend i's event stream, whole events as they come; ended with an error event when
-        the backend breaks it off, sends junk or ends it as no node ends an answer."""
-        b = self.backends.items[i]
+        out = web.StreamResponse(status=resp.status, headers={"content-type": resp.headers.get("content-type", ""),
+                                                              "x-kvrt-backend": b.url})
         why, code = "", "backend_broke_off"
         done = False
-        try:
-            yield head
-            if not events.junk:
-                async for chunk in chunks:
-                    if out := events.feed(chunk):
-                        yield out
-                    if events.junk:
-                        break
-            if events.junk:
+        try:  # (a write that fails is the client gone: it ends the request, the backend is not blamed)
+            await out.prepare(request)
+            await out.write(got.head)
+            while not events.junk:
+                try:
+                    chunk = await got.chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    why = self._broke_off(i, e)
+                    break
+                if piece := events.feed(chunk):
+                    await out.write(piece)
+            if not why and events.junk:
                 why, code = f"backend {b.url} sent an event that is not an OpenAI chunk: {events.junk}", "backend_junk"
-            elif not events.finished:
+            elif not why and not events.finished:
                 why = f"backend {b.url} ended its event stream without [DONE] or an error"
             done = not why
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            why = self._broke_off(i, e)
         finally:  # a whole answer leaves the connection for the next request; any other end closes it
             if done:
                 resp.release()
@@ -316,9 +320,11 @@ class Router:
             b.inflight -= 1
         if why:
             log.warning("%s", why)
-            yield error_event(why, code)
+            await out.write(error_event(why, code))
+        await out.write_eof()
+        return out
 
-    def _whole(self, i: int, got: _Answer) -> Response:
+    def _whole(self, i: int, got: _Answer) -> web.Response:
         """Backend i's answer read whole, sent with its status: a 502 when the backend broke it
         off or answered 2xx with a body that is not JSON."""
         b, resp, body = self.backends.items[i], got.resp, got.body
@@ -331,10 +337,9 @@ class Router:
             why = f"backend {b.url} answered {resp.status} with a body that is not a JSON object: {body[:100]!r}"
             log.warning("%s", why)
             return _error(502, why, code="backend_junk")
-        return Response(body, resp.status, media_type=resp.headers.get("content-type"),
-                        headers={"x-kvrt-backend": b.url})
+        return web.Response(body=body, status=resp.status, headers=_answer_headers(resp, b.url))
 
-    async def get(self, path: str) -> Response:
+    async def get(self, path: str) -> web.Response:
         """A GET answered by the first healthy backend (/v1/models, /version): the nodes behind
         a router serve one model under the same ids, so any of them answers for all."""
         for i in self.backends.healthy():
@@ -345,28 +350,8 @@ class Router:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self.backends.mark_down(i, str(e) or type(e).__name__)
                 continue
-            return Response(body, r.status, media_type=r.headers.get("content-type"))
+            return web.Response(body=body, status=r.status, headers=_answer_headers(r))
         return _error(503, "no backend is healthy")
-
-
-async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
-    """`work`'s result, or None when the client goes away first (`work` is then cancelled):
-    while nothing is written to the client, no failed write tells that it left, so its
-    disconnect is awaited beside the work."""
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        left = not task.done()
-        if left:
-            task.cancel()
-    return None if left else task.result()
 
 
 @dataclass
@@ -381,6 +366,15 @@ class _Answer:
     chunks: AsyncIterator[bytes] | None = None
     head: bytes = b""
     failed: BaseException | None = None
+
+
+def _answer_headers(resp: aiohttp.ClientResponse, backend: str = "") -> dict[str, str]:
+    """The headers of a backend's answer that are passed on: its content type (none when it
+    sent none), and the backend's URL."""
+    out = {"x-kvrt-backend": backend} if backend else {}
+    if ct := resp.headers.get("content-type"):
+        out["content-type"] = ct
+    return out
 
 
 def _silent(e: BaseException) -> bool:
@@ -406,14 +400,15 @@ def _text(content: object) -> str:
     return ""
 
 
-def create_app(router: Router, body_s: float = BODY_S) -> Starlette:
-    """/health, and forwarded: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-    /detokenize, /version (a model id is the nodes' business: they answer one they do not serve);
-    request bodies bounded as a node bounds them (runtime/http/body_limit.py). A bare Starlette
-    app: the router reads no request model, and FastAPI's layers (dependency solving, its
-    middlewares) would be paid on every forwarded request."""
+def create_handler(router: Router, body_s: float = BODY_S) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+    """The router's one request handler (runtime/router/server.py serves it): /health, and
+    forwarded: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
+    /version (a model id is the nodes' business: they answer one they do not serve); request
+    bodies bounded as a node bounds them (runtime/router/body.py). One lookup of (method, path)
+    in a table: no routing framework or middleware is paid on every forwarded request."""
+    budget = Budget()
 
-    async def health(request: Request) -> JSONResponse:
+    async def health(request: web.BaseRequest) -> web.Response:
         items = router.backends.items
         now = time.monotonic()
         body = {"status": "ok" if router.backends.healthy() else "no healthy backend", "policy": router.picker.policy,
@@ -423,26 +418,35 @@ def create_app(router: Router, body_s: float = BODY_S) -> Starlette:
                               "events": {"last_seq": b.view.last_seq, "gaps": b.view.gaps, "lost": b.view.lost,
                                          "snapshots": b.view.snapshots, "malformed": b.view.malformed}
                               if b.view is not None else None} for b in items]}
-        return JSONResponse(body, 200 if router.backends.healthy() else 503)
+        return _json(body, 200 if router.backends.healthy() else 503)
 
-    def forwarded(path: str, post: bool) -> Route:
-        if post:
-            async def endpoint(request: Request) -> Response:
-                return await router.forward(request, path)
-        else:
-            async def endpoint(request: Request) -> Response:
+    def forwarded(path: str, post: bool) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+        if not post:
+            async def get(request: web.BaseRequest) -> web.StreamResponse:
                 return await router.get(path)
-        return Route(path, endpoint, methods=["POST" if post else "GET"])
+            return get
 
-    routes = [Route("/health", health, methods=["GET"])]
-    routes += [forwarded(path, post=False) for path in ("/v1/models", "/version")]
-    routes += [forwarded(path, post=True) for path in ("/v1/completions", "/v1/chat/completions", "/tokenize",
-                                                       "/detokenize")]
+        async def post_(request: web.BaseRequest) -> web.StreamResponse:
+            try:
+                raw = await read_body(request, router.max_body_bytes(), body_s, budget)
+            except Refused as e:
+                return await lingering_answer(request, e.status, e.reason, e.message, e.code)
+            return await router.forward(request, raw, path)
+        return post_
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        yield
-        await router.aclose()
+    routes = {("GET", "/health"): health}
+    routes.update({("GET", p): forwarded(p, post=False) for p in ("/v1/models", "/version")})
+    routes.update({("POST", p): forwarded(p, post=True) for p in ("/v1/completions", "/v1/chat/completions",
+                                                                   "/tokenize", "/detokenize")})
+    paths = {p for _, p in routes}
 
-    return Starlette(routes=routes, middleware=[Middleware(BodyLimit, limit=router.max_body_bytes, body_s=body_s)],
-                     lifespan=lifespan)
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        endpoint = routes.get((request.method, request.path))
+        if endpoint is not None:
+            return await endpoint(request)
+        if request.path in paths:
+            return _error(405, f"{request.path} does not take {request.method:.20}", "invalid_request_error",
+                          "method_not_allowed")
+        return _error(404, f"no endpoint {request.path!r:.200}", "invalid_request_error", "not_found")
+
+    return handle

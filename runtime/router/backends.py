@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 1.0
-EVENTS_POLL_MS = 20
+EVENTS_POLL_MS = 100  # the events thread's longest sleep: how soon it sees a view to renew, or the stop
 PENDING_S = 2.0       # a sent request's keys count as held this long (its prefill is under way)
 PENDING_MAX = 1 << 16  # pending keys kept per backend before the stale ones are dropped
 SLOW_TIER = 0.5       # a block on host memory or storage only counts for this much of one on the device
@@ -219,6 +219,10 @@ class Backends:
 
     # ---- events (views are made, read from sockets and closed on the events thread only)
     def _events_loop(self) -> None:
+        """Applies each backend's batches as they arrive. The poller is made again only when the
+        views change: an idle router's thread costs one poll per EVENTS_POLL_MS, which its cost
+        per request pays on a quiet fleet."""
+        poller, polled = zmq.Poller(), []
         while not self._stop.is_set():
             for b in self.items:
                 if b.up_count != b.view_of and b._events_addr is not None:
@@ -227,9 +231,10 @@ class Backends:
             if not views:
                 self._stop.wait(EVENTS_POLL_MS / 1000)
                 continue
-            poller = zmq.Poller()
-            for v in views:
-                poller.register(v.sub, zmq.POLLIN)
+            if views != polled:
+                poller, polled = zmq.Poller(), views
+                for v in views:
+                    poller.register(v.sub, zmq.POLLIN)
             ready = dict(poller.poll(EVENTS_POLL_MS))
             for v in views:
                 if v.sub in ready:

@@ -2,19 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import socket
 import sys
 
-import uvicorn
-
 from kvrt.ipc.log_limit import limit_logs
 from kvrt.runtime.cache.event_secret import EventSecret
-from kvrt.runtime.http.connections import uvicorn_config
-from kvrt.runtime.router.app import BACKEND_TIMEOUT_S, SLOW_S, Router, create_app
+from kvrt.runtime.router.app import BACKEND_TIMEOUT_S, SLOW_S, Router, create_handler
 from kvrt.runtime.router.backends import HEALTH_INTERVAL_S, Backends
 from kvrt.runtime.router.policy import POLICIES, Picker
+from kvrt.runtime.router.server import serve
 
 log = logging.getLogger("kvrt.route")
 
@@ -50,6 +49,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+async def _serve(router: Router, sock: socket.socket) -> None:
+    """Serve until SIGINT or SIGTERM; then close the upstream connections."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await serve(create_handler(router), sock, stop)
+    finally:
+        await router.aclose()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if not 0 < args.port <= 65535:
@@ -76,15 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # the health checks: not a line per check
     backends.start()
-    app = create_app(Router(backends, picker, args.tokenizer, args.backend_timeout))
-    config = uvicorn_config(app, args.host, args.port)
-    config.lifespan = "on"  # the app closes its upstream connections at shutdown
-    server = uvicorn.Server(config)
+    router = Router(backends, picker, args.tokenizer, args.backend_timeout)
     log.info("routing on %s:%d to %d backends (%s)", args.host, args.port, len(backends.items), args.policy)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn stops on them, then raises them again: here a no-op
-        signal.signal(sig, lambda *_: None)
     try:
-        server.run(sockets=[sock])
+        asyncio.run(_serve(router, sock))
     finally:
         backends.stop()
         sock.close()

@@ -43,3 +43,16 @@ def test_bench_route_peer_runs_both_routers_on_roomy_and_small_pools(tmp_path):
         assert r["failed"] == 0 and sum(r["routed_per_node"]) == 12
     assert set(got["kvrt_over_peer"]) == {"roomy", "small"}
     assert set(got["router_cost"]["overhead_p50_ms"]) == {"kvrt route", "sglang-router cache_aware"}
+
+
+def test_bench_route_cost_only_measures_kvrt_route_over_an_instant_backend():
+    out = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "route", "--cost-only", "--cost-backend",
+                          "instant", "--overhead-requests", "5", "--json"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    assert got["config"]["backend"] == "instant"
+    cost = got["router_cost"]
+    assert cost["requests"] == 5 and set(cost["p50_ms"]) == {"direct", "kvrt route"}
+    assert set(cost["overhead_p50_ms"]) == set(cost["paired_overhead_p50_ms"]) == {"kvrt route"}
+    assert cost["cpu_ms_per_request"]["kvrt route"] >= 0

@@ -1,5 +1,5 @@
-"""The HTTP layer's limits over real sockets, a node's app and the router's alike (uvicorn in a
-thread, the guarded protocol): a body over the limit is refused while it streams in (413), a
+"""The HTTP layer's limits over real sockets, a node's app and the router's alike (a node's app
+served by uvicorn with the guarded protocol, the router by its own server, each in a thread): a body over the limit is refused while it streams in (413), a
 client that trickles its headers or its body is cut (408), a connection over the limits is
 refused as "over capacity" (503, which the client reads: no reset), and meanwhile a well-behaved
 client is served. 2,000 streams at once to a real node: 256 stream, the rest read why not."""
@@ -27,11 +27,11 @@ from kvrt.runtime.http.app import create_app as node_app
 from kvrt.runtime.http.body_limit import BODIES_AT_ONCE, SMALL_BODY, BodyLimit, max_body_bytes
 from kvrt.runtime.http.connections import PER_ADDRESS
 from kvrt.runtime.router.app import Router
-from kvrt.runtime.router.app import create_app as router_app
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
 from tests.launched import SMALL, launched, oracle
 from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
+from tests.routing_thread import serving_router
 from tests.uvicorn_thread import serving
 
 BIG = 64 << 20      # bytes a hostile client offers
@@ -40,14 +40,24 @@ CHUNK = 64 << 10
 
 @contextlib.contextmanager
 def _app(kind: str, body_s: float = 30.0, bridge: _FakeBridge | None = None):
-    """The node's app over a fake engine (model length 64), or the router's over no live backend."""
+    """The node's app over a fake engine (model length 64)."""
+    assert kind == "node"
+    yield node_app(Server(bridge or _FakeBridge(True), MODEL), body_s=body_s)
+
+
+@contextlib.contextmanager
+def _served(kind: str, body_s: float = 30.0, **limits):
+    """The node's app over a fake engine (model length 64), or the router over no live backend,
+    served; yields the base URL."""
     if kind == "node":
-        yield node_app(Server(bridge or _FakeBridge(True), MODEL), body_s=body_s)
+        with _app(kind, body_s) as app, serving(app, **limits) as base:
+            yield base
         return
     backends = Backends(["http://127.0.0.1:9"], events=False)
     backends.items[0].max_model_len = 64  # as a node would report it: the router's limit is the node's
     try:
-        yield router_app(Router(backends, Picker("round-robin")), body_s=body_s)
+        with serving_router(Router(backends, Picker("round-robin")), body_s=body_s, **limits) as base:
+            yield base
     finally:
         backends.stop()
 
@@ -81,7 +91,7 @@ def _get(base: str, path: str) -> int:
 @pytest.mark.parametrize("kind", ["node", "router"])
 def test_a_chunked_body_over_the_limit_is_refused_while_it_streams_in(kind):
     me = psutil.Process()
-    with _app(kind) as app, serving(app) as base:
+    with _served(kind) as base:
         before = me.memory_info().rss
         s = _connect(base)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -104,7 +114,7 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_streams_in(kind):
 
 @pytest.mark.parametrize("kind", ["node", "router"])
 def test_a_declared_length_over_the_limit_is_refused_before_the_body(kind):
-    with _app(kind) as app, serving(app) as base:
+    with _served(kind) as base:
         s = _connect(base)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % BIG)
         got = _answer(s)  # nothing of the body was sent
@@ -129,10 +139,11 @@ def _trickle(base: str, head: bytes, data: bytes, every_s: float, out: list) -> 
         s.close()
 
 
-def test_slow_headers_and_slow_bodies_are_cut_and_a_well_behaved_client_is_served():
+@pytest.mark.parametrize("kind", ["node", "router"])
+def test_slow_headers_and_slow_bodies_are_cut_and_a_well_behaved_client_is_served(kind):
     slow_head = (b"", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" + b"x" * 400)
     slow_body = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 200\r\n\r\n", b"{" * 200)
-    with _app("node", body_s=1.0) as app, serving(app, header_s=1.0) as base:
+    with _served(kind, body_s=1.0, header_s=1.0) as base:
         got: list[bytes] = []
         threads = [threading.Thread(target=_trickle, args=(base, *(slow_head if i % 2 else slow_body), 0.05, got))
                    for i in range(60)]
@@ -141,7 +152,7 @@ def test_slow_headers_and_slow_bodies_are_cut_and_a_well_behaved_client_is_serve
         served = [_get(base, "/health") for _ in range(20)]
         for t in threads:
             t.join(30)
-    assert served == [200] * 20
+    assert served == [200 if kind == "node" else 503] * 20  # (the router's one backend is not there)
     assert len(got) == 60
     heads = [g for g in got if b"header_timeout" in g]
     bodies = [g for g in got if b"body_timeout" in g]
@@ -196,8 +207,9 @@ def test_large_bodies_coming_in_at_once_share_a_budget_and_small_requests_never_
     assert sorted(order[1:]) == ["stalled HTTP/1.1 408"] * BODIES_AT_ONCE + ["whole HTTP/1.1 400"], order
 
 
-def test_connections_over_an_address_share_or_the_total_are_over_capacity():
-    with _app("node") as app, serving(app, per_address=8, total=12) as base:
+@pytest.mark.parametrize("kind", ["node", "router"])
+def test_connections_over_an_address_share_or_the_total_are_over_capacity(kind):
+    with _served(kind, per_address=8, total=12) as base:
         with contextlib.ExitStack() as held:
             for _ in range(8):
                 held.enter_context(_connect(base))
@@ -206,7 +218,7 @@ def test_connections_over_an_address_share_or_the_total_are_over_capacity():
                 oa.models.list()
             assert e.value.status_code == 503 and "over capacity" in e.value.message
             assert "this address" in e.value.message and "not ready" not in e.value.message
-    with _app("node") as app, serving(app, host="0.0.0.0", per_address=8, total=12) as base:
+    with _served(kind, host="0.0.0.0", per_address=8, total=12) as base:
         port = int(base.rsplit(":", 1)[1])
         with contextlib.ExitStack() as held:
             for i in range(12):  # from 127.0.0.2 ... (the whole of 127/8 is this machine)

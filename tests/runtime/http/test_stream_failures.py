@@ -23,13 +23,14 @@ from fastapi.testclient import TestClient
 from kvrt.runtime.client.api import ErrorEvent, TokenEvent
 from kvrt.runtime.http.app import Server
 from kvrt.runtime.http.app import create_app as node_app
-from kvrt.runtime.router.app import Router, create_app
+from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
 from kvrt.runtime.router.relay import EventRelay
 from kvrt.ipc.ports import free_port
 from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
 from tests.runtime.node.test_launch import launched  # noqa: F401  (the fixture)
+from tests.routing_thread import serving_router
 from tests.runtime.router.test_router import routing
 
 SMALL = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16", "--block-size", "8",
@@ -211,15 +212,16 @@ NODE_ERROR = b'data: {"error": {"message": "the node failed it", "type": "t", "p
 
 
 @contextlib.contextmanager
-def _router(*answers: bytes) -> Iterator[TestClient]:
-    """The router's app in this process over scripted backends, tried in the given order."""
+def _router(*answers: bytes) -> Iterator[httpx2.Client]:
+    """The router in this process over scripted backends, tried in the given order; a client of it."""
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(_scripted(a)) for a in answers]
         backends = Backends(urls, events=False)
         stack.callback(backends.stop)
         for b in backends.items:
             b.healthy = True  # no health thread: the scripts answer POSTs only
-        yield stack.enter_context(TestClient(create_app(Router(backends, Picker("round-robin")))))
+        base = stack.enter_context(serving_router(Router(backends, Picker("round-robin"))))
+        yield stack.enter_context(httpx2.Client(base_url=base, timeout=30))
 
 
 @pytest.mark.parametrize("answer,why", [

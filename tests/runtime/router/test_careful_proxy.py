@@ -1,4 +1,4 @@
-"""The router as a careful proxy, over real sockets (the router's app served by uvicorn in a
+"""The router as a careful proxy, over real sockets (the router served by its own server in a
 thread, its backends tiny scripted HTTP servers: the peers, not the unit under test): a backend
 that sends no headers within --backend-timeout is a 504 (not sent again) and avoided after, so
 that the next request goes to another; a backend that answers 200 with junk is a 502, never a 200
@@ -13,11 +13,11 @@ from typing import Iterator
 import httpx2
 import pytest
 
-from kvrt.runtime.router.app import Router, create_app
+from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Picker
 from tests.runtime.http.test_stream_failures import CHUNK, _last_event, _scripted, _sse, http_server
-from tests.uvicorn_thread import serving
+from tests.routing_thread import serving_router
 
 OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"id": "y"}'
 BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
@@ -50,7 +50,7 @@ def _routed(urls: list[str], policy: str = "round-robin", timeout: float = 30.0)
     for b in backends.items:
         b.healthy = True  # no health thread: the scripts answer POSTs only
     try:
-        with serving(create_app(Router(backends, Picker(policy), backend_timeout=timeout))) as base:
+        with serving_router(Router(backends, Picker(policy), backend_timeout=timeout)) as base:
             yield base, backends
     finally:
         backends.stop()
