@@ -1268,7 +1268,7 @@ done:
 
 /* ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py, tasks.py) */
 
-/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy)
+/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy)
    -> (cut, leaf) or None: drop the host leaves of the popped run `cand` (int32) as
    `Eviction._drop_host_run` does when the run is whole chains of host-only (`cpu`) nodes, each
    node a leaf once the nodes before it are gone (its only child is the node right before it);
@@ -1278,28 +1278,28 @@ done:
    not queued (`parent in policy` is asked of the policy then): the run is cut after that top,
    `leaf` is that parent (-1 if none) and `cut` the length of the part dropped. Of that part,
    keys that were not their parent's continuation (as found before any unlinking) leave the key
-   map, keys are cleared, host blocks appended to `hosts`, columns reset to `reset` and ids put
+   map, keys are cleared, host blocks written to `hosts` (int32) from index `h_at`, columns reset to `reset` and ids put
    on the free-id stack from index `at`. rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST). */
 static PyObject *drop_host_run(PyObject *self, PyObject *args) {
-    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hosts, *sobj, *policy;
+    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hobj, *sobj, *policy;
     long cpu;
-    Py_ssize_t at;
+    Py_ssize_t at, h_at;
     bufs bv;
     PyObject *res = NULL;
     unsigned char *mapped = NULL;
-    if (!PyArg_ParseTuple(args, "OOOlOO!O!O!OnO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
-                          &PyDict_Type, &kmap, &PyList_Type, &hosts, &sobj, &at, &policy))
+    if (!PyArg_ParseTuple(args, "OOOlOO!O!OnOnO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
+                          &PyDict_Type, &kmap, &hobj, &h_at, &sobj, &at, &policy))
         return NULL;
-    if (take_bufs(&bv, "drop_host_run", "MnI", fobj, cobj, sobj) < 0)
+    if (take_bufs(&bv, "drop_host_run", "MnII", fobj, cobj, hobj, sobj) < 0)
         return NULL;
-    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *st = &bv.b[2];
+    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *hb = &bv.b[2], *st = &bv.b[3];
     long r[8];
     int32_t reset_v[MAX_ROWS];
     if (row_tuple(rows, 8, f, r, "drop_host_run") < 0 || reset_column(reset, f, reset_v, "drop_host_run") < 0)
         goto done;
     Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = cb->shape[0];
-    if (at < 0 || at + m > st->shape[0] || PyList_GET_SIZE(node_keys) < ncols) {
-        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack or keys");
+    if (at < 0 || at + m > st->shape[0] || h_at < 0 || h_at + m > hb->shape[0] || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack, host buffer or keys");
         goto done;
     }
     int32_t *M = f->buf;
@@ -1361,12 +1361,11 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < cut; i++)
         if (mapped[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, cand[i])) < 0)
             goto done;
-    int32_t *stack = st->buf;
+    int32_t *stack = st->buf, *hosts = (int32_t *)hb->buf + h_at;
     for (Py_ssize_t i = 0; i < cut; i++) {
         int32_t v = cand[i];
         key_ahead(node_keys, cand, i, cut);
-        if (append_long(hosts, HOST[v]) < 0)
-            goto done;
+        hosts[i] = HOST[v];
         free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
     }
     res = Py_BuildValue("(nl)", cut, leaf);
@@ -1376,56 +1375,51 @@ done:
     return res;
 }
 
-/* mark_swap_out(f, vs, hosts, rows, swap2cpu, task, task_id, node_keys, victims, victim_keys,
-   devs, host_blocks): make the nodes `vs` (int32, in eviction order) SWAP2CPU in task `task_id`
-   as `Eviction._mark_swap_out` does: the i-th takes the i-th host block from the end of the list
-   `hosts` (those leave it), its device block goes to `devs` and its host block to
-   `host_blocks`, its id to `victims` and its key to `victim_keys`, its task (int64) is set and
-   its device children count cleared. rows = (HOST, DEV, STATE, NDEV). */
+/* mark_swap_out(f, vs, task, hosts, victims, devs, at, rows, swap2cpu, task_id, node_keys, victim_keys):
+   make the nodes `vs` (int32, in eviction order) SWAP2CPU in task `task_id` as
+   `Eviction._mark_swap_out` does: the i-th takes host block hosts[at + i], its id goes to
+   victims[at + i] and its device block to devs[at + i] (int32 arrays), its key is appended to
+   the list `victim_keys`, its task (int64) is set and its device children count cleared.
+   rows = (HOST, DEV, STATE, NDEV). No Python object is made per victim. */
 static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
-    PyObject *fobj, *vobj, *hosts, *rows, *tobj, *node_keys, *victims, *victim_keys, *devs, *hblocks;
+    PyObject *fobj, *vobj, *tobj, *hobj, *iobj, *dobj, *rows, *node_keys, *victim_keys;
+    Py_ssize_t at;
     long swap2cpu;
     long long task_id;
     bufs bv;
     PyObject *res = NULL;
-    if (!PyArg_ParseTuple(args, "OOO!OlOLO!O!O!O!O!", &fobj, &vobj, &PyList_Type, &hosts, &rows, &swap2cpu, &tobj,
-                          &task_id, &PyList_Type, &node_keys, &PyList_Type, &victims, &PyList_Type, &victim_keys,
-                          &PyList_Type, &devs, &PyList_Type, &hblocks))
+    if (!PyArg_ParseTuple(args, "OOOOOOnOlLO!O!", &fobj, &vobj, &tobj, &hobj, &iobj, &dobj, &at, &rows, &swap2cpu,
+                          &task_id, &PyList_Type, &node_keys, &PyList_Type, &victim_keys))
         return NULL;
-    if (take_bufs(&bv, "mark_swap_out", "MnQ", fobj, vobj, tobj) < 0)
+    if (take_bufs(&bv, "mark_swap_out", "MnQiII", fobj, vobj, tobj, hobj, iobj, dobj) < 0)
         return NULL;
-    Py_buffer *f = &bv.b[0], *vb = &bv.b[1], *tb = &bv.b[2];
+    Py_buffer *f = &bv.b[0], *vb = &bv.b[1], *tb = &bv.b[2], *hb = &bv.b[3], *ib = &bv.b[4], *db = &bv.b[5];
     long r[4];
     if (row_tuple(rows, 4, f, r, "mark_swap_out") < 0)
         goto done;
-    Py_ssize_t ncols = f->shape[1], e = vb->shape[0], nh = PyList_GET_SIZE(hosts);
-    if (e > nh || tb->shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
-        PyErr_SetString(PyExc_ValueError, "mark_swap_out: fewer host blocks than victims, or bad task row or keys");
+    Py_ssize_t ncols = f->shape[1], e = vb->shape[0];
+    if (at < 0 || at + e > hb->shape[0] || at + e > ib->shape[0] || at + e > db->shape[0] || tb->shape[0] != ncols ||
+        PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "mark_swap_out: fewer host blocks or room than victims, or bad task row or keys");
         goto done;
     }
     int32_t *M = f->buf;
     int32_t *HOST = M + r[0] * ncols, *DEV = M + r[1] * ncols, *STATE = M + r[2] * ncols, *NDEV = M + r[3] * ncols;
     int64_t *task = tb->buf;
-    const int32_t *vs = vb->buf;
-    for (Py_ssize_t i = 0; i < e; i++) {  /* host blocks are checked before any write */
-        long h = PyLong_AsLong(PyList_GET_ITEM(hosts, nh - 1 - i));
-        if (h == -1 && PyErr_Occurred())
-            goto done;
-    }
+    const int32_t *vs = vb->buf, *hosts = (const int32_t *)hb->buf + at;
+    int32_t *victims = (int32_t *)ib->buf + at, *devs = (int32_t *)db->buf + at;
     for (Py_ssize_t i = 0; i < e; i++) {
         int32_t v = vs[i];
         key_ahead(node_keys, vs, i, e);
-        PyObject *h = PyList_GET_ITEM(hosts, nh - 1 - i);
-        HOST[v] = (int32_t)PyLong_AsLong(h);
-        if (append_long(devs, DEV[v]) < 0 || PyList_Append(hblocks, h) < 0 || append_long(victims, v) < 0 ||
-            PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
+        if (PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
             goto done;
+        HOST[v] = hosts[i];
+        victims[i] = v;
+        devs[i] = DEV[v];
         STATE[v] = (int32_t)swap2cpu;
         task[v] = task_id;
         NDEV[v] = 0;
     }
-    if (PyList_SetSlice(hosts, nh - e, nh, NULL) < 0)
-        goto done;
     res = Py_None;
     Py_INCREF(res);
 done:
@@ -1518,39 +1512,33 @@ done:
     return res;
 }
 
-/* finish_swap_out(f, nodes, ids, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual
-   answer to a swap-out, as `TaskBook._finish_swap_out` applies it. The list `nodes` is written
-   to `ids` (int32, as long), then if every one of them is still SWAP2CPU in task `task_id`
-   (task, int64), each becomes `cpu` without a task or a device block, and their device blocks
-   are returned in order; else None, nothing else written. rows = (DEV, STATE). */
+/* finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual answer to a
+   swap-out, as `TaskBook._finish_swap_out` applies it. If every node of `nodes` (int32) is still
+   SWAP2CPU in task `task_id` (task, int64), each becomes `cpu` without a task or a device block,
+   and their device blocks are returned in order (a list: they go back to the pool as ints);
+   else None, nothing written. rows = (DEV, STATE). */
 static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
-    PyObject *fobj, *list, *iobj, *tobj, *rows;
+    PyObject *fobj, *nobj, *tobj, *rows;
     long long task_id;
     long swap2cpu, cpu;
     bufs bv;
     PyObject *res = NULL, *devs = NULL;
-    if (!PyArg_ParseTuple(args, "OO!OOLOll", &fobj, &PyList_Type, &list, &iobj, &tobj, &task_id, &rows, &swap2cpu,
-                          &cpu))
+    if (!PyArg_ParseTuple(args, "OOOLOll", &fobj, &nobj, &tobj, &task_id, &rows, &swap2cpu, &cpu))
         return NULL;
-    if (take_bufs(&bv, "finish_swap_out", "MIQ", fobj, iobj, tobj) < 0)
+    if (take_bufs(&bv, "finish_swap_out", "MnQ", fobj, nobj, tobj) < 0)
         return NULL;
     Py_buffer *f = &bv.b[0], *nb = &bv.b[1], *tb = &bv.b[2];
     long r[2];
     if (row_tuple(rows, 2, f, r, "finish_swap_out") < 0)
         goto done;
     Py_ssize_t ncols = f->shape[1], m = nb->shape[0];
-    if (tb->shape[0] != ncols || PyList_GET_SIZE(list) != m) {
-        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length, ids the list's");
+    if (tb->shape[0] != ncols) {
+        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length");
         goto done;
     }
-    int32_t *M = f->buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols, *nodes = nb->buf;
+    int32_t *M = f->buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols;
+    const int32_t *nodes = nb->buf;
     int64_t *task = tb->buf;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        Py_ssize_t v;
-        if (index_below(PyList_GET_ITEM(list, i), ncols, &v, "finish_swap_out") < 0)
-            goto done;
-        nodes[i] = (int32_t)v;
-    }
     for (Py_ssize_t i = 0; i < m; i++)
         if (task[nodes[i]] != task_id || STATE[nodes[i]] != swap2cpu) {
             res = Py_None;
@@ -1582,11 +1570,11 @@ static PyMethodDef methods[] = {
     {"drop_host_nodes", drop_host_nodes, METH_VARARGS,
      "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf)"},
     {"finish_swap_out", finish_swap_out, METH_VARARGS,
-     "finish_swap_out(f, nodes, ids, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
+     "finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
     {"drop_host_run", drop_host_run, METH_VARARGS,
-     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy) -> (cut, leaf) or None"},
+     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy) -> (cut, leaf) or None"},
     {"mark_swap_out", mark_swap_out, METH_VARARGS,
-     "mark_swap_out(f, vs, hosts, rows, swap2cpu, task, task_id, node_keys, victims, victim_keys, devs, host_blocks)"},
+     "mark_swap_out(f, vs, task, hosts, victims, devs, at, rows, swap2cpu, task_id, node_keys, victim_keys)"},
     {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
     {"policy_discard", policy_discard, METH_VARARGS,
      "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},
