@@ -209,10 +209,6 @@ static int append_new(PyObject *list, PyObject *x) {
     return r;
 }
 
-static int append_long(PyObject *list, long x) {
-    return append_new(list, PyLong_FromLong(x));
-}
-
 /* The values a freed node's column is reset to: the tuple `reset`, one int per row of `f`, into
 v[] (room for MAX_ROWS); -1 with an exception if not. */
 #define MAX_ROWS 32
@@ -1427,33 +1423,34 @@ done:
     return res;
 }
 
-/* drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf): the
+/* drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy, freed) -> (count, last, leaf): the
    node-by-node unlinking of `Eviction._drop_host_slow`, for a popped run `cand` (int32) of
    host-only (`cpu`) nodes of any shape (RuntimeError, nothing done, if one is not): in order,
    a node with children is skipped (parked); any other leaves the key map (if it is not its
-   parent's continuation) and its parent's child list, and goes to `freed`; when its parent
+   parent's continuation) and its parent's child list, and goes to `freed` (int32, as long as
+   `cand`: the first `count`); when its parent
    became an unreferenced host-only leaf that is neither queued (`parent in policy`, asked of
    the policy then) nor later in the run, the walk ends there: `last` is that node's index and
    `leaf` the parent (-1, -1 if none). `pos` (int32, -1 everywhere) is scratch, left as found.
    rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF). */
 static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
-    PyObject *fobj, *cobj, *rows, *node_keys, *kmap, *pobj, *policy;
+    PyObject *fobj, *cobj, *rows, *node_keys, *kmap, *pobj, *policy, *oobj;
     long cpu;
     bufs bv;
-    PyObject *res = NULL, *freed = NULL;
+    PyObject *res = NULL;
     int pos_set = 0;
-    if (!PyArg_ParseTuple(args, "OOOlO!O!OO", &fobj, &cobj, &rows, &cpu, &PyList_Type, &node_keys, &PyDict_Type,
-                          &kmap, &pobj, &policy))
+    if (!PyArg_ParseTuple(args, "OOOlO!O!OOO", &fobj, &cobj, &rows, &cpu, &PyList_Type, &node_keys, &PyDict_Type,
+                          &kmap, &pobj, &policy, &oobj))
         return NULL;
-    if (take_bufs(&bv, "drop_host_nodes", "MnI", fobj, cobj, pobj) < 0)
+    if (take_bufs(&bv, "drop_host_nodes", "MnII", fobj, cobj, pobj, oobj) < 0)
         return NULL;
-    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *pb = &bv.b[2];
+    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *pb = &bv.b[2], *ob = &bv.b[3];
     long r[7];
     if (row_tuple(rows, 7, f, r, "drop_host_nodes") < 0)
         goto done;
     Py_ssize_t ncols = f->shape[1], m = cb->shape[0];
-    if (pb->shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
-        PyErr_SetString(PyExc_ValueError, "drop_host_nodes: bad scratch or keys");
+    if (pb->shape[0] != ncols || ob->shape[0] < m || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_nodes: bad scratch, room or keys");
         goto done;
     }
     int32_t *M = f->buf, *pos = pb->buf;
@@ -1471,9 +1468,8 @@ static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    freed = PyList_New(0);
-    if (freed == NULL)
-        goto done;
+    int32_t *freed = ob->buf;
+    Py_ssize_t count = 0;
     for (Py_ssize_t i = 0; i < m; i++)
         pos[cand[i]] = (int32_t)i;
     pos_set = 1;
@@ -1494,20 +1490,61 @@ static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
         if (CONT[p] != v && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, v)) < 0)
             goto done;
         detach(CHILD, NEXT, PREV, CONT, p, v);
-        if (append_long(freed, v) < 0)
-            goto done;
+        freed[count++] = v;
         if (ends) {
             last = i;
             leaf = p;
             break;
         }
     }
-    res = Py_BuildValue("(Onl)", freed, last, leaf);
+    res = Py_BuildValue("(nnl)", count, last, leaf);
 done:
     if (pos_set)
         for (Py_ssize_t i = 0; i < m; i++)
             pos[cand[i]] = -1;
-    Py_XDECREF(freed);
+    drop_bufs(&bv);
+    return res;
+}
+
+/* free_host_nodes(f, nodes, task, stack, hosts, at, h_at, host_row, reset, node_keys): free the
+   unlinked host-only `nodes` (int32) as `Eviction._drop_host_slow` does after drop_host_nodes:
+   each one's host block goes to hosts[h_at + i] (int32), its task (int64) becomes -1, its key
+   slot None, its column `reset`, and its id goes on the free-id stack at stack[at + i]. */
+static PyObject *free_host_nodes(PyObject *self, PyObject *args) {
+    PyObject *fobj, *nobj, *tobj, *sobj, *hobj, *reset, *node_keys;
+    Py_ssize_t at, h_at;
+    long host_row;
+    bufs bv;
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOnnlOO!", &fobj, &nobj, &tobj, &sobj, &hobj, &at, &h_at, &host_row, &reset,
+                          &PyList_Type, &node_keys))
+        return NULL;
+    if (take_bufs(&bv, "free_host_nodes", "MnQII", fobj, nobj, tobj, sobj, hobj) < 0)
+        return NULL;
+    Py_buffer *f = &bv.b[0], *nb = &bv.b[1], *tb = &bv.b[2], *sb = &bv.b[3], *hb = &bv.b[4];
+    int32_t reset_v[MAX_ROWS];
+    if (row_index(host_row, f) < 0 || reset_column(reset, f, reset_v, "free_host_nodes") < 0)
+        goto done;
+    Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = nb->shape[0];
+    if (tb->shape[0] != ncols || at < 0 || at + m > sb->shape[0] || h_at < 0 || h_at + m > hb->shape[0] ||
+        PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "free_host_nodes: bad task row, stack, host buffer or keys");
+        goto done;
+    }
+    int32_t *M = f->buf, *HOST = M + host_row * ncols, *stack = (int32_t *)sb->buf + at;
+    int32_t *hosts = (int32_t *)hb->buf + h_at;
+    int64_t *task = tb->buf;
+    const int32_t *nodes = nb->buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = nodes[i];
+        key_ahead(node_keys, nodes, i, m);
+        hosts[i] = HOST[v];
+        task[v] = -1;
+        free_column(M, nrows, ncols, reset_v, node_keys, stack + i, v);
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
     drop_bufs(&bv);
     return res;
 }
@@ -1568,7 +1605,9 @@ done:
 
 static PyMethodDef methods[] = {
     {"drop_host_nodes", drop_host_nodes, METH_VARARGS,
-     "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf)"},
+     "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy, freed) -> (count, last, leaf)"},
+    {"free_host_nodes", free_host_nodes, METH_VARARGS,
+     "free_host_nodes(f, nodes, task, stack, hosts, at, h_at, host_row, reset, node_keys)"},
     {"finish_swap_out", finish_swap_out, METH_VARARGS,
      "finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
     {"drop_host_run", drop_host_run, METH_VARARGS,

@@ -32,7 +32,7 @@ from kvrt.ipc.protocol import TaskKind
 
 from kvrt.runtime.cache.core import (chain_tops as _chain_tops_c, drop_host_nodes as _drop_host_nodes_c,
                                     drop_host_run as _drop_host_run_c, drop_run as _drop_run_c,
-                                    mark_swap_out as _mark_swap_out_c)
+                                    free_host_nodes as _free_host_nodes_c, mark_swap_out as _mark_swap_out_c)
 from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
                           PREV, REF, RESET, STATE, SWAP2CPU, NodeStore)
 
@@ -94,7 +94,8 @@ class Eviction(NodeStore):
         # arrays: no Python object per victim, and the swap-out task carries them as they are)
         k = min(n, self.host_pool.num_free)
         hosts = np.empty(n, dtype=np.int32)
-        hosts[:k] = self.host_pool.allocate(k)
+        if k:
+            hosts[:k] = self.host_pool.allocate(k)
         victims = np.empty(n, dtype=np.int32)
         devs = np.empty(n, dtype=np.int32)
         victim_keys: list[bytes] = []  # taken now: a victim may be detached before the end
@@ -462,22 +463,18 @@ class Eviction(NodeStore):
         f = self._f
         policy = self._host_lru
         # the walk and the unlinking, one C call (runtime/cache/_cache_core.c drop_host_nodes)
-        freed, last, leaf = _drop_host_nodes_c(f, cand, HOST_DROP_ROWS[:7], CPU, self._keys, self._map,
-                                               self._pos_scratch, policy)
+        freed = np.empty(len(cand), dtype=np.int32)
+        k, last, leaf = _drop_host_nodes_c(f, cand, HOST_DROP_ROWS[:7], CPU, self._keys, self._map,
+                                           self._pos_scratch, policy, freed)
+        freed = freed[:k]
         if last >= 0:
             policy.push_front_run(cand[last + 1:].tolist())
             self._host_leaf_again(leaf)  # the parent is next, ahead of the rest
-        keys = self._keys
         if self._obs is not None:
-            for v in freed:
+            for v in freed.tolist():
                 self._tell_lost(v)
-        for v in freed:
-            keys[v] = None
-        hosts[at:at + len(freed)] = f[HOST, freed]
-        self._host_cached -= len(freed)
-        f[:, freed] = RESET[:, None]
-        self._task[freed] = -1
-        top = self._top
-        self._stack[top:top + len(freed)] = freed
-        self._top = top + len(freed)
-        return len(freed)
+        # the freeing, one C call too (free_host_nodes: host blocks, task, key, column, id)
+        _free_host_nodes_c(f, freed, self._task, self._stack, hosts, self._top, at, HOST, RESET_ROW, self._keys)
+        self._host_cached -= k
+        self._top += k
+        return k

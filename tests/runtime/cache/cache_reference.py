@@ -310,7 +310,7 @@ def mark_swap_out(f: np.ndarray, vs: np.ndarray, task: np.ndarray, hosts: np.nda
 
 
 def drop_host_nodes(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, node_keys: list, kmap: dict,
-                    pos: np.ndarray, policy) -> tuple[list[int], int, int]:
+                    pos: np.ndarray, policy, out: np.ndarray) -> tuple[int, int, int]:
     parent, child, nxt, prev, cont, state, ref = rows
     if not (f[state, cand] == cpu).all():
         raise RuntimeError("the host eviction queue holds a node that is not on the host only")
@@ -333,10 +333,22 @@ def drop_host_nodes(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, node
             f[child, p] = after
         if after >= 0:
             f[prev, after] = before
+        out[len(freed)] = v
         freed.append(v)
         if last:
-            return freed, i, p
-    return freed, -1, -1
+            return len(freed), i, p
+    return len(freed), -1, -1
+
+
+def free_host_nodes(f: np.ndarray, nodes: np.ndarray, task: np.ndarray, stack: np.ndarray, hosts: np.ndarray,
+                    at: int, h_at: int, host_row: int, reset: tuple, node_keys: list) -> None:
+    k = len(nodes)
+    for v in nodes.tolist():
+        node_keys[v] = None
+    hosts[h_at:h_at + k] = f[host_row, nodes]
+    f[:, nodes] = np.array(reset, dtype=np.int32)[:, None]
+    task[nodes] = -1
+    stack[at:at + k] = nodes
 
 
 def finish_swap_out(f: np.ndarray, nodes: np.ndarray, task: np.ndarray, task_id: int, rows: tuple, swap2cpu: int,
