@@ -95,7 +95,8 @@ follow it: 'm' the node matrix (int32, 2-D, C order), 'n' node ids (int32, each 
 matrix, the first buffer, or where there is none below the length of the buffer before them),
 'i' an int32 vector, 'b',
 'u', 'q' vectors of 1-, 4- and 8-byte items; upper case: written too. '=' before a letter: as
-long as the buffer before it. 0, or -1 with an exception set and nothing held; `drop_bufs`
+long as the buffer before it; '~': its items may be any number of bytes apart (strides[0]),
+not only next to each other. 0, or -1 with an exception set and nothing held; `drop_bufs`
 releases them. */
 #define MAX_BUFS 8
 typedef struct {
@@ -123,10 +124,14 @@ static int fits(const Py_buffer *b, char c) {
 static int vtake_bufs(bufs *v, const char *what, const char *spec, va_list ap) {
     static const char *kinds = "m: an int32 matrix; n, i: an int32 vector; b, u, q: a vector of 1-, 4-, 8-byte items";
     v->n = 0;
-    int same = 0;
+    int same = 0, strided = 0;
     for (const char *c = spec; *c; c++) {
         if (*c == '=') {
             same = 1;
+            continue;
+        }
+        if (*c == '~') {
+            strided = 1;
             continue;
         }
         char lower = (char)(*c | 0x20);
@@ -138,8 +143,10 @@ static int vtake_bufs(bufs *v, const char *what, const char *spec, va_list ap) {
         /* (the format only where it is checked: numpy builds it for each new array asked) */
         int format = strchr("mni", lower) ? PyBUF_FORMAT : 0;
         if (PyObject_GetBuffer(va_arg(ap, PyObject *), b,
-                               (*c != lower ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | format) < 0)
+                               (*c != lower ? PyBUF_WRITABLE : 0) | (strided ? PyBUF_STRIDES : PyBUF_C_CONTIGUOUS) |
+                                   format) < 0)
             goto fail;
+        strided = 0;
         v->n++;
         if (!fits(b, lower)) {
             PyErr_Format(PyExc_ValueError, "%s: argument %d is not %c (%s)", what, v->n, lower, kinds);
@@ -351,15 +358,44 @@ static PyObject *sketch_end(sketch_args *s, PyObject *res) {
     return res;
 }
 
-static void add_row(uint8_t *row, const uint64_t *slot, Py_ssize_t n, uint8_t *tmp) {
-    for (Py_ssize_t i = 0; i < n; i++) /* gather first: a shared slot gains one */
-        tmp[i] = (uint8_t)((row[slot[i]] < 254 ? row[slot[i]] : 254) + 1);
+/* A row of the sketch: its items `stride` bytes apart (a timed sketch keeps each slot's stamp and
+   count side by side, so that a key costs one cache miss per row, not two). */
+typedef struct {
+    char *p;
+    Py_ssize_t stride;
+} srow;
+
+static srow sketch_row(const Py_buffer *b) {
+    srow r = {b->buf, b->strides[0]};
+    return r;
+}
+
+static inline uint8_t *count_at(srow r, uint64_t slot) {
+    return (uint8_t *)(r.p + (Py_ssize_t)slot * r.stride);
+}
+
+static inline uint32_t stamp_at(srow r, uint64_t slot) {
+    uint32_t x;
+    memcpy(&x, r.p + (Py_ssize_t)slot * r.stride, sizeof x);  /* (may be unaligned) */
+    return x;
+}
+
+static inline void set_stamp(srow r, uint64_t slot, uint32_t x) {
+    memcpy(r.p + (Py_ssize_t)slot * r.stride, &x, sizeof x);
+}
+
+static void add_row(srow row, const uint64_t *slot, Py_ssize_t n, uint8_t *tmp) {
+    for (Py_ssize_t i = 0; i < n; i++) { /* gather first: a shared slot gains one */
+        uint8_t c = *count_at(row, slot[i]);
+        tmp[i] = (uint8_t)((c < 254 ? c : 254) + 1);
+    }
     for (Py_ssize_t i = 0; i < n; i++)
-        row[slot[i]] = tmp[i];
+        *count_at(row, slot[i]) = tmp[i];
 }
 
 /* sketch_add(row0, row1, keys, mask[, stamps0, stamps1, now, ages]) -> False if a key is not 16
-   bytes (nothing changed). With the stamps (the timed sketch's last uses, uint32 rows), first
+   bytes (nothing changed). Rows may be strided (a timed sketch's count and stamp of a slot are
+   side by side). With the stamps (the timed sketch's last uses, uint32 rows), first
    ages[i] (int64) = now - the older of key i's two stamps, or -1 where that is 0 (never
    stamped), then both stamps of every key become `now`, all reads before the writes as numpy's
    gather-then-scatter does; then the counts are added. One pass over the keys' slots for both. */
@@ -371,7 +407,8 @@ static PyObject *sketch_add(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOK|OOkO", &r0, &r1, &keys, &mask, &s0, &s1, &now, &ages))
         return NULL;
     int timed = ages != NULL;
-    if (sketch_begin(&s, "sketch_add", keys, mask, timed ? 4 : 2, timed ? "BBUUQ" : "BB", r0, r1, s0, s1, ages) < 0 ||
+    if (sketch_begin(&s, "sketch_add", keys, mask, timed ? 4 : 2, timed ? "~B~B~U~UQ" : "~B~B", r0, r1, s0, s1,
+                     ages) < 0 ||
         (timed && sketch_room(&s, 4, s.n, "sketch_add") < 0))
         goto done;
     uint8_t *tmp = PyMem_Malloc(s.n ? s.n : 1);
@@ -381,20 +418,21 @@ static PyObject *sketch_add(PyObject *self, PyObject *args) {
     }
     const uint64_t *a = s.slots, *b = s.slots + s.n;
     if (s.ok && timed) {
-        uint32_t *t0 = s.v.b[2].buf, *t1 = s.v.b[3].buf;
+        srow t0 = sketch_row(&s.v.b[2]), t1 = sketch_row(&s.v.b[3]);
         int64_t *out = s.v.b[4].buf;
         for (Py_ssize_t i = 0; i < s.n; i++) {
-            uint32_t last = t0[a[i]] < t1[b[i]] ? t0[a[i]] : t1[b[i]];
+            uint32_t x = stamp_at(t0, a[i]), y = stamp_at(t1, b[i]);
+            uint32_t last = x < y ? x : y;
             out[i] = last ? (int64_t)now - (int64_t)last : -1;
         }
         for (Py_ssize_t i = 0; i < s.n; i++) {
-            t0[a[i]] = (uint32_t)now;
-            t1[b[i]] = (uint32_t)now;
+            set_stamp(t0, a[i], (uint32_t)now);
+            set_stamp(t1, b[i], (uint32_t)now);
         }
     }
     if (s.ok) {
-        add_row(s.v.b[0].buf, a, s.n, tmp);
-        add_row(s.v.b[1].buf, b, s.n, tmp);
+        add_row(sketch_row(&s.v.b[0]), a, s.n, tmp);
+        add_row(sketch_row(&s.v.b[1]), b, s.n, tmp);
     }
     PyMem_Free(tmp);
     res = s.ok ? Py_True : Py_False;
@@ -408,14 +446,16 @@ static PyObject *sketch_count(PyObject *self, PyObject *args) {
     sketch_args s;
     if (!PyArg_ParseTuple(args, "OOOKO", &r0, &r1, &keys, &mask, &out))
         return NULL;
-    if (sketch_begin(&s, "sketch_count", keys, mask, 2, "bbI", r0, r1, out) < 0 ||
+    if (sketch_begin(&s, "sketch_count", keys, mask, 2, "~b~bI", r0, r1, out) < 0 ||
         sketch_room(&s, 2, s.n, "sketch_count") < 0)
         goto done;
-    const uint8_t *a0 = s.v.b[0].buf, *a1 = s.v.b[1].buf;
+    srow a0 = sketch_row(&s.v.b[0]), a1 = sketch_row(&s.v.b[1]);
     int32_t *o = s.v.b[2].buf;
     const uint64_t *a = s.slots, *b = s.slots + s.n;
-    for (Py_ssize_t i = 0; s.ok && i < s.n; i++)
-        o[i] = a0[a[i]] < a1[b[i]] ? a0[a[i]] : a1[b[i]];
+    for (Py_ssize_t i = 0; s.ok && i < s.n; i++) {
+        uint8_t c0 = *count_at(a0, a[i]), c1 = *count_at(a1, b[i]);
+        o[i] = c0 < c1 ? c0 : c1;
+    }
     res = s.ok ? Py_True : Py_False;
 done:
     return sketch_end(&s, res);
@@ -587,7 +627,7 @@ static PyObject *sketch_raise(PyObject *self, PyObject *args) {
     sketch_args s;
     if (!PyArg_ParseTuple(args, "OOOKOOO", &r0, &r1, &keys, &mask, &hobj, &nobj, &capo))
         return NULL;
-    if (sketch_begin(&s, "sketch_raise", keys, mask, 2, "bbIn", r0, r1, hobj, nobj) < 0)
+    if (sketch_begin(&s, "sketch_raise", keys, mask, 2, "~b~bIn", r0, r1, hobj, nobj) < 0)
         goto done;
     if (s.v.b[3].shape[0] != s.n) {
         PyErr_SetString(PyExc_ValueError, "sketch_raise: one node per key");
@@ -597,14 +637,14 @@ static PyObject *sketch_raise(PyObject *self, PyObject *args) {
     int capped = capo != Py_None;
     if (capped && (cap = PyLong_AsLong(capo)) == -1 && PyErr_Occurred())
         goto done;
-    const uint8_t *a0 = s.v.b[0].buf, *a1 = s.v.b[1].buf;
+    srow a0 = sketch_row(&s.v.b[0]), a1 = sketch_row(&s.v.b[1]);
     int32_t *hits = s.v.b[2].buf;
     const int32_t *nodes = s.v.b[3].buf;
     const uint64_t *slots = s.slots;
     Py_ssize_t n = s.n;
     long run = 0;
     for (Py_ssize_t i = 0; s.ok && i < n; i++) {
-        long c0 = a0[slots[i]], c1 = a1[slots[n + i]];
+        long c0 = *count_at(a0, slots[i]), c1 = *count_at(a1, slots[n + i]);
         long e = (c0 < c1 ? c0 : c1) - 1;
         if (i == 0)
             run = capped && cap < e ? cap : e;
