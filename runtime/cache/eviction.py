@@ -14,9 +14,12 @@ written are those of popping and dropping one node at a time (tests/runtime/cach
 compares both). With a host tier, victims are swapped out a run at a time the same way
 (`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
 leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU; each of
-those steps is one C call (runtime/cache/_cache_core.c drop_host_run, drop_host_nodes,
-mark_swap_out; tests/runtime/cache/test_cache_core.py checks them against the numpy code they
-replaced). Once the host tier runs out, the rest is dropped one victim at a time
+those steps is one C call (runtime/cache/_cache_core.c drop_host_run, drop_host_nodes and
+free_host_nodes, mark_swap_out; tests/runtime/cache/test_cache_core.py checks them against the
+numpy code they replaced). The victims' ids, device and host blocks are int32 arrays from the
+start (the swap-out task carries them as they are): at a couple of hundred victims per request,
+a Python int and a list append per block on each side of the swap were a good share of the
+host tier's cost. Once the host tier runs out, the rest is dropped one victim at a time
 (`_drop_one_by_one`): with a host tier a victim may have host-only children (its whole subtree
 goes with it) and a parent on the host only (which becomes a host leaf), which the batched drop
 does not handle; and the host tier runs out only when no host block is free or held by an
