@@ -95,7 +95,8 @@ follow it: 'm' the node matrix (int32, 2-D, C order), 'n' node ids (int32, each 
 matrix, the first buffer, or where there is none below the length of the buffer before them),
 'i' an int32 vector, 'b',
 'u', 'q' vectors of 1-, 4- and 8-byte items; upper case: written too. '=' before a letter: as
-long as the buffer before it. 0, or -1 with an exception set and nothing held; `drop_bufs`
+long as the buffer before it; '~': its items may be any number of bytes apart (strides[0]),
+not only next to each other. 0, or -1 with an exception set and nothing held; `drop_bufs`
 releases them. */
 #define MAX_BUFS 8
 typedef struct {
@@ -123,10 +124,14 @@ static int fits(const Py_buffer *b, char c) {
 static int vtake_bufs(bufs *v, const char *what, const char *spec, va_list ap) {
     static const char *kinds = "m: an int32 matrix; n, i: an int32 vector; b, u, q: a vector of 1-, 4-, 8-byte items";
     v->n = 0;
-    int same = 0;
+    int same = 0, strided = 0;
     for (const char *c = spec; *c; c++) {
         if (*c == '=') {
             same = 1;
+            continue;
+        }
+        if (*c == '~') {
+            strided = 1;
             continue;
         }
         char lower = (char)(*c | 0x20);
@@ -138,8 +143,10 @@ static int vtake_bufs(bufs *v, const char *what, const char *spec, va_list ap) {
         /* (the format only where it is checked: numpy builds it for each new array asked) */
         int format = strchr("mni", lower) ? PyBUF_FORMAT : 0;
         if (PyObject_GetBuffer(va_arg(ap, PyObject *), b,
-                               (*c != lower ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | format) < 0)
+                               (*c != lower ? PyBUF_WRITABLE : 0) | (strided ? PyBUF_STRIDES : PyBUF_C_CONTIGUOUS) |
+                                   format) < 0)
             goto fail;
+        strided = 0;
         v->n++;
         if (!fits(b, lower)) {
             PyErr_Format(PyExc_ValueError, "%s: argument %d is not %c (%s)", what, v->n, lower, kinds);
@@ -207,10 +214,6 @@ static int append_new(PyObject *list, PyObject *x) {
     int r = x == NULL ? -1 : PyList_Append(list, x);
     Py_XDECREF(x);
     return r;
-}
-
-static int append_long(PyObject *list, long x) {
-    return append_new(list, PyLong_FromLong(x));
 }
 
 /* The values a freed node's column is reset to: the tuple `reset`, one int per row of `f`, into
@@ -355,15 +358,44 @@ static PyObject *sketch_end(sketch_args *s, PyObject *res) {
     return res;
 }
 
-static void add_row(uint8_t *row, const uint64_t *slot, Py_ssize_t n, uint8_t *tmp) {
-    for (Py_ssize_t i = 0; i < n; i++) /* gather first: a shared slot gains one */
-        tmp[i] = (uint8_t)((row[slot[i]] < 254 ? row[slot[i]] : 254) + 1);
+/* A row of the sketch: its items `stride` bytes apart (a timed sketch keeps each slot's stamp and
+   count side by side, so that a key costs one cache miss per row, not two). */
+typedef struct {
+    char *p;
+    Py_ssize_t stride;
+} srow;
+
+static srow sketch_row(const Py_buffer *b) {
+    srow r = {b->buf, b->strides[0]};
+    return r;
+}
+
+static inline uint8_t *count_at(srow r, uint64_t slot) {
+    return (uint8_t *)(r.p + (Py_ssize_t)slot * r.stride);
+}
+
+static inline uint32_t stamp_at(srow r, uint64_t slot) {
+    uint32_t x;
+    memcpy(&x, r.p + (Py_ssize_t)slot * r.stride, sizeof x);  /* (may be unaligned) */
+    return x;
+}
+
+static inline void set_stamp(srow r, uint64_t slot, uint32_t x) {
+    memcpy(r.p + (Py_ssize_t)slot * r.stride, &x, sizeof x);
+}
+
+static void add_row(srow row, const uint64_t *slot, Py_ssize_t n, uint8_t *tmp) {
+    for (Py_ssize_t i = 0; i < n; i++) { /* gather first: a shared slot gains one */
+        uint8_t c = *count_at(row, slot[i]);
+        tmp[i] = (uint8_t)((c < 254 ? c : 254) + 1);
+    }
     for (Py_ssize_t i = 0; i < n; i++)
-        row[slot[i]] = tmp[i];
+        *count_at(row, slot[i]) = tmp[i];
 }
 
 /* sketch_add(row0, row1, keys, mask[, stamps0, stamps1, now, ages]) -> False if a key is not 16
-   bytes (nothing changed). With the stamps (the timed sketch's last uses, uint32 rows), first
+   bytes (nothing changed). Rows may be strided (a timed sketch's count and stamp of a slot are
+   side by side). With the stamps (the timed sketch's last uses, uint32 rows), first
    ages[i] (int64) = now - the older of key i's two stamps, or -1 where that is 0 (never
    stamped), then both stamps of every key become `now`, all reads before the writes as numpy's
    gather-then-scatter does; then the counts are added. One pass over the keys' slots for both. */
@@ -375,7 +407,8 @@ static PyObject *sketch_add(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOK|OOkO", &r0, &r1, &keys, &mask, &s0, &s1, &now, &ages))
         return NULL;
     int timed = ages != NULL;
-    if (sketch_begin(&s, "sketch_add", keys, mask, timed ? 4 : 2, timed ? "BBUUQ" : "BB", r0, r1, s0, s1, ages) < 0 ||
+    if (sketch_begin(&s, "sketch_add", keys, mask, timed ? 4 : 2, timed ? "~B~B~U~UQ" : "~B~B", r0, r1, s0, s1,
+                     ages) < 0 ||
         (timed && sketch_room(&s, 4, s.n, "sketch_add") < 0))
         goto done;
     uint8_t *tmp = PyMem_Malloc(s.n ? s.n : 1);
@@ -385,20 +418,21 @@ static PyObject *sketch_add(PyObject *self, PyObject *args) {
     }
     const uint64_t *a = s.slots, *b = s.slots + s.n;
     if (s.ok && timed) {
-        uint32_t *t0 = s.v.b[2].buf, *t1 = s.v.b[3].buf;
+        srow t0 = sketch_row(&s.v.b[2]), t1 = sketch_row(&s.v.b[3]);
         int64_t *out = s.v.b[4].buf;
         for (Py_ssize_t i = 0; i < s.n; i++) {
-            uint32_t last = t0[a[i]] < t1[b[i]] ? t0[a[i]] : t1[b[i]];
+            uint32_t x = stamp_at(t0, a[i]), y = stamp_at(t1, b[i]);
+            uint32_t last = x < y ? x : y;
             out[i] = last ? (int64_t)now - (int64_t)last : -1;
         }
         for (Py_ssize_t i = 0; i < s.n; i++) {
-            t0[a[i]] = (uint32_t)now;
-            t1[b[i]] = (uint32_t)now;
+            set_stamp(t0, a[i], (uint32_t)now);
+            set_stamp(t1, b[i], (uint32_t)now);
         }
     }
     if (s.ok) {
-        add_row(s.v.b[0].buf, a, s.n, tmp);
-        add_row(s.v.b[1].buf, b, s.n, tmp);
+        add_row(sketch_row(&s.v.b[0]), a, s.n, tmp);
+        add_row(sketch_row(&s.v.b[1]), b, s.n, tmp);
     }
     PyMem_Free(tmp);
     res = s.ok ? Py_True : Py_False;
@@ -412,14 +446,16 @@ static PyObject *sketch_count(PyObject *self, PyObject *args) {
     sketch_args s;
     if (!PyArg_ParseTuple(args, "OOOKO", &r0, &r1, &keys, &mask, &out))
         return NULL;
-    if (sketch_begin(&s, "sketch_count", keys, mask, 2, "bbI", r0, r1, out) < 0 ||
+    if (sketch_begin(&s, "sketch_count", keys, mask, 2, "~b~bI", r0, r1, out) < 0 ||
         sketch_room(&s, 2, s.n, "sketch_count") < 0)
         goto done;
-    const uint8_t *a0 = s.v.b[0].buf, *a1 = s.v.b[1].buf;
+    srow a0 = sketch_row(&s.v.b[0]), a1 = sketch_row(&s.v.b[1]);
     int32_t *o = s.v.b[2].buf;
     const uint64_t *a = s.slots, *b = s.slots + s.n;
-    for (Py_ssize_t i = 0; s.ok && i < s.n; i++)
-        o[i] = a0[a[i]] < a1[b[i]] ? a0[a[i]] : a1[b[i]];
+    for (Py_ssize_t i = 0; s.ok && i < s.n; i++) {
+        uint8_t c0 = *count_at(a0, a[i]), c1 = *count_at(a1, b[i]);
+        o[i] = c0 < c1 ? c0 : c1;
+    }
     res = s.ok ? Py_True : Py_False;
 done:
     return sketch_end(&s, res);
@@ -591,7 +627,7 @@ static PyObject *sketch_raise(PyObject *self, PyObject *args) {
     sketch_args s;
     if (!PyArg_ParseTuple(args, "OOOKOOO", &r0, &r1, &keys, &mask, &hobj, &nobj, &capo))
         return NULL;
-    if (sketch_begin(&s, "sketch_raise", keys, mask, 2, "bbIn", r0, r1, hobj, nobj) < 0)
+    if (sketch_begin(&s, "sketch_raise", keys, mask, 2, "~b~bIn", r0, r1, hobj, nobj) < 0)
         goto done;
     if (s.v.b[3].shape[0] != s.n) {
         PyErr_SetString(PyExc_ValueError, "sketch_raise: one node per key");
@@ -601,14 +637,14 @@ static PyObject *sketch_raise(PyObject *self, PyObject *args) {
     int capped = capo != Py_None;
     if (capped && (cap = PyLong_AsLong(capo)) == -1 && PyErr_Occurred())
         goto done;
-    const uint8_t *a0 = s.v.b[0].buf, *a1 = s.v.b[1].buf;
+    srow a0 = sketch_row(&s.v.b[0]), a1 = sketch_row(&s.v.b[1]);
     int32_t *hits = s.v.b[2].buf;
     const int32_t *nodes = s.v.b[3].buf;
     const uint64_t *slots = s.slots;
     Py_ssize_t n = s.n;
     long run = 0;
     for (Py_ssize_t i = 0; s.ok && i < n; i++) {
-        long c0 = a0[slots[i]], c1 = a1[slots[n + i]];
+        long c0 = *count_at(a0, slots[i]), c1 = *count_at(a1, slots[n + i]);
         long e = (c0 < c1 ? c0 : c1) - 1;
         if (i == 0)
             run = capped && cap < e ? cap : e;
@@ -1267,7 +1303,7 @@ done:
 
 /* ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py, tasks.py) */
 
-/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy)
+/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy)
    -> (cut, leaf) or None: drop the host leaves of the popped run `cand` (int32) as
    `Eviction._drop_host_run` does when the run is whole chains of host-only (`cpu`) nodes, each
    node a leaf once the nodes before it are gone (its only child is the node right before it);
@@ -1277,28 +1313,28 @@ done:
    not queued (`parent in policy` is asked of the policy then): the run is cut after that top,
    `leaf` is that parent (-1 if none) and `cut` the length of the part dropped. Of that part,
    keys that were not their parent's continuation (as found before any unlinking) leave the key
-   map, keys are cleared, host blocks appended to `hosts`, columns reset to `reset` and ids put
+   map, keys are cleared, host blocks written to `hosts` (int32) from index `h_at`, columns reset to `reset` and ids put
    on the free-id stack from index `at`. rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST). */
 static PyObject *drop_host_run(PyObject *self, PyObject *args) {
-    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hosts, *sobj, *policy;
+    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hobj, *sobj, *policy;
     long cpu;
-    Py_ssize_t at;
+    Py_ssize_t at, h_at;
     bufs bv;
     PyObject *res = NULL;
     unsigned char *mapped = NULL;
-    if (!PyArg_ParseTuple(args, "OOOlOO!O!O!OnO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
-                          &PyDict_Type, &kmap, &PyList_Type, &hosts, &sobj, &at, &policy))
+    if (!PyArg_ParseTuple(args, "OOOlOO!O!OnOnO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
+                          &PyDict_Type, &kmap, &hobj, &h_at, &sobj, &at, &policy))
         return NULL;
-    if (take_bufs(&bv, "drop_host_run", "MnI", fobj, cobj, sobj) < 0)
+    if (take_bufs(&bv, "drop_host_run", "MnII", fobj, cobj, hobj, sobj) < 0)
         return NULL;
-    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *st = &bv.b[2];
+    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *hb = &bv.b[2], *st = &bv.b[3];
     long r[8];
     int32_t reset_v[MAX_ROWS];
     if (row_tuple(rows, 8, f, r, "drop_host_run") < 0 || reset_column(reset, f, reset_v, "drop_host_run") < 0)
         goto done;
     Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = cb->shape[0];
-    if (at < 0 || at + m > st->shape[0] || PyList_GET_SIZE(node_keys) < ncols) {
-        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack or keys");
+    if (at < 0 || at + m > st->shape[0] || h_at < 0 || h_at + m > hb->shape[0] || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack, host buffer or keys");
         goto done;
     }
     int32_t *M = f->buf;
@@ -1360,12 +1396,11 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < cut; i++)
         if (mapped[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, cand[i])) < 0)
             goto done;
-    int32_t *stack = st->buf;
+    int32_t *stack = st->buf, *hosts = (int32_t *)hb->buf + h_at;
     for (Py_ssize_t i = 0; i < cut; i++) {
         int32_t v = cand[i];
         key_ahead(node_keys, cand, i, cut);
-        if (append_long(hosts, HOST[v]) < 0)
-            goto done;
+        hosts[i] = HOST[v];
         free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
     }
     res = Py_BuildValue("(nl)", cut, leaf);
@@ -1375,56 +1410,51 @@ done:
     return res;
 }
 
-/* mark_swap_out(f, vs, hosts, rows, swap2cpu, task, task_id, node_keys, victims, victim_keys,
-   devs, host_blocks): make the nodes `vs` (int32, in eviction order) SWAP2CPU in task `task_id`
-   as `Eviction._mark_swap_out` does: the i-th takes the i-th host block from the end of the list
-   `hosts` (those leave it), its device block goes to `devs` and its host block to
-   `host_blocks`, its id to `victims` and its key to `victim_keys`, its task (int64) is set and
-   its device children count cleared. rows = (HOST, DEV, STATE, NDEV). */
+/* mark_swap_out(f, vs, task, hosts, victims, devs, at, rows, swap2cpu, task_id, node_keys, victim_keys):
+   make the nodes `vs` (int32, in eviction order) SWAP2CPU in task `task_id` as
+   `Eviction._mark_swap_out` does: the i-th takes host block hosts[at + i], its id goes to
+   victims[at + i] and its device block to devs[at + i] (int32 arrays), its key is appended to
+   the list `victim_keys`, its task (int64) is set and its device children count cleared.
+   rows = (HOST, DEV, STATE, NDEV). No Python object is made per victim. */
 static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
-    PyObject *fobj, *vobj, *hosts, *rows, *tobj, *node_keys, *victims, *victim_keys, *devs, *hblocks;
+    PyObject *fobj, *vobj, *tobj, *hobj, *iobj, *dobj, *rows, *node_keys, *victim_keys;
+    Py_ssize_t at;
     long swap2cpu;
     long long task_id;
     bufs bv;
     PyObject *res = NULL;
-    if (!PyArg_ParseTuple(args, "OOO!OlOLO!O!O!O!O!", &fobj, &vobj, &PyList_Type, &hosts, &rows, &swap2cpu, &tobj,
-                          &task_id, &PyList_Type, &node_keys, &PyList_Type, &victims, &PyList_Type, &victim_keys,
-                          &PyList_Type, &devs, &PyList_Type, &hblocks))
+    if (!PyArg_ParseTuple(args, "OOOOOOnOlLO!O!", &fobj, &vobj, &tobj, &hobj, &iobj, &dobj, &at, &rows, &swap2cpu,
+                          &task_id, &PyList_Type, &node_keys, &PyList_Type, &victim_keys))
         return NULL;
-    if (take_bufs(&bv, "mark_swap_out", "MnQ", fobj, vobj, tobj) < 0)
+    if (take_bufs(&bv, "mark_swap_out", "MnQiII", fobj, vobj, tobj, hobj, iobj, dobj) < 0)
         return NULL;
-    Py_buffer *f = &bv.b[0], *vb = &bv.b[1], *tb = &bv.b[2];
+    Py_buffer *f = &bv.b[0], *vb = &bv.b[1], *tb = &bv.b[2], *hb = &bv.b[3], *ib = &bv.b[4], *db = &bv.b[5];
     long r[4];
     if (row_tuple(rows, 4, f, r, "mark_swap_out") < 0)
         goto done;
-    Py_ssize_t ncols = f->shape[1], e = vb->shape[0], nh = PyList_GET_SIZE(hosts);
-    if (e > nh || tb->shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
-        PyErr_SetString(PyExc_ValueError, "mark_swap_out: fewer host blocks than victims, or bad task row or keys");
+    Py_ssize_t ncols = f->shape[1], e = vb->shape[0];
+    if (at < 0 || at + e > hb->shape[0] || at + e > ib->shape[0] || at + e > db->shape[0] || tb->shape[0] != ncols ||
+        PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "mark_swap_out: fewer host blocks or room than victims, or bad task row or keys");
         goto done;
     }
     int32_t *M = f->buf;
     int32_t *HOST = M + r[0] * ncols, *DEV = M + r[1] * ncols, *STATE = M + r[2] * ncols, *NDEV = M + r[3] * ncols;
     int64_t *task = tb->buf;
-    const int32_t *vs = vb->buf;
-    for (Py_ssize_t i = 0; i < e; i++) {  /* host blocks are checked before any write */
-        long h = PyLong_AsLong(PyList_GET_ITEM(hosts, nh - 1 - i));
-        if (h == -1 && PyErr_Occurred())
-            goto done;
-    }
+    const int32_t *vs = vb->buf, *hosts = (const int32_t *)hb->buf + at;
+    int32_t *victims = (int32_t *)ib->buf + at, *devs = (int32_t *)db->buf + at;
     for (Py_ssize_t i = 0; i < e; i++) {
         int32_t v = vs[i];
         key_ahead(node_keys, vs, i, e);
-        PyObject *h = PyList_GET_ITEM(hosts, nh - 1 - i);
-        HOST[v] = (int32_t)PyLong_AsLong(h);
-        if (append_long(devs, DEV[v]) < 0 || PyList_Append(hblocks, h) < 0 || append_long(victims, v) < 0 ||
-            PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
+        if (PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
             goto done;
+        HOST[v] = hosts[i];
+        victims[i] = v;
+        devs[i] = DEV[v];
         STATE[v] = (int32_t)swap2cpu;
         task[v] = task_id;
         NDEV[v] = 0;
     }
-    if (PyList_SetSlice(hosts, nh - e, nh, NULL) < 0)
-        goto done;
     res = Py_None;
     Py_INCREF(res);
 done:
@@ -1432,33 +1462,34 @@ done:
     return res;
 }
 
-/* drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf): the
+/* drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy, freed) -> (count, last, leaf): the
    node-by-node unlinking of `Eviction._drop_host_slow`, for a popped run `cand` (int32) of
    host-only (`cpu`) nodes of any shape (RuntimeError, nothing done, if one is not): in order,
    a node with children is skipped (parked); any other leaves the key map (if it is not its
-   parent's continuation) and its parent's child list, and goes to `freed`; when its parent
+   parent's continuation) and its parent's child list, and goes to `freed` (int32, as long as
+   `cand`: the first `count`); when its parent
    became an unreferenced host-only leaf that is neither queued (`parent in policy`, asked of
    the policy then) nor later in the run, the walk ends there: `last` is that node's index and
    `leaf` the parent (-1, -1 if none). `pos` (int32, -1 everywhere) is scratch, left as found.
    rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF). */
 static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
-    PyObject *fobj, *cobj, *rows, *node_keys, *kmap, *pobj, *policy;
+    PyObject *fobj, *cobj, *rows, *node_keys, *kmap, *pobj, *policy, *oobj;
     long cpu;
     bufs bv;
-    PyObject *res = NULL, *freed = NULL;
+    PyObject *res = NULL;
     int pos_set = 0;
-    if (!PyArg_ParseTuple(args, "OOOlO!O!OO", &fobj, &cobj, &rows, &cpu, &PyList_Type, &node_keys, &PyDict_Type,
-                          &kmap, &pobj, &policy))
+    if (!PyArg_ParseTuple(args, "OOOlO!O!OOO", &fobj, &cobj, &rows, &cpu, &PyList_Type, &node_keys, &PyDict_Type,
+                          &kmap, &pobj, &policy, &oobj))
         return NULL;
-    if (take_bufs(&bv, "drop_host_nodes", "MnI", fobj, cobj, pobj) < 0)
+    if (take_bufs(&bv, "drop_host_nodes", "MnII", fobj, cobj, pobj, oobj) < 0)
         return NULL;
-    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *pb = &bv.b[2];
+    Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *pb = &bv.b[2], *ob = &bv.b[3];
     long r[7];
     if (row_tuple(rows, 7, f, r, "drop_host_nodes") < 0)
         goto done;
     Py_ssize_t ncols = f->shape[1], m = cb->shape[0];
-    if (pb->shape[0] != ncols || PyList_GET_SIZE(node_keys) < ncols) {
-        PyErr_SetString(PyExc_ValueError, "drop_host_nodes: bad scratch or keys");
+    if (pb->shape[0] != ncols || ob->shape[0] < m || PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_host_nodes: bad scratch, room or keys");
         goto done;
     }
     int32_t *M = f->buf, *pos = pb->buf;
@@ -1476,9 +1507,8 @@ static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    freed = PyList_New(0);
-    if (freed == NULL)
-        goto done;
+    int32_t *freed = ob->buf;
+    Py_ssize_t count = 0;
     for (Py_ssize_t i = 0; i < m; i++)
         pos[cand[i]] = (int32_t)i;
     pos_set = 1;
@@ -1499,57 +1529,92 @@ static PyObject *drop_host_nodes(PyObject *self, PyObject *args) {
         if (CONT[p] != v && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, v)) < 0)
             goto done;
         detach(CHILD, NEXT, PREV, CONT, p, v);
-        if (append_long(freed, v) < 0)
-            goto done;
+        freed[count++] = v;
         if (ends) {
             last = i;
             leaf = p;
             break;
         }
     }
-    res = Py_BuildValue("(Onl)", freed, last, leaf);
+    res = Py_BuildValue("(nnl)", count, last, leaf);
 done:
     if (pos_set)
         for (Py_ssize_t i = 0; i < m; i++)
             pos[cand[i]] = -1;
-    Py_XDECREF(freed);
     drop_bufs(&bv);
     return res;
 }
 
-/* finish_swap_out(f, nodes, ids, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual
-   answer to a swap-out, as `TaskBook._finish_swap_out` applies it. The list `nodes` is written
-   to `ids` (int32, as long), then if every one of them is still SWAP2CPU in task `task_id`
-   (task, int64), each becomes `cpu` without a task or a device block, and their device blocks
-   are returned in order; else None, nothing else written. rows = (DEV, STATE). */
+/* free_host_nodes(f, nodes, task, stack, hosts, at, h_at, host_row, reset, node_keys): free the
+   unlinked host-only `nodes` (int32) as `Eviction._drop_host_slow` does after drop_host_nodes:
+   each one's host block goes to hosts[h_at + i] (int32), its task (int64) becomes -1, its key
+   slot None, its column `reset`, and its id goes on the free-id stack at stack[at + i]. */
+static PyObject *free_host_nodes(PyObject *self, PyObject *args) {
+    PyObject *fobj, *nobj, *tobj, *sobj, *hobj, *reset, *node_keys;
+    Py_ssize_t at, h_at;
+    long host_row;
+    bufs bv;
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOnnlOO!", &fobj, &nobj, &tobj, &sobj, &hobj, &at, &h_at, &host_row, &reset,
+                          &PyList_Type, &node_keys))
+        return NULL;
+    if (take_bufs(&bv, "free_host_nodes", "MnQII", fobj, nobj, tobj, sobj, hobj) < 0)
+        return NULL;
+    Py_buffer *f = &bv.b[0], *nb = &bv.b[1], *tb = &bv.b[2], *sb = &bv.b[3], *hb = &bv.b[4];
+    int32_t reset_v[MAX_ROWS];
+    if (row_index(host_row, f) < 0 || reset_column(reset, f, reset_v, "free_host_nodes") < 0)
+        goto done;
+    Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = nb->shape[0];
+    if (tb->shape[0] != ncols || at < 0 || at + m > sb->shape[0] || h_at < 0 || h_at + m > hb->shape[0] ||
+        PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "free_host_nodes: bad task row, stack, host buffer or keys");
+        goto done;
+    }
+    int32_t *M = f->buf, *HOST = M + host_row * ncols, *stack = (int32_t *)sb->buf + at;
+    int32_t *hosts = (int32_t *)hb->buf + h_at;
+    int64_t *task = tb->buf;
+    const int32_t *nodes = nb->buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = nodes[i];
+        key_ahead(node_keys, nodes, i, m);
+        hosts[i] = HOST[v];
+        task[v] = -1;
+        free_column(M, nrows, ncols, reset_v, node_keys, stack + i, v);
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    drop_bufs(&bv);
+    return res;
+}
+
+/* finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None: the usual answer to a
+   swap-out, as `TaskBook._finish_swap_out` applies it. If every node of `nodes` (int32) is still
+   SWAP2CPU in task `task_id` (task, int64), each becomes `cpu` without a task or a device block,
+   and their device blocks are returned in order (a list: they go back to the pool as ints);
+   else None, nothing written. rows = (DEV, STATE). */
 static PyObject *finish_swap_out(PyObject *self, PyObject *args) {
-    PyObject *fobj, *list, *iobj, *tobj, *rows;
+    PyObject *fobj, *nobj, *tobj, *rows;
     long long task_id;
     long swap2cpu, cpu;
     bufs bv;
     PyObject *res = NULL, *devs = NULL;
-    if (!PyArg_ParseTuple(args, "OO!OOLOll", &fobj, &PyList_Type, &list, &iobj, &tobj, &task_id, &rows, &swap2cpu,
-                          &cpu))
+    if (!PyArg_ParseTuple(args, "OOOLOll", &fobj, &nobj, &tobj, &task_id, &rows, &swap2cpu, &cpu))
         return NULL;
-    if (take_bufs(&bv, "finish_swap_out", "MIQ", fobj, iobj, tobj) < 0)
+    if (take_bufs(&bv, "finish_swap_out", "MnQ", fobj, nobj, tobj) < 0)
         return NULL;
     Py_buffer *f = &bv.b[0], *nb = &bv.b[1], *tb = &bv.b[2];
     long r[2];
     if (row_tuple(rows, 2, f, r, "finish_swap_out") < 0)
         goto done;
     Py_ssize_t ncols = f->shape[1], m = nb->shape[0];
-    if (tb->shape[0] != ncols || PyList_GET_SIZE(list) != m) {
-        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length, ids the list's");
+    if (tb->shape[0] != ncols) {
+        PyErr_SetString(PyExc_ValueError, "finish_swap_out: the task row must have a node's length");
         goto done;
     }
-    int32_t *M = f->buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols, *nodes = nb->buf;
+    int32_t *M = f->buf, *DEV = M + r[0] * ncols, *STATE = M + r[1] * ncols;
+    const int32_t *nodes = nb->buf;
     int64_t *task = tb->buf;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        Py_ssize_t v;
-        if (index_below(PyList_GET_ITEM(list, i), ncols, &v, "finish_swap_out") < 0)
-            goto done;
-        nodes[i] = (int32_t)v;
-    }
     for (Py_ssize_t i = 0; i < m; i++)
         if (task[nodes[i]] != task_id || STATE[nodes[i]] != swap2cpu) {
             res = Py_None;
@@ -1579,13 +1644,15 @@ done:
 
 static PyMethodDef methods[] = {
     {"drop_host_nodes", drop_host_nodes, METH_VARARGS,
-     "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy) -> (freed, last, leaf)"},
+     "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy, freed) -> (count, last, leaf)"},
+    {"free_host_nodes", free_host_nodes, METH_VARARGS,
+     "free_host_nodes(f, nodes, task, stack, hosts, at, h_at, host_row, reset, node_keys)"},
     {"finish_swap_out", finish_swap_out, METH_VARARGS,
-     "finish_swap_out(f, nodes, ids, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
+     "finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
     {"drop_host_run", drop_host_run, METH_VARARGS,
-     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, stack, at, policy) -> (cut, leaf) or None"},
+     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy) -> (cut, leaf) or None"},
     {"mark_swap_out", mark_swap_out, METH_VARARGS,
-     "mark_swap_out(f, vs, hosts, rows, swap2cpu, task, task_id, node_keys, victims, victim_keys, devs, host_blocks)"},
+     "mark_swap_out(f, vs, task, hosts, victims, devs, at, rows, swap2cpu, task_id, node_keys, victim_keys)"},
     {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
     {"policy_discard", policy_discard, METH_VARARGS,
      "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},

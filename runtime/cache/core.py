@@ -9,7 +9,7 @@ from __future__ import annotations
 
 try:
     from kvrt.runtime.cache._cache_core import (chain_keys, chain_tops, deref, drop_host_nodes, drop_host_run,
-                                                drop_run, finish_swap_out, gaps_rank, ghost_ages, mark_swap_out, new_chain,
+                                                drop_run, finish_swap_out, free_host_nodes, gaps_rank, ghost_ages, mark_swap_out, new_chain,
                                                 policy_discard, policy_release, pop_live, shadow_observe, sketch_add,
                                                 sketch_count, sketch_raise, stamp_runs, touch_device,
                                                 walk)
@@ -20,5 +20,5 @@ except ImportError as e:
                       f"older source ({e}): build it with `pip install -e .` in the checkout") from e
 
 __all__ = ["chain_keys", "chain_tops", "deref", "drop_host_nodes", "drop_host_run", "drop_run", "finish_swap_out",
-           "gaps_rank", "ghost_ages", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live", "shadow_observe",
+           "free_host_nodes", "gaps_rank", "ghost_ages", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live", "shadow_observe",
            "sketch_add", "sketch_count", "sketch_raise", "stamp_runs", "touch_device", "walk"]

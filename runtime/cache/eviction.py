@@ -14,9 +14,12 @@ written are those of popping and dropping one node at a time (tests/runtime/cach
 compares both). With a host tier, victims are swapped out a run at a time the same way
 (`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
 leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU; each of
-those steps is one C call (runtime/cache/_cache_core.c drop_host_run, drop_host_nodes,
-mark_swap_out; tests/runtime/cache/test_cache_core.py checks them against the numpy code they
-replaced). Once the host tier runs out, the rest is dropped one victim at a time
+those steps is one C call (runtime/cache/_cache_core.c drop_host_run, drop_host_nodes and
+free_host_nodes, mark_swap_out; tests/runtime/cache/test_cache_core.py checks them against the
+numpy code they replaced). The victims' ids, device and host blocks are int32 arrays from the
+start (the swap-out task carries them as they are): at a couple of hundred victims per request,
+a Python int and a list append per block on each side of the swap were a good share of the
+host tier's cost. Once the host tier runs out, the rest is dropped one victim at a time
 (`_drop_one_by_one`): with a host tier a victim may have host-only children (its whole subtree
 goes with it) and a parent on the host only (which becomes a host leaf), which the batched drop
 does not handle; and the host tier runs out only when no host block is free or held by an
@@ -32,7 +35,7 @@ from kvrt.ipc.protocol import TaskKind
 
 from kvrt.runtime.cache.core import (chain_tops as _chain_tops_c, drop_host_nodes as _drop_host_nodes_c,
                                     drop_host_run as _drop_host_run_c, drop_run as _drop_run_c,
-                                    mark_swap_out as _mark_swap_out_c)
+                                    free_host_nodes as _free_host_nodes_c, mark_swap_out as _mark_swap_out_c)
 from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
                           PREV, REF, RESET, STATE, SWAP2CPU, NodeStore)
 
@@ -89,17 +92,25 @@ class Eviction(NodeStore):
             evicted = self._drop_batched(n, dropped)
             self._finish_eviction(dropped, [], [], [], [], evicted, -1, ([], []))
             return
-        # free host blocks in one batch; host leaves are evicted only as needed
-        hosts = self.host_pool.allocate(min(n, self.host_pool.num_free))
-        hosts.reverse()  # handed out from the end, in the order they came
-        victims: list[int] = []
+        # the victims' host blocks, in the order they take them: free ones first, in one batch,
+        # then those of host leaves evicted as needed; their ids and device blocks alongside (int32
+        # arrays: no Python object per victim, and the swap-out task carries them as they are)
+        k = min(n, self.host_pool.num_free)
+        hosts = np.empty(n, dtype=np.int32)
+        if k:
+            hosts[:k] = self.host_pool.allocate(k)
+        victims = np.empty(n, dtype=np.int32)
+        devs = np.empty(n, dtype=np.int32)
         victim_keys: list[bytes] = []  # taken now: a victim may be detached before the end
-        blocks: tuple[list[int], list[int]] = ([], [])  # the victims' device and host blocks
-        evicted, more, task_id = self._swap_batched(n, hosts, victims, victim_keys, blocks)
+        swapped, have, more, task_id = self._swap_batched(n, hosts, k, victims, devs, victim_keys)
+        evicted = swapped
         freed_hosts: list[int] = []
         if not more:  # the host tier ran out
             evicted += self._drop_one_by_one(n - evicted, dropped, freed_hosts)
-        self._finish_eviction(dropped, freed_hosts, hosts, victims, victim_keys, evicted, task_id, blocks)
+        # host blocks taken but not used go back as the list held them (last taken first)
+        unused = hosts[swapped:have][::-1].tolist()
+        self._finish_eviction(dropped, freed_hosts, unused, victims[:swapped], victim_keys, evicted, task_id,
+                              (devs[:swapped], hosts[:swapped]))
 
     def _drop_one_by_one(self, n: int, dropped: list[int], freed_hosts: list[int]) -> int:
         """Drop up to `n` device leaves popped one at a time, once the host tier ran out; returns
@@ -171,18 +182,19 @@ class Eviction(NodeStore):
                 evicted += len(at)
         return evicted
 
-    def _swap_batched(self, n: int, hosts: list[int], victims: list[int], victim_keys: list[bytes],
-                      blocks: tuple[list[int], list[int]]) -> tuple[int, bool, int]:
+    def _swap_batched(self, n: int, hosts: np.ndarray, have: int, victims: np.ndarray, devs: np.ndarray,
+                      victim_keys: list[bytes]) -> tuple[int, int, bool, int]:
         """Start swapping out up to `n` device leaves (host tier), exactly as the per-victim loop
         of `_evict_device` would, a run at a time: the run's victims are chosen as
         `_drop_batched` chooses them (a node wanted back is parked too), get their host blocks
-        (`hosts`: free ones, handed out from the end; then `_take_host`) and are marked with a
-        few array operations. Choosing victims reads only device-side fields and taking host
+        (`hosts`, the first `have` of them already there: free ones; then `_take_host` adds
+        those of the host leaves it drops), in order, and are marked in one C call, their ids,
+        device blocks and keys going to `victims`, `devs` and `victim_keys`. Choosing victims reads only device-side fields and taking host
         leaves writes only host-side ones, so taking a run's host blocks before marking its
         victims changes nothing. When the host tier runs out, the victims without a host block
         go back to the front of the queue and `_drop_one_by_one` drops them. Returns how many
-        were evicted, whether host blocks are still to be had, and the swap-out's task id (-1
-        if none)."""
+        were evicted (each took the next host block), how many host blocks `hosts` holds now,
+        whether host blocks are still to be had, and the swap-out's task id (-1 if none)."""
         f = self._f
         policy = self._dev_lru
         wanted = self._wanted_back
@@ -213,11 +225,9 @@ class Eviction(NodeStore):
                 at = np.flatnonzero(ev[:cut])
                 e = len(at)
             want = e
-            if e > len(hosts):  # free host blocks first, in the order pop() hands them out
-                more = self._take_host(e - len(hosts))
-                more.reverse()
-                hosts[:0] = more
-                e = min(e, len(hosts))
+            if e > have - evicted:  # free host blocks first, in the order pop() hands them out
+                have += self._take_host(e - (have - evicted), hosts, have)
+                e = min(e, have - evicted)
             short = e < want
             if short:  # the host tier ran out: the rest is dropped one at a time
                 cut = e if ev is None else int(at[e])
@@ -229,26 +239,27 @@ class Eviction(NodeStore):
                     task_id = next(self._task_ids)
                 # parents that stay on the device: the chains' tops', unless a chain was split
                 outside = None if ev is not None or short else par[[t for t in top if t < cut]].tolist()
-                self._mark_swap_out(cand[at], par[at], hosts, e, task_id, victims, victim_keys, blocks,
+                self._mark_swap_out(cand[at], par[at], hosts, evicted, e, task_id, victims, devs, victim_keys,
                                     outside)
                 evicted += e
             if short:
-                return evicted, False, task_id
-        return evicted, True, task_id
+                return evicted, have, False, task_id
+        return evicted, have, True, task_id
 
-    def _mark_swap_out(self, vs: np.ndarray, par: np.ndarray, hosts: list[int], e: int, task_id: int,
-                       victims: list[int], victim_keys: list[bytes],
-                       blocks: tuple[list[int], list[int]], outside: list[int] | None) -> None:
+    def _mark_swap_out(self, vs: np.ndarray, par: np.ndarray, hosts: np.ndarray, at: int, e: int, task_id: int,
+                       victims: np.ndarray, devs: np.ndarray, victim_keys: list[bytes],
+                       outside: list[int] | None) -> None:
         """Make the `e` nodes `vs` (in eviction order, their parents `par`) SWAP2CPU in task
-        `task_id`, each with the next host block of `hosts` (taken from its end), and queue a
-        parent that becomes an unqueued evictable device leaf at the front. Their device and
-        host blocks are appended to `blocks`. `outside`: the victims' parents that are not
-        victims themselves, one per victim, if the caller knows them."""
+        `task_id`, each with the next host block of `hosts` (from index `at`), and queue a
+        parent that becomes an unqueued evictable device leaf at the front. Their ids and device
+        blocks go to `victims` and `devs` from index `at`, their keys to `victim_keys`.
+        `outside`: the victims' parents that are not victims themselves, one per victim, if the
+        caller knows them."""
         self._host_cached += e
         self._idle -= e
         # one C call: host blocks, device blocks, state, task, keys and device children per victim
-        _mark_swap_out_c(self._f, vs, hosts, SWAP_OUT_ROWS, SWAP2CPU, self._task, task_id, self._keys, victims,
-                         victim_keys, blocks[0], blocks[1])
+        _mark_swap_out_c(self._f, vs, self._task, hosts, victims, devs, at, SWAP_OUT_ROWS, SWAP2CPU, task_id,
+                         self._keys, victim_keys)
         # each victim's device children went before it: none is left; only parents outside the
         # run (the chains' tops') lose device children that stay
         if outside is None:
@@ -387,49 +398,52 @@ class Eviction(NodeStore):
             self._host_leaf_again(p)
 
     def _finish_eviction(self, dropped: list[int], freed_hosts: list[int], hosts: list[int],
-                         victims: list[int], victim_keys: list[bytes], evicted: int,
-                         task_id: int, blocks: tuple[list[int], list[int]]) -> None:
+                         victims: np.ndarray | list[int], victim_keys: list[bytes], evicted: int,
+                         task_id: int, blocks: tuple[np.ndarray | list[int], np.ndarray | list[int]]) -> None:
         """The end of an eviction: recycle what it freed in one batch, issue its swap-out
-        (`blocks`: the victims' device and host blocks)."""
+        (`blocks`: the victims' device and host blocks; `hosts`: host blocks taken but unused)."""
         self.host_pool.free(hosts + freed_hosts)
         self.device_pool.free(dropped)
-        if victims:
+        if len(victims):
             self._new_task(TaskKind.SWAP2CPU, victims, blocks[0], blocks[1], victim_keys, task_id=task_id)
             self._dev_returning += len(victims)
             self.metrics.swap_out_blocks += len(victims)
         self.metrics.evicted_device_blocks += evicted
         log.debug("evicted %d device blocks (%d to host)", evicted, len(victims))
 
-    def _take_host(self, n: int) -> list[int]:
-        """Up to `n` host blocks: free ones first, then by dropping host leaves in the policy's
-        order, a run (`pop_many`) at a time: a run of chains released deepest first is freed
-        with a few array operations (Python touching each chain's top), exactly as popping and
-        dropping one leaf at a time would; any other run goes node by node."""
+    def _take_host(self, n: int, hosts: np.ndarray, at: int) -> int:
+        """Up to `n` host blocks, written to `hosts` from index `at`; returns how many: free
+        ones first, then by dropping host leaves in the policy's order, a run (`pop_many`) at a
+        time: a run of chains released deepest first is freed with a few array operations
+        (Python touching each chain's top), exactly as popping and dropping one leaf at a time
+        would; any other run goes node by node."""
         pool = self.host_pool
-        got = pool.allocate(min(n, pool.num_free))
+        k = min(n, pool.num_free)
+        if k:
+            hosts[at:at + k] = pool.allocate(k)
         policy = self._host_lru
-        dropped = 0
-        while len(got) < n:
-            cand = policy.pop_many(n - len(got))
+        got = k
+        while got < n:
+            cand = policy.pop_many(n - got)
             if not len(cand):
                 break
-            dropped += self._drop_host_run(cand, got)
-        self.metrics.evicted_host_blocks += dropped
+            got += self._drop_host_run(cand, hosts, at + got)
+        self.metrics.evicted_host_blocks += got - k
         return got
 
-    def _drop_host_run(self, cand: np.ndarray, hosts: list[int]) -> int:
+    def _drop_host_run(self, cand: np.ndarray, hosts: np.ndarray, at: int) -> int:
         """Drop the host leaves of the popped run `cand` as one-at-a-time eviction would, their
-        blocks appended to `hosts`; returns how many. A run whose every node is a leaf once the
+        blocks written to `hosts` from index `at`; returns how many. A run whose every node is a leaf once the
         nodes before it are gone (a chain's only child comes right before it) is freed at once,
         in one C call (runtime/cache/_cache_core.c drop_host_run); it is cut after the first node
         whose drop makes its parent an unqueued host leaf (that parent comes next), the rest
         going back to the front of the queue."""
         policy = self._host_lru
         names = None if self._obs is None else [self._keys[v] for v in cand.tolist()]
-        got = _drop_host_run_c(self._f, cand, HOST_DROP_ROWS, CPU, RESET_ROW, self._keys, self._map, hosts,
+        got = _drop_host_run_c(self._f, cand, HOST_DROP_ROWS, CPU, RESET_ROW, self._keys, self._map, hosts, at,
                                self._stack, self._top, policy)
         if got is None:
-            return self._drop_host_slow(cand, hosts)
+            return self._drop_host_slow(cand, hosts, at)
         cut, leaf = got
         if cut < len(cand):
             policy.push_front_run(cand[cut:].tolist())
@@ -441,7 +455,7 @@ class Eviction(NodeStore):
             policy.push_front(leaf)
         return cut
 
-    def _drop_host_slow(self, cand: np.ndarray, hosts: list[int]) -> int:
+    def _drop_host_slow(self, cand: np.ndarray, hosts: np.ndarray, at: int) -> int:
         """`_drop_host_run` node by node, for a run of any shape, as popping one node at a time
         would: a node with children is parked; a dropped node's parent that becomes a host leaf
         keeps its turn if it is queued or comes later in the run, and otherwise is next in line:
@@ -452,22 +466,18 @@ class Eviction(NodeStore):
         f = self._f
         policy = self._host_lru
         # the walk and the unlinking, one C call (runtime/cache/_cache_core.c drop_host_nodes)
-        freed, last, leaf = _drop_host_nodes_c(f, cand, HOST_DROP_ROWS[:7], CPU, self._keys, self._map,
-                                               self._pos_scratch, policy)
+        freed = np.empty(len(cand), dtype=np.int32)
+        k, last, leaf = _drop_host_nodes_c(f, cand, HOST_DROP_ROWS[:7], CPU, self._keys, self._map,
+                                           self._pos_scratch, policy, freed)
+        freed = freed[:k]
         if last >= 0:
             policy.push_front_run(cand[last + 1:].tolist())
             self._host_leaf_again(leaf)  # the parent is next, ahead of the rest
-        keys = self._keys
         if self._obs is not None:
-            for v in freed:
+            for v in freed.tolist():
                 self._tell_lost(v)
-        for v in freed:
-            keys[v] = None
-        hosts += f[HOST, freed].tolist()
-        self._host_cached -= len(freed)
-        f[:, freed] = RESET[:, None]
-        self._task[freed] = -1
-        top = self._top
-        self._stack[top:top + len(freed)] = freed
-        self._top = top + len(freed)
-        return len(freed)
+        # the freeing, one C call too (free_host_nodes: host blocks, task, key, column, id)
+        _free_host_nodes_c(f, freed, self._task, self._stack, hosts, self._top, at, HOST, RESET_ROW, self._keys)
+        self._host_cached -= k
+        self._top += k
+        return k

@@ -48,14 +48,15 @@ class TaskOutcome:
 
 
 class Task:
-    """Bookkeeping of an in-flight task: the nodes it moves, the requests waiting for it, and
+    """Bookkeeping of an in-flight task: the nodes it moves (a swap-out's as an int32 array, as
+    eviction writes them), the requests waiting for it, and
     blocks it owns outright (hosts of swap-outs cancelled by a re-match; a storage read's
     destinations, once its request is gone; device blocks of nodes matched back during a
     swap-out and dropped before it answered, which it still reads)."""
 
     __slots__ = ("task", "nodes", "waiters", "request", "orphans", "dev_orphans", "path", "issued")
 
-    def __init__(self, task: TransferTask, nodes: list[int]):
+    def __init__(self, task: TransferTask, nodes: list[int] | np.ndarray):
         self.task = task
         self.nodes = nodes
         self.waiters: set[Hashable] = set()
@@ -102,8 +103,8 @@ class TaskBook(NodeStore):
         self._pump_deferred()
         return out
 
-    def _new_task(self, kind: TaskKind, nodes: list[int], device_blocks: list[int],
-                  host_blocks: list[int], keys: list[bytes] | None = None, issue: bool = True,
+    def _new_task(self, kind: TaskKind, nodes: list[int] | np.ndarray, device_blocks: list[int] | np.ndarray,
+                  host_blocks: list[int] | np.ndarray, keys: list[bytes] | None = None, issue: bool = True,
                   task_id: int = -1) -> Task:
         if keys is None:
             keys = [self._keys[n] for n in nodes]
@@ -123,17 +124,17 @@ class TaskBook(NodeStore):
         same blocks offered to it again and again while requests wait for them. Nodes matched
         again meanwhile were already GPU; their host blocks are the task's orphans."""
         task_id = t.task.task_id
-        nodes = np.empty(len(t.nodes), dtype=np.int32)  # (filled from the list by the C call)
+        nodes = np.asarray(t.nodes, dtype=np.int32)  # (eviction makes them an int32 array already)
         f = self._f
         # the usual answer: every node still in the tree and still this task's; all at once, in
         # one C call (runtime/cache/_cache_core.c finish_swap_out; None: some node is not)
-        devs = (_finish_swap_out_c(f, t.nodes, nodes, self._task, task_id, SWAP_OUT_DONE_ROWS, SWAP2CPU, CPU)
+        devs = (_finish_swap_out_c(f, nodes, self._task, task_id, SWAP_OUT_DONE_ROWS, SWAP2CPU, CPU)
                 if ok else None)
         if devs is not None:
             self._dev_returning -= len(devs)
             self._dev_cached -= len(devs)
             if self._obs is not None:
-                for n in t.nodes:
+                for n in nodes.tolist():
                     self._tell_moved(n, ON_DEVICE, ON_HOST)
             self._host_lru.push(nodes)
             self.device_pool.free(devs + t.dev_orphans)
@@ -142,7 +143,7 @@ class TaskBook(NodeStore):
         devs = t.dev_orphans
         hosts = t.orphans
         on_host: list[int] = []
-        for n in t.nodes:
+        for n in nodes.tolist():
             if self._task_v[n] != task_id:  # flipped back: its device block may go now
                 if self._wanted_back.get(n) == task_id:
                     del self._wanted_back[n]

@@ -253,7 +253,8 @@ def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: 
 
 # ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py)
 def drop_host_run(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, reset: tuple, node_keys: list,
-                  kmap: dict, hosts: list, stack: np.ndarray, at: int, policy) -> tuple[int, int] | None:
+                  kmap: dict, hosts: np.ndarray, h_at: int, stack: np.ndarray, at: int,
+                  policy) -> tuple[int, int] | None:
     parent, child, nxt, prev, cont, state, ref, host = rows
     m = len(cand)
     g = f[:, cand]
@@ -288,33 +289,28 @@ def drop_host_run(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, reset:
         del kmap[node_keys[v]]
     for v in cand.tolist():
         node_keys[v] = None
-    hosts += g[host].tolist()
+    hosts[h_at:h_at + cut] = g[host]
     f[:, cand] = np.array(reset, dtype=np.int32)[:, None]
     stack[at:at + cut] = cand
     return cut, leaf
 
 
-def mark_swap_out(f: np.ndarray, vs: np.ndarray, hosts: list, rows: tuple, swap2cpu: int, task: np.ndarray,
-                  task_id: int, node_keys: list, victims: list, victim_keys: list, devs: list,
-                  host_blocks: list) -> None:
+def mark_swap_out(f: np.ndarray, vs: np.ndarray, task: np.ndarray, hosts: np.ndarray, victims: np.ndarray,
+                  devs: np.ndarray, at: int, rows: tuple, swap2cpu: int, task_id: int, node_keys: list,
+                  victim_keys: list) -> None:
     host, dev, state, ndev = rows
     e = len(vs)
-    take = hosts[-e:]
-    del hosts[-e:]
-    take.reverse()
-    f[host, vs] = take
-    devs.extend(f[dev, vs].tolist())
-    host_blocks.extend(take)
+    f[host, vs] = hosts[at:at + e]
+    victims[at:at + e] = vs
+    devs[at:at + e] = f[dev, vs]
     f[state, vs] = swap2cpu
     task[vs] = task_id
-    ids = vs.tolist()
-    victims += ids
-    victim_keys += [node_keys[v] for v in ids]
+    victim_keys += [node_keys[v] for v in vs.tolist()]
     f[ndev, vs] = 0
 
 
 def drop_host_nodes(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, node_keys: list, kmap: dict,
-                    pos: np.ndarray, policy) -> tuple[list[int], int, int]:
+                    pos: np.ndarray, policy, out: np.ndarray) -> tuple[int, int, int]:
     parent, child, nxt, prev, cont, state, ref = rows
     if not (f[state, cand] == cpu).all():
         raise RuntimeError("the host eviction queue holds a node that is not on the host only")
@@ -337,15 +333,26 @@ def drop_host_nodes(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, node
             f[child, p] = after
         if after >= 0:
             f[prev, after] = before
+        out[len(freed)] = v
         freed.append(v)
         if last:
-            return freed, i, p
-    return freed, -1, -1
+            return len(freed), i, p
+    return len(freed), -1, -1
 
 
-def finish_swap_out(f: np.ndarray, node_list: list[int], nodes: np.ndarray, task: np.ndarray, task_id: int,
-                    rows: tuple, swap2cpu: int, cpu: int) -> list[int] | None:
-    nodes[:] = node_list
+def free_host_nodes(f: np.ndarray, nodes: np.ndarray, task: np.ndarray, stack: np.ndarray, hosts: np.ndarray,
+                    at: int, h_at: int, host_row: int, reset: tuple, node_keys: list) -> None:
+    k = len(nodes)
+    for v in nodes.tolist():
+        node_keys[v] = None
+    hosts[h_at:h_at + k] = f[host_row, nodes]
+    f[:, nodes] = np.array(reset, dtype=np.int32)[:, None]
+    task[nodes] = -1
+    stack[at:at + k] = nodes
+
+
+def finish_swap_out(f: np.ndarray, nodes: np.ndarray, task: np.ndarray, task_id: int, rows: tuple, swap2cpu: int,
+                    cpu: int) -> list[int] | None:
     dev, state = rows
     if not ((task[nodes] == task_id).all() and (f[state, nodes] == swap2cpu).all()):
         return None

@@ -11,7 +11,7 @@ import pytest
 
 from kvrt.runtime.cache import (eviction as cache_eviction, keys as hashing, match as cache_match, tasks as cache_tasks,
                                 use_sketch)
-from kvrt.runtime.cache._cache_core import deref, drop_run, new_chain, touch_device
+from kvrt.runtime.cache._cache_core import deref, drop_run, free_host_nodes, mark_swap_out, new_chain, touch_device
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.cache.nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
 from kvrt.runtime.cache.policies import gaps as reuse_gaps, reuse as reuse_levels
@@ -122,10 +122,11 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
     pytest.param(module, attr, reference, id=attr) for module, attr, reference in (
         (cache_eviction, "_drop_host_run_c", ref.drop_host_run), (cache_eviction, "_mark_swap_out_c", ref.mark_swap_out),
         (cache_eviction, "_drop_host_nodes_c", ref.drop_host_nodes),
+        (cache_eviction, "_free_host_nodes_c", ref.free_host_nodes),
         (cache_tasks, "_finish_swap_out_c", ref.finish_swap_out))])
 def test_host_tier_c_work_equals_numpy(name, module, attr, reference, monkeypatch):
     """A host tier's drop of a run of host leaves (drop_host_run; node by node for a run of any
-    shape: branches, parked parents, drop_host_nodes), marking of swap-out victims
+    shape: branches, parked parents, drop_host_nodes, then free_host_nodes), marking of swap-out victims
     (mark_swap_out) and a swap-out's answer (finish_swap_out), in C or in numpy, leave the same
     cache, queues and policies at every step of a workload with requests in flight and a small
     host tier, whose eviction takes runs of every shape."""
@@ -200,6 +201,29 @@ def test_drop_run_checks_before_it_writes():
     with pytest.raises(IndexError):
         drop_run(f, drop, par, [1], rows, reset, keys, kmap, [], stack, 7)  # the stack overflows
     assert (f == -1).all() and keys[3] == b"k3" and not stack.any()
+
+
+def test_swap_out_marks_and_host_frees_check_their_room_before_they_write():
+    """mark_swap_out and free_host_nodes write into caller-given int32 arrays from an offset:
+    too little room there (or a node id out of range) is refused before anything is written."""
+    f = np.full((11, 8), -1, dtype=np.int32)
+    task = np.full(8, -1, dtype=np.int64)
+    keys: list = [b"k%d" % i for i in range(8)]
+    vs = np.array([3, 4], dtype=np.int32)
+    hosts, victims, devs = (np.zeros(4, dtype=np.int32) for _ in range(3))
+    rows = cache_eviction.SWAP_OUT_ROWS
+    with pytest.raises(ValueError):
+        mark_swap_out(f, vs, task, hosts, victims, devs, 3, rows, 1, 7, keys, [])  # room for one victim
+    with pytest.raises(IndexError):
+        mark_swap_out(f, np.array([3, 9], dtype=np.int32), task, hosts, victims, devs, 0, rows, 1, 7, keys, [])
+    stack = np.zeros(8, dtype=np.int32)
+    reset = cache_eviction.RESET_ROW
+    with pytest.raises(ValueError):
+        free_host_nodes(f, vs, task, stack, hosts, 7, 0, 9, reset, keys)  # the stack overflows
+    with pytest.raises(ValueError):
+        free_host_nodes(f, vs, task, stack, hosts, 0, 3, 9, reset, keys)  # so do the host blocks
+    assert (f == -1).all() and (task == -1).all() and keys[3] == b"k3" and not stack.any()
+    assert not (hosts.any() or victims.any() or devs.any())
 
 
 def test_touch_and_deref_leave_a_path_off_the_device_alone():

@@ -106,9 +106,12 @@ def test_the_task_the_cache_creates_is_the_task_on_the_wire(ranks):
     (swap_out,) = cache.take_tasks()
     assert isinstance(swap_out, P.TransferTask) and swap_out.kind is P.TaskKind.SWAP2CPU
     client = TransferClient(out, rank_timeout=5)
+    fields = (swap_out.device_blocks, swap_out.host_blocks, swap_out.keys)
     client.submit(swap_out)
     assert [inbox[r].get(1).task_id for r in range(2)] == [swap_out.task_id] * 2
-    assert isinstance(swap_out.device_blocks, list)  # the cache's own task is left as it was
+    # the cache's own task is left as it was
+    assert all(a is b for a, b in zip(fields, (swap_out.device_blocks, swap_out.host_blocks, swap_out.keys)))
+    assert swap_out.deadline == 0.0
     client.on_answer(P.TransferDone(swap_out.task_id, 0, True, 2))
     res = client.on_answer(P.TransferDone(swap_out.task_id, 1, True, 2))
     cache.apply_task_result(res.task.task_id, res.ok, res.blocks)
