@@ -19,6 +19,10 @@ Mooncake-format trace: each hash id expanded to --tokens-per-id tokens exactly a
 expands it (equal ids, equal tokens), its output lengths capped at --max-tokens. Token ids are
 drawn from 0..--vocab-size-1. The trace's own clock is not replayed.
 
+With --no-stream each request asks for the whole answer at once (`stream: false`): only E2E is
+measured then (no TTFT, TPOT or ITL: the client sees every token at the end), which is how a
+client that does not stream sees the server, connection reuse included.
+
 Arrival: closed loop with --concurrency C (C requests in flight; the next one goes when one ends),
 or open loop with --request-rate R (Poisson arrivals, R a second on average, from --seed; nothing
 waits for an answer). One unmeasured warm-up request goes first.
@@ -242,13 +246,15 @@ async def probe(client: httpx2.AsyncClient, url: str, model: str | None) -> Targ
 
 
 async def _send(client: httpx2.AsyncClient, target: Target, req: Request, limit: Limit,
-                timeout: float) -> Outcome:
+                timeout: float, stream: bool = True) -> Outcome:
     out = Outcome(req.index, prompt_tokens=len(req.prompt))
     if why := limit.too_long(req):
         out.status, out.reason = "skipped", why
         return out
     body = {"model": target.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream": stream, "ignore_eos": True}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     t_send = time.perf_counter()
     try:
         async with client.stream("POST", f"{target.url}/completions", json=body,
@@ -261,7 +267,10 @@ async def _send(client: httpx2.AsyncClient, target: Target, req: Request, limit:
                 else:
                     out.reason = f"HTTP {r.status_code}: {msg}"
                 return out
-            await _read_events(r, out, t_send)
+            if stream:
+                await _read_events(r, out, t_send)
+            else:
+                _read_answer(await r.aread(), out, t_send)
     except httpx2.TimeoutException:
         out.status, out.reason = "failed", f"the server sent nothing for {timeout:g} s"
     except httpx2.HTTPError as e:
@@ -272,6 +281,34 @@ async def _send(client: httpx2.AsyncClient, target: Target, req: Request, limit:
 def _count(v: object) -> int | None:
     """A token count the server reported, if it is one (the server's answers are not trusted)."""
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _usage(obj: dict, out: Outcome) -> None:
+    """The token counts of an answer's or a stream's `usage`, where the server gave them."""
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        out.prompt_tokens = _count(usage.get("prompt_tokens")) or out.prompt_tokens
+        out.output_tokens = _count(usage.get("completion_tokens")) or 0
+        out.cached_tokens = cached if cached is not None else out.cached_tokens
+
+
+def _read_answer(body: bytes, out: Outcome, t_send: float) -> None:
+    """Fill `out` from one whole (not streamed) completion: its time and token counts."""
+    out.e2e_s = time.perf_counter() - t_send
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        out.reason = f"an answer that is not JSON: {body[:100]!r}"
+        return
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list) or not any(isinstance(ch, dict) and (ch.get("text") or ch.get("token_ids"))
+                                                for ch in choices):
+        out.reason = f"an answer without output: {body[:100]!r}"
+        return
+    _usage(obj, out)
+    out.status = "completed"
 
 
 async def _read_events(r: httpx2.Response, out: Outcome, t_send: float) -> None:
@@ -303,13 +340,7 @@ async def _read_events(r: httpx2.Response, out: Outcome, t_send: float) -> None:
             if ch.get("text") or ids:
                 out.saw_output(now, t_send)
                 counted += len(ids) if isinstance(ids, list) and ids else 1
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            details = usage.get("prompt_tokens_details")
-            cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
-            out.prompt_tokens = _count(usage.get("prompt_tokens")) or out.prompt_tokens
-            out.output_tokens = _count(usage.get("completion_tokens")) or 0
-            out.cached_tokens = cached if cached is not None else out.cached_tokens
+        _usage(obj, out)
     else:
         out.reason = "the stream ended without [DONE]"
         return
@@ -321,21 +352,21 @@ async def _read_events(r: httpx2.Response, out: Outcome, t_send: float) -> None:
 
 
 async def _http_run(url: str, model: str | None, reqs: Sequence[Request], arrival: Arrival, timeout: float,
-                    transport: httpx2.AsyncBaseTransport | None) -> tuple[Target, list[Outcome], float]:
+                    transport: httpx2.AsyncBaseTransport | None, stream: bool) -> tuple[Target, list[Outcome], float]:
     limits = httpx2.Limits(max_connections=arrival.concurrency, max_keepalive_connections=arrival.concurrency)
     # trust_env off: a proxy from the environment would sit inside every measurement
     async with httpx2.AsyncClient(limits=limits, transport=transport, trust_env=False) as client:
         target = await probe(client, url, model)
         limit = Limit(target.max_model_len)
         warm = Request(-1, [0, 1, 2, 3], 1)
-        w = await _send(client, target, warm, limit, timeout)
+        w = await _send(client, target, warm, limit, timeout, stream)
         if w.status != "completed":
             raise ServerError(f"the warm-up request to {url}/completions failed: {w.reason}")
         t0 = time.perf_counter()
         if arrival.rate:
             async def at(req: Request) -> Outcome:
                 await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
-                return await _send(client, target, req, limit, timeout)
+                return await _send(client, target, req, limit, timeout, stream)
 
             outcomes = list(await asyncio.gather(*(at(r) for r in reqs)))
         else:
@@ -344,17 +375,18 @@ async def _http_run(url: str, model: str | None, reqs: Sequence[Request], arriva
 
             async def worker() -> None:
                 for req in todo:  # one iterator shared by the workers: each request taken once
-                    outcomes.append(await _send(client, target, req, limit, timeout))
+                    outcomes.append(await _send(client, target, req, limit, timeout, stream))
 
             await asyncio.gather(*(worker() for _ in range(arrival.concurrency)))
         return target, outcomes, time.perf_counter() - t0
 
 
 def run_http(url: str, model: str | None, reqs: Sequence[Request], arrival: Arrival, timeout: float,
-             transport: httpx2.AsyncBaseTransport | None = None) -> tuple[Target, list[Outcome], float]:
+             transport: httpx2.AsyncBaseTransport | None = None,
+             stream: bool = True) -> tuple[Target, list[Outcome], float]:
     """Send every request over HTTP: (the target, one outcome per request, the run's duration in
     s). ServerError when the server cannot be reached or fails the warm-up request."""
-    return asyncio.run(_http_run(url, model, reqs, arrival, timeout, transport))
+    return asyncio.run(_http_run(url, model, reqs, arrival, timeout, transport, stream))
 
 
 # ---- the native side -------------------------------------------------------------------------
@@ -564,6 +596,8 @@ def parser() -> argparse.ArgumentParser:
                         "the host is the --url's) and show HTTP / native")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="a request fails when the server sends nothing for S seconds (default 60)")
+    p.add_argument("--no-stream", action="store_true",
+                   help="ask for whole answers (stream: false): E2E only, no TTFT/TPOT/ITL")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
 
@@ -594,6 +628,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--compare-zmq must be a port 1..65535, got {args.compare_zmq}")
     if args.trace is not None and not args.trace.is_file():
         p.error(f"--trace {args.trace}: no such file")
+    if args.no_stream and (args.slo_ttft_ms is not None or args.slo_tpot_ms is not None or args.compare_zmq is not None):
+        p.error("--no-stream measures E2E only: it goes with neither --slo-ttft-ms, --slo-tpot-ms nor --compare-zmq")
     if args.request_rate is None and args.concurrency is None:
         args.concurrency = 8
 
@@ -621,11 +657,13 @@ def main(argv: list[str]) -> int:
     if arrival.rate:
         poisson_arrivals(reqs, arrival.rate, args.seed)
     native_to = f" and over ZeroMQ to port {args.compare_zmq}" if args.compare_zmq is not None else ""
-    description = f"kvrt bench serve: {what} to {args.url}/completions{native_to}, {arrival.describe()}"
+    whole = ", whole answers (not streamed)" if args.no_stream else ""
+    description = f"kvrt bench serve: {what} to {args.url}/completions{native_to}, {arrival.describe()}{whole}"
     print(description, file=sys.stderr if args.json else sys.stdout, flush=True)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     try:
-        target, outcomes, duration = run_http(args.url, args.model, reqs, arrival, args.timeout)
+        target, outcomes, duration = run_http(args.url, args.model, reqs, arrival, args.timeout,
+                                              stream=not args.no_stream)
         http = summarize(outcomes, duration, slo)
         native = None
         if args.compare_zmq is not None:
@@ -645,7 +683,8 @@ def main(argv: list[str]) -> int:
                    "trace": str(args.trace) if args.trace is not None else None, "requests": len(reqs),
                    "tokens_per_id": args.tokens_per_id if args.trace is not None else None,
                    "concurrency": arrival.concurrency, "request_rate": arrival.rate, "max_tokens": args.max_tokens,
-                   "seed": args.seed, "vocab_size": args.vocab_size, "compare_zmq": args.compare_zmq},
+                   "seed": args.seed, "vocab_size": args.vocab_size, "compare_zmq": args.compare_zmq,
+                   "stream": not args.no_stream},
         "http": http,
         "native": native,
         "ratio_http_native": ratios(http, native) if native is not None else None,

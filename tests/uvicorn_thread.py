@@ -17,6 +17,13 @@ from kvrt.runtime.http.connections import uvicorn_config
 def serving(app, host: str = "127.0.0.1", **guard) -> Iterator[str]:
     """`app` on (host, a free port) with the guarded protocol (`guard`: its limits); yields its
     base URL once it listens, and stops it on exit."""
+    with serving_server(app, host, **guard) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def serving_server(app, host: str = "127.0.0.1", **guard) -> Iterator[tuple[str, uvicorn.Server]]:
+    """`serving`, also yielding the uvicorn server, whose state holds each connection's protocol."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
@@ -28,7 +35,7 @@ def serving(app, host: str = "127.0.0.1", **guard) -> Iterator[str]:
         assert t.is_alive() and time.monotonic() < deadline, "uvicorn did not start within 10 s"
         time.sleep(0.01)  # waiting for another thread to bind
     try:
-        yield f"http://{host}:{sock.getsockname()[1]}"
+        yield f"http://{host}:{sock.getsockname()[1]}", server
     finally:
         server.should_exit = True
         t.join(10)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections import Counter
 
 import uvicorn
@@ -78,6 +79,17 @@ class _Lingering:
             self._timer = None
 
 
+def _no_delay(transport: asyncio.Transport) -> None:
+    """Send each write at once (TCP_NODELAY). asyncio sets it only on sockets made with protocol
+    IPPROTO_TCP, and the listening socket a node binds itself has protocol 0, as do the ones it
+    accepts. Without it a response's body, written after its headers, waited for the client's
+    delayed ACK: a request on a kept-alive connection took 40 ms more, and streamed events
+    queued behind one another the same way."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s: float = IDLE_S,
                      header_s: float = HEADER_S, linger_s: float = LINGER_S) -> type[H11Protocol]:
     """An h11 protocol class (uvicorn's `http=`) with the idle and header timeouts and the
@@ -95,6 +107,7 @@ def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s:
         _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            _no_delay(transport)
             transport = _Lingering(transport, self.loop, linger_s)  # type: ignore[assignment]
             super().connection_made(transport)
             self._address = self.client[0] if self.client else ""

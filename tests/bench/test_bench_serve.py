@@ -17,6 +17,7 @@ import httpx2
 import pytest
 
 from kvrt.bench.serve import Arrival, Request, Slo, run_http, summarize, synthetic_requests
+from kvrt.bench.serve import main as serve_main
 from tests.conftest import REPO, leftovers
 from kvrt.ipc.ports import free_port
 from tests.launched import SMALL, launched
@@ -229,3 +230,35 @@ def test_usage_of_the_wrong_types_is_not_trusted():
     assert target.max_model_len is None
     (o,) = outcomes
     assert (o.status, o.prompt_tokens, o.output_tokens, o.cached_tokens) == ("completed", 3, 2, None)
+
+
+def test_whole_answers_are_timed_end_to_end_and_checked():
+    """--no-stream asks for whole answers: E2E and the usage counts, no TTFT (the client sees every
+    token at the end); an answer without output is a failure."""
+    asked = []
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/v1/models":
+            return httpx2.Response(200, json={"data": [{"id": "m", "max_model_len": 100}]})
+        body = json.loads(request.content)
+        asked.append((body["stream"], "stream_options" in body))
+        text = "" if body["prompt"][0] == 9 else "ab"
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 2,
+                 "prompt_tokens_details": {"cached_tokens": 1}}
+        return httpx2.Response(200, json={"choices": [{"index": 0, "text": text}], "usage": usage})
+
+    _, outcomes, duration = run_http("http://fake/v1", None, [Request(0, [1, 2, 3], 2), Request(1, [9, 2], 2)],
+                                     Arrival(1, None), 10.0, transport=httpx2.MockTransport(handler), stream=False)
+    assert set(asked) == {(False, False)}
+    done, empty = sorted(outcomes, key=lambda o: o.index)
+    assert (done.status, done.prompt_tokens, done.output_tokens, done.cached_tokens) == ("completed", 3, 2, 1)
+    assert done.e2e_s is not None and done.ttft_s is None and not done.itl_s
+    assert empty.status == "failed" and empty.reason.startswith("an answer without output")
+    s = summarize(outcomes, duration, Slo())
+    assert s["ttft_ms"]["p50"] is None and s["e2e_ms"]["p50"] is not None
+
+
+def test_no_stream_refuses_the_streamed_figures_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--url", "http://127.0.0.1:9/v1", "--no-stream", "--slo-ttft-ms", "100"])
+    assert e.value.code == 2 and "--no-stream measures E2E only" in capsys.readouterr().err

@@ -32,7 +32,7 @@ from kvrt.runtime.router.policy import Picker
 from tests.launched import SMALL, launched, oracle
 from tests.runtime.http.test_http import MODEL, _FakeBridge, _wait_healthy
 from tests.routing_thread import serving_router
-from tests.uvicorn_thread import serving
+from tests.uvicorn_thread import serving, serving_server
 
 BIG = 64 << 20      # bytes a hostile client offers
 CHUNK = 64 << 10
@@ -208,6 +208,18 @@ def test_large_bodies_coming_in_at_once_share_a_budget_and_small_requests_never_
     # cut after it is answered: each is cut BODY_S after its own headers)
     assert order[0] == "health" and order[1] == "stalled HTTP/1.1 408", order
     assert sorted(order[1:]) == ["stalled HTTP/1.1 408"] * BODIES_AT_ONCE + ["whole HTTP/1.1 400"], order
+
+
+def test_a_nodes_connections_send_each_write_at_once():
+    """The listening socket is made with protocol 0 (as the node's is), so asyncio leaves Nagle on;
+    the guarded protocol turns it off, or a kept-alive client's next answer waits for its ACK."""
+    with _app("node") as app, serving_server(app) as (base, server):
+        s = _connect(base)
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert s.recv(12) == b"HTTP/1.1 200"
+        sockets = [p.transport.get_extra_info("socket") for p in server.server_state.connections]
+        assert sockets and all(k.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for k in sockets)
+        s.close()
 
 
 @pytest.mark.parametrize("kind", ["node", "router"])
