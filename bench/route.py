@@ -10,8 +10,10 @@ one cache of the same total size reaches, which cache-aware routing should appro
 round-robin cannot (it spreads a conversation's turns over nodes that would each have to hold
 every conversation). The nodes are launched once: each run's prompts are the trace's with every
 token id shifted by a run-specific constant modulo the vocabulary (a bijection, so the trace's
-sharing is kept exactly), so no run hits blocks an earlier run left behind; those are the least
-recently used and go first.
+sharing is kept exactly), so no run hits blocks an earlier run left behind, and every run starts
+with the nodes' prefix caches reset: an earlier run's blocks are not simply the first to go (the
+default eviction policy's reuse bonus keeps blocks that were reused over fresh ones), so without
+the reset each run would start from what the runs before it left, and later runs hit less.
 
 Reported per policy: the token hit rate from the nodes' own counters (prompt tokens served by
 their prefix caches over prompt tokens asked, every tier, summed over the nodes), TTFT p50/p99
@@ -162,6 +164,14 @@ class Fleet:
         _wait_http(base, "the router", self.router)
         return base
 
+    def reset_caches(self) -> None:
+        """Empty every node's prefix cache (`POST /reset_prefix_cache`), so that a run starts as
+        the first one did: see the module docstring."""
+        for url in self.urls:
+            r = httpx2.post(url + "/reset_prefix_cache", timeout=READY_S)
+            if r.status_code != 200:
+                raise RuntimeError(f"{url} did not reset its prefix cache: HTTP {r.status_code}: {r.text[:200]}")
+
     def counters(self) -> tuple[int, int, list[int]]:
         """(prompt tokens asked, prompt tokens served from a cache, summed over the nodes;
         requests each node finished)."""
@@ -280,6 +290,7 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
             ideal: float | None, text: bool = False, pool: str | None = None) -> dict:
     """Send `specs` through `base`; the hit rate from `fleet`'s counters over this run."""
     say(f"{name}: {len(fleet.nodes)} node(s) x {fleet.blocks} device blocks, {len(specs)} requests")
+    fleet.reset_caches()
     before = fleet.counters()
     sent = send_all(base, specs, args.concurrency, args.timeout, text)
     time.sleep(0.3)  # the engines publish their counters once per loop turn
