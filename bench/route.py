@@ -172,15 +172,13 @@ class Fleet:
             if r.status_code != 200:
                 raise RuntimeError(f"{url} did not reset its prefix cache: HTTP {r.status_code}: {r.text[:200]}")
 
-    def counters(self) -> tuple[int, int, list[int]]:
-        """(prompt tokens asked, prompt tokens served from a cache, summed over the nodes;
-        requests each node finished)."""
-        asked = hit = 0
-        done = []
+    def counters(self) -> tuple[list[int], list[int], list[int]]:
+        """Per node: prompt tokens asked, prompt tokens served from a cache, requests finished."""
+        asked, hit, done = [], [], []
         for node in self.nodes:
             e = snapshot(node.name)["engine"]
-            asked += e["query_tokens"]
-            hit += e["hit_tokens_device"] + e["hit_tokens_host"] + e["hit_tokens_storage"]
+            asked.append(e["query_tokens"])
+            hit.append(e["hit_tokens_device"] + e["hit_tokens_host"] + e["hit_tokens_storage"])
             done.append(e["finished_requests"])
         return asked, hit, done
 
@@ -297,7 +295,11 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
     after = fleet.counters()
     # how the requests spread over the nodes, from the nodes' own counts (a router's may differ: retries)
     routed = [int(a - b) for a, b in zip(after[2], before[2])] if len(fleet.nodes) > 1 else None
-    asked, hit = after[0] - before[0], after[1] - before[1]
+    node_asked = [a - b for a, b in zip(after[0], before[0])]
+    node_hit = [a - b for a, b in zip(after[1], before[1])]
+    asked, hit = sum(node_asked), sum(node_hit)
+    # each node's own hit rate: how evenly a placement lets the nodes' caches keep their reuse
+    node_rates = [h / a if a else None for h, a in zip(node_hit, node_asked)] if len(fleet.nodes) > 1 else None
     t = np.asarray(sent["ttfts"]) if sent["ttfts"] else None
     if sent["failed"]:
         say(f"{name}: {len(sent['failed'])} failed, e.g. {sent['failed'][0]}")
@@ -307,7 +309,7 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
             "ttft_p99_ms": float(np.percentile(t, 99)) if t is not None else None,
             "requests": len(specs), "failed": len(sent["failed"]), "wall_s": sent["wall_s"],
             "req_per_s": len(sent["ttfts"]) / sent["wall_s"] if sent["wall_s"] else None,
-            "prompt_tokens": asked, "routed_per_node": routed}
+            "prompt_tokens": asked, "routed_per_node": routed, "hit_rate_per_node": node_rates}
 
 
 PEER_ROW = "sglang-router " + PEER_POLICY
