@@ -10,8 +10,10 @@ one cache of the same total size reaches, which cache-aware routing should appro
 round-robin cannot (it spreads a conversation's turns over nodes that would each have to hold
 every conversation). The nodes are launched once: each run's prompts are the trace's with every
 token id shifted by a run-specific constant modulo the vocabulary (a bijection, so the trace's
-sharing is kept exactly), so no run hits blocks an earlier run left behind; those are the least
-recently used and go first.
+sharing is kept exactly), so no run hits blocks an earlier run left behind, and every run starts
+with the nodes' prefix caches reset: an earlier run's blocks are not simply the first to go (the
+default eviction policy's reuse bonus keeps blocks that were reused over fresh ones), so without
+the reset each run would start from what the runs before it left, and later runs hit less.
 
 Reported per policy: the token hit rate from the nodes' own counters (prompt tokens served by
 their prefix caches over prompt tokens asked, every tier, summed over the nodes), TTFT p50/p99
@@ -177,15 +179,21 @@ class Fleet:
         _wait_http(base, "the router", self.router)
         return base
 
-    def counters(self) -> tuple[int, int, list[int]]:
-        """(prompt tokens asked, prompt tokens served from a cache, summed over the nodes;
-        requests each node finished)."""
-        asked = hit = 0
-        done = []
+    def reset_caches(self) -> None:
+        """Empty every node's prefix cache (`POST /reset_prefix_cache`), so that a run starts as
+        the first one did: see the module docstring."""
+        for url in self.urls:
+            r = httpx2.post(url + "/reset_prefix_cache", timeout=READY_S)
+            if r.status_code != 200:
+                raise RuntimeError(f"{url} did not reset its prefix cache: HTTP {r.status_code}: {r.text[:200]}")
+
+    def counters(self) -> tuple[list[int], list[int], list[int]]:
+        """Per node: prompt tokens asked, prompt tokens served from a cache, requests finished."""
+        asked, hit, done = [], [], []
         for node in self.nodes:
             e = snapshot(node.name)["engine"]
-            asked += e["query_tokens"]
-            hit += e["hit_tokens_device"] + e["hit_tokens_host"] + e["hit_tokens_storage"]
+            asked.append(e["query_tokens"])
+            hit.append(e["hit_tokens_device"] + e["hit_tokens_host"] + e["hit_tokens_storage"])
             done.append(e["finished_requests"])
         return asked, hit, done
 
@@ -295,13 +303,18 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
             ideal: float | None, text: bool = False, pool: str | None = None) -> dict:
     """Send `specs` through `base`; the hit rate from `fleet`'s counters over this run."""
     say(f"{name}: {len(fleet.nodes)} node(s) x {fleet.blocks} device blocks, {len(specs)} requests")
+    fleet.reset_caches()
     before = fleet.counters()
     sent = send_all(base, specs, args.concurrency, args.timeout, text)
     time.sleep(0.3)  # the engines publish their counters once per loop turn
     after = fleet.counters()
     # how the requests spread over the nodes, from the nodes' own counts (a router's may differ: retries)
     routed = [int(a - b) for a, b in zip(after[2], before[2])] if len(fleet.nodes) > 1 else None
-    asked, hit = after[0] - before[0], after[1] - before[1]
+    node_asked = [a - b for a, b in zip(after[0], before[0])]
+    node_hit = [a - b for a, b in zip(after[1], before[1])]
+    asked, hit = sum(node_asked), sum(node_hit)
+    # each node's own hit rate: how evenly a placement lets the nodes' caches keep their reuse
+    node_rates = [h / a if a else None for h, a in zip(node_hit, node_asked)] if len(fleet.nodes) > 1 else None
     t = np.asarray(sent["ttfts"]) if sent["ttfts"] else None
     if sent["failed"]:
         say(f"{name}: {len(sent['failed'])} failed, e.g. {sent['failed'][0]}")
@@ -311,7 +324,7 @@ def measure(name: str, fleet: Fleet, base: str, specs: list[PromptSpec], args: a
             "ttft_p99_ms": float(np.percentile(t, 99)) if t is not None else None,
             "requests": len(specs), "failed": len(sent["failed"]), "wall_s": sent["wall_s"],
             "req_per_s": len(sent["ttfts"]) / sent["wall_s"] if sent["wall_s"] else None,
-            "prompt_tokens": asked, "routed_per_node": routed}
+            "prompt_tokens": asked, "routed_per_node": routed, "hit_rate_per_node": node_rates}
 
 
 PEER_ROW = "sglang-router " + PEER_POLICY
