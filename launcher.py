@@ -310,8 +310,8 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
             raise ValueError(f"--compute-dtype {args.compute_dtype} is for --model checkpoints: the built-in "
                              f"reference model computes in float64 (its exactness is what the tests check)")
         return {k: given.get(k, getattr(d, k)) for k in SHAPE_FLAGS}, {}
-    from kvrt.workers.checkpoint import inspect
-    from kvrt.workers.hf_model import resolve_compute_dtype
+    from kvrt.workers.model.checkpoint import inspect
+    from kvrt.workers.model.hf_model import resolve_compute_dtype
 
     info = inspect(args.model)
     info.check_tp(args.tp)

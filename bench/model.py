@@ -10,7 +10,7 @@ In one run:
   and the checkpoint's precision, float16 for BF16, on a GPU; the KV pool follows) and run over a
   paged KV pool laid out by the node's KV layout spec, each sequence with its own block table,
   through `step_outputs`, the worker's call, then the worker's `sample` on the same device,
-  with the BLAS thread count the worker would use (workers/threads.py);
+  with the BLAS thread count the worker would use (workers/model/threads.py);
 - the limits, measured first: `memcpy`, one large copy (bytes read plus written per second),
   and `peak`, a large square matmul in the compute dtype at each thread count used (FLOP/s);
 - `decode` rows: at each --batches and --contexts, --decode-steps steps of one token per
@@ -19,7 +19,7 @@ In one run:
   sequence at each --prefill-batches, best of --prefill-repeats; a `sampled` row: decode at
   --sample-batch with temperature 1, top_p 0.9, top_k 50, its steps interleaved with greedy ones,
   `vs greedy` being sampled / greedy;
-- each row splits its step into phases (workers/phases.py: q/k/v/o and MLP projections,
+- each row splits its step into phases (workers/model/phases.py: q/k/v/o and MLP projections,
   attention, LM head, host<->device copies, sampling, and the rest; on a GPU from a second copy
   of the step, since timing a phase there means a device sync at its ends) and stands next to its
   roofline: the larger of the bytes it must move (the weights once, the KV it reads) at the
@@ -68,12 +68,12 @@ import numpy as np
 from kvrt.bench.array_ops import count_step
 from kvrt.bench.copy import cuda_missing
 from kvrt.workers.backend import BackendUnavailable, get_backend
-from kvrt.workers.checkpoint import inspect
-from kvrt.workers.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
-from kvrt.workers.model import Model, SeqInput, attention_budgets
-from kvrt.workers.phases import OTHER, SAMPLING, PhaseClock
-from kvrt.workers.sampler import SamplingRows, sample
-from kvrt.workers.threads import AUTO, BlasThreads, usable_cores
+from kvrt.workers.model.checkpoint import inspect
+from kvrt.workers.model.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
+from kvrt.workers.model.transformer import Model, SeqInput, attention_budgets
+from kvrt.workers.model.phases import OTHER, SAMPLING, PhaseClock
+from kvrt.workers.model.sampler import SamplingRows, sample
+from kvrt.workers.model.threads import AUTO, BlasThreads, usable_cores
 
 log = logging.getLogger("kvrt.bench.model")
 

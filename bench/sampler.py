@@ -2,7 +2,7 @@
 
 In one run, on the same logits ([batch, vocab] float32, the vocabulary of Qwen2-class models by
 default), for each batch size and each sampling setting:
-- `kvrt`: workers/sampler.py's `sample` (temperature 0 is the greedy row: argmax);
+- `kvrt`: workers/model/sampler.py's `sample` (temperature 0 is the greedy row: argmax);
 - `naive`: the sampler kvrt had before, kept here as the baseline a straightforward
   implementation gives: every sampled row sorted whole (stably, in float64), then temperature,
   top-k, top-p and one inverse-CDF draw over the sorted row;
@@ -41,7 +41,7 @@ import numpy as np
 from kvrt.bench.timing import best_seconds
 from kvrt.runtime.engine.grammars import Grammars
 from kvrt.runtime.engine.guide import GuideState, mask_words
-from kvrt.workers.sampler import SamplingRows, adjust, sample, top_logprobs, uniforms
+from kvrt.workers.model.sampler import SamplingRows, adjust, sample, top_logprobs, uniforms
 
 CASES = {  # name -> (logits, SamplingRows fields)
     "greedy": ("peaked", dict(temperature=0.0)),

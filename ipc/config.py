@@ -48,7 +48,7 @@ class NodeConfig:
     model_fingerprint: str = ""  # digest of its config.json, headers and weight samples, set by the launcher
     hidden_size: int = 0         # its hidden size (sizes the tp all-reduce), set by the launcher
     compute_dtype: str = "float32"  # a checkpoint's projections: float32 or float16 (resolved from --compute-dtype)
-    threads: int = 0             # BLAS threads of a worker's matmuls on a CPU (0: per step, workers/threads.py)
+    threads: int = 0             # BLAS threads of a worker's matmuls on a CPU (0: per step, workers/model/threads.py)
     eviction: str = "adaptive"     # the prefix cache's eviction policy (runtime/cache/policies/base.py names them)
     # scheduling
     max_num_seqs: int = 32             # sequences in one step

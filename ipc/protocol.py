@@ -255,7 +255,7 @@ class StepBatch:
     seed[i] (with the token's position, the only source of randomness, so a request's tokens
     do not depend on its batch) and logprobs[i] (1: answer the chosen token's log-probability);
     min_p may stay empty (0, no limit, for every sequence).
-    The adjustments (workers/sampler.py's SamplingRows has their meaning), each group empty
+    The adjustments (workers/model/sampler.py's SamplingRows has their meaning), each group empty
     when no sequence of the step uses it: top_logprobs[i] alternatives to answer; logit biases
     (bias_lens[i] entries of bias_ids / bias_vals for sequence i, -inf banning a token);
     penalties repetition[i], presence[i], frequency[i] over the tokens pen_ids with output

@@ -18,6 +18,15 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import pytest  # noqa: E402
 
+# matplotlib builds its font cache on first use by running `fc-list`: a process, which the fast
+# lane's guard refuses inside a test. Built here, before any test, a cold machine (no cache yet)
+# pays it once per worker and the plotting tests stay in the fast lane.
+with contextlib.suppress(ImportError):
+    import matplotlib  # noqa: E402
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: E402,F401
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -23,7 +23,7 @@ from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.client import Client, ClientError
 from kvrt.runtime.node.status import snapshot
 from tests.conftest import REPO
-from kvrt.workers.model import Model, ModelShape
+from kvrt.workers.model.transformer import Model, ModelShape
 
 # a model small enough for the dense oracle to be quick, blocks small enough to have many
 SMALL = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16", "--block-size", "8")

@@ -2,10 +2,10 @@
 and only the blocks of the step batch the engine just sent it (the ownership rule): between
 receiving a step and publishing its answer, nothing else touches those blocks.
 
-The model is a Hugging Face checkpoint's (workers/hf_model.py) with --model: with --tp N rank r
+The model is a Hugging Face checkpoint's (workers/model/hf_model.py) with --model: with --tp N rank r
 holds its N-th of the heads, KV heads and MLP, and the ranks sum their partial outputs through
 the node's all-reduce (ipc/allreduce.py; on a GPU over CUDA IPC buffers,
-workers/cuda_allreduce.py), so every rank computes the same tokens. Without --model it is the reference transformer (workers/model.py), where tensor parallelism is not split
+workers/cuda_allreduce.py), so every rank computes the same tokens. Without --model it is the reference transformer (workers/model/transformer.py), where tensor parallelism is not split
 inside the model yet: with --tp N every rank runs the same model over its N-th of the KV
 heads and its own pool, so every rank's pool holds real KV (swaps and P->D sends of each rank
 carry meaningful bytes); rank 0's tokens are the answer, the others acknowledge.
@@ -27,13 +27,13 @@ from kvrt.ipc.topology import Topology
 from kvrt.workers.backend import get_backend
 from kvrt.workers.child import Child, run_child
 from kvrt.workers.cuda_allreduce import peer_memory
-from kvrt.workers.hf_model import HFModel
+from kvrt.workers.model.hf_model import HFModel
 from kvrt.workers.kv_pool import attach_pools
-from kvrt.workers.model import Model, ModelShape, SeqInput
+from kvrt.workers.model.transformer import Model, ModelShape, SeqInput
 from kvrt.workers.progress import Progress, ProgressBeat
-from kvrt.workers.prompt_logprobs import PromptQuery
-from kvrt.workers.sampler import SamplingRows, sample, top_logprobs
-from kvrt.workers.threads import BlasThreads, usable_cores
+from kvrt.workers.model.prompt_logprobs import PromptQuery
+from kvrt.workers.model.sampler import SamplingRows, sample, top_logprobs
+from kvrt.workers.model.threads import BlasThreads, usable_cores
 
 log = logging.getLogger("kvrt.workers.worker")
 _NO_TOKENS = np.empty(0, dtype=np.int32)

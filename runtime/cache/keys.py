@@ -48,7 +48,7 @@ class ModelIdentity:
     `weights` fingerprints the weights: for the built-in reference model its seed and shape
     (its weights are a function of them); for a checkpoint a digest of its config.json, its
     safetensors headers (every tensor's name, dtype, shape and place) and a sample of every
-    tensor's bytes (workers/checkpoint.py)."""
+    tensor's bytes (workers/model/checkpoint.py)."""
 
     arch: str
     weights: str

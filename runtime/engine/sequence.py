@@ -47,7 +47,7 @@ class Sequence:
     eos_token_id: int = -1
     use_cache: bool = True
     stream: bool = True
-    temperature: float = 0.0         # sampling (see workers/sampler.py); 0: greedy
+    temperature: float = 0.0         # sampling (see workers/model/sampler.py); 0: greedy
     top_p: float = 1.0
     top_k: int = 0                   # 0: no limit
     min_p: float = 0.0               # 0: no limit

@@ -15,9 +15,9 @@ from kvrt.runtime.cache.keys import ModelIdentity
 from kvrt.runtime.cache.policies.base import policy_names
 
 ROLES = ("mixed", "prefill", "decode")
-REFERENCE_ARCH = "kvrt-reference-decoder"  # the built-in fixed-seed model of workers/model.py
+REFERENCE_ARCH = "kvrt-reference-decoder"  # the built-in fixed-seed model of workers/model/transformer.py
 DEVICES = ("cpu", "cuda")
-COMPUTE_DTYPES = ("float32", "float16")  # what workers/hf_model.py multiplies a checkpoint's projections in
+COMPUTE_DTYPES = ("float32", "float16")  # what workers/model/hf_model.py multiplies a checkpoint's projections in
 PD_TRANSPORTS = ("shm", "mooncake")
 LEASE_MARGIN_S = 1.0  # P starts a send only if it ends (at worst) this long before D's lease does
 

@@ -15,8 +15,8 @@ import pytest
 
 import kvrt.bench.model as model_bench
 from tests.conftest import REPO
-from kvrt.workers.checkpoint import inspect
-from kvrt.workers.threads import PARALLEL_ROWS
+from kvrt.workers.model.checkpoint import inspect
+from kvrt.workers.model.threads import PARALLEL_ROWS
 
 
 def test_written_checkpoint_loads_with_the_real_loader(tmp_path):

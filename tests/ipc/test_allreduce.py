@@ -101,9 +101,9 @@ def test_slots_must_be_where_the_segment_says(node):
 def test_two_rank_split_equals_dense_reference(node, tmp_path, mode):
     """Each rank holds half the heads and MLP width; summed through the all-reduce, both ranks'
     logits equal the unsplit dense reference."""
-    from kvrt.workers.checkpoint import inspect
-    from kvrt.workers.hf_model import HFModel
-    from kvrt.workers.model import SeqInput
+    from kvrt.workers.model.checkpoint import inspect
+    from kvrt.workers.model.hf_model import HFModel
+    from kvrt.workers.model.transformer import SeqInput
 
     ck = make_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype="BF16", num_attention_heads=4, num_key_value_heads=2)
     toks = np.random.default_rng(2).integers(0, VOCAB, 21).astype(np.int32)
@@ -140,8 +140,8 @@ def test_a_split_models_warm_up_waits_for_no_other_rank(tmp_path):
     """A GPU worker warms up (CuPy compiles its kernels) before it says ready, while the other
     ranks may still be loading the checkpoint: the warm-up step must not wait on an all-reduce
     (a rank's wait is only --rank-timeout), and leaves the model's all-reduce in place."""
-    from kvrt.workers.checkpoint import inspect
-    from kvrt.workers.hf_model import HFModel
+    from kvrt.workers.model.checkpoint import inspect
+    from kvrt.workers.model.hf_model import HFModel
 
     def nobody_else_here(partial):
         raise WaitTimeout("all-reduce: rank 0 waited for rank(s) [1]")

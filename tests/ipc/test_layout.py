@@ -13,7 +13,7 @@ from kvrt.runtime.node.config import NodeConfig
 from kvrt.runtime.node.supervisor import shm_needs
 from tests.conftest import run_py
 from kvrt.workers.kv_pool import PoolError, PoolMaker, attach_pools, pool_specs
-from kvrt.workers.model import ModelShape
+from kvrt.workers.model.transformer import ModelShape
 from kvrt.workers.transports.base import array_layout
 
 

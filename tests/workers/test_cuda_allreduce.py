@@ -2,7 +2,7 @@
 host buffers, an IPC handle as the allocation's address) checks what the CUDA all-reduce asks
 of CuPy: one plain allocation per rank, its handle posted, every peer's handle opened once and
 closed at the end, a stream synchronisation before each publication. The real thing runs on a
-GPU in tests/workers/test_gpu_model.py."""
+GPU in tests/workers/model/test_gpu_model.py."""
 from __future__ import annotations
 
 import sys

@@ -90,7 +90,7 @@ def test_every_runtime_function_the_gpu_code_calls_exists_with_that_many_argumen
 
 def test_every_cupy_cuda_name_the_gpu_code_uses_exists():
     seen = 0
-    for path in GPU_SOURCES + ["tests/workers/test_gpu.py", "tests/workers/test_gpu_model.py"]:
+    for path in GPU_SOURCES + ["tests/workers/test_gpu.py", "tests/workers/model/test_gpu_model.py"]:
         for name, line in cuda_uses(path):
             assert hasattr(cupy.cuda, name), f"{path}:{line}: cupy.cuda.{name} does not exist"
             seen += 1

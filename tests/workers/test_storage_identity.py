@@ -7,7 +7,7 @@ import pytest
 
 from kvrt.ipc.config import NodeConfig
 from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
-from kvrt.workers.model import Model, ModelShape
+from kvrt.workers.model.transformer import Model, ModelShape
 
 pytestmark = pytest.mark.e2e
 

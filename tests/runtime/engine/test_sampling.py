@@ -21,7 +21,7 @@ from tests.conftest import leftovers
 from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
 from tests.runtime.pd.test_pd import pd_node, pd_pair  # noqa: F401  (pd_node is a fixture)
 from tests.runtime.pd.test_pd_security import decode, peer  # noqa: F401  (fixtures: a decode node, a hand-made P)
-from kvrt.workers.sampler import SamplingRows, sample
+from kvrt.workers.model.sampler import SamplingRows, sample
 
 WAIT_S = 60.0
 

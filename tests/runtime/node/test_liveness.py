@@ -10,7 +10,7 @@ import pytest
 from kvrt.ipc.config import NodeConfig
 from kvrt.runtime.client.api import ErrorEvent
 from kvrt.runtime.client.client import Result
-from kvrt.workers.model import Model, ModelShape
+from kvrt.workers.model.transformer import Model, ModelShape
 from tests.launched import launched
 
 pytestmark = [pytest.mark.e2e, pytest.mark.alone]

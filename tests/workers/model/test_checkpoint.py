@@ -16,7 +16,7 @@ import pytest
 from kvrt.runtime.node.config import ConfigError, NodeConfig
 from tests.conftest import REPO, leftovers
 from tests.hfkit import LLAMA3_SCALING, make_checkpoint, reference_rope, write_safetensors
-from kvrt.workers.checkpoint import CheckpointError, Weights, inspect
+from kvrt.workers.model.checkpoint import CheckpointError, Weights, inspect
 
 
 def edit_config(path, drop: tuple[str, ...] = (), **changes) -> dict:
@@ -247,7 +247,7 @@ def test_launch_refuses_contradicting_shape_flags(node, tmp_path, flag, value, w
 def test_worker_refuses_a_checkpoint_changed_since_launch(tmp_path):
     """Block keys are rooted in the fingerprint the launcher took: a worker loading different
     weights under the same name would serve KV that does not match its keys."""
-    from kvrt.workers.hf_model import HFModel
+    from kvrt.workers.model.hf_model import HFModel
 
     ck = make_checkpoint(tmp_path)
     before = inspect(ck.path).fingerprint
@@ -276,7 +276,7 @@ def test_header_with_a_huge_shape_is_refused(tmp_path):
     raw = json.dumps(header).encode()
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw + bytes(16))
-    from kvrt.workers.checkpoint import read_header
+    from kvrt.workers.model.checkpoint import read_header
 
     with pytest.raises(CheckpointError, match="data_offsets"):
         read_header(path)

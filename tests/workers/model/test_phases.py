@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from tests.hfkit import make_checkpoint
-from kvrt.workers.checkpoint import inspect
-from kvrt.workers.hf_model import HFModel
-from kvrt.workers.model import Model, ModelShape, SeqInput
-from kvrt.workers.phases import ATTENTION, COPIES, LM_HEAD, PROJECTIONS, PhaseClock
+from kvrt.workers.model.checkpoint import inspect
+from kvrt.workers.model.hf_model import HFModel
+from kvrt.workers.model.transformer import Model, ModelShape, SeqInput
+from kvrt.workers.model.phases import ATTENTION, COPIES, LM_HEAD, PROJECTIONS, PhaseClock
 
 
 class CountingClock(PhaseClock):

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from xxhash import xxh3_128_hexdigest
 
-from kvrt.workers.rope import Rope, RopeError, parse_rope
+from kvrt.workers.model.rope import Rope, RopeError, parse_rope
 
-log = logging.getLogger("kvrt.workers.checkpoint")
+log = logging.getLogger("kvrt.workers.model.checkpoint")
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SINGLE_FILE = "model.safetensors"

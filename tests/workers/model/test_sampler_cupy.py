@@ -1,4 +1,4 @@
-"""workers/sampler.py on CuPy draws what it draws on NumPy: the same tokens, log-probabilities
+"""workers/model/sampler.py on CuPy draws what it draws on NumPy: the same tokens, log-probabilities
 and top alternatives for the same logits and rows (the uniforms are host-side and counter-based,
 so only the arithmetic's device differs), with biases, penalties, guided masks, non-finite
 logits and a real vocabulary's width. Skipped without CUDA; the command that runs it on a lent
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvrt.workers.sampler import SamplingRows, sample, top_logprobs
-from tests.workers.test_sampler_guided import pack, random_rows
+from kvrt.workers.model.sampler import SamplingRows, sample, top_logprobs
+from tests.workers.model.test_sampler_guided import pack, random_rows
 from tests.gpukit import cuda_cupy
 
 cupy = cuda_cupy()

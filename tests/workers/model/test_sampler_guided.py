@@ -1,4 +1,4 @@
-"""workers/sampler.py's guided masks: a token outside a row's mask is never chosen, greedy or
+"""workers/model/sampler.py's guided masks: a token outside a row's mask is never chosen, greedy or
 sampled, with or without filters, biases and non-finite logits; unguided rows of the same
 batch are untouched; the two ways of unpacking a mask agree; the worker refuses masks that do
 not fit its batch or allow nothing."""
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrt.ipc import protocol as P
-from kvrt.workers.sampler import SamplingRows, sample, shift_unpack, unpack_mask
+from kvrt.workers.model.sampler import SamplingRows, sample, shift_unpack, unpack_mask
 from kvrt.workers.worker import _guided
 
 

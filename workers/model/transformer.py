@@ -27,12 +27,12 @@ import numpy as np
 
 from kvrt.ipc.config import NodeConfig
 from kvrt.ipc.layout import KVLayout
-from kvrt.workers.attention import (KV_BUDGET, SCORE_BUDGET, AttentionPlan, AttnShape, Span, paged_attention,
+from kvrt.workers.model.attention import (KV_BUDGET, SCORE_BUDGET, AttentionPlan, AttnShape, Span, paged_attention,
                                     plan_attention)
-from kvrt.workers.phases import ATTENTION, COPIES, LM_HEAD, PROJECTIONS, PhaseClock
-from kvrt.workers.prompt_logprobs import PromptQuery, PromptScores, score_prompt
+from kvrt.workers.model.phases import ATTENTION, COPIES, LM_HEAD, PROJECTIONS, PhaseClock
+from kvrt.workers.model.prompt_logprobs import PromptQuery, PromptScores, score_prompt
 
-log = logging.getLogger("kvrt.workers.model")
+log = logging.getLogger("kvrt.workers.model.transformer")
 
 _EPS = 1e-6        # RMSNorm epsilon
 _DENSE_CHUNK = 512  # query rows per attention call in the dense reference (bounds its memory)
@@ -169,9 +169,9 @@ class Model:
     # progress marks (workers/progress.py), so a long step of a big model (seconds per prefill
     # chunk on a CPU) is not taken for a hung process
     beat: Callable[[], None] | None = None
-    # a benchmark's phase recorder (workers/phases.py); None while serving, so a step pays nothing
+    # a benchmark's phase recorder (workers/model/phases.py); None while serving, so a step pays nothing
     phases: PhaseClock | None = None
-    # attention's key-tile budgets, scores and keys (workers/attention.py; `attention_budgets`);
+    # attention's key-tile budgets, scores and keys (workers/model/attention.py; `attention_budgets`);
     # the warm-up shrinks them for one step
     attn_budgets: tuple[int, int] = (SCORE_BUDGET, KV_BUDGET)
 
@@ -365,7 +365,7 @@ class Model:
     def step_outputs(self, pool: Any, seqs: Sequence[SeqInput], prompt: PromptQuery | None = None,
                      on_device: bool = False) -> tuple[Any, PromptScores | None]:
         """`step_logits`, and from the same forward pass the prompt scores `prompt` asks for
-        (its rows index the batch's tokens, flattened in sequence order; workers/prompt_logprobs.py).
+        (its rows index the batch's tokens, flattened in sequence order; workers/model/prompt_logprobs.py).
         With `on_device` the logits stay where the model computes them (float32 on `xp`): the
         worker samples there, and only the chosen tokens cross to the host."""
         s = self.shape

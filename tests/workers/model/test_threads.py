@@ -7,7 +7,7 @@ import numpy as np  # noqa: F401  (loads the BLAS whose threads are set)
 import pytest
 from threadpoolctl import threadpool_info
 
-from kvrt.workers.threads import AUTO, PARALLEL_ROWS, BlasThreads, runnable_others, usable_cores
+from kvrt.workers.model.threads import AUTO, PARALLEL_ROWS, BlasThreads, runnable_others, usable_cores
 
 HAS_BLAS = any(lib["user_api"] == "blas" for lib in threadpool_info())
 

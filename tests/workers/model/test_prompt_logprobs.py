@@ -1,4 +1,4 @@
-"""Prompt logprobs (workers/prompt_logprobs.py): every scored row equals a float64 reference
+"""Prompt logprobs (workers/model/prompt_logprobs.py): every scored row equals a float64 reference
 log-softmax of the model's own logits (the target's logprob and rank, the top k with ties by the
 lower id), whatever the blocking of rows; through the model, a prompt scored in one chunk or in
 many gives the same values at every position, each equal to the dense reference's."""
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrt.workers import prompt_logprobs as pl
-from kvrt.workers.model import Model, SeqInput
-from kvrt.workers.prompt_logprobs import PromptQuery, score_prompt
-from tests.workers.test_model import SMALL, make_pool, prompt_of
+from kvrt.workers.model import prompt_logprobs as pl
+from kvrt.workers.model.transformer import Model, SeqInput
+from kvrt.workers.model.prompt_logprobs import PromptQuery, score_prompt
+from tests.workers.model.test_transformer import SMALL, make_pool, prompt_of
 from tests.gpukit import cuda_cupy
 
 
@@ -150,8 +150,8 @@ def test_the_worker_reads_the_batchs_prompt_rows():
 def test_a_checkpoint_scores_its_prompt_as_its_own_logits_say(tmp_path):
     """Through a checkpoint's model (float32 logits), chunked: the float64 log-softmax of the
     logits the same model computes for the whole prompt at once."""
-    from kvrt.workers.checkpoint import inspect
-    from kvrt.workers.hf_model import HFModel
+    from kvrt.workers.model.checkpoint import inspect
+    from kvrt.workers.model.hf_model import HFModel
     from tests.hfkit import VOCAB, make_checkpoint
 
     model = HFModel(inspect(make_checkpoint(tmp_path, "Qwen2ForCausalLM").path), 512)

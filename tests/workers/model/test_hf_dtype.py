@@ -1,11 +1,11 @@
-"""The compute dtype of a checkpoint's forward pass (workers/hf_model.py): float16 projections
+"""The compute dtype of a checkpoint's forward pass (workers/model/hf_model.py): float16 projections
 with float32 accumulation match the independent dense float64 reference (tests/hfkit.py) within
 a float16 tolerance and give its greedy tokens; float32 stays exact to 1e-4; BF16 weights are
 held as float16 exactly where they fit and refused where they do not; an activation that
 overflows float16 fails the step instead of answering garbage; and `auto` resolves as a launch
 needs it (float32 on a CPU, the checkpoint's precision on a GPU).
 
-The GPU runs the same checks through tests/workers/test_gpu_model.py.
+The GPU runs the same checks through tests/workers/model/test_gpu_model.py.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from tests.hfkit import VOCAB, dense_logits, from_bf16_bits, greedy, make_checkpoint, to_bf16_bits
-from kvrt.workers.checkpoint import CheckpointError, inspect
-from kvrt.workers.hf_model import HFModel, checkpoint_dtype, resolve_compute_dtype, to_half
-from kvrt.workers.model import SeqInput
+from kvrt.workers.model.checkpoint import CheckpointError, inspect
+from kvrt.workers.model.hf_model import HFModel, checkpoint_dtype, resolve_compute_dtype, to_half
+from kvrt.workers.model.transformer import SeqInput
 
 BS = 8
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -172,7 +172,7 @@ def test_a_tensor_below_float16s_range_is_named(caplog):
     """Exact nearly everywhere is not exact everywhere: a tensor whose values sit below 2**-14
     loses bits in float16, and the load says which."""
     small = np.random.default_rng(1).standard_normal(1000).astype(np.float32) * 1e-6
-    with caplog.at_level(logging.WARNING, logger="kvrt.workers.hf_model"):
+    with caplog.at_level(logging.WARNING, logger="kvrt.workers.model.hf_model"):
         to_half("model.layers.3.self_attn.o_proj.weight", small)
         to_half("fine", small * 1e4)
     named = [r.getMessage() for r in caplog.records]

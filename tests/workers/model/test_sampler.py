@@ -1,4 +1,4 @@
-"""workers/sampler.py alone: greedy rows are argmax, the filters reduce to greedy at their
+"""workers/model/sampler.py alone: greedy rows are argmax, the filters reduce to greedy at their
 limits, draws follow the distribution (a chi-square test against a float64 reference) and
 depend only on (logits, parameters, seed, position), the chosen token is always one the
 filters keep, and logprobs are the model's log-softmax."""
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrt.workers import sampler
-from kvrt.workers.sampler import SamplingRows, sample
+from kvrt.workers.model import sampler
+from kvrt.workers.model.sampler import SamplingRows, sample
 
 VOCAB = 64
 

@@ -1,4 +1,4 @@
-"""The worker's model (workers/model.py): greedy outputs through the paged pool must equal the
+"""The worker's model (workers/model/transformer.py): greedy outputs through the paged pool must equal the
 cache-free dense reference exactly, whatever the chunking, block tables and batch mates."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrt.ipc.config import NodeConfig
-from kvrt.workers.model import Model, ModelShape, SeqInput
+from kvrt.workers.model.transformer import Model, ModelShape, SeqInput
 from tests.gpukit import cuda_cupy
 
 SMALL = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128,
@@ -250,8 +250,8 @@ def test_warm_up_takes_the_attention_shapes_serving_takes(bs, max_len):
     """CuPy compiles a kernel per dtype and count of dimensions longer than one: the warm-up's
     batches must plan to one and two items, one and several query rows (padded), one and
     several blocks, one and several key tiles, each valid for a model of max_len positions."""
-    from kvrt.workers.attention import AttnShape, Span, plan_attention
-    from kvrt.workers.model import WARM_UP_BLOCKS, Model, warm_up_steps
+    from kvrt.workers.model.attention import AttnShape, Span, plan_attention
+    from kvrt.workers.model.transformer import WARM_UP_BLOCKS, Model, warm_up_steps
 
     shape = replace(SMALL, max_model_len=max_len)
     model, pool = Model(shape), make_pool(shape, WARM_UP_BLOCKS, bs)
@@ -377,8 +377,8 @@ def test_a_gpus_key_tiles_are_bigger_than_a_cpus():
     """On a GPU a key tile is a round of kernel launches, so its tiles hold more (a decode batch
     of 32 over 512 tokens of a 2-KV-head, 64-dim model in one tile); on a CPU they stay
     cache-sized."""
-    from kvrt.workers.attention import KV_BUDGET, SCORE_BUDGET, AttnShape, Span, plan_attention
-    from kvrt.workers.model import attention_budgets
+    from kvrt.workers.model.attention import KV_BUDGET, SCORE_BUDGET, AttnShape, Span, plan_attention
+    from kvrt.workers.model.transformer import attention_budgets
 
     assert attention_budgets(np) == (SCORE_BUDGET, KV_BUDGET)
     gpu = attention_budgets(object())

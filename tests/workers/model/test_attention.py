@@ -1,4 +1,4 @@
-"""Batched paged attention (workers/attention.py) must equal attending each sequence alone over
+"""Batched paged attention (workers/model/attention.py) must equal attending each sequence alone over
 its own gathered context, whatever the grouping, padding, query tiles and key tiles."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrt.workers.attention import AttnShape, Span, paged_attention, plan_attention
+from kvrt.workers.model.attention import AttnShape, Span, paged_attention, plan_attention
 
 LAYERS = 2
 

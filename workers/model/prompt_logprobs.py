@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvrt.workers.sampler import SamplingRows, top_logprobs
+from kvrt.workers.model.sampler import SamplingRows, top_logprobs
 
 BLOCK_BYTES = 64 << 20  # float64 logits per block of rows (at least one row)
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tests.hfkit import LLAMA3_SCALING, VOCAB, dense_logits, make_checkpoint, transformers_config
-from kvrt.workers.checkpoint import inspect
-from kvrt.workers.hf_model import HFModel
-from kvrt.workers.model import SeqInput
+from kvrt.workers.model.checkpoint import inspect
+from kvrt.workers.model.hf_model import HFModel
+from kvrt.workers.model.transformer import SeqInput
 from tests.gpukit import cuda_cupy
 
 BS = 8
@@ -109,7 +109,7 @@ def test_rope_handwritten_transformers4_form(tmp_path, rope):
 def test_bf16_decoding_is_exact(tmp_path):
     """A BF16 tensor read back is its exact float32 value (bf16 is a float32's top half)."""
     from tests.hfkit import write_safetensors
-    from kvrt.workers.checkpoint import Weights, read_header
+    from kvrt.workers.model.checkpoint import Weights, read_header
 
     bits = np.array([0x3F80, 0xC000, 0x0000, 0x7F80, 0x3E20], dtype=np.uint16)  # 1, -2, 0, inf, 0.15625
     write_safetensors(str(tmp_path / "w.safetensors"), {"t": ("BF16", bits)})

@@ -1,8 +1,8 @@
 """Hugging Face Llama, Qwen2 and Qwen3 checkpoints over the paged KV pool.
 
-The network is the reference model's (workers/model.py) with real weights and each
+The network is the reference model's (workers/model/transformer.py) with real weights and each
 architecture's differences: Qwen2's q/k/v biases, Qwen3's per-head RMSNorm of q and k before
-RoPE, the checkpoint's RMSNorm epsilon, RoPE as Hugging Face computes it (workers/rope.py:
+RoPE, the checkpoint's RMSNorm epsilon, RoPE as Hugging Face computes it (workers/model/rope.py:
 linear, llama3 and yarn scaling, yarn's attention factor on cos and sin), and tied or separate
 LM heads. It inherits the reference model's paged step (block tables, chunked prefill,
 batched decode, validation), so the worker runs either through the same interface and the
@@ -34,10 +34,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvrt.workers.checkpoint import CheckpointError, CheckpointInfo, Weights, inspect
-from kvrt.workers.model import LayerWeights, Model, ModelShape, attention_budgets
+from kvrt.workers.model.checkpoint import CheckpointError, CheckpointInfo, Weights, inspect
+from kvrt.workers.model.transformer import LayerWeights, Model, ModelShape, attention_budgets
 
-log = logging.getLogger("kvrt.workers.hf_model")
+log = logging.getLogger("kvrt.workers.model.hf_model")
 
 PROGRESS_AFTER_S = 2.0  # a load longer than this logs a progress line per layer
 COMPUTE_DTYPES = ("float32", "float16")       # what the projections multiply in

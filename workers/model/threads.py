@@ -26,7 +26,7 @@ from typing import Callable, ContextManager
 
 from threadpoolctl import ThreadpoolController
 
-log = logging.getLogger("kvrt.workers.threads")
+log = logging.getLogger("kvrt.workers.model.threads")
 
 AUTO = 0             # the --threads value that picks per step
 PARALLEL_ROWS = 64   # token rows from which an `auto` step's matmuls use every core

@@ -1,6 +1,6 @@
 """The GPU half of real models, on a machine with CUDA and CuPy (skipped elsewhere; the command
 that runs it on a lent GPU machine is in docs/development.md, "GPU validation"):
-- the checkpoint oracle of tests/workers/test_hf_dtype.py on CuPy: float16 compute (cuBLAS, float32
+- the checkpoint oracle of tests/workers/model/test_hf_dtype.py on CuPy: float16 compute (cuBLAS, float32
   accumulation) within the float16 tolerance of the dense float64 reference with its greedy
   tokens, float32 compute exact to 1e-4;
 - the all-reduce over CUDA IPC buffers (workers/cuda_allreduce.py) between real processes on
@@ -16,8 +16,8 @@ import pytest
 from tests.conftest import spawn_py
 from tests.hfkit import make_checkpoint
 from tests.launched import launched
-from tests.workers.test_hf_dtype import ARCHS, F16_TOL, check_dtype, check_greedy
-from tests.workers.test_hf_oracle import OPTS, checkpoint, expected, prompts  # noqa: F401 (fixtures)
+from tests.workers.model.test_hf_dtype import ARCHS, F16_TOL, check_dtype, check_greedy
+from tests.workers.model.test_hf_oracle import OPTS, checkpoint, expected, prompts  # noqa: F401 (fixtures)
 from tests.runtime.engine.test_oracle import run_all, tokens
 from tests.gpukit import cuda_cupy
 
