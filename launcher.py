@@ -320,7 +320,8 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
         flag = "--" + k.replace("_", "-")
         if k == "max_model_len":
             if v > shape[k]:
-                raise ValueError(f"{flag} {v} exceeds the checkpoint's max_position_embeddings {shape[k]}")
+                raise ValueError(f"{flag} {v} exceeds {shape[k]}, the checkpoint's limit set by "
+                                 f"{info.config.max_model_len()[1]}")
             shape[k] = v
         elif v != shape[k]:
             raise ValueError(f"{flag} {v} contradicts {info.model_dir}/config.json, which gives {shape[k]}")

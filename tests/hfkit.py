@@ -12,6 +12,13 @@ and the attention factor from them here in numpy (transformers' RoPE functions n
     ck = make_checkpoint(tmp_path, "Qwen3ForCausalLM",
                          config=transformers_config("Qwen3ForCausalLM", {"rope_type": "default", "rope_theta": 1e6}))
     logits = dense_logits(ck, [1, 2, 3])
+
+Every architecture kvrt serves is here: the reference reads what sets each apart (sliding
+layers and their window, soft caps, Gemma's norms and scales, experts, fused projections) from
+transformers' own config object for the checkpoint's config.json, and computes it the way
+transformers' modeling code does (its masks' `kv > q - window`, its routing, its 1 + w norms).
+tests/workers/model/test_hf_transformers.py checks this reference against transformers' own
+PyTorch forward where torch is installed.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ class Tiny:
     path: str
     config: dict
     weights: dict = field(default_factory=dict)
+    dtype: str = "F32"  # the file's: what transformers rounds Gemma's embedding scale to
 
 
 def to_bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -66,7 +74,27 @@ def write_safetensors(path: str, tensors: dict[str, tuple[str, np.ndarray]]) -> 
 
 
 _CONFIG_CLASSES = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config",
-                    "Qwen3ForCausalLM": "Qwen3Config"}
+                    "Qwen3ForCausalLM": "Qwen3Config", "MistralForCausalLM": "MistralConfig",
+                    "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig",
+                    "Qwen2MoeForCausalLM": "Qwen2MoeConfig", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+                    "Phi3ForCausalLM": "Phi3Config"}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+               "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+               "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3"}
+GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# what each new architecture's tiny shape adds: a head_dim where the class's default is not
+# hidden / heads, small experts, token ids inside the tiny vocabulary
+ARCH_SHAPE = {
+    "Qwen3ForCausalLM": dict(head_dim=16),
+    "Gemma2ForCausalLM": dict(head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "Gemma3ForCausalLM": dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "Qwen3MoeForCausalLM": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                shared_expert_intermediate_size=24),
+    "Phi3ForCausalLM": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+}
 
 
 def transformers_config(arch: str, rope_parameters: dict | None = None, tied: bool = False, **overrides) -> dict:
@@ -75,9 +103,8 @@ def transformers_config(arch: str, rope_parameters: dict | None = None, tied: bo
     import transformers
 
     kwargs = {k: v for k, v in SHAPE.items() if k != "rope_theta"}
+    kwargs.update(ARCH_SHAPE.get(arch, {}))
     kwargs.update(architectures=[arch], tie_word_embeddings=tied, **overrides)
-    if arch == "Qwen3ForCausalLM":
-        kwargs.setdefault("head_dim", 16)
     if rope_parameters is not None:
         kwargs["rope_parameters"] = dict(rope_parameters)
     return json.loads(getattr(transformers, _CONFIG_CLASSES[arch])(**kwargs).to_json_string())
@@ -94,40 +121,60 @@ def make_checkpoint(directory, arch: str = "LlamaForCausalLM", dtype: str = "F32
     if config is not None:
         cfg = config
     else:
-        cfg = {"architectures": [arch], "model_type": arch[:-len("ForCausalLM")].lower(), **SHAPE,
-               "tie_word_embeddings": tied, "hidden_act": "silu", "torch_dtype": "bfloat16", **overrides}
-        if arch == "Qwen3ForCausalLM":
-            cfg.setdefault("head_dim", 16)  # Qwen3 decouples head_dim from hidden_size / heads
+        cfg = {"architectures": [arch], "model_type": MODEL_TYPES[arch], **SHAPE, "tie_word_embeddings": tied,
+               "hidden_act": "silu", "torch_dtype": "bfloat16", **ARCH_SHAPE.get(arch, {}), **overrides}
         if rope_scaling is not None:
             cfg["rope_scaling"] = rope_scaling
-    tied = cfg.get("tie_word_embeddings", False)
-    d, h, kvh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    arch = cfg["architectures"][0]
+    conf = hf_config(cfg)
+    d, h, kvh = conf.hidden_size, conf.num_attention_heads, conf.num_key_value_heads
     hd = _head_dim(cfg)
-    m, v = cfg["intermediate_size"], cfg["vocab_size"]
+    m, v = conf.intermediate_size, conf.vocab_size
     rng = np.random.default_rng(seed)
 
     def lin(out: int, inp: int, scale: float = 1.0) -> np.ndarray:
         return rng.standard_normal((out, inp)) * (scale / math.sqrt(inp))
 
-    def norm(n: int) -> np.ndarray:
-        return 1.0 + 0.1 * rng.standard_normal(n)
+    def norm(n: int) -> np.ndarray:  # Gemma stores w and applies 1 + w
+        return (0.0 if arch in GEMMAS else 1.0) + 0.1 * rng.standard_normal(n)
+
+    def mlp(prefix: str, width: int, fused: bool = False) -> dict:
+        gate, up = lin(width, d), lin(width, d)
+        parts = {prefix + "gate_up_proj.weight": np.concatenate([gate, up])} if fused else \
+            {prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up}
+        return {**parts, prefix + "down_proj.weight": lin(d, width)}
 
     w = {"model.embed_tokens.weight": rng.standard_normal((v, d)), "model.norm.weight": norm(d)}
-    if not tied:
+    if not conf.tie_word_embeddings:
         w["lm_head.weight"] = lin(v, d, 4.0)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),
-                  p + "self_attn.q_proj.weight": lin(h * hd, d, 2.0), p + "self_attn.k_proj.weight": lin(kvh * hd, d),
-                  p + "self_attn.v_proj.weight": lin(kvh * hd, d), p + "self_attn.o_proj.weight": lin(d, h * hd),
-                  p + "mlp.gate_proj.weight": lin(m, d), p + "mlp.up_proj.weight": lin(m, d),
-                  p + "mlp.down_proj.weight": lin(d, m)})
-        if arch == "Qwen2ForCausalLM":
-            w.update({p + "self_attn.q_proj.bias": 0.5 * rng.standard_normal(h * hd),
-                      p + "self_attn.k_proj.bias": 0.5 * rng.standard_normal(kvh * hd),
-                      p + "self_attn.v_proj.bias": 0.5 * rng.standard_normal(kvh * hd)})
-        if arch == "Qwen3ForCausalLM":
-            w.update({p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)})
+    for i in range(conf.num_hidden_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        w[p + "input_layernorm.weight"] = norm(d)
+        w[p + "post_attention_layernorm.weight"] = norm(d)
+        if arch in GEMMAS:
+            w[p + "pre_feedforward_layernorm.weight"] = norm(d)
+            w[p + "post_feedforward_layernorm.weight"] = norm(d)
+        q, k, vv, o = lin(h * hd, d, 2.0), lin(kvh * hd, d), lin(kvh * hd, d), lin(d, h * hd)
+        if arch == "Phi3ForCausalLM":
+            w[a + "qkv_proj.weight"] = np.concatenate([q, k, vv])
+        else:
+            w.update({a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": vv})
+        w[a + "o_proj.weight"] = o
+        if arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and conf.qkv_bias):
+            w.update({a + "q_proj.bias": 0.5 * rng.standard_normal(h * hd),
+                      a + "k_proj.bias": 0.5 * rng.standard_normal(kvh * hd),
+                      a + "v_proj.bias": 0.5 * rng.standard_normal(kvh * hd)})
+        if arch in QK_NORM:
+            w.update({a + "q_norm.weight": norm(hd), a + "k_norm.weight": norm(hd)})
+        if _routed(conf, arch, i):
+            w[p + "mlp.gate.weight"] = lin(conf.num_experts, d, 2.0)
+            for e in range(conf.num_experts):
+                w.update(mlp(p + f"mlp.experts.{e}.", conf.moe_intermediate_size))
+            if arch == "Qwen2MoeForCausalLM":
+                w.update(mlp(p + "mlp.shared_expert.", conf.shared_expert_intermediate_size))
+                w[p + "mlp.shared_expert_gate.weight"] = lin(1, d, 2.0)
+        else:
+            w.update(mlp(p + "mlp.", m, fused=arch == "Phi3ForCausalLM"))
     stored, exact = {}, {}
     for name, a in w.items():
         if dtype == "BF16":
@@ -150,25 +197,38 @@ def make_checkpoint(directory, arch: str = "LlamaForCausalLM", dtype: str = "F32
             json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg, f)
-    return Tiny(str(directory), cfg, exact)
+    return Tiny(str(directory), cfg, exact, dtype)
 
 
 # ---- the independent dense reference (float64, Hugging Face's formulation) ----
 
-def _head_dim(cfg: dict) -> int:
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-
-
-def rope_parameters(cfg: dict) -> dict:
-    """The RoPE parameters transformers' rotary embedding reads for config.json `cfg`: the
-    config class's reading of whichever form it is in, standardized as the model does before
-    computing its frequencies (which is where a top-level original_max_position_embeddings
-    wins)."""
+def hf_config(cfg: dict):
+    """transformers' own config object for config.json `cfg` (its defaults and conversions)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[cfg["model_type"]].from_dict(json.loads(json.dumps(cfg)))  # it edits dicts in place
+    return CONFIG_MAPPING[cfg["model_type"]].from_dict(json.loads(json.dumps(cfg)))  # it edits dicts in place
+
+
+def _head_dim(cfg: dict) -> int:
+    conf = hf_config(cfg)
+    return getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+
+
+def _routed(conf, arch: str, i: int) -> bool:
+    """Whether layer i's MLP is routed experts (transformers' decoder layer's rule)."""
+    return arch in MOES and i not in conf.mlp_only_layers and conf.num_experts > 0 \
+        and (i + 1) % conf.decoder_sparse_step == 0
+
+
+def rope_parameters(cfg: dict, layer_type: str | None = None) -> dict:
+    """The RoPE parameters transformers' rotary embedding reads for config.json `cfg` (of one
+    layer type, where they are per layer type): the config class's reading of whichever form
+    it is in, standardized as the model does before computing its frequencies (which is where a
+    top-level original_max_position_embeddings wins)."""
+    config = hf_config(cfg)
     config.standardize_rope_params()
-    return dict(config.rope_parameters)
+    rp = config.rope_parameters
+    return dict(rp[layer_type] if layer_type is not None else rp)
 
 
 def _llama3(inv: np.ndarray, rp: dict) -> np.ndarray:
@@ -219,14 +279,27 @@ def _yarn(rp: dict, dim: int, max_position_embeddings: int) -> tuple[np.ndarray,
     return np.array(out), float(attention)
 
 
-def reference_rope(cfg: dict) -> tuple[np.ndarray, float]:
+def reference_rope(cfg: dict, layer_type: str | None = None) -> tuple[np.ndarray, float]:
     """RoPE inverse frequencies [head_dim / 2] and the factor cos and sin are scaled by, for
-    config.json `cfg`, as transformers computes them (types default, linear, llama3, yarn)."""
-    rp, hd = rope_parameters(cfg), _head_dim(cfg)
+    config.json `cfg` (one layer type's, where they are per layer type), as transformers
+    computes them (types default, linear, llama3, yarn; dynamic and longrope for a sequence
+    within max_position_embeddings and the original context, where they are computed)."""
+    rp, hd = rope_parameters(cfg, layer_type), _head_dim(cfg)
     inv = 1.0 / (rp["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     kind = rp["rope_type"]
+    max_pos = hf_config(cfg).max_position_embeddings
     if kind == "default":
         return inv, 1.0
+    if kind == "dynamic":  # the sequence length is taken to be at least max_position_embeddings
+        base = rp["rope_theta"] * ((rp["factor"] * max_pos / max_pos) - (rp["factor"] - 1)) ** (hd / (hd - 2))
+        return 1.0 / (base ** (np.arange(0, hd, 2, dtype=np.float64) / hd)), 1.0
+    if kind == "longrope":
+        old = rp["original_max_position_embeddings"]
+        factor = rp.get("factor") or max_pos / old
+        attention = rp.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
+        return inv / np.array(rp["short_factor"], dtype=np.float64), float(attention)
     if kind == "linear":
         return inv / rp["factor"], 1.0
     if kind == "llama3":
@@ -245,46 +318,127 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def _rounded(value: float, dtype: str) -> float:
+    """`value` as a tensor of the file's dtype holds it (transformers scales Gemma's embeddings
+    by sqrt(hidden) cast to the weights' dtype)."""
+    if dtype == "BF16":
+        return float(from_bf16_bits(to_bf16_bits(np.array([value], np.float32)))[0])
+    return float(np.array(value, {"F32": np.float32, "F16": np.float16}[dtype]))
+
+
+def _windows(conf, arch: str) -> list[int | None]:
+    """Each layer's sliding window as transformers' modeling code applies it: per `layer_types`
+    where the config has them, else the one `sliding_window` for every layer."""
+    types, window = getattr(conf, "layer_types", None), getattr(conf, "sliding_window", None)
+    if types is None:
+        return [window] * conf.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def _act(arch: str, x: np.ndarray) -> np.ndarray:
+    if arch in GEMMAS:  # gelu_pytorch_tanh
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return x / (1 + np.exp(-x))
+
+
+def _mlp(W: dict, prefix: str, arch: str, hs: np.ndarray) -> np.ndarray:
+    if prefix + "gate_up_proj.weight" in W:  # Phi-3: gate, up = chunk(2)
+        gate, up = np.split(hs @ W[prefix + "gate_up_proj.weight"].T, 2, axis=-1)
+    else:
+        gate, up = hs @ W[prefix + "gate_proj.weight"].T, hs @ W[prefix + "up_proj.weight"].T
+    return (_act(arch, gate) * up) @ W[prefix + "down_proj.weight"].T
+
+
+def _experts(W: dict, p: str, conf, arch: str, hs: np.ndarray) -> np.ndarray:
+    """The sparse MoE block: softmax over the experts, the top k, optionally renormalised, each
+    token through its experts; Qwen2-MoE's sigmoid-gated shared expert added."""
+    logits = hs @ W[p + "mlp.gate.weight"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :conf.num_experts_per_tok]
+    weights = np.take_along_axis(probs, top, -1)
+    if conf.norm_topk_prob:
+        weights /= weights.sum(-1, keepdims=True)
+    out = np.zeros_like(hs)
+    for t in range(hs.shape[0]):
+        for e, wt in zip(top[t], weights[t]):
+            out[t] += wt * _mlp(W, p + f"mlp.experts.{e}.", arch, hs[t:t + 1])[0]
+    if arch == "Qwen2MoeForCausalLM":
+        gate = 1 / (1 + np.exp(-(hs @ W[p + "mlp.shared_expert_gate.weight"].T)))
+        out += gate * _mlp(W, p + "mlp.shared_expert.", arch, hs)
+    return out
+
+
 def dense_logits(ck: Tiny, tokens) -> np.ndarray:
     """Logits [len(tokens), vocab] of the whole sequence, recomputed from scratch."""
     cfg, W = ck.config, ck.weights
-    h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = _head_dim(cfg)
-    eps = cfg["rms_norm_eps"]
+    conf = hf_config(cfg)
     arch = cfg["architectures"][0]
+    gemma = arch in GEMMAS
+    h, kvh = conf.num_attention_heads, conf.num_key_value_heads
+    hd = _head_dim(cfg)
+    eps = conf.rms_norm_eps
     tokens = np.asarray(tokens)
     n = len(tokens)
-    inv_freq, attention_factor = reference_rope(cfg)
-    freqs = np.outer(np.arange(n, dtype=np.float64), inv_freq)
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    cos, sin = np.cos(emb)[None] * attention_factor, np.sin(emb)[None] * attention_factor  # [1, n, hd]
-    mask = np.triu(np.full((n, n), -np.inf), 1)
+
+    def rms(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return _rms(x, 1 + w if gemma else w, eps)
+
+    def rotations(layer_type: str | None) -> tuple[np.ndarray, np.ndarray]:
+        inv_freq, attention_factor = reference_rope(cfg, layer_type)
+        freqs = np.outer(np.arange(n, dtype=np.float64), inv_freq)
+        emb = np.concatenate([freqs, freqs], axis=-1)
+        return np.cos(emb)[None] * attention_factor, np.sin(emb)[None] * attention_factor  # [1, n, hd]
+
+    # Gemma 3: one RoPE per layer type
+    types = conf.layer_types if arch == "Gemma3ForCausalLM" else [None] * conf.num_hidden_layers
+    ropes = {t: rotations(t) for t in set(types)}
+    scaling = conf.query_pre_attn_scalar ** -0.5 if gemma else hd ** -0.5
+    softcap = conf.attn_logit_softcapping if arch == "Gemma2ForCausalLM" else None
+    pos = np.arange(n)
     x = W["model.embed_tokens.weight"][tokens]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        hs = _rms(x, W[p + "input_layernorm.weight"], eps)
-        q, k, v = (hs @ W[p + f"self_attn.{t}_proj.weight"].T for t in "qkv")
-        if arch == "Qwen2ForCausalLM":
-            q, k, v = (a + W[p + f"self_attn.{t}_proj.bias"] for a, t in zip((q, k, v), "qkv"))
+    if gemma:
+        x = x * _rounded(conf.hidden_size ** 0.5, ck.dtype)
+    for i, window in enumerate(_windows(conf, arch)):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        hs = rms(x, W[p + "input_layernorm.weight"])
+        if a + "qkv_proj.weight" in W:
+            q, k, v = np.split(hs @ W[a + "qkv_proj.weight"].T, [h * hd, (h + kvh) * hd], axis=-1)
+        else:
+            q, k, v = (hs @ W[a + f"{t}_proj.weight"].T for t in "qkv")
+        if a + "q_proj.bias" in W:
+            q, k, v = (t + W[a + f"{name}_proj.bias"] for t, name in zip((q, k, v), "qkv"))
         q = q.reshape(n, h, hd).transpose(1, 0, 2)    # [heads, n, hd]
         k = k.reshape(n, kvh, hd).transpose(1, 0, 2)
         v = v.reshape(n, kvh, hd).transpose(1, 0, 2)
-        if arch == "Qwen3ForCausalLM":
-            q = _rms(q, W[p + "self_attn.q_norm.weight"], eps)
-            k = _rms(k, W[p + "self_attn.k_norm.weight"], eps)
+        if a + "q_norm.weight" in W:
+            q, k = rms(q, W[a + "q_norm.weight"]), rms(k, W[a + "k_norm.weight"])
+        cos, sin = ropes[types[i]]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k, v = np.repeat(k, h // kvh, axis=0), np.repeat(v, h // kvh, axis=0)  # repeat_kv
-        scores = q @ k.transpose(0, 2, 1) / math.sqrt(hd) + mask
+        scores = q @ k.transpose(0, 2, 1) * scaling
+        if softcap:
+            scores = np.tanh(scores / softcap) * softcap
+        visible = pos[None, :] <= pos[:, None]
+        if window:
+            visible &= pos[None, :] > pos[:, None] - window
+        scores = np.where(visible, scores, -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        attn = (probs @ v).transpose(1, 0, 2).reshape(n, h * hd)
-        x = x + attn @ W[p + "self_attn.o_proj.weight"].T
-        hs = _rms(x, W[p + "post_attention_layernorm.weight"], eps)
-        gate = hs @ W[p + "mlp.gate_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * (hs @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
-    head = W["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else W["lm_head.weight"]
-    return _rms(x, W["model.norm.weight"], eps) @ head.T
+        attn = (probs @ v).transpose(1, 0, 2).reshape(n, h * hd) @ W[a + "o_proj.weight"].T
+        if gemma:
+            x = x + rms(attn, W[p + "post_attention_layernorm.weight"])
+            hs = rms(x, W[p + "pre_feedforward_layernorm.weight"])
+        else:
+            x = x + attn
+            hs = rms(x, W[p + "post_attention_layernorm.weight"])
+        out = _experts(W, p, conf, arch, hs) if _routed(conf, arch, i) else _mlp(W, p + "mlp.", arch, hs)
+        x = x + (rms(out, W[p + "post_feedforward_layernorm.weight"]) if gemma else out)
+    head = W["model.embed_tokens.weight"] if conf.tie_word_embeddings else W["lm_head.weight"]
+    logits = rms(x, W["model.norm.weight"]) @ head.T
+    cap = getattr(conf, "final_logit_softcapping", None)
+    return np.tanh(logits / cap) * cap if cap else logits
 
 
 def greedy(ck: Tiny, prompt, new: int) -> list[int]:

@@ -13,6 +13,13 @@ folds the tiles together, so neither the gathered K/V nor the score matrix ever 
 prompt's whole context at once. Padded keys (past a sequence's context, or past a query's own
 position) are masked; padded query rows repeat a real row and are dropped at the end.
 
+A sliding-window layer (its keys at positions > pos - W for a query at pos) gets a plan of its
+own (`window`): each item's block table starts at the block holding the first key its first
+query row sees, so the blocks before it, which have left the window, are never read at all
+(not read and masked: a block that left every window may be freed and hold anything, NaN
+included, and a masked NaN still poisons a sum). Within the item's blocks, keys before a row's
+window are masked like keys after its position.
+
 Which items share a group is a cost model: merging saves one round of calls and pays for the
 padding it adds, so decode rows of similar context lengths share one group while a decode row is
 never padded to a prefill chunk's row count. Only summation order differs from attending each
@@ -57,6 +64,7 @@ class AttnShape:
     kv_heads: int
     head_dim: int
     block_size: int
+    softcap: float = 0.0  # scores become softcap * tanh(scores / softcap) (Gemma 2); 0: as they are
 
 
 @dataclass
@@ -72,15 +80,19 @@ class _Group:
     keep: Any           # xp int: flat [S*Q] slots holding real rows, or None when all are real
     dst: Any            # xp int: the batch rows of the kept slots
     tile_blocks: int    # key blocks per tile
+    window: int = 0     # a sliding window's size; 0: none
+    kbase: Any = None   # with a window, xp int [S, 1]: the position of each item's first block's first key
+    klo: Any = None     # with a window, xp int [S, 1]: each item's first key in its first row's window
 
 
 @dataclass
 class AttentionPlan:
-    """A step batch cut into groups; built once per step, used by every layer."""
+    """A step batch cut into groups; built once per step, used by every layer of its window."""
 
     groups: list[_Group]
     num_rows: int
     shape: AttnShape
+    window: int = 0
 
 
 def _cost(s: int, q: int, b: int, call_cost: float) -> float:
@@ -88,27 +100,31 @@ def _cost(s: int, q: int, b: int, call_cost: float) -> float:
     return call_cost + s * b * (GATHER_COST + q)
 
 
-def _items(spans: Sequence[Span], bs: int, q_tile: int) -> list[tuple[int, int, int, np.ndarray]]:
-    """(first batch row, rows, first position, block table) of each item: a span's rows cut
-    into tiles of at most q_tile, each with only the blocks its last row can see."""
+Item = tuple[int, int, int, np.ndarray, int]  # first batch row, rows, first position, block table, first block
+
+
+def _items(spans: Sequence[Span], bs: int, q_tile: int, window: int) -> list[Item]:
+    """Each item: a span's rows cut into tiles of at most q_tile, each with only the blocks its
+    rows can see: up to its last row's, and with a window from its first row's first key's."""
     out = []
     for sp in spans:
         for a in range(0, sp.n, q_tile):
             rows = min(q_tile, sp.n - a)
             nblk = -(-(sp.start + a + rows) // bs)
-            out.append((sp.row0 + a, rows, sp.start + a, sp.table[:nblk]))
+            first = max(0, sp.start + a - window + 1) // bs if window else 0
+            out.append((sp.row0 + a, rows, sp.start + a, sp.table[first:nblk], first))
     return out
 
 
 def plan_attention(spans: Sequence[Span], shape: AttnShape, xp: Any = np, q_tile: int = Q_TILE,
                    score_budget: int = SCORE_BUDGET, kv_budget: int = KV_BUDGET,
-                   call_cost: float = CALL_COST) -> AttentionPlan:
+                   call_cost: float = CALL_COST, window: int = 0) -> AttentionPlan:
     """Group the batch's items (module docstring); q_tile and the budgets bound the rows, keys
     and scores one call holds, call_cost trades padding for fewer calls (0: never pad, huge:
-    one group)."""
+    one group); `window` (> 0) plans a sliding-window layer's attention."""
     bs = shape.block_size
-    items = sorted(_items(spans, bs, q_tile), key=lambda it: (it[1], len(it[3])))
-    packs: list[list[tuple[int, int, int, np.ndarray]]] = []
+    items = sorted(_items(spans, bs, q_tile, window), key=lambda it: (it[1], len(it[3])))
+    packs: list[list[Item]] = []
     q = b = 0  # the last pack's padded rows and blocks
     for it in items:
         n, nb = it[1], len(it[3])
@@ -119,19 +135,18 @@ def plan_attention(spans: Sequence[Span], shape: AttnShape, xp: Any = np, q_tile
         else:
             packs.append([it])
             q, b = n, nb
-    groups = [_group(p, shape, xp, score_budget, kv_budget) for p in packs]
-    return AttentionPlan(groups, sum(sp.n for sp in spans), shape)
+    groups = [_group(p, shape, xp, score_budget, kv_budget, window) for p in packs]
+    return AttentionPlan(groups, sum(sp.n for sp in spans), shape, window)
 
 
-def _group(items: list[tuple[int, int, int, np.ndarray]], shape: AttnShape, xp: Any,
-           score_budget: int, kv_budget: int) -> _Group:
+def _group(items: list[Item], shape: AttnShape, xp: Any, score_budget: int, kv_budget: int, window: int) -> _Group:
     s = len(items)
     q = max(it[1] for it in items)
     b = max(len(it[3]) for it in items)
     table = np.empty((s, b), np.int64)
     rows = np.empty((s, q), np.int64)
     qpos = np.empty((s, q), np.int64)
-    for i, (row0, n, start, tbl) in enumerate(items):
+    for i, (row0, n, start, tbl, _) in enumerate(items):
         table[i, :len(tbl)] = tbl
         table[i, len(tbl):] = tbl[0]
         r = np.minimum(np.arange(q), n - 1)
@@ -142,16 +157,21 @@ def _group(items: list[tuple[int, int, int, np.ndarray]], shape: AttnShape, xp: 
                     s * shape.kv_heads * shape.head_dim * shape.block_size / kv_budget)
     tile = int(max(1, min(b, 1 / per_block if per_block else b)))
     ctx = np.array([it[2] + it[1] for it in items])
+    kbase = klo = None
+    if window:
+        kbase = xp.asarray(np.array([it[4] * shape.block_size for it in items])[:, None])
+        klo = xp.asarray(np.array([max(0, it[2] - window + 1) for it in items])[:, None])
     return _Group(xp.asarray(table), xp.asarray(rows), xp.asarray(qpos.reshape(s, 1, 1, q, 1)),
-                  int(qpos.min()), xp.asarray(ctx[:, None]), int(ctx.min()), keep, xp.asarray(rows.ravel()[real]), tile)
+                  int(qpos.min()), xp.asarray(ctx[:, None]), int(ctx.min()), keep, xp.asarray(rows.ravel()[real]), tile,
+                  window, kbase, klo)
 
 
 def paged_attention(xp: Any, pool: Any, layer: int, q: Any, plan: AttentionPlan, compute_dtype: Any,
                     mark: Callable[[], None] | None = None) -> Any:
     """Causal attention of the batch's queries q [N, heads, head_dim] (scaled) over the keys and
     values of layer `layer` of pool [blocks, layers, 2, block_size, kv_heads, head_dim], read in
-    compute_dtype; returns [N, heads * head_dim]. `mark` is called after each key tile (the
-    worker's progress: a long prompt's attention is many tiles)."""
+    compute_dtype, within the plan's window; returns [N, heads * head_dim]. `mark` is called
+    after each key tile (the worker's progress: a long prompt's attention is many tiles)."""
     sh = plan.shape
     out = xp.empty((plan.num_rows, sh.heads * sh.head_dim), dtype=q.dtype)
     kpool, vpool = pool[:, layer, 0], pool[:, layer, 1]
@@ -175,23 +195,34 @@ def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnSh
         k = kpool[tbl].reshape(s, t, kvh, hd).astype(cd, copy=False)
         v = vpool[tbl].reshape(s, t, kvh, hd).astype(cd, copy=False)
         sc = (qg @ k.transpose(0, 2, 3, 1)).reshape(s, kvh, grp, qn, t)
+        if sh.softcap:
+            sc = xp.tanh(sc / sh.softcap) * sh.softcap
         kpos = xp.arange(b0 * bs, b0 * bs + t)
-        if b0 * bs + t - 1 > g.min_pos:  # some key of the tile lies after some query
-            sc = xp.where(kpos <= g.qpos, sc, -xp.inf)
-        if b0 * bs + t > g.min_ctx:  # unwritten slots (any bits, NaN too) must not reach 0 * v
-            v = xp.where((kpos < g.ctx)[:, :, None, None], v, 0)
+        if g.window:  # each item's keys from its own first block on; V outside every row's window zeroed
+            kpos = g.kbase + kpos  # [S, T]
+            kq = kpos[:, None, None, None, :]
+            sc = xp.where((kq <= g.qpos) & (kq > g.qpos - g.window), sc, -xp.inf)
+            v = xp.where(((kpos >= g.klo) & (kpos < g.ctx))[:, :, None, None], v, 0)
+        else:
+            if b0 * bs + t - 1 > g.min_pos:  # some key of the tile lies after some query
+                sc = xp.where(kpos <= g.qpos, sc, -xp.inf)
+            if b0 * bs + t > g.min_ctx:  # unwritten slots (any bits, NaN too) must not reach 0 * v
+                v = xp.where((kpos < g.ctx)[:, :, None, None], v, 0)
         mt = sc.max(axis=-1)
         if m is None:
             m_new = mt
         else:
             m_new = xp.maximum(m, mt)
-        sc -= m_new[..., None]
+        # with a window a row may see no key of a tile, the first included (its keys all -inf):
+        # shifting by 0 then keeps exp() at 0 where -inf - -inf would be NaN
+        shift = xp.where(m_new == -xp.inf, 0, m_new) if g.window else m_new
+        sc -= shift[..., None]
         p = xp.exp(sc, out=sc)
         pv = p.reshape(s, kvh, grp * qn, t) @ v.transpose(0, 2, 1, 3)
         if m is None:
             l, acc = p.sum(axis=-1), pv
         else:
-            alpha = xp.exp(m - m_new)
+            alpha = xp.exp(m - shift)
             l = l * alpha + p.sum(axis=-1)
             acc = acc * alpha.reshape(s, kvh, grp * qn, 1) + pv
         m = m_new

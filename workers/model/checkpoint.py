@@ -30,11 +30,13 @@ from typing import Any
 import numpy as np
 from xxhash import xxh3_128_hexdigest
 
-from kvrt.workers.model.rope import Rope, RopeError, parse_rope
+from kvrt.workers.model.archs import ARCHITECTURES, FAMILIES
+from kvrt.workers.model.archs.features import ArchError, Features, boolean, positive_float, positive_int
+from kvrt.workers.model.archs.tensors import LayerTensors, layer_tensors
+from kvrt.workers.model.rope import Rope, RopeError
 
 log = logging.getLogger("kvrt.workers.model.checkpoint")
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
@@ -61,36 +63,39 @@ class ModelConfig:
     vocab_size: int
     max_position_embeddings: int
     rms_norm_eps: float
-    rope: Rope
+    rope: Rope            # the full-attention layers' (every layer's but Gemma 3's sliding ones)
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v biases (Qwen2)
-    qk_norm: bool         # per-head RMSNorm of q and k before RoPE (Qwen3)
+    features: Features    # what sets the architecture apart from Llama (workers/model/archs/)
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies [head_dim / 2] (float64), as Hugging Face computes them."""
         return self.rope.inv_freq(self.head_dim)
 
+    def ropes(self) -> list[Rope]:
+        """The RoPE of each layer."""
+        sliding = self.features.sliding_rope
+        return [sliding if sliding is not None and w else self.rope for w in self.features.windows]
+
+    def max_model_len(self) -> tuple[int, str]:
+        """The most positions a node may serve, and what sets it: max_position_embeddings, or a
+        RoPE served only within a shorter context (longrope's original one; rope.py)."""
+        limits = [(r.position_limit, f"its {r.rope_type} RoPE's original_max_position_embeddings (beyond it "
+                                     f"transformers' answers depend on where a sequence crossed it)")
+                  for r in self.ropes() if 0 < r.position_limit < self.max_position_embeddings]
+        return min(limits, default=(self.max_position_embeddings, "max_position_embeddings"))
+
+    def layer(self, i: int) -> LayerTensors:
+        """Where layer i's weights are (workers/model/archs/tensors.py)."""
+        return layer_tensors(self, i)
+
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the forward pass reads, with its shape (Hugging Face names)."""
-        d, hd, h, kvh = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        d = self.hidden_size
         out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, d), "model.norm.weight": (d,)}
         if not self.tie_word_embeddings:
             out["lm_head.weight"] = (self.vocab_size, d)
         for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            out.update({
-                p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                p + "self_attn.q_proj.weight": (h * hd, d), p + "self_attn.k_proj.weight": (kvh * hd, d),
-                p + "self_attn.v_proj.weight": (kvh * hd, d), p + "self_attn.o_proj.weight": (d, h * hd),
-                p + "mlp.gate_proj.weight": (self.intermediate_size, d),
-                p + "mlp.up_proj.weight": (self.intermediate_size, d),
-                p + "mlp.down_proj.weight": (d, self.intermediate_size),
-            })
-            if self.attention_bias:
-                out.update({p + "self_attn.q_proj.bias": (h * hd,), p + "self_attn.k_proj.bias": (kvh * hd,),
-                            p + "self_attn.v_proj.bias": (kvh * hd,)})
-            if self.qk_norm:
-                out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+            out.update(self.layer(i).shapes(d, self.num_heads, self.num_kv_heads, self.head_dim))
         return out
 
 
@@ -110,20 +115,6 @@ def _read_json(path: str, what: str) -> Any:
         raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
 
 
-def _int(cfg: dict, key: str, path: str, default: int | None = None) -> int:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise CheckpointError(f"{path}: {key} must be a positive integer, got {v!r}")
-    return v
-
-
-def _float(cfg: dict, key: str, path: str, default: float) -> float:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise CheckpointError(f"{path}: {key} must be a positive number, got {v!r}")
-    return float(v)
-
-
 def parse_config(model_dir: str) -> ModelConfig:
     """The validated network description of `model_dir`/config.json."""
     path = os.path.join(model_dir, "config.json")
@@ -134,38 +125,34 @@ def parse_config(model_dir: str) -> ModelConfig:
     if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
         raise CheckpointError(f"{path}: architectures {archs!r} is not supported (supported: "
                               f"{', '.join(ARCHITECTURES)})")
-    arch = archs[0]
-    if cfg.get("use_sliding_window"):
-        raise CheckpointError(f"{path}: use_sliding_window is not supported")
-    for flag in ("mlp_bias", "attention_bias"):  # Qwen2's q/k/v biases are its architecture, not this flag
-        if cfg.get(flag):
-            raise CheckpointError(f"{path}: {flag} is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{path}: hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
-    hidden = _int(cfg, "hidden_size", path)
-    heads = _int(cfg, "num_attention_heads", path)
-    kv_heads = _int(cfg, "num_key_value_heads", path, heads)
-    head_dim = cfg.get("head_dim")
-    head_dim = hidden // heads if head_dim is None else _int(cfg, "head_dim", path)
-    if head_dim <= 0 or head_dim % 2:
-        raise CheckpointError(f"{path}: head_dim {head_dim} must be even and positive")
-    if heads % kv_heads:
-        raise CheckpointError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    tie = cfg.get("tie_word_embeddings", False)
-    if not isinstance(tie, bool):
-        raise CheckpointError(f"{path}: tie_word_embeddings must be a boolean, got {tie!r}")
-    max_pos = _int(cfg, "max_position_embeddings", path, 4096)
     try:
-        rope = parse_rope({**cfg, "max_position_embeddings": max_pos})
-    except RopeError as e:
+        return _parse(archs[0], {**FAMILIES[archs[0]].defaults, **cfg})
+    except (ArchError, RopeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def _parse(arch: str, cfg: dict) -> ModelConfig:
+    hidden = positive_int(cfg, "hidden_size")
+    heads = positive_int(cfg, "num_attention_heads")
+    kv_heads = positive_int(cfg, "num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim")
+    head_dim = hidden // heads if head_dim is None else positive_int(cfg, "head_dim")
+    if head_dim <= 0 or head_dim % 2:
+        raise ArchError(f"head_dim {head_dim} must be even and positive")
+    if heads % kv_heads:
+        raise ArchError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    tie = boolean(cfg, "tie_word_embeddings")
+    max_pos = positive_int(cfg, "max_position_embeddings", 4096)
+    layers = positive_int(cfg, "num_hidden_layers")
+    rope, features = FAMILIES[arch].read({**cfg, "max_position_embeddings": max_pos}, layers)
+    ex = features.experts
+    dense = ex is None or not all(ex.routed)
     return ModelConfig(
-        arch=arch, hidden_size=hidden, intermediate_size=_int(cfg, "intermediate_size", path),
-        num_layers=_int(cfg, "num_hidden_layers", path), num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, vocab_size=_int(cfg, "vocab_size", path),
-        max_position_embeddings=max_pos, rms_norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6), rope=rope,
-        tie_word_embeddings=tie,
-        attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM")
+        arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        intermediate_size=positive_int(cfg, "intermediate_size") if dense else cfg.get("intermediate_size") or 0,
+        head_dim=head_dim, vocab_size=positive_int(cfg, "vocab_size"), max_position_embeddings=max_pos,
+        rms_norm_eps=positive_float(cfg, "rms_norm_eps", 1e-6), rope=rope, tie_word_embeddings=tie,
+        features=features)
 
 
 @dataclass(frozen=True)
@@ -258,10 +245,16 @@ class CheckpointInfo:
 
     def check_tp(self, tp: int) -> None:
         """CheckpointError unless `tp` ranks can each hold an equal share of the heads, the KV
-        heads and the MLP width."""
-        c = self.config
-        for what, n in (("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads),
-                        ("intermediate_size", c.intermediate_size)):
+        heads and the MLP width (each expert's too: experts split like the MLP)."""
+        c, ex = self.config, self.config.features.experts
+        widths = [("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads)]
+        if ex is None or not all(ex.routed):
+            widths.append(("intermediate_size", c.intermediate_size))
+        if ex is not None:
+            widths.append(("moe_intermediate_size", ex.intermediate_size))
+            if ex.shared_intermediate_size:
+                widths.append(("shared_expert_intermediate_size", ex.shared_intermediate_size))
+        for what, n in widths:
             if tp <= 0 or n % tp:
                 raise CheckpointError(f"--tp {tp} must divide the checkpoint's {what} {n}")
 
@@ -270,7 +263,7 @@ class CheckpointInfo:
         max_model_len may only be lowered)."""
         c = self.config
         return {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                "vocab_size": c.vocab_size, "max_model_len": c.max_position_embeddings}
+                "vocab_size": c.vocab_size, "max_model_len": c.max_model_len()[0]}
 
 
 def inspect(model_dir: str) -> CheckpointInfo:

@@ -11,9 +11,19 @@ either, and this module reads them the same way:
 - for llama3 and yarn, a top-level `original_max_position_embeddings` wins over the dict's,
   which defaults to `max_position_embeddings`.
 Types default, linear, llama3 and yarn are computed as transformers' RoPE functions compute
-them (in float64); anything else (dynamic, longrope, a per-layer-type dict, a partial
-rotation) is refused with the key and value named, since serving it as plain RoPE would give
-wrong answers without an error.
+them (in float64). Two types change their frequencies with the length of the sequence, and
+are served where transformers' own answers do not depend on how a sequence was cut into
+forward calls:
+- dynamic (NTK) keeps the plain frequencies up to max_position_embeddings and rescales them
+  beyond it; kvrt never serves positions beyond it (`--max-model-len` is capped there), so it
+  is the plain RoPE, exactly;
+- longrope uses its short factors while the sequence fits its original context and switches
+  every later token to the long factors once it does not, while the keys already cached stay
+  rotated by the short ones: beyond that context a token's KV would depend on where a
+  generation crossed it. So longrope is served up to its original context
+  (`Rope.position_limit`), with its short factors and its attention factor.
+Anything else (a per-layer-type dict, a partial rotation, another type) is refused with the
+key and value named, since serving it as plain RoPE would give wrong answers without an error.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 DEFAULT_THETA = 10000.0
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # transformers' defaults, also for a 0 or null value
 
@@ -46,6 +56,8 @@ class Rope:
     beta_slow: float = YARN_BETA_SLOW
     truncate: bool = True
     attention_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()         # longrope: each frequency divided by its factor
+    position_limit: int = 0                      # longrope: positions from here on are not served (0: none)
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Inverse frequencies [head_dim / 2] (float64)."""
@@ -56,7 +68,9 @@ class Rope:
             return self._llama3(inv)
         if self.rope_type == "yarn":
             return self._yarn(inv, head_dim)
-        return inv
+        if self.rope_type == "longrope":
+            return inv / np.asarray(self.short_factor, dtype=np.float64)
+        return inv  # default, and dynamic within max_position_embeddings
 
     def _llama3(self, inv: np.ndarray) -> np.ndarray:
         """Low frequencies slowed by `factor`, high ones kept, a smooth ramp between."""
@@ -129,10 +143,12 @@ def _chosen(cfg: dict) -> tuple[str, dict]:
     return where, dict(raw)
 
 
-def parse_rope(cfg: dict) -> Rope:
+def parse_rope(cfg: dict, name: str = "") -> Rope:
     """The RoPE config.json `cfg` describes, read as transformers reads it (module docstring).
-    RopeError for a type or parameter this runtime cannot serve exactly."""
+    RopeError for a type or parameter this runtime cannot serve exactly; `name` names the dict
+    the parameters came from in the message, when it is not config.json's own."""
     where, rp = _chosen(cfg)
+    where = name or where
     theta = (_number(rp, "rope_theta", where) if "rope_theta" in rp
              else _number(cfg, "rope_theta", "") if "rope_theta" in cfg else DEFAULT_THETA)
     if theta <= 1:
@@ -151,6 +167,8 @@ def parse_rope(cfg: dict) -> Rope:
         return Rope("default", theta)
     if kind == "linear":
         return Rope("linear", theta, factor=_number(rp, "factor", where))
+    if kind == "dynamic":
+        return Rope("dynamic", theta, factor=_number(rp, "factor", where))
     if "original_max_position_embeddings" in cfg:
         old = _int(cfg, "original_max_position_embeddings", "")
     elif "original_max_position_embeddings" in rp:
@@ -165,7 +183,35 @@ def parse_rope(cfg: dict) -> Rope:
             raise RopeError(f"{where}.high_freq_factor {rope.high_freq_factor} must exceed "
                             f"{where}.low_freq_factor {rope.low_freq_factor}")
         return rope
+    if kind == "longrope":
+        return _longrope(rp, where, theta, old, cfg)
     return _yarn(rp, where, theta, old, cfg)
+
+
+def _factors(rp: dict, key: str, where: str, n: int) -> tuple[float, ...]:
+    v = rp.get(key)
+    if not (isinstance(v, list) and len(v) == n and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v)):
+        raise RopeError(f"{_key(where, key)} must be a list of {n} positive numbers (one per frequency), got {v!r}")
+    return tuple(float(x) for x in v)
+
+
+def _longrope(rp: dict, where: str, theta: float, old: int, cfg: dict) -> Rope:
+    """longrope within its original context (module docstring): the short factors, and cos and
+    sin scaled by the attention factor, which unless given is sqrt(1 + ln(factor) / ln(original
+    context)) for a factor above 1, the factor defaulting to max_position_embeddings over the
+    original context (as transformers computes both)."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    short = _factors(rp, "short_factor", where, head_dim // 2)
+    _factors(rp, "long_factor", where, head_dim // 2)
+    factor = (_number(rp, "factor", where) if rp.get("factor") is not None
+              else _int(cfg, "max_position_embeddings", "") / old)
+    if rp.get("attention_factor") is not None:
+        attention = _number(rp, "attention_factor", where)
+    else:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
+    return Rope("longrope", theta, factor=factor, original_max_position_embeddings=old,
+                attention_factor=attention, short_factor=short, position_limit=old)
 
 
 def _yarn(rp: dict, where: str, theta: float, old: int, cfg: dict) -> Rope:

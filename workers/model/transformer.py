@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
@@ -100,6 +100,11 @@ class StepInputs:
     slots: Any
     last: Any
     attn: AttentionPlan
+    windowed: dict[int, AttentionPlan] = field(default_factory=dict)  # sliding-window layers', by window
+
+    def plan(self, window: int) -> AttentionPlan:
+        """The attention plan of a layer attending within `window` tokens (0: all of them)."""
+        return self.windowed[window] if window else self.attn
 
 
 @dataclass
@@ -129,6 +134,7 @@ class LayerWeights:
     mlp_norm: Any
     w_gate_up: Any  # [d, 2 * mlp]: gate, then up
     w_down: Any
+    window: int = 0  # a sliding window: the layer attends to keys at positions > pos - window; 0: to all
 
 
 def _init_weights(shape: ModelShape) -> tuple[np.ndarray, list[dict], np.ndarray, np.ndarray]:
@@ -174,6 +180,7 @@ class Model:
     # attention's key-tile budgets, scores and keys (workers/model/attention.py; `attention_budgets`);
     # the warm-up shrinks them for one step
     attn_budgets: tuple[int, int] = (SCORE_BUDGET, KV_BUDGET)
+    attn_softcap: float = 0.0  # attention scores soft-capped (AttnShape.softcap); 0: not
 
     def __init__(self, shape: ModelShape, xp: Any = np, kv_dtype: str = "float32") -> None:
         self.shape = shape
@@ -212,12 +219,16 @@ class Model:
     def _rms(self, x: Any, w: Any) -> Any:
         return x / self.xp.sqrt(self.xp.mean(x * x, axis=-1, keepdims=True) + _EPS) * w
 
-    def _rope_tables(self, positions: Any) -> tuple[Any, Any]:
-        """The rotary embedding's tables [T, 1, hd] at absolute positions [T], once a step for
-        every layer's q and k: cos repeated over both halves, and sin negated over the first
-        half (so a rotation is two products and a sum, `_rope`)."""
+    def _rope_tables(self, positions: Any) -> Any:
+        """The rotary embedding's tables at absolute positions [T], once a step for every
+        layer's q and k (what `_qkv` takes as `rope`)."""
+        return self._rotation(positions, self.inv_freq)
+
+    def _rotation(self, positions: Any, inv_freq: Any) -> tuple[Any, Any]:
+        """One RoPE's tables [T, 1, hd]: cos repeated over both halves, and sin negated over
+        the first half (so a rotation is two products and a sum, `_rope`)."""
         xp = self.xp
-        ang = positions.astype(xp.float64)[:, None] * self.inv_freq[None, :]
+        ang = positions.astype(xp.float64)[:, None] * inv_freq[None, :]
         cos, sin = xp.cos(ang)[:, None, :], xp.sin(ang)[:, None, :]
         return xp.concatenate([cos, cos], axis=-1), xp.concatenate([-sin, sin], axis=-1)
 
@@ -245,14 +256,19 @@ class Model:
     def _round_kv(self, a: Any) -> Any:
         return a.astype(self.kv_dtype).astype(self.compute_dtype)
 
-    def _attend(self, q: Any, k: Any, v: Any, start: int) -> Any:
+    def _attend(self, q: Any, k: Any, v: Any, start: int, window: int = 0) -> Any:
         """Causal attention of queries q [n, H, hd] at positions start.. over keys/values
-        k, v [L, KVH, hd] at positions 0..L-1; returns [n, H*hd]."""
+        k, v [L, KVH, hd] at positions 0..L-1, within `window` tokens (0: all); returns [n, H*hd]."""
         xp, s = self.xp, self.shape
         n, L, kvh, g, hd = q.shape[0], k.shape[0], s.num_kv_heads, s.group, s.head_dim
         qg = q.reshape(n, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * n, hd)
         scores = (qg @ k.transpose(1, 2, 0)).reshape(kvh, g, n, L)
-        visible = xp.arange(L)[None, :] <= (start + xp.arange(n))[:, None]
+        if self.attn_softcap:
+            scores = xp.tanh(scores / self.attn_softcap) * self.attn_softcap
+        qpos = (start + xp.arange(n))[:, None]
+        visible = xp.arange(L)[None, :] <= qpos
+        if window:
+            visible &= xp.arange(L)[None, :] > qpos - window
         scores = xp.where(visible, scores, -xp.inf)
         scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
@@ -277,6 +293,15 @@ class Model:
     def _reduce(self, partial: Any) -> Any:
         """The sum over tensor-parallel ranks of a layer's partial output (one rank: itself)."""
         return partial
+
+    def _after_attention(self, y: Any, w: LayerWeights) -> Any:
+        """What the residual stream adds of the attention's summed output y (an architecture
+        may normalise it first)."""
+        return y
+
+    def _after_mlp(self, y: Any, w: LayerWeights) -> Any:
+        """What the residual stream adds of the MLP's summed output y."""
+        return y
 
     def _head(self, x: Any) -> Any:
         """The logits of hidden states x [n, d], where x lies (on `xp`)."""
@@ -394,9 +419,11 @@ class Model:
             pos, toks, blk = xp.asarray(positions), xp.asarray(tokens), xp.asarray(blocks)
             last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
         score_budget, kv_budget = self.attn_budgets
-        attn = plan_attention(plans, AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs), xp,
-                              score_budget=score_budget, kv_budget=kv_budget)
-        return StepInputs(toks, pos, blk, pos % bs, last, attn)
+        shape = AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs, self.attn_softcap)
+        attn = plan_attention(plans, shape, xp, score_budget=score_budget, kv_budget=kv_budget)
+        windowed = {w: plan_attention(plans, shape, xp, score_budget=score_budget, kv_budget=kv_budget, window=w)
+                    for w in sorted({w.window for w in self.layers} - {0})}
+        return StepInputs(toks, pos, blk, pos % bs, last, attn, windowed)
 
     def forward(self, pool: Any, inputs: StepInputs) -> Any:
         """The layers over a prepared batch: each token's K/V written to the pool, the hidden
@@ -409,9 +436,9 @@ class Model:
             with self._phase(ATTENTION):
                 pool[inputs.blocks, li, 0, inputs.slots] = k.astype(pool.dtype)
                 pool[inputs.blocks, li, 1, inputs.slots] = v.astype(pool.dtype)
-                att = paged_attention(xp, pool, li, q, inputs.attn, self.compute_dtype, self.beat)
-            x = x + self._reduce(self._proj(att, w.wo))
-            x = x + self._reduce(self._mlp(x, w))
+                att = paged_attention(xp, pool, li, q, inputs.plan(w.window), self.compute_dtype, self.beat)
+            x = x + self._after_attention(self._reduce(self._proj(att, w.wo)), w)
+            x = x + self._after_mlp(self._reduce(self._mlp(x, w)), w)
             if self.beat is not None:
                 self.beat()
         return x
@@ -457,10 +484,10 @@ class Model:
         for w in self.layers:
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, rope)
             k, v = self._round_kv(k), self._round_kv(v)
-            outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i)
+            outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i, w.window)
                     for i in range(0, n, _DENSE_CHUNK)]
-            x = x + self._reduce(self._mm(xp.concatenate(outs), w.wo))
-            x = x + self._reduce(self._mlp(x, w))
+            x = x + self._after_attention(self._reduce(self._mm(xp.concatenate(outs), w.wo)), w)
+            x = x + self._after_mlp(self._reduce(self._mlp(x, w)), w)
         return self._logits(x)
 
     def generate_dense(self, prompt: np.ndarray, max_new_tokens: int, eos_token_id: int = -1) -> list[int]:

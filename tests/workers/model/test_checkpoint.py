@@ -1,7 +1,8 @@
 """Checkpoint directories: what `inspect` accepts and refuses, RoPE read from config.json as
-transformers reads it (each form, or refused naming the key), the fingerprint block keys are
-rooted in, and `kvrt launch --model` refusing a bad checkpoint or a contradicting shape flag
-with a clear error before any process starts (nothing of the node in /dev/shm)."""
+transformers reads it (each form, or refused naming the key), each architecture's features
+read as transformers' config classes read them, the fingerprint block keys are rooted in, and
+`kvrt launch --model` refusing a bad checkpoint or a contradicting shape flag with a clear
+error before any process starts (nothing of the node in /dev/shm)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 
 from kvrt.runtime.node.config import ConfigError, NodeConfig
 from tests.conftest import REPO, leftovers
-from tests.hfkit import LLAMA3_SCALING, make_checkpoint, reference_rope, write_safetensors
+from tests.hfkit import LLAMA3_SCALING, hf_config, make_checkpoint, reference_rope, transformers_config, write_safetensors
 from kvrt.workers.model.checkpoint import CheckpointError, Weights, inspect
 
 
@@ -45,12 +46,133 @@ def test_safetensors_package_reads_what_the_test_writes(tmp_path):
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+ALL_ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM",
+             "Gemma3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM"]
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_inspect_accepts_each_architecture(tmp_path, arch):
-    info = inspect(make_checkpoint(tmp_path, arch, dtype="BF16", tied=True).path)
+    info = inspect(make_checkpoint(tmp_path, arch, dtype="BF16", config=transformers_config(arch, tied=True)).path)
     assert info.config.arch == arch and info.config.tie_word_embeddings
     assert info.node_shape() == {"num_layers": 2, "num_kv_heads": 2, "vocab_size": 256, "max_model_len": 512,
-                                 "head_dim": 16 if arch == "Qwen3ForCausalLM" else 8}
+                                 "head_dim": 16 if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                                            "Gemma3ForCausalLM") else 8}
+
+
+# config.json changes -> the sliding window each layer has in transformers' modeling code
+WINDOWS = {
+    "mistral": ("MistralForCausalLM", dict(sliding_window=24)),
+    "mistral_null": ("MistralForCausalLM", dict(sliding_window=None)),
+    "mistral_missing": ("MistralForCausalLM", dict(drop=("sliding_window",))),
+    "qwen2_max_window_layers": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=24,
+                                                         max_window_layers=1, drop=("layer_types",))),
+    "qwen2_layer_types": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=24,
+                                                   layer_types=["sliding_attention", "full_attention"])),
+    "qwen2_off": ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=24, max_window_layers=0)),
+    "qwen3": ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=24, max_window_layers=0,
+                                       drop=("layer_types",))),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(use_sliding_window=True, sliding_window=24)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(use_sliding_window=True, sliding_window=24, max_window_layers=2,
+                                              drop=("layer_types",))),
+    "gemma2_default_pattern": ("Gemma2ForCausalLM", dict(sliding_window=24, drop=("layer_types",))),
+    "gemma3_legacy_pattern": ("Gemma3ForCausalLM", dict(sliding_window=24, sliding_window_pattern=2,
+                                                        drop=("layer_types",))),
+    "phi3": ("Phi3ForCausalLM", dict(sliding_window=24)),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOWS))
+def test_windows_read_as_transformers_reads_them(tmp_path, case):
+    """Each layer's window equals what transformers' modeling code applies for the same
+    config.json (tests/hfkit.py's reading of its config object)."""
+    from tests.hfkit import _windows
+
+    arch, changes = WINDOWS[case]
+    changes = dict(changes)
+    drop = changes.pop("drop", ())
+    ck = make_checkpoint(tmp_path, arch, config=transformers_config(arch))
+    cfg = edit_config(ck.path, drop=drop, **changes)
+    want = tuple(w or 0 for w in _windows(hf_config(cfg), arch))
+    assert inspect(ck.path).config.features.windows == want
+
+
+ARCH_REFUSED = {  # (architecture, config.json changes) -> words the error must hold
+    "mixtral": ("LlamaForCausalLM", dict(architectures=["MixtralForCausalLM"]), "MixtralForCausalLM"),
+    "gemma3_multimodal": ("Gemma3ForCausalLM", dict(architectures=["Gemma3ForConditionalGeneration"]),
+                          "Gemma3ForConditionalGeneration"),
+    "bidirectional": ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    "gemma_activation": ("Gemma2ForCausalLM", dict(hidden_activation="relu"), "hidden_activation 'relu'"),
+    "llama_activation": ("LlamaForCausalLM", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    "sliding_without_window": ("Qwen2ForCausalLM", dict(use_sliding_window=False,
+                                                        layer_types=["sliding_attention", "full_attention"]),
+                               "use_sliding_window is false"),
+    "layer_types_length": ("Gemma2ForCausalLM", dict(layer_types=["sliding_attention"]), "layer_types must list"),
+    "experts_disagree": ("Qwen3MoeForCausalLM", dict(num_experts=8), "num_experts and num_local_experts disagree"),
+    "top_k_beyond": ("Qwen3MoeForCausalLM", dict(num_experts_per_tok=5), "num_experts_per_tok 5 exceeds"),
+    "gemma3_flat_rope": ("Gemma3ForCausalLM", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                         "rope_parameters must map"),
+    "gemma3_sliding_rope": ("Gemma3ForCausalLM", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4}}),
+        "rope_parameters.sliding_attention.factor must be a positive number"),
+    "qwen3_attention_bias": ("Qwen3ForCausalLM", dict(attention_bias=True), "attention_bias"),
+}
+
+
+@pytest.mark.parametrize("case", list(ARCH_REFUSED))
+def test_unservable_architecture_refused_naming_the_key(tmp_path, case):
+    arch, changes, words = ARCH_REFUSED[case]
+    ck = make_checkpoint(tmp_path, arch, config=transformers_config(arch))
+    edit_config(ck.path, **changes)
+    with pytest.raises(CheckpointError, match="config.json: ") as e:
+        inspect(ck.path)
+    assert words in str(e.value)
+
+
+def test_gemma3_ropes_read_as_transformers_reads_them(tmp_path):
+    """Gemma 3's full and sliding layers' RoPEs, from transformers 5's per-layer-type
+    rope_parameters and from transformers 4's rope_theta, rope_scaling and
+    rope_local_base_freq."""
+    ck = make_checkpoint(tmp_path, "Gemma3ForCausalLM", config=transformers_config(
+        "Gemma3ForCausalLM", layer_types=["sliding_attention", "full_attention"]))
+    forms = [
+        ((), {}),
+        ((), dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}})),
+        (("rope_parameters",), dict(rope_theta=3e5, rope_local_base_freq=5e3,
+                                    rope_scaling={"rope_type": "linear", "factor": 4.0})),
+        (("rope_parameters",), {}),  # transformers' defaults: 1e6 and 1e4
+    ]
+    for drop, changes in forms:
+        cfg = edit_config(ck.path, drop=drop, **changes)
+        config = inspect(ck.path).config
+        for layer, rope in enumerate(config.ropes()):
+            want, factor = reference_rope(cfg, hf_config(cfg).layer_types[layer])
+            np.testing.assert_allclose(rope.inv_freq(config.head_dim), want, rtol=1e-12)
+            assert rope.attention_factor == factor
+
+
+def test_longrope_is_served_within_its_original_context(tmp_path):
+    """Beyond longrope's original context transformers switches new tokens to the long factors
+    while cached keys keep the short ones: a node serves the positions before it, and says why."""
+    ck = make_checkpoint(tmp_path, "Phi3ForCausalLM", config=transformers_config("Phi3ForCausalLM"))
+    factors = [1.0 + i / 4 for i in range(4)]
+    edit_config(ck.path, original_max_position_embeddings=64,
+                rope_parameters={"rope_type": "su", "rope_theta": 1e4, "short_factor": factors, "long_factor": factors})
+    info = inspect(ck.path)
+    assert info.config.rope.rope_type == "longrope"  # Phi-3's legacy name, renamed as transformers renames it
+    assert info.node_shape()["max_model_len"] == 64
+    assert "longrope" in info.config.max_model_len()[1]
+
+
+@pytest.mark.parametrize("width", ["moe_intermediate_size", "shared_expert_intermediate_size"])
+def test_tp_must_split_each_expert_evenly(tmp_path, width):
+    ck = make_checkpoint(tmp_path, "Qwen2MoeForCausalLM", config=transformers_config("Qwen2MoeForCausalLM"))
+    inspect(ck.path).check_tp(2)
+    cfg = edit_config(ck.path, **{width: 17})
+    ck = make_checkpoint(tmp_path / "odd", config=cfg)
+    with pytest.raises(CheckpointError, match=f"--tp 2 must divide the checkpoint's {width} 17"):
+        inspect(ck.path).check_tp(2)
 
 
 def test_sharded_checkpoint_finds_every_tensor(tmp_path):
@@ -76,12 +198,13 @@ def out_of_bounds_offsets(path: str) -> None:
 
 
 BAD = {
-    "architecture": (lambda p: edit_config(p, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
-    "rope_scaling": (lambda p: edit_config(p, rope_scaling={"type": "dynamic", "factor": 4.0}),
-                     "rope_scaling.type 'dynamic'"),
+    "architecture": (lambda p: edit_config(p, architectures=["MixtralForCausalLM"]), "MixtralForCausalLM"),
+    "rope_scaling": (lambda p: edit_config(p, rope_scaling={"type": "longrope", "short_factor": [1.0] * 3,
+                                                            "long_factor": [1.0] * 3}),
+                     "rope_scaling.short_factor must be a list of 4 positive numbers"),
     "rope_parameters": (lambda p: edit_config(p, drop=("rope_theta",), rope_parameters={
-        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
-        "rope_parameters.rope_type 'longrope'"),
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+        "rope_parameters.partial_rotary_factor 0.5"),
     "missing_weights": (lambda p: os.remove(os.path.join(p, "model.safetensors")), "no weights"),
     "missing_config": (lambda p: os.remove(os.path.join(p, "config.json")), "config.json is missing"),
     "corrupt_header": (lambda p: corrupt_header(os.path.join(p, "model.safetensors")), "corrupt safetensors header"),
@@ -116,6 +239,7 @@ def test_llama3_scaling_parsed_and_default_type_is_plain(tmp_path):
 
 
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}
+LONGROPE_SHORT = [1.0 + i / 8 for i in range(16)]  # head_dim 32: one factor per frequency
 # config.json forms whose reading takes transformers' precedence rules: (keys dropped, changes)
 FORMS = {
     "parameters_theta_over_top_level": ((), dict(rope_theta=3e4, rope_parameters={
@@ -137,6 +261,17 @@ FORMS = {
     "yarn_truncated_and_not": ((), dict(rope_scaling={**YARN, "beta_fast": 20, "beta_slow": 3,
                                                       "truncate": False})),
     "whole_rotation_is_plain": ((), dict(partial_rotary_factor=1.0)),
+    # dynamic NTK is plain RoPE up to max_position_embeddings, the most a node serves
+    "dynamic": ((), dict(rope_scaling={"type": "dynamic", "factor": 4.0})),
+    "dynamic_parameters": (("rope_theta",), dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                  "rope_theta": 5e5})),
+    "longrope": ((), dict(rope_scaling={"type": "longrope", "short_factor": LONGROPE_SHORT, "long_factor": [5.0] * 16,
+                                        "original_max_position_embeddings": 64})),
+    "longrope_top_level_context_and_factor": ((), dict(original_max_position_embeddings=100, rope_scaling={
+        "type": "longrope", "short_factor": LONGROPE_SHORT, "long_factor": [5.0] * 16, "factor": 3.0})),
+    "longrope_attention_factor": ((), dict(rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e5, "short_factor": LONGROPE_SHORT, "long_factor": [5.0] * 16,
+        "attention_factor": 1.3, "original_max_position_embeddings": 64})),
 }
 
 
@@ -155,10 +290,10 @@ def test_rope_read_as_transformers_reads_it(tmp_path, form, arch):
 
 
 REFUSED = {  # config.json changes -> words the error must hold
-    "dynamic": (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-                "rope_parameters.rope_type 'dynamic'"),
-    "longrope_legacy_key": (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
-                                               "long_factor": [1.0] * 4}), "rope_scaling.type 'longrope'"),
+    "dynamic_without_factor": (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}),
+                               "rope_parameters.factor must be a positive number"),
+    "longrope_without_long_factor": (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 4}),
+                                     "rope_scaling.long_factor must be a list of 4 positive numbers"),
     "unknown": (dict(rope_parameters={"rope_type": "ntk-by-parts", "rope_theta": 1e4}),
                 "rope_parameters.rope_type 'ntk-by-parts'"),
     "per_layer_type": (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
