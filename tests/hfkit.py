@@ -96,6 +96,37 @@ ARCH_SHAPE = {
     "Phi3ForCausalLM": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+# Every architecture kvrt serves beyond Llama, Qwen2 and Qwen3's plain forms, as transformers 5's
+# own config class writes it, with what makes each visibly itself at these tests' lengths
+# (prompts of 45 to 130 tokens): windows of 12 tokens (blocks of 8 in the tests: a window ends
+# mid-block), soft caps that bite, a RoPE of its own for Gemma 3's sliding layers, renormalised
+# top-k routing; `kw` are transformers_config's arguments.
+ARCH_CASES = {
+    "mistral": ("MistralForCausalLM", dict(sliding_window=12)),
+    "llama-dynamic": ("LlamaForCausalLM", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                "rope_theta": 1e4})),
+    "qwen2-sliding": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    "qwen3-sliding": ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=12, attn_logit_softcapping=2.0,
+                                         final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=12, layer_types=[SLIDING, FULL], final_logit_softcapping=5.0,
+                                         rope_parameters={FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                                          SLIDING: {"rope_type": "default", "rope_theta": 1e4}})),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(norm_topk_prob=True)),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", dict()),
+    "phi3": ("Phi3ForCausalLM", dict(sliding_window=12, original_max_position_embeddings=256, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 1.5, 2.0, 4.0],
+        "long_factor": [2.0, 3.0, 4.0, 8.0]})),
+}
+
+
+def case_config(case: str, tied: bool = False) -> tuple[str, dict]:
+    """The architecture and config.json of ARCH_CASES[case]."""
+    arch, kw = ARCH_CASES[case]
+    kw = dict(kw)
+    return arch, transformers_config(arch, kw.pop("rope_parameters", None), tied=tied, **kw)
+
 
 def transformers_config(arch: str, rope_parameters: dict | None = None, tied: bool = False, **overrides) -> dict:
     """config.json of the tiny shape as transformers' own config class for `arch` writes it

@@ -2,7 +2,8 @@
 that runs it on a lent GPU machine is in docs/development.md, "GPU validation"):
 - the checkpoint oracle of tests/workers/model/test_hf_dtype.py on CuPy: float16 compute (cuBLAS, float32
   accumulation) within the float16 tolerance of the dense float64 reference with its greedy
-  tokens, float32 compute exact to 1e-4;
+  tokens, float32 compute exact to 1e-4, for every architecture (sliding windows, soft caps,
+  experts included);
 - the all-reduce over CUDA IPC buffers (workers/cuda_allreduce.py) between real processes on
   one GPU: exact sums, bit-identical on every rank, both buffers reused many times;
 - a node with `--device cuda`, `--tp 1` and `--tp 2` on one GPU, float16, bfloat16 (computed as
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import spawn_py
-from tests.hfkit import make_checkpoint
+from tests.hfkit import ARCH_CASES, case_config, make_checkpoint
 from tests.launched import launched
 from tests.workers.model.test_hf_dtype import ARCHS, F16_TOL, check_dtype, check_greedy
 from tests.workers.model.test_hf_oracle import OPTS, checkpoint, expected, prompts  # noqa: F401 (fixtures)
@@ -39,6 +40,13 @@ def test_float32_on_cuda_stays_exact(tmp_path, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float16_on_cuda_greedy_tokens_equal_the_reference(tmp_path, arch):
     check_greedy(make_checkpoint(tmp_path, arch, dtype="BF16", seed=3), xp=cupy)
+
+
+@pytest.mark.parametrize("compute, tol", [("float16", F16_TOL), ("float32", 1e-4)])
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_each_architecture_on_cuda_matches_dense_float64(tmp_path, case, compute, tol):
+    arch, cfg = case_config(case)
+    check_dtype(make_checkpoint(tmp_path, arch, dtype="BF16", config=cfg), compute, compute, tol, xp=cupy)
 
 
 RANK = """

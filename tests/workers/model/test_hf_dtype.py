@@ -14,7 +14,8 @@ import logging
 import numpy as np
 import pytest
 
-from tests.hfkit import VOCAB, dense_logits, from_bf16_bits, greedy, make_checkpoint, to_bf16_bits
+from tests.hfkit import (ARCH_CASES, VOCAB, case_config, dense_logits, from_bf16_bits, greedy, make_checkpoint,
+                         to_bf16_bits)
 from kvrt.workers.model.checkpoint import CheckpointError, inspect
 from kvrt.workers.model.hf_model import HFModel, checkpoint_dtype, resolve_compute_dtype, to_half
 from kvrt.workers.model.transformer import SeqInput
@@ -74,6 +75,12 @@ def check_dtype(ck, matmul_dtype: str, kv: str, tol: float, xp=np) -> None:
 def test_float16_compute_matches_dense_float64(tmp_path, arch, file_dtype):
     ck = make_checkpoint(tmp_path, arch, dtype=file_dtype, tied=arch == "Qwen3ForCausalLM")
     check_dtype(ck, "float16", "float16", F16_TOL)
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_float16_compute_of_each_architecture(tmp_path, case):
+    arch, cfg = case_config(case)
+    check_dtype(make_checkpoint(tmp_path, arch, dtype="BF16", config=cfg), "float16", "float16", F16_TOL)
 
 
 def test_float16_compute_over_a_float32_pool(tmp_path):

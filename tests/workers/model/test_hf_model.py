@@ -1,14 +1,17 @@
 """The checkpoint forward pass over the paged pool equals an independent dense float64
-reference (tests/hfkit.py) to 1e-4 relative: each architecture, tied and untied embeddings,
-BF16/F16/F32 files, a sharded checkpoint, each supported RoPE type in each config.json form
-transformers reads (its own class's output and hand-written transformers 4 configs); chunked
-prefill, batched decode and sequences sharing a prefix's blocks."""
+reference (tests/hfkit.py) to 1e-4 relative: each architecture (sliding windows, soft caps,
+Gemma's norms, experts, fused projections included), tied and untied embeddings, BF16/F16/F32
+files, a sharded checkpoint, each supported RoPE type in each config.json form transformers
+reads (its own class's output and hand-written transformers 4 configs); chunked prefill,
+batched decode and sequences sharing a prefix's blocks; a sliding layer never depends on a
+block that left its window."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.hfkit import LLAMA3_SCALING, VOCAB, dense_logits, make_checkpoint, transformers_config
+from tests.hfkit import (ARCH_CASES, LLAMA3_SCALING, VOCAB, case_config, dense_logits, make_checkpoint,
+                         transformers_config)
 from kvrt.workers.model.checkpoint import inspect
 from kvrt.workers.model.hf_model import HFModel
 from kvrt.workers.model.transformer import SeqInput
@@ -57,6 +60,32 @@ def check_paged(ck, chunks=(13, 8, 1, 1, 20), xp=np) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_paged_logits_equal_dense_reference(tmp_path, arch, tied, dtype):
     check_paged(make_checkpoint(tmp_path, arch, dtype=dtype, tied=tied))
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_each_architecture_paged_equals_dense(tmp_path, case, dtype):
+    """Windows of 12 tokens over blocks of 8: the chunks, the decode and the second sequence's
+    prefix hit each start or end inside a window."""
+    arch, cfg = case_config(case, tied=dtype == "BF16")
+    check_paged(make_checkpoint(tmp_path, arch, dtype=dtype, config=cfg))
+
+
+def test_blocks_that_left_the_window_are_never_used(tmp_path):
+    """Mistral slides every layer: once a sequence's blocks have left the window they are
+    overwritten with NaN (a freed block can hold anything), and its next steps still equal
+    the dense reference."""
+    arch, cfg = case_config("mistral")
+    ck = make_checkpoint(tmp_path, arch, config=cfg)
+    model = HFModel(inspect(ck.path), 512)
+    pool = pool_for(model)
+    toks = np.random.default_rng(2).integers(0, VOCAB, 60).astype(np.int32)
+    table = np.arange(10, 18, dtype=np.int32)
+    model.step_logits(pool, [SeqInput(toks[:40], 0, table)])
+    pool[table[:(40 - 12 + 1) // BS]] = np.nan  # every slot before position 29, the next query's window
+    close(model.step_logits(pool, [SeqInput(toks[40:50], 40, table)])[0], dense_logits(ck, toks[:50])[-1])
+    pool[table[:(50 - 12 + 1) // BS]] = np.nan
+    close(model.step_logits(pool, [SeqInput(toks[50:51], 50, table)])[0], dense_logits(ck, toks[:51])[-1])
 
 
 def test_f16_sharded_checkpoint(tmp_path):
