@@ -4,7 +4,10 @@ against the step's physical limit and against `transformers` running the same ch
 In one run:
 - without --model, a checkpoint of real ~0.5B shapes (Qwen2: hidden 896, 24 layers, 14 heads,
   2 KV heads, MLP 4864, vocab 151936, tied embeddings, random BF16 weights) is written in code
-  into a temporary directory (`--shape small`: a few-layer toy of the same kind, for a quick run);
+  into a temporary directory (`--shape small`: a few-layer toy of the same kind, for a quick run;
+  `gemma3-1b`: Gemma 3 1B's shapes, five sliding layers of 512 tokens to each full one;
+  `small-gemma3`, `small-moe`: toys of Gemma 3 and Qwen3-MoE); any architecture kvrt serves
+  runs with --model;
 - it is loaded with the loader the worker uses (`HFModel`, memory-mapped safetensors) in the
   compute dtype a node would use (--compute-dtype, as `kvrt launch`'s: auto is float32 on a CPU
   and the checkpoint's precision, float16 for BF16, on a GPU; the KV pool follows) and run over a
@@ -24,7 +27,9 @@ In one run:
   of the step, since timing a phase there means a device sync at its ends) and stands next to its
   roofline: the larger of the bytes it must move (the weights once, the KV it reads) at the
   memcpy bandwidth and the FLOPs it must do (matmuls, causal attention) at the matmul peak of the
-  same thread count; `vs roof` is measured / roofline (1.0 is the limit);
+  same thread count (a sliding layer's KV and attention counted within its window, a layer of
+  experts' weights as the top_k experts every token needs: the least any step reads); `vs roof`
+  is measured / roofline (1.0 is the limit);
 - when `torch` and `transformers` import, the same checkpoint's `transformers` model on the same
   device, in the same dtype, with the same thread count (torch.set_num_threads), each row right
   after kvrt's: decode as a manual loop of one forward per token over a `DynamicCache` holding
@@ -60,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -68,7 +73,7 @@ import numpy as np
 from kvrt.bench.array_ops import count_step
 from kvrt.bench.copy import cuda_missing
 from kvrt.workers.backend import BackendUnavailable, get_backend
-from kvrt.workers.model.checkpoint import inspect
+from kvrt.workers.model.checkpoint import inspect, parse_config
 from kvrt.workers.model.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
 from kvrt.workers.model.transformer import Model, SeqInput, attention_budgets
 from kvrt.workers.model.phases import OTHER, SAMPLING, PhaseClock
@@ -77,12 +82,26 @@ from kvrt.workers.model.threads import AUTO, BlasThreads, usable_cores
 
 log = logging.getLogger("kvrt.bench.model")
 
-# real Qwen2.5-0.5B shapes, and a toy of the same architecture
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "max_position_embeddings": 32768,
+         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "hidden_act": "silu"}
+GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "max_position_embeddings": 32768,
+          "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "tie_word_embeddings": True,
+          "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window_pattern": 6}
+# real Qwen2.5-0.5B and Gemma 3 1B shapes, and toys of them and of Qwen3-MoE
 SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    "0.5b": dict(QWEN2, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936),
-    "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    "small": dict(QWEN2, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512),
+    "gemma3-1b": dict(GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512),
+    "small-gemma3": dict(GEMMA3, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=512, sliding_window=16),
+    "small-moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "max_position_embeddings": 32768,
+                  "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+                  "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "num_experts": 8,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
 }
 BLOCK_SIZE = 16
 MEMCPY_BYTES = 1 << 30  # large enough to leave every cache far behind
@@ -133,24 +152,14 @@ def _bf16_random(rng: np.random.Generator, n: int, scale_exp: int) -> np.ndarray
 
 
 def write_checkpoint(directory: str, shape: str, seed: int = 0) -> dict:
-    """A Qwen2 checkpoint of `shape` in `directory`: config.json and one BF16 model.safetensors,
-    written tensor by tensor so peak memory stays one tensor. Returns the config."""
-    s = SHAPES[shape]
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **s, "max_position_embeddings": 32768,
-           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "hidden_act": "silu",
-           "torch_dtype": "bfloat16"}
-    d, h, kvh, m, v = s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"], \
-        s["intermediate_size"], s["vocab_size"]
-    hd = d // h
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    for i in range(s["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                       p + "self_attn.q_proj.weight": (h * hd, d), p + "self_attn.q_proj.bias": (h * hd,),
-                       p + "self_attn.k_proj.weight": (kvh * hd, d), p + "self_attn.k_proj.bias": (kvh * hd,),
-                       p + "self_attn.v_proj.weight": (kvh * hd, d), p + "self_attn.v_proj.bias": (kvh * hd,),
-                       p + "self_attn.o_proj.weight": (d, h * hd), p + "mlp.gate_proj.weight": (m, d),
-                       p + "mlp.up_proj.weight": (m, d), p + "mlp.down_proj.weight": (d, m)})
+    """A checkpoint of `shape` in `directory`: config.json and one BF16 model.safetensors holding
+    every tensor kvrt's reading of that config expects, written tensor by tensor so peak memory
+    stays one tensor. Returns the config."""
+    cfg = {**SHAPES[shape], "torch_dtype": "bfloat16"}
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    shapes = parse_config(directory).expected_tensors()
     # transformers refuses (some versions: fails on) a safetensors file without the format
     # save_pretrained writes; kvrt's own reader skips this entry
     header: dict = {"__metadata__": {"format": "pt"}}
@@ -162,19 +171,16 @@ def write_checkpoint(directory: str, shape: str, seed: int = 0) -> dict:
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     rng = np.random.default_rng(seed)
-    os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "model.safetensors"), "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name, shp in shapes.items():
             n = math.prod(shp)
-            if name.endswith("norm.weight"):
-                data = np.full(n, 0x3F80, dtype=np.uint16)  # 1.0
+            if name.endswith("norm.weight"):  # 1.0, or 0.0 where applied as 1 + w (Gemma)
+                data = np.full(n, 0 if cfg["model_type"].startswith("gemma") else 0x3F80, dtype=np.uint16)
             else:
                 # ~1/sqrt(fan-in) keeps activations O(1) through the layers
                 data = _bf16_random(rng, n, -int(round(math.log2(math.sqrt(shp[-1])))))
             f.write(data.tobytes())
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(cfg, f)
     return cfg
 
 
@@ -229,7 +235,11 @@ def _weight_arrays(model: HFModel) -> list[Any]:
     seen: dict[int, Any] = {}
 
     def add(a: Any) -> None:
-        if a is None:
+        if is_dataclass(a):  # a layer's experts
+            for v in vars(a).values():
+                add(v)
+            return
+        if not hasattr(a, "nbytes"):  # None, a layer's window or RoPE index
             return
         base = a
         while getattr(base, "base", None) is not None:
@@ -239,8 +249,7 @@ def _weight_arrays(model: HFModel) -> list[Any]:
     for a in (model.embed, model.final_norm, model.lm_head):
         add(a)
     for w in model.layers:
-        for a in vars(w).values():
-            add(a)
+        add(w)
     return list(seen.values())
 
 
@@ -250,21 +259,31 @@ class Limits:
 
     gb_s: float                  # memcpy, read + written
     gflop_s: dict[int, float]    # matmul peak by thread count
-    step_bytes: int              # a step's weight traffic: every weight once (an untied embedding: its rows)
-    layer_matmul_params: int     # q/k/v/o and MLP weights of all layers
+    step_bytes: int              # a step's weight traffic: every weight once (an untied embedding: its rows;
+    #                              experts: the top_k of each layer every token needs)
+    layer_matmul_params: int     # q/k/v/o and MLP (or the top_k experts', the router's) weights of all layers
     head_params: int             # the LM head
     attn_width: int              # query heads x head_dim of all layers summed
     kv_token_bytes: int          # one token's K and V over all layers, in the pool
+    windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); () as one full layer
 
     def cost(self, seqs: list[tuple[int, int]]) -> tuple[float, float]:
         """(bytes, FLOPs) a step of sequences (context, new tokens) cannot do without: the
-        weights read once and each sequence's KV read once and its new KV written; the
-        projections of every token, the LM head of each sequence's last, and causal
-        attention (QK^T and PV: 4 FLOPs per query, key and query-head dimension)."""
+        weights read once and each sequence's KV read once (a sliding layer's: its queries'
+        windows) and its new KV written; the projections of every token, the LM head of each
+        sequence's last, and causal attention (QK^T and PV: 4 FLOPs per query, key and
+        query-head dimension)."""
         tokens = sum(n for _, n in seqs)
-        kv = sum(ctx + n for ctx, n in seqs) * self.kv_token_bytes
-        pairs = sum(n * ctx + n * (n + 1) // 2 for ctx, n in seqs)  # (query, visible key) pairs
-        flops = 2 * self.layer_matmul_params * tokens + 2 * self.head_params * len(seqs) + 4 * self.attn_width * pairs
+        windows = self.windows or (0,)
+        keys = pairs = 0.0  # over the layers, in units of one layer's share
+        for w in windows:
+            for ctx, n in seqs:
+                keys += ctx + n - (max(0, ctx - w + 1) if w else 0)
+                seen = np.arange(ctx + 1, ctx + n + 1)  # keys each query sees
+                pairs += float((np.minimum(seen, w) if w else seen).sum())
+        kv = keys * self.kv_token_bytes / len(windows)
+        flops = (2 * self.layer_matmul_params * tokens + 2 * self.head_params * len(seqs)
+                 + 4 * self.attn_width * pairs / len(windows))
         return float(self.step_bytes + kv), float(flops)
 
     def roofline(self, row: Row, seqs: list[tuple[int, int]]) -> None:
@@ -277,12 +296,21 @@ class Limits:
 
 
 def model_limits(model: HFModel, gb_s: float, gflop_s: dict[int, float]) -> Limits:
-    w0, s = model.layers[0], model.shape
-    per_layer = sum(int(a.size) for a in (w0.wqkv, w0.wo, w0.w_gate_up, w0.w_down))
+    s = model.shape
+    per_token = unread = 0  # matmul weights each token multiplies; expert bytes a step need not read
+    for w in model.layers:
+        per_token += sum(int(a.size) for a in (w.wqkv, w.wo, w.w_gate_up, w.w_down, w.shared_gate_up,
+                                               w.shared_down, w.shared_gate) if a is not None)
+        if w.experts is not None:
+            count, k = w.experts.gate_up.shape[0], model.experts.top_k
+            one = (int(w.experts.gate_up.size) + int(w.experts.down.size)) // count
+            per_token += k * one + int(w.experts.router.size)
+            unread += (count - k) * one * w.experts.gate_up.itemsize
     tied = model.config.tie_word_embeddings
-    return Limits(gb_s, gflop_s, weight_bytes(model) - (0 if tied else int(model.embed.nbytes)),
-                  per_layer * s.num_layers, int(model.lm_head.size), s.num_heads * s.head_dim * s.num_layers,
-                  2 * s.num_layers * s.num_kv_heads * s.head_dim * model.kv_dtype.itemsize)
+    return Limits(gb_s, gflop_s, weight_bytes(model) - (0 if tied else int(model.embed.nbytes)) - unread,
+                  per_token, int(model.lm_head.size), s.num_heads * s.head_dim * s.num_layers,
+                  2 * s.num_layers * s.num_kv_heads * s.head_dim * model.kv_dtype.itemsize,
+                  tuple(w.window for w in model.layers))
 
 
 # ---- kvrt ------------------------------------------------------------------------------------
@@ -762,8 +790,9 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face checkpoint directory (default: write a random "
                                    "~0.5B-shaped BF16 Qwen2 checkpoint into a temporary directory)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b",
-                   help="shape of the checkpoint written without --model (default 0.5b; small: a toy)")
+    p.add_argument("--shape", choices=list(SHAPES), default="0.5b",
+                   help="shape of the checkpoint written without --model (default 0.5b, Qwen2.5-0.5B's; small: a "
+                        "toy of it; gemma3-1b: Gemma 3 1B's; small-gemma3, small-moe: toys of Gemma 3, Qwen3-MoE)")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated (default 1,8,32)")
     p.add_argument("--contexts", default="128",
                    help="tokens of KV each sequence holds before a decode step, comma-separated (default 128; "
@@ -850,7 +879,7 @@ def main(argv: list[str]) -> int:
             with Busy(args.busy if load != "quiet" else 0):
                 rows += run_grid(model, hf, limits, grid, settings, load, cores)
         c = info.config
-        meta = dict(model=args.model or f"random {args.shape} Qwen2 (BF16 file)", arch=c.arch,
+        meta = dict(model=args.model or f"random {args.shape} {c.arch} (BF16 file)", arch=c.arch,
                     params=weight_params(model), weight_bytes=weight_bytes(model), compute_dtype=compute,
                     device=args.device, cores=cores, block_size=BLOCK_SIZE, load_s=load_s, memcpy_gb_s=gb_s,
                     peak_gflop_s={str(k): v for k, v in peaks.items()}, decode_steps=args.decode_steps,

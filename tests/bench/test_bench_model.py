@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import types
@@ -19,12 +20,30 @@ from kvrt.workers.model.checkpoint import inspect
 from kvrt.workers.model.threads import PARALLEL_ROWS
 
 
-def test_written_checkpoint_loads_with_the_real_loader(tmp_path):
-    model_bench.write_checkpoint(str(tmp_path), "small")
+@pytest.mark.parametrize("shape, arch", [("small", "Qwen2ForCausalLM"), ("small-gemma3", "Gemma3ForCausalLM"),
+                                         ("small-moe", "Qwen3MoeForCausalLM")])
+def test_written_checkpoint_loads_with_the_real_loader(tmp_path, shape, arch):
+    model_bench.write_checkpoint(str(tmp_path), shape)
     info = inspect(str(tmp_path))
-    assert info.config.arch == "Qwen2ForCausalLM" and info.config.tie_word_embeddings
+    assert info.config.arch == arch and info.config.tie_word_embeddings == (shape != "small-moe")
     assert {n: tuple(t.shape) for n, t in info.tensors.items()} == info.config.expected_tensors()
     assert {t.dtype for t in info.tensors.values()} == {"BF16"}
+
+
+def test_gemma3_1b_shape_reads_as_gemma3_1b():
+    """Gemma 3 1B: 1.0 B parameters, five sliding layers of 512 tokens to each full one."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(model_bench.SHAPES["gemma3-1b"], f)
+        from kvrt.workers.model.checkpoint import parse_config
+
+        c = parse_config(d)
+    params = sum(math.prod(s) for s in c.expected_tensors().values())
+    assert 0.99e9 < params < 1.01e9
+    assert c.features.windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(26))
 
 
 def test_written_checkpoint_carries_the_format_transformers_checks(tmp_path):
@@ -85,6 +104,20 @@ def test_cli_small_json_structure():
             assert r["vs_greedy"] == pytest.approx(r["ms"] / r["greedy_ms"])
         else:
             assert "--no-transformers" in r["note"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("shape", ["small-gemma3", "small-moe"])
+def test_cli_other_architectures(shape):
+    """The toys of Gemma 3 (sliding layers) and Qwen3-MoE run through the same grid."""
+    proc = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "model", *QUICK, "--shape", shape,
+                           "--no-transformers", "--json", "--batches", "2", "--sample-batch", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["meta"]["arch"] in ("Gemma3ForCausalLM", "Qwen3MoeForCausalLM")
+    steps = [r for r in out["rows"] if r["kind"] in ("decode", "prefill")]
+    assert [r["kind"] for r in steps] == ["decode", "prefill"] and all(r["ms"] > 0 and r["roof_ms"] > 0 for r in steps)
 
 
 @pytest.mark.e2e
@@ -149,6 +182,36 @@ def test_step_cost_counts_weights_kv_and_causal_attention():
     row = model_bench.Row("decode", blas_threads=1, ms=1.0)
     lim.roofline(row, [(5, 1)])
     assert row.roof_ms == max(row.mem_ms, row.flop_ms) and row.vs_roof == pytest.approx(1.0 / row.roof_ms)
+
+
+def test_step_cost_counts_a_sliding_layer_within_its_window():
+    """Two layers, one sliding over 4 tokens: its KV read and its attention pairs stop at the
+    window; the full layer's are as before."""
+    full = model_bench.Limits(gb_s=1.0, gflop_s={1: 1.0}, step_bytes=0, layer_matmul_params=0, head_params=0,
+                              attn_width=2, kv_token_bytes=4, windows=(0, 0))
+    half = model_bench.Limits(gb_s=1.0, gflop_s={1: 1.0}, step_bytes=0, layer_matmul_params=0, head_params=0,
+                              attn_width=2, kv_token_bytes=4, windows=(0, 4))
+    seqs = [(10, 1), (0, 6)]  # a decode after 10 tokens, a 6-token prompt
+    assert full.cost(seqs) == ((11 + 6) * 4, 4 * 2 * (11 + 21))
+    # per layer: 2 bytes a token, width 1; the sliding layer reads 4 keys of the decode (7..10)
+    # and all 6 of the prompt, and its prompt's queries see 1, 2, 3, 4, 4, 4 keys
+    assert half.cost(seqs) == ((11 + 6) * 2 + (4 + 6) * 2, 4 * (11 + 21) + 4 * (4 + 18))
+
+
+def test_limits_of_experts_count_the_experts_each_token_needs(tmp_path):
+    """A Qwen3-MoE toy: per token, the top 2 of its 8 experts (and the router) are multiplied;
+    a step reads at least those 2 of each layer."""
+    from kvrt.workers.model.hf_model import HFModel
+
+    model_bench.write_checkpoint(str(tmp_path), "small-moe")
+    model = HFModel(inspect(str(tmp_path)), 256)
+    lim = model_bench.model_limits(model, 1.0, {1: 1.0})
+    attention = sum(int(w.wqkv.size) + int(w.wo.size) for w in model.layers)
+    expert = 3 * 64 * 32  # gate, up and down of hidden 64, width 32
+    assert lim.layer_matmul_params == attention + 2 * (2 * expert + 64 * 8)
+    # untied: a step reads its tokens' embedding rows, not the embedding
+    assert lim.step_bytes == model_bench.weight_bytes(model) - model.embed.nbytes - 2 * 6 * expert * 4
+    assert lim.windows == (0, 0)
 
 
 def test_thread_summary_compares_two_threads_with_one():
