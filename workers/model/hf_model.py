@@ -139,9 +139,8 @@ class _Loader:
     """One rank's share of a checkpoint's tensors, on the device in the compute dtype: rows of
     a projection (q/k/v heads, MLP width) by rank, whole vectors and embeddings."""
 
-    def __init__(self, info: CheckpointInfo, shape: ModelShape, rank: int, xp: Any, matmul_dtype: np.dtype) -> None:
-        self.weights, self.xp, self.matmul_dtype = Weights(info), xp, matmul_dtype
-        self.rank, self.shape = rank, shape
+    def __init__(self, info: CheckpointInfo, rank: int, xp: Any, matmul_dtype: np.dtype) -> None:
+        self.weights, self.xp, self.matmul_dtype, self.rank = Weights(info), xp, matmul_dtype, rank
         self.plus_one = info.config.features.norm_plus_one
         self._last: tuple[str, np.ndarray] | None = None  # a fused tensor is read once for its parts
 
@@ -166,12 +165,16 @@ class _Loader:
         """Projections' shares concatenated along their output axis, on the device."""
         return self.xp.asarray(np.concatenate([self.share(r, n) for r, n in parts], axis=-1))
 
+    def _columns(self, name: str, per_rank: int) -> np.ndarray:
+        a = self._get(name)[:, self.rank * per_rank:(self.rank + 1) * per_rank]
+        return self._matrix(name, a, True)
+
     def columns(self, name: str, per_rank: int) -> Any:
         """This rank's `per_rank` input columns of an output projection ([in, out] block)."""
-        a = self._get(name)[:, self.rank * per_rank:(self.rank + 1) * per_rank]
-        return self.xp.asarray(self._matrix(name, a, True))
+        return self.xp.asarray(self._columns(name, per_rank))
 
     def whole(self, name: str, transpose: bool = False) -> Any:
+        """A tensor every rank holds whole (an embedding, a router), on the device."""
         return self.xp.asarray(self._matrix(name, self._get(name), transpose))
 
     def vector(self, name: str, rows: slice = slice(None)) -> Any:
@@ -185,15 +188,19 @@ class _Loader:
         w = self._get(name)
         return self.xp.asarray(w + np.float32(1) if self.plus_one else w)
 
+    def _mlp(self, m: Mlp, tp: int) -> tuple[np.ndarray, np.ndarray]:
+        n = m.width // tp
+        return np.concatenate([self.share(m.gate, n), self.share(m.up, n)], axis=-1), self._columns(m.down, n)
+
     def mlp(self, m: Mlp, tp: int) -> tuple[Any, Any]:
         """A gated MLP's [in, 2 * width/tp] gate-and-up block and its [width/tp, out] down block."""
-        n = m.width // tp
-        return self.side_by_side([(m.gate, n), (m.up, n)]), self.columns(m.down, n)
+        return tuple(self.xp.asarray(a) for a in self._mlp(m, tp))
 
     def experts(self, t: LayerTensors, tp: int) -> ExpertWeights:
-        pairs = [self.mlp(m, tp) for m in t.experts]
-        return ExpertWeights(self.whole(t.router, transpose=True), self.xp.stack([p[0] for p in pairs]),
-                             self.xp.stack([p[1] for p in pairs]))
+        """A layer's router and its experts' blocks, stacked on the host and moved once."""
+        pairs = [self._mlp(m, tp) for m in t.experts]
+        return ExpertWeights(self.whole(t.router, transpose=True), self.xp.asarray(np.stack([p[0] for p in pairs])),
+                             self.xp.asarray(np.stack([p[1] for p in pairs])))
 
     def close(self) -> None:
         self._last = None
@@ -237,11 +244,10 @@ class HFModel(Model):
         distinct = list(dict.fromkeys(ropes))
         # each RoPE's inverse frequencies and the factor its cos and sin are scaled by (q.k by its square)
         self.ropes = [(xp.asarray(r.inv_freq(c.head_dim)), r.attention_factor) for r in distinct]
-        self.inv_freq = self.ropes[0][0]
         embed_dtype = info.tensors["model.embed_tokens.weight"].dtype
         self.embed_scale = np.float32(in_file_dtype(c.hidden_size ** 0.5, embed_dtype)) if f.embed_scale else None
         t0 = time.monotonic()
-        load = _Loader(info, s, rank, xp, self.matmul_dtype)
+        load = _Loader(info, rank, xp, self.matmul_dtype)
         hq, hkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q_rows, kv_rows = slice(rank * hq, (rank + 1) * hq), slice(rank * hkv, (rank + 1) * hkv)
 

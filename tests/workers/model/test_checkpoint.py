@@ -379,6 +379,16 @@ def test_launch_refuses_contradicting_shape_flags(node, tmp_path, flag, value, w
     assert flag in err and words in err, err
 
 
+@pytest.mark.e2e
+def test_launch_caps_longrope_at_its_original_context(node, tmp_path):
+    from tests.hfkit import case_config
+
+    arch, cfg = case_config("phi3")  # longrope, original context 256 of 512
+    ck = make_checkpoint(tmp_path, arch, config=cfg)
+    err = launch_fails(node, "--model", ck.path, "--max-model-len", "300")
+    assert "--max-model-len 300 exceeds 256" in err and "longrope" in err, err
+
+
 def test_worker_refuses_a_checkpoint_changed_since_launch(tmp_path):
     """Block keys are rooted in the fingerprint the launcher took: a worker loading different
     weights under the same name would serve KV that does not match its keys."""
