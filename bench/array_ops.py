@@ -60,8 +60,8 @@ class _Counted(np.ndarray):
 
 
 def _counted(obj: Any, counts: collections.Counter) -> Any:
-    """`obj` with every NumPy array in it (fields of mutable dataclasses, lists) a view counting
-    into `counts`, in place."""
+    """`obj` with every NumPy array in it (fields of mutable dataclasses, lists, tuples, dict
+    values) a view counting into `counts`, in place."""
     if isinstance(obj, np.ndarray):
         view = obj.view(_Counted)
         view.counts = counts
@@ -70,8 +70,10 @@ def _counted(obj: Any, counts: collections.Counter) -> Any:
         for f in dataclasses.fields(obj):
             setattr(obj, f.name, _counted(getattr(obj, f.name), counts))
         return obj
-    if isinstance(obj, list):
-        return [_counted(v, counts) for v in obj]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_counted(v, counts) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _counted(v, counts) for k, v in obj.items()}
     return obj
 
 
@@ -80,8 +82,9 @@ def count_step(model: Any, pool: np.ndarray, seqs: list) -> collections.Counter:
     preparation and its LM head are not counted), by operation name. The model must be on
     NumPy; its weights are wrapped for the count and left wrapped (use a model of its own)."""
     counts: collections.Counter = collections.Counter()
-    for name in ("embed", "lm_head", "final_norm", "inv_freq", "layers"):
-        setattr(model, name, _counted(getattr(model, name), counts))
+    for name in ("embed", "lm_head", "final_norm", "inv_freq", "ropes", "layers"):
+        if hasattr(model, name):  # a checkpoint's model holds its RoPEs' frequencies in `ropes`
+            setattr(model, name, _counted(getattr(model, name), counts))
     inputs = _counted(model.prepare(pool, seqs), counts)
     counts.clear()
     model.forward(_counted(pool, counts), inputs)
