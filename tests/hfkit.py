@@ -191,12 +191,6 @@ def make_checkpoint(directory, arch: str = "LlamaForCausalLM", dtype: str = "F32
         else:
             w.update({a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": vv})
         w[a + "o_proj.weight"] = o
-        if arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and conf.qkv_bias):
-            w.update({a + "q_proj.bias": 0.5 * rng.standard_normal(h * hd),
-                      a + "k_proj.bias": 0.5 * rng.standard_normal(kvh * hd),
-                      a + "v_proj.bias": 0.5 * rng.standard_normal(kvh * hd)})
-        if arch in QK_NORM:
-            w.update({a + "q_norm.weight": norm(hd), a + "k_norm.weight": norm(hd)})
         if _routed(conf, arch, i):
             w[p + "mlp.gate.weight"] = lin(conf.num_experts, d, 2.0)
             for e in range(conf.num_experts):
@@ -206,6 +200,12 @@ def make_checkpoint(directory, arch: str = "LlamaForCausalLM", dtype: str = "F32
                 w[p + "mlp.shared_expert_gate.weight"] = lin(1, d, 2.0)
         else:
             w.update(mlp(p + "mlp.", m, fused=arch == "Phi3ForCausalLM"))
+        if arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and conf.qkv_bias):
+            w.update({a + "q_proj.bias": 0.5 * rng.standard_normal(h * hd),
+                      a + "k_proj.bias": 0.5 * rng.standard_normal(kvh * hd),
+                      a + "v_proj.bias": 0.5 * rng.standard_normal(kvh * hd)})
+        if arch in QK_NORM:
+            w.update({a + "q_norm.weight": norm(hd), a + "k_norm.weight": norm(hd)})
     stored, exact = {}, {}
     for name, a in w.items():
         if dtype == "BF16":
