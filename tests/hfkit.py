@@ -110,9 +110,10 @@ ARCH_CASES = {
     "qwen3-sliding": ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
     "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=12, attn_logit_softcapping=2.0,
                                          final_logit_softcapping=5.0)),
-    "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=12, layer_types=[SLIDING, FULL], final_logit_softcapping=5.0,
-                                         rope_parameters={FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-                                                          SLIDING: {"rope_type": "default", "rope_theta": 1e4}})),
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        sliding_window=12, layer_types=[SLIDING, FULL], final_logit_softcapping=5.0,
+        rope_parameters={FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         SLIDING: {"rope_type": "default", "rope_theta": 1e4}})),
     "qwen3-moe": ("Qwen3MoeForCausalLM", dict(norm_topk_prob=True)),
     "qwen2-moe": ("Qwen2MoeForCausalLM", dict()),
     "phi3": ("Phi3ForCausalLM", dict(sliding_window=12, original_max_position_embeddings=256, rope_parameters={

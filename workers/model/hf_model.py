@@ -371,8 +371,8 @@ class HFModel(Model):
         ex = self.experts
         out = experts(self.xp, h, w.experts, ex.top_k, ex.norm_topk_prob, self._proj, self._gated)
         if w.shared_gate_up is not None:
-            gate = self._proj(h, w.shared_gate)
-            out = out + self._proj(self._gated(self._proj(h, w.shared_gate_up)), w.shared_down) / (1.0 + self.xp.exp(-gate))
+            gate = 1.0 / (1.0 + self.xp.exp(-self._proj(h, w.shared_gate)))
+            out = out + self._proj(self._gated(self._proj(h, w.shared_gate_up)), w.shared_down) * gate
         return out
 
     def _after_attention(self, y: Any, w: HFLayerWeights) -> Any:

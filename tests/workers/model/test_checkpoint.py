@@ -16,7 +16,8 @@ import pytest
 
 from kvrt.runtime.node.config import ConfigError, NodeConfig
 from tests.conftest import REPO, leftovers
-from tests.hfkit import LLAMA3_SCALING, hf_config, make_checkpoint, reference_rope, transformers_config, write_safetensors
+from tests.hfkit import (LLAMA3_SCALING, hf_config, make_checkpoint, reference_rope, transformers_config,
+                         write_safetensors)
 from kvrt.workers.model.checkpoint import CheckpointError, Weights, inspect
 
 

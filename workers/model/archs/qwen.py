@@ -13,9 +13,12 @@ Defaults for missing keys are transformers' config classes'.
 from __future__ import annotations
 
 from kvrt.workers.model.archs.features import (FULL, SLIDING, ArchError, Experts, Family, Features, activation,
-                                               boolean, count, layer_types, positive_int, refuse_flags, window, windows_of)
+                                               boolean, count, layer_types, positive_int, refuse_flags, window,
+                                               windows_of)
 from kvrt.workers.model.archs.llama import SILU
 from kvrt.workers.model.rope import Rope, parse_rope
+
+NO_WINDOW = "use_sliding_window is false (or sliding_window null)"
 
 
 def _sliding_size(cfg: dict) -> int:
@@ -28,7 +31,7 @@ def _dense_windows(cfg: dict, layers: int) -> tuple[int, ...]:
     size = _sliding_size(cfg)
     first = count(cfg, "max_window_layers", 28)
     default = [SLIDING if size and i >= first else FULL for i in range(layers)]
-    return windows_of(layer_types(cfg, layers, default), size, "use_sliding_window is false (or sliding_window null)")
+    return windows_of(layer_types(cfg, layers, default), size, NO_WINDOW)
 
 
 def _qwen2(cfg: dict, layers: int) -> tuple[Rope, Features]:
@@ -62,7 +65,8 @@ def _experts(cfg: dict, layers: int, count_keys: tuple[str, ...], defaults: tupl
     return Experts(count=count, top_k=k, intermediate_size=positive_int(cfg, "moe_intermediate_size", size),
                    norm_topk_prob=boolean(cfg, "norm_topk_prob"),
                    routed=tuple(i not in only and (i + 1) % step == 0 for i in range(layers)),
-                   shared_intermediate_size=positive_int(cfg, "shared_expert_intermediate_size", shared) if shared else 0)
+                   shared_intermediate_size=(positive_int(cfg, "shared_expert_intermediate_size", shared)
+                                             if shared else 0))
 
 
 def _qwen3_moe(cfg: dict, layers: int) -> tuple[Rope, Features]:
@@ -77,7 +81,7 @@ def _qwen2_moe(cfg: dict, layers: int) -> tuple[Rope, Features]:
     size = _sliding_size(cfg)
     first = count(cfg, "max_window_layers", 28)
     default = [SLIDING if size and (i + 1) % 2 and i < first else FULL for i in range(layers)]
-    windows = windows_of(layer_types(cfg, layers, default), size, "use_sliding_window is false (or sliding_window null)")
+    windows = windows_of(layer_types(cfg, layers, default), size, NO_WINDOW)
     return parse_rope(cfg), Features(
         windows=windows, attention_bias=boolean(cfg, "qkv_bias", True),
         activation=activation(cfg, "hidden_act", "silu", SILU),

@@ -86,8 +86,8 @@ def _mlp(prefix: str, width: int, hidden: int, fused: bool) -> Mlp:
         name = prefix + "gate_up_proj.weight"
         return Mlp(Rows(name, 0, width, 2 * width, hidden), Rows(name, width, width, 2 * width, hidden),
                    prefix + "down_proj.weight", width)
-    return Mlp(Rows.whole(prefix + "gate_proj.weight", width, hidden), Rows.whole(prefix + "up_proj.weight", width, hidden),
-               prefix + "down_proj.weight", width)
+    return Mlp(Rows.whole(prefix + "gate_proj.weight", width, hidden),
+               Rows.whole(prefix + "up_proj.weight", width, hidden), prefix + "down_proj.weight", width)
 
 
 def layer_tensors(c: Any, i: int) -> LayerTensors:
@@ -97,14 +97,16 @@ def layer_tensors(c: Any, i: int) -> LayerTensors:
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     if f.fused_projections:
         fused = a + "qkv_proj.weight"
-        qkv = (Rows(fused, 0, q, q + 2 * kv, d), Rows(fused, q, kv, q + 2 * kv, d), Rows(fused, q + kv, kv, q + 2 * kv, d))
+        total = q + 2 * kv
+        qkv = (Rows(fused, 0, q, total, d), Rows(fused, q, kv, total, d), Rows(fused, q + kv, kv, total, d))
     else:
         qkv = (Rows.whole(a + "q_proj.weight", q, d), Rows.whole(a + "k_proj.weight", kv, d),
                Rows.whole(a + "v_proj.weight", kv, d))
     ex = f.experts
     routed = ex is not None and ex.routed[i]
     mlp = None if routed else _mlp(p + "mlp.", c.intermediate_size, d, f.fused_projections)
-    experts = tuple(_mlp(p + f"mlp.experts.{e}.", ex.intermediate_size, d, False) for e in range(ex.count)) if routed else ()
+    experts = (tuple(_mlp(p + f"mlp.experts.{e}.", ex.intermediate_size, d, False) for e in range(ex.count))
+               if routed else ())
     shared = routed and ex.shared_intermediate_size > 0
     return LayerTensors(
         attn_norm=p + "input_layernorm.weight",
