@@ -50,19 +50,19 @@ def _experts(cfg: dict, layers: int, count_keys: tuple[str, ...], defaults: tupl
     """The experts of a MoE config: `count_keys` are the names its expert count may be under;
     `defaults` its config class's (count, top_k, expert MLP width, shared expert width: 0 for
     none)."""
-    count, top_k, size, shared = defaults
+    experts, top_k, size, shared = defaults
     given = [k for k in count_keys if cfg.get(k) is not None]
     if len({repr(cfg[k]) for k in given}) > 1:
         raise ArchError(f"{' and '.join(given)} disagree: {', '.join(repr(cfg[k]) for k in given)}")
-    count = positive_int(cfg, given[0]) if given else count
+    experts = positive_int(cfg, given[0]) if given else experts
     only = cfg.get("mlp_only_layers", [])
     if not (isinstance(only, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in only)):
         raise ArchError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
     step = positive_int(cfg, "decoder_sparse_step", 1)
     k = positive_int(cfg, "num_experts_per_tok", top_k)
-    if k > count:
-        raise ArchError(f"num_experts_per_tok {k} exceeds the {count} experts")
-    return Experts(count=count, top_k=k, intermediate_size=positive_int(cfg, "moe_intermediate_size", size),
+    if k > experts:
+        raise ArchError(f"num_experts_per_tok {k} exceeds the {experts} experts")
+    return Experts(count=experts, top_k=k, intermediate_size=positive_int(cfg, "moe_intermediate_size", size),
                    norm_topk_prob=boolean(cfg, "norm_topk_prob"),
                    routed=tuple(i not in only and (i + 1) % step == 0 for i in range(layers)),
                    shared_intermediate_size=(positive_int(cfg, "shared_expert_intermediate_size", shared)
