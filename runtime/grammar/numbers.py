@@ -56,6 +56,10 @@ def _naturals(lo: int, hi: int) -> Rx | None:
     """Whole numbers from `lo` to `hi` (0 <= lo), without leading zeros."""
     if lo > hi:
         return None
+    if hi >= LIMIT:  # open above: the longer numbers are one pattern, not one per length
+        d = len(str(lo))
+        longer = Rx(f"[1-9][0-9]{{{d},{MAX_DIGITS - 1}}}", MAX_DIGITS, 0, False) if d < MAX_DIGITS else None
+        return alt(_naturals(lo, 10 ** d - 1), longer)
     parts: list[Rx] = []
     for d in range(len(str(lo)), len(str(hi)) + 1):
         a, b = max(lo, 10 ** (d - 1) if d > 1 else 0), min(hi, 10 ** d - 1)
@@ -97,7 +101,8 @@ def numbers(lo: int | None, hi: int | None, bounded: bool) -> Rx | None:
     lo_c = -LIMIT if lo is None else max(lo, -LIMIT)
     hi_c = LIMIT if hi is None else min(hi, LIMIT)
     frac = Rx(f"\\x2e[0-9]{{1,{MAX_FRACTION}}}", 2, 0, False)
-    pos = _naturals(max(lo_c, 0), hi_c - 1) if hi_c - 1 >= max(lo_c, 0) else None
-    neg_lo, neg_hi = max(-hi_c, 0), -lo_c - 1
+    top = LIMIT if hi is None else hi_c - 1  # (open above: k.ddd for every k)
+    pos = _naturals(max(lo_c, 0), top) if top >= max(lo_c, 0) else None
+    neg_lo, neg_hi = max(-hi_c, 0), (LIMIT if lo is None else -lo_c - 1)
     neg = seq(lit("-"), _naturals(neg_lo, neg_hi)) if neg_hi >= neg_lo else None
     return alt(whole, seq(alt(neg, pos), frac) if (neg or pos) else None)

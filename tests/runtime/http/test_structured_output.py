@@ -19,7 +19,7 @@ from tests.tokenizer_kit import make_tokenizer_dir
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
-                         "n": {"type": "integer", "maxDigits": 3}, "kind": {"enum": ["cat", "dog"]}},
+                         "n": {"type": "integer", "minimum": -999, "maximum": 999}, "kind": {"enum": ["cat", "dog"]}},
           "required": ["name", "ok", "n", "kind"]}
 SEEDS = 16
 
