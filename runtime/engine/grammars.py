@@ -28,9 +28,10 @@ from kvrt.runtime.grammar.spec import GrammarError, describe, guided_problem  # 
 log = logging.getLogger("kvrt.engine")
 
 CACHE_BYTES = 1 << 30      # compiled indexes kept (least recently asked dropped first)
+CACHE_ENTRIES = 1024       # and at most this many specs, compiled, failed or on their way
 GRAMMAR_TIMEOUT_S = 120.0  # how long a request waits for its grammar (queued and compiled) before it fails
 
-__all__ = ["CACHE_BYTES", "GRAMMAR_TIMEOUT_S", "Compiled", "GrammarError", "Grammars", "describe", "guided_problem"]
+__all__ = ["CACHE_BYTES", "CACHE_ENTRIES", "GRAMMAR_TIMEOUT_S", "Compiled", "GrammarError", "Grammars", "describe", "guided_problem"]
 
 
 class Grammars:
@@ -59,7 +60,7 @@ class Grammars:
 
     def _trim(self) -> None:
         held = sum(f.result().nbytes for f in self._cache.values() if f.done() and f.exception() is None)
-        while held > self._max_bytes and len(self._cache) > 1:
+        while (held > self._max_bytes or len(self._cache) > CACHE_ENTRIES) and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             if old.done() and old.exception() is None:
                 held -= old.result().nbytes

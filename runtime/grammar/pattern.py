@@ -113,9 +113,13 @@ def parse(text: str) -> list:
     if deepest > MAX_NESTING:
         raise PatternError(f"its groups nest {deepest} deep, more than {MAX_NESTING}")
     try:
-        return list(sre.parse(text))
+        parsed = sre.parse(text)
     except (C.error, RecursionError, OverflowError, ValueError) as e:
         raise PatternError(f"it is not a regex kvrt reads: {e}") from None
+    if parsed.state.flags & (C.SRE_FLAG_IGNORECASE | C.SRE_FLAG_MULTILINE | C.SRE_FLAG_DOTALL | C.SRE_FLAG_VERBOSE
+                             | C.SRE_FLAG_ASCII | C.SRE_FLAG_LOCALE):
+        raise PatternError("inline flags such as (?i) are not supported")
+    return list(parsed)
 
 
 def to_rx(text: str, budget: Budget, in_json: bool, search: bool) -> Rx | None:

@@ -3,8 +3,8 @@ limit per compile (killed, not abandoned, past it, and a fresh one started) and 
 with compiles taken from the clients in turn.
 
 Why per-client turns: one client's slow grammar must not delay another's ordinary schema. A
-client has at most one compile running; the next compile goes to the client that waited
-longest among those with none running, so with N processes up to N clients compile at once,
+client has at most one compile running; the next compile goes to the client whose last turn is
+the oldest among those with none running, so with N processes up to N clients compile at once,
 and a client that floods only queues behind itself.
 
 Why the index comes back as bytes: a compile process's Index reaches the engine in
@@ -33,7 +33,7 @@ from kvrt.runtime.grammar.spec import GrammarError, describe
 log = logging.getLogger("kvrt.grammar")
 READY_TIMEOUT_S = 120.0  # a compile process reads the vocabulary (a large tokenizer.json) before it is ready
 RESTART_PAUSE_S = 1.0    # between failed starts of a compile process
-MAX_REPLY_BYTES = 1 << 31
+REPLY_SLACK = 1 << 20   # a reply's bytes beyond its index
 
 
 @dataclass
@@ -57,26 +57,37 @@ class _Job:
 
 
 class _Queues:
-    """Jobs waiting, per client, and which clients have one running."""
+    """Jobs waiting, per client, and which clients have one running. The next job is that of
+    the client whose last turn is the oldest (a client that never had one first), among those
+    with none running; ties go to the one that came to wait first."""
 
     def __init__(self) -> None:
         self.waiting: OrderedDict[bytes, deque[_Job]] = OrderedDict()  # clients in the order they came to wait
         self.running: set[bytes] = set()
+        self.turn: dict[bytes, int] = {}  # client -> the number of its last turn (of clients waiting or running)
+        self._turns = 0
 
     def put(self, job: _Job) -> None:
         self.waiting.setdefault(job.client, deque()).append(job)
 
     def take(self) -> _Job | None:
-        for client, jobs in self.waiting.items():
-            if client not in self.running:
-                job = jobs.popleft()
-                if jobs:
-                    self.waiting.move_to_end(client)  # its next waits behind the other clients'
-                else:
-                    del self.waiting[client]
-                self.running.add(client)
-                return job
-        return None
+        ready = [c for c in self.waiting if c not in self.running]
+        if not ready:
+            return None
+        client = min(ready, key=lambda c: self.turn.get(c, 0))
+        jobs = self.waiting[client]
+        job = jobs.popleft()
+        if not jobs:
+            del self.waiting[client]
+        self._turns += 1
+        self.turn[client] = self._turns
+        self.running.add(client)
+        return job
+
+    def done(self, client: bytes) -> None:
+        self.running.discard(client)
+        if client not in self.waiting:
+            self.turn.pop(client, None)  # a client that comes back later is not held back by an old turn
 
 
 class CompilePool:
@@ -95,6 +106,7 @@ class CompilePool:
         self._queues = _Queues()
         self._cond = threading.Condition()
         self._closed = False
+        self._used = False  # the processes start with the first compile (a node may never need one)
         self._ids = 0
         self._slots = [_Slot(self, i) for i in range(max(1, workers))]
         for s in self._slots:
@@ -109,8 +121,16 @@ class CompilePool:
                 job.future.set_exception(GrammarError("the node is stopping", refused=False))
                 return job.future
             self._queues.put(job)
+            self._used = True
             self._cond.notify_all()
         return job.future
+
+    def _wait_used(self) -> bool:
+        """Wait for the first compile; False once the pool is closed."""
+        with self._cond:
+            while not self._used and not self._closed:
+                self._cond.wait(1.0)
+            return not self._closed
 
     def _take(self) -> _Job | None:
         with self._cond:
@@ -123,7 +143,7 @@ class CompilePool:
 
     def _finish(self, job: _Job, result: Compiled | None, error: GrammarError | None) -> None:
         with self._cond:
-            self._queues.running.discard(job.client)
+            self._queues.done(job.client)
             self._cond.notify_all()
         if error is not None:
             job.future.set_exception(error)
@@ -164,6 +184,8 @@ class _Slot:
     def _run(self) -> None:
         # the processes are started from this thread, which lives as long as the pool: the
         # kernel's parent-death signal follows the thread that started a child
+        if not self.pool._wait_used():
+            return
         while not self.pool._closed:
             if self.proc is None and not self._start():
                 time.sleep(RESTART_PAUSE_S)
@@ -252,7 +274,7 @@ class _Slot:
             buf += chunk
             if need == 4 and len(buf) >= 4:
                 need = 4 + int.from_bytes(buf[:4], "little")
-                if need > MAX_REPLY_BYTES:
+                if need > self.pool.limits.index_bytes + REPLY_SLACK:
                     raise ValueError(f"a {need}-byte reply from a compile process")
         return M.CODEC.decode(bytes(buf[4:]))
 

@@ -134,7 +134,7 @@ def _corpus_answers_validate(c: openai.OpenAI, model: str) -> None:
         if choice.finish_reason == "length":
             counts["length"] += 1
             continue
-        validator = jsonschema.validators.validator_for(schema)(schema, format_checker=jsonschema.FormatChecker())
+        validator = jsonschema.validators.validator_for(schema)(schema, format_checker=jsonschema.validators.validator_for(schema).FORMAT_CHECKER)
         errors = [e.message for e in validator.iter_errors(json.loads(choice.message.content))]
         assert not errors, (name, choice.message.content, errors[:3])
         counts["valid"] += 1
