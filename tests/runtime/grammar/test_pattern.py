@@ -14,6 +14,15 @@ from kvrt.runtime.grammar.pattern import PatternError, bounded, to_rx, widths
 from kvrt.runtime.grammar.rx import Budget
 
 BIG = Budget(1 << 40)
+
+
+def narrow(text: str) -> str:
+    """The same regex over fewer characters (classes cut at U+017F): what it spells is still
+    what the grammar spells, and hypothesis draws from Unicode-wide classes very slowly."""
+    text = re.sub(r"\\u(?:e000|202a)-\\[uU][0-9a-f]+", "", text)
+    return re.sub(r"-\\u(?:d7ff|2027)", r"-\\u017f", text)
+
+
 PATTERNS = [r"^\d{3}-\d{4}$", r"^[a-z]+(-[a-z]+)*$", r'^[^"\\]{1,5}$', r"a.b", r'x"y\\z', r"^(cat|dog)s?$",
             r"\w+@\w+\.com", r"^\s*\S+\s*$", r"[^0-9]\D", r"^#[0-9a-fA-F]{6}$", r"^v?\d+(\.\d+){0,2}$", r"é+ü?"]
 
@@ -23,7 +32,7 @@ PATTERNS = [r"^\d{3}-\d{4}$", r"^[a-z]+(-[a-z]+)*$", r'^[^"\\]{1,5}$', r"a.b", r
 @given(data=st.data())
 def test_what_the_rewritten_pattern_spells_holds_under_re(pattern, data):
     rx = to_rx(pattern, BIG, in_json=True, search=True)
-    body = data.draw(st.from_regex(re.compile(rx.text), fullmatch=True))
+    body = data.draw(st.from_regex(re.compile(narrow(rx.text)), fullmatch=True))
     decoded = json.loads('"' + body + '"')  # the grammar writes JSON string content
     assert re.search(pattern, decoded), (pattern, body, decoded)
     assert not re.search(r"[^\x00-\x7f]\d|[٠-٩]", decoded) or "é" in pattern
