@@ -24,11 +24,13 @@ MAX_STATES = 200_000      # a regex is not even written past this many states, w
 @dataclass(frozen=True)
 class Limits:
     """One compile's limits: seconds (killed past it), bytes of memory (the compile process's
-    address space beyond what it held before), and bytes of the compiled index the engine keeps."""
+    address space beyond what it held before), and bytes of the compiled index the engine reads."""
 
     seconds: float = 20.0
     memory_bytes: int = 4 << 30
-    index_bytes: int = 256 << 20
+    # outlines-core reads an index back holding the GIL (about 12 ms per MiB here), which stalls
+    # the engine's loop meanwhile: this bounds that stall to about 1.5 s
+    index_bytes: int = 128 << 20
 
     def budget(self, vocab_size: int) -> Budget:
         """The states a regex may reach while it is written, for a vocabulary of `vocab_size`."""

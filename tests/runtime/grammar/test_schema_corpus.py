@@ -1,7 +1,8 @@
 """Structured output keeps its promise over real-world schemas nobody here wrote: SchemaStore's,
 as check-jsonschema vendors them (a dev dependency; the test skips without it). Each whole
 document, and each of its definitions as the root (its $refs resolved in its document), is
-compiled by compile processes as a node compiles it, over the tiny byte-level tokenizer; then
+compiled by compile processes as a node compiles it (each compile limited to 3 s here), over
+the tiny byte-level tokenizer; then
 walks through the tokens each index allows (random first, then toward the nearest end) spell
 answers that `jsonschema` (the oracle, with format checks) must accept. A schema is either
 followed or refused naming a keyword or a limit; the counts are printed."""
@@ -43,9 +44,34 @@ def corpus() -> list[tuple[str, dict]]:
         out.append((name, doc))
         for key in ("definitions", "$defs"):
             for d in list(doc.get(key) or {})[:DEFINITIONS_PER_DOCUMENT]:
-                root = {k: v for k, v in doc.items() if k in ("$schema", "definitions", "$defs")}
+                root = {k: v for k, v in doc.items() if k == "$schema"}
+                for k, name_ in _reachable(doc, f"#/{key}/{d}"):  # the definitions it uses, and no others
+                    root.setdefault(k, {})[name_] = doc[k][name_]
                 defs.append((f"{name}#/{key}/{d}", {**root, "$ref": f"#/{key}/{d}"}))
     return out + defs
+
+
+def _reachable(doc: dict, ref: str) -> list[tuple[str, str]]:
+    """The (definitions key, name) pairs `ref` uses, itself included, through local $refs."""
+    seen, todo = [], [ref]
+    while todo:
+        parts = todo.pop().split("/")
+        if len(parts) < 3 or parts[1] not in ("definitions", "$defs") or parts[2] not in (doc.get(parts[1]) or {}):
+            continue
+        if (parts[1], parts[2]) in seen:
+            continue
+        seen.append((parts[1], parts[2]))
+        todo += [r for r in _refs(doc[parts[1]][parts[2]]) if r.startswith("#/")]
+    return seen
+
+
+def _refs(node) -> list[str]:
+    if isinstance(node, dict):
+        return ([node["$ref"]] if isinstance(node.get("$ref"), str) else []) + [r for v in node.values()
+                                                                                  for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
 
 
 def distances(index) -> dict[int, int]:
