@@ -58,6 +58,9 @@ def spec_rx(guided: dict, budget: Budget) -> Rx:
         raise GrammarError(f"the grammar is too big to compile: {e}") from None
     except RecursionError:
         raise GrammarError("the spec nests too deep") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        # a keyword of the wrong type deep in a schema ({"minProperties": "x"}): the spec's fault
+        raise GrammarError(f"the spec is malformed ({type(e).__name__}: {str(e)[:120]})") from None
     raise GrammarError(f"unknown guided kind {kind!r}")
 
 

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - Python 3.10
     import sre_constants as C  # type: ignore[no-redef]
     import sre_parse as sre  # type: ignore[no-redef]
 
-from kvrt.runtime.grammar.rx import EMPTY, MAX_CODE, Budget, Rx, alt, lit, opt, ranges_class, rep, seq
+from kvrt.runtime.grammar.rx import EMPTY, MAX_CODE, Budget, Rx, alt, lit, ranges_class, rep, seq
 
 MAX_PATTERN_BYTES = 4096
 MAX_NESTING = 64  # groups inside groups (the parser recurses once per level)

@@ -87,10 +87,6 @@ def schema_regex(schema: Any, budget: Budget) -> Rx:
     return got
 
 
-def json_string(budget: Budget, lo: int = 0, hi: int | None = None) -> Rx | None:
-    return seq(lit('"'), rep(STRING_CHAR, lo, hi, budget), lit('"'))
-
-
 def any_value(depth: int = ANY_DEPTH) -> Rx:
     """Any JSON value nested at most `depth` levels (what a schema that says nothing allows)."""
     scalar = alt(seq(lit('"'), star(STRING_CHAR), lit('"')), ANY_NUMBER, lit("true"), lit("false"),

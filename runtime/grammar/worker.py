@@ -68,7 +68,11 @@ def serve(inp, out) -> int:
             M.write(out, M.Failed(job.job, str(e), e.refused))
         except MemoryError:
             M.write(out, M.Failed(job.job, f"the compile went past its memory limit of {setup.memory_bytes >> 20} "
-                                           f"MiB", True))
+                                           f"MiB (kvrt launch --grammar-memory-mib)", True))
+        except Exception as e:  # noqa: BLE001 - whatever a spec makes fail is that spec's answer, not this process's end
+            log.exception("compiling guided %s failed", job.kind)
+            M.write(out, M.Failed(job.job, f"guided {job.kind}: cannot compile it ({type(e).__name__}: "
+                                           f"{str(e)[:120]})", True))
 
 
 def main() -> int:

@@ -113,3 +113,23 @@ def test_choice_and_grammars():
                         ('root ::= missing', "not defined"), ('rule ::= "a"', "no 'root'")):
         with pytest.raises(GrammarRefused, match=words):
             grammar_rx(text, BIG)
+
+
+KEYS = st.sampled_from(["type", "properties", "required", "items", "prefixItems", "enum", "const", "anyOf", "oneOf",
+                        "allOf", "$ref", "minimum", "maximum", "exclusiveMinimum", "minLength", "maxLength",
+                        "pattern", "format", "minItems", "maxItems", "minProperties", "maxProperties",
+                        "additionalProperties", "dependentRequired", "uniqueItems", "multipleOf", "a", "x"])
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.floats(-5, 5, allow_nan=False)
+                    | st.sampled_from(["string", "integer", "object", "array", "#", "#/x", "[a-z]+", "date", "a"]),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(schema=JSON)
+def test_any_json_as_a_schema_is_a_regex_or_a_named_refusal(schema):
+    """Whatever a client sends as a schema, the compile answers with a regex or a GrammarError
+    (never another exception: in a compile process that would be the process's end)."""
+    try:
+        spec_rx({"kind": "json_schema", "spec": json.dumps(schema)}, Budget(20_000))
+    except GrammarError:
+        pass
