@@ -210,6 +210,15 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "at WARNING unless -v)" % DEMO_BLOCKS)
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for every process to be ready")
     p.add_argument("--rank-timeout", type=float, default=d.rank_timeout, help="seconds to wait for a rank's answer to a task")
+    p.add_argument("--grammar-workers", type=int, default=d.grammar_workers,
+                   help=f"guided decoding's compile processes: up to this many clients' grammars compile at once "
+                   f"(default {d.grammar_workers})")
+    p.add_argument("--grammar-timeout", type=float, default=d.grammar_timeout,
+                   help=f"seconds one grammar may take to compile; past it the compile process is killed and the "
+                   f"request refused with a 400 naming this limit (default {d.grammar_timeout:g})")
+    p.add_argument("--grammar-memory-mib", type=int, default=d.grammar_memory_mib,
+                   help=f"MiB of memory one grammar's compile may take; past it the compile fails and the request "
+                   f"is refused with a 400 naming this limit (default {d.grammar_memory_mib})")
     p.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
                    help=f"seconds without a heartbeat after which a ready process counts as hung and the node "
                    f"stops with exit 1, as for a dead one (default {d.hang_timeout:g}; start-up is bounded by "

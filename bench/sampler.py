@@ -40,6 +40,7 @@ import numpy as np
 
 from kvrt.bench.timing import best_seconds
 from kvrt.runtime.engine.grammars import Grammars
+from kvrt.runtime.grammar.messages import Setup
 from kvrt.runtime.engine.guide import GuideState, mask_words
 from kvrt.workers.model.sampler import SamplingRows, adjust, sample, top_logprobs, uniforms
 
@@ -269,9 +270,11 @@ def measure_grammar(vocab: int) -> dict:
     engine's state update and mask write (a walk through allowed tokens)."""
     import time
 
+    from outlines_core import Index
+
     eos = vocab - 1
     token_bytes = synthetic_vocabulary(vocab - 1)
-    grammars = Grammars(lambda: token_bytes)
+    grammars = Grammars(Setup(pieces=[[t, b] for t, b in token_bytes.items()]), workers=1)  # a compile process
     schema = {"kind": "json_schema", "spec": json.dumps(SCHEMA)}
     out = {}
     try:
@@ -280,6 +283,12 @@ def measure_grammar(vocab: int) -> dict:
             t0 = time.perf_counter()
             grammars.compile(spec, eos).result()
             out[f"compile_{name}_s"] = time.perf_counter() - t0
+        compiled = grammars.compile(schema, eos).result()
+        data = compiled.index.__reduce__()[1][0]  # what a compile process sends (outlines-core's binary form)
+        t0 = time.perf_counter()
+        Index.from_binary(data)
+        out["index_mib"] = len(data) / 2**20
+        out["index_read_s"] = time.perf_counter() - t0  # the engine's side of shipping it, no pickle
         guide = GuideState(schema, grammars.compile(schema, eos), eos, vocab)
         guide.ready()
         rng = np.random.default_rng(2)
@@ -350,5 +359,6 @@ def main(argv: list[str]) -> int:
         print(f"grammar over a synthetic {args.vocab}-token byte-level vocabulary: compile "
               f"{grammar['compile_json_schema_s']:.2f} s (typical JSON schema), {grammar['compile_json_object_s']:.2f} s "
               f"(JSON mode); engine state + mask per guided token {grammar['state_and_mask_us_per_token']:.0f} us "
-              f"({grammar['walk_tokens']} tokens)")
+              f"({grammar['walk_tokens']} tokens); the schema's index {grammar['index_mib']:.2f} MiB, read back "
+              f"in the engine in {grammar['index_read_s'] * 1e3:.1f} ms")
     return 0

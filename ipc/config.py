@@ -64,6 +64,10 @@ class NodeConfig:
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
     hang_timeout: float = 5.0   # a ready process whose heartbeat stays still this long (launcher running time) is hung
+    # guided decoding's compile processes (runtime/grammar/pool.py): how many, and one compile's limits
+    grammar_workers: int = 2
+    grammar_timeout: float = 20.0
+    grammar_memory_mib: int = 4096
 
     @property
     def kv_layout(self) -> KVLayout:

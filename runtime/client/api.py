@@ -110,11 +110,13 @@ class Generation:
     the output holds. Stop strings need text, so they are the client's (runtime/client/stop.py).
 
     `guided` constrains the output to a grammar: {"kind": "json_object" | "json_schema" |
-    "regex", "spec": text} (spec: the JSON schema as JSON text, the regex, or "" for
-    json_object). Each token is drawn only from those the grammar allows next, after the
+    "regex" | "choice" | "grammar" | "tool_call", "spec": text} (spec: the JSON schema as JSON
+    text, the regex, a JSON list of strings, a GBNF or Lark grammar, runtime/grammar/tool_call.py's
+    spec, or "" for json_object). A spec the node refuses (a keyword it cannot enforce, a
+    compile limit: runtime/grammar/) is a bad_request error naming what. Each token is drawn only from those the grammar allows next, after the
     adjustments above, and the request's EOS only once the grammar is complete (so such a
     request needs an `eos_token_id`); max_new_tokens may cut it first (finish reason "length").
-    Checked at intake (runtime/engine/grammars.py); the node must serve a checkpoint with a
+    Its shape is checked at intake (runtime/grammar/spec.py); the node must serve a checkpoint with a
     tokenizer.json, whose vocabulary the grammar is compiled against.
 
     `cache_salt` (vLLM's field; "" for none) keeps the request's prefix-cache blocks apart from

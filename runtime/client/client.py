@@ -141,7 +141,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     prompt_logprobs: int | None = None
-    guided: dict | None = None  # {"kind": "json_object" | "json_schema" | "regex", "spec": text}
+    guided: dict | None = None  # {"kind": "json_object" | "json_schema" | "regex" | "choice" | "grammar", "spec": text}
 
 
 @dataclass

@@ -109,7 +109,7 @@ class ClientApi:
                                     client=client,
                                     eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
                                     prompt_logprobs=req.prompt_logprobs,
-                                    guide=guide_for(req, self.grammars, self.cfg.vocab_size), **sampling))
+                                    guide=guide_for(req, self.grammars, self.cfg.vocab_size, key), **sampling))
 
     def on_cancel(self, client: bytes, req: api.CancelRequest) -> None:
         rid = req.request_id

@@ -78,7 +78,8 @@ class Clients:
         for seq, why in out.failed:
             self.connector.request_finished(seq)
             self.stats.count_failed()
-            self.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
+            refused = seq.guide is not None and seq.guide.refused  # its grammar was refused: a bad request
+            self.reply(seq.client, api.ErrorEvent(seq.request_id, api.BAD_REQUEST if refused else api.FAILED, why))
 
     def fail_all(self, why: str) -> None:
         """An error event for every request in flight (the connector's included), counted."""

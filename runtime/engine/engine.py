@@ -41,6 +41,8 @@ from kvrt.runtime.engine.cache_tasks import CacheTasks
 from kvrt.runtime.engine.client_api import ClientApi
 from kvrt.runtime.engine.clients import Clients
 from kvrt.runtime.engine.grammars import Grammars
+from kvrt.runtime.grammar.limits import Limits
+from kvrt.runtime.grammar.messages import Setup
 from kvrt.runtime.engine.guide import guide_for
 from kvrt.runtime.engine.metrics import Metrics
 from kvrt.runtime.engine.ownership import OwnerSync, OwnerTable
@@ -49,7 +51,6 @@ from kvrt.runtime.engine.scheduler import Scheduler
 from kvrt.runtime.engine.server import ApiServer
 from kvrt.runtime.engine.stats import EngineStats
 from kvrt.runtime.engine.step_runner import StepRunner, StepTimeout
-from kvrt.runtime.engine.token_bytes import read_token_bytes
 from kvrt.runtime.engine.transfer import TransferClient
 from kvrt.runtime.node.config import NodeConfig
 from kvrt.runtime.pd.connector import ConnectorContext, KVConnector
@@ -101,10 +102,11 @@ class Engine:
                                  policy=make_policy(cfg.eviction))
         self.sched = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sched.max_guided = P.max_guided_rows(cfg.vocab_size)
-        # guided decoding's grammars, compiled against the checkpoint's tokenizer in a thread
-        # that wakes the loop when one is done
-        self.grammars = Grammars(lambda: read_token_bytes(cfg.model_dir)[0], wake=self.fan.poke) \
-            if cfg.model_dir else None
+        # guided decoding's grammars, compiled against the checkpoint's tokenizer by compile
+        # processes that wake the loop when one is done
+        self.grammars = Grammars(Setup(model_dir=cfg.model_dir, memory_bytes=cfg.grammar_memory_mib << 20),
+                                 Limits(cfg.grammar_timeout, cfg.grammar_memory_mib << 20), cfg.grammar_workers,
+                                 wake=self.fan.poke) if cfg.model_dir else None
         self.stats = EngineStats(Signal.attach(member.reg, P.ENGINE_STATS), self.cache, self.sched, self.transfer)
         self.metrics = Metrics(self.stats.array, self.ring_stats)
         self.clients = Clients(self.sched, self.stats, self.metrics)

@@ -43,6 +43,7 @@ class GuideState:
         self.guided = guided
         self.eos_token_id = eos_token_id
         self.problem = ""
+        self.refused = False  # the problem is the spec's own (a bad request), not the node's
         self.finished = False  # the EOS was taken in a final state
         self.mask = np.zeros(mask_words(vocab_size), np.int32)
         self.vocab_size = vocab_size
@@ -68,6 +69,7 @@ class GuideState:
         err = self._index.exception()
         if err is not None:
             self.problem = str(err)
+            self.refused = bool(getattr(err, "refused", False))
             return False
         from outlines_core import Guide
 
@@ -117,10 +119,11 @@ class GuideState:
             self.problem = f"guided {describe(self.guided)} came to a state that allows no token of this model"
 
 
-def guide_for(req: object, grammars: object, vocab_size: int) -> GuideState | None:
+def guide_for(req: object, grammars: object, vocab_size: int, client: bytes = b"") -> GuideState | None:
     """The grammar state of a new request (GenerateRequest, or a P->D preallocation carrying
     the same fields) whose `guided` passed intake; None when it is not guided. Its grammar is
-    compiled, or on its way, in `grammars` (runtime/engine/grammars.py)."""
+    compiled, or on its way, in `grammars` (runtime/engine/grammars.py), as `client`'s."""
     if req.guided is None:
         return None
-    return GuideState(req.guided, grammars.compile(req.guided, req.eos_token_id), req.eos_token_id, vocab_size)
+    return GuideState(req.guided, grammars.compile(req.guided, req.eos_token_id, client), req.eos_token_id,
+                      vocab_size)

@@ -38,7 +38,8 @@ from kvrt.runtime.client.client import ClientError, Result, Sampling, node_token
 from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
-from kvrt.runtime.engine.grammars import guided_problem
+from kvrt.runtime.grammar.spec import guided_problem
+from kvrt.runtime.grammar.tool_call import tool_call_spec
 from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
 from kvrt.runtime.http.bridge import UNRESPONSIVE, Bridge, Submission
 from kvrt.runtime.http.chat_output import ChatOutput
@@ -46,7 +47,6 @@ from kvrt.runtime.http.openai_schema import (ChatMessage, ChatRequest, Completio
                                              SamplingBody, TokenizeRequest)
 from kvrt.runtime.http.reasoning import prompt_opens_thinking
 from kvrt.runtime.http.tool_calls import default_parser
-from kvrt.runtime.http.tool_regex import ToolSchemaError, forced_call_regex
 from kvrt.runtime.http.vllm_metrics import StatsReader, VllmMetrics
 
 log = logging.getLogger(__name__)
@@ -229,10 +229,9 @@ class Server:
         named = body.tool_choice.function.name if choice == "function" else None
         allowed = [(t.function.name, t.function.parameters) for t in body.tools or []
                    if named is None or t.function.name == named]
-        try:
-            return fmt, {"kind": "regex", "spec": forced_call_regex(fmt, allowed)}
-        except ToolSchemaError as e:
-            raise ApiError(400, f"tools: {e}", param="tools") from None
+        # the call's regex is built, and a tool's schema refused naming what in it, by the
+        # node's compile processes (runtime/grammar/tool_call.py): never on this event loop
+        return fmt, {"kind": "tool_call", "spec": tool_call_spec(fmt, allowed)}
 
     def output(self, fmt: str | None, prompt_text: str, forced: bool = False) -> ChatOutput:
         """A fresh reader of one chat answer. A forced call is the whole answer, so it does not
@@ -285,13 +284,14 @@ class Server:
                                code="invalid_token_id")
 
     def guided(self, body: SamplingBody) -> dict | None:
-        """The guided spec of `body` (structured output), checked as the engine checks it (its
-        schema or regex can be followed): 400 naming the field that asked, else."""
+        """The guided spec of `body` (structured output), its shape checked as the engine checks
+        it: 400 naming the field that asked, else. What the spec says is checked by the node's
+        compile processes, which answer a spec they refuse as the request's 400."""
         try:
             spec, name = body.guided()
         except ValueError as e:
             raise ApiError(400, str(e), param=str(e).split(":", 1)[0], code="invalid_response_format") from None
-        if spec is not None and (problem := guided_problem(spec, check_regex=True)):
+        if spec is not None and (problem := guided_problem(spec)):
             raise ApiError(400, f"{name}: {problem}", param=name, code="invalid_response_format")
         return spec
 
@@ -341,6 +341,7 @@ class Server:
         whole = not body.stream and not stops and body.n == 1 and not sampling.logprobs \
             and not sampling.top_logprobs and sampling.prompt_logprobs is None
         run = _Run(self, who, body.cache_salt or "", engine_stream=not whole)
+        run.guided_param = "tools" if guided is not None else body.guided()[1] or None
         for i, ids in enumerate(prompts):
             leader = None
             for j in range(body.n):
@@ -377,6 +378,7 @@ class _Run:
         self.pending: set[str] = set()  # not finished
         self.sent: set[str] = set()
         self.arrival = time.monotonic()
+        self.guided_param: str | None = None  # the field that asked for a grammar: an engine refusal names it
         self.scorers: set[str] = set()  # requests that score their prompt: each prompt's first choice
         self.prompt_scores: dict[int, tuple[list, list, list]] = {}  # by prompt: (logprobs, ranks, top)
 
@@ -438,7 +440,7 @@ class _Run:
                 yield ch, piece, shown, False
             elif isinstance(ev, ErrorEvent):
                 self.pending.discard(rid)
-                raise _engine_error(ev)
+                raise _engine_error(ev, self.guided_param)
             else:
                 res = ev  # a Result: the client converted the FinishedEvent
                 self.pending.discard(rid)
@@ -551,9 +553,12 @@ def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top:
                         for t, lp, alt in zip(ids, lps, top)]}
 
 
-def _engine_error(ev: ErrorEvent) -> ApiError:
+def _engine_error(ev: ErrorEvent, param: str | None = None) -> ApiError:
+    """An engine's error as the HTTP answer; `param`: the field that asked for a grammar (what a
+    refusal of the request itself concerns, as the HTTP server checks everything else first)."""
     if ev.code in (BAD_REQUEST, DUPLICATE):
-        return ApiError(400, f"the engine refused the request: {ev.message}", code=ev.code)
+        return ApiError(400, f"the engine refused the request: {ev.message}", code=ev.code,
+                        param=param if ev.code == BAD_REQUEST else None)
     if ev.code == UNRESPONSIVE:
         return ApiError(504, ev.message, "service_unavailable", code=ev.code)
     if ev.code == TOO_MANY:  # this HTTP client's quota, not the node's state

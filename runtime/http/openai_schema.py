@@ -34,6 +34,44 @@ HARMLESS = frozenset({"user", "parallel_tool_calls"})
 HARMLESS_AT = {"no_stop_trim": False, "return_hidden_states": False}
 
 
+# vLLM's structured_outputs keys that ask for a grammar, and the guided kind each is
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+# its keys that ask nothing at these values
+STRUCTURED_HARMLESS = {"disable_fallback": False, "disable_any_whitespace": False,
+                       "disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None}
+
+
+def _structured_outputs(value: dict) -> dict:
+    """vLLM's `structured_outputs` ({"json": ..., "regex": ..., "choice": [...], "grammar": ...,
+    "json_object": true}) as the engine's guided spec (ValueError naming the key)."""
+    asked = {k: v for k, v in value.items() if v is not None and not (k in STRUCTURED_HARMLESS
+                                                                      and v == STRUCTURED_HARMLESS[k])}
+    for k in asked:
+        if k not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_outputs: {k!r} is not supported (kvrt takes "
+                             f"{', '.join(STRUCTURED_KINDS)})")
+    if len(asked) != 1:
+        raise ValueError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED_KINDS)}")
+    (k, v), = asked.items()
+    kind = STRUCTURED_KINDS[k]
+    if kind == "json_object":
+        if v is not True:
+            raise ValueError("structured_outputs: json_object must be true")
+        return {"kind": kind, "spec": ""}
+    if kind == "json_schema":
+        if not isinstance(v, (dict, str)):
+            raise ValueError("structured_outputs: json is a JSON schema (an object, or its JSON text)")
+        return {"kind": kind, "spec": v if isinstance(v, str) else json.dumps(v)}
+    if kind == "choice":
+        if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
+            raise ValueError("structured_outputs: choice is a list of strings")
+        return {"kind": kind, "spec": json.dumps(v)}
+    if not isinstance(v, str):
+        raise ValueError(f"structured_outputs: {k} is a string")
+    return {"kind": kind, "spec": v}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -72,10 +110,13 @@ class SamplingBody(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None             # chat's (ChatRequest); elsewhere refused unless empty
     tool_choice: Union[str, dict, None] = None  # chat's; elsewhere refused unless "none"
-    # structured output: OpenAI's response_format, or vLLM's guided_json / guided_regex
+    # structured output: OpenAI's response_format, vLLM's guided_* fields or its structured_outputs
     response_format: dict | None = None
     guided_json: Union[dict, str, None] = None
     guided_regex: str | None = None
+    guided_choice: Each[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
     # vLLM's: the request shares cached blocks only with requests of the same salt (one per tenant)
     cache_salt: str | None = None
 
@@ -112,17 +153,28 @@ class SamplingBody(BaseModel):
     def guided(self) -> tuple[dict | None, str]:
         """The engine's guided spec ({"kind", "spec"}: runtime/client/api.py's Generation) that
         the request asks for, and the field that asked; ValueError (naming that field) when
-        the field is malformed. A text response_format asks for nothing."""
+        the field is malformed. A text response_format asks for nothing. Only the shape is
+        looked at: the spec is parsed, and refused naming what in it, by the node's compile
+        processes (runtime/grammar/), never on the server's event loop."""
         asked = [(n, v) for n, v in (("response_format", self.response_format), ("guided_json", self.guided_json),
-                                     ("guided_regex", self.guided_regex)) if v is not None
+                                     ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+                                     ("guided_grammar", self.guided_grammar),
+                                     ("structured_outputs", self.structured_outputs)) if v is not None
                  and v != {"type": "text"}]
         if not asked:
             return None, ""
         if len(asked) > 1:
-            raise ValueError(f"{asked[1][0]}: give one of response_format, guided_json and guided_regex")
+            raise ValueError(f"{asked[1][0]}: give one of response_format, guided_json, guided_regex, guided_choice, "
+                             f"guided_grammar and structured_outputs")
         name, value = asked[0]
+        if name == "structured_outputs":
+            return _structured_outputs(value), name
         if name == "guided_regex":
             return {"kind": "regex", "spec": value}, name
+        if name == "guided_choice":
+            return {"kind": "choice", "spec": json.dumps(value)}, name
+        if name == "guided_grammar":
+            return {"kind": "grammar", "spec": value}, name
         if name == "guided_json":
             return {"kind": "json_schema", "spec": value if isinstance(value, str) else json.dumps(value)}, name
         kind = value.get("type")

@@ -63,6 +63,12 @@ class NodeConfig(config.NodeConfig):
                               ("--rank-timeout", self.rank_timeout), ("--hang-timeout", self.hang_timeout)):
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {seconds}")
+        if not (math.isfinite(self.grammar_timeout) and self.grammar_timeout > 0):
+            raise ConfigError(f"--grammar-timeout must be a positive number of seconds, got {self.grammar_timeout}")
+        if not 1 <= self.grammar_workers <= 64:
+            raise ConfigError(f"--grammar-workers must be between 1 and 64, got {self.grammar_workers}")
+        if not 64 <= self.grammar_memory_mib <= 1 << 20:
+            raise ConfigError(f"--grammar-memory-mib must be between 64 and {1 << 20}, got {self.grammar_memory_mib}")
         if self.disaggregated:
             if self.pd_timeout <= self.rank_timeout + LEASE_MARGIN_S:
                 raise ConfigError(f"--pd-timeout {self.pd_timeout:g} must be more than --rank-timeout "

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvrt.bench import sampler as bench
 from kvrt.launcher import BENCHES
 
 
+@pytest.mark.e2e  # the grammar figures come from a compile process, as a node's do
 def test_bench_sampler_json_has_every_case_of_every_batch(capsys, monkeypatch):
     monkeypatch.setattr(bench, "BANDWIDTH_BYTES", 1 << 20)  # the real probe reads 256 MiB
     assert BENCHES["sampler"][0] == "kvrt.bench.sampler"
@@ -28,8 +31,10 @@ def test_bench_sampler_json_has_every_case_of_every_batch(capsys, monkeypatch):
     grammar = out["grammar"]
     assert grammar["compile_json_schema_s"] > 0 and grammar["compile_json_object_s"] > 0
     assert grammar["walk_tokens"] > 0 and grammar["state_and_mask_us_per_token"] > 0
+    assert grammar["index_mib"] > 0 and grammar["index_read_s"] > 0
 
 
+@pytest.mark.e2e
 def test_bench_sampler_table(capsys, monkeypatch):
     monkeypatch.setattr(bench, "BANDWIDTH_BYTES", 1 << 20)
     assert bench.main(["--vocab", "100", "--batches", "2", "--repeat", "1", "--naive-repeat", "1"]) == 0

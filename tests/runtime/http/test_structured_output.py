@@ -19,7 +19,7 @@ from tests.tokenizer_kit import make_tokenizer_dir
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
-                         "n": {"type": "integer", "maxDigits": 3}, "kind": {"enum": ["cat", "dog"]}},
+                         "n": {"type": "integer", "minimum": -999, "maximum": 999}, "kind": {"enum": ["cat", "dog"]}},
           "required": ["name", "ok", "n", "kind"]}
 SEEDS = 16
 
@@ -84,6 +84,61 @@ def test_json_schema_json_mode_and_regex_always_hold_and_bad_specs_are_400(serve
     r = c.chat.completions.create(model=model, messages=msgs, response_format=fmt, max_tokens=3)
     assert r.choices[0].finish_reason == "length"
     _bad_specs_are_400_naming_the_field(c, model)
+    _vllm_fields_choice_grammar_and_structured_outputs(c, model)
+    _corpus_answers_validate(c, model)
+
+
+def _vllm_fields_choice_grammar_and_structured_outputs(c: openai.OpenAI, model: str) -> None:
+    """vLLM's guided_choice, guided_grammar (GBNF and Lark) and structured_outputs, each held."""
+    gbnf = 'root ::= "SELECT " col " FROM " table\ncol ::= "a" | "b"\ntable ::= "t" [0-9]'
+    lark = 'start: "SELECT " COL " FROM t"\nCOL: "a" | "b"'
+    cases = [({"guided_choice": ["yes", "no", "maybe"]}, "yes|no|maybe"),
+             ({"guided_grammar": gbnf}, "SELECT (a|b) FROM t[0-9]"),
+             ({"guided_grammar": lark}, "SELECT (a|b) FROM t"),
+             ({"structured_outputs": {"choice": ["up", "down"]}}, "up|down"),
+             ({"structured_outputs": {"regex": "[0-9]{3}"}}, "[0-9]{3}"),
+             ({"structured_outputs": {"json": {"type": "integer", "minimum": 3, "maximum": 9}}}, "[3-9]")]
+    for extra, want in cases:
+        for seed in range(3):
+            r = c.completions.create(model=model, prompt="the quick", max_tokens=24, temperature=1.0, seed=seed,
+                                     extra_body=extra)
+            assert r.choices[0].finish_reason == "stop" and re.fullmatch(want, r.choices[0].text), (extra, r)
+    for extra, param in (({"guided_grammar": 'root ::= "(" root ")" | "x"'}, "guided_grammar"),
+                         ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
+                         ({"guided_json": {"type": "integer", "multipleOf": 7}}, "guided_json")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=model, prompt="hi", max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def _corpus_answers_validate(c: openai.OpenAI, model: str) -> None:
+    """The model's own answers to real-world schemas (SchemaStore's, from check-jsonschema)
+    validate under jsonschema, or the request is refused naming what it cannot enforce; an
+    answer cut by max_tokens is counted apart. The counts are printed."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("check_jsonschema")
+    from tests.runtime.grammar.test_schema_corpus import corpus
+
+    counts = {"valid": 0, "refused": 0, "length": 0}
+    for name, schema in corpus()[26::6]:  # a sample of the definitions, as roots
+        try:
+            r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], temperature=0.7,
+                                          seed=1, max_tokens=160, response_format={
+                                              "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "response_format", e.body
+            assert " at #" in e.message or "limit" in e.message or "longer than" in e.message, (name, e.message)
+            counts["refused"] += 1
+            continue
+        choice = r.choices[0]
+        if choice.finish_reason == "length":
+            counts["length"] += 1
+            continue
+        validator = jsonschema.validators.validator_for(schema)(schema, format_checker=jsonschema.validators.validator_for(schema).FORMAT_CHECKER)
+        errors = [e.message for e in validator.iter_errors(json.loads(choice.message.content))]
+        assert not errors, (name, choice.message.content, errors[:3])
+        counts["valid"] += 1
+    print(f"\nthe model's answers to SchemaStore schemas: {counts}")
 
 
 def _bad_specs_are_400_naming_the_field(c: openai.OpenAI, model: str) -> None:

@@ -17,7 +17,7 @@ from kvrt.runtime.client.client import Result, Sampling
 from kvrt.runtime.client.tokenizer import HFTokenizer
 from kvrt.runtime.http.app import Server, create_app
 from kvrt.runtime.http.tool_calls import HERMES
-from kvrt.runtime.http.tool_regex import forced_call_regex
+from kvrt.runtime.grammar.tool_call import tool_call_spec
 from kvrt.ipc.ports import free_port
 from tests.hfkit import make_checkpoint
 from tests.launched import launched
@@ -137,8 +137,8 @@ def test_a_forced_call_asks_the_engine_for_a_guided_answer(tok, choice, allowed)
     c, bridge = _app(tok, CALL)
     r = c.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER, NOW], "tool_choice": choice})
     assert r.status_code == 200, r.text
-    want = forced_call_regex(HERMES, [(t["function"]["name"], t["function"]["parameters"]) for t in allowed])
-    assert bridge.submitted[0].sampling.guided == {"kind": "regex", "spec": want}
+    want = tool_call_spec(HERMES, [(t["function"]["name"], t["function"]["parameters"]) for t in allowed])
+    assert bridge.submitted[0].sampling.guided == {"kind": "tool_call", "spec": want}  # compiled by the node
 
 
 def test_a_forced_call_after_a_prompt_that_opens_thinking_is_read_as_a_call(tok):
@@ -156,8 +156,6 @@ def test_a_forced_call_after_a_prompt_that_opens_thinking_is_read_as_a_call(tok)
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such"}}}],
-      "tool_choice": "required"}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [

@@ -1,4 +1,4 @@
-"""The regex a forced tool call is decoded under (runtime/http/tool_regex.py): every valid call
+"""The regex a forced tool call is decoded under (runtime/grammar/tool_call.py): every valid call
 of an allowed tool matches it, in Python's regex engine and in outlines_core's automaton (the
 one guided decoding walks token by token), what it matches parses back into that call, and
 calls of other tools, with arguments off their schema, or without the markup do not match."""
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvrt.runtime.http.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls
-from kvrt.runtime.http.tool_regex import ToolSchemaError, forced_call_regex
+from kvrt.runtime.grammar.tool_call import ToolSchemaError, forced_call_regex
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}, "days": {"type": "integer"}, "exact": {"type": "boolean"},
