@@ -238,6 +238,7 @@ STATS = (
     "storage_forged",  # storage objects without a valid MAC (planted, or another group's) answered as misses
     "pd_early_blocks", "pd_early_bytes",  # P->D blocks sent while the prefill still ran
     "recomputed_prompt_tokens",  # prompt positions run again for a request (after a preemption)
+    "intake_errors",  # client or peer messages whose handling raised: each answered with an error, the engine went on
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 

@@ -6,6 +6,7 @@ run to the end on this node, alone if need be, so the scheduler never meets one 
 from __future__ import annotations
 
 import math
+import reprlib
 import secrets
 
 import numpy as np
@@ -13,14 +14,19 @@ import numpy as np
 from kvrt.runtime.client.api import (MAX_LOGIT_BIAS, MAX_ON_BEHALF_OF_BYTES, MAX_TOP_LOGPROBS, GenerateRequest,
                                      cache_salt_problem,
                                      request_id_problem)
-from kvrt.runtime.engine.grammars import guided_problem
+from kvrt.ipc import json_bounds
+from kvrt.runtime.engine.grammars import MAX_SPEC_BYTES, guided_problem
 from kvrt.runtime.node.config import NodeConfig
+
+
+_NESTED = reprlib.Repr()  # a container's repr a few levels deep at most: a nested one cannot recurse far
 
 
 def show(value: object, limit: int = 40) -> str:
     """A value as an error message may quote it: its repr, cut short (a hostile value can be
-    as long as a whole message), and its type (True and 1 look alike otherwise)."""
-    r = repr(value)
+    as long as a whole message, and nest as deep as one), and its type (True and 1 look alike
+    otherwise)."""
+    r = _NESTED.repr(value) if isinstance(value, (list, tuple, dict, set)) else repr(value)
     if len(r) > limit:
         r = r[:limit - 3] + "..."
     return f"{r} ({type(value).__name__})"
@@ -110,6 +116,14 @@ def sampling_of(req: object) -> dict:
                 frequency_penalty=float(req.frequency_penalty), presence_penalty=float(req.presence_penalty))
 
 
+def guided_json_problem(guided: object) -> str:
+    """What makes a guided JSON schema's text too big or too deep to parse (ipc/json_bounds.py),
+    or "": checked before any parser, ours or outlines-core's, reads it."""
+    if isinstance(guided, dict) and guided.get("kind") == "json_schema" and isinstance(guided.get("spec"), str):
+        return json_bounds.problem(guided["spec"], MAX_SPEC_BYTES, what="guided json_schema")
+    return ""
+
+
 def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
     """The first problem with `req` on a node configured as `cfg`, or "" if there is none.
     Every field is checked for its exact type here, before any of it touches state."""
@@ -135,7 +149,7 @@ def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
         return f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {show(k)}"
     if problem := cache_salt_problem(req.cache_salt):
         return problem
-    if problem := guided_problem(req.guided):
+    if problem := guided_json_problem(req.guided) or guided_problem(req.guided):
         return problem
     if req.guided is not None and not cfg.model_dir:
         return "guided decoding needs a tokenizer: serve a checkpoint (kvrt launch --model DIR)"

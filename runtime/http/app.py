@@ -39,6 +39,7 @@ from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
 from kvrt.runtime.engine.grammars import guided_problem
+from kvrt.runtime.engine.intake import guided_json_problem
 from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
 from kvrt.runtime.http.bridge import UNRESPONSIVE, Bridge, Submission
 from kvrt.runtime.http.chat_output import ChatOutput
@@ -291,7 +292,7 @@ class Server:
             spec, name = body.guided()
         except ValueError as e:
             raise ApiError(400, str(e), param=str(e).split(":", 1)[0], code="invalid_response_format") from None
-        if spec is not None and (problem := guided_problem(spec, check_regex=True)):
+        if spec is not None and (problem := guided_json_problem(spec) or guided_problem(spec, check_regex=True)):
             raise ApiError(400, f"{name}: {problem}", param=name, code="invalid_response_format")
         return spec
 
