@@ -61,6 +61,11 @@ class Member:
         can say in which step."""
         self.procs.array[self.slot, P.PROC_STEP] = step_id + 1
 
+    def progressed(self, marks: int) -> None:
+        """Publish how many progress marks this process made so far (a worker's layers and
+        attention tiles: workers/progress.py), which the engine's bound on a step reads."""
+        self.procs.array[self.slot, P.PROC_MARKS] = marks
+
     def set_ready(self) -> None:
         self.ready.array[self.slot] = 1
         log.info("%s ready (pid %d)", self.name, os.getpid())
