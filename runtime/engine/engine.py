@@ -178,6 +178,11 @@ class Engine:
                     log.error("exiting: %s", why)
                     self.fail_all(f"the node failed: {why}")
                     return 1
+                if why := self.member.launcher_hung(TICK_S):  # the launcher reports it, if it runs again
+                    log.error("exiting: %s", why)
+                    self.member.record_error(why)
+                    self.fail_all(f"the node failed: {why}")
+                    return 1
             if self.stop.signal:
                 return self.abort()
             return self.shutdown()
