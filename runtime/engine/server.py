@@ -11,7 +11,11 @@ What a flood of messages cannot do: the thread stops reading once INBOX_MAX mess
 notices wait for the engine (malformed multi-frame messages count too), and libzmq's ROUTER
 takes messages from its connections fair-queued (one from each connection with messages waiting,
 in turn), so a well-behaved client's message waits behind at most INBOX_MAX others however many
-the flooders send; the engine handles a bounded batch of them per turn of its loop.
+the flooders send; the engine handles a bounded batch of them per turn of its loop. The rest of a
+flood waits in libzmq's queue of each connection, where the fair queuing applies: INBOX_MAX is
+kept small because a message in the inbox is served first come first served, so its size times
+the cost of a costly message (a hostile one of a thousand nested levels takes half a millisecond)
+is what another client waits.
 
 What a client cannot do to the engine's memory: a frame over `max_message_bytes` is refused by
 libzmq from its header, before anything is allocated (and the connection is dropped); a client
@@ -57,7 +61,7 @@ POLL_MS = 100  # longest the I/O thread blocks before checking whether it should
 
 
 PEER = b"\x00peer!"  # prefix of the identities under which messages from a P node's decode peers arrive
-INBOX_MAX = 1024  # client messages and notices waiting for the engine before the I/O thread stops reading more
+INBOX_MAX = 128  # client messages and notices waiting for the engine before the I/O thread stops reading more
 KEEPALIVE_IDLE_S = 10  # a connection silent this long gets TCP keep-alive probes ...
 KEEPALIVE_PROBES = 4   # ... this many, KEEPALIVE_IDLE_S / 2 apart, before TCP closes it
 UNACKED_MS = 30_000    # sent bytes unacknowledged this long: the peer is gone (TCP_USER_TIMEOUT)
