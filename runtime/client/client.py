@@ -25,6 +25,7 @@ info or reset request at once, so a client that hears nothing at all for `livene
 flight ends with an ErrorEvent of code SILENT (raised as RequestError by generate and stream;
 returned by poll) and its cancel is sent for the case the engine comes back; an info or reset
 request raises ClientError. Before the node has said anything, only the timeouts apply.
+
 `ttft_ms` and `e2e_ms` of a `Result` are measured here, from the send to the first token and to
 the FinishedEvent; the engine's own figures are kept as `engine_ttft_ms` / `engine_e2e_ms`.
 
