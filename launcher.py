@@ -77,6 +77,7 @@ def _threads(value: str) -> int:
 
 def _add_launch(sub) -> argparse.ArgumentParser:
     from kvrt.runtime.cache.policies.base import policy_names
+    from kvrt.runtime.client.api import PROBE_S
     from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S
     from kvrt.runtime.node.config import NodeConfig
 
@@ -153,8 +154,8 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                         "/tokenize, /detokenize, /version, /health, /metrics) on --host:H; needs --port (0 = off)")
     p.add_argument("--http-engine-timeout", type=float, default=ENGINE_TIMEOUT_S, metavar="S",
                    help=f"the HTTP server fails (504) every request in flight when the engine sends nothing at all "
-                        f"(not even its liveness probes, one a second) for S seconds: it is stopped, hung or "
-                        f"unreachable (default {ENGINE_TIMEOUT_S:g}; keep it above the longest step)")
+                        f"(not even its liveness probes, every {PROBE_S:g} s, steps or no steps) for S seconds: it is "
+                        f"stopped, hung or unreachable (default {ENGINE_TIMEOUT_S:g})")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model ids of the HTTP API, as vLLM's: requests may name any of them, /v1/models "
                    "reports the first (default: --model exactly as given, or kvrt-reference)")

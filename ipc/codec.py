@@ -8,6 +8,14 @@ A message type is a dataclass decorated with `@message("name", version)`. Fields
 `np.ndarray` travel as little-endian int32 bytes (block-id lists: one memcpy, no per-element
 encoding) and come back as read-only int32 arrays. A field with a default may be absent from
 a message (an older peer does not know a field added since) and then takes its default.
+
+Bounds on what decoding builds: msgpack refuses a string, binary, array or map that claims more
+entries or bytes than the message holds, and nesting past its own stack (1,024 levels); the
+message itself is bounded where it is read (a socket's or a ring's record limit). A decoder of
+untrusted messages also passes `max_depth`: the maps and arrays of a message then nest no deeper
+than that (MAX_DEPTH: our deepest, an answer's alternatives per position, takes four), so no code
+that later walks a field recursively can be driven into Python's recursion limit. The check walks
+every array once, so the engine's trusted rings and the clients' large answers do without it.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from kvrt.ipc.errors import ProtocolError
 
 T = TypeVar("T")
 _I32 = np.dtype("<i4")
+MAX_DEPTH = 16  # nesting of maps and arrays a decoder of untrusted messages accepts (the message's own map is 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +78,17 @@ class Codec:
             body[f] = np.ascontiguousarray(v, dtype=_I32).tobytes() if f in schema.arrays else v
         return msgpack.packb(body, use_bin_type=True)
 
-    def decode(self, data: bytes) -> Any:
-        """Bytes -> message object; anything unexpected raises ProtocolError (never crashes)."""
+    def decode(self, data: bytes, max_depth: int | None = None) -> Any:
+        """Bytes -> message object; anything unexpected raises ProtocolError (never crashes).
+        `max_depth`: refuse a message whose maps and arrays nest deeper (module docstring)."""
         try:
             body = msgpack.unpackb(data, raw=False, strict_map_key=True)
         except Exception as e:  # msgpack raises several unrelated types for bad input
-            raise ProtocolError(f"undecodable message ({len(data)} bytes): {e}") from None
+            raise ProtocolError(f"undecodable message ({len(data)} bytes): {type(e).__name__} {e}") from None
         if not isinstance(body, dict) or "t" not in body or "v" not in body:
             raise ProtocolError("message is not a map with a type and a version")
+        if max_depth is not None and not nests_within(body, max_depth):
+            raise ProtocolError(f"message nests maps and arrays more than {max_depth} levels deep")
         schema = self._by_name.get(body["t"]) if isinstance(body["t"], str) else None
         if schema is None:
             raise ProtocolError(f"unknown message type {body['t']!r}")
@@ -99,3 +111,18 @@ class Codec:
             return schema.cls(**kwargs)
         except (TypeError, ValueError) as e:
             raise ProtocolError(f"message {body['t']!r}: {e}") from None
+
+
+def nests_within(value: Any, max_depth: int) -> bool:
+    """Whether the maps and lists of `value` (as msgpack decodes them) nest at most `max_depth`
+    levels deep (`value` itself is level 1). Iterative: the walk itself cannot recurse too deep."""
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if level > max_depth:
+            return False
+        members = item.values() if type(item) is dict else item
+        kinds = set(map(type, members))  # (in C: lists of scalars cost one pass)
+        if list in kinds or dict in kinds:
+            stack.extend((m, level + 1) for m in members if type(m) is list or type(m) is dict)
+    return True

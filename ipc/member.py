@@ -4,6 +4,13 @@ flag, and the checks that tell it the node is gone.
 Every child (engine, worker, cache-transfer, cache-messager) joins the same way, so status
 readers find every process in one table and a child whose launcher died notices by itself
 (an orphan must exit, not spin: nobody will send it an order or unlink its memory).
+
+A launcher that is alive but stopped (SIGSTOP) or hung supervises nothing and serves no HTTP
+client; the engine tells it from a live one by its heartbeat (the NODE_STATUS word it writes on
+every round of its loop once the node runs), as the launcher tells a hung child: still for
+`launcher_hang_s` of the watcher's own running time (ipc/watchdog.py, so a node paused whole is
+not taken for it). Twice the children's hang timeout, and at least LAUNCHER_GRACE_S: the
+launcher's loop shares its process with the HTTP server, whose work may hold it up a little.
 """
 from __future__ import annotations
 
@@ -16,8 +23,10 @@ from kvrt.ipc.config import NodeConfig
 from kvrt.ipc.errors import IpcError
 from kvrt.ipc.registry import Registry, pid_alive, process_start_ms
 from kvrt.ipc.signals import Signal
+from kvrt.ipc.watchdog import Watchdog, pause_gap
 
 log = logging.getLogger(__name__)
+LAUNCHER_GRACE_S = 10.0  # the least time a launcher's heartbeat may stand still before it counts as hung
 
 
 class Member:
@@ -37,6 +46,8 @@ class Member:
         except IpcError:
             self.errors = None
         self._launcher = (reg.owner_pid, reg.owner_start_ms)
+        self.launcher_hang_s = max(2 * float(config.hang_timeout), LAUNCHER_GRACE_S)
+        self._launcher_watch: Watchdog[str] | None = None  # made by the first launcher_hung()
         pid = os.getpid()
         row = self.procs.array[self.slot]
         row[P.PROC_ROLE], row[P.PROC_RANK], row[P.PROC_START] = role, rank, process_start_ms(pid)
@@ -61,6 +72,11 @@ class Member:
         can say in which step."""
         self.procs.array[self.slot, P.PROC_STEP] = step_id + 1
 
+    def progressed(self, marks: int) -> None:
+        """Publish how many progress marks this process made so far (a worker's layers and
+        attention tiles: workers/progress.py), which the engine's bound on a step reads."""
+        self.procs.array[self.slot, P.PROC_MARKS] = marks
+
     def set_ready(self) -> None:
         self.ready.array[self.slot] = 1
         log.info("%s ready (pid %d)", self.name, os.getpid())
@@ -82,6 +98,22 @@ class Member:
         if self.role != P.ROLE_ENGINE and self.ready.array[0] and not self.engine_alive():
             return "engine is gone"
         return ""
+
+    def launcher_hung(self, poll_s: float) -> str:
+        """Why the node must stop because its launcher's heartbeat stood still (module docstring;
+        '' while it beats, and before the node runs). Call it once a round of a loop of period
+        `poll_s`."""
+        if self._launcher_watch is None:
+            self._launcher_watch = Watchdog(pause_gap(self.launcher_hang_s, poll_s))
+        self._launcher_watch.tick()
+        status = self.status.array
+        if int(status[P.ST_NODE]) != P.NODE_RUNNING:
+            return ""
+        still = self._launcher_watch.observe("launcher", int(status[P.ST_LAUNCHER_BEAT]))
+        if still < self.launcher_hang_s:
+            return ""
+        return (f"the launcher (pid {self._launcher[0]}) made no progress for {still:.1f}s (it is stopped or hung: "
+                f"nobody supervises the node or serves its HTTP clients)")
 
     def record_error(self, text: str) -> None:
         """Leave this process's fatal error where the launcher reads it: the launcher reports

@@ -22,7 +22,7 @@ PROTOCOL_VERSION = 4
 
 # ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
 CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
-PROCS = "procs"              # int64[slots, PROC_FIELDS]: pid, role, rank, start_ms, step + 1 (0: none)
+PROCS = "procs"              # int64[slots, PROC_FIELDS]: pid, role, rank, start_ms, step + 1 (0: none), marks
 HEARTBEAT = "heartbeat"      # int64[slots]: CLOCK_MONOTONIC ns of each process's last beat
 READY = "ready"              # int32[slots]: 1 once a process is up
 NODE_STATUS = "node_status"  # int64[STATUS_FIELDS]: node state, launcher heartbeat
@@ -84,8 +84,8 @@ def from_worker(rank: int) -> str:
 ROLE_ENGINE, ROLE_WORKER, ROLE_TRANSFER, ROLE_MESSAGER = 1, 2, 3, 4
 ROLE_NAMES = {ROLE_ENGINE: "engine", ROLE_WORKER: "worker", ROLE_TRANSFER: "cache-transfer",
               ROLE_MESSAGER: "cache-messager"}
-PROC_PID, PROC_ROLE, PROC_RANK, PROC_START, PROC_STEP = range(5)
-PROC_FIELDS = 5
+PROC_PID, PROC_ROLE, PROC_RANK, PROC_START, PROC_STEP, PROC_MARKS = range(6)
+PROC_FIELDS = 6  # PROC_MARKS: a worker's progress marks so far (workers/progress.py), the engine's step bound
 
 
 EXIT_ORPHAN = 3  # a child's exit status when it left because the engine or launcher was gone:
@@ -238,6 +238,7 @@ STATS = (
     "storage_forged",  # storage objects without a valid MAC (planted, or another group's) answered as misses
     "pd_early_blocks", "pd_early_bytes",  # P->D blocks sent while the prefill still ran
     "recomputed_prompt_tokens",  # prompt positions run again for a request (after a preemption)
+    "intake_errors",  # client or peer messages whose handling raised: each answered with an error, the engine went on
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 

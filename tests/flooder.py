@@ -35,3 +35,44 @@ def flood(address: str, messages: list[list[bytes]], seconds: float, sockets: in
                     break
     ctx.destroy(linger=0)
     return sent / seconds
+
+
+def flood_then_close(address: str, messages: list[list[bytes]], sockets: int, close_after: tuple[float, float],
+                     handshake_s: float = 5.0) -> int:
+    """Flood from `sockets` DEALERs, socket i closing (at once, dropping what it did not read)
+    `close_after[0] + i * step` s after its own ZeroMQ handshake, the times spread evenly up to
+    `close_after[1]`; returns the messages sent. A socket that sends faster than the node reads
+    fills its queue there, so each closes while the node has stopped reading it."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    ctx = zmq.Context()
+    lo, hi = close_after
+    live: list[tuple[zmq.Socket, float]] = []
+    for i in range(sockets):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        s.connect(address)
+        if not monitor.poll(int(handshake_s * 1000)):
+            raise TimeoutError(f"no ZeroMQ handshake with {address} within {handshake_s} s")
+        recv_monitor_message(monitor)
+        s.disable_monitor()
+        monitor.close(linger=0)
+        live.append((s, time.monotonic() + lo + (hi - lo) * i / max(sockets - 1, 1)))
+    sent, i = 0, 0
+    while live:
+        now = time.monotonic()
+        for entry in list(live):
+            s, close_at = entry
+            if now >= close_at:
+                s.close(linger=0)
+                live.remove(entry)
+                continue
+            try:
+                s.send_multipart(messages[i % len(messages)], zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                pass
+            i += 1
+    ctx.destroy(linger=0)
+    return sent

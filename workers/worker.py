@@ -67,8 +67,15 @@ class Worker:
         [self.orders], [self.answers] = topo.receivers(child.reg, me), topo.senders(child.reg, me)
         self.progress = Progress()
         self.model.beat = self.progress.mark  # the model marks its progress; the helper beats for it
-        self.beater = ProgressBeat(self.progress, child.member.beat, beat_period(cfg.hang_timeout),
+        self.beater = ProgressBeat(self.progress, self._beat, beat_period(cfg.hang_timeout),
                                    cfg.hang_timeout).start()
+
+    def _beat(self) -> None:
+        """The helper thread's beat: the heartbeat (the launcher's hang watch) and the marks so
+        far (the engine's bound on the step in flight: runtime/engine/step_runner.py)."""
+        member = self.child.member
+        member.beat()
+        member.progressed(self.progress.marks)
 
     def serve(self) -> int:
         log.info("serving %s: %d device blocks, model %s, ownership checks %s", self.orders.name,

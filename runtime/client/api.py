@@ -17,7 +17,9 @@ read, and the connection with them), request ids of at most MAX_REQUEST_ID_BYTES
 characters, MAX_REQUESTS_PER_CLIENT requests in flight (per name it sends them on behalf of), and a client that stops reading until
 CLIENT_QUEUE answers wait for it has its requests cancelled (ErrorEvent SLOW_CLIENT, sent once
 it reads again). A client that disconnects has its requests cancelled. The engine checks
-connections by sending an empty message now and then: clients ignore empty messages.
+connections by sending an empty message every PROBE_S to each client with requests in flight:
+clients ignore empty messages, but take a node that sent nothing at all for LIVENESS_S, while
+they wait for its answer, as stopped, hung or gone (runtime/client/client.py).
 
 The messages P/D peers exchange on the same socket are in runtime/pd/messages.py, registered
 with this codec.
@@ -40,6 +42,7 @@ FAILED = "failed"              # the engine could not finish it (lost KV, transf
 STOPPING = "stopping"          # the node is shutting down and takes no new requests
 SLOW_CLIENT = "slow_client"    # the client did not read its answers: its requests were cancelled
 TOO_MANY = "too_many_requests"  # the client already has MAX_REQUESTS_PER_CLIENT requests in flight
+SILENT = "node_silent"         # (the client's own) the node sent nothing for LIVENESS_S while the request was in flight
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_ON_BEHALF_OF_BYTES = 256
@@ -49,6 +52,8 @@ MESSAGE_SLACK = 64 << 10      # a message's bytes besides its token ids (keys, i
 MAX_TOP_LOGPROBS = 20         # alternatives per position, as OpenAI's and vLLM's APIs allow
 MAX_LOGIT_BIAS = 1024         # tokens one request may bias
 MAX_CACHE_SALT_BYTES = 256    # a request's cache_salt, as UTF-8
+PROBE_S = 0.5                 # the engine sends each client with requests in flight an empty message this often
+LIVENESS_S = 4 * PROBE_S      # a node silent this long while a client waits for its answer is stopped, hung or gone
 
 
 def max_message_bytes(max_model_len: int) -> int:

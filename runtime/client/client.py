@@ -17,6 +17,15 @@ pickle). Answers carry the request id, so one client keeps many requests in flig
 Every wait has a timeout (the client's `timeout` unless given): the longest silence tolerated
 while waiting for one answer. A node that does not answer raises `ClientError` naming the address
 and the wait, never a hang; an ErrorEvent from the engine raises `RequestError(code, message)`.
+
+A node that was heard from and then goes silent is told apart from a slow one: the engine sends
+an empty message every PROBE_S (0.5 s) to each client with requests in flight, and answers an
+info or reset request at once, so a client that hears nothing at all for `liveness` seconds
+(LIVENESS_S, 2 s) while it waits takes the engine as stopped, hung or gone: every request in
+flight ends with an ErrorEvent of code SILENT (raised as RequestError by generate and stream;
+returned by poll) and its cancel is sent for the case the engine comes back; an info or reset
+request raises ClientError. Before the node has said anything, only the timeouts apply.
+
 `ttft_ms` and `e2e_ms` of a `Result` are measured here, from the send to the first token and to
 the FinishedEvent; the engine's own figures are kept as `engine_ttft_ms` / `engine_e2e_ms`.
 
@@ -43,7 +52,8 @@ import zmq
 from kvrt.ipc.errors import ProtocolError
 from kvrt.runtime.client.api import (API, CancelRequest, ErrorEvent, FinishedEvent, GenerateRequest, InfoReply,
                          InfoRequest, Outcome, ResetPrefixCacheReply, ResetPrefixCacheRequest, TokenEvent,
-                         MESSAGE_SLACK, cache_salt_problem, max_message_bytes, request_id_problem)
+                         LIVENESS_S, MESSAGE_SLACK, PROBE_S, SILENT, cache_salt_problem, max_message_bytes,
+                         request_id_problem)
 from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
@@ -150,6 +160,7 @@ class _Req:
     owned: bool                     # consumed by a Generation, never returned by poll()
     t_first: float | None = None
     queue: deque = field(default_factory=deque)  # events of an owned request
+    sent: float = field(default_factory=time.monotonic)  # (the clock of last_heard)
 
 
 def address_of(address: str | int, host: str = DEFAULT_HOST) -> str:
@@ -187,13 +198,19 @@ class Client:
     """A connection to one node's client API. See the module docstring."""
 
     def __init__(self, address: str | int, timeout: float = DEFAULT_TIMEOUT, *, host: str = DEFAULT_HOST,
-                 connect_timeout: float | None = None):
+                 connect_timeout: float | None = None, liveness: float | None = LIVENESS_S):
         """`connect_timeout`: if given, wait up to that many seconds for the node's socket to
         accept the connection and complete the ZeroMQ handshake, and raise ClientError naming
         the address and what went wrong otherwise (ZeroMQ itself would retry silently, and the
-        first request would wait its whole `timeout`)."""
+        first request would wait its whole `timeout`). `liveness`: the node's longest silence
+        tolerated while an answer is awaited, once it was heard from (module docstring; None:
+        only the timeouts)."""
+        if liveness is not None and not liveness > PROBE_S:
+            raise ValueError(f"liveness must be above the engine's probe interval {PROBE_S:g} s (or None), "
+                             f"got {liveness!r}")
         self.address = address_of(address, host)
         self.timeout = float(timeout)
+        self.liveness = liveness
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -220,6 +237,7 @@ class Client:
         self._model_len: int | None = None  # the node's max_model_len, once asked
         self._reqs: dict[str, _Req] = {}
         self.last_heard = time.monotonic()  # when the node last sent anything (its liveness probes included)
+        self._heard = False               # whether it ever did (before, a silence says nothing about it)
         self._pending: deque = deque()    # events for poll()
         self._replies: dict[int, InfoReply | ResetPrefixCacheReply] = {}  # by nonce
         self.protocol_errors = 0
@@ -284,13 +302,17 @@ class Client:
         timeout = self._timeout(timeout)
         nonce = next(self._nonces)
         self._send(kind(nonce=nonce), f"{what} request")
-        deadline = time.monotonic() + timeout
+        sent = time.monotonic()
+        deadline = sent + timeout
         while nonce not in self._replies:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ClientError(f"no {what} reply from {self.address} within {timeout:g} s: is a kvrt node "
                                   f"serving its client API there (kvrt launch --port P)?{self._proto_note()}")
-            self._pump(left)
+            if quiet := self._silent(sent):
+                raise ClientError(f"{self.address} sent nothing for {quiet:.1f} s while its {what} reply was "
+                                  f"awaited (a live node answers at once): {self._gone}")
+            self._pump(self._slice(left))
         reply = self._replies.pop(nonce)
         self._replies.clear()  # late replies to questions that timed out
         return reply
@@ -312,7 +334,10 @@ class Client:
         deadline = time.monotonic() + max(timeout, 0.0)
         while not self._pending:
             left = deadline - time.monotonic()
-            if not self._pump(max(left, 0.0)) and left <= 0:
+            if not self._pump(self._slice(max(left, 0.0))) and self._reqs and \
+                    (quiet := self._silent(min(r.sent for r in self._reqs.values()))):
+                self._end_all(quiet)
+            elif left <= 0:
                 break
         else:
             self._pump(0.0)  # also take what already arrived
@@ -419,6 +444,7 @@ class Client:
         if not self._sock.poll(int(timeout * 1000) if timeout > 0 else 0, zmq.POLLIN):
             return False
         self.last_heard = time.monotonic()
+        self._heard = True
         for _ in range(10_000):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -472,8 +498,38 @@ class Client:
             if left <= 0:
                 raise ClientError(f"no answer from {self.address} within {timeout:g} s: waited for {what} "
                                   f"of request {request_id}{self._proto_note()}")
-            self._pump(left)
+            if not self._pump(self._slice(left)) and (quiet := self._silent(req.sent)):
+                self._end_all(quiet)
         return req.queue.popleft()
+
+    # ---- the node's liveness ---------------------------------------------------------------
+    _gone = "its engine is stopped, hung or gone"
+
+    def _silent(self, since: float) -> float:
+        """The node's silence in seconds, once it passed `liveness` while an answer has been
+        awaited since `since` (monotonic); 0.0 within it, with liveness off, or before the
+        node was ever heard from."""
+        if self.liveness is None or not self._heard:
+            return 0.0
+        quiet = time.monotonic() - max(self.last_heard, since)
+        return quiet if quiet > self.liveness else 0.0
+
+    def _slice(self, left: float) -> float:
+        """How long one wait for messages may block: short enough to see a silence in time."""
+        return left if self.liveness is None else min(left, self.liveness / 4)
+
+    def _end_all(self, quiet: float) -> None:
+        """The node fell silent: every request in flight ends with an ErrorEvent SILENT (owned
+        ones in their own queue), and its cancel is sent for the case the engine comes back."""
+        why = (f"{self.address} sent nothing for {quiet:.1f} s while the request was in flight (a live node "
+               f"sends each client with requests in flight a message every {PROBE_S:g} s): {self._gone}")
+        for rid, req in list(self._reqs.items()):
+            del self._reqs[rid]
+            (req.queue if req.owned else self._pending).append(ErrorEvent(rid, SILENT, why))
+            try:
+                self.cancel(rid)
+            except ClientError:
+                pass
 
 
 def _result(msg: FinishedEvent, req: _Req, now: float) -> Result:

@@ -5,12 +5,21 @@ a cancel, an info or reset request, a peer's handshake to a node that takes none
 frame, a client gone or not reading) happens on the engine thread, here, once per turn of the
 loop. A request that passes intake goes to the connector or the scheduler; every refusal is
 one clear error event and changes nothing.
+
+Any message survives: whatever its handling raises (a peer's or a client's, a bug of ours, a
+recursion or memory error on a hostile value) becomes that message's error answer, counted and
+logged, and the engine goes on with the next message; no exception of one message ends the
+process that every client and request shares. Untrusted messages are decoded with a nesting
+bound (ipc/codec.py), and a turn handles at most TAKE_MAX of them and for at most TAKE_S, so
+messages that are costly to decode (big hostile maps) cannot hold the loop either.
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
 
+from kvrt.ipc.codec import MAX_DEPTH
 from kvrt.ipc.errors import ProtocolError
 from kvrt.runtime.cache.keys import salted_root
 from kvrt.runtime.cache.prefix_cache import PrefixCache
@@ -29,7 +38,8 @@ from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.connector import KVConnector
 
 log = logging.getLogger("kvrt.engine")
-TAKE_MAX = 256  # client messages handled per take_in (twice per turn of the loop)
+TAKE_MAX = 256  # client messages handled per take_in (twice per turn of the loop) ...
+TAKE_S = 0.05   # ... and for at most this long (then the rest wait for the next turn)
 PEER_ONLY = (wire.PdPrealloc, wire.PdKvReady, wire.PdAbort, wire.PdAllocated, wire.PdWelcome, wire.PdRefused,
              wire.PdPing, wire.PdPong)  # valid only inside (or to open) an authenticated peer session
 
@@ -63,24 +73,51 @@ class ClientApi:
         if server is None:
             return False
         notices, inbox = server.notices, server.inbox
+        deadline = time.monotonic() + TAKE_S
         while notices and limit > 0:
-            self._on_notice(notices.popleft())
+            notice = notices.popleft()
             limit -= 1
-        while inbox and limit > 0:
+            try:
+                self._on_notice(notice)
+            except Exception as e:  # noqa: BLE001 - one notice's failure never ends the engine
+                self._failed(notice.client, f"{notice.kind} notice", e)
+        while inbox and limit > 0 and time.monotonic() < deadline:
             limit -= 1
             client, data = inbox.popleft()
             if not data:
                 continue  # a liveness probe (a decode node probes its prefill node too)
             try:
-                msg = api.API.decode(data)
-            except ProtocolError as e:
-                self.stats.count("protocol_errors")
-                self.clients.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"malformed message: {str(e)[:200]}"))
-                continue
-            if not self.connector.on_peer_message(client, msg):
-                self._handlers.get(type(msg), self._not_a_request)(client, msg)
+                self._take(client, data)
+            except Exception as e:  # noqa: BLE001 - one message's failure is its own answer (module docstring)
+                self._failed(client, f"message of {len(data)} bytes", e)
         self.clients.probe()
         return bool(notices or inbox)
+
+    def _take(self, client: bytes, data: bytes) -> None:
+        """One message from a client or a peer, to its handler (a malformed one gets an error)."""
+        try:
+            msg = api.API.decode(data, max_depth=MAX_DEPTH)
+        except ProtocolError as e:
+            self.stats.count("protocol_errors")
+            self.clients.reply(client, api.ErrorEvent("", api.BAD_REQUEST, f"malformed message: {str(e)[:200]}"))
+            return
+        try:
+            if not self.connector.on_peer_message(client, msg):
+                self._handlers.get(type(msg), self._not_a_request)(client, msg)
+        except Exception as e:  # noqa: BLE001 - answered for the request it names (module docstring)
+            rid = getattr(msg, "request_id", "")
+            self._failed(client, type(msg).__name__, e, "" if api.request_id_problem(rid) else rid)
+
+    def _failed(self, client: bytes, what: str, e: Exception, request_id: str = "") -> None:
+        """The answer to a message whose handling raised: an error naming the exception's type
+        (its text may quote the hostile value), counted, and logged with its traceback."""
+        self.stats.count("intake_errors")
+        log.warning("a client's %s could not be handled: %s", what, type(e).__name__, exc_info=True)
+        try:
+            self.clients.reply(client, api.ErrorEvent(request_id, api.BAD_REQUEST, f"the node could not handle "
+                                                      f"this {what} ({type(e).__name__}; see the node's log)"))
+        except Exception:  # noqa: BLE001 - the answer itself failed (a broken peer session): logged above
+            log.warning("no error answer could be sent for it", exc_info=True)
 
     def on_generate(self, client: bytes, req: api.GenerateRequest) -> None:
         rid, reply = req.request_id, self.clients.reply

@@ -20,7 +20,8 @@ from kvrt.runtime.engine.stats import EngineStats
 from kvrt.runtime.pd.connector import KVConnector
 
 log = logging.getLogger("kvrt.engine")
-PROBE_S = 1.0  # how often each client with requests in flight is checked for a live connection
+PROBE_S = api.PROBE_S  # how often each client with requests in flight is probed: its connection checked, and
+                       # the client told the engine is alive (a silence of api.LIVENESS_S means it is not)
 
 
 class Clients:

@@ -114,7 +114,10 @@ class Engine:
         sync = OwnerSync(self.owners, self.cache, self.sched, self.connector)
         self.tasks = CacheTasks(self.transfer, self.cache, self.sched, self.storage, sync, self.stats,
                                 self.metrics, cfg.storage)
-        self.steps = StepRunner(cfg, self.to_workers, self.sched, self.clients, sync, self.stats, TICK_S)
+        workers = [P.slot_of(cfg.tp, P.ROLE_WORKER, r) for r in range(cfg.tp)]
+        procs = member.procs.array
+        self.steps = StepRunner(cfg, self.to_workers, self.sched, self.clients, sync, self.stats, TICK_S,
+                                marks=lambda: tuple(procs[workers, P.PROC_MARKS].tolist()))
         self.api = ClientApi(cfg, self.clients, self.sched, self.cache, self.connector, self.tasks, self.stats,
                              self.grammars)
         self.answers = RankInbox(self.fan, self.inbound, {P.StepResult: self.steps.on_result,
@@ -175,6 +178,11 @@ class Engine:
                 self.step()
                 if why := self.member.orphaned():
                     log.error("exiting: %s", why)
+                    self.fail_all(f"the node failed: {why}")
+                    return 1
+                if why := self.member.launcher_hung(TICK_S):  # the launcher reports it, if it runs again
+                    log.error("exiting: %s", why)
+                    self.member.record_error(why)
                     self.fail_all(f"the node failed: {why}")
                     return 1
             if self.stop.signal:

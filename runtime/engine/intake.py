@@ -6,6 +6,7 @@ run to the end on this node, alone if need be, so the scheduler never meets one 
 from __future__ import annotations
 
 import math
+import reprlib
 import secrets
 
 import numpy as np
@@ -17,10 +18,14 @@ from kvrt.runtime.engine.grammars import guided_problem
 from kvrt.runtime.node.config import NodeConfig
 
 
+_NESTED = reprlib.Repr()  # a container's repr a few levels deep at most: a nested one cannot recurse far
+
+
 def show(value: object, limit: int = 40) -> str:
     """A value as an error message may quote it: its repr, cut short (a hostile value can be
-    as long as a whole message), and its type (True and 1 look alike otherwise)."""
-    r = repr(value)
+    as long as a whole message, and nest as deep as one), and its type (True and 1 look alike
+    otherwise)."""
+    r = _NESTED.repr(value) if isinstance(value, (list, tuple, dict, set)) else repr(value)
     if len(r) > limit:
         r = r[:limit - 3] + "..."
     return f"{r} ({type(value).__name__})"
@@ -108,6 +113,7 @@ def sampling_of(req: object) -> dict:
                 top_logprobs=int(req.top_logprobs), logit_bias={int(t): float(b) for t, b in req.logit_bias},
                 min_tokens=int(req.min_tokens), repetition_penalty=float(req.repetition_penalty),
                 frequency_penalty=float(req.frequency_penalty), presence_penalty=float(req.presence_penalty))
+
 
 
 def validate(req: GenerateRequest, cfg: NodeConfig) -> str:

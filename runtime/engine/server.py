@@ -11,7 +11,11 @@ What a flood of messages cannot do: the thread stops reading once INBOX_MAX mess
 notices wait for the engine (malformed multi-frame messages count too), and libzmq's ROUTER
 takes messages from its connections fair-queued (one from each connection with messages waiting,
 in turn), so a well-behaved client's message waits behind at most INBOX_MAX others however many
-the flooders send; the engine handles a bounded batch of them per turn of its loop.
+the flooders send; the engine handles a bounded batch of them per turn of its loop. The rest of a
+flood waits in libzmq's queue of each connection, where the fair queuing applies: INBOX_MAX is
+kept small because a message in the inbox is served first come first served, so its size times
+the cost of a costly message (a hostile one of a thousand nested levels takes half a millisecond)
+is what another client waits.
 
 What a client cannot do to the engine's memory: a frame over `max_message_bytes` is refused by
 libzmq from its header, before anything is allocated (and the connection is dropped); a client
@@ -21,11 +25,22 @@ request it cancels for that reason), which wait here until the client reads agai
 
 How a disconnect is seen: ROUTER_MANDATORY makes a send to a routing id without a connection
 fail (EHOSTUNREACH) instead of vanishing, and the engine sends an empty message to each client
-with requests in flight every second, so every vanished client shows up within a second.
-ZMQ_ROUTER_NOTIFY would say it directly but is a draft option, absent from released libzmq
-builds; a socket monitor names file descriptors, not routing ids, and descriptor numbers are
-reused; client keep-alives would cancel the requests of a live client that is merely busy.
-ZMTP heartbeats close a connection whose peer machine vanished without closing it.
+with requests in flight every PROBE_S (runtime/engine/clients.py), so every vanished client shows
+up within that. ZMQ_ROUTER_NOTIFY would say it directly but is a draft option, absent from
+released libzmq builds; a socket monitor names file descriptors, not routing ids, and descriptor
+numbers are reused; client keep-alives would cancel the requests of a live client that is merely
+busy. A connection whose peer machine vanished without closing it is closed by TCP itself: keep-
+alive probes once it has been idle for KEEPALIVE_IDLE_S, and a limit on how long sent bytes may
+stay unacknowledged (TCP_USER_TIMEOUT, libzmq's TCP_MAXRT) while answers are on their way.
+
+Why no ZMTP heartbeats (libzmq's HEARTBEAT_IVL): libzmq 4.3 aborts the whole process on them.
+Back-pressure (the thread above stops reading, a connection's queue reaches its high-water mark)
+stops libzmq's reading of that connection; if the peer then resets the connection, libzmq marks
+the stopped connection failed but keeps it until its queue drains, and the next heartbeat timer
+of that connection writes on it and trips `Assertion failed: !_io_error
+(src/stream_engine_base.cpp:310)`. Floods from several sockets that close within a heartbeat
+interval of their handshake did exactly that (tests/runtime/engine/test_flood.py); without the
+timer, the failed connection is cleaned up when its queue drains.
 """
 from __future__ import annotations
 
@@ -46,9 +61,10 @@ POLL_MS = 100  # longest the I/O thread blocks before checking whether it should
 
 
 PEER = b"\x00peer!"  # prefix of the identities under which messages from a P node's decode peers arrive
-INBOX_MAX = 1024  # client messages and notices waiting for the engine before the I/O thread stops reading more
-HEARTBEAT_IVL_MS = 5_000
-HEARTBEAT_TIMEOUT_MS = 30_000
+INBOX_MAX = 128  # client messages and notices waiting for the engine before the I/O thread stops reading more
+KEEPALIVE_IDLE_S = 10  # a connection silent this long gets TCP keep-alive probes ...
+KEEPALIVE_PROBES = 4   # ... this many, KEEPALIVE_IDLE_S / 2 apart, before TCP closes it
+UNACKED_MS = 30_000    # sent bytes unacknowledged this long: the peer is gone (TCP_USER_TIMEOUT)
 _KEEP = b"k"  # third frame of an answer on the inproc pair: keep it for a client that is not reading
 
 # what the I/O thread tells the engine about a client (ClientNotice.kind)
@@ -90,8 +106,11 @@ class ApiServer:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends fail (never block) for gone or full clients
         self._router.setsockopt(zmq.SNDHWM, client_queue)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._router.setsockopt(zmq.TCP_KEEPALIVE, 1)  # (never ZMTP heartbeats: module docstring)
+        self._router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        self._router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_IDLE_S // 2)
+        self._router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
+        self._router.setsockopt(zmq.TCP_MAXRT, UNACKED_MS)
         try:
             self._router.bind(self.address)
         except zmq.ZMQError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -28,17 +29,26 @@ from kvrt.runtime.node.config import NodeConfig
 log = logging.getLogger("kvrt.engine")
 
 
-# Before any big step was answered, the rank timeout is taken to cover a step of this many
-# (token x context) position pairs (a 2,048-token prompt); a bigger one gets proportionally longer
+# A step is overdue only once both bounds have passed: its worker ranks made no progress (no
+# mark: a layer, a key tile of attention, a block of prompt scores; workers/progress.py) for the
+# progress bound, and it ran longer than its size suggests. The progress bound is --rank-timeout,
+# or SLACK times the longest stretch without a mark that an answered step ever had, if longer: it
+# is learned from what the workers measurably did, and it holds however loaded the machine is,
+# since a slower machine makes its marks further apart but still makes them (the first long step
+# of a deep model under load is many marks, each well inside the bound). The size bound only keeps
+# a step that makes no marks for a while but is short for its size (a GPU step whose host has
+# queued every layer and waits for the device) from being cut on the progress bound alone:
+# --rank-timeout plus SLACK times the slowest seconds per unit of work seen, before any the rank
+# timeout per FIRST_STEP_WORK.
+SLACK = 4.0  # a stretch without progress, or a step per unit of work, may be this many times the longest seen
 FIRST_STEP_WORK = float(1 << 22)
-SLACK = 4.0  # a step may take this many times as long per unit of work as the slowest one seen
 LEARN_WORK = 1 << 16  # a step smaller than this is mostly fixed costs: its speed is not learned
 # On a GPU the workers compile a kernel at its first use (CuPy, for each dtype and shape class;
-# seconds each where the kernel cache is empty, a fresh machine's case). The worker's warm-up
-# compiles what a short batch needs, yet a node's first steps still meet new shapes: each of its
-# first COMPILE_STEPS steps may take COMPILE_ALLOWANCE_S longer. A worker stopped or blocked is
-# still found by its heartbeat within --hang-timeout; this only delays the case of a worker that
-# spins forever inside one of its very first steps.
+# seconds each where the kernel cache is empty, a fresh machine's case): compiling makes no mark.
+# The worker's warm-up compiles what a short batch needs, yet a node's first steps still meet new
+# shapes: each of its first COMPILE_STEPS steps may go COMPILE_ALLOWANCE_S longer without
+# progress. A worker stopped or blocked is still found by its heartbeat within --hang-timeout;
+# this only delays the case of a worker that spins forever inside one of its very first steps.
 COMPILE_STEPS = 1000
 COMPILE_ALLOWANCE_S = 60.0
 
@@ -56,23 +66,29 @@ class StepTimeout(RuntimeError):
 class StepRunner:
     """The step in flight between the scheduler and the worker ranks. `tick_s` is the loop's
     turn: a node paused whole with a step in flight goes on with it when resumed, since the
-    deadline counts the engine's own running time."""
+    bounds count the engine's own running time. `marks()` gives each worker rank's progress
+    marks as its process published them (ipc/member.py); none: the progress bound alone never
+    passes while the size bound has not."""
 
     def __init__(self, cfg: NodeConfig, to_workers: list[Sender], sched: Scheduler, clients: Clients,
-                 owners: OwnerSync, stats: EngineStats, tick_s: float):
+                 owners: OwnerSync, stats: EngineStats, tick_s: float,
+                 marks: Callable[[], tuple[int, ...]] = tuple):
         self.cfg = cfg
         self.to_workers = to_workers
         self.sched = sched
         self.clients = clients
         self.owners = owners
         self.stats = stats
+        self._marks = marks
         self._answers: RankGroup[P.StepResult] | None = None  # answers to the step in flight
         self._watch: Watchdog[str] = Watchdog(pause_gap(cfg.rank_timeout, tick_s))
         self._s_per_work = 0.0  # the slowest seconds per unit of work of any answered step (0: none yet)
+        self._longest_still = 0.0  # the longest stretch without progress of any answered step
+        self._still = 0.0       # the longest one of the step in flight so far
         self._work = 0          # the work of the step in flight
         self._launched = 0.0
         self._answered = 0      # steps every rank answered so far
-        self.deadline_s = cfg.rank_timeout  # how long the step in flight may take
+        self.deadline_s = cfg.rank_timeout  # how long the step in flight may take by its size
 
     def launch(self, step: Step) -> None:
         """Send `step` to every worker rank (checked against the block owners in debug mode)."""
@@ -108,6 +124,7 @@ class StepRunner:
         self._work = step_work(step.chunks, step.starts)
         self._launched = time.monotonic()
         self.deadline_s = self.deadline_for(self._work)
+        self._still = 0.0
         self._answers = RankGroup(self.cfg.tp, math.inf)  # overdue by the watch instead
         self.stats.count("steps")
 
@@ -121,6 +138,7 @@ class StepRunner:
             return
         self._answers = None
         self._answered += 1
+        self._longest_still = max(self._longest_still, self._still, self._progress(step.step_id))
         if self._work >= LEARN_WORK:
             self._s_per_work = max(self._s_per_work, (time.monotonic() - self._launched) / self._work)
         errors = [a.error for a in answers.answers if a.error]
@@ -134,29 +152,40 @@ class StepRunner:
                                                       _alternatives(step, first)))
 
     def deadline_for(self, work: int) -> float:
-        """How long a step of `work` may take: --rank-timeout, plus SLACK times what the slowest
-        big step (LEARN_WORK) answered so far took per unit of work (before any: the rank timeout per
-        FIRST_STEP_WORK). A step of thousands of prompt tokens takes far longer than a decode step,
-        and the worker's progress (its heartbeat) already shows it is not stuck; this deadline
-        bounds a worker that runs but never finishes. A GPU node's first steps may also compile
-        kernels (COMPILE_ALLOWANCE_S)."""
+        """The size bound of a step of `work`: --rank-timeout, plus SLACK times what the slowest
+        big step (LEARN_WORK) answered so far took per unit of work (before any: the rank timeout
+        per FIRST_STEP_WORK). Alone it stops nothing (module comment)."""
         cfg = self.cfg
         per_work = SLACK * self._s_per_work if self._s_per_work else cfg.rank_timeout / FIRST_STEP_WORK
-        compiling = COMPILE_ALLOWANCE_S if cfg.device == "cuda" and self._answered < COMPILE_STEPS else 0.0
-        return cfg.rank_timeout + per_work * work + compiling
+        return cfg.rank_timeout + per_work * work
+
+    def stall_s(self) -> float:
+        """How long the step in flight may go without a progress mark of any worker rank:
+        --rank-timeout, or SLACK times the longest stretch without one of the steps answered so
+        far when that is longer; a GPU node's first steps may also compile kernels."""
+        compiling = COMPILE_ALLOWANCE_S if self.cfg.device == "cuda" and self._answered < COMPILE_STEPS else 0.0
+        return max(self.cfg.rank_timeout, SLACK * self._longest_still) + compiling
+
+    def _progress(self, step_id: int) -> float:
+        """The engine's running seconds since a worker rank last made progress in step `step_id`."""
+        return self._watch.observe("progress", (step_id, self._marks()))
 
     def check_deadline(self) -> None:
-        """StepTimeout once the step in flight has waited its deadline (`deadline_for`) of the
-        engine's running time for an answer (one round of the watch per call: once per turn of
-        the loop); its requests are told first."""
+        """StepTimeout once the step in flight is overdue: no progress for `stall_s()` and longer
+        than its size bound, both in the engine's running time (one round of the watch per call:
+        once per turn of the loop); its requests are told first."""
         self._watch.tick()
         step, answers = self.sched.inflight, self._answers
         if step is None or answers is None:
             return
-        if self._watch.observe("step", step.step_id) < self.deadline_s:
+        still = self._progress(step.step_id)
+        self._still = max(self._still, still)
+        ran = self._watch.observe("step", step.step_id)
+        if still < self.stall_s() or ran < self.deadline_s:
             return
-        why = (f"worker rank(s) {answers.missing()} did not answer step {step.step_id} "
-               f"within {self.deadline_s:.3g}s")
+        why = (f"worker rank(s) {answers.missing()} did not answer step {step.step_id}: no progress for "
+               f"{still:.3g}s (the bound: {self.stall_s():.3g}s), {ran:.3g}s in all (a step of its size: "
+               f"{self.deadline_s:.3g}s)")
         for seq in step.seqs:
             self.clients.reply(seq.client, api.ErrorEvent(seq.request_id, api.FAILED, why))
         raise StepTimeout(why)

@@ -9,7 +9,10 @@ and every other refusal comes back from the compile process as the request's 400
 """
 from __future__ import annotations
 
+from kvrt.ipc import json_bounds
+
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call")
+JSON_KINDS = ("json_schema", "choice", "tool_call")  # whose spec is JSON text
 MAX_SPEC_BYTES = 64 << 10  # a spec larger than this is no structured-output spec
 
 
@@ -39,6 +42,8 @@ def guided_problem(guided: object) -> str:
         return f"guided spec is longer than {MAX_SPEC_BYTES} bytes"
     if kind != "json_object" and not spec:
         return f"guided {kind} is empty"
+    if kind in JSON_KINDS:  # its depth bounded before any parser (ours or outlines-core's) reads it
+        return json_bounds.problem(spec, MAX_SPEC_BYTES, what=f"guided {kind}")
     return ""
 
 

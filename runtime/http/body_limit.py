@@ -17,6 +17,11 @@ could deadlock) and is not read further until it has it (the client waits, TCP h
 the room is free again once the body is in, and a body that finds none before its deadline gets
 a 503 "over capacity". One body alone always fits, and small bodies never wait.
 
+A body nested deeper than a JSON parser may safely follow (ipc/json_bounds.py MAX_DEPTH) is a
+400 once it is whole, before the app parses it: the parser's RecursionError was a 500 here, and
+the same text deeper down the handler's code. A body with no more brackets than the limit cannot
+be that deep and is not scanned; a large one is scanned in a thread, off the event loop.
+
 The limit follows from the model's length: the client API's largest message (runtime/client/api.py
 max_message_bytes, the longest prompt as int32) times JSON_FACTOR, room for a batch of long
 prompts as JSON token ids or escaped text.
@@ -27,6 +32,7 @@ import asyncio
 import time
 from typing import Callable
 
+from kvrt.ipc import json_bounds
 from kvrt.runtime.client.api import max_message_bytes
 from kvrt.runtime.http.connections import refusal
 
@@ -92,9 +98,11 @@ class BodyLimit:
                                  "body_too_large")
         deadline = time.monotonic() + self.body_s
         seen, whole, answered, mine = 0, False, False, 0
+        parts: list[bytes] = []  # the body so far (the app holds the same bytes objects)
+        brackets = 0
 
         async def counted():
-            nonlocal seen, whole, answered, mine
+            nonlocal seen, whole, answered, mine, brackets
             if answered:
                 return {"type": "http.disconnect"}
             if whole:  # the body is in: what comes now is the client leaving
@@ -106,7 +114,10 @@ class BodyLimit:
                 await _answer(send, 408, "Request Timeout", f"the request body did not arrive within "
                               f"{self.body_s:g} s of its headers", "body_timeout")
                 return {"type": "http.disconnect"}
-            seen += len(msg.get("body", b""))
+            piece = msg.get("body", b"")
+            seen += len(piece)
+            parts.append(piece)
+            brackets += piece.count(b"[") + piece.count(b"{")
             whole = not msg.get("more_body", False)
             if seen > limit:
                 answered = True
@@ -124,6 +135,12 @@ class BodyLimit:
             if whole:  # in: the app parses it now (on this thread, one body at a time)
                 await self.budget.give(mine)
                 mine = 0
+                if brackets > json_bounds.MAX_DEPTH and await _too_deep(parts, seen):
+                    answered = True
+                    await _answer(send, 400, "Bad Request", f"the request body nests arrays and objects more than "
+                                  f"{json_bounds.MAX_DEPTH} levels deep", "body_too_deep")
+                    return {"type": "http.disconnect"}
+                parts.clear()
             return msg
 
         async def guarded_send(msg) -> None:
@@ -137,6 +154,15 @@ class BodyLimit:
                 raise
         finally:
             await self.budget.give(mine)
+
+
+async def _too_deep(parts: list[bytes], size: int) -> bool:
+    """Whether the body made of `parts` nests deeper than json_bounds.MAX_DEPTH (counted in a
+    thread when it is large: a few ms a MiB)."""
+    def deeper() -> bool:
+        return json_bounds.depth(b"".join(parts)) > json_bounds.MAX_DEPTH
+
+    return await asyncio.to_thread(deeper) if size > SMALL_BODY else deeper()
 
 
 async def _answer(send, status: int, reason: str, message: str, code: str) -> None:

@@ -8,10 +8,11 @@ process, so nothing here can block the engine loop.
 
 Every HTTP request waits on this thread, and this thread never leaves one waiting for ever: a
 request ends with the engine's answer; or with an error when the bridge stops or fails; or, when
-the engine sends nothing at all (not even the liveness probes it sends every second to a client
-with requests in flight) for `engine_timeout` s while requests are in flight, with an error
-naming the engine that went silent (stopped, hung, or its connection gone), and the requests
-are cancelled there.
+the engine sends nothing at all (not even the liveness probes it sends every api.PROBE_S to a
+client with requests in flight, steps or no steps) for `engine_timeout` s while requests are in
+flight, with an error naming the engine that went silent (stopped, hung, or its connection
+gone), and the requests are cancelled there. That watch is this thread's own (its client's is
+off), so that its error names the flag that sets it.
 """
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvrt.runtime.client.api import ErrorEvent, InfoReply, ResetPrefixCacheReply
+from kvrt.runtime.client.api import LIVENESS_S, ErrorEvent, InfoReply, ResetPrefixCacheReply
 from kvrt.runtime.client.client import Client, ClientError, Result, Sampling
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005     # how long the thread waits for the engine before it looks at its inbox again
-ENGINE_TIMEOUT_S = 60.0  # the engine's longest silence with requests in flight (a long step's included)
+ENGINE_TIMEOUT_S = LIVENESS_S  # the engine's longest silence with requests in flight (it probes every PROBE_S)
 UNRESPONSIVE = "engine_unresponsive"
 INFO_WAIT_S = 1.0  # one try at the node's info while it starts
 RESET_WAIT_S = 10.0  # for the engine's answer to a prefix-cache reset (it answers within a loop turn)
@@ -108,7 +109,7 @@ class Bridge:
     # ---- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            with Client(self.address, timeout=30.0) as client:
+            with Client(self.address, timeout=30.0, liveness=None) as client:
                 while not self._stop.is_set() and self.info is None:
                     try:
                         self.info = client.info(timeout=INFO_WAIT_S)

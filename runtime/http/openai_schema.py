@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.types import FailFast
 
+from kvrt.ipc import json_bounds
 from kvrt.runtime.client.api import cache_salt_problem
 
 
@@ -305,7 +306,9 @@ class ChatMessage(BaseModel):
             raise ValueError(f"content: a {self.role} message needs a content")
         for c in self.tool_calls or []:
             try:
-                args = json.loads(c.function.arguments)
+                args = json_bounds.loads(c.function.arguments, None)
+            except json_bounds.JsonBoundsError as e:
+                raise ValueError(f"tool_calls: the arguments of {c.function.name!r}: {e}") from None
             except ValueError:
                 raise ValueError(f"tool_calls: the arguments of {c.function.name!r} are not JSON") from None
             if not isinstance(args, dict):
@@ -324,7 +327,7 @@ class ChatMessage(BaseModel):
         if self.tool_calls is None:
             return None
         return [{**({"id": c.id} if c.id is not None else {}), "type": "function",
-                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                 "function": {"name": c.function.name, "arguments": json_bounds.loads(c.function.arguments, None)}}
                 for c in self.tool_calls]
 
     def template_role(self) -> str:

@@ -25,6 +25,7 @@ import os
 import secrets
 from dataclasses import dataclass
 
+from kvrt.ipc.codec import MAX_DEPTH
 from kvrt.ipc.errors import ProtocolError
 from kvrt.ipc.private import check_secret_length, read_secret_file
 
@@ -103,7 +104,7 @@ class Session:
             raise AuthError("bad message authentication code")
         if counter <= self.received:
             raise AuthError(f"replayed message (counter {counter}, already at {self.received})")
-        msg = api.API.decode(sealed.body)  # ProtocolError if malformed: nothing changed yet
+        msg = api.API.decode(sealed.body, max_depth=MAX_DEPTH)  # ProtocolError if malformed: nothing changed yet
         if isinstance(msg, (wire.PdSealed, wire.PdHello, wire.PdWelcome, wire.PdRefused)):
             raise AuthError(f"{type(msg).__name__} cannot be sealed")
         self.received = counter

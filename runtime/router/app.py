@@ -37,6 +37,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from kvrt.ipc import json_bounds
 from kvrt.runtime.cache.keys import BlockHasher, salted_root
 from kvrt.runtime.client.api import cache_salt_problem
 from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
@@ -151,7 +152,7 @@ class Router:
         if self.picker.policy != "cache-aware":
             return {}
         try:
-            body = json.loads(raw)
+            body = json_bounds.loads(raw, None, what="the request body")  # (its size: read_body's)
             ids = self.prompt_ids(path, body) if isinstance(body, dict) else []
         except (ValueError, TokenizerError, ChatTemplateError) as e:  # the node will say what is wrong
             log.debug("no keys for a request: %s", e)
@@ -386,7 +387,7 @@ def _silent(e: BaseException) -> bool:
 
 def _is_json_object(body: bytes) -> bool:
     try:
-        return isinstance(json.loads(body), dict)
+        return isinstance(json_bounds.loads(body, None), dict)
     except ValueError:
         return False
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import re
 
+from kvrt.ipc import json_bounds
+
 # an event ends at a blank line; the node writes "\n", other servers may write "\r\n"
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 MAX_EVENT_BYTES = 4 << 20
@@ -69,7 +71,7 @@ def _kind(event: bytes) -> str:
             if value == b"[DONE]":
                 return _DONE
             try:
-                obj = json.loads(value)
+                obj = json_bounds.loads(value, MAX_EVENT_BYTES)
             except ValueError:
                 return _JUNK
             if not isinstance(obj, dict):

@@ -51,9 +51,10 @@ class PromptScores:
 
 
 def score_prompt(head: Callable[[Any], Any], hidden: Any, query: PromptQuery, vocab: int,
-                 xp: Any = np) -> PromptScores:
+                 xp: Any = np, beat: Callable[[], None] | None = None) -> PromptScores:
     """Score `query` from the step's hidden states `hidden` [rows, d] (on `xp`), where `head`
-    maps hidden rows to their logits [m, vocab] (on `xp`)."""
+    maps hidden rows to their logits [m, vocab] (on `xp`); `beat` marks progress after each
+    block (a long prompt's scores take as long as many layers: workers/progress.py)."""
     n = len(query.rows)
     lps, ranks = np.zeros(n), np.zeros(n, np.int64)
     ids_out, lps_out = [], []
@@ -65,6 +66,8 @@ def score_prompt(head: Callable[[Any], Any], hidden: Any, query: PromptQuery, vo
         lps[a:b], ranks[a:b] = lp, rank
         ids_out.append(top_ids)
         lps_out.append(top_lps)
+        if beat is not None:
+            beat()
     cat = (lambda parts, dt: np.concatenate(parts).astype(dt)) if n else (lambda parts, dt: np.empty(0, dt))
     return PromptScores(lps, ranks, cat(ids_out, np.int32), cat(lps_out, np.float64))
 

@@ -405,7 +405,7 @@ class Model:
                 raise ValueError(f"prompt logprob rows outside the step's {n} tokens")
             if len(prompt.targets) and (int(prompt.targets.min()) < 0 or int(prompt.targets.max()) >= s.vocab_size):
                 raise ValueError(f"prompt logprob targets outside the vocabulary [0, {s.vocab_size})")
-            scores = score_prompt(self._head, x, prompt, s.vocab_size, self.xp)
+            scores = score_prompt(self._head, x, prompt, s.vocab_size, self.xp, self.beat)
         return (self._head(x[inputs.last]) if on_device else self._logits(x[inputs.last])), scores
 
     def prepare(self, pool: Any, seqs: Sequence[SeqInput]) -> StepInputs:

@@ -8,14 +8,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 import zmq
 
-from kvrt.runtime.client.api import (API, BAD_REQUEST, DUPLICATE, UNKNOWN, CancelRequest, ErrorEvent, FinishedEvent,
-                         GenerateRequest, InfoReply, InfoRequest, TokenEvent)
+from kvrt.runtime.client.api import (API, BAD_REQUEST, DUPLICATE, SILENT, UNKNOWN, CancelRequest, ErrorEvent,
+                         FinishedEvent, GenerateRequest, InfoReply, InfoRequest, TokenEvent)
 from kvrt.runtime.client.client import Client, ClientError, RequestError, Result, address_of, as_prompt
 from tests.conftest import REPO
 from tests.router_thread import RouterThread
@@ -29,11 +30,14 @@ class FakeNode(RouterThread):
     """A ROUTER in a thread. Every request streams one token per step (round-robin over the
     requests in flight, `step_s` apart); token i of a prompt ending in t is (t + i + 1) % VOCAB.
     It keeps an unlimited prefix cache of BLOCK-token blocks so cached_device is what a real
-    cache would report for requests run one at a time. `silent` answers nothing."""
+    cache would report for requests run one at a time. `silent` answers nothing; once `pause()`
+    returns it does nothing at all, as a stopped engine, until `stopped` is set False."""
 
     def __init__(self, step_s: float = 0.002, silent: bool = False, eos: int = 0):
         self.step_s = step_s
         self.silent = silent
+        self.stopped = False
+        self.paused = threading.Event()  # the thread saw `stopped`
         self.eos = eos
         super().__init__()
         self.seen: set[bytes] = set()
@@ -42,6 +46,11 @@ class FakeNode(RouterThread):
 
     def _serve(self) -> None:
         while not self._stop.is_set():
+            if self.stopped:
+                self.paused.set()
+                self._stop.wait(self.step_s)
+                continue
+            self.paused.clear()
             if self.sock.poll(int(self.step_s * 1000) or 1):
                 while True:
                     try:
@@ -53,6 +62,10 @@ class FakeNode(RouterThread):
                     if not self.silent:
                         self._handle(ident, msg)
             self._step()
+
+    def pause(self) -> None:
+        self.stopped = True
+        assert self.paused.wait(5), "the fake node's thread did not pause"
 
     def _cached(self, prompt: np.ndarray, use_cache: bool) -> int:
         if not use_cache:
@@ -220,6 +233,50 @@ def test_generate_while_others_are_in_flight(fake):
     toks = [t for e in evs if isinstance(e, TokenEvent) for t in e.token_ids]
     assert all(e.request_id == rid for e in evs)
     assert toks == expected([100], 30)
+
+
+# ---- a node that falls silent (runtime/client/client.py: liveness) ---------------------------
+
+LIVENESS = 0.6  # (a real client's is 2 s, four of the engine's 0.5 s probes)
+
+
+def test_a_node_that_falls_silent_ends_the_stream_with_node_silent():
+    with FakeNode(step_s=0.02) as f, Client(f.port, timeout=30, liveness=LIVENESS) as c:
+        with pytest.raises(RequestError) as e:
+            for i, _ in enumerate(c.stream([1], 100_000)):
+                if i == 0:
+                    f.pause()
+        assert e.value.code == SILENT and "sent nothing" in e.value.message, e.value
+        assert c.in_flight == 0
+        f.stopped = False
+        deadline = time.monotonic() + 10
+        while not any(isinstance(m, CancelRequest) for m in f.received):  # sent for when it comes back
+            assert time.monotonic() < deadline, "the request's cancel never reached the node"
+            time.sleep(0.01)  # (another thread's progress)
+
+
+def test_poll_ends_every_request_in_flight_when_the_node_falls_silent():
+    with FakeNode(step_s=0.02) as f, Client(f.port, timeout=30, liveness=LIVENESS) as c:
+        rids = {c.submit([i + 1], 100_000) for i in range(3)}
+        assert c.poll(5), "no token within 5 s"
+        f.pause()
+        ended = {}
+        while set(ended) != rids:
+            events = c.poll(30)
+            assert events, f"poll gave nothing within 30 s; ended: {sorted(ended)}"
+            ended |= {ev.request_id: ev for ev in events if isinstance(ev, ErrorEvent)}
+        assert all(ev.code == SILENT for ev in ended.values()) and c.in_flight == 0
+
+
+def test_a_question_to_a_node_gone_silent_raises_and_one_never_heard_from_waits_its_timeout():
+    with FakeNode() as f, Client(f.port, timeout=30, liveness=LIVENESS) as c:
+        c.info()
+        f.pause()
+        with pytest.raises(ClientError, match="sent nothing"):
+            c.info()
+    with FakeNode(silent=True) as f, Client(f.port, timeout=30, liveness=LIVENESS) as c:
+        with pytest.raises(ClientError, match="no info reply .* within 1 s"):
+            c.info(timeout=1)  # nothing heard yet: a silence says nothing about a node that never spoke
 
 
 def test_error_event_raises_request_error(fake):

@@ -58,3 +58,37 @@ def test_a_flood_of_messages_neither_stops_the_node_nor_starves_a_good_client(no
     assert all(out == model.generate_dense(p, 4) for p, out in got)
     log.info("flood of %.0f messages/s: %d requests of a good client, e2e latency median %.1f ms, max %.1f ms",
              rate, len(got), statistics.median(latency_ms), max(latency_ms))
+
+
+# sockets that flood until just before libzmq's ZMTP heartbeat would first fire on their
+# connection (5 s after the handshake, when the node set one) and then close, dropping their
+# unread answers (so the node's side sees a reset while it has stopped reading them)
+CLOSER = textwrap.dedent("""
+    import sys
+    from kvrt.runtime.client.api import API
+    from kvrt.runtime.pd import messages as wire
+    from tests.flooder import flood_then_close
+    port, sockets = int(sys.argv[1]), int(sys.argv[2])
+    hello = API.encode(wire.PdHello("p", bytes(16)))
+    sealed = API.encode(wire.PdSealed(b"s" * 16, 1, b"x" * 32, bytes(32)))
+    print(flood_then_close(f"tcp://127.0.0.1:{port}", [[b"\\xc1garbage"], [hello], [sealed]], sockets, (4.85, 4.99)))
+""")
+
+
+def test_floods_from_many_sockets_that_reset_their_connections_do_not_stop_the_node(node, tmp_path):
+    """Malformed, PdHello and PdSealed floods from 12 sockets, each reset while the node had
+    stopped reading it (back-pressure), twice: libzmq aborted the engine with `!_io_error` when a
+    ZMTP heartbeat fired on such a connection (runtime/engine/server.py). The node goes on and a
+    good client is answered after each round."""
+    model = oracle()
+    prompt = np.arange(1, 30, dtype=np.int32)
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "64") as ln:
+        for _ in range(2):
+            out = subprocess.run([sys.executable, "-c", CLOSER, str(ln.port), "12"], cwd=REPO,
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr[-2000:]
+            time.sleep(0.5)  # past the time the heartbeats would have fired
+            assert ln.proc.poll() is None, ln.logs()
+            res = ln.client.generate(prompt, 4, timeout=30)
+            assert [int(t) for t in res.output_token_ids] == model.generate_dense(prompt, 4)
+        log.info("two rounds of %s messages from 12 resetting sockets: the node went on", out.stdout.strip())

@@ -157,6 +157,31 @@ def test_wrong_field_types_get_a_clear_error(ln, fields, words):
     assert_all_free(ln)
 
 
+def test_a_guided_schema_nested_thousands_of_levels_deep_gets_an_error(ln):
+    """Its text would take a JSON parser past Python's recursion limit (RecursionError, which
+    ended the engine): refused by its depth before any parser reads it, on a node with no
+    checkpoint as on one with."""
+    spec = "[" * 5000 + "]" * 5000
+    with Raw(ln.port) as raw:
+        raw.sock.send(raw_generate("deep", guided={"kind": "json_schema", "spec": spec}))
+        ev = raw.until_end("deep")
+    assert isinstance(ev, ErrorEvent) and ev.code == BAD_REQUEST and "levels deep" in ev.message, ev
+    assert ln.proc.poll() is None
+    still_serves(ln)
+
+
+def test_a_message_nested_past_the_bound_gets_an_error(ln):
+    """msgpack itself decodes a thousand levels; quoting such a value in an error message
+    recursed past Python's limit. The engine refuses the message by its depth."""
+    deep = msgpack.unpackb(b"\x91" * 1000 + b"\x01")
+    with Raw(ln.port) as raw:
+        raw.sock.send(raw_generate("nested", logit_bias=[deep]))
+        ev = raw.recv("the answer to a deeply nested message")
+    assert isinstance(ev, ErrorEvent) and ev.code == BAD_REQUEST and "levels deep" in ev.message, ev
+    assert ln.engine_stats()["intake_errors"] == 0  # a refusal, not a handler that raised
+    still_serves(ln)
+
+
 def test_multi_frame_message_gets_an_error(ln):
     with Raw(ln.port) as raw:
         raw.sock.send_multipart([raw_generate("mf-1"), b"extra"])

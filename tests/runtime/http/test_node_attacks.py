@@ -12,6 +12,8 @@ import contextlib
 import json
 import logging
 import socket
+import urllib.error
+import urllib.request
 
 import openai
 import psutil
@@ -98,6 +100,37 @@ def test_eight_large_bodies_at_once_are_refused_without_the_server_holding_them(
     want = b"HTTP/1.1 413 " if size > max_body_bytes(MODEL_LEN) else b"HTTP/1.1 400 "
     assert all(a.startswith(want) for a in answers), [a[:120] for a in answers]
     assert grown < GROWTH, f"the HTTP server grew by {grown >> 20} MiB over eight bodies of {size >> 20} MiB"
+    _serves_right(oa)
+
+
+def _post_raw(port: int, path: str, body: bytes) -> tuple[int, dict]:
+    """POST `body` as it is (a client library would refuse to write it): the status and the error."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_json_nested_thousands_of_levels_deep_is_a_400_wherever_it_is(http_node):
+    """A body, a guided_json schema given as text, and a tool call's arguments in a chat turn,
+    each nested past what a JSON parser can follow (its RecursionError was a 500): each is a
+    400 naming the depth, and the node goes on."""
+    ln, http, oa = http_node
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model=MODEL, prompt=[1, 2], max_tokens=2, extra_body={"guided_json": deep})
+    assert "levels deep" in e.value.message, e.value.message
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": ' + deep[:4000] + "}"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}])
+    assert "levels deep" in e.value.message, e.value.message
+    status, err = _post_raw(http, "/v1/completions", f'{{"model": "{MODEL}", "prompt": [1], "x": {deep}}}'.encode())
+    assert status == 400 and "levels deep" in err["error"]["message"], (status, err)
     _serves_right(oa)
 
 

@@ -117,6 +117,28 @@ def test_a_stopped_worker_fails_its_step_after_the_rank_timeout(launched, node):
     assert not leftovers(node)
 
 
+def test_a_stopped_launcher_is_noticed_and_the_node_stops_naming_it(launched, node):
+    """The launcher SIGSTOPped alone: nobody supervises the node or serves its HTTP clients. The
+    engine calls it hung once its heartbeat stood still for twice --hang-timeout (at least 10 s),
+    fails every request in flight naming it and exits; once the launcher runs again it stops the
+    node with exit 1 and says why, leaving nothing in /dev/shm."""
+    port = free_port()
+    n = launched("--port", str(port), "--hang-timeout", "1", *SMALL)
+    n.wait_for("ready:")
+    with Client(port, timeout=120) as c:
+        rids = _decoding(c, 2)
+        n.proc.send_signal(signal.SIGSTOP)
+        try:
+            errors = _errors(c, rids)
+        finally:
+            n.proc.send_signal(signal.SIGCONT)
+    launcher = f"the launcher (pid {n.proc.pid}) made no progress"
+    assert all(launcher in m and "stopped or hung" in m for m in errors.values()), errors
+    assert n.proc.wait(30) == 1
+    assert launcher in n.wait_for("stopped because")
+    assert not leftovers(node)
+
+
 def _end_of(c: Client, rid: str) -> Result | ErrorEvent | None:
     """How request `rid` ended (its token events are skipped); None if nothing came for 30 s."""
     while events := c.poll(30):
@@ -145,7 +167,7 @@ def test_a_node_paused_whole_past_the_hang_timeout_serves_on_when_resumed(launch
     pids = n.child_pids()
     children = [pids["worker[0]"], pids["engine[0]"]]  # the worker first: the engine has a step in flight
     frozen = [n.proc.pid, *children] if launcher_first else [*children, n.proc.pid]
-    with Client(port, timeout=120) as c:
+    with Client(port, timeout=120, liveness=None) as c:  # (the node's own view: its client would call it gone)
         rid = c.submit([7, 8, 9], 1000)
         assert any(isinstance(ev, TokenEvent) for ev in c.poll(30)), "no token within 30 s"
         try:

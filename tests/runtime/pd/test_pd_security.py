@@ -203,6 +203,7 @@ def test_per_peer_shares_bound_what_one_peer_holds(decode, peer):
     dict(request_id=""), dict(request_id=7), dict(request_id="x" * 1000), dict(max_new_tokens=True),
     dict(max_new_tokens=0), dict(eos_token_id=512), dict(eos_token_id=-2), dict(use_cache="yes"), dict(wait=1),
     dict(prompt=np.array([512], np.int32)), dict(prompt=np.empty(0, np.int32)),
+    dict(guided={"kind": "json_schema", "spec": "[" * 5000 + "]" * 5000}),  # a parser's recursion: refused first
 ])
 def test_bad_preallocations_get_an_error_and_hold_nothing(decode, peer, bad):
     fields = dict(request_id="b", prompt=prompt(9), max_new_tokens=8, eos_token_id=-1, use_cache=True) | bad
