@@ -647,7 +647,8 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
         info = server.node_info()
         return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
                                                          "owned_by": "kvrt", "root": server.model_name,
-                                                         "parent": None, "max_model_len": info.max_model_len}]})
+                                                         "parent": None, "max_model_len": info.max_model_len,
+                                                         "vocab_size": info.vocab_size}]})
 
     @app.get("/version")
     async def version_() -> JSONResponse:
