@@ -7,74 +7,29 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-from kvrt.ipc.ports import free_port
 from tests.conftest import REPO
-from tests.hfkit import make_checkpoint
-from tests.launched import interrupt
-from tests.tokenizer_kit import make_tokenizer_dir
+from tests.served import MODEL_ID, get, serving
 
 KEY = "test-key-123"
-MODEL_ID = "Org/Tiny"
 DASHBOARD = os.path.join(REPO, "docs", "grafana", "kvrt-node.json")
 SERIES = re.compile(r"\b(vllm:[a-zA-Z_:]+)\s*[{\[]")
-START_S = 60.0
-
-
-def _hub_cache(home) -> None:
-    """A tiny Qwen2 checkpoint as the snapshot of MODEL_ID in a Hugging Face cache at `home`."""
-    from huggingface_hub.file_download import repo_folder_name
-
-    folder = home / "hub" / repo_folder_name(repo_id=MODEL_ID, repo_type="model")
-    commit = "c" * 40
-    snap = folder / "snapshots" / commit
-    make_checkpoint(snap, "Qwen2ForCausalLM", dtype="BF16", tied=True, seed=5, vocab_size=320)
-    make_tokenizer_dir(snap)
-    (folder / "refs").mkdir()
-    (folder / "refs" / "main").write_text(commit)
 
 
 def _get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:  # not listening yet
-        return 0, b""
+    return get(url, key)
 
 
 @pytest.fixture
 def served(node, tmp_path):
-    """`kvrt serve MODEL_ID` on a free port with an API key; yields (url, output file)."""
-    _hub_cache(tmp_path / "hf")
-    port = free_port()
-    out_path = tmp_path / "serve.log"
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "VLLM_API_KEY": KEY}
-    env.pop("HF_HUB_CACHE", None)
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvrt.launcher", "serve", MODEL_ID, "--port", str(port),
-                                 "--max-model-len", "512", "--disable-log-requests", "--trust-remote-code",
-                                 "--node", node, "--block-size", "8", "--num-gpu-blocks", "256",
-                                 "--log-stats-interval", "0.2"], cwd=REPO, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + START_S
-        while _get(f"http://127.0.0.1:{port}/health")[0] != 200:
-            assert proc.poll() is None, out_path.read_text()
-            assert time.monotonic() < deadline, out_path.read_text()
-            time.sleep(0.1)  # a test waiting for another process
-        yield f"http://127.0.0.1:{port}", out_path
-    finally:
-        interrupt(proc, "kvrt serve", 30)
+    """`kvrt serve MODEL_ID` with an API key (from $VLLM_API_KEY) and vLLM flags kvrt takes as they
+    are; yields (url, output file)."""
+    with serving(node, tmp_path, "--disable-log-requests", "--trust-remote-code", "--log-stats-interval", "0.2",
+                 key=KEY) as got:
+        yield got
 
 
 @pytest.mark.e2e
