@@ -102,3 +102,55 @@ def test_langchains_chat_model_completes_with_the_url_and_model_id(served):
     assert answer.response_metadata["finish_reason"] in ("stop", "length")
     pieces = list(llm.stream("hello"))
     assert pieces and all(hasattr(p, "content") for p in pieces)
+
+
+VLLM_COMMAND_LINE = ["-tp", "1", "--enable-prefix-caching", "--dtype", "float32", "--kv-cache-dtype", "auto",
+                     "--seed", "7", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+                     "--gpu-memory-utilization", "0.5", "--swap-space", "0.001", "--served-model-name", "a", "b",
+                     "--uvicorn-log-level", "info", "--disable-log-stats", "--enable-log-requests",
+                     "--disable-uvicorn-access-log", "--enable-auto-tool-choice", "--enforce-eager",
+                     "--generation-config", "vllm", "--load-format", "safetensors", "--disable-fastapi-docs"]
+
+
+def _post(url: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _sampled(url: str) -> list[list[int]]:
+    """Two unseeded sampled completions (token ids), one after the other (a temperature that
+    flattens the tiny random model's peaked distribution, so that seeds show)."""
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    return [oa.completions.create(model="b", prompt="hello", max_tokens=6, temperature=50.0).choices[0]
+            .model_extra["token_ids"] for _ in range(2)]
+
+
+@pytest.mark.e2e
+def test_a_vllm_command_line_starts_a_node_that_does_what_its_flags_say(node, tmp_path):
+    """The flags of the table together: the served names, the chat template, the host tier from
+    --swap-space, the request log without the access log, and --seed: the same unseeded requests
+    draw the same tokens on a second node started with the same seed."""
+    import openai
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.content }}>>{% endfor %}")
+    runs = []
+    for i in range(2):
+        with serving(f"{node}{i}", tmp_path / str(i), *VLLM_COMMAND_LINE, "--chat-template", str(template)) \
+                as (url, log):
+            oa = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+            assert [m.id for m in oa.models.list().data] == ["a"]
+            rendered = _post(f"{url}/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+            assert rendered["tokens"] == _post(f"{url}/tokenize", {"prompt": "<<hi>>",
+                                                                   "add_special_tokens": False})["tokens"]
+            runs.append(_sampled(url))
+            assert json.loads(_get(f"{url}/kvrt/cache", key=None)[1])["block_size"] == 8
+            text = log.read_text()
+        assert "kvrt.http.requests: /v1/completions" in text and "kvrt.http.access" not in text, text
+        assert "256 device + 524 host blocks of 2048 bytes" in text, text  # 0.001 GiB of 2 KiB blocks
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1], runs
