@@ -13,7 +13,19 @@ MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KiB; a file far larger 
 
 
 def read_chat_template(value: str) -> str:
-    """The template `value` stands for; ValueError naming the flag when it cannot be read."""
+    """The template `value` stands for, compiled once here so that a broken one stops the start
+    rather than every chat request; ValueError naming the flag when it cannot be read or compiled."""
+    from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError
+
+    text = _read(value)
+    try:
+        ChatTemplate(text, {})
+    except ChatTemplateError as e:
+        raise ValueError(f"--chat-template: {e}") from None
+    return text
+
+
+def _read(value: str) -> str:
     if os.path.isfile(value):
         if os.path.getsize(value) > MAX_TEMPLATE_BYTES:
             raise ValueError(f"--chat-template {value}: larger than {MAX_TEMPLATE_BYTES} bytes: not a chat template")

@@ -53,6 +53,8 @@ def test_a_chat_template_is_a_file_or_the_template_itself(tmp_path):
     assert read_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
     with pytest.raises(ValueError, match="no such file"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        read_chat_template("{% for m in messages %}")
 
 
 def _counters(**kw) -> dict:
