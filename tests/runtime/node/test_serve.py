@@ -16,7 +16,7 @@ from tests.served import MODEL_ID, get, serving
 
 KEY = "test-key-123"
 DASHBOARD = os.path.join(REPO, "docs", "grafana", "kvrt-node.json")
-SERIES = re.compile(r"\b(vllm:[a-zA-Z_:]+)\s*[{\[]")
+SERIES = re.compile(r"\b(vllm:[a-zA-Z0-9_:]+)\s*[{\[]")
 
 
 def _get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
@@ -154,3 +154,26 @@ def test_a_vllm_command_line_starts_a_node_that_does_what_its_flags_say(node, tm
         assert "kvrt.http.requests: /v1/completions" in text and "kvrt.http.access" not in text, text
         assert "256 device + 524 host blocks of 2048 bytes" in text, text  # 0.001 GiB of 2 KiB blocks
     assert runs[0] == runs[1] and runs[0][0] != runs[0][1], runs
+
+
+# the series vLLM's own Grafana dashboard for its server queries (its panels: E2E latency, token
+# throughput, time per output token, scheduler state, TTFT, cache utilization, prompt and
+# generation length, finish reason, queue time, prefill and decode time, max generation tokens)
+VLLM_DASHBOARD_SERIES = {
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running", "vllm:num_requests_swapped",
+    "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc",
+    "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum", "vllm:request_max_num_generation_tokens_bucket",
+}
+
+
+def test_the_shipped_dashboard_queries_every_series_vllms_dashboard_does():
+    with open(DASHBOARD) as f:
+        exprs = [t["expr"] for p in json.load(f)["panels"] for t in p["targets"]]
+    ours = {s for e in exprs for s in SERIES.findall(e)}
+    assert VLLM_DASHBOARD_SERIES <= ours, sorted(VLLM_DASHBOARD_SERIES - ours)
