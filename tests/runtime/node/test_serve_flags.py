@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import os
 
 import pytest
@@ -148,9 +149,19 @@ def test_a_model_in_no_cache_is_an_error_naming_the_cache(hub_cache, tmp_path):
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
+    """`kvrt ARGV` in this process, its exit code and stderr; the logging set-up the command
+    makes (a rate limit on the root logger's handlers, which are pytest's here) undone after, so
+    that no later test's captured logs are filtered."""
+    root = logging.getLogger()
+    handlers, level = [(h, list(h.filters)) for h in root.handlers], root.level
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = launcher.main(argv)
+    try:
+        with contextlib.redirect_stderr(err):
+            code = launcher.main(argv)
+    finally:
+        for h, filters in handlers:
+            h.filters[:] = filters
+        root.setLevel(level)
     return code, err.getvalue()
 
 
