@@ -152,6 +152,34 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=0, metavar="H",
                    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                         "/tokenize, /detokenize, /version, /health, /metrics) on --host:H; needs --port (0 = off)")
+    p.add_argument("--http-host", default=None, metavar="HOST",
+                   help="interface the HTTP API listens on (default: --host); kvrt serve keeps --host on loopback "
+                   "and gives its --host here, so that only the HTTP port faces clients")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="every HTTP route answers 401 unless the request carries `Authorization: Bearer KEY`, as "
+                   "vLLM's --api-key (the ZeroMQ client API has no key: keep --host on loopback)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the HTTP API's chat template instead of the tokenizer's, as vLLM's flag: a file, or the "
+                   "Jinja template itself")
+    p.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="HTTP requests without a seed draw theirs from a generator seeded with N, in arrival "
+                   "order, as vLLM's --seed (default: each draws a fresh random seed)")
+    p.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="the host tier in GiB per rank, as vLLM's flag: --num-cpu-blocks becomes what GIB holds "
+                   "(one or the other)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                   help="log one line per HTTP request: client, method, path, status, time (kvrt serve: on unless "
+                   "--disable-uvicorn-access-log)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log each HTTP request's parameters as it arrives (never its prompt's text), as vLLM's "
+                   "--enable-log-requests")
+    p.add_argument("--log-stats-interval", type=float, default=0.0, metavar="S",
+                   help="log a stats line every S seconds: prompt and generation throughput, requests running "
+                   "and waiting, KV usage per tier, prefix cache hit rate per tier (0 = off; kvrt serve: 10 "
+                   "unless --disable-log-stats)")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="the HTTP server's own log level, as vLLM's flag (default warning)")
     p.add_argument("--http-engine-timeout", type=float, default=ENGINE_TIMEOUT_S, metavar="S",
                    help=f"the HTTP server fails (504) every request in flight when the engine sends nothing at all "
                         f"(not even its liveness probes, every {PROBE_S:g} s, steps or no steps) for S seconds: it is "
@@ -235,7 +263,9 @@ def launch(args) -> int:
     from kvrt.runtime.node.supervisor import Node
     from kvrt.workers import kv_pool
 
-    port = args.port or (free_port(args.host) if args.demo else 0)
+    # the client API port: the one given, or (for the demo and the HTTP server, which talk through
+    # it) one picked free
+    port = args.port or (free_port(args.host) if args.demo or args.http_port else 0)
     d = NodeConfig(node="")
     if args.demo and args.num_gpu_blocks is None and args.num_cpu_blocks == d.num_cpu_blocks:
         args.num_gpu_blocks, args.num_cpu_blocks = DEMO_BLOCKS  # small enough that the host tier works too
@@ -258,6 +288,9 @@ def launch(args) -> int:
                      storage_secret_file=os.path.abspath(args.storage_secret_file) if args.storage_secret_file else "",
                      check_ownership=os.environ.get("KVRT_CHECK_OWNERSHIP", "") == "1", **shape, **model)
     try:
+        if args.swap_space is not None:
+            cfg.num_cpu_blocks = _swap_space_blocks(args.swap_space, args.num_cpu_blocks != d.num_cpu_blocks,
+                                                    cfg.block_bytes)
         cfg.validate()
     except ConfigError as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
@@ -275,8 +308,13 @@ def launch(args) -> int:
     if not args.http_engine_timeout > 0:
         print(f"kvrt launch: error: --http-engine-timeout must be > 0, got {args.http_engine_timeout}", file=sys.stderr)
         return 2
-    if args.http_port and not port:
-        print("kvrt launch: error: --http-port serves through the client API: give --port too", file=sys.stderr)
+    if not (args.port or args.http_port or args.demo):
+        print("kvrt launch: error: nobody could reach this node: give --port P (the ZeroMQ client API) and/or "
+              "--http-port H (the OpenAI-compatible HTTP API; or kvrt serve MODEL, which serves HTTP on 8000)",
+              file=sys.stderr)
+        return 2
+    if args.log_stats_interval < 0:
+        print(f"kvrt launch: error: --log-stats-interval must be >= 0, got {args.log_stats_interval}", file=sys.stderr)
         return 2
     job = None
     if args.demo:
@@ -284,20 +322,39 @@ def launch(args) -> int:
 
         job = demo_job(cfg)
     http = None
+    ready_line = ""
     if args.http_port:
-        from kvrt.runtime.http.server import HttpServer, cache_info, served_model_names
+        from kvrt.runtime.http.server import HttpOptions, HttpServer, cache_info, served_model_names
 
+        names = served_model_names(args.served_model_name, args.model)
+        http_host = args.http_host or args.host
         try:
-            http = HttpServer(args.host, args.http_port, args.host, port,
-                              served_model_names(args.served_model_name, args.model), cfg.node, args.metrics_port,
+            options = HttpOptions.of(args)
+            http = HttpServer(http_host, args.http_port, args.host, port, names, cfg.node, args.metrics_port,
                               cache_info(cfg), args.tool_call_parser, args.reasoning_parser,
-                              engine_timeout=args.http_engine_timeout)
+                              engine_timeout=args.http_engine_timeout, options=options)
+        except ValueError as e:  # the chat template cannot be read
+            print(f"kvrt launch: error: {e}", file=sys.stderr)
+            return 2
         except OSError as e:
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 1
+        ready_line = f"serving {names[0]!r} at {http.url()}/v1 (OpenAI-compatible HTTP API)"
         http.start()
+    stats = None
+    if args.log_stats_interval > 0:
+        from kvrt.runtime.node.stats_log import StatsLog
+
+        stats = StatsLog(cfg.node, args.log_stats_interval)
+        stats.start()
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+        if ready_line and message.startswith(f"node {cfg.node} ready"):
+            print(ready_line, file=sys.stderr, flush=True)
+
     try:
-        return Node(cfg, kv_pool.PoolMaker(), progress=lambda m: print(m, file=sys.stderr, flush=True)).run(job)
+        return Node(cfg, kv_pool.PoolMaker(), progress=progress).run(job)
     except NodeLive as e:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 1
@@ -305,8 +362,38 @@ def launch(args) -> int:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 1
     finally:
+        if stats is not None:
+            stats.stop()
         if http is not None:
             http.stop()
+
+
+def _swap_space_blocks(gib: float, blocks_given: bool, block_bytes: int) -> int:
+    """--swap-space GIB as host blocks per rank (vLLM's flag for kvrt's host tier)."""
+    import math
+
+    from kvrt.runtime.node.config import ConfigError
+
+    if blocks_given:
+        raise ConfigError("--swap-space and --num-cpu-blocks both size the host tier: give one")
+    if not (math.isfinite(gib) and gib >= 0):
+        raise ConfigError(f"--swap-space must be a number of GiB >= 0, got {gib}")
+    return int(gib * 2**30 // block_bytes)
+
+
+def _serve(launch_parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    """`kvrt serve`: vLLM's command line translated to `kvrt launch`'s (runtime/node/serve.py),
+    then launched in this process (an API key in it stays out of any process list)."""
+    from kvrt.runtime.node.serve import ServeError, parser, plan
+
+    if any(a in ("-h", "--help") for a in argv):
+        parser().parse_args(["--help"])  # prints the help and exits 0, as every command's --help
+    try:
+        served = plan(argv, {s for a in launch_parser._actions for s in a.option_strings})
+    except ServeError as e:
+        print(f"kvrt serve: error: {e}", file=sys.stderr)
+        return 2
+    return launch(launch_parser.parse_args(served.launch_argv))
 
 
 def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dict]:
@@ -375,6 +462,8 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     launch_parser = _add_launch(sub)
+    sub.add_parser("serve", help="serve a model over HTTP with vllm serve's command line (kvrt serve MODEL "
+                   "[vLLM flags]): a hub id or directory, port 8000", add_help=False)
     st = sub.add_parser("status", help="inspect live nodes from their shared memory (read-only)")
     st.add_argument("--node", help="node name (default: every node found)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -413,6 +502,8 @@ def _main(argv: list[str]) -> int:
     limit_logs()  # a flood of bad input is not a flood of log lines (the HTTP server's and the router's)
     if args.command == "launch":
         return launch(args)
+    if args.command == "serve":
+        return _serve(launch_parser, rest)
     if args.command == "status":
         from kvrt.runtime.node.status import status_main
 

@@ -17,7 +17,9 @@ Prompts: without --trace, synthetic ones: --num-prefixes shared prefixes of --pr
 each request one prefix (in turn) and its own 0.5..1.5 x --suffix-len tokens. With --trace, a
 Mooncake-format trace: each hash id expanded to --tokens-per-id tokens exactly as `kvrt replay`
 expands it (equal ids, equal tokens), its output lengths capped at --max-tokens. Token ids are
-drawn from 0..--vocab-size-1. The trace's own clock is not replayed.
+drawn from 0..--vocab-size-1, by default the server's own vocabulary (its /v1/models card's
+vocab_size, else what its /tokenize gives): ids beyond a small model's vocabulary would fail every
+request. The trace's own clock is not replayed.
 
 With --no-stream each request asks for the whole answer at once (`stream: false`): only E2E is
 measured then (no TTFT, TPOT or ITL: the client sees every token at the end), which is how a
@@ -25,7 +27,8 @@ client that does not stream sees the server, connection reuse included.
 
 Arrival: closed loop with --concurrency C (C requests in flight; the next one goes when one ends),
 or open loop with --request-rate R (Poisson arrivals, R a second on average, from --seed; nothing
-waits for an answer). One unmeasured warm-up request goes first.
+waits for an answer). One unmeasured warm-up request goes first; when it fails, nothing more is
+sent and the command fails naming why.
 
 Nothing is truncated: a request whose prompt plus max tokens exceeds the server's max_model_len (from
 its /v1/models card, or learnt from its first "too long" 400 answer) is skipped, counted and
@@ -62,6 +65,7 @@ from kvrt.runtime.client.client import Client, ClientError, Result
 from kvrt.runtime.client.replay import fmt, pct, trace_prompts
 from kvrt.runtime.client.trace import TRACE_BLOCK, TraceError, load_trace
 
+FALLBACK_VOCAB = 512      # token ids below it when the server names no vocabulary (ordinary tokens of any model)
 PROBE_TIMEOUT_S = 5.0     # how long the server gets to answer /v1/models before we say it is not there
 MAX_ERRORS_KEPT = 5       # distinct error messages a run keeps
 NATIVE_MAX_IN_FLIGHT = 1024  # the ZeroMQ client API's limit per client
@@ -243,6 +247,44 @@ async def probe(client: httpx2.AsyncClient, url: str, model: str | None) -> Targ
         card = next((c for c in cards if c["id"] == model), {"id": model})
     limit = card.get("max_model_len")
     return Target(url, card["id"], limit if isinstance(limit, int) and limit > 0 else None)
+
+
+# text whose tokens reach far into a vocabulary: words, digits, punctuation, other scripts
+VOCAB_PROBE_TEXT = ("The quick brown fox jumps over the lazy dog 0123456789 !?;:()[]{} naïve café Straße "
+                    "日本語のテキスト Привет мир مرحبا 🙂 def f(x): return x ** 2")
+
+
+async def _vocab(client: httpx2.AsyncClient, url: str, model: str | None) -> tuple[int | None, str]:
+    """The server's vocabulary size and where it came from: its /v1/models card's vocab_size
+    (kvrt's), else one more than the largest id its /tokenize (vLLM's, kvrt's) gives for a text
+    of many scripts (every id below it is a token of the vocabulary), else (None, "")."""
+    target = await probe(client, url, model)
+    r = await client.get(f"{url}/models", timeout=PROBE_TIMEOUT_S)
+    for card in r.json().get("data", []):
+        v = card.get("vocab_size") if isinstance(card, dict) and card.get("id") == target.model else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v, f"{url}/models"
+    root = url[:-len("/v1")] if url.endswith("/v1") else url
+    try:
+        r = await client.post(f"{root}/tokenize", json={"model": target.model, "prompt": VOCAB_PROBE_TEXT},
+                              timeout=PROBE_TIMEOUT_S)
+        tokens = r.json().get("tokens") if r.status_code == 200 else None
+    except (httpx2.HTTPError, ValueError, AttributeError):
+        tokens = None
+    if isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens):
+        return max(tokens) + 1, f"{root}/tokenize (the largest id of a sample text + 1)"
+    return None, ""
+
+
+def server_vocab(url: str, model: str | None,
+                 transport: httpx2.AsyncBaseTransport | None = None) -> tuple[int | None, str]:
+    """The token ids a server takes: `_vocab` over a client of its own. ServerError when the
+    server cannot be reached."""
+    async def run() -> tuple[int | None, str]:
+        async with httpx2.AsyncClient(transport=transport, trust_env=False) as client:
+            return await _vocab(client, url, model)
+
+    return asyncio.run(run())
 
 
 async def _send(client: httpx2.AsyncClient, target: Target, req: Request, limit: Limit,
@@ -588,9 +630,9 @@ def parser() -> argparse.ArgumentParser:
                    help="synthetic: tokens of each shared prefix (default 256)")
     p.add_argument("--suffix-len", type=int, default=64, metavar="S",
                    help="synthetic: mean tokens of each request's own part (default 64)")
-    p.add_argument("--vocab-size", type=int, default=512, metavar="V",
-                   help="token ids are drawn from 0..V-1 (default 512: the reference model's vocabulary, and "
-                        "ordinary tokens of any real model's)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="V",
+                   help="token ids are drawn from 0..V-1 (default: the server's vocabulary, from its /v1/models "
+                        f"card, else from what its /tokenize gives; {FALLBACK_VOCAB} when it says neither)")
     p.add_argument("--compare-zmq", type=int, default=None, metavar="PORT",
                    help="also send the same requests over the node's ZeroMQ client API on PORT (kvrt launch --port; "
                         "the host is the --url's) and show HTTP / native")
@@ -640,6 +682,15 @@ def main(argv: list[str]) -> int:
     check_args(p, args)
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per request otherwise
     arrival = Arrival(args.concurrency, args.request_rate)
+    vocab_from = "--vocab-size"
+    if args.vocab_size is None:
+        try:
+            args.vocab_size, vocab_from = server_vocab(args.url, args.model)
+        except ServerError as e:
+            print(f"kvrt bench serve: error: {e}", file=sys.stderr)
+            return 1
+        if args.vocab_size is None:
+            args.vocab_size, vocab_from = FALLBACK_VOCAB, "a default: the server names no vocabulary size"
     if args.trace is not None:
         try:
             reqs = trace_requests(args.trace, args.limit, args.tokens_per_id, args.max_tokens, args.vocab_size)
@@ -658,7 +709,8 @@ def main(argv: list[str]) -> int:
         poisson_arrivals(reqs, arrival.rate, args.seed)
     native_to = f" and over ZeroMQ to port {args.compare_zmq}" if args.compare_zmq is not None else ""
     whole = ", whole answers (not streamed)" if args.no_stream else ""
-    description = f"kvrt bench serve: {what} to {args.url}/completions{native_to}, {arrival.describe()}{whole}"
+    description = (f"kvrt bench serve: {what} to {args.url}/completions{native_to}, {arrival.describe()}{whole}; "
+                   f"token ids below {args.vocab_size} ({vocab_from})")
     print(description, file=sys.stderr if args.json else sys.stdout, flush=True)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     try:
@@ -683,7 +735,8 @@ def main(argv: list[str]) -> int:
                    "trace": str(args.trace) if args.trace is not None else None, "requests": len(reqs),
                    "tokens_per_id": args.tokens_per_id if args.trace is not None else None,
                    "concurrency": arrival.concurrency, "request_rate": arrival.rate, "max_tokens": args.max_tokens,
-                   "seed": args.seed, "vocab_size": args.vocab_size, "compare_zmq": args.compare_zmq,
+                   "seed": args.seed, "vocab_size": args.vocab_size, "vocab_source": vocab_from,
+                   "compare_zmq": args.compare_zmq,
                    "stream": not args.no_stream},
         "http": http,
         "native": native,

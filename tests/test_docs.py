@@ -20,7 +20,7 @@ DOCS = ["README.md"] + [f"docs/{n}" for n in sorted(os.listdir(f"{REPO}/docs")) 
 README_MAX_LINES = 300
 # commands a user types by hand: every option of theirs is documented in the README or the guide
 # (the benchmarks' options are documented by their own --help)
-USER_COMMANDS = [("launch",), ("status",), ("clean",), ("generate",), ("replay",), ("route",), ("store", "start")]
+USER_COMMANDS = [("serve",), ("launch",), ("status",), ("clean",), ("generate",), ("replay",), ("route",), ("store", "start")]
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
 
@@ -42,7 +42,10 @@ def help_text(command: tuple[str, ...]) -> str:
 def usage_flags(command: tuple[str, ...]) -> set[str]:
     """The options of a command, from its usage block (argparse lists every option there once)."""
     usage = help_text(command).split("\n\n")[0]
-    return set(FLAG.findall(usage)) | {"--help"}
+    flags = set(FLAG.findall(usage)) | {"--help"}
+    if command == ("serve",):  # kvrt launch's own flags pass through kvrt serve
+        flags |= usage_flags(("launch",))
+    return flags
 
 
 def top_level_commands() -> list[str]:

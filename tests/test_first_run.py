@@ -195,8 +195,6 @@ def test_replay_defaults_scale_the_trace_to_fit_the_reference_model():
     from kvrt.runtime.client.trace import default_trace_path, load_trace
 
     args = parser().parse_args(["--port", "1"])
-    if not default_trace_path().exists():
-        pytest.skip("the bundled trace is not next to the repository")
     reqs = load_trace(default_trace_path(), 50)
     fits, too_long = fit_requests(reqs, args.tokens_per_id, NodeConfig(node="").max_model_len,
                                   args.max_new_tokens_cap)

@@ -288,6 +288,7 @@ class FinishedEvent(Outcome):
     prompt_logprobs: list = field(default_factory=list)  # the prompt's scores, if asked (as TokenEvent's)
     prompt_ranks: list = field(default_factory=list)
     prompt_top: list = field(default_factory=list)
+    queue_ms: float = 0.0  # intake -> first scheduled (0: never scheduled)
 
 
 @API.message("error")

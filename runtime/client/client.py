@@ -92,6 +92,7 @@ class Result(Outcome):
 
     engine_ttft_ms: float = 0.0
     engine_e2e_ms: float = 0.0
+    engine_queue_ms: float = 0.0  # the engine's intake -> first scheduled
     ttft_ms: float = 0.0   # send -> first token (-> the FinishedEvent when no token was streamed)
     e2e_ms: float = 0.0    # send -> FinishedEvent
     prompt_logprobs: list = field(default_factory=list)  # the prompt's scores, if asked (see TokenEvent)
@@ -537,6 +538,7 @@ def _result(msg: FinishedEvent, req: _Req, now: float) -> Result:
     first = req.t_first if req.t_first is not None and len(msg.output_token_ids) else now
     return Result(**dict(msg.outcome(), output_token_ids=np.asarray(msg.output_token_ids, dtype=np.int32)),
                   engine_ttft_ms=float(msg.ttft_ms), engine_e2e_ms=float(msg.e2e_ms),
+                  engine_queue_ms=float(msg.queue_ms),
                   ttft_ms=(first - req.t_send) * 1000, e2e_ms=e2e, prompt_logprobs=list(msg.prompt_logprobs),
                   prompt_ranks=list(msg.prompt_ranks), prompt_top=list(msg.prompt_top))
 

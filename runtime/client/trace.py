@@ -14,7 +14,9 @@ the whole bundled trace), which is cheaper than caching 2 KiB per id (183k ids, 
 """
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -40,9 +42,10 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """The first `limit` requests (all if None) of a trace file, validated."""
+    """The first `limit` requests (all if None) of a trace file, validated; a `.xz` or `.gz`
+    file is read through its decompressor."""
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
+    with open_trace(path) as f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
@@ -141,6 +144,17 @@ def ideal_hit_tokens(requests: Iterable[TraceRequest], block_size: int, tokens_p
     return hits
 
 
+def open_trace(path: str | Path):
+    """A trace file as text, decompressed by its suffix (.xz, .gz) as it is read."""
+    suffix = Path(path).suffix
+    if suffix == ".xz":
+        return lzma.open(path, "rt", encoding="utf-8")
+    if suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def default_trace_path() -> Path:
-    """The bundled conversation trace: ../shared/data/traces/ next to the repository."""
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
+    """The conversation trace shipped inside kvrt (runtime/client/data/: its origin and licence
+    are in the README there), xz-compressed: 200 KB for the trace's 3 MB of JSON lines."""
+    return Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.xz"

@@ -56,12 +56,14 @@ class Clients:
         self.stats.count_finished(seq)
         self.connector.request_finished(seq)
         ttft = (seq.first_token_at - seq.arrival) * 1e3 if seq.first_token_at else 0.0
+        queued = (seq.scheduled_at - seq.arrival) * 1e3 if seq.scheduled_at else 0.0
         if seq.first_token_at:
             self.metrics.ttft_seconds.observe(ttft / 1e3)
         self.reply(seq.client, api.FinishedEvent(
             seq.request_id, seq.output.copy(), seq.finish_reason, seq.prompt_len, *seq.cached,
             seq.computed_prompt_tokens, seq.preemptions, ttft, (now - seq.arrival) * 1e3,
-            list(seq.output_logprobs), list(seq.output_top), seq.prompt_lps, seq.prompt_ranks, seq.prompt_top))
+            list(seq.output_logprobs), list(seq.output_top), seq.prompt_lps, seq.prompt_ranks, seq.prompt_top,
+            queued))
 
     def apply(self, out: StepOutcome) -> None:
         """A step's outcome to its clients: streamed tokens, final answers, errors."""

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -184,6 +185,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
+            seq.scheduled_at = seq.scheduled_at or time.monotonic()
             seq.asked_storage = False  # matched again after a preemption, it may read again
             self.running.append(seq)
             self._add(step, seq, chunk)
@@ -419,6 +421,7 @@ class Scheduler:
             self._finish(seq, seq.finish_reason)
             return False
         seq.state = SeqState.RUNNING
+        seq.scheduled_at = seq.scheduled_at or time.monotonic()
         self.running.append(seq)
         return True
 

@@ -77,6 +77,7 @@ class Sequence:
     asked_storage: bool = False      # read storage since it was last admitted (ask once)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
+    scheduled_at: float = 0.0        # when it was first scheduled (its time queued ends there)
     # per match made, in order: the prompt tokens it served from device, host and storage, in
     # token order (the last one's storage part lowered when its read comes back short)
     matches: list[tuple[int, int, int]] = field(default_factory=list)

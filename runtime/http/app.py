@@ -273,8 +273,8 @@ class Server:
 
     def check_body(self, body: SamplingBody) -> None:
         """400 naming the first field kvrt does not implement, or a value it cannot take here."""
-        if name := body.unsupported():
-            raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_field")
+        if problem := body.refusal():
+            raise ApiError(400, problem[1], param=problem[0], code="unsupported_field")
         self.guided(body)
         vocab = self.node_info().vocab_size
         for name, ids in (("logit_bias", list(body.logit_bias or {})), ("stop_token_ids", body.stop_token_ids or [])):
@@ -356,10 +356,12 @@ class Server:
                 elif own.prompt_logprobs is not None:
                     run.scorers.add(rid)
                 run.requests.append((rid, ids, max_tokens, eos, own))
+                run.max_tokens[rid] = max_tokens
                 if leader is None:
                     leader = rid
                 else:
                     run.followers.setdefault(leader, []).append(rid)
+        self.metrics.request(body.n)
         return run
 
 
@@ -375,6 +377,7 @@ class _Run:
         self.choices: dict[str, _Choice] = {}
         self.requests: list[tuple[str, list[int], int, int, Sampling]] = []
         self.followers: dict[str, list[str]] = {}  # a prompt's first request -> its other choices
+        self.max_tokens: dict[str, int] = {}  # each request's max_tokens (for the metrics)
         self.pending: set[str] = set()  # not finished
         self.sent: set[str] = set()
         self.arrival = time.monotonic()
@@ -457,7 +460,8 @@ class _Run:
                 piece, shown = ch.add(rest, [None] * len(rest)) if rest else ("", [])
                 piece += ch.end(res)
                 self.server.metrics.finished(len(ch.prompt), len(res.output_token_ids),
-                                             time.monotonic() - self.arrival, ch.finish_reason or "length")
+                                             time.monotonic() - self.arrival, ch.finish_reason or "length",
+                                             self.max_tokens.get(rid, 0), res)
                 yield ch, piece, shown, True
 
     async def complete(self, request: Request) -> None:
@@ -578,21 +582,22 @@ def _sse(obj) -> str:
 
 
 async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, include_usage: bool,
-                  opening: dict | None = None) -> AsyncIterator[str]:
+                  opening: dict | None = None, continuous: bool = False) -> AsyncIterator[str]:
     """The server-sent events of one answer, for both endpoints: an optional opening frame,
     `frame(choice, text, token_ids, done)` for each event (None: nothing to send; a list: those
     frames), the usage
-    frame if asked, then `[DONE]`. A request that fails (the engine failed it, naming why; or
+    frame if asked (`continuous`: the usage so far in every frame too, vLLM's
+    continuous_usage_stats), then `[DONE]`. A request that fails (the engine failed it, naming why; or
     this side failed) ends with an error frame instead, and no `[DONE]`: the status 200 went out
     with the first frame, and a failed answer must not read as a finished one. The request is
     cancelled however the stream ends (a client that leaves frees its blocks)."""
     try:
         if opening is not None:
-            yield _sse(opening)
+            yield _sse({**opening, "usage": run.usage()} if continuous else opening)
         async for ch, piece, ids, done in _chain(first, rest):
             out = frame(ch, piece, ids, done)
             for one in out if isinstance(out, list) else [] if out is None else [out]:
-                yield _sse(one)
+                yield _sse({**one, "usage": run.usage()} if continuous else one)
         if include_usage:
             yield _sse({**usage_base, "choices": [], "usage": run.usage()})
     except ApiError as e:
@@ -647,7 +652,8 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
         info = server.node_info()
         return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
                                                          "owned_by": "kvrt", "root": server.model_name,
-                                                         "parent": None, "max_model_len": info.max_model_len}]})
+                                                         "parent": None, "max_model_len": info.max_model_len,
+                                                         "vocab_size": info.vocab_size}]})
 
     @app.get("/version")
     async def version_() -> JSONResponse:
@@ -730,7 +736,7 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
         elif p and all(isinstance(x, str) for x in p):
             texts = list(p)
         if texts is not None:
-            prompts = [server.tokenizer("prompt").encode(x) for x in texts]
+            prompts = [server.tokenizer("prompt").encode(x, add_special_tokens=body.add_special_tokens) for x in texts]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]
         else:
@@ -766,7 +772,8 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
                                                                                  body.prompt_logprobs)}]}
 
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(run, first, it, frame, base, usage), media_type="text/event-stream")
+            return StreamingResponse(_stream(run, first, it, frame, base, usage, continuous=body.continuous_usage()),
+                                     media_type="text/event-stream")
         run.start()
         await run.complete(request)
         choices = sorted(run.choices.values(), key=lambda c: c.index)
@@ -788,8 +795,8 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
         server.check_body(body)
         if problem := body.tools_problem():
             raise ApiError(400, problem[1], param=problem[0])
-        text, ids = server.chat_prompt(body.messages, tools=body.template_tools(),
-                                       template_kwargs=body.chat_template_kwargs)
+        text, ids = server.chat_prompt(body.messages, body.add_generation_prompt, body.add_special_tokens,
+                                       tools=body.template_tools(), template_kwargs=body.template_variables())
         tok = server.tokenizer()
         info = server.node_info()
         max_tokens = body.max_completion_tokens or body.max_tokens or max(info.max_model_len - len(ids), 1)
@@ -835,8 +842,8 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
                                              "logprobs": None, "finish_reason": None, "stop_reason": None}
                                             for j in range(body.n)]}
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(run, first, it, frame, chunk, usage, opening),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_stream(run, first, it, frame, chunk, usage, opening,
+                                             continuous=body.continuous_usage()), media_type="text/event-stream")
         run.start()
         await run.complete(request)
         choices = []

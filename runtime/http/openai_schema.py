@@ -10,6 +10,7 @@ from pydantic.types import FailFast
 
 from kvrt.ipc import json_bounds
 from kvrt.runtime.client.api import cache_salt_problem
+from kvrt.runtime.http.vllm_fields import refusal
 
 
 T = TypeVar("T")
@@ -27,12 +28,6 @@ Each = Annotated[list[T], _FailFast()]
 
 MAX_N = 16           # choices per prompt
 MAX_TOP_LOGPROBS = 20
-# fields a request may carry that ask nothing of the answer (an end-user id; whether tools may be
-# called in parallel: every call an answer makes is read, and a forced answer is one call)
-HARMLESS = frozenset({"user", "parallel_tool_calls"})
-# SGLang's fields at the value that asks nothing beyond what kvrt does (stop strings trimmed from
-# the text, no hidden states): SGLang's router sets them on every request it forwards
-HARMLESS_AT = {"no_stop_trim": False, "return_hidden_states": False}
 
 
 # vLLM's structured_outputs keys that ask for a grammar, and the guided kind each is
@@ -77,12 +72,14 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class SamplingBody(BaseModel):
     """What completions and chat requests share. A field kvrt does not implement is refused by
     name (`unsupported`), never silently ignored, unless it is null or asks nothing of the
-    answer (HARMLESS, HARMLESS_AT): a 200 always did what the request asked."""
+    answer at its value (runtime/http/vllm_fields.py): a 200 always did what the request asked."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -137,12 +134,22 @@ class SamplingBody(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field this request sets that kvrt does not implement, or None."""
+        problem = self.refusal()
+        return problem[0] if problem else None
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(the first field this request sets that kvrt does not do at its value, why), or None."""
         for name, value in (self.model_extra or {}).items():
-            if value is not None and name not in HARMLESS and not (name in HARMLESS_AT and value is HARMLESS_AT[name]):
-                return name
+            if why := refusal(name, value):
+                return name, why
         if name := self._unsupported_tools():
-            return name
+            return name, f"{name} is not supported by this server"
         return None
+
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options: every chunk carries the usage so far (with include_usage)."""
+        return self.stream_options is not None and self.stream_options.include_usage \
+            and self.stream_options.continuous_usage_stats
 
     def _unsupported_tools(self) -> str | None:
         if self.tools:
@@ -212,6 +219,7 @@ class CompletionRequest(SamplingBody):
     # the chosen token's log-probability and this many alternatives
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (BOS) around a text prompt
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -352,12 +360,25 @@ class ChatRequest(SamplingBody):
     tools: Each[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: more template variables
+    # vLLM's: the template's opening of the assistant turn, and the tokenizer's special tokens
+    # around the rendered text (the template writes its own: off by default)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    # OpenAI's; a variable of the chat template, as vLLM hands it over (templates that read it,
+    # such as gpt-oss's, use it; others ignore it, as the model would)
+    reasoning_effort: str | None = Field(default=None, max_length=32)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort when the request sets it (unless the kwargs do)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def tools_problem(self) -> tuple[str, str] | None:
         """(the field, what is wrong) when the tools, the choice among them or the template's

@@ -8,17 +8,24 @@ the node's ordinary client API (runtime/client/client.py over ZeroMQ), exactly a
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import os
+import random
 import socket
 import threading
+from dataclasses import dataclass
 
 import uvicorn
 
 from kvrt.runtime.cache.event_secret import EventSecret
 from kvrt.runtime.client.client import address_of
-from kvrt.runtime.http.app import Server, create_app
-from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S, Bridge
+from kvrt.runtime.http.access_log import AccessLog
+from kvrt.runtime.http.app import IdsOnly, Server, create_app
+from kvrt.runtime.http.auth import ApiKeyAuth
+from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S, Bridge, Submission
+from kvrt.runtime.http.chat_template_flag import read_chat_template
 from kvrt.runtime.http.connections import uvicorn_config
 from kvrt.runtime.node.config import NodeConfig
 
@@ -54,6 +61,57 @@ def cache_info(cfg: NodeConfig) -> dict:
             "kv_events": events, "kv_events_replay": replay, "kv_events_curve_key": curve}
 
 
+@dataclass
+class HttpOptions:
+    """The HTTP server's settings that vLLM's flags of the same names give (`kvrt launch --api-key`,
+    `--chat-template`, `--seed`, `--access-log`, `--log-requests`, `--uvicorn-log-level`)."""
+
+    api_key: str | None = None
+    chat_template: str | None = None  # the template's text (read from --chat-template)
+    seed: int | None = None
+    access_log: bool = False
+    log_requests: bool = False
+    uvicorn_log_level: str = "warning"
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "HttpOptions":
+        """From `kvrt launch`'s flags; ValueError when the chat template cannot be read or the
+        API key is empty."""
+        if args.api_key is not None and not args.api_key:
+            raise ValueError("--api-key must not be empty")
+        template = read_chat_template(args.chat_template) if args.chat_template is not None else None
+        return cls(args.api_key, template, args.seed, args.access_log, args.log_requests, args.uvicorn_log_level)
+
+
+class _SeededBridge(Bridge):
+    """--seed: a request without a seed gets the next one of a generator seeded once, so that the
+    same requests in the same order draw the same tokens again (vLLM's meaning of its flag)."""
+
+    def __init__(self, address: str, engine_timeout: float, seed: int) -> None:
+        super().__init__(address, engine_timeout)
+        self._seeds = random.Random(seed)
+
+    def submit(self, sub: Submission) -> None:
+        if sub.sampling.seed is None:
+            sub = dataclasses.replace(sub, sampling=dataclasses.replace(sub.sampling,
+                                                                        seed=self._seeds.getrandbits(63)))
+        super().submit(sub)
+
+
+class _TemplatedServer(Server):
+    """--chat-template: the served model's tokenizer with that template instead of its own."""
+
+    def __init__(self, *args, chat_template: str, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._template = chat_template
+
+    def decoder(self):
+        tok = super().decoder()
+        if not isinstance(tok, IdsOnly) and tok.chat_template is not self._template:
+            tok.chat_template = self._template
+        return tok
+
+
 class HttpServer:
     """uvicorn on (host, port) in a daemon thread, over a bridge to the node's client API, with
     its connections and bodies bounded (runtime/http/connections.py, body_limit.py). The
@@ -62,12 +120,26 @@ class HttpServer:
 
     def __init__(self, host: str, port: int, client_host: str, client_port: int, model_names: list[str],
                  node: str = "", metrics_port: int = 0, cache: dict | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, engine_timeout: float = ENGINE_TIMEOUT_S) -> None:
+                 reasoning_parser: str | None = None, engine_timeout: float = ENGINE_TIMEOUT_S,
+                 options: HttpOptions | None = None) -> None:
+        options = options or HttpOptions()
         connect = "127.0.0.1" if client_host in ("", "0.0.0.0", "::") else client_host
-        self.bridge = Bridge(address_of(client_port, connect), engine_timeout)
-        app = create_app(Server(self.bridge, model_names, metrics_port, cache, node=node,
-                                tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser))
-        self._server = uvicorn.Server(uvicorn_config(app, host, port))
+        address = address_of(client_port, connect)
+        self.bridge = Bridge(address, engine_timeout) if options.seed is None else \
+            _SeededBridge(address, engine_timeout, options.seed)
+        kw = dict(node=node, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+        server = Server(self.bridge, model_names, metrics_port, cache, **kw) if options.chat_template is None else \
+            _TemplatedServer(self.bridge, model_names, metrics_port, cache, chat_template=options.chat_template, **kw)
+        app = create_app(server)
+        if options.access_log or options.log_requests:
+            app = AccessLog(app, access=options.access_log, requests=options.log_requests)
+        if options.api_key:
+            app = ApiKeyAuth(app, options.api_key)  # outermost: nothing runs for a request without the key
+        config = uvicorn_config(app, host, port)
+        logging.getLogger("uvicorn").setLevel(options.uvicorn_log_level.upper().replace("TRACE", "DEBUG"))
+        logging.getLogger("uvicorn.error").setLevel(options.uvicorn_log_level.upper().replace("TRACE", "DEBUG"))
+        self._server = uvicorn.Server(config)
+        self.host, self.port = host, port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -78,6 +150,12 @@ class HttpServer:
             raise OSError(f"--http-port: cannot listen on {host}:{port}: {e.strerror or e}") from None
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="kvrt-http",
                                         daemon=True)
+
+    def url(self) -> str:
+        """The server's base URL as a client on this machine writes it (all interfaces: loopback)."""
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else "[::1]" if self.host == "::" else \
+            f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def start(self) -> None:
         self.bridge.start()

@@ -45,6 +45,7 @@ from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer,
 from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, Budget, max_body_bytes
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.body import Refused, read_body
+from kvrt.runtime.router.metrics import PROMETHEUS_TEXT, RouterMetrics
 from kvrt.runtime.router.policy import Candidate, Picker
 from kvrt.runtime.router.relay import EventRelay, error_event
 from kvrt.runtime.router.server import lingering_answer
@@ -404,10 +405,15 @@ def _text(content: object) -> str:
 def create_handler(router: Router, body_s: float = BODY_S) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
     """The router's one request handler (runtime/router/server.py serves it): /health, and
     forwarded: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
-    /version (a model id is the nodes' business: they answer one they do not serve); request
+    /version (a model id is the nodes' business: they answer one they do not serve); /metrics,
+    the router's own series (runtime/router/metrics.py); request
     bodies bounded as a node bounds them (runtime/router/body.py). One lookup of (method, path)
     in a table: no routing framework or middleware is paid on every forwarded request."""
     budget = Budget()
+    metrics = RouterMetrics(router.backends, router.picker.policy)
+
+    async def prometheus(request: web.BaseRequest) -> web.Response:
+        return web.Response(body=metrics.exposition(), headers={"content-type": PROMETHEUS_TEXT})
 
     async def health(request: web.BaseRequest) -> web.Response:
         items = router.backends.items
@@ -435,7 +441,7 @@ def create_handler(router: Router, body_s: float = BODY_S) -> Callable[[web.Base
             return await router.forward(request, raw, path)
         return post_
 
-    routes = {("GET", "/health"): health}
+    routes = {("GET", "/health"): health, ("GET", "/metrics"): prometheus}
     routes.update({("GET", p): forwarded(p, post=False) for p in ("/v1/models", "/version")})
     routes.update({("POST", p): forwarded(p, post=True) for p in ("/v1/completions", "/v1/chat/completions",
                                                                    "/tokenize", "/detokenize")})
@@ -444,7 +450,9 @@ def create_handler(router: Router, body_s: float = BODY_S) -> Callable[[web.Base
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         endpoint = routes.get((request.method, request.path))
         if endpoint is not None:
-            return await endpoint(request)
+            answer = await endpoint(request)
+            metrics.answered(request.path, answer.status)
+            return answer
         if request.path in paths:
             return _error(405, f"{request.path} does not take {request.method:.20}", "invalid_request_error",
                           "method_not_allowed")

@@ -16,7 +16,7 @@ import uuid
 import httpx2
 import pytest
 
-from kvrt.bench.serve import Arrival, Request, Slo, run_http, summarize, synthetic_requests
+from kvrt.bench.serve import Arrival, Request, ServerError, Slo, run_http, summarize, synthetic_requests
 from kvrt.bench.serve import main as serve_main
 from tests.conftest import REPO, leftovers
 from kvrt.ipc.ports import free_port
@@ -262,3 +262,53 @@ def test_no_stream_refuses_the_streamed_figures_options(capsys):
     with pytest.raises(SystemExit) as e:
         serve_main(["--url", "http://127.0.0.1:9/v1", "--no-stream", "--slo-ttft-ms", "100"])
     assert e.value.code == 2 and "--no-stream measures E2E only" in capsys.readouterr().err
+
+
+def _card_server(card: dict, tokens: list | None = None):
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/v1/models":
+            return httpx2.Response(200, json={"data": [{"id": "m", **card}]})
+        if request.url.path == "/tokenize" and tokens is not None:
+            return httpx2.Response(200, json={"tokens": tokens, "count": len(tokens)})
+        return httpx2.Response(404, json={"error": {"message": "no such route"}})
+
+    return httpx2.MockTransport(handler)
+
+
+def test_the_vocabulary_is_the_servers_from_its_card_or_its_tokenize():
+    from kvrt.bench.serve import server_vocab
+
+    assert server_vocab("http://fake/v1", None, _card_server({"vocab_size": 384}))[0] == 384
+    v, source = server_vocab("http://fake/v1", None, _card_server({}, tokens=[5, 300, 17]))
+    assert v == 301 and "tokenize" in source
+    assert server_vocab("http://fake/v1", None, _card_server({}))[0] is None
+
+
+@pytest.mark.e2e
+def test_token_ids_stay_inside_a_small_models_vocabulary(node, tmp_path):
+    """A 384-token model: ids drawn up to 511 failed every request before the vocabulary was read
+    from the server; now every request completes with only the URL given."""
+    http = free_port()
+    with launched(node, tmp_path, *SMALL, "--vocab-size", "384", "--num-gpu-blocks", "96", "--max-model-len",
+                  str(MAX_MODEL_LEN), "--http-port", str(http)):
+        _wait_healthy(http)
+        r = bench("--url", f"http://127.0.0.1:{http}/v1", "--limit", "8", "--prefix-len", "32", "--suffix-len", "8",
+                  "--max-tokens", "2", "--concurrency", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["config"]["vocab_size"] == 384 and out["http"]["completed"] == 8, out["http"]
+
+
+def test_a_failed_warm_up_stops_the_run():
+    sent = []
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/v1/models":
+            return httpx2.Response(200, json={"data": [{"id": "m"}]})
+        sent.append(json.loads(request.content)["prompt"])
+        return httpx2.Response(400, json={"error": {"message": "bad token id", "code": "invalid_token_id"}})
+
+    with pytest.raises(ServerError, match="warm-up request .* failed"):
+        run_http("http://fake/v1", None, [Request(i, [1, 2], 2) for i in range(5)], Arrival(1, None), 10.0,
+                 transport=httpx2.MockTransport(handler))
+    assert sent == [[0, 1, 2, 3]]  # the warm-up alone

@@ -16,7 +16,6 @@ from kvrt.runtime.client.trace import (TRACE_BLOCK, TraceError, TraceRequest, de
 from tests.conftest import REPO
 
 TRACE = default_trace_path()
-needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} not found")
 
 
 def write_trace(path, rows) -> str:
@@ -78,7 +77,6 @@ def test_expanded_tokens_reproduce_the_sharing():
     assert small.min() >= 0 and small.max() < 1000
 
 
-@needs_trace
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bs, reference", [(512, 0.374), (64, 0.3736)])  # the published figures
 def test_ideal_matches_an_independent_count(bs, reference):
@@ -90,7 +88,6 @@ def test_ideal_matches_an_independent_count(bs, reference):
 
 
 # ---- the replay ------------------------------------------------------------------------------
-@needs_trace
 @pytest.mark.parametrize("bs", [512, 64, 16])
 def test_unlimited_replay_equals_ideal(bs):
     reqs = load_trace(TRACE, limit=400)
@@ -100,7 +97,6 @@ def test_unlimited_replay_equals_ideal(bs):
     assert row["evicted_device_blocks"] == 0 and row["rejected_requests"] == 0
 
 
-@needs_trace
 @pytest.mark.timeout(300)
 def test_full_trace_replay_equals_ideal():
     reqs = load_trace(TRACE)
@@ -109,7 +105,6 @@ def test_full_trace_replay_equals_ideal():
     assert row["hit_token_rate"] == ideal_hit_tokens(reqs, 64) / sum(r.input_length for r in reqs)
 
 
-@needs_trace
 def test_limited_capacity_and_host_tier():
     reqs = load_trace(TRACE, limit=1500)
     ideal = ideal_hit_tokens(reqs, 64) / sum(r.input_length for r in reqs)
@@ -132,7 +127,6 @@ def test_requests_larger_than_the_device_are_skipped(tmp_path):
 
 
 # ---- the command line --------------------------------------------------------------------------
-@needs_trace
 def test_cli_json(capsys):
     rc, out, _ = run_main(capsys, "--limit", "300", "--capacity-blocks", "3000", "8000", "--json")
     assert rc == 0
@@ -146,7 +140,6 @@ def test_cli_json(capsys):
         assert r["hit_token_rate"] <= r["ideal_hit_token_rate"]
 
 
-@needs_trace
 def test_cli_table_and_default_trace(capsys):
     rc, out, _ = run_main(capsys, "--limit", "200", "--block-size", "128")
     assert rc == 0
@@ -177,7 +170,6 @@ def test_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch, tmp_path)
     assert rc == 2 and "pip install 'kvrt[plot]'" in err
 
 
-@needs_trace
 def test_plot_is_written(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "hit.png"
@@ -185,7 +177,6 @@ def test_plot_is_written(capsys, tmp_path):
     assert rc == 0 and png.stat().st_size > 1000 and "plot written" in out
 
 
-@needs_trace
 def test_evict_scaling_section(capsys):
     rc, out, _ = run_main(capsys, "--limit", "50", "--evict-scaling", "--evict-sizes", "2000", "8000", "--json")
     assert rc == 0

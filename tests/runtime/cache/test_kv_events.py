@@ -5,6 +5,7 @@ The node-level tests (a real `kvrt launch --kv-events-port`) are in tests/runtim
 """
 from __future__ import annotations
 
+import time
 
 import msgpack
 import pytest
@@ -20,6 +21,8 @@ from kvrt.runtime.cache.events import (CPU, END_OF_REPLAY, GPU, MAX_REPLAY_REQUE
                                decode_batch, encode_batch, removed_event, seq_bytes, stored_event)
 from kvrt.runtime.cache.prefix_cache import PrefixCache, TaskKind
 from tests.runtime.cache.test_prefix_cache_props import CacheMachine
+
+WAIT_S = 30.0  # for a socket of this process to connect or answer, however loaded the machine
 
 
 class Mirror:
@@ -98,9 +101,21 @@ def _replay(ctx: zmq.Context, port: int, start: int) -> list[tuple[int, bytes]]:
     return req
 
 
+def _next_after(sub: zmq.Socket, seq: int) -> list[bytes]:
+    """The first batch the subscriber reads numbered above `seq` (earlier ones skipped)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if sub.poll(100):
+            frames = sub.recv_multipart()
+            if int.from_bytes(frames[1], "big") > seq:
+                return frames
+    raise AssertionError(f"no batch numbered above {seq} within {WAIT_S:g} s")
+
+
 def _read_replay(pub: KVEventPublisher, req: zmq.Socket) -> list[tuple[int, bytes]]:
     out = []
-    for _ in range(200):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
         pub.serve_replay()
         if req.poll(10):
             empty, seq, payload = req.recv_multipart()
@@ -109,7 +124,7 @@ def _read_replay(pub: KVEventPublisher, req: zmq.Socket) -> list[tuple[int, byte
                 req.close(0)
                 return out
             out.append((int.from_bytes(seq, "big", signed=True), payload))
-    raise AssertionError("no end of replay within 2 s")
+    raise AssertionError(f"no end of replay within {WAIT_S:g} s")
 
 
 def test_batches_are_numbered_vllm_shaped_and_replayed_or_snapshotted():
@@ -119,22 +134,22 @@ def test_batches_are_numbered_vllm_shaped_and_replayed_or_snapshotted():
     pub = KVEventPublisher("127.0.0.1", port, 16, lambda: snapshot, ctx)
     sub = _sub(ctx, port)
     try:
-        got = []
-        for attempt in range(100):  # a PUB drops what it sends before the SUB's connection is up
+        # a PUB drops what it sends before the SUB's connection is up: send until one arrives,
+        # for as long as a loaded machine takes to connect (those sent meanwhile may still be on
+        # their way: they are skipped below by their numbers)
+        deadline = time.monotonic() + WAIT_S
+        while not sub.poll(20):
+            assert time.monotonic() < deadline, f"the subscriber did not connect within {WAIT_S:g} s"
             pub.stored(GPU, [b"x" * 16], None)
             pub.flush()
-            if sub.poll(20):
-                got.append(sub.recv_multipart())
-                break
-        assert got, "the subscriber never connected"
+        sent = pub.seq
         pub.flush()  # nothing pending: no batch, no number used
         pub.stored(GPU, [b"a" * 16, b"b" * 16], b"x" * 16)
         pub.removed(CPU, [b"z" * 16])
         pub.cleared()
         pub.flush()
-        assert sub.poll(2000)
-        topic, seq, payload = sub.recv_multipart()
-        assert topic == TOPIC and int.from_bytes(seq, "big") == pub.seq == attempt + 2
+        topic, seq, payload = _next_after(sub, sent)
+        assert topic == TOPIC and int.from_bytes(seq, "big") == pub.seq == sent + 1
         ts, events = msgpack.unpackb(payload)
         assert isinstance(ts, float)
         assert events == [["BlockStored", [b"a" * 16, b"b" * 16], b"x" * 16, [], 16, None, "GPU"],

@@ -119,10 +119,7 @@ def test_concurrent_duplicates_keep_their_private_copies():
 def test_prefill_node_hit_rate_equals_mixed():
     """Seed bug (a): a prefill node (records as chunks are written, never decodes) caches as much
     as a mixed node on the same multi-turn workload."""
-    path = default_trace_path()
-    if not path.exists():
-        pytest.skip(f"{path} not found")
-    reqs = load_trace(path, limit=300)
+    reqs = load_trace(default_trace_path(), limit=300)
     bs, chunk = 64, 2048
     total = sum(-(-(r.input_length + r.output_length) // bs) for r in reqs)
 

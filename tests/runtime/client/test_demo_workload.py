@@ -175,10 +175,7 @@ def test_scaling_keeps_sharing_and_the_ideal_matches_a_naive_count(ids_lists, da
 
 
 def test_full_scale_is_the_trace_formula_and_ideal():
-    path = default_trace_path()
-    if not path.exists():
-        pytest.skip("bundled trace not present")
-    reqs = load_trace(path, 300)
+    reqs = load_trace(default_trace_path(), 300)
     for r in reqs[:20]:
         assert np.array_equal(scaled_tokens(r, TRACE_BLOCK), expand_tokens(r))
     prompts = [expand_tokens(r) for r in reqs[:100]]

@@ -253,7 +253,7 @@ def test_prompt_logprobs_echo_and_stop_reason(served):
     ({"logit_bias": {"512": 1}}, "logit_bias"),
     ({"stop_token_ids": [600]}, "stop_token_ids"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"stream_options": {"continuous_usage_stats": True}, "stream": True}, "stream_options.continuous_usage_stats"),
+    ({"stream_options": {"include_usage": True, "every_chunk": True}, "stream": True}, "stream_options.every_chunk"),
 ])
 def test_what_kvrt_does_not_implement_is_refused_by_name(body, param):
     with TestClient(create_app(Server(_FakeBridge(True), MODEL)), raise_server_exceptions=False) as c:

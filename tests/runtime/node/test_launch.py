@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from kvrt.ipc.ports import free_port
 from kvrt.runtime.node.config import NodeConfig
 from tests.conftest import REPO, leftovers
 
@@ -30,7 +31,8 @@ class Launched:
     def __init__(self, node: str, *extra: str):
         self.node = node
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvrt.launcher", "launch", "--node", node, "--num-gpu-blocks", "32", *extra],
+            [sys.executable, "-m", "kvrt.launcher", "launch", "--node", node, "--num-gpu-blocks", "32",
+             *([] if "--port" in extra else ["--port", str(free_port())]), *extra],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
@@ -140,7 +142,7 @@ def test_sigkill_of_the_launcher_then_clean_and_relaunch(launched, node):
 def test_second_launch_of_a_live_name_is_refused(launched, node):
     n = launched()
     n.wait_for("ready:")
-    r = kvrt("launch", "--node", node, "--num-gpu-blocks", "8")
+    r = kvrt("launch", "--node", node, "--num-gpu-blocks", "8", "--port", str(free_port()))
     assert r.returncode == 1 and "is live" in r.stderr
     r = kvrt("clean", "--node", node)
     assert r.returncode == 1 and "refusing" in r.stdout
@@ -178,6 +180,8 @@ def test_second_launch_of_a_live_name_is_refused(launched, node):
     (["--threads", "0"], "--threads"),
 ])
 def test_bad_configuration_gets_a_clear_error(node, args, text):
+    if "--port" not in args and "--role" not in args:  # reachable, so that the error is the one asked for
+        args = [*args, "--port", str(free_port())]
     r = kvrt("launch", "--node", node, *args) if "--node" not in args else kvrt("launch", *args)
     assert r.returncode in (1, 2) and text in r.stderr, r.stderr
     assert not leftovers(node)

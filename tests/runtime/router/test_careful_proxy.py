@@ -173,3 +173,19 @@ def test_requests_one_after_another_reuse_one_connection_to_the_backend(answer, 
             r = _post(base, dict(BODY, stream=stream))
             assert r.status_code == 200 and b"error" not in r.content, r.content
     assert len(ports) == 3 and len(set(ports)) == 1, ports
+
+
+def test_the_router_serves_its_own_metrics():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with _keeping_alive(OK) as (url, _), _routed([url]) as (base, _):
+        for _ in range(2):
+            assert _post(base).status_code == 200
+        r = httpx2.get(base + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    assert samples[("kvrt_router_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 2
+    assert samples[("kvrt_router_routed_total", (("backend", url),))] == 2
+    assert samples[("kvrt_router_backend_healthy", (("backend", url),))] == 1
+    assert samples[("kvrt_router_info", (("policy", "round-robin"),))] == 1
