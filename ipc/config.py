@@ -47,7 +47,9 @@ class NodeConfig:
     model_arch: str = ""         # its architecture (config.json), set by the launcher
     model_fingerprint: str = ""  # digest of its config.json, headers and weight samples, set by the launcher
     hidden_size: int = 0         # its hidden size (sizes the tp all-reduce), set by the launcher
-    compute_dtype: str = "float32"  # a checkpoint's projections: float32 or float16 (resolved from --compute-dtype)
+    compute_dtype: str = "float32"  # a checkpoint's projections: float32, float16 or bfloat16 (resolved from --compute-dtype)
+    model_backend: str = "array"  # how a checkpoint runs: array (NumPy/CuPy) or torch (resolved from --model-backend)
+    cuda_graph_max_batch: int = -1  # torch backend on a GPU: decode graphs up to this batch (-1: --max-num-seqs; 0: none)
     threads: int = 0             # BLAS threads of a worker's matmuls on a CPU (0: per step, workers/model/threads.py)
     eviction: str = "adaptive"     # the prefix cache's eviction policy (runtime/cache/policies/base.py names them)
     # scheduling
