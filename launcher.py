@@ -219,6 +219,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "at WARNING unless -v)" % DEMO_BLOCKS)
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for every process to be ready")
     p.add_argument("--rank-timeout", type=float, default=d.rank_timeout, help="seconds to wait for a rank's answer to a task")
+    p.add_argument("--wait-spin-us", type=int, default=d.wait_spin_us, metavar="US",
+                   help="microseconds the engine's and each cache-transfer's waits spin (and a swap's wait polls its "
+                   "copy's CUDA event) before they sleep (default: 250 on a GPU node, whose cores are to spare, so "
+                   "a one-block swap's answer is met spinning; 0 on a CPU node)")
     p.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
                    help=f"seconds without a heartbeat after which a ready process counts as hung and the node "
                    f"stops with exit 1, as for a dead one (default {d.hang_timeout:g}; start-up is bounded by "

@@ -66,6 +66,15 @@ class NodeConfig:
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
     hang_timeout: float = 5.0   # a ready process whose heartbeat stays still this long (launcher running time) is hung
+    wait_spin_us: int = -1      # the engine's and cache-transfer's waits spin this long before sleeping (-1: auto)
+
+    @property
+    def wait_spin_s(self) -> float:
+        """--wait-spin-us in seconds; auto is 250 us on a GPU node (cores to spare, and a one-block
+        swap answers within that) and none on a CPU node (a spinning process takes a core the
+        worker's matmuls need)."""
+        us = self.wait_spin_us if self.wait_spin_us >= 0 else (250 if self.device == "cuda" else 0)
+        return us / 1e6
 
     @property
     def kv_layout(self) -> KVLayout:
