@@ -281,9 +281,10 @@ class TorchModel:
             self._pools.pop(_address(pool), None)
 
     def capture_graphs(self, pool: Any, max_batch: int, budget_s: float, maker: GraphMaker | None = None,
-                       beat: Callable[[], None] | None = None) -> CaptureReport:
+                       beat: Callable[[], None] | None = None, buckets: list[int] | None = None) -> CaptureReport:
         """Capture decode graphs over `pool` for batches of up to `max_batch` sequences
-        (graphs.py), within `budget_s` seconds; `maker` is torch's CUDA graphs unless given."""
+        (graphs.py; only `buckets` of them if given), within `budget_s` seconds; `maker` is
+        torch's CUDA graphs unless given."""
         if self.model.allreduce is not None:
             raise ValueError("decode graphs need --tp 1: the all-reduce cannot be captured")
         s = self.shape
@@ -303,7 +304,7 @@ class TorchModel:
         self.graphs = DecodeGraphs(maker if maker is not None else CudaGraphMaker(torch), static, body_for,
                                    _address(pool))
         t0 = time.monotonic()
-        report = self.graphs.capture(buckets_up_to(max_batch), budget_s, beat)
+        report = self.graphs.capture(buckets_up_to(max_batch) if buckets is None else buckets, budget_s, beat)
         log.info("captured %d decode graphs (batches %s) in %.2f s%s", len(report.captured),
                  ",".join(map(str, report.captured)), time.monotonic() - t0,
                  f"; batches of {report.skipped[0]}+ run eager (capture budget {budget_s:.0f} s spent)"

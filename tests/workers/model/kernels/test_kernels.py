@@ -23,8 +23,11 @@ from kvrt.workers.model.kernels.prefill_attention import paged_prefill  # noqa: 
 from kvrt.workers.model.kernels.rope_kv import rope_write_kv  # noqa: E402
 from kvrt.workers.model.kernels.silu_mul import silu_mul  # noqa: E402
 
-DTYPES = {"float16": torch.float16, "float32": torch.float32}
+DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# activations' dtypes: bfloat16 only compiled (Triton's interpreter computes it wrongly on NumPy)
+ACTIVATIONS = ["float16", "float32"] + (["bfloat16"] if DEVICE == "cuda" else [])
 U16 = 2.0 ** -11
+UNIT = {"float16": U16, "float32": 1e-6, "bfloat16": 2.0 ** -8}
 
 
 def dev(a: np.ndarray, dtype=None):
@@ -41,7 +44,7 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("d", [32, 96, 896])
-@pytest.mark.parametrize("out_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("out_dtype", ACTIVATIONS)
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_rms_norm_with_the_residual_add(d, out_dtype, with_delta):
     rng = np.random.default_rng(d)
@@ -53,17 +56,18 @@ def test_rms_norm_with_the_residual_add(d, out_dtype, with_delta):
     ref_x = x.astype(np.float64) + (delta.astype(np.float64) if with_delta else 0)
     want = ref_x / np.sqrt((ref_x ** 2).mean(-1, keepdims=True) + 1e-6) * w
     assert rel_err(host(xt), ref_x) < 1e-6  # the residual stream, updated in place (float32)
-    assert rel_err(host(out), want) < (U16 if out_dtype == "float16" else 1e-6)
+    assert rel_err(host(out), want) < UNIT[out_dtype]
 
 
+@pytest.mark.parametrize("dtype", ACTIVATIONS)
 @pytest.mark.parametrize("m", [64, 1500])
-def test_silu_times_up(m):
+def test_silu_times_up(m, dtype):
     rng = np.random.default_rng(m)
-    gu = (3 * rng.standard_normal((3, 2 * m))).astype(np.float16)
-    out = torch.empty((3, m), dtype=torch.float16, device=DEVICE)
-    silu_mul(dev(gu), out)
-    g, u = gu[:, :m].astype(np.float64), gu[:, m:].astype(np.float64)
-    assert rel_err(host(out), g / (1 + np.exp(-g)) * u) < U16
+    gu = dev((3 * rng.standard_normal((3, 2 * m))).astype(np.float32), DTYPES[dtype])
+    out = torch.empty((3, m), dtype=DTYPES[dtype], device=DEVICE)
+    silu_mul(gu, out)
+    g, u = host(gu[:, :m]), host(gu[:, m:])
+    assert rel_err(host(out), g / (1 + np.exp(-g)) * u) < UNIT[dtype]
 
 
 def pool_of(rng, blocks: int, layers: int, bs: int, kvh: int, hd: int, dtype: str) -> np.ndarray:
@@ -81,13 +85,15 @@ def rope_tables(inv_freq: np.ndarray, n: int, scale: float = 1.0) -> tuple[np.nd
 @pytest.mark.parametrize("bias, qk_norm", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("pool_dtype", ["float16", "float32"])
 @pytest.mark.parametrize("hd", [8, 64])
-def test_rope_writes_kv_into_the_paged_pool(bias, qk_norm, pool_dtype, hd):
+@pytest.mark.parametrize("qkv_dtype", ACTIVATIONS[::2])
+def test_rope_writes_kv_into_the_paged_pool(bias, qk_norm, pool_dtype, hd, qkv_dtype):
     """q rotated and scaled, k rotated and stored, v stored, at each token's slot of layer 1;
     a slot of -1 writes nothing; every other slot of the pool is left as it was."""
     rng = np.random.default_rng(hd)
     h, kvh, t, bs, layers = 4, 2, 6, 4, 3
     width = (h + 2 * kvh) * hd
-    qkv = rng.standard_normal((t, width)).astype(np.float16)
+    qkv_t = dev(rng.standard_normal((t, width)).astype(np.float32), DTYPES[qkv_dtype])
+    qkv = host(qkv_t)
     b = (0.5 * rng.standard_normal(width)).astype(np.float32)
     qn, kn = (1 + 0.1 * rng.standard_normal((2, hd))).astype(np.float32)
     inv = 1.0 / 1e4 ** (np.arange(0, hd, 2) / hd)
@@ -96,9 +102,9 @@ def test_rope_writes_kv_into_the_paged_pool(bias, qk_norm, pool_dtype, hd):
     slots = np.array([3, 9, 0, 22, -1, 14], np.int32)
     pool = rng.standard_normal((6, layers, 2, bs, kvh, hd)).astype(pool_dtype)
     pt, q_out = dev(pool), torch.empty((t, h, hd), dtype=torch.float32, device=DEVICE)
-    rope_write_kv(dev(qkv), dev(b) if bias else None, dev(qn) if qk_norm else None, dev(kn) if qk_norm else None,
+    rope_write_kv(qkv_t, dev(b) if bias else None, dev(qn) if qk_norm else None, dev(kn) if qk_norm else None,
                   1e-6, dev(cos), dev(sin), dev(positions), dev(slots), pt, 1, hd ** -0.5, q_out, h, kvh, hd)
-    y = qkv.astype(np.float64) + (b if bias else 0)
+    y = qkv + (b if bias else 0)
     q, k, v = (y[:, :h * hd].reshape(t, h, hd), y[:, h * hd:(h + kvh) * hd].reshape(t, kvh, hd),
                y[:, (h + kvh) * hd:].reshape(t, kvh, hd))
     if qk_norm:
