@@ -106,7 +106,7 @@ class StaticInputs:
         n = FIELDS * max_batch + max_batch * max_width
         self.packed = torch.zeros(n, dtype=torch.int32, device=device)
         self.tables = torch.zeros((max_batch, max_width), dtype=torch.int32, device=device)
-        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=device == "cuda")
+        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=device.startswith("cuda"))
         self.host_np = self.host.numpy()
         self._copied: Any = None  # the event after the last host-to-device copy (a GPU's)
 

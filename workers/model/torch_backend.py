@@ -8,8 +8,9 @@ its work, and CuPy refuses cuBLAS inside a stream capture, so that path cannot b
 torch makes cuBLAS capture-safe and Triton writes the fused and paged kernels.
 
 It is the same model, not another one: `HFModel` reads and checks the checkpoint, slices it for
-tensor parallelism, validates and plans every step batch (`_check_pool`, `_plan`), and its
-weights move here as they are (each projection once, in the compute dtype: float32, float16, or
+tensor parallelism and checks the pool (`_check_pool`); a step batch is checked by the same
+rules as `_plan`'s, over the whole batch at once (workers/model/batch_plan.py); its weights
+move here as they are (each projection once, in the compute dtype: float32, float16, or
 real bfloat16, which the array path computes as float16); the layer below is the reference's
 layer, op for op:
     h = RMSNorm(x) ; qkv = h W_qkv (+ bias) ; q, k = RoPE(qk-norm(q, k)) ; K, V -> pool
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvrt.workers.model.batch_plan import plan_batch
 from kvrt.workers.model.graphs import CaptureReport, CudaGraphMaker, DecodeGraphs, GraphMaker, StaticInputs, \
     buckets_up_to
 from kvrt.workers.model.hf_model import HFModel
@@ -223,28 +225,22 @@ class TorchModel:
         m, s = self.model, self.shape
         if not seqs:
             return np.empty((0, s.vocab_size), np.float32), None
-        bs = m._check_pool(pool)
-        plans, tokens, positions, blocks = m._plan(seqs, int(pool.shape[0]), bs)
+        b = plan_batch(seqs, int(pool.shape[0]), m._check_pool(pool), s.vocab_size, s.max_model_len)
         if prompt is not None:
-            _check_prompt(prompt, len(tokens), s.vocab_size)
+            _check_prompt(prompt, len(b.tokens), s.vocab_size)
         pt = self.pool_view(pool)
-        lens = np.array([p.n for p in plans], np.int32)
-        starts = np.array([p.start for p in plans], np.int32)
-        slots = (blocks * bs + positions % bs).astype(np.int32)
-        width = max(len(p.table) for p in plans)
-        tables = [p.table for p in plans]
+        lens, starts = b.lens, b.starts
         h = None
         if (graphs and prompt is None and self.graphs is not None and int(lens.max()) == 1
-                and self.graphs.covers(_address(pool), len(plans), width)):
-            logits = self.graphs.run(tokens.astype(np.int32), positions.astype(np.int32), slots, starts + 1,
-                                     _table_array(tables, width))
+                and self.graphs.covers(_address(pool), len(seqs), b.width)):
+            logits = self.graphs.run(b.tokens, b.positions, b.slots, starts + 1, b.tables)
         else:
-            tok, pos, sl = self._dev(tokens.astype(np.int32)), self._dev(positions.astype(np.int32)), self._dev(slots)
+            tok, pos, sl = self._dev(b.tokens), self._dev(b.positions), self._dev(b.slots)
             if int(lens.max()) == 1:
-                meta = self.decode_meta(len(plans), self._dev(_table_array(tables, width)), self._dev(starts + 1))
+                meta = self.decode_meta(len(seqs), self._dev(b.tables), self._dev(starts + 1))
                 attend = self._decode_attend(pt, meta)
             else:
-                pm = self.prefill_meta(_table_array(tables, width), lens, starts)
+                pm = self.prefill_meta(b.tables, lens, starts)
                 attend = lambda li, q, out: self.ops.prefill_attention(  # noqa: E731
                     q, pt, li, pm, out, s.num_heads, s.num_kv_heads, s.head_dim)
             h = self.layers_forward(pt, tok, pos, sl, attend)
@@ -315,13 +311,6 @@ class TorchModel:
 def _address(a: Any) -> int:
     """Where an array's memory starts (a pool's identity across calls)."""
     return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
-
-
-def _table_array(tables: list[np.ndarray], width: int) -> np.ndarray:
-    out = np.zeros((len(tables), width), np.int32)
-    for i, t in enumerate(tables):
-        out[i, :len(t)] = t
-    return out
 
 
 def _check_prompt(prompt: PromptQuery, n: int, vocab: int) -> None:

@@ -161,7 +161,7 @@ class TorchOps:
 def pick_ops(device: str, requested: str = "auto") -> Any:
     """The op set for tensors on `device`: "triton" or "torch" as asked; "auto" is Triton on a
     GPU where it imports, plain torch otherwise (a CPU runs Triton only in its interpreter)."""
-    if requested == "torch" or (requested == "auto" and device != "cuda"):
+    if requested == "torch" or (requested == "auto" and not device.startswith("cuda")):
         return TorchOps()
     try:
         return TritonOps()

@@ -140,3 +140,12 @@ def test_a_bad_batch_is_refused_as_the_array_path_refuses_it(tmp_path):
         model.step(pool, [SeqInput(np.array([VOCAB], np.int32), 0, np.arange(1, dtype=np.int32))])
     with pytest.raises(ValueError, match="block_table"):
         model.step(pool, [SeqInput(np.arange(20, dtype=np.int32), 0, np.arange(2, dtype=np.int32))])
+
+
+def test_the_op_set_follows_the_device():
+    """Triton on any CUDA device (cuda, cuda:1: a rank's), plain torch on a CPU unless asked."""
+    from kvrt.workers.model.torch_ops import pick_ops
+
+    assert pick_ops("cpu").name == "torch" and pick_ops("cuda:0", "torch").name == "torch"
+    pytest.importorskip("triton")
+    assert pick_ops("cuda").name == pick_ops("cuda:1").name == pick_ops("cpu", "triton").name == "triton"
