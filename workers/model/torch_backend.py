@@ -42,11 +42,12 @@ from kvrt.workers.model.hf_model import HFModel
 from kvrt.workers.model.kernels.plan import block_m_for, num_splits_for, scratch_shapes, tiles
 from kvrt.workers.model.prompt_logprobs import PromptQuery, PromptScores, score_prompt
 from kvrt.workers.model.torch_ops import DecodeMeta, PrefillMeta, pick_ops
-from kvrt.workers.model.transformer import WARM_UP_BLOCKS, SeqInput, warm_up_steps
+from kvrt.workers.model.transformer import SeqInput
 
 log = logging.getLogger("kvrt.workers.model.torch_backend")
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WARM_UP_ROWS = 40  # the warm-up's longest chunk: more rows than a 16-row prefill tile holds
 
 
 def host_dtype(compute_dtype: str) -> str:
@@ -261,12 +262,20 @@ class TorchModel:
 
     def warm_up(self, block_size: int) -> None:
         """Short steps over a scratch pool, their results dropped: every kernel variant serving
-        uses (decode, prefill tiles of 16 and 64 rows, prompt scoring) is compiled now, before
-        the worker says ready, not in its first steps."""
+        uses (prefill tiles of 64 rows and of 16, decode rows alone and beside a chunk, prompt
+        scoring) is compiled now, before the worker says ready, not in its first steps."""
+        longest = max(1, min(WARM_UP_ROWS, self.shape.max_model_len - 1))
+        blocks = -(-(longest + 1) // block_size) + 1
         layout = self.shape.kv_layout(block_size, self.kv_dtype.name)
-        pool = self.xp.zeros(layout.pool_shape(WARM_UP_BLOCKS), dtype=layout.dtype)
+        pool = self.xp.zeros(layout.pool_shape(blocks), dtype=layout.dtype)
+        table = np.arange(blocks - 1, dtype=np.int32)
+        spare = np.array([blocks - 1], np.int32)
+        chunk = SeqInput(np.zeros(longest, np.int32), 0, table)
+        decode = SeqInput(np.zeros(1, np.int32), longest, table)
+        batches = [[chunk], [SeqInput(np.zeros(min(2, longest), np.int32), 0, table)], [decode],
+                   [decode, SeqInput(np.zeros(1, np.int32), 0, spare)], [SeqInput(np.zeros(1, np.int32), 0, spare), chunk]]
         try:
-            for seqs, _ in warm_up_steps(block_size, self.shape.max_model_len):
+            for seqs in batches:
                 rows = sum(len(q.tokens) for q in seqs)
                 self.step_outputs(pool, seqs, PromptQuery(np.arange(rows, dtype=np.int64), np.zeros(rows, np.int64),
                                                           np.ones(rows, np.int64)))

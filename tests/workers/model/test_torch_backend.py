@@ -149,3 +149,20 @@ def test_the_op_set_follows_the_device():
     assert pick_ops("cpu").name == "torch" and pick_ops("cuda:0", "torch").name == "torch"
     pytest.importorskip("triton")
     assert pick_ops("cuda").name == pick_ops("cuda:1").name == pick_ops("cpu", "triton").name == "triton"
+
+
+def test_warm_up_runs_every_kind_of_step(tmp_path):
+    """Prefill tiles of 64 and 16 rows, decode rows, mixed batches, prompt scoring: the steps the
+    warm-up takes (what a GPU compiles before the worker says ready); none leaves a pool view."""
+    model = torch_model(make_checkpoint(tmp_path, "Qwen3ForCausalLM", dtype="BF16"), "float32")
+    seen = []
+    real = model.step_outputs
+
+    def spy(pool, seqs, prompt=None, on_device=False, graphs=True):
+        seen.append(([len(q.tokens) for q in seqs], prompt is not None))
+        return real(pool, seqs, prompt, on_device, graphs)
+
+    model.step_outputs = spy
+    model.warm_up(BS)
+    assert {max(n) for n, _ in seen} >= {40, 2, 1} and ([1, 40], True) in seen and ([1, 1], False) in seen
+    assert model._pools == {}
