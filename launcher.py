@@ -327,6 +327,7 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
             raise ValueError("--model-backend torch is for --model checkpoints: the built-in reference model "
                              "computes in float64 on NumPy")
         return {k: given.get(k, getattr(d, k)) for k in SHAPE_FLAGS}, {}
+    from kvrt.workers.model.backends import resolve_backend
     from kvrt.workers.model.checkpoint import inspect
     from kvrt.workers.model.hf_model import resolve_compute_dtype
 
@@ -341,22 +342,11 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
             shape[k] = v
         elif v != shape[k]:
             raise ValueError(f"{flag} {v} contradicts {info.model_dir}/config.json, which gives {shape[k]}")
-    backend = _model_backend(args.model_backend, device)
+    backend = resolve_backend(args.model_backend, device, info.config.arch)
     return shape, {"model_dir": info.model_dir, "model_arch": info.config.arch,
                    "model_fingerprint": info.fingerprint, "hidden_size": info.config.hidden_size,
                    "compute_dtype": resolve_compute_dtype(args.compute_dtype, device, info, backend),
                    "model_backend": backend}
-
-
-def _model_backend(requested: str, device: str) -> str:
-    """--model-backend resolved: auto is torch on a GPU where torch and Triton are installed
-    (looked up, not imported: the launcher stays light), else array."""
-    if requested != "auto":
-        return requested
-    import importlib.util
-
-    have = all(importlib.util.find_spec(m) is not None for m in ("torch", "triton"))
-    return "torch" if device == "cuda" and have else "array"
 
 
 def _seconds(text: str) -> float:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvrt.workers.model.backends import TORCH_ARCHITECTURES
 from kvrt.workers.model.batch_plan import plan_batch
 from kvrt.workers.model.graphs import CaptureReport, CudaGraphMaker, DecodeGraphs, GraphMaker, StaticInputs, \
     buckets_up_to
@@ -65,6 +66,7 @@ class TorchModel:
     def __init__(self, model: HFModel, device: str, compute_dtype: str, ops: Any = None, xp: Any = np) -> None:
         if compute_dtype not in TORCH_DTYPES:
             raise ValueError(f"compute dtype must be one of {', '.join(TORCH_DTYPES)}, got {compute_dtype!r}")
+        _check_supported(model)
         self.model, self.shape, self.kv_dtype = model, model.shape, model.kv_dtype
         self.device, self.xp = device, xp
         self.compute_dtype = compute_dtype
@@ -315,6 +317,21 @@ class TorchModel:
                  f"; batches of {report.skipped[0]}+ run eager (capture budget {budget_s:.0f} s spent)"
                  if report.skipped else "")
         return report
+
+
+LAYER_FIELDS = frozenset({"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm"})
+
+
+def _check_supported(model: HFModel) -> None:
+    """ValueError unless the layer below (`TorchModel.layers_forward`) is the whole of this
+    model's layer: an architecture it implements, no layer weight it would ignore."""
+    arch = model.config.arch
+    if arch not in TORCH_ARCHITECTURES:
+        raise ValueError(f"the torch backend runs {', '.join(TORCH_ARCHITECTURES)}, not {arch}")
+    for w in model.layers:
+        extra = sorted(k for k, v in vars(w).items() if v is not None and k not in LAYER_FIELDS)
+        if extra:
+            raise ValueError(f"the torch backend does not implement the layer weights {extra} of {arch}")
 
 
 def _address(a: Any) -> int:

@@ -166,3 +166,22 @@ def test_warm_up_runs_every_kind_of_step(tmp_path):
     model.warm_up(BS)
     assert {max(n) for n, _ in seen} >= {40, 2, 1} and ([1, 40], True) in seen and ([1, 1], False) in seen
     assert model._pools == {}
+
+
+def test_a_layer_it_does_not_implement_is_refused(tmp_path):
+    """An architecture, or a layer weight, the torch layer would ignore is refused at load, never
+    run with a part of its layer missing; `auto` then keeps the array path."""
+    from kvrt.workers.model.backends import resolve_backend
+
+    ck = make_checkpoint(tmp_path, "LlamaForCausalLM", dtype="F32")
+    hf = HFModel(inspect(ck.path), 512, np, kv_dtype="float32")
+    hf.layers[1].sliding_window_norm = np.ones(4, np.float32)  # a weight some later architecture has
+    with pytest.raises(ValueError, match="sliding_window_norm"):
+        TorchModel(hf, DEVICE, "float32", ops=TorchOps())
+    hf.config = type(hf.config)(**{**vars(hf.config), "arch": "MistralForCausalLM"})
+    with pytest.raises(ValueError, match="MistralForCausalLM"):
+        TorchModel(hf, DEVICE, "float32", ops=TorchOps())
+    assert resolve_backend("auto", "cuda", "MistralForCausalLM") == "array"
+    assert resolve_backend("auto", "cpu", "LlamaForCausalLM") == "array"
+    with pytest.raises(ValueError, match="array"):
+        resolve_backend("torch", "cuda", "MistralForCausalLM")
