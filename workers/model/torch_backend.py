@@ -324,10 +324,13 @@ LAYER_FIELDS = frozenset({"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w
 
 def _check_supported(model: HFModel) -> None:
     """ValueError unless the layer below (`TorchModel.layers_forward`) is the whole of this
-    model's layer: an architecture it implements, no layer weight it would ignore."""
+    model's layer: an architecture it implements, no layer weight it would ignore, a KV dtype
+    its kernels store and read as they are (no scales)."""
     arch = model.config.arch
     if arch not in TORCH_ARCHITECTURES:
         raise ValueError(f"the torch backend runs {', '.join(TORCH_ARCHITECTURES)}, not {arch}")
+    if model.kv_dtype.name not in ("float16", "float32"):
+        raise ValueError(f"the torch backend keeps K/V in float16 or float32 pools, not {model.kv_dtype.name}")
     for w in model.layers:
         extra = sorted(k for k, v in vars(w).items() if v is not None and k not in LAYER_FIELDS)
         if extra:

@@ -175,6 +175,8 @@ def test_a_layer_it_does_not_implement_is_refused(tmp_path):
 
     ck = make_checkpoint(tmp_path, "LlamaForCausalLM", dtype="F32")
     hf = HFModel(inspect(ck.path), 512, np, kv_dtype="float32")
+    with pytest.raises(ValueError, match="float64"):
+        TorchModel(HFModel(inspect(ck.path), 512, np, kv_dtype="float64"), DEVICE, "float32", ops=TorchOps())
     hf.layers[1].sliding_window_norm = np.ones(4, np.float32)  # a weight some later architecture has
     with pytest.raises(ValueError, match="sliding_window_norm"):
         TorchModel(hf, DEVICE, "float32", ops=TorchOps())
