@@ -265,7 +265,8 @@ class TorchModel:
     def warm_up(self, block_size: int) -> None:
         """Short steps over a scratch pool, their results dropped: every kernel variant serving
         uses (prefill tiles of 64 rows and of 16, decode rows alone and beside a chunk, prompt
-        scoring) is compiled now, before the worker says ready, not in its first steps."""
+        scoring) is compiled now, before the worker says ready, not in its first steps. Each
+        rank at its own pace: without the all-reduce."""
         longest = max(1, min(WARM_UP_ROWS, self.shape.max_model_len - 1))
         blocks = -(-(longest + 1) // block_size) + 1
         layout = self.shape.kv_layout(block_size, self.kv_dtype.name)
@@ -276,6 +277,9 @@ class TorchModel:
         decode = SeqInput(np.zeros(1, np.int32), longest, table)
         batches = [[chunk], [SeqInput(np.zeros(min(2, longest), np.int32), 0, table)], [decode],
                    [decode, SeqInput(np.zeros(1, np.int32), 0, spare)], [SeqInput(np.zeros(1, np.int32), 0, spare), chunk]]
+        # no all-reduce: ranks load the checkpoint side by side and one may start well before
+        # another; the first real step runs the sum's few operations
+        allreduce, self.model.allreduce = self.model.allreduce, None
         try:
             for seqs in batches:
                 rows = sum(len(q.tokens) for q in seqs)
@@ -285,6 +289,7 @@ class TorchModel:
         except ValueError as e:  # e.g. a float16 overflow on zeros' neighbours: the kernels compiled anyway
             log.warning("warm-up step failed (kernels compiled anyway): %s", e)
         finally:
+            self.model.allreduce = allreduce
             self._pools.pop(_address(pool), None)
 
     def capture_graphs(self, pool: Any, max_batch: int, budget_s: float, maker: GraphMaker | None = None,

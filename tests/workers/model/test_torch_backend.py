@@ -163,7 +163,10 @@ def test_warm_up_runs_every_kind_of_step(tmp_path):
         return real(pool, seqs, prompt, on_device, graphs)
 
     model.step_outputs = spy
+    sums = []
+    model.model.allreduce = lambda a: sums.append(1) or a  # a rank of --tp 2: no sum while warming up
     model.warm_up(BS)
+    assert sums == [] and model.model.allreduce is not None
     assert {max(n) for n, _ in seen} >= {40, 2, 1} and ([1, 40], True) in seen and ([1, 1], False) in seen
     assert model._pools == {}
 
