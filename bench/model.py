@@ -515,12 +515,13 @@ class Transformers:
         kvh = cfg.num_key_value_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         cache = self.DynamicCache(config=cfg)
-        gen = torch.Generator().manual_seed(0)
+        # drawn where the cache lives: a GPU row's cache (batch 128 x 2,048 tokens) is gigabytes
+        gen = torch.Generator(device=self.device).manual_seed(0)
         for li in range(cfg.num_hidden_layers):
-            k = torch.randn(b, kvh, ctx, hd, generator=gen).to(self.device, self.dtype)
-            v = torch.randn(b, kvh, ctx, hd, generator=gen).to(self.device, self.dtype)
+            k = torch.randn(b, kvh, ctx, hd, generator=gen, device=self.device, dtype=self.dtype)
+            v = torch.randn(b, kvh, ctx, hd, generator=gen, device=self.device, dtype=self.dtype)
             cache.update(k, v, li)
-        tok = torch.randint(0, cfg.vocab_size, (b, 1), generator=gen).to(self.device)
+        tok = torch.randint(0, cfg.vocab_size, (b, 1), generator=gen, device=self.device)
         times = []
         with torch.inference_mode():
             for j in range(steps + 1):  # the first step untimed
