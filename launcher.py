@@ -27,13 +27,14 @@ BENCHES = {
     "model": ("kvrt.bench.model", "a (~0.5B-shaped) checkpoint's step by phase vs its roofline and vs transformers"),
     "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
     "sampler": ("kvrt.bench.sampler", "sampling a token (temperature, top-k/p) vs the greedy argmax, a full sort and one read"),
+    "throughput": ("kvrt.bench.throughput", "a node's output tokens/s on nano-vllm's offline workload (256 requests)"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 # the model's shape: flags for the reference model, config.json's for a checkpoint
 SHAPE_FLAGS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len")
 # `kvrt launch` flags named as a node config field whose field launch() works out from them
 WORKED_OUT = frozenset({"node", "port", "device", "num_gpu_blocks", "dtype", "pd_secret_file", "compute_dtype",
-                        "events_secret_file", "storage_secret_file", *SHAPE_FLAGS})
+                        "model_backend", "events_secret_file", "storage_secret_file", *SHAPE_FLAGS})
 STRESS = {
     "ring": ("kvrt.bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),
 }
@@ -216,7 +217,16 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "checkpoint's own F16/BF16 precision on a GPU). float16 holds the weights in half the bytes and "
                    "accumulates in float32 (norms, attention, softmax, residual stream and logits stay float32); "
                    "bfloat16 is computed as float16 (CuPy has no bfloat16; BF16 weights convert exactly where they "
-                   "fit, and a weight beyond float16's range is refused). The reference model computes in float64"),
+                   "fit, and a weight beyond float16's range is refused; the torch backend computes it as bfloat16). The "
+                   "reference model computes in float64"),
+    p.add_argument("--model-backend", default="auto", choices=["auto", "array", "torch"],
+                   help="how a --model checkpoint runs (default auto: torch on a GPU where torch and Triton import, "
+                   "else array). array: the NumPy/CuPy path; torch: torch's GEMMs, fused Triton kernels with paged "
+                   "attention read in place (plain torch on a CPU), and on a GPU decode steps replayed as CUDA graphs")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=d.cuda_graph_max_batch, metavar="N",
+                   help="torch backend on a GPU, --tp 1: capture decode steps as CUDA graphs at start-up for batches "
+                   "of up to N sequences, in buckets 1, 2, 4, 8, 16, 32, 48, ...; larger batches, prefill and mixed "
+                   "steps run eager (default: --max-num-seqs; 0: no graphs)"),
     p.add_argument("--threads", type=_threads, default=os.environ.get("KVRT_THREADS", "auto"),
                    metavar="N|auto",
                    help="BLAS threads of each worker's matmuls on a CPU (default: $KVRT_THREADS, else auto: one "
@@ -248,6 +258,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--grammar-memory-mib", type=int, default=d.grammar_memory_mib,
                    help=f"MiB of memory one grammar's compile may take; past it the compile fails and the request "
                    f"is refused with a 400 naming this limit (default {d.grammar_memory_mib})")
+    p.add_argument("--wait-spin-us", type=int, default=d.wait_spin_us, metavar="US",
+                   help="microseconds the engine's and each cache-transfer's waits spin (and a swap's wait polls its "
+                   "copy's CUDA event) before they sleep (default: 250 on a GPU node, whose cores are to spare, so "
+                   "a one-block swap's answer is met spinning; 0 on a CPU node)")
     p.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
                    help=f"seconds without a heartbeat after which a ready process counts as hung and the node "
                    f"stops with exit 1, as for a dead one (default {d.hang_timeout:g}; start-up is bounded by "
@@ -278,7 +292,7 @@ def launch(args) -> int:
         print(f"kvrt launch: error: {e}", file=sys.stderr)
         return 2
     # the KV pools hold what the model computes unless --dtype says otherwise
-    kv_dtype = args.dtype or ("float16" if model.get("compute_dtype") == "float16" else d.dtype)
+    kv_dtype = args.dtype or ("float16" if model.get("compute_dtype") in ("float16", "bfloat16") else d.dtype)
     fields = {f.name for f in dataclasses.fields(NodeConfig)}
     # a flag named as a config field is that field, as it is; the others were worked out above
     same = {k: v for k, v in vars(args).items() if k in fields and k not in WORKED_OUT}
@@ -406,7 +420,11 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
         if args.compute_dtype != "auto":
             raise ValueError(f"--compute-dtype {args.compute_dtype} is for --model checkpoints: the built-in "
                              f"reference model computes in float64 (its exactness is what the tests check)")
+        if args.model_backend == "torch":
+            raise ValueError("--model-backend torch is for --model checkpoints: the built-in reference model "
+                             "computes in float64 on NumPy")
         return {k: given.get(k, getattr(d, k)) for k in SHAPE_FLAGS}, {}
+    from kvrt.workers.model.backends import resolve_backend
     from kvrt.workers.model.checkpoint import inspect
     from kvrt.workers.model.hf_model import resolve_compute_dtype
 
@@ -422,9 +440,11 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
             shape[k] = v
         elif v != shape[k]:
             raise ValueError(f"{flag} {v} contradicts {info.model_dir}/config.json, which gives {shape[k]}")
+    backend = resolve_backend(args.model_backend, device, info.config)
     return shape, {"model_dir": info.model_dir, "model_arch": info.config.arch,
                    "model_fingerprint": info.fingerprint, "hidden_size": info.config.hidden_size,
-                   "compute_dtype": resolve_compute_dtype(args.compute_dtype, device, info)}
+                   "compute_dtype": resolve_compute_dtype(args.compute_dtype, device, info, backend),
+                   "model_backend": backend}
 
 
 def _seconds(text: str) -> float:

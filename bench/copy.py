@@ -130,6 +130,7 @@ class BenchNode:
             [orders], [answers] = topo.sends(ENGINE), topo.receives(ENGINE)
             self.tasks = Producer.attach(self.reg, orders.channel.obj)
             self.answers = Consumer.attach(self.reg, answers.channel.obj)
+            self.answers.spin_s = cfg.wait_spin_s  # as the engine's fan-in waits
         except BaseException:
             self.maker.created.close()
             self.reg.unlink_all()
@@ -290,6 +291,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeat", type=int, default=5, help="timed runs per in-process case (default 5)")
     p.add_argument("--e2e-blocks", default="1,16,256", help="block counts per end-to-end task")
     p.add_argument("--tasks", type=int, default=200, help="end-to-end tasks per block count and kind (default 200)")
+    p.add_argument("--wait-spin-us", type=int, default=-1,
+                   help="as kvrt launch's: how long the cache-transfer's and this process's (the engine's) waits spin, "
+                   "and a swap's wait polls its copy's event, before sleeping (default -1: 250 on cuda, 0 on cpu)")
     args = p.parse_args(argv)
     try:
         counts = [int(c) for c in args.e2e_blocks.split(",") if c]
@@ -305,7 +309,8 @@ def main(argv: list[str]) -> int:
         return 2
     cfg = NodeConfig(node=f"benchcopy{os.getpid()}", tp=1, device=args.device, num_gpu_blocks=pool_blocks,
                      num_cpu_blocks=pool_blocks, num_layers=layers, block_size=args.block_size,
-                     num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype).validate()
+                     num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                     wait_spin_us=args.wait_spin_us).validate()
     rng = np.random.default_rng(0)
     repeat = max(args.repeat, 1)
     node = BenchNode(cfg)
@@ -322,7 +327,8 @@ def main(argv: list[str]) -> int:
     finally:
         node.close()
     if args.json:
-        print(json.dumps({"device": args.device, "block_bytes": cfg.block_bytes, "rows": [asdict(r) for r in rows]}))
+        print(json.dumps({"device": args.device, "block_bytes": cfg.block_bytes, "wait_spin_s": cfg.wait_spin_s,
+                          "rows": [asdict(r) for r in rows]}))
     else:
         print_table(args.device, rows, cfg.block_bytes)
     return 0

@@ -517,7 +517,7 @@ class Transformers:
             return
         self.torch, self.DynamicCache = torch, DynamicCache
         self.device = "cuda" if device == "cuda" else "cpu"
-        self.dtype = torch.float32 if compute_dtype == "float32" else torch.float16
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(compute_dtype, torch.float16)
         # `torch_dtype` became `dtype` in transformers 4.56; the old name only warns, an unknown
         # one would be ignored and load float32, so the name is picked by version
         major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
@@ -543,12 +543,13 @@ class Transformers:
         kvh = cfg.num_key_value_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         cache = self.DynamicCache(config=cfg)
-        gen = torch.Generator().manual_seed(0)
+        # drawn where the cache lives: a GPU row's cache (batch 128 x 2,048 tokens) is gigabytes
+        gen = torch.Generator(device=self.device).manual_seed(0)
         for li in range(cfg.num_hidden_layers):
-            k = torch.randn(b, kvh, ctx, hd, generator=gen).to(self.device, self.dtype)
-            v = torch.randn(b, kvh, ctx, hd, generator=gen).to(self.device, self.dtype)
+            k = torch.randn(b, kvh, ctx, hd, generator=gen, device=self.device, dtype=self.dtype)
+            v = torch.randn(b, kvh, ctx, hd, generator=gen, device=self.device, dtype=self.dtype)
             cache.update(k, v, li)
-        tok = torch.randint(0, cfg.vocab_size, (b, 1), generator=gen).to(self.device)
+        tok = torch.randint(0, cfg.vocab_size, (b, 1), generator=gen, device=self.device)
         times = []
         with torch.inference_mode():
             for j in range(steps + 1):  # the first step untimed
@@ -785,6 +786,24 @@ def _settings(p: argparse.ArgumentParser, value: str) -> list[int]:
     return out
 
 
+def _torch_rows(args: argparse.Namespace, info: Any, model_dir: str, max_len: int, compute: str, grid: Grid) -> int:
+    """--backend torch: bench/model_torch.py's rows, as a table or JSON."""
+    try:
+        from kvrt.bench import model_torch
+    except ImportError as e:
+        print(f"kvrt bench model: --backend torch needs torch: {e}", file=sys.stderr)
+        return 2
+    meta, rows = model_torch.run(info, model_dir, max_len, args.device, compute, usable_cores(), grid.batches,
+                                 grid.contexts, args.decode_steps, args.prompt_len, grid.prefill_batches,
+                                 args.prefill_repeats, not args.no_transformers)
+    meta["model"] = args.model or f"random {args.shape} Qwen2 (BF16 file)"
+    if args.json:
+        print(json.dumps(model_torch.as_json(meta, rows)))
+    else:
+        model_torch.print_table(meta, rows)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvrt bench model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -823,6 +842,10 @@ def main(argv: list[str]) -> int:
                    help="instead of timing: count the array operations (kernel launches on a GPU) per layer of "
                         "each decode and prefill row, on NumPy (bench/array_ops.py; --device cuda: with a GPU's "
                         "attention tiles, no GPU needed)")
+    p.add_argument("--backend", choices=("array", "torch"), default="array",
+                   help="the worker's model path to measure (as kvrt launch --model-backend): array (NumPy/CuPy, with "
+                   "phases and thread settings) or torch (eager and CUDA-graph steps next to transformers' generate "
+                   "and the HBM floor: bench/model_torch.py) (default array)")
     p.add_argument("--json", action="store_true", help='print {"meta": {...}, "rows": [...]} instead of a table')
     args = p.parse_args(argv)
     grid = Grid(_ints(p, "--batches", args.batches), _ints(p, "--contexts", args.contexts), args.decode_steps,
@@ -852,7 +875,9 @@ def main(argv: list[str]) -> int:
         if max_len > info.config.max_position_embeddings:
             p.error(f"--contexts + --decode-steps or --prompt-len exceed the checkpoint's max_position_embeddings "
                     f"({info.config.max_position_embeddings})")
-        compute = resolve_compute_dtype(args.compute_dtype, args.device, info)
+        compute = resolve_compute_dtype(args.compute_dtype, args.device, info, args.backend)
+        if args.backend == "torch" and not args.count_ops:
+            return _torch_rows(args, info, model_dir, max_len, compute, grid)
         if args.count_ops:
             ops = count_rows(info, max_len, compute, grid, attention_budgets(np if args.device == "cpu" else None))
             print(json.dumps({"compute_dtype": compute, "rows": ops}) if args.json else format_ops(ops, compute))

@@ -47,7 +47,9 @@ class NodeConfig:
     model_arch: str = ""         # its architecture (config.json), set by the launcher
     model_fingerprint: str = ""  # digest of its config.json, headers and weight samples, set by the launcher
     hidden_size: int = 0         # its hidden size (sizes the tp all-reduce), set by the launcher
-    compute_dtype: str = "float32"  # a checkpoint's projections: float32 or float16 (resolved from --compute-dtype)
+    compute_dtype: str = "float32"  # a checkpoint's projections: float32, float16 or bfloat16 (resolved from --compute-dtype)
+    model_backend: str = "array"  # how a checkpoint runs: array (NumPy/CuPy) or torch (resolved from --model-backend)
+    cuda_graph_max_batch: int = -1  # torch backend on a GPU: decode graphs up to this batch (-1: --max-num-seqs; 0: none)
     threads: int = 0             # BLAS threads of a worker's matmuls on a CPU (0: per step, workers/model/threads.py)
     eviction: str = "adaptive"     # the prefix cache's eviction policy (runtime/cache/policies/base.py names them)
     # scheduling
@@ -68,6 +70,15 @@ class NodeConfig:
     grammar_workers: int = 2
     grammar_timeout: float = 20.0
     grammar_memory_mib: int = 4096
+    wait_spin_us: int = -1      # the engine's and cache-transfer's waits spin this long before sleeping (-1: auto)
+
+    @property
+    def wait_spin_s(self) -> float:
+        """--wait-spin-us in seconds; auto is 250 us on a GPU node (cores to spare, and a one-block
+        swap answers within that) and none on a CPU node (a spinning process takes a core the
+        worker's matmuls need)."""
+        us = self.wait_spin_us if self.wait_spin_us >= 0 else (250 if self.device == "cuda" else 0)
+        return us / 1e6
 
     @property
     def kv_layout(self) -> KVLayout:

@@ -39,6 +39,7 @@ class FanIn:
         self._reported: dict[int, int] = {}  # ring index -> dead producer pid already reported
         self._poked = False
         self._sleeping = False
+        self.spin_s = 0.0  # as a ring end's: seconds a wait spins by the clock before it yields
 
     def poke(self) -> None:
         """Make `get` return None now (thread-safe: a flag, then a ring if the reader sleeps)."""
@@ -80,6 +81,14 @@ class FanIn:
         if time.monotonic() >= self._next_check:
             self._check_peers()
         for _ in range(SPINS // 4):
+            got = self.try_get()
+            if got is not None:
+                return got
+        deadline = time.perf_counter() + self.spin_s
+        while time.perf_counter() < deadline:
+            if self._poked:
+                self._poked = False
+                return None
             got = self.try_get()
             if got is not None:
                 return got

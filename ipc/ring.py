@@ -10,7 +10,10 @@ Why this shape:
 - Waiting is spin -> sched_yield -> doorbell (an eventcount): a side announces "going to
   sleep", re-checks, and blocks on a semaphore with a timeout slice; the other side rings the
   semaphore only if it sees that announcement, so the fast path never makes a system call.
-  `time.sleep` never appears: its ~80 us floor is worse than the whole exchange.
+  `time.sleep` never appears: its ~80 us floor is worse than the whole exchange. An end may
+  also spin for a bounded time (`spin_s`) before it yields: where cores are to spare (a GPU
+  node's) an answer expected within tens of microseconds (a one-block swap) is then met
+  spinning, not by a wake-up through the kernel.
 - Liveness is checked only while asleep (once per slice), so a dead or closed peer ends a
   wait with an error naming it, at no cost to the fast path.
 
@@ -69,6 +72,15 @@ YIELDS = 50
 SLICE_S = 0.05  # how often a sleeping side checks its peer's liveness
 
 
+def spin_for(ready, seconds: float) -> bool:
+    """Poll `ready()` for up to `seconds` of wall time; whether it became true."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        if ready():
+            return True
+    return False
+
+
 def _tag(pos: int) -> int:
     """The position tag of the record (or wrap marker) starting at stream position `pos`."""
     return (pos >> 3) & _TAG_MASK
@@ -124,6 +136,7 @@ class _End:
     """What the producer and consumer ends share: the mapping, indices and doorbells."""
 
     _my_pid_off = _my_start_off = 0
+    spin_s = 0.0  # seconds a wait spins by the clock after its first SPINS polls (0: none)
 
     def __init__(self, info: ObjectInfo):
         self.name = info.name
@@ -171,6 +184,8 @@ class _End:
         for _ in range(SPINS):
             if ready():
                 return
+        if self.spin_s > 0 and spin_for(ready, self.spin_s):
+            return
         for _ in range(YIELDS):
             os.sched_yield()
             if ready():

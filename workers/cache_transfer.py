@@ -66,6 +66,8 @@ class Started:
 class CacheTransfer:
     """One rank's pools, storage and rings, and the loop that serves the engine's tasks."""
 
+    spin_s = 0.0  # how long the next task is awaited, and a copy's event polled, spinning (the node's --wait-spin-us)
+
     def __init__(self, child: Child):
         self.child = child
         cfg, reg, rank = child.cfg, child.reg, child.rank
@@ -79,6 +81,8 @@ class CacheTransfer:
                            "host": _owner_table(reg, protocol.OWNERS_HOST, rank)}
         me, topo = (protocol.ROLE_TRANSFER, rank), Topology.of(cfg)
         [self.tasks], [self.answers] = topo.receivers(reg, me), topo.senders(reg, me)
+        self.spin_s = cfg.wait_spin_s
+        self.tasks.ring.spin_s = self.spin_s
         self.running: deque[Started] = deque()  # taken, not answered yet, in task order
 
     def close(self) -> None:
@@ -211,7 +215,7 @@ class CacheTransfer:
         handler(self, started, dev)
 
     def _landed(self, started: Started) -> None:
-        nbytes = started.job.wait(self.child.beat)
+        nbytes = started.job.wait(self.child.beat, self.spin_s)
         self._check_owned(f"{started.what}, after the copy", started.device, started.host)
         self._ok(started, started.job.blocks, nbytes)
 

@@ -22,6 +22,7 @@ from kvrt.ipc import protocol
 from kvrt.ipc.config import NodeConfig
 from kvrt.ipc.layout import KVLayout
 from kvrt.ipc.registry import Registry
+from kvrt.ipc.ring import spin_for
 
 from kvrt.workers.backend import ArrayBackend, DeviceMemoryError, Pool, Run, create_shm_pool, get_backend
 
@@ -261,10 +262,15 @@ class CopyJob:
         """Whether every byte has landed (never waits): the last mark covers all before it."""
         return not self.marks or self.backend.is_done(self.marks[-1])
 
-    def wait(self, beat: Callable[[], None] | None = None) -> int:
-        """Wait until every byte landed, running `beat` after each mark; returns the bytes."""
+    def wait(self, beat: Callable[[], None] | None = None, spin_s: float = 0.0) -> int:
+        """Wait until every byte landed, running `beat` after each mark; returns the bytes. With
+        `spin_s`, each mark is first polled (`is_done`) for up to that long: a short copy's end
+        is then seen at once, where a blocking wait may sleep past it."""
         while self.marks:
-            self.backend.wait(self.marks.pop(0))
+            mark = self.marks.pop(0)
+            if spin_s > 0:
+                spin_for(lambda: self.backend.is_done(mark), spin_s)
+            self.backend.wait(mark)
             if beat is not None:
                 beat()
         return self.nbytes

@@ -9,6 +9,11 @@ workers/cuda_allreduce.py), so every rank computes the same tokens. Without --mo
 inside the model yet: with --tp N every rank runs the same model over its N-th of the KV
 heads and its own pool, so every rank's pool holds real KV (swaps and P->D sends of each rank
 carry meaningful bytes); rank 0's tokens are the answer, the others acknowledge.
+
+A checkpoint runs on the array path (NumPy or CuPy) or, with --model-backend torch (the default
+on a GPU where torch and Triton are installed), on workers/model/torch_backend.py: the same
+model with fused kernels, and on a GPU at --tp 1 its decode steps captured as CUDA graphs at
+start-up, inside the launcher's wait for ready.
 """
 from __future__ import annotations
 
@@ -49,17 +54,27 @@ class Worker:
         self.allreduce = (AllReduce.attach(child.reg, P.ALLREDUCE, child.rank, cfg.rank_timeout,
                                            memory=peer_memory(cfg.device))
                           if cfg.needs_allreduce else None)
-        if cfg.model_dir:
+        started = time.monotonic()
+        allreduce = self.allreduce.sum if self.allreduce else None
+        if cfg.model_dir and cfg.model_backend == "torch":
+            from kvrt.workers.model.torch_backend import TorchModel  # torch only where this backend is asked for
+
+            device = f"cuda:{self.xp.cuda.runtime.getDevice()}" if cfg.device == "cuda" else "cpu"
+            self.model = TorchModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, device, cfg.dtype,
+                                         cfg.compute_dtype, child.rank, cfg.tp, allreduce, self.xp)
+        elif cfg.model_dir:
             self.model = HFModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, self.xp,
-                                      kv_dtype=cfg.dtype, rank=child.rank, tp=cfg.tp,
-                                      allreduce=self.allreduce.sum if self.allreduce else None,
+                                      kv_dtype=cfg.dtype, rank=child.rank, tp=cfg.tp, allreduce=allreduce,
                                       matmul_dtype=cfg.compute_dtype)
         else:
             self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
-        if cfg.device == "cuda":  # CuPy's kernels compiled now, before ready, not in the first steps
+        if cfg.device == "cuda":  # kernels compiled now, before ready, not in the first steps
             t0 = time.monotonic()
             self.model.warm_up(cfg.block_size)
-            log.info("warm-up steps (CuPy's kernels compiled) in %.1f s", time.monotonic() - t0)
+            warm_up_sampling(self.xp, cfg.vocab_size)
+            log.info("warm-up steps (kernels compiled) in %.1f s", time.monotonic() - t0)
+            if cfg.model_backend == "torch":
+                self._capture_graphs(cfg, started)
         self.block_size = cfg.block_size
         self.vocab_size = cfg.vocab_size  # the logits' width: what a guided mask covers
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
@@ -76,6 +91,18 @@ class Worker:
         member = self.child.member
         member.beat()
         member.progressed(self.progress.marks)
+
+    def _capture_graphs(self, cfg, started: float) -> None:
+        """Decode graphs over this rank's pool (tp 1 only: workers/model/graphs.py), within what
+        is left of half the node's --ready-timeout: start-up stays inside the launcher's wait,
+        and batches a cut-short capture did not reach run eager."""
+        max_batch = cfg.max_num_seqs if cfg.cuda_graph_max_batch < 0 else cfg.cuda_graph_max_batch
+        if cfg.tp > 1 or max_batch == 0:
+            log.info("decode steps run eager (%s)", "--tp > 1: the all-reduce cannot be captured" if cfg.tp > 1
+                     else "--cuda-graph-max-batch 0")
+            return
+        budget = max(1.0, cfg.ready_timeout / 2 - (time.monotonic() - started))
+        self.model.capture_graphs(self.device.array, max_batch, budget, beat=self.child.beat)
 
     def serve(self) -> int:
         log.info("serving %s: %d device blocks, model %s, ownership checks %s", self.orders.name,
@@ -212,6 +239,17 @@ class Worker:
         for pool in (self.device, self.host):
             if pool is not None:
                 pool.close()
+
+
+def warm_up_sampling(xp, vocab: int) -> None:
+    """Greedy and sampled draws and top logprobs over dummy logits, results dropped: on a GPU the
+    sampler's CuPy kernels compile at their first call, which must not be a serving step's."""
+    logits = xp.zeros((2, vocab), dtype=xp.float32)
+    sampled = SamplingRows(np.ones(2), np.full(2, 0.9), np.full(2, 50, np.int64), np.arange(2, dtype=np.uint64),
+                           np.ones(2, np.int64), np.ones(2, bool), top_logprobs=np.full(2, 5, np.int64))
+    for rows in (SamplingRows.greedy(2), sampled):
+        top_logprobs(logits, rows, xp)
+        sample(logits, rows, xp)
 
 
 def beat_period(hang_timeout: float) -> float:

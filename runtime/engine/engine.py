@@ -91,6 +91,7 @@ class Engine:
         kind = connector_class(cfg.role)
         self._open_rings()
         self.fan = FanIn([r.ring for r in self.inbound])  # one wait on every ring's shared doorbell
+        self.fan.spin_s = cfg.wait_spin_s
         self.owners = self._owner_tables()
         self.transfer = TransferClient(self.to_transfer, cfg.rank_timeout, owners=self.owners)
         self.storage = StorageIndex(cfg.tp, parse_storage(cfg.storage).shared) if cfg.storage else None

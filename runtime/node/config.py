@@ -18,6 +18,7 @@ ROLES = ("mixed", "prefill", "decode")
 REFERENCE_ARCH = "kvrt-reference-decoder"  # the built-in fixed-seed model of workers/model/transformer.py
 DEVICES = ("cpu", "cuda")
 COMPUTE_DTYPES = ("float32", "float16")  # what workers/model/hf_model.py multiplies a checkpoint's projections in
+MODEL_BACKENDS = ("array", "torch")  # workers/model/transformer.py's NumPy/CuPy path, or workers/model/torch_backend.py
 PD_TRANSPORTS = ("shm", "mooncake")
 LEASE_MARGIN_S = 1.0  # P starts a send only if it ends (at worst) this long before D's lease does
 
@@ -119,9 +120,18 @@ class NodeConfig(config.NodeConfig):
             raise ConfigError(f"--dtype {self.dtype!r} is not a numpy dtype") from None
         if dt.kind != "f" or dt.itemsize not in (2, 4, 8):  # an object pool would hold pointers
             raise ConfigError(f"--dtype must be a float dtype (float16, float32, float64), got {self.dtype!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES or (self.compute_dtype != "float32" and not self.model_dir):
-            raise ConfigError(f"--compute-dtype resolves to {', '.join(COMPUTE_DTYPES)} for a --model checkpoint "
+        computes = COMPUTE_DTYPES + (("bfloat16",) if self.model_backend == "torch" else ())
+        if self.compute_dtype not in computes or (self.compute_dtype != "float32" and not self.model_dir):
+            raise ConfigError(f"--compute-dtype resolves to {', '.join(computes)} for a --model checkpoint "
                               f"(float32 otherwise), got {self.compute_dtype!r}")
+        if self.model_backend not in MODEL_BACKENDS or (self.model_backend == "torch" and not self.model_dir):
+            raise ConfigError(f"--model-backend resolves to {', '.join(MODEL_BACKENDS)} (torch for a --model "
+                              f"checkpoint only), got {self.model_backend!r}")
+        if self.wait_spin_us < -1 or self.wait_spin_us > 100_000:
+            raise ConfigError(f"--wait-spin-us must be between 0 and 100000 (or -1: auto), got {self.wait_spin_us}")
+        if self.cuda_graph_max_batch < -1:
+            raise ConfigError(f"--cuda-graph-max-batch must be >= 0 (or -1: --max-num-seqs), got "
+                              f"{self.cuda_graph_max_batch}")
         if self.threads < 0:
             raise ConfigError(f"--threads must be >= 0 (0: auto), got {self.threads}")
         if self.block_size > self.max_model_len:
@@ -211,6 +221,8 @@ class NodeConfig(config.NodeConfig):
             arch, weights = self.model_arch, f"checkpoint={self.model_fingerprint}"
             if self.compute_dtype != "float32":  # float16 arithmetic computes other KV bytes
                 weights += f",compute={self.compute_dtype}"
+            if self.model_backend != "array":  # other kernels round in another order: other KV bytes
+                weights += f",backend={self.model_backend}"
         else:
             arch = REFERENCE_ARCH
             weights = (f"seed={self.model_seed},vocab={self.vocab_size},layers={self.num_layers},"

@@ -98,3 +98,38 @@ def test_check_blocks_and_owners():
     msg = str(e.value)
     assert "task 9 (swap2cpu)" in msg and "device block 2 is owned by worker, not cache-transfer" in msg
     assert "2 of 3 blocks wrong: [2, 5]" in msg
+
+
+class _LateCopies:
+    """A device whose copies land after a few `is_done` polls; `wait` notes whether its mark
+    had landed by then (a blocking wait on a GPU would have slept past the end of the copy)."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls, self.asked, self.waited_done = polls, 0, []
+
+    def is_done(self, mark) -> bool:
+        self.asked += 1
+        return self.asked >= self.polls
+
+    def wait(self, mark) -> None:
+        self.waited_done.append(self.asked >= self.polls)
+
+
+@pytest.mark.parametrize("spin_s, polled", [(60.0, True), (0.0, False)])
+def test_a_copy_wait_polls_its_event_first(spin_s, polled):
+    """With a spin (a GPU node's --wait-spin-us), the task's wait polls the copy's event until it
+    landed and only then waits (at once); without one it goes straight to the blocking wait."""
+    from kvrt.workers.kv_pool import CopyJob
+
+    dev = _LateCopies(polls=5)
+    beats = []
+    assert CopyJob(dev, ["mark"], 1, 4096).wait(lambda: beats.append(1), spin_s) == 4096
+    assert dev.waited_done == [polled] and beats == [1]
+    assert dev.asked == (5 if polled else 0)
+
+
+def test_wait_spin_is_a_gpu_nodes_by_default():
+    """auto: a GPU node's waits spin (cores to spare), a CPU node's do not (the worker needs its core)."""
+    assert NodeConfig(node="n", device="cuda").wait_spin_s == 250e-6
+    assert NodeConfig(node="n").wait_spin_s == 0.0
+    assert NodeConfig(node="n", wait_spin_us=40).wait_spin_s == 40e-6

@@ -66,18 +66,19 @@ def checkpoint_dtype(info: CheckpointInfo) -> str:
     return _FILE_DTYPES[max(nbytes, key=nbytes.__getitem__)]
 
 
-def resolve_compute_dtype(requested: str, device: str, info: CheckpointInfo) -> str:
+def resolve_compute_dtype(requested: str, device: str, info: CheckpointInfo, backend: str = "array") -> str:
     """The compute dtype (one of COMPUTE_DTYPES) a node serving `info` on `device` uses for
     `requested`: auto is float32 on a CPU (numpy has no fast float16 matmul, and CPU figures
     stay what they were) and the checkpoint's own precision on a GPU; bfloat16 is computed as
-    float16 (module docstring). ValueError for anything else."""
+    float16 (module docstring), except by the torch backend (workers/model/torch_backend.py),
+    which computes it as bfloat16. ValueError for anything else."""
     if requested not in REQUESTED_DTYPES:
         raise ValueError(f"--compute-dtype must be one of {', '.join(REQUESTED_DTYPES)}, got {requested!r}")
     if requested == "auto":
         if device != "cuda":
             return "float32"
         requested = checkpoint_dtype(info)
-    return "float16" if requested == "bfloat16" else requested
+    return "float16" if requested == "bfloat16" and backend != "torch" else requested
 
 
 def to_half(name: str, a: np.ndarray) -> np.ndarray:

@@ -178,6 +178,9 @@ def test_second_launch_of_a_live_name_is_refused(launched, node):
     (["--block-size", "8192"], "--max-model-len"),
     (["--compute-dtype", "float16"], "--model checkpoints"),
     (["--threads", "0"], "--threads"),
+    (["--model-backend", "torch"], "--model checkpoints"),
+    (["--wait-spin-us", "-5"], "--wait-spin-us"),
+    (["--cuda-graph-max-batch", "-2"], "--cuda-graph-max-batch"),
 ])
 def test_bad_configuration_gets_a_clear_error(node, args, text):
     if "--port" not in args and "--role" not in args:  # reachable, so that the error is the one asked for
