@@ -326,7 +326,7 @@ class TorchModel:
 
 
 LAYER_FIELDS = frozenset({"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm",
-                          "rope"})
+                          "rope", "window"})  # rope and window: one RoPE, no window (`torch_problem`)
 
 
 def _check_supported(model: HFModel) -> None:
