@@ -182,6 +182,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=None, help=f"head dimension (default {d.head_dim})")
     p.add_argument("--dtype", default=None,
                    help=f"KV dtype (default: float16 when --compute-dtype resolves to float16, else {d.dtype})")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3"],
+                   help="what the KV blocks hold, as vLLM's flag: auto (default) is --dtype; fp8 and fp8_e4m3 are "
+                   "FP8 e4m3 with a per-layer scale of 1 (half a float16 block: twice the blocks on every tier in "
+                   "the same memory); their block keys differ from --dtype's, so no tier or peer mixes the two")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="what a --model checkpoint's projections multiply in (default auto: float32 on a CPU, the "
                    "checkpoint's own F16/BF16 precision on a GPU). float16 holds the weights in half the bytes and "

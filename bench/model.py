@@ -328,8 +328,8 @@ def kv_pool(model: HFModel, blocks: int, seed: int = 0) -> Any:
     depend on the values, and written pages cost no fault inside a timed step)."""
     xp = model.xp
     layout = model.shape.kv_layout(BLOCK_SIZE, model.kv_dtype.name)
-    pool = xp.empty(layout.pool_shape(blocks), dtype=layout.dtype)
-    one = np.random.default_rng(seed).standard_normal(layout.pool_shape(1)).astype(layout.dtype)
+    pool = xp.empty(layout.pool_shape(blocks), dtype=layout.storage_dtype)
+    one = model.kv_dtype.store(np.random.default_rng(seed).standard_normal(layout.pool_shape(1)))
     pool[:] = xp.asarray(one)
     return pool
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, TypeVar
 
-from kvrt.ipc.layout import KVLayout
+from kvrt.ipc.layout import FP8_E4M3, KVLayout
 from kvrt.ipc.protocol import read_config
 
 C = TypeVar("C", bound="NodeConfig")
+# --kv-cache-dtype as vLLM names it: auto keeps --dtype; fp8 and fp8_e4m3 are FP8 e4m3 blocks
+KV_CACHE_DTYPES = {"auto": "", "fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3}
 
 
 @dataclass
@@ -39,7 +41,8 @@ class NodeConfig:
     num_layers: int = 4
     num_kv_heads: int = 4
     head_dim: int = 32
-    dtype: str = "float32"
+    dtype: str = "float32"       # the KV blocks' float dtype (unless kv_cache_dtype says FP8)
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto (dtype), fp8 or fp8_e4m3 (FP8 e4m3 blocks)
     vocab_size: int = 512
     max_model_len: int = 4096
     model_seed: int = 0
@@ -66,10 +69,15 @@ class NodeConfig:
     hang_timeout: float = 5.0   # a ready process whose heartbeat stays still this long (launcher running time) is hung
 
     @property
+    def kv_dtype(self) -> str:
+        """What the KV blocks hold: `dtype`, or FP8 e4m3 for --kv-cache-dtype fp8."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or self.dtype
+
+    @property
     def kv_layout(self) -> KVLayout:
         """One rank's KV block (every pool, transport and model of the node derives from it)."""
         return KVLayout.of_node(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                self.dtype, self.tp)
+                                self.kv_dtype, self.tp)
 
     @property
     def block_shape(self) -> tuple[int, ...]:

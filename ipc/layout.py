@@ -5,6 +5,11 @@ a change to the layout (another axis order, another split over ranks) is made on
 that disagrees with it is named as such, instead of five hand-written shape formulas drifting
 apart. Pools are block-major `[num_blocks, layers, K/V, block_size, kv_heads, head_dim]`: one
 block is one contiguous byte range, so a run of consecutive blocks is one copy.
+
+The KV dtype is a numpy float (float16, float32, ...) or FP8 e4m3 (`float8_e4m3fn`, vLLM's
+`--kv-cache-dtype fp8`). numpy has no float8, so an FP8 pool holds its bytes as uint8: the
+layout names the dtype the bytes mean, and the pool's array dtype is `storage_dtype`. uint8
+stands for e4m3 and nothing else, so a pool's array says which KV dtype it holds.
 """
 from __future__ import annotations
 
@@ -14,12 +19,28 @@ from typing import Any, Sequence
 import numpy as np
 
 KV_AXIS = 2  # K and V
+FP8_E4M3 = "float8_e4m3fn"  # OCP FP8 e4m3: no infinities, NaN 0x7F / 0xFF, largest finite 448
+_STORED_AS = {FP8_E4M3: np.dtype(np.uint8)}
+_MEANS = {v.name: k for k, v in _STORED_AS.items()}
+
+
+def kv_dtype_name(dtype: Any) -> str:
+    """The canonical name of a KV dtype: `float8_e4m3fn`, or numpy's name of a float dtype.
+    TypeError for what is neither."""
+    if isinstance(dtype, str) and dtype in _STORED_AS:
+        return dtype
+    return np.dtype(dtype).name
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The numpy dtype a pool of KV dtype `name` holds its bytes in."""
+    return _STORED_AS.get(name) or np.dtype(name)
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """One rank's KV block: [num_layers, K/V, block_size, kv_heads, head_dim] of `dtype`, where
-    `kv_heads` is this rank's share of the model's KV heads."""
+    """One rank's KV block: [num_layers, K/V, block_size, kv_heads, head_dim] of `dtype` (a KV
+    dtype name, `kv_dtype_name`), where `kv_heads` is this rank's share of the model's KV heads."""
 
     num_layers: int
     block_size: int
@@ -34,17 +55,23 @@ class KVLayout:
         if tp <= 0 or num_kv_heads % tp:
             raise ValueError(f"tp {tp} must be positive and divide num_kv_heads {num_kv_heads}")
         return cls(int(num_layers), int(block_size), int(num_kv_heads) // tp, int(head_dim),
-                   np.dtype(dtype).name)
+                   kv_dtype_name(dtype))
 
     @classmethod
     def of_pool_shape(cls, shape: Sequence[int], dtype: Any) -> "KVLayout":
-        """The layout a pool of `shape` ([blocks, *block_shape]) and `dtype` holds; ValueError
-        when it is not a KV pool at all."""
+        """The layout a pool of `shape` ([blocks, *block_shape]) and array dtype `dtype` holds
+        (uint8: FP8 e4m3); ValueError when it is not a KV pool at all."""
         if len(shape) != 6 or shape[2] != KV_AXIS:
             raise ValueError(f"a KV pool is [blocks, layers, {KV_AXIS}, block_size, kv_heads, head_dim], "
                              f"got shape {tuple(shape)}")
         _, layers, _, bs, kvh, hd = (int(d) for d in shape)
-        return cls(layers, bs, kvh, hd, np.dtype(dtype).name)
+        stored = np.dtype(dtype).name
+        return cls(layers, bs, kvh, hd, _MEANS.get(stored, stored))
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The dtype of a pool array holding these blocks (uint8 for FP8)."""
+        return storage_dtype(self.dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -52,7 +79,7 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        return int(np.prod(self.block_shape)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.block_shape)) * self.storage_dtype.itemsize
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (int(num_blocks), *self.block_shape)

@@ -51,11 +51,11 @@ class Worker:
                           if cfg.needs_allreduce else None)
         if cfg.model_dir:
             self.model = HFModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, self.xp,
-                                      kv_dtype=cfg.dtype, rank=child.rank, tp=cfg.tp,
+                                      kv_dtype=cfg.kv_dtype, rank=child.rank, tp=cfg.tp,
                                       allreduce=self.allreduce.sum if self.allreduce else None,
                                       matmul_dtype=cfg.compute_dtype)
         else:
-            self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
+            self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.kv_dtype)
         if cfg.device == "cuda":  # CuPy's kernels compiled now, before ready, not in the first steps
             t0 = time.monotonic()
             self.model.warm_up(cfg.block_size)

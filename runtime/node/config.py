@@ -113,6 +113,7 @@ class NodeConfig(config.NodeConfig):
             raise ConfigError(f"--dtype {self.dtype!r} is not a numpy dtype") from None
         if dt.kind != "f" or dt.itemsize not in (2, 4, 8):  # an object pool would hold pointers
             raise ConfigError(f"--dtype must be a float dtype (float16, float32, float64), got {self.dtype!r}")
+        _choice("--kv-cache-dtype", self.kv_cache_dtype, tuple(config.KV_CACHE_DTYPES))
         if self.compute_dtype not in COMPUTE_DTYPES or (self.compute_dtype != "float32" and not self.model_dir):
             raise ConfigError(f"--compute-dtype resolves to {', '.join(COMPUTE_DTYPES)} for a --model checkpoint "
                               f"(float32 otherwise), got {self.compute_dtype!r}")
@@ -211,7 +212,7 @@ class NodeConfig(config.NodeConfig):
                        f"kv_heads={self.num_kv_heads},head_dim={self.head_dim}")
         return ModelIdentity(arch=arch, weights=weights, num_layers=self.num_layers,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                             dtype=np.dtype(self.dtype).name, block_size=self.block_size, tp=self.tp)
+                             dtype=self.kv_layout.dtype, block_size=self.block_size, tp=self.tp)
 
     @cached_property
     def key_root(self) -> bytes:

@@ -476,6 +476,9 @@ class PrefillConnector(KVConnector):
                                   f"{len(msg.block_ids)} blocks and {msg.cached_tokens} cached tokens; this "
                                   f"prefill node has --tp {cfg.tp} and a prompt of {len(req.prompt)} tokens")
             return
+        if problem := _layout_problem(msg.descriptors, cfg):
+            self._fail_pending(p, problem)
+            return
         del self.pending[msg.request_id]
         # D's lease began after our ask plus the time D kept it queued: its end on P's clock
         # is on the safe side
@@ -681,6 +684,22 @@ class PrefillConnector(KVConnector):
         for r in self.relays.values():
             self.ctx.reply(r.seq.client, api.ErrorEvent(r.seq.request_id, api.STOPPING, why))
         self.relays.clear()
+
+
+def _layout_problem(descriptors: list, cfg) -> str:
+    """Why a decode node's ranks cannot take this node's blocks ("" if they can): each rank's
+    pool must hold blocks of this node's KV layout (shape, element type, bytes), or the bytes
+    sent would mean something else there (an FP8 block read as float16, say). Checked before
+    anything is sent; the cache-messager's transport checks the pool itself again."""
+    layout = cfg.kv_layout
+    want = (list(layout.block_shape), layout.storage_dtype.str, layout.block_bytes)
+    for rank, d in enumerate(descriptors):
+        got = (d.get("block_shape"), d.get("dtype"), d.get("block_bytes"))
+        if got != want:
+            return (f"decode node rank {rank} holds blocks of shape {got[0]}, element {got[1]!r}, {got[2]} bytes; "
+                    f"this prefill node's are {want[0]}, {want[1]!r} ({layout.dtype}), {want[2]} bytes: "
+                    f"the two nodes must serve the same model with the same --kv-cache-dtype and --dtype")
+    return ""
 
 
 def _logprobs_ok(logprobs: object, tokens: int) -> bool:

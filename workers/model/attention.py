@@ -147,21 +147,25 @@ def _group(items: list[tuple[int, int, int, np.ndarray]], shape: AttnShape, xp: 
 
 
 def paged_attention(xp: Any, pool: Any, layer: int, q: Any, plan: AttentionPlan, compute_dtype: Any,
-                    mark: Callable[[], None] | None = None) -> Any:
+                    mark: Callable[[], None] | None = None, load: Callable[[Any], Any] | None = None) -> Any:
     """Causal attention of the batch's queries q [N, heads, head_dim] (scaled) over the keys and
     values of layer `layer` of pool [blocks, layers, 2, block_size, kv_heads, head_dim], read in
-    compute_dtype; returns [N, heads * head_dim]. `mark` is called after each key tile (the
-    worker's progress: a long prompt's attention is many tiles)."""
+    compute_dtype (by `load`, from the pool's elements: an FP8 pool's bytes are decoded by it,
+    workers/model/kv_format.py); returns [N, heads * head_dim]. `mark` is called after each key
+    tile (the worker's progress: a long prompt's attention is many tiles)."""
     sh = plan.shape
     out = xp.empty((plan.num_rows, sh.heads * sh.head_dim), dtype=q.dtype)
     kpool, vpool = pool[:, layer, 0], pool[:, layer, 1]
+    if load is None:
+        def load(a: Any) -> Any:
+            return a.astype(compute_dtype, copy=False)
     for g in plan.groups:
-        res = _attend_group(xp, kpool, vpool, q, g, sh, compute_dtype, mark)
+        res = _attend_group(xp, kpool, vpool, q, g, sh, load, mark)
         out[g.dst] = res if g.keep is None else res[g.keep]
     return out
 
 
-def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnShape, cd: Any,
+def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnShape, load: Callable[[Any], Any],
                   mark: Callable[[], None] | None) -> Any:
     s, qn = g.rows.shape
     b = g.table.shape[1]
@@ -172,8 +176,8 @@ def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnSh
     for b0 in range(0, b, g.tile_blocks):
         tbl = g.table[:, b0:b0 + g.tile_blocks]
         t = tbl.shape[1] * bs
-        k = kpool[tbl].reshape(s, t, kvh, hd).astype(cd, copy=False)
-        v = vpool[tbl].reshape(s, t, kvh, hd).astype(cd, copy=False)
+        k = load(kpool[tbl].reshape(s, t, kvh, hd))
+        v = load(vpool[tbl].reshape(s, t, kvh, hd))
         sc = (qg @ k.transpose(0, 2, 3, 1)).reshape(s, kvh, grp, qn, t)
         kpos = xp.arange(b0 * bs, b0 * bs + t)
         if b0 * bs + t - 1 > g.min_pos:  # some key of the tile lies after some query

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvrt.workers.model.kv_format import KVFormat
 from kvrt.workers.model.checkpoint import CheckpointError, CheckpointInfo, Weights, inspect
 from kvrt.workers.model.transformer import LayerWeights, Model, ModelShape, attention_budgets
 
@@ -132,7 +133,7 @@ class HFModel(Model):
         self.allreduce = allreduce if tp > 1 else None
         self.xp = xp
         self.attn_budgets = attention_budgets(xp)
-        self.kv_dtype = np.dtype(kv_dtype)
+        self.kv_dtype = KVFormat(kv_dtype)
         self.eps = np.float32(c.rms_norm_eps)
         self.inv_freq = xp.asarray(c.inv_freq())
         self.rope_scale = c.rope.attention_factor  # cos and sin times it: q.k times its square

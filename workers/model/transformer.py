@@ -26,9 +26,10 @@ from typing import Any, Callable, ContextManager, Sequence
 import numpy as np
 
 from kvrt.ipc.config import NodeConfig
-from kvrt.ipc.layout import KVLayout
+from kvrt.ipc.layout import KVLayout, kv_dtype_name
 from kvrt.workers.model.attention import (KV_BUDGET, SCORE_BUDGET, AttentionPlan, AttnShape, Span, paged_attention,
                                     plan_attention)
+from kvrt.workers.model.kv_format import KVFormat
 from kvrt.workers.model.phases import ATTENTION, COPIES, LM_HEAD, PROJECTIONS, PhaseClock
 from kvrt.workers.model.prompt_logprobs import PromptQuery, PromptScores, score_prompt
 
@@ -72,7 +73,7 @@ class ModelShape:
 
     def kv_layout(self, block_size: int, dtype: str) -> KVLayout:
         """The KV blocks this model reads and writes, at `block_size` tokens of `dtype`."""
-        return KVLayout(self.num_layers, block_size, self.num_kv_heads, self.head_dim, np.dtype(dtype).name)
+        return KVLayout(self.num_layers, block_size, self.num_kv_heads, self.head_dim, kv_dtype_name(dtype))
 
     @property
     def group(self) -> int:
@@ -179,7 +180,7 @@ class Model:
         self.shape = shape
         self.xp = xp
         self.attn_budgets = attention_budgets(xp)
-        self.kv_dtype = np.dtype(kv_dtype)
+        self.kv_dtype = KVFormat(kv_dtype)
         embed, layers, final_norm, lm_head = _init_weights(shape)
         self.embed = xp.asarray(embed)
         self.layers = [LayerWeights(
@@ -243,7 +244,7 @@ class Model:
         return self._rope(q, rope) * (float(self.shape.head_dim) ** -0.5), self._rope(k, rope), v
 
     def _round_kv(self, a: Any) -> Any:
-        return a.astype(self.kv_dtype).astype(self.compute_dtype)
+        return self.kv_dtype.round(a, self.xp, self.compute_dtype)
 
     def _attend(self, q: Any, k: Any, v: Any, start: int) -> Any:
         """Causal attention of queries q [n, H, hd] at positions start.. over keys/values
@@ -404,12 +405,13 @@ class Model:
         xp = self.xp
         x = self._embed(inputs.tokens)
         rope = self._rope_tables(inputs.positions)
+        kv, load = self.kv_dtype, self.kv_dtype.loader(xp, self.compute_dtype)
         for li, w in enumerate(self.layers):
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, rope)
             with self._phase(ATTENTION):
-                pool[inputs.blocks, li, 0, inputs.slots] = k.astype(pool.dtype)
-                pool[inputs.blocks, li, 1, inputs.slots] = v.astype(pool.dtype)
-                att = paged_attention(xp, pool, li, q, inputs.attn, self.compute_dtype, self.beat)
+                pool[inputs.blocks, li, 0, inputs.slots] = kv.store(k, xp)
+                pool[inputs.blocks, li, 1, inputs.slots] = kv.store(v, xp)
+                att = paged_attention(xp, pool, li, q, inputs.attn, self.compute_dtype, self.beat, load)
             x = x + self._reduce(self._proj(att, w.wo))
             x = x + self._reduce(self._mlp(x, w))
             if self.beat is not None:
@@ -425,7 +427,7 @@ class Model:
         if self.xp is np:
             return
         layout = self.shape.kv_layout(block_size, self.kv_dtype.name)
-        pool = self.xp.zeros(layout.pool_shape(WARM_UP_BLOCKS), dtype=layout.dtype)
+        pool = self.xp.zeros(layout.pool_shape(WARM_UP_BLOCKS), dtype=layout.storage_dtype)
         budgets = self.attn_budgets
         try:
             for seqs, tiny_tiles in warm_up_steps(block_size, self.shape.max_model_len):
