@@ -38,6 +38,72 @@ def storage_dtype(name: str) -> np.dtype:
 
 
 @dataclass(frozen=True)
+class LayerGroups:
+    """How a model's layers share the KV pool: layers that attend alike (full attention, or a
+    sliding window of W tokens) form groups of equal size, and a pool block ("page") holds one
+    group's layers for one block of tokens. Every group has its own block table over the one
+    pool, so a sliding group's blocks can be freed once they leave its window while the full
+    groups' stay (runtime/cache/groups.py).
+
+    Why one pool of equal pages and not a pool per group: the share of memory the groups need
+    follows the workload (how many tokens are in flight, how many cached), so sized pools
+    would leave one idle while the other evicts; with equal pages any free block serves any
+    group, and swaps, storage objects and P->D sends move pages without knowing whose they are
+    ("a block is a block"). Equal pages cost padding where the group sizes do not divide:
+    the page is the smaller kind's layer count (no padding on it), and the larger kind is cut
+    into as many groups of that size as it needs (its last one padded), e.g. Gemma-3 1B's 4
+    full and 22 sliding layers are one full group and six sliding groups of 4 layers.
+
+    `windows[g]`: group g's window in tokens (0: full attention); `layers[g]`: its layers in slot
+    order. Group 0 is a full-attention group when there is one: its blocks are the prefix
+    cache's tree, the other groups' blocks hang off it. A model with one kind of attention is
+    one group of all its layers: today's layout, and the cache of a model without groups."""
+
+    windows: tuple[int, ...]
+    layers: tuple[tuple[int, ...], ...]
+    page_layers: int
+
+    @classmethod
+    def of(cls, layer_windows: Sequence[int]) -> "LayerGroups":
+        """The groups of a model whose layer i attends over the last `layer_windows[i]` tokens
+        (0: all of them)."""
+        windows = [int(w) for w in layer_windows]
+        if not windows or min(windows) < 0:
+            raise ValueError(f"layer windows must be one non-negative number per layer, got {windows}")
+        kinds = sorted(set(windows))  # full attention (0) first, then narrower windows first
+        by_kind = {w: [i for i, x in enumerate(windows) if x == w] for w in kinds}
+        page = min(len(v) for v in by_kind.values())
+        out_w, out_l = [], []
+        for w in kinds:
+            layers = by_kind[w]
+            for j in range(0, len(layers), page):
+                out_w.append(w)
+                out_l.append(tuple(layers[j:j + page]))
+        return cls(tuple(out_w), tuple(out_l), page)
+
+    @property
+    def hybrid(self) -> bool:
+        """More than one group: a token block is a page per group."""
+        return len(self.windows) > 1
+
+    @property
+    def side_windows(self) -> tuple[int, ...]:
+        """The windows of groups 1.. (the prefix cache's side groups)."""
+        return self.windows[1:]
+
+    def slot(self, layer: int) -> tuple[int, int]:
+        """(group, slot in its page) of `layer`."""
+        for g, layers in enumerate(self.layers):
+            if layer in layers:
+                return g, layers.index(layer)
+        raise ValueError(f"layer {layer} is in no group")
+
+    def describe(self) -> str:
+        """A canonical text of the grouping (part of a node's identity: it decides what a page holds)."""
+        return ";".join(f"{w}:{','.join(map(str, ls))}" for w, ls in zip(self.windows, self.layers))
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """One rank's KV block: [num_layers, K/V, block_size, kv_heads, head_dim] of `dtype` (a KV
     dtype name, `kv_dtype_name`), where `kv_heads` is this rank's share of the model's KV heads."""

@@ -53,7 +53,7 @@ class Worker:
             self.model = HFModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, self.xp,
                                       kv_dtype=cfg.kv_dtype, rank=child.rank, tp=cfg.tp,
                                       allreduce=self.allreduce.sum if self.allreduce else None,
-                                      matmul_dtype=cfg.compute_dtype)
+                                      matmul_dtype=cfg.compute_dtype, layer_windows=cfg.layer_windows)
         else:
             self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.kv_dtype)
         if cfg.device == "cuda":  # CuPy's kernels compiled now, before ready, not in the first steps
@@ -61,6 +61,7 @@ class Worker:
             self.model.warm_up(cfg.block_size)
             log.info("warm-up steps (CuPy's kernels compiled) in %.1f s", time.monotonic() - t0)
         self.block_size = cfg.block_size
+        self.side_groups = len(cfg.kv_groups.windows) - 1  # layer groups with tables of their own
         self.vocab_size = cfg.vocab_size  # the logits' width: what a guided mask covers
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
         me, topo = (P.ROLE_WORKER, child.rank), Topology.of(cfg)
@@ -123,7 +124,13 @@ class Worker:
             raise ValueError("step batch fields do not agree in length")
         q_off = np.concatenate([[0], np.cumsum(step.query_lens)])
         t_off = np.concatenate([[0], np.cumsum(step.table_lens)])
-        return [SeqInput(step.tokens[q_off[i]:q_off[i + 1]], int(step.starts[i]), step.tables[t_off[i]:t_off[i + 1]])
+        k = self.side_groups
+        if len(step.group_tables) != k * len(step.tables):
+            raise ValueError(f"step batch has {len(step.group_tables)} group table entries; {k} more layer "
+                             f"group(s) of {len(step.tables)} need {k * len(step.tables)}")
+        return [SeqInput(step.tokens[q_off[i]:q_off[i + 1]], int(step.starts[i]), step.tables[t_off[i]:t_off[i + 1]],
+                         tuple(step.group_tables[k * t_off[i] + g * (t_off[i + 1] - t_off[i]):
+                                                 k * t_off[i] + (g + 1) * (t_off[i + 1] - t_off[i])] for g in range(k)))
                 for i in range(n)]
 
     @staticmethod
@@ -192,9 +199,11 @@ class Worker:
         what = f"step {step_id} on worker[{self.child.rank}]"
         for s in seqs:
             first = s.start // bs
-            check_owners(self.owners, s.block_table[first:], "device", what, P.OWNER_WORKER)
-            check_owners(self.owners, s.block_table[:first], "device", what,
-                         (P.OWNER_WORKER, P.OWNER_CACHE, P.OWNER_TRANSFER))
+            for table in (s.block_table, *s.group_tables):
+                reads = table[:first]
+                check_owners(self.owners, table[first:], "device", what, P.OWNER_WORKER)
+                check_owners(self.owners, reads[reads >= 0], "device", what,
+                             (P.OWNER_WORKER, P.OWNER_CACHE, P.OWNER_TRANSFER))
 
     def close(self) -> None:
         self.beater.close()

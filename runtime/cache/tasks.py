@@ -322,6 +322,8 @@ class TaskBook(NodeStore):
                 for i, n in enumerate(req.path.tolist()):
                     if blocks[i] < 0:
                         blocks[i] = self._dev_v[n]
+                if req.side:
+                    self._side_fill_deferred(req)
 
     # ---- storage reads and writes
     def _read_storage(self, request_id: Hashable, req: Request, rest: Sequence[bytes]) -> int:
@@ -344,18 +346,22 @@ class TaskBook(NodeStore):
         req.waiting.add(req.load)
         return hits
 
-    def _write_back(self, req: Request) -> None:
-        """Write-through: store the blocks this request computed; the task keeps the request's
-        references (the whole path, so LRU order stays ancestors-after-descendants) until done.
-        Blocks already stored, or being stored for another request that computed them too,
-        are not written again."""
+    def _write_back(self, req: Request, side: np.ndarray = NO_NODES) -> None:
+        """Write-through: store the blocks this request computed (with the pages of its other
+        layer groups it still holds, `side`); the task keeps the request's references (the
+        whole path, so LRU order stays ancestors-after-descendants) until done. Blocks already
+        stored, or being stored for another request that computed them too, are not written
+        again."""
         stored, storing, keys = self.storage_known, self._storing, self._keys
-        own = [n for n in req.path[req.num_matched:].tolist() if self._state_v[n] == GPU
-               and keys[n] not in storing and not stored([keys[n]])]
+        held = np.concatenate((side, req.path)) if len(side) else req.path
+        own = [n for n in held.tolist() if self._state_v[n] == GPU
+               and keys[n] not in storing and not stored([keys[n]])] if len(side) else \
+            [n for n in req.path[req.num_matched:].tolist() if self._state_v[n] == GPU
+             and keys[n] not in storing and not stored([keys[n]])]
         if not own:
-            self._deref(req.path)
+            self._deref(held)
             return
         t = self._new_task(TaskKind.GPU2STORAGE, [], [self._dev_v[n] for n in own], [],
                            [keys[n] for n in own])
         storing.update(t.task.keys)
-        t.path = req.path
+        t.path = held

@@ -71,6 +71,9 @@ class Step:
     chunks: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
+    # per sequence, the block table of each layer group after the first (runtime/cache/groups.py;
+    # -1 where a sliding group reads nothing); empty lists for a model of one group
+    group_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -231,7 +234,9 @@ class Scheduler:
         step.seqs.append(seq)
         step.chunks.append(chunk)
         step.starts.append(start)
-        step.tables.append(self.cache.block_table(seq.request_id)[:-(-(start + chunk) // self.block_size)])
+        blocks = -(-(start + chunk) // self.block_size)
+        step.tables.append(self.cache.block_table(seq.request_id)[:blocks])
+        step.group_tables.append([t[:blocks] for t in self.cache.group_tables(seq.request_id)])
         seq.ran_prompt(start, start + chunk)
 
     def _grow(self, seq: Sequence, num_tokens: int, step: Step) -> bool:

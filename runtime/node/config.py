@@ -105,6 +105,10 @@ class NodeConfig(config.NodeConfig):
                               f"the checkpoint (workers.checkpoint.inspect)")
         if self.model_dir and self.hidden_size <= 0:
             raise ConfigError(f"--model {self.model_dir}: hidden_size must come from its config.json")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or not all(
+                isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.layer_windows)):
+            raise ConfigError(f"--layer-windows must give each of the {self.num_layers} layers a window of "
+                              f"0 (full attention) or more tokens, got {self.layer_windows}")
         if self.num_kv_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} must divide the {self.num_kv_heads} KV heads")
         try:
@@ -210,9 +214,11 @@ class NodeConfig(config.NodeConfig):
             arch = REFERENCE_ARCH
             weights = (f"seed={self.model_seed},vocab={self.vocab_size},layers={self.num_layers},"
                        f"kv_heads={self.num_kv_heads},head_dim={self.head_dim}")
+        groups = self.kv_groups
         return ModelIdentity(arch=arch, weights=weights, num_layers=self.num_layers,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                             dtype=self.kv_layout.dtype, block_size=self.block_size, tp=self.tp)
+                             dtype=self.kv_layout.dtype, block_size=self.block_size, tp=self.tp,
+                             layer_groups=groups.describe() if groups.hybrid else "")
 
     @cached_property
     def key_root(self) -> bytes:

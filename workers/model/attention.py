@@ -72,11 +72,14 @@ class _Group:
     keep: Any           # xp int: flat [S*Q] slots holding real rows, or None when all are real
     dst: Any            # xp int: the batch rows of the kept slots
     tile_blocks: int    # key blocks per tile
+    window: int = 0     # a sliding window's tokens (0: full attention)
+    klo: Any = None     # with a window, xp int [S, 1]: each item's first key any of its rows sees
 
 
 @dataclass
 class AttentionPlan:
-    """A step batch cut into groups; built once per step, used by every layer."""
+    """A step batch cut into groups; built once per step, used by every layer of a layer group
+    (ipc/layout.py LayerGroups: each has its block tables, and a sliding one its window)."""
 
     groups: list[_Group]
     num_rows: int
@@ -102,10 +105,13 @@ def _items(spans: Sequence[Span], bs: int, q_tile: int) -> list[tuple[int, int, 
 
 def plan_attention(spans: Sequence[Span], shape: AttnShape, xp: Any = np, q_tile: int = Q_TILE,
                    score_budget: int = SCORE_BUDGET, kv_budget: int = KV_BUDGET,
-                   call_cost: float = CALL_COST) -> AttentionPlan:
+                   call_cost: float = CALL_COST, window: int = 0) -> AttentionPlan:
     """Group the batch's items (module docstring); q_tile and the budgets bound the rows, keys
     and scores one call holds, call_cost trades padding for fewer calls (0: never pad, huge:
-    one group)."""
+    one group). With a `window` of W tokens each query sees only the keys of the last W
+    positions (its own included), as a sliding-window layer does: the blocks before a
+    sequence's window may be -1 in its table (their pages were freed, runtime/cache/groups.py);
+    they are read as another of its blocks and masked, as is any other key outside a window."""
     bs = shape.block_size
     items = sorted(_items(spans, bs, q_tile), key=lambda it: (it[1], len(it[3])))
     packs: list[list[tuple[int, int, int, np.ndarray]]] = []
@@ -119,12 +125,12 @@ def plan_attention(spans: Sequence[Span], shape: AttnShape, xp: Any = np, q_tile
         else:
             packs.append([it])
             q, b = n, nb
-    groups = [_group(p, shape, xp, score_budget, kv_budget) for p in packs]
+    groups = [_group(p, shape, xp, score_budget, kv_budget, window) for p in packs]
     return AttentionPlan(groups, sum(sp.n for sp in spans), shape)
 
 
 def _group(items: list[tuple[int, int, int, np.ndarray]], shape: AttnShape, xp: Any,
-           score_budget: int, kv_budget: int) -> _Group:
+           score_budget: int, kv_budget: int, window: int = 0) -> _Group:
     s = len(items)
     q = max(it[1] for it in items)
     b = max(len(it[3]) for it in items)
@@ -132,6 +138,8 @@ def _group(items: list[tuple[int, int, int, np.ndarray]], shape: AttnShape, xp: 
     rows = np.empty((s, q), np.int64)
     qpos = np.empty((s, q), np.int64)
     for i, (row0, n, start, tbl) in enumerate(items):
+        if window:  # blocks before the window may have no page: read another of its own, masked
+            tbl = np.where(tbl < 0, tbl[-1], tbl)
         table[i, :len(tbl)] = tbl
         table[i, len(tbl):] = tbl[0]
         r = np.minimum(np.arange(q), n - 1)
@@ -142,8 +150,10 @@ def _group(items: list[tuple[int, int, int, np.ndarray]], shape: AttnShape, xp: 
                     s * shape.kv_heads * shape.head_dim * shape.block_size / kv_budget)
     tile = int(max(1, min(b, 1 / per_block if per_block else b)))
     ctx = np.array([it[2] + it[1] for it in items])
+    klo = xp.asarray(np.array([it[2] - window + 1 for it in items])[:, None]) if window else None
     return _Group(xp.asarray(table), xp.asarray(rows), xp.asarray(qpos.reshape(s, 1, 1, q, 1)),
-                  int(qpos.min()), xp.asarray(ctx[:, None]), int(ctx.min()), keep, xp.asarray(rows.ravel()[real]), tile)
+                  int(qpos.min()), xp.asarray(ctx[:, None]), int(ctx.min()), keep, xp.asarray(rows.ravel()[real]), tile,
+                  window, klo)
 
 
 def paged_attention(xp: Any, pool: Any, layer: int, q: Any, plan: AttentionPlan, compute_dtype: Any,
@@ -180,15 +190,21 @@ def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnSh
         v = load(vpool[tbl].reshape(s, t, kvh, hd))
         sc = (qg @ k.transpose(0, 2, 3, 1)).reshape(s, kvh, grp, qn, t)
         kpos = xp.arange(b0 * bs, b0 * bs + t)
-        if b0 * bs + t - 1 > g.min_pos:  # some key of the tile lies after some query
-            sc = xp.where(kpos <= g.qpos, sc, -xp.inf)
-        if b0 * bs + t > g.min_ctx:  # unwritten slots (any bits, NaN too) must not reach 0 * v
-            v = xp.where((kpos < g.ctx)[:, :, None, None], v, 0)
+        if g.window:  # keys outside each query's window, and pages freed before the item's first one
+            sc = xp.where((kpos <= g.qpos) & (kpos > g.qpos - g.window), sc, -xp.inf)
+            v = xp.where(((kpos < g.ctx) & (kpos >= g.klo))[:, :, None, None], v, 0)
+        else:
+            if b0 * bs + t - 1 > g.min_pos:  # some key of the tile lies after some query
+                sc = xp.where(kpos <= g.qpos, sc, -xp.inf)
+            if b0 * bs + t > g.min_ctx:  # unwritten slots (any bits, NaN too) must not reach 0 * v
+                v = xp.where((kpos < g.ctx)[:, :, None, None], v, 0)
         mt = sc.max(axis=-1)
         if m is None:
             m_new = mt
         else:
             m_new = xp.maximum(m, mt)
+        if g.window:  # a row may see no key of a tile: its max must stay finite (exp(-inf - -inf))
+            m_new = xp.maximum(m_new, xp.finfo(m_new.dtype).min)
         sc -= m_new[..., None]
         p = xp.exp(sc, out=sc)
         pv = p.reshape(s, kvh, grp * qn, t) @ v.transpose(0, 2, 1, 3)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -121,7 +121,7 @@ class HFModel(Model):
 
     def __init__(self, info: CheckpointInfo, max_model_len: int, xp: Any = np, kv_dtype: str = "float32",
                  rank: int = 0, tp: int = 1, allreduce: Callable[[Any], Any] | None = None,
-                 matmul_dtype: str = "float32") -> None:
+                 matmul_dtype: str = "float32", layer_windows: Sequence[int] = ()) -> None:
         if tp > 1 and allreduce is None:
             raise ValueError("a model split over tp > 1 ranks needs an all-reduce")
         if matmul_dtype not in COMPUTE_DTYPES:
@@ -129,7 +129,8 @@ class HFModel(Model):
         self.matmul_dtype = np.dtype(matmul_dtype)
         self.info = info
         self.config = c = info.config
-        self.shape = s = shape_of(info, max_model_len, tp)
+        # layer windows: how the layers share the pool's pages, and each one's attention window
+        self.shape = s = replace(shape_of(info, max_model_len, tp), layer_windows=tuple(layer_windows))
         self.allreduce = allreduce if tp > 1 else None
         self.xp = xp
         self.attn_budgets = attention_budgets(xp)
@@ -193,14 +194,14 @@ class HFModel(Model):
     @classmethod
     def load(cls, model_dir: str, fingerprint: str, max_model_len: int, xp: Any = np, kv_dtype: str = "float32",
              rank: int = 0, tp: int = 1, allreduce: Callable[[Any], Any] | None = None,
-             matmul_dtype: str = "float32") -> "HFModel":
+             matmul_dtype: str = "float32", layer_windows: Sequence[int] = ()) -> "HFModel":
         """The checkpoint the launcher checked: CheckpointError if it changed on disk since
         (its blocks' keys are rooted in `fingerprint`)."""
         info = inspect(model_dir)
         if info.fingerprint != fingerprint:
             raise CheckpointError(f"{model_dir} changed since the node was launched "
                                   f"(fingerprint {info.fingerprint}, launched with {fingerprint})")
-        return cls(info, max_model_len, xp, kv_dtype, rank, tp, allreduce, matmul_dtype)
+        return cls(info, max_model_len, xp, kv_dtype, rank, tp, allreduce, matmul_dtype, layer_windows)
 
     def warm_up(self, block_size: int) -> None:
         """`Model.warm_up` with no all-reduce: each rank warms up at its own pace (ranks load

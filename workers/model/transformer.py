@@ -19,14 +19,15 @@ The same code runs on numpy or cupy (`xp`); results come back as host numpy arra
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
 from kvrt.ipc.config import NodeConfig
-from kvrt.ipc.layout import KVLayout, kv_dtype_name
+from kvrt.ipc.layout import KVLayout, LayerGroups, kv_dtype_name
 from kvrt.workers.model.attention import (KV_BUDGET, SCORE_BUDGET, AttentionPlan, AttnShape, Span, paged_attention,
                                     plan_attention)
 from kvrt.workers.model.kv_format import KVFormat
@@ -54,10 +55,13 @@ class ModelShape:
     rope_theta: float = 10000.0
     max_model_len: int = 4096
     seed: int = 0
+    # each layer's attention window in tokens, 0: full attention (empty: every layer full);
+    # the KV pool's pages then hold a layer group each (ipc/layout.py LayerGroups)
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name not in ("rope_theta", "seed") and getattr(self, f.name) <= 0:
+            if f.name not in ("rope_theta", "seed", "layer_windows") and getattr(self, f.name) <= 0:
                 raise ValueError(f"ModelShape.{f.name} must be positive, got {getattr(self, f.name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelShape: num_heads {self.num_heads} must be a multiple of "
@@ -66,6 +70,13 @@ class ModelShape:
             raise ValueError(f"ModelShape: head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_theta <= 1:
             raise ValueError(f"ModelShape: rope_theta must be > 1, got {self.rope_theta}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"ModelShape: {len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    @property
+    def groups(self) -> LayerGroups:
+        """How the layers share the pool's pages."""
+        return LayerGroups.of(self.layer_windows or (0,) * self.num_layers)
 
     @property
     def hidden_dim(self) -> int:
@@ -73,7 +84,7 @@ class ModelShape:
 
     def kv_layout(self, block_size: int, dtype: str) -> KVLayout:
         """The KV blocks this model reads and writes, at `block_size` tokens of `dtype`."""
-        return KVLayout(self.num_layers, block_size, self.num_kv_heads, self.head_dim, kv_dtype_name(dtype))
+        return KVLayout(self.groups.page_layers, block_size, self.num_kv_heads, self.head_dim, kv_dtype_name(dtype))
 
     @property
     def group(self) -> int:
@@ -85,15 +96,16 @@ class ModelShape:
         """The shape of one rank's model from the node config: each rank holds its share of
         the KV heads (the node's KV layout) and, without GQA, as many query heads."""
         layout = cfg.kv_layout
-        return cls(num_layers=layout.num_layers, num_heads=layout.kv_heads, num_kv_heads=layout.kv_heads,
+        return cls(num_layers=cfg.num_layers, num_heads=layout.kv_heads, num_kv_heads=layout.kv_heads,
                    head_dim=layout.head_dim, vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len,
-                   seed=cfg.model_seed)
+                   seed=cfg.model_seed, layer_windows=tuple(cfg.layer_windows))
 
 
 @dataclass
 class StepInputs:
     """A prepared step batch on the device (`Model.prepare`): each token's id, position, pool
-    block and slot, the batch rows whose logits are read, and the attention plan."""
+    block and slot, the batch rows whose logits are read, and the attention plan; for a model
+    of several layer groups, each other group's blocks and plan (`groups`)."""
 
     tokens: Any
     positions: Any
@@ -101,6 +113,7 @@ class StepInputs:
     slots: Any
     last: Any
     attn: AttentionPlan
+    groups: list[tuple[Any, AttentionPlan]] = field(default_factory=list)
 
 
 @dataclass
@@ -110,11 +123,14 @@ class SeqInput:
     tokens: int32 ids computed this step (a prefill chunk, or one token for decode).
     start: position of tokens[0]; the KV of positions < start is already in the pool.
     block_table: int32 device block ids in token order, covering >= start + len(tokens) positions.
+    group_tables: for a model of several layer groups, each other group's table, as long (-1
+    for blocks a sliding group no longer reads).
     """
 
     tokens: np.ndarray
     start: int
     block_table: np.ndarray
+    group_tables: Sequence[np.ndarray] = ()
 
 
 @dataclass
@@ -194,6 +210,12 @@ class Model:
         self.inv_freq = xp.asarray(shape.rope_theta ** (-np.arange(half, dtype=np.float64) / half))
         log.debug("model %s on %s, kv dtype %s", shape, xp.__name__, self.kv_dtype)
 
+    @functools.cached_property
+    def _slots(self) -> list[tuple[int, int]]:
+        """(layer group, slot in its page) of each layer (ipc/layout.py LayerGroups)."""
+        groups = self.shape.groups
+        return [groups.slot(layer) for layer in range(self.shape.num_layers)]
+
     # ---- building blocks (shared by the paged and the dense path) ----
 
     def _phase(self, name: str) -> ContextManager[None]:
@@ -246,14 +268,18 @@ class Model:
     def _round_kv(self, a: Any) -> Any:
         return self.kv_dtype.round(a, self.xp, self.compute_dtype)
 
-    def _attend(self, q: Any, k: Any, v: Any, start: int) -> Any:
+    def _attend(self, q: Any, k: Any, v: Any, start: int, window: int = 0) -> Any:
         """Causal attention of queries q [n, H, hd] at positions start.. over keys/values
-        k, v [L, KVH, hd] at positions 0..L-1; returns [n, H*hd]."""
+        k, v [L, KVH, hd] at positions 0..L-1 (with a `window`, only the last `window`
+        positions up to each query's own); returns [n, H*hd]."""
         xp, s = self.xp, self.shape
         n, L, kvh, g, hd = q.shape[0], k.shape[0], s.num_kv_heads, s.group, s.head_dim
         qg = q.reshape(n, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * n, hd)
         scores = (qg @ k.transpose(1, 2, 0)).reshape(kvh, g, n, L)
-        visible = xp.arange(L)[None, :] <= (start + xp.arange(n))[:, None]
+        qpos = (start + xp.arange(n))[:, None]
+        visible = xp.arange(L)[None, :] <= qpos
+        if window:
+            visible &= xp.arange(L)[None, :] > qpos - window
         scores = xp.where(visible, scores, -xp.inf)
         scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
@@ -357,6 +383,38 @@ class Model:
                              "(block tables overlap beyond a shared prefix)")
         return plans, np.concatenate(toks), np.concatenate(poss), np.concatenate(blks)
 
+    def _plan_group(self, seqs: Sequence[SeqInput], g: int, num_blocks: int, bs: int) -> tuple[list[Span], np.ndarray]:
+        """Layer group g's (g >= 1) spans and the pool blocks its layers write, validated as
+        `_plan` validates group 0's: every block from the first one the group's window reads
+        must be the sequence's own, in range; those before may be -1 (freed)."""
+        window = self.shape.groups.windows[g]
+        plans, blks, row = [], [], 0
+        for i, seq in enumerate(seqs):
+            start, n = int(seq.start), len(seq.tokens)
+            nblk = -(-(start + n) // bs)
+            if len(seq.group_tables) != len(self.shape.groups.windows) - 1:
+                raise ValueError(f"seq {i}: {len(seq.group_tables)} group tables, the model's layers form "
+                                 f"{len(self.shape.groups.windows)} groups")
+            table = np.asarray(seq.group_tables[g - 1])
+            if table.ndim != 1 or not np.issubdtype(table.dtype, np.integer) or len(table) < nblk:
+                raise ValueError(f"seq {i}: group {g}'s block table must be a 1-D integer array of at least "
+                                 f"{nblk} blocks")
+            table = table[:nblk].astype(np.int64)
+            first = max(0, (start - window + 1) // bs) if window else 0
+            live = table[first:]
+            if int(live.min()) < 0 or int(live.max()) >= num_blocks or len(np.unique(live)) != len(live):
+                raise ValueError(f"seq {i}: group {g}'s block table holds block ids outside [0, {num_blocks}) "
+                                 f"or twice where its layers read: {live.tolist()}")
+            positions = np.arange(start, start + n, dtype=np.int64)
+            blks.append(table[positions // bs])
+            plans.append(Span(row, n, start, table))
+            row += n
+        written = np.concatenate(blks) * bs + np.concatenate([np.arange(int(q.start), int(q.start) + len(q.tokens)) % bs
+                                                              for q in seqs])
+        if len(np.unique(written)) != len(written):
+            raise ValueError(f"two seqs of the batch would write the same pool slot of group {g}")
+        return plans, np.concatenate(blks)
+
     # ---- the paged path ----
 
     def step_logits(self, pool: Any, seqs: Sequence[SeqInput]) -> np.ndarray:
@@ -395,9 +453,16 @@ class Model:
             pos, toks, blk = xp.asarray(positions), xp.asarray(tokens), xp.asarray(blocks)
             last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
         score_budget, kv_budget = self.attn_budgets
-        attn = plan_attention(plans, AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs), xp,
-                              score_budget=score_budget, kv_budget=kv_budget)
-        return StepInputs(toks, pos, blk, pos % bs, last, attn)
+        shape, windows = AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs), s.groups.windows
+        attn = plan_attention(plans, shape, xp, score_budget=score_budget, kv_budget=kv_budget, window=windows[0])
+        groups = []
+        for g in range(1, len(windows)):
+            spans, gblocks = self._plan_group(seqs, g, int(pool.shape[0]), bs)
+            with self._phase(COPIES):
+                gblk = xp.asarray(gblocks)
+            groups.append((gblk, plan_attention(spans, shape, xp, score_budget=score_budget, kv_budget=kv_budget,
+                                                window=windows[g])))
+        return StepInputs(toks, pos, blk, pos % bs, last, attn, groups)
 
     def forward(self, pool: Any, inputs: StepInputs) -> Any:
         """The layers over a prepared batch: each token's K/V written to the pool, the hidden
@@ -406,12 +471,15 @@ class Model:
         x = self._embed(inputs.tokens)
         rope = self._rope_tables(inputs.positions)
         kv, load = self.kv_dtype, self.kv_dtype.loader(xp, self.compute_dtype)
+        groups = [(inputs.blocks, inputs.attn)] + inputs.groups
         for li, w in enumerate(self.layers):
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, rope)
+            g, slot = self._slots[li]
+            blocks, attn = groups[g]
             with self._phase(ATTENTION):
-                pool[inputs.blocks, li, 0, inputs.slots] = kv.store(k, xp)
-                pool[inputs.blocks, li, 1, inputs.slots] = kv.store(v, xp)
-                att = paged_attention(xp, pool, li, q, inputs.attn, self.compute_dtype, self.beat, load)
+                pool[blocks, slot, 0, inputs.slots] = kv.store(k, xp)
+                pool[blocks, slot, 1, inputs.slots] = kv.store(v, xp)
+                att = paged_attention(xp, pool, slot, q, attn, self.compute_dtype, self.beat, load)
             x = x + self._reduce(self._proj(att, w.wo))
             x = x + self._reduce(self._mlp(x, w))
             if self.beat is not None:
@@ -456,10 +524,11 @@ class Model:
         n = len(tokens)
         rope = self._rope_tables(xp.arange(n))
         x = self._embed(xp.asarray(tokens.astype(np.int64)))
-        for w in self.layers:
+        windows = self.shape.layer_windows or (0,) * len(self.layers)
+        for w, window in zip(self.layers, windows):
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, rope)
             k, v = self._round_kv(k), self._round_kv(v)
-            outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i)
+            outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i, window)
                     for i in range(0, n, _DENSE_CHUNK)]
             x = x + self._reduce(self._mm(xp.concatenate(outs), w.wo))
             x = x + self._reduce(self._mlp(x, w))

@@ -1,0 +1,91 @@
+"""Exact-output oracle for a model whose layers form groups: real nodes serving the reference
+model with a full-attention layer and a sliding one (`--layer-windows 0,12`: a page per group in
+the one pool, sliding pages given back as their window leaves them, runtime/cache/groups.py)
+give the dense reference's greedy tokens, with the prefix cache on and off, a pool small
+enough to evict and preempt, host swaps of either group's pages, FP8 blocks, and every order
+checked against the block owners (KVRT_CHECK_OWNERSHIP=1)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvrt.ipc.layout import FP8_E4M3
+from kvrt.workers.model.transformer import Model
+from tests.launched import SMALL, launched, oracle, shared_prefix_prompts
+from tests.runtime.engine.test_oracle import run_all, tokens
+
+pytestmark = pytest.mark.e2e
+
+NEW = 6
+WINDOWS = ("--layer-windows", "0,12")
+
+
+def grouped_oracle(kv: str = "float32") -> Model:
+    m = oracle()
+    return Model(dataclasses.replace(m.shape, layer_windows=(0, 12)), kv_dtype=kv)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return shared_prefix_prompts(seed=21)
+
+
+@pytest.fixture(scope="module")
+def expected(prompts):
+    model = grouped_oracle()
+    want = [model.generate_dense(p, NEW) for p in prompts]
+    assert want != [oracle().generate_dense(p, NEW) for p in prompts], "the window must change some answer"
+    return want
+
+
+def test_cache_on_off_and_dense_agree(node, tmp_path, prompts, expected):
+    with launched(node, tmp_path, *SMALL, *WINDOWS, "--num-gpu-blocks", "512",
+                  env={"KVRT_CHECK_OWNERSHIP": "1"}) as ln:
+        seq = run_all(ln.client, prompts, concurrent=False)
+        assert tokens(seq) == expected, ln.logs()
+        assert sum(r.cached_device for r in seq) > 0, "shared prefixes must hit the device tier"
+        assert tokens(run_all(ln.client, prompts, use_cache=False)) == expected
+        again = run_all(ln.client, prompts)
+        assert tokens(again) == expected
+        assert all(r.cached_device > 0 for r in again), "each prompt's own window was cached last time"
+        stats = ln.idle_stats()
+        assert stats["device_used"] == 0, "finished requests must hold no pages"
+
+
+@pytest.mark.parametrize("host_blocks", [0, 96], ids=["evict", "swap"])
+def test_tiny_pool_swaps_evicts_preempts(node, tmp_path, prompts, expected, host_blocks):
+    opts = (*SMALL, *WINDOWS, "--num-gpu-blocks", "80", "--num-cpu-blocks", str(host_blocks),
+            "--max-num-batched-tokens", "64")
+    with launched(node, tmp_path, *opts, env={"KVRT_CHECK_OWNERSHIP": "1"}) as ln:
+        first = run_all(ln.client, prompts)
+        assert tokens(first) == expected, ln.logs()
+        second = run_all(ln.client, prompts, concurrent=False)
+        assert tokens(second) == expected, ln.logs()
+        stats = ln.idle_stats()
+        assert stats["device_used"] == 0 and stats["host_used"] == 0
+        assert stats["evictions"] > 0
+        if host_blocks:
+            assert stats["tasks_failed"] == 0
+            assert sum(r.cached_host for r in first + second) > 0, "some prefix must come back from the host"
+
+
+def test_fp8_pages(node, tmp_path, prompts):
+    model = grouped_oracle(FP8_E4M3)
+    want = [model.generate_dense(p, NEW) for p in prompts]
+    with launched(node, tmp_path, *SMALL, *WINDOWS, "--kv-cache-dtype", "fp8", "--num-gpu-blocks", "96",
+                  "--max-num-batched-tokens", "64") as ln:
+        assert tokens(run_all(ln.client, prompts)) == want, ln.logs()
+
+
+def test_long_decode_holds_only_its_window_of_sliding_pages(node, tmp_path):
+    """A 40-token prompt decoding 200 tokens over 8-token blocks: 30 blocks of full pages, and
+    never more than the window's and a 16-token chunk's sliding pages (6): a pool of 40 pages
+    holds it alone, where one page per block and group would take 60."""
+    prompt = np.arange(40, dtype=np.int32) * 7 % 512
+    want = grouped_oracle().generate_dense(prompt, 200)
+    with launched(node, tmp_path, *SMALL, *WINDOWS, "--num-gpu-blocks", "40", "--max-num-batched-tokens", "16") as ln:
+        got = ln.client.generate(prompt, 200)
+        assert got.output_token_ids.tolist() == want
+        assert ln.idle_stats()["preemptions"] == 0
