@@ -128,13 +128,20 @@ class SideGroups(MatchRecord):
                 refs.blocks[i] = blocks[at]
                 at += 1
 
-    def _side_grow(self, req: Request, pages: list[int]) -> None:
-        """New blocks of tokens got their pages: `pages` holds, group after group, as many per
-        side group as the blocks added."""
-        k = len(pages) // len(req.side)
-        for g, refs in enumerate(req.side):
-            refs.blocks += pages[g * k:(g + 1) * k]
-            refs.nodes += [-1] * k
+    def _side_need(self, req: Request, need: int, reads_from: int) -> list[int]:
+        """Pages each side group needs for the `need` blocks of tokens the request adds: one
+        each, but none before a sliding window that reads from position `reads_from` on."""
+        first = len(req.blocks)
+        return [need - min(need, max(0, self._lo(g, reads_from) - first)) for g in range(len(self._side_w))]
+
+    def _side_grow(self, req: Request, need: int, pages: list[int], counts: list[int]) -> None:
+        """The request's `need` new blocks of tokens got their pages (`pages`: `counts[g]` for
+        side group g, group after group, for its last blocks; none for the ones before)."""
+        at = 0
+        for refs, k in zip(req.side, counts):
+            refs.blocks += [-1] * (need - k) + pages[at:at + k]
+            refs.nodes += [-1] * need
+            at += k
 
     def _record_sides(self, req: Request, start: int) -> None:
         """Record the request's side pages of the blocks group 0 just recorded (path[start:]),

@@ -186,7 +186,7 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         req.blocks = req.blocks[:n]
         return n - host, host
 
-    def allocate(self, request_id: Hashable, num_tokens: int) -> list[int] | None:
+    def allocate(self, request_id: Hashable, num_tokens: int, reads_from: int = 0) -> list[int] | None:
         """Grow the request's block table to hold `num_tokens` tokens (prompt and any decode
         room); returns the new block ids, or None when the device cannot supply them now.
 
@@ -196,19 +196,25 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         their results succeeds. The first allocation of a request queues behind deferred
         swap-ins (arrival order); a request already computing grows ahead of them, so a
         swap-in never waits for blocks the request it would block holds, and neither does a
-        request whose own transfers were in line before theirs."""
+        request whose own transfers were in line before theirs.
+
+        `reads_from`: the first position the request computes from (a decode node's request
+        whose prompt KV comes from a prefill node): a sliding layer group gets no page for a
+        block its window will never read again from there (runtime/cache/groups.py)."""
         req = self._request(request_id)
         need = -(-num_tokens // self.block_size) - len(req.blocks)
         if need <= 0:
             return []
         if req.dups:
             self._drop_dups(req)
-        groups = 1 + len(self._side_w)
-        got = self._take_device(need * groups, urgent=req.admitted or req.loaded)
+        side = self._side_need(req, need, reads_from) if self._side_w else []
+        got = self._take_device(need + sum(side), urgent=req.admitted or req.loaded)
         if got is not None:
-            if groups > 1:
-                self._side_grow(req, got[need:])
+            if side:
+                self._side_grow(req, need, got[need:], side)
                 got = got[:need]
+                if reads_from:
+                    self._slide(req, reads_from)
             req.blocks += got
             req.admitted = True
             self._swap_ahead()

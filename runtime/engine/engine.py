@@ -140,7 +140,8 @@ class Engine:
             reply=clients.reply, send_raw=clients.send_raw, finished=clients.finished,
             count_finished=self.stats.count_finished, count_failed=self.stats.count_failed,
             accepting=lambda: self.api.accepting, to_ranks=self.to_messagers,
-            guide=lambda req: guide_for(req, self.grammars, self.cfg.vocab_size))
+            guide=lambda req: guide_for(req, self.grammars, self.cfg.vocab_size),
+            group_tables=self.cache.group_tables)
         return kind(ctx)
 
     def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:

@@ -401,7 +401,8 @@ class Scheduler:
                     self.loading[seq.request_id] = seq
                     continue
             tokens = self.external_ids[seq.request_id]
-            if self.cache.allocate(seq.request_id, tokens) is None:
+            # (pages only for what it reads from the first token on: a sliding group's window)
+            if self.cache.allocate(seq.request_id, tokens, reads_from=tokens) is None:
                 self._unmatch(seq)
                 break
             self.reserving.popleft()
@@ -436,6 +437,8 @@ class Scheduler:
             seq = self.seqs[rid]
             if seq.state is SeqState.EXTERNAL:
                 out += self.cache.block_table(rid)[seq.num_computed // bs:-(-tokens // bs)]
+                for table in self.cache.group_tables(rid):
+                    out += [b for b in table[seq.num_computed // bs:-(-tokens // bs)] if b >= 0]
         return out
 
     def drop(self, seq: Sequence, reason: str) -> None:

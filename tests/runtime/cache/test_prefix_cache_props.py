@@ -113,6 +113,30 @@ class CacheMachine(RuleBasedStateMachine):
             self._check_pages(rid)
         return rid
 
+    @rule(base=st.integers(0, 2), length=st.integers(1, 40), tail=st.lists(st.integers(0, 3), max_size=5))
+    def received(self, base, length, tail):
+        """A decode node's request: the KV of its whole prompt comes from a prefill node into
+        pages held for it (a sliding group's only for the window it reads from its first
+        token on), and is recorded once it arrived."""
+        rid = self._start(base, length, tail)
+        r = self.reqs[rid]
+        n = len(r.tokens)
+        if not r.ready or self.cache.allocate(rid, n, reads_from=n) is None:
+            return
+        r.allocated = -(-n // BS) * BS
+        tables = [self.cache.block_table(rid)] + self.cache.group_tables(rid)
+        for i in range(r.computed // BS, -(-n // BS)):
+            for g, table in enumerate(tables):
+                if g and i < self.cache._lo(g - 1, n):
+                    assert table[i] < 0, "a page held for a block the request never reads"
+                    continue
+                self.dev[table[i]] = (r.keys[i], g) if (i + 1) * BS <= n else ("partial", rid, i)
+        r.computed = n
+        covered = self.cache.update(rid, n) // BS
+        if not r.stale:
+            self.written.update(r.keys[:n // BS])
+            r.held = max(r.held, covered)
+
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), extra=st.integers(1, 6))
     def decode_room(self, data, extra):

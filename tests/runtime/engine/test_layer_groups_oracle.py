@@ -89,3 +89,33 @@ def test_long_decode_holds_only_its_window_of_sliding_pages(node, tmp_path):
         got = ln.client.generate(prompt, 200)
         assert got.output_token_ids.tolist() == want
         assert ln.idle_stats()["preemptions"] == 0
+
+
+@pytest.fixture
+def pd_node(node):
+    from tests.runtime.pd.test_pd import pd_node as fixture  # (both of its nodes are cleaned)
+
+    yield from fixture.__wrapped__(node)
+
+
+@pytest.mark.parametrize("env", [pytest.param({}, id="plain"), pytest.param({"KVRT_CHECK_OWNERSHIP": "1"}, id="ownership")])
+def test_pd_handoff_sends_the_full_pages_and_the_last_window(pd_node, tmp_path, prompts, expected, env):
+    """A P+D pair of a grouped model answers as the dense reference; P sends every block's
+    full-attention page but only the sliding group's last window, so a handoff moves fewer
+    bytes than a page per block and group would, and D's cache (recorded at kv-ready) serves
+    the same prompts again."""
+    from tests.runtime.pd.test_pd import pd_pair
+
+    with pd_pair(pd_node, tmp_path, *WINDOWS, "--max-num-batched-tokens", "64", env=env) as (p, d):
+        first = prompts[0]
+        assert tokens(run_all(p.client, [first])) == expected[:1], p.logs() + d.logs()
+        page = 2 * 8 * 2 * 16 * 4  # one layer's K and V of a block of 8 tokens, 2 heads of 16, float32
+        blocks = -(-len(first) // 8)
+        window = blocks - (len(first) - 12 + 1) // 8  # the sliding layer reads these from the first token on
+        assert p.idle_stats()["pd_sent_bytes"] == (blocks + window) * page
+        got = run_all(p.client, prompts)
+        assert tokens(got) == expected, p.logs() + d.logs()
+        pe, de = p.idle_stats(), d.idle_stats()
+        assert pe["failed_requests"] == de["failed_requests"] == 0
+        assert de["device_cached"] > 0 and de["device_used"] == 0 and pe["device_used"] == 0
+        assert tokens(run_all(p.client, prompts, concurrent=False)) == expected
