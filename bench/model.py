@@ -67,6 +67,7 @@ import numpy as np
 
 from kvrt.bench.array_ops import count_step
 from kvrt.bench.copy import cuda_missing
+from kvrt.ipc.layout import FP8_E4M3
 from kvrt.workers.backend import BackendUnavailable, get_backend
 from kvrt.workers.model.checkpoint import inspect
 from kvrt.workers.model.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
@@ -334,6 +335,17 @@ def kv_pool(model: HFModel, blocks: int, seed: int = 0) -> Any:
     return pool
 
 
+def seq_tables(model: HFModel, b: int, per_seq: int) -> tuple[int, list[tuple[np.ndarray, tuple]]]:
+    """The pool blocks `b` sequences of `per_seq` blocks take, and each one's block tables: a
+    table per layer group (ipc/layout.py LayerGroups), none shared."""
+    g = len(model.shape.groups.windows)
+    out = []
+    for i in range(b):
+        ts = [np.arange((i * g + k) * per_seq, (i * g + k + 1) * per_seq, dtype=np.int32) for k in range(g)]
+        out.append((ts[0], tuple(ts[1:])))
+    return b * per_seq * g, out
+
+
 def pool_bytes(model: HFModel, blocks: int) -> int:
     return blocks * model.shape.kv_layout(BLOCK_SIZE, model.kv_dtype.name).block_bytes
 
@@ -368,8 +380,8 @@ def kvrt_decode(runners: list[Runner], b: int, ctx: int, steps: int, sampled: bo
     of them alike (each setting's steps write the same slots: the values do not matter)."""
     model = runners[0].model
     per_seq = -(-(ctx + steps + 1) // BLOCK_SIZE)
-    pool = kv_pool(model, b * per_seq)
-    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
+    blocks, tables = seq_tables(model, b, per_seq)
+    pool = kv_pool(model, blocks)
     first = np.random.default_rng(b).integers(0, model.shape.vocab_size, size=b).astype(np.int32)
     toks = [first] * len(runners)
     out: list[list[Step]] = [[] for _ in runners]
@@ -378,7 +390,7 @@ def kvrt_decode(runners: list[Runner], b: int, ctx: int, steps: int, sampled: bo
         pos = ctx + j
         for r, runner in enumerate(runners):
             _pause_between(runners)
-            seqs = [SeqInput(toks[r][i:i + 1], pos, tables[i]) for i in range(b)]
+            seqs = [SeqInput(toks[r][i:i + 1], pos, *tables[i]) for i in range(b)]
             if sampled:
                 _, t, _ = runner.step(pool, seqs, SamplingRows.greedy(b))
                 if j:
@@ -396,9 +408,9 @@ def graph_decode(model: HFModel, b: int, ctx: int, steps: int) -> float | str:
     eager step's time. A string says why it could not be measured."""
     cp = model.xp
     per_seq = -(-(ctx + 1) // BLOCK_SIZE)
-    pool = kv_pool(model, b * per_seq)
-    seqs = [SeqInput(np.zeros(1, np.int32), ctx, np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32))
-            for i in range(b)]
+    blocks, tables = seq_tables(model, b, per_seq)
+    pool = kv_pool(model, blocks)
+    seqs = [SeqInput(np.zeros(1, np.int32), ctx, *tables[i]) for i in range(b)]
     stream = cp.cuda.Stream(non_blocking=True)
     memory = cp.cuda.MemoryPool()  # the graph's own: its buffers are never handed to anything else
     try:
@@ -428,11 +440,11 @@ def kvrt_prefill(runners: list[Runner], b: int, prompt_len: int, repeats: int) -
     the runners taking turns."""
     model = runners[0].model
     per_seq = -(-prompt_len // BLOCK_SIZE)
-    pool = kv_pool(model, b * per_seq)
-    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
+    blocks, tables = seq_tables(model, b, per_seq)
+    pool = kv_pool(model, blocks)
     prompts = np.random.default_rng(prompt_len).integers(0, model.shape.vocab_size, size=(b, prompt_len),
                                                          dtype=np.int32)
-    seqs = [SeqInput(prompts[i], 0, tables[i]) for i in range(b)]
+    seqs = [SeqInput(prompts[i], 0, *tables[i]) for i in range(b)]
     out: list[list[Step]] = [[] for _ in runners]
     for _ in range(repeats):
         for r, runner in enumerate(runners):
@@ -600,8 +612,8 @@ def run_grid(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, setti
     rows: list[Row] = []
     # one untimed step first: the first call pays for lazy initialisation
     for runner in runners:
-        runner.step(kv_pool(model, 1), [SeqInput(np.zeros(2, np.int32), 0, np.zeros(1, np.int32))],
-                    SamplingRows.greedy(1))
+        blocks, [tables] = seq_tables(model, 1, 1)
+        runner.step(kv_pool(model, blocks), [SeqInput(np.zeros(2, np.int32), 0, *tables)], SamplingRows.greedy(1))
 
     def finish(row: Row, step: Step, seqs: list[tuple[int, int]], hf_time: Callable[[int], float] | None,
                gen_time: Callable[[int], float] | None = None) -> None:
@@ -692,6 +704,9 @@ def print_table(rows: list[Row], meta: dict) -> None:
           f"{meta['weight_bytes'] / 1e9:.2f} GB {meta['compute_dtype']}) on {meta['device']} "
           f"({meta['cores']} cores); block {meta['block_size']}; load {meta['load_s']:.1f} s; "
           f"comparison: {meta['transformers']}")
+    if meta.get("kv_dtype") == FP8_E4M3 or meta.get("layer_windows"):
+        print(f"KV: {meta['kv_dtype']}" + (f"; layer windows {meta['layer_windows']} (a table per layer group)"
+                                           if meta.get("layer_windows") else ""))
     for r in rows:
         if r.kind == "memcpy":
             print(f"memcpy: {r.gb_s:.1f} GB/s read + written ({r.note})")
@@ -794,8 +809,28 @@ def main(argv: list[str]) -> int:
                    help="instead of timing: count the array operations (kernel launches on a GPU) per layer of "
                         "each decode and prefill row, on NumPy (bench/array_ops.py; --device cuda: with a GPU's "
                         "attention tiles, no GPU needed)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="what the KV pool holds, as kvrt launch's (default auto: the compute dtype; fp8: e4m3)")
+    p.add_argument("--layer-windows", default="", metavar="W,W,...",
+                   help="each layer's attention window, as kvrt launch's: the pool's pages then hold a layer "
+                        "group each, every sequence has a table per group (default: every layer full)")
+    p.add_argument("--kv-drift", action="store_true",
+                   help="instead of timing: how far answers drift with bfloat16, float16, FP8 KV (bench/kv_drift.py): "
+                        "greedy agreement and next-token KL on tiny checkpoints written through transformers' configs")
+    p.add_argument("--drift-prompts", type=int, default=8, help="--kv-drift: prompts per architecture (default 8)")
+    p.add_argument("--drift-tokens", type=int, default=256, help="--kv-drift: greedy tokens per prompt (default 256)")
     p.add_argument("--json", action="store_true", help='print {"meta": {...}, "rows": [...]} instead of a table')
     args = p.parse_args(argv)
+    if args.kv_drift:
+        from kvrt.bench.kv_drift import main as drift
+
+        if args.drift_prompts < 1 or args.drift_tokens < 1:
+            p.error("--drift-prompts and --drift-tokens must be positive")
+        return drift(args)
+    try:
+        windows = tuple(int(w) for w in args.layer_windows.split(",")) if args.layer_windows else ()
+    except ValueError:
+        p.error(f"--layer-windows {args.layer_windows!r}: comma-separated integers")
     grid = Grid(_ints(p, "--batches", args.batches), _ints(p, "--contexts", args.contexts), args.decode_steps,
                 args.prompt_len, _ints(p, "--prefill-batches", args.prefill_batches, allow_empty=True),
                 args.prefill_repeats, args.sample_batch, int(args.max_pool_gib * 2**30))
@@ -824,12 +859,17 @@ def main(argv: list[str]) -> int:
             p.error(f"--contexts + --decode-steps or --prompt-len exceed the checkpoint's max_position_embeddings "
                     f"({info.config.max_position_embeddings})")
         compute = resolve_compute_dtype(args.compute_dtype, args.device, info)
+        if args.count_ops and (windows or args.kv_cache_dtype != "auto"):
+            p.error("--count-ops counts the default layout's operations: leave --layer-windows and --kv-cache-dtype out")
+        if windows and len(windows) != info.config.num_layers:
+            p.error(f"--layer-windows gives {len(windows)} windows for {info.config.num_layers} layers")
         if args.count_ops:
             ops = count_rows(info, max_len, compute, grid, attention_budgets(np if args.device == "cpu" else None))
             print(json.dumps({"compute_dtype": compute, "rows": ops}) if args.json else format_ops(ops, compute))
             return 0
         t0 = time.perf_counter()
-        model = HFModel(info, max_len, xp, kv_dtype=compute, matmul_dtype=compute)
+        model = HFModel(info, max_len, xp, kv_dtype=FP8_E4M3 if args.kv_cache_dtype == "fp8" else compute,
+                        matmul_dtype=compute, layer_windows=windows)
         load_s = time.perf_counter() - t0
         gb_s = memcpy_gb_s(xp, args.memcpy_mib << 20)
         rows = [Row("memcpy", gb_s=gb_s, note="d2d copy" if args.device == "cuda" else "np.copyto")]
@@ -852,6 +892,7 @@ def main(argv: list[str]) -> int:
         c = info.config
         meta = dict(model=args.model or f"random {args.shape} Qwen2 (BF16 file)", arch=c.arch,
                     params=weight_params(model), weight_bytes=weight_bytes(model), compute_dtype=compute,
+                    kv_dtype=model.kv_dtype.name, layer_windows=list(windows),
                     device=args.device, cores=cores, block_size=BLOCK_SIZE, load_s=load_s, memcpy_gb_s=gb_s,
                     peak_gflop_s={str(k): v for k, v in peaks.items()}, decode_steps=args.decode_steps,
                     prompt_len=args.prompt_len, transformers=getattr(hf, "version", None) or hf.why,

@@ -62,7 +62,8 @@ class Request:
     positions whose node holds another copy."""
 
     __slots__ = ("keys", "num_tokens", "path", "blocks", "dups", "num_matched", "cached_tokens",
-                 "waiting", "load", "frozen", "admitted", "loaded", "counted", "host_hits", "storage_hits", "side")
+                 "waiting", "load", "frozen", "admitted", "loaded", "counted", "host_hits", "storage_hits", "side",
+                 "diverged")
 
     def __init__(self, keys: Sequence[bytes], num_tokens: int, counted: bool):
         self.keys = keys
@@ -83,6 +84,7 @@ class Request:
         self.host_hits = 0              # blocks matched on the host tier / in storage
         self.storage_hits = 0
         self.side: list = []            # its side groups' blocks (runtime/cache/groups.py SideRefs)
+        self.diverged = 0               # blocks its keys had cached at match, usable or not (a branch point)
 
 
 class MatchRecord(NodeStore):
@@ -340,9 +342,10 @@ class MatchRecord(NodeStore):
         return False
 
     # ---- references
-    def _deref(self, path: np.ndarray) -> None:
+    def _deref(self, path: np.ndarray, front: bool = False) -> None:
         """Drop one reference along `path`; nodes left unreferenced become evictable, tail first
-        so that a chain's deepest block is evicted first."""
+        so that a chain's deepest block is evicted first. `front`: leaves (side nodes,
+        runtime/cache/groups.py) that are to be evicted before anything queued, in order."""
         if not len(path):
             return
         f = self._f
@@ -353,11 +356,17 @@ class MatchRecord(NodeStore):
             return
         st = None if all_gpu else f[STATE, zero]
         if st is None or not st.any():
-            self._dev_lru.push(zero)
+            if front:
+                self._dev_lru.push_front_run(zero.tolist())
+            else:
+                self._dev_lru.push(zero)
             self._idle += len(zero)
             return
         on_device = zero[st == GPU]
-        self._dev_lru.push(on_device)
+        if front:
+            self._dev_lru.push_front_run(on_device.tolist())
+        else:
+            self._dev_lru.push(on_device)
         self._idle += len(on_device)
         devs: list[int] = []
         hosts: list[int] = []

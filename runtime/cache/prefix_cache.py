@@ -142,6 +142,7 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         matched = len(path)
         dev_hits = host_hits = 0
         if self._side_w:
+            req.diverged = matched
             matched, found = self._viable(keys, path)
             path = path[:matched]
             dev_hits, host_hits = self._touch_groups(request_id, req, path, self._side_hit(req, matched, found))
