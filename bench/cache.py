@@ -167,7 +167,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
     rejected = 0
     held = []  # blocks of tokens the device holds, sampled
     handoff = 0
-    sample_every = max(1, len(requests) // 200)
+    sample_every = max(1, len(requests) // 200) if kv else 0  # (a sample reads every node: kv rows only)
     start = time.perf_counter()
     for i, req in enumerate(requests):
         tokens = expand_tokens(req)
@@ -185,7 +185,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
             handoff += -(-n // block_size)
         cache.release(i)
         settle(cache)
-        if i % sample_every == 0:
+        if sample_every and i % sample_every == 0:
             held.append(_blocks_held(cache))
     seconds = time.perf_counter() - start
     m = cache.metrics

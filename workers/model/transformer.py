@@ -73,9 +73,9 @@ class ModelShape:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"ModelShape: {len(self.layer_windows)} layer windows for {self.num_layers} layers")
 
-    @property
+    @functools.cached_property
     def groups(self) -> LayerGroups:
-        """How the layers share the pool's pages."""
+        """How the layers share the pool's pages (worked out once: every step reads it)."""
         return LayerGroups.of(self.layer_windows or (0,) * self.num_layers)
 
     @property

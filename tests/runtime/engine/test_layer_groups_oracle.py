@@ -71,12 +71,18 @@ def test_tiny_pool_swaps_evicts_preempts(node, tmp_path, prompts, expected, host
             assert sum(r.cached_host for r in first + second) > 0, "some prefix must come back from the host"
 
 
-def test_fp8_pages(node, tmp_path, prompts):
+def test_fp8_pages_evicted_and_swapped(node, tmp_path, prompts):
+    """FP8 pages of both groups, evicted to the host tier and swapped back: the bytes move as
+    they are."""
     model = grouped_oracle(FP8_E4M3)
     want = [model.generate_dense(p, NEW) for p in prompts]
-    with launched(node, tmp_path, *SMALL, *WINDOWS, "--kv-cache-dtype", "fp8", "--num-gpu-blocks", "96",
-                  "--max-num-batched-tokens", "64") as ln:
-        assert tokens(run_all(ln.client, prompts)) == want, ln.logs()
+    with launched(node, tmp_path, *SMALL, *WINDOWS, "--kv-cache-dtype", "fp8", "--num-gpu-blocks", "80",
+                  "--num-cpu-blocks", "96", "--max-num-batched-tokens", "64") as ln:
+        first = run_all(ln.client, prompts)
+        assert tokens(first) == want, ln.logs()
+        second = run_all(ln.client, prompts, concurrent=False)
+        assert tokens(second) == want, ln.logs()
+        assert sum(r.cached_host for r in first + second) > 0, "some prefix must come back from the host"
 
 
 def test_long_decode_holds_only_its_window_of_sliding_pages(node, tmp_path):
@@ -119,3 +125,18 @@ def test_pd_handoff_sends_the_full_pages_and_the_last_window(pd_node, tmp_path, 
         assert pe["failed_requests"] == de["failed_requests"] == 0
         assert de["device_cached"] > 0 and de["device_used"] == 0 and pe["device_used"] == 0
         assert tokens(run_all(p.client, prompts, concurrent=False)) == expected
+
+
+def test_pd_handoff_of_fp8_pages(pd_node, tmp_path, prompts):
+    """FP8 on both sides of the handoff: a quarter of the float32 bytes, the same answers as the
+    dense reference over e4m3-rounded K and V."""
+    from tests.runtime.pd.test_pd import pd_pair
+
+    want = [grouped_oracle(FP8_E4M3).generate_dense(p, NEW) for p in prompts]
+    with pd_pair(pd_node, tmp_path, *WINDOWS, "--kv-cache-dtype", "fp8") as (p, d):
+        first = prompts[0]
+        assert tokens(run_all(p.client, [first])) == want[:1], p.logs() + d.logs()
+        blocks = -(-len(first) // 8)
+        window = blocks - (len(first) - 12 + 1) // 8
+        assert p.idle_stats()["pd_sent_bytes"] == (blocks + window) * 2 * 8 * 2 * 16  # 1 byte an element
+        assert tokens(run_all(p.client, prompts)) == want

@@ -104,3 +104,31 @@ def test_a_pool_of_the_format_is_made_by_its_dtype():
     """`xp.zeros(shape, dtype=fmt)` makes the pool array (numpy reads the format's `dtype`)."""
     assert np.zeros(3, dtype=KVFormat(FP8_E4M3)).dtype == np.uint8
     assert np.zeros(3, dtype=KVFormat("float16")).dtype == np.float16
+
+
+def test_cupy_encodes_and_attends_fp8_as_numpy_does():
+    """The same arithmetic on CuPy: every byte as numpy encodes it (torch's float8_e4m3fn too,
+    where torch is installed: the conversion vLLM's FP8 KV uses), and the model over an FP8 pool
+    on the GPU answers as its dense reference (skipped without CUDA)."""
+    from tests.gpukit import cuda_cupy
+
+    cupy = cuda_cupy()
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(100_000) * 10.0 ** rng.uniform(-5, 2.7, 100_000)).astype(np.float32)
+    want = e4m3_encode(x)
+    assert np.array_equal(cupy.asnumpy(e4m3_encode(cupy.asarray(x), cupy)), want)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and hasattr(torch, "float8_e4m3fn"):
+        inside = np.abs(x) <= E4M3_MAX
+        got = torch.from_numpy(x[inside]).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        assert np.array_equal(got, want[inside])
+    m = Model(SMALL, xp=cupy, kv_dtype=FP8_E4M3)
+    seqs = [Seq(prompt_of(rng, n, SMALL.vocab_size), 5) for n in (33, 9)]
+    layout = SMALL.kv_layout(4, FP8_E4M3)
+    pool = cupy.full(layout.pool_shape(48), 0x7F, dtype=layout.storage_dtype)
+    drive(m, pool, seqs, rng, max_chunk=16)
+    for s in seqs:
+        assert s.out == Model(SMALL, kv_dtype=FP8_E4M3).generate_dense(s.prompt, s.max_new)
