@@ -146,10 +146,11 @@ class Checker:
         dev_used = [c._dev_v[n] for n in detached if c._dev_v[n] >= 0]
         host_used = [c._host_v[n] for n in detached if c._host_v[n] >= 0]
         for req in c._reqs.values():
-            skip = len(c._tasks[req.load].task.device_blocks) if req.load >= 0 else 0
+            skip = c._tasks[req.load].primary if req.load >= 0 else 0
             dev_used += req.blocks[len(req.path) + skip:] + req.dups
+            loading = set(c._tasks[req.load].task.device_blocks) if req.load >= 0 else set()
             for refs in req.side:
-                dev_used += refs.private()
+                dev_used += [b for b in refs.private() if b not in loading]
                 _expect(len(refs.nodes) == len(refs.blocks) == len(req.blocks)
                         and all(n < 0 and b < 0 for n, b in zip(refs.nodes[:refs.live], refs.blocks[:refs.live])),
                         "a side group's table is out of step with group 0's, or holds a released block")

@@ -243,6 +243,60 @@ class SideGroups(MatchRecord):
         nodes.reverse()
         return np.array(nodes, dtype=np.int32) if nodes else NO_NODES
 
+    def _side_spans(self, req: Request, hits: int) -> list[tuple[int, int]]:
+        """Per side group, the blocks [first, end) a storage read of `hits` blocks after the
+        request's hit must bring too: those its window reads from the read's end on that the
+        hit does not hold (the request references the ones before)."""
+        start = len(req.blocks)
+        end = start + hits
+        return [(max(start, self._lo(g, end * self.block_size)), end) for g in range(len(self._side_w))]
+
+    def _side_read(self, req: Request, hits: int, pages: list[int], spans: list[tuple[int, int]]) -> None:
+        """The side groups' tables grow with the `hits` blocks a storage read brings: `pages`
+        for the blocks of `spans`, none before."""
+        at = 0
+        for refs, (first, end) in zip(req.side, spans):
+            refs.nodes += [-1] * hits
+            refs.blocks += [-1] * hits
+            for i in range(first, end):
+                refs.blocks[i] = pages[at]
+                at += 1
+
+    def _side_unread(self, req: Request, n: int) -> None:
+        """A storage read brought nothing: the side groups' tables end at block `n` again (the
+        read's pages are freed by the caller)."""
+        for refs in req.side:
+            del refs.nodes[n:]
+            del refs.blocks[n:]
+
+    def _side_forget(self, req: Request, pages) -> None:
+        """The request leaves while a storage read still writes `pages`: they are the task's to
+        free, no longer the request's."""
+        gone = set(np.asarray(pages).tolist())
+        for refs in req.side:
+            refs.blocks = [-1 if n < 0 and b in gone else b for n, b in zip(refs.nodes, refs.blocks)]
+
+    def _side_tail(self, req: Request) -> np.ndarray:
+        """For write-through: the side nodes of the window before the one the request still
+        holds at its end, referenced now (the write's task releases them). A later request of
+        the same prompt hits a block short of its end (its last token is computed again), and
+        its window starts that much earlier."""
+        out = []
+        path, bs = req.path.tolist(), self.block_size
+        for g, refs in enumerate(req.side):
+            if not self._side_w[g]:
+                continue
+            w = -(-self._side_w[g] // bs)
+            for i in range(max(req.num_matched, refs.live - w), min(refs.live, len(path))):
+                c = self._child(path[i], group_key(req.keys[i], g + 1))
+                if c >= 0 and self._state_v[c] == GPU:
+                    if self._ref_v[c] == 0:
+                        self._dev_lru.discard_one(c)
+                        self._idle -= 1
+                    self._ref_v[c] += 1
+                    out.append(c)
+        return np.array(out, dtype=np.int32) if out else NO_NODES
+
     def _side_fill_deferred(self, req: Request) -> None:
         """A deferred swap-in the request waits for got its device blocks: its side pages too."""
         dev = self._dev_v

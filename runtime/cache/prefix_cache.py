@@ -154,8 +154,10 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
             if ages is not None:
                 self._ages[request_id] = ages
         storage_hits = 0
-        # (a model of several layer groups reads no storage: its hits need every group's pages)
-        if storage and self.storage_lookup is not None and matched < limit and not self._side_w:
+        # (a model of several layer groups reads on from where its walk ended only: blocks
+        # between a hit and the walk's end are in the tree already, without their window)
+        if storage and self.storage_lookup is not None and matched < limit and \
+                (not self._side_w or matched == req.diverged):
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
         req.cached_tokens = len(req.path) * bs
         req.host_hits, req.storage_hits = host_hits, storage_hits
@@ -349,7 +351,9 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         if req.load >= 0:  # a storage read still writes into the next blocks: the task keeps them
             load = self._tasks[req.load]
             load.request = None
-            private = req.blocks[n + len(load.task.device_blocks):]
+            private = req.blocks[n + load.primary:]
+            if req.side:
+                self._side_forget(req, load.task.device_blocks)
         unwanted = []
         for task_id in req.waiting:
             t = self._tasks[task_id]

@@ -97,3 +97,51 @@ def test_a_decode_nodes_request_holds_pages_only_for_what_it_reads():
     later = np.concatenate([toks, [1, 2, 3]]).astype(np.int32)
     assert cache.match("e", BlockHasher(BS).update(later), len(later)).cached_tokens == 30
     cache.release("e")
+
+
+def test_storage_holds_every_groups_pages_and_a_read_brings_the_window_or_nothing():
+    """Write-through stores the side groups' pages a finished request holds (its last window);
+    after a reset a request reads group 0's blocks and the window before their end from
+    storage, in one task; a read that comes back short brings nothing (the request's tables are
+    as before it, and it computes the whole prompt)."""
+    stored: set[bytes] = set()
+
+    def lookup(keys) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in stored:
+            n += 1
+        return n
+
+    def settle(cache, short: bool = False) -> None:
+        for t in cache.take_tasks():
+            if t.kind.value == "gpu2storage":
+                stored.update(t.keys)
+            cache.apply_task_result(t.task_id, True, blocks=len(t.keys) - 1 if short and t.kind.value == "storage2gpu"
+                                    else None)
+
+    toks = np.arange(30, dtype=np.int32)
+    keys = BlockHasher(BS).update(toks)
+    for short in (False, True):
+        stored.clear()
+        cache = PrefixCache(BS, 100, groups=(4,), storage_lookup=lookup, write_through=True)
+        run(cache, "a", toks)
+        settle(cache)
+        assert group_key(keys[14], 1) in stored and group_key(keys[13], 1) in stored
+        cache.reset()
+        m = cache.match("b", keys, 30)
+        assert m.storage_tokens == 28 and not m.ready  # 14 blocks; the last token's block is computed
+        [read] = cache.take_tasks()
+        assert len(read.keys) == 14 + 2 and read.keys[14:] == [group_key(keys[i], 1) for i in (12, 13)]
+        cache.apply_task_result(read.task_id, True, blocks=len(read.keys) - 1 if short else None)
+        cache.check()
+        [side] = cache.group_tables("b")
+        if short:
+            assert cache.block_table("b") == [] and side == [] and cache.lookup(keys) == 0
+        else:
+            assert len(cache.block_table("b")) == 14 and [i for i, b in enumerate(side) if b >= 0] == [12, 13]
+            assert cache.lookup(keys) == 14
+        assert cache.allocate("b", 30) is not None
+        cache.update("b", 30)
+        cache.release("b")
+        settle(cache)
+        cache.check()

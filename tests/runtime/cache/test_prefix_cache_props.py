@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.cache.keys import BlockHasher, group_key
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache, TaskKind
 
@@ -65,6 +65,8 @@ class CacheMachine(RuleBasedStateMachine):
                                  write_through=write_through and storage, policy=make_policy(self.POLICY),
                                  groups=groups)
         self.dev: dict[int, tuple] = {}   # device page -> what it holds: (key, group), or a partial block
+        self.groups = len(groups)
+        self.pages: dict[bytes, tuple] = {}  # a side group's page key -> (block key, group)
         self.host: dict[int, tuple] = {}
         self.written: set[bytes] = set()
         self.reqs: dict[int, _Req] = {}
@@ -97,6 +99,8 @@ class CacheMachine(RuleBasedStateMachine):
     def _start(self, base, length, tail) -> int:
         tokens = np.concatenate([BASES[base][:length], np.array(tail, dtype=np.int32)])
         keys = BlockHasher(BS).update(tokens)
+        for g in range(1, self.groups + 1):
+            self.pages.update((group_key(k, g), (k, g)) for k in keys)
         rid = self.next_id
         self.next_id += 1
         m = self.cache.match(rid, keys, len(tokens))
@@ -225,7 +229,7 @@ class CacheMachine(RuleBasedStateMachine):
                     self.dev[d] = self.host.get(h)
             elif task.kind is TaskKind.STORAGE2GPU:
                 for d, key in list(zip(task.device_blocks, task.keys))[:len(task.keys) if read is None else read]:
-                    self.dev[d] = (key, 0)
+                    self.dev[d] = self.pages.get(key, (key, 0))
         out = self.cache.apply_task_result(task.task_id, ok, blocks=read)
         if task.kind is TaskKind.STORAGE2GPU and task.task_id not in self.before_reset:
             loaded = len(task.keys) if read is None and ok else (read or 0)

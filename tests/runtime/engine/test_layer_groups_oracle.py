@@ -140,3 +140,17 @@ def test_pd_handoff_of_fp8_pages(pd_node, tmp_path, prompts):
         window = blocks - (len(first) - 12 + 1) // 8
         assert p.idle_stats()["pd_sent_bytes"] == (blocks + window) * 2 * 8 * 2 * 16  # 1 byte an element
         assert tokens(run_all(p.client, prompts)) == want
+
+
+def test_a_second_node_reads_every_groups_pages_from_storage(node, tmp_path, prompts, expected):
+    """Node A writes its pages of both groups through to a file store; node B, started after
+    it on the same store, reads the full pages and the sliding window before them (one task,
+    all or nothing) and answers as the dense reference."""
+    store = ("--num-gpu-blocks", "256", "--storage", f"file:{tmp_path / 'store'}")
+    with launched(node, tmp_path / "a", *SMALL, *WINDOWS, *store) as ln:
+        assert tokens(run_all(ln.client, prompts, concurrent=False)) == expected, ln.logs()
+    with launched(node, tmp_path / "b", *SMALL, *WINDOWS, *store) as ln:
+        again = run_all(ln.client, prompts, concurrent=False)
+        assert tokens(again) == expected, ln.logs()
+        assert sum(r.cached_storage for r in again) > 0, "B must read A's pages from storage"
+        assert ln.idle_stats()["device_used"] == 0
