@@ -18,7 +18,7 @@ from kvrt.ipc.shm import Segment
 PROTOCOL = Codec()
 # the version of the contract below as a whole: a change to any message a channel carries
 # bumps it, and a process of another build is refused when it attaches to a node's channels
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
 CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
@@ -250,6 +250,10 @@ class StepBatch:
     """Engine -> every worker rank: one forward step over several sequences, flattened.
     Sequence i computes tokens[sum(query_lens[:i]) : ...] at positions starts[i].. and owns the
     block table tables[sum(table_lens[:i]) : ...] (only the blocks it needs, in token order).
+    A model of several layer groups (ipc/layout.py LayerGroups) has a table per group: `tables`
+    is group 0's, and `group_tables` the others', sequence after sequence, each sequence's G - 1
+    tables of table_lens[i] entries one after the other (-1 where a sliding group reads nothing);
+    empty for a model of one group.
 
     How sequence i's next token is chosen travels with it, one entry per sequence (all empty:
     every sequence greedy): temperature[i] (0: greedy), top_p[i], top_k[i] (0: no limit), min_p[i],
@@ -300,6 +304,7 @@ class StepBatch:
     prompt_top: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     guided_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     guided_mask: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    group_tables: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
 
 
 # the bytes of one step's guided masks: a ring holds records up to half its size (1 MiB

@@ -481,3 +481,25 @@ def greedy(ck: Tiny, prompt, new: int) -> list[int]:
         out.append(tok)
         seq.append(tok)
     return out
+
+
+def paged_pool(model, blocks: int, block_size: int, kv_dtype: str = "float32", xp=np):
+    """A zeroed KV pool for `model` (a `Model` or `HFModel`) with `blocks` blocks of tokens for
+    each of its layer groups (ipc/layout.py LayerGroups: a checkpoint with sliding and full
+    layers has a page per group and block); see `grouped`."""
+    layout = model.shape.kv_layout(block_size, kv_dtype)
+    return xp.zeros(layout.pool_shape(blocks * len(model.shape.groups.windows)), dtype=layout.storage_dtype)
+
+
+def grouped(model, seqs: list, blocks: int) -> list:
+    """`seqs` (SeqInputs with one block table each) for `model` over a `paged_pool` of `blocks`:
+    layer group g's table is the block table shifted by g * blocks, so each group has pages of
+    its own and a test written for one table runs unchanged over layer groups."""
+    from kvrt.workers.model.transformer import SeqInput
+
+    n = len(model.shape.groups.windows)
+    out = []
+    for s in seqs:
+        t = np.asarray(s.block_table)
+        out.append(SeqInput(s.tokens, s.start, t, tuple((t + g * blocks).astype(t.dtype) for g in range(1, n))))
+    return out

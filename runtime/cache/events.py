@@ -14,6 +14,14 @@ ZeroMQ PUB socket, in vLLM's KV events shape so that routers built for vLLM cons
   holding the secret can tie them to prompts (it hashes a prompt as the node does, then maps the
   keys); `token_ids` is empty (the cache keeps keys, not tokens: a subscriber hashes its own
   prompts); `medium` is "GPU", "CPU" or "STORAGE";
+- a model of several layer groups (ipc/layout.py LayerGroups: full attention and sliding
+  windows) stores a page per group for a block (runtime/cache/groups.py): group 0's pages are
+  announced as above, the others' with the fields vLLM's hybrid KV cache manager added after
+  `medium`: `[..., medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+  kv_cache_spec_sliding_window]` (kind "sliding_window" with the window in tokens, or
+  "full_attention"); their keys are the group's page keys (runtime/cache/keys.py group_key), never
+  a block's key, so a subscriber that matches prefixes by block keys (`KVEventView`) leaves them
+  aside. `BlockRemoved` says no group: a page key names one page of one group;
 - one batch per engine step (nothing is sent for a step that changed nothing), numbered 1, 2, ...
   without gaps, so a subscriber that sees a gap knows it missed something.
 
@@ -63,7 +71,8 @@ class CacheObserver(Protocol):
     """What the prefix cache calls when a node gains or loses a block on a tier. `parent` is
     the key of the block before the first of `keys` (None at the root); `keys` are chained."""
 
-    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None) -> None: ...
+    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None, group: int = 0) -> None:
+        """`keys` (group `group`'s pages, runtime/cache/groups.py, if not 0) are now readable on `medium`."""
 
     def removed(self, medium: str, keys: Sequence[bytes]) -> None: ...
 
@@ -73,15 +82,22 @@ class CacheObserver(Protocol):
 
 @dataclass(frozen=True)
 class CachedBlock:
-    """One block the cache holds now, for a snapshot."""
+    """One block the cache holds now, for a snapshot (`group`: its layer group, and the
+    group's window in tokens, 0 for full attention)."""
 
     key: bytes
     parent: bytes | None
     medium: str
+    group: int = 0
+    window: int = 0
 
 
-def stored_event(keys: Sequence[bytes], parent: bytes | None, block_size: int, medium: str) -> Event:
-    return ["BlockStored", list(keys), parent, [], block_size, None, medium]
+def stored_event(keys: Sequence[bytes], parent: bytes | None, block_size: int, medium: str, group: int = 0,
+                 window: int = 0) -> Event:
+    if not group:
+        return ["BlockStored", list(keys), parent, [], block_size, None, medium]
+    kind = "sliding_window" if window else "full_attention"
+    return ["BlockStored", list(keys), parent, [], block_size, None, medium, None, None, group, kind, window or None]
 
 
 def removed_event(keys: Sequence[bytes], medium: str) -> Event:
@@ -109,8 +125,9 @@ class KVEventPublisher:
 
     def __init__(self, host: str, port: int, block_size: int, snapshot: Callable[[], Iterable[CachedBlock]],
                  ctx: zmq.Context | None = None, secret: EventSecret | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, windows: Sequence[int] = ()):
         self.block_size = block_size
+        self._windows = list(windows)  # each layer group's window (ipc/layout.py LayerGroups.windows)
         self._snapshot = snapshot
         self._secret = secret
         self._own_ctx = secret is not None
@@ -147,11 +164,12 @@ class KVEventPublisher:
         return keys if self._secret is None else [self._secret.publish(k) for k in keys]
 
     # ---- the observer the prefix cache calls
-    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None) -> None:
+    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None, group: int = 0) -> None:
         if keys:
             if self._secret is not None and parent is not None:
                 parent = self._secret.publish(parent)
-            self._pending.append(stored_event(self._published(keys), parent, self.block_size, medium))
+            window = self._windows[group] if group < len(self._windows) else 0
+            self._pending.append(stored_event(self._published(keys), parent, self.block_size, medium, group, window))
 
     def removed(self, medium: str, keys: Sequence[bytes]) -> None:
         if keys:
@@ -227,7 +245,7 @@ class KVEventPublisher:
         publish = self._secret.publish if self._secret is not None else None
         for b in self._snapshot():
             key, parent = (b.key, b.parent) if publish is None else (publish(b.key), b.parent and publish(b.parent))
-            events.append(stored_event([key], parent, self.block_size, b.medium))
+            events.append(stored_event([key], parent, self.block_size, b.medium, b.group, b.window))
         return encode_batch(events)
 
     def close(self) -> None:
@@ -391,6 +409,8 @@ class KVEventView:
         for ev in batch.events:
             tag = ev[0]
             if tag == "BlockStored" and len(ev) >= 7 and isinstance(ev[1], list) and isinstance(ev[6], str):
+                if len(ev) >= 10 and ev[9]:
+                    continue  # another layer group's pages: not blocks a prefix is matched by
                 for k in ev[1]:
                     if isinstance(k, bytes):
                         media.setdefault(k, set()).add(ev[6])

@@ -100,7 +100,7 @@ class Engine:
                                  storage_lookup=self.storage.lookup if self.storage is not None else None,
                                  storage_known=self.storage.known if self.storage is not None else None,
                                  write_through=self.storage is not None,
-                                 policy=make_policy(cfg.eviction))
+                                 policy=make_policy(cfg.eviction), groups=cfg.kv_groups.side_windows)
         self.sched = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sched.max_guided = P.max_guided_rows(cfg.vocab_size)
         # guided decoding's grammars, compiled against the checkpoint's tokenizer by compile
@@ -146,7 +146,8 @@ class Engine:
             reply=clients.reply, send_raw=clients.send_raw, finished=clients.finished,
             count_finished=self.stats.count_finished, count_failed=self.stats.count_failed,
             accepting=lambda: self.api.accepting, to_ranks=self.to_messagers,
-            guide=lambda req: guide_for(req, self.grammars, self.cfg.vocab_size))
+            guide=lambda req: guide_for(req, self.grammars, self.cfg.vocab_size),
+            group_tables=self.cache.group_tables)
         return kind(ctx)
 
     def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:
@@ -251,7 +252,8 @@ class Engine:
         if cfg.kv_events_port:
             secret = EventSecret.load(cfg.events_secret_file) if cfg.events_secret_file else None
             self.kv_events = self.tasks.kv_events = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.block_size,
-                                                                     self.cache.cached_blocks, secret=secret)
+                                                                     self.cache.cached_blocks, secret=secret,
+                                                                     windows=cfg.kv_groups.windows)
             self.cache.observe(self.kv_events)
             self.kv_events.cleared()  # batch 1: a subscriber that knew an earlier life of this node forgets it
         if cfg.port:

@@ -72,6 +72,9 @@ class Step:
     chunks: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
+    # per sequence, the block table of each layer group after the first (runtime/cache/groups.py;
+    # -1 where a sliding group reads nothing); empty lists for a model of one group
+    group_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -233,7 +236,9 @@ class Scheduler:
         step.seqs.append(seq)
         step.chunks.append(chunk)
         step.starts.append(start)
-        step.tables.append(self.cache.block_table(seq.request_id)[:-(-(start + chunk) // self.block_size)])
+        blocks = -(-(start + chunk) // self.block_size)
+        step.tables.append(self.cache.block_table(seq.request_id)[:blocks])
+        step.group_tables.append([t[:blocks] for t in self.cache.group_tables(seq.request_id)])
         seq.ran_prompt(start, start + chunk)
 
     def _grow(self, seq: Sequence, num_tokens: int, step: Step) -> bool:
@@ -398,7 +403,8 @@ class Scheduler:
                     self.loading[seq.request_id] = seq
                     continue
             tokens = self.external_ids[seq.request_id]
-            if self.cache.allocate(seq.request_id, tokens) is None:
+            # (pages only for what it reads from the first token on: a sliding group's window)
+            if self.cache.allocate(seq.request_id, tokens, reads_from=tokens) is None:
                 self._unmatch(seq)
                 break
             self.reserving.popleft()
@@ -434,6 +440,8 @@ class Scheduler:
             seq = self.seqs[rid]
             if seq.state is SeqState.EXTERNAL:
                 out += self.cache.block_table(rid)[seq.num_computed // bs:-(-tokens // bs)]
+                for table in self.cache.group_tables(rid):
+                    out += [b for b in table[seq.num_computed // bs:-(-tokens // bs)] if b >= 0]
         return out
 
     def drop(self, seq: Sequence, reason: str) -> None:

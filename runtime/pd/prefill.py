@@ -444,6 +444,10 @@ class PrefillConnector(KVConnector):
                 return "descriptors must be a list of maps"
             if len(msg.block_ids) and (msg.block_ids.min() < 0 or msg.block_ids.max() >= 1 << 30):
                 return "block ids out of range"
+            side = len(cfg.kv_groups.windows) - 1
+            if len(msg.group_ids) != side * len(msg.block_ids) or (
+                    len(msg.group_ids) and (msg.group_ids.min() < -1 or msg.group_ids.max() >= 1 << 30)):
+                return f"group ids: {len(msg.group_ids)}, not {side} layer group(s) of {len(msg.block_ids)} in range"
         elif isinstance(msg, api.TokenEvent):
             if not is_int(msg.index) or msg.index < 0 or not isinstance(msg.token_ids, list) or \
                     not all(is_int(t) and 0 <= t < vocab for t in msg.token_ids):
@@ -475,6 +479,9 @@ class PrefillConnector(KVConnector):
             self._fail_pending(p, f"decode node answered with {len(msg.descriptors)} rank(s), "
                                   f"{len(msg.block_ids)} blocks and {msg.cached_tokens} cached tokens; this "
                                   f"prefill node has --tp {cfg.tp} and a prompt of {len(req.prompt)} tokens")
+            return
+        if problem := _layout_problem(msg.descriptors, cfg):
+            self._fail_pending(p, problem)
             return
         del self.pending[msg.request_id]
         # D's lease began after our ask plus the time D kept it queued: its end on P's clock
@@ -579,8 +586,7 @@ class PrefillConnector(KVConnector):
             h.error = (f"the decode node's lease on the blocks of {rid} ends before a handoff could finish "
                        f"(prefill took too long; raise --pd-timeout)")
             return
-        src = np.asarray(self.ctx.block_table(rid)[h.next_block:upto], dtype=np.int32)
-        dst = np.asarray(h.alloc.block_ids[h.next_block:upto], dtype=np.int32)
+        src, dst = self._pages(h, upto)
         task_id = next(self._task_ids)
         # The rank must not touch D's blocks after this (P's clock; the check above keeps it
         # LEASE_MARGIN_S before D's lease ends); the engine gives up a little later, so an
@@ -591,6 +597,22 @@ class PrefillConnector(KVConnector):
         h.next_block = upto
         broadcast(self.ctx.to_ranks, P.SendBlocks(task_id, rid, list(h.alloc.descriptors), src, dst, deadline),
                   cfg.rank_timeout)
+
+    def _pages(self, h: _Handoff, upto: int) -> tuple[np.ndarray, np.ndarray]:
+        """P's pages of blocks [next_block, upto) and D's for them: group 0's, then each other
+        layer group's that D reads from the first token on (a sliding group: its last window
+        only; D allocated no page for the others, runtime/cache/groups.py)."""
+        rid, cfg = h.seq.request_id, self.ctx.cfg
+        src = [np.asarray(self.ctx.block_table(rid)[h.next_block:upto], dtype=np.int64)]
+        dst = [h.alloc.block_ids[h.next_block:upto].astype(np.int64)]
+        n = len(h.alloc.block_ids)
+        for g, (window, table) in enumerate(zip(cfg.kv_groups.side_windows, self.ctx.group_tables(rid))):
+            first = max(h.next_block, (h.seq.prompt_len - window + 1) // cfg.block_size if window else 0)
+            theirs = h.alloc.group_ids[g * n + first:g * n + upto]
+            mine = np.asarray(table[first:upto], dtype=np.int64)
+            src.append(mine[theirs >= 0])
+            dst.append(theirs[theirs >= 0].astype(np.int64))
+        return np.concatenate(src).astype(np.int32), np.concatenate(dst).astype(np.int32)
 
     def _on_send_done(self, done: P.SendDone) -> None:
         s = self.sends.get(done.task_id)
@@ -681,6 +703,22 @@ class PrefillConnector(KVConnector):
         for r in self.relays.values():
             self.ctx.reply(r.seq.client, api.ErrorEvent(r.seq.request_id, api.STOPPING, why))
         self.relays.clear()
+
+
+def _layout_problem(descriptors: list, cfg) -> str:
+    """Why a decode node's ranks cannot take this node's blocks ("" if they can): each rank's
+    pool must hold blocks of this node's KV layout (shape, element type, bytes), or the bytes
+    sent would mean something else there (an FP8 block read as float16, say). Checked before
+    anything is sent; the cache-messager's transport checks the pool itself again."""
+    layout = cfg.kv_layout
+    want = (list(layout.block_shape), layout.storage_dtype.str, layout.block_bytes)
+    for rank, d in enumerate(descriptors):
+        got = (d.get("block_shape"), d.get("dtype"), d.get("block_bytes"))
+        if got != want:
+            return (f"decode node rank {rank} holds blocks of shape {got[0]}, element {got[1]!r}, {got[2]} bytes; "
+                    f"this prefill node's are {want[0]}, {want[1]!r} ({layout.dtype}), {want[2]} bytes: "
+                    f"the two nodes must serve the same model with the same --kv-cache-dtype and --dtype")
+    return ""
 
 
 def _logprobs_ok(logprobs: object, tokens: int) -> bool:

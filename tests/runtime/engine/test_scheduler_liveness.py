@@ -84,14 +84,16 @@ def _serve(sched: Scheduler, cache: PrefixCache, turns: int, check: bool = True,
 
 def _drive(seed: int, bs: int, device: int, host: int, storage: bool | str, seqs: int, batch: int,
            n_req: int, p_done: float, p_fail: float, p_cancel: float, low_water: int | None = None,
-           rounds: int = 1) -> None:
+           rounds: int = 1, groups: tuple[int, ...] = ()) -> None:
     """`rounds` > 1 sends the same prompts again (new ids) once the previous round is done: their
     prefixes were swapped out meanwhile, so many swap-ins wait for device blocks at once.
-    `storage` "shared": a tier whose lookup says "maybe" and whose reads find out."""
+    `storage` "shared": a tier whose lookup says "maybe" and whose reads find out. `groups`: the
+    windows of a model's layer groups after the first (runtime/cache/groups.py): each block of
+    tokens takes a page per group, so the device has `device` blocks of tokens' worth of pages."""
     rng = random.Random(seed)
     store = _Store(shared=storage == "shared")
-    cache = PrefixCache(bs, device, host, storage_lookup=store.lookup if storage else None,
-                        write_through=storage, low_water=low_water)
+    cache = PrefixCache(bs, device * (1 + len(groups)), host, storage_lookup=store.lookup if storage else None,
+                        write_through=storage, low_water=low_water, groups=groups)
     sched = Scheduler(cache, max_num_seqs=seqs, max_num_batched_tokens=batch)
     first = [_request(rng, i, bs, device) for i in range(n_req)]
     pending = [Sequence.new(f"{q.request_id}.{r}" if r else q.request_id, q.tokens[:q.prompt_len],
@@ -179,6 +181,20 @@ def test_swap_ins_that_wait_together_for_more_room_than_the_device_has_all_finis
     cover, though each fits alone."""
     _drive(seed, bs, device, host_ratio * device, storage, seqs, batch, n_req, p_done, p_fail, 0.0,
            rounds=2)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), bs=st.sampled_from([2, 4]), device=st.integers(6, 24),
+       host=st.sampled_from([0, 0, 4, 16]), storage=st.sampled_from([False, True]), seqs=st.integers(1, 8),
+       batch=st.sampled_from([4, 16, 64]), n_req=st.integers(1, 10), p_done=st.sampled_from([0.2, 0.6, 1.0]),
+       p_fail=st.sampled_from([0.0, 0.0, 0.2]), p_cancel=st.sampled_from([0.0, 0.0, 0.02]),
+       groups=st.sampled_from([(3,), (6,), (0,), (4, 4), (0, 5)]), rounds=st.sampled_from([1, 2]))
+def test_every_accepted_request_finishes_with_layer_groups(seed, bs, device, host, storage, seqs, batch, n_req,
+                                                           p_done, p_fail, p_cancel, groups, rounds):
+    """The same over a model whose layers form groups (sliding windows, a second full group):
+    a block of tokens takes a page per group and sliding pages are given back as requests run."""
+    _drive(seed, bs, device, host, storage, seqs, batch, n_req, p_done, p_fail, p_cancel, rounds=rounds,
+           groups=groups)
 
 
 def test_a_tiny_device_with_a_host_tier_serves_two_rounds_of_shared_prompts():

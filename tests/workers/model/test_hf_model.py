@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.hfkit import (ARCH_CASES, LLAMA3_SCALING, VOCAB, case_config, dense_logits, make_checkpoint,
-                         transformers_config)
+from tests.hfkit import (ARCH_CASES, LLAMA3_SCALING, VOCAB, case_config, dense_logits, grouped, make_checkpoint,
+                         paged_pool, transformers_config)
 from kvrt.workers.model.checkpoint import inspect
 from kvrt.workers.model.hf_model import HFModel
 from kvrt.workers.model.transformer import SeqInput
@@ -25,8 +25,15 @@ def close(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 
-def pool_for(model: HFModel, blocks: int = 64, xp=np):
-    return xp.zeros(model.shape.kv_layout(BS, "float32").pool_shape(blocks), dtype=np.float32)
+BLOCKS = 64  # per layer group (tests/hfkit.py `grouped`)
+
+
+def pool_for(model: HFModel, xp=np):
+    return paged_pool(model, BLOCKS, BS, xp=xp)
+
+
+def step_logits(model: HFModel, pool, seqs: list[SeqInput]) -> np.ndarray:
+    return model.step_logits(pool, grouped(model, seqs, BLOCKS))
 
 
 def check_paged(ck, chunks=(13, 8, 1, 1, 20), xp=np) -> None:
@@ -41,18 +48,19 @@ def check_paged(ck, chunks=(13, 8, 1, 1, 20), xp=np) -> None:
     table = np.arange(10, 10 + -(-len(toks) // BS), dtype=np.int32)
     pos = 0
     for n in chunks:
-        got = model.step_logits(pool, [SeqInput(toks[pos:pos + n], pos, table)])
+        got = step_logits(model, pool, [SeqInput(toks[pos:pos + n], pos, table)])
         pos += n
         close(got[0], want[pos - 1])
     other = np.concatenate([toks[:2 * BS], rng.integers(0, VOCAB, 5)]).astype(np.int32)
     other_table = np.concatenate([table[:2], [40]]).astype(np.int32)
     more = np.concatenate([toks, [7]]).astype(np.int32)
     big_table = np.concatenate([table, [41]]).astype(np.int32)
-    got = model.step_logits(pool, [SeqInput(more[-1:], len(toks), big_table),
+    got = step_logits(model, pool, [SeqInput(more[-1:], len(toks), big_table),
                                    SeqInput(other[2 * BS:], 2 * BS, other_table)])
     close(got[0], dense_logits(ck, more)[-1])
     close(got[1], dense_logits(ck, other)[-1])
-    assert model.step(pool, [SeqInput(other[:3], 0, np.array([50], np.int32))])[0] == dense_logits(ck, other[:3])[-1].argmax()
+    got = step_logits(model, pool, [SeqInput(other[:3], 0, np.array([50], np.int32))])[0]
+    assert got.argmax() == dense_logits(ck, other[:3])[-1].argmax()
 
 
 @pytest.mark.parametrize("dtype", ["F32", "BF16"])
@@ -81,11 +89,11 @@ def test_blocks_that_left_the_window_are_never_used(tmp_path):
     pool = pool_for(model)
     toks = np.random.default_rng(2).integers(0, VOCAB, 60).astype(np.int32)
     table = np.arange(10, 18, dtype=np.int32)
-    model.step_logits(pool, [SeqInput(toks[:40], 0, table)])
+    step_logits(model, pool, [SeqInput(toks[:40], 0, table)])
     pool[table[:(40 - 12 + 1) // BS]] = np.nan  # every slot before position 29, the next query's window
-    close(model.step_logits(pool, [SeqInput(toks[40:50], 40, table)])[0], dense_logits(ck, toks[:50])[-1])
+    close(step_logits(model, pool, [SeqInput(toks[40:50], 40, table)])[0], dense_logits(ck, toks[:50])[-1])
     pool[table[:(50 - 12 + 1) // BS]] = np.nan
-    close(model.step_logits(pool, [SeqInput(toks[50:51], 50, table)])[0], dense_logits(ck, toks[:51])[-1])
+    close(step_logits(model, pool, [SeqInput(toks[50:51], 50, table)])[0], dense_logits(ck, toks[:51])[-1])
 
 
 def test_f16_sharded_checkpoint(tmp_path):
@@ -164,5 +172,5 @@ def test_a_step_marks_progress_in_every_layer(tmp_path):
     model = HFModel(inspect(make_checkpoint(tmp_path, num_hidden_layers=3).path), 512)
     beats = []
     model.beat = lambda: beats.append(1)
-    model.step(pool_for(model), [SeqInput(np.arange(20, dtype=np.int32), 0, np.arange(3, dtype=np.int32))])
+    step_logits(model, pool_for(model), [SeqInput(np.arange(20, dtype=np.int32), 0, np.arange(3, dtype=np.int32))])
     assert len(beats) == 2 * 3  # per layer: its one key tile of attention, then the layer's end
