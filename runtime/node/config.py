@@ -132,6 +132,10 @@ class NodeConfig(config.NodeConfig):
         if self.model_backend not in MODEL_BACKENDS or (self.model_backend == "torch" and not self.model_dir):
             raise ConfigError(f"--model-backend resolves to {', '.join(MODEL_BACKENDS)} (torch for a --model "
                               f"checkpoint only), got {self.model_backend!r}")
+        if self.model_backend == "torch" and (self.kv_cache_dtype != "auto" or self.layer_windows):
+            raise ConfigError("--model-backend torch keeps K/V as they are over one block table: it serves neither "
+                              "FP8 blocks (--kv-cache-dtype) nor sliding windows and their layer groups "
+                              "(--layer-windows); use --model-backend array")
         if self.wait_spin_us < -1 or self.wait_spin_us > 100_000:
             raise ConfigError(f"--wait-spin-us must be between 0 and 100000 (or -1: auto), got {self.wait_spin_us}")
         if self.cuda_graph_max_batch < -1:

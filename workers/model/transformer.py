@@ -515,11 +515,11 @@ class Model:
         shape serving takes (module function). Nothing to compile on numpy."""
         if self.xp is np:
             return
-        layout = self.shape.kv_layout(block_size, self.kv_dtype.name)
-        pool = self.xp.zeros(layout.pool_shape(WARM_UP_BLOCKS), dtype=layout.storage_dtype)
+        layout, groups = self.shape.kv_layout(block_size, self.kv_dtype.name), len(self.shape.groups.windows)
+        pool = self.xp.zeros(layout.pool_shape(WARM_UP_BLOCKS * groups), dtype=layout.storage_dtype)
         budgets = self.attn_budgets
         try:
-            for seqs, tiny_tiles in warm_up_steps(block_size, self.shape.max_model_len):
+            for seqs, tiny_tiles in warm_up_steps(block_size, self.shape.max_model_len, groups):
                 self.attn_budgets = (1, 1) if tiny_tiles else budgets
                 rows = sum(len(s.tokens) for s in seqs)
                 self.step_outputs(pool, seqs, PromptQuery(np.arange(rows, dtype=np.int64),
@@ -572,20 +572,24 @@ class Model:
 WARM_UP_BLOCKS = 4  # the scratch pool of `Model.warm_up`
 
 
-def warm_up_steps(block_size: int, max_model_len: int) -> list[tuple[list[SeqInput], bool]]:
-    """The batches a GPU worker's warm-up runs (over a pool of WARM_UP_BLOCKS blocks), each as
-    (seqs, whether to cut its keys into tiles of one block): one and two sequences; one and
-    several query rows; one block and several (padded to the longest); one key tile and
-    several (the online softmax's merge). Every length that can be one is once one and once
-    more, since a length of one drops a dimension from the kernel CuPy compiles."""
+def warm_up_steps(block_size: int, max_model_len: int, groups: int = 1) -> list[tuple[list[SeqInput], bool]]:
+    """The batches a GPU worker's warm-up runs (over a pool of WARM_UP_BLOCKS blocks for each of
+    the model's `groups` layer groups, every group's tables its own share of it), each as (seqs,
+    whether to cut its keys into tiles of one block): one and two sequences; one and several
+    query rows; one block and several (padded to the longest); one key tile and several (the
+    online softmax's merge). Every length that can be one is once one and once more, since a
+    length of one drops a dimension from the kernel CuPy compiles."""
+    def seq(tokens: np.ndarray, start: int, table: np.ndarray) -> SeqInput:
+        return SeqInput(tokens, start, table, tuple(table + g * WARM_UP_BLOCKS for g in range(1, groups)))
+
     n = max(1, min(block_size + 1, max_model_len - 1))  # a prompt over two blocks, where they fit
     table = np.arange(WARM_UP_BLOCKS - 1, dtype=np.int32)
     one = np.zeros(1, np.int32)
-    short = SeqInput(one, 0, np.array([WARM_UP_BLOCKS - 1], np.int32))
-    prompt = SeqInput(np.zeros(n, np.int32), 0, table)
+    short = seq(one, 0, np.array([WARM_UP_BLOCKS - 1], np.int32))
+    prompt = seq(np.zeros(n, np.int32), 0, table)
     batches = [[prompt], [short], [prompt, short]]
     if n + 1 <= max_model_len:
-        tail = SeqInput(one, n, table)  # a decode row over the prompt's blocks
+        tail = seq(one, n, table)  # a decode row over the prompt's blocks
         batches += [[tail], [short, tail]]
     return [(b, tiny) for b in batches for tiny in (False, True)]
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrt.ipc.layout import FP8_E4M3, LayerGroups
-from kvrt.workers.model.transformer import Model, ModelShape, SeqInput
+from kvrt.workers.model.transformer import WARM_UP_BLOCKS, Model, ModelShape, SeqInput, warm_up_steps
 from tests.workers.model.test_transformer import Seq, prompt_of
 
 SHAPE = dict(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128, mlp_dim=64,
@@ -113,3 +113,15 @@ def test_a_group_table_that_misses_a_page_its_window_reads_is_refused():
         m.step(pool, [seq])
     with pytest.raises(ValueError, match="group tables"):
         m.step(pool, [SeqInput(np.array([1], np.int32), 0, np.arange(1, dtype=np.int32))])
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_warm_up_steps_give_every_group_its_tables(bs):
+    """A GPU worker's warm-up steps (`warm_up_steps`, which compile CuPy's kernels before the
+    worker says ready) are valid steps of a model of layer groups, each group over pages of
+    its own: a step without the group tables is refused, so the warm-up would compile nothing."""
+    m = Model(ModelShape(**SHAPE, layer_windows=(0, 6, 0, 6)))
+    groups = len(m.shape.groups.windows)
+    pool = np.zeros(m.shape.kv_layout(bs, "float32").pool_shape(WARM_UP_BLOCKS * groups), np.float32)
+    for seqs, _ in warm_up_steps(bs, SHAPE["max_model_len"], groups):
+        assert np.isfinite(m.step_logits(pool, seqs)).all()
