@@ -103,7 +103,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
     factory = make_policy(policy)
     cache = PrefixCache(block_size, capacity or total, host_blocks, policy=factory)
     rejected = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i, req in enumerate(requests):
         tokens = expand_tokens(req)
         n = req.input_length
@@ -119,6 +119,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
         cache.release(i)
         settle(cache)
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     m = cache.metrics
     return {
         "policy": policy,
@@ -131,6 +132,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
         "hit_token_rate_host": m.hit_rate("host"),
         "request_hit_rate": m.hit_requests / m.requests if m.requests else 0.0,
         "blocks_per_s": total / seconds,
+        "blocks_per_cpu_s": total / cpu if cpu > 0 else float("inf"),
         "seconds": seconds,
         "evicted_device_blocks": m.evicted_device_blocks,
         "evicted_host_blocks": m.evicted_host_blocks,

@@ -42,7 +42,6 @@ from kvrt.runtime.cache.policies.base import EvictionPolicy
 from kvrt.runtime.cache.policies.lru import EvictionQueue
 from kvrt.runtime.cache.reset import CacheReset, ResetResult
 from kvrt.runtime.cache.tasks import TaskBook, TaskOutcome
-from kvrt.runtime.cache.shadow_lru import ShadowLRU
 from kvrt.runtime.cache.use_sketch import UseSketch
 
 __all__ = ["PrefixCache", "MatchResult", "ResetResult", "TaskKind", "TaskOutcome", "ROLE_FREE", "ROLE_TREE", "ROLE_PRIVATE",
@@ -97,8 +96,10 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         # before (the sketch's answer at match), handed to the policy as its blocks are recorded
         self._ages: dict[Hashable, np.ndarray] = {}
         self._low_water = max(1, num_device_blocks // 64) if low_water is None else low_water
-        # what LRU would have served, for a policy steered by it
-        self._shadow = ShadowLRU(num_device_blocks + num_host_blocks) if policy.shadows_lru else None
+        # a policy that judges itself by the blocks requests miss is told them (device tier), and
+        # the host tier's queue follows the device's
+        self._sees_misses = policy.sees_misses
+        self._host_lru.follows(self._dev_lru)
 
     # ---- engine-facing API -------------------------------------------------------------------
     def match(self, request_id: Hashable, keys: Sequence[bytes], num_tokens: int,
@@ -140,6 +141,8 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
             ages = self._uses.add(keys)
             if ages is not None:
                 self._ages[request_id] = ages
+                if self._sees_misses:
+                    self._dev_lru.missed(ages[matched:limit], limit)
         storage_hits = 0
         if storage and self.storage_lookup is not None and matched < limit:
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
@@ -148,12 +151,6 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         req.loaded = bool(req.waiting)
         if count:
             self._count_match(req, keys, limit, dev_hits, host_hits, storage_hits)
-            if self._shadow is not None:
-                seen, ours, lru = self._shadow.observe(keys, limit, matched)
-                if seen:
-                    window = 8 * self._shadow.capacity
-                    self._dev_lru.steer(seen, ours, lru, window)
-                    self._host_lru.steer(seen, ours, lru, window)
         return MatchResult(list(req.blocks), dev_hits * bs, host_hits * bs, storage_hits * bs,
                            sorted(req.waiting))
 
