@@ -2,7 +2,9 @@
 use-count sketch's updates (runtime/cache/use_sketch.py), the node matrix work of matching,
 recording, releasing and evicting (runtime/cache/match.py, eviction.py, tasks.py), the `reuse`
 family of policies' per-node bookkeeping and heap (runtime/cache/policies/reuse.py, gaps.py) and
-the sampled shadow LRU's step per request (runtime/cache/shadow_lru.py).
+the `adaptive` policy's segments and ledger (runtime/cache/policies/adaptive.py, adapt_*: no
+Python reference; tests/runtime/cache/test_adaptive_bound.py and the cache's property and
+batched-against-one-at-a-time tests check it).
 
 Why C: in Python each costs a call or a few numpy operations per block or per request of a
 couple of hundred blocks (a key slice, concatenation and hash call per block; a join, a view
@@ -2167,7 +2169,128 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(taken);
 }
 
+/* ---- the `adaptive` policy's memory of blocks gone from the cache: per 16-byte block key, two
+   slots (its first 8 bytes masked, and the same shifted right by 32, masked), each a uint64
+   record: bits 0-31 the release the block was last used at, 32-39 its uses (saturating), 40-47
+   a tag (the key's 9th byte), bit 48 set when written. A key's record is the newer of its two
+   slots whose tag matches: a slot shared with another key loses one of them, and a tag that
+   matches by chance can only make a block look used more recently. */
+static inline uint64_t g_slot0(const unsigned char *k) {
+    uint64_t x;
+    memcpy(&x, k, 8);
+    return x;
+}
+
+/* adapt_forget(M, hits, table, keys, nodes, aligned): nodes (int32) leave the cache; remember for
+   each its key (bytes, 16), its release (M's M_REL) and its uses (hits + 1): keys[i] and hits[i]
+   if `aligned` (taken before the nodes were freed), else keys[node] and hits[node] (the node
+   keys and the node matrix's row). */
+static PyObject *adapt_forget(PyObject *self, PyObject *args) {
+    PyObject *mobj, *hobj, *tobj, *keys, *nobj;
+    int aligned;
+    bufs bv;
+    if (!PyArg_ParseTuple(args, "OOOOOp", &mobj, &hobj, &tobj, &keys, &nobj, &aligned))
+        return NULL;
+    if (take_bufs(&bv, "adapt_forget", "qiQi", mobj, hobj, tobj, nobj) < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(keys, "adapt_forget: keys must be a sequence");
+    PyObject *res = NULL;
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t k = bv.b[3].shape[0], n = bv.b[0].shape[0] / M_ROWS, slots = bv.b[2].shape[0] / 2;
+    if (PySequence_Fast_GET_SIZE(fast) != (aligned ? k : n) || bv.b[1].shape[0] != (aligned ? k : n) || slots < 1 ||
+        (slots & (slots - 1))) {
+        PyErr_SetString(PyExc_ValueError, "adapt_forget: a key per node (or per node id), and a table of 2 rows of 2**k slots");
+        goto done;
+    }
+    const int64_t *m = bv.b[0].buf;
+    const int32_t *hits = bv.b[1].buf, *nodes = bv.b[3].buf;
+    uint64_t *table = bv.b[2].buf, mask = (uint64_t)slots - 1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int32_t v = nodes[i];
+        if (v < 0 || v >= n)
+            continue;
+        PyObject *key = PySequence_Fast_GET_ITEM(fast, aligned ? i : v);
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != 16)
+            continue;  /* (not a block key: nothing to remember) */
+        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(key);
+        int32_t hv = hits[aligned ? i : v];
+        uint64_t h = g_slot0(b), uses = hv < 0 ? 1 : (uint64_t)hv + 1;
+        uint64_t rec = ((uint64_t)m[(Py_ssize_t)v * M_ROWS + M_REL] & 0xffffffffu) | ((uses > 255 ? 255 : uses) << 32) |
+                       ((uint64_t)b[8] << 40) | ((uint64_t)1 << 48);
+        table[h & mask] = rec;
+        table[slots + ((h >> 32) & mask)] = rec;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(fast);
+    drop_bufs(&bv);
+    return res;
+}
+
+/* adapt_recall(table, keys, start, clock, ages, uses): for keys[start:], how many releases before
+   `clock` each was last used (ages, int64; -1: not remembered) and by how many requests (uses,
+   int32; 0 if not remembered). */
+static PyObject *adapt_recall(PyObject *self, PyObject *args) {
+    PyObject *tobj, *keys, *aobj, *uobj;
+    Py_ssize_t start;
+    long long clock;
+    bufs bv;
+    if (!PyArg_ParseTuple(args, "OOnLOO", &tobj, &keys, &start, &clock, &aobj, &uobj))
+        return NULL;
+    if (take_bufs(&bv, "adapt_recall", "qQ=I", tobj, aobj, uobj) < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(keys, "adapt_recall: keys must be a sequence");
+    PyObject *res = NULL;
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(fast) - start, slots = bv.b[0].shape[0] / 2;
+    if (start < 0 || k < 0 || bv.b[1].shape[0] < k || slots < 1 || (slots & (slots - 1))) {
+        PyErr_SetString(PyExc_ValueError, "adapt_recall: room for every key from start, a table of 2 rows of 2**k slots");
+        goto done;
+    }
+    const uint64_t *table = bv.b[0].buf, mask = (uint64_t)slots - 1;
+    int64_t *ages = bv.b[1].buf;
+    int32_t *uses = bv.b[2].buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(fast, start + i);
+        ages[i] = -1;
+        uses[i] = 0;
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != 16)
+            continue;
+        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(key);
+        uint64_t h = g_slot0(b), best = 0;
+        uint64_t r[2] = {table[h & mask], table[slots + ((h >> 32) & mask)]};
+        int64_t newest = -1;
+        for (int j = 0; j < 2; j++) {
+            if (!(r[j] >> 48 & 1) || ((r[j] >> 40) & 0xff) != b[8])
+                continue;
+            /* the release, back to 64 bits: the latest one at or before clock with these low bits */
+            int64_t t = (int64_t)(((uint64_t)clock & ~(uint64_t)0xffffffffu) | (r[j] & 0xffffffffu));
+            if (t > clock)
+                t -= (int64_t)1 << 32;
+            if (t > newest) {
+                newest = t;
+                best = r[j];
+            }
+        }
+        if (newest >= 0) {
+            ages[i] = clock - newest;
+            uses[i] = (int32_t)((best >> 32) & 0xff);
+        }
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(fast);
+    drop_bufs(&bv);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"adapt_forget", adapt_forget, METH_VARARGS, "adapt_forget(M, hits, table, keys, nodes, aligned)"},
+    {"adapt_recall", adapt_recall, METH_VARARGS, "adapt_recall(table, keys, start, clock, ages, uses)"},
     {"adapt_push", adapt_push, METH_VARARGS,
      "adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> lost"},
     {"adapt_front", adapt_front, METH_VARARGS, "adapt_front(M, F, R, H, T, bits, st, hits, nodes)"},

@@ -96,8 +96,12 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         # before (the sketch's answer at match), handed to the policy as its blocks are recorded
         self._ages: dict[Hashable, np.ndarray] = {}
         self._low_water = max(1, num_device_blocks // 64) if low_water is None else low_water
-        # a policy that judges itself by the blocks requests miss is told them (device tier), and
-        # the host tier's queue follows the device's
+        # a policy that remembers the blocks gone from the cache itself: per counted request, the
+        # matched length and what it recalled of the keys after it (releases since each was last
+        # used, uses), until its blocks are recorded; one that judges itself by the blocks
+        # requests miss is told them (device tier), and the host tier's queue follows the device's
+        self._remembers = policy.remembers
+        self._recalled: dict[Hashable, tuple[int, np.ndarray, np.ndarray]] = {}
         self._sees_misses = policy.sees_misses
         self._host_lru.follows(self._dev_lru)
 
@@ -141,8 +145,11 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
             ages = self._uses.add(keys)
             if ages is not None:
                 self._ages[request_id] = ages
-                if self._sees_misses:
-                    self._dev_lru.missed(ages[matched:limit], limit)
+        elif count and self._remembers:
+            ages, uses = self._dev_lru.recall(keys, matched)
+            self._recalled[request_id] = (matched, ages, uses)
+            if self._sees_misses:
+                self._dev_lru.missed(ages[:max(0, limit - matched)], limit)
         storage_hits = 0
         if storage and self.storage_lookup is not None and matched < limit:
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
@@ -269,7 +276,28 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
             self._record(req, n_full)
             if self._uses is not None:
                 self._remember_uses(req, before, self._ages.get(request_id))
+            elif self._remembers and request_id in self._recalled:
+                self._give_recalled(req, before, self._recalled[request_id])
         return len(req.path) * self.block_size
+
+    def _give_recalled(self, req: Request, before: int, recalled: tuple[int, np.ndarray, np.ndarray]) -> None:
+        """Give the nodes just recorded for `req` (path[before:]) the uses the policy recalled for
+        their keys, never more than their parent's (every request that used a block used its
+        prefix), and tell it how long ago each was used."""
+        nodes = req.path[before:]
+        matched, ages, uses = recalled
+        lo = before - matched
+        if not len(nodes) or lo < 0:
+            return
+        got_uses = np.zeros(len(nodes), dtype=np.int32)
+        got_ages = np.full(len(nodes), -1, dtype=np.int64)
+        k = max(0, min(len(nodes), len(uses) - lo))  # (keys the request grew by after its match: none)
+        got_uses[:k] = uses[lo:lo + k]
+        got_ages[:k] = ages[lo:lo + k]
+        if before:
+            np.minimum(got_uses, self._hits_v[int(req.path[before - 1])], out=got_uses)
+        self._f[HITS, nodes] = np.minimum.accumulate(got_uses)
+        self._dev_lru.recorded(nodes, got_ages)
 
     def _remember_uses(self, req: Request, before: int, ages: np.ndarray | None = None) -> None:
         """Give the nodes just recorded for `req` (path[before:]) the uses their keys had before
@@ -295,6 +323,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         if req is None:
             raise KeyError(f"request {request_id!r} is not in the prefix cache")
         self._ages.pop(request_id, None)
+        self._recalled.pop(request_id, None)
         n = len(req.path)
         private = req.blocks[n:]
         if req.load >= 0:  # a storage read still writes into the next blocks: the task keeps them

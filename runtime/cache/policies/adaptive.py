@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvrt.runtime.cache.core import (adapt_discard as _discard_c, adapt_front as _front_c, adapt_missed as _missed_c,
-                                    adapt_pop as _pop_c, adapt_push as _push_c, ghost_ages as _ghost_c)
+from kvrt.runtime.cache.core import (adapt_discard as _discard_c, adapt_forget as _forget_c, adapt_front as _front_c,
+                                    adapt_missed as _missed_c, adapt_pop as _pop_c, adapt_push as _push_c,
+                                    adapt_recall as _recall_c, ghost_ages as _ghost_c)
 from kvrt.runtime.cache.nodes import NDEV, PARENT
 from kvrt.runtime.cache.policies.base import EvictionPolicy
 from kvrt.runtime.cache.policies.gaps import (HOLD, LEVEL_SPAN, LONG_HIGH, LONG_LOW, MAX_TURNOVER, REACH,
@@ -66,12 +67,11 @@ class Adaptive(EvictionPolicy):
     """One tier's evictable nodes: a recency segment and a protected one, in `gaps`' order with
     the protected segment held to what it has won against LRU."""
 
-    counts_uses = True    # use counts past eviction (runtime/cache/use_sketch.py)
-    counts_gaps = True    # and when each key was last used: `recorded` and `missed` get the ages
+    remembers = True      # it remembers the blocks gone from the cache (`forget`, `recall`)
     sees_misses = True    # the cache calls `missed` with every counted request's missed blocks
 
     __slots__ = ("_hits", "_n", "_m", "_f", "_r", "_h", "_t", "_bits", "_st", "_args", "_tree", "_scratch", "_rstamp", "_pser",
-                 "_ghost", "_due", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader")
+                 "_ghost", "_due", "_table", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader")
 
     def __init__(self, capacity: int, hits: np.ndarray):
         n = capacity
@@ -100,7 +100,10 @@ class Adaptive(EvictionPolicy):
         self._scratch = np.zeros(n, dtype=np.int32)
         self._rstamp = memoryview(self._m[M_RSTAMP::M_ROWS])
         self._pser = memoryview(self._m[M_PSER::M_ROWS])
-        self._ghost = np.full(n, -1, dtype=np.int64)  # requests since a just-recorded node's key was used
+        self._ghost = np.full(n, -1, dtype=np.int64)  # releases since a just-recorded node's key was used
+        # per key gone from the cache: its last release and uses, two slots of 8 bytes each; a
+        # cache that evicts nothing never touches it (the pages are never even mapped in)
+        self._table = np.zeros(2 * (1 << max(10, (32 * n - 1).bit_length())), dtype=np.uint64)
         self._avg_push = 0.0
         self._long = self._reused = 1.0  # moving sums of long reuse and of all reuse (`gaps`' scale)
         self.bank = 0          # blocks served beyond LRU minus blocks LRU would have served beyond these
@@ -165,9 +168,27 @@ class Adaptive(EvictionPolicy):
         if nodes:
             _front_c(*self._args, np.array(nodes, dtype=np.int32))
 
+    def forget(self, nodes: np.ndarray, keys: list, hits: np.ndarray | None = None) -> None:
+        """`nodes` leave the cache: remember their keys, last release and uses, for when a
+        request misses them (runtime/cache/_cache_core.c adapt_forget): keys[i] and hits[i] when
+        `hits` is given (taken before the nodes were freed), else the node keys (keys[node]) and
+        their `hits` rows. Writing here, not on every match, is what keeps a cache that hits
+        from paying for the memory."""
+        aligned = hits is not None
+        _forget_c(self._m, hits if aligned else self._hits, self._table, keys,
+                  np.ascontiguousarray(nodes, dtype=np.int32), aligned)
+
+    def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray]:
+        """For keys[start:]: how many releases ago each was last used (-1: not remembered) and
+        by how many requests (0)."""
+        k = max(0, len(keys) - start)
+        ages, uses = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int32)
+        _recall_c(self._table, keys, start, int(self._st[A_CLOCK]), ages, uses)
+        return ages, uses
+
     def recorded(self, nodes: np.ndarray, ages: np.ndarray) -> None:
         """`nodes` (a path, root side first) were computed; their keys were last used `ages`
-        requests ago: an age is raised to its ancestors' (runtime/cache/_cache_core.c ghost_ages)."""
+        releases ago: an age is raised to its ancestors' (runtime/cache/_cache_core.c ghost_ages)."""
         _ghost_c(self._ghost, nodes, ages)
 
     def missed(self, ages: np.ndarray, usable: int) -> None:

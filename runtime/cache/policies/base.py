@@ -38,13 +38,18 @@ class EvictionPolicy:
       runtime/cache/use_sketch.py), so `hits` carries a block's history past its eviction;
     - `counts_gaps = True` (with `counts_uses`): the device tier's policy is told through
       `recorded` how many requests ago each computed node's key was last used;
-    - `sees_misses = True` (with `counts_gaps`): the device tier's policy is told, through
-      `missed`, of every counted request's blocks after its matched prefix and how many requests
-      ago their keys were last used.
+    - `remembers = True`: the policy remembers blocks gone from the cache itself: the cache
+      calls the device tier's `forget` with the nodes it drops (either tier) before their keys
+      go, and its `recall` at every counted match for the keys after the matched prefix, and
+      gives the nodes it records the uses recalled (`hits`) and their ages (`recorded`);
+    - `sees_misses = True` (with `remembers`): the device tier's policy is told, through
+      `missed`, of every counted request's blocks after its matched prefix and how many
+      releases ago their keys were last used.
     The methods with a body are defaults a policy may replace with a faster or fuller one."""
 
     counts_uses = False
     counts_gaps = False
+    remembers = False
     sees_misses = False
 
     __slots__ = ()
@@ -76,6 +81,16 @@ class EvictionPolicy:
     def recorded(self, nodes: np.ndarray, ages: np.ndarray) -> None:
         """`nodes` (a path, root side first) were just computed; their keys were last used
         `ages` requests ago (-1: unknown). Called only on a policy that `counts_gaps`."""
+
+    def forget(self, nodes: np.ndarray, keys: list, hits: np.ndarray | None = None) -> None:
+        """`nodes` leave the cache: keys[i] and hits[i] are nodes[i]'s key and reuse count when
+        `hits` is given (taken before they were freed), else keys is the node keys (keys[n] is
+        node n's). Called only on a policy that `remembers`."""
+
+    def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray]:
+        """For keys[start:]: releases since each was last used (-1: unknown) and its uses (int32).
+        Called only on a policy that `remembers`."""
+        raise NotImplementedError
 
     def missed(self, ages: np.ndarray, usable: int) -> None:
         """A counted request could use its first `usable` blocks; the last len(ages) of them were

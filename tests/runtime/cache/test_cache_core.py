@@ -67,8 +67,9 @@ def _replay(c: PrefixCache, seed: int) -> list:
 
 # the policies whose cache calls these C functions (the others: all of them): LRU keeps no use
 # counts and has a queue of its own, and so does `adaptive` (runtime/cache/_cache_core.c
-# adapt_*); only `gaps` ranks with gaps_rank, and `reuse` splits a released path its own way
-POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptive", "gaps", "reuse"),
+# adapt_*: it remembers blocks gone from the cache itself, no use sketch); only `gaps` ranks
+# with gaps_rank, and `reuse` splits a released path its own way
+POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"),
                   "_pop_c": ("gaps", "reuse"),
                   "_stamp_runs_c": ("reuse",), "_release_c": ("gaps", "reuse"),
                   "_discard_c": ("gaps", "reuse"), "_rank_c": ("gaps",),
