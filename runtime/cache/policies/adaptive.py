@@ -6,37 +6,42 @@ for reuse expected back in time) wins big where reuse comes back later than rece
 hold it (the conversation trace at 20,000 blocks), and loses to LRU where its guess of which
 blocks come back is wrong (sessions that slow down as they age: their most used blocks are the
 least likely back soon). A verdict taken per window of lookups comes too late and too noisily
-on a trace of a few thousand requests. Here the comparison is exact and per block instead.
+on a trace of a few thousand requests; here the comparison is exact, block by block.
 
-Structure: the cache is a recency segment R (every released node, in LRU order) and a protected
-segment P (nodes that left R's old end with a `gaps` bonus, in `gaps`' order). R is always the
-most recently used blocks, so the cache always holds what an LRU cache holds except for the
-blocks P displaces: an LRU cache of the same size holds R, the nodes in use and the newest |P|
-of the nodes that left R and were not used since (live exits). So each block's fate tells how
-P did: a hit on a P node that is not among those is a block LRU would have missed (a gain); a
-miss on a live exit that is among them is a block LRU would have served (a loss). Live exits
-are kept as counts per release and a bit per block serial; a missed block is found among them
-by when its key was last used (the use sketch, runtime/cache/use_sketch.py) and its depth (a
-release pushes its path deepest first). The eviction order is `gaps`' (R's oldest by release
-alone, P's lowest with its bonus, the lower goes first), with P held to a budget: the gains
-minus the losses so far (the bank) plus an allowance of EXPLORE of the capacity and RATE of the
-lookups, never below 0. The whole of the per-block work is in C (runtime/cache/_cache_core.c,
-adapt_*), one call per released, matched, missed or evicted run.
+Structure: the queue is a recency segment R (every released node, in LRU order) and a
+protected segment P (nodes that left R's old end with a `gaps` bonus, in `gaps`' order). R is
+always the most recently used blocks, so an LRU cache of the same size holds R, the nodes in use
+and the newest |P| of the nodes that left R and were not used since (live exits): the cache
+differs from LRU's only by what P displaces. So each block's fate tells how P did: a hit on a
+live exit outside those is a block LRU would have missed (a gain); a miss on one of them is a
+block LRU would have served (a loss). Live exits are counted per release and marked by a bit
+per block serial; a missed block is found among them by when its key was last used and its
+depth (a release pushes its path deepest first). The policy remembers the keys of blocks gone
+from the cache itself (their last release and uses, written when they leave: a cache that evicts
+nothing pays nothing for it), which also gives a computed block the uses `gaps` ranks by. The
+eviction order is `gaps`' (R's oldest by its release alone against P's lowest with its bonus,
+the lower goes first), with P held to a budget: the gains minus the losses so far (the bank)
+plus an allowance, never below 0. The allowance is EXPLORE of the capacity, RATE of the lookups,
+and HELD of the misses a larger P would have served (LRU would not have, `gaps`' bonus would
+still have held), at most HELD_CAP of the capacity: the evidence that a larger P pays, which it
+may then risk. A victim that still has a device child goes back to P ranked last, rather than
+to the cache to be parked. All the per-block work is in C (runtime/cache/_cache_core.c adapt_*),
+one call per released, matched, missed or evicted run.
 
-The bound, structural rather than windowed: a loss needs a block of P's (P non-empty), P is
-never larger than the budget, and every loss lowers the bank by one block. So from a cold cache,
-at every request, the blocks this policy served are at least LRU's minus the allowance: at most
-EXPLORE of the capacity plus RATE of the lookups below LRU (1/64 of the capacity and 0.05% of
-the lookups); over any stretch, at most the budget it had at the stretch's start (what it had
-won against LRU before, plus the allowance) plus RATE of the stretch's lookups. The counts are
-exact for requests served one after another (the benchmark's replay); with requests in flight
-together they are close, not exact. Where reuse pays, each gain raises the budget by a block and
-P grows with what it earns. tests/runtime/cache/test_adaptive_bound.py checks the bound on
+The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
+the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
+the blocks it served are at least LRU's minus the allowance (1/64 + 1/16 of the capacity at
+most, plus 0.05% of the lookups); over any stretch it loses at most the lead over LRU it had at
+the stretch's start plus the allowance. The counts are exact for requests served one after
+another (the benchmark's replay, where the ledger is never ahead of the truth) and close with
+requests in flight together. tests/runtime/cache/test_adaptive_bound.py checks both on
 generated traces against an LRU cache replayed beside it, from a cold cache and over every
-window of two turnovers.
+window of two turnovers. The price: where protection pays only once P is large (a small P
+churns before its blocks come back), P grows with what it earns, and the policy gets there
+later than `gaps` does.
 
-A host tier's queue (the same class) follows the device's: its budget is the same share of its
-own capacity (`follows`), since the host tier has no misses of its own to judge by.
+A host tier's queue (the same class) takes the device's budget share (`follows`): the host tier
+has no misses of its own to judge by.
 """
 from __future__ import annotations
 
