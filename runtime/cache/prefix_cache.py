@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 ROLE_FREE, ROLE_TREE, ROLE_PRIVATE, ROLE_LOADING, ROLE_SAVING = range(5)
 
 StorageLookup = Callable[[Sequence[bytes]], int]
+_NO_AGES = np.empty(0, dtype=np.int64)
 
 
 class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
@@ -146,10 +147,11 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
             if ages is not None:
                 self._ages[request_id] = ages
         elif count and self._remembers:
-            ages, uses = self._dev_lru.recall(keys, matched)
-            self._recalled[request_id] = (matched, ages, uses)
+            got = self._dev_lru.recall(keys, matched)
+            if got is not None:
+                self._recalled[request_id] = (matched, *got)
             if self._sees_misses:
-                self._dev_lru.missed(ages[:max(0, limit - matched)], limit)
+                self._dev_lru.missed(got[0][:max(0, limit - matched)] if got is not None else _NO_AGES, limit)
         storage_hits = 0
         if storage and self.storage_lookup is not None and matched < limit:
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])

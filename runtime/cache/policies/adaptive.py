@@ -76,7 +76,7 @@ class Adaptive(EvictionPolicy):
     sees_misses = True    # the cache calls `missed` with every counted request's missed blocks
 
     __slots__ = ("_hits", "_n", "_m", "_f", "_r", "_h", "_t", "_bits", "_st", "_args", "_tree", "_scratch", "_rstamp", "_pser",
-                 "_ghost", "_due", "_table", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader")
+                 "_ghost", "_due", "_table", "_forgot", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader")
 
     def __init__(self, capacity: int, hits: np.ndarray):
         n = capacity
@@ -109,6 +109,7 @@ class Adaptive(EvictionPolicy):
         # per key gone from the cache: its last release and uses, two slots of 8 bytes each; a
         # cache that evicts nothing never touches it (the pages are never even mapped in)
         self._table = np.zeros(2 * (1 << max(10, (32 * n - 1).bit_length())), dtype=np.uint64)
+        self._forgot = False  # anything in it yet
         self._avg_push = 0.0
         self._long = self._reused = 1.0  # moving sums of long reuse and of all reuse (`gaps`' scale)
         self.bank = 0          # blocks served beyond LRU minus blocks LRU would have served beyond these
@@ -180,12 +181,15 @@ class Adaptive(EvictionPolicy):
         their `hits` rows. Writing here, not on every match, is what keeps a cache that hits
         from paying for the memory."""
         aligned = hits is not None
+        self._forgot = True
         _forget_c(self._m, hits if aligned else self._hits, self._table, keys,
                   np.ascontiguousarray(nodes, dtype=np.int32), aligned)
 
-    def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray]:
+    def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray] | None:
         """For keys[start:]: how many releases ago each was last used (-1: not remembered) and
-        by how many requests (0)."""
+        by how many requests (0); None while nothing has left the cache (nothing to recall)."""
+        if not self._forgot:
+            return None
         k = max(0, len(keys) - start)
         ages, uses = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int32)
         _recall_c(self._table, keys, start, int(self._st[A_CLOCK]), ages, uses)

@@ -87,9 +87,9 @@ class EvictionPolicy:
         `hits` is given (taken before they were freed), else keys is the node keys (keys[n] is
         node n's). Called only on a policy that `remembers`."""
 
-    def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray]:
-        """For keys[start:]: releases since each was last used (-1: unknown) and its uses (int32).
-        Called only on a policy that `remembers`."""
+    def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """For keys[start:]: releases since each was last used (-1: unknown) and its uses (int32),
+        or None if none is known. Called only on a policy that `remembers`."""
         raise NotImplementedError
 
     def missed(self, ages: np.ndarray, usable: int) -> None:
