@@ -111,9 +111,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="draw hit rate vs capacity (needs matplotlib: pip install 'kvrt[plot]'); without "
                         "--capacity-blocks, at 1/64, 1/16, 1/4 and all of the trace's distinct blocks")
     p.add_argument("--suite", action="store_true",
-                   help="replay every synthetic family (its reported seed) and the bundled trace at 1/64, 1/16, "
-                        "1/4 and all of each trace's distinct blocks: one table per trace (--trace and "
-                        "--capacity-blocks are ignored)")
+                   help="replay every synthetic family (its reported seed) and the bundled trace (or the file "
+                        "--trace names) at 1/64, 1/16, 1/4 and all of each trace's distinct blocks: one table per "
+                        "trace (--capacity-blocks is ignored)")
     p.add_argument("--kv", nargs="+", choices=sorted(KV_LAYOUTS), default=None, metavar="LAYOUT",
                    help=f"KV layouts to replay in the same memory, one row each ({', '.join(KV_LAYOUTS)}): "
                         f"--capacity-blocks counts BF16 full-attention blocks of the layout's model (default: "
@@ -133,7 +133,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--host-blocks must be >= 0")
     if args.trace is None:
         args.trace = default_trace_path()
-        if not args.trace.exists():
+        if not args.trace.exists() and not args.suite:
             p.error(f"no --trace given and the bundled trace is not at {args.trace}")
     elif str(args.trace).startswith(PREFIX):
         family, _, seed = str(args.trace)[len(PREFIX):].partition(":")
@@ -168,7 +168,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
     held = []  # blocks of tokens the device holds, sampled
     handoff = 0
     sample_every = max(1, len(requests) // 200) if kv else 0  # (a sample reads every node: kv rows only)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i, req in enumerate(requests):
         tokens = expand_tokens(req)
         n = req.input_length
@@ -188,6 +188,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
         if sample_every and i % sample_every == 0:
             held.append(_blocks_held(cache))
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     m = cache.metrics
     page_bytes = layout.page_bytes(block_size) if layout and layout.windows else 0
     return {
@@ -201,6 +202,7 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
         "hit_token_rate_host": m.hit_rate("host"),
         "request_hit_rate": m.hit_requests / m.requests if m.requests else 0.0,
         "blocks_per_s": total / seconds,
+        "blocks_per_cpu_s": total / cpu if cpu > 0 else float("inf"),
         "seconds": seconds,
         "evicted_device_blocks": m.evicted_device_blocks,
         "evicted_host_blocks": m.evicted_host_blocks,
@@ -386,9 +388,9 @@ def run_trace(requests: list[TraceRequest], capacities: list[int | None], args: 
 def suite(args: argparse.Namespace) -> int:
     """`--suite`: every synthetic family and the bundled trace, each at its plot capacities."""
     traces: list[tuple[str, list[TraceRequest]]] = [(f"{PREFIX}{name}", synthetic(name)) for name in TRACES]
-    bundled = default_trace_path()
-    if bundled.exists():
-        traces.append((str(bundled), load_trace(bundled, args.limit)))
+    real = args.trace
+    if not str(real).startswith(PREFIX) and real.exists():
+        traces.append((str(real), load_trace(real, args.limit)))
     out = []
     for name, requests in traces:
         requests = requests[:args.limit]

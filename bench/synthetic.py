@@ -15,6 +15,17 @@ Mooncake format of runtime/client/trace.py (one hash id per 512-token block).
   (popularity shifts: yesterday's document is not asked about again).
 - `shifting`: agent loops whose shared prefix grows and changes version over time (a tool list
   that gains a tool, then a new system prompt), each loop on the version current at its start.
+- `sessions`: long sessions (a document or a long history under a root of its own, or one of a
+  few shared system prompts) that come back at irregular, heavy-tailed intervals, between many
+  one-off prompts; midway the shared prompts change version and sessions come back half as
+  often. Its shape is that of a production trace's, in aggregate (`kvrt.bench.trace_shape`:
+  about a fifth of block accesses are one-time, a block's first use comes back about half the
+  time, reuse distances spread over a few cache sizes, a block's consecutive reuse gaps are
+  only weakly correlated): the reuse `gaps` ranks by is there, but its last gap predicts the
+  next one poorly; and sessions slow down as they age, so that their most used blocks are the
+  least likely back soon: recency order beats reuse order from a few cache sizes on.
+- `drifting`: `sessions` that keep their pace in the first half (reuse order pays) and slow
+  down in the second (recency order pays).
 
 Seeds: `synthetic:NAME` is the reported trace (a fixed seed per family); `synthetic:NAME:SEED`
 generates the same family from another seed. Eviction policies are tuned on seeds
@@ -157,8 +168,56 @@ def shifting(seed: int = 6, loops: int = 160, steps: int = 25, active: int = 12,
     return _interleaved(rng, ids, loops, active, start, lambda: int(rng.integers(1, 4)))
 
 
+def sessions(seed: int = 7, requests: int = 4000, shared: int = 40, one_shot: float = 0.4, turns: float = 8.0,
+             gap: tuple[float, float] = (300.0, 600.0), slowdown: tuple[float, float] = (1.7, 1.7),
+             spread: float = 1.35, noise: float = 1.15, own_root: float = 0.95) -> list[TraceRequest]:
+    """`requests` requests over a clock of as many steps: sessions start at uniform times; a
+    share `one_shot` of them is one prompt (1-10 blocks after its root), the others a context of
+    5-47 blocks, then 1 + Geometric(1/`turns`) turns of 1-3 blocks each. A session's k-th turn
+    comes back after a log-normal gap: a median of `gap` steps times `slowdown`**k (sessions
+    that slow down: their oldest, most used blocks come back least soon), scaled by the
+    session's own factor (log-normal, `spread`) and each gap's own (`noise`), so a block's
+    consecutive gaps are only weakly correlated. A root is the session's own block (`own_root`
+    of them) or one of `shared` system prompts of 2-8 blocks, Zipf-popular. `gap` and
+    `slowdown` are (first half, second half) of the clock, by a session's start; from the middle
+    on, sessions also start on a new version of every shared prompt."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    systems = [[ids.take(int(rng.integers(2, 9))) for _ in range(shared)] for _ in range(2)]
+    popular = 1.0 / np.arange(1, shared + 1) ** 1.1
+    popular /= popular.sum()
+    horizon = float(requests)
+    events: list[tuple[float, int, list[int]]] = []  # (time, order, hash ids)
+    inside = 0
+    while inside < requests:
+        t = float(rng.uniform(0, horizon))
+        late = int(t > horizon / 2)
+        root = ids.take(1) if rng.random() < own_root else list(systems[late][int(rng.choice(shared, p=popular))])
+        if rng.random() < one_shot:
+            events.append((t, len(events), root + ids.take(int(rng.integers(1, 11)))))
+            inside += t < horizon
+            continue
+        history = root + ids.take(int(rng.integers(5, 48)))
+        scale = np.log(gap[late]) + spread * rng.standard_normal()
+        for k in range(1 + int(rng.geometric(1.0 / turns))):
+            history = history + ids.take(int(rng.integers(1, 4)))
+            events.append((t, len(events), history))
+            inside += t < horizon
+            t += float(np.exp(scale + noise * rng.standard_normal())) * slowdown[late] ** k
+    events.sort()
+    return [_request(h, rng, i) for i, (_, _, h) in enumerate(e for e in events if e[0] < horizon)][:requests]
+
+
+def drifting(seed: int = 8, requests: int = 6000) -> list[TraceRequest]:
+    """`sessions` whose reuse changes midway: sessions that keep coming back at a steady pace
+    (reuse order pays: a block used before is likely back), then sessions that slow down
+    (recency order pays)."""
+    return sessions(seed, requests, turns=9.3, gap=(850.0, 300.0), slowdown=(1.0, 1.7))
+
+
 TRACES: dict[str, Callable[..., list[TraceRequest]]] = {"chats": chats, "docs": docs, "agents": agents,
-                                                       "scans": scans, "qa": qa, "shifting": shifting}
+                                                       "scans": scans, "qa": qa, "shifting": shifting,
+                                                       "sessions": sessions, "drifting": drifting}
 
 
 def synthetic(name: str) -> list[TraceRequest]:

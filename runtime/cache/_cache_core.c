@@ -2,7 +2,9 @@
 use-count sketch's updates (runtime/cache/use_sketch.py), the node matrix work of matching,
 recording, releasing and evicting (runtime/cache/match.py, eviction.py, tasks.py), the `reuse`
 family of policies' per-node bookkeeping and heap (runtime/cache/policies/reuse.py, gaps.py) and
-the sampled shadow LRU's step per request (runtime/cache/shadow_lru.py).
+the `adaptive` policy's segments and ledger (runtime/cache/policies/adaptive.py, adapt_*: no
+Python reference; tests/runtime/cache/test_adaptive_bound.py and the cache's property and
+batched-against-one-at-a-time tests check it).
 
 Why C: in Python each costs a call or a few numpy operations per block or per request of a
 couple of hundred blocks (a key slice, concatenation and hash call per block; a join, a view
@@ -98,7 +100,7 @@ matrix, the first buffer, or where there is none below the length of the buffer 
 long as the buffer before it; '~': its items may be any number of bytes apart (strides[0]),
 not only next to each other. 0, or -1 with an exception set and nothing held; `drop_bufs`
 releases them. */
-#define MAX_BUFS 8
+#define MAX_BUFS 12
 typedef struct {
     Py_buffer b[MAX_BUFS];
     int n;
@@ -899,85 +901,6 @@ done:
     return res;
 }
 
-/* shadow_observe(od, keys, threshold, usable, served, capacity) -> (seen, ours, lru): a request
-   through the sampled shadow LRU (runtime/cache/shadow_lru.py, `ShadowLRU.observe`), whose keys
-   are those of an OrderedDict `od`, least recent first. A block key (16 bytes) is followed if its
-   hash word (bytes 8..11, little-endian: independent of the use sketch's slots, which read bytes
-   0..7) is below `threshold` (0 .. 2**32). Of the followed keys among the first `usable`: how
-   many, how many of them the cache served (the first `served`), how many `od` holds; then the
-   followed keys become the most recent, deepest first (moved to the end, or added), and the
-   least recent leave until `od` holds `capacity`. */
-static PyObject *shadow_observe(PyObject *self, PyObject *args) {
-    PyObject *od, *keys, *fast = NULL, *move = NULL, *popitem = NULL, *res = NULL;
-    unsigned long long threshold;
-    Py_ssize_t usable, served, capacity, *picked = NULL, np = 0;
-    if (!PyArg_ParseTuple(args, "O!OKnnn", &PyDict_Type, &od, &keys, &threshold, &usable, &served, &capacity))
-        return NULL;
-    fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    picked = PyMem_Malloc((n ? n : 1) * sizeof *picked);
-    if (picked == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = items[i];
-        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != KEY_BYTES) {
-            PyErr_SetString(PyExc_ValueError, "shadow_observe: every key must be 16 bytes");
-            goto done;
-        }
-        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(k) + 8;
-        uint64_t w = (uint64_t)b[0] | ((uint64_t)b[1] << 8) | ((uint64_t)b[2] << 16) | ((uint64_t)b[3] << 24);
-        if (w < threshold)
-            picked[np++] = i;
-    }
-    Py_ssize_t seen = 0, ours = 0, lru = 0;
-    for (Py_ssize_t j = 0; j < np && picked[j] < usable; j++) {
-        int held = PyDict_Contains(od, items[picked[j]]);
-        if (held < 0)
-            goto done;
-        seen++;
-        ours += picked[j] < served;
-        lru += held;
-    }
-    if (np) {
-        move = PyObject_GetAttrString(od, "move_to_end");
-        popitem = move ? PyObject_GetAttrString(od, "popitem") : NULL;
-        if (popitem == NULL)
-            goto done;
-    }
-    for (Py_ssize_t j = np - 1; j >= 0; j--) {  /* deepest first: the root side ends most recent */
-        PyObject *k = items[picked[j]];
-        int held = PyDict_Contains(od, k);
-        if (held < 0)
-            goto done;
-        if (held) {
-            PyObject *r = PyObject_CallOneArg(move, k);
-            if (r == NULL)
-                goto done;
-            Py_DECREF(r);
-        } else if (PyObject_SetItem(od, k, Py_None) < 0) {
-            goto done;
-        }
-    }
-    for (Py_ssize_t over = np ? PyObject_Size(od) - capacity : 0; over > 0; over--) {
-        PyObject *r = PyObject_CallOneArg(popitem, Py_False);  /* the least recent */
-        if (r == NULL)
-            goto done;
-        Py_DECREF(r);
-    }
-    res = Py_BuildValue("nnn", seen, ours, lru);
-done:
-    PyMem_Free(picked);
-    Py_XDECREF(move);
-    Py_XDECREF(popitem);
-    Py_XDECREF(fast);
-    return res;
-}
-
 /* ---- the `reuse` queue's heap (runtime/cache/policies/reuse.py): entries are lists
    [priority, level, order, serial, nodes, cursor], ordered as heapq orders them, by their first
    three items (ints; `order` is unique, so no two entries compare equal). */
@@ -1642,7 +1565,739 @@ done:
     return res;
 }
 
+/* ---- the `adaptive` policy (runtime/cache/policies/adaptive.py): a recency segment R (LRU over
+   released nodes, a ring of [node, stamp] entries, lazily invalidated), a protected segment P
+   (a binary heap of [priority, order, node, serial] entries, lazily invalidated) whose size is
+   held under a budget, and the ledger that says how P's hits compare with LRU's, block by block.
+
+   State, as the policy's arrays (all flat, C order): M (int64, M_ROWS per node, side by side:
+   R stamp, P serial, block serial, release, priority), F (uint8, 3 per node: counted as a live
+   exit, matched since its last release, parked), R (int64, RQ pairs [node, stamp]), H (int64,
+   4 rows of HC: priority, order, node, serial), T (int64, 3 rows of RT, one column per release
+   modulo RT: its first block serial, its length, its live exits), bits (uint8, RS: a block
+   serial's live exit, modulo RS), st (int64 scalars, the A_ indices below), hits (int32, the node
+   matrix's row). A live exit is a node that left R (to P, or evicted from R or later from P)
+   and has not been used since: the blocks an LRU cache of the same size holds are R, the nodes
+   in use, and the newest |P| live exits, newest by (release, block serial). */
+enum { A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP,
+       A_NPARK, A_PMAX, A_NSTATE };
+enum { M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS };
+
+typedef struct {
+    int64_t *m;
+    uint8_t *exited, *matched, *parked;
+    int64_t *rq, *hk, *ho, *hn, *hs, *tstart, *tlen, *talive, *st;
+    uint8_t *bits;
+    const int32_t *hits;
+    Py_ssize_t n, rq_cap, hcap, rt, rs;
+} adapt_t;
+
+/* The state's buffers (M, F, R, H, T, bits, st, hits, then `more` per the letters of spec
+   after the first 8) into *a; 0, or -1 with an exception. */
+static int adapt_take(bufs *v, adapt_t *a, const char *what, const char *spec, ...) {
+    va_list ap;
+    va_start(ap, spec);
+    int r = vtake_bufs(v, what, spec, ap);
+    va_end(ap);
+    if (r < 0)
+        return -1;
+    Py_ssize_t n = v->b[7].shape[0];
+    if (n < 1 || v->b[0].shape[0] != M_ROWS * n || v->b[1].shape[0] != 3 * n || v->b[2].shape[0] % 2 ||
+        v->b[3].shape[0] % 4 || v->b[4].shape[0] % 3 || v->b[6].shape[0] < A_NSTATE || v->b[2].shape[0] < 4 ||
+        v->b[4].shape[0] < 6 || v->b[5].shape[0] < 1 || v->b[3].shape[0] < 4) {
+        PyErr_Format(PyExc_ValueError, "%s: the adaptive policy's arrays do not fit together", what);
+        drop_bufs(v);
+        return -1;
+    }
+    a->n = n;
+    a->m = v->b[0].buf;
+    a->exited = v->b[1].buf;
+    a->matched = (uint8_t *)v->b[1].buf + 1;
+    a->parked = (uint8_t *)v->b[1].buf + 2;
+    a->rq = v->b[2].buf;
+    a->rq_cap = v->b[2].shape[0] / 2;
+    a->hcap = v->b[3].shape[0] / 4;
+    a->hk = v->b[3].buf;
+    a->ho = a->hk + a->hcap;
+    a->hn = a->ho + a->hcap;
+    a->hs = a->hn + a->hcap;
+    a->rt = v->b[4].shape[0] / 3;
+    a->tstart = v->b[4].buf;
+    a->tlen = a->tstart + a->rt;
+    a->talive = a->tlen + a->rt;
+    a->bits = v->b[5].buf;
+    a->rs = v->b[5].shape[0];
+    a->st = v->b[6].buf;
+    a->hits = v->b[7].buf;
+    return 0;
+}
+
+static inline Py_ssize_t amod(int64_t x, Py_ssize_t m) {
+    Py_ssize_t r = (Py_ssize_t)(x % m);
+    return r < 0 ? r + m : r;
+}
+
+/* Is release t still in the ring of releases (and its blocks in the ring of bits)? */
+static inline int a_tracked(const adapt_t *a, int64_t t) {
+    int64_t clock = a->st[A_CLOCK];
+    if (t < 0 || t >= clock || clock - t >= a->rt - 1)
+        return 0;
+    Py_ssize_t j = amod(t, a->rt);
+    return a->st[A_SERIAL] - a->tstart[j] <= a->rs - a->tlen[j];
+}
+
+static inline int64_t a_alive(const adapt_t *a, int64_t t) {
+    return a_tracked(a, t) ? a->talive[amod(t, a->rt)] : 0;
+}
+
+/* Move the boundary release TB so that the live exits of releases TB and newer are the first to
+   reach |P|: LRU holds the newest |P| live exits. */
+static void a_fix(adapt_t *a) {
+    int64_t *st = a->st, held = st[A_NP] + st[A_NPARK];
+    while (st[A_TB] <= st[A_LASTEX] && st[A_ABOVE] - a_alive(a, st[A_TB]) >= held) {
+        st[A_ABOVE] -= a_alive(a, st[A_TB]);
+        st[A_TB]++;
+    }
+    int64_t low = st[A_CLOCK] - a->rt + 2;
+    while (st[A_ABOVE] < held && st[A_TB] > low && st[A_TB] > 0) {
+        st[A_TB]--;
+        st[A_ABOVE] += a_alive(a, st[A_TB]);
+    }
+}
+
+/* Would an LRU cache of the same size hold the live exit of release t, block serial s? */
+static int a_in_lru(const adapt_t *a, int64_t t, int64_t s) {
+    const int64_t *st = a->st, held = st[A_NP] + st[A_NPARK];
+    if (!held || t < st[A_TB])
+        return 0;
+    if (t > st[A_TB])
+        return 1;
+    int64_t need = held - (st[A_ABOVE] - a_alive(a, t));
+    Py_ssize_t j = amod(t, a->rt);
+    int64_t newer = 0;
+    for (int64_t x = s + 1; x < a->tstart[j] + a->tlen[j]; x++)
+        newer += a->bits[amod(x, a->rs)];
+    return newer < need;
+}
+
+/* Node v becomes a live exit (it leaves R) unless it is one already. */
+static void a_exit(adapt_t *a, int32_t v) {
+    int64_t t = a->m[(v) * M_ROWS + M_REL], s = a->m[(v) * M_ROWS + M_BSER];
+    if (t > a->st[A_LASTEX])
+        a->st[A_LASTEX] = t;
+    if (a->exited[3 * (v)] || !a_tracked(a, t))
+        return;
+    a->exited[3 * (v)] = 1;
+    a->bits[amod(s, a->rs)] = 1;
+    a->talive[amod(t, a->rt)]++;
+    if (t >= a->st[A_TB])
+        a->st[A_ABOVE]++;
+}
+
+/* The live exit of release t, serial s, is used again (or gone): no longer counted. */
+static void a_dies(adapt_t *a, int64_t t, int64_t s) {
+    if (!a_tracked(a, t))
+        return;
+    uint8_t *b = &a->bits[amod(s, a->rs)];
+    if (!*b)
+        return;
+    *b = 0;
+    a->talive[amod(t, a->rt)]--;
+    if (t >= a->st[A_TB])
+        a->st[A_ABOVE]--;
+}
+
+static void a_reenter(adapt_t *a, int32_t v) {
+    if (a->parked[3 * (v)]) {
+        a->parked[3 * (v)] = 0;
+        a->st[A_NPARK]--;
+    }
+    if (a->exited[3 * (v)]) {
+        a->exited[3 * (v)] = 0;
+        a_dies(a, a->m[(v) * M_ROWS + M_REL], a->m[(v) * M_ROWS + M_BSER]);
+    }
+}
+
+/* heap entry i before entry j? (priority, then order) */
+static inline int a_less(const adapt_t *a, Py_ssize_t i, Py_ssize_t j) {
+    return a->hk[i] < a->hk[j] || (a->hk[i] == a->hk[j] && a->ho[i] < a->ho[j]);
+}
+
+static inline void a_swap(adapt_t *a, Py_ssize_t i, Py_ssize_t j) {
+    int64_t t;
+    t = a->hk[i]; a->hk[i] = a->hk[j]; a->hk[j] = t;
+    t = a->ho[i]; a->ho[i] = a->ho[j]; a->ho[j] = t;
+    t = a->hn[i]; a->hn[i] = a->hn[j]; a->hn[j] = t;
+    t = a->hs[i]; a->hs[i] = a->hs[j]; a->hs[j] = t;
+}
+
+static void a_down(adapt_t *a, Py_ssize_t i, Py_ssize_t size) {
+    for (;;) {
+        Py_ssize_t l = 2 * i + 1, m = i;
+        if (l < size && a_less(a, l, m))
+            m = l;
+        if (l + 1 < size && a_less(a, l + 1, m))
+            m = l + 1;
+        if (m == i)
+            return;
+        a_swap(a, i, m);
+        i = m;
+    }
+}
+
+static void a_heap_remove_top(adapt_t *a) {
+    Py_ssize_t size = --a->st[A_HSIZE];
+    if (size) {
+        a->hk[0] = a->hk[size];
+        a->ho[0] = a->ho[size];
+        a->hn[0] = a->hn[size];
+        a->hs[0] = a->hs[size];
+        a_down(a, 0, size);
+    }
+}
+
+/* The live top of P's heap (stale entries dropped), or -1. */
+static Py_ssize_t a_ptop(adapt_t *a) {
+    while (a->st[A_HSIZE]) {
+        int64_t v = a->hn[0];
+        if (a->m[(v) * M_ROWS + M_PSER] == a->hs[0])
+            return 0;
+        a_heap_remove_top(a);
+    }
+    return -1;
+}
+
+/* Node v (out of R, a live exit) joins P with its priority. */
+static void a_protect(adapt_t *a, int32_t v) {
+    if (a->st[A_HSIZE] == a->hcap) {  /* full of stale entries: keep the live ones */
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < a->hcap; i++)
+            if (a->m[a->hn[i] * M_ROWS + M_PSER] == a->hs[i]) {
+                a->hk[k] = a->hk[i]; a->ho[k] = a->ho[i]; a->hn[k] = a->hn[i]; a->hs[k] = a->hs[i];
+                k++;
+            }
+        a->st[A_HSIZE] = k;
+        for (Py_ssize_t i = k / 2; i-- > 0;)
+            a_down(a, i, k);
+    }
+    Py_ssize_t i = a->st[A_HSIZE]++;
+    int64_t ser = a->st[A_PSER]++;
+    if (a->m[(v) * M_ROWS + M_PRIO] > a->st[A_PMAX])
+        a->st[A_PMAX] = a->m[(v) * M_ROWS + M_PRIO];
+    a->hk[i] = a->m[(v) * M_ROWS + M_PRIO];
+    a->ho[i] = a->st[A_ORDER]++;
+    a->hn[i] = v;
+    a->hs[i] = ser;
+    a->m[(v) * M_ROWS + M_PSER] = ser;
+    while (i > 0) {
+        Py_ssize_t p = (i - 1) / 2;
+        if (!a_less(a, i, p))
+            break;
+        a_swap(a, i, p);
+        i = p;
+    }
+    a->st[A_NP]++;
+}
+
+/* P's top node leaves P (an eviction; it stays a live exit). */
+static int32_t a_unprotect_top(adapt_t *a) {
+    int32_t v = (int32_t)a->hn[0];
+    a->m[(v) * M_ROWS + M_PSER] = -1;
+    a_heap_remove_top(a);
+    a->st[A_NP]--;
+    return v;
+}
+
+/* R's oldest live node, or -1 (stale entries skipped). */
+static int32_t a_rhead(adapt_t *a) {
+    int64_t *st = a->st;
+    while (st[A_RHEAD] < st[A_RTAIL]) {
+        Py_ssize_t j = amod(st[A_RHEAD], a->rq_cap);
+        int64_t v = a->rq[2 * j];
+        if (v >= 0 && v < a->n && a->m[(v) * M_ROWS + M_RSTAMP] == a->rq[2 * j + 1])
+            return (int32_t)v;
+        st[A_RHEAD]++;
+    }
+    return -1;
+}
+
+/* Room for one more entry in R's ring: when full, keep only the live entries, in order. */
+static void a_rroom(adapt_t *a) {
+    int64_t *st = a->st;
+    if (st[A_RTAIL] - st[A_RHEAD] < a->rq_cap)
+        return;
+    int64_t w = st[A_RHEAD];
+    for (int64_t x = st[A_RHEAD]; x < st[A_RTAIL]; x++) {
+        Py_ssize_t j = amod(x, a->rq_cap);
+        int64_t v = a->rq[2 * j], s = a->rq[2 * j + 1];
+        if (v >= 0 && v < a->n && a->m[(v) * M_ROWS + M_RSTAMP] == s) {
+            Py_ssize_t k = amod(w++, a->rq_cap);
+            a->rq[2 * k] = v;
+            a->rq[2 * k + 1] = s;
+        }
+    }
+    st[A_RTAIL] = w;
+}
+
+/* adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> lost:
+   a release of `nodes` (int32, deepest first) joins R at its newest end, each with its block
+   serial, its release, and its priority for P: (release + bonus) * span + level, the bonus
+   being `gaps`' (unit * hold[uses], none for one earlier use whose last gap exceeds far1, or two
+   beyond far2; runtime/cache/policies/gaps.py). A node queued in P is taken out first.
+   Returns how many had earlier uses but were not matched since their last release. */
+static PyObject *adapt_push(PyObject *self, PyObject *args) {
+    PyObject *o[12];
+    double unit, far1, far2;
+    long long span;
+    bufs bv;
+    adapt_t a;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOdddLO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                          &o[9], &o[10], &unit, &far1, &far2, &span, &o[11]))
+        return NULL;
+    if (adapt_take(&bv, &a, "adapt_push", "QBQQQBQiiqqQ", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8],
+                   o[9], o[10], o[11]) < 0)
+        return NULL;
+    if (bv.b[11].shape[0] != a.n) {
+        PyErr_SetString(PyExc_ValueError, "adapt_push: one last gap per node");
+        drop_bufs(&bv);
+        return NULL;
+    }
+    int64_t *ghost = bv.b[11].buf;
+    const int32_t *nodes = bv.b[8].buf;
+    Py_ssize_t k = bv.b[8].shape[0], nlev = bv.b[9].shape[0], nhold = bv.b[10].shape[0];
+    const int64_t *levels = bv.b[9].buf;
+    const double *hold = bv.b[10].buf;
+    int64_t *st = a.st;
+    PyObject *res = NULL;
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (nodes[i] < 0 || nodes[i] >= a.n) {
+            PyErr_SetString(PyExc_IndexError, "adapt_push: node id out of range");
+            goto done;
+        }
+    if (nlev < 1 || nhold < 1 || span < 1 || k >= a.rs / 2) {
+        PyErr_SetString(PyExc_ValueError, "adapt_push: no levels, or a release larger than the ring of serials");
+        goto done;
+    }
+    int64_t now = st[A_CLOCK], s0 = st[A_SERIAL];
+    Py_ssize_t j = amod(now, a.rt);
+    a.tstart[j] = s0;
+    a.tlen[j] = k;
+    a.talive[j] = 0;
+    for (Py_ssize_t i = 0; i < k; i++)
+        a.bits[amod(s0 + i, a.rs)] = 0;
+    st[A_CLOCK] = now + 1;
+    st[A_SERIAL] = s0 + k;
+    /* the boundary release about to leave the rings: start counting from a later one */
+    if (st[A_TB] < now + 2 - a.rt || (st[A_TB] < now && !a_tracked(&a, st[A_TB]))) {
+        int64_t tb = st[A_TB];
+        while (tb < now && !a_tracked(&a, tb))
+            tb++;
+        st[A_TB] = tb;
+        st[A_ABOVE] = 0;
+        for (int64_t t = tb; t <= now; t++)
+            st[A_ABOVE] += a_alive(&a, t);
+    }
+    Py_ssize_t lost = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int32_t v = nodes[i];
+        if (a.m[(v) * M_ROWS + M_PSER] >= 0) {  /* queued in P: out of it, used again */
+            a.m[(v) * M_ROWS + M_PSER] = -1;
+            st[A_NP]--;
+            a_reenter(&a, v);
+        }
+        a.exited[3 * (v)] = 0;  /* (a node id freed and used again: its old exit stays counted) */
+        if (a.parked[3 * (v)]) {
+            a.parked[3 * (v)] = 0;
+            st[A_NPARK]--;
+        }
+        int32_t h = a.hits[v] < 0 ? 0 : a.hits[v];
+        lost += !a.matched[3 * (v)] && h != 0;
+        a.matched[3 * (v)] = 0;
+        int64_t lv = levels[h < nlev ? h : nlev - 1];
+        int32_t u = h < nhold ? h : (int32_t)(nhold - 1);
+        double hd = hold[u];
+        int64_t gap = ghost[v];
+        if ((u == 1 && (double)gap > far1) || (u == 2 && (double)gap > far2))
+            hd = 0.0;
+        int64_t due = now + (unit > 0 ? (int64_t)(unit * hd) : 0);
+        a.m[(v) * M_ROWS + M_PRIO] = due * span + lv;
+        ghost[v] = -1;
+        a.m[(v) * M_ROWS + M_REL] = now;
+        a.m[(v) * M_ROWS + M_BSER] = s0 + i;
+        a.m[(v) * M_ROWS + M_RSTAMP] = s0 + i;
+        a_rroom(&a);
+        Py_ssize_t q = amod(st[A_RTAIL]++, a.rq_cap);
+        a.rq[2 * q] = v;
+        a.rq[2 * q + 1] = s0 + i;
+    }
+    a_fix(&a);
+    res = PyLong_FromSsize_t(lost);
+done:
+    drop_bufs(&bv);
+    return res;
+}
+
+/* adapt_front(M, F, R, H, T, bits, st, hits, nodes): `nodes` (int32, none queued) become the
+   next ones R hands out, in this order (the last one queued first); a node that was a live
+   exit (popped, then parked) is one no longer. */
+static PyObject *adapt_front(PyObject *self, PyObject *args) {
+    PyObject *o[9];
+    bufs bv;
+    adapt_t a;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8]))
+        return NULL;
+    if (adapt_take(&bv, &a, "adapt_front", "QBQQQBQin", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]) < 0)
+        return NULL;
+    const int32_t *nodes = bv.b[8].buf;
+    int64_t *st = a.st;
+    for (Py_ssize_t i = bv.b[8].shape[0]; i-- > 0;) {
+        int32_t v = nodes[i];
+        a_reenter(&a, v);
+        a_rroom(&a);
+        int64_t s = st[A_FSTAMP]++;
+        Py_ssize_t q = amod(--st[A_RHEAD], a.rq_cap);
+        a.rq[2 * q] = v;
+        a.rq[2 * q + 1] = s;
+        a.m[(v) * M_ROWS + M_RSTAMP] = s;
+    }
+    a_fix(&a);
+    drop_bufs(&bv);
+    Py_RETURN_NONE;
+}
+
+/* adapt_discard(M, F, R, H, T, bits, st, hits, nodes, turnover) -> (queued, long, gains):
+   `nodes` (int32) are matched: out of R and P. Of those queued, how many, and how many were
+   released more than `turnover` releases ago; of those that were live exits (in P, or parked),
+   how many LRU would not have held: blocks served that LRU would have missed. */
+static PyObject *adapt_discard(PyObject *self, PyObject *args) {
+    PyObject *o[9];
+    double turnover;
+    bufs bv;
+    adapt_t a;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOd", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                          &turnover))
+        return NULL;
+    if (adapt_take(&bv, &a, "adapt_discard", "QBQQQBQin", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]) < 0)
+        return NULL;
+    const int32_t *nodes = bv.b[8].buf;
+    int64_t *st = a.st;
+    Py_ssize_t queued = 0, lng = 0, gains = 0;
+    for (Py_ssize_t i = 0; i < bv.b[8].shape[0]; i++) {
+        int32_t v = nodes[i];
+        int in_p = a.m[(v) * M_ROWS + M_PSER] >= 0;
+        if (in_p || a.m[(v) * M_ROWS + M_RSTAMP] >= 0) {
+            queued++;
+            lng += (double)(st[A_CLOCK] - a.m[(v) * M_ROWS + M_REL]) > turnover;
+        }
+        if (a.exited[3 * (v)]) {
+            gains += !a_in_lru(&a, a.m[(v) * M_ROWS + M_REL], a.m[(v) * M_ROWS + M_BSER]);
+            a_reenter(&a, v);
+        }
+        if (in_p) {
+            a.m[(v) * M_ROWS + M_PSER] = -1;
+            st[A_NP]--;
+        }
+        a.m[(v) * M_ROWS + M_RSTAMP] = -1;
+        a.matched[3 * (v)] = 1;
+    }
+    a_fix(&a);
+    drop_bufs(&bv);
+    return Py_BuildValue("nnn", queued, lng, gains);
+}
+
+/* adapt_missed(M, F, R, H, T, bits, st, hits, ages, depth, due) -> (losses, missed_held): a
+   request missed its blocks from `depth` on, whose keys were last used ages[j] releases ago
+   (int64; -1: never, as far as is known). Each that is a live exit is one no longer (it is
+   computed again); those LRU would have held are counted (blocks LRU would have served that this
+   cache did not), and so are those LRU would not have held but `gaps`' bonus would still have
+   kept (due, int64 per block serial modulo its length: the release its bonus lasted to, set when
+   it left this cache with one): blocks a larger P would have served. */
+static PyObject *adapt_missed(PyObject *self, PyObject *args) {
+    PyObject *o[10];
+    Py_ssize_t depth;
+    bufs bv;
+    adapt_t a;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOnO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &depth,
+                          &o[9]))
+        return NULL;
+    if (adapt_take(&bv, &a, "adapt_missed", "QBQQQBQiqq", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8],
+                   o[9]) < 0)
+        return NULL;
+    if (bv.b[9].shape[0] != a.rs) {
+        drop_bufs(&bv);
+        PyErr_SetString(PyExc_ValueError, "adapt_missed: one due release per block serial of the ring");
+        return NULL;
+    }
+    const int64_t *ages = bv.b[8].buf, *due = bv.b[9].buf;
+    int64_t clock = a.st[A_CLOCK];
+    int32_t front = a_rhead(&a);
+    int64_t frontier = front >= 0 ? a.m[front * M_ROWS + M_REL] : clock;
+    Py_ssize_t losses = 0, held = 0;
+    for (Py_ssize_t j = 0; j < bv.b[8].shape[0]; j++) {
+        int64_t age = ages[j], d = depth + j;
+        if (age < 0)
+            continue;
+        int64_t t = clock - age;
+        if (!a_tracked(&a, t))
+            continue;
+        Py_ssize_t r = amod(t, a.rt);
+        if (d >= a.tlen[r])
+            continue;
+        int64_t s = a.tstart[r] + a.tlen[r] - 1 - d;  /* released deepest first */
+        if (!a.bits[amod(s, a.rs)])
+            continue;
+        if (a_in_lru(&a, t, s))
+            losses++;
+        else
+            held += due[amod(s, a.rs)] > frontier;
+        a_dies(&a, t, s);
+        a_fix(&a);
+    }
+    drop_bufs(&bv);
+    return Py_BuildValue("nn", losses, held);
+}
+
+/* adapt_pop(M, F, R, H, T, bits, st, hits, out, k, budget, span, f, parent_row, ndev_row, scratch)
+   -> taken: up to k victims into out (int32), as k single pops would take them. While P holds more than `budget` nodes its
+   lowest goes; otherwise R's oldest node, if it has a bonus, joins P when P has room (or when
+   P's lowest ranks below it, that one goes first), and the victim is the lower of R's oldest
+   (ranked by its release alone: release * span + level) and P's lowest (ranked with its bonus):
+   `gaps`' order, with P capped at `budget` nodes. A victim the cache will park (a device child
+   of its, per the node matrix f's rows, is not among the victims before it) stays a block this
+   cache holds: counted with P's (`scratch`, int32 zeros, one per node, counts children taken
+   in the run; left zero). */
+static PyObject *adapt_pop(PyObject *self, PyObject *args) {
+    PyObject *o[12];
+    Py_ssize_t k;
+    long long budget, span;
+    long prow, nrow;
+    bufs bv;
+    adapt_t a;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOnLLOllOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                          &k, &budget, &span, &o[9], &prow, &nrow, &o[10], &o[11]))
+        return NULL;
+    if (adapt_take(&bv, &a, "adapt_pop", "QBQQQBQiImIQ", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9],
+                   o[10], o[11]) < 0)
+        return NULL;
+    if (bv.b[11].shape[0] != a.rs) {
+        drop_bufs(&bv);
+        PyErr_SetString(PyExc_ValueError, "adapt_pop: one due release per block serial of the ring");
+        return NULL;
+    }
+    int64_t *due = bv.b[11].buf;
+    if (k < 0 || k > bv.b[8].shape[0] || span < 1 || bv.b[9].shape[1] != a.n || bv.b[10].shape[0] != a.n ||
+        row_index(prow, &bv.b[9]) < 0 || row_index(nrow, &bv.b[9]) < 0) {
+        drop_bufs(&bv);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "adapt_pop: need int32 room for k nodes in out, span >= 1, and a node "
+                                              "matrix and scratch of n columns");
+        return NULL;
+    }
+    const int32_t *parent = (const int32_t *)bv.b[9].buf + prow * a.n, *ndev = (const int32_t *)bv.b[9].buf + nrow * a.n;
+    int32_t *taken_children = bv.b[10].buf;
+    int32_t *out = bv.b[8].buf;
+    int64_t *st = a.st;
+    Py_ssize_t taken = 0;
+    Py_ssize_t held = 0;
+    /* a victim that still has a device child (not among the victims before it) would be parked
+       by the cache: P keeps it instead, ranked last, until its children are gone */
+#define VICTIM(x) do { \
+        int32_t v_ = (x); \
+        if (ndev[v_] > taken_children[v_] && held++ < 4 * k + 1024) { \
+            a.m[(v_) * M_ROWS + M_PRIO] = st[A_PMAX]; \
+            a_protect(&a, v_); \
+        } else { \
+            out[taken++] = v_; \
+            int64_t pr_ = a.m[v_ * M_ROWS + M_PRIO]; \
+            due[amod(a.m[v_ * M_ROWS + M_BSER], a.rs)] = \
+                pr_ > a.m[v_ * M_ROWS + M_REL] * span + amod(pr_, span) ? pr_ / span : 0; \
+            if (ndev[v_] > taken_children[v_]) { a.parked[3 * (v_)] = 1; st[A_NPARK]++; } \
+            else if (parent[v_] >= 0 && parent[v_] < a.n) taken_children[parent[v_]]++; \
+        } \
+    } while (0)
+    while (taken < k) {
+        Py_ssize_t p = a_ptop(&a);
+        if (p >= 0 && st[A_NP] > budget) {
+            VICTIM(a_unprotect_top(&a));
+            a_fix(&a);
+            continue;
+        }
+        int32_t r = a_rhead(&a);
+        if (r < 0) {
+            if (p < 0)
+                break;
+            VICTIM(a_unprotect_top(&a));
+            a_fix(&a);
+            continue;
+        }
+        int64_t pr = a.m[(r) * M_ROWS + M_PRIO];
+        int64_t base = a.m[(r) * M_ROWS + M_REL] * span + amod(pr, span);
+        if (pr > base) {  /* a bonus: P keeps it if it has room, or once its lowest is gone */
+            if (st[A_NP] < budget) {
+                st[A_RHEAD]++;
+                a.m[(r) * M_ROWS + M_RSTAMP] = -1;
+                a_exit(&a, r);
+                a_protect(&a, r);
+                a_fix(&a);
+                continue;
+            }
+            if (p >= 0 && a.hk[0] < pr) {
+                VICTIM(a_unprotect_top(&a));
+                a_fix(&a);
+                continue;
+            }
+        } else if (p >= 0 && a.hk[0] < base) {
+            VICTIM(a_unprotect_top(&a));
+            a_fix(&a);
+            continue;
+        }
+        st[A_RHEAD]++;
+        a.m[(r) * M_ROWS + M_RSTAMP] = -1;
+        a_exit(&a, r);
+        VICTIM(r);
+        a_fix(&a);
+    }
+#undef VICTIM
+    for (Py_ssize_t i = 0; i < taken; i++) {
+        int32_t v = out[i];
+        taken_children[v] = 0;
+        if (parent[v] >= 0 && parent[v] < a.n)
+            taken_children[parent[v]] = 0;
+    }
+    a_fix(&a);
+    drop_bufs(&bv);
+    return PyLong_FromSsize_t(taken);
+}
+
+/* ---- the `adaptive` policy's memory of blocks gone from the cache: per 16-byte block key, two
+   slots (its first 8 bytes masked, and the same shifted right by 32, masked), each a uint64
+   record: bits 0-31 the release the block was last used at, 32-39 its uses (saturating), 40-47
+   a tag (the key's 9th byte), bit 48 set when written. A key's record is the newer of its two
+   slots whose tag matches: a slot shared with another key loses one of them, and a tag that
+   matches by chance can only make a block look used more recently. */
+static inline uint64_t g_slot0(const unsigned char *k) {
+    uint64_t x;
+    memcpy(&x, k, 8);
+    return x;
+}
+
+/* adapt_forget(M, hits, table, keys, nodes, aligned): nodes (int32) leave the cache; remember for
+   each its key (bytes, 16), its release (M's M_REL) and its uses (hits + 1): keys[i] and hits[i]
+   if `aligned` (taken before the nodes were freed), else keys[node] and hits[node] (the node
+   keys and the node matrix's row). */
+static PyObject *adapt_forget(PyObject *self, PyObject *args) {
+    PyObject *mobj, *hobj, *tobj, *keys, *nobj;
+    int aligned;
+    bufs bv;
+    if (!PyArg_ParseTuple(args, "OOOOOp", &mobj, &hobj, &tobj, &keys, &nobj, &aligned))
+        return NULL;
+    if (take_bufs(&bv, "adapt_forget", "qiQi", mobj, hobj, tobj, nobj) < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(keys, "adapt_forget: keys must be a sequence");
+    PyObject *res = NULL;
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t k = bv.b[3].shape[0], n = bv.b[0].shape[0] / M_ROWS, slots = bv.b[2].shape[0] / 2;
+    if (PySequence_Fast_GET_SIZE(fast) != (aligned ? k : n) || bv.b[1].shape[0] != (aligned ? k : n) || slots < 1 ||
+        (slots & (slots - 1))) {
+        PyErr_SetString(PyExc_ValueError, "adapt_forget: a key per node (or per node id), and a table of 2 rows of 2**k slots");
+        goto done;
+    }
+    const int64_t *m = bv.b[0].buf;
+    const int32_t *hits = bv.b[1].buf, *nodes = bv.b[3].buf;
+    uint64_t *table = bv.b[2].buf, mask = (uint64_t)slots - 1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int32_t v = nodes[i];
+        if (v < 0 || v >= n)
+            continue;
+        PyObject *key = PySequence_Fast_GET_ITEM(fast, aligned ? i : v);
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != 16)
+            continue;  /* (not a block key: nothing to remember) */
+        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(key);
+        int32_t hv = hits[aligned ? i : v];
+        uint64_t h = g_slot0(b), uses = hv < 0 ? 1 : (uint64_t)hv + 1;
+        uint64_t rec = ((uint64_t)m[(Py_ssize_t)v * M_ROWS + M_REL] & 0xffffffffu) | ((uses > 255 ? 255 : uses) << 32) |
+                       ((uint64_t)b[8] << 40) | ((uint64_t)1 << 48);
+        table[h & mask] = rec;
+        table[slots + ((h >> 32) & mask)] = rec;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(fast);
+    drop_bufs(&bv);
+    return res;
+}
+
+/* adapt_recall(table, keys, start, clock, ages, uses): for keys[start:], how many releases before
+   `clock` each was last used (ages, int64; -1: not remembered) and by how many requests (uses,
+   int32; 0 if not remembered). */
+static PyObject *adapt_recall(PyObject *self, PyObject *args) {
+    PyObject *tobj, *keys, *aobj, *uobj;
+    Py_ssize_t start;
+    long long clock;
+    bufs bv;
+    if (!PyArg_ParseTuple(args, "OOnLOO", &tobj, &keys, &start, &clock, &aobj, &uobj))
+        return NULL;
+    if (take_bufs(&bv, "adapt_recall", "qQ=I", tobj, aobj, uobj) < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(keys, "adapt_recall: keys must be a sequence");
+    PyObject *res = NULL;
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(fast) - start, slots = bv.b[0].shape[0] / 2;
+    if (start < 0 || k < 0 || bv.b[1].shape[0] < k || slots < 1 || (slots & (slots - 1))) {
+        PyErr_SetString(PyExc_ValueError, "adapt_recall: room for every key from start, a table of 2 rows of 2**k slots");
+        goto done;
+    }
+    const uint64_t *table = bv.b[0].buf, mask = (uint64_t)slots - 1;
+    int64_t *ages = bv.b[1].buf;
+    int32_t *uses = bv.b[2].buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(fast, start + i);
+        ages[i] = -1;
+        uses[i] = 0;
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != 16)
+            continue;
+        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(key);
+        uint64_t h = g_slot0(b), best = 0;
+        uint64_t r[2] = {table[h & mask], table[slots + ((h >> 32) & mask)]};
+        int64_t newest = -1;
+        for (int j = 0; j < 2; j++) {
+            if (!(r[j] >> 48 & 1) || ((r[j] >> 40) & 0xff) != b[8])
+                continue;
+            /* the release, back to 64 bits: the latest one at or before clock with these low bits */
+            int64_t t = (int64_t)(((uint64_t)clock & ~(uint64_t)0xffffffffu) | (r[j] & 0xffffffffu));
+            if (t > clock)
+                t -= (int64_t)1 << 32;
+            if (t > newest) {
+                newest = t;
+                best = r[j];
+            }
+        }
+        if (newest >= 0) {
+            ages[i] = clock - newest;
+            uses[i] = (int32_t)((best >> 32) & 0xff);
+        }
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(fast);
+    drop_bufs(&bv);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"adapt_forget", adapt_forget, METH_VARARGS, "adapt_forget(M, hits, table, keys, nodes, aligned)"},
+    {"adapt_recall", adapt_recall, METH_VARARGS, "adapt_recall(table, keys, start, clock, ages, uses)"},
+    {"adapt_push", adapt_push, METH_VARARGS,
+     "adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> lost"},
+    {"adapt_front", adapt_front, METH_VARARGS, "adapt_front(M, F, R, H, T, bits, st, hits, nodes)"},
+    {"adapt_discard", adapt_discard, METH_VARARGS,
+     "adapt_discard(M, F, R, H, T, bits, st, hits, nodes, turnover) -> (queued, long, gains)"},
+    {"adapt_missed", adapt_missed, METH_VARARGS, "adapt_missed(M, F, R, H, T, bits, st, hits, ages, depth, due) -> (losses, missed_held)"},
+    {"adapt_pop", adapt_pop, METH_VARARGS, "adapt_pop(M, F, R, H, T, bits, st, hits, out, k, budget, span, f, parent_row, ndev_row, scratch, due) -> taken"},
     {"drop_host_nodes", drop_host_nodes, METH_VARARGS,
      "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy, freed) -> (count, last, leaf)"},
     {"free_host_nodes", free_host_nodes, METH_VARARGS,
@@ -1659,8 +2314,6 @@ static PyMethodDef methods[] = {
     {"ghost_ages", ghost_ages, METH_VARARGS, "ghost_ages(ghost, nodes, ages): ghost[nodes] = running maximum of ages"},
     {"gaps_rank", gaps_rank, METH_VARARGS,
      "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial, heap) -> runs"},
-    {"shadow_observe", shadow_observe, METH_VARARGS,
-     "shadow_observe(od, keys, threshold, usable, served, capacity) -> (seen, ours, lru)"},
     {"walk", walk, METH_VARARGS, "walk(f, cont_row, parent_row, node_keys, kmap, keys, limit, out) -> matched"},
     {"stamp_runs", stamp_runs, METH_VARARGS, "stamp_runs(stamp, nodes, level, serial) -> run starts"},
     {"pop_live", pop_live, METH_VARARGS, "pop_live(heap, stamp, k, out) -> (taken, dropped)"},

@@ -36,8 +36,8 @@ from kvrt.ipc.protocol import TaskKind
 from kvrt.runtime.cache.core import (chain_tops as _chain_tops_c, drop_host_nodes as _drop_host_nodes_c,
                                     drop_host_run as _drop_host_run_c, drop_run as _drop_run_c,
                                     free_host_nodes as _free_host_nodes_c, mark_swap_out as _mark_swap_out_c)
-from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST, PARENT,
-                          PREV, REF, RESET, STATE, SWAP2CPU, NodeStore)
+from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HITS, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST,
+                          PARENT, PREV, REF, RESET, STATE, SWAP2CPU, NodeStore)
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +349,8 @@ class Eviction(NodeStore):
         dozen numpy operations and three loops)."""
         keys = self._keys
         m = len(drop)
+        if self._remembers:
+            self._dev_lru.forget(drop, keys)
         if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
             self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
         top_ = self._top
@@ -374,6 +376,8 @@ class Eviction(NodeStore):
             del self._map[self._keys[v]]
         if self._obs is not None:
             self._tell_lost(v)
+        if self._remembers:
+            self._dev_lru.forget(np.array([v], dtype=np.int32), self._keys)
         self._keys[v] = None
         if before >= 0:
             next_v[before] = after
@@ -440,11 +444,14 @@ class Eviction(NodeStore):
         going back to the front of the queue."""
         policy = self._host_lru
         names = None if self._obs is None else [self._keys[v] for v in cand.tolist()]
+        gone = ([self._keys[v] for v in cand.tolist()], self._f[HITS, cand]) if self._remembers else None
         got = _drop_host_run_c(self._f, cand, HOST_DROP_ROWS, CPU, RESET_ROW, self._keys, self._map, hosts, at,
                                self._stack, self._top, policy)
         if got is None:
             return self._drop_host_slow(cand, hosts, at)
         cut, leaf = got
+        if gone is not None:
+            self._dev_lru.forget(cand[:cut], gone[0][:cut], np.ascontiguousarray(gone[1][:cut]))
         if cut < len(cand):
             policy.push_front_run(cand[cut:].tolist())
         if names is not None:  # host-only nodes
@@ -470,6 +477,8 @@ class Eviction(NodeStore):
         k, last, leaf = _drop_host_nodes_c(f, cand, HOST_DROP_ROWS[:7], CPU, self._keys, self._map,
                                            self._pos_scratch, policy, freed)
         freed = freed[:k]
+        if self._remembers:
+            self._dev_lru.forget(freed, self._keys)
         if last >= 0:
             policy.push_front_run(cand[last + 1:].tolist())
             self._host_leaf_again(leaf)  # the parent is next, ahead of the rest

@@ -189,6 +189,8 @@ class NodeStore:
         cached = state != DETACHED
         if cached and self._obs is not None:
             self._tell_lost(n)
+        if cached and self._remembers:
+            self._dev_lru.forget(np.array([n], dtype=np.int32), self._keys)
         if state == GPU and self._ref_v[n] == 0:
             self._idle -= 1
         d = self._dev_v[n]

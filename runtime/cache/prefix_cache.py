@@ -43,7 +43,6 @@ from kvrt.runtime.cache.policies.base import EvictionPolicy
 from kvrt.runtime.cache.policies.lru import EvictionQueue
 from kvrt.runtime.cache.reset import CacheReset, ResetResult
 from kvrt.runtime.cache.tasks import TaskBook, TaskOutcome
-from kvrt.runtime.cache.shadow_lru import ShadowLRU
 from kvrt.runtime.cache.use_sketch import UseSketch
 
 __all__ = ["PrefixCache", "MatchResult", "ResetResult", "TaskKind", "TaskOutcome", "ROLE_FREE", "ROLE_TREE", "ROLE_PRIVATE",
@@ -56,6 +55,7 @@ log = logging.getLogger(__name__)
 ROLE_FREE, ROLE_TREE, ROLE_PRIVATE, ROLE_LOADING, ROLE_SAVING = range(5)
 
 StorageLookup = Callable[[Sequence[bytes]], int]
+_NO_AGES = np.empty(0, dtype=np.int64)
 
 
 class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
@@ -105,8 +105,14 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         # before (the sketch's answer at match), handed to the policy as its blocks are recorded
         self._ages: dict[Hashable, np.ndarray] = {}
         self._low_water = max(1, num_device_blocks // 64) if low_water is None else low_water
-        # what LRU would have served, for a policy steered by it
-        self._shadow = ShadowLRU(num_device_blocks + num_host_blocks) if policy.shadows_lru else None
+        # a policy that remembers the blocks gone from the cache itself: per counted request, the
+        # matched length and what it recalled of the keys after it (releases since each was last
+        # used, uses), until its blocks are recorded; one that judges itself by the blocks
+        # requests miss is told them (device tier), and the host tier's queue follows the device's
+        self._remembers = policy.remembers
+        self._recalled: dict[Hashable, tuple[int, np.ndarray, np.ndarray]] = {}
+        self._sees_misses = policy.sees_misses
+        self._host_lru.follows(self._dev_lru)
 
     # ---- engine-facing API -------------------------------------------------------------------
     def match(self, request_id: Hashable, keys: Sequence[bytes], num_tokens: int,
@@ -153,6 +159,12 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
             ages = self._uses.add(keys)
             if ages is not None:
                 self._ages[request_id] = ages
+        elif count and self._remembers:
+            got = self._dev_lru.recall(keys, matched)
+            if got is not None:
+                self._recalled[request_id] = (matched, *got)
+            if self._sees_misses:
+                self._dev_lru.missed(got[0][:max(0, limit - matched)] if got is not None else _NO_AGES, limit)
         storage_hits = 0
         # (a model of several layer groups reads on from where its walk ended only: blocks
         # between a hit and the walk's end are in the tree already, without their window)
@@ -164,12 +176,6 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         req.loaded = bool(req.waiting)
         if count:
             self._count_match(req, keys, limit, dev_hits, host_hits, storage_hits)
-            if self._shadow is not None:
-                seen, ours, lru = self._shadow.observe(keys, limit, matched)
-                if seen:
-                    window = 8 * self._shadow.capacity
-                    self._dev_lru.steer(seen, ours, lru, window)
-                    self._host_lru.steer(seen, ours, lru, window)
         return MatchResult(list(req.blocks), dev_hits * bs, host_hits * bs, storage_hits * bs,
                            sorted(req.waiting))
 
@@ -316,11 +322,32 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
             self._record(req, n_full)
             if self._uses is not None:
                 self._remember_uses(req, before, self._ages.get(request_id))
+            elif self._remembers and request_id in self._recalled:
+                self._give_recalled(req, before, self._recalled[request_id])
             if req.side and not req.frozen:
                 self._record_sides(req, before)
         if req.side:
             self._slide(req, num_computed_tokens)
         return len(req.path) * self.block_size
+
+    def _give_recalled(self, req: Request, before: int, recalled: tuple[int, np.ndarray, np.ndarray]) -> None:
+        """Give the nodes just recorded for `req` (path[before:]) the uses the policy recalled for
+        their keys, never more than their parent's (every request that used a block used its
+        prefix), and tell it how long ago each was used."""
+        nodes = req.path[before:]
+        matched, ages, uses = recalled
+        lo = before - matched
+        if not len(nodes) or lo < 0:
+            return
+        got_uses = np.zeros(len(nodes), dtype=np.int32)
+        got_ages = np.full(len(nodes), -1, dtype=np.int64)
+        k = max(0, min(len(nodes), len(uses) - lo))  # (keys the request grew by after its match: none)
+        got_uses[:k] = uses[lo:lo + k]
+        got_ages[:k] = ages[lo:lo + k]
+        if before:
+            np.minimum(got_uses, self._hits_v[int(req.path[before - 1])], out=got_uses)
+        self._f[HITS, nodes] = np.minimum.accumulate(got_uses)
+        self._dev_lru.recorded(nodes, got_ages)
 
     def _remember_uses(self, req: Request, before: int, ages: np.ndarray | None = None) -> None:
         """Give the nodes just recorded for `req` (path[before:]) the uses their keys had before
@@ -346,6 +373,7 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         if req is None:
             raise KeyError(f"request {request_id!r} is not in the prefix cache")
         self._ages.pop(request_id, None)
+        self._recalled.pop(request_id, None)
         n = len(req.path)
         private = req.blocks[n:]
         if req.load >= 0:  # a storage read still writes into the next blocks: the task keeps them

@@ -1,128 +1,253 @@
-"""Eviction steered between reuse order and recency order by what LRU would have served
-(`--eviction adaptive`, the default): the `gaps` ranking (runtime/cache/policies/gaps.py: release
-time plus a bonus for reuse that is expected back in time), whose bonus is scaled by a weight
-that follows a sampled shadow of an LRU cache of the same size (runtime/cache/shadow_lru.py).
+"""Eviction that follows reuse order only as far as it has paid against recency order, block by
+block (`--eviction adaptive`, the default).
 
-Why: a ranking by reuse wins big where reuse comes back later than recency order can hold it
-(the conversation trace at 20,000 blocks), and loses to LRU where its guess of which blocks come
-back is wrong for the workload (a held-out trace at 40,000 blocks lost two points with `gaps`).
-Any fixed rule for when the bonus pays is tuned to the traces it was tuned on. Measuring instead
-is cheap: the cache replays each request's sampled keys through the shadow LRU and tells the
-policy, over the same keys, how many blocks it served and how many LRU would have (`steer`).
-Once per window (eight shadow turnovers of sampled lookups, so that a change of weight has had
-time to show in what the cache holds), the weight goes down a step when the cache served fewer
-of the window's sampled blocks than LRU would have by MARGIN of the lookups, up a step when it
-served more by as much, and stays in between (a window of one-off prompts, which neither serves, says
-nothing): it settles where reuse order pays, and at zero, which is exactly LRU's order, where
-it does not. "By as much" is also beyond two standard errors of the difference, with the
-request as the unit of sampling: a request's blocks are one prefix, found or lost together, so
-in a small cache, where a window is a dozen requests, one lost document is a lump of hundreds
-of blocks, not hundreds of independent misses, and does not flip the weight. When the weight
-drops to zero the queued blocks lose their bonus too (`_drop_bonus`): the queue is in LRU's
-order at once rather than once the bonuses already given have run out. At zero the cache cannot beat
-LRU, so the weight is probed again (one step) after a wait that doubles with every probe that
-failed, which keeps the cost of probing a vanishing share of the windows while a workload that
-changes is still noticed. A window in which `gaps` itself gave (almost) no bonus says nothing
-about the weight, and leaves it alone. It starts at 1 (the `gaps` policy), so a workload where
-the bonus pays keeps all of it.
+Why: ranking blocks by reuse (`gaps`, runtime/cache/policies/gaps.py: release time plus a bonus
+for reuse expected back in time) wins big where reuse comes back later than recency order can
+hold it (the conversation trace at 20,000 blocks), and loses to LRU where its guess of which
+blocks come back is wrong (sessions that slow down as they age: their most used blocks are the
+least likely back soon). A verdict taken per window of lookups comes too late and too noisily
+on a trace of a few thousand requests; here the comparison is exact, block by block.
 
-Prefix order and cost are those of `gaps` (a weight scales every block's bonus alike, so an
-ancestor's is still never smaller than its descendants'); the shadow costs one C call and a
-dictionary operation per sampled key per request. Both tiers' policies get the same signals,
-so they steer together: one policy governs device and host tiers.
+Structure: the queue is a recency segment R (every released node, in LRU order) and a
+protected segment P (nodes that left R's old end with a `gaps` bonus, in `gaps`' order). R is
+always the most recently used blocks, so an LRU cache of the same size holds R, the nodes in use
+and the newest |P| of the nodes that left R and were not used since (live exits): the cache
+differs from LRU's only by what P displaces. So each block's fate tells how P did: a hit on a
+live exit outside those is a block LRU would have missed (a gain); a miss on one of them is a
+block LRU would have served (a loss). Live exits are counted per release and marked by a bit
+per block serial; a missed block is found among them by when its key was last used and its
+depth (a release pushes its path deepest first). The policy remembers the keys of blocks gone
+from the cache itself (their last release and uses, written when they leave: a cache that evicts
+nothing pays nothing for it), which also gives a computed block the uses `gaps` ranks by. The
+eviction order is `gaps`' (R's oldest by its release alone against P's lowest with its bonus,
+the lower goes first), with P held to a budget: the gains minus the losses so far (the bank)
+plus an allowance, never below 0. The allowance is EXPLORE of the capacity, RATE of the lookups,
+and HELD of the misses a larger P would have served (LRU would not have, `gaps`' bonus would
+still have held), at most HELD_CAP of the capacity: the evidence that a larger P pays, which it
+may then risk. A victim that still has a device child goes back to P ranked last, rather than
+to the cache to be parked. All the per-block work is in C (runtime/cache/_cache_core.c adapt_*),
+one call per released, matched, missed or evicted run.
+
+The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
+the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
+the blocks it served are at least LRU's minus the allowance (1/64 + 1/16 of the capacity at
+most, plus 0.05% of the lookups); over any stretch it loses at most the lead over LRU it had at
+the stretch's start plus the allowance. The counts are exact for requests served one after
+another (the benchmark's replay, where the ledger is never ahead of the truth) and close with
+requests in flight together. tests/runtime/cache/test_adaptive_bound.py checks both on
+generated traces against an LRU cache replayed beside it, from a cold cache and over every
+window of two turnovers. The price: where protection pays only once P is large (a small P
+churns before its blocks come back), P grows with what it earns, and the policy gets there
+later than `gaps` does.
+
+A host tier's queue (the same class) takes the device's budget share (`follows`): the host tier
+has no misses of its own to judge by.
 """
 from __future__ import annotations
 
-import heapq
-import math
-
 import numpy as np
 
-from kvrt.runtime.cache.policies.gaps import LEVEL_SPAN, ReuseGaps
+from kvrt.runtime.cache.core import (adapt_discard as _discard_c, adapt_forget as _forget_c, adapt_front as _front_c,
+                                    adapt_missed as _missed_c, adapt_pop as _pop_c, adapt_push as _push_c,
+                                    adapt_recall as _recall_c, ghost_ages as _ghost_c)
+from kvrt.runtime.cache.nodes import NDEV, PARENT
+from kvrt.runtime.cache.policies.base import EvictionPolicy
+from kvrt.runtime.cache.policies.gaps import (HOLD, LEVEL_SPAN, LONG_HIGH, LONG_LOW, MAX_TURNOVER, REACH,
+                                              REACH_TWICE)
+from kvrt.runtime.cache.policies.reuse import DECAY, LEVELS
 
-# a window's lookups must show the cache ahead of LRU by this share for the weight to grow
-# (and behind it by as much for it to shrink)
-MARGIN = 0.002
-Z = 2.0  # standard errors a window's difference must exceed to count (beyond MARGIN)
-STEP = 1.0  # the weight moves by this much per window: all of the bonus or none
-# a window whose mean `gaps` bonus scale is below this leaves the weight alone
-IDLE_SCALE = 0.05
+# the allowance P may lose before it has won anything: a share of the capacity, and a share of
+# every lookup (so that a workload that changes can be tried again, at a bounded cost)
+EXPLORE = 1 / 64
+RATE = 0.0005
+# and a share of the misses a larger P would have served (what its bonus would still have held,
+# LRU would not): the evidence for a larger P, which it may then risk
+HELD, HELD_CAP = 1.0, 1 / 16
+# rows of the per-node matrix and indices of the scalars (runtime/cache/_cache_core.c adapt_*)
+M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
+A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP = range(12)
 
 
-class Adaptive(ReuseGaps):
-    """`gaps` with its bonus scaled by a weight steered by a shadow LRU's hits."""
+class Adaptive(EvictionPolicy):
+    """One tier's evictable nodes: a recency segment and a protected one, in `gaps`' order with
+    the protected segment held to what it has won against LRU."""
 
-    shadows_lru = True  # the cache runs a sampled shadow LRU and calls `steer` per request
+    remembers = True      # it remembers the blocks gone from the cache (`forget`, `recall`)
+    sees_misses = True    # the cache calls `missed` with every counted request's missed blocks
 
-    __slots__ = ("weight", "_seen", "_diff", "_sq", "_scale_sum", "_pushes", "_wait", "_idle", "_probing")
+    __slots__ = ("_hits", "_n", "_m", "_f", "_r", "_h", "_t", "_bits", "_st", "_args", "_tree", "_scratch", "_rstamp", "_pser",
+                 "_ghost", "_due", "_table", "_forgot", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader")
 
     def __init__(self, capacity: int, hits: np.ndarray):
-        super().__init__(capacity, hits)
-        self.weight = 1.0
-        # the window's sampled lookups, and the sum and the sum of squares of its requests'
-        # differences (blocks the cache served minus blocks the shadow LRU held)
-        self._seen = self._diff = self._sq = 0
-        self._scale_sum = 0.0  # the `gaps` scale summed over the window's pushes
-        self._pushes = 0
-        self._wait = 1      # windows at weight 0 before the next probe
-        self._idle = 0      # windows spent at weight 0 since the last probe
-        self._probing = False
+        n = capacity
+        self._hits = hits
+        self._n = n
+        self._m = np.zeros(M_ROWS * n, dtype=np.int64)  # per node, side by side (one cache line)
+        self._m[M_RSTAMP::M_ROWS] = -1
+        self._m[M_PSER::M_ROWS] = -1
+        self._f = np.zeros(3 * n, dtype=np.uint8)  # per node: live exit, matched since its last release, parked
+        self._r = np.full(2 * (2 * n + 1024), -1, dtype=np.int64)  # R's ring of [node, stamp]
+        self._h = np.zeros(4 * (n + 1024), dtype=np.int64)         # P's heap
+        self._t = np.zeros(3 * (n + 1024), dtype=np.int64)         # per release: first serial, length, live exits
+        self._bits = np.zeros(4 * n + 65536, dtype=np.uint8)        # per block serial: a live exit
+        self._due = np.zeros(len(self._bits), dtype=np.int64)       # and the release its bonus lasted to
+        self._st = np.zeros(16, dtype=np.int64)
+        self._st[A_LASTEX] = -1
+        self._st[A_FSTAMP] = 1 << 62  # stamps of nodes queued at R's old end (block serials stay below)
+        self._args = (self._m, self._f, self._r, self._h, self._t, self._bits, self._st, hits)
+        # the node matrix `hits` is a row of (a victim with a device child left is parked by the
+        # cache: still held), or a stand-in without children for a queue used on its own
+        tree = hits.base if isinstance(hits.base, np.ndarray) and hits.base.ndim == 2 else None
+        if tree is None or tree.dtype != np.int32 or tree.shape[1] != n:
+            tree = np.zeros((NDEV + 1, n), dtype=np.int32)
+            tree[PARENT] = -1
+        self._tree = tree
+        self._scratch = np.zeros(n, dtype=np.int32)
+        self._rstamp = memoryview(self._m[M_RSTAMP::M_ROWS])
+        self._pser = memoryview(self._m[M_PSER::M_ROWS])
+        self._ghost = np.full(n, -1, dtype=np.int64)  # releases since a just-recorded node's key was used
+        # per key gone from the cache: its last release and uses, two slots of 8 bytes each; a
+        # cache that evicts nothing never touches it (the pages are never even mapped in)
+        self._table = np.zeros(2 * (1 << max(10, (32 * n - 1).bit_length())), dtype=np.uint64)
+        self._forgot = False  # anything in it yet
+        self._avg_push = 0.0
+        self._long = self._reused = 1.0  # moving sums of long reuse and of all reuse (`gaps`' scale)
+        self.bank = 0          # blocks served beyond LRU minus blocks LRU would have served beyond these
+        self.lookups = 0       # usable blocks of the requests counted so far
+        self.gains = self.losses = 0
+        self.held = 0          # misses a larger P would have served (LRU would not have)
+        self._leader: Adaptive | None = None
+
+    # ---- the budget
+    def allowance(self) -> float:
+        """What P may lose before it has won anything (blocks)."""
+        return EXPLORE * self._n + RATE * self.lookups + min(HELD * self.held, HELD_CAP * self._n)
+
+    def budget(self) -> int:
+        """How many nodes P may hold now."""
+        if self._leader is not None:
+            return int(self._leader.share() * self._n)
+        return int(min(self._n, max(0.0, self.bank + self.allowance())))
+
+    def share(self) -> float:
+        """The budget as a share of the capacity (what a follower's budget is)."""
+        return self.budget() / self._n
+
+    def follows(self, leader: EvictionPolicy) -> None:
+        """Take the budget from `leader`'s share (a host tier's queue follows the device's)."""
+        if isinstance(leader, Adaptive):
+            self._leader = leader
+
+    def _settle(self, won: int, lost: int) -> None:
+        self.gains += won
+        self.losses += lost
+        a = self.allowance()
+        self.bank = int(min(self._n - a, max(-a, self.bank + won - lost)))
 
     def bonus_scale(self) -> float:
-        inner = super().bonus_scale()
-        self._scale_sum += inner
-        self._pushes += 1
-        return self.weight * inner
+        """The share of `gaps`' bonus in force: 0 while at most LONG_LOW of the recent reuse came
+        back later than a turnover, all of it from LONG_HIGH on (runtime/cache/policies/gaps.py)."""
+        f = self._long / self._reused
+        return min(1.0, max(0.0, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW)))
 
-    def steer(self, seen: int, ours: int, lru: int, window: int) -> None:
-        """A request's `seen` sampled usable blocks: `ours` served by the cache, `lru` held by
-        the shadow LRU; at the end of a window of `window` lookups, step the weight."""
-        d = ours - lru
-        self._seen += seen
-        self._diff += d
-        self._sq += d * d
-        if self._seen < window:
-            return
-        # a difference within Z standard errors is noise, not a verdict. The unit of sampling is
-        # the request, not the block: a request's blocks are one prefix, found or lost together
-        # (a document of hundreds of blocks), so the difference's variance is the sum of the
-        # requests' squared differences; counted per block it would look hundreds of times
-        # surer than it is, and a few lumps would flip the weight
-        noise = Z * math.sqrt(self._sq) / self._seen
-        ahead = self._diff / self._seen
-        margin = max(MARGIN, noise)
-        idle = self._scale_sum < IDLE_SCALE * max(1, self._pushes)
-        self._seen = self._diff = self._sq = self._pushes = 0
-        self._scale_sum = 0.0
-        if idle:
-            return
-        if ahead >= margin:
-            self.weight = min(1.0, self.weight + STEP)
-            self._wait, self._probing = 1, False
-        elif self.weight > 0 and ahead < -margin:
-            self.weight = max(0.0, self.weight - STEP)
-            if self.weight == 0:
-                if self._probing:
-                    self._wait *= 2  # the probe failed
-                self._drop_bonus()
-            self._probing = False
-        elif self.weight == 0:
-            self._idle += 1
-            if self._idle >= self._wait:
-                self.weight, self._idle, self._probing = STEP, 0, True
+    # ---- the interface
+    def __contains__(self, n: int) -> bool:
+        return self._rstamp[n] >= 0 or self._pser[n] >= 0
 
-    def _drop_bonus(self) -> None:
-        """Give every queued node the priority of its release alone, as if pushed at weight 0.
-        Why: a weight of 0 scales only later pushes; the blocks queued with a bonus would
-        otherwise keep it for as long as it lasts, ahead of the newer blocks LRU would keep
-        (the order the weight just chose), and every switch to LRU order cost hits for a while.
-        One pass over the heap's entries (a run's nodes share a release) and a heapify, at most
-        once per window of eight turnovers: O(1) per pushed block amortised."""
-        released, prio = self._released, self._prio
-        prio[:] = released * LEVEL_SPAN + prio % LEVEL_SPAN
-        for e in self._heap:
-            nodes = e[4]
-            i = max(e[5], 0)
-            if i < len(nodes):
-                e[0] = int(released[nodes[i]]) * LEVEL_SPAN + e[1]
-        heapq.heapify(self._heap)
+    def push(self, nodes: np.ndarray) -> None:
+        """A released path (deepest first) joins R, each node ranked for P as `gaps` ranks it."""
+        if not len(nodes):
+            return
+        avg = self._avg_push
+        avg = self._avg_push = 0.99 * avg + 0.01 * len(nodes) if avg else float(len(nodes))
+        turnover = self._n / avg
+        unit = self.bonus_scale() * min(MAX_TURNOVER, turnover)
+        lost = _push_c(*self._args, np.ascontiguousarray(nodes, dtype=np.int32), LEVELS, HOLD, unit,
+                       REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, self._ghost)
+        self._long += lost
+        self._reused += lost
+
+    def push_front(self, n: int) -> None:
+        _front_c(*self._args, np.array([n], dtype=np.int32))
+
+    def push_front_run(self, nodes: list[int]) -> None:
+        if nodes:
+            _front_c(*self._args, np.array(nodes, dtype=np.int32))
+
+    def forget(self, nodes: np.ndarray, keys: list, hits: np.ndarray | None = None) -> None:
+        """`nodes` leave the cache: remember their keys, last release and uses, for when a
+        request misses them (runtime/cache/_cache_core.c adapt_forget): keys[i] and hits[i] when
+        `hits` is given (taken before the nodes were freed), else the node keys (keys[node]) and
+        their `hits` rows. Writing here, not on every match, is what keeps a cache that hits
+        from paying for the memory."""
+        aligned = hits is not None
+        self._forgot = True
+        _forget_c(self._m, hits if aligned else self._hits, self._table, keys,
+                  np.ascontiguousarray(nodes, dtype=np.int32), aligned)
+
+    def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """For keys[start:]: how many releases ago each was last used (-1: not remembered) and
+        by how many requests (0); None while nothing has left the cache (nothing to recall)."""
+        if not self._forgot:
+            return None
+        k = max(0, len(keys) - start)
+        ages, uses = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int32)
+        _recall_c(self._table, keys, start, int(self._st[A_CLOCK]), ages, uses)
+        return ages, uses
+
+    def recorded(self, nodes: np.ndarray, ages: np.ndarray) -> None:
+        """`nodes` (a path, root side first) were computed; their keys were last used `ages`
+        releases ago: an age is raised to its ancestors' (runtime/cache/_cache_core.c ghost_ages)."""
+        _ghost_c(self._ghost, nodes, ages)
+
+    def missed(self, ages: np.ndarray, usable: int) -> None:
+        """A counted request's blocks after its matched prefix, up to its `usable` ones: their keys
+        were last used `ages` requests ago (-1: never). Those LRU would have served are losses."""
+        self.lookups += usable
+        if not len(ages):
+            return
+        lost, held = _missed_c(*self._args, np.ascontiguousarray(ages, dtype=np.int64), usable - len(ages), self._due)
+        self.held += held
+        self._settle(0, lost)
+
+    def discard(self, nodes: np.ndarray) -> None:
+        """`nodes` are matched: out of both segments. Counts, as `gaps` does, how many queued ones
+        were released more than a turnover ago, and, per block, what P served that LRU would not
+        have (gains)."""
+        avg = self._avg_push
+        queued, long, won = _discard_c(*self._args, np.ascontiguousarray(nodes, dtype=np.int32),
+                                        self._n / avg if avg else 0.0)
+        if queued and avg:
+            self._long = DECAY * self._long + long
+            self._reused = DECAY * self._reused + queued
+        if won:
+            self._settle(won, 0)
+
+    def discard_one(self, n: int) -> None:
+        self.discard(np.array([n], dtype=np.int32))
+
+    def pop(self) -> int:
+        got = self.pop_many(1)
+        return int(got[0]) if len(got) else -1
+
+    def pop_many(self, k: int) -> np.ndarray:
+        out = np.empty(k, dtype=np.int32)
+        return out[:_pop_c(*self._args, out, k, self.budget(), LEVEL_SPAN, self._tree, PARENT, NDEV, self._scratch,
+                                 self._due)]
+
+    def members(self) -> list[int]:
+        """R's live nodes, oldest first, then P's by rank."""
+        st, r, n = self._st, self._r, self._n
+        cap = len(r) // 2
+        out = []
+        for x in range(int(st[A_RHEAD]), int(st[A_RTAIL])):
+            v, s = int(r[2 * (x % cap)]), int(r[2 * (x % cap) + 1])
+            if 0 <= v < n and self._rstamp[v] == s:
+                out.append(v)
+        hc = len(self._h) // 4
+        h = self._h.reshape(4, hc)[:, :int(st[A_HSIZE])]
+        live = [(int(k), int(o), int(v)) for k, o, v, s in h.T if self._pser[int(v)] == s]
+        return out + [v for _, _, v in sorted(live)]
+
+    def stamped(self) -> list[int]:
+        return np.nonzero((self._m[M_RSTAMP::M_ROWS] >= 0) | (self._m[M_PSER::M_ROWS] >= 0))[0].tolist()

@@ -2,9 +2,9 @@
 
 The cache keeps one queue per tier of the nodes eviction may take (device: unreferenced GPU
 nodes; host: CPU nodes) and tells it every change; the policy decides only the order in which
-`pop` hands them out. Reuse order steered by a shadow LRU (runtime/cache/policies/adaptive.py)
-is a node's default (`--eviction adaptive`); age, reuse and reuse gap (runtime/cache/policies/gaps.py,
-unsteered), age and reuse (runtime/cache/policies/reuse.py) and LRU over leaves
+`pop` hands them out. Reuse order held to what it has won against LRU, block by block
+(runtime/cache/policies/adaptive.py) is a node's default (`--eviction adaptive`); age, reuse and
+reuse gap (runtime/cache/policies/gaps.py, unbounded), age and reuse (runtime/cache/policies/reuse.py) and LRU over leaves
 (runtime/cache/policies/lru.py) are the others. Another policy is one new file with a subclass of
 `EvictionPolicy`, passed as `PrefixCache(..., policy=TheClass)`, and named in `_POLICIES` so that
 `--eviction NAME` picks it.
@@ -38,14 +38,19 @@ class EvictionPolicy:
       runtime/cache/use_sketch.py), so `hits` carries a block's history past its eviction;
     - `counts_gaps = True` (with `counts_uses`): the device tier's policy is told through
       `recorded` how many requests ago each computed node's key was last used;
-    - `shadows_lru = True`: the cache replays every counted request's keys through a sampled
-      shadow LRU cache of its size (runtime/cache/shadow_lru.py) and calls `steer` on both
-      tiers' policies with what it served and what LRU would have.
+    - `remembers = True`: the policy remembers blocks gone from the cache itself: the cache
+      calls the device tier's `forget` with the nodes it drops (either tier) before their keys
+      go, and its `recall` at every counted match for the keys after the matched prefix, and
+      gives the nodes it records the uses recalled (`hits`) and their ages (`recorded`);
+    - `sees_misses = True` (with `remembers`): the device tier's policy is told, through
+      `missed`, of every counted request's blocks after its matched prefix and how many
+      releases ago their keys were last used.
     The methods with a body are defaults a policy may replace with a faster or fuller one."""
 
     counts_uses = False
     counts_gaps = False
-    shadows_lru = False
+    remembers = False
+    sees_misses = False
 
     __slots__ = ()
 
@@ -77,10 +82,25 @@ class EvictionPolicy:
         """`nodes` (a path, root side first) were just computed; their keys were last used
         `ages` requests ago (-1: unknown). Called only on a policy that `counts_gaps`."""
 
-    def steer(self, seen: int, ours: int, lru: int, window: int) -> None:
-        """Of a request's `seen` sampled usable blocks, the cache served `ours` and a shadow LRU
-        held `lru`; `window`: the lookups of eight shadow turnovers. Called only on a policy
-        that `shadows_lru`."""
+    def forget(self, nodes: np.ndarray, keys: list, hits: np.ndarray | None = None) -> None:
+        """`nodes` leave the cache: keys[i] and hits[i] are nodes[i]'s key and reuse count when
+        `hits` is given (taken before they were freed), else keys is the node keys (keys[n] is
+        node n's). Called only on a policy that `remembers`."""
+
+    def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """For keys[start:]: releases since each was last used (-1: unknown) and its uses (int32),
+        or None if none is known. Called only on a policy that `remembers`."""
+        raise NotImplementedError
+
+    def missed(self, ages: np.ndarray, usable: int) -> None:
+        """A counted request could use its first `usable` blocks; the last len(ages) of them were
+        not matched, and their keys were last used `ages` requests ago (-1: not known to have
+        been). Called only on the device tier's policy, if it `sees_misses`."""
+
+    def follows(self, leader: EvictionPolicy) -> None:
+        """This queue is the host tier's; `leader` is the device tier's (same class). Called once,
+        when the cache is built: a policy that steers by what requests miss, which only the
+        device tier's is told, may follow it."""
 
     def discard(self, nodes: np.ndarray) -> None:
         """Take `nodes` out (queued or not): they are in use again."""

@@ -426,29 +426,3 @@ class OneAtATime(PrefixCache):
             dropped += 1
         self.metrics.evicted_host_blocks += dropped
         return got
-
-
-# ---- the sampled shadow LRU (runtime/cache/shadow_lru.py)
-def shadow_observe(od: OrderedDict, keys: Sequence[bytes], threshold: int, usable: int, served: int,
-                   capacity: int) -> tuple[int, int, int]:
-    if any(len(k) != KEY_BYTES for k in keys):
-        raise ValueError("shadow_observe: every key must be 16 bytes")
-    picked = [i for i, k in enumerate(keys) if int.from_bytes(k[8:12], "little") < threshold]
-    if not picked:
-        return 0, 0, 0
-    seen = ours = lru = 0
-    for i in picked:
-        if i >= usable:
-            break
-        seen += 1
-        ours += i < served
-        lru += keys[i] in od
-    for i in reversed(picked):  # deepest first, so the root side ends most recent
-        k = keys[i]
-        if k in od:
-            od.move_to_end(k)
-        else:
-            od[k] = None
-    for _ in range(len(od) - capacity):
-        od.popitem(last=False)
-    return seen, ours, lru

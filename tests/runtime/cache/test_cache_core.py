@@ -65,14 +65,15 @@ def _replay(c: PrefixCache, seed: int) -> list:
     return states
 
 
-# the policies whose cache calls these C functions (the others: all three): LRU keeps no use
-# counts and has a queue of its own; only `gaps` stamps when keys were used, and it splits a
-# released path into runs its own way
-POLICIES_USING = {"_add_c": ("adaptive", "gaps", "reuse"), "_raise_c": ("adaptive", "gaps", "reuse"),
-                  "_pop_c": ("adaptive", "gaps", "reuse"),
-                  "_stamp_runs_c": ("reuse",), "_release_c": ("adaptive", "gaps", "reuse"),
-                  "_discard_c": ("adaptive", "gaps", "reuse"), "_rank_c": ("adaptive", "gaps"),
-                  "_ghost_c": ("adaptive", "gaps")}
+# the policies whose cache calls these C functions (the others: all of them): LRU keeps no use
+# counts and has a queue of its own, and so does `adaptive` (runtime/cache/_cache_core.c
+# adapt_*: it remembers blocks gone from the cache itself, no use sketch); only `gaps` ranks
+# with gaps_rank, and `reuse` splits a released path its own way
+POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"),
+                  "_pop_c": ("gaps", "reuse"),
+                  "_stamp_runs_c": ("reuse",), "_release_c": ("gaps", "reuse"),
+                  "_discard_c": ("gaps", "reuse"), "_rank_c": ("gaps",),
+                  "_ghost_c": ("gaps",)}
 
 
 @pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])

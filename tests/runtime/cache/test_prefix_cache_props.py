@@ -332,16 +332,18 @@ TestPrefixCacheGapsProperties = GapsCacheMachine.TestCase
 
 
 class AdaptiveCacheMachine(CacheMachine):
-    """The same engine over the default `adaptive` eviction policy (a shadow LRU also sees every
-    counted request and steers both tiers' bonus weight)."""
+    """The same engine over the default `adaptive` eviction policy (the device tier's policy is
+    also told what every counted request missed; the host tier's follows its budget)."""
 
     POLICY = "adaptive"
 
     @invariant()
-    def weight_in_range(self):
-        for q in (self.cache._dev_lru, self.cache._host_lru):
-            assert 0.0 <= q.weight <= 1.0
-        assert len(self.cache._shadow) <= self.cache._shadow.capacity
+    def ledger_in_range(self):
+        dev, host = self.cache._dev_lru, self.cache._host_lru
+        for q in (dev, host):
+            assert 0 <= q.budget() <= q._n
+            assert -q.allowance() - 1 <= q.bank <= q._n
+        assert host.budget() == int(dev.share() * host._n)
 
 
 AdaptiveCacheMachine.TestCase.settings = CacheMachine.TestCase.settings

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from kvrt.ipc.ports import free_port
+
 from kvrt.ipc.registry import Registry
 from kvrt.ipc.ring import HEADER, Ring
 from kvrt.ipc.shm import object_name
@@ -46,7 +48,7 @@ def test_the_room_check_counts_rings_and_signals():
 def test_launch_on_a_small_dev_shm_fails_naming_the_sizes(node):
     # a private mount namespace with a 2 MiB /dev/shm: the tiny pool fits, its two 1 MiB rings do not
     launch = (f"{sys.executable} -m kvrt.launcher launch --node {node} --num-layers 2 --num-kv-heads 2 "
-              f"--head-dim 16 --block-size 8 --num-gpu-blocks 16")
+              f"--head-dim 16 --block-size 8 --num-gpu-blocks 16 --port {free_port()}")
     script = f"mount -t tmpfs -o size=2m,mode=1777 tmpfs /dev/shm && exec {launch}"
     try:
         r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], cwd=REPO,

@@ -30,9 +30,9 @@ SMALL = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16", "--bloc
          "--num-gpu-blocks", "1200")  # room for three 3000-token requests
 
 
-def _decoding(c: Client, n: int) -> list[str]:
-    """Submit `n` long requests and return their ids once each has streamed a token."""
-    rids = [c.submit([1 + i, 2, 3], 3000) for i in range(n)]
+def _decoding(c: Client, n: int, tokens: int = 3000) -> list[str]:
+    """Submit `n` requests of `tokens` tokens each and return their ids once each has streamed a token."""
+    rids = [c.submit([1 + i, 2, 3], tokens) for i in range(n)]
     started: set[str] = set()
     while started != set(rids):
         events = c.poll(30)
@@ -123,10 +123,12 @@ def test_a_stopped_launcher_is_noticed_and_the_node_stops_naming_it(launched, no
     fails every request in flight naming it and exits; once the launcher runs again it stops the
     node with exit 1 and says why, leaving nothing in /dev/shm."""
     port = free_port()
-    n = launched("--port", str(port), "--hang-timeout", "1", *SMALL)
+    # answers long enough to outlast the engine's 10 s bound on a quiet machine (3,000 tokens
+    # take less): contexts of up to 24,000 tokens, whose attention slows each step as they grow
+    n = launched("--port", str(port), "--hang-timeout", "1", *SMALL[:-1], "6100", "--max-model-len", "24576")
     n.wait_for("ready:")
     with Client(port, timeout=120) as c:
-        rids = _decoding(c, 2)
+        rids = _decoding(c, 2, tokens=24000)
         n.proc.send_signal(signal.SIGSTOP)
         try:
             errors = _errors(c, rids)
