@@ -36,6 +36,7 @@ PER_ADDRESS = 256        # connections one client address may hold at once
 TOTAL = 4096             # connections of the whole server
 LINGER_S = 5.0           # a closed connection's input is drained this long at most
 OVER_CAPACITY = "over_capacity"
+ABORT = "kvrt.abort"     # a request's scope entry: drop its connection now, unsent bytes and all
 
 
 def refusal(status: int, reason: str, message: str, code: str) -> bytes:
@@ -146,6 +147,7 @@ def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s:
             super().handle_events()
             if self.cycle is not cycle:  # a request's headers are whole: its body is the middleware's
                 self._disarm_header_timer()
+                self.cycle.scope[ABORT] = self.transport.abort  # type: ignore[index]
 
         def on_response_complete(self) -> None:
             if not self.transport.is_closing():

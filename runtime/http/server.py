@@ -65,8 +65,9 @@ class HttpServer:
                  reasoning_parser: str | None = None, engine_timeout: float = ENGINE_TIMEOUT_S) -> None:
         connect = "127.0.0.1" if client_host in ("", "0.0.0.0", "::") else client_host
         self.bridge = Bridge(address_of(client_port, connect), engine_timeout)
-        app = create_app(Server(self.bridge, model_names, metrics_port, cache, node=node,
-                                tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser))
+        self.api = Server(self.bridge, model_names, metrics_port, cache, node=node,
+                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+        app = create_app(self.api)
         self._server = uvicorn.Server(uvicorn_config(app, host, port))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -90,4 +91,5 @@ class HttpServer:
         self._thread.join(STOP_WAIT_S)
         if self._thread.is_alive():
             log.warning("the HTTP server did not stop within %g s", STOP_WAIT_S)
+        self.api.text.close()
         self._sock.close()
