@@ -15,7 +15,9 @@ Every close is a lingering one: the answer goes out, then the write side is shut
 client still sends is read and dropped until it closes too (at most LINGER_S). Closing a socket
 with unread input makes the kernel send a reset, which can reach the client before the answer
 and discard it: a client that had already sent its request would see "connection reset" rather
-than the 503, 408 or 413 that says why.
+than the 503, 408 or 413 that says why. (The one close that must not linger is an answer's cut
+to a client that reads nothing, runtime/http/stalled.py: each request's scope holds the
+connection's abort for it, ABORT.)
 """
 from __future__ import annotations
 

@@ -26,39 +26,51 @@ STALL_S = 10.0   # the longest a write of an answer may wait for its client to r
 
 
 class CutWhenStalled(StreamingResponse):
-    """A StreamingResponse whose every write must go out within `stall_s` seconds."""
+    """A StreamingResponse whose every write must go out within `stall_s` seconds (a timer
+    looks every quarter of it: a write costs two stores, not a timeout of its own)."""
 
     def __init__(self, content, stall_s: float = STALL_S, **kw) -> None:
         super().__init__(content, **kw)
         self.stall_s = stall_s
         self._scope: Scope = {}
+        self._writing_since: float | None = None
+        self._cut = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._scope = scope
         await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        loop = asyncio.get_running_loop()
+        writer = asyncio.current_task()
+        timer = loop.call_later(self.stall_s / 4, self._watch, loop, writer)
         body = self.body_iterator
         try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in body:
                 if not isinstance(chunk, (bytes, memoryview)):
                     chunk = chunk.encode(self.charset)
-                try:
-                    await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
-                                           self.stall_s)
-                except asyncio.TimeoutError:
-                    await self._cut()
+                self._writing_since = loop.time()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._writing_since = None
+                if self._cut:
                     return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            timer.cancel()
             if hasattr(body, "aclose"):
                 await body.aclose()  # (its requests are cancelled now, not when the connection goes)
 
-    async def _cut(self) -> None:
+    def _watch(self, loop: asyncio.AbstractEventLoop, writer: asyncio.Task | None) -> None:
+        since = self._writing_since
+        if since is None or loop.time() - since < self.stall_s:
+            loop.call_later(self.stall_s / 4, self._watch, loop, writer)
+            return
+        self._cut = True
         client = self._scope.get("client") or ("?", 0)
         log.warning("an answer to %s was cut: its client read nothing for %g s", client[0], self.stall_s)
         abort = self._scope.get(ABORT)
         if abort is not None:
-            abort()
-            await asyncio.sleep(0)  # (the connection is seen lost before the app returns)
+            abort()  # (the write waiting returns once the connection is seen lost)
+        elif writer is not None:
+            writer.cancel()  # a server without the hook: the write is given up

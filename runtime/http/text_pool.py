@@ -10,7 +10,7 @@ every few milliseconds. Each job is bounded by its input, which the server bound
 
 Why fair: WORKERS threads, and each client (its address) has its own queue; a free worker takes
 the clients in turn, so a client sending many slow jobs delays another's by at most the jobs
-already running. Small jobs (`cost` under INLINE) run on the loop at once: a thread's hand-over
+already running and one more of each client whose turn comes first. Small jobs (`cost` under INLINE) run on the loop at once: a thread's hand-over
 costs more than they do.
 """
 from __future__ import annotations
