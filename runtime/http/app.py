@@ -48,9 +48,9 @@ from kvrt.runtime.client.detokenizer import IncrementalDetokenizer
 from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
 from kvrt.runtime.engine.grammars import guided_problem
+from kvrt.runtime.http.answer_size import BIG_ANSWER, answer_entries, answer_problem
 from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
 from kvrt.runtime.http.bridge import UNRESPONSIVE, Bridge, Submission
-from kvrt.runtime.http.answer_size import BIG_ANSWER, answer_entries, answer_problem
 from kvrt.runtime.http.chat_output import ChatOutput
 from kvrt.runtime.http.errors import ApiError
 from kvrt.runtime.http.json_stream import json_pieces, materialize
@@ -639,7 +639,8 @@ async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, incl
         return
     except Exception:  # noqa: BLE001 - whatever failed, the client is told so
         log.exception("a stream failed")
-        yield f"data: {json.dumps(ApiError(500, 'internal error (see the node log)', 'internal_error').body())}\n\n"
+        failed = ApiError(500, "internal error (see the node's log)", "internal_error").body()
+        yield f"data: {json.dumps(failed)}\n\n"
         return
     finally:
         run.cancel()
@@ -906,8 +907,9 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
 
 
 def _who(request: Request) -> str:
-    """An HTTP client's identity for its quota: its address (a port is not: a client opens as
-    many connections as it likes). Behind `kvrt route` every client is the router's address."""
+    """An HTTP client's identity for its quota, its fair share of the engine and its turn in the
+    text pool: its address (a port is not: a client opens as many connections as it likes).
+    Behind `kvrt route` every client is the router's address."""
     return request.client.host if request.client else ""
 
 
