@@ -8,10 +8,11 @@ head of the owner whose turn it is; taking it passes the turn to the next owner.
 it is exactly a deque.
 
 What the scheduler asks of its queue keeps its meaning: `[0]` is who is admitted next,
-`popleft` admits it, `appendleft` puts a request back first (a preempted one, or one whose
-grammar or cached prefix became ready): first of its owner's queue, and, for an owner that had
-nothing waiting, that owner's turn comes first too. Iteration goes in the order requests would
-be taken.
+`popleft` admits it, `appendleft` puts a request back first of all (a preempted one, or one
+whose grammar or cached prefix became ready: a sequence holding a swapped-in match must be
+admitted before another takes its room): first of its owner's queue, and its owner's turn
+first. Iteration goes in the order requests would be taken. (An owner seated ahead of its turn
+is the scheduler's business: runtime/engine/scheduler.py's newcomers.)
 """
 from __future__ import annotations
 
@@ -75,11 +76,14 @@ class FairQueue:
         self._len += 1
 
     def appendleft(self, item) -> None:
+        """`item` first of all: first of its owner's queue, and its owner's turn first."""
         owner = owner_of(item)
         q = self._queues.get(owner)
         if q is None:
             q = self._queues[owner] = deque()
-            self._turns.appendleft(owner)
+        else:
+            self._turns.remove(owner)
+        self._turns.appendleft(owner)
         q.appendleft(item)
         self._len += 1
 

@@ -32,8 +32,9 @@ finds what its read brought in the tree, and reads holding each other's room can
 Fair shares (runtime/engine/fair_queue.py): requests belong to owners (a client socket, or the
 HTTP client a request was sent on behalf of). The waiting queue takes owners in turn, first in,
 first out within each; running sequences are scheduled in turns of owners too (each owner's
-oldest first, the oldest owner first), a prefill chunk taking at most an equal share of the
-step's budget, so a prefill of one owner's burst cannot take every step's budget. An owner with a request waiting and none admitted (a newcomer) is admitted right
+oldest first, the oldest owner first; the decodes before the prefills), a prefill chunk taking
+at most an equal share of what the decodes leave, so one owner's long prefills cannot take every
+step's budget. An owner with a request waiting and none admitted (a newcomer) is admitted right
 after the running sequences had their blocks (and, as any admission, not in a step where one
 lacked them: it never keeps one from growing), with up to half the step's budget kept for it;
 when the seats are full, or the device has no free blocks for its first chunk, the newest
@@ -154,8 +155,7 @@ class Scheduler:
         newcomers = self._newcomers()
         kept = self._make_room(newcomers, budget) if newcomers else 0
         budget -= kept
-        turns, owners = _in_turns(self.running)
-        share = -(-budget // owners)  # a prefill chunk's most, so that every owner's turn has some budget
+        turns, share = _in_turns(self.running, budget)
         for seq in turns:
             if budget <= 0 or len(step.seqs) >= self.max_num_seqs:
                 break
@@ -600,14 +600,20 @@ class Scheduler:
             seq.matched = False
 
 
-def _in_turns(seqs: list[Sequence]) -> tuple[list[Sequence], int]:
-    """`seqs` (in admission order) taken in turns of owners: each owner's first, then each
-    one's second, ...; owners in the order of their oldest. With one owner: `seqs` as they are.
-    And how many owners there are (at least one)."""
+def _in_turns(seqs: list[Sequence], budget: int) -> tuple[list[Sequence], int]:
+    """The order in which running sequences `seqs` (in admission order) take a step's `budget`,
+    and the most one prefill chunk may take. With one owner: `seqs` as they are, and all of it.
+    With several: the decodes first (a token each), then the prefills in turns of owners (each
+    owner's first, then each one's second, ...; owners in the order of their oldest), a chunk
+    taking at most an equal share, between the owners prefilling, of what the decodes leave."""
     by_owner: dict[bytes, list[Sequence]] = {}
     for s in seqs:
         by_owner.setdefault(owner_of(s), []).append(s)
     if len(by_owner) < 2:
-        return list(seqs), 1
+        return list(seqs), budget
     lists = list(by_owner.values())
-    return [q[i] for i in range(max(map(len, lists))) for q in lists if i < len(q)], len(lists)
+    turns = [q[i] for i in range(max(map(len, lists))) for q in lists if i < len(q)]
+    decodes = [s for s in turns if s.num_tokens - s.num_computed <= 1]
+    prefills = [s for s in turns if s.num_tokens - s.num_computed > 1]
+    owners = len({owner_of(s) for s in prefills})
+    return decodes + prefills, -(-max(budget - len(decodes), 1) // max(owners, 1))
