@@ -182,13 +182,14 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return _BINOPS[op](left, right)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        for v in (*args, *kwargs.values()):
-            if isinstance(v, int) and v > __self.max_chars:
-                __self._too_big(f"a call with {v}")
-        fmt = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # (the sandbox wraps str.format)
-        if isinstance(fmt, str) and getattr(__obj, "__name__", "") in ("format", "format_map"):
-            for spec in re.findall(r"\{[^{}]*?:([^{}]*)\}", fmt):
-                _check_number(spec, __self.max_chars)
+        text = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # (the sandbox wraps str.format)
+        if isinstance(text, str):  # a string's method: a width (ljust, center, zfill, ...) or a format's
+            for v in (*args, *kwargs.values()):
+                if isinstance(v, int) and v > __self.max_chars:
+                    __self._too_big(f"a width of {v}")
+            if getattr(__obj, "__name__", "") in ("format", "format_map"):
+                for spec in re.findall(r"\{[^{}]*?:([^{}]*)\}", text):
+                    _check_number(spec, __self.max_chars)
         return super().call(__context, __obj, *args, **kwargs)
 
     def _too_big(self, what: str) -> None:
