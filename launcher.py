@@ -28,6 +28,7 @@ BENCHES = {
     "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
     "sampler": ("kvrt.bench.sampler", "sampling a token (temperature, top-k/p) vs the greedy argmax, a full sort and one read"),
     "throughput": ("kvrt.bench.throughput", "a node's output tokens/s on nano-vllm's offline workload (256 requests)"),
+    "attacks": ("kvrt.bench.attacks", "another client's request while one client attacks a node (text work, answers, bursts)"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 # the model's shape: flags for the reference model, config.json's for a checkpoint
