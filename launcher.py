@@ -257,6 +257,7 @@ def _add_launch(sub) -> argparse.ArgumentParser:
 
 
 def launch(args) -> int:
+    from kvrt.ipc import sockets
     from kvrt.ipc.errors import IpcError, NodeLive
     from kvrt.ipc.ports import free_port
     from kvrt.runtime.node.config import ConfigError, NodeConfig
@@ -330,10 +331,13 @@ def launch(args) -> int:
         http_host = args.http_host or args.host
         try:
             options = HttpOptions.of(args)
-            http = HttpServer(http_host, args.http_port, args.host, port, names, cfg.node, args.metrics_port,
+            # the engine's private socket (ipc/sockets.py): no gateway between them, so the HTTP
+            # API serves on while a gateway that libzmq aborted is being replaced
+            engine = sockets.address(cfg.node, sockets.API)
+            http = HttpServer(http_host, args.http_port, args.host, engine, names, cfg.node, args.metrics_port,
                               cache_info(cfg), args.tool_call_parser, args.reasoning_parser,
                               engine_timeout=args.http_engine_timeout, options=options)
-        except ValueError as e:  # the chat template cannot be read
+        except ValueError as e:  # the chat template cannot be read, or TMPDIR is too long for the engine's socket
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 2
         except OSError as e:
