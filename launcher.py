@@ -27,6 +27,7 @@ BENCHES = {
     "model": ("kvrt.bench.model", "a (~0.5B-shaped) checkpoint's step by phase vs its roofline and vs transformers"),
     "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
     "sampler": ("kvrt.bench.sampler", "sampling a token (temperature, top-k/p) vs the greedy argmax, a full sort and one read"),
+    "gateway": ("kvrt.bench.gateway", "a request through the gateway process vs the engine's private socket and a pyzmq echo"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 # the model's shape: flags for the reference model, config.json's for a checkpoint

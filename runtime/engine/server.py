@@ -98,6 +98,7 @@ class ApiServer:
         self.inbox: deque[tuple[bytes, bytes]] = deque()
         self.notices: deque[ClientNotice] = deque()
         self._held: deque[tuple[bytes, bytes] | ClientNotice] = deque()  # the gateway's, waiting for room
+        self._owed = 0  # the gateway's messages taken in that it was not told of yet (link.py: credit)
         self._backlog: dict[bytes, deque[bytes]] = {}  # kept answers of clients whose queue is full
         self._gone: set[bytes] = set()  # clients found gone, not yet told to the engine
         self._wake = wake
@@ -156,7 +157,7 @@ class ApiServer:
     # ---- answers: engine -> clients ----------------------------------------------------------
     def _forward(self) -> None:
         overflowed: set[bytes] = set()
-        relay: list[bytes] = [link.ANSWERS]
+        relay: list[bytes] = [link.ANSWERS, b""]  # (the credit: filled in when sent)
         while True:
             try:
                 client, data, *keep = self._pull.recv_multipart(zmq.NOBLOCK)
@@ -166,7 +167,7 @@ class ApiServer:
                 relay += [client, data, link.KEEP if keep else b""]
             elif not self._to_client(client, data, bool(keep)):
                 overflowed.add(client)
-        if len(relay) > 1:
+        if len(relay) > 2:
             self._to_gateway(relay)
         self.notices.extend(ClientNotice(c, OVERFLOW) for c in overflowed)  # one each, however many dropped
         self._tell_gone(bool(overflowed))
@@ -175,12 +176,14 @@ class ApiServer:
         """Answers for the gateway's clients; when no gateway takes them (none connected: it died
         and the launcher is starting another; or it stopped reading), those clients' connections
         are gone with it, and a decode peer's message is lost (P's timeouts fail its requests)."""
+        batch[1] = str(self._owed).encode()
         try:
-            self._link.send_multipart(batch, zmq.NOBLOCK, copy=False)
+            self._link.send_multipart(batch, zmq.NOBLOCK)
+            self._owed = 0
             return
         except zmq.Again:
             pass
-        clients = set(batch[1::3])
+        clients = set(batch[2::3])
         peers = {c for c in clients if c.startswith(PEER)}
         if peers:
             log.warning("no gateway: %d message(s) to decode peer(s) dropped", len(peers))
@@ -264,7 +267,7 @@ class ApiServer:
     def _take(self, router_ready: bool) -> None:
         """Fill the inbox up to INBOX_MAX from the gateway's held messages and the private
         socket in turn (neither side's flood shuts the other out), and give the gateway its
-        window back for what was taken."""
+        window back for what was taken (link.py: credit)."""
         taken = got = 0
         turn_of_router = False
         while self._waiting() < INBOX_MAX and (self._held or router_ready):
@@ -287,9 +290,11 @@ class ApiServer:
                     self.inbox.append((frames[0], frames[1]))
             got += 1
             turn_of_router = not turn_of_router
-        if taken:
+        self._owed += taken
+        if self._owed >= link.WINDOW // 2:  # (else it goes with the next answers)
             try:
-                self._link.send_multipart([link.CREDIT, str(taken).encode()], zmq.NOBLOCK)
+                self._link.send_multipart([link.CREDIT, str(self._owed).encode()], zmq.NOBLOCK)
+                self._owed = 0
             except zmq.Again:  # no gateway: a new one starts with its whole window
                 pass
         if got:

@@ -125,7 +125,7 @@ class ClientRelay:
                 return out
 
     def _up(self, batch: list[bytes]) -> None:
-        self._link.send_multipart(batch, copy=False)  # (unbounded: never blocks)
+        self._link.send_multipart(batch)  # (unbounded: never blocks; small frames: copying is cheaper)
 
     # ---- down: engine -> clients and peers ----------------------------------------------------------
     def _from_engine(self) -> None:
@@ -135,14 +135,14 @@ class ClientRelay:
                 frames = self._link.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            kind = frames[0] if frames else b""
-            if kind == link.CREDIT and len(frames) == 2:
+            kind = frames[0] if len(frames) >= 2 else b""
+            if kind in (link.CREDIT, link.ANSWERS):
                 self.outstanding = max(0, self.outstanding - link.count(frames[1]))
-            elif kind == link.ANSWERS:
-                for client, data, keep in link.pairs(frames, 3):
+            if kind == link.ANSWERS:
+                for client, data, keep in link.pairs(frames, 3, head=2):
                     if not self._answer(client, data, keep == link.KEEP):
                         overflowed.add(client)
-            else:
+            elif kind != link.CREDIT:
                 log.error("the engine sent a link message of kind %r: dropped", kind[:8])
         self._notices.update(dict.fromkeys((c, link.OVERFLOW.encode()) for c in overflowed))
 

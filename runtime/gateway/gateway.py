@@ -23,6 +23,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 from kvrt.ipc import protocol as P
 from kvrt.ipc import sockets
@@ -34,7 +35,8 @@ from kvrt.runtime.gateway.client_relay import ClientRelay
 from kvrt.runtime.gateway.events_relay import EventsRelay
 
 log = logging.getLogger("kvrt.gateway")
-POLL_MS = 100  # the loop's longest wait: its heartbeat and its checks run at least this often
+POLL_MS = 100  # the loop's longest wait: its heartbeat runs at least this often
+CHECK_EVERY_S = 0.5  # how often it looks whether its node is still there (reading /proc: ~0.1 ms)
 
 
 class Gateway:
@@ -62,12 +64,16 @@ class Gateway:
     def run(self) -> int:
         """Relay until told to stop; the exit status (EXIT_ORPHAN when the node went away)."""
         self.member.set_ready()
+        next_check = 0.0
         while not self.stop.is_set():
             self.member.beat()
             if self.clients is not None:
                 self.clients.serve(POLL_MS)
             else:
                 self.stop.wait(POLL_MS / 1000)
+            if (now := time.monotonic()) < next_check:
+                continue
+            next_check = now + CHECK_EVERY_S
             if self.member.stopping() and not self.member.engine_alive():
                 log.info("the node stopped and its engine is gone: exiting")
                 return 0

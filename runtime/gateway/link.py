@@ -17,14 +17,16 @@ Up (gateway -> engine):  MESSAGES client, data, ...  (one frame each: counted in
                          FRAMES   client, count, ...  (a message of `count` frames: counted too)
                          PEERS    peer, data, ...     (from decode peers: never held back)
                          NOTICES  client, kind, ...   (GONE or OVERFLOW, found by the gateway's sends)
-Down (engine -> gateway): ANSWERS  client, data, keep, ...  (keep: KEEP or b"")
-                          CREDIT   count  (the engine took `count` more counted messages in)
+Down (engine -> gateway): ANSWERS  credit, client, data, keep, ...  (keep: KEEP or b"")
+                          CREDIT   credit
 
 The window: the gateway reads its public socket only while fewer than WINDOW counted messages
 it sent wait for the engine to take them in. So the rest of a flood waits in libzmq's queue of
 each public connection, which its socket serves fair-queued, as the engine's own socket did
 before the gateway: a well-behaved client's message waits behind at most the engine's inbox and
-one window.
+one window. `credit` is how many more counted messages the engine took in since it last said;
+it says so with its next answers, or on its own once it owes half a window (a message of its
+own per message taken would wake the gateway once more per request).
 """
 from __future__ import annotations
 
@@ -52,10 +54,10 @@ def relayed(client: bytes) -> bool:
     return client[:1] == RELAYED or client.startswith(PEER)
 
 
-def pairs(frames: list[bytes], width: int = 2) -> list[tuple[bytes, ...]]:
-    """A batch's items: its frames after the kind, `width` at a time (a short last item is
-    dropped: both ends are ours, so it is a bug, never input)."""
-    body = frames[1:]
+def pairs(frames: list[bytes], width: int = 2, head: int = 1) -> list[tuple[bytes, ...]]:
+    """A batch's items: its frames after the `head` ones (the kind, the credit), `width` at a
+    time (a short last item is dropped: both ends are ours, so it is a bug, never input)."""
+    body = frames[head:]
     return [tuple(body[i:i + width]) for i in range(0, len(body) - width + 1, width)]
 
 
