@@ -11,7 +11,8 @@ This launches a node and sends the same requests both ways, one client at a time
 
 Requests: `info` (the engine answers at its next turn: transport and intake only) and `generate`
 of one token (a step of the node's model). Modes: `sequential` (one request in flight: its round
-trip) and `pipelined` (WINDOW in flight: the rate one client reaches). Per row: round-trip
+trip) and `pipelined` (WINDOW in flight: the rate one client reaches). The two paths are measured
+in turn, `--rounds` times, and each figure is the median of its rounds. Per row: round-trip
 percentiles, requests per second, and CPU time per request of the engine, the gateway and the
 whole node (every process of it: psutil), so that its cost per CPU-second is independent of the
 machine's load; ratios of `gateway` to `direct` and to `echo`.
@@ -123,31 +124,54 @@ def _row(path: str, kind: str, mode: str, times: list[float], wall: float, cpu: 
                per(sum(cpu) - (0.0 if gateway else cpu[1])) if per else None)
 
 
-def measure_node(n: int, say) -> list[Row]:
+def measure_node(n: int, rounds: int, say) -> list[Row]:
+    """Both paths in turn, `rounds` times (a machine's load drifts: each path gets its share of
+    every stretch of it); a row per path, request and mode, each figure the rounds' median."""
     name = f"benchgw{uuid.uuid4().hex[:6]}"
     node = LaunchedNode.ready(name, SHAPE, say)
-    rows = []
+    runs: list[Row] = []
     try:
         procs = {p["role"]: p["pid"] for p in snapshot(name)["processes"]}
         pids = [procs["engine"], procs["gateway"], *(pid for role, pid in procs.items() if role not in ("engine", "gateway"))]
         prompt = np.arange(1, 9, dtype=np.int32)
         info = API.encode(InfoRequest(1))
-        for path, address in (("gateway", node.port), ("direct", sockets.address(name, sockets.API))):
-            with Client(address, timeout=30) as c:
+        clients = {"gateway": Client(node.port, timeout=30), "direct": Client(sockets.address(name, sockets.API), timeout=30)}
+        try:
+            for c in clients.values():
                 c.info()
                 for _ in range(20):  # warm: the prompt's blocks are cached after the first
                     c.generate(prompt, 1)
-                cpu = Cpu(pids)
-                for kind, call in (("info", c.info), ("generate", lambda: c.generate(prompt, 1))):
+            cpu = Cpu(pids)
+            for _ in range(rounds):
+                for path, c in clients.items():
+                    for kind, call in (("info", c.info), ("generate", lambda: c.generate(prompt, 1))):
+                        cpu.delta()
+                        times, wall = _sequential(call, n if kind == "info" else max(n // 4, 10))
+                        runs.append(_row(path, kind, "sequential", times, wall, cpu.delta(), path == "gateway"))
                     cpu.delta()
-                    times, wall = _sequential(call, n if kind == "info" else max(n // 4, 10))
-                    rows.append(_row(path, kind, "sequential", times, wall, cpu.delta(), path == "gateway"))
-                cpu.delta()
-                times, wall = _pipelined(c._sock, info, 4 * n)
-                rows.append(_row(path, "info", "pipelined", times, wall, cpu.delta(), path == "gateway"))
+                    times, wall = _pipelined(c._sock, info, 4 * n)
+                    runs.append(_row(path, "info", "pipelined", times, wall, cpu.delta(), path == "gateway"))
+        finally:
+            for c in clients.values():
+                c.close()
     finally:
         node.stop()
-    return rows
+    return _medians(runs)
+
+
+def _medians(runs: list[Row]) -> list[Row]:
+    """One row per (path, request, mode): every figure the median over the rounds."""
+    out: dict[tuple[str, str, str], list[Row]] = {}
+    for r in runs:
+        out.setdefault((r.path, r.kind, r.mode), []).append(r)
+
+    def med(rows: list[Row], field: str):
+        values = [getattr(r, field) for r in rows]
+        return None if values[0] is None else float(np.median(values))
+
+    return [Row(*key, rows[0].n, *(med(rows, f) for f in ("p50_us", "p99_us", "per_s", "engine_cpu_us",
+                                                            "gateway_cpu_us", "node_cpu_us")))
+            for key, rows in out.items()]
 
 
 def measure_echo(n: int) -> list[Row]:
@@ -232,19 +256,22 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=2000,
                    help="sequential info requests per path (generate: a quarter; pipelined: 4x) (default 2000)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="times each path is measured, in turn with the other; each figure is the median (default 3)")
     p.add_argument("--json", action="store_true", help="print the rows and ratios as JSON")
     args = p.parse_args(argv)
-    if args.requests < 10:
-        p.error("--requests must be at least 10")
+    if args.requests < 10 or args.rounds < 1:
+        p.error("--requests must be at least 10 and --rounds at least 1")
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     say(f"load average {os.getloadavg()[0]:.2f}")
-    rows = measure_node(args.requests, say) + measure_echo(args.requests)
+    rows = measure_node(args.requests, args.rounds, say) + measure_echo(args.requests)
     rat = ratios(rows)
     if args.json:
-        print(json.dumps({"load": os.getloadavg()[0], "window": WINDOW, "rows": [asdict(r) for r in rows],
+        print(json.dumps({"load": os.getloadavg()[0], "window": WINDOW, "rounds": args.rounds,
+                          "rows": [asdict(r) for r in rows],
                           "ratios": rat}))
     else:
         print_table(rows, rat)

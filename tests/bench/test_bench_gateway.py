@@ -18,10 +18,11 @@ pytestmark = pytest.mark.e2e
 def test_bench_gateway_json_has_every_path_request_and_mode():
     assert BENCHES["gateway"][0] == "kvrt.bench.gateway"
     before = set(_shm())
-    r = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "gateway", "--requests", "20", "--json"],
+    r = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "gateway", "--requests", "20", "--rounds", "2", "--json"],
                        cwd=REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
+    assert out["rounds"] == 2
     rows = {(x["path"], x["kind"], x["mode"]): x for x in out["rows"]}
     assert set(rows) == {(p, k, "sequential") for p in ("gateway", "direct") for k in ("info", "generate")} | \
         {(p, "info", "pipelined") for p in ("gateway", "direct", "echo")} | {("echo", "info", "sequential")}
