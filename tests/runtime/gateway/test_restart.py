@@ -2,7 +2,8 @@
 goes on: the engine keeps its pid and its other requests; the HTTP API, which reaches the engine
 over its private socket, answers while the gateway is down; a ZeroMQ request whose answers died
 with the gateway ends at its client with node_silent (never a hang) and is cancelled at the
-engine; a new client is served by the new gateway; `kvrt status` counts the restart."""
+engine; a new client is served by the new gateway; `kvrt status` counts the restart. A hung
+gateway is killed and replaced the same way."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import time
 import urllib.request
 
 import numpy as np
+import psutil
 import pytest
 
 from kvrt.ipc.ports import free_port
@@ -75,3 +77,20 @@ def test_a_killed_gateway_is_replaced_and_the_node_goes_on(node, tmp_path):
         status = subprocess.run([sys.executable, "-m", "kvrt.launcher", "status", "--node", node], cwd=REPO,
                                 capture_output=True, text=True, timeout=60)
         assert "gateway restarts 1" in status.stdout, status.stdout
+
+
+def test_a_hung_gateway_is_killed_and_replaced(node, tmp_path):
+    """SIGSTOP: no heartbeat for --hang-timeout, as a gateway stuck in a loop would be; the
+    launcher kills it and starts another instead of stopping the node."""
+    prompt = np.arange(7, 19, dtype=np.int32)
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "64", "--hang-timeout", "1") as ln:
+        old = _gateway(node)["pid"]
+        os.kill(old, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while not (snapshot(node)["gateway_restarts"] >= 1 and _gateway(node)["ready"]):
+            assert time.monotonic() < deadline and ln.proc.poll() is None, ln.logs()
+            time.sleep(0.1)  # a test waiting for another process
+        assert _gateway(node)["pid"] != old and not psutil.pid_exists(old)
+        with Client(ln.port, timeout=30) as c:
+            got = [int(t) for t in c.generate(prompt, 4).output_token_ids]
+        assert got == oracle().generate_dense(prompt, 4)
