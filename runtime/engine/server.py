@@ -78,7 +78,6 @@ POLL_MS = 100  # longest the I/O thread blocks before checking whether it should
 INBOX_MAX = 128  # client messages and notices waiting for the engine before the I/O thread stops taking more
 LINK_HWM = 10_000  # batches of answers queued for the gateway before the link counts it as not reading
 LINK_LINGER_MS = 1_000  # at close: how long the last answers may take to reach the gateway
-_KEEP = b"k"  # third frame of an answer on the inproc pair: keep it for a client that is not reading
 
 
 @dataclass
@@ -131,7 +130,7 @@ class ApiServer:
     def send(self, client: bytes, data: bytes, keep: bool = False) -> None:
         """Queue an answer to `client` (engine thread only; never blocks on the network). `keep`:
         if the client's queue is full, hold this one until it reads (the rest is dropped)."""
-        self._push.send_multipart([client, data, _KEEP] if keep else [client, data], copy=False)
+        self._push.send_multipart([client, data, link.KEEP] if keep else [client, data], copy=False)
 
     def probe(self, client: bytes) -> None:
         """Send `client` an empty message: if its connection is gone, a GONE notice follows."""
