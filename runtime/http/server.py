@@ -118,7 +118,7 @@ class HttpServer:
     socket is bound here, before the node starts, so a port in use is an error of `kvrt launch`
     (OSError) rather than a thread that dies quietly."""
 
-    def __init__(self, host: str, port: int, client_host: str, client_port: int, model_names: list[str],
+    def __init__(self, host: str, port: int, client_host: str, client_port: int | str, model_names: list[str],
                  node: str = "", metrics_port: int = 0, cache: dict | None = None, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, engine_timeout: float = ENGINE_TIMEOUT_S,
                  options: HttpOptions | None = None) -> None:
