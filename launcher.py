@@ -28,6 +28,8 @@ BENCHES = {
     "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
     "sampler": ("kvrt.bench.sampler", "sampling a token (temperature, top-k/p) vs the greedy argmax, a full sort and one read"),
     "throughput": ("kvrt.bench.throughput", "a node's output tokens/s on nano-vllm's offline workload (256 requests)"),
+    "attacks": ("kvrt.bench.attacks", "another client's request while one client attacks a node (text work, answers, bursts)"),
+    "gateway": ("kvrt.bench.gateway", "a request through the gateway process vs the engine's private socket and a pyzmq echo"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 # the model's shape: flags for the reference model, config.json's for a checkpoint
@@ -281,6 +283,7 @@ def _add_launch(sub) -> argparse.ArgumentParser:
 
 
 def launch(args) -> int:
+    from kvrt.ipc import sockets
     from kvrt.ipc.errors import IpcError, NodeLive
     from kvrt.ipc.ports import free_port
     from kvrt.runtime.node.config import ConfigError, NodeConfig
@@ -354,10 +357,13 @@ def launch(args) -> int:
         http_host = args.http_host or args.host
         try:
             options = HttpOptions.of(args)
-            http = HttpServer(http_host, args.http_port, args.host, port, names, cfg.node, args.metrics_port,
+            # the engine's private socket (ipc/sockets.py): no gateway between them, so the HTTP
+            # API serves on while a gateway that libzmq aborted is being replaced
+            engine = sockets.address(cfg.node, sockets.API)
+            http = HttpServer(http_host, args.http_port, args.host, engine, names, cfg.node, args.metrics_port,
                               cache_info(cfg), args.tool_call_parser, args.reasoning_parser,
                               engine_timeout=args.http_engine_timeout, options=options)
-        except ValueError as e:  # the chat template cannot be read
+        except ValueError as e:  # the chat template cannot be read, or TMPDIR is too long for the engine's socket
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 2
         except OSError as e:

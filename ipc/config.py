@@ -130,6 +130,12 @@ class NodeConfig:
     def needs_transfer(self) -> bool:
         return self.num_cpu_blocks > 0 or bool(self.storage)
 
+    @property
+    def has_gateway(self) -> bool:
+        """The node listens where others reach it (its client API, its KV events): the gateway
+        process owns those sockets (runtime/gateway/), and the engine listens privately."""
+        return bool(self.port or self.kv_events_port)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

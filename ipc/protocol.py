@@ -81,9 +81,9 @@ def from_worker(rank: int) -> str:
 
 
 # ---- processes -------------------------------------------------------------------------
-ROLE_ENGINE, ROLE_WORKER, ROLE_TRANSFER, ROLE_MESSAGER = 1, 2, 3, 4
+ROLE_ENGINE, ROLE_WORKER, ROLE_TRANSFER, ROLE_MESSAGER, ROLE_GATEWAY = 1, 2, 3, 4, 5
 ROLE_NAMES = {ROLE_ENGINE: "engine", ROLE_WORKER: "worker", ROLE_TRANSFER: "cache-transfer",
-              ROLE_MESSAGER: "cache-messager"}
+              ROLE_MESSAGER: "cache-messager", ROLE_GATEWAY: "gateway"}
 PROC_PID, PROC_ROLE, PROC_RANK, PROC_START, PROC_STEP, PROC_MARKS = range(6)
 PROC_FIELDS = 6  # PROC_MARKS: a worker's progress marks so far (workers/progress.py), the engine's step bound
 
@@ -101,9 +101,11 @@ def hang_threshold(config: dict, role: int) -> float:
 
 
 def proc_slots(tp: int) -> list[tuple[int, int]]:
-    """(role, rank) of every process slot: engine, workers, cache-transfer, cache-messager."""
+    """(role, rank) of every process slot: engine, workers, cache-transfer, cache-messager,
+    gateway (last: the others' slots are as they were before it)."""
     return ([(ROLE_ENGINE, 0)] + [(ROLE_WORKER, r) for r in range(tp)]
-            + [(ROLE_TRANSFER, r) for r in range(tp)] + [(ROLE_MESSAGER, r) for r in range(tp)])
+            + [(ROLE_TRANSFER, r) for r in range(tp)] + [(ROLE_MESSAGER, r) for r in range(tp)]
+            + [(ROLE_GATEWAY, 0)])
 
 
 def slot_of(tp: int, role: int, rank: int) -> int:
@@ -112,6 +114,7 @@ def slot_of(tp: int, role: int, rank: int) -> int:
 
 # ---- status words (NODE_STATUS indices and values) ----------------------------------------
 ST_NODE, ST_LAUNCHER_BEAT = 0, 2  # ST_LAUNCHER_BEAT: CLOCK_MONOTONIC ns, while running
+ST_GATEWAY_RESTARTS = 3  # how many times the launcher restarted the gateway (runtime/gateway/)
 STATUS_FIELDS = 8
 NODE_STARTING, NODE_RUNNING, NODE_STOPPING = 0, 1, 2
 

@@ -36,6 +36,12 @@ every block the cache holds now; applying it replaces the subscriber's view, and
 apply on top. The replay socket is served by the engine loop itself (between steps), so a
 snapshot reads the cache with nobody changing it. With a deployment secret both sockets are
 CURVE servers that admit only subscribers holding it (runtime/cache/event_secret.py).
+
+In a node, the engine binds both sockets in the node's private socket directory (ipc/sockets.py)
+and the gateway process owns the public ports, relaying to them (runtime/gateway/events_relay.py):
+a hostile subscriber's bytes can make libzmq abort the process that reads them, and that process
+must not be the one holding the cache. The gateway guards the ports with the secret; the keys
+are still blinded here.
 """
 from __future__ import annotations
 
@@ -58,6 +64,7 @@ TOPIC = b"kv-events"
 SNDHWM = 10_000          # batches queued per subscriber before new ones are dropped
 REPLAY_BATCHES = 1_000   # batches kept for replay
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+REPLAY_MAXMSGSIZE = 64  # replay socket: a request is one 8-byte number
 CURVE_MAXMSGSIZE = 1024  # replay socket, with CURVE: its handshake's commands must fit
 MAX_REPLAY_REQUESTS = 16  # served per engine turn: a flood of requests cannot stall the loop
 # replay answers per second, in bursts of MAX_REPLAY_REQUESTS: a subscriber asks only when it
@@ -125,14 +132,22 @@ class KVEventPublisher:
 
     def __init__(self, host: str, port: int, block_size: int, snapshot: Callable[[], Iterable[CachedBlock]],
                  ctx: zmq.Context | None = None, secret: EventSecret | None = None,
-                 clock: Callable[[], float] = time.monotonic, windows: Sequence[int] = ()):
+                 clock: Callable[[], float] = time.monotonic, private: tuple[str, str] | None = None,
+                 windows: Sequence[int] = ()):
+        """`private`: the (events, replay) ipc:// addresses to bind instead of host:port and
+        port + 1, where the gateway relays them (module docstring): the gateway guards the public
+        ports, so these are not CURVE servers, and a replay request comes with the gateway's
+        identity before the subscriber's. `windows`: each layer group's window (ipc/layout.py
+        LayerGroups.windows), told with the blocks of a model of several."""
         self.block_size = block_size
         self._windows = list(windows)  # each layer group's window (ipc/layout.py LayerGroups.windows)
         self._snapshot = snapshot
         self._secret = secret
-        self._own_ctx = secret is not None
-        self._ctx = zmq.Context() if secret is not None else ctx or zmq.Context.instance()
-        self._auth = secret.authenticator(self._ctx) if secret is not None else None
+        guard = secret if private is None else None
+        self._envelope = 1 if private is None else 2  # identity frames before a request's body
+        self._own_ctx = guard is not None
+        self._ctx = zmq.Context() if guard is not None else ctx or zmq.Context.instance()
+        self._auth = guard.authenticator(self._ctx) if guard is not None else None
         self._pending: list[Event] = []
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self.seq = 0
@@ -150,12 +165,13 @@ class KVEventPublisher:
             self.replay.setsockopt(zmq.SNDHWM, SNDHWM)
             # a replay request is one 8-byte number: anything larger is cut off before it is buffered
             # (CURVE's handshake commands count too: its INITIATE is some 300 bytes)
-            self.replay.setsockopt(zmq.MAXMSGSIZE, 64 if secret is None else CURVE_MAXMSGSIZE)
-            if secret is not None:
-                secret.serve(self.pub)
-                secret.serve(self.replay)
-            self.pub.bind(f"tcp://{host}:{port}")
-            self.replay.bind(f"tcp://{host}:{port + 1}")
+            self.replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAXMSGSIZE if guard is None else CURVE_MAXMSGSIZE)
+            if guard is not None:
+                guard.serve(self.pub)
+                guard.serve(self.replay)
+            pub_at, replay_at = private or (f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}")
+            self.pub.bind(pub_at)
+            self.replay.bind(replay_at)
         except zmq.ZMQError as e:
             self.close()
             raise OSError(f"--kv-events-port: cannot bind {host}:{port} and {port + 1}: {e}") from None
@@ -210,8 +226,7 @@ class KVEventPublisher:
             self._answer(frames)
 
     def _answer(self, frames: list[bytes]) -> None:
-        ident, body = frames[0], frames[1:]
-        envelope = [ident]
+        envelope, body = frames[:self._envelope], frames[self._envelope:]
         if body and body[0] == b"":  # a REQ socket's delimiter: echoed, as REQ expects
             envelope.append(b"")
             body = body[1:]

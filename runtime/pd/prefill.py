@@ -60,7 +60,7 @@ from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.auth import NONCE_BYTES, P2D, AuthError, Session, check_bytes, load_secret, new_nonce, \
     session_key, welcome_mac
 from kvrt.runtime.engine.sequence import Sequence, SeqState
-from kvrt.runtime.engine.server import PEER, peer_identity
+from kvrt.runtime.gateway.link import PEER, peer_identity
 
 from kvrt.runtime.pd.connector import ConnectorContext, KVConnector
 from kvrt.runtime.pd.peer import MAX_REASON, check_id as _check_id, Refusals

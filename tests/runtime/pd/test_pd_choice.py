@@ -12,7 +12,7 @@ import pytest
 from kvrt.ipc import protocol as P
 from kvrt.runtime.client import api
 from kvrt.runtime.pd import messages as wire
-from kvrt.runtime.engine.server import peer_identity
+from kvrt.runtime.gateway.link import peer_identity
 from kvrt.runtime.node.config import NodeConfig
 from kvrt.runtime.pd.auth import D2P, P2D, Session, load_secret, session_key
 from kvrt.runtime.pd.connector import ConnectorContext
