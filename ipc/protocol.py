@@ -242,6 +242,7 @@ STATS = (
     "pd_early_blocks", "pd_early_bytes",  # P->D blocks sent while the prefill still ran
     "recomputed_prompt_tokens",  # prompt positions run again for a request (after a preemption)
     "intake_errors",  # client or peer messages whose handling raised: each answered with an error, the engine went on
+    "pd_sessions",  # a prefill node's decode nodes with a session up now
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 

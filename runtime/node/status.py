@@ -242,7 +242,8 @@ def render(snap: dict) -> str:
             lines.append(f"storage {cfg['storage']}  errors {c('storage_errors')}  forged (no valid MAC, not served) "
                          f"{c('storage_forged')}")
         if cfg.get("role", "mixed") != "mixed":
-            lines.append(f"PD role {cfg['role']}  transport {cfg.get('pd_transport', '?')}  "
+            sessions = f"decode sessions up {c('pd_sessions')}  " if cfg["role"] == "prefill" else ""
+            lines.append(f"PD role {cfg['role']}  transport {cfg.get('pd_transport', '?')}  {sessions}"
                          f"KV bytes sent to the decode node {c('pd_sent_bytes')}  of them while prefilling "
                          f"{c('pd_early_bytes')} ({c('pd_early_blocks')} blocks)")
     return "\n".join(lines)

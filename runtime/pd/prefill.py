@@ -67,6 +67,9 @@ from kvrt.runtime.pd.peer import MAX_REASON, check_id as _check_id, Refusals
 
 log = logging.getLogger(__name__)
 PING_EVERY_S = 0.5    # a ping (or a hello while no session) this often
+HELLO_FIRST_S = 0.02  # the first hellos without a session come this soon, doubling up to PING_EVERY_S:
+                      # a hello sent before the gateway's link is up is lost, and a node's first
+                      # requests would otherwise prefill with no decode node to stream to
 DEAD_AFTER_S = 5.0    # D is gone after this long without any answer (at most --pd-timeout)
 SEND_GRACE_S = 0.5    # the engine waits this long past a send order's deadline for the answer
 
@@ -81,6 +84,7 @@ class _Link:
     nonces: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # hellos sent, newest last
     news: int = 0  # times P heard from D or the session changed: D is silent since the last
     next_ping: float = 0.0
+    hello_after: float = HELLO_FIRST_S  # the wait before the next hello while there is no session
     free_blocks: int = -1  # as D last said, less what P asked of it since; -1: not said yet
 
     @property
@@ -235,10 +239,14 @@ class PrefillConnector(KVConnector):
         link.news += 1
         link.free_blocks = -1
         link.next_ping = 0.0  # ping at once: its pong says how many free blocks it has
+        self._count_sessions()
         log.info("session with the decode node %s is up", link.address)
         for p in list(self.pending.values()):
             if not p.asked:
                 self._ask(p)
+
+    def _count_sessions(self) -> None:
+        self.ctx.stats[P.STAT["pd_sessions"]] = sum(link.session is not None for link in self.links)
 
     def _link_lost(self, link: _Link, why: str) -> None:
         """A decode node is gone or forgot the session: what it allocated for or decodes fails;
@@ -247,7 +255,9 @@ class PrefillConnector(KVConnector):
         link.session = None
         link.news += 1
         link.next_ping = 0.0
+        link.hello_after = HELLO_FIRST_S
         link.free_blocks = -1
+        self._count_sessions()
         for p in [p for p in self.pending.values() if p.link is link]:
             self._retry(p, api.ErrorEvent(p.req.request_id, api.FAILED, f"decode node lost: {why}"))
         for rid in [r for r, x in self.relays.items() if x.link is link]:
@@ -266,6 +276,8 @@ class PrefillConnector(KVConnector):
                 continue
             link.next_ping = now + PING_EVERY_S
             if link.session is None:
+                link.next_ping = now + link.hello_after
+                link.hello_after = min(PING_EVERY_S, 2 * link.hello_after)
                 self._hello(link)
             elif (silent := self._silent(link)) > self.dead_after:
                 self._link_lost(link, f"no answer to pings for {silent:.1f}s")

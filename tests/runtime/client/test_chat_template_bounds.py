@@ -17,8 +17,8 @@ HI = [Message("user", "hi"), CALLED, Message("tool", "noon", tool_call_id="c1")]
 
 @pytest.mark.parametrize("source, why", [
     ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "ran longer"),
-    ("{% for a in range(100000) %}{% for b in range(100000) %}{{ b|string|length }}{% endfor %}{% endfor %}",
-     "ran longer"),
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{% set n = b|string|length %}{% endfor %}{% endfor %}",
+     "ran longer"),  # (work that writes nothing: only the time bound can stop it, however fast the machine)
     ("{% for a in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "writes more"),
     ("{{ 'a' * 1000000000 }}", "more than"),
     ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "more than"),
