@@ -162,6 +162,8 @@ class ApiServer:
                 client, data, *keep = self._pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if not client:
+                continue  # close() waking the thread
             if link.relayed(client):
                 relay += [client, data, link.KEEP if keep else b""]
             elif not self._to_client(client, data, bool(keep)):
@@ -303,6 +305,7 @@ class ApiServer:
         """Stop the thread (it forwards the answers already queued), then close the sockets: the
         link lingers up to LINK_LINGER_MS so the last answers reach the gateway."""
         self._stop.set()
+        self._push.send_multipart([b"", b""])  # wake the thread from its poll
         self._thread.join(timeout=2 * POLL_MS / 1000 + 1)
         self._push.close(linger=0)
         self._link.close()

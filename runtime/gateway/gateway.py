@@ -36,7 +36,8 @@ from kvrt.runtime.gateway.events_relay import EventsRelay
 
 log = logging.getLogger("kvrt.gateway")
 POLL_MS = 100  # the loop's longest wait: its heartbeat runs at least this often
-CHECK_EVERY_S = 0.5  # how often it looks whether its node is still there (reading /proc: ~0.1 ms)
+STOPPING_POLL_MS = 10  # ... and once its node stops, so that it exits soon after the engine
+CHECK_EVERY_S = 0.5  # how often it looks whether its launcher and engine are still there
 
 
 class Gateway:
@@ -67,16 +68,18 @@ class Gateway:
         next_check = 0.0
         while not self.stop.is_set():
             self.member.beat()
+            stopping = self.member.stopping()
+            wait_ms = STOPPING_POLL_MS if stopping else POLL_MS  # (a node's stop waits for this process)
             if self.clients is not None:
-                self.clients.serve(POLL_MS)
+                self.clients.serve(wait_ms)
             else:
-                self.stop.wait(POLL_MS / 1000)
+                self.stop.wait(wait_ms / 1000)
+            if stopping and not self.member.engine_alive():
+                log.info("the node stopped and its engine is gone: exiting")
+                return 0
             if (now := time.monotonic()) < next_check:
                 continue
             next_check = now + CHECK_EVERY_S
-            if self.member.stopping() and not self.member.engine_alive():
-                log.info("the node stopped and its engine is gone: exiting")
-                return 0
             if why := self.member.orphaned():
                 log.error("exiting: %s", why)
                 return P.EXIT_ORPHAN
