@@ -160,7 +160,7 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    help="interface the HTTP API listens on (default: --host); kvrt serve keeps --host on loopback "
                    "and gives its --host here, so that only the HTTP port faces clients")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="every HTTP route answers 401 unless the request carries `Authorization: Bearer KEY`, as "
+                   help="every HTTP route but GET /health answers 401 unless the request carries `Authorization: Bearer KEY`, as "
                    "vLLM's --api-key (the ZeroMQ client API has no key: keep --host on loopback)")
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the HTTP API's chat template instead of the tokenizer's, as vLLM's flag: a file, or the "

@@ -81,7 +81,7 @@ TABLE: tuple[Row, ...] = (
     Same(("--host",), "--http-host", "the HTTP server's interface (default 127.0.0.1; vLLM's default, all "
          "interfaces, is `--host 0.0.0.0`)", "HOST"),
     Same(("--port",), "--http-port", f"the HTTP port (default {DEFAULT_HTTP_PORT})", "PORT"),
-    Same(("--api-key",), "--api-key", "every route needs `Authorization: Bearer KEY` (default: $VLLM_API_KEY)",
+    Same(("--api-key",), "--api-key", "every route but GET /health needs `Authorization: Bearer KEY` (default: $VLLM_API_KEY)",
          "KEY"),
     Same(("--served-model-name",), "--served-model-name", "the model ids requests may name; /v1/models "
          "reports the first (default: MODEL as given)", "NAME", nargs="+"),
