@@ -18,7 +18,7 @@ import pytest
 from kvrt.ipc.ports import free_port_pair
 from kvrt.runtime.cache.events import REPLAY_PER_S, KVEventView
 from kvrt.runtime.client import api
-from kvrt.runtime.client.client import Client, RequestError
+from kvrt.runtime.client.client import Client, ClientError, RequestError
 from kvrt.runtime.node.status import snapshot
 from tests.conftest import run_py
 from tests.launched import SMALL, launched, oracle, pd_secret_file
@@ -55,6 +55,7 @@ def _goes_on(ln, engine_pid: int, drain_s: float = DRAIN_S) -> None:
     answers a dying gateway lost ends with node_silent: told, never left waiting."""
     lost, i = 0, 0
     with Client(ln.port, timeout=30) as c:  # (a DEALER reaches a restarted gateway by itself)
+        _heard(c)  # a client's liveness check holds once the node has spoken (runtime/client/client.py)
         end = time.monotonic() + drain_s
         while time.monotonic() < end:
             assert ln.proc.poll() is None, ln.logs()
@@ -68,9 +69,21 @@ def _goes_on(ln, engine_pid: int, drain_s: float = DRAIN_S) -> None:
     assert ln.proc.poll() is None, ln.logs()
     assert _pid(ln.node, "engine") == engine_pid
     with Client(ln.port, timeout=30) as c:
+        _heard(c)
         got = [int(t) for t in c.generate(PROMPT, 4).output_token_ids]
     assert got == oracle().generate_dense(PROMPT, 4)
     log.info("gateway restarts %s, requests lost with a gateway %d", snapshot(ln.node).get("gateway_restarts"), lost)
+
+
+def _heard(c: Client) -> None:
+    """Hear from the node once (an info retried: the gateway may be starting again)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            c.info(timeout=1)
+            return
+        except ClientError:
+            assert time.monotonic() < deadline, "the node did not answer an info within 30 s"
 
 
 def test_a_ping_attack_on_the_client_port_ends_no_node(node, tmp_path):
