@@ -57,7 +57,6 @@ connections whose peer machine vanished instead.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from collections import deque
@@ -69,6 +68,7 @@ import zmq
 from kvrt.ipc import sockets
 from kvrt.runtime.client.api import CLIENT_QUEUE
 from kvrt.runtime.gateway import link
+from kvrt.runtime.gateway.kept_answers import KeptAnswers
 from kvrt.runtime.gateway.link import FRAMES, GONE, OVERFLOW, PEER
 from kvrt.runtime.node.limits import ZMQ_HANDSHAKE_MS
 
@@ -98,7 +98,6 @@ class ApiServer:
         self.notices: deque[ClientNotice] = deque()
         self._held: deque[tuple[bytes, bytes] | ClientNotice] = deque()  # the gateway's, waiting for room
         self._owed = 0  # the gateway's messages taken in that it was not told of yet (link.py: credit)
-        self._backlog: dict[bytes, deque[bytes]] = {}  # kept answers of clients whose queue is full
         self._gone: set[bytes] = set()  # clients found gone, not yet told to the engine
         self._wake = wake
         self._ctx = zmq.Context()
@@ -108,6 +107,7 @@ class ApiServer:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends fail (never block) for gone or full clients
         self._router.setsockopt(zmq.SNDHWM, client_queue)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._kept = KeptAnswers(self._router, self._gone.add)
         self._link = self._ctx.socket(zmq.DEALER)
         self._link.setsockopt(zmq.LINGER, LINK_LINGER_MS)
         self._link.setsockopt(zmq.SNDHWM, LINK_HWM)
@@ -150,7 +150,8 @@ class ApiServer:
             if self._pull in ready:
                 self._forward()
             self._take(self._router in ready)
-            self._flush_backlogs()
+            self._kept.flush()
+            self._tell_gone(False)
         self._forward()  # answers queued before close still go out
 
     # ---- answers: engine -> clients ----------------------------------------------------------
@@ -166,7 +167,7 @@ class ApiServer:
                 continue  # close() waking the thread
             if link.relayed(client):
                 relay += [client, data, link.KEEP if keep else b""]
-            elif not self._to_client(client, data, bool(keep)):
+            elif not self._kept.send(client, data, bool(keep)):
                 overflowed.add(client)
         if len(relay) > 2:
             self._to_gateway(relay)
@@ -190,32 +191,6 @@ class ApiServer:
             log.warning("no gateway: %d message(s) to decode peer(s) dropped", len(peers))
         self._gone |= clients - peers
 
-    def _to_client(self, client: bytes, data: bytes, keep: bool) -> bool:
-        """Send or keep `data`; False if it was dropped because the client's queue is full."""
-        backlog = self._backlog.get(client)
-        if backlog is None:
-            if self._send_now(client, data):
-                return True
-            backlog = self._backlog[client] = deque()
-        if keep:  # bounded: the engine keeps one notice per request it ends, and bounds requests
-            backlog.append(data)
-            return True
-        return False
-
-    def _send_now(self, client: bytes, data: bytes) -> bool:
-        """Send without waiting; False when the client's queue is full. A client that is gone
-        takes nothing: its backlog is dropped and a GONE notice queued."""
-        try:
-            self._router.send_multipart([client, data], zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as e:
-            if e.errno != errno.EHOSTUNREACH:
-                raise
-            self._backlog.pop(client, None)
-            self._gone.add(client)
-        return True
-
     def _tell_gone(self, wake: bool) -> None:
         """Queue one GONE notice per client found gone since the last call, and wake the engine
         if there is anything new for it."""
@@ -223,18 +198,6 @@ class ApiServer:
         if self._gone or wake:
             self._gone.clear()
             self._wake()
-
-    def _flush_backlogs(self) -> None:
-        """Kept answers go out once their client reads again; a client with none left is back to
-        normal (its next answer that does not fit starts a backlog again)."""
-        for client, backlog in list(self._backlog.items()):
-            while backlog and self._send_now(client, backlog[0]):
-                if self._backlog.get(client) is not backlog:
-                    break  # the client is gone, and its backlog with it
-                backlog.popleft()
-            if not backlog:
-                self._backlog.pop(client, None)
-        self._tell_gone(False)
 
     # ---- messages: clients -> engine -----------------------------------------------------------
     def _from_gateway(self) -> None:

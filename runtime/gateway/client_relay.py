@@ -14,14 +14,13 @@ aborts it on a hostile peer's bytes, the launcher starts another (runtime/node/s
 """
 from __future__ import annotations
 
-import errno
 import logging
-from collections import deque
 
 import zmq
 
 from kvrt.runtime.client.api import CLIENT_QUEUE
 from kvrt.runtime.gateway import link
+from kvrt.runtime.gateway.kept_answers import KeptAnswers
 from kvrt.runtime.node.limits import ZMQ_HANDSHAKE_MS
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,6 @@ class ClientRelay:
         self.address = f"tcp://{host}:{port}"
         self.window = window
         self.outstanding = 0  # counted messages sent up that the engine has not credited yet
-        self._backlog: dict[bytes, deque[bytes]] = {}  # kept answers of clients whose queue is full (public ids)
         self._notices: dict[tuple[bytes, bytes], None] = {}  # (engine id, kind) for the next NOTICES batch
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -77,6 +75,7 @@ class ClientRelay:
         self._poller = zmq.Poller()
         for sock in (self._router, self._link, *self._by_socket):
             self._poller.register(sock, zmq.POLLIN)
+        self._kept = KeptAnswers(r, self._tell_gone)  # (public ids)
         log.info("client API listening on %s", self.address)
 
     def serve(self, timeout_ms: int) -> None:
@@ -93,7 +92,7 @@ class ClientRelay:
                 peers += self._drain_peer(sock, identity)
         if len(peers) > 1:
             self._up(peers)
-        self._flush_backlogs()
+        self._kept.flush()
         if self._notices:
             self._up([link.NOTICES, *(f for notice in self._notices for f in notice)])
             self._notices = {}
@@ -158,41 +157,10 @@ class ClientRelay:
         if client[:1] != link.RELAYED:
             log.error("an answer for %r, not a client of the gateway: dropped", client[:16])
             return True
-        public = client[1:]
-        backlog = self._backlog.get(public)
-        if backlog is None:
-            if self._send_now(public, data):
-                return True
-            backlog = self._backlog[public] = deque()
-        if keep:  # bounded: the engine keeps one notice per request it ends, and bounds requests
-            backlog.append(data)
-            return True
-        return False
+        return self._kept.send(client[1:], data, keep)
 
-    def _send_now(self, public: bytes, data: bytes) -> bool:
-        """Send without waiting; False when the client's queue is full. A client that is gone
-        takes nothing: its backlog is dropped and the engine told."""
-        try:
-            self._router.send_multipart([public, data], zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as e:
-            if e.errno != errno.EHOSTUNREACH:
-                raise
-            self._backlog.pop(public, None)
-            self._notices[(link.RELAYED + public, link.GONE.encode())] = None
-        return True
-
-    def _flush_backlogs(self) -> None:
-        """Kept answers go out once their client reads again; a client with none left is back to
-        normal (its next answer that does not fit starts a backlog again)."""
-        for public, backlog in list(self._backlog.items()):
-            while backlog and self._send_now(public, backlog[0]):
-                if self._backlog.get(public) is not backlog:
-                    break  # the client is gone, and its backlog with it
-                backlog.popleft()
-            if not backlog:
-                self._backlog.pop(public, None)
+    def _tell_gone(self, public: bytes) -> None:
+        self._notices[(link.RELAYED + public, link.GONE.encode())] = None
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)
