@@ -26,7 +26,9 @@ and HELD of the misses a larger P would have served (LRU would not have, `gaps`'
 still have held), at most HELD_CAP of the capacity: the evidence that a larger P pays, which it
 may then risk. A victim that still has a device child goes back to P ranked last, rather than
 to the cache to be parked. All the per-block work is in C (runtime/cache/_cache_core.c adapt_*),
-one call per released, matched, missed or evicted run.
+one call per released, matched, missed or evicted run; its Python reference is
+tests/runtime/cache/cache_reference.py's adapt_*, which tests/runtime/cache/test_cache_core.py
+holds it to, state for state.
 
 The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
