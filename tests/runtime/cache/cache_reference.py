@@ -478,18 +478,30 @@ class _Adapt:
             st[A_TB] -= 1
             st[A_ABOVE] += self.alive(int(st[A_TB]))
 
-    def in_lru(self, t: int, s: int) -> bool:
+    def window(self) -> tuple[int, int] | None:
+        """What an LRU cache of the same size holds beyond R when a request is matched: every
+        live exit of releases after TB and those of release TB from the block serial returned on
+        (None: nothing)."""
         st = self.st
         held = int(st[A_NP] + st[A_NPARK])
-        if not held or t < st[A_TB]:
-            return False
-        if t > st[A_TB]:
-            return True
-        need = held - (int(st[A_ABOVE]) - self.alive(t))
-        j = t % self.rt
-        end = int(self.tstart[j] + self.tlen[j])
-        newer = sum(int(self.bits[x % self.rs]) for x in range(s + 1, end))
-        return newer < need
+        tb = int(st[A_TB])
+        if not held:
+            return None
+        start = 1 << 63
+        if self.tracked(tb):
+            need = held - (int(st[A_ABOVE]) - self.alive(tb))
+            j = tb % self.rt
+            for x in range(int(self.tstart[j] + self.tlen[j]) - 1, int(self.tstart[j]) - 1, -1):
+                if need <= 0:
+                    break
+                if self.bits[x % self.rs]:
+                    need -= 1
+                    start = x
+        return tb, start
+
+    @staticmethod
+    def in_lru(w: tuple[int, int] | None, t: int, s: int) -> bool:
+        return w is not None and (t > w[0] or (t == w[0] and s >= w[1]))
 
     def exit(self, v: int) -> None:
         t, s = self.get(v, M_REL), self.get(v, M_BSER)
@@ -677,15 +689,16 @@ def adapt_front(m, f, r, h, t, bits, st, hits, nodes) -> None:
 
 def adapt_discard(m, f, r, h, t, bits, st, hits, nodes, turnover) -> tuple[int, int, int]:
     a = _Adapt(m, f, r, h, t, bits, st, hits)
-    queued = long = gains = 0
-    for v in nodes.tolist():
+    queued = long = 0
+    w = a.window()  # LRU's content as the request found it
+    vs = nodes.tolist()
+    gains = sum(1 for v in vs if f[3 * v] and not a.in_lru(w, a.get(v, M_REL), a.get(v, M_BSER)))
+    for v in vs:
         in_p = a.get(v, M_PSER) >= 0
         if in_p or a.get(v, M_RSTAMP) >= 0:
             queued += 1
             long += float(st[A_CLOCK] - a.get(v, M_REL)) > turnover
-        if f[3 * v]:
-            gains += not a.in_lru(a.get(v, M_REL), a.get(v, M_BSER))
-            a.reenter(v)
+        a.reenter(v)
         if in_p:
             a.set(v, M_PSER, -1)
             st[A_NP] -= 1
@@ -703,6 +716,8 @@ def adapt_missed(m, f, r, h, t, bits, st, hits, ages, depth, due) -> tuple[int, 
     front = a.rhead()
     frontier = a.get(front, M_REL) if front >= 0 else clock
     losses = held = 0
+    w = a.window()  # LRU's content as the request found it
+    dead = []
     for j, age in enumerate(ages.tolist()):
         if age < 0:
             continue
@@ -715,12 +730,14 @@ def adapt_missed(m, f, r, h, t, bits, st, hits, ages, depth, due) -> tuple[int, 
         s = int(a.tstart[x] + a.tlen[x]) - 1 - (depth + j)  # released deepest first
         if not bits[s % a.rs]:
             continue
-        if a.in_lru(rel, s):
+        if a.in_lru(w, rel, s):
             losses += 1
         else:
             held += int(due[s % a.rs]) > frontier
+        dead.append((rel, s))
+    for rel, s in dead:
         a.dies(rel, s)
-        a.fix()
+    a.fix()
     return losses, held
 
 
