@@ -34,7 +34,7 @@ The bound, structural rather than windowed: a loss needs a block of P's, P never
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
 the blocks it served are at least LRU's minus the allowance (1/64 + 1/16 of the capacity at
 most, plus 0.05% of the lookups); over any stretch it loses at most the lead over LRU it had at
-the stretch's start plus the allowance. The counts are exact for requests served one after
+the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus the allowance. The counts are exact for requests served one after
 another (the benchmark's replay, where the ledger is never ahead of the truth) and close with
 requests in flight together. tests/runtime/cache/test_adaptive_bound.py checks both on
 generated traces against an LRU cache replayed beside it, from a cold cache and over every
@@ -65,6 +65,10 @@ RATE = 0.0005
 # and a share of the misses a larger P would have served (what its bonus would still have held,
 # LRU would not): the evidence for a larger P, which it may then risk
 HELD, HELD_CAP = 1.0, 1 / 16
+# the lead over LRU the bank keeps, in capacities: a lead of one capacity was spent by the first
+# stretch of losses and P shrank though it was far ahead; the bound over any stretch is this
+# much of the lead at its start plus the allowance
+BANK_CAP = 4
 # rows of the per-node matrix and indices of the scalars (runtime/cache/_cache_core.c adapt_*)
 M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
 A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP = range(12)
@@ -144,7 +148,7 @@ class Adaptive(EvictionPolicy):
         self.gains += won
         self.losses += lost
         a = self.allowance()
-        self.bank = int(min(self._n - a, max(-a, self.bank + won - lost)))
+        self.bank = int(min(BANK_CAP * self._n - a, max(-a, self.bank + won - lost)))
 
     def bonus_scale(self) -> float:
         """The share of `gaps`' bonus in force: 0 while at most LONG_LOW of the recent reuse came
