@@ -230,7 +230,12 @@ class Adaptive(EvictionPolicy):
             self._settle(won, 0)
 
     def discard_one(self, n: int) -> None:
-        self.discard(np.array([n], dtype=np.int32))
+        """`n` leaves the queues without serving a request (its node freed or detached, or
+        adopted by a request that computed its block itself): nothing is counted, neither a
+        gain nor reuse. A node neither queued nor parked (evicted: what became of its block is
+        the ledger's, as when a host tier drops it in a batch) is left as it is."""
+        if self._rstamp[n] >= 0 or self._pser[n] >= 0 or self._f[3 * n + 2]:
+            _discard_c(*self._args, np.array([n], dtype=np.int32), 0.0)
 
     def pop(self) -> int:
         got = self.pop_many(1)

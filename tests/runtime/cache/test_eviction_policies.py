@@ -547,3 +547,7 @@ def test_adaptive_protects_as_much_as_it_has_won():
         q.pop_many(16)
     q.discard(np.array(kept[:10], dtype=np.int32))
     assert q.gains == 10 and q.budget() == 64 + 10
+    # a node that leaves without serving a request (freed, detached, or adopted by one that
+    # computed its block itself) is no gain, though LRU would not have held it either
+    q.discard_one(kept[10])
+    assert kept[10] not in q and q.gains == 10 and q.budget() == 64 + 10
