@@ -34,13 +34,16 @@ The bound, structural rather than windowed: a loss needs a block of P's, P never
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
 the blocks it served are at least LRU's minus the allowance (1/64 + 1/16 of the capacity at
 most, plus 0.05% of the lookups); over any stretch it loses at most the lead over LRU it had at
-the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus the allowance. The counts are exact for requests served one after
-another (the benchmark's replay, where the ledger is never ahead of the truth) and close with
-requests in flight together. tests/runtime/cache/test_adaptive_bound.py checks both on
+the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus the allowance. The
+counts are exact for requests served one after another (the benchmark's replay, where the
+ledger is never ahead of the truth) and close with requests in flight together. tests/runtime/cache/test_adaptive_bound.py checks both on
 generated traces against an LRU cache replayed beside it, from a cold cache and over every
 window of two turnovers. The price: where protection pays only once P is large (a small P
 churns before its blocks come back), P grows with what it earns, and the policy gets there
-later than `gaps` does.
+later than `gaps` does, or never where a small P loses to LRU; and the share of the bonus in
+force is read from this policy's own hits, which under an order close to LRU's are never
+long, so the bonus can fade before P has had room to show what it would win
+(docs/benchmarks.md, the adaptive policy: the held-out cells where it trails `gaps`).
 
 A host tier's queue (the same class) takes the device's budget share (`follows`): the host tier
 has no misses of its own to judge by.
