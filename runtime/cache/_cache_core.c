@@ -1665,19 +1665,33 @@ static void a_fix(adapt_t *a) {
     }
 }
 
-/* Would an LRU cache of the same size hold the live exit of release t, block serial s? */
-static int a_in_lru(const adapt_t *a, int64_t t, int64_t s) {
+/* What an LRU cache of the same size holds beyond R, as it stands when a request is matched: the
+   newest (|P| + parked) live exits, i.e. every live exit of releases after TB and those of
+   release TB from block serial `from` on. Taken once per matched or missed run, before any of
+   its blocks is counted again: an LRU cache's content is what it was when the request came. */
+typedef struct {
+    int64_t tb, from;
+    int any;
+} a_window_t;
+
+static a_window_t a_window(const adapt_t *a) {
     const int64_t *st = a->st, held = st[A_NP] + st[A_NPARK];
-    if (!held || t < st[A_TB])
-        return 0;
-    if (t > st[A_TB])
-        return 1;
-    int64_t need = held - (st[A_ABOVE] - a_alive(a, t));
-    Py_ssize_t j = amod(t, a->rt);
-    int64_t newer = 0;
-    for (int64_t x = s + 1; x < a->tstart[j] + a->tlen[j]; x++)
-        newer += a->bits[amod(x, a->rs)];
-    return newer < need;
+    a_window_t w = {st[A_TB], INT64_MAX, held > 0};
+    if (!w.any || !a_tracked(a, w.tb))
+        return w;
+    int64_t need = held - (st[A_ABOVE] - a_alive(a, w.tb));
+    Py_ssize_t j = amod(w.tb, a->rt);
+    for (int64_t x = a->tstart[j] + a->tlen[j]; need > 0 && x-- > a->tstart[j];)
+        if (a->bits[amod(x, a->rs)]) {
+            need--;
+            w.from = x;
+        }
+    return w;
+}
+
+/* Would an LRU cache of the same size hold the live exit of release t, block serial s? */
+static inline int a_in_lru(const a_window_t *w, int64_t t, int64_t s) {
+    return w->any && (t > w->tb || (t == w->tb && s >= w->from));
 }
 
 /* Node v becomes a live exit (it leaves R) unless it is one already. */
@@ -1981,18 +1995,20 @@ static PyObject *adapt_discard(PyObject *self, PyObject *args) {
         return NULL;
     const int32_t *nodes = bv.b[8].buf;
     int64_t *st = a.st;
-    Py_ssize_t queued = 0, lng = 0, gains = 0;
-    for (Py_ssize_t i = 0; i < bv.b[8].shape[0]; i++) {
+    Py_ssize_t queued = 0, lng = 0, gains = 0, k = bv.b[8].shape[0];
+    a_window_t w = a_window(&a);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int32_t v = nodes[i];
+        gains += a.exited[3 * (v)] && !a_in_lru(&w, a.m[(v) * M_ROWS + M_REL], a.m[(v) * M_ROWS + M_BSER]);
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
         int32_t v = nodes[i];
         int in_p = a.m[(v) * M_ROWS + M_PSER] >= 0;
         if (in_p || a.m[(v) * M_ROWS + M_RSTAMP] >= 0) {
             queued++;
             lng += (double)(st[A_CLOCK] - a.m[(v) * M_ROWS + M_REL]) > turnover;
         }
-        if (a.exited[3 * (v)]) {
-            gains += !a_in_lru(&a, a.m[(v) * M_ROWS + M_REL], a.m[(v) * M_ROWS + M_BSER]);
-            a_reenter(&a, v);
-        }
+        a_reenter(&a, v);
         if (in_p) {
             a.m[(v) * M_ROWS + M_PSER] = -1;
             st[A_NP]--;
@@ -2032,27 +2048,31 @@ static PyObject *adapt_missed(PyObject *self, PyObject *args) {
     int64_t clock = a.st[A_CLOCK];
     int32_t front = a_rhead(&a);
     int64_t frontier = front >= 0 ? a.m[front * M_ROWS + M_REL] : clock;
-    Py_ssize_t losses = 0, held = 0;
-    for (Py_ssize_t j = 0; j < bv.b[8].shape[0]; j++) {
-        int64_t age = ages[j], d = depth + j;
-        if (age < 0)
-            continue;
-        int64_t t = clock - age;
-        if (!a_tracked(&a, t))
-            continue;
-        Py_ssize_t r = amod(t, a.rt);
-        if (d >= a.tlen[r])
-            continue;
-        int64_t s = a.tstart[r] + a.tlen[r] - 1 - d;  /* released deepest first */
-        if (!a.bits[amod(s, a.rs)])
-            continue;
-        if (a_in_lru(&a, t, s))
-            losses++;
-        else
-            held += due[amod(s, a.rs)] > frontier;
-        a_dies(&a, t, s);
-        a_fix(&a);
+    Py_ssize_t losses = 0, held = 0, k = bv.b[8].shape[0];
+    a_window_t w = a_window(&a);
+    for (int pass = 0; pass < 2; pass++) {  /* counted against the window as it was, then gone */
+        for (Py_ssize_t j = 0; j < k; j++) {
+            int64_t age = ages[j], d = depth + j;
+            if (age < 0)
+                continue;
+            int64_t t = clock - age;
+            if (!a_tracked(&a, t))
+                continue;
+            Py_ssize_t r = amod(t, a.rt);
+            if (d >= a.tlen[r])
+                continue;
+            int64_t s = a.tstart[r] + a.tlen[r] - 1 - d;  /* released deepest first */
+            if (!a.bits[amod(s, a.rs)])
+                continue;
+            if (pass)
+                a_dies(&a, t, s);
+            else if (a_in_lru(&w, t, s))
+                losses++;
+            else
+                held += due[amod(s, a.rs)] > frontier;
+        }
     }
+    a_fix(&a);
     drop_bufs(&bv);
     return Py_BuildValue("nn", losses, held);
 }

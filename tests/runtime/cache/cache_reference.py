@@ -13,6 +13,7 @@ runtime/cache/eviction.py must reproduce exactly (tests/runtime/cache/test_evict
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import OrderedDict
 from typing import Sequence
 
@@ -426,3 +427,445 @@ class OneAtATime(PrefixCache):
             dropped += 1
         self.metrics.evicted_host_blocks += dropped
         return got
+
+
+# ---- the `adaptive` policy (runtime/cache/policies/adaptive.py): its state is the policy's
+# arrays (M, F, R, H, T, bits, st, hits), read and written in place as the C functions do,
+# one block at a time
+A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP, A_NPARK, \
+    A_PMAX = range(14)
+M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
+
+
+class _Adapt:
+    """The adaptive policy's arrays as the C functions see them (adapt_take), and the steps they
+    share: the ledger of live exits (blocks that left the recency segment R and were not used
+    since), R's ring and P's heap."""
+
+    def __init__(self, m, f, r, h, t, bits, st, hits):
+        self.n = len(hits)
+        if len(m) != M_ROWS * self.n or len(f) != 3 * self.n:
+            raise ValueError("the adaptive policy's arrays do not fit together")
+        self.m, self.f, self.rq, self.bits, self.st, self.hits = m, f, r, bits, st, hits
+        self.rq_cap, self.hcap, self.rt, self.rs = len(r) // 2, len(h) // 4, len(t) // 3, len(bits)
+        self.hk, self.ho, self.hn, self.hs = (h[i * self.hcap:(i + 1) * self.hcap] for i in range(4))
+        self.tstart, self.tlen, self.talive = (t[i * self.rt:(i + 1) * self.rt] for i in range(3))
+
+    def get(self, v: int, row: int) -> int:
+        return int(self.m[v * M_ROWS + row])
+
+    def set(self, v: int, row: int, x: int) -> None:
+        self.m[v * M_ROWS + row] = x
+
+    def tracked(self, t: int) -> bool:
+        clock = int(self.st[A_CLOCK])
+        if t < 0 or t >= clock or clock - t >= self.rt - 1:
+            return False
+        j = t % self.rt
+        return int(self.st[A_SERIAL]) - int(self.tstart[j]) <= self.rs - int(self.tlen[j])
+
+    def alive(self, t: int) -> int:
+        return int(self.talive[t % self.rt]) if self.tracked(t) else 0
+
+    def fix(self) -> None:
+        st = self.st
+        held = int(st[A_NP] + st[A_NPARK])
+        while st[A_TB] <= st[A_LASTEX] and st[A_ABOVE] - self.alive(int(st[A_TB])) >= held:
+            st[A_ABOVE] -= self.alive(int(st[A_TB]))
+            st[A_TB] += 1
+        low = int(st[A_CLOCK]) - self.rt + 2
+        while st[A_ABOVE] < held and st[A_TB] > low and st[A_TB] > 0:
+            st[A_TB] -= 1
+            st[A_ABOVE] += self.alive(int(st[A_TB]))
+
+    def window(self) -> tuple[int, int] | None:
+        """What an LRU cache of the same size holds beyond R when a request is matched: every
+        live exit of releases after TB and those of release TB from the block serial returned on
+        (None: nothing)."""
+        st = self.st
+        held = int(st[A_NP] + st[A_NPARK])
+        tb = int(st[A_TB])
+        if not held:
+            return None
+        start = 1 << 63
+        if self.tracked(tb):
+            need = held - (int(st[A_ABOVE]) - self.alive(tb))
+            j = tb % self.rt
+            for x in range(int(self.tstart[j] + self.tlen[j]) - 1, int(self.tstart[j]) - 1, -1):
+                if need <= 0:
+                    break
+                if self.bits[x % self.rs]:
+                    need -= 1
+                    start = x
+        return tb, start
+
+    @staticmethod
+    def in_lru(w: tuple[int, int] | None, t: int, s: int) -> bool:
+        return w is not None and (t > w[0] or (t == w[0] and s >= w[1]))
+
+    def exit(self, v: int) -> None:
+        t, s = self.get(v, M_REL), self.get(v, M_BSER)
+        if t > self.st[A_LASTEX]:
+            self.st[A_LASTEX] = t
+        if self.f[3 * v] or not self.tracked(t):
+            return
+        self.f[3 * v] = 1
+        self.bits[s % self.rs] = 1
+        self.talive[t % self.rt] += 1
+        if t >= self.st[A_TB]:
+            self.st[A_ABOVE] += 1
+
+    def dies(self, t: int, s: int) -> None:
+        if not self.tracked(t) or not self.bits[s % self.rs]:
+            return
+        self.bits[s % self.rs] = 0
+        self.talive[t % self.rt] -= 1
+        if t >= self.st[A_TB]:
+            self.st[A_ABOVE] -= 1
+
+    def reenter(self, v: int) -> None:
+        if self.f[3 * v + 2]:
+            self.f[3 * v + 2] = 0
+            self.st[A_NPARK] -= 1
+        if self.f[3 * v]:
+            self.f[3 * v] = 0
+            self.dies(self.get(v, M_REL), self.get(v, M_BSER))
+
+    # P's heap: [priority, order, node, serial] entries, lowest (priority, order) on top
+    def less(self, i: int, j: int) -> bool:
+        return (self.hk[i], self.ho[i]) < (self.hk[j], self.ho[j])
+
+    def swap(self, i: int, j: int) -> None:
+        for row in (self.hk, self.ho, self.hn, self.hs):
+            row[i], row[j] = row[j], row[i]
+
+    def down(self, i: int, size: int) -> None:
+        while True:
+            low, m = 2 * i + 1, i
+            if low < size and self.less(low, m):
+                m = low
+            if low + 1 < size and self.less(low + 1, m):
+                m = low + 1
+            if m == i:
+                return
+            self.swap(i, m)
+            i = m
+
+    def remove_top(self) -> None:
+        self.st[A_HSIZE] -= 1
+        size = int(self.st[A_HSIZE])
+        if size:
+            for row in (self.hk, self.ho, self.hn, self.hs):
+                row[0] = row[size]
+            self.down(0, size)
+
+    def ptop(self) -> int:
+        while self.st[A_HSIZE]:
+            if self.get(int(self.hn[0]), M_PSER) == self.hs[0]:
+                return 0
+            self.remove_top()
+        return -1
+
+    def protect(self, v: int) -> None:
+        st = self.st
+        if st[A_HSIZE] == self.hcap:  # full of stale entries: keep the live ones, heapified again
+            live = [i for i in range(self.hcap) if self.get(int(self.hn[i]), M_PSER) == self.hs[i]]
+            for row in (self.hk, self.ho, self.hn, self.hs):
+                row[:len(live)] = row[live]
+            st[A_HSIZE] = len(live)
+            for i in reversed(range(len(live) // 2)):
+                self.down(i, len(live))
+        i = int(st[A_HSIZE])
+        st[A_HSIZE] += 1
+        ser = int(st[A_PSER])
+        st[A_PSER] += 1
+        prio = self.get(v, M_PRIO)
+        st[A_PMAX] = max(int(st[A_PMAX]), prio)
+        self.hk[i], self.ho[i], self.hn[i], self.hs[i] = prio, st[A_ORDER], v, ser
+        st[A_ORDER] += 1
+        self.set(v, M_PSER, ser)
+        while i > 0 and self.less(i, (i - 1) // 2):
+            self.swap(i, (i - 1) // 2)
+            i = (i - 1) // 2
+        st[A_NP] += 1
+
+    def unprotect_top(self) -> int:
+        v = int(self.hn[0])
+        self.set(v, M_PSER, -1)
+        self.remove_top()
+        self.st[A_NP] -= 1
+        return v
+
+    # R's ring of [node, stamp] entries, oldest at RHEAD
+    def live_entry(self, x: int) -> tuple[int, int] | None:
+        j = x % self.rq_cap
+        v, s = int(self.rq[2 * j]), int(self.rq[2 * j + 1])
+        return (v, s) if 0 <= v < self.n and self.get(v, M_RSTAMP) == s else None
+
+    def rhead(self) -> int:
+        st = self.st
+        while st[A_RHEAD] < st[A_RTAIL]:
+            e = self.live_entry(int(st[A_RHEAD]))
+            if e is not None:
+                return e[0]
+            st[A_RHEAD] += 1
+        return -1
+
+    def rroom(self) -> None:
+        st = self.st
+        if st[A_RTAIL] - st[A_RHEAD] < self.rq_cap:
+            return
+        live = [e for e in map(self.live_entry, range(int(st[A_RHEAD]), int(st[A_RTAIL]))) if e is not None]
+        for w, (v, s) in enumerate(live):
+            k = (int(st[A_RHEAD]) + w) % self.rq_cap
+            self.rq[2 * k], self.rq[2 * k + 1] = v, s
+        st[A_RTAIL] = st[A_RHEAD] + len(live)
+
+
+def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> int:
+    a = _Adapt(m, f, r, h, t, bits, st, hits)
+    if len(ghost) != a.n:
+        raise ValueError("adapt_push: one last gap per node")
+    if len(nodes) and not (0 <= nodes.min() and nodes.max() < a.n):
+        raise IndexError("adapt_push: node id out of range")
+    if not len(levels) or not len(hold) or span < 1 or len(nodes) >= a.rs // 2:
+        raise ValueError("adapt_push: no levels, or a release larger than the ring of serials")
+    now, s0, k = int(st[A_CLOCK]), int(st[A_SERIAL]), len(nodes)
+    j = now % a.rt
+    a.tstart[j], a.tlen[j], a.talive[j] = s0, k, 0
+    bits[np.arange(s0, s0 + k) % a.rs] = 0
+    st[A_CLOCK], st[A_SERIAL] = now + 1, s0 + k
+    if st[A_TB] < now + 2 - a.rt or (st[A_TB] < now and not a.tracked(int(st[A_TB]))):
+        tb = int(st[A_TB])
+        while tb < now and not a.tracked(tb):
+            tb += 1
+        st[A_TB] = tb
+        st[A_ABOVE] = sum(a.alive(x) for x in range(tb, now + 1))
+    lost = 0
+    for i, v in enumerate(nodes.tolist()):
+        if a.get(v, M_PSER) >= 0:  # queued in P: out of it, used again
+            a.set(v, M_PSER, -1)
+            st[A_NP] -= 1
+            a.reenter(v)
+        f[3 * v] = 0
+        if f[3 * v + 2]:
+            f[3 * v + 2] = 0
+            st[A_NPARK] -= 1
+        uses = max(0, int(hits[v]))
+        lost += not f[3 * v + 1] and uses != 0
+        f[3 * v + 1] = 0
+        u = min(uses, len(hold) - 1)
+        hd = float(hold[u])
+        gap = int(ghost[v])
+        if (u == 1 and gap > far1) or (u == 2 and gap > far2):
+            hd = 0.0
+        due = now + (int(unit * hd) if unit > 0 else 0)
+        a.set(v, M_PRIO, due * span + int(levels[min(uses, len(levels) - 1)]))
+        ghost[v] = -1
+        a.set(v, M_REL, now)
+        a.set(v, M_BSER, s0 + i)
+        a.set(v, M_RSTAMP, s0 + i)
+        a.rroom()
+        q = int(st[A_RTAIL]) % a.rq_cap
+        st[A_RTAIL] += 1
+        r[2 * q], r[2 * q + 1] = v, s0 + i
+    a.fix()
+    return lost
+
+
+def adapt_front(m, f, r, h, t, bits, st, hits, nodes) -> None:
+    a = _Adapt(m, f, r, h, t, bits, st, hits)
+    for v in reversed(nodes.tolist()):
+        a.reenter(v)
+        a.rroom()
+        s = int(st[A_FSTAMP])
+        st[A_FSTAMP] += 1
+        st[A_RHEAD] -= 1
+        q = int(st[A_RHEAD]) % a.rq_cap
+        r[2 * q], r[2 * q + 1] = v, s
+        a.set(v, M_RSTAMP, s)
+    a.fix()
+
+
+def adapt_discard(m, f, r, h, t, bits, st, hits, nodes, turnover) -> tuple[int, int, int]:
+    a = _Adapt(m, f, r, h, t, bits, st, hits)
+    queued = long = 0
+    w = a.window()  # LRU's content as the request found it
+    vs = nodes.tolist()
+    gains = sum(1 for v in vs if f[3 * v] and not a.in_lru(w, a.get(v, M_REL), a.get(v, M_BSER)))
+    for v in vs:
+        in_p = a.get(v, M_PSER) >= 0
+        if in_p or a.get(v, M_RSTAMP) >= 0:
+            queued += 1
+            long += float(st[A_CLOCK] - a.get(v, M_REL)) > turnover
+        a.reenter(v)
+        if in_p:
+            a.set(v, M_PSER, -1)
+            st[A_NP] -= 1
+        a.set(v, M_RSTAMP, -1)
+        f[3 * v + 1] = 1
+    a.fix()
+    return queued, long, gains
+
+
+def adapt_missed(m, f, r, h, t, bits, st, hits, ages, depth, due) -> tuple[int, int]:
+    a = _Adapt(m, f, r, h, t, bits, st, hits)
+    if len(due) != a.rs:
+        raise ValueError("adapt_missed: one due release per block serial of the ring")
+    clock = int(st[A_CLOCK])
+    front = a.rhead()
+    frontier = a.get(front, M_REL) if front >= 0 else clock
+    losses = held = 0
+    w = a.window()  # LRU's content as the request found it
+    dead = []
+    for j, age in enumerate(ages.tolist()):
+        if age < 0:
+            continue
+        rel = clock - age
+        if not a.tracked(rel):
+            continue
+        x = rel % a.rt
+        if depth + j >= a.tlen[x]:
+            continue
+        s = int(a.tstart[x] + a.tlen[x]) - 1 - (depth + j)  # released deepest first
+        if not bits[s % a.rs]:
+            continue
+        if a.in_lru(w, rel, s):
+            losses += 1
+        else:
+            held += int(due[s % a.rs]) > frontier
+        dead.append((rel, s))
+    for rel, s in dead:
+        a.dies(rel, s)
+    a.fix()
+    return losses, held
+
+
+def _cdiv(x: int, y: int) -> int:
+    """C's integer division (toward zero)."""
+    q = abs(x) // abs(y)
+    return q if (x >= 0) == (y > 0) else -q
+
+
+def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_row, ndev_row, scratch, due) -> int:
+    a = _Adapt(m, f, r, h, t, bits, st, hits)
+    if len(due) != a.rs:
+        raise ValueError("adapt_pop: one due release per block serial of the ring")
+    if k < 0 or k > len(out) or span < 1 or fm.shape[1] != a.n or len(scratch) != a.n:
+        raise ValueError("adapt_pop: need room for k nodes in out, span >= 1, and a node matrix and scratch of n columns")
+    parent, ndev = fm[parent_row], fm[ndev_row]
+    taken = held = 0
+
+    def victim(v: int) -> None:
+        nonlocal taken, held
+        parked = ndev[v] > scratch[v]
+        if parked and held < 4 * k + 1024:  # a device child left: P keeps it, ranked last
+            held += 1
+            a.set(v, M_PRIO, int(st[A_PMAX]))
+            a.protect(v)
+            return
+        if parked:
+            held += 1
+        out[taken] = v
+        taken += 1
+        pr = a.get(v, M_PRIO)
+        bonus = pr > a.get(v, M_REL) * span + pr % span
+        due[a.get(v, M_BSER) % a.rs] = _cdiv(pr, span) if bonus else 0
+        if parked:
+            f[3 * v + 2] = 1
+            st[A_NPARK] += 1
+        elif 0 <= parent[v] < a.n:
+            scratch[parent[v]] += 1
+
+    while taken < k:
+        p = a.ptop()
+        if p >= 0 and st[A_NP] > budget:
+            victim(a.unprotect_top())
+            a.fix()
+            continue
+        v = a.rhead()
+        if v < 0:
+            if p < 0:
+                break
+            victim(a.unprotect_top())
+            a.fix()
+            continue
+        pr = a.get(v, M_PRIO)
+        base = a.get(v, M_REL) * span + pr % span
+        if pr > base:  # a bonus: P keeps it if it has room, or once its lowest is gone
+            if st[A_NP] < budget:
+                st[A_RHEAD] += 1
+                a.set(v, M_RSTAMP, -1)
+                a.exit(v)
+                a.protect(v)
+                a.fix()
+                continue
+            if p >= 0 and a.hk[0] < pr:
+                victim(a.unprotect_top())
+                a.fix()
+                continue
+        elif p >= 0 and a.hk[0] < base:
+            victim(a.unprotect_top())
+            a.fix()
+            continue
+        st[A_RHEAD] += 1
+        a.set(v, M_RSTAMP, -1)
+        a.exit(v)
+        victim(v)
+        a.fix()
+    for v in out[:taken].tolist():
+        scratch[v] = 0
+        if 0 <= parent[v] < a.n:
+            scratch[parent[v]] = 0
+    a.fix()
+    return taken
+
+
+# the adaptive policy's memory of blocks gone from the cache: two slots per 16-byte key, each a
+# record of its release (bits 0-31), uses (32-39, saturating), tag (40-47: the key's 9th byte)
+# and a written bit (48)
+def _gslots(key: bytes, mask: int) -> tuple[int, int]:
+    h = int.from_bytes(key[:8], sys.byteorder)
+    return h & mask, (h >> 32) & mask
+
+
+def adapt_forget(m, hits, table, keys, nodes, aligned) -> None:
+    slots = len(table) // 2
+    n = len(m) // M_ROWS
+    if len(keys) != (len(nodes) if aligned else n) or len(hits) != len(keys) or slots < 1 or slots & (slots - 1):
+        raise ValueError("adapt_forget: a key per node (or per node id), and a table of 2 rows of 2**k slots")
+    for i, v in enumerate(nodes.tolist()):
+        if not 0 <= v < n:
+            continue
+        key = keys[i if aligned else v]
+        if not isinstance(key, bytes) or len(key) != 16:
+            continue  # (not a block key: nothing to remember)
+        uses = min(255, max(0, int(hits[i if aligned else v])) + 1)
+        rec = (int(m[v * M_ROWS + M_REL]) & 0xffffffff) | uses << 32 | key[8] << 40 | 1 << 48
+        a, b = _gslots(key, slots - 1)
+        table[a] = rec
+        table[slots + b] = rec
+
+
+def adapt_recall(table, keys, start, clock, ages, uses) -> None:
+    slots = len(table) // 2
+    k = len(keys) - start
+    if start < 0 or k < 0 or len(ages) < k or len(uses) != len(ages) or slots < 1 or slots & (slots - 1):
+        raise ValueError("adapt_recall: room for every key from start, a table of 2 rows of 2**k slots")
+    for i in range(k):
+        key = keys[start + i]
+        ages[i], uses[i] = -1, 0
+        if not isinstance(key, bytes) or len(key) != 16:
+            continue
+        a, b = _gslots(key, slots - 1)
+        newest, best = -1, 0
+        for rec in (int(table[a]), int(table[slots + b])):
+            if not rec >> 48 & 1 or (rec >> 40) & 0xff != key[8]:
+                continue
+            when = (clock & ~0xffffffff) | (rec & 0xffffffff)  # the latest release with these low bits
+            if when > clock:
+                when -= 1 << 32
+            if when > newest:
+                newest, best = when, rec
+        if newest >= 0:
+            ages[i], uses[i] = clock - newest, (best >> 32) & 0xff

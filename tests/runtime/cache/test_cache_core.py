@@ -14,7 +14,7 @@ from kvrt.runtime.cache import (eviction as cache_eviction, keys as hashing, mat
 from kvrt.runtime.cache._cache_core import deref, drop_run, free_host_nodes, mark_swap_out, new_chain, touch_device
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.cache.nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
-from kvrt.runtime.cache.policies import gaps as reuse_gaps, reuse as reuse_levels
+from kvrt.runtime.cache.policies import adaptive, gaps as reuse_gaps, reuse as reuse_levels
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 from tests.runtime.cache import cache_reference as ref
@@ -31,13 +31,14 @@ def _settle(c: PrefixCache) -> None:
 
 def _policy_state(q) -> dict:
     """A policy's own bookkeeping: its scalars (clock, moving sums, weight...) exactly and its
-    per-node arrays (priorities, stamps, release times...), by slot."""
+    per-node arrays (priorities, stamps, release times...), by slot, as their bytes (a
+    comparison as exact as their items', without a Python object per item)."""
     out = {}
     for cls in type(q).__mro__:
         for name in getattr(cls, "__slots__", ()):
             v = getattr(q, name, None)
             if isinstance(v, np.ndarray):
-                out[name] = v.tolist()
+                out[name] = (v.dtype.str, v.shape, v.tobytes())
             elif isinstance(v, (int, float, bool)):
                 out[name] = v
     return out
@@ -132,29 +133,7 @@ def test_host_tier_c_work_equals_numpy(name, module, attr, reference, monkeypatc
     cache, queues and policies at every step of a workload with requests in flight and a small
     host tier, whose eviction takes runs of every shape."""
     cls = make_policy(name)
-
-    def replay() -> list:
-        c = PrefixCache(BS, 96, 32, policy=cls)
-        states = []
-        for op, rid, tokens in _workload(0, 300):
-            if op == "start":
-                if not c.match(rid, BlockHasher(BS).update(tokens), len(tokens)).ready:
-                    _settle(c)
-                if c.allocate(rid, len(tokens)) is None:
-                    _settle(c)
-                    if not c.is_ready(rid) or c.allocate(rid, len(tokens)) is None:
-                        continue  # (released when the workload finishes it)
-                c.update(rid, len(tokens))
-            else:
-                c.release(rid)
-            _settle(c)
-            states.append((c._f.copy(), c._task.copy(), list(c._keys), dict(c._map), c._dev_lru.members(),
-                           c._host_lru.members(), _policy_state(c._dev_lru), _policy_state(c._host_lru),
-                           c.snapshot()))
-        c.check()
-        return states
-
-    fast = replay()
+    fast = _host_replay(cls)
     calls = []
 
     def counted(*args):
@@ -162,10 +141,34 @@ def test_host_tier_c_work_equals_numpy(name, module, attr, reference, monkeypatc
         return reference(*args)
 
     monkeypatch.setattr(module, attr, counted)
-    slow = replay()
+    slow = _host_replay(cls)
     for step, (a, b) in enumerate(zip(fast, slow)):
         assert (a[0] == b[0]).all() and (a[1] == b[1]).all() and a[2:] == b[2:], f"step {step}"
     assert calls
+
+
+def _host_replay(cls) -> list:
+    """`_workload`'s requests, some in flight together, through a cache with a small host tier;
+    the cache's state after each step."""
+    c = PrefixCache(BS, 96, 32, policy=cls)
+    states = []
+    for op, rid, tokens in _workload(0, 300):
+        if op == "start":
+            if not c.match(rid, BlockHasher(BS).update(tokens), len(tokens)).ready:
+                _settle(c)
+            if c.allocate(rid, len(tokens)) is None:
+                _settle(c)
+                if not c.is_ready(rid) or c.allocate(rid, len(tokens)) is None:
+                    continue  # (released when the workload finishes it)
+            c.update(rid, len(tokens))
+        else:
+            c.release(rid)
+        _settle(c)
+        states.append((c._f.copy(), c._task.copy(), list(c._keys), dict(c._map), c._dev_lru.members(),
+                       c._host_lru.members(), _policy_state(c._dev_lru), _policy_state(c._host_lru),
+                       c.snapshot()))
+    c.check()
+    return states
 
 
 def test_new_chain_checks_before_it_writes():
@@ -325,3 +328,113 @@ def test_policy_bookkeeping_in_c_equals_numpy():
         policy_release(hits, arrays["matched"], arrays["released"], np.array([cap], dtype=np.int32), 0)
     with pytest.raises(ValueError):
         policy_discard(arrays["stamp"], arrays["released"], arrays["matched"], nodes.astype(np.int64), 0, 1.0)
+
+
+# the adaptive policy's C functions (runtime/cache/_cache_core.c adapt_*, ghost_ages) and their
+# Python references, by the name the policy's module calls them
+ADAPTIVE = {"_push_c": ref.adapt_push, "_front_c": ref.adapt_front, "_discard_c": ref.adapt_discard,
+            "_missed_c": ref.adapt_missed, "_pop_c": ref.adapt_pop, "_forget_c": ref.adapt_forget,
+            "_recall_c": ref.adapt_recall, "_ghost_c": ref.ghost_ages}
+
+
+def _in_python(monkeypatch, calls: list) -> None:
+    """Put the adaptive policy's Python references in place of its C functions, counting calls."""
+    for attr, reference in ADAPTIVE.items():
+        def counted(*args, _attr=attr, _ref=reference):
+            calls.append(_attr)
+            return _ref(*args)
+        monkeypatch.setattr(adaptive, attr, counted)
+
+
+@pytest.mark.parametrize("workload", ["one at a time", "host, in flight"])
+def test_adaptive_policy_in_c_equals_python(workload, monkeypatch):
+    """The default policy's every call (a release, a run given back, a match, a miss, a run
+    popped, blocks forgotten and recalled) in C or in Python leaves the same cache, queues and
+    policy state (its ledger, rings and heap, array for array) at every step: requests one at a
+    time with eviction, then requests in flight together with a small host tier (parked
+    victims, runs given back, host drops remembered, P in use)."""
+    cls = make_policy("adaptive")
+    replay = (lambda: _replay(PrefixCache(BS, 200, 0, policy=cls), 0)) if workload == "one at a time" else (
+        lambda: _host_replay(cls))
+    fast = replay()
+    calls: list = []
+    _in_python(monkeypatch, calls)
+    slow = replay()
+    for step, (a, b) in enumerate(zip(fast, slow)):
+        arrays = 1 if workload == "one at a time" else 2  # the node matrix (and the task row)
+        assert all((x == y).all() for x, y in zip(a[:arrays], b[:arrays])) and a[arrays:] == b[arrays:], f"step {step}"
+    assert set(calls) == set(ADAPTIVE) - ({"_front_c"} if workload == "one at a time" else set())
+    if workload != "one at a time":  # P held blocks: its ledger counted both ways
+        ledger = fast[-1][6]
+        assert ledger["gains"] and ledger["losses"] and ledger["held"]
+
+
+def _small_rings(q: adaptive.Adaptive, releases: int, serials: int) -> None:
+    """Shrink the queue's rings (releases tracked, block serials, R's ring, P's heap) so that a
+    short test wraps them all: what a long run does."""
+    n = q._n
+    q._t = np.zeros(3 * releases, dtype=np.int64)
+    q._bits = np.zeros(serials, dtype=np.uint8)
+    q._due = np.zeros(serials, dtype=np.int64)
+    q._r = np.full(2 * (n + 16), -1, dtype=np.int64)
+    q._h = np.zeros(4 * (n + 8), dtype=np.int64)
+    q._args = (q._m, q._f, q._r, q._h, q._t, q._bits, q._st, q._hits)
+
+
+def test_adaptive_calls_in_c_equal_python_on_random_queues(monkeypatch):
+    """Each of the adaptive policy's calls, on queues driven by random operations (releases of
+    any nodes, queued or not; matches; misses of any age; runs popped, some of whose victims
+    have device children left, and given back; blocks forgotten and recalled), returns the same
+    and leaves the same state in C as in Python, with rings small enough that every one of them
+    wraps and is compacted many times."""
+    n = 48
+    rng = np.random.default_rng(3)
+    mats = [np.zeros((HITS + 1, n), dtype=np.int32) for _ in range(2)]
+    parents = rng.integers(-1, n, n)
+    for f in mats:
+        f[PARENT] = parents
+    queues = [adaptive.Adaptive(n, f[HITS]) for f in mats]
+    for q in queues:
+        _small_rings(q, 40, 512)
+    key_of = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(n)]
+    calls: list = []
+    for step in range(2500):
+        op = int(rng.integers(7))
+        nodes = rng.permutation(n)[:int(rng.integers(1, 24))].astype(np.int32)
+        ndev = rng.integers(0, 3, n) * (rng.random(n) < 0.1)
+        hits = rng.integers(0, 5, n)
+        ages = rng.integers(-1, int(queues[0]._st[0]) + 3, int(rng.integers(0, 30)))
+        k, extra, start = int(rng.integers(1, 30)), int(rng.integers(0, 3)), int(rng.integers(0, n))
+        budget = int(rng.integers(0, n))
+        got = []
+        for q, f in zip(queues, mats):
+            if q is queues[1]:
+                _in_python(monkeypatch, calls)
+            f[NDEV], f[HITS] = ndev, hits
+            q.bank = budget - int(q.allowance())  # (any budget: the policy's own is checked elsewhere)
+            if op == 0:
+                q.push(nodes)
+                got.append(None)
+            elif op == 1:
+                q.discard(nodes)
+                got.append((q.gains, q._long, q._reused))
+            elif op == 2:
+                got.append(q.pop_many(k).tolist())
+            elif op == 3:
+                back = [int(v) for v in nodes if v not in q][:k]
+                q.push_front_run(back)
+                got.append(back)
+            elif op == 4:
+                q.missed(ages, len(ages) + extra)
+                got.append((q.losses, q.held, q.lookups))
+            elif op == 5:
+                q.forget(nodes, key_of)
+                got.append(None)
+            else:
+                got.append([a.tolist() for a in q.recall(key_of, start)])
+            monkeypatch.undo()
+        assert got[0] == got[1], f"step {step}"
+        a, b = (_policy_state(q) for q in queues)
+        assert a == b, f"step {step}: {[k for k in a if a[k] != b[k]]}"
+    assert set(calls) == set(ADAPTIVE) - {"_ghost_c"}
+    assert queues[0].gains and queues[0].losses and queues[0].held

@@ -518,6 +518,21 @@ def test_adaptive_is_lru_until_protection_has_paid():
     assert q.pop_many(32).tolist() == lru.pop_many(32).tolist()
 
 
+def test_adaptive_keeps_a_lead_of_several_capacities():
+    """A lead over LRU of more than a capacity is kept (up to BANK_CAP capacities): a stretch of
+    losses smaller than the lead leaves the protected segment the whole cache, rather than
+    shrinking it as if the policy had never been ahead."""
+    from kvrt.runtime.cache.policies.adaptive import BANK_CAP
+
+    n = 1024
+    q = Adaptive(n, np.zeros(n, dtype=np.int32))
+    q._settle(BANK_CAP * n, 0)
+    q._settle(0, n)
+    assert q.budget() == n
+    q._settle(0, BANK_CAP * n)
+    assert q.budget() < n
+
+
 def test_adaptive_protects_as_much_as_it_has_won():
     """Reused blocks join the protected segment only up to the budget: the gains minus the
     losses counted so far plus the allowance. A block it served that LRU would have lost raises
@@ -539,3 +554,7 @@ def test_adaptive_protects_as_much_as_it_has_won():
         q.pop_many(16)
     q.discard(np.array(kept[:10], dtype=np.int32))
     assert q.gains == 10 and q.budget() == 64 + 10
+    # a node that leaves without serving a request (freed, detached, or adopted by one that
+    # computed its block itself) is no gain, though LRU would not have held it either
+    q.discard_one(kept[10])
+    assert kept[10] not in q and q.gains == 10 and q.budget() == 64 + 10

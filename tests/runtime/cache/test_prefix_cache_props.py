@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvrt.runtime.cache.keys import BlockHasher, group_key
+from kvrt.runtime.cache.policies.adaptive import BANK_CAP
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache, TaskKind
 
@@ -342,7 +343,7 @@ class AdaptiveCacheMachine(CacheMachine):
         dev, host = self.cache._dev_lru, self.cache._host_lru
         for q in (dev, host):
             assert 0 <= q.budget() <= q._n
-            assert -q.allowance() - 1 <= q.bank <= q._n
+            assert -q.allowance() - 1 <= q.bank <= BANK_CAP * q._n
         assert host.budget() == int(dev.share() * host._n)
 
 
