@@ -65,7 +65,8 @@ _MM = "kvrt serves text-only decoder models (no multimodal inputs)"
 _DIST = "kvrt runs one node per machine with tensor parallelism only (--tensor-parallel-size)"
 _SPEC = "kvrt has no speculative decoding"
 _POOL = "kvrt serves generation only (no pooling, embedding or scoring models)"
-_GPU_ONLY = "kvrt's GPU path is CuPy kernels without CUDA graphs or torch.compile, so there is nothing to tune"
+_GPU_ONLY = ("kvrt has no torch.compile and its own CUDA graphs: the torch backend captures decode steps in fixed "
+             "batch buckets up to `kvrt launch --cuda-graph-max-batch` (0: none), so there is nothing else to tune")
 _TLS = "kvrt's HTTP server has no TLS: put a TLS-terminating proxy in front of it"
 _CORS = "kvrt's HTTP server sends no CORS headers: put a proxy in front of it for browser clients"
 _QUANT = "kvrt serves BF16/F16/F32 safetensors checkpoints only (no quantized weights)"
@@ -101,8 +102,8 @@ TABLE: tuple[Row, ...] = (
     Switch(("--enable-prompt-tokens-details",), (), "usage.prompt_tokens_details.cached_tokens is always "
            "there"),
     Switch(("--trust-remote-code",), (), "accepted and ignored: kvrt never runs a checkpoint's own code, only "
-           "its built-in architectures (Llama, Qwen2, Qwen3)"),
-    Switch(("--enforce-eager",), (), "kvrt has no CUDA graphs: it always runs eagerly"),
+           "its built-in architectures (the guide's table)"),
+    Switch(("--enforce-eager",), ("--cuda-graph-max-batch", "0"), "no CUDA graphs: every step runs eagerly"),
     # ---- the model ------------------------------------------------------------------------
     Same(("--model",), "", "the model, as the positional MODEL (a directory or a hub id in the local "
          "Hugging Face cache)", "MODEL", convert=lambda v: []),

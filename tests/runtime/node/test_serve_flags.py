@@ -103,6 +103,11 @@ def test_dtype_is_the_models_compute_dtype_as_in_vllm(checkpoint, dtype, compute
     assert check_launch_argv(_plan(checkpoint, "--dtype", dtype).launch_argv).compute_dtype == compute
 
 
+def test_enforce_eager_turns_the_cuda_graphs_off(checkpoint):
+    assert check_launch_argv(_plan(checkpoint).launch_argv).cuda_graph_max_batch == -1  # (graphs up to --max-num-seqs)
+    assert check_launch_argv(_plan(checkpoint, "--enforce-eager").launch_argv).cuda_graph_max_batch == 0
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e4m3"])
 def test_kv_cache_dtype_takes_vllms_fp8_names(checkpoint, kv):
     assert check_launch_argv(_plan(checkpoint, "--kv-cache-dtype", kv).launch_argv).kv_cache_dtype == kv
