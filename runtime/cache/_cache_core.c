@@ -2078,7 +2078,9 @@ static PyObject *adapt_missed(PyObject *self, PyObject *args) {
 }
 
 /* adapt_pop(M, F, R, H, T, bits, st, hits, out, k, budget, span, f, parent_row, ndev_row, scratch)
-   -> taken: up to k victims into out (int32), as k single pops would take them. While P holds more than `budget` nodes its
+   -> taken: up to k victims into out (int32), as k single pops would take them; it stops after
+   a victim whose parent, not queued, is left without device children (the cache may queue that
+   parent at the front, to go next, and a pop cannot be undone). While P holds more than `budget` nodes its
    lowest goes; otherwise R's oldest node, if it has a bonus, joins P when P has room (or when
    P's lowest ranks below it, that one goes first), and the victim is the lower of R's oldest
    (ranked by its release alone: release * span + level) and P's lowest (ranked with its bonus):
@@ -2132,10 +2134,15 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
             due[amod(a.m[v_ * M_ROWS + M_BSER], a.rs)] = \
                 pr_ > a.m[v_ * M_ROWS + M_REL] * span + amod(pr_, span) ? pr_ / span : 0; \
             if (ndev[v_] > taken_children[v_]) { a.parked[3 * (v_)] = 1; st[A_NPARK]++; } \
-            else if (parent[v_] >= 0 && parent[v_] < a.n) taken_children[parent[v_]]++; \
+            else if (parent[v_] >= 0 && parent[v_] < a.n) { \
+                int32_t p_ = parent[v_]; \
+                stop = ++taken_children[p_] == ndev[p_] && a.m[p_ * M_ROWS + M_RSTAMP] < 0 && \
+                       a.m[p_ * M_ROWS + M_PSER] < 0; \
+            } \
         } \
     } while (0)
-    while (taken < k) {
+    int stop = 0;  /* the last victim left its parent, not queued, without device children */
+    while (taken < k && !stop) {
         Py_ssize_t p = a_ptop(&a);
         if (p >= 0 && st[A_NP] > budget) {
             VICTIM(a_unprotect_top(&a));

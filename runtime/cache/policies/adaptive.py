@@ -72,6 +72,11 @@ HELD, HELD_CAP = 1.0, 1 / 16
 # stretch of losses and P shrank though it was far ahead; the bound over any stretch is this
 # much of the lead at its start plus the allowance
 BANK_CAP = 4
+# the least share of `gaps`' bonus in force: the share `gaps` measures (long reuse among the
+# hits, and reuse lost) reads the policy's own order, and under an order close to LRU's no hit
+# is ever long, so the bonus would fade and P never fill however much it could win; the
+# budget, not the bonus, is what holds P to what has paid
+SCALE_FLOOR = 0.2
 # rows of the per-node matrix and indices of the scalars (runtime/cache/_cache_core.c adapt_*)
 M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
 A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP = range(12)
@@ -85,7 +90,8 @@ class Adaptive(EvictionPolicy):
     sees_misses = True    # the cache calls `missed` with every counted request's missed blocks
 
     __slots__ = ("_hits", "_n", "_m", "_f", "_r", "_h", "_t", "_bits", "_st", "_args", "_tree", "_scratch", "_rstamp", "_pser",
-                 "_ghost", "_due", "_table", "_forgot", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader")
+                 "_ghost", "_due", "_table", "_forgot", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader",
+                 "_parks")
 
     def __init__(self, capacity: int, hits: np.ndarray):
         n = capacity
@@ -126,6 +132,7 @@ class Adaptive(EvictionPolicy):
         self.gains = self.losses = 0
         self.held = 0          # misses a larger P would have served (LRU would not have)
         self._leader: Adaptive | None = None
+        self._parks: list[int] = []  # nodes the cache parks if the next pop_many hands them out
 
     # ---- the budget
     def allowance(self) -> float:
@@ -154,10 +161,11 @@ class Adaptive(EvictionPolicy):
         self.bank = int(min(BANK_CAP * self._n - a, max(-a, self.bank + won - lost)))
 
     def bonus_scale(self) -> float:
-        """The share of `gaps`' bonus in force: 0 while at most LONG_LOW of the recent reuse came
-        back later than a turnover, all of it from LONG_HIGH on (runtime/cache/policies/gaps.py)."""
+        """The share of `gaps`' bonus in force: SCALE_FLOOR while at most LONG_LOW of the recent
+        reuse came back later than a turnover, all of it from LONG_HIGH on
+        (runtime/cache/policies/gaps.py)."""
         f = self._long / self._reused
-        return min(1.0, max(0.0, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW)))
+        return min(1.0, max(SCALE_FLOOR, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW)))
 
     # ---- the interface
     def __contains__(self, n: int) -> bool:
@@ -244,10 +252,25 @@ class Adaptive(EvictionPolicy):
         got = self.pop_many(1)
         return int(got[0]) if len(got) else -1
 
+    def parks(self, nodes: list[int]) -> None:
+        self._parks = nodes
+
     def pop_many(self, k: int) -> np.ndarray:
+        """As `k` pops. A victim's parent whose device children are not all taken before it
+        stays (runtime/cache/_cache_core.c adapt_pop counts them in `scratch`); a child the
+        cache will park (`parks`) is never taken, so it counts one less from the start."""
         out = np.empty(k, dtype=np.int32)
-        return out[:_pop_c(*self._args, out, k, self.budget(), LEVEL_SPAN, self._tree, PARENT, NDEV, self._scratch,
-                                 self._due)]
+        scratch, parent = self._scratch, self._tree[PARENT]
+        rstamp, pser = self._rstamp, self._pser
+        held = [int(parent[v]) for v in self._parks if (rstamp[v] >= 0 or pser[v] >= 0) and 0 <= parent[v] < self._n]
+        self._parks = []
+        for p in held:
+            scratch[p] -= 1
+        try:
+            return out[:_pop_c(*self._args, out, k, self.budget(), LEVEL_SPAN, self._tree, PARENT, NDEV, scratch,
+                               self._due)]
+        finally:
+            scratch[held] = 0
 
     def members(self) -> list[int]:
         """R's live nodes, oldest first, then P's by rank."""

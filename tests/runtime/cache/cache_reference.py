@@ -755,9 +755,10 @@ def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_ro
         raise ValueError("adapt_pop: need room for k nodes in out, span >= 1, and a node matrix and scratch of n columns")
     parent, ndev = fm[parent_row], fm[ndev_row]
     taken = held = 0
+    stop = False  # the last victim left its parent, not queued, without device children
 
     def victim(v: int) -> None:
-        nonlocal taken, held
+        nonlocal taken, held, stop
         parked = ndev[v] > scratch[v]
         if parked and held < 4 * k + 1024:  # a device child left: P keeps it, ranked last
             held += 1
@@ -775,9 +776,11 @@ def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_ro
             f[3 * v + 2] = 1
             st[A_NPARK] += 1
         elif 0 <= parent[v] < a.n:
-            scratch[parent[v]] += 1
+            p = int(parent[v])
+            scratch[p] += 1
+            stop = bool(scratch[p] == ndev[p] and a.get(p, M_RSTAMP) < 0 and a.get(p, M_PSER) < 0)
 
-    while taken < k:
+    while taken < k and not stop:
         p = a.ptop()
         if p >= 0 and st[A_NP] > budget:
             victim(a.unprotect_top())
