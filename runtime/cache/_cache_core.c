@@ -1582,6 +1582,7 @@ done:
 enum { A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP,
        A_NPARK, A_PMAX, A_NSTATE };
 enum { M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS };
+enum { A_HOLD_MAX = 1028 };  /* adapt_pop: nodes kept back for a device child, per victim */
 
 typedef struct {
     int64_t *m;
@@ -2122,13 +2123,16 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
     Py_ssize_t taken = 0;
     Py_ssize_t held = 0;
     /* a victim that still has a device child (not among the victims before it) would be parked
-       by the cache: P keeps it instead, ranked last, until its children are gone */
+       by the cache: P keeps it instead, ranked last, until its children are gone; at most
+       A_HOLD_MAX of them between two victims (as many as one single pop keeps), so that a P of
+       nothing else still gives up a victim, the same one a single pop would */
 #define VICTIM(x) do { \
         int32_t v_ = (x); \
-        if (ndev[v_] > taken_children[v_] && held++ < 4 * k + 1024) { \
+        if (ndev[v_] > taken_children[v_] && held++ < A_HOLD_MAX) { \
             a.m[(v_) * M_ROWS + M_PRIO] = st[A_PMAX]; \
             a_protect(&a, v_); \
         } else { \
+            held = 0; \
             out[taken++] = v_; \
             int64_t pr_ = a.m[v_ * M_ROWS + M_PRIO]; \
             due[amod(a.m[v_ * M_ROWS + M_BSER], a.rs)] = \

@@ -760,13 +760,12 @@ def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_ro
     def victim(v: int) -> None:
         nonlocal taken, held, stop
         parked = ndev[v] > scratch[v]
-        if parked and held < 4 * k + 1024:  # a device child left: P keeps it, ranked last
+        if parked and held < 1028:  # a device child left: P keeps it, ranked last (1028 per victim)
             held += 1
             a.set(v, M_PRIO, int(st[A_PMAX]))
             a.protect(v)
             return
-        if parked:
-            held += 1
+        held = 0
         out[taken] = v
         taken += 1
         pr = a.get(v, M_PRIO)
