@@ -28,13 +28,16 @@ BENCHES = {
     "serve": ("kvrt.bench.serve", "any OpenAI-compatible server over HTTP: TTFT/TPOT/ITL, goodput, hit rate"),
     "sampler": ("kvrt.bench.sampler", "sampling a token (temperature, top-k/p) vs the greedy argmax, a full sort and one read"),
     "throughput": ("kvrt.bench.throughput", "a node's output tokens/s on nano-vllm's offline workload (256 requests)"),
+    "attacks": ("kvrt.bench.attacks", "another client's request while one client attacks a node (text work, answers, bursts)"),
+    "gateway": ("kvrt.bench.gateway", "a request through the gateway process vs the engine's private socket and a pyzmq echo"),
 }
 DEMO_BLOCKS = (192, 1024)  # device, host blocks of `kvrt launch --demo` with default pool sizes
 # the model's shape: flags for the reference model, config.json's for a checkpoint
 SHAPE_FLAGS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len")
 # `kvrt launch` flags named as a node config field whose field launch() works out from them
 WORKED_OUT = frozenset({"node", "port", "device", "num_gpu_blocks", "dtype", "pd_secret_file", "compute_dtype",
-                        "model_backend", "events_secret_file", "storage_secret_file", *SHAPE_FLAGS})
+                        "model_backend", "events_secret_file", "storage_secret_file", "layer_windows",
+                        *SHAPE_FLAGS})
 STRESS = {
     "ring": ("kvrt.bench.stress_ring", "multiprocess ring stress: N producers, checksums, order, SIGKILL"),
 }
@@ -157,7 +160,7 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    help="interface the HTTP API listens on (default: --host); kvrt serve keeps --host on loopback "
                    "and gives its --host here, so that only the HTTP port faces clients")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="every HTTP route answers 401 unless the request carries `Authorization: Bearer KEY`, as "
+                   help="every HTTP route but GET /health answers 401 unless the request carries `Authorization: Bearer KEY`, as "
                    "vLLM's --api-key (the ZeroMQ client API has no key: keep --host on loopback)")
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the HTTP API's chat template instead of the tokenizer's, as vLLM's flag: a file, or the "
@@ -212,6 +215,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=None, help=f"head dimension (default {d.head_dim})")
     p.add_argument("--dtype", default=None,
                    help=f"KV dtype (default: float16 when --compute-dtype resolves to float16, else {d.dtype})")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3"],
+                   help="what the KV blocks hold, as vLLM's flag: auto (default) is --dtype; fp8 and fp8_e4m3 are "
+                   "FP8 e4m3 with a per-layer scale of 1 (half a float16 block: twice the blocks on every tier in "
+                   "the same memory); their block keys differ from --dtype's, so no tier or peer mixes the two")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="what a --model checkpoint's projections multiply in (default auto: float32 on a CPU, the "
                    "checkpoint's own F16/BF16 precision on a GPU). float16 holds the weights in half the bytes and "
@@ -235,6 +242,11 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "of the worker's share (its CPUs / --tp) that other processes are not running on as the step "
                    "starts, at least one); N fixes N threads for every step")
     p.add_argument("--vocab-size", type=int, default=None, help=f"model vocabulary (default {d.vocab_size})")
+    p.add_argument("--layer-windows", type=_windows, default=None, metavar="W,W,...",
+                   help="each layer's attention window in tokens, 0 for full attention (default: every layer full; "
+                   "with --model from its config.json, which this must agree with): layers that attend alike "
+                   "form groups with block tables of their own in the one KV pool, and a sliding group's "
+                   "blocks are freed once they leave its window")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"longest prompt + output in tokens (default {d.max_model_len}; with --model its "
                    f"max_position_embeddings, which it may only lower)")
@@ -271,6 +283,7 @@ def _add_launch(sub) -> argparse.ArgumentParser:
 
 
 def launch(args) -> int:
+    from kvrt.ipc import sockets
     from kvrt.ipc.errors import IpcError, NodeLive
     from kvrt.ipc.ports import free_port
     from kvrt.runtime.node.config import ConfigError, NodeConfig
@@ -344,10 +357,13 @@ def launch(args) -> int:
         http_host = args.http_host or args.host
         try:
             options = HttpOptions.of(args)
-            http = HttpServer(http_host, args.http_port, args.host, port, names, cfg.node, args.metrics_port,
+            # the engine's private socket (ipc/sockets.py): no gateway between them, so the HTTP
+            # API serves on while a gateway that libzmq aborted is being replaced
+            engine = sockets.address(cfg.node, sockets.API)
+            http = HttpServer(http_host, args.http_port, args.host, engine, names, cfg.node, args.metrics_port,
                               cache_info(cfg), args.tool_call_parser, args.reasoning_parser,
                               engine_timeout=args.http_engine_timeout, options=options)
-        except ValueError as e:  # the chat template cannot be read
+        except ValueError as e:  # the chat template cannot be read, or TMPDIR is too long for the engine's socket
             print(f"kvrt launch: error: {e}", file=sys.stderr)
             return 2
         except OSError as e:
@@ -423,7 +439,9 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
         if args.model_backend == "torch":
             raise ValueError("--model-backend torch is for --model checkpoints: the built-in reference model "
                              "computes in float64 on NumPy")
-        return {k: given.get(k, getattr(d, k)) for k in SHAPE_FLAGS}, {}
+        shape = {k: given.get(k, getattr(d, k)) for k in SHAPE_FLAGS}
+        shape["layer_windows"] = args.layer_windows or []
+        return shape, {}
     from kvrt.workers.model.backends import resolve_backend
     from kvrt.workers.model.checkpoint import inspect
     from kvrt.workers.model.hf_model import resolve_compute_dtype
@@ -440,11 +458,26 @@ def _model_settings(args: argparse.Namespace, d, device: str) -> tuple[dict, dic
             shape[k] = v
         elif v != shape[k]:
             raise ValueError(f"{flag} {v} contradicts {info.model_dir}/config.json, which gives {shape[k]}")
-    backend = resolve_backend(args.model_backend, device, info.config)
+    shape["layer_windows"] = list(info.config.layer_windows(shape["max_model_len"]))
+    if args.layer_windows is not None and args.layer_windows != (shape["layer_windows"] or [0] * shape["num_layers"]):
+        raise ValueError(f"--layer-windows {args.layer_windows} contradicts {info.model_dir}/config.json, which gives "
+                         f"{shape['layer_windows'] or 'full attention in every layer'}")
+    backend = resolve_backend(args.model_backend, device, info.config, args.kv_cache_dtype)
     return shape, {"model_dir": info.model_dir, "model_arch": info.config.arch,
                    "model_fingerprint": info.fingerprint, "hidden_size": info.config.hidden_size,
                    "compute_dtype": resolve_compute_dtype(args.compute_dtype, device, info, backend),
                    "model_backend": backend}
+
+
+def _windows(text: str) -> list[int]:
+    """--layer-windows: comma-separated window sizes >= 0 (argparse type)."""
+    try:
+        out = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if min(out) < 0:
+        raise argparse.ArgumentTypeError(f"windows must be >= 0 tokens, got {text}")
+    return out
 
 
 def _seconds(text: str) -> float:

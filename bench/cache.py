@@ -17,6 +17,19 @@ capacity:
   several-fold).
 `--evict-scaling` fills caches of 10k, 100k and 1M blocks and times evicting a fixed number of
 blocks, to show the cost per evicted block does not grow with the cache.
+
+`--kv NAME...` replays the trace once per KV layout in the same device memory: `--capacity-blocks`
+then counts blocks of the layout's model with every layer full attention in BF16, and each layout
+gets the pages that memory holds (`KV_LAYOUTS`): `bf16` is that block, `fp8` half of it (twice the
+blocks); `gemma3-full` is a Gemma-3-1B-shaped model (26 layers, 1 KV head of 256, 512-token
+window on 5 layers of 6) treated as if every layer were full attention, `gemma3` the same model
+with its layer groups (ipc/layout.py: pages of 4 layers, one full group and six sliding ones;
+runtime/cache/groups.py), each also in FP8 (`-fp8`). A model of several groups prefills in
+chunks of `--chunk` tokens, as a node does, so that its sliding pages are given back while a long
+prompt runs; every layout reports the blocks of tokens its device holds (mean over the replay:
+`blocks held`, group 0's nodes for a grouped model) and what a prefill node would send a
+decode node per request (`handoff`: every block's full-attention pages, the sliding groups'
+last window).
 """
 from __future__ import annotations
 
@@ -25,19 +38,56 @@ import json
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvrt.bench.belady import offline_hit_rate, uses
+from kvrt.ipc.layout import LayerGroups
 from kvrt.bench.synthetic import PREFIX, TRACES, synthetic
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.cache.policies.base import make_policy, policy_names
+from kvrt.runtime.cache.nodes import GPU, STATE, SWAP2CPU
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 from kvrt.runtime.client.trace import (TRACE_BLOCK, TraceError, TraceRequest, default_trace_path, expand_tokens,
                            ideal_hit_tokens, load_trace, num_blocks)
 
 EVICT_SIZES = (10_000, 100_000, 1_000_000)
+GEMMA3_WINDOWS = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(26))  # Gemma 3 1B: 4 of 26 layers full
+GEMMA3_PAGE_BYTES = 2 * 1 * 256  # per layer and token: K and V of one KV head of 256 (times the dtype's bytes)
+
+
+@dataclass(frozen=True)
+class KVLayoutRow:
+    """A KV layout `--kv` replays: its model's layer windows (None: one group, no model), and
+    the bytes of an element."""
+
+    windows: tuple[int, ...] | None
+    itemsize: int
+
+    def groups(self) -> LayerGroups | None:
+        return None if self.windows is None else LayerGroups.of(self.windows)
+
+    def pages(self, full_bf16_blocks: int) -> int:
+        """How many of this layout's pages the memory of `full_bf16_blocks` blocks of its model
+        (every layer full attention, BF16) holds."""
+        g = self.groups()
+        layers = 1 if g is None else len(self.windows)
+        page = 1 if g is None else g.page_layers
+        return full_bf16_blocks * layers * 2 // (page * self.itemsize)
+
+    def page_bytes(self, block_size: int) -> int:
+        g = self.groups()
+        layers = 1 if g is None else g.page_layers
+        return layers * block_size * GEMMA3_PAGE_BYTES * self.itemsize
+
+
+KV_LAYOUTS = {
+    "bf16": KVLayoutRow(None, 2), "fp8": KVLayoutRow(None, 1),
+    "gemma3-full": KVLayoutRow((0,) * 26, 2), "gemma3-full-fp8": KVLayoutRow((0,) * 26, 1),
+    "gemma3": KVLayoutRow(GEMMA3_WINDOWS, 2), "gemma3-fp8": KVLayoutRow(GEMMA3_WINDOWS, 1),
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -64,6 +114,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="replay every synthetic family (its reported seed) and the bundled trace (or the file "
                         "--trace names) at 1/64, 1/16, 1/4 and all of each trace's distinct blocks: one table per "
                         "trace (--capacity-blocks is ignored)")
+    p.add_argument("--kv", nargs="+", choices=sorted(KV_LAYOUTS), default=None, metavar="LAYOUT",
+                   help=f"KV layouts to replay in the same memory, one row each ({', '.join(KV_LAYOUTS)}): "
+                        f"--capacity-blocks counts BF16 full-attention blocks of the layout's model (default: "
+                        f"the plain rows)")
+    p.add_argument("--chunk", type=int, default=512, metavar="T",
+                   help="prefill chunk of a model of several layer groups, in tokens (default 512)")
     p.add_argument("--evict-scaling", action="store_true",
                    help="also time eviction per block at 10k, 100k and 1M cached blocks")
     p.add_argument("--evict-sizes", type=int, nargs="+", default=list(EVICT_SIZES), metavar="N",
@@ -96,31 +152,45 @@ def settle(cache: PrefixCache) -> None:
 
 
 def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
-           host_blocks: int, policy: str = "lru") -> dict:
+           host_blocks: int, policy: str = "lru", kv: str | None = None, chunk: int = 512) -> dict:
     """One pass over the trace with the eviction policy named `policy`; returns the row for this
-    capacity (without the ideal and the bound)."""
+    capacity (without the ideal and the bound). With a `kv` layout (KV_LAYOUTS) the capacities
+    are its pages in the memory of `capacity` (and `host_blocks`) BF16 full-attention blocks."""
     total = sum(num_blocks(r, block_size) for r in requests)
     factory = make_policy(policy)
-    cache = PrefixCache(block_size, capacity or total, host_blocks, policy=factory)
+    layout = KV_LAYOUTS[kv] if kv else None
+    groups = layout.groups() if layout else None
+    side = groups.side_windows if groups is not None else ()
+    pages = (lambda n: layout.pages(n)) if layout else (lambda n: n)
+    device = pages(capacity) if capacity else total * (1 + len(side))
+    cache = PrefixCache(block_size, device, pages(host_blocks), policy=factory, groups=side)
     rejected = 0
+    held = []  # blocks of tokens the device holds, sampled
+    handoff = 0
+    sample_every = max(1, len(requests) // 200) if kv else 0  # (a sample reads every node: kv rows only)
     start, cpu = time.perf_counter(), time.process_time()
     for i, req in enumerate(requests):
         tokens = expand_tokens(req)
         n = req.input_length
-        if not cache.match(i, BlockHasher(block_size).update(tokens), n).ready:
+        m = cache.match(i, BlockHasher(block_size).update(tokens), n)
+        if not m.ready:
             settle(cache)  # swap-ins, and the swap-outs they wait for
-        if cache.allocate(i, n) is None:
-            settle(cache)
-            if not cache.is_ready(i) or cache.allocate(i, n) is None:
-                rejected += 1  # larger than the device: skipped
-                cache.release(i)
-                continue
-        cache.update(i, n)
+        if not _compute(cache, i, n, m.cached_tokens if side else 0, chunk if side else n):
+            rejected += 1  # larger than the device: skipped
+            cache.release(i)
+            continue
+        if side:
+            handoff += -(-n // block_size) + sum(-(-n // block_size) - cache._lo(g, n) for g in range(len(side)))
+        else:
+            handoff += -(-n // block_size)
         cache.release(i)
         settle(cache)
+        if sample_every and i % sample_every == 0:
+            held.append(_blocks_held(cache))
     seconds = time.perf_counter() - start
     cpu = time.process_time() - cpu
     m = cache.metrics
+    page_bytes = layout.page_bytes(block_size) if layout and layout.windows else 0
     return {
         "policy": policy,
         "requests": len(requests),
@@ -141,7 +211,36 @@ def replay(requests: list[TraceRequest], block_size: int, capacity: int | None,
         "partial_block_tokens": m.partial_block_tokens,
         "rejected_requests": rejected,
         "peak_rss_mb": peak_rss_mb(),
+        "kv": kv or "",
+        "device_pages": device,
+        "blocks_held": float(np.mean(held)) if held else 0.0,
+        "handoff_pages_per_request": handoff / max(1, len(requests) - rejected),
+        "handoff_mb_per_request": handoff * page_bytes / max(1, len(requests) - rejected) / 1e6,
     }
+
+
+def _compute(cache: PrefixCache, rid: int, n: int, start: int, chunk: int) -> bool:
+    """Allocate and record request `rid`'s prompt of `n` tokens from `start` on, a `chunk` of
+    tokens a step; False when the device cannot hold it even after the transfers settle."""
+    pos = start
+    while pos < n:
+        end = min(n, pos + chunk)
+        if cache.allocate(rid, end) is None:
+            settle(cache)
+            if not cache.is_ready(rid) or cache.allocate(rid, end) is None:
+                return False
+        cache.update(rid, end)
+        pos = end
+    return True
+
+
+def _blocks_held(cache: PrefixCache) -> int:
+    """Blocks of tokens the device holds: the cached nodes of the first layer group."""
+    f = cache._f
+    live = (f[STATE] == GPU) | (f[STATE] == SWAP2CPU)
+    if cache._side_w:
+        live &= cache._group == 0
+    return int(np.count_nonzero(live)) - 1  # (the root)
 
 
 def peak_rss_mb() -> float:
@@ -190,11 +289,25 @@ def table(results: list[dict], scaling: list[dict], trace: Path, block_size: int
     r0 = results[0]
     lines = [f"trace {trace}: {r0['requests']:,} requests, {r0['blocks']:,} prompt blocks of "
              f"{block_size} tokens; ideal (unlimited) token hit rate {r0['ideal_hit_token_rate']:.2%}", ""]
+    kv = any(r.get("kv") for r in results)
     head = (f"{'capacity':>10} {'host':>8} {'policy':>8} {'hit rate':>9} {'device':>8} {'host':>8} "
             f"{'LRU':>8} {'bound':>8} {'ideal':>8} {'blocks/s':>10} {'evicted':>10} {'swapped':>9} "
             f"{'peak RSS':>9}")
+    if kv:
+        lines = lines[:-1] + ["capacity: BF16 blocks of the layout's model with every layer full attention (the same "
+                              "memory in every row); pages: what that memory holds in the row's layout", ""]
+        head = (f"{'capacity':>10} {'kv':>15} {'pages':>9} {'policy':>8} {'hit rate':>9} {'LRU':>8} "
+                f"{'blocks held':>12} {'handoff':>11} {'blocks/s':>10} {'evicted':>10}")
     lines += [head, "-" * len(head)]
     for r in results:
+        if kv:
+            cap = "unlimited" if r["capacity_blocks"] is None else f"{r['capacity_blocks']:,}"
+            mb = f"{r['handoff_mb_per_request']:.1f} MB" if r["handoff_mb_per_request"] else \
+                f"{r['handoff_pages_per_request']:.1f} p"
+            lines.append(f"{cap:>10} {r['kv']:>15} {r['device_pages']:>9,} {r['policy']:>8} {r['hit_token_rate']:>9.2%} "
+                         f"{r['lru_hit_token_rate']:>8.2%} {r['blocks_held']:>12,.0f} {mb:>11} "
+                         f"{r['blocks_per_s'] / 1e6:>9.2f}M {r['evicted_device_blocks']:>10,}")
+            continue
         cap = "unlimited" if r["capacity_blocks"] is None else f"{r['capacity_blocks']:,}"
         host = f"{r['hit_token_rate_host']:.2%}" if r["host_blocks"] else "-"
         bound = r.get("offline_bound_hit_token_rate")
@@ -256,17 +369,19 @@ def run_trace(requests: list[TraceRequest], capacities: list[int | None], args: 
     bound_uses = None if args.no_bound or capacities == [None] else uses(requests, args.block_size)
     results = []
     for capacity in capacities:
-        rows = {name: replay(requests, args.block_size, capacity, args.host_blocks, name)
-                for name in dict.fromkeys(policies + ["lru"])}
-        bound = ideal if capacity is None else None
-        if bound_uses is not None and capacity is not None:
-            bound = offline_hit_rate(bound_uses, args.block_size, capacity)
-        for name in policies:
-            row = rows[name]
-            row["ideal_hit_token_rate"] = ideal
-            row["lru_hit_token_rate"] = rows["lru"]["hit_token_rate"]
-            row["offline_bound_hit_token_rate"] = bound
-            results.append(row)
+        for kv in getattr(args, "kv", None) or [None]:
+            rows = {name: replay(requests, args.block_size, capacity, args.host_blocks, name, kv,
+                                 getattr(args, "chunk", 512))
+                    for name in dict.fromkeys(policies + ["lru"])}
+            bound = ideal if capacity is None else None
+            if bound_uses is not None and capacity is not None and kv is None:
+                bound = offline_hit_rate(bound_uses, args.block_size, capacity)
+            for name in policies:
+                row = rows[name]
+                row["ideal_hit_token_rate"] = ideal
+                row["lru_hit_token_rate"] = rows["lru"]["hit_token_rate"]
+                row["offline_bound_hit_token_rate"] = bound
+                results.append(row)
     return results
 
 

@@ -72,6 +72,7 @@ import numpy as np
 
 from kvrt.bench.array_ops import count_step
 from kvrt.bench.copy import cuda_missing
+from kvrt.ipc.layout import FP8_E4M3
 from kvrt.workers.backend import BackendUnavailable, get_backend
 from kvrt.workers.model.checkpoint import inspect, parse_config
 from kvrt.workers.model.hf_model import REQUESTED_DTYPES, HFModel, resolve_compute_dtype
@@ -310,7 +311,7 @@ def model_limits(model: HFModel, gb_s: float, gflop_s: dict[int, float]) -> Limi
     return Limits(gb_s, gflop_s, weight_bytes(model) - (0 if tied else int(model.embed.nbytes)) - unread,
                   per_token, int(model.lm_head.size), s.num_heads * s.head_dim * s.num_layers,
                   2 * s.num_layers * s.num_kv_heads * s.head_dim * model.kv_dtype.itemsize,
-                  tuple(w.window for w in model.layers))
+                  model.shape.windows)
 
 
 # ---- kvrt ------------------------------------------------------------------------------------
@@ -356,10 +357,21 @@ def kv_pool(model: HFModel, blocks: int, seed: int = 0) -> Any:
     depend on the values, and written pages cost no fault inside a timed step)."""
     xp = model.xp
     layout = model.shape.kv_layout(BLOCK_SIZE, model.kv_dtype.name)
-    pool = xp.empty(layout.pool_shape(blocks), dtype=layout.dtype)
-    one = np.random.default_rng(seed).standard_normal(layout.pool_shape(1)).astype(layout.dtype)
+    pool = xp.empty(layout.pool_shape(blocks), dtype=layout.storage_dtype)
+    one = model.kv_dtype.store(np.random.default_rng(seed).standard_normal(layout.pool_shape(1)))
     pool[:] = xp.asarray(one)
     return pool
+
+
+def seq_tables(model: HFModel, b: int, per_seq: int) -> tuple[int, list[tuple[np.ndarray, tuple]]]:
+    """The pool blocks `b` sequences of `per_seq` blocks take, and each one's block tables: a
+    table per layer group (ipc/layout.py LayerGroups), none shared."""
+    g = len(model.shape.groups.windows)
+    out = []
+    for i in range(b):
+        ts = [np.arange((i * g + k) * per_seq, (i * g + k + 1) * per_seq, dtype=np.int32) for k in range(g)]
+        out.append((ts[0], tuple(ts[1:])))
+    return b * per_seq * g, out
 
 
 def pool_bytes(model: HFModel, blocks: int) -> int:
@@ -396,8 +408,8 @@ def kvrt_decode(runners: list[Runner], b: int, ctx: int, steps: int, sampled: bo
     of them alike (each setting's steps write the same slots: the values do not matter)."""
     model = runners[0].model
     per_seq = -(-(ctx + steps + 1) // BLOCK_SIZE)
-    pool = kv_pool(model, b * per_seq)
-    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
+    blocks, tables = seq_tables(model, b, per_seq)
+    pool = kv_pool(model, blocks)
     first = np.random.default_rng(b).integers(0, model.shape.vocab_size, size=b).astype(np.int32)
     toks = [first] * len(runners)
     out: list[list[Step]] = [[] for _ in runners]
@@ -406,7 +418,7 @@ def kvrt_decode(runners: list[Runner], b: int, ctx: int, steps: int, sampled: bo
         pos = ctx + j
         for r, runner in enumerate(runners):
             _pause_between(runners)
-            seqs = [SeqInput(toks[r][i:i + 1], pos, tables[i]) for i in range(b)]
+            seqs = [SeqInput(toks[r][i:i + 1], pos, *tables[i]) for i in range(b)]
             if sampled:
                 _, t, _ = runner.step(pool, seqs, SamplingRows.greedy(b))
                 if j:
@@ -424,9 +436,9 @@ def graph_decode(model: HFModel, b: int, ctx: int, steps: int) -> float | str:
     eager step's time. A string says why it could not be measured."""
     cp = model.xp
     per_seq = -(-(ctx + 1) // BLOCK_SIZE)
-    pool = kv_pool(model, b * per_seq)
-    seqs = [SeqInput(np.zeros(1, np.int32), ctx, np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32))
-            for i in range(b)]
+    blocks, tables = seq_tables(model, b, per_seq)
+    pool = kv_pool(model, blocks)
+    seqs = [SeqInput(np.zeros(1, np.int32), ctx, *tables[i]) for i in range(b)]
     stream = cp.cuda.Stream(non_blocking=True)
     memory = cp.cuda.MemoryPool()  # the graph's own: its buffers are never handed to anything else
     try:
@@ -456,11 +468,11 @@ def kvrt_prefill(runners: list[Runner], b: int, prompt_len: int, repeats: int) -
     the runners taking turns."""
     model = runners[0].model
     per_seq = -(-prompt_len // BLOCK_SIZE)
-    pool = kv_pool(model, b * per_seq)
-    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
+    blocks, tables = seq_tables(model, b, per_seq)
+    pool = kv_pool(model, blocks)
     prompts = np.random.default_rng(prompt_len).integers(0, model.shape.vocab_size, size=(b, prompt_len),
                                                          dtype=np.int32)
-    seqs = [SeqInput(prompts[i], 0, tables[i]) for i in range(b)]
+    seqs = [SeqInput(prompts[i], 0, *tables[i]) for i in range(b)]
     out: list[list[Step]] = [[] for _ in runners]
     for _ in range(repeats):
         for r, runner in enumerate(runners):
@@ -481,9 +493,9 @@ def count_rows(info: Any, max_len: int, compute: str, grid: Grid, budgets: tuple
         model = HFModel(info, max_len, np, kv_dtype=compute, matmul_dtype=compute)
         model.attn_budgets = budgets
         per_seq = -(-(ctx + n) // BLOCK_SIZE)
-        seqs = [SeqInput(np.zeros(n, np.int32), ctx, np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32))
-                for i in range(b)]
-        counts = count_step(model, kv_pool(model, b * per_seq), seqs)
+        blocks, tables = seq_tables(model, b, per_seq)
+        seqs = [SeqInput(np.zeros(n, np.int32), ctx, *tables[i]) for i in range(b)]
+        counts = count_step(model, kv_pool(model, blocks), seqs)
         layers = model.config.num_layers
         out.append(dict(kind=kind, batch=b, context=ctx, ops_per_layer=sum(counts.values()) / layers,
                         ops_per_step=sum(counts.values()),
@@ -629,8 +641,8 @@ def run_grid(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, setti
     rows: list[Row] = []
     # one untimed step first: the first call pays for lazy initialisation
     for runner in runners:
-        runner.step(kv_pool(model, 1), [SeqInput(np.zeros(2, np.int32), 0, np.zeros(1, np.int32))],
-                    SamplingRows.greedy(1))
+        blocks, [tables] = seq_tables(model, 1, 1)
+        runner.step(kv_pool(model, blocks), [SeqInput(np.zeros(2, np.int32), 0, *tables)], SamplingRows.greedy(1))
 
     def finish(row: Row, step: Step, seqs: list[tuple[int, int]], hf_time: Callable[[int], float] | None,
                gen_time: Callable[[int], float] | None = None) -> None:
@@ -656,7 +668,7 @@ def run_grid(model: HFModel, hf: Transformers, limits: Limits, grid: Grid, setti
 
     for ctx in grid.contexts:
         for b in grid.batches:
-            need = pool_bytes(model, b * -(-(ctx + grid.decode_steps + 1) // BLOCK_SIZE))
+            need = pool_bytes(model, seq_tables(model, b, -(-(ctx + grid.decode_steps + 1) // BLOCK_SIZE))[0])
             if need > grid.max_pool_bytes:
                 rows += [Row("decode", label, load, b, ctx, b, note=f"skipped: its pool takes {need / 2**30:.1f} GiB "
                              f"> --max-pool-gib") for label in labels]
@@ -721,6 +733,9 @@ def print_table(rows: list[Row], meta: dict) -> None:
           f"{meta['weight_bytes'] / 1e9:.2f} GB {meta['compute_dtype']}) on {meta['device']} "
           f"({meta['cores']} cores); block {meta['block_size']}; load {meta['load_s']:.1f} s; "
           f"comparison: {meta['transformers']}")
+    if meta.get("kv_dtype") == FP8_E4M3 or meta.get("layer_windows"):
+        print(f"KV: {meta['kv_dtype']}" + (f"; layer windows {meta['layer_windows']} (a table per layer group)"
+                                           if meta.get("layer_windows") else ""))
     for r in rows:
         if r.kind == "memcpy":
             print(f"memcpy: {r.gb_s:.1f} GB/s read + written ({r.note})")
@@ -846,8 +861,23 @@ def main(argv: list[str]) -> int:
                    help="the worker's model path to measure (as kvrt launch --model-backend): array (NumPy/CuPy, with "
                    "phases and thread settings) or torch (eager and CUDA-graph steps next to transformers' generate "
                    "and the HBM floor: bench/model_torch.py) (default array)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="what the KV pool holds, as kvrt launch's (default auto: the compute dtype; fp8: e4m3); a "
+                        "checkpoint with sliding windows beside full layers (--shape small-gemma3, gemma3-1b) runs "
+                        "over layer groups, a table per group, as a node serves it")
+    p.add_argument("--kv-drift", action="store_true",
+                   help="instead of timing: how far answers drift with bfloat16, float16, FP8 KV (bench/kv_drift.py): "
+                        "greedy agreement and next-token KL on tiny checkpoints written through transformers' configs")
+    p.add_argument("--drift-prompts", type=int, default=8, help="--kv-drift: prompts per architecture (default 8)")
+    p.add_argument("--drift-tokens", type=int, default=256, help="--kv-drift: greedy tokens per prompt (default 256)")
     p.add_argument("--json", action="store_true", help='print {"meta": {...}, "rows": [...]} instead of a table')
     args = p.parse_args(argv)
+    if args.kv_drift:
+        from kvrt.bench.kv_drift import main as drift
+
+        if args.drift_prompts < 1 or args.drift_tokens < 1:
+            p.error("--drift-prompts and --drift-tokens must be positive")
+        return drift(args)
     grid = Grid(_ints(p, "--batches", args.batches), _ints(p, "--contexts", args.contexts), args.decode_steps,
                 args.prompt_len, _ints(p, "--prefill-batches", args.prefill_batches, allow_empty=True),
                 args.prefill_repeats, args.sample_batch, int(args.max_pool_gib * 2**30))
@@ -875,15 +905,20 @@ def main(argv: list[str]) -> int:
         if max_len > info.config.max_position_embeddings:
             p.error(f"--contexts + --decode-steps or --prompt-len exceed the checkpoint's max_position_embeddings "
                     f"({info.config.max_position_embeddings})")
+        if args.backend == "torch" and args.kv_cache_dtype != "auto":
+            p.error("--backend torch keeps K/V in float16 or float32 blocks: leave --kv-cache-dtype out")
         compute = resolve_compute_dtype(args.compute_dtype, args.device, info, args.backend)
         if args.backend == "torch" and not args.count_ops:
             return _torch_rows(args, info, model_dir, max_len, compute, grid)
+        if args.count_ops and args.kv_cache_dtype != "auto":
+            p.error("--count-ops counts the compute dtype's KV blocks' operations: leave --kv-cache-dtype out")
         if args.count_ops:
             ops = count_rows(info, max_len, compute, grid, attention_budgets(np if args.device == "cpu" else None))
             print(json.dumps({"compute_dtype": compute, "rows": ops}) if args.json else format_ops(ops, compute))
             return 0
         t0 = time.perf_counter()
-        model = HFModel(info, max_len, xp, kv_dtype=compute, matmul_dtype=compute)
+        model = HFModel(info, max_len, xp, kv_dtype=FP8_E4M3 if args.kv_cache_dtype == "fp8" else compute,
+                        matmul_dtype=compute)
         load_s = time.perf_counter() - t0
         gb_s = memcpy_gb_s(xp, args.memcpy_mib << 20)
         rows = [Row("memcpy", gb_s=gb_s, note="d2d copy" if args.device == "cuda" else "np.copyto")]
@@ -906,6 +941,7 @@ def main(argv: list[str]) -> int:
         c = info.config
         meta = dict(model=args.model or f"random {args.shape} {c.arch} (BF16 file)", arch=c.arch,
                     params=weight_params(model), weight_bytes=weight_bytes(model), compute_dtype=compute,
+                    kv_dtype=model.kv_dtype.name, layer_windows=list(model.shape.layer_windows),
                     device=args.device, cores=cores, block_size=BLOCK_SIZE, load_s=load_s, memcpy_gb_s=gb_s,
                     peak_gflop_s={str(k): v for k, v in peaks.items()}, decode_steps=args.decode_steps,
                     prompt_len=args.prompt_len, transformers=getattr(hf, "version", None) or hf.why,

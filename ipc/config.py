@@ -7,13 +7,15 @@ named in one place and a misspelt one is an AttributeError at the first run, not
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, TypeVar
 
-from kvrt.ipc.layout import KVLayout
+from kvrt.ipc.layout import FP8_E4M3, KVLayout, LayerGroups
 from kvrt.ipc.protocol import read_config
 
 C = TypeVar("C", bound="NodeConfig")
+# --kv-cache-dtype as vLLM names it: auto keeps --dtype; fp8 and fp8_e4m3 are FP8 e4m3 blocks
+KV_CACHE_DTYPES = {"auto": "", "fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3}
 
 
 @dataclass
@@ -39,7 +41,11 @@ class NodeConfig:
     num_layers: int = 4
     num_kv_heads: int = 4
     head_dim: int = 32
-    dtype: str = "float32"
+    dtype: str = "float32"       # the KV blocks' float dtype (unless kv_cache_dtype says FP8)
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto (dtype), fp8 or fp8_e4m3 (FP8 e4m3 blocks)
+    # each layer's attention window in tokens, 0: full attention (empty: every layer full);
+    # from a checkpoint's config.json, or --layer-windows for the reference model
+    layer_windows: list = field(default_factory=list)
     vocab_size: int = 512
     max_model_len: int = 4096
     model_seed: int = 0
@@ -81,10 +87,21 @@ class NodeConfig:
         return us / 1e6
 
     @property
+    def kv_dtype(self) -> str:
+        """What the KV blocks hold: `dtype`, or FP8 e4m3 for --kv-cache-dtype fp8."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or self.dtype
+
+    @property
+    def kv_groups(self) -> LayerGroups:
+        """How the layers share the pool's pages (one group of every layer unless some slide)."""
+        return LayerGroups.of(self.layer_windows or [0] * self.num_layers)
+
+    @property
     def kv_layout(self) -> KVLayout:
-        """One rank's KV block (every pool, transport and model of the node derives from it)."""
-        return KVLayout.of_node(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                self.dtype, self.tp)
+        """One rank's KV block, a page of one layer group (every pool, transport and model of
+        the node derives from it)."""
+        return KVLayout.of_node(self.kv_groups.page_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                self.kv_dtype, self.tp)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -112,6 +129,12 @@ class NodeConfig:
     @property
     def needs_transfer(self) -> bool:
         return self.num_cpu_blocks > 0 or bool(self.storage)
+
+    @property
+    def has_gateway(self) -> bool:
+        """The node listens where others reach it (its client API, its KV events): the gateway
+        process owns those sockets (runtime/gateway/), and the engine listens privately."""
+        return bool(self.port or self.kv_events_port)
 
     def to_dict(self) -> dict:
         return asdict(self)

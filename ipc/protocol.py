@@ -18,7 +18,7 @@ from kvrt.ipc.shm import Segment
 PROTOCOL = Codec()
 # the version of the contract below as a whole: a change to any message a channel carries
 # bumps it, and a process of another build is refused when it attaches to a node's channels
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # ---- object names (short names; the registry adds `kvrt.<node>.`) -------------------------
 CONFIG = "config"            # msgpack of the node configuration, written once by the launcher
@@ -81,9 +81,9 @@ def from_worker(rank: int) -> str:
 
 
 # ---- processes -------------------------------------------------------------------------
-ROLE_ENGINE, ROLE_WORKER, ROLE_TRANSFER, ROLE_MESSAGER = 1, 2, 3, 4
+ROLE_ENGINE, ROLE_WORKER, ROLE_TRANSFER, ROLE_MESSAGER, ROLE_GATEWAY = 1, 2, 3, 4, 5
 ROLE_NAMES = {ROLE_ENGINE: "engine", ROLE_WORKER: "worker", ROLE_TRANSFER: "cache-transfer",
-              ROLE_MESSAGER: "cache-messager"}
+              ROLE_MESSAGER: "cache-messager", ROLE_GATEWAY: "gateway"}
 PROC_PID, PROC_ROLE, PROC_RANK, PROC_START, PROC_STEP, PROC_MARKS = range(6)
 PROC_FIELDS = 6  # PROC_MARKS: a worker's progress marks so far (workers/progress.py), the engine's step bound
 
@@ -101,9 +101,11 @@ def hang_threshold(config: dict, role: int) -> float:
 
 
 def proc_slots(tp: int) -> list[tuple[int, int]]:
-    """(role, rank) of every process slot: engine, workers, cache-transfer, cache-messager."""
+    """(role, rank) of every process slot: engine, workers, cache-transfer, cache-messager,
+    gateway (last: the others' slots are as they were before it)."""
     return ([(ROLE_ENGINE, 0)] + [(ROLE_WORKER, r) for r in range(tp)]
-            + [(ROLE_TRANSFER, r) for r in range(tp)] + [(ROLE_MESSAGER, r) for r in range(tp)])
+            + [(ROLE_TRANSFER, r) for r in range(tp)] + [(ROLE_MESSAGER, r) for r in range(tp)]
+            + [(ROLE_GATEWAY, 0)])
 
 
 def slot_of(tp: int, role: int, rank: int) -> int:
@@ -112,6 +114,7 @@ def slot_of(tp: int, role: int, rank: int) -> int:
 
 # ---- status words (NODE_STATUS indices and values) ----------------------------------------
 ST_NODE, ST_LAUNCHER_BEAT = 0, 2  # ST_LAUNCHER_BEAT: CLOCK_MONOTONIC ns, while running
+ST_GATEWAY_RESTARTS = 3  # how many times the launcher restarted the gateway (runtime/gateway/)
 STATUS_FIELDS = 8
 NODE_STARTING, NODE_RUNNING, NODE_STOPPING = 0, 1, 2
 
@@ -239,6 +242,7 @@ STATS = (
     "pd_early_blocks", "pd_early_bytes",  # P->D blocks sent while the prefill still ran
     "recomputed_prompt_tokens",  # prompt positions run again for a request (after a preemption)
     "intake_errors",  # client or peer messages whose handling raised: each answered with an error, the engine went on
+    "pd_sessions",  # a prefill node's decode nodes with a session up now
 )
 STAT = {name: i for i, name in enumerate(STATS)}
 
@@ -250,6 +254,10 @@ class StepBatch:
     """Engine -> every worker rank: one forward step over several sequences, flattened.
     Sequence i computes tokens[sum(query_lens[:i]) : ...] at positions starts[i].. and owns the
     block table tables[sum(table_lens[:i]) : ...] (only the blocks it needs, in token order).
+    A model of several layer groups (ipc/layout.py LayerGroups) has a table per group: `tables`
+    is group 0's, and `group_tables` the others', sequence after sequence, each sequence's G - 1
+    tables of table_lens[i] entries one after the other (-1 where a sliding group reads nothing);
+    empty for a model of one group.
 
     How sequence i's next token is chosen travels with it, one entry per sequence (all empty:
     every sequence greedy): temperature[i] (0: greedy), top_p[i], top_k[i] (0: no limit), min_p[i],
@@ -300,6 +308,7 @@ class StepBatch:
     prompt_top: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     guided_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     guided_mask: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    group_tables: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
 
 
 # the bytes of one step's guided masks: a ring holds records up to half its size (1 MiB

@@ -35,6 +35,7 @@ from kvrt.ipc.doorbell import Doorbell, unlink_doorbell
 from kvrt.ipc.errors import IpcError, NodeLive
 from kvrt.ipc.shm import (PREFIX, SHM_DIR, Segment, object_name, segment_exists, unlink_segment,
                   validate_node_name)
+from kvrt.ipc.sockets import remove_socket_dir, socket_dir
 
 MAGIC = int.from_bytes(b"KVRTREG1", "little")
 VERSION = 1
@@ -143,8 +144,10 @@ class Registry:
 
     def unlink_all(self) -> list[str]:
         """Owner only: unlink every registered object and every other `kvrt.<node>.*` name
-        (a damaged slot must not leak its object), then the registry itself (last)."""
+        (a damaged slot must not leak its object) and the node's private socket directory
+        (ipc/sockets.py), then the registry itself (last)."""
         removed = _unlink_names(self.node, self.entries())
+        removed += [socket_dir(self.node)] if remove_socket_dir(self.node) else []
         self._seg.unlink()
         self.close()
         return removed + [self._seg.name]
@@ -353,10 +356,12 @@ def reclaim(node: str, dry_run: bool = False) -> list[str]:
                 entries = reg.entries()
             finally:
                 reg.close()
+        sockets = [socket_dir(node)] if os.path.isdir(socket_dir(node)) else []
         if dry_run:
             names = [e.name for e in entries]
-            return names + [n for n, _ in node_names(node) if n not in names] + [name]
+            return names + [n for n, _ in node_names(node) if n not in names] + sockets + [name]
         removed = _unlink_names(node, entries)
+        removed += [socket_dir(node)] if remove_socket_dir(node) else []
         if unlink_segment(name):
             removed.append(name)
         return removed

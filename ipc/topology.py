@@ -22,6 +22,7 @@ from kvrt.ipc.signals import Signal
 
 Proc = tuple[int, int]  # (role, rank): one process of the node
 ENGINE: Proc = (P.ROLE_ENGINE, 0)
+GATEWAY: Proc = (P.ROLE_GATEWAY, 0)
 
 # the signals every node has, whatever its configuration (`kvrt status` reads them)
 NODE_SIGNALS = (P.PROCS, P.HEARTBEAT, P.READY, P.NODE_STATUS, P.ERRORS, P.ENGINE_STATS)
@@ -86,7 +87,9 @@ class Topology:
         """The node `cfg` describes. `roles` narrows the rank processes to those roles (a node
         assembled by hand around one of them, as tests and benchmarks do); default: the roles
         the configuration runs, workers always, cache-transfer for a host tier or storage,
-        cache-messager on a P or D node."""
+        cache-messager on a P or D node, and the gateway (no ring: it talks to the engine over
+        private sockets) when the node listens where others reach it."""
+        gateway = (GATEWAY,) if roles is None and cfg.has_gateway else ()
         if roles is None:
             roles = [P.ROLE_WORKER] + [P.ROLE_TRANSFER] * cfg.needs_transfer + [P.ROLE_MESSAGER] * cfg.disaggregated
         roles = [r for r in _RANK_ROLES if r in set(roles)]
@@ -107,7 +110,7 @@ class Topology:
         pools += [P.host_pool(r) for r in range(cfg.tp)] if cfg.num_cpu_blocks > 0 else []
         allreduce = ((cfg.tp, cfg.allreduce_capacity, cfg.device == "cuda")
                      if cfg.needs_allreduce and P.ROLE_WORKER in roles else None)
-        return cls(processes=(ENGINE, *((role, r) for role in roles for r in range(cfg.tp))),
+        return cls(processes=(ENGINE, *((role, r) for role in roles for r in range(cfg.tp)), *gateway),
                    signals=tuple(signals), bells=(P.ENGINE_BELL,), links=tuple(links), pools=tuple(pools),
                    allreduce=allreduce)
 

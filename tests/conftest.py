@@ -35,12 +35,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def leftovers(node: str) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith((f"kvrt.{node}.", f"sem.kvrt.{node}."))]
+    """What of `node` is left: shared-memory objects, and its private socket directory."""
+    from kvrt.ipc.sockets import socket_dir
+
+    shm = [n for n in os.listdir("/dev/shm") if n.startswith((f"kvrt.{node}.", f"sem.kvrt.{node}."))]
+    return shm + [d for d in [socket_dir(node)] if os.path.lexists(d)]
 
 
 @pytest.fixture
 def node():
-    """A fresh node name; the test fails if any object of that node outlives it."""
+    """A fresh node name; the test fails if any object of that node outlives it (its shared
+    memory, its private socket directory)."""
     name = "t" + uuid.uuid4().hex[:10]
     yield name
     left = leftovers(name)

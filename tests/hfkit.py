@@ -401,8 +401,24 @@ def _experts(W: dict, p: str, conf, arch: str, hs: np.ndarray) -> np.ndarray:
     return out
 
 
-def dense_logits(ck: Tiny, tokens) -> np.ndarray:
-    """Logits [len(tokens), vocab] of the whole sequence, recomputed from scratch."""
+def kv_rounding(kv: str):
+    """What the KV pool does to K and V before attention reads them back: nothing for
+    float32 (the reference's float64 is as close as the tests look), e4m3 rounding for "fp8"
+    (`--kv-cache-dtype fp8`), done by ml_dtypes' float8_e4m3fn (an implementation independent of
+    kvrt's workers/model/kv_format.py)."""
+    if kv == "float32":
+        return lambda a: a
+    if kv != "fp8":
+        raise ValueError(f"kv must be float32 or fp8, got {kv!r}")
+    import ml_dtypes
+
+    return lambda a: a.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def dense_logits(ck: Tiny, tokens, kv: str = "float32") -> np.ndarray:
+    """Logits [len(tokens), vocab] of the whole sequence, recomputed from scratch; with `kv`
+    "fp8" K (after RoPE) and V are rounded as an FP8 pool stores them (`kv_rounding`)."""
+    stored = kv_rounding(kv)
     cfg, W = ck.config, ck.weights
     conf = hf_config(cfg)
     arch = cfg["architectures"][0]
@@ -448,6 +464,7 @@ def dense_logits(ck: Tiny, tokens) -> np.ndarray:
         cos, sin = ropes[types[i]]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        k, v = stored(k), stored(v)
         k, v = np.repeat(k, h // kvh, axis=0), np.repeat(v, h // kvh, axis=0)  # repeat_kv
         scores = q @ k.transpose(0, 2, 1) * scaling
         if softcap:
@@ -473,11 +490,33 @@ def dense_logits(ck: Tiny, tokens) -> np.ndarray:
     return np.tanh(logits / cap) * cap if cap else logits
 
 
-def greedy(ck: Tiny, prompt, new: int) -> list[int]:
-    """Greedy tokens of the dense reference."""
+def greedy(ck: Tiny, prompt, new: int, kv: str = "float32") -> list[int]:
+    """Greedy tokens of the dense reference (`kv`: as `dense_logits`)."""
     seq, out = [int(t) for t in prompt], []
     for _ in range(new):
-        tok = int(dense_logits(ck, seq)[-1].argmax())
+        tok = int(dense_logits(ck, seq, kv)[-1].argmax())
         out.append(tok)
         seq.append(tok)
+    return out
+
+
+def paged_pool(model, blocks: int, block_size: int, kv_dtype: str = "float32", xp=np):
+    """A zeroed KV pool for `model` (a `Model` or `HFModel`) with `blocks` blocks of tokens for
+    each of its layer groups (ipc/layout.py LayerGroups: a checkpoint with sliding and full
+    layers has a page per group and block); see `grouped`."""
+    layout = model.shape.kv_layout(block_size, kv_dtype)
+    return xp.zeros(layout.pool_shape(blocks * len(model.shape.groups.windows)), dtype=layout.storage_dtype)
+
+
+def grouped(model, seqs: list, blocks: int) -> list:
+    """`seqs` (SeqInputs with one block table each) for `model` over a `paged_pool` of `blocks`:
+    layer group g's table is the block table shifted by g * blocks, so each group has pages of
+    its own and a test written for one table runs unchanged over layer groups."""
+    from kvrt.workers.model.transformer import SeqInput
+
+    n = len(model.shape.groups.windows)
+    out = []
+    for s in seqs:
+        t = np.asarray(s.block_table)
+        out.append(SeqInput(s.tokens, s.start, t, tuple((t + g * blocks).astype(t.dtype) for g in range(1, n))))
     return out

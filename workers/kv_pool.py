@@ -52,11 +52,11 @@ def pool_specs(cfg: NodeConfig) -> list[PoolSpec]:
     specs = []
     for r in range(cfg.tp):
         n = cfg.num_gpu_blocks
-        specs.append(PoolSpec(r, "device", protocol.device_pool(r), layout.pool_shape(n), layout.dtype,
+        specs.append(PoolSpec(r, "device", protocol.device_pool(r), layout.pool_shape(n), layout.storage_dtype.name,
                               layout.pool_bytes(n), cfg.device == "cpu"))
         if cfg.num_cpu_blocks > 0:
             n = cfg.num_cpu_blocks
-            specs.append(PoolSpec(r, "host", protocol.host_pool(r), layout.pool_shape(n), layout.dtype,
+            specs.append(PoolSpec(r, "host", protocol.host_pool(r), layout.pool_shape(n), layout.storage_dtype.name,
                                   layout.pool_bytes(n), True))
     return specs
 

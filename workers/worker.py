@@ -60,14 +60,17 @@ class Worker:
             from kvrt.workers.model.torch_backend import TorchModel  # torch only where this backend is asked for
 
             device = f"cuda:{self.xp.cuda.runtime.getDevice()}" if cfg.device == "cuda" else "cpu"
-            self.model = TorchModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, device, cfg.dtype,
+            self.model = TorchModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, device, cfg.kv_dtype,
                                          cfg.compute_dtype, child.rank, cfg.tp, allreduce, self.xp)
         elif cfg.model_dir:
             self.model = HFModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, self.xp,
-                                      kv_dtype=cfg.dtype, rank=child.rank, tp=cfg.tp, allreduce=allreduce,
+                                      kv_dtype=cfg.kv_dtype, rank=child.rank, tp=cfg.tp, allreduce=allreduce,
                                       matmul_dtype=cfg.compute_dtype)
         else:
-            self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.dtype)
+            self.model = Model(ModelShape.from_config(cfg), self.xp, kv_dtype=cfg.kv_dtype)
+        if self.model.shape.windows != tuple(cfg.layer_windows or (0,) * cfg.num_layers):
+            raise RuntimeError(f"the model's layer windows {self.model.shape.windows} are not the node's "
+                               f"{cfg.layer_windows} (its pool's layer groups)")
         if cfg.device == "cuda":  # kernels compiled now, before ready, not in the first steps
             t0 = time.monotonic()
             self.model.warm_up(cfg.block_size)
@@ -76,6 +79,7 @@ class Worker:
             if cfg.model_backend == "torch":
                 self._capture_graphs(cfg, started)
         self.block_size = cfg.block_size
+        self.side_groups = len(cfg.kv_groups.windows) - 1  # layer groups with tables of their own
         self.vocab_size = cfg.vocab_size  # the logits' width: what a guided mask covers
         self.owners = Signal.attach(child.reg, P.OWNERS_DEVICE).array if cfg.check_ownership else None
         me, topo = (P.ROLE_WORKER, child.rank), Topology.of(cfg)
@@ -157,7 +161,13 @@ class Worker:
             raise ValueError("step batch fields do not agree in length")
         q_off = np.concatenate([[0], np.cumsum(step.query_lens)])
         t_off = np.concatenate([[0], np.cumsum(step.table_lens)])
-        return [SeqInput(step.tokens[q_off[i]:q_off[i + 1]], int(step.starts[i]), step.tables[t_off[i]:t_off[i + 1]])
+        k = self.side_groups
+        if len(step.group_tables) != k * len(step.tables):
+            raise ValueError(f"step batch has {len(step.group_tables)} group table entries; {k} more layer "
+                             f"group(s) of {len(step.tables)} need {k * len(step.tables)}")
+        return [SeqInput(step.tokens[q_off[i]:q_off[i + 1]], int(step.starts[i]), step.tables[t_off[i]:t_off[i + 1]],
+                         tuple(step.group_tables[k * t_off[i] + g * (t_off[i + 1] - t_off[i]):
+                                                 k * t_off[i] + (g + 1) * (t_off[i + 1] - t_off[i])] for g in range(k)))
                 for i in range(n)]
 
     @staticmethod
@@ -226,9 +236,11 @@ class Worker:
         what = f"step {step_id} on worker[{self.child.rank}]"
         for s in seqs:
             first = s.start // bs
-            check_owners(self.owners, s.block_table[first:], "device", what, P.OWNER_WORKER)
-            check_owners(self.owners, s.block_table[:first], "device", what,
-                         (P.OWNER_WORKER, P.OWNER_CACHE, P.OWNER_TRANSFER))
+            for table in (s.block_table, *s.group_tables):
+                reads = table[:first]
+                check_owners(self.owners, table[first:], "device", what, P.OWNER_WORKER)
+                check_owners(self.owners, reads[reads >= 0], "device", what,
+                             (P.OWNER_WORKER, P.OWNER_CACHE, P.OWNER_TRANSFER))
 
     def close(self) -> None:
         self.beater.close()

@@ -113,6 +113,10 @@ class Checker:
         for path in paths:
             for n in path.tolist():
                 want[n] += 1
+        for r in c._reqs.values():  # side groups' nodes (runtime/cache/groups.py)
+            for refs in r.side:
+                for n in refs.held():
+                    want[n] += 1
         for n in live:
             _expect(c._ref_v[n] == want[n], f"node {n}: ref={c._ref_v[n]} but {want[n]} holders")
         _expect(c._ref_v[ROOT] == 1, "root lost its pin")
@@ -142,8 +146,17 @@ class Checker:
         dev_used = [c._dev_v[n] for n in detached if c._dev_v[n] >= 0]
         host_used = [c._host_v[n] for n in detached if c._host_v[n] >= 0]
         for req in c._reqs.values():
-            skip = len(c._tasks[req.load].task.device_blocks) if req.load >= 0 else 0
+            skip = c._tasks[req.load].primary if req.load >= 0 else 0
             dev_used += req.blocks[len(req.path) + skip:] + req.dups
+            loading = set(c._tasks[req.load].task.device_blocks) if req.load >= 0 else set()
+            for refs in req.side:
+                dev_used += [b for b in refs.private() if b not in loading]
+                _expect(len(refs.nodes) == len(refs.blocks) == len(req.blocks)
+                        and all(n < 0 and b < 0 for n, b in zip(refs.nodes[:refs.live], refs.blocks[:refs.live])),
+                        "a side group's table is out of step with group 0's, or holds a released block")
+                for n, b in zip(refs.nodes, refs.blocks):
+                    if n >= 0 and b >= 0 and b not in refs.dups:
+                        _expect(b == c._dev_v[n], f"side node {n}'s page {c._dev_v[n]} is not its request's {b}")
         for t in c._tasks.values():
             if t.task.kind is TaskKind.STORAGE2GPU:
                 dev_used += t.task.device_blocks

@@ -14,6 +14,14 @@ ZeroMQ PUB socket, in vLLM's KV events shape so that routers built for vLLM cons
   holding the secret can tie them to prompts (it hashes a prompt as the node does, then maps the
   keys); `token_ids` is empty (the cache keeps keys, not tokens: a subscriber hashes its own
   prompts); `medium` is "GPU", "CPU" or "STORAGE";
+- a model of several layer groups (ipc/layout.py LayerGroups: full attention and sliding
+  windows) stores a page per group for a block (runtime/cache/groups.py): group 0's pages are
+  announced as above, the others' with the fields vLLM's hybrid KV cache manager added after
+  `medium`: `[..., medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+  kv_cache_spec_sliding_window]` (kind "sliding_window" with the window in tokens, or
+  "full_attention"); their keys are the group's page keys (runtime/cache/keys.py group_key), never
+  a block's key, so a subscriber that matches prefixes by block keys (`KVEventView`) leaves them
+  aside. `BlockRemoved` says no group: a page key names one page of one group;
 - one batch per engine step (nothing is sent for a step that changed nothing), numbered 1, 2, ...
   without gaps, so a subscriber that sees a gap knows it missed something.
 
@@ -28,6 +36,12 @@ every block the cache holds now; applying it replaces the subscriber's view, and
 apply on top. The replay socket is served by the engine loop itself (between steps), so a
 snapshot reads the cache with nobody changing it. With a deployment secret both sockets are
 CURVE servers that admit only subscribers holding it (runtime/cache/event_secret.py).
+
+In a node, the engine binds both sockets in the node's private socket directory (ipc/sockets.py)
+and the gateway process owns the public ports, relaying to them (runtime/gateway/events_relay.py):
+a hostile subscriber's bytes can make libzmq abort the process that reads them, and that process
+must not be the one holding the cache. The gateway guards the ports with the secret; the keys
+are still blinded here.
 """
 from __future__ import annotations
 
@@ -50,6 +64,7 @@ TOPIC = b"kv-events"
 SNDHWM = 10_000          # batches queued per subscriber before new ones are dropped
 REPLAY_BATCHES = 1_000   # batches kept for replay
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+REPLAY_MAXMSGSIZE = 64  # replay socket: a request is one 8-byte number
 CURVE_MAXMSGSIZE = 1024  # replay socket, with CURVE: its handshake's commands must fit
 MAX_REPLAY_REQUESTS = 16  # served per engine turn: a flood of requests cannot stall the loop
 # replay answers per second, in bursts of MAX_REPLAY_REQUESTS: a subscriber asks only when it
@@ -63,7 +78,8 @@ class CacheObserver(Protocol):
     """What the prefix cache calls when a node gains or loses a block on a tier. `parent` is
     the key of the block before the first of `keys` (None at the root); `keys` are chained."""
 
-    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None) -> None: ...
+    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None, group: int = 0) -> None:
+        """`keys` (group `group`'s pages, runtime/cache/groups.py, if not 0) are now readable on `medium`."""
 
     def removed(self, medium: str, keys: Sequence[bytes]) -> None: ...
 
@@ -73,15 +89,22 @@ class CacheObserver(Protocol):
 
 @dataclass(frozen=True)
 class CachedBlock:
-    """One block the cache holds now, for a snapshot."""
+    """One block the cache holds now, for a snapshot (`group`: its layer group, and the
+    group's window in tokens, 0 for full attention)."""
 
     key: bytes
     parent: bytes | None
     medium: str
+    group: int = 0
+    window: int = 0
 
 
-def stored_event(keys: Sequence[bytes], parent: bytes | None, block_size: int, medium: str) -> Event:
-    return ["BlockStored", list(keys), parent, [], block_size, None, medium]
+def stored_event(keys: Sequence[bytes], parent: bytes | None, block_size: int, medium: str, group: int = 0,
+                 window: int = 0) -> Event:
+    if not group:
+        return ["BlockStored", list(keys), parent, [], block_size, None, medium]
+    kind = "sliding_window" if window else "full_attention"
+    return ["BlockStored", list(keys), parent, [], block_size, None, medium, None, None, group, kind, window or None]
 
 
 def removed_event(keys: Sequence[bytes], medium: str) -> Event:
@@ -109,13 +132,22 @@ class KVEventPublisher:
 
     def __init__(self, host: str, port: int, block_size: int, snapshot: Callable[[], Iterable[CachedBlock]],
                  ctx: zmq.Context | None = None, secret: EventSecret | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, private: tuple[str, str] | None = None,
+                 windows: Sequence[int] = ()):
+        """`private`: the (events, replay) ipc:// addresses to bind instead of host:port and
+        port + 1, where the gateway relays them (module docstring): the gateway guards the public
+        ports, so these are not CURVE servers, and a replay request comes with the gateway's
+        identity before the subscriber's. `windows`: each layer group's window (ipc/layout.py
+        LayerGroups.windows), told with the blocks of a model of several."""
         self.block_size = block_size
+        self._windows = list(windows)  # each layer group's window (ipc/layout.py LayerGroups.windows)
         self._snapshot = snapshot
         self._secret = secret
-        self._own_ctx = secret is not None
-        self._ctx = zmq.Context() if secret is not None else ctx or zmq.Context.instance()
-        self._auth = secret.authenticator(self._ctx) if secret is not None else None
+        guard = secret if private is None else None
+        self._envelope = 1 if private is None else 2  # identity frames before a request's body
+        self._own_ctx = guard is not None
+        self._ctx = zmq.Context() if guard is not None else ctx or zmq.Context.instance()
+        self._auth = guard.authenticator(self._ctx) if guard is not None else None
         self._pending: list[Event] = []
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self.seq = 0
@@ -133,12 +165,13 @@ class KVEventPublisher:
             self.replay.setsockopt(zmq.SNDHWM, SNDHWM)
             # a replay request is one 8-byte number: anything larger is cut off before it is buffered
             # (CURVE's handshake commands count too: its INITIATE is some 300 bytes)
-            self.replay.setsockopt(zmq.MAXMSGSIZE, 64 if secret is None else CURVE_MAXMSGSIZE)
-            if secret is not None:
-                secret.serve(self.pub)
-                secret.serve(self.replay)
-            self.pub.bind(f"tcp://{host}:{port}")
-            self.replay.bind(f"tcp://{host}:{port + 1}")
+            self.replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAXMSGSIZE if guard is None else CURVE_MAXMSGSIZE)
+            if guard is not None:
+                guard.serve(self.pub)
+                guard.serve(self.replay)
+            pub_at, replay_at = private or (f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}")
+            self.pub.bind(pub_at)
+            self.replay.bind(replay_at)
         except zmq.ZMQError as e:
             self.close()
             raise OSError(f"--kv-events-port: cannot bind {host}:{port} and {port + 1}: {e}") from None
@@ -147,11 +180,12 @@ class KVEventPublisher:
         return keys if self._secret is None else [self._secret.publish(k) for k in keys]
 
     # ---- the observer the prefix cache calls
-    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None) -> None:
+    def stored(self, medium: str, keys: Sequence[bytes], parent: bytes | None, group: int = 0) -> None:
         if keys:
             if self._secret is not None and parent is not None:
                 parent = self._secret.publish(parent)
-            self._pending.append(stored_event(self._published(keys), parent, self.block_size, medium))
+            window = self._windows[group] if group < len(self._windows) else 0
+            self._pending.append(stored_event(self._published(keys), parent, self.block_size, medium, group, window))
 
     def removed(self, medium: str, keys: Sequence[bytes]) -> None:
         if keys:
@@ -192,8 +226,7 @@ class KVEventPublisher:
             self._answer(frames)
 
     def _answer(self, frames: list[bytes]) -> None:
-        ident, body = frames[0], frames[1:]
-        envelope = [ident]
+        envelope, body = frames[:self._envelope], frames[self._envelope:]
         if body and body[0] == b"":  # a REQ socket's delimiter: echoed, as REQ expects
             envelope.append(b"")
             body = body[1:]
@@ -227,7 +260,7 @@ class KVEventPublisher:
         publish = self._secret.publish if self._secret is not None else None
         for b in self._snapshot():
             key, parent = (b.key, b.parent) if publish is None else (publish(b.key), b.parent and publish(b.parent))
-            events.append(stored_event([key], parent, self.block_size, b.medium))
+            events.append(stored_event([key], parent, self.block_size, b.medium, b.group, b.window))
         return encode_batch(events)
 
     def close(self) -> None:
@@ -391,6 +424,8 @@ class KVEventView:
         for ev in batch.events:
             tag = ev[0]
             if tag == "BlockStored" and len(ev) >= 7 and isinstance(ev[1], list) and isinstance(ev[6], str):
+                if len(ev) >= 10 and ev[9]:
+                    continue  # another layer group's pages: not blocks a prefix is matched by
                 for k in ev[1]:
                     if isinstance(k, bytes):
                         media.setdefault(k, set()).add(ev[6])

@@ -22,6 +22,10 @@ Why this shape:
   too), and a hit (`cached_tokens`, the time to first token) only ever comes from the same salt.
   The salted root is a BLAKE2b keyed hash, not xxh3: a tenant's salt must not be recoverable
   from the keys its blocks are published under.
+- A model whose layers form several groups (ipc/layout.py LayerGroups: full attention and
+  sliding windows) has a page per group for a block of tokens. Group 0's page is named by the
+  block's key; group g's by `group_key(key, g)`, a digest of both, so every page of every tier
+  (storage objects, a P->D handoff) has a name of its own, derived by anyone who has the key.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ TOKEN_DTYPE = np.dtype("<i4")
 ROOT_KEY: bytes = xxh3_128_digest(b"kvrt.prefix-cache.root.v1")
 KEY_BYTES = 16
 _IDENTITY_DOMAIN = b"kvrt.prefix-cache.model-root.v1\0"
+_GROUP_DOMAIN = b"kvrt.prefix-cache.group-page.v1\0"
 
 
 @dataclass(frozen=True)
@@ -58,11 +63,16 @@ class ModelIdentity:
     dtype: str
     block_size: int
     tp: int
+    layer_groups: str = ""  # LayerGroups.describe() of a model with several groups; "": one group
 
     def key_root(self) -> bytes:
         """The root of this model's block-key chain: a digest of every field, canonically
-        encoded (sorted JSON), in a domain of its own so it never equals `ROOT_KEY`."""
-        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        encoded (sorted JSON), in a domain of its own so it never equals `ROOT_KEY` (a model
+        of one layer group digests what it did before groups existed)."""
+        fields = asdict(self)
+        if not self.layer_groups:
+            del fields["layer_groups"]
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return xxh3_128_digest(_IDENTITY_DOMAIN + blob)
 
 
@@ -72,6 +82,13 @@ def salted_root(root: bytes, cache_salt: str) -> bytes:
         return root
     return hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=KEY_BYTES, key=root,
                            person=b"kvrt.cache-salt").digest()
+
+
+def group_key(key: bytes, group: int) -> bytes:
+    """The name of layer group `group`'s page of the block named `key` (group 0: `key` itself)."""
+    if not group:
+        return key
+    return xxh3_128_digest(_GROUP_DOMAIN + key + group.to_bytes(2, "little"))
 
 
 def chain_keys(token_bytes: bytes, block_size: int, parent: bytes = ROOT_KEY) -> list[bytes]:

@@ -62,7 +62,8 @@ class Request:
     positions whose node holds another copy."""
 
     __slots__ = ("keys", "num_tokens", "path", "blocks", "dups", "num_matched", "cached_tokens",
-                 "waiting", "load", "frozen", "admitted", "loaded", "counted", "host_hits", "storage_hits")
+                 "waiting", "load", "frozen", "admitted", "loaded", "counted", "host_hits", "storage_hits", "side",
+                 "diverged")
 
     def __init__(self, keys: Sequence[bytes], num_tokens: int, counted: bool):
         self.keys = keys
@@ -82,11 +83,15 @@ class Request:
         self.counted = counted          # its match is in the hit counters
         self.host_hits = 0              # blocks matched on the host tier / in storage
         self.storage_hits = 0
+        self.side: list = []            # its side groups' blocks (runtime/cache/groups.py SideRefs)
+        self.diverged = 0               # blocks its keys had cached at match, usable or not (a branch point)
 
 
 class MatchRecord(NodeStore):
     """Match, record and references, mixed into PrefixCache (swap-ins it starts are tasks of
     runtime/cache/tasks.py; their device blocks come from runtime/cache/eviction.py)."""
+
+    _side_w: list[int] = []  # side groups' windows (runtime/cache/groups.py); empty: one group
 
     def _walk(self, keys: Sequence[bytes], limit: int) -> np.ndarray:
         """The tree nodes of keys[:limit]'s longest cached prefix, from the root down: follow
@@ -102,9 +107,10 @@ class MatchRecord(NodeStore):
         c = self._map.get(key, -1)
         return c if c >= 0 and self._parent_v[c] == n else -1
 
-    def _touch(self, request_id: Hashable, req: Request, a: np.ndarray) -> tuple[int, int]:
+    def _touch(self, request_id: Hashable, req: Request, a: np.ndarray, chain: bool = True) -> tuple[int, int]:
         """Take a reference on each matched node (`a`) and make it usable by the request; sets
-        the request's path and block table. Host hits get a swap-in, deferred (block table
+        the request's path and block table (to `a` and its blocks: a caller that touches side
+        nodes too, `chain` False, splits them). Host hits get a swap-in, deferred (block table
         entries -1 until issued) when the device has no free blocks for it yet. Returns
         (device hits, host hits)."""
         f = self._f
@@ -129,7 +135,7 @@ class MatchRecord(NodeStore):
         # destinations for the swap-ins; None: deferred until swap-outs return device blocks
         dest = self._take_device(ncpu) if ncpu else []
         if ncpu + int(np.count_nonzero(st == GPU)) == len(a):  # no swap under way: at once
-            return self._swap_in_hits(request_id, req, a, a[on_host], dest)
+            return self._swap_in_hits(request_id, req, a, a[on_host], dest, chain)
         states = st.tolist()
         path = a.tolist()
         swap_in = []
@@ -165,17 +171,21 @@ class MatchRecord(NodeStore):
         return dev_hits, host_hits
 
     def _swap_in_hits(self, request_id: Hashable, req: Request, a: np.ndarray, swap_in: np.ndarray,
-                      dest: list[int] | None) -> tuple[int, int]:
+                      dest: list[int] | None, chain: bool = True) -> tuple[int, int]:
         """`_touch` for a path of GPU and CPU nodes only: the CPU ones (`swap_in`, in path order)
-        start one swap-in together, as `_start_swap_in` one by one would. Each path node's parent
-        is the node before it, so no parent is counted twice."""
+        start one swap-in together, as `_start_swap_in` one by one would. On a `chain` each
+        node's parent is the node before it, so no parent is counted twice; side nodes of
+        several groups share their parents, counted each."""
         f = self._f
         n = len(swap_in)
         if dest is not None:
             f[DEV, swap_in] = dest
             self._dev_cached += n
         f[STATE, swap_in] = SWAP2GPU
-        f[NDEV, f[PARENT, swap_in]] += 1
+        if chain:
+            f[NDEV, f[PARENT, swap_in]] += 1
+        else:
+            np.add.at(f[NDEV], f[PARENT, swap_in], 1)
         t = self._new_task(TaskKind.SWAP2GPU, swap_in.tolist(), dest or [], f[HOST, swap_in].tolist(),
                            issue=dest is not None)
         self._task[swap_in] = t.task.task_id
@@ -255,6 +265,8 @@ class MatchRecord(NodeStore):
 
     def _new_chain(self, parent: int, ids: np.ndarray, keys: list[bytes], blocks: list[int]) -> None:
         _new_chain_c(self._f, ids, parent, blocks, CHAIN_ROWS, GPU, self._keys, keys)
+        if self._side_w:  # (a recycled id may have been a side node's)
+            self._group[ids] = 0
         self._link(int(ids[0]), keys[0], parent)
         self._ndev_v[parent] += 1
         self._dev_cached += len(ids)
@@ -292,6 +304,7 @@ class MatchRecord(NodeStore):
         return got
 
     def _new_node(self, n: int, key: bytes, parent: int, dev_block: int) -> None:
+        self._group[n] = 0
         self._keys[n] = key
         self._dev_v[n] = dev_block
         self._ref_v[n] = 1
@@ -329,9 +342,10 @@ class MatchRecord(NodeStore):
         return False
 
     # ---- references
-    def _deref(self, path: np.ndarray) -> None:
+    def _deref(self, path: np.ndarray, front: bool = False) -> None:
         """Drop one reference along `path`; nodes left unreferenced become evictable, tail first
-        so that a chain's deepest block is evicted first."""
+        so that a chain's deepest block is evicted first. `front`: leaves (side nodes,
+        runtime/cache/groups.py) that are to be evicted before anything queued, in order."""
         if not len(path):
             return
         f = self._f
@@ -342,11 +356,17 @@ class MatchRecord(NodeStore):
             return
         st = None if all_gpu else f[STATE, zero]
         if st is None or not st.any():
-            self._dev_lru.push(zero)
+            if front:
+                self._dev_lru.push_front_run(zero.tolist())
+            else:
+                self._dev_lru.push(zero)
             self._idle += len(zero)
             return
         on_device = zero[st == GPU]
-        self._dev_lru.push(on_device)
+        if front:
+            self._dev_lru.push_front_run(on_device.tolist())
+        else:
+            self._dev_lru.push(on_device)
         self._idle += len(on_device)
         devs: list[int] = []
         hosts: list[int] = []

@@ -93,11 +93,15 @@ class NodeStore:
         self._dev_cached = 0     # blocks held by nodes, per tier
         self._host_cached = 0
         self._idle = 0           # unreferenced GPU nodes: what eviction can still free
+        # node -> its layer group (runtime/cache/groups.py); all 0 unless the model has side groups,
+        # where every node a request creates sets it
+        self._group = np.zeros(n, dtype=np.int16)
 
-    def _link(self, n: int, key: bytes, parent: int) -> None:
-        """Make n (with `key`) the first child of parent, and its continuation if it has none;
-        otherwise n is found through the key map."""
-        if self._cont_v[parent] < 0:
+    def _link(self, n: int, key: bytes, parent: int, side: bool = False) -> None:
+        """Make n (with `key`) the first child of parent, and its continuation if it has none
+        and n is not a side node (runtime/cache/groups.py); otherwise n is found through the
+        key map."""
+        if self._cont_v[parent] < 0 and not side:
             self._cont_v[parent] = n
         else:
             self._map[key] = n
@@ -217,9 +221,14 @@ class NodeStore:
 
     # ---- the observer (called only when there is one)
     def _tell_stored(self, medium: str, nodes: Sequence[int]) -> None:
-        """`nodes`, a chain (parent first), now hold readable blocks on `medium`."""
+        """`nodes`, a chain (parent first), now hold readable blocks on `medium` (a side node,
+        runtime/cache/groups.py, alone: its group is said)."""
         keys = self._keys
-        self._obs.stored(medium, [keys[n] for n in nodes], keys[self._parent_v[nodes[0]]])
+        group = int(self._group[nodes[0]])
+        if group:
+            self._obs.stored(medium, [keys[n] for n in nodes], keys[self._parent_v[nodes[0]]], group=group)
+        else:
+            self._obs.stored(medium, [keys[n] for n in nodes], keys[self._parent_v[nodes[0]]])
 
     def _tell_moved(self, n: int, src: str, dst: str) -> None:
         """n's block left `src` for `dst` (a finished swap, or a host node computed again)."""

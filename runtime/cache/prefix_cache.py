@@ -32,11 +32,12 @@ from kvrt.ipc.protocol import TaskKind, TransferTask
 
 from kvrt.runtime.cache.check import Checker
 from kvrt.runtime.cache.eviction import Eviction
-from kvrt.runtime.cache.match import MatchRecord, MatchResult, Request
+from kvrt.runtime.cache.groups import SideGroups
+from kvrt.runtime.cache.match import MatchResult, Request
 from kvrt.runtime.cache.metrics import CacheMetrics
 from kvrt.runtime.cache.pool import BlockPool
-from kvrt.runtime.cache.nodes import (CPU, DETACHED, DEV, FREE, GPU, HITS, HOST, ON_DEVICE, ON_HOST, PARENT, ROOT, STATE,
-                                      SWAP2CPU, SWAP2GPU, NodeStore)
+from kvrt.runtime.cache.nodes import (CPU, DETACHED, DEV, FREE, GPU, HITS, HOST, NO_NODES, ON_DEVICE, ON_HOST, PARENT,
+                                      ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 from kvrt.runtime.cache.events import CacheObserver, CachedBlock
 from kvrt.runtime.cache.policies.base import EvictionPolicy
 from kvrt.runtime.cache.policies.lru import EvictionQueue
@@ -57,7 +58,7 @@ StorageLookup = Callable[[Sequence[bytes]], int]
 _NO_AGES = np.empty(0, dtype=np.int64)
 
 
-class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
+class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
     """The engine's prefix cache over `num_device_blocks` device and `num_host_blocks` host
     blocks of `block_size` tokens.
 
@@ -71,12 +72,16 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
     out ahead of need (default 1/64 of the device).
     `observer` (runtime/cache/events.py) is told of every block a node gains or loses on a tier:
     stored once readable (recorded, swapped in or out), removed when it leaves.
+    `groups`: the windows in tokens (0: full attention) of a model's layer groups after the
+    first (ipc/layout.py LayerGroups.side_windows): a block of tokens then takes a page per group
+    and the other groups' pages are side nodes (runtime/cache/groups.py); block counts are pages.
     """
 
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0, *,
                  storage_lookup: StorageLookup | None = None, write_through: bool = False,
                  policy: type[EvictionPolicy] = EvictionQueue, low_water: int | None = None,
-                 storage_known: StorageLookup | None = None, observer: CacheObserver | None = None):
+                 storage_known: StorageLookup | None = None, observer: CacheObserver | None = None,
+                 groups: Sequence[int] = ()):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -91,6 +96,9 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         TaskBook.__init__(self)
         self._reqs: dict[Hashable, Request] = {}
         self._obs = observer
+        if any(w < 0 for w in groups):
+            raise ValueError(f"layer group windows must be >= 0 tokens, got {list(groups)}")
+        self._side_w = list(groups)
         # use counts that outlive eviction, for a policy that ranks by them
         self._uses = UseSketch(len(self._keys), timed=policy.counts_gaps) if policy.counts_uses else None
         # per counted request of a gap-counting policy: how long ago each of its keys was used
@@ -139,7 +147,12 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         path = self._walk(keys, limit)
         matched = len(path)
         dev_hits = host_hits = 0
-        if matched:
+        if self._side_w:
+            req.diverged = matched
+            matched, found = self._viable(keys, path)
+            path = path[:matched]
+            dev_hits, host_hits = self._touch_groups(request_id, req, path, self._side_hit(req, matched, found))
+        elif matched:
             dev_hits, host_hits = self._touch(request_id, req, path)
         req.num_matched = matched
         if count and self._uses is not None:
@@ -153,7 +166,10 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
             if self._sees_misses:
                 self._dev_lru.missed(got[0][:max(0, limit - matched)] if got is not None else _NO_AGES, limit)
         storage_hits = 0
-        if storage and self.storage_lookup is not None and matched < limit:
+        # (a model of several layer groups reads on from where its walk ended only: blocks
+        # between a hit and the walk's end are in the tree already, without their window)
+        if storage and self.storage_lookup is not None and matched < limit and \
+                (not self._side_w or matched == req.diverged):
             storage_hits = self._read_storage(request_id, req, keys[matched:limit])
         req.cached_tokens = len(req.path) * bs
         req.host_hits, req.storage_hits = host_hits, storage_hits
@@ -163,7 +179,23 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         return MatchResult(list(req.blocks), dev_hits * bs, host_hits * bs, storage_hits * bs,
                            sorted(req.waiting))
 
-    def allocate(self, request_id: Hashable, num_tokens: int) -> list[int] | None:
+    def _touch_groups(self, request_id: Hashable, req: Request, path: np.ndarray, side: np.ndarray) -> tuple[int, int]:
+        """`_touch` of group 0's path and the side nodes of the hit together (one reference
+        pass: a swap-in's eviction cannot take a node found but not yet referenced). Returns
+        group 0's (device hits, host hits): a hit counts tokens, whatever pages they need."""
+        st = self._f[STATE, path]
+        host = int(np.count_nonzero((st == CPU) | (st == SWAP2GPU)))
+        if not len(path) and not len(side):
+            return 0, 0
+        a = np.concatenate((path, side)) if len(side) else path
+        self._touch(request_id, req, a, chain=False)
+        n = len(path)
+        req.path = a[:n]
+        self._side_blocks(req, req.blocks[n:])
+        req.blocks = req.blocks[:n]
+        return n - host, host
+
+    def allocate(self, request_id: Hashable, num_tokens: int, reads_from: int = 0) -> list[int] | None:
         """Grow the request's block table to hold `num_tokens` tokens (prompt and any decode
         room); returns the new block ids, or None when the device cannot supply them now.
 
@@ -173,15 +205,25 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         their results succeeds. The first allocation of a request queues behind deferred
         swap-ins (arrival order); a request already computing grows ahead of them, so a
         swap-in never waits for blocks the request it would block holds, and neither does a
-        request whose own transfers were in line before theirs."""
+        request whose own transfers were in line before theirs.
+
+        `reads_from`: the first position the request computes from (a decode node's request
+        whose prompt KV comes from a prefill node): a sliding layer group gets no page for a
+        block its window will never read again from there (runtime/cache/groups.py)."""
         req = self._request(request_id)
         need = -(-num_tokens // self.block_size) - len(req.blocks)
         if need <= 0:
             return []
         if req.dups:
             self._drop_dups(req)
-        got = self._take_device(need, urgent=req.admitted or req.loaded)
+        side = self._side_need(req, need, reads_from) if self._side_w else []
+        got = self._take_device(need + sum(side), urgent=req.admitted or req.loaded)
         if got is not None:
+            if side:
+                self._side_grow(req, need, got[need:], side)
+                got = got[:need]
+                if reads_from:
+                    self._slide(req, reads_from)
             req.blocks += got
             req.admitted = True
             self._swap_ahead()
@@ -211,7 +253,7 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         returning and unreferenced cached blocks cover it.) The scheduler waits then instead
         of preempting."""
         req = self._request(request_id)
-        need = -(-num_tokens // self.block_size) - len(req.blocks)
+        need = (-(-num_tokens // self.block_size) - len(req.blocks)) * (1 + len(self._side_w))
         if not (req.admitted or req.loaded):
             need += self._deferred_need
         return need <= self.device_pool.num_free + self._dev_returning + self._idle - self._idle_above_deferred()
@@ -256,8 +298,10 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         return bool(self._deferred) and self._deferred[0].task.task_id in self._request(request_id).waiting
 
     def device_blocks_held(self, request_id: Hashable) -> int:
-        """Device blocks in the request's table (cached ones it references and its own)."""
-        return sum(b >= 0 for b in self._request(request_id).blocks)
+        """Device blocks in the request's table (cached ones it references and its own), every
+        layer group's pages counted."""
+        req = self._request(request_id)
+        return sum(b >= 0 for b in req.blocks) + (self._side_held_pages(req) if req.side else 0)
 
     def update(self, request_id: Hashable, num_computed_tokens: int,
                keys: Sequence[bytes] | None = None) -> int:
@@ -280,6 +324,10 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
                 self._remember_uses(req, before, self._ages.get(request_id))
             elif self._remembers and request_id in self._recalled:
                 self._give_recalled(req, before, self._recalled[request_id])
+            if req.side and not req.frozen:
+                self._record_sides(req, before)
+        if req.side:
+            self._slide(req, num_computed_tokens)
         return len(req.path) * self.block_size
 
     def _give_recalled(self, req: Request, before: int, recalled: tuple[int, np.ndarray, np.ndarray]) -> None:
@@ -331,7 +379,9 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
         if req.load >= 0:  # a storage read still writes into the next blocks: the task keeps them
             load = self._tasks[req.load]
             load.request = None
-            private = req.blocks[n + len(load.task.device_blocks):]
+            private = req.blocks[n + load.primary:]
+            if req.side:
+                self._side_forget(req, load.task.device_blocks)
         unwanted = []
         for task_id in req.waiting:
             t = self._tasks[task_id]
@@ -340,9 +390,11 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
                 unwanted.append(t)
         private += req.dups
         self.device_pool.free(private)
+        side = self._side_release(req) if req.side else NO_NODES
         if self.write_through and n > req.num_matched:
-            self._write_back(req)
+            self._write_back(req, side)
         else:
+            self._deref(side)
             self._deref(req.path)
         for t in unwanted:  # (a request that adopted one of its nodes still holds it: keep it)
             if not any(self._ref_v[n] for n in t.nodes):
@@ -423,13 +475,15 @@ class PrefixCache(MatchRecord, TaskBook, Eviction, CacheReset):
     def cached_blocks(self) -> list[CachedBlock]:
         """Every readable block the tree holds, per tier, as the observer was told of them (a
         KV events snapshot). O(blocks)."""
-        state, parent, keys = self._f[STATE], self._f[PARENT], self._keys
+        state, parent, keys, group = self._f[STATE], self._f[PARENT], self._keys, self._group
+        windows = [0] + self._side_w
         out = []
         for medium, live in ((ON_DEVICE, (state == GPU) | (state == SWAP2CPU)),
                              (ON_HOST, (state == CPU) | (state == SWAP2GPU))):
             live[0] = False  # the root holds no block
             for n in np.flatnonzero(live).tolist():
-                out.append(CachedBlock(keys[n], keys[parent[n]], medium))
+                g = int(group[n])
+                out.append(CachedBlock(keys[n], keys[parent[n]], medium, g, windows[g]))
         return out
 
     def snapshot(self) -> dict[str, float]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvrt.ipc.protocol import TaskKind, TransferTask
 
+from kvrt.runtime.cache.keys import group_key
 from kvrt.runtime.cache.match import Request
 from kvrt.runtime.cache.nodes import (CPU, DETACHED, DEV, FREE, GPU, HOST, NO_NODES, ON_DEVICE, ON_HOST, REF, STATE,
                           SWAP2CPU, SWAP2GPU, NodeStore)
@@ -54,7 +55,7 @@ class Task:
     destinations, once its request is gone; device blocks of nodes matched back during a
     swap-out and dropped before it answered, which it still reads)."""
 
-    __slots__ = ("task", "nodes", "waiters", "request", "orphans", "dev_orphans", "path", "issued")
+    __slots__ = ("task", "nodes", "waiters", "request", "orphans", "dev_orphans", "path", "issued", "primary")
 
     def __init__(self, task: TransferTask, nodes: list[int] | np.ndarray):
         self.task = task
@@ -65,6 +66,7 @@ class Task:
         self.dev_orphans: list[int] = []
         self.path: np.ndarray = NO_NODES
         self.issued = False
+        self.primary = 0  # a storage read: its leading device blocks that are group 0's (the rest: side groups')
 
 
 class TaskBook(NodeStore):
@@ -231,6 +233,8 @@ class TaskBook(NodeStore):
         the tree like computed blocks. The rest stay private to the request, which computes them."""
         n = len(t.task.device_blocks)
         loaded = (n if ok else 0) if blocks is None else max(0, min(blocks, n))
+        if n > t.primary:  # side groups' pages too: all or nothing (a hit needs its window)
+            loaded = t.primary if loaded == n else 0
         rid = t.request
         if rid is None:  # the request left meanwhile: the blocks were the task's to free
             self.device_pool.free(t.task.device_blocks)
@@ -240,14 +244,23 @@ class TaskBook(NodeStore):
         req.waiting.discard(t.task.task_id)
         self.metrics.storage_read_blocks += loaded
         if req.counted:  # the hit counters count what was read, not what was hoped for
-            self.metrics.hit_tokens_storage -= (len(t.task.device_blocks) - loaded) * self.block_size
+            self.metrics.hit_tokens_storage -= (t.primary - loaded) * self.block_size
             if not loaded and not req.cached_tokens:  # (a shared store's lookup misses often)
                 self.metrics.hit_requests -= 1
         if loaded:
             req.cached_tokens += loaded * self.block_size
             if not req.frozen:
-                self._record(req, len(req.path) + loaded)
+                before = len(req.path)
+                self._record(req, before + loaded)
                 req.num_matched = len(req.path)  # read, not computed: not written back
+                if req.side and not req.frozen:
+                    self._record_sides(req, before)
+            if req.side:
+                self._slide(req, req.cached_tokens)
+        elif req.side:  # nothing read: the tables are what they were before the read
+            self.device_pool.free(t.task.device_blocks)
+            self._side_unread(req, len(req.path))
+            req.blocks = req.blocks[:len(req.path)]
         if not req.waiting:
             out.ready[rid] = req.cached_tokens
 
@@ -322,6 +335,8 @@ class TaskBook(NodeStore):
                 for i, n in enumerate(req.path.tolist()):
                     if blocks[i] < 0:
                         blocks[i] = self._dev_v[n]
+                if req.side:
+                    self._side_fill_deferred(req)
 
     # ---- storage reads and writes
     def _read_storage(self, request_id: Hashable, req: Request, rest: Sequence[bytes]) -> int:
@@ -334,28 +349,48 @@ class TaskBook(NodeStore):
             hits = 0
         if not hits:
             return 0
-        dest = self._take_device(hits)
+        keys = list(rest[:hits])
+        spans = self._side_spans(req, hits) if req.side else []
+        if spans:  # every side group's pages of the window before the end, from storage too
+            side = [group_key(req.keys[i], g + 1) for g, (first, end) in enumerate(spans) for i in range(first, end)]
+            try:
+                if int(self.storage_lookup(side)) < len(side):
+                    return 0
+            except Exception as e:
+                log.warning("storage lookup failed, treated as a miss: %s", e)
+                return 0
+            keys += side
+        dest = self._take_device(len(keys))
         if dest is None:
             return 0
-        t = self._new_task(TaskKind.STORAGE2GPU, [], dest, [], list(rest[:hits]))
+        t = self._new_task(TaskKind.STORAGE2GPU, [], dest, [], keys)
         t.request = request_id
-        req.blocks += dest
+        t.primary = hits
+        req.blocks += dest[:hits]
+        if spans:
+            self._side_read(req, hits, dest[hits:], spans)
         req.load = t.task.task_id
         req.waiting.add(req.load)
         return hits
 
-    def _write_back(self, req: Request) -> None:
-        """Write-through: store the blocks this request computed; the task keeps the request's
-        references (the whole path, so LRU order stays ancestors-after-descendants) until done.
-        Blocks already stored, or being stored for another request that computed them too,
-        are not written again."""
+    def _write_back(self, req: Request, side: np.ndarray = NO_NODES) -> None:
+        """Write-through: store the blocks this request computed (with the pages of its other
+        layer groups it still holds, `side`); the task keeps the request's references (the
+        whole path, so LRU order stays ancestors-after-descendants) until done. Blocks already
+        stored, or being stored for another request that computed them too, are not written
+        again."""
         stored, storing, keys = self.storage_known, self._storing, self._keys
-        own = [n for n in req.path[req.num_matched:].tolist() if self._state_v[n] == GPU
-               and keys[n] not in storing and not stored([keys[n]])]
+        if req.side and not req.frozen:
+            side = np.concatenate((self._side_tail(req), side))
+        held = np.concatenate((side, req.path)) if len(side) else req.path
+        own = [n for n in held.tolist() if self._state_v[n] == GPU
+               and keys[n] not in storing and not stored([keys[n]])] if len(side) else \
+            [n for n in req.path[req.num_matched:].tolist() if self._state_v[n] == GPU
+             and keys[n] not in storing and not stored([keys[n]])]
         if not own:
-            self._deref(req.path)
+            self._deref(held)
             return
         t = self._new_task(TaskKind.GPU2STORAGE, [], [self._dev_v[n] for n in own], [],
                            [keys[n] for n in own])
         storing.update(t.task.keys)
-        t.path = req.path
+        t.path = held

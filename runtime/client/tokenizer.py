@@ -11,6 +11,10 @@ Two kinds behind one interface (`Tokenizer`):
   token ids are the UTF-8 bytes of the text, so `--text` has something exact to send. It means
   nothing to a real checkpoint, whose ids are BPE pieces.
 
+The `tokenizers` library is called through its batch functions (one item), which release the
+GIL while they run: a long text is encoded in a server's worker thread without stopping its
+event loop (the single-item functions hold the GIL throughout).
+
 Decoding never raises: an id the vocabulary does not have (a model's embedding table is often
 larger than its tokenizer, and a random model samples anything) comes out as U+FFFD.
 Streaming text is runtime/client/detokenizer.py's job. tokenizer_config.json's
@@ -61,7 +65,10 @@ class ByteTokenizer:
     special_tokens: dict[str, str] = field(default_factory=dict)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate, which JSON can carry
+            raise TokenizerError(f"the text is not valid Unicode: {e.reason} at character {e.start}") from None
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Invalid UTF-8 and ids outside 0..255 become U+FFFD (each bad id one, and it ends a
@@ -125,11 +132,11 @@ class HFTokenizer:
         """As Hugging Face's fast tokenizer encodes: the post-processor adds the special tokens
         it was saved with, and an explicit `add_bos_token` in tokenizer_config.json overrides
         whether a BOS leads (Llama-family tokenizers rebuild their post-processor from it)."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encode(text, add_special_tokens)
         bos = self.bos_token_id
         if not add_special_tokens or self.add_bos_token is None or bos is None:
             return ids
-        added = ids[:1] == [bos] and self.backend.encode(text, add_special_tokens=False).ids[:1] != [bos]
+        added = ids[:1] == [bos] and self._encode(text, False)[:1] != [bos]
         if self.add_bos_token and not added:
             return [bos] + ids
         if not self.add_bos_token and added:
@@ -138,7 +145,13 @@ class HFTokenizer:
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return _split_decode(token_ids, self.vocab_size,
-                             lambda run: self.backend.decode(run, skip_special_tokens=skip_special_tokens))
+                             lambda run: self.backend.decode_batch([run], skip_special_tokens=skip_special_tokens)[0])
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except Exception as e:  # the library raises plain Exceptions (text it cannot take: a lone surrogate)
+            raise TokenizerError(f"the tokenizer cannot encode this text: {str(e)[:200]}") from None
 
 
 def _split_decode(token_ids: Iterable[int], vocab_size: int, decode_run) -> str:

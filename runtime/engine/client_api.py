@@ -143,7 +143,7 @@ class ClientApi:
             return
         self.sched.add(Sequence.new(rid, req.prompt, req.max_new_tokens, self.cfg.block_size,
                                     salted_root(self.cfg.key_root, req.cache_salt),
-                                    client=client,
+                                    client=client, owner=key,
                                     eos_token_id=req.eos_token_id, use_cache=req.use_cache, stream=req.stream,
                                     prompt_logprobs=req.prompt_logprobs,
                                     guide=guide_for(req, self.grammars, self.cfg.vocab_size, key), **sampling))

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from kvrt.ipc import protocol as P
+from kvrt.ipc import sockets
 from kvrt.ipc.channel import Receiver, Sender
 from kvrt.ipc.errors import ChannelClosed, PeerDead, RingCorrupt, WaitTimeout
 from kvrt.ipc.fanin import FanIn
@@ -100,7 +101,7 @@ class Engine:
                                  storage_lookup=self.storage.lookup if self.storage is not None else None,
                                  storage_known=self.storage.known if self.storage is not None else None,
                                  write_through=self.storage is not None,
-                                 policy=make_policy(cfg.eviction))
+                                 policy=make_policy(cfg.eviction), groups=cfg.kv_groups.side_windows)
         self.sched = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sched.max_guided = P.max_guided_rows(cfg.vocab_size)
         # guided decoding's grammars, compiled against the checkpoint's tokenizer by compile
@@ -146,7 +147,8 @@ class Engine:
             reply=clients.reply, send_raw=clients.send_raw, finished=clients.finished,
             count_finished=self.stats.count_finished, count_failed=self.stats.count_failed,
             accepting=lambda: self.api.accepting, to_ranks=self.to_messagers,
-            guide=lambda req: guide_for(req, self.grammars, self.cfg.vocab_size))
+            guide=lambda req: guide_for(req, self.grammars, self.cfg.vocab_size),
+            group_tables=self.cache.group_tables)
         return kind(ctx)
 
     def _owner_tables(self) -> tuple[OwnerTable, OwnerTable] | None:
@@ -244,19 +246,22 @@ class Engine:
             self.kv_events.serve_replay()
 
     def _open_outlets(self) -> None:
-        """Prometheus, the KV events publisher and the client socket, as configured."""
+        """Prometheus, the KV events publisher and the client socket, as configured; the last
+        two on the node's private sockets, which the gateway process relays to the public ports
+        (runtime/gateway/)."""
         cfg = self.cfg
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
         if cfg.kv_events_port:
             secret = EventSecret.load(cfg.events_secret_file) if cfg.events_secret_file else None
+            private = (sockets.address(cfg.node, sockets.EVENTS), sockets.address(cfg.node, sockets.REPLAY))
             self.kv_events = self.tasks.kv_events = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.block_size,
-                                                                     self.cache.cached_blocks, secret=secret)
+                                                                     self.cache.cached_blocks, secret=secret,
+                                                                     private=private, windows=cfg.kv_groups.windows)
             self.cache.observe(self.kv_events)
             self.kv_events.cleared()  # batch 1: a subscriber that knew an earlier life of this node forgets it
         if cfg.port:
-            self.server = ApiServer(cfg.host, cfg.port, self.fan.poke, peer=cfg.decode_peer,
-                                    max_message_bytes=api.max_message_bytes(cfg.max_model_len))
+            self.server = ApiServer(cfg.node, self.fan.poke, max_message_bytes=api.max_message_bytes(cfg.max_model_len))
 
     def _close_outlets(self) -> None:
         if self.server is not None:

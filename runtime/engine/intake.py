@@ -115,6 +115,15 @@ def sampling_of(req: object) -> dict:
                 frequency_penalty=float(req.frequency_penalty), presence_penalty=float(req.presence_penalty))
 
 
+def request_pages(cfg: NodeConfig, blocks: int) -> int:
+    """The most device blocks a request of `blocks` blocks of tokens holds at once: one per
+    block for the first layer group, and as many for every other full-attention group; a
+    sliding group holds at most its window and a step's chunk (runtime/cache/groups.py)."""
+    bs = cfg.block_size
+    chunk = -(-cfg.max_num_batched_tokens // bs)
+    return blocks + sum(blocks if w == 0 else min(blocks, -(-w // bs) + chunk + 2)
+                        for w in cfg.kv_groups.side_windows)
+
 
 def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
     """The first problem with `req` on a node configured as `cfg`, or "" if there is none.
@@ -157,8 +166,9 @@ def validate(req: GenerateRequest, cfg: NodeConfig) -> str:
         return (f"prompt ({len(prompt)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} exceeds "
                 f"the model's max_model_len {cfg.max_model_len}")
     blocks = -(-total // cfg.block_size)
-    if blocks > cfg.num_gpu_blocks:
-        return (f"the request needs {blocks} KV blocks of {cfg.block_size} tokens, but the device pool "
+    pages = request_pages(cfg, blocks)
+    if pages > cfg.num_gpu_blocks:
+        return (f"the request needs {pages} KV blocks of {cfg.block_size} tokens, but the device pool "
                 f"has only {cfg.num_gpu_blocks} (raise --num-gpu-blocks)")
     lo, hi = int(np.min(prompt)), int(np.max(prompt))
     if lo < 0 or hi >= cfg.vocab_size:

@@ -10,7 +10,7 @@ step uses can change under it. A step is built from:
    admitted running sequence not yet in the step, which is preempted (released, queued again
    at the front, recomputed later: most of its blocks are then found again in the prefix
    cache); no new sequence is admitted in a step where a running one lacked blocks;
-2. waiting sequences, admitted in arrival order while the token budget and seats last:
+2. waiting sequences, admitted in their queue's order while the token budget and seats last:
    matched against the prefix cache; one whose cached prefix must first be swapped in or read
    from storage waits (LOADING) until every task it needs is done, then is admitted first.
    A sequence that cannot get its blocks gives its match back at once (it holds nothing while
@@ -28,6 +28,19 @@ blocks up to them is not matched again until none waits, so it cannot take the s
 back. A sequence reads storage at most once per admission: matched again before it ran, it
 finds what its read brought in the tree, and reads holding each other's room cannot repeat
 (tests/runtime/engine/test_scheduler_liveness.py).
+
+Fair shares (runtime/engine/fair_queue.py): requests belong to owners (a client socket, or the
+HTTP client a request was sent on behalf of). The waiting queue takes owners in turn, first in,
+first out within each; running sequences are scheduled in turns of owners too (each owner's
+oldest first, the oldest owner first; the decodes before the prefills), a prefill chunk taking
+at most an equal share of what the decodes leave, so one owner's long prefills cannot take every
+step's budget. An owner with a request waiting and none admitted (a newcomer) is admitted right
+after the running sequences had their blocks (and, as any admission, not in a step where one
+lacked them: it never keeps one from growing), with up to half the step's budget kept for it;
+when the seats are full, or the device has no free blocks for its first chunk, the newest
+running sequence of the owner holding the most seats (at least two) is preempted for it. So
+another client's burst, or its streams nobody reads, cannot keep a request waiting for the
+burst to end. With one owner all of this is the arrival order above.
 
 A guided request (runtime/engine/guide.py) runs only once its grammar is compiled: one that
 reaches the head of the queue before then waits aside (`compiling`, holding no blocks) and goes
@@ -57,6 +70,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvrt.runtime.cache.prefix_cache import PrefixCache, TaskOutcome
+from kvrt.runtime.engine.fair_queue import FairQueue, owner_of
 from kvrt.runtime.engine.sequence import Sequence, SeqState
 from kvrt.runtime.pd.connector import SchedulerHooks
 
@@ -72,6 +86,9 @@ class Step:
     chunks: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
+    # per sequence, the block table of each layer group after the first (runtime/cache/groups.py;
+    # -1 where a sliding group reads nothing); empty lists for a model of one group
+    group_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -92,7 +109,7 @@ class Scheduler:
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue()  # round-robin over owners, FIFO within one
         self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}
         self.reserving: deque[Sequence] = deque()  # waiting for blocks to hold for external KV
@@ -139,7 +156,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         short = False  # a running sequence lacked blocks: admit nobody new in this step
         self._grammars_ready()
-        for seq in list(self.running):
+        newcomers = self._newcomers()
+        kept = self._make_room(newcomers, budget) if newcomers else 0
+        budget -= kept
+        turns, share = _in_turns(self.running, budget)
+        for seq in turns:
             if budget <= 0 or len(step.seqs) >= self.max_num_seqs:
                 break
             if seq.state is not SeqState.RUNNING:
@@ -150,7 +171,7 @@ class Scheduler:
                 continue  # (a decode node's request whose grammar still compiles)
             if seq.guide is not None and self._guided(step) >= self.max_guided:
                 continue  # its mask would not fit this step: the next one
-            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            chunk = min(seq.num_tokens - seq.num_computed, budget, share)
             preemptions = self.preemptions
             if self._grow(seq, seq.num_computed + chunk, step):
                 self._add(step, seq, chunk)
@@ -158,6 +179,9 @@ class Scheduler:
             else:
                 short = True
             short |= self.preemptions != preemptions
+        budget += kept
+        if newcomers and not short:
+            budget -= self._seat(newcomers, step, budget)
         while not short and self.waiting and budget > 0 and len(step.seqs) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.guide is not None and not seq.guide.ready():
@@ -197,6 +221,83 @@ class Scheduler:
         self.inflight = step
         return step
 
+    def _newcomers(self) -> list[bytes]:
+        """Owners with a request waiting that could be admitted now and none admitted (running or
+        loading), while other owners have some; in the queue's turn order."""
+        if not self.waiting or not (self.running or self.loading):
+            return []
+        seated = {owner_of(s) for s in self.running} | {owner_of(s) for s in self.loading.values()}
+        out = []
+        for owner in self.waiting.owners():
+            seq = self.waiting.head_of(owner)
+            if owner in seated or (seq.guide is not None and not seq.guide.ready()) \
+                    or (seq.gave_way and self.cache.swap_ins_wait):
+                continue  # (the queue's own turn moves a compiling one aside; see _may_match)
+            out.append(owner)
+        return out
+
+    def _make_room(self, newcomers: list[bytes], budget: int) -> int:
+        """Seats for the newcomers, taken from the owners holding the most (while the seats are
+        full), and the part of the step's budget kept for them: at most half of it."""
+        for owner in newcomers:
+            if len(self.running) < self.max_num_seqs or not self._preempt_for_share(owner):
+                break
+        need = sum(self.waiting.head_of(o).num_tokens for o in newcomers)
+        return min(budget // 2, need)
+
+    def _seat(self, newcomers: list[bytes], step: Step, budget: int) -> int:
+        """Admit each newcomer's first request, after the running sequences had their blocks:
+        as an admission from the queue, except that the blocks of its first chunk may be taken
+        from the newest running sequence (not in this step) of an owner holding two seats or
+        more. Returns the tokens it gave out."""
+        given = 0
+        for owner in newcomers:
+            left = budget - given
+            if left <= 0 or len(step.seqs) >= self.max_num_seqs:
+                break
+            seq = self.waiting.head_of(owner)
+            if seq.guide is not None and self._guided(step) >= self.max_guided:
+                continue
+            if not seq.matched:
+                if not self._may_match(seq):
+                    continue
+                self._match(seq)
+                if seq.state is SeqState.LOADING:
+                    self.waiting.pop_owner(owner)
+                    self.loading[seq.request_id] = seq
+                    continue
+            chunk = min(seq.num_tokens - seq.num_computed, left)
+            while self.cache.allocate(seq.request_id, seq.num_computed + chunk) is None:
+                if not self._preempt_for_share(owner, step):
+                    self._unmatch(seq)
+                    return given
+            self.waiting.pop_owner(owner)
+            seq.state = SeqState.RUNNING
+            seq.asked_storage = False
+            self.running.append(seq)
+            self._add(step, seq, chunk)
+            given += chunk
+        return given
+
+    def _preempt_for_share(self, owner: bytes, step: Step | None = None) -> bool:
+        """Preempt the newest running sequence (not in `step`, and whose blocks the connector
+        does not read) of the owner other than `owner` that holds the most seats, if it holds
+        two or more. False when there is none."""
+        mine: dict[bytes, list[Sequence]] = {}
+        for s in self.running:
+            mine.setdefault(owner_of(s), []).append(s)
+        mine.pop(owner, None)
+        for seqs in sorted(mine.values(), key=len, reverse=True):
+            if len(seqs) < 2:
+                return False
+            victim = next((s for s in reversed(seqs) if not self.connector.reading(s)
+                           and (step is None or s not in step.seqs)), None)
+            if victim is not None:
+                log.info("preempting %s so that another client's request is served", victim.request_id)
+                self._preempt(victim)
+                return True
+        return False
+
     @staticmethod
     def _guided(step: Step) -> int:
         return sum(seq.guide is not None for seq in step.seqs)
@@ -233,7 +334,9 @@ class Scheduler:
         step.seqs.append(seq)
         step.chunks.append(chunk)
         step.starts.append(start)
-        step.tables.append(self.cache.block_table(seq.request_id)[:-(-(start + chunk) // self.block_size)])
+        blocks = -(-(start + chunk) // self.block_size)
+        step.tables.append(self.cache.block_table(seq.request_id)[:blocks])
+        step.group_tables.append([t[:blocks] for t in self.cache.group_tables(seq.request_id)])
         seq.ran_prompt(start, start + chunk)
 
     def _grow(self, seq: Sequence, num_tokens: int, step: Step) -> bool:
@@ -398,7 +501,8 @@ class Scheduler:
                     self.loading[seq.request_id] = seq
                     continue
             tokens = self.external_ids[seq.request_id]
-            if self.cache.allocate(seq.request_id, tokens) is None:
+            # (pages only for what it reads from the first token on: a sliding group's window)
+            if self.cache.allocate(seq.request_id, tokens, reads_from=tokens) is None:
                 self._unmatch(seq)
                 break
             self.reserving.popleft()
@@ -434,6 +538,8 @@ class Scheduler:
             seq = self.seqs[rid]
             if seq.state is SeqState.EXTERNAL:
                 out += self.cache.block_table(rid)[seq.num_computed // bs:-(-tokens // bs)]
+                for table in self.cache.group_tables(rid):
+                    out += [b for b in table[seq.num_computed // bs:-(-tokens // bs)] if b >= 0]
         return out
 
     def drop(self, seq: Sequence, reason: str) -> None:
@@ -503,3 +609,22 @@ class Scheduler:
         if self.held.pop(seq.request_id, None) is not None:
             self.cache.release(seq.request_id)
             seq.matched = False
+
+
+def _in_turns(seqs: list[Sequence], budget: int) -> tuple[list[Sequence], int]:
+    """The order in which running sequences `seqs` (in admission order) take a step's `budget`,
+    and the most one prefill chunk may take. With one owner: `seqs` as they are, and all of it.
+    With several: the decodes first (a token each), then the prefills in turns of owners (each
+    owner's first, then each one's second, ...; owners in the order of their oldest), a chunk
+    taking at most an equal share, between the owners prefilling, of what the decodes leave."""
+    by_owner: dict[bytes, list[Sequence]] = {}
+    for s in seqs:
+        by_owner.setdefault(owner_of(s), []).append(s)
+    if len(by_owner) < 2:
+        return list(seqs), budget
+    lists = list(by_owner.values())
+    turns = [q[i] for i in range(max(map(len, lists))) for q in lists if i < len(q)]
+    decodes = [s for s in turns if s.num_tokens - s.num_computed <= 1]
+    prefills = [s for s in turns if s.num_tokens - s.num_computed > 1]
+    owners = len({owner_of(s) for s in prefills})
+    return decodes + prefills, -(-max(budget - len(decodes), 1) // max(owners, 1))

@@ -44,6 +44,7 @@ class Sequence:
     tokens: np.ndarray               # int32[prompt_len + max_new_tokens]
     hasher: BlockHasher
     client: bytes = b""              # the client socket identity answers go to
+    owner: bytes = b""               # whose fair share it counts against (b"": its client's)
     eos_token_id: int = -1
     use_cache: bool = True
     stream: bool = True

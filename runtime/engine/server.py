@@ -1,4 +1,19 @@
-"""The engine's client socket: a ZeroMQ ROUTER served by one I/O thread.
+"""The engine's client socket: the node's private ZeroMQ ROUTER and its link with the gateway,
+served by one I/O thread.
+
+Why no socket of the engine listens where outsiders reach it: libzmq 4.3 aborts the whole process
+on bytes a hostile peer can send. A client that speaks raw ZeroMQ fills its connection's queue
+(more messages than the ROUTER's high-water mark, which stops libzmq's reading of that connection),
+sends a PING command and resets the connection: the reset marks the stopped connection failed,
+and when the queue drains libzmq decodes the buffered PING and answers it on the failed connection:
+`Assertion failed: !_io_error (src/stream_engine_base.cpp:310)`. Every bounded queue (any
+RCVHWM), ROUTER_HANDOVER, IMMEDIATE, PROBE_ROUTER, ROUTER_MANDATORY or a smaller receive buffer
+aborted alike; only a queue without bound did not, which lets a flood grow the process without
+limit. So the gateway process (runtime/gateway/) owns every public socket and may die of it (the
+launcher restarts it), and this socket listens only in the node's private socket directory
+(ipc/sockets.py): the launcher's HTTP bridge connects there, and the gateway relays every outside
+client and a prefill node's decode peers over the link (runtime/gateway/link.py). Their peers
+are the node's own processes, which never send PINGs (no ZMTP heartbeats anywhere in kvrt).
 
 Why a thread: the engine loop blocks on its fan-in doorbell (a POSIX semaphore), which ZeroMQ
 cannot poll. The I/O thread blocks on the sockets instead; each client message is queued
@@ -7,44 +22,41 @@ poke). Answers go the other way through an inproc PUSH/PULL pair, because a Zero
 must only be used by one thread. The thread only moves bytes: decoding, validation and every
 decision stay on the engine thread.
 
-What a flood of messages cannot do: the thread stops reading once INBOX_MAX messages and
-notices wait for the engine (malformed multi-frame messages count too), and libzmq's ROUTER
-takes messages from its connections fair-queued (one from each connection with messages waiting,
-in turn), so a well-behaved client's message waits behind at most INBOX_MAX others however many
-the flooders send; the engine handles a bounded batch of them per turn of its loop. The rest of a
-flood waits in libzmq's queue of each connection, where the fair queuing applies: INBOX_MAX is
-kept small because a message in the inbox is served first come first served, so its size times
-the cost of a costly message (a hostile one of a thousand nested levels takes half a millisecond)
-is what another client waits.
+What a flood of messages cannot do: the thread stops taking more once INBOX_MAX messages and
+notices wait for the engine (malformed multi-frame messages count too); it takes from the private
+socket and from the gateway's batches in turn, and the gateway reads its public socket only while
+fewer than link.WINDOW of its messages wait here, so the rest of a flood waits in libzmq's queue
+of each public connection, which libzmq serves fair-queued (one from each connection with messages
+waiting, in turn): a well-behaved client's message waits behind at most INBOX_MAX + WINDOW
+others however many the flooders send; the engine handles a bounded batch of them per turn of
+its loop. INBOX_MAX is kept small because a message in the inbox is served first come first
+served, so its size times the cost of a costly message (a hostile one of a thousand nested
+levels takes half a millisecond) is what another client waits.
 
 What a client cannot do to the engine's memory: a frame over `max_message_bytes` is refused by
 libzmq from its header, before anything is allocated (and the connection is dropped); a client
-that stops reading has at most CLIENT_QUEUE answers queued (the ROUTER's send high-water mark);
-past that its answers are dropped, except the final notices the engine marks `keep` (one per
-request it cancels for that reason), which wait here until the client reads again or goes.
+that stops reading has at most CLIENT_QUEUE answers queued (the ROUTER's send high-water mark,
+here or at the gateway); past that its answers are dropped, except the final notices the engine
+marks `keep` (one per request it cancels for that reason), which wait until the client reads
+again or goes.
 
 How a disconnect is seen: ROUTER_MANDATORY makes a send to a routing id without a connection
-fail (EHOSTUNREACH) instead of vanishing, and the engine sends an empty message to each client
-with requests in flight every PROBE_S (runtime/engine/clients.py), so every vanished client shows
-up within that. ZMQ_ROUTER_NOTIFY would say it directly but is a draft option, absent from
-released libzmq builds; a socket monitor names file descriptors, not routing ids, and descriptor
-numbers are reused; client keep-alives would cancel the requests of a live client that is merely
-busy. A connection whose peer machine vanished without closing it is closed by TCP itself: keep-
-alive probes once it has been idle for KEEPALIVE_IDLE_S, and a limit on how long sent bytes may
-stay unacknowledged (TCP_USER_TIMEOUT, libzmq's TCP_MAXRT) while answers are on their way.
+fail (EHOSTUNREACH) instead of vanishing (the gateway makes its sends the same way and says what
+they found), and the engine sends an empty message to each client with requests in flight every
+PROBE_S (runtime/engine/clients.py), so every vanished client shows up within that; a client of
+a gateway that died is gone with its connection (a send to the gateway fails while none is
+connected). ZMQ_ROUTER_NOTIFY would say it directly but is a draft option, absent from released
+libzmq builds; a socket monitor names file descriptors, not routing ids, and descriptor numbers
+are reused; client keep-alives would cancel the requests of a live client that is merely busy.
 
-Why no ZMTP heartbeats (libzmq's HEARTBEAT_IVL): libzmq 4.3 aborts the whole process on them.
-Back-pressure (the thread above stops reading, a connection's queue reaches its high-water mark)
-stops libzmq's reading of that connection; if the peer then resets the connection, libzmq marks
-the stopped connection failed but keeps it until its queue drains, and the next heartbeat timer
-of that connection writes on it and trips `Assertion failed: !_io_error
-(src/stream_engine_base.cpp:310)`. Floods from several sockets that close within a heartbeat
-interval of their handshake did exactly that (tests/runtime/engine/test_flood.py); without the
-timer, the failed connection is cleaned up when its queue drains.
+Why no ZMTP heartbeats (libzmq's HEARTBEAT_IVL), here or at the gateway: a heartbeat timer that
+fires on a connection reset under back-pressure trips the same assertion as a peer's PING, from
+any flood of sockets that close within a heartbeat interval of their handshake
+(tests/runtime/engine/test_flood.py); TCP keep-alive and TCP_USER_TIMEOUT at the gateway close
+connections whose peer machine vanished instead.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from collections import deque
@@ -53,24 +65,19 @@ from typing import Callable
 
 import zmq
 
+from kvrt.ipc import sockets
 from kvrt.runtime.client.api import CLIENT_QUEUE
+from kvrt.runtime.gateway import link
+from kvrt.runtime.gateway.kept_answers import KeptAnswers
+from kvrt.runtime.gateway.link import FRAMES, GONE, OVERFLOW, PEER
 from kvrt.runtime.node.limits import ZMQ_HANDSHAKE_MS
 
 log = logging.getLogger(__name__)
 POLL_MS = 100  # longest the I/O thread blocks before checking whether it should stop
 
-
-PEER = b"\x00peer!"  # prefix of the identities under which messages from a P node's decode peers arrive
-INBOX_MAX = 128  # client messages and notices waiting for the engine before the I/O thread stops reading more
-KEEPALIVE_IDLE_S = 10  # a connection silent this long gets TCP keep-alive probes ...
-KEEPALIVE_PROBES = 4   # ... this many, KEEPALIVE_IDLE_S / 2 apart, before TCP closes it
-UNACKED_MS = 30_000    # sent bytes unacknowledged this long: the peer is gone (TCP_USER_TIMEOUT)
-_KEEP = b"k"  # third frame of an answer on the inproc pair: keep it for a client that is not reading
-
-# what the I/O thread tells the engine about a client (ClientNotice.kind)
-GONE = "gone"          # its connection is closed: its requests can be cancelled
-OVERFLOW = "overflow"  # CLIENT_QUEUE answers wait for it: its requests must be cancelled
-FRAMES = "frames"      # it sent a message of `frames` frames, not one
+INBOX_MAX = 128  # client messages and notices waiting for the engine before the I/O thread stops taking more
+LINK_HWM = 10_000  # batches of answers queued for the gateway before the link counts it as not reading
+LINK_LINGER_MS = 1_000  # at close: how long the last answers may take to reach the gateway
 
 
 @dataclass
@@ -80,60 +87,50 @@ class ClientNotice:
     frames: int = 0
 
 
-def peer_identity(index: int) -> bytes:
-    """The identity of decode peer `index` (its place in --decode-peer) on a prefill node."""
-    return PEER + str(index).encode()
-
-
 class ApiServer:
-    """Listens on tcp://host:port; `inbox` holds (client identity, message bytes). With `peer`
-    addresses (a prefill node's decode nodes, comma-separated) it also keeps a DEALER connected
-    to each: messages of the i-th arrive with identity peer_identity(i), and sends to that
-    identity go to it."""
+    """Listens on the node's private API socket and on its end of the gateway link; `inbox`
+    holds (client identity, message bytes) from both (link.py says which identity is whose)."""
 
-    def __init__(self, host: str, port: int, wake: Callable[[], None], peer: str = "", *,
-                 max_message_bytes: int = -1, client_queue: int = CLIENT_QUEUE):
-        self.address = f"tcp://{host}:{port}"
+    def __init__(self, node: str, wake: Callable[[], None], *, max_message_bytes: int = -1,
+                 client_queue: int = CLIENT_QUEUE):
+        self.address = sockets.address(node, sockets.API)
         self.inbox: deque[tuple[bytes, bytes]] = deque()
         self.notices: deque[ClientNotice] = deque()
-        self._backlog: dict[bytes, deque[bytes]] = {}  # kept answers of clients whose queue is full
+        self._held: deque[tuple[bytes, bytes] | ClientNotice] = deque()  # the gateway's, waiting for room
+        self._owed = 0  # the gateway's messages taken in that it was not told of yet (link.py: credit)
         self._gone: set[bytes] = set()  # clients found gone, not yet told to the engine
         self._wake = wake
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # idle connections that never speak
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends fail (never block) for gone or full clients
         self._router.setsockopt(zmq.SNDHWM, client_queue)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._router.setsockopt(zmq.TCP_KEEPALIVE, 1)  # (never ZMTP heartbeats: module docstring)
-        self._router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
-        self._router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_IDLE_S // 2)
-        self._router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
-        self._router.setsockopt(zmq.TCP_MAXRT, UNACKED_MS)
+        self._kept = KeptAnswers(self._router, self._gone.add)
+        self._link = self._ctx.socket(zmq.DEALER)
+        self._link.setsockopt(zmq.LINGER, LINK_LINGER_MS)
+        self._link.setsockopt(zmq.SNDHWM, LINK_HWM)
+        self._link.setsockopt(zmq.RCVHWM, 0)  # (bounded by the gateway's window)
         try:
             self._router.bind(self.address)
+            self._link.bind(sockets.address(node, sockets.LINK))
         except zmq.ZMQError as e:
             self._ctx.destroy(linger=0)
-            raise OSError(f"client API cannot listen on {self.address}: {e}") from None
+            raise OSError(f"the engine cannot listen on its private sockets ({self.address}): {e}") from None
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(f"inproc://answers-{id(self)}")
         self._push = self._ctx.socket(zmq.PUSH)  # used by the engine thread only
         self._push.connect(f"inproc://answers-{id(self)}")
-        self._dealers: dict[bytes, zmq.Socket] = {}
-        for i, address in enumerate(a.strip() for a in peer.split(",") if a.strip()):
-            dealer = self._dealers[peer_identity(i)] = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="api-io", daemon=True)
         self._thread.start()
-        log.info("client API listening on %s", self.address)
+        log.info("client API listening on %s (the gateway relays the public port)", self.address)
 
     def send(self, client: bytes, data: bytes, keep: bool = False) -> None:
         """Queue an answer to `client` (engine thread only; never blocks on the network). `keep`:
         if the client's queue is full, hold this one until it reads (the rest is dropped)."""
-        self._push.send_multipart([client, data, _KEEP] if keep else [client, data], copy=False)
+        self._push.send_multipart([client, data, link.KEEP] if keep else [client, data], copy=False)
 
     def probe(self, client: bytes) -> None:
         """Send `client` an empty message: if its connection is gone, a GONE notice follows."""
@@ -141,65 +138,58 @@ class ApiServer:
 
     def _serve(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._pull, zmq.POLLIN)
-        by_socket = {dealer: identity for identity, dealer in self._dealers.items()}
-        for dealer in by_socket:
-            poller.register(dealer, zmq.POLLIN)
+        for sock in (self._router, self._link, self._pull):
+            poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
-            poller.modify(self._router, zmq.POLLIN if self._waiting() < INBOX_MAX else 0)
-            for sock, _ in poller.poll(POLL_MS):
-                if sock is self._router:
-                    self._receive()
-                elif sock in by_socket:
-                    self._receive_peer(by_socket[sock])
-                else:
-                    self._forward()
-            self._flush_backlogs()
+            room = self._waiting() < INBOX_MAX
+            poller.modify(self._router, zmq.POLLIN if room else 0)
+            poller.modify(self._link, zmq.POLLIN if len(self._held) < 2 * link.WINDOW else 0)
+            ready = dict(poller.poll(POLL_MS))
+            if self._link in ready:
+                self._from_gateway()
+            if self._pull in ready:
+                self._forward()
+            self._take(self._router in ready)
+            self._kept.flush()
+            self._tell_gone(False)
         self._forward()  # answers queued before close still go out
 
+    # ---- answers: engine -> clients ----------------------------------------------------------
     def _forward(self) -> None:
         overflowed: set[bytes] = set()
+        relay: list[bytes] = [link.ANSWERS, b""]  # (the credit: filled in when sent)
         while True:
             try:
                 client, data, *keep = self._pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if (dealer := self._dealers.get(client)) is not None:
-                try:
-                    dealer.send(data, zmq.NOBLOCK)
-                except zmq.Again:  # the peer is gone and its queue is full: P's timeouts fail the requests
-                    log.warning("decode peer %s not reachable: a message to it was dropped", client[len(PEER):])
-            elif not self._to_client(client, data, bool(keep)):
+            if not client:
+                continue  # close() waking the thread
+            if link.relayed(client):
+                relay += [client, data, link.KEEP if keep else b""]
+            elif not self._kept.send(client, data, bool(keep)):
                 overflowed.add(client)
+        if len(relay) > 2:
+            self._to_gateway(relay)
         self.notices.extend(ClientNotice(c, OVERFLOW) for c in overflowed)  # one each, however many dropped
         self._tell_gone(bool(overflowed))
 
-    def _to_client(self, client: bytes, data: bytes, keep: bool) -> bool:
-        """Send or keep `data`; False if it was dropped because the client's queue is full."""
-        backlog = self._backlog.get(client)
-        if backlog is None:
-            if self._send_now(client, data):
-                return True
-            backlog = self._backlog[client] = deque()
-        if keep:  # bounded: the engine keeps one notice per request it ends, and bounds requests
-            backlog.append(data)
-            return True
-        return False
-
-    def _send_now(self, client: bytes, data: bytes) -> bool:
-        """Send without waiting; False when the client's queue is full. A client that is gone
-        takes nothing: its backlog is dropped and a GONE notice queued."""
+    def _to_gateway(self, batch: list[bytes]) -> None:
+        """Answers for the gateway's clients; when no gateway takes them (none connected: it died
+        and the launcher is starting another; or it stopped reading), those clients' connections
+        are gone with it, and a decode peer's message is lost (P's timeouts fail its requests)."""
+        batch[1] = str(self._owed).encode()
         try:
-            self._router.send_multipart([client, data], zmq.NOBLOCK)
+            self._link.send_multipart(batch, zmq.NOBLOCK)
+            self._owed = 0
+            return
         except zmq.Again:
-            return False
-        except zmq.ZMQError as e:
-            if e.errno != errno.EHOSTUNREACH:
-                raise
-            self._backlog.pop(client, None)
-            self._gone.add(client)
-        return True
+            pass
+        clients = set(batch[2::3])
+        peers = {c for c in clients if c.startswith(PEER)}
+        if peers:
+            log.warning("no gateway: %d message(s) to decode peer(s) dropped", len(peers))
+        self._gone |= clients - peers
 
     def _tell_gone(self, wake: bool) -> None:
         """Queue one GONE notice per client found gone since the last call, and wake the engine
@@ -209,49 +199,77 @@ class ApiServer:
             self._gone.clear()
             self._wake()
 
-    def _flush_backlogs(self) -> None:
-        """Kept answers go out once their client reads again; a client with none left is back to
-        normal (its next answer that does not fit starts a backlog again)."""
-        for client, backlog in list(self._backlog.items()):
-            while backlog and self._send_now(client, backlog[0]):
-                if self._backlog.get(client) is not backlog:
-                    break  # the client is gone, and its backlog with it
-                backlog.popleft()
-            if not backlog:
-                self._backlog.pop(client, None)
-        self._tell_gone(False)
-
-    def _receive_peer(self, identity: bytes) -> None:
-        dealer = self._dealers[identity]
+    # ---- messages: clients -> engine -----------------------------------------------------------
+    def _from_gateway(self) -> None:
+        """The gateway's batches: its clients' messages wait in `_held` for room in the inbox;
+        decode peers' messages and what the gateway's sends found go to the engine at once."""
+        woke = False
         while True:
             try:
-                data = dealer.recv(zmq.NOBLOCK)
+                frames = self._link.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self.inbox.append((identity, data))
-        self._wake()
+            kind = frames[0] if frames else b""
+            if kind == link.MESSAGES:
+                self._held.extend(link.pairs(frames))
+            elif kind == link.FRAMES_UP:
+                self._held.extend(ClientNotice(c, FRAMES, link.count(n)) for c, n in link.pairs(frames))
+            elif kind == link.PEERS:
+                self.inbox.extend(link.pairs(frames))
+                woke = True
+            elif kind == link.NOTICES:
+                self.notices.extend(ClientNotice(c, k.decode(errors="replace")) for c, k in link.pairs(frames))
+                woke = True
+            else:
+                log.error("the gateway sent a link message of kind %r: dropped", kind[:8])
+        if woke:
+            self._wake()
 
     def _waiting(self) -> int:
         return len(self.inbox) + len(self.notices)
 
-    def _receive(self) -> None:
-        got = False
-        while self._waiting() < INBOX_MAX:
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if len(frames) != 2:  # (a ROUTER always gives the identity frame first)
-                self.notices.append(ClientNotice(frames[0], FRAMES, len(frames) - 1))
+    def _take(self, router_ready: bool) -> None:
+        """Fill the inbox up to INBOX_MAX from the gateway's held messages and the private
+        socket in turn (neither side's flood shuts the other out), and give the gateway its
+        window back for what was taken (link.py: credit)."""
+        taken = got = 0
+        turn_of_router = False
+        while self._waiting() < INBOX_MAX and (self._held or router_ready):
+            if self._held and not (turn_of_router and router_ready):
+                item = self._held.popleft()
+                if isinstance(item, ClientNotice):
+                    self.notices.append(item)
+                else:
+                    self.inbox.append(item)
+                taken += 1
             else:
-                self.inbox.append((frames[0], frames[1]))
-            got = True
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    router_ready = False
+                    continue
+                if len(frames) != 2:  # (a ROUTER always gives the identity frame first)
+                    self.notices.append(ClientNotice(frames[0], FRAMES, len(frames) - 1))
+                else:
+                    self.inbox.append((frames[0], frames[1]))
+            got += 1
+            turn_of_router = not turn_of_router
+        self._owed += taken
+        if self._owed >= link.WINDOW // 2:  # (else it goes with the next answers)
+            try:
+                self._link.send_multipart([link.CREDIT, str(self._owed).encode()], zmq.NOBLOCK)
+                self._owed = 0
+            except zmq.Again:  # no gateway: a new one starts with its whole window
+                pass
         if got:
             self._wake()
 
     def close(self) -> None:
-        """Stop the thread (it forwards the answers already queued), then close the sockets."""
+        """Stop the thread (it forwards the answers already queued), then close the sockets: the
+        link lingers up to LINK_LINGER_MS so the last answers reach the gateway."""
         self._stop.set()
+        self._push.send_multipart([b"", b""])  # wake the thread from its poll
         self._thread.join(timeout=2 * POLL_MS / 1000 + 1)
         self._push.close(linger=0)
+        self._link.close()
         self._ctx.destroy(linger=0)

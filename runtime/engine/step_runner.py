@@ -94,16 +94,22 @@ class StepRunner:
         """Send `step` to every worker rank (checked against the block owners in debug mode)."""
         roles = self.owners.sync()
         bs = self.cfg.block_size
-        tokens, tables = [], []
-        for seq, chunk, start, table in zip(step.seqs, step.chunks, step.starts, step.tables):
+        tokens, tables, group_tables = [], [], []
+        for seq, chunk, start, table, groups in zip(step.seqs, step.chunks, step.starts, step.tables,
+                                                    step.group_tables or [[]] * len(step.seqs)):
             tokens.append(seq.tokens[start:start + chunk])
             tables.append(table)
+            group_tables += groups
             if roles is not None:
-                t = np.asarray(table, dtype=np.int64)
-                check_step(roles, t[start // bs:], t[:start // bs], f"step {step.step_id} ({seq.request_id})")
+                for g in [table] + groups:
+                    t = np.asarray(g, dtype=np.int64)
+                    reads = t[:start // bs]
+                    check_step(roles, t[start // bs:], reads[reads >= 0], f"step {step.step_id} ({seq.request_id})")
         batch = P.StepBatch(step.step_id, np.concatenate(tokens), np.array(step.chunks, dtype=np.int32),
                             np.array(step.starts, dtype=np.int32), np.concatenate(tables).astype(np.int32),
                             np.array([len(t) for t in tables], dtype=np.int32))
+        if group_tables:
+            batch.group_tables = np.concatenate(group_tables).astype(np.int32)
         seqs = step.seqs
         biases = [seq.bias() for seq in seqs]
         if any(seq.temperature > 0 or seq.logprobs or seq.top_logprobs or seq.penalised for seq in seqs) \

@@ -12,6 +12,13 @@ needs text answers 400 naming what the tokenizer lacks.
 
 Beside the OpenAI routes, the operator routes vLLM's server has: /tokenize, /detokenize, /version,
 /reset_prefix_cache, and /metrics with vLLM's series (runtime/http/vllm_metrics.py).
+
+Nothing slow runs on the event loop, which serves every client: a large body is parsed, text is
+tokenized and detokenized and chat templates are rendered in the text pool (runtime/http/text_pool.py,
+clients in turn), each bounded by the model's length (runtime/http/request_body.py, text_limits.py) or
+its own limit (a render's time); an answer's log-probabilities are bounded before its requests go
+(runtime/http/answer_size.py), and a large answer is written as it is made (runtime/http/json_stream.py),
+to a client that must keep reading it (runtime/http/stalled.py).
 """
 from __future__ import annotations
 
@@ -25,12 +32,14 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import AsyncIterator, Iterable, Sequence
+from typing import AsyncIterator, Iterable, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvrt.runtime.client.api import BAD_REQUEST, DUPLICATE, TOO_MANY, ErrorEvent, InfoReply, TokenEvent
 from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
@@ -40,12 +49,20 @@ from kvrt.runtime.client.stop import StopStrings, stop_problem
 from kvrt.runtime.client.tokenizer import Tokenizer, TokenizerError
 from kvrt.runtime.grammar.spec import guided_problem
 from kvrt.runtime.grammar.tool_call import tool_call_spec
+from kvrt.runtime.http.answer_size import BIG_ANSWER, answer_entries, answer_problem
 from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, BodyLimit, max_body_bytes
 from kvrt.runtime.http.bridge import UNRESPONSIVE, Bridge, Submission
 from kvrt.runtime.http.chat_output import ChatOutput
+from kvrt.runtime.http.errors import ApiError
+from kvrt.runtime.http.json_stream import json_pieces, materialize
+from kvrt.runtime.http.logprobs import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 from kvrt.runtime.http.openai_schema import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
                                              SamplingBody, TokenizeRequest)
 from kvrt.runtime.http.reasoning import prompt_opens_thinking
+from kvrt.runtime.http.request_body import parse_body
+from kvrt.runtime.http.stalled import STALL_S, CutWhenStalled
+from kvrt.runtime.http.text_limits import max_text_chars
+from kvrt.runtime.http.text_pool import TextPool
 from kvrt.runtime.http.tool_calls import default_parser
 from kvrt.runtime.http.vllm_metrics import StatsReader, VllmMetrics
 
@@ -55,18 +72,7 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
 MAX_BATCH = 64          # prompts in one /v1/completions request
 METRICS_TIMEOUT_S = 5.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class ApiError(Exception):
-    """An error answered in the OpenAI shape with its HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+M = TypeVar("M", bound=BaseModel)
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -166,7 +172,11 @@ class Server:
         self.metrics_port = metrics_port
         self.cache = cache
         self.metrics = VllmMetrics(self.model_name, _stats_reader(node))
+        self.text = TextPool()  # parsing, tokenizing and templates, off the event loop
+        self.stall_s = STALL_S  # how long an answer's write may wait for its client (runtime/http/stalled.py)
         self._tokenizer: Tokenizer | IdsOnly | None = None
+        self._texts: TokenTexts | None = None
+        self._template: ChatTemplate | None = None
 
     def decoder(self) -> Tokenizer | IdsOnly:
         """The served model's tokenizer, loaded once the node said which model it serves; an
@@ -189,24 +199,75 @@ class Server:
                            code="no_tokenizer")
         return tok
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    def token_texts(self) -> TokenTexts:
+        """Each token's text as answers show it, decoded once (runtime/http/logprobs.py)."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.decoder())
+        return self._texts
+
+    def max_model_len(self) -> int:
+        info = self.bridge.info
+        return info.max_model_len if info is not None else DEFAULT_MODEL_LEN
+
+    async def body(self, request: Request, model: type[M]) -> M:
+        """The request's JSON body as `model`: parsed in the text pool when large, what it asks
+        of the text work bounded by the model's length (runtime/http/request_body.py)."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # (gone before its body was in: nobody reads this answer)
+            raise ApiError(499, "the client closed the connection", code="client_closed") from None
+        return await parse_body(raw, model, self.text, _who(request), self.max_model_len())
+
+    async def encode(self, who: str, texts: list[str], param: str, add_special_tokens: bool = True) -> list[list[int]]:
+        """The token ids of `texts`, encoded in `who`'s turn of the text pool; 400 naming `param`
+        when the model has no tokenizer or the text cannot be encoded."""
+        tok = self.tokenizer(param)
+        try:
+            return await self.text.run(who, sum(map(len, texts)), lambda: [
+                tok.encode(t, add_special_tokens=add_special_tokens) for t in texts])
+        except TokenizerError as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from None
+
+    async def decode(self, who: str, ids: list[list[int]], param: str, skip_special_tokens: bool = True) -> list[str]:
+        """The texts of token id lists, decoded in `who`'s turn of the text pool."""
+        tok = self.tokenizer(param)
+        return await self.text.run(who, sum(map(len, ids)), lambda: [
+            tok.decode(x, skip_special_tokens=skip_special_tokens) for x in ids])
+
+    async def chat_prompt(self, who: str, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False, tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """The text and token ids of a conversation rendered with the model's chat template
         (which writes its own special tokens: the tokenizer adds none unless asked), with the
-        request's `tools` and further template variables."""
+        request's `tools` and further template variables; rendered and encoded in `who`'s turn
+        of the text pool, the render bounded in time and in size (runtime/client/chat_template.py)."""
         tok = self.tokenizer("messages")
         if tok.chat_template is None:
             raise ApiError(400, f"the model {self.model_name!r} has no chat template ({tok.name}): use "
                                 f"/v1/completions", param="messages", code="no_chat_template")
-        try:
-            text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
-                [Message(m.template_role(), m.text(), m.template_calls(), m.tool_call_id, m.name, m.reasoning_content)
-                 for m in messages], add_generation_prompt=add_generation_prompt, **(template_kwargs or {}),
-                tools=tools)
+        template = self._chat_template(tok)
+        turns = [Message(m.template_role(), m.text(), m.template_calls(), m.tool_call_id, m.name, m.reasoning_content)
+                 for m in messages]
+        variables = {**(template_kwargs or {}), "tools": tools}
+
+        def render() -> tuple[str, list[int]]:
+            text = template.render(turns, add_generation_prompt=add_generation_prompt, **variables)
             return text, tok.encode(text, add_special_tokens=add_special_tokens)
+
+        try:  # (never on the loop, however short the conversation: a template's loops are its own)
+            return await self.text.run(who, self.text.inline, render)
         except (ChatTemplateError, TokenizerError) as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
+
+    def _chat_template(self, tok: Tokenizer) -> ChatTemplate:
+        """The model's chat template, compiled once, writing at most what the model can take."""
+        if self._template is None or self._template.source != tok.chat_template:
+            try:
+                self._template = ChatTemplate(tok.chat_template, tok.special_tokens,
+                                              max_chars=max_text_chars(self.max_model_len()))
+            except ChatTemplateError as e:
+                raise ApiError(400, f"messages: {e}", param="messages") from None
+        return self._template
 
     def tool_format(self) -> str | None:
         """The format tool calls are read in: --tool-call-parser, else the one the chat template
@@ -270,6 +331,23 @@ class Server:
         if len(ids) + max_tokens > info.max_model_len:
             raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more than "
                                 f"the model's {info.max_model_len}", param=param, code="context_length_exceeded")
+
+    def check_answer(self, prompt_lens: list[int], n: int, max_tokens: int, prompt_k: int | None,
+                     output_k: int | None, echo_k: int | None = None) -> int:
+        """The log-probabilities the answer can carry (runtime/http/answer_size.py); 400 naming
+        the limit when they are more than one answer may."""
+        entries = answer_entries(prompt_lens, n, max_tokens, prompt_k, output_k, echo_k)
+        if problem := answer_problem(entries, self.max_model_len()):
+            raise ApiError(400, problem, param="prompt_logprobs" if prompt_k is not None else "logprobs",
+                           code="answer_too_large")
+        return entries
+
+    def answer(self, obj: dict, entries: int) -> Response:
+        """A whole (non-streamed) answer: written as it is made when it carries many
+        log-probabilities (runtime/http/json_stream.py), else at once."""
+        if entries <= BIG_ANSWER:
+            return JSONResponse(materialize(obj))
+        return CutWhenStalled(json_pieces(obj), self.stall_s, media_type="application/json")
 
     def check_body(self, body: SamplingBody) -> None:
         """400 naming the first field kvrt does not implement, or a value it cannot take here."""
@@ -513,50 +591,6 @@ class _Run:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top: list[list | None],
-                         prompt: list[int] | None = None, scores: tuple | None = None,
-                         body: CompletionRequest | None = None) -> dict:
-    """The completions API's logprobs of some tokens: each chosen token's, and its alternatives
-    (token text -> logprob) when asked. With `echo` and the prompt's `scores` (logprobs, ranks,
-    top) the prompt's tokens come first, the first with null as it has nothing before it (as
-    OpenAI and vLLM answer it), each with the request's `logprobs` alternatives."""
-    if body is not None and body.echo and scores is not None:
-        k, (plps, _, ptop) = body.logprobs or 0, scores
-        gap = [None] * (len(prompt) - 1 - len(plps))  # (a request cancelled before its prompt was scored)
-        alts = [[t[0][:k], t[1][:k]] for t in ptop] if k and ptop else [None] * len(plps)
-        ids, lps, top = list(prompt) + list(ids), [None, *plps, *gap] + list(lps), [None, *alts, *gap] + list(top)
-    return {"tokens": [tok.decode([t]) for t in ids], "token_logprobs": lps,
-            "top_logprobs": [{tok.decode([a]): lp for a, lp in zip(*t)} if t else None for t in top]
-            if any(top) else None}
-
-
-def _prompt_logprobs(tok: Tokenizer, prompt: list[int], scores: tuple | None, k: int | None) -> list | None:
-    """vLLM's `prompt_logprobs`: null for the first prompt token, then for each token a map of
-    token id -> {logprob, rank, decoded_token} holding the token itself and the k likeliest
-    there. None when not asked (or not scored: a request cancelled first)."""
-    if k is None or scores is None:
-        return None
-    lps, ranks, top = scores
-    out: list = [None]
-    for i, (lp, rank) in enumerate(zip(lps, ranks)):
-        entry = {int(prompt[i + 1]): (lp, rank)}
-        if k and top:
-            for r, (a, alp) in enumerate(zip(top[i][0][:k], top[i][1][:k])):
-                entry.setdefault(int(a), (alp, r + 1))
-        out.append({str(a): {"logprob": v, "rank": int(r), "decoded_token": tok.decode([a])}
-                    for a, (v, r) in entry.items()})
-    return out
-
-
-def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float | None], top: list[list | None]) -> dict:
-    def entry(t: int, lp: float | None) -> dict:
-        text = tok.decode([t])
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in zip(*alt)] if alt else []}
-                        for t, lp, alt in zip(ids, lps, top)]}
-
-
 def _engine_error(ev: ErrorEvent, param: str | None = None) -> ApiError:
     """An engine's error as the HTTP answer; `param`: the field that asked for a grammar (what a
     refusal of the request itself concerns, as the HTTP server checks everything else first)."""
@@ -577,8 +611,15 @@ async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+async def _sse(obj) -> AsyncIterator[str]:
+    """One server-sent event of `obj`: one piece, unless its log-probabilities make it large
+    (runtime/http/json_stream.py)."""
+    held = None
+    async for piece in json_pieces(obj):
+        if held is not None:
+            yield held
+        held = piece if held is not None else "data: " + piece
+    yield (held or "data: ") + "\n\n"
 
 
 async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, include_usage: bool,
@@ -593,19 +634,23 @@ async def _stream(run, first, rest: AsyncIterator, frame, usage_base: dict, incl
     cancelled however the stream ends (a client that leaves frees its blocks)."""
     try:
         if opening is not None:
-            yield _sse({**opening, "usage": run.usage()} if continuous else opening)
+            async for piece in _sse({**opening, "usage": run.usage()} if continuous else opening):
+                yield piece
         async for ch, piece, ids, done in _chain(first, rest):
             out = frame(ch, piece, ids, done)
             for one in out if isinstance(out, list) else [] if out is None else [out]:
-                yield _sse({**one, "usage": run.usage()} if continuous else one)
+                async for part in _sse({**one, "usage": run.usage()} if continuous else one):
+                    yield part
         if include_usage:
-            yield _sse({**usage_base, "choices": [], "usage": run.usage()})
+            async for piece in _sse({**usage_base, "choices": [], "usage": run.usage()}):
+                yield piece
     except ApiError as e:
-        yield _sse(e.body())
+        yield f"data: {json.dumps(e.body())}\n\n"
         return
     except Exception:  # noqa: BLE001 - whatever failed, the client is told so
         log.exception("a stream failed")
-        yield _sse(ApiError(500, "internal error (see the node's log)", "internal_error").body())
+        failed = ApiError(500, "internal error (see the node's log)", "internal_error").body()
+        yield f"data: {json.dumps(failed)}\n\n"
         return
     finally:
         run.cancel()
@@ -660,35 +705,35 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
         return JSONResponse({"version": _version()})
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+    async def tokenize(request: Request) -> JSONResponse:
         """vLLM's: a prompt's (or a conversation's) token ids, their count and the model's limit."""
+        body = await server.body(request, TokenizeRequest)
         server.check_model(body.model)
         info = server.node_info()
+        who = _who(request)
         if body.messages is not None:
-            _, ids = server.chat_prompt(body.messages, body.add_generation_prompt, bool(body.add_special_tokens),
-                                        body.template_tools(), body.chat_template_kwargs)
+            _, ids = await server.chat_prompt(who, body.messages, body.add_generation_prompt,
+                                              bool(body.add_special_tokens), body.template_tools(),
+                                              body.chat_template_kwargs)
         else:
-            tok = server.tokenizer("prompt")
-            try:
-                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-            except TokenizerError as e:
-                raise ApiError(400, f"prompt: {e}", param="prompt") from None
+            [ids] = await server.encode(who, [body.prompt], "prompt", body.add_special_tokens is not False)
         out = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
-            tok = server.tokenizer()
-            out["token_strs"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
+            out["token_strs"] = await server.decode(who, [[t] for t in ids], "tokens", skip_special_tokens=False)
         return JSONResponse(out)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+    async def detokenize(request: Request) -> JSONResponse:
         """vLLM's: the text of token ids (special tokens kept, as the ids say)."""
+        body = await server.body(request, DetokenizeRequest)
         server.check_model(body.model)
         info = server.node_info()
         bad = [t for t in body.tokens if not 0 <= t < info.vocab_size]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary 0..{info.vocab_size - 1}",
                            param="tokens", code="invalid_token_id")
-        return JSONResponse({"prompt": server.tokenizer("tokens").decode(body.tokens, skip_special_tokens=False)})
+        [text] = await server.decode(_who(request), [body.tokens], "tokens", skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
 
     @app.get("/kvrt/cache")
     async def cache() -> JSONResponse:
@@ -725,18 +770,22 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
         return Response(ours + engine, media_type=PROMETHEUS_TEXT)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await server.body(request, CompletionRequest)
         server.check_model(body.model)
         server.check_body(body)
-        tok = server.decoder()
+        who = _who(request)
+        text = server.token_texts()
         p = body.prompt
         texts: list[str] | None = None
         if isinstance(p, str):
             texts = [p]
         elif p and all(isinstance(x, str) for x in p):
             texts = list(p)
-        if texts is not None:
-            prompts = [server.tokenizer("prompt").encode(x, add_special_tokens=body.add_special_tokens) for x in texts]
+        if texts is not None and len(texts) * body.n <= MAX_BATCH:
+            prompts = await server.encode(who, texts, "prompt", add_special_tokens=body.add_special_tokens)
+        elif texts is not None:
+            prompts = [[]] * len(texts)  # (refused just below, untokenized)
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]
         else:
@@ -747,13 +796,21 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS  # an explicit null is the default too
         for ids in prompts:
             server.check_prompt(ids, max_tokens, "prompt")
+        k = body.logprobs if body.wants_logprobs() else None
+        entries = server.check_answer([len(x) for x in prompts], body.n, max_tokens, body.prompt_logprobs, k,
+                                      k if body.echo else None)
         echoes = None
         if body.echo:
-            echoes = texts if texts is not None else [
-                server.tokenizer("echo").decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
-        run = server.run(prompts, max_tokens, body, echoes, _who(request))
+            echoes = texts if texts is not None else await server.decode(
+                who, prompts, "echo", skip_special_tokens=body.skip_special_tokens)
+        run = server.run(prompts, max_tokens, body, echoes, who)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
+
+        def logprobs(ids, lps, top, prompt, scores):
+            return completion_logprobs(text, ids, lps, top, prompt, scores, body.echo, body.logprobs or 0) \
+                if body.wants_logprobs() else None
+
         if body.stream:
             run.start()
             it, first = await run.first(request)
@@ -763,46 +820,47 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
                 if not (piece or ids or done or scores):
                     return None
                 at = len(ch.token_ids) - len(ids)
-                lp = _completion_logprobs(tok, ids, ch.logprobs[at:], ch.top[at:], ch.prompt, scores, body) \
-                    if body.wants_logprobs() else None
-                return {**base, "choices": [{"index": ch.index, "text": piece, "logprobs": lp,
+                return {**base, "choices": [{"index": ch.index, "text": piece,
+                                             "logprobs": logprobs(ids, ch.logprobs[at:], ch.top[at:], ch.prompt,
+                                                                  scores),
                                              "finish_reason": ch.finish_reason if done else None,
                                              "stop_reason": ch.stop_reason if done else None, "token_ids": ids,
-                                             "prompt_logprobs": _prompt_logprobs(tok, ch.prompt, scores,
-                                                                                 body.prompt_logprobs)}]}
+                                             "prompt_logprobs": prompt_logprobs(text, ch.prompt, scores,
+                                                                                body.prompt_logprobs)}]}
 
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(run, first, it, frame, base, usage, continuous=body.continuous_usage()),
-                                     media_type="text/event-stream")
+            return CutWhenStalled(_stream(run, first, it, frame, base, usage, continuous=body.continuous_usage()),
+                                  server.stall_s, media_type="text/event-stream")
         run.start()
         await run.complete(request)
         choices = sorted(run.choices.values(), key=lambda c: c.index)
         scores = run.prompt_scores
-        return JSONResponse({**base, "choices": [{"index": c.index, "text": "".join(c.text),
-                                                  "logprobs": _completion_logprobs(
-                                                      tok, c.token_ids, c.logprobs, c.top, c.prompt,
-                                                      scores.get(c.prompt_index), body)
-                                                  if body.wants_logprobs() else None,
-                                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                                  "token_ids": c.token_ids,
-                                                  "prompt_logprobs": _prompt_logprobs(
-                                                      tok, c.prompt, scores.get(c.prompt_index), body.prompt_logprobs)}
-                                                 for c in choices], "usage": run.usage()})
+        return server.answer({**base, "choices": [
+            {"index": c.index, "text": "".join(c.text),
+             "logprobs": logprobs(c.token_ids, c.logprobs, c.top, c.prompt, scores.get(c.prompt_index)),
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "token_ids": c.token_ids,
+             "prompt_logprobs": prompt_logprobs(text, c.prompt, scores.get(c.prompt_index), body.prompt_logprobs)}
+            for c in choices], "usage": run.usage()}, entries)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    async def chat(request: Request):
+        body = await server.body(request, ChatRequest)
         server.check_model(body.model)
         server.check_body(body)
         if problem := body.tools_problem():
             raise ApiError(400, problem[1], param=problem[0])
-        text, ids = server.chat_prompt(body.messages, body.add_generation_prompt, body.add_special_tokens,
-                                       tools=body.template_tools(), template_kwargs=body.template_variables())
-        tok = server.tokenizer()
+        who = _who(request)
+        prompt_text, ids = await server.chat_prompt(who, body.messages, body.add_generation_prompt,
+                                                    body.add_special_tokens, tools=body.template_tools(),
+                                                    template_kwargs=body.template_variables())
+        text = server.token_texts()
         info = server.node_info()
         max_tokens = body.max_completion_tokens or body.max_tokens or max(info.max_model_len - len(ids), 1)
         server.check_prompt(ids, max_tokens, "messages")
+        entries = server.check_answer([len(ids)], body.n, max_tokens, body.prompt_logprobs,
+                                      body.top_logprobs_count() if body.logprobs else None)
         fmt, guided = server.chat_output(body)
-        run = server.run([ids], max_tokens, body, who=_who(request), guided=guided)
+        run = server.run([ids], max_tokens, body, who=who, guided=guided)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name}
 
@@ -812,7 +870,7 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
 
         if body.stream:
             chunk = {**base, "object": "chat.completion.chunk"}
-            outputs = {j: server.output(fmt, text, guided is not None) for j in range(body.n)}
+            outputs = {j: server.output(fmt, prompt_text, guided is not None) for j in range(body.n)}
 
             run.start()
             it, first = await run.first(request)
@@ -826,7 +884,7 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
                 if not deltas and (done or (ids_ and body.logprobs) or scores):
                     deltas = [{}]
                 at = len(ch.token_ids) - len(ids_)
-                lp = _chat_logprobs(tok, ids_, ch.logprobs[at:], ch.top[at:]) if body.logprobs else None
+                lp = chat_logprobs(text, ids_, ch.logprobs[at:], ch.top[at:]) if body.logprobs else None
                 frames = []
                 for k, d in enumerate(deltas):
                     last = done and k == len(deltas) - 1
@@ -834,7 +892,7 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
                                                  "finish_reason": finish_reason(ch, out) if last else None,
                                                  "stop_reason": ch.stop_reason if last else None}]}
                     if k == 0 and scores is not None:
-                        one["prompt_logprobs"] = _prompt_logprobs(tok, ch.prompt, scores, body.prompt_logprobs)
+                        one["prompt_logprobs"] = prompt_logprobs(text, ch.prompt, scores, body.prompt_logprobs)
                     frames.append(one)
                 return frames
 
@@ -842,27 +900,29 @@ def create_app(server: Server, body_s: float = BODY_S) -> FastAPI:
                                              "logprobs": None, "finish_reason": None, "stop_reason": None}
                                             for j in range(body.n)]}
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(run, first, it, frame, chunk, usage, opening,
-                                             continuous=body.continuous_usage()), media_type="text/event-stream")
+            return CutWhenStalled(_stream(run, first, it, frame, chunk, usage, opening,
+                                          continuous=body.continuous_usage()), server.stall_s,
+                                  media_type="text/event-stream")
         run.start()
         await run.complete(request)
         choices = []
         for c in sorted(run.choices.values(), key=lambda c: c.index):
-            out = server.output(fmt, text, guided is not None)
+            out = server.output(fmt, prompt_text, guided is not None)
             choices.append({"index": c.index, "message": out.message("".join(c.text)),
-                            "logprobs": _chat_logprobs(tok, c.token_ids, c.logprobs, c.top) if body.logprobs else None,
+                            "logprobs": chat_logprobs(text, c.token_ids, c.logprobs, c.top) if body.logprobs else None,
                             "finish_reason": finish_reason(c, out), "stop_reason": c.stop_reason,
                             "token_ids": c.token_ids})
-        return JSONResponse({**base, "choices": choices, "usage": run.usage(),
-                             "prompt_logprobs": _prompt_logprobs(tok, ids, run.prompt_scores.get(0),
-                                                                 body.prompt_logprobs)})
+        return server.answer({**base, "choices": choices, "usage": run.usage(),
+                              "prompt_logprobs": prompt_logprobs(text, ids, run.prompt_scores.get(0),
+                                                                 body.prompt_logprobs)}, entries)
 
     return app
 
 
 def _who(request: Request) -> str:
-    """An HTTP client's identity for its quota: its address (a port is not: a client opens as
-    many connections as it likes). Behind `kvrt route` every client is the router's address."""
+    """An HTTP client's identity for its quota, its fair share of the engine and its turn in the
+    text pool: its address (a port is not: a client opens as many connections as it likes).
+    Behind `kvrt route` every client is the router's address."""
     return request.client.host if request.client else ""
 
 

@@ -1,4 +1,8 @@
-"""`--api-key`: every route of the HTTP API needs `Authorization: Bearer KEY`, as vLLM's flag asks.
+"""`--api-key`: every route of the HTTP API but `GET /health` needs `Authorization: Bearer KEY`,
+as vLLM's flag asks.
+
+Why `/health` stays open, as in vLLM: what probes a node's liveness (a load balancer, Kubernetes,
+`kvrt route`'s health thread) holds no client's key, and the answer says only `{"status": "ok"}`.
 
 Why an ASGI wrapper outside the app: it answers before anything else runs, so a client without
 the key gets its 401 before its body is read (the body limits' budget is not its to spend) and
@@ -13,8 +17,11 @@ import json
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 
+OPEN = {("GET", "/health")}  # (method, path) answered without the key (module docstring)
+
+
 class ApiKeyAuth:
-    """`app` behind a bearer-key check on every HTTP request."""
+    """`app` behind a bearer-key check on every HTTP request but those of OPEN."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         if not key:
@@ -23,7 +30,7 @@ class ApiKeyAuth:
         self._expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._allowed(scope):
+        if scope["type"] != "http" or (scope.get("method"), scope.get("path")) in OPEN or self._allowed(scope):
             await self.app(scope, receive, send)
             return
         body = json.dumps({"error": {"message": "a valid API key is needed: Authorization: Bearer KEY",

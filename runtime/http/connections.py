@@ -15,7 +15,9 @@ Every close is a lingering one: the answer goes out, then the write side is shut
 client still sends is read and dropped until it closes too (at most LINGER_S). Closing a socket
 with unread input makes the kernel send a reset, which can reach the client before the answer
 and discard it: a client that had already sent its request would see "connection reset" rather
-than the 503, 408 or 413 that says why.
+than the 503, 408 or 413 that says why. (The one close that must not linger is an answer's cut
+to a client that reads nothing, runtime/http/stalled.py: each request's scope holds the
+connection's abort for it, ABORT.)
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ PER_ADDRESS = 256        # connections one client address may hold at once
 TOTAL = 4096             # connections of the whole server
 LINGER_S = 5.0           # a closed connection's input is drained this long at most
 OVER_CAPACITY = "over_capacity"
+ABORT = "kvrt.abort"     # a request's scope entry: drop its connection now, unsent bytes and all
 
 
 def refusal(status: int, reason: str, message: str, code: str) -> bytes:
@@ -146,6 +149,7 @@ def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s:
             super().handle_events()
             if self.cycle is not cycle:  # a request's headers are whole: its body is the middleware's
                 self._disarm_header_timer()
+                self.cycle.scope[ABORT] = self.transport.abort  # type: ignore[index]
 
         def on_response_complete(self) -> None:
             if not self.transport.is_closing():

@@ -103,12 +103,12 @@ class _TemplatedServer(Server):
 
     def __init__(self, *args, chat_template: str, **kw) -> None:
         super().__init__(*args, **kw)
-        self._template = chat_template
+        self._flag_template = chat_template
 
     def decoder(self):
         tok = super().decoder()
-        if not isinstance(tok, IdsOnly) and tok.chat_template is not self._template:
-            tok.chat_template = self._template
+        if not isinstance(tok, IdsOnly) and tok.chat_template is not self._flag_template:
+            tok.chat_template = self._flag_template
         return tok
 
 
@@ -118,7 +118,7 @@ class HttpServer:
     socket is bound here, before the node starts, so a port in use is an error of `kvrt launch`
     (OSError) rather than a thread that dies quietly."""
 
-    def __init__(self, host: str, port: int, client_host: str, client_port: int, model_names: list[str],
+    def __init__(self, host: str, port: int, client_host: str, client_port: int | str, model_names: list[str],
                  node: str = "", metrics_port: int = 0, cache: dict | None = None, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, engine_timeout: float = ENGINE_TIMEOUT_S,
                  options: HttpOptions | None = None) -> None:
@@ -128,7 +128,7 @@ class HttpServer:
         self.bridge = Bridge(address, engine_timeout) if options.seed is None else \
             _SeededBridge(address, engine_timeout, options.seed)
         kw = dict(node=node, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
-        server = Server(self.bridge, model_names, metrics_port, cache, **kw) if options.chat_template is None else \
+        self.api = server = Server(self.bridge, model_names, metrics_port, cache, **kw) if options.chat_template is None else \
             _TemplatedServer(self.bridge, model_names, metrics_port, cache, chat_template=options.chat_template, **kw)
         app = create_app(server)
         if options.access_log or options.log_requests:
@@ -168,4 +168,5 @@ class HttpServer:
         self._thread.join(STOP_WAIT_S)
         if self._thread.is_alive():
             log.warning("the HTTP server did not stop within %g s", STOP_WAIT_S)
+        self.api.text.close()
         self._sock.close()

@@ -112,6 +112,10 @@ class NodeConfig(config.NodeConfig):
                               f"the checkpoint (workers.checkpoint.inspect)")
         if self.model_dir and self.hidden_size <= 0:
             raise ConfigError(f"--model {self.model_dir}: hidden_size must come from its config.json")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or not all(
+                isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.layer_windows)):
+            raise ConfigError(f"--layer-windows must give each of the {self.num_layers} layers a window of "
+                              f"0 (full attention) or more tokens, got {self.layer_windows}")
         if self.num_kv_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} must divide the {self.num_kv_heads} KV heads")
         try:
@@ -120,6 +124,7 @@ class NodeConfig(config.NodeConfig):
             raise ConfigError(f"--dtype {self.dtype!r} is not a numpy dtype") from None
         if dt.kind != "f" or dt.itemsize not in (2, 4, 8):  # an object pool would hold pointers
             raise ConfigError(f"--dtype must be a float dtype (float16, float32, float64), got {self.dtype!r}")
+        _choice("--kv-cache-dtype", self.kv_cache_dtype, tuple(config.KV_CACHE_DTYPES))
         computes = COMPUTE_DTYPES + (("bfloat16",) if self.model_backend == "torch" else ())
         if self.compute_dtype not in computes or (self.compute_dtype != "float32" and not self.model_dir):
             raise ConfigError(f"--compute-dtype resolves to {', '.join(computes)} for a --model checkpoint "
@@ -127,6 +132,10 @@ class NodeConfig(config.NodeConfig):
         if self.model_backend not in MODEL_BACKENDS or (self.model_backend == "torch" and not self.model_dir):
             raise ConfigError(f"--model-backend resolves to {', '.join(MODEL_BACKENDS)} (torch for a --model "
                               f"checkpoint only), got {self.model_backend!r}")
+        if self.model_backend == "torch" and (self.kv_cache_dtype != "auto" or self.layer_windows):
+            raise ConfigError("--model-backend torch keeps K/V as they are over one block table: it serves neither "
+                              "FP8 blocks (--kv-cache-dtype) nor sliding windows and their layer groups "
+                              "(--layer-windows); use --model-backend array")
         if self.wait_spin_us < -1 or self.wait_spin_us > 100_000:
             raise ConfigError(f"--wait-spin-us must be between 0 and 100000 (or -1: auto), got {self.wait_spin_us}")
         if self.cuda_graph_max_batch < -1:
@@ -227,9 +236,11 @@ class NodeConfig(config.NodeConfig):
             arch = REFERENCE_ARCH
             weights = (f"seed={self.model_seed},vocab={self.vocab_size},layers={self.num_layers},"
                        f"kv_heads={self.num_kv_heads},head_dim={self.head_dim}")
+        groups = self.kv_groups
         return ModelIdentity(arch=arch, weights=weights, num_layers=self.num_layers,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                             dtype=np.dtype(self.dtype).name, block_size=self.block_size, tp=self.tp)
+                             dtype=self.kv_layout.dtype, block_size=self.block_size, tp=self.tp,
+                             layer_groups=groups.describe() if groups.hybrid else "")
 
     @cached_property
     def key_root(self) -> bytes:

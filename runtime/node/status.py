@@ -62,6 +62,8 @@ def snapshot(node: str) -> dict:
         word = STATE.get(int(status[P.ST_NODE]), "?") if status is not None else "?"
         beat = int(status[P.ST_LAUNCHER_BEAT]) if status is not None else 0
         out["launcher_heartbeat_age_s"] = _age_s(now, beat)
+        # times the launcher started the gateway again after it died or hung (runtime/gateway/)
+        out["gateway_restarts"] = int(status[P.ST_GATEWAY_RESTARTS]) if status is not None else None
         out["config"] = _config(reg, out["damaged"])
         out["state"] = _state(alive, word, out["launcher_heartbeat_age_s"], bool(out["damaged"]))
         out["processes"] = _processes(sig, now, out["config"])
@@ -202,6 +204,9 @@ def render(snap: dict) -> str:
              f"({'alive' if snap['launcher_alive'] else 'DEAD'}, heartbeat {_n(beat, '.1f', 's')})  "
              f"role {cfg.get('role', '?')}  tp {cfg.get('tp', '?')}  "
              f"device {cfg.get('device', '?')}  objects {snap['objects']}"]
+    if cfg.get("port") or cfg.get("kv_events_port"):
+        lines.append(f"  gateway restarts {_n(snap.get('gateway_restarts'), 'd')} (it owns the public ports; "
+                     f"the launcher restarts it when it dies)")
     lines += [f"  damaged: {d}" for d in snap.get("damaged", [])]
     lines += ["", f"{'process':<20} {'pid':>8} {'alive':>6} {'ready':>6} {'beat age':>9} {'cpu %':>6} {'rss MB':>8}"]
     for p in snap["processes"]:
@@ -237,7 +242,8 @@ def render(snap: dict) -> str:
             lines.append(f"storage {cfg['storage']}  errors {c('storage_errors')}  forged (no valid MAC, not served) "
                          f"{c('storage_forged')}")
         if cfg.get("role", "mixed") != "mixed":
-            lines.append(f"PD role {cfg['role']}  transport {cfg.get('pd_transport', '?')}  "
+            sessions = f"decode sessions up {c('pd_sessions')}  " if cfg["role"] == "prefill" else ""
+            lines.append(f"PD role {cfg['role']}  transport {cfg.get('pd_transport', '?')}  {sessions}"
                          f"KV bytes sent to the decode node {c('pd_sent_bytes')}  of them while prefilling "
                          f"{c('pd_early_bytes')} ({c('pd_early_blocks')} blocks)")
     return "\n".join(lines)

@@ -18,6 +18,13 @@ first: the launcher writes why into the node's errors row and sends it SIGTERM, 
 in flight with that reason at once; only then are the others stopped (a hung one killed). The
 culprit reported is the process that failed by itself, in its own words (its errors row), not
 one that merely left after it.
+
+The gateway is the exception (runtime/gateway/): it owns the sockets outsiders reach, holds no
+node state, and dies when libzmq aborts it on a hostile peer's bytes. Once the node runs, a dead
+or hung gateway is logged with its cause (its exit, its own last error, its log's last line) and
+started again after a back-off that doubles with each death in quick succession, counted in the
+node status (`kvrt status`); the node goes on. During start-up its death fails the start, as any
+child's does (a public port in use is reported so).
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from kvrt.ipc.registry import Registry
 from kvrt.ipc.ring import HEADER as RING_HEADER
 from kvrt.ipc.ring import Ring
 from kvrt.ipc.signals import Signal
+from kvrt.ipc.sockets import make_socket_dir
 from kvrt.ipc.topology import Topology
 from kvrt.ipc.watchdog import Watchdog, pause_gap
 from kvrt.runtime.node.config import NodeConfig
@@ -48,8 +56,12 @@ RING_BYTES = 1 << 20
 PAGE = 4096
 ENGINE_ABORT_S = 5.0  # how long a failing node waits for the engine to fail its requests and exit
 SUPERVISE_S = 0.2  # the supervision loop's period: its longest wait for a child's exit
+GATEWAY_BACKOFF_S = 0.2   # the first restart of a dead gateway waits this long, each quick next one twice the last,
+GATEWAY_BACKOFF_MAX_S = 5.0  # ... up to this,
+GATEWAY_STABLE_S = 30.0   # ... and a gateway that ran this long before it died restarts after the first wait again
 _PROGRAMS = {P.ROLE_ENGINE: "kvrt.runtime.engine.engine", P.ROLE_WORKER: "kvrt.workers.worker",
-             P.ROLE_TRANSFER: "kvrt.workers.cache_transfer", P.ROLE_MESSAGER: "kvrt.workers.cache_messager"}
+             P.ROLE_TRANSFER: "kvrt.workers.cache_transfer", P.ROLE_MESSAGER: "kvrt.workers.cache_messager",
+             P.ROLE_GATEWAY: "kvrt.runtime.gateway.gateway"}
 
 
 class PoolMaker(Protocol):
@@ -67,6 +79,7 @@ class Child:
     rank: int
     proc: subprocess.Popen
     pidfd: int = -1  # readable once the process exited (select.poll), without reaping it
+    started: float = 0.0  # time.monotonic() at its start
 
     @property
     def name(self) -> str:
@@ -132,6 +145,8 @@ class Node:
         self._job_rc = 0
         self._sig: dict[str, Signal] = {}  # the signals the launcher reads and writes itself
         self._watch: Watchdog[int] = Watchdog(pause_gap(cfg.hang_timeout, SUPERVISE_S))  # heartbeats by slot
+        self._gateway_due: float | None = None  # when a dead gateway's successor starts
+        self._gateway_deaths = 0  # deaths in quick succession (GATEWAY_STABLE_S): the back-off's exponent
 
     # ---- shared objects ------------------------------------------------------------------
     def create_objects(self) -> None:
@@ -141,6 +156,8 @@ class Node:
         try:
             _check_shm_room(shm_needs(cfg, self.pools.bytes_needed(cfg)), cfg)
             P.publish_config(reg, cfg.to_dict())
+            if cfg.has_gateway:
+                make_socket_dir(cfg.node)  # (removed with the shared memory: Registry.unlink_all)
             self._sig.update(Topology.of(cfg).create(reg, RING_BYTES))
             self.pools.create(reg, cfg, self.progress)
         except BaseException:
@@ -159,26 +176,34 @@ class Node:
     # ---- children ------------------------------------------------------------------------
     def start_children(self) -> None:
         cfg = self.cfg
-        level = logging.getLevelName(logging.getLogger().level)
         if cfg.log_dir and not os.path.isdir(cfg.log_dir):
             os.makedirs(cfg.log_dir, mode=0o700)  # logs carry prompts' fates: the user's alone
         for role, rank in Topology.of(cfg).processes:
-            cmd = child_command(_PROGRAMS[role], ["--node", cfg.node, "--log-level", level])
-            if role != P.ROLE_ENGINE:
-                cmd += ["--rank", str(rank)]
-            out = None
-            if cfg.log_dir:
-                out = os.open(os.path.join(cfg.log_dir, f"{P.ROLE_NAMES[role]}-{rank}.log"),
-                              os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                os.fchmod(out, 0o600)  # also a file left by an earlier run with a wider mode
-            try:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True,
-                                        preexec_fn=die_with_parent, cwd=os.getcwd(), env=_child_env())
-            finally:
-                if out is not None:
-                    os.close(out)
-            self.children.append(Child(role, rank, proc, os.pidfd_open(proc.pid)))
-            self._assign_rings(role, rank, proc.pid)
+            self._start(role, rank)
+
+    def _start(self, role: int, rank: int) -> Child:
+        cfg = self.cfg
+        level = logging.getLevelName(logging.getLogger().level)
+        cmd = child_command(_PROGRAMS[role], ["--node", cfg.node, "--log-level", level])
+        if role not in (P.ROLE_ENGINE, P.ROLE_GATEWAY):
+            cmd += ["--rank", str(rank)]
+        out = None
+        if cfg.log_dir:
+            out = os.open(self._log_path(role, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.fchmod(out, 0o600)  # also a file left by an earlier run with a wider mode
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True,
+                                    preexec_fn=die_with_parent, cwd=os.getcwd(), env=_child_env())
+        finally:
+            if out is not None:
+                os.close(out)
+        child = Child(role, rank, proc, os.pidfd_open(proc.pid), time.monotonic())
+        self.children.append(child)
+        self._assign_rings(role, rank, proc.pid)
+        return child
+
+    def _log_path(self, role: int, rank: int) -> str:
+        return os.path.join(self.cfg.log_dir, f"{P.ROLE_NAMES[role]}-{rank}.log")
 
     def _assign_rings(self, role: int, rank: int, pid: int) -> None:
         """Write `pid` into the rings this child will write and read, before it attaches, so a
@@ -298,13 +323,14 @@ class Node:
             if self._job is not None and not self._job.is_alive():
                 self.stop()
                 return self._job_rc
-            dead = self._dead_children(SUPERVISE_S)
+            dead = [c for c in self._dead_children(SUPERVISE_S) if not self._gateway_died(c)]
             if dead:
                 for c in dead:
                     log.error("%s", self._report(c))
                 self._fail(self._report(self._culprit(dead)))
                 return 1
-            hung = self._hung()
+            hung = [(c, age) for c, age in self._hung() if not self._gateway_hung(c, age)]
+            self._restart_gateway_when_due()
             if hung:
                 for c, age in hung:
                     log.error("%s (pid %d) is hung: no heartbeat for %.1fs (--hang-timeout %g)",
@@ -316,6 +342,68 @@ class Node:
         log.info("signal %d: stopping node %s", self._stop_signal, self.cfg.node)
         self.stop()
         return 0
+
+    # ---- the gateway: restarted, never the node's end (module docstring) ----------------------
+    def _gateway_died(self, c: Child, why: str = "") -> bool:
+        """True if `c` is the gateway: its death is logged with its cause and its successor's
+        start scheduled after the back-off."""
+        if c.role != P.ROLE_GATEWAY:
+            return False
+        quick = time.monotonic() - c.started < GATEWAY_STABLE_S
+        self._gateway_deaths = self._gateway_deaths + 1 if quick else 1
+        delay = min(GATEWAY_BACKOFF_S * 2 ** (self._gateway_deaths - 1), GATEWAY_BACKOFF_MAX_S)
+        log.error("%s%s%s; another starts in %.1fs (the engine and its requests go on)", self._report(c), why,
+                  self._last_words(c), delay)
+        self._retire(c)
+        self._gateway_due = time.monotonic() + delay
+        return True
+
+    def _gateway_hung(self, c: Child, still: float) -> bool:
+        """True if `c` is the gateway: it is killed, then replaced as a dead one is."""
+        if c.role != P.ROLE_GATEWAY:
+            return False
+        c.proc.kill()
+        try:
+            c.proc.wait(ENGINE_ABORT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("gateway (pid %d) still runs after SIGKILL", c.proc.pid)
+        return self._gateway_died(c, f" after it hung (no heartbeat for {still:.1f}s)")
+
+    def _retire(self, c: Child) -> None:
+        """Forget a child that is gone: its slot's ready flag and heartbeat are cleared, so its
+        successor is watched from its own first beat."""
+        self.children.remove(c)
+        if c.pidfd >= 0:
+            os.close(c.pidfd)
+            c.pidfd = -1
+        slot = self._slot(c)
+        for name in (P.READY, P.HEARTBEAT):
+            if name in self._sig:
+                self._sig[name].array[slot] = 0
+
+    def _restart_gateway_when_due(self) -> None:
+        if self._gateway_due is None or time.monotonic() < self._gateway_due:
+            return
+        self._gateway_due = None
+        c = self._start(P.ROLE_GATEWAY, 0)
+        restarts = 0
+        if P.NODE_STATUS in self._sig:
+            status = self._sig[P.NODE_STATUS].array
+            status[P.ST_GATEWAY_RESTARTS] += 1
+            restarts = int(status[P.ST_GATEWAY_RESTARTS])
+        log.warning("gateway started again (pid %d; restart %d of this node)", c.proc.pid, restarts)
+
+    def _last_words(self, c: Child) -> str:
+        """`; its log ends: <line>` from the child's log file (libzmq's assertion, say)."""
+        if not self.cfg.log_dir:
+            return ""  # (its stderr is the launcher's: the line is just above)
+        try:
+            with open(self._log_path(c.role, c.rank), "rb") as f:
+                f.seek(max(os.fstat(f.fileno()).st_size - 4096, 0))
+                lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return f"; its log ends: {lines[-1][-300:]}" if lines else ""
 
     def _fail(self, why: str, hung: Sequence[Child] = ()) -> None:
         """A child died or hung: the engine first (SIGTERM after `why` is written where it

@@ -58,8 +58,8 @@ class NoCounterpart:
 Row = Union[Same, Choice, Switch, NoCounterpart]
 
 _DTYPE_WHY = "vLLM's --dtype is the model's compute dtype (kvrt's --compute-dtype)"
-_KV_DTYPE_WHY = ("the KV cache is stored in the model's compute dtype (auto); a quantized KV cache is not "
-                 "supported yet")
+_KV_DTYPE_WHY = ("`kvrt launch --kv-cache-dtype`: what the KV blocks hold, auto the model's compute dtype, fp8 "
+                 "and fp8_e4m3 FP8 e4m3 with a per-layer scale of 1 (e5m2 and scaled variants are not implemented)")
 _LORA = "kvrt serves one checkpoint without LoRA adapters"
 _MM = "kvrt serves text-only decoder models (no multimodal inputs)"
 _DIST = "kvrt runs one node per machine with tensor parallelism only (--tensor-parallel-size)"
@@ -81,7 +81,7 @@ TABLE: tuple[Row, ...] = (
     Same(("--host",), "--http-host", "the HTTP server's interface (default 127.0.0.1; vLLM's default, all "
          "interfaces, is `--host 0.0.0.0`)", "HOST"),
     Same(("--port",), "--http-port", f"the HTTP port (default {DEFAULT_HTTP_PORT})", "PORT"),
-    Same(("--api-key",), "--api-key", "every route needs `Authorization: Bearer KEY` (default: $VLLM_API_KEY)",
+    Same(("--api-key",), "--api-key", "every route but GET /health needs `Authorization: Bearer KEY` (default: $VLLM_API_KEY)",
          "KEY"),
     Same(("--served-model-name",), "--served-model-name", "the model ids requests may name; /v1/models "
          "reports the first (default: MODEL as given)", "NAME", nargs="+"),
@@ -110,7 +110,8 @@ TABLE: tuple[Row, ...] = (
                           "float16": ["--compute-dtype", "float16"], "bfloat16": ["--compute-dtype", "bfloat16"],
                           "float": ["--compute-dtype", "float32"], "float32": ["--compute-dtype", "float32"]},
            f"the model's compute dtype ({_DTYPE_WHY})"),
-    Choice(("--kv-cache-dtype",), {"auto": []}, f"auto only: {_KV_DTYPE_WHY}"),
+    Choice(("--kv-cache-dtype",), {"auto": [], "fp8": ["--kv-cache-dtype", "fp8"],
+                                   "fp8_e4m3": ["--kv-cache-dtype", "fp8_e4m3"]}, _KV_DTYPE_WHY),
     Same(("--max-model-len",), "--max-model-len", "longest prompt + output (default: the checkpoint's "
          "max_position_embeddings)", "N"),
     Same(("--seed",), "--seed", "HTTP requests without a seed draw theirs from this one, in arrival order", "N"),
@@ -170,9 +171,12 @@ TABLE: tuple[Row, ...] = (
     NoCounterpart(("--speculative-config", "--num-lookahead-slots"), _SPEC),
     NoCounterpart(("--compilation-config", "-O", "--cuda-graph-sizes", "--cudagraph-capture-sizes",
                    "--disable-cascade-attn", "--model-impl", "--override-attention-dtype", "--async-scheduling",
-                   "--enable-sleep-mode", "--kv-sharing-fast-prefill", "--disable-hybrid-kv-cache-manager",
+                   "--enable-sleep-mode", "--kv-sharing-fast-prefill",
                    "--mamba-cache-dtype", "--mamba-ssm-cache-dtype", "--device", "--max-seq-len-to-capture"),
                   _GPU_ONLY),
+    NoCounterpart(("--disable-hybrid-kv-cache-manager",), "kvrt always keeps a model's sliding-window and "
+                  "full-attention layers in layer groups of their own pages (a sliding group's pages given back "
+                  "once its window has left them); it has no mode that keeps every page"),
     NoCounterpart(("--cpu-offload-gb",), "kvrt keeps the weights on the device; its host tier holds KV blocks "
                   "(--swap-space)"),
     NoCounterpart(("--kv-cache-memory-bytes",), "size the device pool with --num-gpu-blocks-override or "

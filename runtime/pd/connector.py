@@ -78,6 +78,8 @@ class ConnectorContext:
     accepting: Callable[[], bool]                    # False once the node stops taking requests
     to_ranks: list["Sender"]                         # the connector's own rank channels (cache-messager[r])
     guide: Callable[[object], object] = lambda req: None  # a request's grammar state (guided decoding)
+    # a request's block tables of its model's other layer groups (runtime/cache/groups.py; [] for one group)
+    group_tables: Callable[[str], list[list[int]]] = lambda rid: []
 
 
 class SchedulerHooks:

@@ -44,7 +44,7 @@ from kvrt.ipc import protocol as P
 from kvrt.ipc.errors import ProtocolError
 from kvrt.runtime.cache.keys import salted_root
 from kvrt.runtime.client import api
-from kvrt.runtime.engine.intake import is_int, is_number, sampling_of, validate
+from kvrt.runtime.engine.intake import is_int, is_number, request_pages, sampling_of, validate
 from kvrt.runtime.engine.sequence import Sequence, SeqState
 from kvrt.runtime.node.config import LEASE_MARGIN_S
 from kvrt.runtime.pd import messages as wire
@@ -242,7 +242,7 @@ class DecodeConnector(KVConnector):
         for internal, (owner, _) in self.owner.items():
             seq = self.ctx.sched.seqs.get(internal)
             if seq is not None and owner in out:
-                out[owner].held += -(-(seq.prompt_len + seq.max_new_tokens) // bs)
+                out[owner].held += request_pages(self.ctx.cfg, -(-(seq.prompt_len + seq.max_new_tokens) // bs))
                 out[owner].waiting += internal in self.ctx.sched.external_ids
         for q in self.queued.values():
             out[q.peer].queued += q.need
@@ -288,7 +288,7 @@ class DecodeConnector(KVConnector):
         cfg = self.ctx.cfg
         if not problem and (internal in self.ctx.sched.seqs or internal in self.queued):
             problem = f"request id {rid!r} is already in flight on the decode node"
-        need = -(-(len(msg.prompt) + msg.max_new_tokens) // cfg.block_size) if not problem else 0
+        need = request_pages(cfg, -(-(len(msg.prompt) + msg.max_new_tokens) // cfg.block_size)) if not problem else 0
         if not problem and need > self._limit():
             problem = (f"it needs {need} blocks, more than one peer may ever hold here ({self._limit()}: "
                        f"--pd-peer-max-blocks or the pool)")
@@ -363,10 +363,12 @@ class DecodeConnector(KVConnector):
         self.deadlines[seq.request_id] = now + self.lease_s
         waited = now - self.received.pop(seq.request_id, now)
         peer = self.owner.get(seq.request_id, ("", ""))[0]
+        groups = [g[:len(blocks)] for g in self.ctx.group_tables(seq.request_id)]
         self.ctx.reply(seq.client, wire.PdAllocated(
             seq.request_id, np.asarray(blocks, dtype=np.int32), seq.num_computed,
             [self.descriptors[r] for r in range(self.ctx.cfg.tp)], self.lease_s,
-            self.free_for(peer, taking=len(blocks)), waited))
+            self.free_for(peer, taking=len(blocks)), waited,
+            np.asarray(sum(groups, []), dtype=np.int32)))
 
     def tick(self) -> None:
         """Expire leases and waits for blocks; forget ended requests; start queued

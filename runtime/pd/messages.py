@@ -93,7 +93,9 @@ class PdPrealloc(Generation):
 class PdAllocated:
     """D's answer: its block ids for the prompt (in token order), the prompt tokens it already
     has, how each of its ranks is reached (transport descriptors), and how long it holds the
-    blocks before taking them back (the lease)."""
+    blocks before taking them back (the lease). For a model of several layer groups, `group_ids`
+    holds D's pages of the other groups, group after group, as many as `block_ids` each: -1 for
+    a block D needs no page of (before a sliding group's window, which D never reads)."""
 
     request_id: str
     block_ids: np.ndarray
@@ -102,6 +104,7 @@ class PdAllocated:
     lease_s: float
     free_blocks: int = -1  # as in PdPong, once these blocks are taken
     waited_s: float = 0.0  # how long D kept the request queued before it allocated: the lease began that late
+    group_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
 
 
 @API.message("pd_kv_ready")

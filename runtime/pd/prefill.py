@@ -60,13 +60,16 @@ from kvrt.runtime.pd import messages as wire
 from kvrt.runtime.pd.auth import NONCE_BYTES, P2D, AuthError, Session, check_bytes, load_secret, new_nonce, \
     session_key, welcome_mac
 from kvrt.runtime.engine.sequence import Sequence, SeqState
-from kvrt.runtime.engine.server import PEER, peer_identity
+from kvrt.runtime.gateway.link import PEER, peer_identity
 
 from kvrt.runtime.pd.connector import ConnectorContext, KVConnector
 from kvrt.runtime.pd.peer import MAX_REASON, check_id as _check_id, Refusals
 
 log = logging.getLogger(__name__)
 PING_EVERY_S = 0.5    # a ping (or a hello while no session) this often
+HELLO_FIRST_S = 0.02  # the first hellos without a session come this soon, doubling up to PING_EVERY_S:
+                      # a hello sent before the gateway's link is up is lost, and a node's first
+                      # requests would otherwise prefill with no decode node to stream to
 DEAD_AFTER_S = 5.0    # D is gone after this long without any answer (at most --pd-timeout)
 SEND_GRACE_S = 0.5    # the engine waits this long past a send order's deadline for the answer
 
@@ -81,6 +84,7 @@ class _Link:
     nonces: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # hellos sent, newest last
     news: int = 0  # times P heard from D or the session changed: D is silent since the last
     next_ping: float = 0.0
+    hello_after: float = HELLO_FIRST_S  # the wait before the next hello while there is no session
     free_blocks: int = -1  # as D last said, less what P asked of it since; -1: not said yet
 
     @property
@@ -235,10 +239,14 @@ class PrefillConnector(KVConnector):
         link.news += 1
         link.free_blocks = -1
         link.next_ping = 0.0  # ping at once: its pong says how many free blocks it has
+        self._count_sessions()
         log.info("session with the decode node %s is up", link.address)
         for p in list(self.pending.values()):
             if not p.asked:
                 self._ask(p)
+
+    def _count_sessions(self) -> None:
+        self.ctx.stats[P.STAT["pd_sessions"]] = sum(link.session is not None for link in self.links)
 
     def _link_lost(self, link: _Link, why: str) -> None:
         """A decode node is gone or forgot the session: what it allocated for or decodes fails;
@@ -247,7 +255,9 @@ class PrefillConnector(KVConnector):
         link.session = None
         link.news += 1
         link.next_ping = 0.0
+        link.hello_after = HELLO_FIRST_S
         link.free_blocks = -1
+        self._count_sessions()
         for p in [p for p in self.pending.values() if p.link is link]:
             self._retry(p, api.ErrorEvent(p.req.request_id, api.FAILED, f"decode node lost: {why}"))
         for rid in [r for r, x in self.relays.items() if x.link is link]:
@@ -266,6 +276,8 @@ class PrefillConnector(KVConnector):
                 continue
             link.next_ping = now + PING_EVERY_S
             if link.session is None:
+                link.next_ping = now + link.hello_after
+                link.hello_after = min(PING_EVERY_S, 2 * link.hello_after)
                 self._hello(link)
             elif (silent := self._silent(link)) > self.dead_after:
                 self._link_lost(link, f"no answer to pings for {silent:.1f}s")
@@ -444,6 +456,10 @@ class PrefillConnector(KVConnector):
                 return "descriptors must be a list of maps"
             if len(msg.block_ids) and (msg.block_ids.min() < 0 or msg.block_ids.max() >= 1 << 30):
                 return "block ids out of range"
+            side = len(cfg.kv_groups.windows) - 1
+            if len(msg.group_ids) != side * len(msg.block_ids) or (
+                    len(msg.group_ids) and (msg.group_ids.min() < -1 or msg.group_ids.max() >= 1 << 30)):
+                return f"group ids: {len(msg.group_ids)}, not {side} layer group(s) of {len(msg.block_ids)} in range"
         elif isinstance(msg, api.TokenEvent):
             if not is_int(msg.index) or msg.index < 0 or not isinstance(msg.token_ids, list) or \
                     not all(is_int(t) and 0 <= t < vocab for t in msg.token_ids):
@@ -475,6 +491,9 @@ class PrefillConnector(KVConnector):
             self._fail_pending(p, f"decode node answered with {len(msg.descriptors)} rank(s), "
                                   f"{len(msg.block_ids)} blocks and {msg.cached_tokens} cached tokens; this "
                                   f"prefill node has --tp {cfg.tp} and a prompt of {len(req.prompt)} tokens")
+            return
+        if problem := _layout_problem(msg.descriptors, cfg):
+            self._fail_pending(p, problem)
             return
         del self.pending[msg.request_id]
         # D's lease began after our ask plus the time D kept it queued: its end on P's clock
@@ -579,8 +598,7 @@ class PrefillConnector(KVConnector):
             h.error = (f"the decode node's lease on the blocks of {rid} ends before a handoff could finish "
                        f"(prefill took too long; raise --pd-timeout)")
             return
-        src = np.asarray(self.ctx.block_table(rid)[h.next_block:upto], dtype=np.int32)
-        dst = np.asarray(h.alloc.block_ids[h.next_block:upto], dtype=np.int32)
+        src, dst = self._pages(h, upto)
         task_id = next(self._task_ids)
         # The rank must not touch D's blocks after this (P's clock; the check above keeps it
         # LEASE_MARGIN_S before D's lease ends); the engine gives up a little later, so an
@@ -591,6 +609,22 @@ class PrefillConnector(KVConnector):
         h.next_block = upto
         broadcast(self.ctx.to_ranks, P.SendBlocks(task_id, rid, list(h.alloc.descriptors), src, dst, deadline),
                   cfg.rank_timeout)
+
+    def _pages(self, h: _Handoff, upto: int) -> tuple[np.ndarray, np.ndarray]:
+        """P's pages of blocks [next_block, upto) and D's for them: group 0's, then each other
+        layer group's that D reads from the first token on (a sliding group: its last window
+        only; D allocated no page for the others, runtime/cache/groups.py)."""
+        rid, cfg = h.seq.request_id, self.ctx.cfg
+        src = [np.asarray(self.ctx.block_table(rid)[h.next_block:upto], dtype=np.int64)]
+        dst = [h.alloc.block_ids[h.next_block:upto].astype(np.int64)]
+        n = len(h.alloc.block_ids)
+        for g, (window, table) in enumerate(zip(cfg.kv_groups.side_windows, self.ctx.group_tables(rid))):
+            first = max(h.next_block, (h.seq.prompt_len - window + 1) // cfg.block_size if window else 0)
+            theirs = h.alloc.group_ids[g * n + first:g * n + upto]
+            mine = np.asarray(table[first:upto], dtype=np.int64)
+            src.append(mine[theirs >= 0])
+            dst.append(theirs[theirs >= 0].astype(np.int64))
+        return np.concatenate(src).astype(np.int32), np.concatenate(dst).astype(np.int32)
 
     def _on_send_done(self, done: P.SendDone) -> None:
         s = self.sends.get(done.task_id)
@@ -681,6 +715,22 @@ class PrefillConnector(KVConnector):
         for r in self.relays.values():
             self.ctx.reply(r.seq.client, api.ErrorEvent(r.seq.request_id, api.STOPPING, why))
         self.relays.clear()
+
+
+def _layout_problem(descriptors: list, cfg) -> str:
+    """Why a decode node's ranks cannot take this node's blocks ("" if they can): each rank's
+    pool must hold blocks of this node's KV layout (shape, element type, bytes), or the bytes
+    sent would mean something else there (an FP8 block read as float16, say). Checked before
+    anything is sent; the cache-messager's transport checks the pool itself again."""
+    layout = cfg.kv_layout
+    want = (list(layout.block_shape), layout.storage_dtype.str, layout.block_bytes)
+    for rank, d in enumerate(descriptors):
+        got = (d.get("block_shape"), d.get("dtype"), d.get("block_bytes"))
+        if got != want:
+            return (f"decode node rank {rank} holds blocks of shape {got[0]}, element {got[1]!r}, {got[2]} bytes; "
+                    f"this prefill node's are {want[0]}, {want[1]!r} ({layout.dtype}), {want[2]} bytes: "
+                    f"the two nodes must serve the same model with the same --kv-cache-dtype and --dtype")
+    return ""
 
 
 def _logprobs_ok(logprobs: object, tokens: int) -> bool:

@@ -3,20 +3,27 @@
 A request body is forwarded as it came (the node validates it and answers in its own words);
 the router reads it only to find the prompt's block keys (token ids as they are; text with the
 served model's tokenizer, chat messages through its chat template, as the node itself does), and
-picks a backend with its policy (runtime/router/policy.py). The answer streams back as the node sends it,
-server-sent events included, with an `x-kvrt-backend` header naming the node. A backend that
+picks a backend with its policy (runtime/router/policy.py); that reading is slow text work (a large
+body's JSON, tokenizing, a chat template), so it is done in a text pool off the event loop
+(runtime/http/text_pool.py), its text bounded by the model's length (runtime/http/text_limits.py). The
+answer streams back as the node sends it, server-sent events included, with an `x-kvrt-backend`
+header naming the node. A backend that
 cannot be reached, or answers 5xx, before the answer's first byte: the request goes once to
 another backend (and an unreachable one is out until its next good health check). A failure
 after that is reported as one, never as an answer: an event stream that the backend breaks off
-ends with an error event and no `[DONE]` (runtime/router/relay.py), and any other answer is read whole
-before its status goes out, so that one cut mid-body is a 502 rather than a truncated 200. (Of
+ends with an error event and no `[DONE]` (runtime/router/relay.py), and any other answer up to
+WHOLE_BYTES is read whole before its status goes out, so that one cut mid-body is a 502 rather than a
+truncated 200; a larger one (a node writes an answer with many log-probabilities as it makes it,
+chunked) is passed on as it comes, never held whole, and one the backend cuts is cut for the
+client too (the connection dropped before the body's end, which a client reports as an error). (Of
 a stream, what arrives in the same read as the cut is not passed on: the client library reports
 the cut first.) A client that goes away closes the upstream stream, which cancels the request on
 the node.
 
 A careful proxy: what a backend sends is checked before it is passed on. A 2xx answer whose body
 is not JSON, or an event stream whose first event is not an OpenAI chunk, is a 502 naming the
-backend (never a 200 with junk); junk later in a stream ends it with an error event. A backend
+backend (never a 200 with junk); junk later in a stream ends it with an error event. (Of an
+answer passed on as it comes, what is checked is that it opens and closes as a JSON object.) A backend
 that sends no answer headers within `--backend-timeout` (or nothing between two chunks of a
 stream for as long) is cut: the request reached it, so it is not sent again to another backend
 (the node may be computing it; sending it twice doubles the load on a fleet already slow, and
@@ -39,7 +46,7 @@ from aiohttp import web
 
 from kvrt.ipc import json_bounds
 from kvrt.runtime.cache.keys import BlockHasher, salted_root
-from kvrt.runtime.client.api import cache_salt_problem
+from kvrt.runtime.client.api import MAX_TOP_LOGPROBS, cache_salt_problem
 from kvrt.runtime.client.chat_template import ChatTemplate, ChatTemplateError, Message
 from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError
 from kvrt.runtime.http.body_limit import BODY_S, DEFAULT_MODEL_LEN, Budget, max_body_bytes
@@ -47,7 +54,9 @@ from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.body import Refused, read_body
 from kvrt.runtime.router.metrics import PROMETHEUS_TEXT, RouterMetrics
 from kvrt.runtime.router.policy import Candidate, Picker
-from kvrt.runtime.router.relay import EventRelay, error_event
+from kvrt.runtime.http.text_limits import max_text_chars
+from kvrt.runtime.http.text_pool import TextPool
+from kvrt.runtime.router.relay import MAX_EVENT_BYTES, EventRelay, error_event
 from kvrt.runtime.router.server import lingering_answer
 
 log = logging.getLogger(__name__)
@@ -57,6 +66,8 @@ BACKEND_TIMEOUT_S = 300.0  # for a backend's answer headers, and between two chu
 SLOW_S = 30.0           # a backend that timed out is avoided this long
 ATTEMPTS = 2            # the first backend, then one other
 PASSED_HEADERS = ("authorization", "content-type", "accept")
+WHOLE_BYTES = 1 << 20   # an answer (not an event stream) up to this long is read whole before it is passed on
+EVENT_BYTES_PER_ENTRY = 128  # an event's bytes per log-probability entry it may carry (the largest events)
 
 
 def _json(body: object, status: int) -> web.Response:
@@ -79,7 +90,9 @@ class Router:
         self.tokenizer_dir = tokenizer_dir
         self.backend_timeout = backend_timeout
         self._tokenizer: Tokenizer | None = None
+        self._template: ChatTemplate | None = None
         self._session: aiohttp.ClientSession | None = None
+        self.text = TextPool()  # a large body's reading (JSON, tokens, a chat template), off the loop
 
     def session(self) -> aiohttp.ClientSession:
         """The upstream client, its keep-alive connections reused across requests. aiohttp: its C
@@ -98,16 +111,26 @@ class Router:
         return self._session
 
     async def aclose(self) -> None:
-        """Closes the upstream connections (at the server's shutdown)."""
+        """Closes the upstream connections and the text pool (at the server's shutdown)."""
         if self._session is not None:
             await self._session.close()
             self._session = None
+        self.text.close()
+
+    def max_model_len(self) -> int:
+        """The longest model length a backend reported (DEFAULT_MODEL_LEN until one did)."""
+        lens = [b.max_model_len for b in self.backends.items if b.max_model_len]
+        return max(lens) if lens else DEFAULT_MODEL_LEN
 
     def max_body_bytes(self) -> int:
         """The largest request body the router reads: the nodes' (from the longest model length a
         backend reported; runtime/http/body_limit.py)."""
-        lens = [b.max_model_len for b in self.backends.items if b.max_model_len]
-        return max_body_bytes(max(lens) if lens else DEFAULT_MODEL_LEN)
+        return max_body_bytes(self.max_model_len())
+
+    def max_event_bytes(self) -> int:
+        """The longest event of a stream the router holds whole: a node's largest (a prompt of
+        the model's length scored with every alternative)."""
+        return max(MAX_EVENT_BYTES, EVENT_BYTES_PER_ENTRY * self.max_model_len() * (MAX_TOP_LOGPROBS + 1))
 
     # ---- keys
     def tokenizer(self) -> Tokenizer | None:
@@ -134,18 +157,28 @@ class Router:
             msgs = body.get("messages")
             if tok is None or tok.chat_template is None or not isinstance(msgs, list):
                 return []
-            text = ChatTemplate(tok.chat_template, tok.special_tokens).render(
+            if self._template is None or self._template.source != tok.chat_template:
+                self._template = ChatTemplate(tok.chat_template, tok.special_tokens,
+                                              max_chars=max_text_chars(self.max_model_len()))
+            text = self._template.render(
                 [Message(str(m.get("role", "")), _text(m.get("content"))) for m in msgs if isinstance(m, dict)],
                 add_generation_prompt=True)
             return tok.encode(text, add_special_tokens=False)
         p = body.get("prompt")
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             p = p[0]  # a batch: routed by its first prompt
-        if isinstance(p, str):
-            return tok.encode(p) if tok is not None else []
+        if isinstance(p, str):  # (a text longer than the model takes: the node refuses it)
+            return tok.encode(p) if tok is not None and len(p) <= max_text_chars(self.max_model_len()) else []
         if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return p
         return []
+
+    async def keys_off_loop(self, who: str, path: str, raw: bytes) -> dict[tuple[bytes, int], list[bytes]]:
+        """`keys`, in `who`'s turn of the text pool (at once for a small body that is no chat)."""
+        if self.picker.policy != "cache-aware":
+            return {}
+        cost = len(raw) if not path.endswith("/chat/completions") else max(len(raw), self.text.inline)
+        return await self.text.run(who, cost, self.keys, path, raw)
 
     def keys(self, path: str, raw: bytes) -> dict[tuple[bytes, int], list[bytes]]:
         """The prompt's block keys under each backend's (key root, block size), chained from the
@@ -155,7 +188,7 @@ class Router:
         try:
             body = json_bounds.loads(raw, None, what="the request body")  # (its size: read_body's)
             ids = self.prompt_ids(path, body) if isinstance(body, dict) else []
-        except (ValueError, TokenizerError, ChatTemplateError) as e:  # the node will say what is wrong
+        except (ValueError, TokenizerError, ChatTemplateError, RecursionError) as e:  # the node will say what is wrong
             log.debug("no keys for a request: %s", e)
             return {}
         if not ids:
@@ -204,7 +237,7 @@ class Router:
         """`raw`, the request's body, to a backend the policy picks; its answer, passed on. A
         client that leaves cancels this (the server's handler cancellation): the upstream
         request is then closed, which cancels it on the node."""
-        keys = self.keys(path, raw)
+        keys = await self.keys_off_loop(request.remote or "", path, raw)
         got_headers = request.headers
         headers = {k: v for k in PASSED_HEADERS if (v := got_headers.get(k)) is not None}
         tried: list[int] = []
@@ -235,6 +268,8 @@ class Router:
                 why = f"backend {b.url} answered {got.resp.status}"
                 continue
             b.routed += 1
+            if got.chunks is not None and got.events is None:
+                return await self._through(i, got, request)
             if got.events is None:
                 return self._whole(i, got)
             return await self._stream(i, got, request)
@@ -251,9 +286,17 @@ class Router:
             return got
         try:
             if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                got.events, got.chunks = EventRelay(), resp.content.iter_any()
+                got.events, got.chunks = EventRelay(self.max_event_bytes()), resp.content.iter_any()
                 while not got.head and not got.events.junk:
                     got.head = got.events.feed(await got.chunks.__anext__())
+            elif resp.content_length is None or resp.content_length > WHOLE_BYTES:
+                got.chunks = resp.content.iter_any()
+                try:
+                    while not got.head.strip():  # (its first bytes say whether it is a JSON object)
+                        got.head += await got.chunks.__anext__()
+                except StopAsyncIteration:  # all of it came at once: a whole answer after all
+                    got.body, got.head, got.chunks = got.head, b"", None
+                    resp.release()
             else:
                 got.body = await resp.read()
                 resp.release()
@@ -323,6 +366,54 @@ class Router:
         if why:
             log.warning("%s", why)
             await out.write(error_event(why, code))
+        await out.write_eof()
+        return out
+
+    async def _through(self, i: int, got: _Answer, request: web.BaseRequest) -> web.StreamResponse:
+        """Backend i's answer (not an event stream) passed on as it comes, never held whole: a
+        502 when it failed before its first bytes or (2xx) does not open as a JSON object; a cut,
+        or a 2xx body that does not close as one, drops the client's connection before the end,
+        which no client takes for a whole answer."""
+        b, resp = self.backends.items[i], got.resp
+        ok = 200 <= resp.status < 300
+        if got.failed is not None:
+            return self._whole(i, got)  # (a 502 or 504 naming the failure)
+        if ok and not got.head.lstrip().startswith(b"{"):
+            b.inflight -= 1
+            resp.close()
+            why = f"backend {b.url} answered {resp.status} with a body that is not a JSON object: {got.head[:100]!r}"
+            log.warning("%s", why)
+            return _error(502, why, code="backend_junk")
+        out = web.StreamResponse(status=resp.status, headers=_answer_headers(resp, b.url))
+        if resp.content_length is not None:
+            out.content_length = resp.content_length
+        why, tail = "", got.head
+        try:  # (a write that fails is the client gone: it ends the request, the backend is not blamed)
+            await out.prepare(request)
+            await out.write(got.head)
+            while True:
+                try:
+                    chunk = await got.chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    why = self._broke_off(i, e)
+                    break
+                await out.write(chunk)
+                tail = (tail + chunk)[-64:]
+            if not why and ok and not tail.rstrip().endswith(b"}"):
+                why = f"backend {b.url} answered {resp.status} with a body that does not end as a JSON object"
+        finally:
+            if why:
+                resp.close()
+            else:
+                resp.release()
+            b.inflight -= 1
+        if why:  # the status is out: the client must see a cut, not an answer
+            log.warning("%s: the answer to the client is cut", why)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError(why)
         await out.write_eof()
         return out
 

@@ -17,14 +17,15 @@ from kvrt.ipc import json_bounds
 
 # an event ends at a blank line; the node writes "\n", other servers may write "\r\n"
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
-MAX_EVENT_BYTES = 4 << 20
+MAX_EVENT_BYTES = 4 << 20  # the longest event held whole, unless the router says longer (its nodes' model length)
 _DONE, _ERROR, _DATA, _JUNK = "done", "error", "data", "junk"
 
 
 class EventRelay:
     """Cuts a byte stream into whole server-sent events and remembers what the last one was."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self.max_event_bytes = max_event_bytes
         self._pending = b""
         self._last = ""
         self.junk = ""  # the first junk event, shown
@@ -43,8 +44,8 @@ class EventRelay:
         ends = list(_EVENT_END.finditer(buf, max(len(self._pending) - 3, 0)))  # an end may straddle chunks
         if not ends:
             self._pending = buf
-            if len(buf) > MAX_EVENT_BYTES:  # no node sends one this long: not held without bound
-                self.junk, self._pending = f"an event longer than {MAX_EVENT_BYTES} bytes: {buf[:60]!r}", b""
+            if len(buf) > self.max_event_bytes:  # no node sends one this long: not held without bound
+                self.junk, self._pending = f"an event longer than {self.max_event_bytes} bytes: {buf[:60]!r}", b""
             return b""
         self._pending = buf[ends[-1].end():]
         start = 0

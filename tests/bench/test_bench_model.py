@@ -275,3 +275,33 @@ def test_cli_float16_compute_holds_half_the_bytes():
     assert (f32["compute_dtype"], f16["compute_dtype"]) == ("float32", "float16")
     assert f32["params"] == f16["params"]
     assert f16["weight_bytes"] < 0.6 * f32["weight_bytes"]  # norms stay float32: a little over half
+
+
+@pytest.mark.e2e
+def test_cli_kv_drift_json_structure():
+    """--kv-drift: a row per architecture and KV format, the baseline agreeing with itself."""
+    proc = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "model", "--kv-drift", "--drift-prompts", "1",
+                           "--drift-tokens", "3", "--json"], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    assert [(r["arch"], r["kv"]) for r in rows] == [(a, k) for a in ("LlamaForCausalLM", "Qwen2ForCausalLM",
+                                                                      "Qwen3ForCausalLM")
+                                                   for k in ("bfloat16", "float16", "fp8", "fp8 token scale")]
+    for r in rows:
+        assert 0 <= r["agreement"] <= 1 and 0 <= r["mean_kl"] <= r["max_kl"] and r["tokens"] == 3
+        if r["kv"] == "bfloat16":
+            assert r["agreement"] == 1 and r["identical"] == 1 and r["max_kl"] == 0
+        else:
+            assert r["max_kl"] > 0
+
+
+@pytest.mark.e2e
+def test_cli_fp8_and_layer_groups_rows():
+    """A Gemma 3 toy's five sliding layers to one full one run over layer groups (the windows
+    from its config.json, as a node takes them) and FP8 blocks."""
+    proc = run_cli("--threads", "1", "--no-transformers", "--json", "--kv-cache-dtype", "fp8",
+                   "--shape", "small-gemma3")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["meta"]["kv_dtype"] == "float8_e4m3fn" and out["meta"]["layer_windows"] == [16] * 5 + [0]
+    assert all(r["ms"] > 0 for r in out["rows"] if r["kind"] not in ("memcpy", "peak"))

@@ -190,3 +190,24 @@ def test_kvrt_dispatches_to_the_benchmark():
     r = subprocess.run([sys.executable, "-m", "kvrt.launcher", "bench", "cache", "--help"], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--capacity-blocks" in r.stdout and "--evict-scaling" in r.stdout
+
+
+def test_kv_layouts_share_one_memory(capsys, tmp_path):
+    """--kv: each layout gets the pages the same memory holds (FP8: twice the blocks; Gemma-3's
+    layer groups: 26/4 pages of 4 layers per all-full block), a grouped model holds more blocks
+    of tokens and hands a decode node fewer bytes per request than its all-full counterpart."""
+    rows = [{"timestamp": 0, "input_length": 8200 + 80 * (i % 5), "output_length": 5,
+             "hash_ids": list(range(i % 3 * 100, i % 3 * 100 + 8)) + list(range(1000 + 10 * i, 1009 + 10 * i))}
+            for i in range(40)]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    rc, out, err = run_main(capsys, "--trace", trace, "--capacity-blocks", "200", "--eviction", "lru", "--kv",
+                            "bf16", "fp8", "gemma3-full", "gemma3", "--json")
+    assert rc == 0, err
+    got = {r["kv"]: r for r in json.loads(out)["results"]}
+    assert [got[k]["device_pages"] for k in ("bf16", "fp8", "gemma3-full", "gemma3")] == [200, 400, 200, 1300]
+    assert got["bf16"]["hit_token_rate"] == got["gemma3-full"]["hit_token_rate"]
+    assert got["gemma3"]["blocks_held"] > 1.5 * got["gemma3-full"]["blocks_held"]
+    assert got["gemma3"]["handoff_mb_per_request"] < got["gemma3-full"]["handoff_mb_per_request"] / 2
+    assert got["fp8"]["hit_token_rate"] >= got["bf16"]["hit_token_rate"]
+    rc, out, _ = run_main(capsys, "--trace", trace, "--capacity-blocks", "200", "--eviction", "lru", "--kv", "gemma3")
+    assert rc == 0 and "blocks held" in out and "gemma3" in out

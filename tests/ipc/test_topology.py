@@ -9,14 +9,16 @@ import pytest
 from kvrt.ipc import protocol as P
 from kvrt.ipc.config import NodeConfig
 from kvrt.ipc.registry import Registry
-from kvrt.ipc.topology import ENGINE, NODE_SIGNALS, Topology
+from kvrt.ipc.topology import ENGINE, GATEWAY, NODE_SIGNALS, Topology
 
 CONFIGS = {
     "mixed": dict(),
     "mixed tp2, host tier": dict(tp=2, num_cpu_blocks=8),
     "storage only": dict(storage="file:///tmp/kvrt-store"),
-    "prefill tp2, host tier, ownership": dict(tp=2, role="prefill", num_cpu_blocks=8, check_ownership=True),
-    "decode": dict(role="decode"),
+    "prefill tp2, host tier, ownership": dict(tp=2, role="prefill", num_cpu_blocks=8, check_ownership=True,
+                                              port=5555, decode_peer="tcp://127.0.0.1:5556"),
+    "decode": dict(role="decode", port=5556),
+    "mixed, KV events only": dict(kv_events_port=5557),
     "checkpoint tp2": dict(tp=2, model_dir="/m", hidden_size=64),
 }
 
@@ -53,8 +55,11 @@ def test_the_roles_follow_the_configuration(cfg):
     assert (topo.allreduce is not None) == cfg.needs_allreduce
     assert (P.OWNERS_DEVICE in topo.names()) == cfg.check_ownership
     for role, rank in topo.processes:  # a rank process has an order channel in and an answer channel out
-        if role != P.ROLE_ENGINE:
+        if role not in (P.ROLE_ENGINE, P.ROLE_GATEWAY):
             assert len(topo.receives((role, rank))) == len(topo.sends((role, rank))) == 1
+    # the gateway: when the node listens where others reach it; no ring (private sockets instead)
+    assert (GATEWAY in topo.processes) == bool(cfg.port or cfg.kv_events_port)
+    assert not topo.sends(GATEWAY) and not topo.receives(GATEWAY)
 
 
 def test_the_engine_waits_on_every_answer_with_one_bell(cfg):

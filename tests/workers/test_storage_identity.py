@@ -36,3 +36,27 @@ def test_a_node_with_another_model_reads_no_foreign_block(node, tmp_path, other_
             ln.logs()
         assert all(r.cached_storage == 0 for r in again), "the other model's blocks must not match"
         assert ln.idle_stats()["hit_tokens_storage"] == 0
+
+
+def test_fp8_and_float_nodes_share_no_block_and_fp8_nodes_share_theirs(node, tmp_path):
+    """--kv-cache-dtype fp8 blocks have the same shape as another node's and half the bytes:
+    their keys are rooted in the KV dtype, so a float32 node after an FP8 one on the same store
+    reads none of its blocks, and a second FP8 node reads them all and answers as the dense
+    reference over e4m3-rounded K and V."""
+    from kvrt.ipc.layout import FP8_E4M3
+
+    prompts = shared_prefix_prompts(seed=12, systems=2, users=2)
+    store = ("--num-gpu-blocks", "128", "--storage", f"file:{tmp_path / 'store'}")
+    fp8 = Model(oracle().shape, kv_dtype=FP8_E4M3)
+    want = [fp8.generate_dense(p, NEW) for p in prompts]
+    with launched(node, tmp_path / "a", *SMALL, *store, "--kv-cache-dtype", "fp8") as ln:
+        assert [ln.client.generate(p, NEW).output_token_ids.tolist() for p in prompts] == want
+        assert ln.idle_stats()["tasks_done"] > 0, "finished requests write their blocks through to storage"
+    with launched(node, tmp_path / "b", *SMALL, *store) as ln:
+        again = [ln.client.generate(p, NEW) for p in prompts]
+        assert [r.output_token_ids.tolist() for r in again] == [oracle().generate_dense(p, NEW) for p in prompts]
+        assert ln.idle_stats()["hit_tokens_storage"] == 0, "a float32 node read FP8 blocks"
+    with launched(node, tmp_path / "c", *SMALL, *store, "--kv-cache-dtype", "fp8_e4m3") as ln:
+        third = [ln.client.generate(p, NEW) for p in prompts]
+        assert [r.output_token_ids.tolist() for r in third] == want
+        assert third[0].cached_storage > 0, "an FP8 node finds the blocks another FP8 node stored"

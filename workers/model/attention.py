@@ -17,8 +17,9 @@ A sliding-window layer (its keys at positions > pos - W for a query at pos) gets
 own (`window`): each item's block table starts at the block holding the first key its first
 query row sees, so the blocks before it, which have left the window, are never read at all
 (not read and masked: a block that left every window may be freed and hold anything, NaN
-included, and a masked NaN still poisons a sum). Within the item's blocks, keys before a row's
-window are masked like keys after its position.
+included, and a masked NaN still poisons a sum; in a model of layer groups a sliding group's
+table names no page there at all, -1, since its pages were given back: runtime/cache/groups.py).
+Within the item's blocks, keys before a row's window are masked like keys after its position.
 
 Which items share a group is a cost model: merging saves one round of calls and pays for the
 padding it adds, so decode rows of similar context lengths share one group while a decode row is
@@ -87,7 +88,8 @@ class _Group:
 
 @dataclass
 class AttentionPlan:
-    """A step batch cut into groups; built once per step, used by every layer of its window."""
+    """A step batch cut into groups; built once per step over one layer group's block tables
+    (ipc/layout.py LayerGroups), used by every layer of that group (they share its window)."""
 
     groups: list[_Group]
     num_rows: int
@@ -167,21 +169,26 @@ def _group(items: list[Item], shape: AttnShape, xp: Any, score_budget: int, kv_b
 
 
 def paged_attention(xp: Any, pool: Any, layer: int, q: Any, plan: AttentionPlan, compute_dtype: Any,
-                    mark: Callable[[], None] | None = None) -> Any:
+                    mark: Callable[[], None] | None = None, load: Callable[[Any], Any] | None = None) -> Any:
     """Causal attention of the batch's queries q [N, heads, head_dim] (scaled) over the keys and
-    values of layer `layer` of pool [blocks, layers, 2, block_size, kv_heads, head_dim], read in
-    compute_dtype, within the plan's window; returns [N, heads * head_dim]. `mark` is called
-    after each key tile (the worker's progress: a long prompt's attention is many tiles)."""
+    values of layer slot `layer` of pool [blocks, layers, 2, block_size, kv_heads, head_dim], read
+    in compute_dtype (by `load`, from the pool's elements: an FP8 pool's bytes are decoded by it,
+    workers/model/kv_format.py), within the plan's window; returns [N, heads * head_dim]. `mark`
+    is called after each key tile (the worker's progress: a long prompt's attention is many
+    tiles)."""
     sh = plan.shape
     out = xp.empty((plan.num_rows, sh.heads * sh.head_dim), dtype=q.dtype)
     kpool, vpool = pool[:, layer, 0], pool[:, layer, 1]
+    if load is None:
+        def load(a: Any) -> Any:
+            return a.astype(compute_dtype, copy=False)
     for g in plan.groups:
-        res = _attend_group(xp, kpool, vpool, q, g, sh, compute_dtype, mark)
+        res = _attend_group(xp, kpool, vpool, q, g, sh, load, mark)
         out[g.dst] = res if g.keep is None else res[g.keep]
     return out
 
 
-def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnShape, cd: Any,
+def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnShape, load: Callable[[Any], Any],
                   mark: Callable[[], None] | None) -> Any:
     s, qn = g.rows.shape
     b = g.table.shape[1]
@@ -192,8 +199,8 @@ def _attend_group(xp: Any, kpool: Any, vpool: Any, q: Any, g: _Group, sh: AttnSh
     for b0 in range(0, b, g.tile_blocks):
         tbl = g.table[:, b0:b0 + g.tile_blocks]
         t = tbl.shape[1] * bs
-        k = kpool[tbl].reshape(s, t, kvh, hd).astype(cd, copy=False)
-        v = vpool[tbl].reshape(s, t, kvh, hd).astype(cd, copy=False)
+        k = load(kpool[tbl].reshape(s, t, kvh, hd))
+        v = load(vpool[tbl].reshape(s, t, kvh, hd))
         sc = (qg @ k.transpose(0, 2, 3, 1)).reshape(s, kvh, grp, qn, t)
         if sh.softcap:
             sc = xp.tanh(sc / sh.softcap) * sh.softcap

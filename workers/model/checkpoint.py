@@ -76,6 +76,15 @@ class ModelConfig:
         sliding = self.features.sliding_rope
         return [sliding if sliding is not None and w else self.rope for w in self.features.windows]
 
+    def layer_windows(self, max_model_len: int) -> tuple[int, ...]:
+        """Each layer's attention window on a node serving up to `max_model_len` positions (0:
+        full attention), () when every layer attends to everything. The one reading of the
+        windows (`Features.windows`, as transformers reads config.json) that the node's layer
+        groups (the pool's pages, the prefix cache's side groups) and the attention both take;
+        a window no shorter than max_model_len never leaves a key out, so it is no window."""
+        out = tuple(w if w < max_model_len else 0 for w in self.features.windows)
+        return out if any(out) else ()
+
     def max_model_len(self) -> tuple[int, str]:
         """The most positions a node may serve, and what sets it: max_position_embeddings, or a
         RoPE served only within a shorter context (longrope's original one; rope.py)."""

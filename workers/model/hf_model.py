@@ -5,7 +5,8 @@ The network is the reference model's (workers/model/transformer.py) with real we
 architecture's differences as switches (`Features`): q/k/v biases, per-head RMSNorm of q and k
 before RoPE, Gemma's 1 + w norms, its norms after attention and the MLP, its embedding scale,
 query scale and soft caps, the gelu_tanh gate, fused projections (read as their parts), routed
-experts (workers/model/moe.py), sliding-window layers (workers/model/attention.py), the
+experts (workers/model/moe.py), sliding-window layers (workers/model/attention.py; with
+full-attention layers beside them, layer groups of the pool's pages: ipc/layout.py), the
 checkpoint's RMSNorm epsilon, RoPE as Hugging Face computes it (workers/model/rope.py: linear,
 llama3, yarn, dynamic and longrope, a RoPE of its own for Gemma 3's sliding layers, yarn's and
 longrope's attention factor on cos and sin), and tied or separate LM heads. It inherits the
@@ -41,6 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvrt.workers.model.archs.tensors import LayerTensors, Mlp, Rows
+from kvrt.workers.model.kv_format import KVFormat
 from kvrt.workers.model.checkpoint import CheckpointError, CheckpointInfo, Weights, inspect
 from kvrt.workers.model.moe import ExpertWeights, experts
 from kvrt.workers.model.transformer import LayerWeights, Model, ModelShape, attention_budgets
@@ -117,14 +119,16 @@ class HFLayerWeights(LayerWeights):
 def shape_of(info: CheckpointInfo, max_model_len: int, tp: int = 1) -> ModelShape:
     """The reference model's description of one rank's share of this checkpoint (what the
     pool and the paged step's validation need): 1/tp of the heads, KV heads and MLP width
-    (an expert's, where every layer routes)."""
+    (an expert's, where every layer routes), and its layers' windows, which also decide how
+    they share the pool's pages (ipc/layout.py LayerGroups)."""
     c = info.config
     info.check_tp(tp)
     ex = c.features.experts
     width = ex.intermediate_size if ex is not None and all(ex.routed) else c.intermediate_size
     return ModelShape(num_layers=c.num_layers, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp,
                       head_dim=c.head_dim, vocab_size=c.vocab_size, mlp_dim=width // tp,
-                      rope_theta=c.rope.theta, max_model_len=max_model_len)
+                      rope_theta=c.rope.theta, max_model_len=max_model_len,
+                      layer_windows=c.layer_windows(max_model_len))
 
 
 def in_file_dtype(value: float, file_dtype: str) -> float:
@@ -239,7 +243,7 @@ class HFModel(Model):
         self.activation = f.activation
         self.experts = f.experts
         self.query_scale = np.float32((f.query_pre_attn_scalar or c.head_dim) ** -0.5)
-        self.kv_dtype = np.dtype(kv_dtype)
+        self.kv_dtype = KVFormat(kv_dtype)
         self.eps = np.float32(c.rms_norm_eps)
         ropes = c.ropes()
         distinct = list(dict.fromkeys(ropes))
@@ -264,12 +268,10 @@ class HFModel(Model):
             t = c.layer(i)
             dense = load.mlp(t.mlp, tp) if t.mlp is not None else (None, None)
             shared = load.mlp(t.shared, tp) if t.shared is not None else (None, None)
-            window = f.windows[i]
             self.layers.append(HFLayerWeights(
                 attn_norm=load.norm(t.attn_norm), mlp_norm=load.norm(t.mlp_norm),
                 wqkv=load.side_by_side([(t.q, hq), (t.k, hkv), (t.v, hkv)]),
                 wo=load.columns(t.o, hq), w_gate_up=dense[0], w_down=dense[1],
-                window=window if window < max_model_len else 0,  # a window past every position is no window
                 bqkv=(xp.concatenate([load.vector(b, r) for b, r in zip(t.biases, (q_rows, kv_rows, kv_rows))])
                       if t.biases else None),
                 q_norm=load.norm(t.q_norm), k_norm=load.norm(t.k_norm),

@@ -326,18 +326,24 @@ class TorchModel:
 
 
 LAYER_FIELDS = frozenset({"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm",
-                          "rope", "window"})  # rope and window: one RoPE, no window (`torch_problem`)
+                          "rope"})  # rope: one RoPE (`torch_problem`)
 
 
 def _check_supported(model: HFModel) -> None:
     """ValueError unless the layer below (`TorchModel.layers_forward`) is the whole of this
-    model's layer: an architecture it implements, no layer weight it would ignore, a KV dtype
-    its kernels store and read as they are (no scales)."""
+    model's layer: an architecture it implements, no layer weight it would ignore, every layer
+    attending to every key over one block table (no windows, so no layer groups: one pool page
+    holds every layer), a KV dtype its kernels store and read as they are (no FP8 encoding)."""
     arch = model.config.arch
     if problem := torch_problem(model.config):
         raise ValueError(problem)
+    if any(model.shape.windows) or model.shape.groups.hybrid:
+        raise ValueError(f"the torch backend does not implement sliding windows or layer groups (pool pages of "
+                         f"{model.shape.groups.describe()}) of {arch}")
     if model.kv_dtype.name not in ("float16", "float32"):
-        raise ValueError(f"the torch backend keeps K/V in float16 or float32 pools, not {model.kv_dtype.name}")
+        raise ValueError(f"the torch backend keeps K/V in float16 or float32 pools, not {model.kv_dtype.name}"
+                         + (" (--kv-cache-dtype fp8: serve it with --model-backend array)" if model.kv_dtype.fp8
+                            else ""))
     for w in model.layers:
         extra = sorted(k for k, v in vars(w).items() if v is not None and k not in LAYER_FIELDS)
         if extra:

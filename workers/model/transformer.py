@@ -19,6 +19,7 @@ The same code runs on numpy or cupy (`xp`); results come back as host numpy arra
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ContextManager, Sequence
@@ -26,9 +27,10 @@ from typing import Any, Callable, ContextManager, Sequence
 import numpy as np
 
 from kvrt.ipc.config import NodeConfig
-from kvrt.ipc.layout import KVLayout
+from kvrt.ipc.layout import KVLayout, LayerGroups, kv_dtype_name
 from kvrt.workers.model.attention import (KV_BUDGET, SCORE_BUDGET, AttentionPlan, AttnShape, Span, paged_attention,
                                     plan_attention)
+from kvrt.workers.model.kv_format import KVFormat
 from kvrt.workers.model.phases import ATTENTION, COPIES, LM_HEAD, PROJECTIONS, PhaseClock
 from kvrt.workers.model.prompt_logprobs import PromptQuery, PromptScores, score_prompt
 
@@ -53,10 +55,13 @@ class ModelShape:
     rope_theta: float = 10000.0
     max_model_len: int = 4096
     seed: int = 0
+    # each layer's attention window in tokens, 0: full attention (empty: every layer full);
+    # the KV pool's pages then hold a layer group each (ipc/layout.py LayerGroups)
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name not in ("rope_theta", "seed") and getattr(self, f.name) <= 0:
+            if f.name not in ("rope_theta", "seed", "layer_windows") and getattr(self, f.name) <= 0:
                 raise ValueError(f"ModelShape.{f.name} must be positive, got {getattr(self, f.name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelShape: num_heads {self.num_heads} must be a multiple of "
@@ -65,6 +70,18 @@ class ModelShape:
             raise ValueError(f"ModelShape: head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_theta <= 1:
             raise ValueError(f"ModelShape: rope_theta must be > 1, got {self.rope_theta}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"ModelShape: {len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's window (0: full attention), one per layer."""
+        return self.layer_windows or (0,) * self.num_layers
+
+    @functools.cached_property
+    def groups(self) -> LayerGroups:
+        """How the layers share the pool's pages (worked out once: every step reads it)."""
+        return LayerGroups.of(self.windows)
 
     @property
     def hidden_dim(self) -> int:
@@ -72,7 +89,7 @@ class ModelShape:
 
     def kv_layout(self, block_size: int, dtype: str) -> KVLayout:
         """The KV blocks this model reads and writes, at `block_size` tokens of `dtype`."""
-        return KVLayout(self.num_layers, block_size, self.num_kv_heads, self.head_dim, np.dtype(dtype).name)
+        return KVLayout(self.groups.page_layers, block_size, self.num_kv_heads, self.head_dim, kv_dtype_name(dtype))
 
     @property
     def group(self) -> int:
@@ -84,15 +101,16 @@ class ModelShape:
         """The shape of one rank's model from the node config: each rank holds its share of
         the KV heads (the node's KV layout) and, without GQA, as many query heads."""
         layout = cfg.kv_layout
-        return cls(num_layers=layout.num_layers, num_heads=layout.kv_heads, num_kv_heads=layout.kv_heads,
+        return cls(num_layers=cfg.num_layers, num_heads=layout.kv_heads, num_kv_heads=layout.kv_heads,
                    head_dim=layout.head_dim, vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len,
-                   seed=cfg.model_seed)
+                   seed=cfg.model_seed, layer_windows=tuple(cfg.layer_windows))
 
 
 @dataclass
 class StepInputs:
     """A prepared step batch on the device (`Model.prepare`): each token's id, position, pool
-    block and slot, the batch rows whose logits are read, and the attention plan."""
+    block and slot, the batch rows whose logits are read, and the attention plan; for a model
+    of several layer groups, each other group's blocks and plan (`groups`)."""
 
     tokens: Any
     positions: Any
@@ -100,11 +118,7 @@ class StepInputs:
     slots: Any
     last: Any
     attn: AttentionPlan
-    windowed: dict[int, AttentionPlan] = field(default_factory=dict)  # sliding-window layers', by window
-
-    def plan(self, window: int) -> AttentionPlan:
-        """The attention plan of a layer attending within `window` tokens (0: all of them)."""
-        return self.windowed[window] if window else self.attn
+    groups: list[tuple[Any, AttentionPlan]] = field(default_factory=list)
 
 
 @dataclass
@@ -114,11 +128,14 @@ class SeqInput:
     tokens: int32 ids computed this step (a prefill chunk, or one token for decode).
     start: position of tokens[0]; the KV of positions < start is already in the pool.
     block_table: int32 device block ids in token order, covering >= start + len(tokens) positions.
+    group_tables: for a model of several layer groups, each other group's table, as long (-1
+    for blocks a sliding group no longer reads).
     """
 
     tokens: np.ndarray
     start: int
     block_table: np.ndarray
+    group_tables: Sequence[np.ndarray] = ()
 
 
 @dataclass
@@ -134,7 +151,6 @@ class LayerWeights:
     mlp_norm: Any
     w_gate_up: Any  # [d, 2 * mlp]: gate, then up
     w_down: Any
-    window: int = 0  # a sliding window: the layer attends to keys at positions > pos - window; 0: to all
 
 
 def _init_weights(shape: ModelShape) -> tuple[np.ndarray, list[dict], np.ndarray, np.ndarray]:
@@ -186,7 +202,7 @@ class Model:
         self.shape = shape
         self.xp = xp
         self.attn_budgets = attention_budgets(xp)
-        self.kv_dtype = np.dtype(kv_dtype)
+        self.kv_dtype = KVFormat(kv_dtype)
         embed, layers, final_norm, lm_head = _init_weights(shape)
         self.embed = xp.asarray(embed)
         self.layers = [LayerWeights(
@@ -199,6 +215,12 @@ class Model:
         half = shape.head_dim // 2
         self.inv_freq = xp.asarray(shape.rope_theta ** (-np.arange(half, dtype=np.float64) / half))
         log.debug("model %s on %s, kv dtype %s", shape, xp.__name__, self.kv_dtype)
+
+    @functools.cached_property
+    def _slots(self) -> list[tuple[int, int]]:
+        """(layer group, slot in its page) of each layer (ipc/layout.py LayerGroups)."""
+        groups = self.shape.groups
+        return [groups.slot(layer) for layer in range(self.shape.num_layers)]
 
     # ---- building blocks (shared by the paged and the dense path) ----
 
@@ -254,11 +276,12 @@ class Model:
         return self._rope(q, rope) * (float(self.shape.head_dim) ** -0.5), self._rope(k, rope), v
 
     def _round_kv(self, a: Any) -> Any:
-        return a.astype(self.kv_dtype).astype(self.compute_dtype)
+        return self.kv_dtype.round(a, self.xp, self.compute_dtype)
 
     def _attend(self, q: Any, k: Any, v: Any, start: int, window: int = 0) -> Any:
         """Causal attention of queries q [n, H, hd] at positions start.. over keys/values
-        k, v [L, KVH, hd] at positions 0..L-1, within `window` tokens (0: all); returns [n, H*hd]."""
+        k, v [L, KVH, hd] at positions 0..L-1 (with a `window`, only the last `window`
+        positions up to each query's own); returns [n, H*hd]."""
         xp, s = self.xp, self.shape
         n, L, kvh, g, hd = q.shape[0], k.shape[0], s.num_kv_heads, s.group, s.head_dim
         qg = q.reshape(n, kvh, g, hd).transpose(1, 2, 0, 3).reshape(kvh, g * n, hd)
@@ -381,6 +404,38 @@ class Model:
                              "(block tables overlap beyond a shared prefix)")
         return plans, np.concatenate(toks), np.concatenate(poss), np.concatenate(blks)
 
+    def _plan_group(self, seqs: Sequence[SeqInput], g: int, num_blocks: int, bs: int) -> tuple[list[Span], np.ndarray]:
+        """Layer group g's (g >= 1) spans and the pool blocks its layers write, validated as
+        `_plan` validates group 0's: every block from the first one the group's window reads
+        must be the sequence's own, in range; those before may be -1 (freed)."""
+        window = self.shape.groups.windows[g]
+        plans, blks, row = [], [], 0
+        for i, seq in enumerate(seqs):
+            start, n = int(seq.start), len(seq.tokens)
+            nblk = -(-(start + n) // bs)
+            if len(seq.group_tables) != len(self.shape.groups.windows) - 1:
+                raise ValueError(f"seq {i}: {len(seq.group_tables)} group tables, the model's layers form "
+                                 f"{len(self.shape.groups.windows)} groups")
+            table = np.asarray(seq.group_tables[g - 1])
+            if table.ndim != 1 or not np.issubdtype(table.dtype, np.integer) or len(table) < nblk:
+                raise ValueError(f"seq {i}: group {g}'s block table must be a 1-D integer array of at least "
+                                 f"{nblk} blocks")
+            table = table[:nblk].astype(np.int64)
+            first = max(0, (start - window + 1) // bs) if window else 0
+            live = table[first:]
+            if int(live.min()) < 0 or int(live.max()) >= num_blocks or len(np.unique(live)) != len(live):
+                raise ValueError(f"seq {i}: group {g}'s block table holds block ids outside [0, {num_blocks}) "
+                                 f"or twice where its layers read: {live.tolist()}")
+            positions = np.arange(start, start + n, dtype=np.int64)
+            blks.append(table[positions // bs])
+            plans.append(Span(row, n, start, table))
+            row += n
+        written = np.concatenate(blks) * bs + np.concatenate([np.arange(int(q.start), int(q.start) + len(q.tokens)) % bs
+                                                              for q in seqs])
+        if len(np.unique(written)) != len(written):
+            raise ValueError(f"two seqs of the batch would write the same pool slot of group {g}")
+        return plans, np.concatenate(blks)
+
     # ---- the paged path ----
 
     def step_logits(self, pool: Any, seqs: Sequence[SeqInput]) -> np.ndarray:
@@ -419,11 +474,16 @@ class Model:
             pos, toks, blk = xp.asarray(positions), xp.asarray(tokens), xp.asarray(blocks)
             last = xp.asarray(np.array([p.row0 + p.n - 1 for p in plans]))
         score_budget, kv_budget = self.attn_budgets
-        shape = AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs, self.attn_softcap)
-        attn = plan_attention(plans, shape, xp, score_budget=score_budget, kv_budget=kv_budget)
-        windowed = {w: plan_attention(plans, shape, xp, score_budget=score_budget, kv_budget=kv_budget, window=w)
-                    for w in sorted({w.window for w in self.layers} - {0})}
-        return StepInputs(toks, pos, blk, pos % bs, last, attn, windowed)
+        shape, windows = AttnShape(s.num_heads, s.num_kv_heads, s.head_dim, bs, self.attn_softcap), s.groups.windows
+        attn = plan_attention(plans, shape, xp, score_budget=score_budget, kv_budget=kv_budget, window=windows[0])
+        groups = []
+        for g in range(1, len(windows)):
+            spans, gblocks = self._plan_group(seqs, g, int(pool.shape[0]), bs)
+            with self._phase(COPIES):
+                gblk = xp.asarray(gblocks)
+            groups.append((gblk, plan_attention(spans, shape, xp, score_budget=score_budget, kv_budget=kv_budget,
+                                                window=windows[g])))
+        return StepInputs(toks, pos, blk, pos % bs, last, attn, groups)
 
     def forward(self, pool: Any, inputs: StepInputs) -> Any:
         """The layers over a prepared batch: each token's K/V written to the pool, the hidden
@@ -431,12 +491,16 @@ class Model:
         xp = self.xp
         x = self._embed(inputs.tokens)
         rope = self._rope_tables(inputs.positions)
+        kv, load = self.kv_dtype, self.kv_dtype.loader(xp, self.compute_dtype)
+        groups = [(inputs.blocks, inputs.attn)] + inputs.groups
         for li, w in enumerate(self.layers):
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, rope)
+            g, slot = self._slots[li]
+            blocks, attn = groups[g]
             with self._phase(ATTENTION):
-                pool[inputs.blocks, li, 0, inputs.slots] = k.astype(pool.dtype)
-                pool[inputs.blocks, li, 1, inputs.slots] = v.astype(pool.dtype)
-                att = paged_attention(xp, pool, li, q, inputs.plan(w.window), self.compute_dtype, self.beat)
+                pool[blocks, slot, 0, inputs.slots] = kv.store(k, xp)
+                pool[blocks, slot, 1, inputs.slots] = kv.store(v, xp)
+                att = paged_attention(xp, pool, slot, q, attn, self.compute_dtype, self.beat, load)
             x = x + self._after_attention(self._reduce(self._proj(att, w.wo)), w)
             x = x + self._after_mlp(self._reduce(self._mlp(x, w)), w)
             if self.beat is not None:
@@ -451,11 +515,11 @@ class Model:
         shape serving takes (module function). Nothing to compile on numpy."""
         if self.xp is np:
             return
-        layout = self.shape.kv_layout(block_size, self.kv_dtype.name)
-        pool = self.xp.zeros(layout.pool_shape(WARM_UP_BLOCKS), dtype=layout.dtype)
+        layout, groups = self.shape.kv_layout(block_size, self.kv_dtype.name), len(self.shape.groups.windows)
+        pool = self.xp.zeros(layout.pool_shape(WARM_UP_BLOCKS * groups), dtype=layout.storage_dtype)
         budgets = self.attn_budgets
         try:
-            for seqs, tiny_tiles in warm_up_steps(block_size, self.shape.max_model_len):
+            for seqs, tiny_tiles in warm_up_steps(block_size, self.shape.max_model_len, groups):
                 self.attn_budgets = (1, 1) if tiny_tiles else budgets
                 rows = sum(len(s.tokens) for s in seqs)
                 self.step_outputs(pool, seqs, PromptQuery(np.arange(rows, dtype=np.int64),
@@ -481,10 +545,10 @@ class Model:
         n = len(tokens)
         rope = self._rope_tables(xp.arange(n))
         x = self._embed(xp.asarray(tokens.astype(np.int64)))
-        for w in self.layers:
+        for w, window in zip(self.layers, self.shape.windows):
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, rope)
             k, v = self._round_kv(k), self._round_kv(v)
-            outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i, w.window)
+            outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i, window)
                     for i in range(0, n, _DENSE_CHUNK)]
             x = x + self._after_attention(self._reduce(self._mm(xp.concatenate(outs), w.wo)), w)
             x = x + self._after_mlp(self._reduce(self._mlp(x, w)), w)
@@ -508,20 +572,24 @@ class Model:
 WARM_UP_BLOCKS = 4  # the scratch pool of `Model.warm_up`
 
 
-def warm_up_steps(block_size: int, max_model_len: int) -> list[tuple[list[SeqInput], bool]]:
-    """The batches a GPU worker's warm-up runs (over a pool of WARM_UP_BLOCKS blocks), each as
-    (seqs, whether to cut its keys into tiles of one block): one and two sequences; one and
-    several query rows; one block and several (padded to the longest); one key tile and
-    several (the online softmax's merge). Every length that can be one is once one and once
-    more, since a length of one drops a dimension from the kernel CuPy compiles."""
+def warm_up_steps(block_size: int, max_model_len: int, groups: int = 1) -> list[tuple[list[SeqInput], bool]]:
+    """The batches a GPU worker's warm-up runs (over a pool of WARM_UP_BLOCKS blocks for each of
+    the model's `groups` layer groups, every group's tables its own share of it), each as (seqs,
+    whether to cut its keys into tiles of one block): one and two sequences; one and several
+    query rows; one block and several (padded to the longest); one key tile and several (the
+    online softmax's merge). Every length that can be one is once one and once more, since a
+    length of one drops a dimension from the kernel CuPy compiles."""
+    def seq(tokens: np.ndarray, start: int, table: np.ndarray) -> SeqInput:
+        return SeqInput(tokens, start, table, tuple(table + g * WARM_UP_BLOCKS for g in range(1, groups)))
+
     n = max(1, min(block_size + 1, max_model_len - 1))  # a prompt over two blocks, where they fit
     table = np.arange(WARM_UP_BLOCKS - 1, dtype=np.int32)
     one = np.zeros(1, np.int32)
-    short = SeqInput(one, 0, np.array([WARM_UP_BLOCKS - 1], np.int32))
-    prompt = SeqInput(np.zeros(n, np.int32), 0, table)
+    short = seq(one, 0, np.array([WARM_UP_BLOCKS - 1], np.int32))
+    prompt = seq(np.zeros(n, np.int32), 0, table)
     batches = [[prompt], [short], [prompt, short]]
     if n + 1 <= max_model_len:
-        tail = SeqInput(one, n, table)  # a decode row over the prompt's blocks
+        tail = seq(one, n, table)  # a decode row over the prompt's blocks
         batches += [[tail], [short, tail]]
     return [(b, tiny) for b in batches for tiny in (False, True)]
 

@@ -56,7 +56,7 @@ def node_identity(cfg: NodeConfig) -> bytes:
     still cannot pass a MAC.)"""
     layout = cfg.kv_layout
     return (f"{cfg.model_arch}|{cfg.model_fingerprint}|seed={cfg.model_seed}|vocab={cfg.vocab_size}|"
-            f"{layout.block_shape}|{cfg.dtype}|tp={cfg.tp}").encode()
+            f"{layout.block_shape}|{layout.dtype}|tp={cfg.tp}").encode()
 
 
 def node_mac(cfg: NodeConfig) -> BlockMac | None:

@@ -40,7 +40,9 @@ class EvictionQueue(EvictionPolicy):
         self._front: list[int] | np.ndarray = []
         self._front_stamp = -1
         self._pos = 0
-        self._heads: list[tuple[int, int]] = []  # pushed to the front: a stack, popped first
+        # pushed to the front: a stack of runs, popped first, each (nodes in reverse order, so the
+        # next one is its list's last, and the stamp they were pushed with)
+        self._heads: list[tuple[list[int], int]] = []
         self._clock = 0
         self._queued = 0  # entries in _batches
         self._limit = 2 * capacity + 1024
@@ -66,7 +68,18 @@ class EvictionQueue(EvictionPolicy):
         s = self._clock
         self._clock = s + 1
         self._stamp_v[n] = s
-        self._heads.append((n, s))
+        self._heads.append(([n], s))
+
+    def push_front_run(self, nodes: list[int]) -> None:
+        """`push_front` of each of `nodes` (none queued), the last one first: they come back in
+        this order, as one run with one stamp (a grouped model's cache pushes a request's
+        released sliding pages so, runtime/cache/groups.py)."""
+        if not nodes:
+            return
+        s = self._clock
+        self._clock = s + 1
+        self._stamp[np.asarray(nodes, dtype=np.int64)] = s
+        self._heads.append((nodes[::-1], s))
 
     def queued(self, nodes: np.ndarray) -> int:
         """How many of `nodes` are queued."""
@@ -84,10 +97,15 @@ class EvictionQueue(EvictionPolicy):
         stamp = self._stamp_v
         heads = self._heads
         while heads:
-            n, s = heads.pop()
-            if stamp[n] == s:
-                stamp[n] = -1
-                return n
+            run, s = heads[-1]
+            while run:
+                n = run.pop()
+                if stamp[n] == s:
+                    if not run:
+                        heads.pop()
+                    stamp[n] = -1
+                    return n
+            heads.pop()
         while True:
             front, i, s = self._front, self._pos, self._front_stamp
             if not isinstance(front, list):  # left as an array by pop_many
@@ -114,11 +132,25 @@ class EvictionQueue(EvictionPolicy):
         stamp = self._stamp_v
         heads = self._heads
         while heads and got < k:
-            n, s = heads.pop()
-            if stamp[n] == s:
-                stamp[n] = -1
-                out.append(np.array([n], dtype=np.int32))
-                got += 1
+            run, s = heads[-1]
+            if len(run) == 1:
+                n = run[0]
+                heads.pop()
+                if stamp[n] == s:
+                    stamp[n] = -1
+                    out.append(np.array([n], dtype=np.int32))
+                    got += 1
+                continue
+            ahead = np.array(run[::-1], dtype=np.int32)  # in the order they come back
+            live = np.flatnonzero(self._stamp[ahead] == s)[:k - got]
+            used = int(live[-1]) + 1 if len(live) == k - got else len(ahead)
+            take = ahead[live]
+            self._stamp[take] = -1
+            out.append(take)
+            got += len(take)
+            del run[len(run) - used:]
+            if not run:
+                heads.pop()
         while got < k:
             front, i, s = self._front, self._pos, self._front_stamp
             if i < len(front):
@@ -156,7 +188,7 @@ class EvictionQueue(EvictionPolicy):
         """Queued nodes in eviction order, found through their live entries (for the invariant
         checker: this must equal `stamped()` as a set, each node once)."""
         stamp = self._stamp_v
-        out = [n for n, s in reversed(self._heads) if stamp[n] == s]
+        out = [n for run, s in reversed(self._heads) for n in reversed(run) if stamp[n] == s]
         front = self._front if isinstance(self._front, list) else self._front.tolist()
         out += [n for n in front[self._pos:] if stamp[n] == self._front_stamp]
         for nodes, s in self._batches:

@@ -447,20 +447,27 @@ def test_host_eviction_keeps_taking_runs_after_an_irregular_one(name):
     c.check()
 
 
-def test_a_run_given_back_at_once_comes_back_as_one_by_one():
-    """`ReuseLevels.push_front_run` (the rest of a cut eviction run, given back in one call)
-    leaves the queue popping exactly what `push_front` of each node, the last first, does:
-    stretches of equal priority and level become one entry each, in the same order."""
+@pytest.mark.parametrize("policy", [ReuseLevels, EvictionQueue])
+def test_a_run_given_back_at_once_comes_back_as_one_by_one(policy):
+    """`push_front_run` (the rest of a cut eviction run, or a grouped model's released sliding
+    pages, given back in one call) leaves the queue popping exactly what `push_front` of each
+    node, the last first, does: `ReuseLevels` makes stretches of equal priority and level one
+    entry each, LRU the whole run one entry, in the same order; nodes taken out of a run
+    meanwhile are skipped, by `pop` and `pop_many` alike."""
     rng = np.random.default_rng(3)
     hits = rng.integers(0, 5, 400).astype(np.int32)
-    queues = [ReuseLevels(400, hits), ReuseLevels(400, hits)]
+    queues = [policy(400, hits), policy(400, hits)]
     for q in queues:
         for k in range(20):  # releases of paths with several levels
             q.push(np.arange(20 * k + 19, 20 * k - 1, -1, dtype=np.int32))
     a, b = queues
     for rnd in range(30):
-        taken = a.pop_many(int(rng.integers(1, 60)))
-        assert np.array_equal(taken, b.pop_many(len(taken))), rnd
+        if rnd % 4 == 3:  # one at a time, through a run's entry
+            taken = np.array([v for v in (a.pop() for _ in range(int(rng.integers(1, 8)))) if v >= 0], np.int32)
+            assert taken.tolist() == [b.pop() for _ in taken], rnd
+        else:
+            taken = a.pop_many(int(rng.integers(1, 60)))
+            assert np.array_equal(taken, b.pop_many(len(taken))), rnd
         back = [int(v) for v in taken[int(rng.integers(0, len(taken) + 1)):]]
         a.push_front_run(back)
         for v in reversed(back):

@@ -101,9 +101,11 @@ def test_the_model_identity_roots_the_chain():
     root = base.key_root
     assert root == NodeConfig(node="other-name", port=7000, num_gpu_blocks=3).key_root  # not identity
     assert root == NodeConfig(node="n", dtype="f4").key_root  # one dtype, two spellings
+    fp8 = NodeConfig(node="n", kv_cache_dtype="fp8").key_root  # FP8 blocks: vLLM's two names, one root
+    assert fp8 == NodeConfig(node="n", kv_cache_dtype="fp8_e4m3", dtype="float16").key_root
     assert len(root) == KEY_BYTES and root != ROOT_KEY
     changes = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=32, tp=2,
-                   vocab_size=256, model_seed=1)
+                   vocab_size=256, model_seed=1, kv_cache_dtype="fp8")
     roots = {name: NodeConfig(node="n", **{name: v}).key_root for name, v in changes.items()}
     assert root not in roots.values() and len(set(roots.values())) == len(roots), roots
     ident = base.identity()

@@ -30,10 +30,12 @@ class Mirror:
 
     def __init__(self) -> None:
         self.held: set[tuple[str, bytes]] = set()
+        self.groups: dict[bytes, int] = {}  # key -> the layer group it was stored for
 
-    def stored(self, medium, keys, parent) -> None:
+    def stored(self, medium, keys, parent, group=0) -> None:
         assert keys and all(len(k) == 16 for k in keys)
         self.held.update((medium, k) for k in keys)
+        self.groups.update((k, group) for k in keys)
 
     def removed(self, medium, keys) -> None:
         self.held.difference_update((medium, k) for k in keys)
@@ -47,21 +49,33 @@ class ObservedCacheMachine(CacheMachine):
     tasks, resets), with an observer: after every step its view equals the blocks the cache holds."""
 
     @initialize(device=st.integers(4, 24), host=st.sampled_from([0, 3, 8, 16]),
-                storage=st.booleans(), write_through=st.booleans())
-    def setup(self, device, host, storage, write_through):
-        super().setup(device, host, storage, write_through)
+                storage=st.booleans(), write_through=st.booleans(), data=st.data())
+    def setup(self, device, host, storage, write_through, data):
+        super().setup(device, host, storage, write_through, data)
         self.mirror = Mirror()
         self.cache._obs = self.mirror
 
     @invariant()
     def observer_sees_the_cache(self):
-        now = {(b.medium, b.key) for b in self.cache.cached_blocks()}
+        blocks = self.cache.cached_blocks()
+        now = {(b.medium, b.key) for b in blocks}
         assert self.mirror.held == now
+        assert all(self.mirror.groups[b.key] == b.group for b in blocks), "a page was told in another group"
 
 
 ObservedCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                                   suppress_health_check=[HealthCheck.too_slow])
 TestObserverMatchesCache = ObservedCacheMachine.TestCase
+
+
+class ObservedGroupsCacheMachine(ObservedCacheMachine):
+    """The same over a model of several layer groups: every group's pages are told, with their group."""
+
+    GROUPS = [(3,), (0, 5), (4, 4)]
+
+
+ObservedGroupsCacheMachine.TestCase.settings = ObservedCacheMachine.TestCase.settings
+TestObserverMatchesGroupedCache = ObservedGroupsCacheMachine.TestCase
 
 
 def test_recorded_evicted_and_swapped_blocks_are_told_per_tier():

@@ -13,7 +13,14 @@ LRU queues consistent), and the machine checks what only a model of the engine c
   swap-in or a reset dropped them;
 - a reset leaves no cached block on either tier: each one is freed or, if a request or task
   holds it, in use until released;
-- once every request is released and every task applied, every block is free or cached.
+- once every request is released and every task applied, every block is free or cached;
+- every page a request's block tables point at (group 0's, and each side layer group's where
+  its window still reads it) holds the KV of that block and group: the machine plays the
+  worker and the copies too (a page holds what was computed into it, swaps and storage reads
+  copy it), so a page freed or reused under a request, or a table out of step with the pages,
+  shows as the wrong content.
+The layer-group machine (`GroupsCacheMachine`) runs the same rules over a cache whose blocks
+take a page per layer group, with sliding windows (runtime/cache/groups.py).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvrt.runtime.cache.keys import BlockHasher
+from kvrt.runtime.cache.keys import BlockHasher, group_key
 from kvrt.runtime.cache.policies.adaptive import BANK_CAP
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache, TaskKind
@@ -45,15 +52,23 @@ class _Req:
 
 class CacheMachine(RuleBasedStateMachine):
     POLICY = "lru"  # the eviction policy of both tiers
+    GROUPS: list[tuple[int, ...]] = [()]  # side layer groups' windows in tokens (0: full attention)
 
     @initialize(device=st.integers(4, 24), host=st.sampled_from([0, 0, 3, 8, 16]),
-                storage=st.booleans(), write_through=st.booleans())
-    def setup(self, device, host, storage, write_through):
+                storage=st.booleans(), write_through=st.booleans(), data=st.data())
+    def setup(self, device, host, storage, write_through, data):
+        groups = data.draw(st.sampled_from(self.GROUPS))
+        device *= 1 + len(groups)  # as many blocks of tokens
         # the storage tier starts with one prefix some earlier node wrote
         self.stored: set[bytes] = set(BlockHasher(BS).update(BASES[2][:30])) if storage else set()
         self.cache = PrefixCache(BS, device, host,
                                  storage_lookup=self._storage_lookup if storage else None,
-                                 write_through=write_through and storage, policy=make_policy(self.POLICY))
+                                 write_through=write_through and storage, policy=make_policy(self.POLICY),
+                                 groups=groups)
+        self.dev: dict[int, tuple] = {}   # device page -> what it holds: (key, group), or a partial block
+        self.groups = len(groups)
+        self.pages: dict[bytes, tuple] = {}  # a side group's page key -> (block key, group)
+        self.host: dict[int, tuple] = {}
         self.written: set[bytes] = set()
         self.reqs: dict[int, _Req] = {}
         self.inflight = []
@@ -85,6 +100,8 @@ class CacheMachine(RuleBasedStateMachine):
     def _start(self, base, length, tail) -> int:
         tokens = np.concatenate([BASES[base][:length], np.array(tail, dtype=np.int32)])
         keys = BlockHasher(BS).update(tokens)
+        for g in range(1, self.groups + 1):
+            self.pages.update((group_key(k, g), (k, g)) for k in keys)
         rid = self.next_id
         self.next_id += 1
         m = self.cache.match(rid, keys, len(tokens))
@@ -95,8 +112,35 @@ class CacheMachine(RuleBasedStateMachine):
         assert m.cached_tokens < len(tokens)  # the last token is always computed
         r.held = hit
         r.ready = m.ready
+        r.computed = hit * BS
         self.reqs[rid] = r
+        if r.ready:
+            self._check_pages(rid)
         return rid
+
+    @rule(base=st.integers(0, 2), length=st.integers(1, 40), tail=st.lists(st.integers(0, 3), max_size=5))
+    def received(self, base, length, tail):
+        """A decode node's request: the KV of its whole prompt comes from a prefill node into
+        pages held for it (a sliding group's only for the window it reads from its first
+        token on), and is recorded once it arrived."""
+        rid = self._start(base, length, tail)
+        r = self.reqs[rid]
+        n = len(r.tokens)
+        if not r.ready or self.cache.allocate(rid, n, reads_from=n) is None:
+            return
+        r.allocated = -(-n // BS) * BS
+        tables = [self.cache.block_table(rid)] + self.cache.group_tables(rid)
+        for i in range(r.computed // BS, -(-n // BS)):
+            for g, table in enumerate(tables):
+                if g and i < self.cache._lo(g - 1, n):
+                    assert table[i] < 0, "a page held for a block the request never reads"
+                    continue
+                self.dev[table[i]] = (r.keys[i], g) if (i + 1) * BS <= n else ("partial", rid, i)
+        r.computed = n
+        covered = self.cache.update(rid, n) // BS
+        if not r.stale:
+            self.written.update(r.keys[:n // BS])
+            r.held = max(r.held, covered)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), extra=st.integers(1, 6))
@@ -124,6 +168,7 @@ class CacheMachine(RuleBasedStateMachine):
             r.allocated = -(-n // BS) * BS
         if n <= r.computed:
             return
+        self._compute(rid, r, n)
         r.computed = n
         covered = self.cache.update(rid, n) // BS
         if not r.stale:  # (a request from before a reset records nothing more)
@@ -151,7 +196,41 @@ class CacheMachine(RuleBasedStateMachine):
             read = max(0, len(task.keys) - short)  # a short read: only a prefix arrived
         self._apply(task, ok, read)
 
+    def _compute(self, rid: int, r: _Req, n: int) -> None:
+        """The worker writes positions [r.computed, n) into the request's pages of every group
+        (a sliding group's too: a step writes every layer's K and V)."""
+        tables = [self.cache.block_table(rid)] + self.cache.group_tables(rid)
+        for i in range(r.computed // BS, -(-n // BS)):
+            for g, table in enumerate(tables):
+                page = table[i]
+                assert page >= 0, f"block {i} of group {g} has no page to be computed into"
+                self.dev[page] = (r.keys[i], g) if (i + 1) * BS <= n and i < len(r.keys) else ("partial", rid, i)
+
+    def _check_pages(self, rid: int) -> None:
+        """Every page the request reads holds its block's KV of its group."""
+        r = self.reqs[rid]
+        done = min(r.computed // BS, len(r.keys))
+        table = self.cache.block_table(rid)
+        for i in range(done):
+            assert self.dev.get(table[i]) == (r.keys[i], 0), f"request {rid} block {i}: page {table[i]} holds {self.dev.get(table[i])}"
+        for g, gt in enumerate(self.cache.group_tables(rid)):
+            for i in range(self.cache._lo(g, r.computed), done):
+                assert self.dev.get(gt[i]) == (r.keys[i], g + 1), \
+                    f"request {rid} block {i} group {g + 1}: page {gt[i]} holds {self.dev.get(gt[i])}"
+            for i in range(self.cache._lo(g, r.computed)):
+                assert gt[i] < 0, f"request {rid} still holds block {i} of group {g + 1}, out of its window"
+
     def _apply(self, task, ok: bool, read: int | None) -> None:
+        if ok:  # the ranks' copies
+            if task.kind is TaskKind.SWAP2CPU:
+                for d, h in zip(task.device_blocks, task.host_blocks):
+                    self.host[h] = self.dev.get(d)
+            elif task.kind is TaskKind.SWAP2GPU:
+                for d, h in zip(task.device_blocks, task.host_blocks):
+                    self.dev[d] = self.host.get(h)
+            elif task.kind is TaskKind.STORAGE2GPU:
+                for d, key in list(zip(task.device_blocks, task.keys))[:len(task.keys) if read is None else read]:
+                    self.dev[d] = self.pages.get(key, (key, 0))
         out = self.cache.apply_task_result(task.task_id, ok, blocks=read)
         if task.kind is TaskKind.STORAGE2GPU and task.task_id not in self.before_reset:
             loaded = len(task.keys) if read is None and ok else (read or 0)
@@ -163,6 +242,7 @@ class CacheMachine(RuleBasedStateMachine):
         for rid, cached in out.ready.items():
             r = self.reqs[rid]
             r.ready = True
+            r.computed = max(r.computed, cached)
             if not r.stale:
                 r.held = max(r.held, cached // BS)
 
@@ -210,6 +290,12 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.cache.check()
+
+    @invariant()
+    def pages_hold_their_blocks(self):
+        for rid, r in self.reqs.items():
+            if r.ready and not r.failed:
+                self._check_pages(rid)
 
     @invariant()
     def held_blocks_stay(self):
@@ -263,3 +349,25 @@ class AdaptiveCacheMachine(CacheMachine):
 
 AdaptiveCacheMachine.TestCase.settings = CacheMachine.TestCase.settings
 TestPrefixCacheAdaptiveProperties = AdaptiveCacheMachine.TestCase
+
+
+class GroupsCacheMachine(CacheMachine):
+    """The same engine over a model of several layer groups: one sliding group, a full one
+    beside group 0, or two sliding ones (windows in tokens; blocks of 2 tokens)."""
+
+    POLICY = "lru"
+    GROUPS = [(3,), (4,), (0, 5), (6, 6), (2,)]
+
+
+GroupsCacheMachine.TestCase.settings = CacheMachine.TestCase.settings
+TestPrefixCacheGroupsProperties = GroupsCacheMachine.TestCase
+
+
+class AdaptiveGroupsCacheMachine(GroupsCacheMachine):
+    """Layer groups over the default eviction policy."""
+
+    POLICY = "adaptive"
+
+
+AdaptiveGroupsCacheMachine.TestCase.settings = CacheMachine.TestCase.settings
+TestPrefixCacheAdaptiveGroupsProperties = AdaptiveGroupsCacheMachine.TestCase

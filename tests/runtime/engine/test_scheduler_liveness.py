@@ -48,9 +48,9 @@ class _Store:
         return len(keys) if self.shared else self.held(keys)
 
 
-def _request(rng: random.Random, i: int, bs: int, device: int) -> Sequence:
+def _request(rng: random.Random, i: int, bs: int, device: int, owners: int = 1) -> Sequence:
     """A prompt that shares a prefix with others (or not), sized so that prompt + output fit
-    the device alone, as intake guarantees."""
+    the device alone, as intake guarantees; its owner is one of `owners`, in turn."""
     cap = device * bs
     new = rng.randint(1, max(1, cap // 3))
     plen = rng.randint(1, cap - new)
@@ -58,7 +58,7 @@ def _request(rng: random.Random, i: int, bs: int, device: int) -> Sequence:
     shared = rng.randint(0, min(plen, len(base)))
     tail = np.arange(100_000 + 1000 * i, 100_000 + 1000 * i + plen - shared, dtype=np.int32)
     prompt = np.concatenate((base[:shared], tail))
-    return Sequence.new(f"r{i}", prompt, new, bs, use_cache=rng.random() > 0.1)
+    return Sequence.new(f"r{i}", prompt, new, bs, use_cache=rng.random() > 0.1, owner=bytes([i % owners]))
 
 
 def _serve(sched: Scheduler, cache: PrefixCache, turns: int, check: bool = True,
@@ -84,18 +84,20 @@ def _serve(sched: Scheduler, cache: PrefixCache, turns: int, check: bool = True,
 
 def _drive(seed: int, bs: int, device: int, host: int, storage: bool | str, seqs: int, batch: int,
            n_req: int, p_done: float, p_fail: float, p_cancel: float, low_water: int | None = None,
-           rounds: int = 1) -> None:
+           rounds: int = 1, owners: int = 1, groups: tuple[int, ...] = ()) -> None:
     """`rounds` > 1 sends the same prompts again (new ids) once the previous round is done: their
     prefixes were swapped out meanwhile, so many swap-ins wait for device blocks at once.
-    `storage` "shared": a tier whose lookup says "maybe" and whose reads find out."""
+    `storage` "shared": a tier whose lookup says "maybe" and whose reads find out. `groups`: the
+    windows of a model's layer groups after the first (runtime/cache/groups.py): each block of
+    tokens takes a page per group, so the device has `device` blocks of tokens' worth of pages."""
     rng = random.Random(seed)
     store = _Store(shared=storage == "shared")
-    cache = PrefixCache(bs, device, host, storage_lookup=store.lookup if storage else None,
-                        write_through=storage, low_water=low_water)
+    cache = PrefixCache(bs, device * (1 + len(groups)), host, storage_lookup=store.lookup if storage else None,
+                        write_through=storage, low_water=low_water, groups=groups)
     sched = Scheduler(cache, max_num_seqs=seqs, max_num_batched_tokens=batch)
-    first = [_request(rng, i, bs, device) for i in range(n_req)]
+    first = [_request(rng, i, bs, device, owners) for i in range(n_req)]
     pending = [Sequence.new(f"{q.request_id}.{r}" if r else q.request_id, q.tokens[:q.prompt_len],
-                            q.max_new_tokens, bs, use_cache=q.use_cache)
+                            q.max_new_tokens, bs, use_cache=q.use_cache, owner=q.owner)
                for r in range(rounds) for q in first]
     arrivals = sorted(rng.randint(0, 3 * n_req) for _ in first)
     arrivals += [None] * (len(pending) - len(arrivals))  # later rounds: when the node is idle
@@ -165,6 +167,21 @@ def test_every_accepted_request_finishes(seed, bs, device, host, storage, seqs, 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**32 - 1), bs=st.sampled_from([2, 4]), device=st.integers(6, 24),
+       host=st.sampled_from([0, 0, 4, 16]), storage=st.sampled_from([False, True, "shared"]), seqs=st.integers(1, 8),
+       batch=st.sampled_from([4, 16, 64]), n_req=st.integers(2, 12), owners=st.integers(2, 4),
+       p_done=st.sampled_from([0.2, 0.6, 1.0]), p_fail=st.sampled_from([0.0, 0.0, 0.2]),
+       p_cancel=st.sampled_from([0.0, 0.0, 0.02]), rounds=st.sampled_from([1, 2]))
+def test_every_request_of_several_owners_finishes(seed, bs, device, host, storage, seqs, batch, n_req, owners,
+                                                  p_done, p_fail, p_cancel, rounds):
+    """The same with requests of several owners (clients), which the scheduler serves in turns
+    and seats ahead of one another (runtime/engine/fair_queue.py): nobody waits for ever, and
+    preemptions for a fair share lose no count."""
+    _drive(seed, bs, device, host, storage, seqs, batch, n_req, p_done, p_fail, p_cancel, rounds=rounds,
+           owners=owners)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), bs=st.sampled_from([2, 4]), device=st.integers(6, 24),
        host_ratio=st.sampled_from([1, 2, 3]), seqs=st.sampled_from([4, 16]), batch=st.sampled_from([16, 64]),
        n_req=st.integers(4, 14), p_done=st.sampled_from([0.3, 1.0]), p_fail=st.sampled_from([0.0, 0.0, 0.1]),
        storage=st.sampled_from([False, True, "shared"]))
@@ -179,6 +196,20 @@ def test_swap_ins_that_wait_together_for_more_room_than_the_device_has_all_finis
     cover, though each fits alone."""
     _drive(seed, bs, device, host_ratio * device, storage, seqs, batch, n_req, p_done, p_fail, 0.0,
            rounds=2)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), bs=st.sampled_from([2, 4]), device=st.integers(6, 24),
+       host=st.sampled_from([0, 0, 4, 16]), storage=st.sampled_from([False, True]), seqs=st.integers(1, 8),
+       batch=st.sampled_from([4, 16, 64]), n_req=st.integers(1, 10), p_done=st.sampled_from([0.2, 0.6, 1.0]),
+       p_fail=st.sampled_from([0.0, 0.0, 0.2]), p_cancel=st.sampled_from([0.0, 0.0, 0.02]),
+       groups=st.sampled_from([(3,), (6,), (0,), (4, 4), (0, 5)]), rounds=st.sampled_from([1, 2]))
+def test_every_accepted_request_finishes_with_layer_groups(seed, bs, device, host, storage, seqs, batch, n_req,
+                                                           p_done, p_fail, p_cancel, groups, rounds):
+    """The same over a model whose layers form groups (sliding windows, a second full group):
+    a block of tokens takes a page per group and sliding pages are given back as requests run."""
+    _drive(seed, bs, device, host, storage, seqs, batch, n_req, p_done, p_fail, p_cancel, rounds=rounds,
+           groups=groups)
 
 
 def test_a_tiny_device_with_a_host_tier_serves_two_rounds_of_shared_prompts():

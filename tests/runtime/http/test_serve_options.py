@@ -15,7 +15,7 @@ from kvrt.runtime.http.chat_template_flag import read_chat_template
 from kvrt.runtime.node.stats_log import StatsLog, stats_line
 from tests.runtime.http.test_http import MODEL, _FakeBridge
 
-ROUTES = [("get", "/health"), ("get", "/v1/models"), ("get", "/metrics"), ("get", "/version"),
+ROUTES = [("get", "/v1/models"), ("get", "/metrics"), ("get", "/version"),
           ("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("post", "/tokenize"),
           ("post", "/detokenize"), ("post", "/reset_prefix_cache"), ("get", "/kvrt/cache"), ("get", "/nowhere")]
 
@@ -32,6 +32,15 @@ def test_every_route_needs_the_api_key(method, path):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
         r = call(path, headers={"Authorization": "Bearer s3cret"}, **kw)
         assert r.status_code != 401, r.text
+
+
+def test_health_answers_without_the_key_as_vllms_does():
+    """What probes a node (a load balancer, `kvrt route`) holds no client's key; only GET /health is open."""
+    app = ApiKeyAuth(create_app(Server(_FakeBridge(True), MODEL)), "s3cret")
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.get("/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert c.post("/health").status_code == 401 and c.get("/health/").status_code == 401
 
 
 def test_the_access_log_has_a_line_per_request_and_the_request_log_no_prompt(caplog):

@@ -4,6 +4,7 @@ real clients written for vLLM send pass. A request that passes every check reach
 which here is a fake answering 503: a 503 is "accepted", a 400 "refused"."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -91,8 +92,8 @@ def test_chat_add_generation_prompt_and_add_special_tokens_change_the_prompt(tmp
         def count(**kw):
             return c.post("/tokenize", json={"messages": USER, **kw}).json()["count"]
 
-        _, with_prompt = server.chat_prompt([_msg()], add_generation_prompt=True)
-        _, without = server.chat_prompt([_msg()], add_generation_prompt=False)
+        _, with_prompt = asyncio.run(server.chat_prompt("", [_msg()], add_generation_prompt=True))
+        _, without = asyncio.run(server.chat_prompt("", [_msg()], add_generation_prompt=False))
         assert len(with_prompt) > len(without) and count() == len(with_prompt)
         assert count(add_generation_prompt=False) == len(without)
 

@@ -89,7 +89,7 @@ def test_launch_ready_status_and_clean_stop(launched, node, tmp_path):
     snap = n.status()
     assert snap["state"] == "running" and snap["launcher_alive"]
     roles = sorted(f"{p['role']}[{p['rank']}]" for p in snap["processes"])
-    assert roles == ["cache-transfer[0]", "engine[0]", "worker[0]"]
+    assert roles == ["cache-transfer[0]", "engine[0]", "gateway[0]", "worker[0]"]
     assert all(p["alive"] and p["ready"] and p["heartbeat_age_s"] < 5 for p in snap["processes"])
     assert {"engine.to.worker.0", "engine.to.transfer.0", "transfer.0.to.engine"} <= set(snap["rings"])
     assert snap["engine"]["device_total"] == 32 and snap["engine"]["host_total"] == 16

@@ -103,6 +103,11 @@ def test_dtype_is_the_models_compute_dtype_as_in_vllm(checkpoint, dtype, compute
     assert check_launch_argv(_plan(checkpoint, "--dtype", dtype).launch_argv).compute_dtype == compute
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e4m3"])
+def test_kv_cache_dtype_takes_vllms_fp8_names(checkpoint, kv):
+    assert check_launch_argv(_plan(checkpoint, "--kv-cache-dtype", kv).launch_argv).kv_cache_dtype == kv
+
+
 def test_kvrts_own_flags_pass_through(checkpoint):
     args = check_launch_argv(_plan(checkpoint, "--num-cpu-blocks", "64", "--eviction", "lru").launch_argv)
     assert (args.num_cpu_blocks, args.eviction) == (64, "lru")
@@ -118,7 +123,7 @@ def test_every_vllm_flag_without_a_counterpart_is_refused_naming_it(checkpoint, 
 @pytest.mark.parametrize("argv,words", [
     (["--no-enable-prefix-caching"], "is a prefix cache"),
     (["--no-enable-chunked-prefill"], "always chunks"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: kvrt takes auto"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2: kvrt takes auto, fp8, fp8_e4m3"),
     (["--dtype", "int8"], "--dtype int8: kvrt takes"),
     (["--max-logprobs", "50"], "at most 20"),
     (["--scheduling-policy", "priority"], "fcfs"),

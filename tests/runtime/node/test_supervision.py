@@ -202,7 +202,8 @@ def test_a_killed_engine_is_reported_with_its_signal_not_code_0(launched, node):
     assert not leftovers(node)
 
 
-def test_port_clash_reports_the_engines_own_error_and_logs_are_private(node, tmp_path):
+def test_port_clash_reports_the_gateways_own_error_and_logs_are_private(node, tmp_path):
+    """The gateway owns the public port (runtime/gateway/): at start-up its death fails the start."""
     import socket
 
     logs = tmp_path / "logs"
@@ -214,10 +215,10 @@ def test_port_clash_reports_the_engines_own_error_and_logs_are_private(node, tmp
                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
-    assert "engine[0]" in last and "exited with code 1" in last and "Address already in use" in last, r.stderr
+    assert "gateway[0]" in last and "exited with code 1" in last and "Address already in use" in last, r.stderr
     assert stat.S_IMODE(os.stat(logs).st_mode) == 0o700
     files = os.listdir(logs)
-    assert "engine-0.log" in files
+    assert {"engine-0.log", "gateway-0.log"} <= set(files)
     for f in files:
         assert stat.S_IMODE(os.stat(logs / f).st_mode) == 0o600, f
     assert not leftovers(node)

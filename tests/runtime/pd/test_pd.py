@@ -43,6 +43,7 @@ def pd_pair(node, tmp_path, *opts, transport="shm", env=None, d_opts=(), p_opts=
     with launched(node + "d", tmp_path / "d", "--role", "decode", *common, *d_opts, env=env) as d:
         with launched(node + "p", tmp_path / "p", "--role", "prefill", "--decode-peer",
                       f"tcp://127.0.0.1:{d.port}", *common, *p_opts, env=env) as p:
+            wait_for(lambda: p.engine_stats()["pd_sessions"] >= 1, "P's session with D")
             yield p, d
 
 

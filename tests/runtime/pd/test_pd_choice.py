@@ -4,13 +4,15 @@ the secret, as a real decode node's are. Which decode node gets a request, what 
 and that a decode node's report of free blocks is checked before P uses it."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from kvrt.ipc import protocol as P
 from kvrt.runtime.client import api
 from kvrt.runtime.pd import messages as wire
-from kvrt.runtime.engine.server import peer_identity
+from kvrt.runtime.gateway.link import peer_identity
 from kvrt.runtime.node.config import NodeConfig
 from kvrt.runtime.pd.auth import D2P, P2D, Session, load_secret, session_key
 from kvrt.runtime.pd.connector import ConnectorContext
@@ -112,6 +114,14 @@ class Harness:
         return out
 
 
+def ranks(cfg: NodeConfig, kv_cache_dtype: str = "auto") -> list[dict]:
+    """A decode node's rank descriptors, as its cache-messagers publish them (the layout part),
+    for blocks of `cfg`'s model with `kv_cache_dtype`."""
+    layout = dataclasses.replace(cfg, kv_cache_dtype=kv_cache_dtype).kv_layout
+    return [{"transport": "shm", "node": "d0", "rank": 0, "num_blocks": 64, "block_shape": list(layout.block_shape),
+             "dtype": layout.storage_dtype.str, "block_bytes": layout.block_bytes}]
+
+
 def request(rid: str, n: int = 40) -> api.GenerateRequest:
     return api.GenerateRequest(rid, np.arange(n, dtype=np.int32), 8)
 
@@ -142,7 +152,7 @@ def test_an_allocation_from_a_decode_node_not_asked_is_given_back(tmp_path):
     h.from_d(1, wire.PdPong(0, 50))
     h.p.on_request(CLIENT, request("r"))
     h.asked()
-    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44))
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, ranks(h.p.ctx.cfg), 30.0, 44))
     aborts = [h.d[0].open(s) for i, s in h.sent if i == peer_identity(0)]
     assert [type(m) for m in aborts] == [wire.PdAbort] and "r" in h.p.pending
 
@@ -173,7 +183,7 @@ def test_the_lease_counts_from_when_the_decode_node_stopped_queueing(tmp_path):
     h.from_d(0, wire.PdPong(0, 50))
     h.p.on_request(CLIENT, request("r"))
     asked_at = h.p.pending["r"].asked_at
-    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44, 12.5))
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, ranks(h.p.ctx.cfg), 30.0, 44, 12.5))
     assert h.p.handoffs["r"].lease_end == pytest.approx(asked_at + 42.5)
     assert [s.request_id for s in h.sched.added] == ["r"]
 
@@ -183,7 +193,7 @@ def test_a_bad_queue_wait_is_refused(tmp_path, bad):
     h = Harness(tmp_path)
     h.from_d(0, wire.PdPong(0, 50))
     h.p.on_request(CLIENT, request("r"))
-    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44, bad))
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, ranks(h.p.ctx.cfg), 30.0, 44, bad))
     assert h.stats[P.STAT["pd_refused"]] == 1 and "r" in h.p.pending and "r" not in h.p.handoffs
 
 
@@ -203,7 +213,7 @@ def test_a_prefill_done_before_the_allocation_waits_and_sends_every_block_at_onc
     seq = h.sched.added[0]
     seq.state, seq.num_computed = SeqState.RUNNING, 40
     assert h.p.takes_over(seq) and h.p.pending["r"].prefilled and not h.ranks.orders
-    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 8, [{}], 30.0, 44))
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 8, ranks(h.p.ctx.cfg), 30.0, 44))
     [order] = h.ranks.orders  # D had the first block: the other four
     assert order.src_blocks.tolist() == [101, 102, 103, 104] and order.dst_blocks.tolist() == [1, 2, 3, 4]
     assert h.p.handoffs["r"].prefilled and not h.sched.dropped
@@ -214,7 +224,7 @@ def test_a_handoffs_last_blocks_are_ordered_when_its_first_token_is_sampled(tmp_
     h = Harness(tmp_path)
     h.from_d(0, wire.PdPong(0, 50))
     h.p.on_request(CLIENT, request("r", n=36))
-    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, [{}], 30.0, 44))
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, ranks(h.p.ctx.cfg), 30.0, 44))
     seq = h.sched.added[0]
     seq.state, seq.num_computed = SeqState.RUNNING, 36
     assert not h.ranks.orders
@@ -241,3 +251,19 @@ def test_a_request_that_fails_during_its_step_ends_when_the_step_does(tmp_path):
     h.p.build_orders()
     assert h.sched.dropped == [("r", "failed")]
     assert [(c, m.message) for c, m in h.replies] == [(CLIENT, "decode node: no either")]
+
+
+def test_a_decode_node_whose_blocks_are_of_another_kv_dtype_is_refused_before_anything_is_sent(tmp_path):
+    """An FP8 decode node cannot take a float32 prefill node's blocks (the bytes would mean
+    something else there): the request fails naming the layouts, D's blocks are given back,
+    and no send order goes to the cache-messagers."""
+    h = Harness(tmp_path)
+    h.from_d(0, wire.PdPong(0, 50))
+    h.p.on_request(CLIENT, request("r"))
+    h.asked()
+    h.from_d(0, wire.PdAllocated("r", np.arange(6, dtype=np.int32), 0, ranks(h.p.ctx.cfg, "fp8"), 30.0, 44))
+    aborts = [h.d[0].open(s) for i, s in h.sent if i == peer_identity(0)]
+    assert [type(m) for m in aborts] == [wire.PdAbort] and "(float32)" in aborts[0].reason
+    assert "'|u1'" in aborts[0].reason and "--kv-cache-dtype" in aborts[0].reason
+    assert "r" not in h.p.handoffs and "r" not in h.p.pending and not h.ranks.orders
+    assert h.sched.dropped == [("r", "failed")]

@@ -14,8 +14,8 @@ import logging
 import numpy as np
 import pytest
 
-from tests.hfkit import (ARCH_CASES, VOCAB, case_config, dense_logits, from_bf16_bits, greedy, make_checkpoint,
-                         to_bf16_bits)
+from tests.hfkit import (ARCH_CASES, VOCAB, case_config, dense_logits, from_bf16_bits, greedy, grouped,
+                         make_checkpoint, paged_pool, to_bf16_bits)
 from kvrt.workers.model.checkpoint import CheckpointError, inspect
 from kvrt.workers.model.hf_model import HFModel, checkpoint_dtype, resolve_compute_dtype, to_half
 from kvrt.workers.model.transformer import SeqInput
@@ -35,16 +35,16 @@ def run_paged(model: HFModel, toks: np.ndarray, chunks, xp=np) -> list[np.ndarra
     """Logits after each chunk of one sequence prefilled in uneven chunks then decoded, plus a
     second sequence sharing its first two blocks batched with a decode of the first: the
     logits rows in the order the reference computes them (see `expected`)."""
-    kv = model.kv_dtype.name
-    pool = xp.zeros(model.shape.kv_layout(BS, kv).pool_shape(64), dtype=kv)
+    pool = paged_pool(model, 64, BS, model.kv_dtype.name, xp)
     table = np.arange(10, 10 + -(-(len(toks) + 1) // BS), dtype=np.int32)
     out, pos = [], 0
     for n in chunks:
-        out.append(model.step_logits(pool, [SeqInput(toks[pos:pos + n], pos, table)])[0])
+        out.append(model.step_logits(pool, grouped(model, [SeqInput(toks[pos:pos + n], pos, table)], 64))[0])
         pos += n
     other = np.concatenate([toks[:2 * BS], np.arange(5) * 7 % VOCAB]).astype(np.int32)
-    got = model.step_logits(pool, [SeqInput(np.array([7], np.int32), len(toks), table),
-                                   SeqInput(other[2 * BS:], 2 * BS, np.array([*table[:2], 40], np.int32))])
+    got = model.step_logits(pool, grouped(model, [SeqInput(np.array([7], np.int32), len(toks), table),
+                                                  SeqInput(other[2 * BS:], 2 * BS,
+                                                           np.array([*table[:2], 40], np.int32))], 64))
     return out + [got[0], got[1]]
 
 
@@ -105,12 +105,13 @@ def test_float16_weights_are_float16(tmp_path):
 
 
 def greedy_paged(model: HFModel, prompt: np.ndarray, new: int) -> list[int]:
-    pool = model.xp.zeros(model.shape.kv_layout(BS, model.kv_dtype.name).pool_shape(16), dtype=model.kv_dtype)
+    pool = paged_pool(model, 16, BS, model.kv_dtype.name, model.xp)
     table = np.arange(16, dtype=np.int32)
-    tok = int(model.step(pool, [SeqInput(prompt, 0, table)])[0])
+    tok = int(model.step(pool, grouped(model, [SeqInput(prompt, 0, table)], 16))[0])
     out = [tok]
     while len(out) < new:
-        tok = int(model.step(pool, [SeqInput(np.array([tok], np.int32), len(prompt) + len(out) - 1, table)])[0])
+        seq = SeqInput(np.array([tok], np.int32), len(prompt) + len(out) - 1, table)
+        tok = int(model.step(pool, grouped(model, [seq], 16))[0])
         out.append(tok)
     return out
 

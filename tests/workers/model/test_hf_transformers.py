@@ -21,7 +21,8 @@ import pytest
 from kvrt.workers.model.checkpoint import inspect
 from kvrt.workers.model.hf_model import HFModel
 from kvrt.workers.model.transformer import SeqInput
-from tests.hfkit import ARCH_CASES, GEMMAS, VOCAB, case_config, dense_logits, hf_config, make_checkpoint
+from tests.hfkit import (ARCH_CASES, GEMMAS, VOCAB, case_config, dense_logits, grouped, hf_config, make_checkpoint,
+                         paged_pool)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -102,11 +103,11 @@ def test_kvrt_equals_transformers_on_its_checkpoints(tmp_path, case, file_dtype)
     # logits: a prompt in uneven chunks, then decode steps
     toks = rng.integers(0, VOCAB, 47).astype(np.int32)
     want = hf_logits(hf, toks)
-    pool = np.zeros(model.shape.kv_layout(BS, "float32").pool_shape(16), np.float32)
+    pool = paged_pool(model, 16, BS)
     table = np.arange(1, 8, dtype=np.int32)
     pos = 0
     for n in (13, 8, 20, 1, 1, 1, 1, 1, 1):
-        got = model.step_logits(pool, [SeqInput(toks[pos:pos + n], pos, table)])[0]
+        got = model.step_logits(pool, grouped(model, [SeqInput(toks[pos:pos + n], pos, table)], 16))[0]
         pos += n
         assert np.abs(got - want[pos - 1]).max() <= 1e-4 * np.abs(want[pos - 1]).max(), pos
     # greedy tokens: transformers' generate, with its own cache
@@ -124,10 +125,10 @@ def test_kvrt_equals_transformers_on_its_checkpoints(tmp_path, case, file_dtype)
 
 
 def greedy_paged(model: HFModel, prompt: np.ndarray, new: int) -> list[int]:
-    pool = np.zeros(model.shape.kv_layout(BS, "float32").pool_shape(16), np.float32)
+    pool = paged_pool(model, 16, BS)
     table = np.arange(16, dtype=np.int32)
-    out = [int(model.step(pool, [SeqInput(prompt, 0, table)])[0])]
+    out = [int(model.step(pool, grouped(model, [SeqInput(prompt, 0, table)], 16))[0])]
     while len(out) < new:
-        out.append(int(model.step(pool, [SeqInput(np.array(out[-1:], np.int32), len(prompt) + len(out) - 1,
-                                                  table)])[0]))
+        seq = SeqInput(np.array(out[-1:], np.int32), len(prompt) + len(out) - 1, table)
+        out.append(int(model.step(pool, grouped(model, [seq], 16))[0]))
     return out

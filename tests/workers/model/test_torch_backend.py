@@ -199,3 +199,23 @@ def test_a_layer_it_does_not_implement_is_refused(tmp_path):
     with pytest.raises(ValueError, match="sliding-window"):
         resolve_backend("torch", "cuda", windowed)
     assert resolve_backend("auto", "cuda", windowed) == "array"
+
+
+def test_fp8_blocks_and_layer_groups_are_refused_by_name(tmp_path):
+    """FP8 e4m3 blocks (--kv-cache-dtype fp8) and a pool of layer groups (a model's sliding and
+    full layers on pages of their own) are the array path's: the torch layer stores and reads
+    K/V as they are, over one block table, so it refuses both by name at load, and the launcher
+    (`torch_problem`) refuses FP8 before any process starts while auto keeps the array path."""
+    from kvrt.ipc.layout import FP8_E4M3
+    from kvrt.workers.model.backends import resolve_backend
+
+    ck = make_checkpoint(tmp_path, "LlamaForCausalLM", dtype="F32")
+    with pytest.raises(ValueError, match="not float8_e4m3fn.*--model-backend array"):
+        TorchModel(HFModel(inspect(ck.path), 512, np, kv_dtype=FP8_E4M3), DEVICE, "float32", ops=TorchOps())
+    hf = HFModel(inspect(ck.path), 512, np, kv_dtype="float32")
+    hf.shape = replace(hf.shape, layer_windows=(0, 8))
+    with pytest.raises(ValueError, match="sliding windows or layer groups"):
+        TorchModel(hf, DEVICE, "float32", ops=TorchOps())
+    with pytest.raises(ValueError, match="fp8"):
+        resolve_backend("torch", "cuda", hf.config, "fp8")
+    assert resolve_backend("auto", "cuda", hf.config, "fp8") == "array"

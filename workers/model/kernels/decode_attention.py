@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvrt.workers.model.kernels.paged_tile import load_kv_tile, softmax_step
 from kvrt.workers.model.kernels.plan import MAX_SPLITS, next_pow2
 
 BLOCK_N = 32       # keys per inner iteration
@@ -47,30 +48,12 @@ def _decode_split_kernel(q_ptr, pool_ptr, table_ptr, ctx_ptr, mid_o_ptr, mid_ml_
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    v_off = block_size * KVH * HD
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < end
-        blk = tl.load(table_ptr + b * table_stride + n // block_size, mask=nm, other=0).to(tl.int64)
-        kaddr = ((((blk * num_layers + layer) * 2) * block_size + n % block_size) * KVH + kh) * HD
-        kvm = nm[:, None] & dm[None, :]
-        k = tl.load(pool_ptr + kaddr[:, None] + d[None, :], mask=kvm, other=0.0)
-        v = tl.load(pool_ptr + kaddr[:, None] + v_off + d[None, :], mask=kvm, other=0.0)
-        if F32_DOT:
-            qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            qk = tl.dot(q.to(k.dtype), tl.trans(k))
-        qk = tl.where(nm[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if F32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        k, v = load_kv_tile(pool_ptr, table_ptr + b * table_stride, n, nm, d, dm, layer, num_layers, block_size,
+                            kh, KVH, HD)
+        m_i, l_i, acc = softmax_step(q, k, v, nm[None, :], m_i, l_i, acc, F32_DOT)
     idx = (b * H + heads) * num_splits + s
     tl.store(mid_o_ptr + idx[:, None] * HD + d[None, :], acc, mask=gm[:, None] & dm[None, :])
     tl.store(mid_ml_ptr + idx * 2, m_i, mask=gm)

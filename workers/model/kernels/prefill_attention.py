@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvrt.workers.model.kernels.paged_tile import load_kv_tile, softmax_step
 from kvrt.workers.model.kernels.plan import next_pow2
 
 BLOCK_N = 32
@@ -44,31 +45,13 @@ def _prefill_kernel(q_ptr, pool_ptr, table_ptr, tile_seq_ptr, tile_row_ptr, row0
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    v_off = block_size * KVH * HD
     for k0 in range(0, kv_end, BLOCK_N):
         keys = k0 + tl.arange(0, BLOCK_N)
         km = keys < kv_end
-        blk = tl.load(table_ptr + sq * table_stride + keys // block_size, mask=km, other=0).to(tl.int64)
-        kaddr = ((((blk * num_layers + layer) * 2) * block_size + keys % block_size) * KVH + kh) * HD
-        kvm = km[:, None] & dm[None, :]
-        k = tl.load(pool_ptr + kaddr[:, None] + d[None, :], mask=kvm, other=0.0)
-        v = tl.load(pool_ptr + kaddr[:, None] + v_off + d[None, :], mask=kvm, other=0.0)
-        if F32_DOT:
-            qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            qk = tl.dot(q.to(k.dtype), tl.trans(k))
+        k, v = load_kv_tile(pool_ptr, table_ptr + sq * table_stride, keys, km, d, dm, layer, num_layers, block_size,
+                            kh, KVH, HD)
         visible = km[None, :] & (keys[None, :] <= qpos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if F32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(q, k, v, visible, m_i, l_i, acc, F32_DOT)
     res = acc / l_i[:, None]
     out_rows = row0 + rows
     tl.store(out_ptr + out_rows[:, None] * out_stride + h * HD + d[None, :], res.to(out_ptr.dtype.element_ty),
