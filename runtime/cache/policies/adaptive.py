@@ -55,7 +55,7 @@ import numpy as np
 from kvrt.runtime.cache.core import (adapt_discard as _discard_c, adapt_forget as _forget_c, adapt_front as _front_c,
                                     adapt_missed as _missed_c, adapt_pop as _pop_c, adapt_push as _push_c,
                                     adapt_recall as _recall_c, ghost_ages as _ghost_c)
-from kvrt.runtime.cache.nodes import NDEV, PARENT
+from kvrt.runtime.cache.nodes import CHILD, NDEV, NEXT, PARENT
 from kvrt.runtime.cache.policies.base import EvictionPolicy
 from kvrt.runtime.cache.policies.gaps import (HOLD, LEVEL_SPAN, LONG_HIGH, LONG_LOW, MAX_TURNOVER, REACH,
                                               REACH_TWICE)
@@ -72,11 +72,6 @@ HELD, HELD_CAP = 1.0, 1 / 16
 # stretch of losses and P shrank though it was far ahead; the bound over any stretch is this
 # much of the lead at its start plus the allowance
 BANK_CAP = 4
-# the least share of `gaps`' bonus in force: the share `gaps` measures (long reuse among the
-# hits, and reuse lost) reads the policy's own order, and under an order close to LRU's no hit
-# is ever long, so the bonus would fade and P never fill however much it could win; the
-# budget, not the bonus, is what holds P to what has paid
-SCALE_FLOOR = 0.2
 # rows of the per-node matrix and indices of the scalars (runtime/cache/_cache_core.c adapt_*)
 M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
 A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP = range(12)
@@ -91,7 +86,7 @@ class Adaptive(EvictionPolicy):
 
     __slots__ = ("_hits", "_n", "_m", "_f", "_r", "_h", "_t", "_bits", "_st", "_args", "_tree", "_scratch", "_rstamp", "_pser",
                  "_ghost", "_due", "_table", "_forgot", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader",
-                 "_parks")
+                 "_parks", "_links")
 
     def __init__(self, capacity: int, hits: np.ndarray):
         n = capacity
@@ -133,6 +128,9 @@ class Adaptive(EvictionPolicy):
         self.held = 0          # misses a larger P would have served (LRU would not have)
         self._leader: Adaptive | None = None
         self._parks: list[int] = []  # nodes the cache parks if the next pop_many hands them out
+        # the node matrix's child and sibling rows for a host tier's queue (`follows`), whose pop
+        # stops where a victim leaves its unqueued parent childless (-1: a device queue's)
+        self._links = (-1, -1)
 
     # ---- the budget
     def allowance(self) -> float:
@@ -150,9 +148,13 @@ class Adaptive(EvictionPolicy):
         return self.budget() / self._n
 
     def follows(self, leader: EvictionPolicy) -> None:
-        """Take the budget from `leader`'s share (a host tier's queue follows the device's)."""
+        """Take the budget from `leader`'s share (a host tier's queue follows the device's); as a
+        host tier's queue, a run popped ends after a victim whose drop leaves its parent a leaf
+        the cache queues next (runtime/cache/_cache_core.c adapt_pop)."""
         if isinstance(leader, Adaptive):
             self._leader = leader
+            if self._tree.shape[0] > NEXT:
+                self._links = (CHILD, NEXT)
 
     def _settle(self, won: int, lost: int) -> None:
         self.gains += won
@@ -161,11 +163,10 @@ class Adaptive(EvictionPolicy):
         self.bank = int(min(BANK_CAP * self._n - a, max(-a, self.bank + won - lost)))
 
     def bonus_scale(self) -> float:
-        """The share of `gaps`' bonus in force: SCALE_FLOOR while at most LONG_LOW of the recent
-        reuse came back later than a turnover, all of it from LONG_HIGH on
-        (runtime/cache/policies/gaps.py)."""
+        """The share of `gaps`' bonus in force: 0 while at most LONG_LOW of the recent reuse came
+        back later than a turnover, all of it from LONG_HIGH on (runtime/cache/policies/gaps.py)."""
         f = self._long / self._reused
-        return min(1.0, max(SCALE_FLOOR, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW)))
+        return min(1.0, max(0.0, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW)))
 
     # ---- the interface
     def __contains__(self, n: int) -> bool:
@@ -267,8 +268,8 @@ class Adaptive(EvictionPolicy):
         for p in held:
             scratch[p] -= 1
         try:
-            return out[:_pop_c(*self._args, out, k, self.budget(), LEVEL_SPAN, self._tree, PARENT, NDEV, scratch,
-                               self._due)]
+            return out[:_pop_c(*self._args, out, k, self.budget(), LEVEL_SPAN, self._tree, PARENT, NDEV, *self._links,
+                               scratch, self._due)]
         finally:
             scratch[held] = 0
 
