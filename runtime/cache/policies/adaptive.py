@@ -25,10 +25,12 @@ plus an allowance, never below 0. The allowance is EXPLORE of the capacity, RATE
 and HELD of the misses a larger P would have served (LRU would not have, `gaps`' bonus would
 still have held), at most HELD_CAP of the capacity: the evidence that a larger P pays, which it
 may then risk. A victim that still has a device child goes back to P ranked last, rather than
-to the cache to be parked. All the per-block work is in C (runtime/cache/_cache_core.c adapt_*),
-one call per released, matched, missed or evicted run; its Python reference is
-tests/runtime/cache/cache_reference.py's adapt_*, which tests/runtime/cache/test_cache_core.py
-holds it to, state for state.
+to the cache to be parked. A pop moves nodes between the segments and cannot be given back, so
+a run popped at once ends where one-at-a-time eviction would queue a parent to go next (its
+last device child taken; in a host tier's queue, its last child dropped). All the per-block
+work is in C (runtime/cache/_cache_core.c adapt_*), one call per released, matched, missed or
+evicted run; its Python reference is tests/runtime/cache/cache_reference.py's adapt_*, which
+tests/runtime/cache/test_cache_core.py holds it to, state for state.
 
 The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
