@@ -1582,6 +1582,7 @@ done:
 enum { A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP,
        A_NPARK, A_PMAX, A_NSTATE };
 enum { M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS };
+enum { A_HOLD_MAX = 1028 };  /* adapt_pop: nodes kept back for a device child, per victim */
 
 typedef struct {
     int64_t *m;
@@ -2077,8 +2078,22 @@ static PyObject *adapt_missed(PyObject *self, PyObject *args) {
     return Py_BuildValue("nn", losses, held);
 }
 
-/* adapt_pop(M, F, R, H, T, bits, st, hits, out, k, budget, span, f, parent_row, ndev_row, scratch)
-   -> taken: up to k victims into out (int32), as k single pops would take them. While P holds more than `budget` nodes its
+/* Has node p no more than `taken` children (those taken so far, all of them, as the walk stops
+   past `taken`)? */
+static int a_all_taken(const int32_t *child, const int32_t *next, int32_t p, int32_t taken, Py_ssize_t n) {
+    int32_t seen = 0;
+    for (int32_t c = child[p]; c >= 0 && c < n; c = next[c])
+        if (++seen > taken)
+            return 0;
+    return 1;
+}
+
+/* adapt_pop(M, F, R, H, T, bits, st, hits, out, k, budget, span, f, parent_row, ndev_row, child_row, next_row,
+   scratch, due) -> taken: up to k victims into out (int32), as k single pops would take them; it stops after
+   a victim whose parent, not queued, is left without device children, or (child_row >= 0: a host
+   tier's queue, whose nodes are dropped) without any children once the victims so far are gone,
+   per the child and sibling links of f's rows child_row and next_row: the cache may queue that
+   parent at the front, to go next, and a pop cannot be undone. While P holds more than `budget` nodes its
    lowest goes; otherwise R's oldest node, if it has a bonus, joins P when P has room (or when
    P's lowest ranks below it, that one goes first), and the victim is the lower of R's oldest
    (ranked by its release alone: release * span + level) and P's lowest (ranked with its bonus):
@@ -2090,11 +2105,11 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
     PyObject *o[12];
     Py_ssize_t k;
     long long budget, span;
-    long prow, nrow;
+    long prow, nrow, crow, xrow;
     bufs bv;
     adapt_t a;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOnLLOllOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
-                          &k, &budget, &span, &o[9], &prow, &nrow, &o[10], &o[11]))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOnLLOllllOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                          &k, &budget, &span, &o[9], &prow, &nrow, &crow, &xrow, &o[10], &o[11]))
         return NULL;
     if (adapt_take(&bv, &a, "adapt_pop", "QBQQQBQiImIQ", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9],
                    o[10], o[11]) < 0)
@@ -2106,7 +2121,8 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
     }
     int64_t *due = bv.b[11].buf;
     if (k < 0 || k > bv.b[8].shape[0] || span < 1 || bv.b[9].shape[1] != a.n || bv.b[10].shape[0] != a.n ||
-        row_index(prow, &bv.b[9]) < 0 || row_index(nrow, &bv.b[9]) < 0) {
+        row_index(prow, &bv.b[9]) < 0 || row_index(nrow, &bv.b[9]) < 0 ||
+        (crow >= 0 && (row_index(crow, &bv.b[9]) < 0 || row_index(xrow, &bv.b[9]) < 0))) {
         drop_bufs(&bv);
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "adapt_pop: need int32 room for k nodes in out, span >= 1, and a node "
@@ -2114,28 +2130,39 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
         return NULL;
     }
     const int32_t *parent = (const int32_t *)bv.b[9].buf + prow * a.n, *ndev = (const int32_t *)bv.b[9].buf + nrow * a.n;
+    const int32_t *child = crow >= 0 ? (const int32_t *)bv.b[9].buf + crow * a.n : NULL,
+                  *next = crow >= 0 ? (const int32_t *)bv.b[9].buf + xrow * a.n : NULL;
     int32_t *taken_children = bv.b[10].buf;
     int32_t *out = bv.b[8].buf;
     int64_t *st = a.st;
     Py_ssize_t taken = 0;
     Py_ssize_t held = 0;
     /* a victim that still has a device child (not among the victims before it) would be parked
-       by the cache: P keeps it instead, ranked last, until its children are gone */
+       by the cache: P keeps it instead, ranked last, until its children are gone; at most
+       A_HOLD_MAX of them between two victims (as many as one single pop keeps), so that a P of
+       nothing else still gives up a victim, the same one a single pop would */
 #define VICTIM(x) do { \
         int32_t v_ = (x); \
-        if (ndev[v_] > taken_children[v_] && held++ < 4 * k + 1024) { \
+        if (ndev[v_] > taken_children[v_] && held++ < A_HOLD_MAX) { \
             a.m[(v_) * M_ROWS + M_PRIO] = st[A_PMAX]; \
             a_protect(&a, v_); \
         } else { \
+            held = 0; \
             out[taken++] = v_; \
             int64_t pr_ = a.m[v_ * M_ROWS + M_PRIO]; \
             due[amod(a.m[v_ * M_ROWS + M_BSER], a.rs)] = \
                 pr_ > a.m[v_ * M_ROWS + M_REL] * span + amod(pr_, span) ? pr_ / span : 0; \
             if (ndev[v_] > taken_children[v_]) { a.parked[3 * (v_)] = 1; st[A_NPARK]++; } \
-            else if (parent[v_] >= 0 && parent[v_] < a.n) taken_children[parent[v_]]++; \
+            else if (parent[v_] >= 0 && parent[v_] < a.n) { \
+                int32_t p_ = parent[v_]; \
+                int32_t c_ = ++taken_children[p_]; \
+                stop = a.m[p_ * M_ROWS + M_RSTAMP] < 0 && a.m[p_ * M_ROWS + M_PSER] < 0 && \
+                       (c_ == ndev[p_] || (child && a_all_taken(child, next, p_, c_, a.n))); \
+            } \
         } \
     } while (0)
-    while (taken < k) {
+    int stop = 0;  /* the last victim left its parent, not queued, without device children */
+    while (taken < k && !stop) {
         Py_ssize_t p = a_ptop(&a);
         if (p >= 0 && st[A_NP] > budget) {
             VICTIM(a_unprotect_top(&a));

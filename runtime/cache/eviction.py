@@ -102,26 +102,46 @@ class Eviction(NodeStore):
         victims = np.empty(n, dtype=np.int32)
         devs = np.empty(n, dtype=np.int32)
         victim_keys: list[bytes] = []  # taken now: a victim may be detached before the end
-        swapped, have, more, task_id = self._swap_batched(n, hosts, k, victims, devs, victim_keys)
+        swapped, have, rest, task_id = self._swap_batched(n, hosts, k, victims, devs, victim_keys)
         evicted = swapped
         freed_hosts: list[int] = []
-        if not more:  # the host tier ran out
-            evicted += self._drop_one_by_one(n - evicted, dropped, freed_hosts)
+        if rest is not None:  # the host tier ran out
+            evicted += self._drop_one_by_one(n - evicted, dropped, freed_hosts, rest)
         # host blocks taken but not used go back as the list held them (last taken first)
         unused = hosts[swapped:have][::-1].tolist()
         self._finish_eviction(dropped, freed_hosts, unused, victims[:swapped], victim_keys, evicted, task_id,
                               (devs[:swapped], hosts[:swapped]))
 
-    def _drop_one_by_one(self, n: int, dropped: list[int], freed_hosts: list[int]) -> int:
+    def _drop_one_by_one(self, n: int, dropped: list[int], freed_hosts: list[int], first: list[int] = ()) -> int:
         """Drop up to `n` device leaves popped one at a time, once the host tier ran out; returns
         how many. Not batched: with a host tier a victim may have host-only children (it goes
         with its subtree) and a parent on the host only (it becomes a host leaf), and this runs
-        only when no host block is free or held by an evictable host leaf, which is rare."""
-        pop = self._dev_lru.pop
-        ndev, child, wanted_back = self._ndev_v, self._child_v, self._wanted_back
+        only when no host block is free or held by an evictable host leaf, which is rare.
+        `first`: victims already popped (the rest of a run the host tier could not take), in
+        order, before any popped now; a drop that queues its parent (next in line) sends those
+        still waiting back behind it."""
+        policy = self._dev_lru
+        pop = policy.pop
+        ndev, child, wanted_back, parent = self._ndev_v, self._child_v, self._wanted_back, self._parent_v
+        waiting = list(first)
+        self._handed_out = set(waiting)
+        try:
+            return self._drop_each(n, dropped, freed_hosts, waiting)
+        finally:
+            self._handed_out = frozenset()
+
+    def _drop_each(self, n: int, dropped: list[int], freed_hosts: list[int], waiting: list[int]) -> int:
+        """`_drop_one_by_one`'s loop: `waiting` first, then what the policy pops."""
+        policy = self._dev_lru
+        pop = policy.pop
+        ndev, child, wanted_back, parent = self._ndev_v, self._child_v, self._wanted_back, self._parent_v
         evicted = 0
         while evicted < n:
-            v = pop()
+            if waiting:
+                v = waiting.pop(0)
+                self._handed_out.discard(v)
+            else:
+                v = pop()
             if v < 0:
                 break
             if ndev[v]:
@@ -129,11 +149,26 @@ class Eviction(NodeStore):
             if v in wanted_back:
                 continue  # parked: a swap-out still reads its block; requeued when it answers
             evicted += 1
+            p = int(parent[v])
+            queued = p >= 0 and p in policy
             if child[v] < 0:
                 self._drop_leaf(v, dropped)
             else:
                 self._drop_subtree(v, dropped, freed_hosts)
+            if waiting and p >= 0 and not queued and p in policy:  # next in line: the rest behind it
+                self._requeue_behind(p, waiting)
+                waiting.clear()
+                self._handed_out.clear()
+        if waiting:  # (a run never holds more victims than asked for)
+            policy.push_front_run(waiting)
         return evicted
+
+    def _requeue_behind(self, p: int, nodes: list[int]) -> None:
+        """`p` was just queued at the front; popped `nodes` go back right behind it."""
+        policy = self._dev_lru
+        policy.discard_one(p)
+        policy.push_front_run(nodes)
+        policy.push_front(p)
 
     def _drop_batched(self, n: int, devs: list[int]) -> int:
         """Drop up to `n` device leaves (no host tier), exactly as popping and dropping them one
@@ -183,7 +218,7 @@ class Eviction(NodeStore):
         return evicted
 
     def _swap_batched(self, n: int, hosts: np.ndarray, have: int, victims: np.ndarray, devs: np.ndarray,
-                      victim_keys: list[bytes]) -> tuple[int, int, bool, int]:
+                      victim_keys: list[bytes]) -> tuple[int, int, list[int] | None, int]:
         """Start swapping out up to `n` device leaves (host tier), exactly as the per-victim loop
         of `_evict_device` would, a run at a time: the run's victims are chosen as
         `_drop_batched` chooses them (a node wanted back is parked too), get their host blocks
@@ -191,16 +226,20 @@ class Eviction(NodeStore):
         those of the host leaves it drops), in order, and are marked in one C call, their ids,
         device blocks and keys going to `victims`, `devs` and `victim_keys`. Choosing victims reads only device-side fields and taking host
         leaves writes only host-side ones, so taking a run's host blocks before marking its
-        victims changes nothing. When the host tier runs out, the victims without a host block
-        go back to the front of the queue and `_drop_one_by_one` drops them. Returns how many
-        were evicted (each took the next host block), how many host blocks `hosts` holds now,
-        whether host blocks are still to be had, and the swap-out's task id (-1 if none)."""
+        victims changes nothing. When the host tier runs out, the run's victims without a host
+        block are `_drop_one_by_one`'s first ones, as popped (a policy whose pop moves other
+        nodes, `adaptive`, cannot be undone by queueing them again). Returns how many were
+        evicted (each took the next host block), how many host blocks `hosts` holds now, the
+        victims left to drop once the host tier ran out (None while host blocks are still to be
+        had), and the swap-out's task id (-1 if none)."""
         f = self._f
         policy = self._dev_lru
         wanted = self._wanted_back
         evicted = 0
         task_id = -1
         while evicted < n:
+            if wanted:
+                policy.parks(list(wanted))
             cand = policy.pop_many(n - evicted)
             m = len(cand)
             if not m:
@@ -229,22 +268,33 @@ class Eviction(NodeStore):
                 have += self._take_host(e - (have - evicted), hosts, have)
                 e = min(e, have - evicted)
             short = e < want
+            rest: list[int] = []
             if short:  # the host tier ran out: the rest is dropped one at a time
                 cut = e if ev is None else int(at[e])
                 at = slice(0, e) if ev is None else at[:e]
-            if cut < m:
+                rest = cand[cut:].tolist()  # as popped: a policy's pop may not be undone
+            elif cut < m:
                 policy.push_front_run(cand[cut:].tolist())
             if e:
                 if task_id < 0:
                     task_id = next(self._task_ids)
                 # parents that stay on the device: the chains' tops', unless a chain was split
                 outside = None if ev is not None or short else par[[t for t in top if t < cut]].tolist()
-                self._mark_swap_out(cand[at], par[at], hosts, evicted, e, task_id, victims, devs, victim_keys,
-                                    outside)
+                last = int(par[cut - 1]) if short and cut else -1
+                queued = last >= 0 and last in policy
+                self._handed_out = set(rest)
+                try:
+                    self._mark_swap_out(cand[at], par[at], hosts, evicted, e, task_id, victims, devs, victim_keys,
+                                        outside)
+                finally:
+                    self._handed_out = frozenset()
                 evicted += e
+                if rest and last >= 0 and not queued and last in policy:  # queued next: the rest behind it
+                    self._requeue_behind(last, rest)
+                    rest = []
             if short:
-                return evicted, have, False, task_id
-        return evicted, have, True, task_id
+                return evicted, have, rest, task_id
+        return evicted, have, None, task_id
 
     def _mark_swap_out(self, vs: np.ndarray, par: np.ndarray, hosts: np.ndarray, at: int, e: int, task_id: int,
                        victims: np.ndarray, devs: np.ndarray, victim_keys: list[bytes],
@@ -271,7 +321,7 @@ class Eviction(NodeStore):
         for p in outside:
             ndev[p] -= 1
         for p in outside:  # at most the last victim's parent qualifies: the run is cut there
-            if ndev[p] == 0 and state[p] == GPU and ref[p] == 0 and p not in lru:
+            if ndev[p] == 0 and state[p] == GPU and ref[p] == 0 and p not in lru and p not in self._handed_out:
                 lru.push_front(p)
 
     def _chain_tops(self, cand: np.ndarray, par: np.ndarray) -> list[int] | None:
@@ -396,7 +446,8 @@ class Eviction(NodeStore):
         self._top += 1
         left = self._ndev_v[p] - 1  # _device_child_gone, inlined
         self._ndev_v[p] = left
-        if left == 0 and state[p] == GPU and self._ref_v[p] == 0 and p not in self._dev_lru:
+        if (left == 0 and state[p] == GPU and self._ref_v[p] == 0 and p not in self._dev_lru
+                and p not in self._handed_out):
             self._dev_lru.push_front(p)
         if after < 0 and before < 0 and state[p] == CPU:
             self._host_leaf_again(p)

@@ -64,6 +64,9 @@ class NodeStore:
     # matched back while a swap-out copies them -> that swap-out, and the tasks by id
     _wanted_back: dict[int, int]
     _tasks: dict
+    # device victims the policy has handed out that eviction has yet to drop (runtime/cache/
+    # eviction.py `_drop_one_by_one`): still queued, as far as one-at-a-time eviction goes
+    _handed_out: frozenset[int] | set[int] = frozenset()
 
     def __init__(self, n: int, policy: type[EvictionPolicy]):
         self._f = np.repeat(RESET[:, None], n, axis=1)  # the node matrix: a row per field
@@ -252,6 +255,6 @@ class NodeStore:
         left = self._ndev_v[p] - 1
         self._ndev_v[p] = left
         if (left == 0 and self._state_v[p] == GPU and self._ref_v[p] == 0
-                and p not in self._dev_lru):
+                and p not in self._dev_lru and p not in self._handed_out):
             self._dev_lru.push_front(p)
 

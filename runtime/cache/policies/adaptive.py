@@ -25,10 +25,12 @@ plus an allowance, never below 0. The allowance is EXPLORE of the capacity, RATE
 and HELD of the misses a larger P would have served (LRU would not have, `gaps`' bonus would
 still have held), at most HELD_CAP of the capacity: the evidence that a larger P pays, which it
 may then risk. A victim that still has a device child goes back to P ranked last, rather than
-to the cache to be parked. All the per-block work is in C (runtime/cache/_cache_core.c adapt_*),
-one call per released, matched, missed or evicted run; its Python reference is
-tests/runtime/cache/cache_reference.py's adapt_*, which tests/runtime/cache/test_cache_core.py
-holds it to, state for state.
+to the cache to be parked. A pop moves nodes between the segments and cannot be given back, so
+a run popped at once ends where one-at-a-time eviction would queue a parent to go next (its
+last device child taken; in a host tier's queue, its last child dropped). All the per-block
+work is in C (runtime/cache/_cache_core.c adapt_*), one call per released, matched, missed or
+evicted run; its Python reference is tests/runtime/cache/cache_reference.py's adapt_*, which
+tests/runtime/cache/test_cache_core.py holds it to, state for state.
 
 The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
@@ -55,7 +57,7 @@ import numpy as np
 from kvrt.runtime.cache.core import (adapt_discard as _discard_c, adapt_forget as _forget_c, adapt_front as _front_c,
                                     adapt_missed as _missed_c, adapt_pop as _pop_c, adapt_push as _push_c,
                                     adapt_recall as _recall_c, ghost_ages as _ghost_c)
-from kvrt.runtime.cache.nodes import NDEV, PARENT
+from kvrt.runtime.cache.nodes import CHILD, NDEV, NEXT, PARENT
 from kvrt.runtime.cache.policies.base import EvictionPolicy
 from kvrt.runtime.cache.policies.gaps import (HOLD, LEVEL_SPAN, LONG_HIGH, LONG_LOW, MAX_TURNOVER, REACH,
                                               REACH_TWICE)
@@ -85,7 +87,8 @@ class Adaptive(EvictionPolicy):
     sees_misses = True    # the cache calls `missed` with every counted request's missed blocks
 
     __slots__ = ("_hits", "_n", "_m", "_f", "_r", "_h", "_t", "_bits", "_st", "_args", "_tree", "_scratch", "_rstamp", "_pser",
-                 "_ghost", "_due", "_table", "_forgot", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader")
+                 "_ghost", "_due", "_table", "_forgot", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader",
+                 "_parks", "_links")
 
     def __init__(self, capacity: int, hits: np.ndarray):
         n = capacity
@@ -126,6 +129,10 @@ class Adaptive(EvictionPolicy):
         self.gains = self.losses = 0
         self.held = 0          # misses a larger P would have served (LRU would not have)
         self._leader: Adaptive | None = None
+        self._parks: list[int] = []  # nodes the cache parks if the next pop_many hands them out
+        # the node matrix's child and sibling rows for a host tier's queue (`follows`), whose pop
+        # stops where a victim leaves its unqueued parent childless (-1: a device queue's)
+        self._links = (-1, -1)
 
     # ---- the budget
     def allowance(self) -> float:
@@ -143,9 +150,13 @@ class Adaptive(EvictionPolicy):
         return self.budget() / self._n
 
     def follows(self, leader: EvictionPolicy) -> None:
-        """Take the budget from `leader`'s share (a host tier's queue follows the device's)."""
+        """Take the budget from `leader`'s share (a host tier's queue follows the device's); as a
+        host tier's queue, a run popped ends after a victim whose drop leaves its parent a leaf
+        the cache queues next (runtime/cache/_cache_core.c adapt_pop)."""
         if isinstance(leader, Adaptive):
             self._leader = leader
+            if self._tree.shape[0] > NEXT:
+                self._links = (CHILD, NEXT)
 
     def _settle(self, won: int, lost: int) -> None:
         self.gains += won
@@ -244,10 +255,25 @@ class Adaptive(EvictionPolicy):
         got = self.pop_many(1)
         return int(got[0]) if len(got) else -1
 
+    def parks(self, nodes: list[int]) -> None:
+        self._parks = nodes
+
     def pop_many(self, k: int) -> np.ndarray:
+        """As `k` pops. A victim's parent whose device children are not all taken before it
+        stays (runtime/cache/_cache_core.c adapt_pop counts them in `scratch`); a child the
+        cache will park (`parks`) is never taken, so it counts one less from the start."""
         out = np.empty(k, dtype=np.int32)
-        return out[:_pop_c(*self._args, out, k, self.budget(), LEVEL_SPAN, self._tree, PARENT, NDEV, self._scratch,
-                                 self._due)]
+        scratch, parent = self._scratch, self._tree[PARENT]
+        rstamp, pser = self._rstamp, self._pser
+        held = [int(parent[v]) for v in self._parks if (rstamp[v] >= 0 or pser[v] >= 0) and 0 <= parent[v] < self._n]
+        self._parks = []
+        for p in held:
+            scratch[p] -= 1
+        try:
+            return out[:_pop_c(*self._args, out, k, self.budget(), LEVEL_SPAN, self._tree, PARENT, NDEV, *self._links,
+                               scratch, self._due)]
+        finally:
+            scratch[held] = 0
 
     def members(self) -> list[int]:
         """R's live nodes, oldest first, then P's by rank."""

@@ -119,6 +119,11 @@ class EvictionPolicy:
         exactly as `k` calls of `pop` would take them."""
         raise NotImplementedError
 
+    def parks(self, nodes: list[int]) -> None:
+        """The cache will park any of `nodes` the next `pop_many` hands out (a swap-out still
+        reads its block), as it parks one that `pop` hands out: a policy that decides by which
+        device children a node still has counts these as staying. Nothing to do for most."""
+
     def members(self) -> list[int]:
         """The queued nodes in eviction order (for the invariant checker)."""
         raise NotImplementedError

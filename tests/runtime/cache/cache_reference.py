@@ -747,25 +747,36 @@ def _cdiv(x: int, y: int) -> int:
     return q if (x >= 0) == (y > 0) else -q
 
 
-def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_row, ndev_row, scratch, due) -> int:
+def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_row, ndev_row, child_row, next_row,
+              scratch, due) -> int:
     a = _Adapt(m, f, r, h, t, bits, st, hits)
     if len(due) != a.rs:
         raise ValueError("adapt_pop: one due release per block serial of the ring")
     if k < 0 or k > len(out) or span < 1 or fm.shape[1] != a.n or len(scratch) != a.n:
         raise ValueError("adapt_pop: need room for k nodes in out, span >= 1, and a node matrix and scratch of n columns")
     parent, ndev = fm[parent_row], fm[ndev_row]
+    child, nxt = (fm[child_row], fm[next_row]) if child_row >= 0 else (None, None)
     taken = held = 0
+    stop = False  # the last victim left its parent, not queued, without device children (or any: host tier)
+
+    def all_taken(p: int) -> bool:  # p has no children but the scratch[p] taken so far
+        seen, c = 0, int(child[p])
+        while 0 <= c < a.n:
+            seen += 1
+            if seen > scratch[p]:
+                return False
+            c = int(nxt[c])
+        return True
 
     def victim(v: int) -> None:
-        nonlocal taken, held
+        nonlocal taken, held, stop
         parked = ndev[v] > scratch[v]
-        if parked and held < 4 * k + 1024:  # a device child left: P keeps it, ranked last
+        if parked and held < 1028:  # a device child left: P keeps it, ranked last (1028 per victim)
             held += 1
             a.set(v, M_PRIO, int(st[A_PMAX]))
             a.protect(v)
             return
-        if parked:
-            held += 1
+        held = 0
         out[taken] = v
         taken += 1
         pr = a.get(v, M_PRIO)
@@ -775,9 +786,12 @@ def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_ro
             f[3 * v + 2] = 1
             st[A_NPARK] += 1
         elif 0 <= parent[v] < a.n:
-            scratch[parent[v]] += 1
+            p = int(parent[v])
+            scratch[p] += 1
+            stop = bool(a.get(p, M_RSTAMP) < 0 and a.get(p, M_PSER) < 0
+                        and (scratch[p] == ndev[p] or (child is not None and all_taken(p))))
 
-    while taken < k:
+    while taken < k and not stop:
         p = a.ptop()
         if p >= 0 and st[A_NP] > budget:
             victim(a.unprotect_top())

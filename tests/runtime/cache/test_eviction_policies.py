@@ -372,6 +372,39 @@ def test_batched_host_eviction_equals_one_at_a_time(name, seed, host):
     caches[0].check()
 
 
+def test_batched_host_eviction_equals_one_at_a_time_where_a_host_run_is_cut():
+    """`adaptive`'s host queue: a run of host leaves is cut where a drop leaves the parent an
+    unqueued host leaf, which one-at-a-time eviction queues and drops next; the policy's pop
+    moves nodes between its segments, so the run must end there rather than be given back
+    (the workload where giving back parted from one-at-a-time eviction)."""
+    test_batched_host_eviction_equals_one_at_a_time("adaptive", 74, 32)
+
+
+def test_adaptive_host_queue_run_ends_where_a_parent_is_left_childless():
+    """A host tier's `adaptive` queue (`follows`) hands out a run only up to the victim whose
+    drop leaves its parent, not queued, without children (the cache queues that parent to go
+    next); a parent with a child left, or one that is queued, does not end the run, and a
+    device queue's run does not end for a parent left with host children only."""
+    from kvrt.runtime.cache.nodes import CHILD, NEXT, PARENT, RESET
+
+    n = 16
+    f = np.repeat(RESET[:, None], n, axis=1)
+
+    def link(v: int, p: int) -> None:
+        f[PARENT, v], f[NEXT, v], f[CHILD, p] = p, f[CHILD, p], v
+
+    for v, p in ((1, 0), (2, 1), (3, 1), (4, 0), (5, 4), (6, 0)):
+        link(v, p)  # 1 has children 2 and 3; 4 has child 5; 6 is a leaf of the root
+    host, dev = Adaptive(n, f[HITS]), Adaptive(n, f[HITS])
+    host.follows(dev)
+    for q in (host, dev):
+        q.push(np.array([2, 3, 5, 6], dtype=np.int32))
+    assert host.pop_many(4).tolist() == [2, 3]  # 1 has no child left and is not queued
+    assert host.pop_many(4).tolist() == [5]
+    assert host.pop_many(4).tolist() == [6]
+    assert dev.pop_many(4).tolist() == [2, 3, 5, 6]
+
+
 def test_eviction_with_host_tier_takes_runs():
     """With a host tier, device victims and the host leaves dropped to make room for them are
     taken from the policies in runs (`pop_many`), never one `pop` per block."""
