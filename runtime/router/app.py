@@ -308,6 +308,16 @@ class Router:
             raise
         return got
 
+    async def _next_chunk(self, i: int, got: _Answer) -> tuple[bytes | None, str]:
+        """Backend i's next piece of its answer, or None at its end, with why it was cut ("" if
+        it was not)."""
+        try:
+            return await got.chunks.__anext__(), ""
+        except StopAsyncIteration:
+            return None, ""
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return None, self._broke_off(i, e)
+
     def _broke_off(self, i: int, e: BaseException) -> str:
         """Why backend i's answer is cut; a connection that failed takes the backend out, one
         that went silent marks it slow."""
@@ -343,12 +353,8 @@ class Router:
             await out.prepare(request)
             await out.write(got.head)
             while not events.junk:
-                try:
-                    chunk = await got.chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    why = self._broke_off(i, e)
+                chunk, why = await self._next_chunk(i, got)
+                if chunk is None:
                     break
                 if piece := events.feed(chunk):
                     await out.write(piece)
@@ -392,12 +398,8 @@ class Router:
             await out.prepare(request)
             await out.write(got.head)
             while True:
-                try:
-                    chunk = await got.chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    why = self._broke_off(i, e)
+                chunk, why = await self._next_chunk(i, got)
+                if chunk is None:
                     break
                 await out.write(chunk)
                 tail = (tail + chunk)[-64:]
