@@ -24,7 +24,9 @@ info or reset request at once, so a client that hears nothing at all for `livene
 (LIVENESS_S, 2 s) while it waits takes the engine as stopped, hung or gone: every request in
 flight ends with an ErrorEvent of code SILENT (raised as RequestError by generate and stream;
 returned by poll) and its cancel is sent for the case the engine comes back; an info or reset
-request raises ClientError. Before the node has said anything, only the timeouts apply.
+request raises ClientError. Before the node has said anything, only the timeouts apply, unless
+the connection to it dropped (the process owning its socket died: a request sent before may be
+lost with it), from which on a silence counts as if it had spoken.
 
 `ttft_ms` and `e2e_ms` of a `Result` are measured here, from the send to the first token and to
 the FinishedEvent; the engine's own figures are kept as `engine_ttft_ms` / `engine_e2e_ms`.
@@ -232,6 +234,9 @@ class Client:
             raise ClientError(f"cannot connect to {self.address}: {e}") from None
         if monitor is not None:
             monitor.close(linger=0)
+        # (after the handshake's monitor: a socket has one at a time)
+        self._drops = None if liveness is None else \
+            self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED, f"inproc://drops-{id(self)}")
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
         self._nonces = itertools.count(1)
@@ -271,6 +276,10 @@ class Client:
     def close(self) -> None:
         """Close the socket at once (linger 0: nothing unsent is kept)."""
         if self._sock is not None:
+            if getattr(self, "_drops", None) is not None:  # (before close(): the context waits for every socket)
+                self._sock.disable_monitor()
+                self._drops.close(linger=0)
+                self._drops = None
             self._sock.close(linger=0)
             self._sock = None
             self._ctx.term()
@@ -510,10 +519,24 @@ class Client:
         """The node's silence in seconds, once it passed `liveness` while an answer has been
         awaited since `since` (monotonic); 0.0 within it, with liveness off, or before the
         node was ever heard from."""
-        if self.liveness is None or not self._heard:
+        if self.liveness is None:
+            return 0.0
+        if not self._heard and self._dropped():
+            self._heard, self.last_heard = True, time.monotonic()
+        if not self._heard:
             return 0.0
         quiet = time.monotonic() - max(self.last_heard, since)
         return quiet if quiet > self.liveness else 0.0
+
+    def _dropped(self) -> bool:
+        """Whether a connection to the node dropped (its socket's owner died or went away) since
+        this client was made: then the node was there, and a silence from now on is the node's
+        even if it never spoke to this client (its first request may have died with the socket)."""
+        if self._drops is None or not self._drops.poll(0):
+            return False
+        while self._drops.poll(0):
+            self._drops.recv_multipart()
+        return True
 
     def _slice(self, left: float) -> float:
         """How long one wait for messages may block: short enough to see a silence in time."""

@@ -94,3 +94,23 @@ def test_a_hung_gateway_is_killed_and_replaced(node, tmp_path):
         with Client(ln.port, timeout=30) as c:
             got = [int(t) for t in c.generate(prompt, 4).output_token_ids]
         assert got == oracle().generate_dense(prompt, 4)
+
+
+def test_a_fresh_clients_first_request_lost_with_the_gateway_ends_with_node_silent(node, tmp_path):
+    """A client that never heard from the node sends its first request into a gateway that dies
+    before relaying it: the dropped connection tells the client the node was there, so the
+    request ends with node_silent once the node stays silent, not at the client's own timeout."""
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "64") as ln:
+        gateway = _gateway(node)["pid"]
+        with Client(ln.port, timeout=60, connect_timeout=10) as c:  # (connected: nothing left to resend)
+            os.kill(gateway, signal.SIGSTOP)  # the request waits unread in the gateway's socket ...
+            try:
+                rid = c.submit(np.arange(3, 20, dtype=np.int32), 4)
+                time.sleep(0.2)  # (a test letting the request reach the stopped process)
+            finally:
+                os.kill(gateway, signal.SIGKILL)  # ... and dies with it
+            t0, end = time.monotonic(), None
+            while end is None and time.monotonic() - t0 < 30:
+                end = next((e for e in c.poll(1.0) if isinstance(e, (Result, api.ErrorEvent))), None)
+            assert isinstance(end, api.ErrorEvent) and end.code == api.SILENT and end.request_id == rid, end
+            assert time.monotonic() - t0 < 15, "told only after the client's own timeout"
