@@ -215,6 +215,7 @@ class Client:
         self.timeout = float(timeout)
         self.liveness = liveness
         self._ctx = zmq.Context()
+        self._drops: zmq.Socket | None = None  # the socket's monitor of dropped connections (_dropped)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # A ROUTER drops what a peer's full pipe cannot take: never let ours fill up.
@@ -235,8 +236,8 @@ class Client:
         if monitor is not None:
             monitor.close(linger=0)
         # (after the handshake's monitor: a socket has one at a time)
-        self._drops = None if liveness is None else \
-            self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED, f"inproc://drops-{id(self)}")
+        if liveness is not None:
+            self._drops = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED, f"inproc://drops-{id(self)}")
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
         self._nonces = itertools.count(1)
@@ -276,7 +277,7 @@ class Client:
     def close(self) -> None:
         """Close the socket at once (linger 0: nothing unsent is kept)."""
         if self._sock is not None:
-            if getattr(self, "_drops", None) is not None:  # (before close(): the context waits for every socket)
+            if self._drops is not None:  # (before close(): the context waits for every socket)
                 self._sock.disable_monitor()
                 self._drops.close(linger=0)
                 self._drops = None

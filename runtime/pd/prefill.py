@@ -274,12 +274,13 @@ class PrefillConnector(KVConnector):
         for link in self.links:
             if now < link.next_ping:
                 continue
-            link.next_ping = now + PING_EVERY_S
             if link.session is None:
                 link.next_ping = now + link.hello_after
                 link.hello_after = min(PING_EVERY_S, 2 * link.hello_after)
                 self._hello(link)
-            elif (silent := self._silent(link)) > self.dead_after:
+                continue
+            link.next_ping = now + PING_EVERY_S
+            if (silent := self._silent(link)) > self.dead_after:
                 self._link_lost(link, f"no answer to pings for {silent:.1f}s")
                 self._hello(link)
             else:
