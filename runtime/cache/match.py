@@ -91,7 +91,7 @@ class MatchRecord(NodeStore):
     """Match, record and references, mixed into PrefixCache (swap-ins it starts are tasks of
     runtime/cache/tasks.py; their device blocks come from runtime/cache/eviction.py)."""
 
-    _side_w: list[int] = []  # side groups' windows (runtime/cache/groups.py); empty: one group
+    _side_w: list[int]  # side groups' windows, set by PrefixCache (runtime/cache/groups.py); empty: one group
 
     def _walk(self, keys: Sequence[bytes], limit: int) -> np.ndarray:
         """The tree nodes of keys[:limit]'s longest cached prefix, from the root down: follow
