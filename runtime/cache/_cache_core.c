@@ -1154,6 +1154,40 @@ static PyObject *ghost_ages(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* give_uses(f, hits_row, nodes, uses, lo, capped, cap): f[hits_row, nodes[i]] = the smallest of
+   u[0..i], u[j] = uses[lo + j] (int32; 0 past its end), each at most `cap` if `capped`: the uses a
+   policy recalled for the keys of a request's just recorded nodes (`PrefixCache._give_recalled`),
+   never more than their parent's (every request that used a block used its prefix). */
+static PyObject *give_uses(PyObject *self, PyObject *args) {
+    PyObject *fobj, *nobj, *uobj;
+    long row;
+    Py_ssize_t lo;
+    int capped;
+    long long cap;
+    bufs bv;
+    if (!PyArg_ParseTuple(args, "OlOOnpL", &fobj, &row, &nobj, &uobj, &lo, &capped, &cap))
+        return NULL;
+    if (take_bufs(&bv, "give_uses", "Mni", fobj, nobj, uobj) < 0)
+        return NULL;
+    if (row_index(row, &bv.b[0]) < 0 || lo < 0) {
+        drop_bufs(&bv);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "give_uses: lo must be >= 0");
+        return NULL;
+    }
+    int32_t *hits = (int32_t *)bv.b[0].buf + row * bv.b[0].shape[1];
+    const int32_t *nodes = bv.b[1].buf, *uses = bv.b[2].buf;
+    Py_ssize_t n = bv.b[1].shape[0], have = bv.b[2].shape[0];
+    int64_t run = capped ? cap : INT64_MAX;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t u = lo + i < have ? uses[lo + i] : 0;
+        run = u < run ? u : run;
+        hits[nodes[i]] = (int32_t)run;
+    }
+    drop_bufs(&bv);
+    Py_RETURN_NONE;
+}
+
 /* gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial, heap)
    -> runs: the `gaps` policy's priorities for released `nodes` (int32, distinct), as
    `ReuseGaps.push` ranks them: a node of h earlier uses (hits, int32) has level
@@ -1226,7 +1260,7 @@ done:
 
 /* ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py, tasks.py) */
 
-/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy)
+/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy, gone)
    -> (cut, leaf) or None: drop the host leaves of the popped run `cand` (int32) as
    `Eviction._drop_host_run` does when the run is whole chains of host-only (`cpu`) nodes, each
    node a leaf once the nodes before it are gone (its only child is the node right before it);
@@ -1236,18 +1270,23 @@ done:
    not queued (`parent in policy` is asked of the policy then): the run is cut after that top,
    `leaf` is that parent (-1 if none) and `cut` the length of the part dropped. Of that part,
    keys that were not their parent's continuation (as found before any unlinking) leave the key
-   map, keys are cleared, host blocks written to `hosts` (int32) from index `h_at`, columns reset to `reset` and ids put
+   map, keys are cleared (appended to the list `gone` first, in order, unless it is None: the
+   caller's policy remembers them, with no Python loop over the run), host blocks written to `hosts` (int32) from index `h_at`, columns reset to `reset` and ids put
    on the free-id stack from index `at`. rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST). */
 static PyObject *drop_host_run(PyObject *self, PyObject *args) {
-    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hobj, *sobj, *policy;
+    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hobj, *sobj, *policy, *gone;
     long cpu;
     Py_ssize_t at, h_at;
     bufs bv;
     PyObject *res = NULL;
     unsigned char *mapped = NULL;
-    if (!PyArg_ParseTuple(args, "OOOlOO!O!OnOnO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
-                          &PyDict_Type, &kmap, &hobj, &h_at, &sobj, &at, &policy))
+    if (!PyArg_ParseTuple(args, "OOOlOO!O!OnOnOO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
+                          &PyDict_Type, &kmap, &hobj, &h_at, &sobj, &at, &policy, &gone))
         return NULL;
+    if (gone != Py_None && !PyList_Check(gone)) {
+        PyErr_SetString(PyExc_TypeError, "drop_host_run: gone must be a list or None");
+        return NULL;
+    }
     if (take_bufs(&bv, "drop_host_run", "MnII", fobj, cobj, hobj, sobj) < 0)
         return NULL;
     Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *hb = &bv.b[2], *st = &bv.b[3];
@@ -1324,6 +1363,8 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
         int32_t v = cand[i];
         key_ahead(node_keys, cand, i, cut);
         hosts[i] = HOST[v];
+        if (gone != Py_None && PyList_Append(gone, PyList_GET_ITEM(node_keys, v)) < 0)
+            goto done;
         free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
     }
     res = Py_BuildValue("(nl)", cut, leaf);
@@ -2228,6 +2269,23 @@ static inline uint64_t g_slot0(const unsigned char *k) {
     return x;
 }
 
+/* Ask for the two table slots of `key` (if a 16-byte key) ahead of their use: the table is far
+   larger than the CPU's caches and each slot is a wait for memory; asked for G_AHEAD keys ahead,
+   the waits of a run of keys overlap. `write`: the slots will be written. */
+#define G_AHEAD 8
+static inline void g_slots_ahead(PyObject *key, const uint64_t *table, Py_ssize_t slots, uint64_t mask, int write) {
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != 16)
+        return;
+    uint64_t h = g_slot0((const unsigned char *)PyBytes_AS_STRING(key));
+    if (write) {
+        __builtin_prefetch(&table[h & mask], 1);
+        __builtin_prefetch(&table[slots + ((h >> 32) & mask)], 1);
+    } else {
+        __builtin_prefetch(&table[h & mask], 0);
+        __builtin_prefetch(&table[slots + ((h >> 32) & mask)], 0);
+    }
+}
+
 /* adapt_forget(M, hits, table, keys, nodes, aligned): nodes (int32) leave the cache; remember for
    each its key (bytes, 16), its release (M's M_REL) and its uses (hits + 1): keys[i] and hits[i]
    if `aligned` (taken before the nodes were freed), else keys[node] and hits[node] (the node
@@ -2254,6 +2312,21 @@ static PyObject *adapt_forget(PyObject *self, PyObject *args) {
     const int32_t *hits = bv.b[1].buf, *nodes = bv.b[3].buf;
     uint64_t *table = bv.b[2].buf, mask = (uint64_t)slots - 1;
     for (Py_ssize_t i = 0; i < k; i++) {
+        /* (the key object, release and uses of the node 2 * G_AHEAD on, the slots of the one G_AHEAD on) */
+        if (i + 2 * G_AHEAD < k) {
+            int32_t w = nodes[i + 2 * G_AHEAD];
+            if (w >= 0 && w < n) {
+                __builtin_prefetch(PySequence_Fast_GET_ITEM(fast, aligned ? i + 2 * G_AHEAD : w), 0);
+                __builtin_prefetch(&m[(Py_ssize_t)w * M_ROWS + M_REL], 0);
+                if (!aligned)
+                    __builtin_prefetch(&hits[w], 0);
+            }
+        }
+        if (i + G_AHEAD < k) {
+            int32_t w = nodes[i + G_AHEAD];
+            if (w >= 0 && w < n)
+                g_slots_ahead(PySequence_Fast_GET_ITEM(fast, aligned ? i + G_AHEAD : w), table, slots, mask, 1);
+        }
         int32_t v = nodes[i];
         if (v < 0 || v >= n)
             continue;
@@ -2301,6 +2374,8 @@ static PyObject *adapt_recall(PyObject *self, PyObject *args) {
     int64_t *ages = bv.b[1].buf;
     int32_t *uses = bv.b[2].buf;
     for (Py_ssize_t i = 0; i < k; i++) {
+        if (i + G_AHEAD < k)
+            g_slots_ahead(PySequence_Fast_GET_ITEM(fast, start + i + G_AHEAD), table, slots, mask, 0);
         PyObject *key = PySequence_Fast_GET_ITEM(fast, start + i);
         ages[i] = -1;
         uses[i] = 0;
@@ -2352,12 +2427,13 @@ static PyMethodDef methods[] = {
     {"finish_swap_out", finish_swap_out, METH_VARARGS,
      "finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
     {"drop_host_run", drop_host_run, METH_VARARGS,
-     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy) -> (cut, leaf) or None"},
+     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy, gone) -> (cut, leaf) or None"},
     {"mark_swap_out", mark_swap_out, METH_VARARGS,
      "mark_swap_out(f, vs, task, hosts, victims, devs, at, rows, swap2cpu, task_id, node_keys, victim_keys)"},
     {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
     {"policy_discard", policy_discard, METH_VARARGS,
      "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},
+    {"give_uses", give_uses, METH_VARARGS, "give_uses(f, hits_row, nodes, uses, lo, capped, cap): running minimum of capped uses"},
     {"ghost_ages", ghost_ages, METH_VARARGS, "ghost_ages(ghost, nodes, ages): ghost[nodes] = running maximum of ages"},
     {"gaps_rank", gaps_rank, METH_VARARGS,
      "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial, heap) -> runs"},

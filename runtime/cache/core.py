@@ -11,7 +11,7 @@ try:
     from kvrt.runtime.cache._cache_core import (adapt_discard, adapt_forget, adapt_front, adapt_missed, adapt_pop,
                                                 adapt_push, adapt_recall,
                                                 chain_keys, chain_tops, deref, drop_host_nodes, drop_host_run,
-                                                drop_run, finish_swap_out, free_host_nodes, gaps_rank, ghost_ages, mark_swap_out, new_chain,
+                                                drop_run, finish_swap_out, free_host_nodes, gaps_rank, ghost_ages, give_uses, mark_swap_out, new_chain,
                                                 policy_discard, policy_release, pop_live, sketch_add,
                                                 sketch_count, sketch_raise, stamp_runs, touch_device,
                                                 walk)
@@ -22,5 +22,5 @@ except ImportError as e:
                       f"older source ({e}): build it with `pip install -e .` in the checkout") from e
 
 __all__ = ["adapt_discard", "adapt_forget", "adapt_front", "adapt_missed", "adapt_pop", "adapt_push", "adapt_recall", "chain_keys", "chain_tops", "deref", "drop_host_nodes", "drop_host_run", "drop_run", "finish_swap_out",
-           "free_host_nodes", "gaps_rank", "ghost_ages", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live",
+           "free_host_nodes", "gaps_rank", "ghost_ages", "give_uses", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live",
            "sketch_add", "sketch_count", "sketch_raise", "stamp_runs", "touch_device", "walk"]

@@ -494,19 +494,21 @@ class Eviction(NodeStore):
         whose drop makes its parent an unqueued host leaf (that parent comes next), the rest
         going back to the front of the queue."""
         policy = self._host_lru
-        names = None if self._obs is None else [self._keys[v] for v in cand.tolist()]
-        gone = ([self._keys[v] for v in cand.tolist()], self._f[HITS, cand]) if self._remembers else None
+        # the keys of the nodes dropped, handed over by the C call as it frees them (for the
+        # observer and a policy that remembers them); their uses, taken before
+        gone = [] if self._remembers or self._obs is not None else None
+        hits = self._f[HITS, cand] if self._remembers else None
         got = _drop_host_run_c(self._f, cand, HOST_DROP_ROWS, CPU, RESET_ROW, self._keys, self._map, hosts, at,
-                               self._stack, self._top, policy)
+                               self._stack, self._top, policy, gone)
         if got is None:
             return self._drop_host_slow(cand, hosts, at)
         cut, leaf = got
-        if gone is not None:
-            self._dev_lru.forget(cand[:cut], gone[0][:cut], np.ascontiguousarray(gone[1][:cut]))
+        if hits is not None:
+            self._dev_lru.forget(cand[:cut], gone, hits[:cut])
         if cut < len(cand):
             policy.push_front_run(cand[cut:].tolist())
-        if names is not None:  # host-only nodes
-            self._obs.removed(ON_HOST, names[:cut])
+        if self._obs is not None:  # host-only nodes
+            self._obs.removed(ON_HOST, gone)
         self._host_cached -= cut
         self._top += cut
         if leaf >= 0:

@@ -263,6 +263,9 @@ class Adaptive(EvictionPolicy):
         stays (runtime/cache/_cache_core.c adapt_pop counts them in `scratch`); a child the
         cache will park (`parks`) is never taken, so it counts one less from the start."""
         out = np.empty(k, dtype=np.int32)
+        if not self._parks:  # the usual call: nothing to count beforehand, nothing to undo
+            return out[:_pop_c(*self._args, out, k, self.budget(), LEVEL_SPAN, self._tree, PARENT, NDEV, *self._links,
+                               self._scratch, self._due)]
         scratch, parent = self._scratch, self._tree[PARENT]
         rstamp, pser = self._rstamp, self._pser
         held = [int(parent[v]) for v in self._parks if (rstamp[v] >= 0 or pser[v] >= 0) and 0 <= parent[v] < self._n]

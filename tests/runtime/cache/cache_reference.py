@@ -224,6 +224,16 @@ def policy_discard(stamp: np.ndarray, released: np.ndarray, matched: np.ndarray,
     return len(queued), long
 
 
+def give_uses(f: np.ndarray, hits_row: int, nodes: np.ndarray, uses: np.ndarray, lo: int, capped: bool,
+              cap: int) -> None:
+    got = np.zeros(len(nodes), dtype=np.int32)
+    k = max(0, min(len(nodes), len(uses) - lo))  # (keys the request grew by after its match: none)
+    got[:k] = uses[lo:lo + k]
+    if capped:
+        np.minimum(got, cap, out=got)
+    f[hits_row, nodes] = np.minimum.accumulate(got)
+
+
 def ghost_ages(ghost: np.ndarray, nodes: np.ndarray, ages: np.ndarray) -> None:
     ghost[nodes] = np.maximum.accumulate(ages)
 
@@ -255,7 +265,7 @@ def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: 
 # ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py)
 def drop_host_run(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, reset: tuple, node_keys: list,
                   kmap: dict, hosts: np.ndarray, h_at: int, stack: np.ndarray, at: int,
-                  policy) -> tuple[int, int] | None:
+                  policy, gone: list | None) -> tuple[int, int] | None:
     parent, child, nxt, prev, cont, state, ref, host = rows
     m = len(cand)
     g = f[:, cand]
@@ -288,6 +298,8 @@ def drop_host_run(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, reset:
     cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
     for v in cand[mapped].tolist():
         del kmap[node_keys[v]]
+    if gone is not None:
+        gone += [node_keys[v] for v in cand.tolist()]
     for v in cand.tolist():
         node_keys[v] = None
     hosts[h_at:h_at + cut] = g[host]

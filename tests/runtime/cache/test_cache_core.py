@@ -9,8 +9,8 @@ import heapq
 import numpy as np
 import pytest
 
-from kvrt.runtime.cache import (eviction as cache_eviction, keys as hashing, match as cache_match, tasks as cache_tasks,
-                                use_sketch)
+from kvrt.runtime.cache import (eviction as cache_eviction, keys as hashing, match as cache_match,
+                                prefix_cache as cache_prefix, tasks as cache_tasks, use_sketch)
 from kvrt.runtime.cache._cache_core import deref, drop_run, free_host_nodes, mark_swap_out, new_chain, touch_device
 from kvrt.runtime.cache.keys import BlockHasher
 from kvrt.runtime.cache.nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
@@ -74,7 +74,7 @@ POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"),
                   "_pop_c": ("gaps", "reuse"),
                   "_stamp_runs_c": ("reuse",), "_release_c": ("gaps", "reuse"),
                   "_discard_c": ("gaps", "reuse"), "_rank_c": ("gaps",),
-                  "_ghost_c": ("gaps",)}
+                  "_ghost_c": ("gaps",), "_give_uses_c": ("adaptive",)}
 
 
 @pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
@@ -89,7 +89,8 @@ POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"),
         (cache_match, "_walk_c", ref.walk),
         (use_sketch, "_add_c", ref.sketch_add), (hashing, "_chain_keys_c", ref.chain_keys),
         (reuse_levels, "_release_c", ref.policy_release), (reuse_levels, "_discard_c", ref.policy_discard),
-        (reuse_gaps, "_rank_c", ref.gaps_rank), (reuse_gaps, "_ghost_c", ref.ghost_ages))])
+        (reuse_gaps, "_rank_c", ref.gaps_rank), (reuse_gaps, "_ghost_c", ref.ghost_ages),
+        (cache_prefix, "_give_uses_c", ref.give_uses))])
 def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
     """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
@@ -98,7 +99,8 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
     sketch remembers (sketch_raise, the `reuse` policy), the `reuse` policy's scan of its
     queue for a run (pop_live: its heap walk) and split of a released path into runs (stamp_runs), the
     `reuse` family's marks per released and matched node (policy_release, policy_discard) and
-    the `gaps` ranking of a released path (gaps_rank) and ages of recorded nodes (ghost_ages), and the
+    the `gaps` ranking of a released path (gaps_rank) and ages of recorded nodes (ghost_ages), the uses
+    `adaptive` recalled given to recorded nodes (give_uses), and the
     block keys themselves (chain_keys), in C or in numpy leave the same cache (and queues) at every step,
     with and without a host tier."""
     cls = make_policy(name)
