@@ -1271,8 +1271,9 @@ done:
    `leaf` is that parent (-1 if none) and `cut` the length of the part dropped. Of that part,
    keys that were not their parent's continuation (as found before any unlinking) leave the key
    map, keys are cleared (appended to the list `gone` first, in order, unless it is None: the
-   caller's policy remembers them, with no Python loop over the run), host blocks written to `hosts` (int32) from index `h_at`, columns reset to `reset` and ids put
-   on the free-id stack from index `at`. rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST). */
+   caller's policy remembers them, with no Python loop over the run), host blocks written to
+   `hosts` (int32) from index `h_at`, columns reset to `reset` and ids put on the free-id stack
+   from index `at`. rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST). */
 static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hobj, *sobj, *policy, *gone;
     long cpu;
@@ -2427,7 +2428,8 @@ static PyMethodDef methods[] = {
     {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
     {"policy_discard", policy_discard, METH_VARARGS,
      "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},
-    {"give_uses", give_uses, METH_VARARGS, "give_uses(f, hits_row, nodes, uses, lo, capped, cap): running minimum of capped uses"},
+    {"give_uses", give_uses, METH_VARARGS,
+     "give_uses(f, hits_row, nodes, uses, lo, capped, cap): a running minimum of the capped uses"},
     {"ghost_ages", ghost_ages, METH_VARARGS, "ghost_ages(ghost, nodes, ages): ghost[nodes] = running maximum of ages"},
     {"gaps_rank", gaps_rank, METH_VARARGS,
      "gaps_rank(hits, ghost, prio, stamp, nodes, levels, hold, now, unit, far1, far2, span, serial, heap) -> runs"},
