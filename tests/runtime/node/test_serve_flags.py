@@ -91,6 +91,13 @@ def test_the_defaults_are_vllms(checkpoint):
     assert check_launch_argv(_plan(checkpoint, environ={"VLLM_API_KEY": "s"}).launch_argv).api_key == "s"
 
 
+def test_the_http_engine_timeouts_default_is_the_bridges(checkpoint):
+    """The launcher names the bridge's default without importing the HTTP stack: the same number."""
+    from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S
+
+    assert check_launch_argv(_plan(checkpoint).launch_argv).http_engine_timeout == ENGINE_TIMEOUT_S
+
+
 @pytest.mark.parametrize("spelling", [["--max_model_len", "64"], ["--max-model-len=64"], ["-tp", "1", "--max-model-len",
                                                                                            "64"]])
 def test_vllms_other_spellings_are_taken(checkpoint, spelling):
