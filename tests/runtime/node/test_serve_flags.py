@@ -98,6 +98,22 @@ def test_the_http_engine_timeouts_default_is_the_bridges(checkpoint):
     assert check_launch_argv(_plan(checkpoint).launch_argv).http_engine_timeout == ENGINE_TIMEOUT_S
 
 
+def test_the_http_stall_timeout_is_the_servers_bound_unless_given():
+    """--http-stall-timeout: STALL_S when not given (the number its help and the guide name), a
+    finite number of seconds > 0 when given, anything else refused by name."""
+    from kvrt.runtime.http.server import HttpOptions
+    from kvrt.runtime.http.stalled import STALL_S
+
+    launch = launcher._add_launch(argparse.ArgumentParser(prog="kvrt").add_subparsers())
+    help_ = next(a.help for a in launch._actions if "--http-stall-timeout" in a.option_strings)
+    assert f"default {STALL_S:g} s" in help_
+    assert HttpOptions.of(launch.parse_args([])).stall_timeout == STALL_S
+    assert HttpOptions.of(launch.parse_args(["--http-stall-timeout", "0.5"])).stall_timeout == 0.5
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match="--http-stall-timeout"):
+            HttpOptions.of(launch.parse_args(["--http-stall-timeout", bad]))
+
+
 @pytest.mark.parametrize("spelling", [["--max_model_len", "64"], ["--max-model-len=64"], ["-tp", "1", "--max-model-len",
                                                                                            "64"]])
 def test_vllms_other_spellings_are_taken(checkpoint, spelling):
