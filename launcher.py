@@ -208,6 +208,9 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-events-port", type=int, default=d.kv_events_port, metavar="P",
                    help="publish the prefix cache's KV events (vLLM's shape: block stored / removed / all cleared, per "
                         "tier) on a ZeroMQ PUB socket on --host:P, with replay and snapshots on P+1 (0 = off)")
+    p.add_argument("--kv-events-replay-rate", type=float, default=d.kv_events_replay_rate, metavar="R",
+                   help="replay answers the engine gives a second on the KV events' replay port, in bursts of up to "
+                        "16 between two steps (default 0: 64 a second, runtime/cache/events.py REPLAY_PER_S)")
     p.add_argument("--events-secret-file", default="", metavar="PATH",
                    help="the KV events' deployment secret (at least 16 bytes, mode 0600; the same file for every "
                         "node and kvrt route): only subscribers holding it are admitted (ZeroMQ CURVE) and the "

@@ -114,6 +114,22 @@ def test_the_http_stall_timeout_is_the_servers_bound_unless_given():
             HttpOptions.of(launch.parse_args(["--http-stall-timeout", bad]))
 
 
+def test_the_kv_events_replay_rate_is_the_publishers_unless_given():
+    """--kv-events-replay-rate: 0 (REPLAY_PER_S, the number its help names) when not given; a
+    negative or non-finite rate is refused by name."""
+    from kvrt.runtime.cache.events import REPLAY_PER_S
+    from kvrt.runtime.node.config import ConfigError, NodeConfig
+
+    launch = launcher._add_launch(argparse.ArgumentParser(prog="kvrt").add_subparsers())
+    help_ = next(a.help for a in launch._actions if "--kv-events-replay-rate" in a.option_strings)
+    assert f"default 0: {REPLAY_PER_S:g} a second" in help_
+    assert launch.parse_args([]).kv_events_replay_rate == 0
+    NodeConfig(node="x", kv_events_port=5000, kv_events_replay_rate=512.0).validate()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--kv-events-replay-rate"):
+            NodeConfig(node="x", kv_events_port=5000, kv_events_replay_rate=bad).validate()
+
+
 @pytest.mark.parametrize("spelling", [["--max_model_len", "64"], ["--max-model-len=64"], ["-tp", "1", "--max-model-len",
                                                                                            "64"]])
 def test_vllms_other_spellings_are_taken(checkpoint, spelling):
