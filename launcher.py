@@ -81,8 +81,11 @@ def _threads(value: str) -> int:
 
 def _add_launch(sub) -> argparse.ArgumentParser:
     from kvrt.runtime.cache.policies.base import policy_names
+    # the HTTP bridge's ENGINE_TIMEOUT_S is LIVENESS_S (tests/test_cli.py holds the two together):
+    # named here from the client API, every kvrt command builds this parser without loading the
+    # HTTP stack (the client, its templates, asyncio), which a node without --http-port never uses
+    from kvrt.runtime.client.api import LIVENESS_S as ENGINE_TIMEOUT_S
     from kvrt.runtime.client.api import PROBE_S
-    from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S
     from kvrt.runtime.node.config import NodeConfig
 
     d = NodeConfig(node="")
@@ -188,6 +191,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    help=f"the HTTP server fails (504) every request in flight when the engine sends nothing at all "
                         f"(not even its liveness probes, every {PROBE_S:g} s, steps or no steps) for S seconds: it is "
                         f"stopped, hung or unreachable (default {ENGINE_TIMEOUT_S:g})")
+    p.add_argument("--http-stall-timeout", type=float, default=None, metavar="S",
+                   help="the HTTP server drops the connection of an answer (streamed, or large) whose write waited "
+                        "S seconds for a client that reads nothing, and cancels its requests (default 10 s, "
+                        "runtime/http/stalled.py STALL_S)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model ids of the HTTP API, as vLLM's: requests may name any of them, /v1/models "
                    "reports the first (default: --model exactly as given, or kvrt-reference)")
@@ -201,6 +208,9 @@ def _add_launch(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-events-port", type=int, default=d.kv_events_port, metavar="P",
                    help="publish the prefix cache's KV events (vLLM's shape: block stored / removed / all cleared, per "
                         "tier) on a ZeroMQ PUB socket on --host:P, with replay and snapshots on P+1 (0 = off)")
+    p.add_argument("--kv-events-replay-rate", type=float, default=d.kv_events_replay_rate, metavar="R",
+                   help="replay answers the engine gives a second on the KV events' replay port, in bursts of up to "
+                        "16 between two steps (default 0: 64 a second, runtime/cache/events.py REPLAY_PER_S)")
     p.add_argument("--events-secret-file", default="", metavar="PATH",
                    help="the KV events' deployment secret (at least 16 bytes, mode 0600; the same file for every "
                         "node and kvrt route): only subscribers holding it are admitted (ZeroMQ CURVE) and the "

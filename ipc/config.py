@@ -35,6 +35,7 @@ class NodeConfig:
     port: int = 0
     metrics_port: int = 0
     kv_events_port: int = 0  # KV events PUB port (replay on the next one; 0 = off), on host
+    kv_events_replay_rate: float = 0.0  # replay answers a second (0: runtime/cache/events.py REPLAY_PER_S)
     events_secret_file: str = ""  # the KV events' deployment secret (CURVE, keyed keys); needed beyond loopback
     log_dir: str = ""
     # model shape (the KV pools' block shape follows from it)

@@ -32,7 +32,6 @@ from kvrt.ipc.topology import Topology
 from kvrt.workers.backend import get_backend
 from kvrt.workers.child import Child, run_child
 from kvrt.workers.cuda_allreduce import peer_memory
-from kvrt.workers.model.hf_model import HFModel
 from kvrt.workers.kv_pool import attach_pools
 from kvrt.workers.model.transformer import Model, ModelShape, SeqInput
 from kvrt.workers.progress import Progress, ProgressBeat
@@ -63,6 +62,8 @@ class Worker:
             self.model = TorchModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, device, cfg.kv_dtype,
                                          cfg.compute_dtype, child.rank, cfg.tp, allreduce, self.xp)
         elif cfg.model_dir:
+            from kvrt.workers.model.hf_model import HFModel  # checkpoint reading only where one is served
+
             self.model = HFModel.load(cfg.model_dir, cfg.model_fingerprint, cfg.max_model_len, self.xp,
                                       kv_dtype=cfg.kv_dtype, rank=child.rank, tp=cfg.tp, allreduce=allreduce,
                                       matmul_dtype=cfg.compute_dtype)

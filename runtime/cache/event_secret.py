@@ -29,14 +29,16 @@ import hashlib
 import hmac
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from kvrt.ipc.private import read_secret_file
 from kvrt.runtime.cache.keys import KEY_BYTES
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 PUBLISHED_MEMO = 1 << 16  # keys whose published form is kept (some 15 MB at most)
 MAKE_SECRET_HINT = ("make one with `python -c 'import secrets; print(secrets.token_hex(32))' > events.secret && "
@@ -139,7 +141,11 @@ class EventSecret:
 
     def authenticator(self, ctx: zmq.Context) -> ThreadAuthenticator:
         """A started ZAP handler on `ctx` that admits this deployment's subscribers only
-        (stop() it before the context is terminated)."""
+        (stop() it before the context is terminated). Imported here: pyzmq's authenticator
+        brings asyncio, which every process that imports this module (the engine, the gateway)
+        would otherwise load at start even when it serves its events without a secret."""
+        from zmq.auth.thread import ThreadAuthenticator
+
         auth = ThreadAuthenticator(ctx)
         auth.start()
         auth.configure_curve_callback("*", _OneKey(self.client_public))

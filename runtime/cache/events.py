@@ -133,12 +133,13 @@ class KVEventPublisher:
     def __init__(self, host: str, port: int, block_size: int, snapshot: Callable[[], Iterable[CachedBlock]],
                  ctx: zmq.Context | None = None, secret: EventSecret | None = None,
                  clock: Callable[[], float] = time.monotonic, private: tuple[str, str] | None = None,
-                 windows: Sequence[int] = ()):
+                 windows: Sequence[int] = (), replay_per_s: float = REPLAY_PER_S):
         """`private`: the (events, replay) ipc:// addresses to bind instead of host:port and
         port + 1, where the gateway relays them (module docstring): the gateway guards the public
         ports, so these are not CURVE servers, and a replay request comes with the gateway's
         identity before the subscriber's. `windows`: each layer group's window (ipc/layout.py
-        LayerGroups.windows), told with the blocks of a model of several."""
+        LayerGroups.windows), told with the blocks of a model of several. `replay_per_s`: replay
+        answers a second (`kvrt launch --kv-events-replay-rate`)."""
         self.block_size = block_size
         self._windows = list(windows)  # each layer group's window (ipc/layout.py LayerGroups.windows)
         self._snapshot = snapshot
@@ -154,6 +155,7 @@ class KVEventPublisher:
         self.dropped = 0
         self._snap: tuple[int, bytes] | None = None  # the snapshot at a number: the same until it changes
         self._clock = clock
+        self._replay_per_s = replay_per_s
         self._tokens, self._refilled = float(MAX_REPLAY_REQUESTS), clock()
         self.pub = self._ctx.socket(zmq.PUB)
         self.replay = self._ctx.socket(zmq.ROUTER)
@@ -212,10 +214,10 @@ class KVEventPublisher:
 
     def serve_replay(self) -> None:
         """Answer the replay requests that arrived: at most MAX_REPLAY_REQUESTS per call and
-        REPLAY_PER_S a second, so that requests sent in a loop (each answer can be a snapshot of
+        REPLAY_PER_S (or the node's --kv-events-replay-rate) a second, so that requests sent in a loop (each answer can be a snapshot of
         the whole cache) cost the engine a bounded share of its time; the rest wait unread."""
         now = self._clock()
-        self._tokens = min(float(MAX_REPLAY_REQUESTS), self._tokens + (now - self._refilled) * REPLAY_PER_S)
+        self._tokens = min(float(MAX_REPLAY_REQUESTS), self._tokens + (now - self._refilled) * self._replay_per_s)
         self._refilled = now
         while self._tokens >= 1.0:
             try:

@@ -33,7 +33,7 @@ from kvrt.ipc.storage_uri import parse_storage
 from kvrt.ipc.topology import ENGINE, Topology
 from kvrt.runtime.cache.event_secret import EventSecret
 from kvrt.ipc.log_limit import limit_logs
-from kvrt.runtime.cache.events import KVEventPublisher
+from kvrt.runtime.cache.events import REPLAY_PER_S, KVEventPublisher
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 from kvrt.runtime.cache.storage_index import StorageIndex
@@ -257,7 +257,8 @@ class Engine:
             private = (sockets.address(cfg.node, sockets.EVENTS), sockets.address(cfg.node, sockets.REPLAY))
             self.kv_events = self.tasks.kv_events = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.block_size,
                                                                      self.cache.cached_blocks, secret=secret,
-                                                                     private=private, windows=cfg.kv_groups.windows)
+                                                                     private=private, windows=cfg.kv_groups.windows,
+                                                                     replay_per_s=cfg.kv_events_replay_rate or REPLAY_PER_S)
             self.cache.observe(self.kv_events)
             self.kv_events.cleared()  # batch 1: a subscriber that knew an earlier life of this node forgets it
         if cfg.port:

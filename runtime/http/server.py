@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import random
 import socket
@@ -27,6 +28,7 @@ from kvrt.runtime.http.auth import ApiKeyAuth
 from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S, Bridge, Submission
 from kvrt.runtime.http.chat_template_flag import read_chat_template
 from kvrt.runtime.http.connections import uvicorn_config
+from kvrt.runtime.http.stalled import STALL_S
 from kvrt.runtime.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,8 @@ def cache_info(cfg: NodeConfig) -> dict:
 @dataclass
 class HttpOptions:
     """The HTTP server's settings that vLLM's flags of the same names give (`kvrt launch --api-key`,
-    `--chat-template`, `--seed`, `--access-log`, `--log-requests`, `--uvicorn-log-level`)."""
+    `--chat-template`, `--seed`, `--access-log`, `--log-requests`, `--uvicorn-log-level`), and how long
+    an answer's write may wait for a client that reads nothing (`--http-stall-timeout`)."""
 
     api_key: str | None = None
     chat_template: str | None = None  # the template's text (read from --chat-template)
@@ -72,15 +75,20 @@ class HttpOptions:
     access_log: bool = False
     log_requests: bool = False
     uvicorn_log_level: str = "warning"
+    stall_timeout: float = STALL_S
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> "HttpOptions":
         """From `kvrt launch`'s flags; ValueError when the chat template cannot be read or the
-        API key is empty."""
+        API key is empty or the stall timeout is not a finite number of seconds > 0."""
         if args.api_key is not None and not args.api_key:
             raise ValueError("--api-key must not be empty")
+        stall = STALL_S if args.http_stall_timeout is None else args.http_stall_timeout
+        if not (math.isfinite(stall) and stall > 0):
+            raise ValueError(f"--http-stall-timeout must be a finite number of seconds > 0, got {stall}")
         template = read_chat_template(args.chat_template) if args.chat_template is not None else None
-        return cls(args.api_key, template, args.seed, args.access_log, args.log_requests, args.uvicorn_log_level)
+        return cls(args.api_key, template, args.seed, args.access_log, args.log_requests, args.uvicorn_log_level,
+                   stall)
 
 
 class _SeededBridge(Bridge):
@@ -130,6 +138,7 @@ class HttpServer:
         kw = dict(node=node, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
         self.api = server = Server(self.bridge, model_names, metrics_port, cache, **kw) if options.chat_template is None else \
             _TemplatedServer(self.bridge, model_names, metrics_port, cache, chat_template=options.chat_template, **kw)
+        server.stall_s = options.stall_timeout
         app = create_app(server)
         if options.access_log or options.log_requests:
             app = AccessLog(app, access=options.access_log, requests=options.log_requests)

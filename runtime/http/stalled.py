@@ -3,10 +3,10 @@
 Why: an answer streamed to a client that stops reading fills the socket's buffers; the server's
 writes then wait (back-pressure), so the answer is no longer built, but its engine requests would
 go on holding their seats and blocks, for as long as the client likes (a client can open hundreds
-of such streams). A write that cannot go out for STALL_S seconds cuts the answer: its generator is
-closed (which cancels its engine requests: runtime/http/app.py's streams cancel in their
-`finally`), and the connection is dropped at once, its unsent bytes with it (a close would wait
-for a client that does not read). The client sees a connection reset, never a whole answer.
+of such streams). A write that cannot go out for STALL_S seconds (`kvrt launch
+--http-stall-timeout`) cuts the answer: its generator is closed (which cancels its engine
+requests: runtime/http/app.py's streams cancel in their `finally`), and the connection is
+dropped at once, its unsent bytes with it (a close would wait for a client that does not read). The client sees a connection reset, never a whole answer.
 """
 from __future__ import annotations
 

@@ -103,6 +103,9 @@ class NodeConfig(config.NodeConfig):
         if not 0 <= self.kv_events_port <= 65534:
             raise ConfigError(f"--kv-events-port must be 0..65534 (replay listens on the next port), "
                               f"got {self.kv_events_port}")
+        if not (math.isfinite(self.kv_events_replay_rate) and self.kv_events_replay_rate >= 0):
+            raise ConfigError(f"--kv-events-replay-rate must be a finite number >= 0 (0: the default), "
+                              f"got {self.kv_events_replay_rate}")
         self._check_events_secret()
         for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len",
                      "max_num_seqs", "max_num_batched_tokens"):

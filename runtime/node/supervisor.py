@@ -28,6 +28,7 @@ child's does (a public port in use is reported so).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -147,6 +148,7 @@ class Node:
         self._watch: Watchdog[int] = Watchdog(pause_gap(cfg.hang_timeout, SUPERVISE_S))  # heartbeats by slot
         self._gateway_due: float | None = None  # when a dead gateway's successor starts
         self._gateway_deaths = 0  # deaths in quick succession (GATEWAY_STABLE_S): the back-off's exponent
+        self._wake = -1  # the read end of the signals' wake-up pipe while run() runs (_dead_children polls it)
 
     # ---- shared objects ------------------------------------------------------------------
     def create_objects(self) -> None:
@@ -222,7 +224,12 @@ class Node:
             poller = select.poll()
             for c in live:
                 poller.register(c.pidfd, select.POLLIN)
+            if self._wake >= 0:  # a signal ends the wait too: a stop starts at once
+                poller.register(self._wake, select.POLLIN)
             poller.poll(max(timeout, 0.0) * 1000)
+            if self._wake >= 0:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake, 256)
         return [c for c in live if c.proc.poll() is not None]
 
     def _error_of(self, c: Child) -> str:
@@ -438,12 +445,12 @@ class Node:
                     if c.proc.poll() is None:
                         c.proc.send_signal(sig)
                 deadline = time.monotonic() + 2.0
-            for c in alive:
-                try:
-                    c.proc.wait(max(deadline - time.monotonic(), 0.01))
-                except subprocess.TimeoutExpired:
-                    pass
+            # each child is reaped as its pidfd says it exited (Popen.wait polls with sleeps of up
+            # to 50 ms, and the gateway waits for the engine's reaping before it exits)
             alive = [c for c in alive if c.proc.poll() is None]
+            while alive and (left := deadline - time.monotonic()) > 0:
+                self._dead_children(left)
+                alive = [c for c in alive if c.proc.poll() is None]
             if not alive:
                 break
             log.warning("still running after %s: %s", "stop request" if sig is None else sig.name,
@@ -453,6 +460,10 @@ class Node:
     def run(self, job: Callable[[], int] | None = None) -> int:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._on_signal)
+        # a signal's handler runs only once the wait it arrived in is over; its byte on this pipe
+        # (Python writes it as the signal arrives) ends the supervision's wait at once instead
+        self._wake, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old_wake = signal.set_wakeup_fd(wake_w)
         raise_open_files_limit()  # (the children inherit it)
         try:
             self.create_objects()
@@ -476,6 +487,10 @@ class Node:
                     os.close(c.pidfd)
                     c.pidfd = -1
             self.unlink()
+            signal.set_wakeup_fd(old_wake)
+            os.close(wake_w)
+            os.close(self._wake)
+            self._wake = -1
 
     def _on_signal(self, signum: int, _frame) -> None:
         self._stop_signal = signum

@@ -34,9 +34,12 @@ ATTACK = textwrap.dedent("""
 PROMPT = np.arange(3, 40, dtype=np.int32)
 # How long the node is kept busy after the resets, so that the socket's owner drains the queues
 # (reaching the buffered PING: libzmq reads a stopped connection again once half its queue of
-# 1,000 was taken); the engine reads the replay port at REPLAY_PER_S, so that takes a while.
+# 1,000 was taken); the engine reads the replay port at --kv-events-replay-rate (REPLAY_PER_S
+# by default: 500 requests in 8 s), which the replay case raises to what 16 engine turns a
+# second still serve (at most 16 requests a turn), so that the drain takes 2 s.
 DRAIN_S = 1.5
-REPLAY_DRAIN_S = 500 / REPLAY_PER_S + 2.0
+REPLAY_RATE = 4 * REPLAY_PER_S
+REPLAY_DRAIN_S = 500 / REPLAY_RATE + 2.0
 
 
 def _pid(node: str, role: str) -> int:
@@ -106,11 +109,12 @@ def test_a_ping_attack_on_a_decode_nodes_peer_port_ends_no_node(node, tmp_path):
 @pytest.mark.parametrize("which", ["replay", "events"])
 def test_a_ping_attack_on_the_kv_events_ports_ends_no_node(node, tmp_path, which):
     """One connection is enough: against the replay port, because the engine reads it at a
-    bounded rate (runtime/cache/events.py REPLAY_PER_S), so its queue stays full; against the
-    events port, because a publisher reads its subscribers' queues only when it publishes.
+    bounded rate (--kv-events-replay-rate, here REPLAY_RATE), so its queue stays full; against
+    the events port, because a publisher reads its subscribers' queues only when it publishes.
     Afterwards a late subscriber still catches up through the replay."""
     events = free_port_pair()
-    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "64", "--kv-events-port", str(events)) as ln:
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "64", "--kv-events-port", str(events),
+                  "--kv-events-replay-rate", str(REPLAY_RATE)) as ln:
         engine = _pid(node, "engine")
         ln.client.generate(PROMPT, 4)  # something to publish
         if which == "replay":

@@ -2,8 +2,8 @@
 it never reads (or sending a burst of long requests) fills every seat of the engine, and another
 address's ordinary request is answered, right, while the burst still waits (the engine takes
 clients in turn and seats a newcomer: runtime/engine/fair_queue.py, scheduler.py); a stream
-whose client reads nothing is cut once a write waits STALL_S (runtime/http/stalled.py), its
-request cancelled. The node stays up throughout."""
+whose client reads nothing is cut once a write waits --http-stall-timeout (runtime/http/stalled.py),
+its request cancelled. The node stays up throughout."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +15,6 @@ import httpx2
 import pytest
 
 from kvrt.ipc.ports import free_port
-from kvrt.runtime.http.stalled import STALL_S
 from tests.launched import SMALL, launched, oracle
 from tests.runtime.http.test_http import MODEL, _wait_healthy
 
@@ -23,6 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 BURST = 100       # one address's requests (under its 256 connections), far more than the engine's 32 seats
 LONG = 3000       # tokens each of them asks for
+STALL = 2.0       # --http-stall-timeout: the write bound of the stream nobody reads (the product's is 10 s)
 
 
 def _open(port: int, body: dict, address: str = "127.0.0.1") -> socket.socket:
@@ -64,16 +64,35 @@ def test_another_address_is_served_while_one_address_bursts(node, tmp_path, stre
         assert ln.proc.poll() is None
 
 
+def _seen_then_gone(ln, timeout: float) -> None:
+    """Wait until the engine has run a request and then has none left."""
+    deadline = time.monotonic() + timeout
+    seen = False
+    while True:
+        e = ln.engine_stats()
+        busy = e["seqs_running"] + e["seqs_waiting"] + e["seqs_loading"]
+        if seen and not busy:
+            return
+        seen = seen or busy > 0
+        assert time.monotonic() < deadline, f"the engine {'kept' if seen else 'never got'} the request in {timeout} s"
+        time.sleep(0.05)  # a test waiting for another process's counters
+
+
 def test_a_stream_nobody_reads_is_cut_and_its_request_cancelled(node, tmp_path):
     http = free_port()
-    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "1024", "--http-port", str(http)) as ln:
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "1024", "--http-port", str(http),
+                  "--http-stall-timeout", str(STALL)) as ln:
         _wait_healthy(http)
         # 16 choices whose first events carry a 3,000-token prompt's scores with 20 alternatives each:
         # about 70 MB at once, far more than the sockets' buffers hold, then 1,000 tokens each
         s = _open(http, {"model": MODEL, "prompt": [(5 * j) % 256 for j in range(3000)], "max_tokens": 1000,
                          "ignore_eos": True, "stream": True, "n": 16, "prompt_logprobs": 20})
         try:
-            time.sleep(STALL_S + 10)  # the answer's writes wait past the bound
+            # nothing is read until the engine is done with the request (cancelled by the cut, or
+            # through on its own while the writes wait), and then for the bound once more: the
+            # answer's writes have waited past it either way
+            _seen_then_gone(ln, 60)
+            time.sleep(STALL + 1)
             got, ended = b"", False
             s.settimeout(5)
             deadline = time.monotonic() + 60

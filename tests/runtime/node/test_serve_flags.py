@@ -91,6 +91,45 @@ def test_the_defaults_are_vllms(checkpoint):
     assert check_launch_argv(_plan(checkpoint, environ={"VLLM_API_KEY": "s"}).launch_argv).api_key == "s"
 
 
+def test_the_http_engine_timeouts_default_is_the_bridges(checkpoint):
+    """The launcher names the bridge's default without importing the HTTP stack: the same number."""
+    from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S
+
+    assert check_launch_argv(_plan(checkpoint).launch_argv).http_engine_timeout == ENGINE_TIMEOUT_S
+
+
+def test_the_http_stall_timeout_is_the_servers_bound_unless_given():
+    """--http-stall-timeout: STALL_S when not given (the number its help and the guide name), a
+    finite number of seconds > 0 when given, anything else refused by name."""
+    from kvrt.runtime.http.server import HttpOptions
+    from kvrt.runtime.http.stalled import STALL_S
+
+    launch = launcher._add_launch(argparse.ArgumentParser(prog="kvrt").add_subparsers())
+    help_ = next(a.help for a in launch._actions if "--http-stall-timeout" in a.option_strings)
+    assert f"default {STALL_S:g} s" in help_
+    assert HttpOptions.of(launch.parse_args([])).stall_timeout == STALL_S
+    assert HttpOptions.of(launch.parse_args(["--http-stall-timeout", "0.5"])).stall_timeout == 0.5
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match="--http-stall-timeout"):
+            HttpOptions.of(launch.parse_args(["--http-stall-timeout", bad]))
+
+
+def test_the_kv_events_replay_rate_is_the_publishers_unless_given():
+    """--kv-events-replay-rate: 0 (REPLAY_PER_S, the number its help names) when not given; a
+    negative or non-finite rate is refused by name."""
+    from kvrt.runtime.cache.events import REPLAY_PER_S
+    from kvrt.runtime.node.config import ConfigError, NodeConfig
+
+    launch = launcher._add_launch(argparse.ArgumentParser(prog="kvrt").add_subparsers())
+    help_ = next(a.help for a in launch._actions if "--kv-events-replay-rate" in a.option_strings)
+    assert f"default 0: {REPLAY_PER_S:g} a second" in help_
+    assert launch.parse_args([]).kv_events_replay_rate == 0
+    NodeConfig(node="x", kv_events_port=5000, kv_events_replay_rate=512.0).validate()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--kv-events-replay-rate"):
+            NodeConfig(node="x", kv_events_port=5000, kv_events_replay_rate=bad).validate()
+
+
 @pytest.mark.parametrize("spelling", [["--max_model_len", "64"], ["--max-model-len=64"], ["-tp", "1", "--max-model-len",
                                                                                            "64"]])
 def test_vllms_other_spellings_are_taken(checkpoint, spelling):
