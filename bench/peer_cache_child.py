@@ -158,8 +158,11 @@ class SglangReplay:
 
         self.torch, self.array = torch, array
         self.bs = block_size
+        # need_sort (SGLang's mode under P/D): frees are staged and merged when an allocation runs
+        # short. Its default instead concatenates the whole free list on every free, a copy a GPU
+        # makes asynchronously but that a CPU replay would charge to SGLang.
         self.alloc = PagedTokenToKVPoolAllocator(capacity * block_size, block_size, torch.float16, "cpu",
-                                                 kvcache=None, need_sort=False)
+                                                 kvcache=None, need_sort=True)
         self.cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
                                                 token_to_kv_pool_allocator=self.alloc, page_size=block_size))
         self.Key, self.Match, self.Insert = RadixKey, MatchPrefixParams, InsertParams
