@@ -11,14 +11,11 @@ nor this process's.
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 from pathlib import Path
 
 from kvrt.bench.peer_cache_child import PEERS, Header, header_line, request_line
 from kvrt.runtime.client.trace import TraceRequest, num_blocks
-
-log = logging.getLogger(__name__)
 
 CHILD = Path(__file__).resolve().parent / "peer_cache_child.py"
 DEFAULT_PYTHON = Path(".venv-peers/bin/python")  # relative to where kvrt bench cache runs
