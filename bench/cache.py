@@ -144,6 +144,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--host-blocks must be >= 0")
     if args.peer and (args.host_blocks or args.kv):
         p.error("--peer compares device caches of plain blocks: not with --host-blocks or --kv")
+    if args.peer and not args.peer_python.exists():
+        p.error(f"--peer-python {args.peer_python}: no such interpreter (docs/benchmarks.md says how to build the "
+                f"peers' venv)")
     if args.trace is None:
         args.trace = default_trace_path()
         if not args.trace.exists() and not args.suite:

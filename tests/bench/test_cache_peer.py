@@ -73,7 +73,16 @@ def test_compare_puts_kvrt_beside_each_peer_row():
 def test_peer_refuses_host_tier_and_kv_layouts():
     for extra in (["--host-blocks", "10"], ["--kv", "fp8"]):
         with pytest.raises(SystemExit):
-            cache_bench.parse_args(["--trace", "synthetic:chats", "--peer", "vllm", *extra])
+            cache_bench.parse_args(["--trace", "synthetic:chats", "--peer", "vllm", "--peer-python", sys.executable,
+                                    *extra])
+
+
+def test_missing_peer_interpreter_is_refused_before_any_replay(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cache_bench.parse_args(["--trace", "synthetic:chats", "--peer", "sglang", "--peer-python", str(tmp_path / "py")])
+    assert "no such interpreter" in capsys.readouterr().err
+    assert cache_bench.parse_args(["--trace", "synthetic:chats", "--peer", "sglang",
+                                   "--peer-python", sys.executable]).peer == ["sglang"]
 
 
 def test_missing_interpreter_is_an_error_not_a_row(tmp_path):
