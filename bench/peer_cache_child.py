@@ -175,11 +175,13 @@ class SglangReplay:
         prefix = cache.path_device_indices(node)
         cache.inc_lock_ref(node)
         need = -(-(n - hit) // bs) * bs
+        if need > alloc.available_size() + cache.evictable_size():
+            cache.dec_lock_ref(node)  # SGLang's admission turns it away without evicting anything
+            return hit, False
         alloc.evict_to_free_tokens(cache, need)
         new = alloc.alloc(need)
         if new is None:
-            cache.dec_lock_ref(node)
-            return hit, False
+            raise RuntimeError(f"request {rid}: SGLang's allocator is short of {need} tokens after evicting")
         kv = self.torch.cat((prefix, new))
         full = n // bs * bs
         done = cache.insert(self.Insert(key=self.Key(ids[:full]), value=kv[:full]))

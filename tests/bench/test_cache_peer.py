@@ -117,10 +117,15 @@ def test_peer_replays_the_trace_like_kvrt_lru(peer):
     whole = TraceRequest(0, 1024, 1, (8_000_000, 8_000_001))  # twice: the 2nd match gives its last block back
     reqs = [whole, whole] + synthetic("chats")[:400]
     total = sum(num_blocks(r, 64) for r in reqs)
-    rows = peer_cache.run_peer(peer, PEER_PYTHON, reqs, 64, [None, total // 8], timeout=300)
+    rows = peer_cache.run_peer(peer, PEER_PYTHON, reqs, 64, [None, total // 8, 24], timeout=300)
     ideal = ideal_hit_tokens(reqs, 64) / sum(r.input_length for r in reqs)
     assert rows[0]["capacity_blocks"] is None and rows[0]["hit_token_rate"] == pytest.approx(ideal, abs=1e-12)
     lru = cache_bench.replay(reqs, 64, total // 8, 0, "lru")["hit_token_rate"]
     assert abs(rows[1]["hit_token_rate"] - lru) < 0.005
+    tiny = cache_bench.replay(reqs, 64, 24, 0, "lru")  # most prompts do not fit: turned away alike
+    assert 0 < rows[2]["rejected_requests"] == tiny["rejected_requests"] < len(reqs)
+    # (SGLang evicts whole leaves of its tree: 1.7 points fewer hits here; a prompt turned away
+    # after emptying the cache would cost it more)
+    assert abs(rows[2]["hit_token_rate"] - tiny["hit_token_rate"]) < (0.005 if peer == "vllm" else 0.025)
     assert rows[1]["hit_token_rate"] < ideal and all(r["blocks_per_cpu_s"] > 0 for r in rows)
     assert json.loads(json.dumps(rows)) == rows
