@@ -30,6 +30,10 @@ prompt runs; every layout reports the blocks of tokens its device holds (mean ov
 `blocks held`, group 0's nodes for a grouped model) and what a prefill node would send a
 decode node per request (`handoff`: every block's full-attention pages, the sliding groups'
 last window).
+
+`--peer vllm sglang` replays the same trace at the same capacities through vLLM's and SGLang's
+own prefix caches, in the interpreter `--peer-python` names (bench/peer_cache.py): their hit
+rates next to kvrt's LRU and their blocks per CPU-second next to each kvrt policy's.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvrt.bench import peer_cache
 from kvrt.bench.belady import offline_hit_rate, uses
 from kvrt.ipc.layout import LayerGroups
 from kvrt.bench.synthetic import PREFIX, TRACES, synthetic
@@ -120,6 +125,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"the plain rows)")
     p.add_argument("--chunk", type=int, default=512, metavar="T",
                    help="prefill chunk of a model of several layer groups, in tokens (default 512)")
+    p.add_argument("--peer", nargs="+", choices=peer_cache.PEERS, default=[], metavar="NAME",
+                   help="also replay through these peers' own prefix caches (vllm, sglang) at the same capacities, "
+                        "in --peer-python's interpreter: hit rate and blocks per CPU-second beside kvrt's")
+    p.add_argument("--peer-python", type=Path, default=peer_cache.DEFAULT_PYTHON, metavar="PATH",
+                   help=f"the interpreter with vllm / sglang and torch installed (default {peer_cache.DEFAULT_PYTHON}; "
+                        f"docs/benchmarks.md says how to build it)")
     p.add_argument("--evict-scaling", action="store_true",
                    help="also time eviction per block at 10k, 100k and 1M cached blocks")
     p.add_argument("--evict-sizes", type=int, nargs="+", default=list(EVICT_SIZES), metavar="N",
@@ -131,6 +142,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--capacity-blocks must be positive")
     if args.host_blocks < 0:
         p.error("--host-blocks must be >= 0")
+    if args.peer and (args.host_blocks or args.kv):
+        p.error("--peer compares device caches of plain blocks: not with --host-blocks or --kv")
+    if args.peer and not args.peer_python.exists():
+        p.error(f"--peer-python {args.peer_python}: no such interpreter (docs/benchmarks.md says how to build the "
+                f"peers' venv)")
     if args.trace is None:
         args.trace = default_trace_path()
         if not args.trace.exists() and not args.suite:
@@ -391,24 +407,42 @@ def suite(args: argparse.Namespace) -> int:
     real = args.trace
     if not str(real).startswith(PREFIX) and real.exists():
         traces.append((str(real), load_trace(real, args.limit)))
-    out = []
+    out, peers_out = [], []
     for name, requests in traces:
         requests = requests[:args.limit]
-        results = run_trace(requests, plot_capacities(requests, args.block_size), args)
-        for r in results:
+        capacities = plot_capacities(requests, args.block_size)
+        results = run_trace(requests, capacities, args)
+        peers = peer_rows(requests, capacities, results, args)
+        for r in results + peers:
             r["trace"] = name
         out += results
+        peers_out += peers
         if not args.json:
             print(table(results, [], Path(name), args.block_size) + "\n", flush=True)
+            if peers:
+                print(peer_cache.table(peers, args.peer_python) + "\n", flush=True)
     if args.json:
-        print(json.dumps({"results": out}, indent=1))
+        print(json.dumps({"results": out, **({"peers": peers_out} if args.peer else {})}, indent=1))
     return 0
+
+
+def peer_rows(requests: list[TraceRequest], capacities: list[int | None], results: list[dict],
+              args: argparse.Namespace) -> list[dict]:
+    """`--peer`: each peer's rows at these capacities, with kvrt's `results` beside them."""
+    rows = []
+    for name in args.peer:
+        rows += peer_cache.run_peer(name, args.peer_python, requests, args.block_size, capacities)
+    return peer_cache.compare(rows, results)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.suite:
-        return suite(args)
+        try:
+            return suite(args)
+        except peer_cache.PeerError as e:
+            print(f"kvrt bench cache: --peer: {e}", file=sys.stderr)
+            return 1
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -432,6 +466,11 @@ def main(argv: list[str]) -> int:
         print(f"kvrt bench cache: no --capacity-blocks: plotting device capacities {', '.join(map(str, capacities))}",
               file=sys.stderr)
     results = run_trace(requests, capacities, args)
+    try:
+        peers = peer_rows(requests, capacities, results, args)
+    except peer_cache.PeerError as e:
+        print(f"kvrt bench cache: --peer: {e}", file=sys.stderr)
+        return 1
     scaling = run_evict_scaling(args.evict_sizes, args.block_size) if args.evict_scaling else []
     if args.plot is not None:
         plot(results, args.plot, args.trace)
@@ -439,9 +478,13 @@ def main(argv: list[str]) -> int:
         out: dict = {"results": results}
         if scaling:
             out["evict_scaling"] = scaling
+        if args.peer:
+            out["peers"] = peers
         print(json.dumps(out, indent=1))
     else:
         print(table(results, scaling, args.trace, args.block_size))
+        if peers:
+            print("\n" + peer_cache.table(peers, args.peer_python))
         if args.plot is not None:
             print(f"\nplot written to {args.plot}")
     return 0
