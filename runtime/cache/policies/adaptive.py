@@ -74,6 +74,10 @@ HELD, HELD_CAP = 1.0, 1 / 16
 # stretch of losses and P shrank though it was far ahead; the bound over any stretch is this
 # much of the lead at its start plus the allowance
 BANK_CAP = 4
+# the lead over LRU, in capacities, at which `gaps`' whole bonus is in force whatever share of
+# long reuse this policy's own hits show (a share of it below): under an order close to LRU's
+# few hits are long, so the share read from them fades while P is winning
+SCALE_LEAD = 1 / 4
 # rows of the per-node matrix and indices of the scalars (runtime/cache/_cache_core.c adapt_*)
 M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
 A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP = range(12)
@@ -166,9 +170,15 @@ class Adaptive(EvictionPolicy):
 
     def bonus_scale(self) -> float:
         """The share of `gaps`' bonus in force: 0 while at most LONG_LOW of the recent reuse came
-        back later than a turnover, all of it from LONG_HIGH on (runtime/cache/policies/gaps.py)."""
+        back later than a turnover, all of it from LONG_HIGH on (runtime/cache/policies/gaps.py);
+        and at least the lead over LRU that P has won, as a share of SCALE_LEAD capacities. The
+        share of long reuse is read from this policy's own hits, which are short while its order
+        is close to LRU's, so it fades just where P pays; the lead is what P's bonus has already
+        served beyond LRU (a policy that has won nothing keeps the share alone: short traces
+        where reuse order does not pay stay in LRU's order)."""
         f = self._long / self._reused
-        return min(1.0, max(0.0, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW)))
+        lead = max(0.0, self.bank) / (SCALE_LEAD * self._n)
+        return min(1.0, max(0.0, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW), lead))
 
     # ---- the interface
     def __contains__(self, n: int) -> bool:
