@@ -34,7 +34,7 @@ tests/runtime/cache/test_cache_core.py holds it to, state for state.
 
 The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
-the blocks it served are at least LRU's minus the allowance (1/64 + 1/16 of the capacity at
+the blocks it served are at least LRU's minus the allowance (1/64 + 1/8 of the capacity at
 most, plus 0.05% of the lookups); over any stretch it loses at most the lead over LRU it had at
 the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus the allowance. The
 counts are exact for requests served one after another (the benchmark's replay, where the
@@ -44,7 +44,8 @@ window of two turnovers. The price: where protection pays only once P is large (
 churns before its blocks come back), P grows with what it earns, and the policy gets there
 later than `gaps` does, or never where a small P loses to LRU; and the share of the bonus in
 force is read from this policy's own hits, which under an order close to LRU's are never
-long, so the bonus can fade before P has had room to show what it would win
+long, so the bonus can fade before P has had room to show what it would win (once P has won
+a lead over LRU, the lead keeps the bonus in force: `bonus_scale`; before, nothing does)
 (docs/benchmarks.md, the adaptive policy: the held-out cells where it trails `gaps`).
 
 A host tier's queue (the same class) takes the device's budget share (`follows`): the host tier
@@ -69,7 +70,7 @@ EXPLORE = 1 / 64
 RATE = 0.0005
 # and a share of the misses a larger P would have served (what its bonus would still have held,
 # LRU would not): the evidence for a larger P, which it may then risk
-HELD, HELD_CAP = 1.0, 1 / 16
+HELD, HELD_CAP = 1.0, 1 / 8
 # the lead over LRU the bank keeps, in capacities: a lead of one capacity was spent by the first
 # stretch of losses and P shrank though it was far ahead; the bound over any stretch is this
 # much of the lead at its start plus the allowance
