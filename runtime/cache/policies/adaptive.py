@@ -34,7 +34,7 @@ tests/runtime/cache/test_cache_core.py holds it to, state for state.
 
 The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
-the blocks it served are at least LRU's minus the allowance (1/64 + 1/16 of the capacity at
+the blocks it served are at least LRU's minus the allowance (1/64 + 1/8 of the capacity at
 most, plus 0.05% of the lookups); over any stretch it loses at most the lead over LRU it had at
 the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus the allowance. The
 counts are exact for requests served one after another (the benchmark's replay, where the
@@ -44,7 +44,8 @@ window of two turnovers. The price: where protection pays only once P is large (
 churns before its blocks come back), P grows with what it earns, and the policy gets there
 later than `gaps` does, or never where a small P loses to LRU; and the share of the bonus in
 force is read from this policy's own hits, which under an order close to LRU's are never
-long, so the bonus can fade before P has had room to show what it would win
+long, so the bonus can fade before P has had room to show what it would win (once P has won
+a lead over LRU, the lead keeps the bonus in force: `bonus_scale`; before, nothing does)
 (docs/benchmarks.md, the adaptive policy: the held-out cells where it trails `gaps`).
 
 A host tier's queue (the same class) takes the device's budget share (`follows`): the host tier
@@ -69,11 +70,15 @@ EXPLORE = 1 / 64
 RATE = 0.0005
 # and a share of the misses a larger P would have served (what its bonus would still have held,
 # LRU would not): the evidence for a larger P, which it may then risk
-HELD, HELD_CAP = 1.0, 1 / 16
+HELD, HELD_CAP = 1.0, 1 / 8
 # the lead over LRU the bank keeps, in capacities: a lead of one capacity was spent by the first
 # stretch of losses and P shrank though it was far ahead; the bound over any stretch is this
 # much of the lead at its start plus the allowance
 BANK_CAP = 4
+# the lead over LRU, in capacities, at which `gaps`' whole bonus is in force whatever share of
+# long reuse this policy's own hits show (a share of it below): under an order close to LRU's
+# few hits are long, so the share read from them fades while P is winning
+SCALE_LEAD = 1 / 4
 # rows of the per-node matrix and indices of the scalars (runtime/cache/_cache_core.c adapt_*)
 M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
 A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP = range(12)
@@ -166,9 +171,15 @@ class Adaptive(EvictionPolicy):
 
     def bonus_scale(self) -> float:
         """The share of `gaps`' bonus in force: 0 while at most LONG_LOW of the recent reuse came
-        back later than a turnover, all of it from LONG_HIGH on (runtime/cache/policies/gaps.py)."""
+        back later than a turnover, all of it from LONG_HIGH on (runtime/cache/policies/gaps.py);
+        and at least the lead over LRU that P has won, as a share of SCALE_LEAD capacities. The
+        share of long reuse is read from this policy's own hits, which are short while its order
+        is close to LRU's, so it fades just where P pays; the lead is what P's bonus has already
+        served beyond LRU (a policy that has won nothing keeps the share alone: short traces
+        where reuse order does not pay stay in LRU's order)."""
         f = self._long / self._reused
-        return min(1.0, max(0.0, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW)))
+        lead = max(0.0, self.bank) / (SCALE_LEAD * self._n)
+        return min(1.0, max(0.0, (f - LONG_LOW) / (LONG_HIGH - LONG_LOW), lead))
 
     # ---- the interface
     def __contains__(self, n: int) -> bool:

@@ -566,6 +566,25 @@ def test_adaptive_keeps_a_lead_of_several_capacities():
     assert q.budget() < n
 
 
+def test_adaptive_bonus_stays_in_force_while_it_leads():
+    """The share of `gaps`' bonus in force is at least the lead P has won over LRU, in units of
+    SCALE_LEAD capacities: with no long reuse among its own hits (an order close to LRU's), a
+    policy that has won nothing has no bonus, and one that has won SCALE_LEAD capacities keeps
+    the whole bonus; losses that spend the lead take it back."""
+    from kvrt.runtime.cache.policies.adaptive import SCALE_LEAD
+
+    n = 1024
+    q = Adaptive(n, np.zeros(n, dtype=np.int32))
+    q._long, q._reused = 0.0, 100.0  # no long reuse at all
+    assert q.bonus_scale() == 0.0
+    q._settle(int(SCALE_LEAD * n) // 2, 0)
+    assert q.bonus_scale() == pytest.approx(0.5, abs=0.01)
+    q._settle(int(SCALE_LEAD * n), 0)
+    assert q.bonus_scale() == 1.0
+    q._settle(0, 2 * int(SCALE_LEAD * n))
+    assert q.bonus_scale() == 0.0
+
+
 def test_adaptive_protects_as_much_as_it_has_won():
     """Reused blocks join the protected segment only up to the budget: the gains minus the
     losses counted so far plus the allowance. A block it served that LRU would have lost raises
