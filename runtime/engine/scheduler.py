@@ -270,6 +270,7 @@ class Scheduler:
             while self.cache.allocate(seq.request_id, seq.num_computed + chunk) is None:
                 if not self._preempt_for_share(owner, step):
                     self._unmatch(seq)
+                    seq.gave_way = self.cache.swap_ins_wait  # as in the queue's admissions
                     return given
             self.waiting.pop_owner(owner)
             seq.state = SeqState.RUNNING

@@ -171,6 +171,11 @@ def test_every_accepted_request_finishes(seed, bs, device, host, storage, seqs, 
        batch=st.sampled_from([4, 16, 64]), n_req=st.integers(2, 12), owners=st.integers(2, 4),
        p_done=st.sampled_from([0.2, 0.6, 1.0]), p_fail=st.sampled_from([0.0, 0.0, 0.2]),
        p_cancel=st.sampled_from([0.0, 0.0, 0.02]), rounds=st.sampled_from([1, 2]))
+# a newcomer's admission that could not get its blocks gave its match back without giving way to
+# the swap-ins waiting for room: matched again at every step, it took back the blocks their
+# evictions had just made (a swap-out flipped back), and they never got room
+@example(seed=896, bs=4, device=13, host=16, storage=False, seqs=1, batch=16, n_req=4, owners=4, p_done=0.2,
+         p_fail=0.0, p_cancel=0.0, rounds=2)
 def test_every_request_of_several_owners_finishes(seed, bs, device, host, storage, seqs, batch, n_req, owners,
                                                   p_done, p_fail, p_cancel, rounds):
     """The same with requests of several owners (clients), which the scheduler serves in turns
