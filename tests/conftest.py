@@ -62,6 +62,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         compileall.compile_file(os.path.join(REPO, top), quiet=1)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session):
+    """Let pytest keep its assertion-rewritten test modules while it collects them. Why: it
+    rewrites every test module's asserts at import and caches the result beside the module,
+    but not where PYTHONDONTWRITEBYTECODE is set (as on this workplace's machines): every
+    pytest process, each xdist worker included, then rewrote and compiled all of them again, the
+    larger part of collecting the fast lane. The variable applies again once collection is done."""
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = before
+
+
 def leftovers(node: str) -> list[str]:
     """What of `node` is left: shared-memory objects, and its private socket directory."""
     from kvrt.ipc.sockets import socket_dir
