@@ -21,6 +21,17 @@ if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Hypothesis' defaults for every property test (a test's own settings start from these):
+# - no deadline: the default 200 ms per example is a timing assertion, and on a loaded 2-core
+#   machine (two xdist workers, other work beside them) a cheap example can pass it and fail it
+#   on the rerun, which hypothesis reports as a flaky failure;
+# - the failing example's blob printed: CI starts from an empty example database (`.hypothesis/`
+#   in the checkout, which replays a machine's own past failures first), so the log is where
+#   a failure found there is reproduced from (`@reproduce_failure`).
+settings.register_profile("kvrt", deadline=None, print_blob=True)
+settings.load_profile("kvrt")
 
 # matplotlib builds its font cache on first use by running `fc-list`: a process, which the fast
 # lane's guard refuses inside a test. Built here, before any test, a cold machine (no cache yet)
@@ -49,6 +60,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         compileall.compile_dir(os.path.join(REPO, package), quiet=1)
     for top in ("__init__.py", "launcher.py"):
         compileall.compile_file(os.path.join(REPO, top), quiet=1)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session):
+    """Let pytest keep its assertion-rewritten test modules while it collects them. Why: it
+    rewrites every test module's asserts at import and caches the result beside the module,
+    but not where PYTHONDONTWRITEBYTECODE is set (as on this workplace's machines): every
+    pytest process, each xdist worker included, then rewrote and compiled all of them again, the
+    larger part of collecting the fast lane. The variable applies again once collection is done."""
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = before
 
 
 def leftovers(node: str) -> list[str]:

@@ -4,6 +4,7 @@ after every request of a workload with shared prefixes, branches and eviction, t
 code run once with each C function and once with its reference in its place."""
 from __future__ import annotations
 
+import functools
 import heapq
 
 import numpy as np
@@ -66,6 +67,19 @@ def _replay(c: PrefixCache, seed: int) -> list:
     return states
 
 
+# The replays with every C function in place, which each test compares one reference against:
+# the same for every function tested, so run once per policy, host tier and seed (per pytest
+# process), not once per function. Tests only read them.
+@functools.cache
+def _c_replay(name: str, host: int, seed: int) -> list:
+    return _replay(PrefixCache(BS, 200, host, policy=make_policy(name)), seed)
+
+
+@functools.cache
+def _c_host_replay(name: str) -> list:
+    return _host_replay(make_policy(name))
+
+
 # the policies whose cache calls these C functions (the others: all of them): LRU keeps no use
 # counts and has a queue of its own, and so does `adaptive` (runtime/cache/_cache_core.c
 # adapt_*: it remembers blocks gone from the cache itself, no use sketch); only `gaps` ranks
@@ -104,7 +118,7 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
     block keys themselves (chain_keys), in C or in numpy leave the same cache (and queues) at every step,
     with and without a host tier."""
     cls = make_policy(name)
-    fast = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
+    fast = _c_replay(name, host, seed)
     calls = []
 
     def counted(*args):
@@ -135,7 +149,7 @@ def test_host_tier_c_work_equals_numpy(name, module, attr, reference, monkeypatc
     cache, queues and policies at every step of a workload with requests in flight and a small
     host tier, whose eviction takes runs of every shape."""
     cls = make_policy(name)
-    fast = _host_replay(cls)
+    fast = _c_host_replay(name)
     calls = []
 
     def counted(*args):
@@ -358,7 +372,7 @@ def test_adaptive_policy_in_c_equals_python(workload, monkeypatch):
     cls = make_policy("adaptive")
     replay = (lambda: _replay(PrefixCache(BS, 200, 0, policy=cls), 0)) if workload == "one at a time" else (
         lambda: _host_replay(cls))
-    fast = replay()
+    fast = _c_replay("adaptive", 0, 0) if workload == "one at a time" else _c_host_replay("adaptive")
     calls: list = []
     _in_python(monkeypatch, calls)
     slow = replay()
