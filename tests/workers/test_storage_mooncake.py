@@ -198,6 +198,9 @@ def test_blocks_a_dead_master_did_not_take_are_written_after_it_restarts(node, t
     first, *fillers = [rng.integers(0, 512, 6 * 8 + 1).astype(np.int32) for _ in range(5)]
     opts = (*SMALL, "--num-gpu-blocks", "16", *store.node_opts)
     with launched(node + "a", tmp_path / "a", *opts) as a:
+        # a first answer once every child is up: the node answers `info` while its cache-transfer
+        # child still sets its store client up, and the master must die after that, not during it
+        a.client.generate(np.random.default_rng(5).integers(0, 512, 9).astype(np.int32), NEW)
         store.kill_master()
         store.stop()
         assert a.client.generate(first, NEW).cached_tokens == 0
