@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ from typing import Callable
 import httpx2
 import psutil
 
+from kvrt.bench.interrupt import interrupt
 from kvrt.bench.nodes import REPO, LaunchedNode
 from kvrt.ipc.ports import free_port
 
@@ -189,13 +189,7 @@ def _router(backend: str):
             time.sleep(0.1)  # waiting for another process
         yield base, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        interrupt(proc, 20)
 
 
 def run(attacks: list[str], model_dir: str, flags: list[str], hold_s: float, idle_s: float,

@@ -2,7 +2,6 @@
 client API answers, always stopped (SIGINT, then SIGKILL and `kvrt clean`)."""
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import tempfile
@@ -10,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from kvrt.bench.interrupt import interrupt
 from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.client import Client, ClientError
 
@@ -78,16 +78,10 @@ class LaunchedNode:
                     next_line = now + 2.0
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.say(f"node {self.name} did not stop within 30 s of SIGINT: killing it")
-                self.proc.kill()
-                self.proc.wait(10)
-                subprocess.run([sys.executable, "-m", "kvrt.launcher", "clean", "--node", self.name], cwd=REPO,
-                               capture_output=True, timeout=60)
+        if not interrupt(self.proc, 30):
+            self.say(f"node {self.name} did not stop within 30 s of SIGINT: killed it")
+            subprocess.run([sys.executable, "-m", "kvrt.launcher", "clean", "--node", self.name], cwd=REPO,
+                           capture_output=True, timeout=60)
         if self._tmp is not None and self.proc.returncode == 0:
             self.log_path.unlink(missing_ok=True)
         return self.proc.returncode

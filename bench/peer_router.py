@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvrt.bench.interrupt import interrupt
 from kvrt.ipc.ports import free_port
 
 PEERS = ("sglang-router",)
@@ -45,13 +46,7 @@ class PeerRouter:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        interrupt(self.proc, 20)
         self.log.close()
         if self.proc.returncode in (0, -signal.SIGINT):
             Path(self.log.name).unlink(missing_ok=True)

@@ -37,7 +37,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from pathlib import Path
 import httpx2
 import numpy as np
 
+from kvrt.bench.interrupt import interrupt
 from kvrt.ipc.ports import free_port, free_port_pair
 from kvrt.bench.nodes import REPO, LaunchedNode
 from kvrt.bench.peer_router import PEER_POLICY, PEERS, PeerRouter, installed
@@ -200,14 +200,8 @@ class Fleet:
     def stop_router(self) -> None:
         if self.router is None:
             return
-        if self.router.poll() is None:
-            self.router.send_signal(signal.SIGINT)
-            try:
-                self.router.wait(20)
-            except subprocess.TimeoutExpired:
-                self.say("the router did not stop within 20 s of SIGINT: killing it")
-                self.router.kill()
-                self.router.wait(10)
+        if not interrupt(self.router, 20):
+            self.say("the router did not stop within 20 s of SIGINT: killed it")
         self._router_log.close()
         if self.router.returncode == 0:
             Path(self._router_log.name).unlink(missing_ok=True)
@@ -516,12 +510,7 @@ def cost_only(args: argparse.Namespace, say) -> int:
     finally:
         fleet.stop()
         if backend is not None:
-            backend.send_signal(signal.SIGINT)
-            try:
-                backend.wait(10)
-            except subprocess.TimeoutExpired:
-                backend.kill()
-                backend.wait(10)
+            interrupt(backend, 10)
     out = {"config": {"peer": args.peer, "requests": args.overhead_requests, "backend": args.cost_backend},
            "router_cost": cost}
     print(json.dumps(out, indent=1) if args.json else render_cost(cost))

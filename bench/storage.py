@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import statistics
 import struct
@@ -39,6 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvrt.bench.interrupt import interrupt
 from kvrt.ipc.ports import free_port
 from kvrt.bench.nodes import REPO, LaunchedNode
 from kvrt.ipc.layout import KVLayout
@@ -86,13 +86,7 @@ class Store:
 
     def stop(self) -> None:
         shutil.rmtree(getattr(self, "secret_dir", ""), ignore_errors=True)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STORE_READY_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc, STORE_READY_S)
 
 
 # ---- the raw socket baseline ------------------------------------------------------------------
