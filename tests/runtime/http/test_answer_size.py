@@ -8,35 +8,28 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrt.runtime.client.api import InfoReply, TokenEvent
+from kvrt.runtime.client.api import TokenEvent
 from kvrt.runtime.client.client import Result
 from kvrt.runtime.client.tokenizer import ByteTokenizer
 from kvrt.runtime.http.answer_size import BIG_ANSWER, answer_entries, max_answer_entries
 from kvrt.runtime.http.app import Server, create_app
+from tests.runtime.http.fake_bridge import FakeBridge
 
 MODEL = "m"
 LEN = 1024  # (64 choices of a prompt this long with 20 alternatives pass the limit)
 
 
-class _Scoring:
+class _Scoring(FakeBridge):
     """A bridge whose engine answers each request with `max_tokens` tokens, each with `top`
     alternatives, and scores its prompt with its `prompt_logprobs` alternatives."""
 
     def __init__(self) -> None:
-        self.ready = True
-        self.info = InfoReply(nonce=1, node="n", role="mixed", vocab_size=256, max_model_len=LEN, block_size=8,
-                              eos_token_id=-1)
+        super().__init__(vocab_size=256, max_model_len=LEN)
         self.submitted: list = []
-        self._n = 0
-
-    def new_id(self) -> str:
-        self._n += 1
-        return f"r{self._n}"
 
     def submit(self, sub) -> None:
         self.submitted.append(sub)
@@ -49,13 +42,8 @@ class _Scoring:
             m = len(sub.prompt) - 1
             ev.prompt_logprobs, ev.prompt_ranks = [-2.0] * m, [3] * m
             ev.prompt_top = [[list(range(100, 100 + pk)), [-1.5] * pk] for _ in range(m)] if pk else []
-        put = sub.loop.call_soon_threadsafe
-        put(sub.events.put_nowait, (sub.request_id, ev))
-        put(sub.events.put_nowait, (sub.request_id, Result(sub.request_id, np.arange(65, 65 + n, dtype=np.int32),
-                                                            "length", len(sub.prompt))))
-
-    def cancel(self, request_id: str) -> None:
-        pass
+        self.put(sub, ev)
+        self.put(sub, Result(sub.request_id, np.arange(65, 65 + n, dtype=np.int32), "length", len(sub.prompt)))
 
 
 def _app() -> tuple[TestClient, _Scoring]:

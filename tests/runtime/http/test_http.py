@@ -19,7 +19,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from kvrt.runtime.client.api import ErrorEvent, InfoReply
+from kvrt.runtime.client.api import ErrorEvent
 from kvrt.runtime.client.chat_template import ChatTemplate, Message
 from kvrt.runtime.client.tokenizer import ByteTokenizer, HFTokenizer
 from kvrt.runtime.http.app import Server, create_app
@@ -28,6 +28,7 @@ from tests.conftest import REPO
 from tests.hfkit import greedy, make_checkpoint
 from kvrt.ipc.ports import free_port
 from tests.launched import SMALL, launched
+from tests.runtime.http.fake_bridge import FakeBridge
 from tests.tokenizer_kit import make_tokenizer_dir
 
 MODEL = "kvrt-reference"
@@ -255,26 +256,15 @@ def test_chat_against_a_checkpoint_gives_the_reference_answer(node, tmp_path):
 
 # ---- 503: unit tests over a fake bridge ------------------------------------------------------------
 
-class _FakeBridge:
+class _FakeBridge(FakeBridge):
     """A bridge whose engine answers every request with one ErrorEvent."""
 
     def __init__(self, ready: bool, code: str = "stopping") -> None:
-        self.ready = ready
-        self.info = InfoReply(nonce=1, node="n", role="mixed", vocab_size=512, max_model_len=64, block_size=8,
-                              eos_token_id=-1)
+        super().__init__(ready)
         self.code = code
-        self._n = 0
-
-    def new_id(self) -> str:
-        self._n += 1
-        return f"r{self._n}"
 
     def submit(self, sub) -> None:
-        sub.loop.call_soon_threadsafe(sub.events.put_nowait,
-                                      (sub.request_id, ErrorEvent(sub.request_id, self.code, "the node is stopping")))
-
-    def cancel(self, request_id: str) -> None:
-        pass
+        self.put(sub, ErrorEvent(sub.request_id, self.code, "the node is stopping"))
 
 
 @pytest.mark.parametrize("ready,code,status", [(False, "stopping", 503), (True, "stopping", 503),

@@ -251,7 +251,7 @@ class _Holding(_FakeBridge):
     """An engine that answers each request's first token, then holds it."""
 
     def submit(self, sub) -> None:
-        sub.loop.call_soon_threadsafe(sub.events.put_nowait, (sub.request_id, TokenEvent(sub.request_id, 0, [7])))
+        self.put(sub, TokenEvent(sub.request_id, 0, [7]))
 
 
 async def _many_streams(base: str, n: int, max_tokens: int) -> Counter:

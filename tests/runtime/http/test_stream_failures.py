@@ -151,7 +151,7 @@ class _FailingBridge(_FakeBridge):
     def submit(self, sub) -> None:
         rid = sub.request_id
         for ev in (TokenEvent(rid, 0, [7]), ErrorEvent(rid, "failed", "worker[0] (pid 1) was killed by SIGKILL")):
-            sub.loop.call_soon_threadsafe(sub.events.put_nowait, (rid, ev))
+            self.put(sub, ev)
 
 
 def test_a_request_the_engine_fails_after_its_first_token_is_an_error_streamed_or_not():

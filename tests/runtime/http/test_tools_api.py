@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from kvrt.runtime.client.api import InfoReply, TokenEvent
+from kvrt.runtime.client.api import TokenEvent
 from kvrt.runtime.client.client import Result, Sampling
 from kvrt.runtime.client.tokenizer import HFTokenizer
 from kvrt.runtime.http.app import Server, create_app
@@ -21,6 +21,7 @@ from kvrt.runtime.grammar.tool_call import tool_call_spec
 from kvrt.ipc.ports import free_port
 from tests.hfkit import make_checkpoint
 from tests.launched import launched
+from tests.runtime.http.fake_bridge import FakeBridge
 from tests.runtime.http.test_http import _client, _wait_healthy
 from tests.tokenizer_kit import make_tokenizer_dir
 
@@ -38,30 +39,19 @@ QWEN3_LIKE = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.co
               "{%- endif %}{%- endif %}")
 
 
-class _Scripted:
+class _Scripted(FakeBridge):
     """A bridge whose engine answers every request with the tokens of `answer`, then EOS."""
 
     def __init__(self, tok: HFTokenizer, answer: str) -> None:
-        self.ready = True
-        self.info = InfoReply(nonce=1, node="n", role="mixed", vocab_size=512, max_model_len=4096, block_size=8,
-                              eos_token_id=-1)
+        super().__init__(max_model_len=4096)
         self.ids = tok.encode(answer, add_special_tokens=False)
         self.submitted: list = []
-        self._n = 0
-
-    def new_id(self) -> str:
-        self._n += 1
-        return f"r{self._n}"
 
     def submit(self, sub) -> None:
         self.submitted.append(sub)
         for i, t in enumerate(self.ids):
-            sub.loop.call_soon_threadsafe(sub.events.put_nowait, (sub.request_id, TokenEvent(sub.request_id, i, [t])))
-        res = Result(sub.request_id, np.array(self.ids, dtype=np.int32), "eos", len(sub.prompt))
-        sub.loop.call_soon_threadsafe(sub.events.put_nowait, (sub.request_id, res))
-
-    def cancel(self, request_id: str) -> None:
-        pass
+            self.put(sub, TokenEvent(sub.request_id, i, [t]))
+        self.put(sub, Result(sub.request_id, np.array(self.ids, dtype=np.int32), "eos", len(sub.prompt)))
 
 
 @pytest.fixture(scope="module")
