@@ -26,7 +26,9 @@ if ctypes.util.find_library("ibverbs") is None:
     pytest.skip("libibverbs is missing (the Mooncake wheel needs it even for TCP): apt-get install libibverbs1",
                 allow_module_level=True)
 
-from kvrt.workers.storage.mooncake import RETRY_S, MooncakeStorage  # noqa: E402  (after the skips)
+from kvrt.workers.storage.base import StorageError  # noqa: E402  (after the skips)
+from kvrt.workers.storage.mooncake import ASK_LIMIT_S, RETRY_S, MooncakeStorage, open_client  # noqa: E402
+from kvrt.workers.storage.mooncake_probe import probe_master  # noqa: E402
 
 NEW = 4
 
@@ -55,6 +57,11 @@ class Store:
     def kill_master(self) -> None:
         os.kill(self.master_pid, signal.SIGKILL)
         self.master_killed = True
+
+    def freeze_master(self) -> None:
+        """A master that keeps its port (connections are still accepted) and answers nothing."""
+        os.kill(self.master_pid, signal.SIGSTOP)
+        self.master_killed = True  # (stopped with SIGKILL: nothing answers a goodbye)
 
     master_killed = False
 
@@ -129,6 +136,57 @@ def test_a_dead_master_means_misses_not_errors(store):
         assert time.monotonic() - t0 < 1.0, "calls while the store is down must not wait for the master"
     finally:
         s.close()
+
+
+@pytest.mark.alone
+def test_a_frozen_master_costs_one_short_wait_not_one_per_call(store):
+    """A frozen master's port still accepts and its client's calls wait out their own RPC
+    timeout (about 30 s each): the existence check that starts every read and write is given
+    up on after ASK_LIMIT_S and marks the store down, so the calls after it are misses at once."""
+    s = MooncakeStorage(parse_storage(store.uri), rank=0, retry_s=60.0)
+    try:
+        data = blocks(2, 3)
+        s.register(data)
+        keys = [b"\x03" * 16, b"\x04" * 16]
+        assert s.put_many(keys, list(data)) == data.nbytes
+        store.freeze_master()
+        out = np.zeros_like(data)
+        t0 = time.monotonic()
+        assert s.get_many(keys, list(out)) == 0 and not out.any()
+        assert s.errors >= 1
+        assert s.get_many(keys, list(out)) == 0 and s.put_many(keys, list(data)) == 0 and not s.contains(keys[0])
+        assert time.monotonic() - t0 < ASK_LIMIT_S + 10, "one short wait for the frozen master, not one per call"
+    finally:
+        s.close()
+
+
+@pytest.mark.alone
+def test_a_set_up_against_a_frozen_master_gives_up_within_seconds(store):
+    """The probe answers for a live master and names a frozen one; the client's own set-up
+    (which holds the interpreter) fails within seconds under kvrt's client limits, where the
+    client's defaults take 30 s."""
+    master = f"127.0.0.1:{store.port}"
+    assert probe_master(master, "127.0.0.1", 20.0) is None
+    store.freeze_master()
+    assert "did not finish within 2s" in probe_master(master, "127.0.0.1", 2.0)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match="setup with master"):
+        open_client(master, "127.0.0.1", 1 << 20)
+    assert time.monotonic() - t0 < 15, "a set-up bounded by the client limits"
+
+
+@pytest.mark.alone
+def test_a_node_started_while_its_master_is_frozen_serves_with_misses(node, tmp_path, store):
+    """Setting a client up against a frozen master holds the rank's interpreter for about 30 s
+    (no heartbeat, no transfers); a probe process finds the master frozen first, so the node
+    starts and serves every request, computed, and counts the store as failing."""
+    store.freeze_master()
+    prompt = shared_prefix_prompts(seed=9, systems=1, users=1)[0]
+    with launched(node, tmp_path, *SMALL, *store.node_opts) as ln:
+        res = ln.client.generate(prompt, NEW)
+        stats = ln.idle_stats()
+    assert res.output_token_ids.tolist() == oracle().generate_dense(prompt, NEW) and res.cached_tokens == 0
+    assert stats["storage_errors"] > 0 and stats["failed_requests"] == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])

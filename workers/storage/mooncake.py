@@ -15,15 +15,24 @@ outside every registered region goes through a registered staging area of this b
 instead, one copy more.
 
 The store is a cache, so nothing it does fails a request: an error return, an exception, a full
-pool or a dead master is a miss (counted in `errors`). A call to a dead master blocks for
-seconds inside the client (its RPC retries), so after a failure that says the master cannot be
-reached the client is left alone: every call is an immediate miss until `retry_s` passed *and*
-the master's port accepts a connection again. A dead master costs the node its hits, and one
-slow call. Store calls run on a helper thread while the caller keeps beating its heartbeat (the
-node's hang detector must not take a slow store for a hung process); the caller still waits
-for the call to end, because a read that was given up on could land in blocks the engine has
-since given to someone else. A call that outlives the client's own timeouts by far
-(`CALL_LIMIT_S`) means a hung client: StoreHung, and the rank exits rather than risk that.
+pool, a dead or a frozen master is a miss (counted in `errors`). A call to a master that does
+not answer blocks inside the client until its RPC timeout (`CLIENT_LIMITS`), so after a failure
+that says the master cannot be reached the client is left alone: every call is an immediate miss
+until `retry_s` passed *and* the master's port accepts a connection again; each time the master
+fails again right after, the pause doubles (up to `MAX_RETRY_S`), since a frozen master's port
+still accepts. A dead or frozen master costs the node its hits and one slow call per pause.
+Store calls run on a helper thread while the caller keeps beating its heartbeat (the node's hang
+detector must not take a slow store for a hung process). An existence check, which touches no
+block, is also given up on after `ASK_LIMIT_S` should the client not time out itself. A read or
+write is waited for to its end, because a read given
+up on could land in blocks the engine has since given to someone else; one that outlives the
+client's own timeouts by far (`CALL_LIMIT_S`) means a hung client: StoreHung, and the rank
+exits rather than risk that.
+
+The client's set-up holds the interpreter while it runs (no heartbeat, nothing else), for
+seconds against a frozen master or one that dies during it (for ever without `CLIENT_LIMITS`);
+so a rank sets its client up only after a throwaway process did the same handshake in time
+(workers/storage/mooncake_probe.py).
 
 Signed objects (a storage secret, workers/storage/mac.py): an object is the block's bytes
 followed by their MAC. Writes stay zero copy (one put from two buffers: the block, and its MAC
@@ -52,13 +61,22 @@ from kvrt.ipc.storage_uri import StorageSpec
 
 from kvrt.workers.storage.base import Storage, StorageError, StoreHung
 from kvrt.workers.storage.mac import MAC_BYTES, BlockMac
+from kvrt.workers.storage.mooncake_probe import probe_master
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = ('install it with `pip install -e ".[pd]"` (the mooncake-transfer-engine wheel) and '
                 "`apt-get install libibverbs1 librdmacm1 libnuma1` (needed even for TCP)")
-RPC_FAIL = -900        # ErrorCode::RPC_FAIL: the master did not answer
-RETRY_S = 2.0          # how long a client that lost its master is left alone
+RPC_ERRORS = range(-999, -899)  # ErrorCode's RPC range (-900 failed, -901 timed out): the master did not answer
+RETRY_S = 2.0          # how long a client that lost its master is left alone, at first
+MAX_RETRY_S = 30.0     # ... and at most, after failing again each time it was asked
+ASK_LIMIT_S = 5.0      # an existence check unanswered this long: the master is frozen
+# The client's own bounds, as environment defaults it reads: a call to the master times out in
+# 3 s (its default, 30 s, stalled a rank's transfers that long per call to a frozen master), and
+# a set-up tries once (by default it retries for ever while the master that died during it is
+# away, holding the interpreter all along).
+CLIENT_LIMITS = {"MC_RPC_TIMEOUT_MS": "3000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+PROBE_LIMIT_S = 5.0    # a probe process's set-up and check (one process start) within this
 STAGING_BLOCKS = 64    # blocks of the staging area for buffers outside registered pools
 CALL_LIMIT_S = 60.0    # a store call this long is a hung client (its RPCs time out in ~5 s)
 SETUP_LIMIT_S = 15.0   # a client that takes longer to set up is given up (it touches no block)
@@ -69,6 +87,8 @@ def load_store_module() -> Any:
     """`mooncake.store`, or StorageError with what to install."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("GLOG_minloglevel", "2")  # its INFO/WARNING lines flood the node's logs
+    for name, value in CLIENT_LIMITS.items():  # (an operator's own setting wins)
+        os.environ.setdefault(name, value)
     try:
         import mooncake.store as store
     except ImportError as e:
@@ -126,6 +146,7 @@ class MooncakeStorage(Storage):
         self.rank = rank
         self.host = socket.gethostbyname(socket.gethostname()) if host in ("", "0.0.0.0", "::") else host
         self.retry_s = retry_s
+        self._pause = retry_s  # how long the next failure leaves the client alone
         self.errors = 0
         self._client: Any = None
         self._down_until = 0.0
@@ -153,6 +174,11 @@ class MooncakeStorage(Storage):
             self._failed("nothing listens there")
             return None
         try:
+            why = self._wait("probe", lambda: probe_master(self.spec.master, self.host, PROBE_LIMIT_S),
+                             PROBE_LIMIT_S + 5)
+            if why:
+                self._failed(why)
+                return None
             client = self._wait("setup", lambda: open_client(self.spec.master, self.host, self.spec.segment_bytes),
                                 SETUP_LIMIT_S)
             for arr in self._pools:
@@ -169,12 +195,14 @@ class MooncakeStorage(Storage):
         return client
 
     def _failed(self, what: str) -> None:
-        """The master is unreachable: misses, without asking, until it listens again."""
+        """The master is unreachable: misses, without asking, until it listens again (asked
+        after a pause that doubles while it keeps failing)."""
         if not self._down:
             log.warning("mooncake store %s unreachable (%s): storage misses until it answers again",
                         self.spec.master, what)
         self._down = True
-        self._down_until = time.monotonic() + self.retry_s
+        self._down_until = time.monotonic() + self._pause
+        self._pause = min(2 * self._pause, max(self.retry_s, MAX_RETRY_S))
 
     def _master_listens(self) -> bool:
         try:
@@ -183,9 +211,10 @@ class MooncakeStorage(Storage):
         except OSError:
             return False
 
-    def _wait(self, what: str, fn: Callable[[], Any], limit: float = CALL_LIMIT_S) -> Any:
-        """fn() on a helper thread, beating until it returns (see the module docstring); StoreHung
-        after `limit` seconds (the thread is a daemon: a hung call cannot hold the exit up)."""
+    def _wait(self, what: str, fn: Callable[[], Any], limit: float = CALL_LIMIT_S, hung: bool = True) -> Any:
+        """fn() on a helper thread, beating until it returns (see the module docstring); after
+        `limit` seconds StoreHung, or TimeoutError for a call that may be given up on (`hung`
+        false). The thread is a daemon: a hung call cannot hold the exit up."""
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -202,6 +231,8 @@ class MooncakeStorage(Storage):
         while not done.wait(_BEAT_S):
             self.beat()
             if time.monotonic() > deadline:
+                if not hung:
+                    raise TimeoutError(f"no answer within {limit:g}s")
                 raise StoreHung(f"mooncake store {self.spec.master}: {what} did not return within {limit:g}s")
         if "err" in box:
             raise box["err"]
@@ -209,20 +240,25 @@ class MooncakeStorage(Storage):
 
     def _call(self, what: str, fn: str, *args: Any) -> list[int] | None:
         """`client.fn(*args)` (a batch call), or None after counting the failure; a result
-        that says the master did not answer marks the store down."""
+        that says the master did not answer, or an existence check it does not answer within
+        `ASK_LIMIT_S`, marks the store down."""
         client = self._connect()
         if client is None:
             return None
+        ask = fn == "batch_is_exist"  # (touches no block: may be given up on)
         try:
-            out = [int(r) for r in self._wait(what, lambda: getattr(client, fn)(*args))]
+            out = [int(r) for r in self._wait(what, lambda: getattr(client, fn)(*args),
+                                              ASK_LIMIT_S if ask else CALL_LIMIT_S, hung=not ask)]
         except StoreHung:
             raise
         except Exception as e:  # the store is a cache: whatever it raises is a miss
             self._failed(f"{what}: {type(e).__name__}: {e}")
             return None
-        if RPC_FAIL in out:
-            self._failed(f"{what} returned RPC_FAIL")
+        rpc = sorted({r for r in out if r in RPC_ERRORS})
+        if rpc:
+            self._failed(f"{what} returned {rpc} (the master did not answer)")
             return None
+        self._pause = self.retry_s
         return out
 
     # ---- buffers
