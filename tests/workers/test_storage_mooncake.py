@@ -175,7 +175,6 @@ def test_a_set_up_against_a_frozen_master_gives_up_within_seconds(store):
     assert time.monotonic() - t0 < 15, "a set-up bounded by the client limits"
 
 
-@pytest.mark.alone
 def test_a_node_started_while_its_master_is_frozen_serves_with_misses(node, tmp_path, store):
     """Setting a client up against a frozen master holds the rank's interpreter for about 30 s
     (no heartbeat, no transfers); a probe process finds the master frozen first, so the node
