@@ -69,8 +69,10 @@ from kvrt.runtime.cache.policies.reuse import DECAY, LEVELS
 EXPLORE = 1 / 64
 RATE = 0.0005
 # and a share of the misses a larger P would have served (what its bonus would still have held,
-# LRU would not): the evidence for a larger P, which it may then risk
-HELD, HELD_CAP = 1.0, 1 / 8
+# LRU would not): the evidence for a larger P, which it may then risk; at most HELD_CAP of the
+# capacity plus HELD_RATE of the lookups, so that a workload whose reuse order starts to pay late
+# (after P has lost its first allowance) can try again as the evidence comes in
+HELD, HELD_CAP, HELD_RATE = 1.0, 1 / 8, 0.002
 # the lead over LRU the bank keeps, in capacities: a lead of one capacity was spent by the first
 # stretch of losses and P shrank though it was far ahead; the bound over any stretch is this
 # much of the lead at its start plus the allowance
@@ -142,7 +144,8 @@ class Adaptive(EvictionPolicy):
     # ---- the budget
     def allowance(self) -> float:
         """What P may lose before it has won anything (blocks)."""
-        return EXPLORE * self._n + RATE * self.lookups + min(HELD * self.held, HELD_CAP * self._n)
+        return EXPLORE * self._n + RATE * self.lookups + min(HELD * self.held,
+                                                             HELD_CAP * self._n + HELD_RATE * self.lookups)
 
     def budget(self) -> int:
         """How many nodes P may hold now."""
@@ -193,10 +196,8 @@ class Adaptive(EvictionPolicy):
         avg = self._avg_push = 0.99 * avg + 0.01 * len(nodes) if avg else float(len(nodes))
         turnover = self._n / avg
         unit = self.bonus_scale() * min(MAX_TURNOVER, turnover)
-        lost = _push_c(*self._args, np.ascontiguousarray(nodes, dtype=np.int32), LEVELS, HOLD, unit,
-                       REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, self._ghost)
-        self._long += lost
-        self._reused += lost
+        _push_c(*self._args, np.ascontiguousarray(nodes, dtype=np.int32), LEVELS, HOLD, unit,
+                REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, self._ghost)
 
     def push_front(self, n: int) -> None:
         _front_c(*self._args, np.array([n], dtype=np.int32))
@@ -237,8 +238,11 @@ class Adaptive(EvictionPolicy):
         self.lookups += usable
         if not len(ages):
             return
-        lost, held = _missed_c(*self._args, np.ascontiguousarray(ages, dtype=np.int64), usable - len(ages), self._due)
+        lost, held, reused = _missed_c(*self._args, np.ascontiguousarray(ages, dtype=np.int64), usable - len(ages),
+                                       self._due)
         self.held += held
+        self._long += reused
+        self._reused += reused
         self._settle(0, lost)
 
     def discard(self, nodes: np.ndarray) -> None:
