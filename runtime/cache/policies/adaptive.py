@@ -25,8 +25,9 @@ plus an allowance, never below 0. The allowance is EXPLORE of the capacity, RATE
 and HELD of the misses a larger P would have served (LRU would not have, `gaps`' bonus would
 still have held), at most HELD_CAP of the capacity plus HELD_RATE of the lookups: the evidence
 that a larger P pays, which it may then risk (the part that grows with the lookups lets a
-workload whose reuse order pays only later, after P has spent its first allowance, try again). A victim that still has a device child goes back to P ranked last, rather than
-to the cache to be parked. A pop moves nodes between the segments and cannot be given back, so
+workload whose reuse order pays only later, after P has spent its first allowance, try again).
+A victim that still has a device child goes back to P ranked last, rather than to the cache to
+be parked. A pop moves nodes between the segments and cannot be given back, so
 a run popped at once ends where one-at-a-time eviction would queue a parent to go next (its
 last device child taken; in a host tier's queue, its last child dropped). All the per-block
 work is in C (runtime/cache/_cache_core.c adapt_*), one call per released, matched, missed or
@@ -110,7 +111,7 @@ class Adaptive(EvictionPolicy):
         self._m = np.zeros(M_ROWS * n, dtype=np.int64)  # per node, side by side (one cache line)
         self._m[M_RSTAMP::M_ROWS] = -1
         self._m[M_PSER::M_ROWS] = -1
-        self._f = np.zeros(3 * n, dtype=np.uint8)  # per node: live exit, matched since its last release, parked
+        self._f = np.zeros(3 * n, dtype=np.uint8)  # per node: live exit, spare, parked
         self._r = np.full(2 * (2 * n + 1024), -1, dtype=np.int64)  # R's ring of [node, stamp]
         self._h = np.zeros(4 * (n + 1024), dtype=np.int64)         # P's heap
         self._t = np.zeros(3 * (n + 1024), dtype=np.int64)         # per release: first serial, length, live exits
