@@ -1614,7 +1614,7 @@ done:
 
    State, as the policy's arrays (all flat, C order): M (int64, M_ROWS per node, side by side:
    R stamp, P serial, block serial, release, priority), F (uint8, 3 per node: counted as a live
-   exit, matched since its last release, parked), R (int64, RQ pairs [node, stamp]), H (int64,
+   exit, spare, parked), R (int64, RQ pairs [node, stamp]), H (int64,
    4 rows of HC: priority, order, node, serial), T (int64, 3 rows of RT, one column per release
    modulo RT: its first block serial, its length, its live exits), bits (uint8, RS: a block
    serial's live exit, modulo RS), st (int64 scalars, the A_ indices below), hits (int32, the node
@@ -1628,7 +1628,7 @@ enum { A_HOLD_MAX = 1028 };  /* adapt_pop: nodes kept back for a device child, p
 
 typedef struct {
     int64_t *m;
-    uint8_t *exited, *matched, *parked;
+    uint8_t *exited, *parked;
     int64_t *rq, *hk, *ho, *hn, *hs, *tstart, *tlen, *talive, *st;
     uint8_t *bits;
     const int32_t *hits;
@@ -1655,7 +1655,6 @@ static int adapt_take(bufs *v, adapt_t *a, const char *what, const char *spec, .
     a->n = n;
     a->m = v->b[0].buf;
     a->exited = v->b[1].buf;
-    a->matched = (uint8_t *)v->b[1].buf + 1;
     a->parked = (uint8_t *)v->b[1].buf + 2;
     a->rq = v->b[2].buf;
     a->rq_cap = v->b[2].shape[0] / 2;
@@ -1900,8 +1899,7 @@ static void a_rroom(adapt_t *a) {
    a release of `nodes` (int32, deepest first) joins R at its newest end, each with its block
    serial, its release, and its priority for P: (release + bonus) * span + level, the bonus
    being `gaps`' (unit * hold[uses], none for one earlier use whose last gap exceeds far1, or two
-   beyond far2; runtime/cache/policies/gaps.py). A node queued in P is taken out first.
-   Returns how many had earlier uses but were not matched since their last release. */
+   beyond far2; runtime/cache/policies/gaps.py). A node queued in P is taken out first. */
 static PyObject *adapt_push(PyObject *self, PyObject *args) {
     PyObject *o[12];
     double unit, far1, far2;
@@ -1954,7 +1952,6 @@ static PyObject *adapt_push(PyObject *self, PyObject *args) {
         for (int64_t t = tb; t <= now; t++)
             st[A_ABOVE] += a_alive(&a, t);
     }
-    Py_ssize_t lost = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
         int32_t v = nodes[i];
         if (a.m[(v) * M_ROWS + M_PSER] >= 0) {  /* queued in P: out of it, used again */
@@ -1968,8 +1965,6 @@ static PyObject *adapt_push(PyObject *self, PyObject *args) {
             st[A_NPARK]--;
         }
         int32_t h = a.hits[v] < 0 ? 0 : a.hits[v];
-        lost += !a.matched[3 * (v)] && h != 0;
-        a.matched[3 * (v)] = 0;
         int64_t lv = levels[h < nlev ? h : nlev - 1];
         int32_t u = h < nhold ? h : (int32_t)(nhold - 1);
         double hd = hold[u];
@@ -1988,7 +1983,8 @@ static PyObject *adapt_push(PyObject *self, PyObject *args) {
         a.rq[2 * q + 1] = s0 + i;
     }
     a_fix(&a);
-    res = PyLong_FromSsize_t(lost);
+    res = Py_None;
+    Py_INCREF(res);
 done:
     drop_bufs(&bv);
     return res;
@@ -2057,16 +2053,17 @@ static PyObject *adapt_discard(PyObject *self, PyObject *args) {
             st[A_NP]--;
         }
         a.m[(v) * M_ROWS + M_RSTAMP] = -1;
-        a.matched[3 * (v)] = 1;
     }
     a_fix(&a);
     drop_bufs(&bv);
     return Py_BuildValue("nnn", queued, lng, gains);
 }
 
-/* adapt_missed(M, F, R, H, T, bits, st, hits, ages, depth, due) -> (losses, missed_held): a
+/* adapt_missed(M, F, R, H, T, bits, st, hits, ages, depth, due) -> (losses, missed_held, reused): a
    request missed its blocks from `depth` on, whose keys were last used ages[j] releases ago
-   (int64; -1: never, as far as is known). Each that is a live exit is one no longer (it is
+   (int64; -1: never, as far as is known); `reused` is how many of them up to the last one whose
+   key is remembered (a prefix is used whenever a deeper block is): reuse the cache lost, whatever
+   order it follows. Each that is a live exit is one no longer (it is
    computed again); those LRU would have held are counted (blocks LRU would have served that this
    cache did not), and so are those LRU would not have held but `gaps`' bonus would still have
    kept (due, int64 per block serial modulo its length: the release its bonus lasted to, set when
@@ -2091,8 +2088,13 @@ static PyObject *adapt_missed(PyObject *self, PyObject *args) {
     int64_t clock = a.st[A_CLOCK];
     int32_t front = a_rhead(&a);
     int64_t frontier = front >= 0 ? a.m[front * M_ROWS + M_REL] : clock;
-    Py_ssize_t losses = 0, held = 0, k = bv.b[8].shape[0];
+    Py_ssize_t losses = 0, held = 0, reused = 0, k = bv.b[8].shape[0];
     a_window_t w = a_window(&a);
+    for (Py_ssize_t j = k; j-- > 0;)
+        if (ages[j] >= 0) {
+            reused = j + 1;
+            break;
+        }
     for (int pass = 0; pass < 2; pass++) {  /* counted against the window as it was, then gone */
         for (Py_ssize_t j = 0; j < k; j++) {
             int64_t age = ages[j], d = depth + j;
@@ -2117,7 +2119,7 @@ static PyObject *adapt_missed(PyObject *self, PyObject *args) {
     }
     a_fix(&a);
     drop_bufs(&bv);
-    return Py_BuildValue("nn", losses, held);
+    return Py_BuildValue("nnn", losses, held, reused);
 }
 
 /* Has node p no more than `taken` children (those taken so far, all of them, as the walk stops

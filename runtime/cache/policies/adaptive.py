@@ -23,9 +23,11 @@ eviction order is `gaps`' (R's oldest by its release alone against P's lowest wi
 the lower goes first), with P held to a budget: the gains minus the losses so far (the bank)
 plus an allowance, never below 0. The allowance is EXPLORE of the capacity, RATE of the lookups,
 and HELD of the misses a larger P would have served (LRU would not have, `gaps`' bonus would
-still have held), at most HELD_CAP of the capacity: the evidence that a larger P pays, which it
-may then risk. A victim that still has a device child goes back to P ranked last, rather than
-to the cache to be parked. A pop moves nodes between the segments and cannot be given back, so
+still have held), at most HELD_CAP of the capacity plus HELD_RATE of the lookups: the evidence
+that a larger P pays, which it may then risk (the part that grows with the lookups lets a
+workload whose reuse order pays only later, after P has spent its first allowance, try again).
+A victim that still has a device child goes back to P ranked last, rather than to the cache to
+be parked. A pop moves nodes between the segments and cannot be given back, so
 a run popped at once ends where one-at-a-time eviction would queue a parent to go next (its
 last device child taken; in a host tier's queue, its last child dropped). All the per-block
 work is in C (runtime/cache/_cache_core.c adapt_*), one call per released, matched, missed or
@@ -35,18 +37,23 @@ tests/runtime/cache/test_cache_core.py holds it to, state for state.
 The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
 the blocks it served are at least LRU's minus the allowance (1/64 + 1/8 of the capacity at
-most, plus 0.05% of the lookups); over any stretch it loses at most the lead over LRU it had at
+most, plus 0.25% of the lookups); over any stretch it loses at most the lead over LRU it had at
 the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus the allowance. The
 counts are exact for requests served one after another (the benchmark's replay, where the
 ledger is never ahead of the truth) and close with requests in flight together. tests/runtime/cache/test_adaptive_bound.py checks both on
 generated traces against an LRU cache replayed beside it, from a cold cache and over every
 window of two turnovers. The price: where protection pays only once P is large (a small P
 churns before its blocks come back), P grows with what it earns, and the policy gets there
-later than `gaps` does, or never where a small P loses to LRU; and the share of the bonus in
-force is read from this policy's own hits, which under an order close to LRU's are never
-long, so the bonus can fade before P has had room to show what it would win (once P has won
-a lead over LRU, the lead keeps the bonus in force: `bonus_scale`; before, nothing does)
-(docs/benchmarks.md, the adaptive policy: the held-out cells where it trails `gaps`).
+later than `gaps` does (the held-out cells where it trails `gaps`: docs/benchmarks.md, the
+adaptive policy), or never where a small P loses to LRU.
+
+The share of `gaps`' bonus in force (`bonus_scale`) is the share of long reuse as `gaps` would
+read it, whatever this policy's order: a queued block matched more than a turnover after its
+release, or a missed block whose key, or a deeper one of the same request (a prefix is used
+whenever a deeper block is), is remembered as used before: reuse the cache lost (adapt_missed's
+`reused`). Read from this policy's own hits and recomputed blocks alone it was self-fulfilling:
+under an order close to LRU's no hit is long, the memory of evicted keys loses uses, and the
+bonus never started where it would have paid.
 
 A host tier's queue (the same class) takes the device's budget share (`follows`): the host tier
 has no misses of its own to judge by.
@@ -69,15 +76,17 @@ from kvrt.runtime.cache.policies.reuse import DECAY, LEVELS
 EXPLORE = 1 / 64
 RATE = 0.0005
 # and a share of the misses a larger P would have served (what its bonus would still have held,
-# LRU would not): the evidence for a larger P, which it may then risk
-HELD, HELD_CAP = 1.0, 1 / 8
+# LRU would not): the evidence for a larger P, which it may then risk; at most HELD_CAP of the
+# capacity plus HELD_RATE of the lookups, so that a workload whose reuse order starts to pay late
+# (after P has lost its first allowance) can try again as the evidence comes in
+HELD, HELD_CAP, HELD_RATE = 1.0, 1 / 8, 0.002
 # the lead over LRU the bank keeps, in capacities: a lead of one capacity was spent by the first
 # stretch of losses and P shrank though it was far ahead; the bound over any stretch is this
 # much of the lead at its start plus the allowance
 BANK_CAP = 4
 # the lead over LRU, in capacities, at which `gaps`' whole bonus is in force whatever share of
-# long reuse this policy's own hits show (a share of it below): under an order close to LRU's
-# few hits are long, so the share read from them fades while P is winning
+# long reuse the recent requests show (a share of it below): a trace whose reuse turns short
+# keeps the bonus while P is still winning with it
 SCALE_LEAD = 1 / 4
 # rows of the per-node matrix and indices of the scalars (runtime/cache/_cache_core.c adapt_*)
 M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
@@ -102,7 +111,7 @@ class Adaptive(EvictionPolicy):
         self._m = np.zeros(M_ROWS * n, dtype=np.int64)  # per node, side by side (one cache line)
         self._m[M_RSTAMP::M_ROWS] = -1
         self._m[M_PSER::M_ROWS] = -1
-        self._f = np.zeros(3 * n, dtype=np.uint8)  # per node: live exit, matched since its last release, parked
+        self._f = np.zeros(3 * n, dtype=np.uint8)  # per node: live exit, spare, parked
         self._r = np.full(2 * (2 * n + 1024), -1, dtype=np.int64)  # R's ring of [node, stamp]
         self._h = np.zeros(4 * (n + 1024), dtype=np.int64)         # P's heap
         self._t = np.zeros(3 * (n + 1024), dtype=np.int64)         # per release: first serial, length, live exits
@@ -142,7 +151,8 @@ class Adaptive(EvictionPolicy):
     # ---- the budget
     def allowance(self) -> float:
         """What P may lose before it has won anything (blocks)."""
-        return EXPLORE * self._n + RATE * self.lookups + min(HELD * self.held, HELD_CAP * self._n)
+        return EXPLORE * self._n + RATE * self.lookups + min(HELD * self.held,
+                                                             HELD_CAP * self._n + HELD_RATE * self.lookups)
 
     def budget(self) -> int:
         """How many nodes P may hold now."""
@@ -173,8 +183,9 @@ class Adaptive(EvictionPolicy):
         """The share of `gaps`' bonus in force: 0 while at most LONG_LOW of the recent reuse came
         back later than a turnover, all of it from LONG_HIGH on (runtime/cache/policies/gaps.py);
         and at least the lead over LRU that P has won, as a share of SCALE_LEAD capacities. The
-        share of long reuse is read from this policy's own hits, which are short while its order
-        is close to LRU's, so it fades just where P pays; the lead is what P's bonus has already
+        share of long reuse counts the queued blocks matched more than a turnover after their
+        release (`discard`) and the missed ones that were reuse the cache lost (`missed`), as
+        `gaps` reads it whatever this policy's order; the lead is what P's bonus has already
         served beyond LRU (a policy that has won nothing keeps the share alone: short traces
         where reuse order does not pay stay in LRU's order)."""
         f = self._long / self._reused
@@ -193,10 +204,8 @@ class Adaptive(EvictionPolicy):
         avg = self._avg_push = 0.99 * avg + 0.01 * len(nodes) if avg else float(len(nodes))
         turnover = self._n / avg
         unit = self.bonus_scale() * min(MAX_TURNOVER, turnover)
-        lost = _push_c(*self._args, np.ascontiguousarray(nodes, dtype=np.int32), LEVELS, HOLD, unit,
-                       REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, self._ghost)
-        self._long += lost
-        self._reused += lost
+        _push_c(*self._args, np.ascontiguousarray(nodes, dtype=np.int32), LEVELS, HOLD, unit,
+                REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, self._ghost)
 
     def push_front(self, n: int) -> None:
         _front_c(*self._args, np.array([n], dtype=np.int32))
@@ -233,12 +242,16 @@ class Adaptive(EvictionPolicy):
 
     def missed(self, ages: np.ndarray, usable: int) -> None:
         """A counted request's blocks after its matched prefix, up to its `usable` ones: their keys
-        were last used `ages` requests ago (-1: never). Those LRU would have served are losses."""
+        were last used `ages` requests ago (-1: never). Those LRU would have served are losses;
+        those up to the last remembered one are long reuse (the share `bonus_scale` reads)."""
         self.lookups += usable
         if not len(ages):
             return
-        lost, held = _missed_c(*self._args, np.ascontiguousarray(ages, dtype=np.int64), usable - len(ages), self._due)
+        lost, held, reused = _missed_c(*self._args, np.ascontiguousarray(ages, dtype=np.int64), usable - len(ages),
+                                       self._due)
         self.held += held
+        self._long += reused
+        self._reused += reused
         self._settle(0, lost)
 
     def discard(self, nodes: np.ndarray) -> None:

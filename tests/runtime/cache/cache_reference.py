@@ -634,7 +634,7 @@ class _Adapt:
         st[A_RTAIL] = st[A_RHEAD] + len(live)
 
 
-def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> int:
+def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> None:
     a = _Adapt(m, f, r, h, t, bits, st, hits)
     if len(ghost) != a.n:
         raise ValueError("adapt_push: one last gap per node")
@@ -653,7 +653,6 @@ def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, f
             tb += 1
         st[A_TB] = tb
         st[A_ABOVE] = sum(a.alive(x) for x in range(tb, now + 1))
-    lost = 0
     for i, v in enumerate(nodes.tolist()):
         if a.get(v, M_PSER) >= 0:  # queued in P: out of it, used again
             a.set(v, M_PSER, -1)
@@ -664,8 +663,6 @@ def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, f
             f[3 * v + 2] = 0
             st[A_NPARK] -= 1
         uses = max(0, int(hits[v]))
-        lost += not f[3 * v + 1] and uses != 0
-        f[3 * v + 1] = 0
         u = min(uses, len(hold) - 1)
         hd = float(hold[u])
         gap = int(ghost[v])
@@ -682,7 +679,6 @@ def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, f
         st[A_RTAIL] += 1
         r[2 * q], r[2 * q + 1] = v, s0 + i
     a.fix()
-    return lost
 
 
 def adapt_front(m, f, r, h, t, bits, st, hits, nodes) -> None:
@@ -715,12 +711,11 @@ def adapt_discard(m, f, r, h, t, bits, st, hits, nodes, turnover) -> tuple[int, 
             a.set(v, M_PSER, -1)
             st[A_NP] -= 1
         a.set(v, M_RSTAMP, -1)
-        f[3 * v + 1] = 1
     a.fix()
     return queued, long, gains
 
 
-def adapt_missed(m, f, r, h, t, bits, st, hits, ages, depth, due) -> tuple[int, int]:
+def adapt_missed(m, f, r, h, t, bits, st, hits, ages, depth, due) -> tuple[int, int, int]:
     a = _Adapt(m, f, r, h, t, bits, st, hits)
     if len(due) != a.rs:
         raise ValueError("adapt_missed: one due release per block serial of the ring")
@@ -750,7 +745,8 @@ def adapt_missed(m, f, r, h, t, bits, st, hits, ages, depth, due) -> tuple[int, 
     for rel, s in dead:
         a.dies(rel, s)
     a.fix()
-    return losses, held
+    known = np.nonzero(np.asarray(ages) >= 0)[0]
+    return losses, held, int(known[-1]) + 1 if len(known) else 0
 
 
 def _cdiv(x: int, y: int) -> int:

@@ -430,7 +430,7 @@ def test_adaptive_calls_in_c_equal_python_on_random_queues(monkeypatch):
             q.bank = budget - int(q.allowance())  # (any budget: the policy's own is checked elsewhere)
             if op == 0:
                 q.push(nodes)
-                got.append(None)
+                got.append((q._long, q._reused))
             elif op == 1:
                 q.discard(nodes)
                 got.append((q.gains, q._long, q._reused))
@@ -442,7 +442,7 @@ def test_adaptive_calls_in_c_equal_python_on_random_queues(monkeypatch):
                 got.append(back)
             elif op == 4:
                 q.missed(ages, len(ages) + extra)
-                got.append((q.losses, q.held, q.lookups))
+                got.append((q.losses, q.held, q.lookups, q._long, q._reused))
             elif op == 5:
                 q.forget(nodes, key_of)
                 got.append(None)

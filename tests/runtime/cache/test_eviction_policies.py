@@ -585,6 +585,38 @@ def test_adaptive_bonus_stays_in_force_while_it_leads():
     assert q.bonus_scale() == 0.0
 
 
+def test_adaptive_reads_long_reuse_from_its_misses():
+    """The share of long reuse (what `gaps`' bonus is scaled by) counts a request's missed blocks
+    up to the last one whose key is remembered as used before (a prefix is used whenever a deeper
+    block is): reuse the cache lost, whatever its order. Read from its own hits alone, a policy
+    whose order is close to LRU's never saw long reuse and its bonus never started."""
+    n = 1024
+    q = Adaptive(n, np.zeros(n, dtype=np.int32))
+    q._long, q._reused = 0.0, 100.0  # only short reuse so far
+    q.missed(np.array([-1, 7, -1, 300, -1, -1], dtype=np.int64), 10)
+    assert (q._long, q._reused) == (4.0, 104.0)
+    q.missed(np.array([-1, -1], dtype=np.int64), 2)  # nothing remembered: no reuse lost
+    assert (q._long, q._reused) == (4.0, 104.0)
+    for _ in range(40):
+        q.missed(np.array([5, 9, 11, -1], dtype=np.int64), 4)
+    assert q.bonus_scale() > 0.0
+
+
+def test_adaptive_allowance_grows_with_the_lookups_as_evidence_comes():
+    """The allowance the misses a larger P would have served earn is at most HELD_CAP of the
+    capacity plus HELD_RATE of the lookups: a workload whose reuse order pays only later (after
+    P has spent its first allowance) can try again, at a stated cost per lookup."""
+    from kvrt.runtime.cache.policies.adaptive import EXPLORE, HELD_CAP, HELD_RATE, RATE
+
+    n = 1024
+    q = Adaptive(n, np.zeros(n, dtype=np.int32))
+    q.held = 10 * n
+    q.lookups = 100 * n
+    assert q.allowance() == pytest.approx(EXPLORE * n + RATE * q.lookups + HELD_CAP * n + HELD_RATE * q.lookups)
+    q.held = 3
+    assert q.allowance() == pytest.approx(EXPLORE * n + RATE * q.lookups + 3)
+
+
 def test_adaptive_protects_as_much_as_it_has_won():
     """Reused blocks join the protected segment only up to the budget: the gains minus the
     losses counted so far plus the allowance. A block it served that LRU would have lost raises
