@@ -29,6 +29,15 @@ lives on in tests/runtime/cache/cache_reference.py as the reference (tests compa
 
 #define KEY_BYTES 16
 
+/* Ask for the cache line at p ahead of its use (rw: 1 to be written). An empty asm that takes
+   the address keeps the hint: GCC (12, -O2) drops a __builtin_prefetch whose address comes from
+   a load as dead code, which left several of the hints below unemitted. */
+#define AHEAD(p, rw) do { \
+        const void *ahead_ = (const void *)(p); \
+        __asm__ volatile("" : : "r"(ahead_)); \
+        __builtin_prefetch(ahead_, rw); \
+    } while (0)
+
 /* XXH3_128bits as xxhash.h declares it (XXH128_hash_t: low64, then high64) */
 typedef struct { uint64_t low64, high64; } kv_h128;
 typedef kv_h128 (*kv_xxh3_128)(const void *, size_t);
@@ -270,7 +279,21 @@ static void free_column(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, const in
 #define KEY_AHEAD 8
 static inline void key_ahead(PyObject *node_keys, const int32_t *ids, Py_ssize_t i, Py_ssize_t n) {
     if (i + KEY_AHEAD < n)
-        __builtin_prefetch(PyList_GET_ITEM(node_keys, ids[i + KEY_AHEAD]), 1);
+        AHEAD(PyList_GET_ITEM(node_keys, ids[i + KEY_AHEAD]), 1);
+}
+
+/* Ask for the column of node ids[i + KEY_AHEAD] (of n) in each of the nrows rows of the node
+   matrix M, ahead of freeing it (every field is reset: a line per row, each a wait for memory
+   when the run's nodes are scattered). */
+static inline void column_ahead(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, const int32_t *ids, Py_ssize_t i,
+                                Py_ssize_t n) {
+    if (i + KEY_AHEAD >= n)
+        return;
+    int32_t v = ids[i + KEY_AHEAD];
+    if (v < 0 || v >= ncols)
+        return;
+    for (Py_ssize_t k = 0; k < nrows; k++)
+        AHEAD(&M[k * ncols + v], 1);
 }
 
 /* Is node p queued in the eviction policy (`p in policy`)? 1, 0, or -1 with an exception. */
@@ -541,15 +564,22 @@ done:
    returned, in order), clear their keys, append their device blocks to `devs`, reset their
    columns to `reset` and put their ids on the free-id stack `stack` from index `at`.
    rows = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV). Everything is checked before any write
-   but the key map deletes (a missing key raises KeyError, as in Python). */
+   but the key map deletes (a missing key raises KeyError, as in Python). `ids` (optional, a list
+   whose item b is the int b: the device pool's, runtime/cache/pool.py) gives the device blocks'
+   int objects, so that a freed block is not a new int made here and freed again when the request
+   it is handed to ends (one allocation and one free per evicted block). */
 static PyObject *drop_run(PyObject *self, PyObject *args) {
-    PyObject *fobj, *dobj, *pobj, *sobj, *top, *rows, *reset, *node_keys, *kmap, *devs;
+    PyObject *fobj, *dobj, *pobj, *sobj, *top, *rows, *reset, *node_keys, *kmap, *devs, *ids = Py_None;
     Py_ssize_t at;
     bufs bv;
     PyObject *res = NULL, *ft = NULL, *freed = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOO!O!O!On", &fobj, &dobj, &pobj, &top, &rows, &reset,
-                          &PyList_Type, &node_keys, &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at))
+    if (!PyArg_ParseTuple(args, "OOOOOOO!O!O!On|O", &fobj, &dobj, &pobj, &top, &rows, &reset,
+                          &PyList_Type, &node_keys, &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at, &ids))
         return NULL;
+    if (ids != Py_None && !PyList_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "drop_run: ids must be a list or None");
+        return NULL;
+    }
     if (take_bufs(&bv, "drop_run", "Mn=nI", fobj, dobj, pobj, sobj) < 0)
         return NULL;
     const Py_buffer *f = &bv.b[0];
@@ -602,10 +632,16 @@ static PyObject *drop_run(PyObject *self, PyObject *args) {
         }
     }
     int32_t *stack = bv.b[3].buf;
+    Py_ssize_t nids = ids == Py_None ? 0 : PyList_GET_SIZE(ids);
     for (Py_ssize_t i = 0; i < m; i++) {
         int32_t v = drop[i];
         key_ahead(node_keys, drop, i, m);
-        if (append_new(devs, PyLong_FromLong(DEV[v])) < 0)
+        column_ahead(M, nrows, ncols, drop, i, m);
+        int32_t b = DEV[v];
+        if (b >= 0 && b < nids) {
+            if (PyList_Append(devs, PyList_GET_ITEM(ids, b)) < 0)
+                goto done;
+        } else if (append_new(devs, PyLong_FromLong(b)) < 0)
             goto done;
         free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
     }
@@ -1615,7 +1651,7 @@ done:
    State, as the policy's arrays (all flat, C order): M (int64, M_ROWS per node, side by side:
    R stamp, P serial, block serial, release, priority), F (uint8, 3 per node: counted as a live
    exit, matched since its last release, parked), R (int64, RQ pairs [node, stamp]), H (int64,
-   4 rows of HC: priority, order, node, serial), T (int64, 3 rows of RT, one column per release
+   HC entries of 4: priority, order, node, serial), T (int64, 3 rows of RT, one column per release
    modulo RT: its first block serial, its length, its live exits), bits (uint8, RS: a block
    serial's live exit, modulo RS), st (int64 scalars, the A_ indices below), hits (int32, the node
    matrix's row). A live exit is a node that left R (to P, or evicted from R or later from P)
@@ -1629,7 +1665,7 @@ enum { A_HOLD_MAX = 1028 };  /* adapt_pop: nodes kept back for a device child, p
 typedef struct {
     int64_t *m;
     uint8_t *exited, *matched, *parked;
-    int64_t *rq, *hk, *ho, *hn, *hs, *tstart, *tlen, *talive, *st;
+    int64_t *rq, *h, *tstart, *tlen, *talive, *st;
     uint8_t *bits;
     const int32_t *hits;
     Py_ssize_t n, rq_cap, hcap, rt, rs;
@@ -1660,10 +1696,7 @@ static int adapt_take(bufs *v, adapt_t *a, const char *what, const char *spec, .
     a->rq = v->b[2].buf;
     a->rq_cap = v->b[2].shape[0] / 2;
     a->hcap = v->b[3].shape[0] / 4;
-    a->hk = v->b[3].buf;
-    a->ho = a->hk + a->hcap;
-    a->hn = a->ho + a->hcap;
-    a->hs = a->hn + a->hcap;
+    a->h = v->b[3].buf;
     a->rt = v->b[4].shape[0] / 3;
     a->tstart = v->b[4].buf;
     a->tlen = a->tstart + a->rt;
@@ -1775,49 +1808,63 @@ static void a_reenter(adapt_t *a, int32_t v) {
     }
 }
 
-/* heap entry i before entry j? (priority, then order) */
-static inline int a_less(const adapt_t *a, Py_ssize_t i, Py_ssize_t j) {
-    return a->hk[i] < a->hk[j] || (a->hk[i] == a->hk[j] && a->ho[i] < a->ho[j]);
+/* P's heap: entry i is h[4i .. 4i+3] = [priority, order, node, serial], its key (priority, then
+   order) side by side, so that comparing and moving an entry touches one or two cache lines, not
+   one per field (a heap of a capacity's nodes is far larger than the CPU's first caches). */
+#define HK(a, i) ((a)->h[4 * (i)])
+#define HO(a, i) ((a)->h[4 * (i) + 1])
+#define HN(a, i) ((a)->h[4 * (i) + 2])
+#define HS(a, i) ((a)->h[4 * (i) + 3])
+
+/* entry e (4 fields) before heap entry j? (priority, then order) */
+static inline int a_before(const adapt_t *a, const int64_t *e, Py_ssize_t j) {
+    return e[0] < HK(a, j) || (e[0] == HK(a, j) && e[1] < HO(a, j));
 }
 
-static inline void a_swap(adapt_t *a, Py_ssize_t i, Py_ssize_t j) {
-    int64_t t;
-    t = a->hk[i]; a->hk[i] = a->hk[j]; a->hk[j] = t;
-    t = a->ho[i]; a->ho[i] = a->ho[j]; a->ho[j] = t;
-    t = a->hn[i]; a->hn[i] = a->hn[j]; a->hn[j] = t;
-    t = a->hs[i]; a->hs[i] = a->hs[j]; a->hs[j] = t;
+/* Put entry e (4 fields, not in the heap) at position i and sift it down: the same moves as
+   swapping it with its lower child while that child is lower (each child moved up once, e
+   written once at the end). */
+static void a_down_put(adapt_t *a, Py_ssize_t i, Py_ssize_t size, const int64_t *e) {
+    int64_t x[4] = {e[0], e[1], e[2], e[3]};
+    for (;;) {
+        Py_ssize_t l = 2 * i + 1, m = -1;
+        if (2 * l + 4 < size) {  /* (the grandchildren: the next step's entries) */
+            AHEAD(&a->h[4 * (2 * l + 1)], 0);
+            AHEAD(&a->h[4 * (2 * l + 3)], 0);
+        }
+        if (l < size && !a_before(a, x, l))
+            m = l;
+        if (l + 1 < size && (m < 0 ? !a_before(a, x, l + 1) : (HK(a, l + 1) < HK(a, m) ||
+                             (HK(a, l + 1) == HK(a, m) && HO(a, l + 1) < HO(a, m)))))
+            m = l + 1;
+        if (m < 0)
+            break;
+        memcpy(&a->h[4 * i], &a->h[4 * m], 4 * sizeof(int64_t));
+        i = m;
+    }
+    memcpy(&a->h[4 * i], x, sizeof x);
 }
 
 static void a_down(adapt_t *a, Py_ssize_t i, Py_ssize_t size) {
-    for (;;) {
-        Py_ssize_t l = 2 * i + 1, m = i;
-        if (l < size && a_less(a, l, m))
-            m = l;
-        if (l + 1 < size && a_less(a, l + 1, m))
-            m = l + 1;
-        if (m == i)
-            return;
-        a_swap(a, i, m);
-        i = m;
-    }
+    int64_t e[4];
+    memcpy(e, &a->h[4 * i], sizeof e);
+    a_down_put(a, i, size, e);
 }
 
 static void a_heap_remove_top(adapt_t *a) {
     Py_ssize_t size = --a->st[A_HSIZE];
     if (size) {
-        a->hk[0] = a->hk[size];
-        a->ho[0] = a->ho[size];
-        a->hn[0] = a->hn[size];
-        a->hs[0] = a->hs[size];
-        a_down(a, 0, size);
+        int64_t e[4];
+        memcpy(e, &a->h[4 * size], sizeof e);
+        a_down_put(a, 0, size, e);
     }
 }
 
 /* The live top of P's heap (stale entries dropped), or -1. */
 static Py_ssize_t a_ptop(adapt_t *a) {
     while (a->st[A_HSIZE]) {
-        int64_t v = a->hn[0];
-        if (a->m[(v) * M_ROWS + M_PSER] == a->hs[0])
+        int64_t v = HN(a, 0);
+        if (a->m[(v) * M_ROWS + M_PSER] == HS(a, 0))
             return 0;
         a_heap_remove_top(a);
     }
@@ -1829,8 +1876,8 @@ static void a_protect(adapt_t *a, int32_t v) {
     if (a->st[A_HSIZE] == a->hcap) {  /* full of stale entries: keep the live ones */
         Py_ssize_t k = 0;
         for (Py_ssize_t i = 0; i < a->hcap; i++)
-            if (a->m[a->hn[i] * M_ROWS + M_PSER] == a->hs[i]) {
-                a->hk[k] = a->hk[i]; a->ho[k] = a->ho[i]; a->hn[k] = a->hn[i]; a->hs[k] = a->hs[i];
+            if (a->m[HN(a, i) * M_ROWS + M_PSER] == HS(a, i)) {
+                memmove(&a->h[4 * k], &a->h[4 * i], 4 * sizeof(int64_t));
                 k++;
             }
         a->st[A_HSIZE] = k;
@@ -1841,24 +1888,23 @@ static void a_protect(adapt_t *a, int32_t v) {
     int64_t ser = a->st[A_PSER]++;
     if (a->m[(v) * M_ROWS + M_PRIO] > a->st[A_PMAX])
         a->st[A_PMAX] = a->m[(v) * M_ROWS + M_PRIO];
-    a->hk[i] = a->m[(v) * M_ROWS + M_PRIO];
-    a->ho[i] = a->st[A_ORDER]++;
-    a->hn[i] = v;
-    a->hs[i] = ser;
+    int64_t e[4] = {a->m[(v) * M_ROWS + M_PRIO], a->st[A_ORDER]++, v, ser};
     a->m[(v) * M_ROWS + M_PSER] = ser;
+    /* sift up: the same moves as swapping with the parent while below it */
     while (i > 0) {
         Py_ssize_t p = (i - 1) / 2;
-        if (!a_less(a, i, p))
+        if (!a_before(a, e, p))
             break;
-        a_swap(a, i, p);
+        memcpy(&a->h[4 * i], &a->h[4 * p], 4 * sizeof(int64_t));
         i = p;
     }
+    memcpy(&a->h[4 * i], e, sizeof e);
     a->st[A_NP]++;
 }
 
 /* P's top node leaves P (an eviction; it stays a live exit). */
 static int32_t a_unprotect_top(adapt_t *a) {
-    int32_t v = (int32_t)a->hn[0];
+    int32_t v = (int32_t)HN(a, 0);
     a->m[(v) * M_ROWS + M_PSER] = -1;
     a_heap_remove_top(a);
     a->st[A_NP]--;
@@ -1876,6 +1922,38 @@ static int32_t a_rhead(adapt_t *a) {
         st[A_RHEAD]++;
     }
     return -1;
+}
+
+/* Ask for what taking R's entry `dist` places past its oldest reads, ahead of the read: the node's
+   policy record and flags, its parent link, device children and the run's count of them, and, a
+   step later (`dist` small), its parent's (usually the next victim: chains go deepest first).
+   Victims are scattered node ids whose fields sit in a dozen arrays, each read a wait for
+   memory; asked for R_AHEAD entries ahead, the waits of a run overlap. Only a hint: a stale
+   entry asks for lines nobody reads, nothing changes. */
+#define R_AHEAD 8
+static inline void a_rahead(const adapt_t *a, Py_ssize_t dist, const int32_t *parent, const int32_t *ndev,
+                            const int32_t *taken) {
+    int64_t x = a->st[A_RHEAD] + dist;
+    if (x >= a->st[A_RTAIL])
+        return;
+    int64_t v = a->rq[2 * amod(x, a->rq_cap)];
+    if (v < 0 || v >= a->n)
+        return;
+    if (dist > R_AHEAD) {
+        AHEAD(&a->m[v * M_ROWS], 1);
+        AHEAD(&a->m[v * M_ROWS + M_ROWS - 1], 1);
+        AHEAD(&a->exited[3 * v], 1);
+        AHEAD(&parent[v], 0);
+        AHEAD(&ndev[v], 0);
+        AHEAD(&taken[v], 1);
+        return;
+    }
+    int32_t p = parent[v];
+    if (p < 0 || p >= a->n)
+        return;
+    AHEAD(&a->m[(Py_ssize_t)p * M_ROWS], 0);
+    AHEAD(&taken[p], 1);
+    AHEAD(&ndev[p], 0);
 }
 
 /* Room for one more entry in R's ring: when full, keep only the live entries, in order. */
@@ -2205,6 +2283,8 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
     } while (0)
     int stop = 0;  /* the last victim left its parent, not queued, without device children */
     while (taken < k && !stop) {
+        a_rahead(&a, 2 * R_AHEAD, parent, ndev, taken_children);
+        a_rahead(&a, R_AHEAD, parent, ndev, taken_children);
         Py_ssize_t p = a_ptop(&a);
         if (p >= 0 && st[A_NP] > budget) {
             VICTIM(a_unprotect_top(&a));
@@ -2230,12 +2310,12 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
                 a_fix(&a);
                 continue;
             }
-            if (p >= 0 && a.hk[0] < pr) {
+            if (p >= 0 && HK(&a, 0) < pr) {
                 VICTIM(a_unprotect_top(&a));
                 a_fix(&a);
                 continue;
             }
-        } else if (p >= 0 && a.hk[0] < base) {
+        } else if (p >= 0 && HK(&a, 0) < base) {
             VICTIM(a_unprotect_top(&a));
             a_fix(&a);
             continue;
@@ -2270,17 +2350,22 @@ static inline uint64_t g_slot0(const unsigned char *k) {
     return x;
 }
 
-/* Ask for the two table slots `key` (if a 16-byte key) will write, ahead of the writes: the table
-   is far larger than the CPU's caches and each slot is a wait for memory; asked for G_AHEAD keys
-   ahead, the waits of a run of keys overlap (adapt_forget: ~0.8x the time per key; adapt_recall's
-   reads overlap without it). */
+/* Ask for the two table slots `key` (if a 16-byte key) will read or write, ahead of the access:
+   the table is far larger than the CPU's caches and each slot is a wait for memory; asked for
+   G_AHEAD keys ahead, the waits of a run of keys overlap (adapt_forget: ~0.8x the time per key;
+   adapt_recall: its reads wait less too, measured in docs/benchmarks.md). */
 #define G_AHEAD 8
-static inline void g_slots_ahead(PyObject *key, uint64_t *table, Py_ssize_t slots, uint64_t mask) {
+static inline void g_slots_ahead(PyObject *key, const uint64_t *table, Py_ssize_t slots, uint64_t mask, int write) {
     if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != 16)
         return;
     uint64_t h = g_slot0((const unsigned char *)PyBytes_AS_STRING(key));
-    __builtin_prefetch(&table[h & mask], 1);
-    __builtin_prefetch(&table[slots + ((h >> 32) & mask)], 1);
+    if (write) {
+        AHEAD(&table[h & mask], 1);
+        AHEAD(&table[slots + ((h >> 32) & mask)], 1);
+    } else {
+        AHEAD(&table[h & mask], 0);
+        AHEAD(&table[slots + ((h >> 32) & mask)], 0);
+    }
 }
 
 /* adapt_forget(M, hits, table, keys, nodes, aligned): nodes (int32) leave the cache; remember for
@@ -2313,16 +2398,16 @@ static PyObject *adapt_forget(PyObject *self, PyObject *args) {
         if (i + 2 * G_AHEAD < k) {
             int32_t w = nodes[i + 2 * G_AHEAD];
             if (w >= 0 && w < n) {
-                __builtin_prefetch(PySequence_Fast_GET_ITEM(fast, aligned ? i + 2 * G_AHEAD : w), 0);
-                __builtin_prefetch(&m[(Py_ssize_t)w * M_ROWS + M_REL], 0);
+                AHEAD(PySequence_Fast_GET_ITEM(fast, aligned ? i + 2 * G_AHEAD : w), 0);
+                AHEAD(&m[(Py_ssize_t)w * M_ROWS + M_REL], 0);
                 if (!aligned)
-                    __builtin_prefetch(&hits[w], 0);
+                    AHEAD(&hits[w], 0);
             }
         }
         if (i + G_AHEAD < k) {
             int32_t w = nodes[i + G_AHEAD];
             if (w >= 0 && w < n)
-                g_slots_ahead(PySequence_Fast_GET_ITEM(fast, aligned ? i + G_AHEAD : w), table, slots, mask);
+                g_slots_ahead(PySequence_Fast_GET_ITEM(fast, aligned ? i + G_AHEAD : w), table, slots, mask, 1);
         }
         int32_t v = nodes[i];
         if (v < 0 || v >= n)
@@ -2371,6 +2456,8 @@ static PyObject *adapt_recall(PyObject *self, PyObject *args) {
     int64_t *ages = bv.b[1].buf;
     int32_t *uses = bv.b[2].buf;
     for (Py_ssize_t i = 0; i < k; i++) {
+        if (i + G_AHEAD < k)
+            g_slots_ahead(PySequence_Fast_GET_ITEM(fast, start + i + G_AHEAD), table, slots, mask, 0);
         PyObject *key = PySequence_Fast_GET_ITEM(fast, start + i);
         ages[i] = -1;
         uses[i] = 0;

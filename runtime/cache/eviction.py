@@ -406,7 +406,7 @@ class Eviction(NodeStore):
         top_ = self._top
         freed_parents = _drop_run_c(self._f, np.ascontiguousarray(drop, dtype=np.int32),
                                     np.ascontiguousarray(par, dtype=np.int32), top, DROP_ROWS,
-                                    RESET_ROW, keys, self._map, devs, self._stack, top_)
+                                    RESET_ROW, keys, self._map, devs, self._stack, top_, self.device_pool.ids)
         self._top = top_ + m
         self._dev_cached -= m
         self._idle -= m

@@ -104,7 +104,7 @@ class Adaptive(EvictionPolicy):
         self._m[M_PSER::M_ROWS] = -1
         self._f = np.zeros(3 * n, dtype=np.uint8)  # per node: live exit, matched since its last release, parked
         self._r = np.full(2 * (2 * n + 1024), -1, dtype=np.int64)  # R's ring of [node, stamp]
-        self._h = np.zeros(4 * (n + 1024), dtype=np.int64)         # P's heap
+        self._h = np.zeros(4 * (n + 1024), dtype=np.int64)         # P's heap, entries of 4
         self._t = np.zeros(3 * (n + 1024), dtype=np.int64)         # per release: first serial, length, live exits
         self._bits = np.zeros(4 * n + 65536, dtype=np.uint8)        # per block serial: a live exit
         self._due = np.zeros(len(self._bits), dtype=np.int64)       # and the release its bonus lasted to
@@ -298,9 +298,8 @@ class Adaptive(EvictionPolicy):
             v, s = int(r[2 * (x % cap)]), int(r[2 * (x % cap) + 1])
             if 0 <= v < n and self._rstamp[v] == s:
                 out.append(v)
-        hc = len(self._h) // 4
-        h = self._h.reshape(4, hc)[:, :int(st[A_HSIZE])]
-        live = [(int(k), int(o), int(v)) for k, o, v, s in h.T if self._pser[int(v)] == s]
+        h = self._h.reshape(-1, 4)[:int(st[A_HSIZE])]  # entries [priority, order, node, serial]
+        live = [(int(k), int(o), int(v)) for k, o, v, s in h if self._pser[int(v)] == s]
         return out + [v for _, _, v in sorted(live)]
 
     def stamped(self) -> list[int]:

@@ -149,7 +149,8 @@ def chain_tops(f: np.ndarray, cand: np.ndarray, par: np.ndarray, ndev_row: int) 
 
 
 def drop_run(f: np.ndarray, drop: np.ndarray, par: np.ndarray, top: list[int], rows: tuple, reset: tuple,
-             node_keys: list, kmap: dict, devs: list[int], stack: np.ndarray, at: int) -> list[int]:
+             node_keys: list, kmap: dict, devs: list[int], stack: np.ndarray, at: int,
+             ids: list[int] | None = None) -> list[int]:
     parent_r, child_r, next_r, prev_r, cont_r, ndev_r, dev_r = rows
     for v in drop[f[cont_r, par] != drop].tolist():
         del kmap[node_keys[v]]  # found through the key map, not as their parent's continuation
@@ -169,7 +170,7 @@ def drop_run(f: np.ndarray, drop: np.ndarray, par: np.ndarray, top: list[int], r
             freed_parents.append(p)
     for v in drop.tolist():
         node_keys[v] = None
-    devs += f[dev_r, drop].tolist()
+    devs += [ids[b] if ids is not None and 0 <= b < len(ids) else b for b in f[dev_r, drop].tolist()]
     f[:, drop] = np.array(reset, dtype=np.int32)[:, None]
     stack[at:at + len(drop)] = drop
     return freed_parents
@@ -460,7 +461,7 @@ class _Adapt:
             raise ValueError("the adaptive policy's arrays do not fit together")
         self.m, self.f, self.rq, self.bits, self.st, self.hits = m, f, r, bits, st, hits
         self.rq_cap, self.hcap, self.rt, self.rs = len(r) // 2, len(h) // 4, len(t) // 3, len(bits)
-        self.hk, self.ho, self.hn, self.hs = (h[i * self.hcap:(i + 1) * self.hcap] for i in range(4))
+        self.hk, self.ho, self.hn, self.hs = (h[i::4] for i in range(4))  # entries [priority, order, node, serial]
         self.tstart, self.tlen, self.talive = (t[i * self.rt:(i + 1) * self.rt] for i in range(3))
 
     def get(self, v: int, row: int) -> int:
