@@ -568,11 +568,75 @@ done:
    whose item b is the int b: the device pool's, runtime/cache/pool.py) gives the device blocks'
    int objects, so that a freed block is not a new int made here and freed again when the request
    it is handed to ends (one allocation and one free per evicted block). */
+/* drop_run's work once its arguments are checked (r: the 7 rows, tix: the tops' indices into
+   drop); the freed parents, or NULL with an exception. */
+static PyObject *drop_run_core(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, const long *r, const int32_t *reset_v,
+                               const int32_t *drop, const int32_t *par, Py_ssize_t m, const Py_ssize_t *tix,
+                               Py_ssize_t ntop, PyObject *node_keys, PyObject *kmap, PyObject *devs, int32_t *stack,
+                               PyObject *ids) {
+    int32_t *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols, *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols,
+            *NDEV = M + r[5] * ncols, *DEV = M + r[6] * ncols, *PARENT = M + r[0] * ncols;
+    PyObject *freed = PyList_New(0);
+    if (freed == NULL)
+        return NULL;
+    /* key map entries first, as found before any unlinking */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (CONT[par[i]] != drop[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, drop[i])) < 0)
+            goto fail;
+    }
+    for (Py_ssize_t j = 0; j < ntop; j++) { /* `_detach_sibling`, then one device child fewer */
+        int32_t v = drop[tix[j]], q = PARENT[v];
+        detach(CHILD, NEXT, PREV, CONT, q, v);
+        if (--NDEV[q] == 0) {
+            if (append_new(freed, PyLong_FromLong(q)) < 0)
+                goto fail;
+        }
+    }
+    Py_ssize_t nids = ids == Py_None ? 0 : PyList_GET_SIZE(ids);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = drop[i];
+        key_ahead(node_keys, drop, i, m);
+        column_ahead(M, nrows, ncols, drop, i, m);
+        if (i + KEY_AHEAD / 2 < m) {  /* (the int object of a block a few nodes on: its count is written) */
+            int32_t w = DEV[drop[i + KEY_AHEAD / 2]];
+            if (w >= 0 && w < nids)
+                AHEAD(PyList_GET_ITEM(ids, w), 1);
+        }
+        int32_t b = DEV[v];
+        if (b >= 0 && b < nids) {
+            if (PyList_Append(devs, PyList_GET_ITEM(ids, b)) < 0)
+                goto fail;
+        } else if (append_new(devs, PyLong_FromLong(b)) < 0)
+            goto fail;
+        free_column(M, nrows, ncols, reset_v, node_keys, stack + i, v);
+    }
+    return freed;
+fail:
+    Py_DECREF(freed);
+    return NULL;
+}
+
+/* Are the tops tix[0..ntop) (indices into drop, of m) linked within range? 0, or -1 with an
+   exception. */
+static int tops_in_range(const int32_t *M, Py_ssize_t ncols, const long *r, const int32_t *drop, const Py_ssize_t *tix,
+                         Py_ssize_t ntop, const char *what) {
+    const int32_t *PARENT = M + r[0] * ncols, *NEXT = M + r[2] * ncols, *PREV = M + r[3] * ncols;
+    for (Py_ssize_t j = 0; j < ntop; j++) {
+        int32_t v = drop[tix[j]], q = PARENT[v], b = PREV[v], a = NEXT[v];
+        if (q < 0 || q >= ncols || b >= ncols || a >= ncols) {
+            PyErr_Format(PyExc_ValueError, "%s: a top's links are out of range", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *drop_run(PyObject *self, PyObject *args) {
     PyObject *fobj, *dobj, *pobj, *sobj, *top, *rows, *reset, *node_keys, *kmap, *devs, *ids = Py_None;
     Py_ssize_t at;
     bufs bv;
-    PyObject *res = NULL, *ft = NULL, *freed = NULL;
+    PyObject *res = NULL, *ft = NULL;
+    Py_ssize_t *tix = NULL;
     if (!PyArg_ParseTuple(args, "OOOOOOO!O!O!On|O", &fobj, &dobj, &pobj, &top, &rows, &reset,
                           &PyList_Type, &node_keys, &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at, &ids))
         return NULL;
@@ -594,9 +658,6 @@ static PyObject *drop_run(PyObject *self, PyObject *args) {
     }
     int32_t *M = f->buf;
     const int32_t *drop = bv.b[1].buf, *par = bv.b[2].buf;
-    int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
-            *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *NDEV = M + r[5] * ncols,
-            *DEV = M + r[6] * ncols;
     if (at < 0 || at + m > bv.b[3].shape[0]) {
         PyErr_SetString(PyExc_IndexError, "drop_run: the free-id stack overflows");
         goto done;
@@ -605,50 +666,20 @@ static PyObject *drop_run(PyObject *self, PyObject *args) {
     if (ft == NULL)
         goto done;
     Py_ssize_t ntop = PySequence_Fast_GET_SIZE(ft);
-    for (Py_ssize_t j = 0; j < ntop; j++) {
-        Py_ssize_t t;
-        if (index_below(PySequence_Fast_GET_ITEM(ft, j), m, &t, "drop_run") < 0)
-            goto done;
-        int32_t v = drop[t], q = PARENT[v], b = PREV[v], a = NEXT[v];
-        if (q < 0 || q >= ncols || b >= ncols || a >= ncols) {
-            PyErr_SetString(PyExc_ValueError, "drop_run: a top's links are out of range");
-            goto done;
-        }
-    }
-    freed = PyList_New(0);
-    if (freed == NULL)
+    tix = PyMem_New(Py_ssize_t, ntop ? ntop : 1);
+    if (tix == NULL) {
+        PyErr_NoMemory();
         goto done;
-    /* key map entries first, as found before any unlinking */
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (CONT[par[i]] != drop[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, drop[i])) < 0)
+    }
+    for (Py_ssize_t j = 0; j < ntop; j++)
+        if (index_below(PySequence_Fast_GET_ITEM(ft, j), m, &tix[j], "drop_run") < 0)
             goto done;
-    }
-    for (Py_ssize_t j = 0; j < ntop; j++) { /* `_detach_sibling`, then one device child fewer */
-        int32_t v = drop[PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j))], q = PARENT[v];
-        detach(CHILD, NEXT, PREV, CONT, q, v);
-        if (--NDEV[q] == 0) {
-            if (append_new(freed, PyLong_FromLong(q)) < 0)
-                goto done;
-        }
-    }
-    int32_t *stack = bv.b[3].buf;
-    Py_ssize_t nids = ids == Py_None ? 0 : PyList_GET_SIZE(ids);
-    for (Py_ssize_t i = 0; i < m; i++) {
-        int32_t v = drop[i];
-        key_ahead(node_keys, drop, i, m);
-        column_ahead(M, nrows, ncols, drop, i, m);
-        int32_t b = DEV[v];
-        if (b >= 0 && b < nids) {
-            if (PyList_Append(devs, PyList_GET_ITEM(ids, b)) < 0)
-                goto done;
-        } else if (append_new(devs, PyLong_FromLong(b)) < 0)
-            goto done;
-        free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
-    }
-    res = freed;
-    freed = NULL;
+    if (tops_in_range(M, ncols, r, drop, tix, ntop, "drop_run") < 0)
+        goto done;
+    res = drop_run_core(M, nrows, ncols, r, reset_v, drop, par, m, tix, ntop, node_keys, kmap, devs,
+                        (int32_t *)bv.b[3].buf + at, ids);
 done:
-    Py_XDECREF(freed);
+    PyMem_Free(tix);
     Py_XDECREF(ft);
     drop_bufs(&bv);
     return res;
@@ -2368,31 +2399,11 @@ static inline void g_slots_ahead(PyObject *key, const uint64_t *table, Py_ssize_
     }
 }
 
-/* adapt_forget(M, hits, table, keys, nodes, aligned): nodes (int32) leave the cache; remember for
-   each its key (bytes, 16), its release (M's M_REL) and its uses (hits + 1): keys[i] and hits[i]
-   if `aligned` (taken before the nodes were freed), else keys[node] and hits[node] (the node
-   keys and the node matrix's row). */
-static PyObject *adapt_forget(PyObject *self, PyObject *args) {
-    PyObject *mobj, *hobj, *tobj, *keys, *nobj;
-    int aligned;
-    bufs bv;
-    if (!PyArg_ParseTuple(args, "OOOOOp", &mobj, &hobj, &tobj, &keys, &nobj, &aligned))
-        return NULL;
-    if (take_bufs(&bv, "adapt_forget", "qiQi", mobj, hobj, tobj, nobj) < 0)
-        return NULL;
-    PyObject *fast = PySequence_Fast(keys, "adapt_forget: keys must be a sequence");
-    PyObject *res = NULL;
-    if (fast == NULL)
-        goto done;
-    Py_ssize_t k = bv.b[3].shape[0], n = bv.b[0].shape[0] / M_ROWS, slots = bv.b[2].shape[0] / 2;
-    if (PySequence_Fast_GET_SIZE(fast) != (aligned ? k : n) || bv.b[1].shape[0] != (aligned ? k : n) || slots < 1 ||
-        (slots & (slots - 1))) {
-        PyErr_SetString(PyExc_ValueError, "adapt_forget: a key per node (or per node id), and a table of 2 rows of 2**k slots");
-        goto done;
-    }
-    const int64_t *m = bv.b[0].buf;
-    const int32_t *hits = bv.b[1].buf, *nodes = bv.b[3].buf;
-    uint64_t *table = bv.b[2].buf, mask = (uint64_t)slots - 1;
+/* adapt_forget's work once its arguments are checked: m (n nodes' records), hits, the table of
+   2 rows of `slots`, the keys (a list or tuple: keys[i] if aligned, else keys[node]). */
+static void forget_core(const int64_t *m, Py_ssize_t n, const int32_t *hits, uint64_t *table, Py_ssize_t slots,
+                        PyObject *fast, const int32_t *nodes, Py_ssize_t k, int aligned) {
+    uint64_t mask = (uint64_t)slots - 1;
     for (Py_ssize_t i = 0; i < k; i++) {
         /* (the key object, release and uses of the node 2 * G_AHEAD on, the slots of the one G_AHEAD on) */
         if (i + 2 * G_AHEAD < k) {
@@ -2423,10 +2434,173 @@ static PyObject *adapt_forget(PyObject *self, PyObject *args) {
         table[h & mask] = rec;
         table[slots + ((h >> 32) & mask)] = rec;
     }
+}
+
+/* adapt_forget(M, hits, table, keys, nodes, aligned): nodes (int32) leave the cache; remember for
+   each its key (bytes, 16), its release (M's M_REL) and its uses (hits + 1): keys[i] and hits[i]
+   if `aligned` (taken before the nodes were freed), else keys[node] and hits[node] (the node
+   keys and the node matrix's row). */
+static PyObject *adapt_forget(PyObject *self, PyObject *args) {
+    PyObject *mobj, *hobj, *tobj, *keys, *nobj;
+    int aligned;
+    bufs bv;
+    if (!PyArg_ParseTuple(args, "OOOOOp", &mobj, &hobj, &tobj, &keys, &nobj, &aligned))
+        return NULL;
+    if (take_bufs(&bv, "adapt_forget", "qiQi", mobj, hobj, tobj, nobj) < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(keys, "adapt_forget: keys must be a sequence");
+    PyObject *res = NULL;
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t k = bv.b[3].shape[0], n = bv.b[0].shape[0] / M_ROWS, slots = bv.b[2].shape[0] / 2;
+    if (PySequence_Fast_GET_SIZE(fast) != (aligned ? k : n) || bv.b[1].shape[0] != (aligned ? k : n) || slots < 1 ||
+        (slots & (slots - 1))) {
+        PyErr_SetString(PyExc_ValueError, "adapt_forget: a key per node (or per node id), and a table of 2 rows of 2**k slots");
+        goto done;
+    }
+    const int64_t *m = bv.b[0].buf;
+    const int32_t *hits = bv.b[1].buf, *nodes = bv.b[3].buf;
+    uint64_t *table = bv.b[2].buf;
+    forget_core(m, n, hits, table, slots, fast, nodes, k, aligned);
     res = Py_None;
     Py_INCREF(res);
 done:
     Py_XDECREF(fast);
+    drop_bufs(&bv);
+    return res;
+}
+
+/* drop_chains(f, cand, rows, reset, node_keys, kmap, devs, stack, at, ids, policy, gpu, pos, remember)
+   -> freed parents, or None: an eviction run without a host tier in one call, where it is the
+   usual run (`Eviction._drop_batched`: chain_tops, `_first_trigger`, the policy's forget and
+   drop_run, a C call and Python glue each). The run `cand` (int32 node ids, as popped) goes whole
+   if it is whole chains released deepest first (each node's only device child right before it,
+   chain_tops) and no chain's top leaves its parent, not queued in `policy` (`p in policy`), an
+   unreferenced GPU node without device children before the run's last node (one-at-a-time
+   eviction would take that parent next: `_first_trigger` cuts the run there); otherwise nothing
+   is changed and None is returned, for the general path. Going: with `remember` = (M, table,
+   mark) (a remembering policy's records and table, adapt_forget, and a uint8 it finds set once
+   anything is remembered) their keys, releases and uses are remembered first; then drop_run frees them (ids, devs, stack from `at`). rows = (PARENT,
+   CHILD, NEXT, PREV, CONT, NDEV, DEV, STATE, REF, HITS); `pos` (int32, one per node, all -1)
+   counts the tops per parent and is left as it was. */
+static PyObject *drop_chains(PyObject *self, PyObject *args) {
+    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *devs, *sobj, *ids, *policy, *pobj, *remember;
+    Py_ssize_t at;
+    long gpu;
+    bufs bv, rv;
+    rv.n = 0;
+    if (!PyArg_ParseTuple(args, "OOOOO!O!O!OnOOlOO", &fobj, &cobj, &rows, &reset, &PyList_Type, &node_keys,
+                          &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at, &ids, &policy, &gpu, &pobj, &remember))
+        return NULL;
+    if (ids != Py_None && !PyList_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "drop_chains: ids must be a list or None");
+        return NULL;
+    }
+    if (take_bufs(&bv, "drop_chains", "MnII", fobj, cobj, sobj, pobj) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    int32_t *par = NULL;
+    Py_ssize_t *tix = NULL;
+    const Py_buffer *f = &bv.b[0];
+    Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = bv.b[1].shape[0], ntop = 0;
+    long r[10];
+    int32_t reset_v[MAX_ROWS];
+    if (row_tuple(rows, 10, f, r, "drop_chains") < 0 || reset_column(reset, f, reset_v, "drop_chains") < 0)
+        goto done;
+    if (PyList_GET_SIZE(node_keys) < ncols || bv.b[3].shape[0] != ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_chains: a key slot and a pos slot per node");
+        goto done;
+    }
+    if (at < 0 || at + m > bv.b[2].shape[0]) {
+        PyErr_SetString(PyExc_IndexError, "drop_chains: the free-id stack overflows");
+        goto done;
+    }
+    const int64_t *mm = NULL;
+    uint64_t *table = NULL;
+    uint8_t *mark = NULL;
+    Py_ssize_t slots = 0;
+    if (remember != Py_None) {
+        if (!PyTuple_Check(remember) || PyTuple_GET_SIZE(remember) != 3) {
+            PyErr_SetString(PyExc_TypeError, "drop_chains: remember must be None or (M, table, mark)");
+            goto done;
+        }
+        if (take_bufs(&rv, "drop_chains", "qQB", PyTuple_GET_ITEM(remember, 0), PyTuple_GET_ITEM(remember, 1),
+                      PyTuple_GET_ITEM(remember, 2)) < 0)
+            goto done;
+        mm = rv.b[0].buf;
+        table = rv.b[1].buf;
+        mark = rv.b[2].buf;
+        slots = rv.b[1].shape[0] / 2;
+        if (rv.b[0].shape[0] != M_ROWS * ncols || slots < 1 || (slots & (slots - 1)) || rv.b[2].shape[0] < 1) {
+            PyErr_SetString(PyExc_ValueError, "drop_chains: M_ROWS records per node and a table of 2 rows of 2**k slots");
+            goto done;
+        }
+    }
+    int32_t *M = f->buf, *pos = bv.b[3].buf;
+    const int32_t *cand = bv.b[1].buf, *PARENT = M + r[0] * ncols, *NDEV = M + r[5] * ncols,
+                  *STATE = M + r[7] * ncols, *REF = M + r[8] * ncols, *HITS = M + r[9] * ncols;
+    if (!m) {
+        res = PyList_New(0);
+        goto done;
+    }
+    par = PyMem_New(int32_t, m);
+    tix = PyMem_New(Py_ssize_t, m);
+    if (par == NULL || tix == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* whole chains released deepest first (chain_tops), every parent a node */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        par[i] = PARENT[cand[i]];
+        if (par[i] < 0 || par[i] >= ncols || NDEV[cand[i]] != (i && par[i - 1] == cand[i]))
+            goto general;
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (i == m - 1 || par[i] != cand[i + 1])
+            tix[ntop++] = i;
+    if (tops_in_range(M, ncols, r, cand, tix, ntop, "drop_chains") < 0)
+        goto done;
+    /* `_first_trigger`: a top's parent left without device children before the run's end */
+    if (!(ntop == 1 && (NDEV[par[tix[0]]] > 1 || STATE[par[tix[0]]] != gpu || REF[par[tix[0]]]))) {
+        int cut = 0, err = 0;
+        for (Py_ssize_t j = 0; j < ntop; j++) {
+            int32_t p = par[tix[j]];
+            pos[p] = pos[p] < 0 ? 1 : pos[p] + 1;
+        }
+        for (Py_ssize_t j = ntop; j-- > 0 && !cut && !err;) {  /* each parent once, at its last top */
+            int32_t p = par[tix[j]], c = pos[p];
+            if (c < 0)
+                continue;
+            pos[p] = -2;
+            if (NDEV[p] == c && STATE[p] == gpu && REF[p] == 0 && tix[j] + 1 < m) {
+                int q = queued(policy, p);
+                if (q < 0)
+                    err = 1;
+                else if (!q)
+                    cut = 1;
+            }
+        }
+        for (Py_ssize_t j = 0; j < ntop; j++)
+            pos[par[tix[j]]] = -1;
+        if (err)
+            goto done;
+        if (cut)
+            goto general;
+    }
+    if (table != NULL) {
+        forget_core(mm, ncols, HITS, table, slots, node_keys, cand, m, 0);
+        mark[0] = 1;
+    }
+    res = drop_run_core(M, nrows, ncols, r, reset_v, cand, par, m, tix, ntop, node_keys, kmap, devs,
+                        (int32_t *)bv.b[2].buf + at, ids);
+    goto done;
+general:
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyMem_Free(par);
+    PyMem_Free(tix);
+    drop_bufs(&rv);
     drop_bufs(&bv);
     return res;
 }
@@ -2493,6 +2667,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"drop_chains", drop_chains, METH_VARARGS, "drop_chains(f, cand, rows, reset, node_keys, kmap, devs, stack, at, ids, policy, gpu, pos, remember)"},
     {"adapt_forget", adapt_forget, METH_VARARGS, "adapt_forget(M, hits, table, keys, nodes, aligned)"},
     {"adapt_recall", adapt_recall, METH_VARARGS, "adapt_recall(table, keys, start, clock, ages, uses)"},
     {"adapt_push", adapt_push, METH_VARARGS,

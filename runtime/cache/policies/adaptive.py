@@ -126,7 +126,7 @@ class Adaptive(EvictionPolicy):
         # per key gone from the cache: its last release and uses, two slots of 8 bytes each; a
         # cache that evicts nothing never touches it (the pages are never even mapped in)
         self._table = np.zeros(2 * (1 << max(10, (32 * n - 1).bit_length())), dtype=np.uint64)
-        self._forgot = False  # anything in it yet
+        self._forgot = np.zeros(1, dtype=np.uint8)  # anything in it yet (set by C too: `remember_into`)
         self._avg_push = 0.0
         self._long = self._reused = 1.0  # moving sums of long reuse and of all reuse (`gaps`' scale)
         self.bank = 0          # blocks served beyond LRU minus blocks LRU would have served beyond these
@@ -212,14 +212,19 @@ class Adaptive(EvictionPolicy):
         their `hits` rows. Writing here, not on every match, is what keeps a cache that hits
         from paying for the memory."""
         aligned = hits is not None
-        self._forgot = True
+        self._forgot[0] = 1
         _forget_c(self._m, hits if aligned else self._hits, self._table, keys,
                   np.ascontiguousarray(nodes, dtype=np.int32), aligned)
+
+    def remember_into(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The records, table and mark `forget` writes, for an eviction run that remembers the
+        keys it drops itself (runtime/cache/_cache_core.c drop_chains)."""
+        return self._m, self._table, self._forgot
 
     def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray] | None:
         """For keys[start:]: how many releases ago each was last used (-1: not remembered) and
         by how many requests (0); None while nothing has left the cache (nothing to recall)."""
-        if not self._forgot:
+        if not self._forgot[0]:
             return None
         k = max(0, len(keys) - start)
         ages, uses = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int32)
