@@ -1955,38 +1955,6 @@ static int32_t a_rhead(adapt_t *a) {
     return -1;
 }
 
-/* Ask for what taking R's entry `dist` places past its oldest reads, ahead of the read: the node's
-   policy record and flags, its parent link, device children and the run's count of them, and, a
-   step later (`dist` small), its parent's (usually the next victim: chains go deepest first).
-   Victims are scattered node ids whose fields sit in a dozen arrays, each read a wait for
-   memory; asked for R_AHEAD entries ahead, the waits of a run overlap. Only a hint: a stale
-   entry asks for lines nobody reads, nothing changes. */
-#define R_AHEAD 8
-static inline void a_rahead(const adapt_t *a, Py_ssize_t dist, const int32_t *parent, const int32_t *ndev,
-                            const int32_t *taken) {
-    int64_t x = a->st[A_RHEAD] + dist;
-    if (x >= a->st[A_RTAIL])
-        return;
-    int64_t v = a->rq[2 * amod(x, a->rq_cap)];
-    if (v < 0 || v >= a->n)
-        return;
-    if (dist > R_AHEAD) {
-        AHEAD(&a->m[v * M_ROWS], 1);
-        AHEAD(&a->m[v * M_ROWS + M_ROWS - 1], 1);
-        AHEAD(&a->exited[3 * v], 1);
-        AHEAD(&parent[v], 0);
-        AHEAD(&ndev[v], 0);
-        AHEAD(&taken[v], 1);
-        return;
-    }
-    int32_t p = parent[v];
-    if (p < 0 || p >= a->n)
-        return;
-    AHEAD(&a->m[(Py_ssize_t)p * M_ROWS], 0);
-    AHEAD(&taken[p], 1);
-    AHEAD(&ndev[p], 0);
-}
-
 /* Room for one more entry in R's ring: when full, keep only the live entries, in order. */
 static void a_rroom(adapt_t *a) {
     int64_t *st = a->st;
@@ -2314,8 +2282,6 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
     } while (0)
     int stop = 0;  /* the last victim left its parent, not queued, without device children */
     while (taken < k && !stop) {
-        a_rahead(&a, 2 * R_AHEAD, parent, ndev, taken_children);
-        a_rahead(&a, R_AHEAD, parent, ndev, taken_children);
         Py_ssize_t p = a_ptop(&a);
         if (p >= 0 && st[A_NP] > budget) {
             VICTIM(a_unprotect_top(&a));
