@@ -7,11 +7,12 @@ when there are any (evicting host leaves to make room), else drops them, and rec
 blocks in one batch. Nothing is evicted for an allocation that would fail anyway.
 
 Without a host tier, victims are dropped a run at a time (`_drop_batched`): the policy hands out
-the next nodes (`pop_many`), and a run of chains released deepest first is freed with a few
-array operations on the node matrix, Python touching only each chain's top (unlinked from its
-surviving parent) and the keys held by the key map; the victims, their order and every field
-written are those of popping and dropping one node at a time (tests/runtime/cache/test_eviction_policies.py
-compares both). With a host tier, victims are swapped out a run at a time the same way
+the next nodes (`pop_many`), and a run of chains released deepest first, whose drop queues no
+parent ahead of the rest of the run, is freed in one C call (runtime/cache/_cache_core.c
+drop_chains: the chain check, the cut, the policy's memory of the keys that leave and the node
+surgery), any other run by the general path (the same steps, a call each, with Python between);
+the victims, their order and every field written are those of popping and dropping one node at
+a time (tests/runtime/cache/test_eviction_policies.py compares both). With a host tier, victims are swapped out a run at a time the same way
 (`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
 leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU; each of
 those steps is one C call (runtime/cache/_cache_core.c drop_host_run, drop_host_nodes and
