@@ -29,6 +29,15 @@ lives on in tests/runtime/cache/cache_reference.py as the reference (tests compa
 
 #define KEY_BYTES 16
 
+/* Ask for the cache line at p ahead of its use (rw: 1 to be written). An empty asm that takes
+   the address keeps the hint: GCC (12, -O2) drops a __builtin_prefetch whose address comes from
+   a load as dead code, which left several of the hints below unemitted. */
+#define AHEAD(p, rw) do { \
+        const void *ahead_ = (const void *)(p); \
+        __asm__ volatile("" : : "r"(ahead_)); \
+        __builtin_prefetch(ahead_, rw); \
+    } while (0)
+
 /* XXH3_128bits as xxhash.h declares it (XXH128_hash_t: low64, then high64) */
 typedef struct { uint64_t low64, high64; } kv_h128;
 typedef kv_h128 (*kv_xxh3_128)(const void *, size_t);
@@ -270,7 +279,21 @@ static void free_column(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, const in
 #define KEY_AHEAD 8
 static inline void key_ahead(PyObject *node_keys, const int32_t *ids, Py_ssize_t i, Py_ssize_t n) {
     if (i + KEY_AHEAD < n)
-        __builtin_prefetch(PyList_GET_ITEM(node_keys, ids[i + KEY_AHEAD]), 1);
+        AHEAD(PyList_GET_ITEM(node_keys, ids[i + KEY_AHEAD]), 1);
+}
+
+/* Ask for the column of node ids[i + KEY_AHEAD] (of n) in each of the nrows rows of the node
+   matrix M, ahead of freeing it (every field is reset: a line per row, each a wait for memory
+   when the run's nodes are scattered). */
+static inline void column_ahead(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, const int32_t *ids, Py_ssize_t i,
+                                Py_ssize_t n) {
+    if (i + KEY_AHEAD >= n)
+        return;
+    int32_t v = ids[i + KEY_AHEAD];
+    if (v < 0 || v >= ncols)
+        return;
+    for (Py_ssize_t k = 0; k < nrows; k++)
+        AHEAD(&M[k * ncols + v], 1);
 }
 
 /* Is node p queued in the eviction policy (`p in policy`)? 1, 0, or -1 with an exception. */
@@ -541,15 +564,86 @@ done:
    returned, in order), clear their keys, append their device blocks to `devs`, reset their
    columns to `reset` and put their ids on the free-id stack `stack` from index `at`.
    rows = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV). Everything is checked before any write
-   but the key map deletes (a missing key raises KeyError, as in Python). */
+   but the key map deletes (a missing key raises KeyError, as in Python). `ids` (optional, a list
+   whose item b is the int b: the device pool's, runtime/cache/pool.py) gives the device blocks'
+   int objects, so that a freed block is not a new int made here and freed again when the request
+   it is handed to ends (one allocation and one free per evicted block). */
+/* drop_run's work once its arguments are checked (r: the 7 rows, tix: the tops' indices into
+   drop); the freed parents, or NULL with an exception. */
+static PyObject *drop_run_core(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, const long *r, const int32_t *reset_v,
+                               const int32_t *drop, const int32_t *par, Py_ssize_t m, const Py_ssize_t *tix,
+                               Py_ssize_t ntop, PyObject *node_keys, PyObject *kmap, PyObject *devs, int32_t *stack,
+                               PyObject *ids) {
+    int32_t *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols, *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols,
+            *NDEV = M + r[5] * ncols, *DEV = M + r[6] * ncols, *PARENT = M + r[0] * ncols;
+    PyObject *freed = PyList_New(0);
+    if (freed == NULL)
+        return NULL;
+    /* key map entries first, as found before any unlinking */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (CONT[par[i]] != drop[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, drop[i])) < 0)
+            goto fail;
+    }
+    for (Py_ssize_t j = 0; j < ntop; j++) { /* `_detach_sibling`, then one device child fewer */
+        int32_t v = drop[tix[j]], q = PARENT[v];
+        detach(CHILD, NEXT, PREV, CONT, q, v);
+        if (--NDEV[q] == 0) {
+            if (append_new(freed, PyLong_FromLong(q)) < 0)
+                goto fail;
+        }
+    }
+    Py_ssize_t nids = ids == Py_None ? 0 : PyList_GET_SIZE(ids);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t v = drop[i];
+        key_ahead(node_keys, drop, i, m);
+        column_ahead(M, nrows, ncols, drop, i, m);
+        if (i + KEY_AHEAD / 2 < m) {  /* (the int object of a block a few nodes on: its count is written) */
+            int32_t w = DEV[drop[i + KEY_AHEAD / 2]];
+            if (w >= 0 && w < nids)
+                AHEAD(PyList_GET_ITEM(ids, w), 1);
+        }
+        int32_t b = DEV[v];
+        if (b >= 0 && b < nids) {
+            if (PyList_Append(devs, PyList_GET_ITEM(ids, b)) < 0)
+                goto fail;
+        } else if (append_new(devs, PyLong_FromLong(b)) < 0)
+            goto fail;
+        free_column(M, nrows, ncols, reset_v, node_keys, stack + i, v);
+    }
+    return freed;
+fail:
+    Py_DECREF(freed);
+    return NULL;
+}
+
+/* Are the tops tix[0..ntop) (indices into drop, of m) linked within range? 0, or -1 with an
+   exception. */
+static int tops_in_range(const int32_t *M, Py_ssize_t ncols, const long *r, const int32_t *drop, const Py_ssize_t *tix,
+                         Py_ssize_t ntop, const char *what) {
+    const int32_t *PARENT = M + r[0] * ncols, *NEXT = M + r[2] * ncols, *PREV = M + r[3] * ncols;
+    for (Py_ssize_t j = 0; j < ntop; j++) {
+        int32_t v = drop[tix[j]], q = PARENT[v], b = PREV[v], a = NEXT[v];
+        if (q < 0 || q >= ncols || b >= ncols || a >= ncols) {
+            PyErr_Format(PyExc_ValueError, "%s: a top's links are out of range", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *drop_run(PyObject *self, PyObject *args) {
-    PyObject *fobj, *dobj, *pobj, *sobj, *top, *rows, *reset, *node_keys, *kmap, *devs;
+    PyObject *fobj, *dobj, *pobj, *sobj, *top, *rows, *reset, *node_keys, *kmap, *devs, *ids = Py_None;
     Py_ssize_t at;
     bufs bv;
-    PyObject *res = NULL, *ft = NULL, *freed = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOO!O!O!On", &fobj, &dobj, &pobj, &top, &rows, &reset,
-                          &PyList_Type, &node_keys, &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at))
+    PyObject *res = NULL, *ft = NULL;
+    Py_ssize_t *tix = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOO!O!O!On|O", &fobj, &dobj, &pobj, &top, &rows, &reset,
+                          &PyList_Type, &node_keys, &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at, &ids))
         return NULL;
+    if (ids != Py_None && !PyList_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "drop_run: ids must be a list or None");
+        return NULL;
+    }
     if (take_bufs(&bv, "drop_run", "Mn=nI", fobj, dobj, pobj, sobj) < 0)
         return NULL;
     const Py_buffer *f = &bv.b[0];
@@ -564,9 +658,6 @@ static PyObject *drop_run(PyObject *self, PyObject *args) {
     }
     int32_t *M = f->buf;
     const int32_t *drop = bv.b[1].buf, *par = bv.b[2].buf;
-    int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
-            *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *NDEV = M + r[5] * ncols,
-            *DEV = M + r[6] * ncols;
     if (at < 0 || at + m > bv.b[3].shape[0]) {
         PyErr_SetString(PyExc_IndexError, "drop_run: the free-id stack overflows");
         goto done;
@@ -575,44 +666,20 @@ static PyObject *drop_run(PyObject *self, PyObject *args) {
     if (ft == NULL)
         goto done;
     Py_ssize_t ntop = PySequence_Fast_GET_SIZE(ft);
-    for (Py_ssize_t j = 0; j < ntop; j++) {
-        Py_ssize_t t;
-        if (index_below(PySequence_Fast_GET_ITEM(ft, j), m, &t, "drop_run") < 0)
-            goto done;
-        int32_t v = drop[t], q = PARENT[v], b = PREV[v], a = NEXT[v];
-        if (q < 0 || q >= ncols || b >= ncols || a >= ncols) {
-            PyErr_SetString(PyExc_ValueError, "drop_run: a top's links are out of range");
-            goto done;
-        }
-    }
-    freed = PyList_New(0);
-    if (freed == NULL)
+    tix = PyMem_New(Py_ssize_t, ntop ? ntop : 1);
+    if (tix == NULL) {
+        PyErr_NoMemory();
         goto done;
-    /* key map entries first, as found before any unlinking */
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (CONT[par[i]] != drop[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, drop[i])) < 0)
+    }
+    for (Py_ssize_t j = 0; j < ntop; j++)
+        if (index_below(PySequence_Fast_GET_ITEM(ft, j), m, &tix[j], "drop_run") < 0)
             goto done;
-    }
-    for (Py_ssize_t j = 0; j < ntop; j++) { /* `_detach_sibling`, then one device child fewer */
-        int32_t v = drop[PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ft, j))], q = PARENT[v];
-        detach(CHILD, NEXT, PREV, CONT, q, v);
-        if (--NDEV[q] == 0) {
-            if (append_new(freed, PyLong_FromLong(q)) < 0)
-                goto done;
-        }
-    }
-    int32_t *stack = bv.b[3].buf;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        int32_t v = drop[i];
-        key_ahead(node_keys, drop, i, m);
-        if (append_new(devs, PyLong_FromLong(DEV[v])) < 0)
-            goto done;
-        free_column(M, nrows, ncols, reset_v, node_keys, stack + at + i, v);
-    }
-    res = freed;
-    freed = NULL;
+    if (tops_in_range(M, ncols, r, drop, tix, ntop, "drop_run") < 0)
+        goto done;
+    res = drop_run_core(M, nrows, ncols, r, reset_v, drop, par, m, tix, ntop, node_keys, kmap, devs,
+                        (int32_t *)bv.b[3].buf + at, ids);
 done:
-    Py_XDECREF(freed);
+    PyMem_Free(tix);
     Py_XDECREF(ft);
     drop_bufs(&bv);
     return res;
@@ -1615,7 +1682,7 @@ done:
    State, as the policy's arrays (all flat, C order): M (int64, M_ROWS per node, side by side:
    R stamp, P serial, block serial, release, priority), F (uint8, 3 per node: counted as a live
    exit, spare, parked), R (int64, RQ pairs [node, stamp]), H (int64,
-   4 rows of HC: priority, order, node, serial), T (int64, 3 rows of RT, one column per release
+   HC entries of 4: priority, order, node, serial), T (int64, 3 rows of RT, one column per release
    modulo RT: its first block serial, its length, its live exits), bits (uint8, RS: a block
    serial's live exit, modulo RS), st (int64 scalars, the A_ indices below), hits (int32, the node
    matrix's row). A live exit is a node that left R (to P, or evicted from R or later from P)
@@ -1629,7 +1696,7 @@ enum { A_HOLD_MAX = 1028 };  /* adapt_pop: nodes kept back for a device child, p
 typedef struct {
     int64_t *m;
     uint8_t *exited, *parked;
-    int64_t *rq, *hk, *ho, *hn, *hs, *tstart, *tlen, *talive, *st;
+    int64_t *rq, *h, *tstart, *tlen, *talive, *st;
     uint8_t *bits;
     const int32_t *hits;
     Py_ssize_t n, rq_cap, hcap, rt, rs;
@@ -1659,10 +1726,7 @@ static int adapt_take(bufs *v, adapt_t *a, const char *what, const char *spec, .
     a->rq = v->b[2].buf;
     a->rq_cap = v->b[2].shape[0] / 2;
     a->hcap = v->b[3].shape[0] / 4;
-    a->hk = v->b[3].buf;
-    a->ho = a->hk + a->hcap;
-    a->hn = a->ho + a->hcap;
-    a->hs = a->hn + a->hcap;
+    a->h = v->b[3].buf;
     a->rt = v->b[4].shape[0] / 3;
     a->tstart = v->b[4].buf;
     a->tlen = a->tstart + a->rt;
@@ -1774,49 +1838,63 @@ static void a_reenter(adapt_t *a, int32_t v) {
     }
 }
 
-/* heap entry i before entry j? (priority, then order) */
-static inline int a_less(const adapt_t *a, Py_ssize_t i, Py_ssize_t j) {
-    return a->hk[i] < a->hk[j] || (a->hk[i] == a->hk[j] && a->ho[i] < a->ho[j]);
+/* P's heap: entry i is h[4i .. 4i+3] = [priority, order, node, serial], its key (priority, then
+   order) side by side, so that comparing and moving an entry touches one or two cache lines, not
+   one per field (a heap of a capacity's nodes is far larger than the CPU's first caches). */
+#define HK(a, i) ((a)->h[4 * (i)])
+#define HO(a, i) ((a)->h[4 * (i) + 1])
+#define HN(a, i) ((a)->h[4 * (i) + 2])
+#define HS(a, i) ((a)->h[4 * (i) + 3])
+
+/* entry e (4 fields) before heap entry j? (priority, then order) */
+static inline int a_before(const adapt_t *a, const int64_t *e, Py_ssize_t j) {
+    return e[0] < HK(a, j) || (e[0] == HK(a, j) && e[1] < HO(a, j));
 }
 
-static inline void a_swap(adapt_t *a, Py_ssize_t i, Py_ssize_t j) {
-    int64_t t;
-    t = a->hk[i]; a->hk[i] = a->hk[j]; a->hk[j] = t;
-    t = a->ho[i]; a->ho[i] = a->ho[j]; a->ho[j] = t;
-    t = a->hn[i]; a->hn[i] = a->hn[j]; a->hn[j] = t;
-    t = a->hs[i]; a->hs[i] = a->hs[j]; a->hs[j] = t;
+/* Put entry e (4 fields, not in the heap) at position i and sift it down: the same moves as
+   swapping it with its lower child while that child is lower (each child moved up once, e
+   written once at the end). */
+static void a_down_put(adapt_t *a, Py_ssize_t i, Py_ssize_t size, const int64_t *e) {
+    int64_t x[4] = {e[0], e[1], e[2], e[3]};
+    for (;;) {
+        Py_ssize_t l = 2 * i + 1, m = -1;
+        if (2 * l + 4 < size) {  /* (the grandchildren: the next step's entries) */
+            AHEAD(&a->h[4 * (2 * l + 1)], 0);
+            AHEAD(&a->h[4 * (2 * l + 3)], 0);
+        }
+        if (l < size && !a_before(a, x, l))
+            m = l;
+        if (l + 1 < size && (m < 0 ? !a_before(a, x, l + 1) : (HK(a, l + 1) < HK(a, m) ||
+                             (HK(a, l + 1) == HK(a, m) && HO(a, l + 1) < HO(a, m)))))
+            m = l + 1;
+        if (m < 0)
+            break;
+        memcpy(&a->h[4 * i], &a->h[4 * m], 4 * sizeof(int64_t));
+        i = m;
+    }
+    memcpy(&a->h[4 * i], x, sizeof x);
 }
 
 static void a_down(adapt_t *a, Py_ssize_t i, Py_ssize_t size) {
-    for (;;) {
-        Py_ssize_t l = 2 * i + 1, m = i;
-        if (l < size && a_less(a, l, m))
-            m = l;
-        if (l + 1 < size && a_less(a, l + 1, m))
-            m = l + 1;
-        if (m == i)
-            return;
-        a_swap(a, i, m);
-        i = m;
-    }
+    int64_t e[4];
+    memcpy(e, &a->h[4 * i], sizeof e);
+    a_down_put(a, i, size, e);
 }
 
 static void a_heap_remove_top(adapt_t *a) {
     Py_ssize_t size = --a->st[A_HSIZE];
     if (size) {
-        a->hk[0] = a->hk[size];
-        a->ho[0] = a->ho[size];
-        a->hn[0] = a->hn[size];
-        a->hs[0] = a->hs[size];
-        a_down(a, 0, size);
+        int64_t e[4];
+        memcpy(e, &a->h[4 * size], sizeof e);
+        a_down_put(a, 0, size, e);
     }
 }
 
 /* The live top of P's heap (stale entries dropped), or -1. */
 static Py_ssize_t a_ptop(adapt_t *a) {
     while (a->st[A_HSIZE]) {
-        int64_t v = a->hn[0];
-        if (a->m[(v) * M_ROWS + M_PSER] == a->hs[0])
+        int64_t v = HN(a, 0);
+        if (a->m[(v) * M_ROWS + M_PSER] == HS(a, 0))
             return 0;
         a_heap_remove_top(a);
     }
@@ -1828,8 +1906,8 @@ static void a_protect(adapt_t *a, int32_t v) {
     if (a->st[A_HSIZE] == a->hcap) {  /* full of stale entries: keep the live ones */
         Py_ssize_t k = 0;
         for (Py_ssize_t i = 0; i < a->hcap; i++)
-            if (a->m[a->hn[i] * M_ROWS + M_PSER] == a->hs[i]) {
-                a->hk[k] = a->hk[i]; a->ho[k] = a->ho[i]; a->hn[k] = a->hn[i]; a->hs[k] = a->hs[i];
+            if (a->m[HN(a, i) * M_ROWS + M_PSER] == HS(a, i)) {
+                memmove(&a->h[4 * k], &a->h[4 * i], 4 * sizeof(int64_t));
                 k++;
             }
         a->st[A_HSIZE] = k;
@@ -1840,24 +1918,23 @@ static void a_protect(adapt_t *a, int32_t v) {
     int64_t ser = a->st[A_PSER]++;
     if (a->m[(v) * M_ROWS + M_PRIO] > a->st[A_PMAX])
         a->st[A_PMAX] = a->m[(v) * M_ROWS + M_PRIO];
-    a->hk[i] = a->m[(v) * M_ROWS + M_PRIO];
-    a->ho[i] = a->st[A_ORDER]++;
-    a->hn[i] = v;
-    a->hs[i] = ser;
+    int64_t e[4] = {a->m[(v) * M_ROWS + M_PRIO], a->st[A_ORDER]++, v, ser};
     a->m[(v) * M_ROWS + M_PSER] = ser;
+    /* sift up: the same moves as swapping with the parent while below it */
     while (i > 0) {
         Py_ssize_t p = (i - 1) / 2;
-        if (!a_less(a, i, p))
+        if (!a_before(a, e, p))
             break;
-        a_swap(a, i, p);
+        memcpy(&a->h[4 * i], &a->h[4 * p], 4 * sizeof(int64_t));
         i = p;
     }
+    memcpy(&a->h[4 * i], e, sizeof e);
     a->st[A_NP]++;
 }
 
 /* P's top node leaves P (an eviction; it stays a live exit). */
 static int32_t a_unprotect_top(adapt_t *a) {
-    int32_t v = (int32_t)a->hn[0];
+    int32_t v = (int32_t)HN(a, 0);
     a->m[(v) * M_ROWS + M_PSER] = -1;
     a_heap_remove_top(a);
     a->st[A_NP]--;
@@ -2232,12 +2309,12 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
                 a_fix(&a);
                 continue;
             }
-            if (p >= 0 && a.hk[0] < pr) {
+            if (p >= 0 && HK(&a, 0) < pr) {
                 VICTIM(a_unprotect_top(&a));
                 a_fix(&a);
                 continue;
             }
-        } else if (p >= 0 && a.hk[0] < base) {
+        } else if (p >= 0 && HK(&a, 0) < base) {
             VICTIM(a_unprotect_top(&a));
             a_fix(&a);
             continue;
@@ -2272,17 +2349,59 @@ static inline uint64_t g_slot0(const unsigned char *k) {
     return x;
 }
 
-/* Ask for the two table slots `key` (if a 16-byte key) will write, ahead of the writes: the table
-   is far larger than the CPU's caches and each slot is a wait for memory; asked for G_AHEAD keys
-   ahead, the waits of a run of keys overlap (adapt_forget: ~0.8x the time per key; adapt_recall's
-   reads overlap without it). */
+/* Ask for the two table slots `key` (if a 16-byte key) will read or write, ahead of the access:
+   the table is far larger than the CPU's caches and each slot is a wait for memory; asked for
+   G_AHEAD keys ahead, the waits of a run of keys overlap (adapt_forget: ~0.8x the time per key;
+   adapt_recall: its reads wait less too, measured in docs/benchmarks.md). */
 #define G_AHEAD 8
-static inline void g_slots_ahead(PyObject *key, uint64_t *table, Py_ssize_t slots, uint64_t mask) {
+static inline void g_slots_ahead(PyObject *key, const uint64_t *table, Py_ssize_t slots, uint64_t mask, int write) {
     if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != 16)
         return;
     uint64_t h = g_slot0((const unsigned char *)PyBytes_AS_STRING(key));
-    __builtin_prefetch(&table[h & mask], 1);
-    __builtin_prefetch(&table[slots + ((h >> 32) & mask)], 1);
+    if (write) {
+        AHEAD(&table[h & mask], 1);
+        AHEAD(&table[slots + ((h >> 32) & mask)], 1);
+    } else {
+        AHEAD(&table[h & mask], 0);
+        AHEAD(&table[slots + ((h >> 32) & mask)], 0);
+    }
+}
+
+/* adapt_forget's work once its arguments are checked: m (n nodes' records), hits, the table of
+   2 rows of `slots`, the keys (a list or tuple: keys[i] if aligned, else keys[node]). */
+static void forget_core(const int64_t *m, Py_ssize_t n, const int32_t *hits, uint64_t *table, Py_ssize_t slots,
+                        PyObject *fast, const int32_t *nodes, Py_ssize_t k, int aligned) {
+    uint64_t mask = (uint64_t)slots - 1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        /* (the key object, release and uses of the node 2 * G_AHEAD on, the slots of the one G_AHEAD on) */
+        if (i + 2 * G_AHEAD < k) {
+            int32_t w = nodes[i + 2 * G_AHEAD];
+            if (w >= 0 && w < n) {
+                AHEAD(PySequence_Fast_GET_ITEM(fast, aligned ? i + 2 * G_AHEAD : w), 0);
+                AHEAD(&m[(Py_ssize_t)w * M_ROWS + M_REL], 0);
+                if (!aligned)
+                    AHEAD(&hits[w], 0);
+            }
+        }
+        if (i + G_AHEAD < k) {
+            int32_t w = nodes[i + G_AHEAD];
+            if (w >= 0 && w < n)
+                g_slots_ahead(PySequence_Fast_GET_ITEM(fast, aligned ? i + G_AHEAD : w), table, slots, mask, 1);
+        }
+        int32_t v = nodes[i];
+        if (v < 0 || v >= n)
+            continue;
+        PyObject *key = PySequence_Fast_GET_ITEM(fast, aligned ? i : v);
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != 16)
+            continue;  /* (not a block key: nothing to remember) */
+        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(key);
+        int32_t hv = hits[aligned ? i : v];
+        uint64_t h = g_slot0(b), uses = hv < 0 ? 1 : (uint64_t)hv + 1;
+        uint64_t rec = ((uint64_t)m[(Py_ssize_t)v * M_ROWS + M_REL] & 0xffffffffu) | ((uses > 255 ? 255 : uses) << 32) |
+                       ((uint64_t)b[8] << 40) | ((uint64_t)1 << 48);
+        table[h & mask] = rec;
+        table[slots + ((h >> 32) & mask)] = rec;
+    }
 }
 
 /* adapt_forget(M, hits, table, keys, nodes, aligned): nodes (int32) leave the cache; remember for
@@ -2309,41 +2428,147 @@ static PyObject *adapt_forget(PyObject *self, PyObject *args) {
     }
     const int64_t *m = bv.b[0].buf;
     const int32_t *hits = bv.b[1].buf, *nodes = bv.b[3].buf;
-    uint64_t *table = bv.b[2].buf, mask = (uint64_t)slots - 1;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        /* (the key object, release and uses of the node 2 * G_AHEAD on, the slots of the one G_AHEAD on) */
-        if (i + 2 * G_AHEAD < k) {
-            int32_t w = nodes[i + 2 * G_AHEAD];
-            if (w >= 0 && w < n) {
-                __builtin_prefetch(PySequence_Fast_GET_ITEM(fast, aligned ? i + 2 * G_AHEAD : w), 0);
-                __builtin_prefetch(&m[(Py_ssize_t)w * M_ROWS + M_REL], 0);
-                if (!aligned)
-                    __builtin_prefetch(&hits[w], 0);
-            }
-        }
-        if (i + G_AHEAD < k) {
-            int32_t w = nodes[i + G_AHEAD];
-            if (w >= 0 && w < n)
-                g_slots_ahead(PySequence_Fast_GET_ITEM(fast, aligned ? i + G_AHEAD : w), table, slots, mask);
-        }
-        int32_t v = nodes[i];
-        if (v < 0 || v >= n)
-            continue;
-        PyObject *key = PySequence_Fast_GET_ITEM(fast, aligned ? i : v);
-        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != 16)
-            continue;  /* (not a block key: nothing to remember) */
-        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(key);
-        int32_t hv = hits[aligned ? i : v];
-        uint64_t h = g_slot0(b), uses = hv < 0 ? 1 : (uint64_t)hv + 1;
-        uint64_t rec = ((uint64_t)m[(Py_ssize_t)v * M_ROWS + M_REL] & 0xffffffffu) | ((uses > 255 ? 255 : uses) << 32) |
-                       ((uint64_t)b[8] << 40) | ((uint64_t)1 << 48);
-        table[h & mask] = rec;
-        table[slots + ((h >> 32) & mask)] = rec;
-    }
+    uint64_t *table = bv.b[2].buf;
+    forget_core(m, n, hits, table, slots, fast, nodes, k, aligned);
     res = Py_None;
     Py_INCREF(res);
 done:
     Py_XDECREF(fast);
+    drop_bufs(&bv);
+    return res;
+}
+
+/* drop_chains(f, cand, rows, reset, node_keys, kmap, devs, stack, at, ids, policy, gpu, pos, remember)
+   -> freed parents, or None: an eviction run without a host tier in one call, where it is the
+   usual run (`Eviction._drop_batched`: chain_tops, `_first_trigger`, the policy's forget and
+   drop_run, a C call and Python glue each). The run `cand` (int32 node ids, as popped) goes whole
+   if it is whole chains released deepest first (each node's only device child right before it,
+   chain_tops) and no chain's top leaves its parent, not queued in `policy` (`p in policy`), an
+   unreferenced GPU node without device children before the run's last node (one-at-a-time
+   eviction would take that parent next: `_first_trigger` cuts the run there); otherwise nothing
+   is changed and None is returned, for the general path. Going: with `remember` = (M, table,
+   mark) (a remembering policy's records and table, adapt_forget, and a uint8 it finds set once
+   anything is remembered) their keys, releases and uses are remembered first; then drop_run frees them (ids, devs, stack from `at`). rows = (PARENT,
+   CHILD, NEXT, PREV, CONT, NDEV, DEV, STATE, REF, HITS); `pos` (int32, one per node, all -1)
+   counts the tops per parent and is left as it was. */
+static PyObject *drop_chains(PyObject *self, PyObject *args) {
+    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *devs, *sobj, *ids, *policy, *pobj, *remember;
+    Py_ssize_t at;
+    long gpu;
+    bufs bv, rv;
+    rv.n = 0;
+    if (!PyArg_ParseTuple(args, "OOOOO!O!O!OnOOlOO", &fobj, &cobj, &rows, &reset, &PyList_Type, &node_keys,
+                          &PyDict_Type, &kmap, &PyList_Type, &devs, &sobj, &at, &ids, &policy, &gpu, &pobj, &remember))
+        return NULL;
+    if (ids != Py_None && !PyList_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "drop_chains: ids must be a list or None");
+        return NULL;
+    }
+    if (take_bufs(&bv, "drop_chains", "MnII", fobj, cobj, sobj, pobj) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    int32_t *par = NULL;
+    Py_ssize_t *tix = NULL;
+    const Py_buffer *f = &bv.b[0];
+    Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = bv.b[1].shape[0], ntop = 0;
+    long r[10];
+    int32_t reset_v[MAX_ROWS];
+    if (row_tuple(rows, 10, f, r, "drop_chains") < 0 || reset_column(reset, f, reset_v, "drop_chains") < 0)
+        goto done;
+    if (PyList_GET_SIZE(node_keys) < ncols || bv.b[3].shape[0] != ncols) {
+        PyErr_SetString(PyExc_ValueError, "drop_chains: a key slot and a pos slot per node");
+        goto done;
+    }
+    if (at < 0 || at + m > bv.b[2].shape[0]) {
+        PyErr_SetString(PyExc_IndexError, "drop_chains: the free-id stack overflows");
+        goto done;
+    }
+    const int64_t *mm = NULL;
+    uint64_t *table = NULL;
+    uint8_t *mark = NULL;
+    Py_ssize_t slots = 0;
+    if (remember != Py_None) {
+        if (!PyTuple_Check(remember) || PyTuple_GET_SIZE(remember) != 3) {
+            PyErr_SetString(PyExc_TypeError, "drop_chains: remember must be None or (M, table, mark)");
+            goto done;
+        }
+        if (take_bufs(&rv, "drop_chains", "qQB", PyTuple_GET_ITEM(remember, 0), PyTuple_GET_ITEM(remember, 1),
+                      PyTuple_GET_ITEM(remember, 2)) < 0)
+            goto done;
+        mm = rv.b[0].buf;
+        table = rv.b[1].buf;
+        mark = rv.b[2].buf;
+        slots = rv.b[1].shape[0] / 2;
+        if (rv.b[0].shape[0] != M_ROWS * ncols || slots < 1 || (slots & (slots - 1)) || rv.b[2].shape[0] < 1) {
+            PyErr_SetString(PyExc_ValueError, "drop_chains: M_ROWS records per node and a table of 2 rows of 2**k slots");
+            goto done;
+        }
+    }
+    int32_t *M = f->buf, *pos = bv.b[3].buf;
+    const int32_t *cand = bv.b[1].buf, *PARENT = M + r[0] * ncols, *NDEV = M + r[5] * ncols,
+                  *STATE = M + r[7] * ncols, *REF = M + r[8] * ncols, *HITS = M + r[9] * ncols;
+    if (!m) {
+        res = PyList_New(0);
+        goto done;
+    }
+    par = PyMem_New(int32_t, m);
+    tix = PyMem_New(Py_ssize_t, m);
+    if (par == NULL || tix == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* whole chains released deepest first (chain_tops), every parent a node */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        par[i] = PARENT[cand[i]];
+        if (par[i] < 0 || par[i] >= ncols || NDEV[cand[i]] != (i && par[i - 1] == cand[i]))
+            goto general;
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (i == m - 1 || par[i] != cand[i + 1])
+            tix[ntop++] = i;
+    if (tops_in_range(M, ncols, r, cand, tix, ntop, "drop_chains") < 0)
+        goto done;
+    /* `_first_trigger`: a top's parent left without device children before the run's end */
+    if (!(ntop == 1 && (NDEV[par[tix[0]]] > 1 || STATE[par[tix[0]]] != gpu || REF[par[tix[0]]]))) {
+        int cut = 0, err = 0;
+        for (Py_ssize_t j = 0; j < ntop; j++) {
+            int32_t p = par[tix[j]];
+            pos[p] = pos[p] < 0 ? 1 : pos[p] + 1;
+        }
+        for (Py_ssize_t j = ntop; j-- > 0 && !cut && !err;) {  /* each parent once, at its last top */
+            int32_t p = par[tix[j]], c = pos[p];
+            if (c < 0)
+                continue;
+            pos[p] = -2;
+            if (NDEV[p] == c && STATE[p] == gpu && REF[p] == 0 && tix[j] + 1 < m) {
+                int q = queued(policy, p);
+                if (q < 0)
+                    err = 1;
+                else if (!q)
+                    cut = 1;
+            }
+        }
+        for (Py_ssize_t j = 0; j < ntop; j++)
+            pos[par[tix[j]]] = -1;
+        if (err)
+            goto done;
+        if (cut)
+            goto general;
+    }
+    if (table != NULL) {
+        forget_core(mm, ncols, HITS, table, slots, node_keys, cand, m, 0);
+        mark[0] = 1;
+    }
+    res = drop_run_core(M, nrows, ncols, r, reset_v, cand, par, m, tix, ntop, node_keys, kmap, devs,
+                        (int32_t *)bv.b[2].buf + at, ids);
+    goto done;
+general:
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyMem_Free(par);
+    PyMem_Free(tix);
+    drop_bufs(&rv);
     drop_bufs(&bv);
     return res;
 }
@@ -2373,6 +2598,8 @@ static PyObject *adapt_recall(PyObject *self, PyObject *args) {
     int64_t *ages = bv.b[1].buf;
     int32_t *uses = bv.b[2].buf;
     for (Py_ssize_t i = 0; i < k; i++) {
+        if (i + G_AHEAD < k)
+            g_slots_ahead(PySequence_Fast_GET_ITEM(fast, start + i + G_AHEAD), table, slots, mask, 0);
         PyObject *key = PySequence_Fast_GET_ITEM(fast, start + i);
         ages[i] = -1;
         uses[i] = 0;
@@ -2408,6 +2635,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"drop_chains", drop_chains, METH_VARARGS, "drop_chains(f, cand, rows, reset, node_keys, kmap, devs, stack, at, ids, policy, gpu, pos, remember)"},
     {"adapt_forget", adapt_forget, METH_VARARGS, "adapt_forget(M, hits, table, keys, nodes, aligned)"},
     {"adapt_recall", adapt_recall, METH_VARARGS, "adapt_recall(table, keys, start, clock, ages, uses)"},
     {"adapt_push", adapt_push, METH_VARARGS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 try:
     from kvrt.runtime.cache._cache_core import (adapt_discard, adapt_forget, adapt_front, adapt_missed, adapt_pop,
                                                 adapt_push, adapt_recall,
-                                                chain_keys, chain_tops, deref, drop_host_nodes, drop_host_run,
+                                                chain_keys, chain_tops, deref, drop_chains, drop_host_nodes, drop_host_run,
                                                 drop_run, finish_swap_out, free_host_nodes, gaps_rank, ghost_ages, give_uses, mark_swap_out, new_chain,
                                                 policy_discard, policy_release, pop_live, sketch_add,
                                                 sketch_count, sketch_raise, stamp_runs, touch_device,
@@ -21,6 +21,6 @@ except ImportError as e:
     raise ImportError(f"runtime.cache._cache_core, the prefix cache's C loops, is not built or was built from "
                       f"older source ({e}): build it with `pip install -e .` in the checkout") from e
 
-__all__ = ["adapt_discard", "adapt_forget", "adapt_front", "adapt_missed", "adapt_pop", "adapt_push", "adapt_recall", "chain_keys", "chain_tops", "deref", "drop_host_nodes", "drop_host_run", "drop_run", "finish_swap_out",
+__all__ = ["adapt_discard", "adapt_forget", "adapt_front", "adapt_missed", "adapt_pop", "adapt_push", "adapt_recall", "chain_keys", "chain_tops", "deref", "drop_chains", "drop_host_nodes", "drop_host_run", "drop_run", "finish_swap_out",
            "free_host_nodes", "gaps_rank", "ghost_ages", "give_uses", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live",
            "sketch_add", "sketch_count", "sketch_raise", "stamp_runs", "touch_device", "walk"]

@@ -7,11 +7,12 @@ when there are any (evicting host leaves to make room), else drops them, and rec
 blocks in one batch. Nothing is evicted for an allocation that would fail anyway.
 
 Without a host tier, victims are dropped a run at a time (`_drop_batched`): the policy hands out
-the next nodes (`pop_many`), and a run of chains released deepest first is freed with a few
-array operations on the node matrix, Python touching only each chain's top (unlinked from its
-surviving parent) and the keys held by the key map; the victims, their order and every field
-written are those of popping and dropping one node at a time (tests/runtime/cache/test_eviction_policies.py
-compares both). With a host tier, victims are swapped out a run at a time the same way
+the next nodes (`pop_many`), and a run of chains released deepest first, whose drop queues no
+parent ahead of the rest of the run, is freed in one C call (runtime/cache/_cache_core.c
+drop_chains: the chain check, the cut, the policy's memory of the keys that leave and the node
+surgery), any other run by the general path (the same steps, a call each, with Python between);
+the victims, their order and every field written are those of popping and dropping one node at
+a time (tests/runtime/cache/test_eviction_policies.py compares both). With a host tier, victims are swapped out a run at a time the same way
 (`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
 leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU; each of
 those steps is one C call (runtime/cache/_cache_core.c drop_host_run, drop_host_nodes and
@@ -33,7 +34,8 @@ import numpy as np
 
 from kvrt.ipc.protocol import TaskKind
 
-from kvrt.runtime.cache.core import (chain_tops as _chain_tops_c, drop_host_nodes as _drop_host_nodes_c,
+from kvrt.runtime.cache.core import (chain_tops as _chain_tops_c, drop_chains as _drop_chains_c,
+                                    drop_host_nodes as _drop_host_nodes_c,
                                     drop_host_run as _drop_host_run_c, drop_run as _drop_run_c,
                                     free_host_nodes as _free_host_nodes_c, mark_swap_out as _mark_swap_out_c)
 from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HITS, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST,
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 # the node matrix rows runtime/cache/_cache_core.c's drop_run reads and writes, in its order; the
 # values a freed node's column is reset to
 DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV)
+# and those drop_chains reads besides (a parent's state and references, the uses remembered)
+CHAIN_DROP_ROWS = DROP_ROWS + (STATE, REF, HITS)
 RESET_ROW = tuple(RESET.tolist())
 # the rows drop_host_run and mark_swap_out read and write, in their order
 HOST_DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST)  # drop_host_nodes: all but HOST
@@ -185,11 +189,23 @@ class Eviction(NodeStore):
         f = self._f
         policy = self._dev_lru
         evicted = 0
+        # the usual run in one C call (drop_chains: whole chains, nothing cut, the keys remembered
+        # as `forget` would); an observer is told of each key from Python, and a policy that
+        # remembers only through `forget` takes the general path below
+        remember = policy.remember_into() if self._remembers else None
+        whole = self._obs is None and (remember is not None or not self._remembers)
         while evicted < n:
             cand = policy.pop_many(n - evicted)
             m = len(cand)
             if not m:
                 break
+            if whole:
+                freed = _drop_chains_c(f, cand, CHAIN_DROP_ROWS, RESET_ROW, self._keys, self._map, devs, self._stack,
+                                       self._top, self.device_pool.ids, policy, GPU, self._pos_scratch, remember)
+                if freed is not None:
+                    self._dropped(m, freed)
+                    evicted += m
+                    continue
             par = f[PARENT].take(cand)
             top = self._chain_tops(cand, par)
             if top is not None:
@@ -403,11 +419,15 @@ class Eviction(NodeStore):
             self._dev_lru.forget(drop, keys)
         if self._obs is not None:  # device-only nodes (the batched path runs without a host tier)
             self._obs.removed(ON_DEVICE, [keys[v] for v in drop.tolist()])
-        top_ = self._top
         freed_parents = _drop_run_c(self._f, np.ascontiguousarray(drop, dtype=np.int32),
                                     np.ascontiguousarray(par, dtype=np.int32), top, DROP_ROWS,
-                                    RESET_ROW, keys, self._map, devs, self._stack, top_)
-        self._top = top_ + m
+                                    RESET_ROW, keys, self._map, devs, self._stack, self._top, self.device_pool.ids)
+        self._dropped(m, freed_parents)
+
+    def _dropped(self, m: int, freed_parents: list[int]) -> None:
+        """A run of `m` device nodes was freed (their ids pushed on the free-id stack): count
+        them, and queue at the front their parents left without device children that can go."""
+        self._top += m
         self._dev_cached -= m
         self._idle -= m
         state, ref = self._state_v, self._ref_v

@@ -14,7 +14,7 @@ from typing import Iterable
 class BlockPool:
     """The free list of one tier: `allocate(n)` and `free(blocks)` in O(1) per block."""
 
-    __slots__ = ("tier", "num_blocks", "_free")
+    __slots__ = ("tier", "num_blocks", "_free", "ids")
 
     def __init__(self, tier: str, num_blocks: int):
         if num_blocks < 0:
@@ -22,6 +22,10 @@ class BlockPool:
         self.tier = tier
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # block 0 is handed out first
+        # ids[b] is the int b, made once: eviction hands freed blocks back as these objects
+        # (runtime/cache/_cache_core.c drop_run) rather than a new int per block, which the
+        # request it goes to would free again when it ends
+        self.ids = self._free[::-1]
 
     @property
     def num_free(self) -> int:

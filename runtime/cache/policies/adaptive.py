@@ -113,7 +113,7 @@ class Adaptive(EvictionPolicy):
         self._m[M_PSER::M_ROWS] = -1
         self._f = np.zeros(3 * n, dtype=np.uint8)  # per node: live exit, spare, parked
         self._r = np.full(2 * (2 * n + 1024), -1, dtype=np.int64)  # R's ring of [node, stamp]
-        self._h = np.zeros(4 * (n + 1024), dtype=np.int64)         # P's heap
+        self._h = np.zeros(4 * (n + 1024), dtype=np.int64)         # P's heap, entries of 4
         self._t = np.zeros(3 * (n + 1024), dtype=np.int64)         # per release: first serial, length, live exits
         self._bits = np.zeros(4 * n + 65536, dtype=np.uint8)        # per block serial: a live exit
         self._due = np.zeros(len(self._bits), dtype=np.int64)       # and the release its bonus lasted to
@@ -135,7 +135,7 @@ class Adaptive(EvictionPolicy):
         # per key gone from the cache: its last release and uses, two slots of 8 bytes each; a
         # cache that evicts nothing never touches it (the pages are never even mapped in)
         self._table = np.zeros(2 * (1 << max(10, (32 * n - 1).bit_length())), dtype=np.uint64)
-        self._forgot = False  # anything in it yet
+        self._forgot = np.zeros(1, dtype=np.uint8)  # anything in it yet (set by C too: `remember_into`)
         self._avg_push = 0.0
         self._long = self._reused = 1.0  # moving sums of long reuse and of all reuse (`gaps`' scale)
         self.bank = 0          # blocks served beyond LRU minus blocks LRU would have served beyond these
@@ -221,14 +221,19 @@ class Adaptive(EvictionPolicy):
         their `hits` rows. Writing here, not on every match, is what keeps a cache that hits
         from paying for the memory."""
         aligned = hits is not None
-        self._forgot = True
+        self._forgot[0] = 1
         _forget_c(self._m, hits if aligned else self._hits, self._table, keys,
                   np.ascontiguousarray(nodes, dtype=np.int32), aligned)
+
+    def remember_into(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The records, table and mark `forget` writes, for an eviction run that remembers the
+        keys it drops itself (runtime/cache/_cache_core.c drop_chains)."""
+        return self._m, self._table, self._forgot
 
     def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray] | None:
         """For keys[start:]: how many releases ago each was last used (-1: not remembered) and
         by how many requests (0); None while nothing has left the cache (nothing to recall)."""
-        if not self._forgot:
+        if not self._forgot[0]:
             return None
         k = max(0, len(keys) - start)
         ages, uses = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int32)
@@ -311,9 +316,8 @@ class Adaptive(EvictionPolicy):
             v, s = int(r[2 * (x % cap)]), int(r[2 * (x % cap) + 1])
             if 0 <= v < n and self._rstamp[v] == s:
                 out.append(v)
-        hc = len(self._h) // 4
-        h = self._h.reshape(4, hc)[:, :int(st[A_HSIZE])]
-        live = [(int(k), int(o), int(v)) for k, o, v, s in h.T if self._pser[int(v)] == s]
+        h = self._h.reshape(-1, 4)[:int(st[A_HSIZE])]  # entries [priority, order, node, serial]
+        live = [(int(k), int(o), int(v)) for k, o, v, s in h if self._pser[int(v)] == s]
         return out + [v for _, _, v in sorted(live)]
 
     def stamped(self) -> list[int]:

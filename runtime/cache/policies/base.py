@@ -87,6 +87,13 @@ class EvictionPolicy:
         `hits` is given (taken before they were freed), else keys is the node keys (keys[n] is
         node n's). Called only on a policy that `remembers`."""
 
+    def remember_into(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Where an eviction run in C writes what `forget` would (runtime/cache/_cache_core.c
+        drop_chains: the policy's per-node records, its table of keys gone and a mark set once
+        anything is in it), or None if only `forget` itself can. Called only on a policy that
+        `remembers`."""
+        return None
+
     def recall(self, keys: list[bytes], start: int) -> tuple[np.ndarray, np.ndarray] | None:
         """For keys[start:]: releases since each was last used (-1: unknown) and its uses (int32),
         or None if none is known. Called only on a policy that `remembers`."""

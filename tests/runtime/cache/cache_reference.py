@@ -149,7 +149,8 @@ def chain_tops(f: np.ndarray, cand: np.ndarray, par: np.ndarray, ndev_row: int) 
 
 
 def drop_run(f: np.ndarray, drop: np.ndarray, par: np.ndarray, top: list[int], rows: tuple, reset: tuple,
-             node_keys: list, kmap: dict, devs: list[int], stack: np.ndarray, at: int) -> list[int]:
+             node_keys: list, kmap: dict, devs: list[int], stack: np.ndarray, at: int,
+             ids: list[int] | None = None) -> list[int]:
     parent_r, child_r, next_r, prev_r, cont_r, ndev_r, dev_r = rows
     for v in drop[f[cont_r, par] != drop].tolist():
         del kmap[node_keys[v]]  # found through the key map, not as their parent's continuation
@@ -169,10 +170,39 @@ def drop_run(f: np.ndarray, drop: np.ndarray, par: np.ndarray, top: list[int], r
             freed_parents.append(p)
     for v in drop.tolist():
         node_keys[v] = None
-    devs += f[dev_r, drop].tolist()
+    devs += [ids[b] if ids is not None and 0 <= b < len(ids) else b for b in f[dev_r, drop].tolist()]
     f[:, drop] = np.array(reset, dtype=np.int32)[:, None]
     stack[at:at + len(drop)] = drop
     return freed_parents
+
+
+def drop_chains(f: np.ndarray, cand: np.ndarray, rows: tuple, reset: tuple, node_keys: list, kmap: dict,
+                devs: list[int], stack: np.ndarray, at: int, ids: list[int] | None, policy, gpu: int, pos: np.ndarray,
+                remember: tuple | None) -> list[int] | None:
+    """`Eviction._drop_batched`'s usual run: chain_tops, `_first_trigger` (nothing parked), the
+    policy's forget and drop_run, or None (nothing changed) where the run is not whole chains or
+    is cut."""
+    parent_r, ndev_r, state_r, ref_r, hits_r = rows[0], rows[5], rows[7], rows[8], rows[9]
+    par = f[parent_r, cand]
+    if (par < 0).any():
+        return None
+    top = chain_tops(f, cand, par, ndev_r)
+    if top is None:
+        return None
+    counts: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for t in top:
+        p = int(par[t])
+        counts[p] = counts.get(p, 0) + 1
+        last[p] = t
+    for p, c in counts.items():
+        if (f[ndev_r, p] == c and f[state_r, p] == gpu and f[ref_r, p] == 0 and last[p] + 1 < len(cand)
+                and p not in policy):
+            return None
+    if remember is not None:
+        adapt_forget(remember[0], f[hits_r], remember[1], node_keys, cand, False)
+        remember[2][0] = 1
+    return drop_run(f, cand, par, top, rows[:7], reset, node_keys, kmap, devs, stack, at, ids)
 
 
 # ---- the `reuse` queue (runtime/cache/policies/reuse.py)
@@ -460,7 +490,7 @@ class _Adapt:
             raise ValueError("the adaptive policy's arrays do not fit together")
         self.m, self.f, self.rq, self.bits, self.st, self.hits = m, f, r, bits, st, hits
         self.rq_cap, self.hcap, self.rt, self.rs = len(r) // 2, len(h) // 4, len(t) // 3, len(bits)
-        self.hk, self.ho, self.hn, self.hs = (h[i * self.hcap:(i + 1) * self.hcap] for i in range(4))
+        self.hk, self.ho, self.hn, self.hs = (h[i::4] for i in range(4))  # entries [priority, order, node, serial]
         self.tstart, self.tlen, self.talive = (t[i * self.rt:(i + 1) * self.rt] for i in range(3))
 
     def get(self, v: int, row: int) -> int:

@@ -97,6 +97,7 @@ POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"),
 @pytest.mark.parametrize("module,attr,reference", [
     pytest.param(module, attr, reference, id=attr) for module, attr, reference in (
         (cache_match, "_new_chain_c", ref.new_chain), (cache_eviction, "_drop_run_c", ref.drop_run),
+        (cache_eviction, "_drop_chains_c", ref.drop_chains),
         (cache_match, "_touch_c", ref.touch_device), (cache_match, "_deref_c", ref.deref),
         (use_sketch, "_raise_c", ref.sketch_raise), (cache_eviction, "_chain_tops_c", ref.chain_tops),
         (reuse_levels, "_pop_c", ref.pop_live), (reuse_levels, "_stamp_runs_c", ref.stamp_runs),
@@ -126,13 +127,39 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
         return reference(*args)
 
     monkeypatch.setattr(module, attr, counted)
+    if attr in ("_drop_run_c", "_chain_tops_c"):  # the general path, which drop_chains takes in one call
+        monkeypatch.setattr(cache_eviction, "_drop_chains_c", _declined)
     slow = _replay(PrefixCache(BS, 200, host, policy=cls), seed)
     for step, (a, b) in enumerate(zip(fast, slow)):
         assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
     # the reference ran in the C function's place, wherever the cache calls it (with a host
     # tier victims are swapped out, not dropped a run at a time)
-    unused = name not in POLICIES_USING.get(attr, (name,)) or (attr == "_drop_run_c" and host)
+    unused = name not in POLICIES_USING.get(attr, (name,)) or (attr in ("_drop_run_c", "_drop_chains_c") and host)
     assert bool(calls) != unused
+
+
+def _declined(*args) -> None:
+    """drop_chains declining every run: the cache takes its general path instead."""
+    return None
+
+
+@pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
+@pytest.mark.parametrize("seed", range(2))
+def test_drop_chains_equals_the_general_path(name, seed, monkeypatch):
+    """An eviction run dropped in one call (drop_chains: whole chains, the policy's memory of
+    what leaves written too) leaves the same cache and queues, at every step, as the general
+    path (chain_tops, `_first_trigger`, the policy's forget, drop_run) does with the same runs."""
+    fast = _c_replay(name, 0, seed)
+    calls = []
+
+    def declined(*args):
+        calls.append(args)
+
+    monkeypatch.setattr(cache_eviction, "_drop_chains_c", declined)
+    slow = _replay(PrefixCache(BS, 200, 0, policy=make_policy(name)), seed)
+    for step, (a, b) in enumerate(zip(fast, slow)):
+        assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
+    assert calls
 
 
 @pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
@@ -375,6 +402,7 @@ def test_adaptive_policy_in_c_equals_python(workload, monkeypatch):
     fast = _c_replay("adaptive", 0, 0) if workload == "one at a time" else _c_host_replay("adaptive")
     calls: list = []
     _in_python(monkeypatch, calls)
+    monkeypatch.setattr(cache_eviction, "_drop_chains_c", _declined)  # (its forget is adapt_forget's C)
     slow = replay()
     for step, (a, b) in enumerate(zip(fast, slow)):
         arrays = 1 if workload == "one at a time" else 2  # the node matrix (and the task row)
