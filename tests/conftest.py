@@ -124,6 +124,20 @@ def _refuse_processes(item: pytest.Item):
     return saved
 
 
+def _alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker("e2e") is not None and item.get_closest_marker("alone") is not None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `alone` e2e tests last, each group in its collected order. Why: an `alone` test
+    waits for the other worker's current test to end before it starts, so among the others each
+    one cost that wait on top of its own time; run one after another at the end of the lane, an
+    `alone` test follows another `alone` one and waits for nothing. (xdist's workers hand out the
+    collected order, which every worker computes alike.)"""
+    items.sort(key=_alone)  # a stable sort: False (shared) before True (alone)
+
+
 @contextlib.contextmanager
 def _turn(item: pytest.Item):
     """On pytest-xdist workers (`-n 2`), e2e tests run two at a time, except one marked `alone`,
