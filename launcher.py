@@ -289,6 +289,11 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    f"stops with exit 1, as for a dead one (default {d.hang_timeout:g}; start-up is bounded by "
                    f"--ready-timeout instead); counted in the launcher's own running time, so a node paused "
                    f"whole (VM pause, docker pause) and resumed is not hung")
+    p.add_argument("--launcher-grace", type=float, default=d.launcher_grace, metavar="S",
+                   help=f"the least seconds the launcher's heartbeat may stand still before the engine calls it "
+                   f"stopped or hung, fails the requests in flight and stops the node (the larger of this and "
+                   f"twice --hang-timeout; default {d.launcher_grace:g}: the launcher's loop shares its process "
+                   f"with the HTTP server)")
     return p
 
 

@@ -73,6 +73,7 @@ class NodeConfig:
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
     hang_timeout: float = 5.0   # a ready process whose heartbeat stays still this long (launcher running time) is hung
+    launcher_grace: float = 10.0  # the launcher's heartbeat may stand still at least this long (ipc/member.py)
     # guided decoding's compile processes (runtime/grammar/pool.py): how many, and one compile's limits
     grammar_workers: int = 2
     grammar_timeout: float = 20.0

@@ -61,7 +61,8 @@ class NodeConfig(config.NodeConfig):
         if self.role == "prefill" and not self.port:
             raise ConfigError("--role prefill needs --port: clients send their requests there")
         for name, seconds in (("--pd-timeout", self.pd_timeout), ("--ready-timeout", self.ready_timeout),
-                              ("--rank-timeout", self.rank_timeout), ("--hang-timeout", self.hang_timeout)):
+                              ("--rank-timeout", self.rank_timeout), ("--hang-timeout", self.hang_timeout),
+                              ("--launcher-grace", self.launcher_grace)):
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {seconds}")
         if not (math.isfinite(self.grammar_timeout) and self.grammar_timeout > 0):
