@@ -55,6 +55,20 @@ def refusal(status: int, reason: str, message: str, code: str) -> bytes:
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
+def delivered(transport: asyncio.BaseTransport) -> bool:
+    """Whether every byte written to `transport` was acknowledged by the client and nothing it
+    sent is unread: then a close can discard nothing, so it need not linger."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or transport.is_closing() or transport.get_write_buffer_size():  # type: ignore[attr-defined]
+        return False
+    try:
+        unread, unacked = (struct.unpack("i", fcntl.ioctl(sock.fileno(), op, b"\0" * 4))[0]
+                           for op in (termios.FIONREAD, termios.TIOCOUTQ))
+    except OSError:
+        return False
+    return unread == 0 and unacked == 0
+
+
 class _Lingering:
     """A transport whose close() lingers (see the module's docstring); everything else is the
     transport's own."""
@@ -69,19 +83,6 @@ class _Lingering:
 
     def is_closing(self) -> bool:
         return self.lingering or self._transport.is_closing()
-
-    def delivered(self) -> bool:
-        """Whether every byte written was acknowledged by the client and nothing it sent is
-        unread (then a close can discard nothing, so it need not linger)."""
-        sock = self._transport.get_extra_info("socket")
-        if sock is None or self._transport.get_write_buffer_size():
-            return False
-        try:
-            unread, unacked = (struct.unpack("i", fcntl.ioctl(sock.fileno(), op, b"\0" * 4))[0]
-                               for op in (termios.FIONREAD, termios.TIOCOUTQ))
-        except OSError:
-            return False
-        return unread == 0 and unacked == 0
 
     def close_now(self) -> None:
         """Close without lingering (what `delivered` allows)."""
@@ -184,7 +185,7 @@ def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s:
             """The server stops: uvicorn closes a connection between requests (lingering, as
             every close here), and one within a request after its answer; the first closes at
             once where the client has everything (the module's docstring)."""
-            at_once = (self.cycle is None or self.cycle.response_complete) and self.transport.delivered()
+            at_once = (self.cycle is None or self.cycle.response_complete) and delivered(self.transport)
             super().shutdown()
             if at_once and self.transport.lingering:
                 self.transport.close_now()

@@ -252,6 +252,22 @@ def test_a_kept_alive_connection_between_requests_closes_at_the_stop_without_hol
     assert not [m for m in records.messages if "timeout graceful shutdown exceeded" in m], records.messages
 
 
+def test_a_kept_alive_connection_to_the_router_between_requests_closes_at_its_stop(monkeypatch):
+    """The router's server the same: its stop closes such a connection at once (with the stop's
+    wait for requests in flight and the idle timeout made longer than this test's wait for the
+    close, a stop that waited for this connection would fail it)."""
+    from kvrt.runtime.router import server as router_server
+
+    monkeypatch.setattr(router_server, "SHUTDOWN_S", 600.0)
+    with _served("router", idle_s=600.0, header_s=600.0) as base:
+        s = _connect(base)
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert s.recv(9) == b"HTTP/1.1 "
+    while s.recv(4096):  # the rest of the answer, then the server's end of the connection (10 s at most)
+        pass
+    s.close()
+
+
 @pytest.mark.parametrize("kind", ["node", "router"])
 def test_connections_over_an_address_share_or_the_total_are_over_capacity(kind):
     with _served(kind, per_address=8, total=12) as base:
