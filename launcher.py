@@ -110,6 +110,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "both nodes must use the same (default shm)")
     p.add_argument("--pd-timeout", type=float, default=d.pd_timeout,
                    help=f"seconds P waits for D's blocks and D holds blocks for P's KV (default {d.pd_timeout:g})")
+    p.add_argument("--pd-dead-after", type=float, default=d.pd_dead_after, metavar="S",
+                   help=f"prefill role: a decode node that answers nothing (P pings each every 0.5 s) for this long "
+                   f"is gone: its requests not yet allocated go to another, and with none left P fails requests "
+                   f"at once (default {d.pd_dead_after:g}; at most --pd-timeout)")
     p.add_argument("--pd-secret-file", default="", metavar="PATH",
                    help="prefill/decode roles: file holding the secret both nodes share (at least 16 bytes, "
                    "mode 0600; default: $KVRT_PD_SECRET). Make one with: python -c 'import secrets; "

@@ -103,7 +103,7 @@ def test_a_dead_decode_node_leaves_the_others_serving(multi_node, tmp_path):
     prompts = shared_prefix_prompts(seed=33)
     want = [oracle().generate_dense(p, NEW) for p in prompts]
     secret = pd_secret_file(tmp_path)
-    opts = ("--pd-timeout", "3", "--rank-timeout", "1")
+    opts = ("--pd-timeout", "3", "--rank-timeout", "1", "--pd-dead-after", "1.5")  # (P: D0 lost after 1.5 s)
     with launched(multi_node + "d1", tmp_path / "d1", "--role", "decode", *SMALL, "--pd-secret-file", secret,
                   *opts) as d1:
         d0_stack = contextlib.ExitStack()
@@ -131,7 +131,7 @@ def test_requests_asked_of_a_decode_node_that_stops_answering_go_to_another(mult
     prompts = shared_prefix_prompts(seed=35)[:4]
     want = [oracle().generate_dense(p, NEW) for p in prompts]
     secret = pd_secret_file(tmp_path)
-    opts = ("--pd-timeout", "8", "--rank-timeout", "1")
+    opts = ("--pd-timeout", "8", "--rank-timeout", "1", "--pd-dead-after", "2")  # (P: D0 lost after 2 s)
     paused = ("--num-gpu-blocks", "1024", "--hang-timeout", "60", *opts)  # its launcher must not mind the pause
     with decode_nodes(multi_node, tmp_path, secret, paused, opts) as (d0, d1):
         with prefill_node(multi_node + "p", tmp_path, secret, (d0, d1), *opts) as p:
