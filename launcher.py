@@ -199,6 +199,9 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    help="the HTTP server drops the connection of an answer (streamed, or large) whose write waited "
                         "S seconds for a client that reads nothing, and cancels its requests (default 10 s, "
                         "runtime/http/stalled.py STALL_S)")
+    p.add_argument("--http-idle-timeout", type=float, default=None, metavar="S",
+                   help="the HTTP server closes a connection that sends nothing for S seconds (none of a request "
+                        "yet, or none since its last answer) (default 5 s, runtime/http/connections.py IDLE_S)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model ids of the HTTP API, as vLLM's: requests may name any of them, /v1/models "
                    "reports the first (default: --model exactly as given, or kvrt-reference)")
