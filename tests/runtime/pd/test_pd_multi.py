@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import re
-import subprocess
-import sys
 import time
 
 import numpy as np
 import psutil
 import pytest
 
-from tests.conftest import REPO, leftovers
+from tests.conftest import leftovers, reclaim_dead
 from tests.launched import SMALL, launched, oracle, pd_secret_file, shared_prefix_prompts
 from tests.runtime.engine.test_oracle import NEW, run_all, tokens
 from tests.runtime.pd.test_pd import TRANSPORTS, kill_node, pd_node, wait_for  # noqa: F401  (pd_node: a fixture)
@@ -53,7 +51,7 @@ def multi_node(pd_node):
     one) and checked for leftovers."""
     yield pd_node
     for n in (pd_node + "d0", pd_node + "d1", pd_node + "p1"):
-        subprocess.run([sys.executable, "-m", "kvrt.launcher", "clean", "--node", n], cwd=REPO, capture_output=True)
+        reclaim_dead(n)
         assert not leftovers(n), f"shared memory of {n} leaked: {leftovers(n)}"
 
 
