@@ -110,6 +110,10 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    "both nodes must use the same (default shm)")
     p.add_argument("--pd-timeout", type=float, default=d.pd_timeout,
                    help=f"seconds P waits for D's blocks and D holds blocks for P's KV (default {d.pd_timeout:g})")
+    p.add_argument("--pd-dead-after", type=float, default=d.pd_dead_after, metavar="S",
+                   help=f"prefill role: a decode node that answers nothing (P pings each every 0.5 s) for this long "
+                   f"is gone: its requests not yet allocated go to another, and with none left P fails requests "
+                   f"at once (default {d.pd_dead_after:g}; at most --pd-timeout)")
     p.add_argument("--pd-secret-file", default="", metavar="PATH",
                    help="prefill/decode roles: file holding the secret both nodes share (at least 16 bytes, "
                    "mode 0600; default: $KVRT_PD_SECRET). Make one with: python -c 'import secrets; "
@@ -195,6 +199,9 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    help="the HTTP server drops the connection of an answer (streamed, or large) whose write waited "
                         "S seconds for a client that reads nothing, and cancels its requests (default 10 s, "
                         "runtime/http/stalled.py STALL_S)")
+    p.add_argument("--http-idle-timeout", type=float, default=None, metavar="S",
+                   help="the HTTP server closes a connection that sends nothing for S seconds (none of a request "
+                        "yet, or none since its last answer) (default 5 s, runtime/http/connections.py IDLE_S)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model ids of the HTTP API, as vLLM's: requests may name any of them, /v1/models "
                    "reports the first (default: --model exactly as given, or kvrt-reference)")
@@ -289,6 +296,11 @@ def _add_launch(sub) -> argparse.ArgumentParser:
                    f"stops with exit 1, as for a dead one (default {d.hang_timeout:g}; start-up is bounded by "
                    f"--ready-timeout instead); counted in the launcher's own running time, so a node paused "
                    f"whole (VM pause, docker pause) and resumed is not hung")
+    p.add_argument("--launcher-grace", type=float, default=d.launcher_grace, metavar="S",
+                   help=f"the least seconds the launcher's heartbeat may stand still before the engine calls it "
+                   f"stopped or hung, fails the requests in flight and stops the node (the larger of this and "
+                   f"twice --hang-timeout; default {d.launcher_grace:g}: the launcher's loop shares its process "
+                   f"with the HTTP server)")
     return p
 
 

@@ -66,6 +66,7 @@ class NodeConfig:
     decode_peer: str = ""        # P: the D node's client API address, tcp://HOST:PORT
     pd_transport: str = "shm"    # how P's cache-messagers write into D's pools: shm or mooncake
     pd_timeout: float = 30.0     # P's wait for D's blocks; D's lease on blocks awaiting KV
+    pd_dead_after: float = 5.0   # P: a decode node silent this long is gone (at most pd_timeout)
     pd_secret_file: str = ""     # the peers' shared secret (else $KVRT_PD_SECRET); PD roles need one
     pd_peer_max_blocks: int = 0  # D: blocks one peer may ever hold at once, within its fair share (0: the pool)
     pd_peer_max_preallocs: int = 16  # D: preallocations one peer may have waiting for kv-ready (more queue)
@@ -73,6 +74,7 @@ class NodeConfig:
     ready_timeout: float = 60.0
     rank_timeout: float = 10.0  # longest wait for a rank's answer to a task
     hang_timeout: float = 5.0   # a ready process whose heartbeat stays still this long (launcher running time) is hung
+    launcher_grace: float = 10.0  # the launcher's heartbeat may stand still at least this long (ipc/member.py)
     # guided decoding's compile processes (runtime/grammar/pool.py): how many, and one compile's limits
     grammar_workers: int = 2
     grammar_timeout: float = 20.0

@@ -9,8 +9,9 @@ A launcher that is alive but stopped (SIGSTOP) or hung supervises nothing and se
 client; the engine tells it from a live one by its heartbeat (the NODE_STATUS word it writes on
 every round of its loop once the node runs), as the launcher tells a hung child: still for
 `launcher_hang_s` of the watcher's own running time (ipc/watchdog.py, so a node paused whole is
-not taken for it). Twice the children's hang timeout, and at least LAUNCHER_GRACE_S: the
-launcher's loop shares its process with the HTTP server, whose work may hold it up a little.
+not taken for it). Twice the children's hang timeout, and at least the node's launcher_grace
+(--launcher-grace, 10 s unless set): the launcher's loop shares its process with the HTTP server,
+whose work may hold it up a little.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from kvrt.ipc.signals import Signal
 from kvrt.ipc.watchdog import Watchdog, pause_gap
 
 log = logging.getLogger(__name__)
-LAUNCHER_GRACE_S = 10.0  # the least time a launcher's heartbeat may stand still before it counts as hung
 
 
 class Member:
@@ -46,7 +46,7 @@ class Member:
         except IpcError:
             self.errors = None
         self._launcher = (reg.owner_pid, reg.owner_start_ms)
-        self.launcher_hang_s = max(2 * float(config.hang_timeout), LAUNCHER_GRACE_S)
+        self.launcher_hang_s = max(2 * float(config.hang_timeout), float(config.launcher_grace))
         self._launcher_watch: Watchdog[str] | None = None  # made by the first launcher_hung()
         pid = os.getpid()
         row = self.procs.array[self.slot]

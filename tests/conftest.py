@@ -85,6 +85,16 @@ def leftovers(node: str) -> list[str]:
     return shm + [d for d in [socket_dir(node)] if os.path.lexists(d)]
 
 
+def reclaim_dead(node: str) -> None:
+    """What `kvrt clean --node NODE` does, in this process rather than a new interpreter's: a
+    dead (killed) node's objects are unlinked; a live one's are left, for `leftovers` to report."""
+    from kvrt.ipc.errors import NodeLive
+    from kvrt.ipc.registry import reclaim
+
+    with contextlib.suppress(NodeLive):
+        reclaim(node)
+
+
 @pytest.fixture
 def node():
     """A fresh node name; the test fails if any object of that node outlives it (its shared
@@ -122,6 +132,20 @@ def _refuse_processes(item: pytest.Item):
     for owner, name, _ in saved:
         setattr(owner, name, refuse)
     return saved
+
+
+def _alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker("e2e") is not None and item.get_closest_marker("alone") is not None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `alone` e2e tests last, each group in its collected order. Why: an `alone` test
+    waits for the other worker's current test to end before it starts, so among the others each
+    one cost that wait on top of its own time; run one after another at the end of the lane, an
+    `alone` test follows another `alone` one and waits for nothing. (xdist's workers hand out the
+    collected order, which every worker computes alike.)"""
+    items.sort(key=_alone)  # a stable sort: False (shared) before True (alone)
 
 
 @contextlib.contextmanager

@@ -17,14 +17,20 @@ with unread input makes the kernel send a reset, which can reach the client befo
 and discard it: a client that had already sent its request would see "connection reset" rather
 than the 503, 408 or 413 that says why. (The one close that must not linger is an answer's cut
 to a client that reads nothing, runtime/http/stalled.py: each request's scope holds the
-connection's abort for it, ABORT.)
+connection's abort for it, ABORT.) At the server's stop, a connection between requests whose
+answers the client has all acknowledged, with nothing of its own unread, closes at once: there
+is nothing a reset could discard, and a kept-alive client that reads nothing until its next
+request (a pooled connection) would otherwise hold the stop for uvicorn's whole graceful timeout.
 """
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import socket
+import struct
+import termios
 from collections import Counter
 
 import uvicorn
@@ -49,6 +55,20 @@ def refusal(status: int, reason: str, message: str, code: str) -> bytes:
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
+def delivered(transport: asyncio.BaseTransport) -> bool:
+    """Whether every byte written to `transport` was acknowledged by the client and nothing it
+    sent is unread: then a close can discard nothing, so it need not linger."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or transport.is_closing() or transport.get_write_buffer_size():  # type: ignore[attr-defined]
+        return False
+    try:
+        unread, unacked = (struct.unpack("i", fcntl.ioctl(sock.fileno(), op, b"\0" * 4))[0]
+                           for op in (termios.FIONREAD, termios.TIOCOUTQ))
+    except OSError:
+        return False
+    return unread == 0 and unacked == 0
+
+
 class _Lingering:
     """A transport whose close() lingers (see the module's docstring); everything else is the
     transport's own."""
@@ -63,6 +83,11 @@ class _Lingering:
 
     def is_closing(self) -> bool:
         return self.lingering or self._transport.is_closing()
+
+    def close_now(self) -> None:
+        """Close without lingering (what `delivered` allows)."""
+        self.closed()
+        self._transport.close()
 
     def close(self) -> None:
         if self.lingering or self._transport.is_closing():
@@ -155,6 +180,15 @@ def guarded_protocol(per_address: int = PER_ADDRESS, total: int = TOTAL, idle_s:
             if not self.transport.is_closing():
                 self._arm_header_timer()  # the next request on this connection (before a pipelined one starts)
             super().on_response_complete()
+
+        def shutdown(self) -> None:
+            """The server stops: uvicorn closes a connection between requests (lingering, as
+            every close here), and one within a request after its answer; the first closes at
+            once where the client has everything (the module's docstring)."""
+            at_once = (self.cycle is None or self.cycle.response_complete) and delivered(self.transport)
+            super().shutdown()
+            if at_once and self.transport.lingering:
+                self.transport.close_now()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()

@@ -27,7 +27,7 @@ from kvrt.runtime.http.app import IdsOnly, Server, create_app
 from kvrt.runtime.http.auth import ApiKeyAuth
 from kvrt.runtime.http.bridge import ENGINE_TIMEOUT_S, Bridge, Submission
 from kvrt.runtime.http.chat_template_flag import read_chat_template
-from kvrt.runtime.http.connections import uvicorn_config
+from kvrt.runtime.http.connections import IDLE_S, uvicorn_config
 from kvrt.runtime.http.stalled import STALL_S
 from kvrt.runtime.node.config import NodeConfig
 
@@ -66,8 +66,9 @@ def cache_info(cfg: NodeConfig) -> dict:
 @dataclass
 class HttpOptions:
     """The HTTP server's settings that vLLM's flags of the same names give (`kvrt launch --api-key`,
-    `--chat-template`, `--seed`, `--access-log`, `--log-requests`, `--uvicorn-log-level`), and how long
-    an answer's write may wait for a client that reads nothing (`--http-stall-timeout`)."""
+    `--chat-template`, `--seed`, `--access-log`, `--log-requests`, `--uvicorn-log-level`), how long
+    an answer's write may wait for a client that reads nothing (`--http-stall-timeout`), and how long
+    a connection may say nothing before it is closed (`--http-idle-timeout`)."""
 
     api_key: str | None = None
     chat_template: str | None = None  # the template's text (read from --chat-template)
@@ -76,19 +77,23 @@ class HttpOptions:
     log_requests: bool = False
     uvicorn_log_level: str = "warning"
     stall_timeout: float = STALL_S
+    idle_timeout: float = IDLE_S
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> "HttpOptions":
         """From `kvrt launch`'s flags; ValueError when the chat template cannot be read or the
-        API key is empty or the stall timeout is not a finite number of seconds > 0."""
+        API key is empty or the stall or idle timeout is not a finite number of seconds > 0."""
         if args.api_key is not None and not args.api_key:
             raise ValueError("--api-key must not be empty")
         stall = STALL_S if args.http_stall_timeout is None else args.http_stall_timeout
         if not (math.isfinite(stall) and stall > 0):
             raise ValueError(f"--http-stall-timeout must be a finite number of seconds > 0, got {stall}")
+        idle = IDLE_S if args.http_idle_timeout is None else args.http_idle_timeout
+        if not (math.isfinite(idle) and idle > 0):
+            raise ValueError(f"--http-idle-timeout must be a finite number of seconds > 0, got {idle}")
         template = read_chat_template(args.chat_template) if args.chat_template is not None else None
         return cls(args.api_key, template, args.seed, args.access_log, args.log_requests, args.uvicorn_log_level,
-                   stall)
+                   stall, idle)
 
 
 class _SeededBridge(Bridge):
@@ -144,7 +149,7 @@ class HttpServer:
             app = AccessLog(app, access=options.access_log, requests=options.log_requests)
         if options.api_key:
             app = ApiKeyAuth(app, options.api_key)  # outermost: nothing runs for a request without the key
-        config = uvicorn_config(app, host, port)
+        config = uvicorn_config(app, host, port, idle_s=options.idle_timeout)
         logging.getLogger("uvicorn").setLevel(options.uvicorn_log_level.upper().replace("TRACE", "DEBUG"))
         logging.getLogger("uvicorn.error").setLevel(options.uvicorn_log_level.upper().replace("TRACE", "DEBUG"))
         self._server = uvicorn.Server(config)

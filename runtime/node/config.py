@@ -60,8 +60,10 @@ class NodeConfig(config.NodeConfig):
             raise ConfigError("--role decode needs --port: prefill nodes reach it there")
         if self.role == "prefill" and not self.port:
             raise ConfigError("--role prefill needs --port: clients send their requests there")
-        for name, seconds in (("--pd-timeout", self.pd_timeout), ("--ready-timeout", self.ready_timeout),
-                              ("--rank-timeout", self.rank_timeout), ("--hang-timeout", self.hang_timeout)):
+        for name, seconds in (("--pd-timeout", self.pd_timeout), ("--pd-dead-after", self.pd_dead_after),
+                              ("--ready-timeout", self.ready_timeout),
+                              ("--rank-timeout", self.rank_timeout), ("--hang-timeout", self.hang_timeout),
+                              ("--launcher-grace", self.launcher_grace)):
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {seconds}")
         if not (math.isfinite(self.grammar_timeout) and self.grammar_timeout > 0):

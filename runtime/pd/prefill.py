@@ -70,7 +70,6 @@ PING_EVERY_S = 0.5    # a ping (or a hello while no session) this often
 HELLO_FIRST_S = 0.02  # the first hellos without a session come this soon, doubling up to PING_EVERY_S:
                       # a hello sent before the gateway's link is up is lost, and a node's first
                       # requests would otherwise prefill with no decode node to stream to
-DEAD_AFTER_S = 5.0    # D is gone after this long without any answer (at most --pd-timeout)
 SEND_GRACE_S = 0.5    # the engine waits this long past a send order's deadline for the answer
 
 
@@ -165,7 +164,7 @@ class PrefillConnector(KVConnector):
         self.failing: dict[str, tuple[Sequence, api.ErrorEvent]] = {}
         self.relays: dict[str, _Relay] = {}
         self._task_ids = itertools.count(1)
-        self.dead_after = min(DEAD_AFTER_S, self.timeout)
+        self.dead_after = min(ctx.cfg.pd_dead_after, self.timeout)  # D is gone after this long without any answer
         self.link_watch: Watchdog[int] = Watchdog(pause_gap(self.dead_after, PING_EVERY_S))  # news by link
 
     def busy(self, request_id: str) -> bool:

@@ -11,7 +11,9 @@ connection is answered 503 "over capacity" before anything is read. Every refusa
 lingering close: the answer goes out, the write side is shut, and what the client still sends
 is read and dropped for at most LINGER_S, so that no reset reaches the client ahead of the
 answer. A client that goes away cancels its request's handler (which closes the request's
-connection to the node, which cancels it there).
+connection to the node, which cancels it there). At the stop, a connection waiting for its next
+request whose answers the client has all acknowledged closes at once, as a node's does (aiohttp
+would otherwise wait SHUTDOWN_S for a request that a pooled client never sends).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from typing import Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from kvrt.runtime.http.connections import HEADER_S, IDLE_S, LINGER_S, OVER_CAPACITY, PER_ADDRESS, TOTAL, refusal
+from kvrt.runtime.http.connections import HEADER_S, IDLE_S, LINGER_S, OVER_CAPACITY, PER_ADDRESS, TOTAL, delivered, \
+    refusal
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
@@ -59,6 +62,7 @@ class _Guarded(web.RequestHandler):
         self._since = 0.0
         self._heard = False      # bytes came since the timer was armed
         self._lingering = False
+        self._between = False    # waiting for a request (not in one's handler)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -85,10 +89,12 @@ class _Guarded(web.RequestHandler):
     def busy(self) -> None:
         """A request's headers are in: its handler runs (the body's own limits are the handler's)."""
         self._disarm()
+        self._between = False
 
     def idle(self) -> None:
         """The connection waits for a request: it must come within the idle and header timeouts."""
         self._disarm()
+        self._between = True
         self._since, self._heard = self._clock.time(), False
         self._timer = self._clock.call_later(min(self._limits.idle_s, self._limits.header_s), self._check)
 
@@ -138,6 +144,14 @@ class _Guarded(web.RequestHandler):
             log.warning("invalid HTTP request from %s: %s", self._address, " ".join(str(exc).split())[:200])
             return
         super().log_exception(*args, **kw)
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        """The server stops: a connection between requests, with nothing of it unread or
+        unacknowledged, closes now (the module's docstring); the others as aiohttp closes them."""
+        transport = self.transport
+        if self._between and not self._heard and not self._lingering and transport is not None and delivered(transport):
+            self.force_close()
+        await super().shutdown(timeout)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()

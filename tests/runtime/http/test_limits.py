@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import select
 import socket
 import threading
@@ -220,6 +221,51 @@ def test_a_nodes_connections_send_each_write_at_once():
         sockets = [p.transport.get_extra_info("socket") for p in server.server_state.connections]
         assert sockets and all(k.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for k in sockets)
         s.close()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_kept_alive_connection_between_requests_closes_at_the_stop_without_holding_it():
+    """A client that keeps its connection after an answer and reads nothing more (a pooled
+    connection): at the server's stop the connection closes at once (the client reads its end),
+    and the stop does not wait out uvicorn's graceful timeout for it (uvicorn logs that it gave up)."""
+    records = _Records()
+    try:
+        with _app("node") as app, serving_server(app) as (base, server):
+            logging.getLogger("uvicorn.error").addHandler(records)  # (uvicorn's config set its handlers)
+            s = _connect(base)
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert s.recv(12) == b"HTTP/1.1 200"
+            server.should_exit = True  # (the server thread is joined on exit below)
+        while s.recv(4096):  # the rest of the answer, then the server's end of the connection
+            pass
+        s.close()
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+    assert not [m for m in records.messages if "timeout graceful shutdown exceeded" in m], records.messages
+
+
+def test_a_kept_alive_connection_to_the_router_between_requests_closes_at_its_stop(monkeypatch):
+    """The router's server the same: its stop closes such a connection at once (with the stop's
+    wait for requests in flight and the idle timeout made longer than this test's wait for the
+    close, a stop that waited for this connection would fail it)."""
+    from kvrt.runtime.router import server as router_server
+
+    monkeypatch.setattr(router_server, "SHUTDOWN_S", 600.0)
+    with _served("router", idle_s=600.0, header_s=600.0) as base:
+        s = _connect(base)
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert s.recv(9) == b"HTTP/1.1 "
+    while s.recv(4096):  # the rest of the answer, then the server's end of the connection (10 s at most)
+        pass
+    s.close()
 
 
 @pytest.mark.parametrize("kind", ["node", "router"])

@@ -1,7 +1,8 @@
 """Bounded connections on a real node: more idle TCP connections to each of its ports (HTTP,
 the ZeroMQ client API, KV events and their replay) than its soft open-files limit allows leave
 it serving a well-behaved client (the launcher raises the limit to the hard one; idle
-connections are closed, the HTTP port refuses an address's excess over 256 at once)."""
+connections are closed, here after --http-idle-timeout 1 s rather than the default 5 s, and the
+HTTP port refuses an address's excess over 256 at once)."""
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,8 @@ def test_idle_connections_to_every_port_leave_the_node_serving(node, tmp_path):
         pytest.skip(f"the hard open-files limit ({hard}) is too low for this test's own sockets")
     http, events = free_port(), free_port_pair()
     ports = [http, events, events + 1]
-    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "64", "--http-port", str(http),
-                  "--kv-events-port", str(events), preexec=_low_soft_limit) as ln:
+    with launched(node, tmp_path, *SMALL, "--num-gpu-blocks", "64", "--http-port", str(http), "--http-idle-timeout",
+                  "1", "--kv-events-port", str(events), preexec=_low_soft_limit) as ln:
         with contextlib.ExitStack() as idle:
             for port in [*ports, ln.port]:
                 for _ in range(IDLE):

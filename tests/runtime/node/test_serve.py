@@ -37,7 +37,13 @@ def test_kvrt_serve_serves_a_hub_id_to_the_openai_client_with_an_api_key(served)
     import openai
 
     url, out = served
-    assert f"serving '{MODEL_ID}' at {url}/v1" in out.read_text()
+    # /health answers once the engine does, a moment before the launcher has seen every child ready
+    # and printed the ready line
+    ready = f"serving '{MODEL_ID}' at {url}/v1"
+    deadline = time.monotonic() + 30
+    while ready not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)  # a test waiting for another process's output
+    assert ready in out.read_text(), out.read_text()
     assert _get(f"{url}/v1/models", key=None)[0] == 401
     oa = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
     assert [m.id for m in oa.models.list().data] == [MODEL_ID]

@@ -114,6 +114,22 @@ def test_the_http_stall_timeout_is_the_servers_bound_unless_given():
             HttpOptions.of(launch.parse_args(["--http-stall-timeout", bad]))
 
 
+def test_the_http_idle_timeout_is_the_servers_bound_unless_given():
+    """--http-idle-timeout: IDLE_S when not given (the number its help names), a finite number
+    of seconds > 0 when given, anything else refused by name."""
+    from kvrt.runtime.http.connections import IDLE_S
+    from kvrt.runtime.http.server import HttpOptions
+
+    launch = launcher._add_launch(argparse.ArgumentParser(prog="kvrt").add_subparsers())
+    help_ = next(a.help for a in launch._actions if "--http-idle-timeout" in a.option_strings)
+    assert f"default {IDLE_S:g} s" in help_
+    assert HttpOptions.of(launch.parse_args([])).idle_timeout == IDLE_S
+    assert HttpOptions.of(launch.parse_args(["--http-idle-timeout", "0.5"])).idle_timeout == 0.5
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match="--http-idle-timeout"):
+            HttpOptions.of(launch.parse_args(["--http-idle-timeout", bad]))
+
+
 def test_the_kv_events_replay_rate_is_the_publishers_unless_given():
     """--kv-events-replay-rate: 0 (REPLAY_PER_S, the number its help names) when not given; a
     negative or non-finite rate is refused by name."""

@@ -119,16 +119,18 @@ def test_a_stopped_worker_fails_its_step_after_the_rank_timeout(launched, node):
 
 def test_a_stopped_launcher_is_noticed_and_the_node_stops_naming_it(launched, node):
     """The launcher SIGSTOPped alone: nobody supervises the node or serves its HTTP clients. The
-    engine calls it hung once its heartbeat stood still for twice --hang-timeout (at least 10 s),
-    fails every request in flight naming it and exits; once the launcher runs again it stops the
-    node with exit 1 and says why, leaving nothing in /dev/shm."""
+    engine calls it hung once its heartbeat stood still for twice --hang-timeout, and at least
+    --launcher-grace (here 2 s rather than the default 10 s, so the answers that must outlast it
+    stay short), fails every request in flight naming it and exits; once the launcher runs again
+    it stops the node with exit 1 and says why, leaving nothing in /dev/shm."""
     port = free_port()
-    # answers long enough to outlast the engine's 10 s bound on a quiet machine (3,000 tokens
-    # take less): contexts of up to 24,000 tokens, whose attention slows each step as they grow
-    n = launched("--port", str(port), "--hang-timeout", "1", *SMALL[:-1], "6100", "--max-model-len", "24576")
+    # answers long enough to outlast the engine's 2 s bound on a quiet machine: contexts of up to
+    # 8,000 tokens, whose attention slows each step as they grow
+    n = launched("--port", str(port), "--hang-timeout", "1", "--launcher-grace", "2", *SMALL[:-1], "2100",
+                 "--max-model-len", "8192")
     n.wait_for("ready:")
     with Client(port, timeout=120) as c:
-        rids = _decoding(c, 2, tokens=24000)
+        rids = _decoding(c, 2, tokens=8000)
         n.proc.send_signal(signal.SIGSTOP)
         try:
             errors = _errors(c, rids)

@@ -51,10 +51,10 @@ def pd_pair(node, tmp_path, *opts, transport="shm", env=None, d_opts=(), p_opts=
 def pd_node(node):
     """Two node names (node+"p", node+"d"); neither may leave anything in /dev/shm."""
     yield node
-    from tests.conftest import leftovers
+    from tests.conftest import leftovers, reclaim_dead
 
     for n in (node + "p", node + "d"):
-        subprocess.run([sys.executable, "-m", "kvrt.launcher", "clean", "--node", n], cwd=REPO, capture_output=True)
+        reclaim_dead(n)
         assert not leftovers(n), f"shared memory of {n} leaked: {leftovers(n)}"
 
 

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import re
-import subprocess
-import sys
 import time
 
 import numpy as np
 import psutil
 import pytest
 
-from tests.conftest import REPO, leftovers
+from tests.conftest import leftovers, reclaim_dead
 from tests.launched import SMALL, launched, oracle, pd_secret_file, shared_prefix_prompts
 from tests.runtime.engine.test_oracle import NEW, run_all, tokens
 from tests.runtime.pd.test_pd import TRANSPORTS, kill_node, pd_node, wait_for  # noqa: F401  (pd_node: a fixture)
@@ -53,7 +51,7 @@ def multi_node(pd_node):
     one) and checked for leftovers."""
     yield pd_node
     for n in (pd_node + "d0", pd_node + "d1", pd_node + "p1"):
-        subprocess.run([sys.executable, "-m", "kvrt.launcher", "clean", "--node", n], cwd=REPO, capture_output=True)
+        reclaim_dead(n)
         assert not leftovers(n), f"shared memory of {n} leaked: {leftovers(n)}"
 
 
@@ -103,7 +101,7 @@ def test_a_dead_decode_node_leaves_the_others_serving(multi_node, tmp_path):
     prompts = shared_prefix_prompts(seed=33)
     want = [oracle().generate_dense(p, NEW) for p in prompts]
     secret = pd_secret_file(tmp_path)
-    opts = ("--pd-timeout", "3", "--rank-timeout", "1")
+    opts = ("--pd-timeout", "3", "--rank-timeout", "1", "--pd-dead-after", "1.5")  # (P: D0 lost after 1.5 s)
     with launched(multi_node + "d1", tmp_path / "d1", "--role", "decode", *SMALL, "--pd-secret-file", secret,
                   *opts) as d1:
         d0_stack = contextlib.ExitStack()
@@ -131,7 +129,7 @@ def test_requests_asked_of_a_decode_node_that_stops_answering_go_to_another(mult
     prompts = shared_prefix_prompts(seed=35)[:4]
     want = [oracle().generate_dense(p, NEW) for p in prompts]
     secret = pd_secret_file(tmp_path)
-    opts = ("--pd-timeout", "8", "--rank-timeout", "1")
+    opts = ("--pd-timeout", "8", "--rank-timeout", "1", "--pd-dead-after", "2")  # (P: D0 lost after 2 s)
     paused = ("--num-gpu-blocks", "1024", "--hang-timeout", "60", *opts)  # its launcher must not mind the pause
     with decode_nodes(multi_node, tmp_path, secret, paused, opts) as (d0, d1):
         with prefill_node(multi_node + "p", tmp_path, secret, (d0, d1), *opts) as p:

@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from kvrt.runtime.node.status import snapshot
-from tests.conftest import REPO, leftovers
+from tests.conftest import REPO, leftovers, reclaim_dead
 from tests.launched import SMALL, oracle, pd_secret_file, shared_prefix_prompts
 from tests.runtime.engine.test_oracle import NEW
 from tests.runtime.pd.test_pd import kill_node, mooncake_available
@@ -171,7 +171,7 @@ def pd_nodes():
     name = "t" + uuid.uuid4().hex[:9]
     yield name + "p", name + "d"
     for n in (name + "p", name + "d"):
-        subprocess.run([sys.executable, "-m", "kvrt.launcher", "clean", "--node", n], cwd=REPO, capture_output=True)
+        reclaim_dead(n)
         assert not leftovers(n), f"shared memory of {n} leaked: {leftovers(n)}"
 
 

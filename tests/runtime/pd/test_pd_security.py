@@ -299,7 +299,8 @@ def _config(node: str):
 def test_requests_fail_fast_once_d_is_gone(pd_node, tmp_path):
     from tests.runtime.pd.test_pd import kill_node
 
-    with pd_pair(pd_node, tmp_path, "--pd-timeout", "120") as (p, d):
+    # P counts D gone after 2 s of silence (--pd-dead-after, 5 s unless set), far below --pd-timeout
+    with pd_pair(pd_node, tmp_path, "--pd-timeout", "120", "--pd-dead-after", "2") as (p, d):
         assert p.client.generate(prompt(11), 3).finish_reason == "length"
         kill_node(d.proc)
         # each try waits at most 20 s of a 120 s --pd-timeout: only a P that noticed D is gone answers
