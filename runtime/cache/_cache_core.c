@@ -1327,7 +1327,21 @@ done:
 
 /* ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py, tasks.py) */
 
-/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy, gone)
+/* Where an eviction run remembers the keys it drops (a policy's `remember_into`: (M, table,
+   mark), adapt_forget's records, table and the uint8 set once anything is remembered): see
+   take_remember and forget_core, by the `adaptive` policy's own loops below. */
+typedef struct {
+    const int64_t *m;
+    uint64_t *table;
+    uint8_t *mark;
+    Py_ssize_t slots;
+} remember_to;
+
+static int take_remember(bufs *rv, PyObject *remember, Py_ssize_t ncols, remember_to *to, const char *what);
+static void forget_core(const int64_t *m, Py_ssize_t n, const int32_t *hits, uint64_t *table, Py_ssize_t slots,
+                        PyObject *fast, const int32_t *nodes, Py_ssize_t k, int aligned);
+
+/* drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy, gone, remember)
    -> (cut, leaf) or None: drop the host leaves of the popped run `cand` (int32) as
    `Eviction._drop_host_run` does when the run is whole chains of host-only (`cpu`) nodes, each
    node a leaf once the nodes before it are gone (its only child is the node right before it);
@@ -1337,19 +1351,23 @@ done:
    not queued (`parent in policy` is asked of the policy then): the run is cut after that top,
    `leaf` is that parent (-1 if none) and `cut` the length of the part dropped. Of that part,
    keys that were not their parent's continuation (as found before any unlinking) leave the key
-   map, keys are cleared (appended to the list `gone` first, in order, unless it is None: the
-   caller's policy remembers them, with no Python loop over the run), host blocks written to
-   `hosts` (int32) from index `h_at`, columns reset to `reset` and ids put on the free-id stack
-   from index `at`. rows = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST). */
+   map, with `remember` = (M, table, mark) (a remembering policy's, as drop_chains takes it) their
+   keys, releases and uses are remembered, keys are cleared (appended to the list `gone` first, in
+   order, unless it is None: for an observer, or a policy that remembers only through `forget`,
+   with no Python loop over the run), host blocks written to `hosts` (int32) from index `h_at`,
+   columns reset to `reset` and ids put on the free-id stack from index `at`. rows = (PARENT,
+   CHILD, NEXT, PREV, CONT, STATE, REF, HOST, HITS). */
 static PyObject *drop_host_run(PyObject *self, PyObject *args) {
-    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hobj, *sobj, *policy, *gone;
+    PyObject *fobj, *cobj, *rows, *reset, *node_keys, *kmap, *hobj, *sobj, *policy, *gone, *remember;
     long cpu;
     Py_ssize_t at, h_at;
-    bufs bv;
+    bufs bv, rv;
+    rv.n = 0;
     PyObject *res = NULL;
     unsigned char *mapped = NULL;
-    if (!PyArg_ParseTuple(args, "OOOlOO!O!OnOnOO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
-                          &PyDict_Type, &kmap, &hobj, &h_at, &sobj, &at, &policy, &gone))
+    remember_to to;
+    if (!PyArg_ParseTuple(args, "OOOlOO!O!OnOnOOO", &fobj, &cobj, &rows, &cpu, &reset, &PyList_Type, &node_keys,
+                          &PyDict_Type, &kmap, &hobj, &h_at, &sobj, &at, &policy, &gone, &remember))
         return NULL;
     if (gone != Py_None && !PyList_Check(gone)) {
         PyErr_SetString(PyExc_TypeError, "drop_host_run: gone must be a list or None");
@@ -1358,11 +1376,13 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     if (take_bufs(&bv, "drop_host_run", "MnII", fobj, cobj, hobj, sobj) < 0)
         return NULL;
     Py_buffer *f = &bv.b[0], *cb = &bv.b[1], *hb = &bv.b[2], *st = &bv.b[3];
-    long r[8];
+    long r[9];
     int32_t reset_v[MAX_ROWS];
-    if (row_tuple(rows, 8, f, r, "drop_host_run") < 0 || reset_column(reset, f, reset_v, "drop_host_run") < 0)
+    if (row_tuple(rows, 9, f, r, "drop_host_run") < 0 || reset_column(reset, f, reset_v, "drop_host_run") < 0)
         goto done;
     Py_ssize_t nrows = f->shape[0], ncols = f->shape[1], m = cb->shape[0];
+    if (take_remember(&rv, remember, ncols, &to, "drop_host_run") < 0)
+        goto done;
     if (at < 0 || at + m > st->shape[0] || h_at < 0 || h_at + m > hb->shape[0] || PyList_GET_SIZE(node_keys) < ncols) {
         PyErr_SetString(PyExc_ValueError, "drop_host_run: bad stack, host buffer or keys");
         goto done;
@@ -1370,7 +1390,7 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     int32_t *M = f->buf;
     int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *NEXT = M + r[2] * ncols,
             *PREV = M + r[3] * ncols, *CONT = M + r[4] * ncols, *STATE = M + r[5] * ncols,
-            *REF = M + r[6] * ncols, *HOST = M + r[7] * ncols;
+            *REF = M + r[6] * ncols, *HOST = M + r[7] * ncols, *HITS = M + r[8] * ncols;
     const int32_t *cand = cb->buf;
     if (m == 0) {
         res = Py_BuildValue("(nl)", (Py_ssize_t)0, -1L);
@@ -1423,6 +1443,10 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
             }
         }
     }
+    if (to.table != NULL) {
+        forget_core(to.m, ncols, HITS, to.table, to.slots, node_keys, cand, cut, 0);
+        to.mark[0] = 1;
+    }
     for (Py_ssize_t i = 0; i < cut; i++)
         if (mapped[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, cand[i])) < 0)
             goto done;
@@ -1438,6 +1462,7 @@ static PyObject *drop_host_run(PyObject *self, PyObject *args) {
     res = Py_BuildValue("(nl)", cut, leaf);
 done:
     PyMem_Free(mapped);
+    drop_bufs(&rv);
     drop_bufs(&bv);
     return res;
 }
@@ -1490,6 +1515,161 @@ static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
+    drop_bufs(&bv);
+    return res;
+}
+
+/* swap_chains(f, cand, rows, gpu, policy, pos) -> cut or None: with a host tier, the choice of
+   an eviction run's victims where it is the usual run (`Eviction._swap_batched`: chain_tops and
+   `_first_trigger`, nothing parked, a C call and Python glue each). If the run `cand` (int32,
+   as popped) is whole chains released deepest first (each node's only device child right before
+   it, every parent a node), how many of it go: all, or up to and including the first node whose
+   drop leaves its parent an unreferenced GPU node without device children that is not queued in
+   `policy` (`p in policy`; one-at-a-time eviction takes that parent next); None otherwise,
+   for the general path. Nothing is changed; rows = (PARENT, NDEV, STATE, REF); `pos` (int32,
+   one per node, all -1) counts the tops per parent and is left as it was. */
+static PyObject *swap_chains(PyObject *self, PyObject *args) {
+    PyObject *fobj, *cobj, *rows, *policy, *pobj;
+    long gpu;
+    bufs bv;
+    if (!PyArg_ParseTuple(args, "OOOlOO", &fobj, &cobj, &rows, &gpu, &policy, &pobj))
+        return NULL;
+    if (take_bufs(&bv, "swap_chains", "mnI", fobj, cobj, pobj) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t *tix = NULL;
+    const Py_buffer *f = &bv.b[0];
+    Py_ssize_t ncols = f->shape[1], m = bv.b[1].shape[0], ntop = 0;
+    long r[4];
+    if (row_tuple(rows, 4, f, r, "swap_chains") < 0)
+        goto done;
+    if (bv.b[2].shape[0] != ncols) {
+        PyErr_SetString(PyExc_ValueError, "swap_chains: a pos slot per node");
+        goto done;
+    }
+    const int32_t *M = f->buf, *cand = bv.b[1].buf, *PARENT = M + r[0] * ncols, *NDEV = M + r[1] * ncols,
+                  *STATE = M + r[2] * ncols, *REF = M + r[3] * ncols;
+    int32_t *pos = bv.b[2].buf;
+    tix = PyMem_New(Py_ssize_t, m ? m : 1);
+    if (tix == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t p = PARENT[cand[i]];
+        if (p < 0 || p >= ncols || NDEV[cand[i]] != (i && PARENT[cand[i - 1]] == cand[i])) {
+            res = Py_None;
+            Py_INCREF(res);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (i == m - 1 || PARENT[cand[i]] != cand[i + 1])
+            tix[ntop++] = i;
+    Py_ssize_t cut = m;
+    int err = 0;
+    if (ntop && !(ntop == 1 && (NDEV[PARENT[cand[tix[0]]]] > 1 || STATE[PARENT[cand[tix[0]]]] != gpu ||
+                                REF[PARENT[cand[tix[0]]]]))) {
+        for (Py_ssize_t j = 0; j < ntop; j++) {
+            int32_t p = PARENT[cand[tix[j]]];
+            pos[p] = pos[p] < 0 ? 1 : pos[p] + 1;
+        }
+        /* each parent once, at its last top; the earliest such top that leaves its parent next
+           in line cuts the run */
+        for (Py_ssize_t j = ntop; j-- > 0 && !err;) {
+            int32_t p = PARENT[cand[tix[j]]], c = pos[p];
+            if (c < 0)
+                continue;
+            pos[p] = -2;
+            if (NDEV[p] == c && STATE[p] == gpu && REF[p] == 0 && tix[j] + 1 < cut) {
+                int q = queued(policy, p);
+                if (q < 0)
+                    err = 1;
+                else if (!q)
+                    cut = tix[j] + 1;
+            }
+        }
+        for (Py_ssize_t j = 0; j < ntop; j++)
+            pos[PARENT[cand[tix[j]]]] = -1;
+    }
+    if (!err)
+        res = PyLong_FromSsize_t(cut);
+done:
+    PyMem_Free(tix);
+    drop_bufs(&bv);
+    return res;
+}
+
+/* mark_chains(f, vs, task, hosts, victims, devs, at, rows, swap2cpu, task_id, node_keys, victim_keys, gpu)
+   -> parents: mark_swap_out for victims `vs` that are whole chains released deepest first, or
+   the start of such a run (swap_chains), and what `Eviction._mark_swap_out` does after it: each
+   victim whose parent is not the next victim (a chain's top) takes a device child from that
+   parent, and the parents so left unreferenced GPU nodes without device children are returned,
+   in the victims' order (one per top; the caller queues those not queued yet). rows = (HOST,
+   DEV, STATE, NDEV, PARENT, REF). */
+static PyObject *mark_chains(PyObject *self, PyObject *args) {
+    PyObject *fobj, *vobj, *tobj, *hobj, *iobj, *dobj, *rows, *node_keys, *victim_keys;
+    Py_ssize_t at;
+    long swap2cpu, gpu;
+    long long task_id;
+    bufs bv;
+    PyObject *res = NULL, *left = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOnOlLO!O!l", &fobj, &vobj, &tobj, &hobj, &iobj, &dobj, &at, &rows, &swap2cpu,
+                          &task_id, &PyList_Type, &node_keys, &PyList_Type, &victim_keys, &gpu))
+        return NULL;
+    if (take_bufs(&bv, "mark_chains", "MnQiII", fobj, vobj, tobj, hobj, iobj, dobj) < 0)
+        return NULL;
+    Py_buffer *f = &bv.b[0], *vb = &bv.b[1], *tb = &bv.b[2], *hb = &bv.b[3], *ib = &bv.b[4], *db = &bv.b[5];
+    long r[6];
+    if (row_tuple(rows, 6, f, r, "mark_chains") < 0)
+        goto done;
+    Py_ssize_t ncols = f->shape[1], e = vb->shape[0];
+    if (at < 0 || at + e > hb->shape[0] || at + e > ib->shape[0] || at + e > db->shape[0] || tb->shape[0] != ncols ||
+        PyList_GET_SIZE(node_keys) < ncols) {
+        PyErr_SetString(PyExc_ValueError, "mark_chains: fewer host blocks or room than victims, or bad task row or keys");
+        goto done;
+    }
+    int32_t *M = f->buf;
+    int32_t *HOST = M + r[0] * ncols, *DEV = M + r[1] * ncols, *STATE = M + r[2] * ncols, *NDEV = M + r[3] * ncols,
+            *PARENT = M + r[4] * ncols, *REF = M + r[5] * ncols;
+    int64_t *task = tb->buf;
+    const int32_t *vs = vb->buf, *hosts = (const int32_t *)hb->buf + at;
+    int32_t *victims = (int32_t *)ib->buf + at, *devs = (int32_t *)db->buf + at;
+    for (Py_ssize_t i = 0; i < e; i++) {
+        int32_t p = PARENT[vs[i]];
+        if (p < 0 || p >= ncols) {
+            PyErr_SetString(PyExc_ValueError, "mark_chains: a victim's parent is out of range");
+            goto done;
+        }
+    }
+    left = PyList_New(0);
+    if (left == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < e; i++) {
+        int32_t v = vs[i];
+        key_ahead(node_keys, vs, i, e);
+        if (PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
+            goto done;
+        HOST[v] = hosts[i];
+        victims[i] = v;
+        devs[i] = DEV[v];
+        STATE[v] = (int32_t)swap2cpu;
+        task[v] = task_id;
+        NDEV[v] = 0;
+    }
+    for (Py_ssize_t i = 0; i < e; i++)
+        if (i == e - 1 || PARENT[vs[i]] != vs[i + 1])
+            NDEV[PARENT[vs[i]]]--;
+    for (Py_ssize_t i = 0; i < e; i++)
+        if (i == e - 1 || PARENT[vs[i]] != vs[i + 1]) {
+            int32_t p = PARENT[vs[i]];
+            if (NDEV[p] == 0 && STATE[p] == gpu && REF[p] == 0 && append_new(left, PyLong_FromLong(p)) < 0)
+                goto done;
+        }
+    res = left;
+    left = NULL;
+done:
+    Py_XDECREF(left);
     drop_bufs(&bv);
     return res;
 }
@@ -2438,6 +2618,34 @@ done:
     return res;
 }
 
+/* (M, table, mark) of a remembering policy (or None) into `rv` and `to`, for `ncols` nodes; 0, or
+   -1 with an exception. */
+static int take_remember(bufs *rv, PyObject *remember, Py_ssize_t ncols, remember_to *to, const char *what) {
+    to->m = NULL;
+    to->table = NULL;
+    to->mark = NULL;
+    to->slots = 0;
+    if (remember == Py_None)
+        return 0;
+    if (!PyTuple_Check(remember) || PyTuple_GET_SIZE(remember) != 3) {
+        PyErr_Format(PyExc_TypeError, "%s: remember must be None or (M, table, mark)", what);
+        return -1;
+    }
+    if (take_bufs(rv, what, "qQB", PyTuple_GET_ITEM(remember, 0), PyTuple_GET_ITEM(remember, 1),
+                  PyTuple_GET_ITEM(remember, 2)) < 0)
+        return -1;
+    Py_ssize_t slots = rv->b[1].shape[0] / 2;
+    if (rv->b[0].shape[0] != M_ROWS * ncols || slots < 1 || (slots & (slots - 1)) || rv->b[2].shape[0] < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: M_ROWS records per node and a table of 2 rows of 2**k slots", what);
+        return -1;
+    }
+    to->m = rv->b[0].buf;
+    to->table = rv->b[1].buf;
+    to->mark = rv->b[2].buf;
+    to->slots = slots;
+    return 0;
+}
+
 /* drop_chains(f, cand, rows, reset, node_keys, kmap, devs, stack, at, ids, policy, gpu, pos, remember)
    -> freed parents, or None: an eviction run without a host tier in one call, where it is the
    usual run (`Eviction._drop_batched`: chain_tops, `_first_trigger`, the policy's forget and
@@ -2483,27 +2691,9 @@ static PyObject *drop_chains(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_IndexError, "drop_chains: the free-id stack overflows");
         goto done;
     }
-    const int64_t *mm = NULL;
-    uint64_t *table = NULL;
-    uint8_t *mark = NULL;
-    Py_ssize_t slots = 0;
-    if (remember != Py_None) {
-        if (!PyTuple_Check(remember) || PyTuple_GET_SIZE(remember) != 3) {
-            PyErr_SetString(PyExc_TypeError, "drop_chains: remember must be None or (M, table, mark)");
-            goto done;
-        }
-        if (take_bufs(&rv, "drop_chains", "qQB", PyTuple_GET_ITEM(remember, 0), PyTuple_GET_ITEM(remember, 1),
-                      PyTuple_GET_ITEM(remember, 2)) < 0)
-            goto done;
-        mm = rv.b[0].buf;
-        table = rv.b[1].buf;
-        mark = rv.b[2].buf;
-        slots = rv.b[1].shape[0] / 2;
-        if (rv.b[0].shape[0] != M_ROWS * ncols || slots < 1 || (slots & (slots - 1)) || rv.b[2].shape[0] < 1) {
-            PyErr_SetString(PyExc_ValueError, "drop_chains: M_ROWS records per node and a table of 2 rows of 2**k slots");
-            goto done;
-        }
-    }
+    remember_to to;
+    if (take_remember(&rv, remember, ncols, &to, "drop_chains") < 0)
+        goto done;
     int32_t *M = f->buf, *pos = bv.b[3].buf;
     const int32_t *cand = bv.b[1].buf, *PARENT = M + r[0] * ncols, *NDEV = M + r[5] * ncols,
                   *STATE = M + r[7] * ncols, *REF = M + r[8] * ncols, *HITS = M + r[9] * ncols;
@@ -2555,9 +2745,9 @@ static PyObject *drop_chains(PyObject *self, PyObject *args) {
         if (cut)
             goto general;
     }
-    if (table != NULL) {
-        forget_core(mm, ncols, HITS, table, slots, node_keys, cand, m, 0);
-        mark[0] = 1;
+    if (to.table != NULL) {
+        forget_core(to.m, ncols, HITS, to.table, to.slots, node_keys, cand, m, 0);
+        to.mark[0] = 1;
     }
     res = drop_run_core(M, nrows, ncols, r, reset_v, cand, par, m, tix, ntop, node_keys, kmap, devs,
                         (int32_t *)bv.b[2].buf + at, ids);
@@ -2652,9 +2842,12 @@ static PyMethodDef methods[] = {
     {"finish_swap_out", finish_swap_out, METH_VARARGS,
      "finish_swap_out(f, nodes, task, task_id, rows, swap2cpu, cpu) -> devs or None"},
     {"drop_host_run", drop_host_run, METH_VARARGS,
-     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy, gone) -> (cut, leaf) or None"},
+     "drop_host_run(f, cand, rows, cpu, reset, node_keys, kmap, hosts, h_at, stack, at, policy, gone, remember) -> (cut, leaf) or None"},
     {"mark_swap_out", mark_swap_out, METH_VARARGS,
      "mark_swap_out(f, vs, task, hosts, victims, devs, at, rows, swap2cpu, task_id, node_keys, victim_keys)"},
+    {"swap_chains", swap_chains, METH_VARARGS, "swap_chains(f, cand, rows, gpu, policy, pos) -> cut or None"},
+    {"mark_chains", mark_chains, METH_VARARGS,
+     "mark_chains(f, vs, task, hosts, victims, devs, at, rows, swap2cpu, task_id, node_keys, victim_keys, gpu) -> parents"},
     {"policy_release", policy_release, METH_VARARGS, "policy_release(hits, matched, released, nodes, now) -> lost"},
     {"policy_discard", policy_discard, METH_VARARGS,
      "policy_discard(stamp, released, matched, nodes, clock, turnover) -> (queued, long)"},

@@ -11,10 +11,11 @@ try:
     from kvrt.runtime.cache._cache_core import (adapt_discard, adapt_forget, adapt_front, adapt_missed, adapt_pop,
                                                 adapt_push, adapt_recall,
                                                 chain_keys, chain_tops, deref, drop_chains, drop_host_nodes, drop_host_run,
-                                                drop_run, finish_swap_out, free_host_nodes, gaps_rank, ghost_ages, give_uses, mark_swap_out, new_chain,
+                                                drop_run, finish_swap_out, free_host_nodes, gaps_rank, ghost_ages, give_uses, mark_chains, mark_swap_out,
+                                                new_chain,
                                                 policy_discard, policy_release, pop_live, sketch_add,
-                                                sketch_count, sketch_raise, stamp_runs, touch_device,
-                                                walk)
+                                                sketch_count, sketch_raise, stamp_runs, swap_chains,
+                                                touch_device, walk)
 except ImportError as e:
     if e.name != f"{__package__}._cache_core":  # it loaded and said what is wrong (xxhash) itself
         raise
@@ -22,5 +23,5 @@ except ImportError as e:
                       f"older source ({e}): build it with `pip install -e .` in the checkout") from e
 
 __all__ = ["adapt_discard", "adapt_forget", "adapt_front", "adapt_missed", "adapt_pop", "adapt_push", "adapt_recall", "chain_keys", "chain_tops", "deref", "drop_chains", "drop_host_nodes", "drop_host_run", "drop_run", "finish_swap_out",
-           "free_host_nodes", "gaps_rank", "ghost_ages", "give_uses", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live",
-           "sketch_add", "sketch_count", "sketch_raise", "stamp_runs", "touch_device", "walk"]
+           "free_host_nodes", "gaps_rank", "ghost_ages", "give_uses", "mark_chains", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live",
+           "sketch_add", "sketch_count", "sketch_raise", "stamp_runs", "swap_chains", "touch_device", "walk"]

@@ -16,8 +16,10 @@ a time (tests/runtime/cache/test_eviction_policies.py compares both). With a hos
 (`_swap_batched`): the run is chosen as above, its host blocks are taken (free ones, then host
 leaves dropped a run at a time, `_drop_host_run`), and its nodes are marked SWAP2CPU; each of
 those steps is one C call (runtime/cache/_cache_core.c drop_host_run, drop_host_nodes and
-free_host_nodes, mark_swap_out; tests/runtime/cache/test_cache_core.py checks them against the
-numpy code they replaced). The victims' ids, device and host blocks are int32 arrays from the
+free_host_nodes, mark_swap_out; for the usual run, whole chains, the choice is swap_chains and
+the marking, with the device children the chains' tops take from their parents, mark_chains;
+tests/runtime/cache/test_cache_core.py checks them against the numpy code they replaced, and
+the usual run's calls against the general path). The victims' ids, device and host blocks are int32 arrays from the
 start (the swap-out task carries them as they are): at a couple of hundred victims per request,
 a Python int and a list append per block on each side of the swap were a good share of the
 host tier's cost. Once the host tier runs out, the rest is dropped one victim at a time
@@ -37,7 +39,8 @@ from kvrt.ipc.protocol import TaskKind
 from kvrt.runtime.cache.core import (chain_tops as _chain_tops_c, drop_chains as _drop_chains_c,
                                     drop_host_nodes as _drop_host_nodes_c,
                                     drop_host_run as _drop_host_run_c, drop_run as _drop_run_c,
-                                    free_host_nodes as _free_host_nodes_c, mark_swap_out as _mark_swap_out_c)
+                                    free_host_nodes as _free_host_nodes_c, mark_chains as _mark_chains_c,
+                                    mark_swap_out as _mark_swap_out_c, swap_chains as _swap_chains_c)
 from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DEV, FREE, GPU, HITS, HOST, NDEV, NEXT, ON_DEVICE, ON_HOST,
                           PARENT, PREV, REF, RESET, STATE, SWAP2CPU, NodeStore)
 
@@ -50,8 +53,11 @@ DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, NDEV, DEV)
 CHAIN_DROP_ROWS = DROP_ROWS + (STATE, REF, HITS)
 RESET_ROW = tuple(RESET.tolist())
 # the rows drop_host_run and mark_swap_out read and write, in their order
-HOST_DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST)  # drop_host_nodes: all but HOST
+HOST_DROP_ROWS = (PARENT, CHILD, NEXT, PREV, CONT, STATE, REF, HOST, HITS)  # drop_host_nodes: the first 7
 SWAP_OUT_ROWS = (HOST, DEV, STATE, NDEV)
+# those swap_chains reads, and those mark_chains reads and writes
+SWAP_CHAIN_ROWS = (PARENT, NDEV, STATE, REF)
+MARK_CHAIN_ROWS = SWAP_OUT_ROWS + (PARENT, REF)
 
 
 class Eviction(NodeStore):
@@ -260,21 +266,22 @@ class Eviction(NodeStore):
             m = len(cand)
             if not m:
                 break
-            par = f[PARENT].take(cand)
             nd = None
             if wanted:
                 back = np.fromiter((v in wanted for v in cand.tolist()), dtype=bool, count=m)
                 if back.any():
                     nd = f[NDEV, cand]
                     nd[back] = m + 1  # never evictable in this run: parked as `pop` parks it
-            top = self._chain_tops(cand, par) if nd is None else None
-            if top is not None:
-                # the usual run: whole chains, each node's only device child right before it
-                ev = None
-                cut = self._first_trigger(cand, par, top, False)
+            # the usual run (whole chains, each node's only device child right before it): how
+            # much of it goes, in one C call (chain_tops and `_first_trigger` in one)
+            cut = None if nd is not None else _swap_chains_c(f, cand, SWAP_CHAIN_ROWS, GPU, policy,
+                                                             self._pos_scratch)
+            if cut is not None:
+                ev = par = None
                 at: np.ndarray | slice = slice(0, cut)
                 e = cut
             else:
+                par = f[PARENT].take(cand)
                 ev, top = self._evictable(cand, par, f[NDEV, cand] if nd is None else nd)
                 cut = self._first_trigger(cand, par, top, not ev.all())
                 at = np.flatnonzero(ev[:cut])
@@ -294,14 +301,14 @@ class Eviction(NodeStore):
             if e:
                 if task_id < 0:
                     task_id = next(self._task_ids)
-                # parents that stay on the device: the chains' tops', unless a chain was split
-                outside = None if ev is not None or short else par[[t for t in top if t < cut]].tolist()
-                last = int(par[cut - 1]) if short and cut else -1
+                last = int(f[PARENT, cand[cut - 1]]) if short and cut else -1
                 queued = last >= 0 and last in policy
                 self._handed_out = set(rest)
                 try:
-                    self._mark_swap_out(cand[at], par[at], hosts, evicted, e, task_id, victims, devs, victim_keys,
-                                        outside)
+                    if ev is None:
+                        self._mark_chains(cand[at], hosts, evicted, task_id, victims, devs, victim_keys)
+                    else:
+                        self._mark_swap_out(cand[at], par[at], hosts, evicted, e, task_id, victims, devs, victim_keys)
                 finally:
                     self._handed_out = frozenset()
                 evicted += e
@@ -312,15 +319,26 @@ class Eviction(NodeStore):
                 return evicted, have, rest, task_id
         return evicted, have, None, task_id
 
+    def _mark_chains(self, vs: np.ndarray, hosts: np.ndarray, at: int, task_id: int, victims: np.ndarray,
+                     devs: np.ndarray, victim_keys: list[bytes]) -> None:
+        """`_mark_swap_out` for victims `vs` that are whole chains released deepest first, or
+        the start of such a run: the marking, and the device children the chains' tops take
+        from their parents, in one C call (runtime/cache/_cache_core.c mark_chains)."""
+        e = len(vs)
+        self._host_cached += e
+        self._idle -= e
+        lru = self._dev_lru
+        for p in _mark_chains_c(self._f, vs, self._task, hosts, victims, devs, at, MARK_CHAIN_ROWS, SWAP2CPU, task_id,
+                                self._keys, victim_keys, GPU):
+            if p not in lru and p not in self._handed_out:  # at most the last victim's parent
+                lru.push_front(p)
+
     def _mark_swap_out(self, vs: np.ndarray, par: np.ndarray, hosts: np.ndarray, at: int, e: int, task_id: int,
-                       victims: np.ndarray, devs: np.ndarray, victim_keys: list[bytes],
-                       outside: list[int] | None) -> None:
+                       victims: np.ndarray, devs: np.ndarray, victim_keys: list[bytes]) -> None:
         """Make the `e` nodes `vs` (in eviction order, their parents `par`) SWAP2CPU in task
         `task_id`, each with the next host block of `hosts` (from index `at`), and queue a
         parent that becomes an unqueued evictable device leaf at the front. Their ids and device
-        blocks go to `victims` and `devs` from index `at`, their keys to `victim_keys`.
-        `outside`: the victims' parents that are not victims themselves, one per victim, if the
-        caller knows them."""
+        blocks go to `victims` and `devs` from index `at`, their keys to `victim_keys`."""
         self._host_cached += e
         self._idle -= e
         # one C call: host blocks, device blocks, state, task, keys and device children per victim
@@ -328,11 +346,10 @@ class Eviction(NodeStore):
                          self._keys, victim_keys)
         # each victim's device children went before it: none is left; only parents outside the
         # run (the chains' tops') lose device children that stay
-        if outside is None:
-            pos = self._pos_scratch
-            pos[vs] = 0
-            outside = par[pos[par] < 0].tolist()
-            pos[vs] = -1
+        pos = self._pos_scratch
+        pos[vs] = 0
+        outside = par[pos[par] < 0].tolist()
+        pos[vs] = -1
         ndev, state, ref, lru = self._ndev_v, self._state_v, self._ref_v, self._dev_lru
         for p in outside:
             ndev[p] -= 1
@@ -514,12 +531,16 @@ class Eviction(NodeStore):
         whose drop makes its parent an unqueued host leaf (that parent comes next), the rest
         going back to the front of the queue."""
         policy = self._host_lru
-        # the keys of the nodes dropped, handed over by the C call as it frees them (for the
-        # observer and a policy that remembers them); their uses, taken before
-        gone = [] if self._remembers or self._obs is not None else None
-        hits = self._f[HITS, cand] if self._remembers else None
+        # a remembering policy's memory of the keys that leave, written by the C call itself
+        # where the policy lets it (`remember_into`); else the keys of the nodes dropped, handed
+        # over by the C call as it frees them (for the observer and a policy that remembers
+        # only through `forget`), and their uses, taken before
+        remember = self._dev_lru.remember_into() if self._remembers else None
+        forget = self._remembers and remember is None
+        gone = [] if forget or self._obs is not None else None
+        hits = self._f[HITS, cand] if forget else None
         got = _drop_host_run_c(self._f, cand, HOST_DROP_ROWS, CPU, RESET_ROW, self._keys, self._map, hosts, at,
-                               self._stack, self._top, policy, gone)
+                               self._stack, self._top, policy, gone, remember)
         if got is None:
             return self._drop_host_slow(cand, hosts, at)
         cut, leaf = got

@@ -295,8 +295,8 @@ def gaps_rank(hits: np.ndarray, ghost: np.ndarray, prio_row: np.ndarray, stamp: 
 # ---- the host tier's eviction bookkeeping (runtime/cache/eviction.py)
 def drop_host_run(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, reset: tuple, node_keys: list,
                   kmap: dict, hosts: np.ndarray, h_at: int, stack: np.ndarray, at: int,
-                  policy, gone: list | None) -> tuple[int, int] | None:
-    parent, child, nxt, prev, cont, state, ref, host = rows
+                  policy, gone: list | None, remember: tuple | None) -> tuple[int, int] | None:
+    parent, child, nxt, prev, cont, state, ref, host, hits = rows
     m = len(cand)
     g = f[:, cand]
     par, ch = g[parent], g[child]
@@ -326,6 +326,9 @@ def drop_host_run(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, reset:
             cut, leaf = t + 1, p
             break
     cand, g, mapped = cand[:cut], g[:, :cut], mapped[:cut]
+    if remember is not None:
+        adapt_forget(remember[0], f[hits], remember[1], node_keys, cand, False)
+        remember[2][0] = 1
     for v in cand[mapped].tolist():
         del kmap[node_keys[v]]
     if gone is not None:
@@ -350,6 +353,44 @@ def mark_swap_out(f: np.ndarray, vs: np.ndarray, task: np.ndarray, hosts: np.nda
     task[vs] = task_id
     victim_keys += [node_keys[v] for v in vs.tolist()]
     f[ndev, vs] = 0
+
+
+def swap_chains(f: np.ndarray, cand: np.ndarray, rows: tuple, gpu: int, policy, pos: np.ndarray) -> int | None:
+    """`Eviction._swap_batched`'s choice for the usual run: chain_tops, then `_first_trigger`
+    (nothing parked); None where the run is not whole chains."""
+    parent_r, ndev_r, state_r, ref_r = rows
+    par = f[parent_r, cand]
+    if (par < 0).any():
+        return None
+    top = chain_tops(f, cand, par, ndev_r)
+    if top is None:
+        return None
+    counts: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for t in top:
+        p = int(par[t])
+        counts[p] = counts.get(p, 0) + 1
+        last[p] = t
+    cut = len(cand)
+    for p, c in counts.items():
+        if (f[ndev_r, p] == c and f[state_r, p] == gpu and f[ref_r, p] == 0 and last[p] + 1 < cut
+                and p not in policy):
+            cut = last[p] + 1
+    return cut
+
+
+def mark_chains(f: np.ndarray, vs: np.ndarray, task: np.ndarray, hosts: np.ndarray, victims: np.ndarray,
+                devs: np.ndarray, at: int, rows: tuple, swap2cpu: int, task_id: int, node_keys: list,
+                victim_keys: list, gpu: int) -> list[int]:
+    """mark_swap_out, then each chain top's parent loses a device child; those left unreferenced
+    GPU nodes without device children, one per top."""
+    ndev, parent, state, ref = rows[3], rows[4], rows[2], rows[5]
+    mark_swap_out(f, vs, task, hosts, victims, devs, at, rows[:4], swap2cpu, task_id, node_keys, victim_keys)
+    par = f[parent, vs]
+    e = len(vs)
+    outside = par[[i for i in range(e) if i == e - 1 or par[i] != vs[i + 1]]]
+    np.subtract.at(f[ndev], outside, 1)
+    return [int(p) for p in outside if f[ndev, p] == 0 and f[state, p] == gpu and f[ref, p] == 0]
 
 
 def drop_host_nodes(f: np.ndarray, cand: np.ndarray, rows: tuple, cpu: int, node_keys: list, kmap: dict,

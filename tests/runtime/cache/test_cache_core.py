@@ -133,8 +133,9 @@ def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, mon
     for step, (a, b) in enumerate(zip(fast, slow)):
         assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
     # the reference ran in the C function's place, wherever the cache calls it (with a host
-    # tier victims are swapped out, not dropped a run at a time)
-    unused = name not in POLICIES_USING.get(attr, (name,)) or (attr in ("_drop_run_c", "_drop_chains_c") and host)
+    # tier victims are swapped out, not dropped a run at a time, and swap_chains tells chains)
+    unused = (name not in POLICIES_USING.get(attr, (name,))
+              or (attr in ("_drop_run_c", "_drop_chains_c", "_chain_tops_c") and host))
     assert bool(calls) != unused
 
 
@@ -168,11 +169,13 @@ def test_drop_chains_equals_the_general_path(name, seed, monkeypatch):
         (cache_eviction, "_drop_host_run_c", ref.drop_host_run), (cache_eviction, "_mark_swap_out_c", ref.mark_swap_out),
         (cache_eviction, "_drop_host_nodes_c", ref.drop_host_nodes),
         (cache_eviction, "_free_host_nodes_c", ref.free_host_nodes),
+        (cache_eviction, "_swap_chains_c", ref.swap_chains), (cache_eviction, "_mark_chains_c", ref.mark_chains),
         (cache_tasks, "_finish_swap_out_c", ref.finish_swap_out))])
 def test_host_tier_c_work_equals_numpy(name, module, attr, reference, monkeypatch):
     """A host tier's drop of a run of host leaves (drop_host_run; node by node for a run of any
     shape: branches, parked parents, drop_host_nodes, then free_host_nodes), marking of swap-out victims
-    (mark_swap_out) and a swap-out's answer (finish_swap_out), in C or in numpy, leave the same
+    (mark_swap_out; for whole chains, how much of the run goes, swap_chains, and the marking with
+    the chains' tops' parents, mark_chains) and a swap-out's answer (finish_swap_out), in C or in numpy, leave the same
     cache, queues and policies at every step of a workload with requests in flight and a small
     host tier, whose eviction takes runs of every shape."""
     cls = make_policy(name)
@@ -188,6 +191,92 @@ def test_host_tier_c_work_equals_numpy(name, module, attr, reference, monkeypatc
     for step, (a, b) in enumerate(zip(fast, slow)):
         assert (a[0] == b[0]).all() and (a[1] == b[1]).all() and a[2:] == b[2:], f"step {step}"
     assert calls
+
+
+@pytest.mark.parametrize("name", ["adaptive", "gaps", "reuse", "lru"])
+@pytest.mark.parametrize("seed", range(2))
+def test_swap_chains_equals_the_general_path(name, seed, monkeypatch):
+    """A swap-out run of whole chains chosen and marked in two calls (swap_chains, mark_chains)
+    leaves the same cache, queues and policies, at every step, as the general path (each
+    node's fate, `_first_trigger`, mark_swap_out and its parents in numpy) does with the same
+    runs: on the small host tier whose runs take every shape, and on a larger one."""
+    fast = (_c_host_replay(name), _c_replay(name, 300, seed))
+    calls = []
+
+    def declined(*args):
+        calls.append(args)
+
+    monkeypatch.setattr(cache_eviction, "_swap_chains_c", declined)
+    slow = (_host_replay(make_policy(name)), _replay(PrefixCache(BS, 200, 300, policy=make_policy(name)), seed))
+    for step, (a, b) in enumerate(zip(fast[0], slow[0])):
+        assert (a[0] == b[0]).all() and (a[1] == b[1]).all() and a[2:] == b[2:], f"step {step}"
+    for step, (a, b) in enumerate(zip(fast[1], slow[1])):
+        assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
+    assert len(fast[0]) == len(slow[0]) and len(fast[1]) == len(slow[1]) and calls
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_host_drops_remember_as_forget_does(seed, monkeypatch):
+    """Host leaves dropped a run at a time write `adaptive`'s memory of their keys in the same
+    C call (drop_host_run with the policy's `remember_into`): the cache and both policies are
+    left, at every step, as when the call hands the keys back and the policy's `forget` takes
+    them."""
+    fast = (_c_host_replay("adaptive"), _c_replay("adaptive", 300, seed))
+    monkeypatch.setattr(adaptive.Adaptive, "remember_into", lambda self: None)
+    slow = (_host_replay(make_policy("adaptive")),
+            _replay(PrefixCache(BS, 200, 300, policy=make_policy("adaptive")), seed))
+    for step, (a, b) in enumerate(zip(fast[0], slow[0])):
+        assert (a[0] == b[0]).all() and (a[1] == b[1]).all() and a[2:] == b[2:], f"step {step}"
+    for step, (a, b) in enumerate(zip(fast[1], slow[1])):
+        assert (a[0] == b[0]).all() and a[1:] == b[1:], f"request {step}"
+    assert len(fast[0]) == len(slow[0]) and len(fast[1]) == len(slow[1])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_swap_chains_and_mark_chains_equal_numpy_on_any_queue(seed):
+    """swap_chains and mark_chains against their references on runs of whole chains (and a run
+    that is not) taken from a real cache's tree, with queues that hold any subset of the nodes:
+    the replays' policies queue every parent a run leaves, so the cut and the parents handed
+    back for queueing are checked here."""
+    from kvrt.runtime.cache._cache_core import mark_chains, swap_chains
+    rng = np.random.default_rng(seed)
+    c = PrefixCache(BS, 200, 300, policy=make_policy("lru"))
+    _replay(c, seed)
+    f = c._f
+    gpu = np.flatnonzero(f[STATE] == GPU)
+    leaves = [int(v) for v in gpu if f[NDEV, v] == 0 and f[REF, v] == 0]
+    cuts = parents = 0
+    for _ in range(200):
+        run: list[int] = []
+        for v in rng.permutation(leaves)[:int(rng.integers(1, 4))].tolist():
+            while True:  # a chain, deepest first, up to a random height
+                run.append(v)
+                p = int(f[PARENT, v])
+                if p <= 0 or f[NDEV, p] != 1 or f[STATE, p] != GPU or rng.random() < 0.2:
+                    break
+                v = p
+        cand = np.array(run, dtype=np.int32)
+        if rng.random() < 0.1:
+            cand = cand[::-1].copy()  # deepest last: not whole chains
+        queue = set(rng.choice(gpu, size=len(gpu) // 2, replace=False).tolist())
+        pos = np.full(f.shape[1], -1, dtype=np.int32)
+        got = swap_chains(f, cand, cache_eviction.SWAP_CHAIN_ROWS, GPU, queue, pos)
+        assert got == ref.swap_chains(f, cand, cache_eviction.SWAP_CHAIN_ROWS, GPU, queue, pos) and (pos == -1).all()
+        if got is None:
+            continue
+        cuts += got < len(cand)
+        vs = cand[:int(rng.integers(1, got + 1))]
+        hosts = rng.integers(0, 1000, len(vs) + 2).astype(np.int32)
+        out = []
+        for mark in (mark_chains, ref.mark_chains):
+            g, task, keys = f.copy(), c._task.copy(), list(c._keys)
+            victims, devs, vkeys = np.zeros(len(vs) + 2, np.int32), np.zeros(len(vs) + 2, np.int32), []
+            left = mark(g, vs, task, hosts, victims, devs, 2, cache_eviction.MARK_CHAIN_ROWS, 9, 7, keys, vkeys, GPU)
+            out.append((g, task, victims, devs, vkeys, left))
+        (g1, t1, i1, d1, k1, l1), (g2, t2, i2, d2, k2, l2) = out
+        assert (g1 == g2).all() and (t1 == t2).all() and (i1 == i2).all() and (d1 == d2).all() and k1 == k2 and l1 == l2
+        parents += bool(l1)
+    assert cuts and parents  # (the workload reaches both)
 
 
 def _host_replay(cls) -> list:
