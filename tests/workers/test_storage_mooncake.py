@@ -209,7 +209,6 @@ def test_a_prompt_computed_on_one_node_is_a_storage_hit_on_another(node, tmp_pat
     assert stats["storage_errors"] == 0 and stats["failed_requests"] == 0
 
 
-@pytest.mark.alone
 def test_a_node_keeps_serving_when_the_master_dies(node, tmp_path, store):
     prompts = shared_prefix_prompts(seed=6, systems=2, users=3)
     opts = (*SMALL, "--num-gpu-blocks", "128", *store.node_opts)
@@ -327,7 +326,6 @@ def test_a_pool_the_store_cannot_address_goes_through_the_staging_area(store):
         b.close()
 
 
-@pytest.mark.alone
 def test_a_sigkilled_store_takes_its_master_with_it(tmp_path):
     """`kvrt store start` killed with SIGKILL runs no cleanup: its Mooncake master still gets
     SIGTERM from the kernel (it used to keep running, holding the port)."""
