@@ -138,7 +138,6 @@ def test_a_dead_master_means_misses_not_errors(store):
         s.close()
 
 
-@pytest.mark.alone
 def test_a_frozen_master_costs_one_short_wait_not_one_per_call(store):
     """A frozen master's port still accepts and its client's calls wait out their own RPC
     timeout (about 30 s each): the existence check that starts every read and write is given
@@ -160,7 +159,6 @@ def test_a_frozen_master_costs_one_short_wait_not_one_per_call(store):
         s.close()
 
 
-@pytest.mark.alone
 def test_a_set_up_against_a_frozen_master_gives_up_within_seconds(store):
     """The probe answers for a live master and names a frozen one; the client's own set-up
     (which holds the interpreter) fails within seconds under kvrt's client limits, where the
