@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import REPO
 from tests.launched import tiny_trace
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+pytestmark = pytest.mark.e2e
 
 
 def test_bench_route_json_has_a_row_per_policy_and_the_one_node_row(tmp_path):

@@ -48,7 +48,6 @@ def _ordered(stats: dict) -> bool:
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_synthetic_run_reports_the_standard_figures_next_to_native(served):
     http, zmq_port = served
     opts = dict(n=12, num_prefixes=2, prefix_len=64, suffix_len=16, max_tokens=4, vocab_size=512, seed=5)
@@ -79,7 +78,6 @@ def test_synthetic_run_reports_the_standard_figures_next_to_native(served):
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_table_output_says_what_it_ran_first(served):
     http, _ = served
     r = bench("--url", f"http://127.0.0.1:{http}/v1", "--limit", "4", "--prefix-len", "16", "--suffix-len", "8",
@@ -94,7 +92,6 @@ def test_table_output_says_what_it_ran_first(served):
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_a_prompt_longer_than_max_model_len_is_skipped_and_reported(served, tmp_path):
     http, _ = served
     trace = tmp_path / "trace.jsonl"
@@ -115,7 +112,6 @@ def test_a_prompt_longer_than_max_model_len_is_skipped_and_reported(served, tmp_
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_failed_requests_are_counted_and_exit_non_zero(served):
     http, _ = served
     # ids up to 999 against a 512-token vocabulary: the server refuses them (400, not a length problem)
@@ -129,7 +125,6 @@ def test_failed_requests_are_counted_and_exit_non_zero(served):
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_nothing_listening_fails_fast_with_a_message():
     port = free_port()
     r = bench("--url", f"http://127.0.0.1:{port}/v1", timeout=30)  # a hang is a TimeoutExpired here
@@ -139,7 +134,6 @@ def test_nothing_listening_fails_fast_with_a_message():
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_a_server_that_never_answers_is_given_up_on(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as srv:  # accepts connections (backlog), never answers
         port = srv.getsockname()[1]
@@ -150,7 +144,6 @@ def test_a_server_that_never_answers_is_given_up_on(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_bad_url_is_a_usage_error():
     r = bench("--url", "127.0.0.1:8000/v1", timeout=30)
     assert r.returncode == 2 and "--url must be http://HOST:PORT/v1" in r.stderr

@@ -4,7 +4,7 @@ import pytest
 from kvrt.bench.stress_ring import build_parser, run_stress
 from tests.conftest import leftovers
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+pytestmark = pytest.mark.e2e
 
 
 def _run(node, *argv):
@@ -25,6 +25,7 @@ def test_small_ring_heavy_backpressure(node):
     assert res.received == 10000
 
 
+@pytest.mark.alone  # it bounds the time to notice the dead producer
 def test_sigkilled_producer_is_reported_and_ring_reused(node):
     res = _run(node, "--producers", "2", "--duration", "2", "--kill-after", "0.7")
     assert res.ok, res.errors

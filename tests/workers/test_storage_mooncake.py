@@ -138,7 +138,6 @@ def test_a_dead_master_means_misses_not_errors(store):
         s.close()
 
 
-@pytest.mark.alone
 def test_a_frozen_master_costs_one_short_wait_not_one_per_call(store):
     """A frozen master's port still accepts and its client's calls wait out their own RPC
     timeout (about 30 s each): the existence check that starts every read and write is given
@@ -160,7 +159,6 @@ def test_a_frozen_master_costs_one_short_wait_not_one_per_call(store):
         s.close()
 
 
-@pytest.mark.alone
 def test_a_set_up_against_a_frozen_master_gives_up_within_seconds(store):
     """The probe answers for a live master and names a frozen one; the client's own set-up
     (which holds the interpreter) fails within seconds under kvrt's client limits, where the
@@ -209,7 +207,6 @@ def test_a_prompt_computed_on_one_node_is_a_storage_hit_on_another(node, tmp_pat
     assert stats["storage_errors"] == 0 and stats["failed_requests"] == 0
 
 
-@pytest.mark.alone
 def test_a_node_keeps_serving_when_the_master_dies(node, tmp_path, store):
     prompts = shared_prefix_prompts(seed=6, systems=2, users=3)
     opts = (*SMALL, "--num-gpu-blocks", "128", *store.node_opts)
@@ -327,7 +324,6 @@ def test_a_pool_the_store_cannot_address_goes_through_the_staging_area(store):
         b.close()
 
 
-@pytest.mark.alone
 def test_a_sigkilled_store_takes_its_master_with_it(tmp_path):
     """`kvrt store start` killed with SIGKILL runs no cleanup: its Mooncake master still gets
     SIGTERM from the kernel (it used to keep running, holding the port)."""

@@ -139,7 +139,7 @@ def test_a_flood_of_replay_requests_leaves_another_client_served_right(node, tmp
         for p in warm:
             ln.client.generate(p, 1)
         quiet = [ln.client.generate(p, 4, timeout=30) for p in prompts[:6]]
-        flood = subprocess.Popen([sys.executable, "-c", REPLAY_FLOODER, f"tcp://127.0.0.1:{events + 1}", "6"],
+        flood = subprocess.Popen([sys.executable, "-c", REPLAY_FLOODER, f"tcp://127.0.0.1:{events + 1}", "3"],
                                  cwd=REPO, stdout=subprocess.PIPE, text=True)
         time.sleep(0.5)  # the flood is on
         got = []

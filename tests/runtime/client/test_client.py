@@ -455,7 +455,6 @@ def test_generate_cli_out_of_vocab_exits_2(fake):
     assert r.returncode == 2 and f"outside the node's vocabulary 0..{VOCAB - 1}" in r.stderr
 
 
-@pytest.mark.alone
 @pytest.mark.e2e
 def test_generate_cli_no_node_exits_1():
     t0 = time.monotonic()

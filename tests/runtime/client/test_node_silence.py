@@ -20,7 +20,9 @@ from kvrt.runtime.node.status import snapshot
 from tests.launched import SMALL, launched, oracle
 from tests.runtime.node.test_launch import launched as launched_bg  # noqa: F401  (the fixture)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]  # stopped processes and short silences
+# a stopped or killed engine's silence is what each test waits out: the client's own liveness
+# window (4 probe intervals, as every client has), not a bound set short for the test
+pytestmark = pytest.mark.e2e
 
 TIMEOUT = 30.0  # each client's own timeout: far above its liveness window
 LONG = 3000     # tokens of a request that is still running when the engine stops

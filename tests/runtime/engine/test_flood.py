@@ -20,7 +20,7 @@ from tests.launched import SMALL, launched, oracle
 pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 log = logging.getLogger(__name__)
 
-FLOOD_S = 6.0
+FLOOD_S = 3.0
 
 # two DEALERs in one process, each sending what it can without blocking and dropping its answers
 FLOODER = textwrap.dedent("""

@@ -26,7 +26,7 @@ from tests.conftest import REPO
 from tests.launched import SMALL, launched, oracle
 from tests.runtime.http.test_http import _wait_healthy
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+pytestmark = pytest.mark.e2e
 
 
 def _gateway(node: str) -> dict:
@@ -79,6 +79,7 @@ def test_a_killed_gateway_is_replaced_and_the_node_goes_on(node, tmp_path):
         assert "gateway restarts 1" in status.stdout, status.stdout
 
 
+@pytest.mark.alone  # --hang-timeout 1: a second test beside it could make a running process look hung
 def test_a_hung_gateway_is_killed_and_replaced(node, tmp_path):
     """SIGSTOP: no heartbeat for --hang-timeout, as a gateway stuck in a loop would be; the
     launcher kills it and starts another instead of stopping the node."""

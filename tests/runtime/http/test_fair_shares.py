@@ -18,7 +18,7 @@ from kvrt.ipc.ports import free_port
 from tests.launched import SMALL, launched, oracle
 from tests.runtime.http.test_http import MODEL, _wait_healthy
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+pytestmark = pytest.mark.e2e
 
 BURST = 100       # one address's requests (under its 256 connections), far more than the engine's 32 seats
 LONG = 3000       # tokens each of them asks for

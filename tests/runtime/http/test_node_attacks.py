@@ -26,7 +26,7 @@ from tests.runtime.http.test_http import MODEL, _wait_healthy
 from tests.runtime.http.test_stream_failures import LONG, _stream_killing
 from tests.runtime.node.test_launch import launched as launched_bg  # noqa: F401  (the fixture)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)
 
 MODEL_LEN = 4096   # the default --max-model-len

@@ -106,7 +106,6 @@ def _stream_killing(oa: openai.OpenAI, pid: int) -> tuple[openai.APIError, int]:
 # ---- real processes -------------------------------------------------------------------------------
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_a_worker_killed_mid_stream_ends_the_nodes_stream_with_the_reason(launched, node):  # noqa: F811
     http = free_port()
     n = launched("--port", str(free_port()), "--http-port", str(http), *SMALL)
@@ -123,7 +122,6 @@ def test_a_worker_killed_mid_stream_ends_the_nodes_stream_with_the_reason(launch
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_a_node_killed_mid_stream_ends_the_routers_stream_with_an_error(launched, node):  # noqa: F811
     http = free_port()
     n = launched("--port", str(free_port()), "--http-port", str(http), *SMALL)

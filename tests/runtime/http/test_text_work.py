@@ -21,7 +21,7 @@ from tests.launched import launched
 from tests.runtime.http.test_http import _wait_healthy
 from tests.tokenizer_kit import make_tokenizer_dir
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+pytestmark = pytest.mark.e2e
 
 # Qwen3's way with an assistant turn ('</think>' in its content), a conversation that makes the
 # template loop for ever ("loop") and one it fails on ("fail": a string plus a number)
@@ -77,6 +77,7 @@ def test_text_no_model_of_this_length_takes_is_refused_before_it_is_tokenized(se
     assert ok["count"] > 0 and c.post("/detokenize", json={"tokens": ok["tokens"]}).json()["prompt"] == "hello world"
 
 
+@pytest.mark.alone  # the others must be answered within the template's time limit
 def test_a_template_that_loops_for_ever_is_refused_while_others_are_served(served):
     _, c = served
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -102,20 +102,22 @@ def test_launch_ready_status_and_clean_stop(launched, node, tmp_path):
     assert not leftovers(node)
 
 
-@pytest.mark.alone
 @pytest.mark.parametrize("victim", ["engine[0]", "worker[0]", "cache-transfer[0]", "cache-messager[0]"])
 def test_sigkill_of_a_child_stops_the_node_nonzero_and_clean(launched, node, victim, tmp_path):
+    """The launcher sees the death itself: with --hang-timeout and --rank-timeout at 60 s (a
+    decode node's --pd-timeout above them), no watch of heartbeats or steps can be what stops
+    the node within the 15 s it is given (a bound far from both, so a second test beside this
+    one cannot trip it)."""
     from kvrt.ipc.ports import free_port
     from tests.launched import pd_secret_file
 
     n = launched("--num-cpu-blocks", "8", "--role", "decode", "--port", str(free_port()),
-                 "--pd-secret-file", pd_secret_file(tmp_path))
+                 "--pd-secret-file", pd_secret_file(tmp_path), "--hang-timeout", "60", "--rank-timeout", "60",
+                 "--pd-timeout", "120")
     n.wait_for("ready:")
     pids = n.child_pids()
-    t = time.monotonic()
     psutil.Process(pids[victim]).send_signal(signal.SIGKILL)
     assert n.proc.wait(15) != 0
-    assert time.monotonic() - t < 5.0
     assert not leftovers(node)
     for pid in pids.values():
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

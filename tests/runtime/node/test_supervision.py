@@ -24,7 +24,9 @@ from tests.conftest import REPO, leftovers
 from kvrt.ipc.ports import free_port
 from tests.runtime.node.test_launch import kvrt, launched  # noqa: F401  (the fixture)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+# the tests that set --hang-timeout, --rank-timeout or --launcher-grace of a second or two, and
+# stop processes, are `alone`: a second test beside them could make a running process look hung
+pytestmark = pytest.mark.e2e
 
 SMALL = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16", "--block-size", "8",
          "--num-gpu-blocks", "1200")  # room for three 3000-token requests
@@ -72,6 +74,7 @@ def test_in_flight_requests_fail_at_once_naming_a_sigkilled_worker(launched, nod
     assert not leftovers(node)
 
 
+@pytest.mark.alone
 def test_a_stopped_worker_is_reported_hung_and_the_node_stops(launched, node):
     port = free_port()
     n = launched("--port", str(port), "--hang-timeout", "1", "--rank-timeout", "120", *SMALL)
@@ -100,6 +103,7 @@ def test_a_stopped_worker_is_reported_hung_and_the_node_stops(launched, node):
     assert not leftovers(node)
 
 
+@pytest.mark.alone
 def test_a_stopped_worker_fails_its_step_after_the_rank_timeout(launched, node):
     """The engine's own watch of a step: the worker stopped alone while the engine runs."""
     port = free_port()
@@ -117,6 +121,7 @@ def test_a_stopped_worker_fails_its_step_after_the_rank_timeout(launched, node):
     assert not leftovers(node)
 
 
+@pytest.mark.alone
 def test_a_stopped_launcher_is_noticed_and_the_node_stops_naming_it(launched, node):
     """The launcher SIGSTOPped alone: nobody supervises the node or serves its HTTP clients. The
     engine calls it hung once its heartbeat stood still for twice --hang-timeout, and at least
@@ -157,6 +162,7 @@ def _stopped_because(n) -> str:
     return "the node is still running" if n.proc.poll() is None else n.wait_for("stopped because")
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("launcher_first", [False, True], ids=["children-first", "launcher-first"])
 def test_a_node_paused_whole_past_the_hang_timeout_serves_on_when_resumed(launched, node, launcher_first):
     """Every process SIGSTOPped (as a VM pause or `docker pause` does) for twice --hang-timeout

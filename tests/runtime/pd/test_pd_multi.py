@@ -56,7 +56,6 @@ def multi_node(pd_node):
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_requests_go_to_the_decode_node_with_most_free_blocks(multi_node, tmp_path, transport):
     """D0 (listed first) has 64 blocks, D1 has 512: every request goes to D1."""
@@ -150,7 +149,6 @@ def test_requests_asked_of_a_decode_node_that_stops_answering_go_to_another(mult
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_several_prefill_nodes_share_one_decode_node(multi_node, tmp_path, transport):
     """Two prefill nodes on one decode node, both busy at once: every answer is the reference,
@@ -199,7 +197,6 @@ def test_a_decode_peer_list_is_read_in_order():
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_decode_node_reports_the_blocks_a_peer_could_get(pd_node, tmp_path):
     """D's pongs and allocation answers say how many blocks the peer could get now: the free or
     evictable blocks of D's pool, within that peer's quota (--pd-peer-max-blocks)."""

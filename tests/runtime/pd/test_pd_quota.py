@@ -56,7 +56,6 @@ def test_a_burst_over_the_pool_waits_instead_of_being_refused(pd_node, tmp_path)
         assert ds["finished_requests"] == len(prompts)
 
 
-@pytest.mark.alone
 @pytest.mark.e2e
 def test_two_prefill_nodes_bursting_on_one_decode_node_are_all_served(multi_node, tmp_path):
     """Two P's send 60 requests each at once to one D at default settings (each burst alone

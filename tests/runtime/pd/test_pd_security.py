@@ -339,7 +339,6 @@ def test_sealed_messages_resist_tampering_replay_and_reflection():
     assert d.open(second) == wire.PdAbort("r")  # nothing above moved the counter
 
 
-@pytest.mark.alone
 @pytest.mark.e2e
 def test_the_first_handoff_after_d_restarts_succeeds(pd_node, tmp_path):
     """D stops and starts again on the same port: P notices the new D (its session is refused),

@@ -107,7 +107,6 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event_over_real_sockets():
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 def test_a_stopped_node_behind_the_router_costs_one_timeout_then_the_other_node_serves(node, tmp_path):
     """Two real nodes behind `kvrt route --backend-timeout 2`; one's launcher (its HTTP server)
     SIGSTOPped before any request: requests are answered (at most one 504 naming it, none held

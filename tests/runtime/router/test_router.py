@@ -221,7 +221,6 @@ def test_cache_aware_and_round_robin_routing_over_two_nodes(node, tmp_path):
             assert landed[0] != landed[1] and landed[0::2] == [landed[0]] * 2 and landed[1::2] == [landed[1]] * 2
 
 
-@pytest.mark.alone
 @pytest.mark.e2e
 def test_a_stopped_node_is_taken_out_and_its_request_fails_over(node, tmp_path):
     with two_nodes((node + "a", node + "b"), tmp_path) as (urls, lns):
