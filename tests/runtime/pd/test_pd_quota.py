@@ -109,6 +109,7 @@ def allocated(msg, rid: str) -> wire.PdAllocated:
     return msg
 
 
+@pytest.mark.alone  # b1's 3 s wait for blocks must outlast the way of a's give-back to D
 @pytest.mark.e2e
 def test_a_peer_over_its_share_waits_and_a_second_peer_gets_its_part(pd_node, tmp_path):
     with decode_node(pd_node, tmp_path) as (d, peer):
