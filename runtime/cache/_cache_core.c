@@ -1467,6 +1467,28 @@ done:
     return res;
 }
 
+/* The marking both swap-out calls share: the i-th of victims `vs` (e of them) takes host block
+   hosts[i], its id goes to victims[i] and its device block to devs[i], its key is appended to
+   `victim_keys`; it becomes SWAP2CPU in task `task_id` with no device children. 0, or -1 with
+   an exception. */
+static int mark_victims(const int32_t *vs, Py_ssize_t e, const int32_t *hosts, int32_t *victims, int32_t *devs,
+                        int32_t *HOST, int32_t *DEV, int32_t *STATE, int32_t *NDEV, int64_t *task, long swap2cpu,
+                        long long task_id, PyObject *node_keys, PyObject *victim_keys) {
+    for (Py_ssize_t i = 0; i < e; i++) {
+        int32_t v = vs[i];
+        key_ahead(node_keys, vs, i, e);
+        if (PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
+            return -1;
+        HOST[v] = hosts[i];
+        victims[i] = v;
+        devs[i] = DEV[v];
+        STATE[v] = (int32_t)swap2cpu;
+        task[v] = task_id;
+        NDEV[v] = 0;
+    }
+    return 0;
+}
+
 /* mark_swap_out(f, vs, task, hosts, victims, devs, at, rows, swap2cpu, task_id, node_keys, victim_keys):
    make the nodes `vs` (int32, in eviction order) SWAP2CPU in task `task_id` as
    `Eviction._mark_swap_out` does: the i-th takes host block hosts[at + i], its id goes to
@@ -1500,18 +1522,9 @@ static PyObject *mark_swap_out(PyObject *self, PyObject *args) {
     int64_t *task = tb->buf;
     const int32_t *vs = vb->buf, *hosts = (const int32_t *)hb->buf + at;
     int32_t *victims = (int32_t *)ib->buf + at, *devs = (int32_t *)db->buf + at;
-    for (Py_ssize_t i = 0; i < e; i++) {
-        int32_t v = vs[i];
-        key_ahead(node_keys, vs, i, e);
-        if (PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
-            goto done;
-        HOST[v] = hosts[i];
-        victims[i] = v;
-        devs[i] = DEV[v];
-        STATE[v] = (int32_t)swap2cpu;
-        task[v] = task_id;
-        NDEV[v] = 0;
-    }
+    if (mark_victims(vs, e, hosts, victims, devs, HOST, DEV, STATE, NDEV, task, swap2cpu, task_id, node_keys,
+                     victim_keys) < 0)
+        goto done;
     res = Py_None;
     Py_INCREF(res);
 done:
@@ -1645,18 +1658,9 @@ static PyObject *mark_chains(PyObject *self, PyObject *args) {
     left = PyList_New(0);
     if (left == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < e; i++) {
-        int32_t v = vs[i];
-        key_ahead(node_keys, vs, i, e);
-        if (PyList_Append(victim_keys, PyList_GET_ITEM(node_keys, v)) < 0)
-            goto done;
-        HOST[v] = hosts[i];
-        victims[i] = v;
-        devs[i] = DEV[v];
-        STATE[v] = (int32_t)swap2cpu;
-        task[v] = task_id;
-        NDEV[v] = 0;
-    }
+    if (mark_victims(vs, e, hosts, victims, devs, HOST, DEV, STATE, NDEV, task, swap2cpu, task_id, node_keys,
+                     victim_keys) < 0)
+        goto done;
     for (Py_ssize_t i = 0; i < e; i++)
         if (i == e - 1 || PARENT[vs[i]] != vs[i + 1])
             NDEV[PARENT[vs[i]]]--;

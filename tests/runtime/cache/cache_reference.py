@@ -183,22 +183,11 @@ def drop_chains(f: np.ndarray, cand: np.ndarray, rows: tuple, reset: tuple, node
     policy's forget and drop_run, or None (nothing changed) where the run is not whole chains or
     is cut."""
     parent_r, ndev_r, state_r, ref_r, hits_r = rows[0], rows[5], rows[7], rows[8], rows[9]
+    cut = swap_chains(f, cand, (parent_r, ndev_r, state_r, ref_r), gpu, policy, pos)  # (the same choice)
+    if cut is None or cut < len(cand):
+        return None
     par = f[parent_r, cand]
-    if (par < 0).any():
-        return None
     top = chain_tops(f, cand, par, ndev_r)
-    if top is None:
-        return None
-    counts: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for t in top:
-        p = int(par[t])
-        counts[p] = counts.get(p, 0) + 1
-        last[p] = t
-    for p, c in counts.items():
-        if (f[ndev_r, p] == c and f[state_r, p] == gpu and f[ref_r, p] == 0 and last[p] + 1 < len(cand)
-                and p not in policy):
-            return None
     if remember is not None:
         adapt_forget(remember[0], f[hits_r], remember[1], node_keys, cand, False)
         remember[2][0] = 1
