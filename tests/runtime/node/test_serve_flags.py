@@ -98,36 +98,26 @@ def test_the_http_engine_timeouts_default_is_the_bridges(checkpoint):
     assert check_launch_argv(_plan(checkpoint).launch_argv).http_engine_timeout == ENGINE_TIMEOUT_S
 
 
-def test_the_http_stall_timeout_is_the_servers_bound_unless_given():
-    """--http-stall-timeout: STALL_S when not given (the number its help and the guide name), a
-    finite number of seconds > 0 when given, anything else refused by name."""
-    from kvrt.runtime.http.server import HttpOptions
-    from kvrt.runtime.http.stalled import STALL_S
+@pytest.mark.parametrize("flag, field, module, default", [
+    ("--http-stall-timeout", "stall_timeout", "kvrt.runtime.http.stalled", "STALL_S"),
+    ("--http-idle-timeout", "idle_timeout", "kvrt.runtime.http.connections", "IDLE_S")])
+def test_the_http_timeouts_are_the_servers_bounds_unless_given(flag, field, module, default):
+    """--http-stall-timeout, --http-idle-timeout: the server's own bound when not given (the
+    number its help names), a finite number of seconds > 0 when given, anything else refused by
+    name."""
+    import importlib
 
-    launch = launcher._add_launch(argparse.ArgumentParser(prog="kvrt").add_subparsers())
-    help_ = next(a.help for a in launch._actions if "--http-stall-timeout" in a.option_strings)
-    assert f"default {STALL_S:g} s" in help_
-    assert HttpOptions.of(launch.parse_args([])).stall_timeout == STALL_S
-    assert HttpOptions.of(launch.parse_args(["--http-stall-timeout", "0.5"])).stall_timeout == 0.5
-    for bad in ("0", "-1", "nan", "inf"):
-        with pytest.raises(ValueError, match="--http-stall-timeout"):
-            HttpOptions.of(launch.parse_args(["--http-stall-timeout", bad]))
-
-
-def test_the_http_idle_timeout_is_the_servers_bound_unless_given():
-    """--http-idle-timeout: IDLE_S when not given (the number its help names), a finite number
-    of seconds > 0 when given, anything else refused by name."""
-    from kvrt.runtime.http.connections import IDLE_S
     from kvrt.runtime.http.server import HttpOptions
 
+    bound = getattr(importlib.import_module(module), default)
     launch = launcher._add_launch(argparse.ArgumentParser(prog="kvrt").add_subparsers())
-    help_ = next(a.help for a in launch._actions if "--http-idle-timeout" in a.option_strings)
-    assert f"default {IDLE_S:g} s" in help_
-    assert HttpOptions.of(launch.parse_args([])).idle_timeout == IDLE_S
-    assert HttpOptions.of(launch.parse_args(["--http-idle-timeout", "0.5"])).idle_timeout == 0.5
+    help_ = next(a.help for a in launch._actions if flag in a.option_strings)
+    assert f"default {bound:g} s" in help_
+    assert getattr(HttpOptions.of(launch.parse_args([])), field) == bound
+    assert getattr(HttpOptions.of(launch.parse_args([flag, "0.5"])), field) == 0.5
     for bad in ("0", "-1", "nan", "inf"):
-        with pytest.raises(ValueError, match="--http-idle-timeout"):
-            HttpOptions.of(launch.parse_args(["--http-idle-timeout", bad]))
+        with pytest.raises(ValueError, match=flag):
+            HttpOptions.of(launch.parse_args([flag, bad]))
 
 
 def test_the_kv_events_replay_rate_is_the_publishers_unless_given():
