@@ -76,7 +76,10 @@ ASK_LIMIT_S = 5.0      # an existence check unanswered this long: the master is 
 # a set-up tries once (by default it retries for ever while the master that died during it is
 # away, holding the interpreter all along).
 CLIENT_LIMITS = {"MC_RPC_TIMEOUT_MS": "3000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
-PROBE_LIMIT_S = 5.0    # a probe process's set-up and check (one process start) within this
+# a probe process's start, set-up and check within this: a backstop, since under CLIENT_LIMITS the
+# probe gives up on a frozen or lost master itself in seconds; generous, so that a start slowed by a
+# loaded machine is not taken for a master that does not answer (writes meanwhile are not shared)
+PROBE_LIMIT_S = 15.0
 STAGING_BLOCKS = 64    # blocks of the staging area for buffers outside registered pools
 CALL_LIMIT_S = 60.0    # a store call this long is a hung client (its RPCs time out in ~5 s)
 SETUP_LIMIT_S = 15.0   # a client that takes longer to set up is given up (it touches no block)
