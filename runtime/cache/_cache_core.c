@@ -592,25 +592,36 @@ static PyObject *drop_run_core(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, c
                 goto fail;
         }
     }
+    /* the device blocks first, each as the pool's int object: the run's blocks read in a loop
+       of their own (independent loads, many waits for memory at once), and each int object
+       asked for a few blocks ahead of the count written in it */
     Py_ssize_t nids = ids == Py_None ? 0 : PyList_GET_SIZE(ids);
+    int32_t *blk = PyMem_New(int32_t, m ? m : 1);
+    if (blk == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        blk[i] = DEV[drop[i]];
     for (Py_ssize_t i = 0; i < m; i++) {
-        int32_t v = drop[i];
-        key_ahead(node_keys, drop, i, m);
-        column_ahead(M, nrows, ncols, drop, i, m);
-        if (i + KEY_AHEAD / 2 < m) {  /* (the int object of a block a few nodes on: its count is written) */
-            int32_t w = DEV[drop[i + KEY_AHEAD / 2]];
-            if (w >= 0 && w < nids)
-                AHEAD(PyList_GET_ITEM(ids, w), 1);
-        }
-        int32_t b = DEV[v];
+        if (i + KEY_AHEAD < m && blk[i + KEY_AHEAD] >= 0 && blk[i + KEY_AHEAD] < nids)
+            AHEAD(PyList_GET_ITEM(ids, blk[i + KEY_AHEAD]), 1);
+        int32_t b = blk[i];
         if (b >= 0 && b < nids) {
             if (PyList_Append(devs, PyList_GET_ITEM(ids, b)) < 0)
-                goto fail;
+                goto fail_blk;
         } else if (append_new(devs, PyLong_FromLong(b)) < 0)
-            goto fail;
-        free_column(M, nrows, ncols, reset_v, node_keys, stack + i, v);
+            goto fail_blk;
+    }
+    PyMem_Free(blk);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        key_ahead(node_keys, drop, i, m);
+        column_ahead(M, nrows, ncols, drop, i, m);
+        free_column(M, nrows, ncols, reset_v, node_keys, stack + i, drop[i]);
     }
     return freed;
+fail_blk:
+    PyMem_Free(blk);
 fail:
     Py_DECREF(freed);
     return NULL;

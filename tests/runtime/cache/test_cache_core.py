@@ -514,6 +514,51 @@ def _small_rings(q: adaptive.Adaptive, releases: int, serials: int) -> None:
     q._args = (q._m, q._f, q._r, q._h, q._t, q._bits, q._st, q._hits)
 
 
+def test_p_heap_compacted_and_popped_as_in_python(monkeypatch):
+    """P's heap full of stale entries is compacted (its live entries kept and heapified again)
+    when a node joins it, and then hands out its lowest: the same heap, array for array, and the
+    same victims in C as in Python, with any number of live entries among the stale ones (the
+    random queues above compact only nearly full heaps)."""
+    from kvrt.runtime.cache.policies.gaps import LEVEL_SPAN
+    n, cap = 40, 48
+    rng = np.random.default_rng(5)
+    for case in range(300):
+        live = int(rng.integers(1, cap + 1))
+        nodes = rng.integers(0, n - 1, cap)
+        nodes[:live] = rng.permutation(n - 1)[:live] if live < n else rng.integers(0, n - 1, live)
+        where = rng.permutation(cap)
+        where = np.concatenate(([0], where[where != 0]))  # the top is live: the pop compacts first
+        prio = rng.integers(0, 30, cap) * LEVEL_SPAN + rng.integers(0, 3, cap)  # ties of priority too
+        got = []
+        for in_python in (False, True):
+            f = np.zeros((HITS + 1, n), dtype=np.int32)
+            f[PARENT] = -1
+            q = adaptive.Adaptive(n, f[HITS])
+            q._h = np.zeros(4 * cap, dtype=np.int64)
+            q._args = (q._m, q._f, q._r, q._h, q._t, q._bits, q._st, q._hits)
+            h = q._h.reshape(-1, 4)
+            for j in range(cap):  # entry where[j]: node nodes[j], serial j, live if its node's P serial is j
+                h[where[j]] = (prio[j], j, nodes[j], j)
+            pser = q._m[adaptive.M_PSER::adaptive.M_ROWS]
+            for j in range(cap - 1, -1, -1):
+                if j < live:
+                    pser[nodes[j]] = j
+            q._st[adaptive.A_HSIZE] = q._st[adaptive.A_PSER] = q._st[adaptive.A_ORDER] = cap
+            q._st[adaptive.A_NP] = int((pser >= 0).sum())
+            r = n - 1  # R's only node, with a bonus: it joins P, which compacts its heap first
+            q._m[r * adaptive.M_ROWS + adaptive.M_PRIO] = 40 * LEVEL_SPAN
+            q._m[r * adaptive.M_ROWS + adaptive.M_RSTAMP] = 0
+            q._r[:2] = (r, 0)
+            q._st[adaptive.A_RTAIL] = 1
+            q.bank = n
+            if in_python:
+                _in_python(monkeypatch, [])
+            got.append((q.pop_many(n).tolist(), _policy_state(q)))
+            monkeypatch.undo()
+        assert got[0][0] == got[1][0], f"case {case}"
+        assert got[0][1] == got[1][1], f"case {case}: {[k for k in got[0][1] if got[0][1][k] != got[1][1][k]]}"
+
+
 def test_adaptive_calls_in_c_equal_python_on_random_queues(monkeypatch):
     """Each of the adaptive policy's calls, on queues driven by random operations (releases of
     any nodes, queued or not; matches; misses of any age; runs popped, some of whose victims
