@@ -2404,6 +2404,24 @@ static int a_all_taken(const int32_t *child, const int32_t *next, int32_t p, int
     return 1;
 }
 
+/* Ask for what a pop reads of the node R's entry x holds (its records, parent, device children,
+   children taken, exit mark), R_AHEAD entries before it is R's oldest: most victims are R's, in
+   R's order, their nodes scattered in memory, and each victim's reads waited for memory in turn
+   (an entry gone stale meanwhile asks for nothing it uses: harmless). */
+#define R_AHEAD 8
+static inline void r_ahead(const adapt_t *a, int64_t x, const int32_t *parent, const int32_t *ndev,
+                           const int32_t *taken_children) {
+    int64_t v = a->rq[2 * amod(x, a->rq_cap)];
+    if (v < 0 || v >= a->n)
+        return;
+    AHEAD(&a->m[v * M_ROWS], 1);
+    AHEAD(&a->m[v * M_ROWS + M_ROWS - 1], 1);
+    AHEAD(&parent[v], 0);
+    AHEAD(&ndev[v], 0);
+    AHEAD(&taken_children[v], 1);
+    AHEAD(&a->exited[3 * v], 1);
+}
+
 /* adapt_pop(M, F, R, H, T, bits, st, hits, out, k, budget, span, f, parent_row, ndev_row, child_row, next_row,
    scratch, due) -> taken: up to k victims into out (int32), as k single pops would take them; it stops after
    a victim whose parent, not queued, is left without device children, or (child_row >= 0: a host
@@ -2479,6 +2497,8 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
     } while (0)
     int stop = 0;  /* the last victim left its parent, not queued, without device children */
     while (taken < k && !stop) {
+        if (st[A_RHEAD] + R_AHEAD < st[A_RTAIL])
+            r_ahead(&a, st[A_RHEAD] + R_AHEAD, parent, ndev, taken_children);
         Py_ssize_t p = a_ptop(&a);
         if (p >= 0 && st[A_NP] > budget) {
             VICTIM(a_unprotect_top(&a));
