@@ -2167,6 +2167,9 @@ static void a_rroom(adapt_t *a) {
     st[A_RTAIL] = w;
 }
 
+/* how far ahead a loop over a run of nodes, or over R's entries, asks for what it reads of them */
+#define R_AHEAD 8
+
 /* adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> lost:
    a release of `nodes` (int32, deepest first) joins R at its newest end, each with its block
    serial, its release, and its priority for P: (release + bonus) * span + level, the bonus
@@ -2226,6 +2229,14 @@ static PyObject *adapt_push(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < k; i++) {
         int32_t v = nodes[i];
+        if (i + R_AHEAD < k) {  /* (what is read and written of a node a few on: a host tier's are scattered) */
+            int32_t w = nodes[i + R_AHEAD];
+            AHEAD(&a.m[w * M_ROWS], 1);
+            AHEAD(&a.m[w * M_ROWS + M_ROWS - 1], 1);
+            AHEAD(&a.exited[3 * w], 1);
+            AHEAD(&a.hits[w], 0);
+            AHEAD(&ghost[w], 1);
+        }
         if (a.m[(v) * M_ROWS + M_PSER] >= 0) {  /* queued in P: out of it, used again */
             a.m[(v) * M_ROWS + M_PSER] = -1;
             st[A_NP]--;
@@ -2408,7 +2419,6 @@ static int a_all_taken(const int32_t *child, const int32_t *next, int32_t p, int
    children taken, exit mark), R_AHEAD entries before it is R's oldest: most victims are R's, in
    R's order, their nodes scattered in memory, and each victim's reads waited for memory in turn
    (an entry gone stale meanwhile asks for nothing it uses: harmless). */
-#define R_AHEAD 8
 static inline void r_ahead(const adapt_t *a, int64_t x, const int32_t *parent, const int32_t *ndev,
                            const int32_t *taken_children) {
     int64_t v = a->rq[2 * amod(x, a->rq_cap)];
