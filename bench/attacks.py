@@ -69,11 +69,14 @@ class Row:
 
 class Probe:
     """The other client: an ordinary request every PROBE_GAP_S from 127.0.0.2, timed; the
-    watched process's resident memory sampled beside it."""
+    watched process's resident memory sampled beside it. Its first request is sent whenever the
+    window ends: on a loaded machine setting its HTTP client up can outlast a short window, which
+    then had no answer to measure."""
 
     def __init__(self, base: str, model: str, watched: int) -> None:
         self.base, self.model, self.watched = base, model, psutil.Process(watched)
         self.times: list[float] = []
+        self.sent = 0
         self.peak = self.start_rss = self.watched.memory_info().rss
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -88,8 +91,9 @@ class Probe:
 
     def _run(self) -> None:
         with httpx2.Client(transport=httpx2.HTTPTransport(local_address="127.0.0.2"), timeout=120) as c:
-            while not self._stop.is_set():
+            while True:
                 t0 = time.monotonic()
+                self.sent += 1
                 try:
                     r = c.post(self.base + "/v1/completions", json={"model": self.model, **PROBE})
                     if r.status_code == 200:
@@ -98,7 +102,8 @@ class Probe:
                     pass
                 with contextlib.suppress(psutil.Error):
                     self.peak = max(self.peak, self.watched.memory_info().rss)
-                self._stop.wait(PROBE_GAP_S)
+                if self._stop.wait(PROBE_GAP_S):
+                    return
 
 
 def _post(base: str, path: str, body: dict, timeout: float = 300) -> str:
@@ -155,6 +160,8 @@ def _attack(name: str, base: str, port: int, model: str, hold_s: float) -> Calla
 def _idle(base: str, model: str, watched: int, seconds: float) -> float:
     with Probe(base, model, watched) as p:
         time.sleep(seconds)
+    if not p.times:
+        raise RuntimeError(f"the idle node answered none of the probe's {p.sent} requests")
     return max(p.times)
 
 

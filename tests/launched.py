@@ -89,6 +89,27 @@ def tiny_trace(path, requests: int = 12) -> str:
 @contextlib.contextmanager
 def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: float = 60.0,
              port: int = 0, preexec: Callable[[], None] | None = None):
+    with _started(node, log_dir, opts, env, port, preexec) as ln:
+        _wait_ready(ln, ready_s)
+        yield ln
+
+
+@contextlib.contextmanager
+def launched_together(*nodes: tuple[str, object, tuple[str, ...], int], env: dict | None = None,
+                      ready_s: float = 60.0):
+    """Nodes (name, log directory, options, port or 0) started at once, yielded once all are
+    ready: a prefill node may start before the decode node it names (`--decode-peer` with the
+    port given here), as P waits for its session with D anyway. Each is stopped as `launched` does."""
+    with contextlib.ExitStack() as stack:
+        started = [stack.enter_context(_started(name, log_dir, opts, env, port, None))
+                   for name, log_dir, opts, port in nodes]
+        for ln in started:
+            _wait_ready(ln, ready_s)
+        yield started
+
+
+@contextlib.contextmanager
+def _started(node: str, log_dir, opts, env: dict | None, port: int, preexec: Callable[[], None] | None):
     port = port or free_port()
     cmd = [sys.executable, "-m", "kvrt.launcher", "launch", "--node", node, "--port", str(port),
            "--log-dir", str(log_dir), *opts]
@@ -96,20 +117,24 @@ def launched(node: str, log_dir, *opts: str, env: dict | None = None, ready_s: f
                             stderr=subprocess.STDOUT, text=True, preexec_fn=preexec)
     client = Client(port, timeout=60)
     try:
-        deadline = time.monotonic() + ready_s
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"kvrt launch exited with {proc.returncode}: {proc.stdout.read()}")
-            try:
-                client.info(timeout=0.5)
-                break
-            except ClientError:
-                if time.monotonic() > deadline:
-                    raise
         yield Launched(node, port, proc, client, str(log_dir))
     finally:
         client.close()
         interrupt(proc, f"node {node}", 30)
+
+
+def _wait_ready(ln: Launched, ready_s: float) -> None:
+    """Until the node answers its client (AssertionError when it exited first)."""
+    deadline = time.monotonic() + ready_s
+    while True:
+        if ln.proc.poll() is not None:
+            raise AssertionError(f"kvrt launch exited with {ln.proc.returncode}: {ln.proc.stdout.read()}")
+        try:
+            ln.client.info(timeout=0.5)
+            return
+        except ClientError:
+            if time.monotonic() > deadline:
+                raise
 
 
 def interrupt(proc: subprocess.Popen, what: str, timeout: float) -> str:

@@ -30,6 +30,10 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                 "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
                                                 "required": ["city", "unit"]}}}
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+# `now` taking no other argument: its only call is `{}`. NOW's schema allows any object, and a forced
+# call of it can be cut by max_tokens inside a random key (seed 9 wrote `{"RRRR...` for 60 tokens)
+NOW_ONLY = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}
 USER = [{"role": "user", "content": "weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 # the end of Qwen3's template: enable_thinking False closes the thinking in the prompt
@@ -249,7 +253,7 @@ def test_tools_reach_the_template_and_forced_calls_are_valid_calls(qwen_http):
     if not _guided_engine(ln, tok):
         pytest.skip("the engine does not decode under Generation.guided yet (the guided-decoding branch adds it)")
     for seed in range(4):
-        r = oa.chat.completions.create(model=r.model, messages=USER, tools=[WEATHER, NOW], tool_choice="required",
+        r = oa.chat.completions.create(model=r.model, messages=USER, tools=[WEATHER, NOW_ONLY], tool_choice="required",
                                        max_tokens=120, temperature=1.0, seed=seed, n=4)
         for ch in r.choices:
             calls = ch.message.tool_calls
@@ -260,7 +264,7 @@ def test_tools_reach_the_template_and_forced_calls_are_valid_calls(qwen_http):
                 assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
             else:
                 assert args == {}
-    named = oa.chat.completions.create(model=r.model, messages=USER, tools=[WEATHER, NOW], max_tokens=60,
+    named = oa.chat.completions.create(model=r.model, messages=USER, tools=[WEATHER, NOW_ONLY], max_tokens=60,
                                        tool_choice={"type": "function", "function": {"name": "now"}}, stream=True)
     text = "".join(d.function.arguments or "" for chunk in named for c in chunk.choices
                    for d in c.delta.tool_calls or [])

@@ -15,9 +15,10 @@ import numpy as np
 import psutil
 import pytest
 
+from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.client import RequestError
 from tests.conftest import REPO
-from tests.launched import SMALL, launched, oracle, pd_secret_file, shared_prefix_prompts
+from tests.launched import SMALL, launched, launched_together, oracle, pd_secret_file, shared_prefix_prompts
 from tests.runtime.engine.test_oracle import NEW, run_all, tokens
 
 pytestmark = pytest.mark.e2e
@@ -40,11 +41,12 @@ TRANSPORTS = [pytest.param("shm", id="shm"),
 def pd_pair(node, tmp_path, *opts, transport="shm", env=None, d_opts=(), p_opts=()):
     """A decode node and a prefill node pointed at it, sharing a fresh secret; yields (P, D)."""
     common = (*SMALL, "--pd-transport", transport, "--pd-secret-file", pd_secret_file(tmp_path), *opts)
-    with launched(node + "d", tmp_path / "d", "--role", "decode", *common, *d_opts, env=env) as d:
-        with launched(node + "p", tmp_path / "p", "--role", "prefill", "--decode-peer",
-                      f"tcp://127.0.0.1:{d.port}", *common, *p_opts, env=env) as p:
-            wait_for(lambda: p.engine_stats()["pd_sessions"] >= 1, "P's session with D")
-            yield p, d
+    d_port = free_port()
+    with launched_together((node + "d", tmp_path / "d", ("--role", "decode", *common, *d_opts), d_port),
+                           (node + "p", tmp_path / "p", ("--role", "prefill", "--decode-peer", f"tcp://127.0.0.1:{d_port}",
+                                                         *common, *p_opts), 0), env=env) as (d, p):
+        wait_for(lambda: p.engine_stats()["pd_sessions"] >= 1, "P's session with D")
+        yield p, d
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import leftovers, reclaim_dead
-from tests.launched import SMALL, launched, oracle, pd_secret_file, shared_prefix_prompts
+from tests.launched import SMALL, launched, launched_together, oracle, pd_secret_file, shared_prefix_prompts
 from tests.runtime.engine.test_oracle import NEW, run_all, tokens
 from tests.runtime.pd.test_pd import TRANSPORTS, kill_node, pd_node, wait_for  # noqa: F401  (pd_node: a fixture)
 
@@ -24,10 +24,10 @@ from tests.runtime.pd.test_pd import TRANSPORTS, kill_node, pd_node, wait_for  #
 @contextlib.contextmanager
 def decode_nodes(node: str, tmp_path, secret: str, *per_node: tuple[str, ...], transport: str = "shm"):
     """Decode nodes node+"d0", node+"d1", ... (one per `per_node` option tuple); yields them."""
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(launched(f"{node}d{i}", tmp_path / f"d{i}", "--role", "decode", *SMALL,
-                                            "--pd-transport", transport, "--pd-secret-file", secret, *opts))
-               for i, opts in enumerate(per_node)]
+    with launched_together(*((f"{node}d{i}", tmp_path / f"d{i}", ("--role", "decode", *SMALL, "--pd-transport", transport,
+                                                                  "--pd-secret-file", secret, *opts), 0)
+                             for i, opts in enumerate(per_node))) as ds:
+        yield ds
 
 
 def prefill_node(name: str, tmp_path, secret: str, ds, *opts: str, transport: str = "shm"):

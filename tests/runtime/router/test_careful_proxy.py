@@ -115,14 +115,14 @@ def test_a_stopped_node_behind_the_router_costs_one_timeout_then_the_other_node_
     import signal
 
     from kvrt.ipc.ports import free_port
-    from tests.launched import SMALL, launched, oracle
+    from tests.launched import SMALL, launched_together, oracle
     from tests.runtime.http.test_http import MODEL, _wait_healthy
     from tests.runtime.router.test_router import routing
 
     ports = [free_port(), free_port()]
     want = oracle().generate_dense([3, 4, 5], 3)
-    with launched(node + "a", tmp_path / "a", *SMALL, "--http-port", str(ports[0])) as a, \
-            launched(node + "b", tmp_path / "b", *SMALL, "--http-port", str(ports[1])):
+    with launched_together((node + "a", tmp_path / "a", (*SMALL, "--http-port", str(ports[0])), 0),
+                           (node + "b", tmp_path / "b", (*SMALL, "--http-port", str(ports[1])), 0)) as (a, _):
         for p in ports:
             _wait_healthy(p)
         urls = [f"http://127.0.0.1:{p}" for p in ports]

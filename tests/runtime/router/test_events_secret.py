@@ -7,7 +7,6 @@ cached, with and without a per-request cache_salt. A router without the secret r
 cache affinity."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -21,7 +20,7 @@ from kvrt.ipc.ports import free_port, free_port_pair
 from kvrt.runtime.cache.event_secret import EventSecret
 from kvrt.runtime.cache.events import TOPIC, KVEventView, seq_bytes
 from kvrt.runtime.cache.keys import BlockHasher
-from tests.launched import SMALL, launched
+from tests.launched import SMALL, launched_together
 from tests.runtime.http.test_http import _wait_healthy
 from tests.runtime.router.test_router import MODEL, _health, _wait_cached, routing
 
@@ -53,11 +52,10 @@ def test_without_the_secret_the_events_are_no_prompt_oracle_and_the_router_still
     secret = EventSecret.load(str(path))
     http = [free_port(), free_port()]
     ctx = zmq.Context()
-    with contextlib.ExitStack() as stack:
-        for name, h in zip((node + "a", node + "b"), http):
-            stack.enter_context(launched(name, tmp_path / name, *SMALL, "--num-gpu-blocks", "128", "--http-port",
-                                         str(h), "--kv-events-port", str(free_port_pair()),
-                                         "--events-secret-file", str(path)))
+    with launched_together(*((name, tmp_path / name, (*SMALL, "--num-gpu-blocks", "128", "--http-port", str(h),
+                                                      "--kv-events-port", str(free_port_pair()),
+                                                      "--events-secret-file", str(path)), 0)
+                             for name, h in zip((node + "a", node + "b"), http))):
         urls = [f"http://127.0.0.1:{h}" for h in http]
         for h in http:
             _wait_healthy(h)

@@ -26,7 +26,7 @@ from kvrt.runtime.router.app import Router
 from kvrt.runtime.router.backends import Backends
 from kvrt.runtime.router.policy import Candidate, Picker
 from tests.conftest import REPO
-from tests.launched import SMALL, interrupt, launched
+from tests.launched import SMALL, interrupt, launched, launched_together
 from tests.runtime.http.test_http import _wait_healthy, leave_before_a_whole_answer
 from tests.tokenizer_kit import make_tokenizer_dir
 
@@ -161,10 +161,9 @@ def _complete(base: str, prompt, max_tokens: int = 2) -> tuple[str, dict]:
 def two_nodes(names: tuple[str, str], tmp_path):
     """Two nodes with HTTP and KV events; yields their base URLs and the launched nodes."""
     http = [free_port(), free_port()]
-    with contextlib.ExitStack() as stack:
-        lns = [stack.enter_context(launched(name, tmp_path / name, *SMALL, "--num-gpu-blocks", "128", "--http-port",
-                                            str(h), "--kv-events-port", str(free_port_pair())))
-               for name, h in zip(names, http)]
+    with launched_together(*((name, tmp_path / name, (*SMALL, "--num-gpu-blocks", "128", "--http-port", str(h),
+                                                      "--kv-events-port", str(free_port_pair())), 0)
+                             for name, h in zip(names, http))) as lns:
         for h in http:
             _wait_healthy(h)
         yield [f"http://127.0.0.1:{h}" for h in http], lns
