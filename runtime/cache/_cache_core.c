@@ -1893,8 +1893,19 @@ typedef struct {
     uint8_t *bits;
     const int32_t *hits;
     int64_t *due;  /* per block serial modulo RS: the due release it is counted at (bits & 2) */
-    Py_ssize_t n, rq_cap, hcap, rt, rs;
+    int64_t low;   /* L, and its column (a_set_low) */
+    Py_ssize_t n, rq_cap, hcap, rt, rs, jlow;
 } adapt_t;
+
+static inline Py_ssize_t amod(int64_t x, Py_ssize_t m);
+
+/* L = clock - RT/2 (0 at least), the oldest due release counted, and its column: set whenever
+   the clock moves, so that a due release's column is found without a division. */
+static void a_set_low(adapt_t *a) {
+    int64_t low = a->st[A_CLOCK] - a->rt / 2;
+    a->low = low < 0 ? 0 : low;
+    a->jlow = amod(a->low, a->rt);
+}
 
 /* The state's buffers (M, F, R, H, T, bits, st, hits, then `more` per the letters of spec
    after the first 8) into *a; 0, or -1 with an exception. */
@@ -1932,6 +1943,7 @@ static int adapt_take(bufs *v, adapt_t *a, const char *what, const char *spec, .
     a->st = v->b[6].buf;
     a->hits = v->b[7].buf;
     a->due = NULL;
+    a_set_low(a);
     return 0;
 }
 
@@ -1953,25 +1965,25 @@ static inline int64_t a_alive(const adapt_t *a, int64_t t) {
     return a_tracked(a, t) ? a->talive[amod(t, a->rt)] : 0;
 }
 
-/* The oldest due release counted (L) now. */
-static inline int64_t a_low(const adapt_t *a) {
-    int64_t low = a->st[A_CLOCK] - a->rt / 2;
-    return low < 0 ? 0 : low;
-}
-
 /* Due release d as counted now: within [L, L + RT - 1]. */
 static inline int64_t a_due(const adapt_t *a, int64_t d) {
-    int64_t low = a_low(a), high = low + a->rt - 1;
-    return d < low ? low : d > high ? high : d;
+    int64_t high = a->low + a->rt - 1;
+    return d < a->low ? a->low : d > high ? high : d;
+}
+
+/* The column of due release d, L <= d < L + RT. */
+static inline Py_ssize_t a_col(const adapt_t *a, int64_t d) {
+    Py_ssize_t j = a->jlow + (Py_ssize_t)(d - a->low);
+    return j >= a->rt ? j - a->rt : j;
 }
 
 /* Count (+1) or uncount (-1) a queued node (q) or an evicted live exit (!q) due at d (as
    counted: a count older than L is gone already). */
-static void a_count(adapt_t *a, int q, int64_t d, int sign) {
-    if (d < a_low(a))
+static inline void a_count(adapt_t *a, int q, int64_t d, int sign) {
+    if (d < a->low)
         return;
     int64_t *row = q ? a->qdue : a->xdue;
-    row[amod(d, a->rt)] += sign;
+    row[a_col(a, d)] += sign;
     if (q && d < a->st[A_F])
         a->st[A_QB] += sign;
     else if (!q && d >= a->st[A_F])
@@ -1979,13 +1991,13 @@ static void a_count(adapt_t *a, int q, int64_t d, int sign) {
 }
 
 /* Node v joins the queues (its priority set) / leaves them. */
-static void a_qin(adapt_t *a, int32_t v, int64_t span) {
+static inline void a_qin(adapt_t *a, int32_t v, int64_t span) {
     int64_t d = a_due(a, a->m[(v) * M_ROWS + M_PRIO] / span);
     a->m[(v) * M_ROWS + M_QDUE] = d;
     a_count(a, 1, d, 1);
 }
 
-static void a_qout(adapt_t *a, int32_t v) {
+static inline void a_qout(adapt_t *a, int32_t v) {
     int64_t d = a->m[(v) * M_ROWS + M_QDUE];
     if (d < 0)
         return;
@@ -1995,7 +2007,7 @@ static void a_qout(adapt_t *a, int32_t v) {
 
 /* Block serial s (a live exit) is no longer counted as evicted with a bonus (used again, or
    its serial taken by a new block). */
-static void a_xout(adapt_t *a, int64_t s) {
+static inline void a_xout(adapt_t *a, int64_t s) {
     uint8_t *b = &a->bits[amod(s, a->rs)];
     if (*b & 2) {
         *b &= (uint8_t)~2;
@@ -2005,10 +2017,10 @@ static void a_xout(adapt_t *a, int64_t s) {
 
 /* Node v, a live exit with a bonus, leaves the cache: counted at its due release (as `gaps`'
    order would still hold it until then). */
-static void a_evicted(adapt_t *a, int32_t v, int64_t span) {
+static inline void a_evicted(adapt_t *a, int32_t v, int64_t span) {
     int64_t pr = a->m[(v) * M_ROWS + M_PRIO], t = a->m[(v) * M_ROWS + M_REL];
     Py_ssize_t s = amod(a->m[(v) * M_ROWS + M_BSER], a->rs);
-    if (pr <= t * span + amod(pr, span) || !a->exited[3 * (v)] || !a_tracked(a, t) || !(a->bits[s] & 1))
+    if (pr <= t * span + amod(pr, span) || !a->exited[3 * (v)] || !(a->bits[s] & 1) || !a_tracked(a, t))
         return;
     a->due[s] = a_due(a, pr / span);
     a->bits[s] |= 2;
@@ -2018,7 +2030,8 @@ static void a_evicted(adapt_t *a, int32_t v, int64_t span) {
 /* The clock moved on from a release whose L was `low`: the due releases older than L now are
    counted no more (F at L at least), and their columns are the newest ones'. */
 static void a_advance(adapt_t *a, int64_t low) {
-    int64_t *st = a->st, now = a_low(a);
+    a_set_low(a);
+    int64_t *st = a->st, now = a->low;
     for (; low < now; low++) {
         Py_ssize_t j = amod(low, a->rt);
         if (st[A_F] <= low) {
@@ -2033,16 +2046,16 @@ static void a_advance(adapt_t *a, int64_t low) {
 
 /* Move F to the lowest due release (from L on) at which XA <= QB. */
 static void a_frontier(adapt_t *a) {
-    int64_t *st = a->st, low = a_low(a), high = low + a->rt - 1;
+    int64_t *st = a->st, low = a->low, high = low + a->rt - 1;
     while (st[A_XA] > st[A_QB] && st[A_F] < high) {
-        Py_ssize_t j = amod(st[A_F]++, a->rt);
+        Py_ssize_t j = a_col(a, st[A_F]++);
         st[A_XA] -= a->xdue[j];
         st[A_QB] += a->qdue[j];
     }
     for (;;) {
         if (st[A_F] <= low)
             break;
-        Py_ssize_t j = amod(st[A_F] - 1, a->rt);
+        Py_ssize_t j = a_col(a, st[A_F] - 1);
         if (st[A_XA] + a->xdue[j] > st[A_QB] - a->qdue[j])
             break;
         st[A_F]--;
@@ -2316,7 +2329,7 @@ static PyObject *adapt_push(PyObject *self, PyObject *args) {
         a_xout(&a, s0 + i);
         a.bits[amod(s0 + i, a.rs)] = 0;
     }
-    int64_t low = a_low(&a);
+    int64_t low = a.low;
     st[A_CLOCK] = now + 1;
     st[A_SERIAL] = s0 + k;
     a_advance(&a, low);

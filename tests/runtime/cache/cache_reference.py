@@ -576,7 +576,7 @@ class _Adapt:
     def evicted(self, v: int, span: int) -> None:
         """Node v leaves the cache: a live exit with a bonus is counted at its due release."""
         pr, t, s = self.get(v, M_PRIO), self.get(v, M_REL), self.get(v, M_BSER) % self.rs
-        if pr <= t * span + pr % span or not self.f[3 * v] or not self.tracked(t) or not self.bits[s] & 1:
+        if pr <= t * span + pr % span or not self.f[3 * v] or not self.bits[s] & 1 or not self.tracked(t):
             return
         self.due[s] = self.clamp(_cdiv(pr, span))
         self.bits[s] |= 2
