@@ -44,9 +44,11 @@ tests/runtime/cache/test_cache_core.py holds it to, state for state.
 
 The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
-the blocks it served are at least LRU's minus the allowance (1/64 + 1/4 of the capacity at
-most, plus 0.15% of the lookups); over any stretch it loses at most the lead over LRU it had at
-the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus the allowance. The
+the blocks it served are at least LRU's minus the largest allowance it has had (the lead's
+part can shrink; a debt P ran up under a larger allowance is kept, not forgiven: 1/64 + 1/4 of
+the capacity at most, plus 0.15% of the lookups); over any stretch it loses at most the lead
+over LRU it had at the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus
+that allowance. The
 counts are exact for requests served one after another (the benchmark's replay, where the
 ledger is never ahead of the truth) and close with requests in flight together. tests/runtime/cache/test_adaptive_bound.py checks both on
 generated traces against an LRU cache replayed beside it, from a cold cache and over every
@@ -114,7 +116,7 @@ class Adaptive(EvictionPolicy):
     sees_misses = True    # the cache calls `missed` with every counted request's missed blocks
 
     __slots__ = ("_hits", "_n", "_m", "_f", "_r", "_h", "_t", "_bits", "_st", "_args", "_tree", "_scratch", "_rstamp", "_pser",
-                 "_ghost", "_due", "_table", "_forgot", "lead", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader",
+                 "_ghost", "_due", "_table", "_forgot", "lead", "most", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader",
                  "_parks", "_links")
 
     def __init__(self, capacity: int, hits: np.ndarray):
@@ -157,6 +159,7 @@ class Adaptive(EvictionPolicy):
         self.lookups = 0       # usable blocks of the requests counted so far
         self.gains = self.losses = 0
         self.lead = 0.0        # blocks `gaps`' order with no budget would have served beyond LRU's
+        self.most = 0.0        # the largest allowance so far
         self._leader: Adaptive | None = None
         self._parks: list[int] = []  # nodes the cache parks if the next pop_many hands them out
         # the node matrix's child and sibling rows for a host tier's queue (`follows`), whose pop
@@ -191,14 +194,17 @@ class Adaptive(EvictionPolicy):
     def _add_lead(self, d: int) -> None:
         """Count `d` more blocks of `gaps`' lead over LRU, remembering at most LEAD_MEMORY caps
         of it either way (so that the evidence turns with the workload)."""
+        self.most = max(self.most, self.allowance())
         c = LEAD_MEMORY * (LEAD_CAP * self._n + LEAD_RATE * self.lookups)
         self.lead = min(c, max(-c, self.lead + d))
 
     def _settle(self, won: int, lost: int) -> None:
         self.gains += won
         self.losses += lost
+        # (a debt is never forgiven: P's losses are held to the largest allowance it has had, the
+        # lead's part of which can shrink)
         a = self.allowance()
-        self.bank = int(min(BANK_CAP * self._n - a, max(-a, self.bank + won - lost)))
+        self.bank = int(min(BANK_CAP * self._n - a, max(-max(a, self.most), self.bank + won - lost)))
 
     def bonus_scale(self) -> float:
         """The share of `gaps`' bonus in force: 0 while at most LONG_LOW of the recent reuse came

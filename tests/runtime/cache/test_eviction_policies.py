@@ -620,6 +620,23 @@ def test_adaptive_allowance_grows_with_the_lookups_as_evidence_comes():
     assert q.allowance() == pytest.approx(EXPLORE * n + RATE * q.lookups)
 
 
+def test_adaptive_keeps_a_debt_run_up_under_a_larger_allowance():
+    """The lead's part of the allowance shrinks when `gaps`' order stops paying; what P lost
+    while it was larger stays owed (the bank is not raised to the smaller allowance), so the
+    policy never trails LRU by more than the largest allowance it has had, and P holds nothing
+    until the allowance has grown past that debt again."""
+    n = 1024
+    q = Adaptive(n, np.zeros(n, dtype=np.int32))
+    q._add_lead(200)
+    q._add_lead(0)
+    assert q.allowance() == pytest.approx(n / 64 + 200)
+    q._settle(0, 216)  # P spent its whole allowance
+    assert q.bank == -216 and q.budget() == 0
+    q._add_lead(-400)  # `gaps`' order turned to lose: no lead left
+    q._settle(0, 0)
+    assert q.allowance() == pytest.approx(n / 64) and q.bank == -216 and q.budget() == 0
+
+
 @pytest.mark.parametrize("family, capacity, requests, gaps_wins", [("drifting", 1924, 1200, True),
                                                                    ("sessions", 11767, 2000, False)])
 def test_adaptive_reads_the_lead_of_gaps_order_both_ways(family, capacity, requests, gaps_wins):
