@@ -109,7 +109,7 @@ matrix, the first buffer, or where there is none below the length of the buffer 
 long as the buffer before it; '~': its items may be any number of bytes apart (strides[0]),
 not only next to each other. 0, or -1 with an exception set and nothing held; `drop_bufs`
 releases them. */
-#define MAX_BUFS 12
+#define MAX_BUFS 16
 typedef struct {
     Py_buffer b[MAX_BUFS];
     int n;
@@ -1875,27 +1875,48 @@ done:
    held under a budget, and the ledger that says how P's hits compare with LRU's, block by block.
 
    State, as the policy's arrays (all flat, C order): M (int64, M_ROWS per node, side by side:
-   R stamp, P serial, block serial, release, priority), F (uint8, 3 per node: counted as a live
-   exit, spare, parked), R (int64, RQ pairs [node, stamp]), H (int64,
-   HC entries of 4: priority, order, node, serial), T (int64, 3 rows of RT, one column per release
-   modulo RT: its first block serial, its length, its live exits), bits (uint8, RS: a block
-   serial's live exit, modulo RS), st (int64 scalars, the A_ indices below), hits (int32, the node
-   matrix's row). A live exit is a node that left R (to P, or evicted from R or later from P)
-   and has not been used since: the blocks an LRU cache of the same size holds are R, the nodes
-   in use, and the newest |P| live exits, newest by (release, block serial). */
+   R stamp, P serial, block serial, release, priority, the due release it is counted at while
+   queued or -1), F (uint8, 3 per node: counted as a live exit, spare, parked), R (int64, RQ
+   pairs [node, stamp]), H (int64, HC entries of 4: priority, order, node, serial), T (int64, 5
+   rows of RT: per release modulo RT its first block serial, its length, its live exits; per due
+   release modulo RT the queued nodes and the evicted live exits with a bonus due then), bits
+   (uint8, RS: a block serial's live exit (1), evicted with a bonus and counted by its due (2),
+   modulo RS), st (int64 scalars, the A_ indices below), hits (int32, the node matrix's row). A
+   live exit is a node that left R (to P, or evicted from R or later from P) and has not been
+   used since: the blocks an LRU cache of the same size holds are R, the nodes in use, and the
+   newest |P| live exits, newest by (release, block serial).
+
+   `gaps`' order with no budget (every block kept until its due release, the release plus its
+   bonus, is the lowest) would hold the nodes in use and the blocks of the highest due releases
+   among the queued nodes and the evicted live exits: those due at its frontier F or later, F the
+   lowest due release at which as many evicted live exits are due at F or later (XA) as queued
+   nodes before F (QB). Due releases are counted from L = clock - RT/2 (older ones at L; a
+   count older than L is gone) to L + RT - 1 (later ones there). */
 enum { A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP,
-       A_NPARK, A_PMAX, A_NSTATE };
-enum { M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS };
+       A_NPARK, A_PMAX, A_F, A_XA, A_QB, A_NSTATE };
+enum { M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_QDUE, M_ROWS };
 enum { A_HOLD_MAX = 1028 };  /* adapt_pop: nodes kept back for a device child, per victim */
 
 typedef struct {
     int64_t *m;
     uint8_t *exited, *parked;
-    int64_t *rq, *h, *tstart, *tlen, *talive, *st;
+    int64_t *rq, *h, *tstart, *tlen, *talive, *qdue, *xdue, *st;
     uint8_t *bits;
     const int32_t *hits;
-    Py_ssize_t n, rq_cap, hcap, rt, rs;
+    int64_t *due;  /* per block serial modulo RS: the due release it is counted at (bits & 2) */
+    int64_t low;   /* L, and its column (a_set_low) */
+    Py_ssize_t n, rq_cap, hcap, rt, rs, jlow;
 } adapt_t;
+
+static inline Py_ssize_t amod(int64_t x, Py_ssize_t m);
+
+/* L = clock - RT/2 (0 at least), the oldest due release counted, and its column: set whenever
+   the clock moves, so that a due release's column is found without a division. */
+static void a_set_low(adapt_t *a) {
+    int64_t low = a->st[A_CLOCK] - a->rt / 2;
+    a->low = low < 0 ? 0 : low;
+    a->jlow = amod(a->low, a->rt);
+}
 
 /* The state's buffers (M, F, R, H, T, bits, st, hits, then `more` per the letters of spec
    after the first 8) into *a; 0, or -1 with an exception. */
@@ -1908,8 +1929,8 @@ static int adapt_take(bufs *v, adapt_t *a, const char *what, const char *spec, .
         return -1;
     Py_ssize_t n = v->b[7].shape[0];
     if (n < 1 || v->b[0].shape[0] != M_ROWS * n || v->b[1].shape[0] != 3 * n || v->b[2].shape[0] % 2 ||
-        v->b[3].shape[0] % 4 || v->b[4].shape[0] % 3 || v->b[6].shape[0] < A_NSTATE || v->b[2].shape[0] < 4 ||
-        v->b[4].shape[0] < 6 || v->b[5].shape[0] < 1 || v->b[3].shape[0] < 4) {
+        v->b[3].shape[0] % 4 || v->b[4].shape[0] % 5 || v->b[6].shape[0] < A_NSTATE || v->b[2].shape[0] < 4 ||
+        v->b[4].shape[0] < 10 || v->b[5].shape[0] < 1 || v->b[3].shape[0] < 4) {
         PyErr_Format(PyExc_ValueError, "%s: the adaptive policy's arrays do not fit together", what);
         drop_bufs(v);
         return -1;
@@ -1922,14 +1943,18 @@ static int adapt_take(bufs *v, adapt_t *a, const char *what, const char *spec, .
     a->rq_cap = v->b[2].shape[0] / 2;
     a->hcap = v->b[3].shape[0] / 4;
     a->h = v->b[3].buf;
-    a->rt = v->b[4].shape[0] / 3;
+    a->rt = v->b[4].shape[0] / 5;
     a->tstart = v->b[4].buf;
     a->tlen = a->tstart + a->rt;
     a->talive = a->tlen + a->rt;
+    a->qdue = a->talive + a->rt;
+    a->xdue = a->qdue + a->rt;
     a->bits = v->b[5].buf;
     a->rs = v->b[5].shape[0];
     a->st = v->b[6].buf;
     a->hits = v->b[7].buf;
+    a->due = NULL;
+    a_set_low(a);
     return 0;
 }
 
@@ -1949,6 +1974,105 @@ static inline int a_tracked(const adapt_t *a, int64_t t) {
 
 static inline int64_t a_alive(const adapt_t *a, int64_t t) {
     return a_tracked(a, t) ? a->talive[amod(t, a->rt)] : 0;
+}
+
+/* Due release d as counted now: within [L, L + RT - 1]. */
+static inline int64_t a_due(const adapt_t *a, int64_t d) {
+    int64_t high = a->low + a->rt - 1;
+    return d < a->low ? a->low : d > high ? high : d;
+}
+
+/* The column of due release d, L <= d < L + RT. */
+static inline Py_ssize_t a_col(const adapt_t *a, int64_t d) {
+    Py_ssize_t j = a->jlow + (Py_ssize_t)(d - a->low);
+    return j >= a->rt ? j - a->rt : j;
+}
+
+/* Count (+1) or uncount (-1) a queued node (q) or an evicted live exit (!q) due at d (as
+   counted: a count older than L is gone already). */
+static inline void a_count(adapt_t *a, int q, int64_t d, int sign) {
+    if (d < a->low)
+        return;
+    int64_t *row = q ? a->qdue : a->xdue;
+    row[a_col(a, d)] += sign;
+    if (q && d < a->st[A_F])
+        a->st[A_QB] += sign;
+    else if (!q && d >= a->st[A_F])
+        a->st[A_XA] += sign;
+}
+
+/* Node v joins the queues (its priority set) / leaves them. */
+static inline void a_qin(adapt_t *a, int32_t v, int64_t span) {
+    int64_t d = a_due(a, a->m[(v) * M_ROWS + M_PRIO] / span);
+    a->m[(v) * M_ROWS + M_QDUE] = d;
+    a_count(a, 1, d, 1);
+}
+
+static inline void a_qout(adapt_t *a, int32_t v) {
+    int64_t d = a->m[(v) * M_ROWS + M_QDUE];
+    if (d < 0)
+        return;
+    a->m[(v) * M_ROWS + M_QDUE] = -1;
+    a_count(a, 1, d, -1);
+}
+
+/* Block serial s (a live exit) is no longer counted as evicted with a bonus (used again, or
+   its serial taken by a new block). */
+static inline void a_xout(adapt_t *a, int64_t s) {
+    uint8_t *b = &a->bits[amod(s, a->rs)];
+    if (*b & 2) {
+        *b &= (uint8_t)~2;
+        a_count(a, 0, a->due[amod(s, a->rs)], -1);
+    }
+}
+
+/* Node v, a live exit with a bonus, leaves the cache: counted at its due release (as `gaps`'
+   order would still hold it until then). */
+static inline void a_evicted(adapt_t *a, int32_t v, int64_t span) {
+    int64_t pr = a->m[(v) * M_ROWS + M_PRIO], t = a->m[(v) * M_ROWS + M_REL];
+    Py_ssize_t s = amod(a->m[(v) * M_ROWS + M_BSER], a->rs);
+    if (pr <= t * span + amod(pr, span) || !a->exited[3 * (v)] || !(a->bits[s] & 1) || !a_tracked(a, t))
+        return;
+    a->due[s] = a_due(a, pr / span);
+    a->bits[s] |= 2;
+    a_count(a, 0, a->due[s], 1);
+}
+
+/* The clock moved on from a release whose L was `low`: the due releases older than L now are
+   counted no more (F at L at least), and their columns are the newest ones'. */
+static void a_advance(adapt_t *a, int64_t low) {
+    a_set_low(a);
+    int64_t *st = a->st, now = a->low;
+    for (; low < now; low++) {
+        Py_ssize_t j = amod(low, a->rt);
+        if (st[A_F] <= low) {
+            st[A_F] = low + 1;
+            st[A_XA] -= a->xdue[j];
+        } else {
+            st[A_QB] -= a->qdue[j];
+        }
+        a->qdue[j] = a->xdue[j] = 0;
+    }
+}
+
+/* Move F to the lowest due release (from L on) at which XA <= QB. */
+static void a_frontier(adapt_t *a) {
+    int64_t *st = a->st, low = a->low, high = low + a->rt - 1;
+    while (st[A_XA] > st[A_QB] && st[A_F] < high) {
+        Py_ssize_t j = a_col(a, st[A_F]++);
+        st[A_XA] -= a->xdue[j];
+        st[A_QB] += a->qdue[j];
+    }
+    for (;;) {
+        if (st[A_F] <= low)
+            break;
+        Py_ssize_t j = a_col(a, st[A_F] - 1);
+        if (st[A_XA] + a->xdue[j] > st[A_QB] - a->qdue[j])
+            break;
+        st[A_F]--;
+        st[A_XA] += a->xdue[j];
+        st[A_QB] -= a->qdue[j];
+    }
 }
 
 /* Move the boundary release TB so that the live exits of releases TB and newer are the first to
@@ -2016,6 +2140,7 @@ static void a_dies(adapt_t *a, int64_t t, int64_t s) {
     uint8_t *b = &a->bits[amod(s, a->rs)];
     if (!*b)
         return;
+    a_xout(a, s);
     *b = 0;
     a->talive[amod(t, a->rt)]--;
     if (t >= a->st[A_TB])
@@ -2170,28 +2295,29 @@ static void a_rroom(adapt_t *a) {
 /* how far ahead a loop over a run of nodes, or over R's entries, asks for what it reads of them */
 #define R_AHEAD 8
 
-/* adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> lost:
+/* adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost, due):
    a release of `nodes` (int32, deepest first) joins R at its newest end, each with its block
    serial, its release, and its priority for P: (release + bonus) * span + level, the bonus
    being `gaps`' (unit * hold[uses], none for one earlier use whose last gap exceeds far1, or two
    beyond far2; runtime/cache/policies/gaps.py). A node queued in P is taken out first. */
 static PyObject *adapt_push(PyObject *self, PyObject *args) {
-    PyObject *o[12];
+    PyObject *o[13];
     double unit, far1, far2;
     long long span;
     bufs bv;
     adapt_t a;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOdddLO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
-                          &o[9], &o[10], &unit, &far1, &far2, &span, &o[11]))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOdddLOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                          &o[9], &o[10], &unit, &far1, &far2, &span, &o[11], &o[12]))
         return NULL;
-    if (adapt_take(&bv, &a, "adapt_push", "QBQQQBQiiqqQ", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8],
-                   o[9], o[10], o[11]) < 0)
+    if (adapt_take(&bv, &a, "adapt_push", "QBQQQBQiiqqQQ", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8],
+                   o[9], o[10], o[11], o[12]) < 0)
         return NULL;
-    if (bv.b[11].shape[0] != a.n) {
-        PyErr_SetString(PyExc_ValueError, "adapt_push: one last gap per node");
+    if (bv.b[11].shape[0] != a.n || bv.b[12].shape[0] != a.rs) {
+        PyErr_SetString(PyExc_ValueError, "adapt_push: one last gap per node, one due release per block serial");
         drop_bufs(&bv);
         return NULL;
     }
+    a.due = bv.b[12].buf;
     int64_t *ghost = bv.b[11].buf;
     const int32_t *nodes = bv.b[8].buf;
     Py_ssize_t k = bv.b[8].shape[0], nlev = bv.b[9].shape[0], nhold = bv.b[10].shape[0];
@@ -2213,10 +2339,14 @@ static PyObject *adapt_push(PyObject *self, PyObject *args) {
     a.tstart[j] = s0;
     a.tlen[j] = k;
     a.talive[j] = 0;
-    for (Py_ssize_t i = 0; i < k; i++)
+    for (Py_ssize_t i = 0; i < k; i++) {
+        a_xout(&a, s0 + i);
         a.bits[amod(s0 + i, a.rs)] = 0;
+    }
+    int64_t low = a.low;
     st[A_CLOCK] = now + 1;
     st[A_SERIAL] = s0 + k;
+    a_advance(&a, low);
     /* the boundary release about to leave the rings: start counting from a later one */
     if (st[A_TB] < now + 2 - a.rt || (st[A_TB] < now && !a_tracked(&a, st[A_TB]))) {
         int64_t tb = st[A_TB];
@@ -2237,6 +2367,7 @@ static PyObject *adapt_push(PyObject *self, PyObject *args) {
             AHEAD(&a.hits[w], 0);
             AHEAD(&ghost[w], 1);
         }
+        a_qout(&a, v);
         if (a.m[(v) * M_ROWS + M_PSER] >= 0) {  /* queued in P: out of it, used again */
             a.m[(v) * M_ROWS + M_PSER] = -1;
             st[A_NP]--;
@@ -2256,6 +2387,7 @@ static PyObject *adapt_push(PyObject *self, PyObject *args) {
             hd = 0.0;
         int64_t due = now + (unit > 0 ? (int64_t)(unit * hd) : 0);
         a.m[(v) * M_ROWS + M_PRIO] = due * span + lv;
+        a_qin(&a, v, span);
         ghost[v] = -1;
         a.m[(v) * M_ROWS + M_REL] = now;
         a.m[(v) * M_ROWS + M_BSER] = s0 + i;
@@ -2266,6 +2398,7 @@ static PyObject *adapt_push(PyObject *self, PyObject *args) {
         a.rq[2 * q + 1] = s0 + i;
     }
     a_fix(&a);
+    a_frontier(&a);
     res = Py_None;
     Py_INCREF(res);
 done:
@@ -2273,17 +2406,26 @@ done:
     return res;
 }
 
-/* adapt_front(M, F, R, H, T, bits, st, hits, nodes): `nodes` (int32, none queued) become the
-   next ones R hands out, in this order (the last one queued first); a node that was a live
-   exit (popped, then parked) is one no longer. */
+/* adapt_front(M, F, R, H, T, bits, st, hits, nodes, span, due): `nodes` (int32, none queued)
+   become the next ones R hands out, in this order (the last one queued first); a node that was
+   a live exit (popped, then parked) is one no longer. */
 static PyObject *adapt_front(PyObject *self, PyObject *args) {
-    PyObject *o[9];
+    PyObject *o[10];
+    long long span;
     bufs bv;
     adapt_t a;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8]))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOLO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &span,
+                          &o[9]))
         return NULL;
-    if (adapt_take(&bv, &a, "adapt_front", "QBQQQBQin", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]) < 0)
+    if (adapt_take(&bv, &a, "adapt_front", "QBQQQBQinQ", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8],
+                   o[9]) < 0)
         return NULL;
+    if (bv.b[9].shape[0] != a.rs || span < 1) {
+        drop_bufs(&bv);
+        PyErr_SetString(PyExc_ValueError, "adapt_front: one due release per block serial of the ring, span >= 1");
+        return NULL;
+    }
+    a.due = bv.b[9].buf;
     const int32_t *nodes = bv.b[8].buf;
     int64_t *st = a.st;
     for (Py_ssize_t i = bv.b[8].shape[0]; i-- > 0;) {
@@ -2295,33 +2437,48 @@ static PyObject *adapt_front(PyObject *self, PyObject *args) {
         a.rq[2 * q] = v;
         a.rq[2 * q + 1] = s;
         a.m[(v) * M_ROWS + M_RSTAMP] = s;
+        a_qout(&a, v);
+        a_qin(&a, v, span);
     }
     a_fix(&a);
+    a_frontier(&a);
     drop_bufs(&bv);
     Py_RETURN_NONE;
 }
 
-/* adapt_discard(M, F, R, H, T, bits, st, hits, nodes, turnover) -> (queued, long, gains):
+/* adapt_discard(M, F, R, H, T, bits, st, hits, nodes, turnover, due) -> (queued, long, gains, lead):
    `nodes` (int32) are matched: out of R and P. Of those queued, how many, and how many were
    released more than `turnover` releases ago; of those that were live exits (in P, or parked),
-   how many LRU would not have held: blocks served that LRU would have missed. */
+   how many LRU would not have held: blocks served that LRU would have missed; and of those
+   queued, how many more `gaps`' order with no budget would have held (due at F or later) than
+   LRU (in R, or a live exit LRU holds). */
 static PyObject *adapt_discard(PyObject *self, PyObject *args) {
-    PyObject *o[9];
+    PyObject *o[10];
     double turnover;
     bufs bv;
     adapt_t a;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOd", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
-                          &turnover))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOdO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                          &turnover, &o[9]))
         return NULL;
-    if (adapt_take(&bv, &a, "adapt_discard", "QBQQQBQin", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8]) < 0)
+    if (adapt_take(&bv, &a, "adapt_discard", "QBQQQBQinQ", o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8],
+                   o[9]) < 0)
         return NULL;
+    if (bv.b[9].shape[0] != a.rs) {
+        drop_bufs(&bv);
+        PyErr_SetString(PyExc_ValueError, "adapt_discard: one due release per block serial of the ring");
+        return NULL;
+    }
+    a.due = bv.b[9].buf;
     const int32_t *nodes = bv.b[8].buf;
     int64_t *st = a.st;
-    Py_ssize_t queued = 0, lng = 0, gains = 0, k = bv.b[8].shape[0];
+    Py_ssize_t queued = 0, lng = 0, gains = 0, lead = 0, k = bv.b[8].shape[0];
     a_window_t w = a_window(&a);
     for (Py_ssize_t i = 0; i < k; i++) {
         int32_t v = nodes[i];
-        gains += a.exited[3 * (v)] && !a_in_lru(&w, a.m[(v) * M_ROWS + M_REL], a.m[(v) * M_ROWS + M_BSER]);
+        int lru = a.exited[3 * (v)] && a_in_lru(&w, a.m[(v) * M_ROWS + M_REL], a.m[(v) * M_ROWS + M_BSER]);
+        gains += a.exited[3 * (v)] && !lru;
+        if (a.m[(v) * M_ROWS + M_QDUE] >= 0)
+            lead += (a.m[(v) * M_ROWS + M_QDUE] >= st[A_F]) - (lru || a.m[(v) * M_ROWS + M_RSTAMP] >= 0);
     }
     for (Py_ssize_t i = 0; i < k; i++) {
         int32_t v = nodes[i];
@@ -2330,6 +2487,7 @@ static PyObject *adapt_discard(PyObject *self, PyObject *args) {
             queued++;
             lng += (double)(st[A_CLOCK] - a.m[(v) * M_ROWS + M_REL]) > turnover;
         }
+        a_qout(&a, v);
         a_reenter(&a, v);
         if (in_p) {
             a.m[(v) * M_ROWS + M_PSER] = -1;
@@ -2338,19 +2496,20 @@ static PyObject *adapt_discard(PyObject *self, PyObject *args) {
         a.m[(v) * M_ROWS + M_RSTAMP] = -1;
     }
     a_fix(&a);
+    a_frontier(&a);
     drop_bufs(&bv);
-    return Py_BuildValue("nnn", queued, lng, gains);
+    return Py_BuildValue("nnnn", queued, lng, gains, lead);
 }
 
-/* adapt_missed(M, F, R, H, T, bits, st, hits, ages, depth, due) -> (losses, missed_held, reused): a
+/* adapt_missed(M, F, R, H, T, bits, st, hits, ages, depth, due) -> (losses, lead, reused): a
    request missed its blocks from `depth` on, whose keys were last used ages[j] releases ago
    (int64; -1: never, as far as is known); `reused` is how many of them up to the last one whose
    key is remembered (a prefix is used whenever a deeper block is): reuse the cache lost, whatever
-   order it follows. Each that is a live exit is one no longer (it is
-   computed again); those LRU would have held are counted (blocks LRU would have served that this
-   cache did not), and so are those LRU would not have held but `gaps`' bonus would still have
-   kept (due, int64 per block serial modulo its length: the release its bonus lasted to, set when
-   it left this cache with one): blocks a larger P would have served. */
+   order it follows. Each that is a live exit is one no longer (it is computed again); those LRU
+   would have held are counted (blocks LRU would have served that this cache did not), and
+   `lead` is how many more of them `gaps`' order with no budget would have held (evicted with a
+   bonus due at F or later: due, int64 per block serial modulo its length, the release it is
+   counted at) than LRU. */
 static PyObject *adapt_missed(PyObject *self, PyObject *args) {
     PyObject *o[10];
     Py_ssize_t depth;
@@ -2367,11 +2526,10 @@ static PyObject *adapt_missed(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "adapt_missed: one due release per block serial of the ring");
         return NULL;
     }
-    const int64_t *ages = bv.b[8].buf, *due = bv.b[9].buf;
-    int64_t clock = a.st[A_CLOCK];
-    int32_t front = a_rhead(&a);
-    int64_t frontier = front >= 0 ? a.m[front * M_ROWS + M_REL] : clock;
-    Py_ssize_t losses = 0, held = 0, reused = 0, k = bv.b[8].shape[0];
+    const int64_t *ages = bv.b[8].buf;
+    a.due = bv.b[9].buf;
+    int64_t clock = a.st[A_CLOCK], f = a.st[A_F];
+    Py_ssize_t losses = 0, lead = 0, reused = 0, k = bv.b[8].shape[0];
     a_window_t w = a_window(&a);
     for (Py_ssize_t j = k; j-- > 0;)
         if (ages[j] >= 0) {
@@ -2390,19 +2548,22 @@ static PyObject *adapt_missed(PyObject *self, PyObject *args) {
             if (d >= a.tlen[r])
                 continue;
             int64_t s = a.tstart[r] + a.tlen[r] - 1 - d;  /* released deepest first */
-            if (!a.bits[amod(s, a.rs)])
+            uint8_t b = a.bits[amod(s, a.rs)];
+            if (!b)
                 continue;
-            if (pass)
+            if (pass) {
                 a_dies(&a, t, s);
-            else if (a_in_lru(&w, t, s))
-                losses++;
-            else
-                held += due[amod(s, a.rs)] > frontier;
+            } else {
+                int lru = a_in_lru(&w, t, s);
+                losses += lru;
+                lead += ((b & 2) && a.due[amod(s, a.rs)] >= f) - lru;
+            }
         }
     }
     a_fix(&a);
+    a_frontier(&a);
     drop_bufs(&bv);
-    return Py_BuildValue("nnn", losses, held, reused);
+    return Py_BuildValue("nnn", losses, lead, reused);
 }
 
 /* Has node p no more than `taken` children (those taken so far, all of them, as the walk stops
@@ -2463,7 +2624,7 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "adapt_pop: one due release per block serial of the ring");
         return NULL;
     }
-    int64_t *due = bv.b[11].buf;
+    a.due = bv.b[11].buf;
     if (k < 0 || k > bv.b[8].shape[0] || span < 1 || bv.b[9].shape[1] != a.n || bv.b[10].shape[0] != a.n ||
         row_index(prow, &bv.b[9]) < 0 || row_index(nrow, &bv.b[9]) < 0 ||
         (crow >= 0 && (row_index(crow, &bv.b[9]) < 0 || row_index(xrow, &bv.b[9]) < 0))) {
@@ -2487,21 +2648,23 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
        nothing else still gives up a victim, the same one a single pop would */
 #define VICTIM(x) do { \
         int32_t v_ = (x); \
+        a_qout(&a, v_); \
         if (ndev[v_] > taken_children[v_] && held++ < A_HOLD_MAX) { \
             a.m[(v_) * M_ROWS + M_PRIO] = st[A_PMAX]; \
             a_protect(&a, v_); \
+            a_qin(&a, v_, span); \
         } else { \
             held = 0; \
             out[taken++] = v_; \
-            int64_t pr_ = a.m[v_ * M_ROWS + M_PRIO]; \
-            due[amod(a.m[v_ * M_ROWS + M_BSER], a.rs)] = \
-                pr_ > a.m[v_ * M_ROWS + M_REL] * span + amod(pr_, span) ? pr_ / span : 0; \
             if (ndev[v_] > taken_children[v_]) { a.parked[3 * (v_)] = 1; st[A_NPARK]++; } \
-            else if (parent[v_] >= 0 && parent[v_] < a.n) { \
-                int32_t p_ = parent[v_]; \
-                int32_t c_ = ++taken_children[p_]; \
-                stop = a.m[p_ * M_ROWS + M_RSTAMP] < 0 && a.m[p_ * M_ROWS + M_PSER] < 0 && \
-                       (c_ == ndev[p_] || (child && a_all_taken(child, next, p_, c_, a.n))); \
+            else { \
+                a_evicted(&a, v_, span); \
+                if (parent[v_] >= 0 && parent[v_] < a.n) { \
+                    int32_t p_ = parent[v_]; \
+                    int32_t c_ = ++taken_children[p_]; \
+                    stop = a.m[p_ * M_ROWS + M_RSTAMP] < 0 && a.m[p_ * M_ROWS + M_PSER] < 0 && \
+                           (c_ == ndev[p_] || (child && a_all_taken(child, next, p_, c_, a.n))); \
+                } \
             } \
         } \
     } while (0)
@@ -2558,6 +2721,7 @@ static PyObject *adapt_pop(PyObject *self, PyObject *args) {
             taken_children[parent[v]] = 0;
     }
     a_fix(&a);
+    a_frontier(&a);
     drop_bufs(&bv);
     return PyLong_FromSsize_t(taken);
 }
@@ -2874,11 +3038,11 @@ static PyMethodDef methods[] = {
     {"adapt_forget", adapt_forget, METH_VARARGS, "adapt_forget(M, hits, table, keys, nodes, aligned)"},
     {"adapt_recall", adapt_recall, METH_VARARGS, "adapt_recall(table, keys, start, clock, ages, uses)"},
     {"adapt_push", adapt_push, METH_VARARGS,
-     "adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> lost"},
-    {"adapt_front", adapt_front, METH_VARARGS, "adapt_front(M, F, R, H, T, bits, st, hits, nodes)"},
+     "adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost, due)"},
+    {"adapt_front", adapt_front, METH_VARARGS, "adapt_front(M, F, R, H, T, bits, st, hits, nodes, span, due)"},
     {"adapt_discard", adapt_discard, METH_VARARGS,
-     "adapt_discard(M, F, R, H, T, bits, st, hits, nodes, turnover) -> (queued, long, gains)"},
-    {"adapt_missed", adapt_missed, METH_VARARGS, "adapt_missed(M, F, R, H, T, bits, st, hits, ages, depth, due) -> (losses, missed_held)"},
+     "adapt_discard(M, F, R, H, T, bits, st, hits, nodes, turnover, due) -> (queued, long, gains, lead)"},
+    {"adapt_missed", adapt_missed, METH_VARARGS, "adapt_missed(M, F, R, H, T, bits, st, hits, ages, depth, due) -> (losses, lead, reused)"},
     {"adapt_pop", adapt_pop, METH_VARARGS, "adapt_pop(M, F, R, H, T, bits, st, hits, out, k, budget, span, f, parent_row, ndev_row, scratch, due) -> taken"},
     {"drop_host_nodes", drop_host_nodes, METH_VARARGS,
      "drop_host_nodes(f, cand, rows, cpu, node_keys, kmap, pos, policy, freed) -> (count, last, leaf)"},

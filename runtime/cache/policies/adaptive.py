@@ -22,10 +22,18 @@ nothing pays nothing for it), which also gives a computed block the uses `gaps` 
 eviction order is `gaps`' (R's oldest by its release alone against P's lowest with its bonus,
 the lower goes first), with P held to a budget: the gains minus the losses so far (the bank)
 plus an allowance, never below 0. The allowance is EXPLORE of the capacity, RATE of the lookups,
-and HELD of the misses a larger P would have served (LRU would not have, `gaps`' bonus would
-still have held), at most HELD_CAP of the capacity plus HELD_RATE of the lookups: the evidence
-that a larger P pays, which it may then risk (the part that grows with the lookups lets a
-workload whose reuse order pays only later, after P has spent its first allowance, try again).
+and LEAD of the lead `gaps`' order with no budget would have over LRU so far, when it has one,
+at most LEAD_CAP of the capacity plus LEAD_RATE of the lookups: the evidence that a larger P
+pays, which it may then risk (the part that grows with the lookups lets a workload whose reuse
+order pays only later, after P has spent its first allowance, try again). That lead is read
+from this cache's own blocks, both ways: `gaps`' order holds the blocks of the latest due
+releases (release plus bonus), as many as the cache holds, so with F the lowest due release at
+which as many evicted blocks are due at F or later as queued ones before F (counts per due
+release; runtime/cache/_cache_core.c a_frontier), a matched or missed block counts +1 if it is
+due at F or later (`gaps` would have held it) and -1 if LRU would have held it. Counting only
+the misses `gaps` would have served (what it gains, not what it gives up for them) read a large
+lead where `gaps` loses to LRU (sessions that slow down as they age), and the allowance it
+earned was spent there.
 A victim that still has a device child goes back to P ranked last, rather than to the cache to
 be parked. A pop moves nodes between the segments and cannot be given back, so
 a run popped at once ends where one-at-a-time eviction would queue a parent to go next (its
@@ -36,9 +44,11 @@ tests/runtime/cache/test_cache_core.py holds it to, state for state.
 
 The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
-the blocks it served are at least LRU's minus the allowance (1/64 + 1/8 of the capacity at
-most, plus 0.25% of the lookups); over any stretch it loses at most the lead over LRU it had at
-the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus the allowance. The
+the blocks it served are at least LRU's minus the largest allowance it has had (the lead's
+part can shrink; a debt P ran up under a larger allowance is kept, not forgiven: 1/64 + 1/4 of
+the capacity at most, plus 0.15% of the lookups); over any stretch it loses at most the lead
+over LRU it had at the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus
+that allowance. The
 counts are exact for requests served one after another (the benchmark's replay, where the
 ledger is never ahead of the truth) and close with requests in flight together. tests/runtime/cache/test_adaptive_bound.py checks both on
 generated traces against an LRU cache replayed beside it, from a cold cache and over every
@@ -75,11 +85,15 @@ from kvrt.runtime.cache.policies.reuse import DECAY, LEVELS
 # every lookup (so that a workload that changes can be tried again, at a bounded cost)
 EXPLORE = 1 / 64
 RATE = 0.0005
-# and a share of the misses a larger P would have served (what its bonus would still have held,
-# LRU would not): the evidence for a larger P, which it may then risk; at most HELD_CAP of the
-# capacity plus HELD_RATE of the lookups, so that a workload whose reuse order starts to pay late
-# (after P has lost its first allowance) can try again as the evidence comes in
-HELD, HELD_CAP, HELD_RATE = 1.0, 1 / 8, 0.002
+# and a share of the lead `gaps`' order with no budget would have over LRU (the blocks it would
+# have served beyond LRU's minus those LRU would have served beyond its): the evidence for a
+# larger P, which it may then risk; at most LEAD_CAP of the capacity plus LEAD_RATE of the
+# lookups, so that a workload whose reuse order starts to pay late (after P has lost its first
+# allowance) can try again as the evidence comes in
+LEAD, LEAD_CAP, LEAD_RATE = 1.0, 1 / 4, 0.001
+# the lead it remembers, either way, in multiples of that cap: a workload that turns (from where
+# `gaps` loses to where it wins, or back) turns the evidence within a few caps' worth of blocks
+LEAD_MEMORY = 2
 # the lead over LRU the bank keeps, in capacities: a lead of one capacity was spent by the first
 # stretch of losses and P shrank though it was far ahead; the bound over any stretch is this
 # much of the lead at its start plus the allowance
@@ -89,8 +103,9 @@ BANK_CAP = 4
 # keeps the bonus while P is still winning with it
 SCALE_LEAD = 1 / 4
 # rows of the per-node matrix and indices of the scalars (runtime/cache/_cache_core.c adapt_*)
-M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
-A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP = range(12)
+M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_QDUE, M_ROWS = range(7)
+A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP, A_NPARK, A_PMAX, \
+    A_F, A_XA, A_QB, A_NSTATE = range(18)
 
 
 class Adaptive(EvictionPolicy):
@@ -101,7 +116,7 @@ class Adaptive(EvictionPolicy):
     sees_misses = True    # the cache calls `missed` with every counted request's missed blocks
 
     __slots__ = ("_hits", "_n", "_m", "_f", "_r", "_h", "_t", "_bits", "_st", "_args", "_tree", "_scratch", "_rstamp", "_pser",
-                 "_ghost", "_due", "_table", "_forgot", "held", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader",
+                 "_ghost", "_due", "_table", "_forgot", "lead", "most", "_avg_push", "_long", "_reused", "bank", "lookups", "gains", "losses", "_leader",
                  "_parks", "_links")
 
     def __init__(self, capacity: int, hits: np.ndarray):
@@ -111,13 +126,15 @@ class Adaptive(EvictionPolicy):
         self._m = np.zeros(M_ROWS * n, dtype=np.int64)  # per node, side by side (one cache line)
         self._m[M_RSTAMP::M_ROWS] = -1
         self._m[M_PSER::M_ROWS] = -1
+        self._m[M_QDUE::M_ROWS] = -1
         self._f = np.zeros(3 * n, dtype=np.uint8)  # per node: live exit, spare, parked
         self._r = np.full(2 * (2 * n + 1024), -1, dtype=np.int64)  # R's ring of [node, stamp]
         self._h = np.zeros(4 * (n + 1024), dtype=np.int64)         # P's heap, entries of 4
-        self._t = np.zeros(3 * (n + 1024), dtype=np.int64)         # per release: first serial, length, live exits
+        # per release: first serial, length, live exits; per due release: queued, evicted
+        self._t = np.zeros(5 * (n + 1024), dtype=np.int64)
         self._bits = np.zeros(4 * n + 65536, dtype=np.uint8)        # per block serial: a live exit
-        self._due = np.zeros(len(self._bits), dtype=np.int64)       # and the release its bonus lasted to
-        self._st = np.zeros(16, dtype=np.int64)
+        self._due = np.zeros(len(self._bits), dtype=np.int64)       # and, evicted, the release its bonus lasts to
+        self._st = np.zeros(A_NSTATE, dtype=np.int64)
         self._st[A_LASTEX] = -1
         self._st[A_FSTAMP] = 1 << 62  # stamps of nodes queued at R's old end (block serials stay below)
         self._args = (self._m, self._f, self._r, self._h, self._t, self._bits, self._st, hits)
@@ -141,7 +158,8 @@ class Adaptive(EvictionPolicy):
         self.bank = 0          # blocks served beyond LRU minus blocks LRU would have served beyond these
         self.lookups = 0       # usable blocks of the requests counted so far
         self.gains = self.losses = 0
-        self.held = 0          # misses a larger P would have served (LRU would not have)
+        self.lead = 0.0        # blocks `gaps`' order with no budget would have served beyond LRU's
+        self.most = 0.0        # the largest allowance so far
         self._leader: Adaptive | None = None
         self._parks: list[int] = []  # nodes the cache parks if the next pop_many hands them out
         # the node matrix's child and sibling rows for a host tier's queue (`follows`), whose pop
@@ -151,8 +169,8 @@ class Adaptive(EvictionPolicy):
     # ---- the budget
     def allowance(self) -> float:
         """What P may lose before it has won anything (blocks)."""
-        return EXPLORE * self._n + RATE * self.lookups + min(HELD * self.held,
-                                                             HELD_CAP * self._n + HELD_RATE * self.lookups)
+        return EXPLORE * self._n + RATE * self.lookups + min(LEAD * max(0, self.lead),
+                                                             LEAD_CAP * self._n + LEAD_RATE * self.lookups)
 
     def budget(self) -> int:
         """How many nodes P may hold now."""
@@ -173,11 +191,20 @@ class Adaptive(EvictionPolicy):
             if self._tree.shape[0] > NEXT:
                 self._links = (CHILD, NEXT)
 
+    def _add_lead(self, d: int) -> None:
+        """Count `d` more blocks of `gaps`' lead over LRU, remembering at most LEAD_MEMORY caps
+        of it either way (so that the evidence turns with the workload)."""
+        self.most = max(self.most, self.allowance())
+        c = LEAD_MEMORY * (LEAD_CAP * self._n + LEAD_RATE * self.lookups)
+        self.lead = min(c, max(-c, self.lead + d))
+
     def _settle(self, won: int, lost: int) -> None:
         self.gains += won
         self.losses += lost
+        # (a debt is never forgiven: P's losses are held to the largest allowance it has had, the
+        # lead's part of which can shrink)
         a = self.allowance()
-        self.bank = int(min(BANK_CAP * self._n - a, max(-a, self.bank + won - lost)))
+        self.bank = int(min(BANK_CAP * self._n - a, max(-max(a, self.most), self.bank + won - lost)))
 
     def bonus_scale(self) -> float:
         """The share of `gaps`' bonus in force: 0 while at most LONG_LOW of the recent reuse came
@@ -205,14 +232,14 @@ class Adaptive(EvictionPolicy):
         turnover = self._n / avg
         unit = self.bonus_scale() * min(MAX_TURNOVER, turnover)
         _push_c(*self._args, np.ascontiguousarray(nodes, dtype=np.int32), LEVELS, HOLD, unit,
-                REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, self._ghost)
+                REACH * turnover, REACH_TWICE * turnover, LEVEL_SPAN, self._ghost, self._due)
 
     def push_front(self, n: int) -> None:
-        _front_c(*self._args, np.array([n], dtype=np.int32))
+        _front_c(*self._args, np.array([n], dtype=np.int32), LEVEL_SPAN, self._due)
 
     def push_front_run(self, nodes: list[int]) -> None:
         if nodes:
-            _front_c(*self._args, np.array(nodes, dtype=np.int32))
+            _front_c(*self._args, np.array(nodes, dtype=np.int32), LEVEL_SPAN, self._due)
 
     def forget(self, nodes: np.ndarray, keys: list, hits: np.ndarray | None = None) -> None:
         """`nodes` leave the cache: remember their keys, last release and uses, for when a
@@ -248,13 +275,14 @@ class Adaptive(EvictionPolicy):
     def missed(self, ages: np.ndarray, usable: int) -> None:
         """A counted request's blocks after its matched prefix, up to its `usable` ones: their keys
         were last used `ages` requests ago (-1: never). Those LRU would have served are losses;
-        those up to the last remembered one are long reuse (the share `bonus_scale` reads)."""
+        those up to the last remembered one are long reuse (the share `bonus_scale` reads); those
+        `gaps`' order would have served, less those LRU would have, are its lead."""
         self.lookups += usable
         if not len(ages):
             return
-        lost, held, reused = _missed_c(*self._args, np.ascontiguousarray(ages, dtype=np.int64), usable - len(ages),
+        lost, lead, reused = _missed_c(*self._args, np.ascontiguousarray(ages, dtype=np.int64), usable - len(ages),
                                        self._due)
-        self.held += held
+        self._add_lead(lead)
         self._long += reused
         self._reused += reused
         self._settle(0, lost)
@@ -262,10 +290,12 @@ class Adaptive(EvictionPolicy):
     def discard(self, nodes: np.ndarray) -> None:
         """`nodes` are matched: out of both segments. Counts, as `gaps` does, how many queued ones
         were released more than a turnover ago, and, per block, what P served that LRU would not
-        have (gains)."""
+        have (gains), and of the queued ones, those `gaps`' order would have held less those LRU
+        would have (its lead)."""
         avg = self._avg_push
-        queued, long, won = _discard_c(*self._args, np.ascontiguousarray(nodes, dtype=np.int32),
-                                        self._n / avg if avg else 0.0)
+        queued, long, won, lead = _discard_c(*self._args, np.ascontiguousarray(nodes, dtype=np.int32),
+                                              self._n / avg if avg else 0.0, self._due)
+        self._add_lead(lead)
         if queued and avg:
             self._long = DECAY * self._long + long
             self._reused = DECAY * self._reused + queued
@@ -278,7 +308,7 @@ class Adaptive(EvictionPolicy):
         gain nor reuse. A node neither queued nor parked (evicted: what became of its block is
         the ledger's, as when a host tier drops it in a batch) is left as it is."""
         if self._rstamp[n] >= 0 or self._pser[n] >= 0 or self._f[3 * n + 2]:
-            _discard_c(*self._args, np.array([n], dtype=np.int32), 0.0)
+            _discard_c(*self._args, np.array([n], dtype=np.int32), 0.0, self._due)
 
     def pop(self) -> int:
         got = self.pop_many(1)

@@ -505,23 +505,25 @@ class OneAtATime(PrefixCache):
 # arrays (M, F, R, H, T, bits, st, hits), read and written in place as the C functions do,
 # one block at a time
 A_CLOCK, A_SERIAL, A_RHEAD, A_RTAIL, A_HSIZE, A_NP, A_TB, A_ABOVE, A_LASTEX, A_PSER, A_ORDER, A_FSTAMP, A_NPARK, \
-    A_PMAX = range(14)
-M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_ROWS = range(6)
+    A_PMAX, A_F, A_XA, A_QB = range(17)
+M_RSTAMP, M_PSER, M_BSER, M_REL, M_PRIO, M_QDUE, M_ROWS = range(7)
 
 
 class _Adapt:
     """The adaptive policy's arrays as the C functions see them (adapt_take), and the steps they
     share: the ledger of live exits (blocks that left the recency segment R and were not used
-    since), R's ring and P's heap."""
+    since), R's ring and P's heap, and the counts by due release behind `gaps`' frontier F (the
+    lowest due release at which as many evicted live exits are due then or later as queued nodes
+    before it; counted from L = clock - RT/2 to L + RT - 1)."""
 
-    def __init__(self, m, f, r, h, t, bits, st, hits):
+    def __init__(self, m, f, r, h, t, bits, st, hits, due=None):
         self.n = len(hits)
         if len(m) != M_ROWS * self.n or len(f) != 3 * self.n:
             raise ValueError("the adaptive policy's arrays do not fit together")
-        self.m, self.f, self.rq, self.bits, self.st, self.hits = m, f, r, bits, st, hits
-        self.rq_cap, self.hcap, self.rt, self.rs = len(r) // 2, len(h) // 4, len(t) // 3, len(bits)
+        self.m, self.f, self.rq, self.bits, self.st, self.hits, self.due = m, f, r, bits, st, hits, due
+        self.rq_cap, self.hcap, self.rt, self.rs = len(r) // 2, len(h) // 4, len(t) // 5, len(bits)
         self.hk, self.ho, self.hn, self.hs = (h[i::4] for i in range(4))  # entries [priority, order, node, serial]
-        self.tstart, self.tlen, self.talive = (t[i * self.rt:(i + 1) * self.rt] for i in range(3))
+        self.tstart, self.tlen, self.talive, self.qdue, self.xdue = (t[i * self.rt:(i + 1) * self.rt] for i in range(5))
 
     def get(self, v: int, row: int) -> int:
         return int(self.m[v * M_ROWS + row])
@@ -538,6 +540,74 @@ class _Adapt:
 
     def alive(self, t: int) -> int:
         return int(self.talive[t % self.rt]) if self.tracked(t) else 0
+
+    def low(self) -> int:
+        return max(0, int(self.st[A_CLOCK]) - self.rt // 2)
+
+    def clamp(self, d: int) -> int:
+        return min(max(d, self.low()), self.low() + self.rt - 1)
+
+    def count(self, queued: bool, d: int, sign: int) -> None:
+        """A queued node or an evicted live exit due at d (as counted) counted, or no more."""
+        if d < self.low():
+            return  # (gone with its column)
+        (self.qdue if queued else self.xdue)[d % self.rt] += sign
+        if queued and d < self.st[A_F]:
+            self.st[A_QB] += sign
+        elif not queued and d >= self.st[A_F]:
+            self.st[A_XA] += sign
+
+    def qin(self, v: int, span: int) -> None:
+        d = self.clamp(_cdiv(self.get(v, M_PRIO), span))
+        self.set(v, M_QDUE, d)
+        self.count(True, d, 1)
+
+    def qout(self, v: int) -> None:
+        d = self.get(v, M_QDUE)
+        if d >= 0:
+            self.set(v, M_QDUE, -1)
+            self.count(True, d, -1)
+
+    def xout(self, s: int) -> None:
+        if self.bits[s % self.rs] & 2:
+            self.bits[s % self.rs] &= ~np.uint8(2)
+            self.count(False, int(self.due[s % self.rs]), -1)
+
+    def evicted(self, v: int, span: int) -> None:
+        """Node v leaves the cache: a live exit with a bonus is counted at its due release."""
+        pr, t, s = self.get(v, M_PRIO), self.get(v, M_REL), self.get(v, M_BSER) % self.rs
+        if pr <= t * span + pr % span or not self.f[3 * v] or not self.bits[s] & 1 or not self.tracked(t):
+            return
+        self.due[s] = self.clamp(_cdiv(pr, span))
+        self.bits[s] |= 2
+        self.count(False, int(self.due[s]), 1)
+
+    def advance(self, low: int) -> None:
+        """The clock moved on from a release whose L was `low`: older due releases go."""
+        st = self.st
+        for d in range(low, self.low()):
+            j = d % self.rt
+            if st[A_F] <= d:
+                st[A_F] = d + 1
+                st[A_XA] -= self.xdue[j]
+            else:
+                st[A_QB] -= self.qdue[j]
+            self.qdue[j] = self.xdue[j] = 0
+
+    def frontier(self) -> None:
+        st, low = self.st, self.low()
+        while st[A_XA] > st[A_QB] and st[A_F] < low + self.rt - 1:
+            j = int(st[A_F]) % self.rt
+            st[A_XA] -= self.xdue[j]
+            st[A_QB] += self.qdue[j]
+            st[A_F] += 1
+        while st[A_F] > low:
+            j = int(st[A_F] - 1) % self.rt
+            if st[A_XA] + self.xdue[j] > st[A_QB] - self.qdue[j]:
+                break
+            st[A_F] -= 1
+            st[A_XA] += self.xdue[j]
+            st[A_QB] -= self.qdue[j]
 
     def fix(self) -> None:
         st = self.st
@@ -590,6 +660,7 @@ class _Adapt:
     def dies(self, t: int, s: int) -> None:
         if not self.tracked(t) or not self.bits[s % self.rs]:
             return
+        self.xout(s)
         self.bits[s % self.rs] = 0
         self.talive[t % self.rt] -= 1
         if t >= self.st[A_TB]:
@@ -694,10 +765,10 @@ class _Adapt:
         st[A_RTAIL] = st[A_RHEAD] + len(live)
 
 
-def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost) -> None:
-    a = _Adapt(m, f, r, h, t, bits, st, hits)
-    if len(ghost) != a.n:
-        raise ValueError("adapt_push: one last gap per node")
+def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost, due) -> None:
+    a = _Adapt(m, f, r, h, t, bits, st, hits, due)
+    if len(ghost) != a.n or len(due) != a.rs:
+        raise ValueError("adapt_push: one last gap per node, one due release per block serial")
     if len(nodes) and not (0 <= nodes.min() and nodes.max() < a.n):
         raise IndexError("adapt_push: node id out of range")
     if not len(levels) or not len(hold) or span < 1 or len(nodes) >= a.rs // 2:
@@ -705,8 +776,12 @@ def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, f
     now, s0, k = int(st[A_CLOCK]), int(st[A_SERIAL]), len(nodes)
     j = now % a.rt
     a.tstart[j], a.tlen[j], a.talive[j] = s0, k, 0
+    for s in range(s0, s0 + k):
+        a.xout(s)
     bits[np.arange(s0, s0 + k) % a.rs] = 0
+    low = a.low()
     st[A_CLOCK], st[A_SERIAL] = now + 1, s0 + k
+    a.advance(low)
     if st[A_TB] < now + 2 - a.rt or (st[A_TB] < now and not a.tracked(int(st[A_TB]))):
         tb = int(st[A_TB])
         while tb < now and not a.tracked(tb):
@@ -714,6 +789,7 @@ def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, f
         st[A_TB] = tb
         st[A_ABOVE] = sum(a.alive(x) for x in range(tb, now + 1))
     for i, v in enumerate(nodes.tolist()):
+        a.qout(v)
         if a.get(v, M_PSER) >= 0:  # queued in P: out of it, used again
             a.set(v, M_PSER, -1)
             st[A_NP] -= 1
@@ -730,6 +806,7 @@ def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, f
             hd = 0.0
         due = now + (int(unit * hd) if unit > 0 else 0)
         a.set(v, M_PRIO, due * span + int(levels[min(uses, len(levels) - 1)]))
+        a.qin(v, span)
         ghost[v] = -1
         a.set(v, M_REL, now)
         a.set(v, M_BSER, s0 + i)
@@ -739,10 +816,13 @@ def adapt_push(m, f, r, h, t, bits, st, hits, nodes, levels, hold, unit, far1, f
         st[A_RTAIL] += 1
         r[2 * q], r[2 * q + 1] = v, s0 + i
     a.fix()
+    a.frontier()
 
 
-def adapt_front(m, f, r, h, t, bits, st, hits, nodes) -> None:
-    a = _Adapt(m, f, r, h, t, bits, st, hits)
+def adapt_front(m, f, r, h, t, bits, st, hits, nodes, span, due) -> None:
+    a = _Adapt(m, f, r, h, t, bits, st, hits, due)
+    if len(due) != a.rs or span < 1:
+        raise ValueError("adapt_front: one due release per block serial of the ring, span >= 1")
     for v in reversed(nodes.tolist()):
         a.reenter(v)
         a.rroom()
@@ -752,37 +832,46 @@ def adapt_front(m, f, r, h, t, bits, st, hits, nodes) -> None:
         q = int(st[A_RHEAD]) % a.rq_cap
         r[2 * q], r[2 * q + 1] = v, s
         a.set(v, M_RSTAMP, s)
+        a.qout(v)
+        a.qin(v, span)
     a.fix()
+    a.frontier()
 
 
-def adapt_discard(m, f, r, h, t, bits, st, hits, nodes, turnover) -> tuple[int, int, int]:
-    a = _Adapt(m, f, r, h, t, bits, st, hits)
-    queued = long = 0
+def adapt_discard(m, f, r, h, t, bits, st, hits, nodes, turnover, due) -> tuple[int, int, int, int]:
+    a = _Adapt(m, f, r, h, t, bits, st, hits, due)
+    if len(due) != a.rs:
+        raise ValueError("adapt_discard: one due release per block serial of the ring")
+    queued = long = gains = lead = 0
     w = a.window()  # LRU's content as the request found it
     vs = nodes.tolist()
-    gains = sum(1 for v in vs if f[3 * v] and not a.in_lru(w, a.get(v, M_REL), a.get(v, M_BSER)))
+    for v in vs:
+        lru = bool(f[3 * v]) and a.in_lru(w, a.get(v, M_REL), a.get(v, M_BSER))
+        gains += bool(f[3 * v]) and not lru
+        if a.get(v, M_QDUE) >= 0:  # queued: would `gaps`' order (due at F or later), would LRU hold it?
+            lead += int(a.get(v, M_QDUE) >= st[A_F]) - int(lru or a.get(v, M_RSTAMP) >= 0)
     for v in vs:
         in_p = a.get(v, M_PSER) >= 0
         if in_p or a.get(v, M_RSTAMP) >= 0:
             queued += 1
             long += float(st[A_CLOCK] - a.get(v, M_REL)) > turnover
+        a.qout(v)
         a.reenter(v)
         if in_p:
             a.set(v, M_PSER, -1)
             st[A_NP] -= 1
         a.set(v, M_RSTAMP, -1)
     a.fix()
-    return queued, long, gains
+    a.frontier()
+    return queued, long, gains, lead
 
 
 def adapt_missed(m, f, r, h, t, bits, st, hits, ages, depth, due) -> tuple[int, int, int]:
-    a = _Adapt(m, f, r, h, t, bits, st, hits)
+    a = _Adapt(m, f, r, h, t, bits, st, hits, due)
     if len(due) != a.rs:
         raise ValueError("adapt_missed: one due release per block serial of the ring")
     clock = int(st[A_CLOCK])
-    front = a.rhead()
-    frontier = a.get(front, M_REL) if front >= 0 else clock
-    losses = held = 0
+    losses = lead = 0
     w = a.window()  # LRU's content as the request found it
     dead = []
     for j, age in enumerate(ages.tolist()):
@@ -795,18 +884,20 @@ def adapt_missed(m, f, r, h, t, bits, st, hits, ages, depth, due) -> tuple[int, 
         if depth + j >= a.tlen[x]:
             continue
         s = int(a.tstart[x] + a.tlen[x]) - 1 - (depth + j)  # released deepest first
-        if not bits[s % a.rs]:
+        b = int(bits[s % a.rs])
+        if not b:
             continue
-        if a.in_lru(w, rel, s):
-            losses += 1
-        else:
-            held += int(due[s % a.rs]) > frontier
+        lru = a.in_lru(w, rel, s)
+        losses += lru
+        # would `gaps`' order have held it (evicted with a bonus due at F or later), would LRU?
+        lead += int(bool(b & 2) and int(due[s % a.rs]) >= st[A_F]) - int(lru)
         dead.append((rel, s))
     for rel, s in dead:
         a.dies(rel, s)
     a.fix()
+    a.frontier()
     known = np.nonzero(np.asarray(ages) >= 0)[0]
-    return losses, held, int(known[-1]) + 1 if len(known) else 0
+    return losses, lead, int(known[-1]) + 1 if len(known) else 0
 
 
 def _cdiv(x: int, y: int) -> int:
@@ -817,7 +908,7 @@ def _cdiv(x: int, y: int) -> int:
 
 def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_row, ndev_row, child_row, next_row,
               scratch, due) -> int:
-    a = _Adapt(m, f, r, h, t, bits, st, hits)
+    a = _Adapt(m, f, r, h, t, bits, st, hits, due)
     if len(due) != a.rs:
         raise ValueError("adapt_pop: one due release per block serial of the ring")
     if k < 0 or k > len(out) or span < 1 or fm.shape[1] != a.n or len(scratch) != a.n:
@@ -839,21 +930,22 @@ def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_ro
     def victim(v: int) -> None:
         nonlocal taken, held, stop
         parked = ndev[v] > scratch[v]
+        a.qout(v)
         if parked and held < 1028:  # a device child left: P keeps it, ranked last (1028 per victim)
             held += 1
             a.set(v, M_PRIO, int(st[A_PMAX]))
             a.protect(v)
+            a.qin(v, span)
             return
         held = 0
         out[taken] = v
         taken += 1
-        pr = a.get(v, M_PRIO)
-        bonus = pr > a.get(v, M_REL) * span + pr % span
-        due[a.get(v, M_BSER) % a.rs] = _cdiv(pr, span) if bonus else 0
         if parked:
             f[3 * v + 2] = 1
             st[A_NPARK] += 1
-        elif 0 <= parent[v] < a.n:
+            return
+        a.evicted(v, span)
+        if 0 <= parent[v] < a.n:
             p = int(parent[v])
             scratch[p] += 1
             stop = bool(a.get(p, M_RSTAMP) < 0 and a.get(p, M_PSER) < 0
@@ -900,6 +992,7 @@ def adapt_pop(m, f, r, h, t, bits, st, hits, out, k, budget, span, fm, parent_ro
         if 0 <= parent[v] < a.n:
             scratch[parent[v]] = 0
     a.fix()
+    a.frontier()
     return taken
 
 

@@ -1,9 +1,9 @@
 """The default eviction policy's bound (runtime/cache/policies/adaptive.py): replayed beside an
 LRU cache of the same size on generated traces, from a cold cache, it never serves fewer blocks
-than LRU by more than its allowance (a share of the capacity and of the lookups, plus what a
-larger protected segment would demonstrably have served, capped), at any request; so over any
-window of two turnovers, never more than the lead it had over LRU at the window's start plus its
-allowance. The ledger behind it (gains and losses counted block by block)
+than LRU by more than the largest allowance it has had (a share of the capacity and of the
+lookups, plus the lead `gaps`' order would have had over LRU, capped; that part can shrink), at
+any request; so over any window of two turnovers, never more than the lead it had over LRU at
+the window's start plus that allowance. The ledger behind it (gains and losses counted block by block)
 is checked against the real difference too: it never counts the policy ahead of what it is."""
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def _trace(rng: np.random.Generator, requests: int, roots: int, most: int, shape
 
 def _replay(trace: list[np.ndarray], capacity: int):
     """Both caches over the trace; per request: LRU's and the policy's cumulative device hits
-    (blocks), the policy's lookups, budget, allowance, and its counted losses minus gains."""
+    (blocks), the policy's lookups, budget, largest allowance so far, and its counted losses minus
+    gains."""
     caches = [PrefixCache(BS, capacity, policy=make_policy("lru")), PrefixCache(BS, capacity, policy=Adaptive)]
     q = caches[1]._dev_lru
     hits = [0, 0]
@@ -58,7 +59,8 @@ def _replay(trace: list[np.ndarray], capacity: int):
             assert c.allocate(i, len(tokens)) is not None
             c.update(i, len(tokens))
             c.release(i)
-        rows.append((hits[0], hits[1], q.lookups, budget, q.allowance(), q.losses - q.gains))
+        most = max(rows[-1][4] if rows else 0.0, q.allowance())
+        rows.append((hits[0], hits[1], q.lookups, budget, most, q.losses - q.gains))
     caches[1].check()
     return rows
 

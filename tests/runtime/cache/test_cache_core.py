@@ -499,14 +499,14 @@ def test_adaptive_policy_in_c_equals_python(workload, monkeypatch):
     assert set(calls) == set(ADAPTIVE) - ({"_front_c"} if workload == "one at a time" else set())
     if workload != "one at a time":  # P held blocks: its ledger counted both ways
         ledger = fast[-1][6]
-        assert ledger["gains"] and ledger["losses"] and ledger["held"]
+        assert ledger["gains"] and ledger["losses"] and ledger["lead"]
 
 
 def _small_rings(q: adaptive.Adaptive, releases: int, serials: int) -> None:
     """Shrink the queue's rings (releases tracked, block serials, R's ring, P's heap) so that a
     short test wraps them all: what a long run does."""
     n = q._n
-    q._t = np.zeros(3 * releases, dtype=np.int64)
+    q._t = np.zeros(5 * releases, dtype=np.int64)
     q._bits = np.zeros(serials, dtype=np.uint8)
     q._due = np.zeros(serials, dtype=np.int64)
     q._r = np.full(2 * (n + 16), -1, dtype=np.int64)
@@ -604,7 +604,7 @@ def test_adaptive_calls_in_c_equal_python_on_random_queues(monkeypatch):
                 got.append(back)
             elif op == 4:
                 q.missed(ages, len(ages) + extra)
-                got.append((q.losses, q.held, q.lookups, q._long, q._reused))
+                got.append((q.losses, q.lead, q.lookups, q._long, q._reused))
             elif op == 5:
                 q.forget(nodes, key_of)
                 got.append(None)
@@ -615,4 +615,4 @@ def test_adaptive_calls_in_c_equal_python_on_random_queues(monkeypatch):
         a, b = (_policy_state(q) for q in queues)
         assert a == b, f"step {step}: {[k for k in a if a[k] != b[k]]}"
     assert set(calls) == set(ADAPTIVE) - {"_ghost_c"}
-    assert queues[0].gains and queues[0].losses and queues[0].held
+    assert queues[0].gains and queues[0].losses and queues[0].lead

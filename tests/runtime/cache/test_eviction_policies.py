@@ -603,18 +603,66 @@ def test_adaptive_reads_long_reuse_from_its_misses():
 
 
 def test_adaptive_allowance_grows_with_the_lookups_as_evidence_comes():
-    """The allowance the misses a larger P would have served earn is at most HELD_CAP of the
-    capacity plus HELD_RATE of the lookups: a workload whose reuse order pays only later (after
-    P has spent its first allowance) can try again, at a stated cost per lookup."""
-    from kvrt.runtime.cache.policies.adaptive import EXPLORE, HELD_CAP, HELD_RATE, RATE
+    """The allowance the lead of `gaps`' order over LRU earns is at most LEAD_CAP of the capacity
+    plus LEAD_RATE of the lookups: a workload whose reuse order pays only later (after P has
+    spent its first allowance) can try again, at a stated cost per lookup; a lead below zero
+    (`gaps` would have served fewer blocks than LRU) earns nothing."""
+    from kvrt.runtime.cache.policies.adaptive import EXPLORE, LEAD_CAP, LEAD_RATE, RATE
 
     n = 1024
     q = Adaptive(n, np.zeros(n, dtype=np.int32))
-    q.held = 10 * n
+    q.lead = 10 * n
     q.lookups = 100 * n
-    assert q.allowance() == pytest.approx(EXPLORE * n + RATE * q.lookups + HELD_CAP * n + HELD_RATE * q.lookups)
-    q.held = 3
+    assert q.allowance() == pytest.approx(EXPLORE * n + RATE * q.lookups + LEAD_CAP * n + LEAD_RATE * q.lookups)
+    q.lead = 3
     assert q.allowance() == pytest.approx(EXPLORE * n + RATE * q.lookups + 3)
+    q.lead = -5 * n
+    assert q.allowance() == pytest.approx(EXPLORE * n + RATE * q.lookups)
+
+
+def test_adaptive_keeps_a_debt_run_up_under_a_larger_allowance():
+    """The lead's part of the allowance shrinks when `gaps`' order stops paying; what P lost
+    while it was larger stays owed (the bank is not raised to the smaller allowance), so the
+    policy never trails LRU by more than the largest allowance it has had, and P holds nothing
+    until the allowance has grown past that debt again."""
+    n = 1024
+    q = Adaptive(n, np.zeros(n, dtype=np.int32))
+    q._add_lead(200)
+    q._add_lead(0)
+    assert q.allowance() == pytest.approx(n / 64 + 200)
+    q._settle(0, 216)  # P spent its whole allowance
+    assert q.bank == -216 and q.budget() == 0
+    q._add_lead(-400)  # `gaps`' order turned to lose: no lead left
+    q._settle(0, 0)
+    assert q.allowance() == pytest.approx(n / 64) and q.bank == -216 and q.budget() == 0
+
+
+@pytest.mark.parametrize("family, capacity, requests, gaps_wins", [("drifting", 1924, 1200, True),
+                                                                   ("sessions", 11767, 2000, False)])
+def test_adaptive_reads_the_lead_of_gaps_order_both_ways(family, capacity, requests, gaps_wins):
+    """The evidence that a larger P pays is what `gaps`' order with no budget would have served
+    beyond LRU, net of what LRU would have served beyond it, read from this cache's own blocks:
+    where `gaps` gains on LRU it reads a lead, and where `gaps` loses to LRU (sessions that slow
+    down as they age: their most used blocks are the least likely back soon) it reads none, so
+    P is not given the allowance to lose there. Counting only the misses `gaps` would have served
+    read a lead of tens of thousands of blocks on the second trace."""
+    from kvrt.bench.cache import replay
+    from kvrt.bench.synthetic import synthetic
+
+    reqs = synthetic(f"{family}:300")[:requests]
+    got = {p: replay(reqs, 64, capacity, 0, p)["hit_token_rate"] for p in ("lru", "gaps")}
+    assert (got["gaps"] > got["lru"]) == gaps_wins  # (the traces are what they are meant to be)
+    queues = []
+    init = Adaptive.__init__
+
+    def keep(self, *args):
+        init(self, *args)
+        queues.append(self)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Adaptive, "__init__", keep)
+        replay(reqs, 64, capacity, 0, "adaptive")
+    q = queues[0]
+    assert (q.lead > 0) == gaps_wins, q.lead
 
 
 def test_adaptive_protects_as_much_as_it_has_won():
@@ -637,8 +685,9 @@ def test_adaptive_protects_as_much_as_it_has_won():
         _released(q, first, 16)
         q.pop_many(16)
     q.discard(np.array(kept[:10], dtype=np.int32))
-    assert q.gains == 10 and q.budget() == 64 + 10
+    # (and blocks `gaps`' order would have served too, LRU not: evidence for a larger P)
+    assert q.gains == 10 and q.lead == 10 and q.budget() == 64 + 10 + 10
     # a node that leaves without serving a request (freed, detached, or adopted by one that
     # computed its block itself) is no gain, though LRU would not have held it either
     q.discard_one(kept[10])
-    assert kept[10] not in q and q.gains == 10 and q.budget() == 64 + 10
+    assert kept[10] not in q and q.gains == 10 and q.lead == 10 and q.budget() == 64 + 10 + 10
