@@ -150,7 +150,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 @contextlib.contextmanager
 def _turn(item: pytest.Item):
-    """On pytest-xdist workers (`-n 2`), e2e tests run two at a time, except one marked `alone`,
+    """On pytest-xdist workers (`-n 3`), e2e tests run side by side, except one marked `alone`,
     which runs with no other test beside it: it waits on short timeouts of real processes, bounds
     a time, or keeps every core busy, and a second test on a 2-core machine would be a flake.
     A readers-writer lock shared by the workers, on two bytes of one file in the run's temporary
