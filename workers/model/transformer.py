@@ -537,19 +537,24 @@ class Model:
 
     # ---- the dense reference ----
 
-    def dense_logits(self, tokens: np.ndarray) -> np.ndarray:
-        """Reference forward with no cache: logits [len(tokens), vocab] (host float64). K/V
-        are rounded through kv_dtype exactly as the pool would store them."""
+    def dense_logits(self, tokens: np.ndarray, last_only: bool = False) -> np.ndarray:
+        """Reference forward with no cache: logits [len(tokens), vocab] (host float64), or with
+        `last_only` the last position's alone [1, vocab]: the last layer's other rows feed no
+        later position, so only its last query is attended (a long prompt's reference then
+        costs one quadratic attention fewer). K/V are rounded through kv_dtype exactly as the
+        pool would store them."""
         xp = self.xp
         tokens = self._check_tokens(tokens, 0, "dense_logits")
         n = len(tokens)
         rope = self._rope_tables(xp.arange(n))
         x = self._embed(xp.asarray(tokens.astype(np.int64)))
-        for w, window in zip(self.layers, self.shape.windows):
+        for layer, (w, window) in enumerate(zip(self.layers, self.shape.windows)):
             q, k, v = self._qkv(self._rms(x, w.attn_norm), w, rope)
             k, v = self._round_kv(k), self._round_kv(v)
+            first = n - 1 if last_only and layer == len(self.layers) - 1 else 0
+            x = x[first:]
             outs = [self._attend(q[i:i + _DENSE_CHUNK], k[:i + _DENSE_CHUNK], v[:i + _DENSE_CHUNK], i, window)
-                    for i in range(0, n, _DENSE_CHUNK)]
+                    for i in range(first, n, _DENSE_CHUNK)]
             x = x + self._after_attention(self._reduce(self._mm(xp.concatenate(outs), w.wo)), w)
             x = x + self._after_mlp(self._reduce(self._mlp(x, w)), w)
         return self._logits(x)
@@ -561,7 +566,7 @@ class Model:
         seq = [int(t) for t in np.asarray(prompt)]
         out: list[int] = []
         while len(out) < max_new_tokens and len(seq) < self.shape.max_model_len:
-            tok = int(self.dense_logits(np.array(seq, dtype=np.int32))[-1].argmax())
+            tok = int(self.dense_logits(np.array(seq, dtype=np.int32), last_only=True)[-1].argmax())
             out.append(tok)
             seq.append(tok)
             if tok == eos_token_id:

@@ -291,6 +291,17 @@ def test_generate_dense_stops(small):
     assert small.generate_dense(p, 0) == []
 
 
+@pytest.mark.parametrize("windows", [(), (0, 40)])
+def test_the_last_positions_logits_alone_are_the_full_forwards_last_row(windows):
+    """generate_dense attends only the last layer's last query: the same logits as the full
+    forward's last row, past one attention chunk and with a sliding last layer."""
+    m = Model(replace(SMALL, max_model_len=700, layer_windows=windows))
+    p = prompt_of(np.random.default_rng(5), 600, SMALL.vocab_size)
+    last = m.dense_logits(p, last_only=True)
+    assert last.shape == (1, SMALL.vocab_size)
+    np.testing.assert_allclose(last[0], m.dense_logits(p)[-1], rtol=1e-12, atol=1e-12)
+
+
 def test_from_config():
     s = ModelShape.from_config(NodeConfig(node="", num_layers=3, num_kv_heads=8, head_dim=16, tp=2))
     assert (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == (3, 4, 4, 16)
