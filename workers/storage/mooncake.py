@@ -447,6 +447,7 @@ def _flat(a: np.ndarray) -> np.ndarray:
 
 # ---- `kvrt store start`: a master and the memory it hands out --------------------------------
 MASTER_READY_S = 15.0
+MASTER_STOP_S = 5.0  # a master exits within about a second of SIGTERM; one that does not is killed
 
 
 def master_binary() -> str:
@@ -489,7 +490,12 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen, timeout: float
 
 def store_main(argv: list[str]) -> int:
     """`kvrt store start`: a Mooncake master plus a client that lends it `--memory`, in the
-    foreground until SIGINT/SIGTERM (then both stop and the pool's objects are gone)."""
+    foreground until SIGINT/SIGTERM (then both stop and the pool's objects are gone).
+
+    The stop ends the master, then this process without its client's goodbye (`_exit_at_once`):
+    the goodbye only tells the master the lent memory is leaving, which matters to a master
+    that goes on, and this one does not; to a master that is slow or already gone the goodbye
+    retried for 11 s and more, so a stopped store could outlive any wait for it."""
     import argparse
     import signal
     import threading
@@ -516,7 +522,7 @@ def store_main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     master = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)  # ends with us, even SIGKILLed
-    client = None
+    client, code = None, 1
     try:
         _wait_listening(args.host, args.port, master, MASTER_READY_S)
         client = open_client(f"{args.host}:{args.port}", args.host, memory)
@@ -528,18 +534,31 @@ def store_main(argv: list[str]) -> int:
         while not stop.wait(0.5):
             if master.poll() is not None:
                 print(f"kvrt store: mooncake_master exited with {master.returncode}", file=sys.stderr)
-                return 1
-        return 0
+                break
+        else:
+            code = 0
     except StorageError as e:
         print(f"kvrt store: {e}", file=sys.stderr)
-        return 1
     finally:
-        if client is not None:
-            client.close()
         if master.poll() is None:
             master.terminate()
             try:
-                master.wait(10)
+                master.wait(MASTER_STOP_S)
             except subprocess.TimeoutExpired:
+                print(f"kvrt store: mooncake_master (pid {master.pid}) did not exit within {MASTER_STOP_S:g} s "
+                      "of SIGTERM: killed", file=sys.stderr)
                 master.kill()
                 master.wait()
+    if client is not None:
+        _exit_at_once(code)
+    return code
+
+
+def _exit_at_once(code: int) -> None:
+    """End this process now, with `code`, without running the store client's teardown (its
+    goodbye to a master that is gone: see store_main). Nothing of it outlives the process: its
+    lent memory is this process's own, its listeners close with it, it made nothing in /dev/shm."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
