@@ -470,7 +470,6 @@ def test_a_stopped_store_stops_its_master(tmp_path, sig):
         s.stop()
 
 
-@pytest.mark.alone
 def test_a_store_whose_master_froze_still_stops_and_says_so(tmp_path):
     """Its client's goodbye to a master that answers nothing waited for ever (a store stopped
     with SIGINT was still there a minute later): the goodbye is skipped, the master that
