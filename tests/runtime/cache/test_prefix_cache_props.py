@@ -343,7 +343,8 @@ class AdaptiveCacheMachine(CacheMachine):
         dev, host = self.cache._dev_lru, self.cache._host_lru
         for q in (dev, host):
             assert 0 <= q.budget() <= q._n
-            assert -q.allowance() - 1 <= q.bank <= BANK_CAP * q._n
+            # (a debt run up under a larger allowance is kept: the floor is the largest one so far)
+            assert -max(q.allowance(), q.most) - 1 <= q.bank <= BANK_CAP * q._n
         assert host.budget() == int(dev.share() * host._n)
 
 
