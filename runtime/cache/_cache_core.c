@@ -579,8 +579,14 @@ static PyObject *drop_run_core(int32_t *M, Py_ssize_t nrows, Py_ssize_t ncols, c
     PyObject *freed = PyList_New(0);
     if (freed == NULL)
         return NULL;
-    /* key map entries first, as found before any unlinking */
+    /* key map entries first, as found before any unlinking (each parent's continuation, and
+       each node's device block for the loop below, asked for KEY_AHEAD nodes ahead: scattered
+       columns, a wait for memory each) */
     for (Py_ssize_t i = 0; i < m; i++) {
+        if (i + KEY_AHEAD < m) {
+            AHEAD(&CONT[par[i + KEY_AHEAD]], 0);
+            AHEAD(&DEV[drop[i + KEY_AHEAD]], 0);
+        }
         if (CONT[par[i]] != drop[i] && PyDict_DelItem(kmap, PyList_GET_ITEM(node_keys, drop[i])) < 0)
             goto fail;
     }
@@ -2221,15 +2227,27 @@ static Py_ssize_t a_ptop(adapt_t *a) {
     return -1;
 }
 
+/* how far ahead a loop over a run of nodes, or over R's entries, asks for what it reads of them */
+#define R_AHEAD 8
+
 /* Node v (out of R, a live exit) joins P with its priority. */
 static void a_protect(adapt_t *a, int32_t v) {
     if (a->st[A_HSIZE] == a->hcap) {  /* full of stale entries: keep the live ones */
+        /* (each entry's node record asked for R_AHEAD entries ahead: the heap's nodes are
+           scattered, and one wait for memory per entry was most of this loop) */
         Py_ssize_t k = 0;
-        for (Py_ssize_t i = 0; i < a->hcap; i++)
+        for (Py_ssize_t i = 0; i < a->hcap; i++) {
+            if (i + R_AHEAD < a->hcap) {
+                int64_t w = HN(a, i + R_AHEAD);
+                if (w >= 0 && w < a->n)
+                    AHEAD(&a->m[w * M_ROWS + M_PSER], 0);
+            }
             if (a->m[HN(a, i) * M_ROWS + M_PSER] == HS(a, i)) {
-                memmove(&a->h[4 * k], &a->h[4 * i], 4 * sizeof(int64_t));
+                if (k != i)
+                    memcpy(&a->h[4 * k], &a->h[4 * i], 4 * sizeof(int64_t));
                 k++;
             }
+        }
         a->st[A_HSIZE] = k;
         for (Py_ssize_t i = k / 2; i-- > 0;)
             a_down(a, i, k);
@@ -2281,6 +2299,11 @@ static void a_rroom(adapt_t *a) {
         return;
     int64_t w = st[A_RHEAD];
     for (int64_t x = st[A_RHEAD]; x < st[A_RTAIL]; x++) {
+        if (x + R_AHEAD < st[A_RTAIL]) {  /* (as in a_protect's compaction) */
+            int64_t u = a->rq[2 * amod(x + R_AHEAD, a->rq_cap)];
+            if (u >= 0 && u < a->n)
+                AHEAD(&a->m[u * M_ROWS + M_RSTAMP], 0);
+        }
         Py_ssize_t j = amod(x, a->rq_cap);
         int64_t v = a->rq[2 * j], s = a->rq[2 * j + 1];
         if (v >= 0 && v < a->n && a->m[(v) * M_ROWS + M_RSTAMP] == s) {
@@ -2292,8 +2315,6 @@ static void a_rroom(adapt_t *a) {
     st[A_RTAIL] = w;
 }
 
-/* how far ahead a loop over a run of nodes, or over R's entries, asks for what it reads of them */
-#define R_AHEAD 8
 
 /* adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost, due):
    a release of `nodes` (int32, deepest first) joins R at its newest end, each with its block
