@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
+from kvrt.ipc.ports import free_port
 from tests.conftest import leftovers, reclaim_dead
 from tests.launched import SMALL, launched, launched_together, oracle, pd_secret_file, shared_prefix_prompts
 from tests.runtime.engine.test_oracle import NEW, run_all, tokens
@@ -22,12 +23,22 @@ from tests.runtime.pd.test_pd import TRANSPORTS, kill_node, pd_node, wait_for  #
 
 
 @contextlib.contextmanager
-def decode_nodes(node: str, tmp_path, secret: str, *per_node: tuple[str, ...], transport: str = "shm"):
-    """Decode nodes node+"d0", node+"d1", ... (one per `per_node` option tuple); yields them."""
-    with launched_together(*((f"{node}d{i}", tmp_path / f"d{i}", ("--role", "decode", *SMALL, "--pd-transport", transport,
-                                                                  "--pd-secret-file", secret, *opts), 0)
-                             for i, opts in enumerate(per_node))) as ds:
-        yield ds
+def pd_nodes(node: str, tmp_path, secret: str, per_decode: tuple[tuple[str, ...], ...],
+             per_prefill: tuple[tuple[str, ...], ...] = ((),), transport: str = "shm"):
+    """Decode nodes node+"d0", node+"d1", ... (one per `per_decode` option tuple) and prefill
+    nodes node+"p", node+"p1", ... (one per `per_prefill`) naming them all, started at once (a
+    prefill node waits for its sessions with the decode nodes anyway); yields (decode nodes,
+    prefill nodes)."""
+    ports = [free_port() for _ in per_decode]
+    peers = ",".join(f"tcp://127.0.0.1:{port}" for port in ports)
+    common = (*SMALL, "--pd-transport", transport, "--pd-secret-file", secret)
+    ds = [(f"{node}d{i}", tmp_path / f"d{i}", ("--role", "decode", *common, *opts), port)
+          for i, (opts, port) in enumerate(zip(per_decode, ports))]
+    names = [node + ("p" if i == 0 else f"p{i}") for i in range(len(per_prefill))]
+    ps = [(name, tmp_path / name, ("--role", "prefill", *common, "--decode-peer", peers, *opts), 0)
+          for name, opts in zip(names, per_prefill)]
+    with launched_together(*ds, *ps) as started:
+        yield started[:len(ds)], started[len(ds):]
 
 
 def prefill_node(name: str, tmp_path, secret: str, ds, *opts: str, transport: str = "shm"):
@@ -62,15 +73,14 @@ def test_requests_go_to_the_decode_node_with_most_free_blocks(multi_node, tmp_pa
     prompts = shared_prefix_prompts(seed=31)
     want = [oracle().generate_dense(p, NEW) for p in prompts]
     secret = pd_secret_file(tmp_path)
-    with decode_nodes(multi_node, tmp_path, secret, ("--num-gpu-blocks", "64"), ("--num-gpu-blocks", "512"),
-                      transport=transport) as (small, big):
-        with prefill_node(multi_node + "p", tmp_path, secret, (small, big), transport=transport) as p:
-            wait_for_free_blocks(p, (small, big))
-            assert tokens(run_all(p.client, prompts, concurrent=False)) == want
-            assert tokens(run_all(p.client, prompts)) == want, p.logs()
-            s, b = small.idle_stats(), big.idle_stats()
-            assert b["finished_requests"] == 2 * len(prompts) and s["finished_requests"] == 0, (s, b)
-            assert p.idle_stats()["failed_requests"] == 0
+    with pd_nodes(multi_node, tmp_path, secret, (("--num-gpu-blocks", "64"), ("--num-gpu-blocks", "512")),
+                  transport=transport) as ((small, big), (p,)):
+        wait_for_free_blocks(p, (small, big))
+        assert tokens(run_all(p.client, prompts, concurrent=False)) == want
+        assert tokens(run_all(p.client, prompts)) == want, p.logs()
+        s, b = small.idle_stats(), big.idle_stats()
+        assert b["finished_requests"] == 2 * len(prompts) and s["finished_requests"] == 0, (s, b)
+        assert p.idle_stats()["failed_requests"] == 0
 
 
 @pytest.mark.e2e
@@ -81,16 +91,16 @@ def test_a_refused_request_goes_to_the_next_decode_node(multi_node, tmp_path):
     prompts = shared_prefix_prompts(seed=32)
     want = [oracle().generate_dense(p, NEW) for p in prompts]
     secret = pd_secret_file(tmp_path)
-    with decode_nodes(multi_node, tmp_path, secret, ("--num-gpu-blocks", "1024", "--pd-peer-max-preallocs", "1"),
-                      ("--num-gpu-blocks", "1024", "--pd-peer-max-blocks", "400")) as (d0, d1):
-        with prefill_node(multi_node + "p", tmp_path, secret, (d0, d1)) as p:
-            wait_for_free_blocks(p, (d0, d1))
-            assert tokens(run_all(p.client, prompts)) == want, p.logs()
-            s0, s1 = d0.idle_stats(), d1.idle_stats()
-            assert s0["pd_refused"] > 0, "D0 should have refused part of the burst"
-            assert s0["finished_requests"] > 0 and s1["finished_requests"] > 0, (s0, s1)
-            assert s0["finished_requests"] + s1["finished_requests"] == len(prompts)
-            assert p.idle_stats()["failed_requests"] == 0
+    with pd_nodes(multi_node, tmp_path, secret, (("--num-gpu-blocks", "1024", "--pd-peer-max-preallocs", "1"),
+                                                 ("--num-gpu-blocks", "1024", "--pd-peer-max-blocks", "400"))) \
+            as ((d0, d1), (p,)):
+        wait_for_free_blocks(p, (d0, d1))
+        assert tokens(run_all(p.client, prompts)) == want, p.logs()
+        s0, s1 = d0.idle_stats(), d1.idle_stats()
+        assert s0["pd_refused"] > 0, "D0 should have refused part of the burst"
+        assert s0["finished_requests"] > 0 and s1["finished_requests"] > 0, (s0, s1)
+        assert s0["finished_requests"] + s1["finished_requests"] == len(prompts)
+        assert p.idle_stats()["failed_requests"] == 0
 
 
 @pytest.mark.e2e
@@ -130,22 +140,21 @@ def test_requests_asked_of_a_decode_node_that_stops_answering_go_to_another(mult
     secret = pd_secret_file(tmp_path)
     opts = ("--pd-timeout", "8", "--rank-timeout", "1", "--pd-dead-after", "2")  # (P: D0 lost after 2 s)
     paused = ("--num-gpu-blocks", "1024", "--hang-timeout", "60", *opts)  # its launcher must not mind the pause
-    with decode_nodes(multi_node, tmp_path, secret, paused, opts) as (d0, d1):
-        with prefill_node(multi_node + "p", tmp_path, secret, (d0, d1), *opts) as p:
-            wait_for_free_blocks(p, (d0, d1))
-            procs = [psutil.Process(d0.proc.pid), *psutil.Process(d0.proc.pid).children(recursive=True)]
+    with pd_nodes(multi_node, tmp_path, secret, (paused, opts), (opts,)) as ((d0, d1), (p,)):
+        wait_for_free_blocks(p, (d0, d1))
+        procs = [psutil.Process(d0.proc.pid), *psutil.Process(d0.proc.pid).children(recursive=True)]
+        for proc in procs:
+            proc.suspend()
+        try:
+            assert tokens(run_all(p.client, prompts)) == want, p.logs()
+        finally:
             for proc in procs:
-                proc.suspend()
-            try:
-                assert tokens(run_all(p.client, prompts)) == want, p.logs()
-            finally:
-                for proc in procs:
-                    proc.resume()
-            logs = p.logs()
-            assert f"lost the decode node tcp://127.0.0.1:{d0.port}" in logs
-            assert "trying another decode node" in logs
-            assert d1.idle_stats()["finished_requests"] == len(prompts)
-            assert p.idle_stats()["failed_requests"] == 0
+                proc.resume()
+        logs = p.logs()
+        assert f"lost the decode node tcp://127.0.0.1:{d0.port}" in logs
+        assert "trying another decode node" in logs
+        assert d1.idle_stats()["finished_requests"] == len(prompts)
+        assert p.idle_stats()["failed_requests"] == 0
 
 
 @pytest.mark.e2e
@@ -156,25 +165,24 @@ def test_several_prefill_nodes_share_one_decode_node(multi_node, tmp_path, trans
     prompts = shared_prefix_prompts(seed=34)
     want = [oracle().generate_dense(p, NEW) for p in prompts]
     secret = pd_secret_file(tmp_path)
-    with decode_nodes(multi_node, tmp_path, secret, ("--num-gpu-blocks", "1024"), transport=transport) as (d,):
-        with prefill_node(multi_node + "p", tmp_path, secret, (d,), transport=transport) as p0, \
-                prefill_node(multi_node + "p1", tmp_path, secret, (d,), transport=transport) as p1:
-            ids0 = [p0.client.submit(q, NEW, request_id=f"r{i}") for i, q in enumerate(prompts)]
-            ids1 = [p1.client.submit(q, NEW, request_id=f"r{i}") for i, q in enumerate(prompts)]
-            assert ids0 == ids1
-            for client, ids in ((p0.client, ids0), (p1.client, ids1)):
-                got = {}
-                while len(got) < len(ids):
-                    events = client.poll(timeout=60)
-                    assert events, "no answer within 60 s"
-                    for ev in events:
-                        assert not hasattr(ev, "code"), ev
-                        if hasattr(ev, "output_token_ids"):
-                            got[ev.request_id] = ev.output_token_ids.tolist()
-                assert [got[i] for i in ids] == want
-            assert d.idle_stats()["finished_requests"] == 2 * len(prompts)
-            assert p0.idle_stats()["failed_requests"] == p1.idle_stats()["failed_requests"] == 0
-            assert np.all([s["pd_sent_bytes"] > 0 for s in (p0.idle_stats(), p1.idle_stats())])
+    with pd_nodes(multi_node, tmp_path, secret, (("--num-gpu-blocks", "1024"),), ((), ()),
+                  transport=transport) as ((d,), (p0, p1)):
+        ids0 = [p0.client.submit(q, NEW, request_id=f"r{i}") for i, q in enumerate(prompts)]
+        ids1 = [p1.client.submit(q, NEW, request_id=f"r{i}") for i, q in enumerate(prompts)]
+        assert ids0 == ids1
+        for client, ids in ((p0.client, ids0), (p1.client, ids1)):
+            got = {}
+            while len(got) < len(ids):
+                events = client.poll(timeout=60)
+                assert events, "no answer within 60 s"
+                for ev in events:
+                    assert not hasattr(ev, "code"), ev
+                    if hasattr(ev, "output_token_ids"):
+                        got[ev.request_id] = ev.output_token_ids.tolist()
+            assert [got[i] for i in ids] == want
+        assert d.idle_stats()["finished_requests"] == 2 * len(prompts)
+        assert p0.idle_stats()["failed_requests"] == p1.idle_stats()["failed_requests"] == 0
+        assert np.all([s["pd_sent_bytes"] > 0 for s in (p0.idle_stats(), p1.idle_stats())])
 
 
 @pytest.mark.parametrize("peers,text", [("tcp://127.0.0.1:7001,127.0.0.1:7002", "tcp://HOST:PORT"),
