@@ -9,10 +9,11 @@ import re
 import numpy as np
 import pytest
 
+from kvrt.ipc.ports import free_port
 from kvrt.runtime.client.client import Sampling
 from kvrt.runtime.client.tokenizer import HFTokenizer
 from tests.hfkit import make_checkpoint
-from tests.launched import launched, pd_secret_file
+from tests.launched import launched_together, pd_secret_file
 from tests.runtime.pd.test_pd import pd_node  # noqa: F401 (the fixture)
 from tests.tokenizer_kit import make_tokenizer_dir
 
@@ -27,15 +28,16 @@ def test_a_guided_answer_split_over_p_and_d_follows_its_grammar(pd_node, tmp_pat
     tok = HFTokenizer.from_dir(str(directory))
     common = ("--model", str(directory), "--block-size", "8", "--pd-transport", "shm",
               "--pd-secret-file", pd_secret_file(tmp_path))
-    with launched(pd_node + "d", tmp_path / "d", "--role", "decode", *common) as d:
-        with launched(pd_node + "p", tmp_path / "p", "--role", "prefill", "--decode-peer",
-                      f"tcp://127.0.0.1:{d.port}", *common) as p:
-            prompt = np.array(tok.encode("the quick brown fox"), np.int64)
-            for seed in range(6):
-                r = p.client.generate(prompt, 16, eos_token_id=tok.eos_token_ids[0],
-                                      sampling=Sampling(temperature=1.0, seed=seed,
-                                                        guided={"kind": "regex", "spec": REGEX}))
-                text = tok.decode(r.output_token_ids[:-1])
-                assert r.finish_reason == "eos" and re.fullmatch(REGEX, text), (seed, text, p.logs() + d.logs())
-            stats = p.idle_stats()
-            assert stats["pd_sent_bytes"] > 0 and stats["failed_requests"] == 0
+    port = free_port()
+    with launched_together((pd_node + "d", tmp_path / "d", ("--role", "decode", *common), port),
+                           (pd_node + "p", tmp_path / "p", ("--role", "prefill", "--decode-peer",
+                                                            f"tcp://127.0.0.1:{port}", *common), 0)) as (d, p):
+        prompt = np.array(tok.encode("the quick brown fox"), np.int64)
+        for seed in range(6):
+            r = p.client.generate(prompt, 16, eos_token_id=tok.eos_token_ids[0],
+                                  sampling=Sampling(temperature=1.0, seed=seed,
+                                                    guided={"kind": "regex", "spec": REGEX}))
+            text = tok.decode(r.output_token_ids[:-1])
+            assert r.finish_reason == "eos" and re.fullmatch(REGEX, text), (seed, text, p.logs() + d.logs())
+        stats = p.idle_stats()
+        assert stats["pd_sent_bytes"] > 0 and stats["failed_requests"] == 0
