@@ -47,6 +47,20 @@ def prefill_node(name: str, tmp_path, secret: str, ds, *opts: str, transport: st
                     "--decode-peer", ",".join(f"tcp://127.0.0.1:{d.port}" for d in ds), *opts)
 
 
+def answers(client, ids: list) -> list[list[int]]:
+    """The output tokens of the requests `ids` submitted on `client`, in that order; every event
+    an answer, none an error."""
+    got = {}
+    while len(got) < len(ids):
+        events = client.poll(timeout=60)
+        assert events, "no answer within 60 s"
+        for ev in events:
+            assert not hasattr(ev, "code"), ev
+            if hasattr(ev, "output_token_ids"):
+                got[ev.request_id] = ev.output_token_ids.tolist()
+    return [got[i] for i in ids]
+
+
 def wait_for_free_blocks(p, ds) -> None:
     """Until P has heard every decode node's free blocks (it logs the first report of a session)."""
     def known() -> bool:
@@ -171,15 +185,7 @@ def test_several_prefill_nodes_share_one_decode_node(multi_node, tmp_path, trans
         ids1 = [p1.client.submit(q, NEW, request_id=f"r{i}") for i, q in enumerate(prompts)]
         assert ids0 == ids1
         for client, ids in ((p0.client, ids0), (p1.client, ids1)):
-            got = {}
-            while len(got) < len(ids):
-                events = client.poll(timeout=60)
-                assert events, "no answer within 60 s"
-                for ev in events:
-                    assert not hasattr(ev, "code"), ev
-                    if hasattr(ev, "output_token_ids"):
-                        got[ev.request_id] = ev.output_token_ids.tolist()
-            assert [got[i] for i in ids] == want
+            assert answers(client, ids) == want
         assert d.idle_stats()["finished_requests"] == 2 * len(prompts)
         assert p0.idle_stats()["failed_requests"] == p1.idle_stats()["failed_requests"] == 0
         assert np.all([s["pd_sent_bytes"] > 0 for s in (p0.idle_stats(), p1.idle_stats())])

@@ -26,7 +26,7 @@ from kvrt.runtime.pd.decode import fair_share
 from tests.launched import SMALL, launched, oracle, pd_secret_file
 from tests.runtime.engine.test_oracle import run_all, tokens
 from tests.runtime.pd.test_pd import pd_node, pd_pair, wait_for  # noqa: F401  (pd_node: a fixture)
-from tests.runtime.pd.test_pd_multi import multi_node, pd_nodes  # noqa: F401  (multi_node: a fixture)
+from tests.runtime.pd.test_pd_multi import answers, multi_node, pd_nodes  # noqa: F401  (multi_node: a fixture)
 from tests.runtime.pd.test_pd_security import FakePeer, prompt
 
 NEW = 8
@@ -68,15 +68,7 @@ def test_two_prefill_nodes_bursting_on_one_decode_node_are_all_served(multi_node
     with pd_nodes(multi_node, tmp_path, secret, ((),), ((), ())) as ((d,), (p0, p1)):
         ids = [[c.submit(q, NEW) for q in prompts] for c in (p0.client, p1.client)]
         for client, mine in zip((p0.client, p1.client), ids):
-            got = {}
-            while len(got) < len(mine):
-                events = client.poll(timeout=60)
-                assert events, "no answer within 60 s"
-                for ev in events:
-                    assert not hasattr(ev, "code"), ev
-                    if hasattr(ev, "output_token_ids"):
-                        got[ev.request_id] = ev.output_token_ids.tolist()
-            assert [got[i] for i in mine] == want
+            assert answers(client, mine) == want
         ds = d.idle_stats()
         assert ds["finished_requests"] == 2 * len(prompts) and ds["pd_refused"] == 0, ds
 
