@@ -2315,7 +2315,6 @@ static void a_rroom(adapt_t *a) {
     st[A_RTAIL] = w;
 }
 
-
 /* adapt_push(M, F, R, H, T, bits, st, hits, nodes, levels, hold, unit, far1, far2, span, ghost, due):
    a release of `nodes` (int32, deepest first) joins R at its newest end, each with its block
    serial, its release, and its priority for P: (release + bonus) * span + level, the bonus

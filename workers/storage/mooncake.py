@@ -548,7 +548,11 @@ def store_main(argv: list[str]) -> int:
                 print(f"kvrt store: mooncake_master (pid {master.pid}) did not exit within {MASTER_STOP_S:g} s "
                       "of SIGTERM: killed", file=sys.stderr)
                 master.kill()
-                master.wait()
+                try:
+                    master.wait(MASTER_STOP_S)
+                except subprocess.TimeoutExpired:  # (in the kernel's hands: this process ends anyway)
+                    print(f"kvrt store: mooncake_master (pid {master.pid}) still there {MASTER_STOP_S:g} s after "
+                          "SIGKILL", file=sys.stderr)
     if client is not None:
         _exit_at_once(code)
     return code
