@@ -178,7 +178,7 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         if count:
             self._count_match(req, keys, limit, dev_hits, host_hits, storage_hits)
         return MatchResult(list(req.blocks), dev_hits * bs, host_hits * bs, storage_hits * bs,
-                           sorted(req.waiting))
+                           sorted(req.waiting) if req.waiting else [])
 
     def _touch_groups(self, request_id: Hashable, req: Request, path: np.ndarray, side: np.ndarray) -> tuple[int, int]:
         """`_touch` of group 0's path and the side nodes of the hit together (one reference
@@ -393,7 +393,8 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         if self.write_through and n > req.num_matched:
             self._write_back(req, side)
         else:
-            self._deref(side)
+            if len(side):
+                self._deref(side)
             self._deref(req.path)
         for t in unwanted:  # (a request that adopted one of its nodes still holds it: keep it)
             if not any(self._ref_v[n] for n in t.nodes):

@@ -25,10 +25,12 @@ from kvrt.runtime.cache.nodes import DEV, HOST, ROOT, SWAP2CPU
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 
 
-def chain_keys(token_bytes: bytes, block_size: int, parent: bytes) -> list[bytes]:
-    """Keys of the full blocks of `token_bytes`: xxh3-128 of (parent key || block's bytes)."""
+def chain_keys(token_bytes, block_size: int, parent: bytes) -> list[bytes]:
+    """Keys of the full blocks of `token_bytes` (any contiguous buffer: its bytes as they are):
+    xxh3-128 of (parent key || block's bytes)."""
     if block_size <= 0 or len(parent) != KEY_BYTES:
         raise ValueError(f"chain_keys: need block_size > 0 and a {KEY_BYTES}-byte parent key")
+    token_bytes = memoryview(token_bytes).cast("B").tobytes()
     step = block_size * TOKEN_DTYPE.itemsize
     keys = []
     key = parent
