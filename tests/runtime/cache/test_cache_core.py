@@ -109,7 +109,7 @@ POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"),
         (reuse_gaps, "_rank_c", ref.gaps_rank), (reuse_gaps, "_ghost_c", ref.ghost_ages),
         (cache_prefix, "_give_uses_c", ref.give_uses))])
 def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
-    """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
+    """Matching (walk), recording a new chain and linking it under its parent (record_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
     with host hits takes the general path), releasing one (deref), counting a request's keys
     in the use sketch (sketch_add, stamping when each was last used too) and giving recorded blocks the uses the
