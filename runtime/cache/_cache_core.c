@@ -825,16 +825,23 @@ static int row_index(long r, const Py_buffer *f) {
     return 0;
 }
 
-/* touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu) -> (unused, blocks) or None:
+/* touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu[, ids]) -> (unused, blocks) or None:
    when every node of `path` is in state `gpu`, take a reference on each and count a hit (what
    `MatchRecord._touch` does for an all-device match) and return how many were unreferenced
-   and their device blocks, in path order; otherwise change nothing and return None. */
+   and their device blocks, in path order; otherwise change nothing and return None. `ids`
+   (optional, a list whose item b is the int b: the device pool's, runtime/cache/pool.py) gives
+   the blocks' int objects, rather than a new int per block that the request frees again when it
+   ends. */
 static PyObject *touch_device(PyObject *self, PyObject *args) {
-    PyObject *fobj, *pobj;
+    PyObject *fobj, *pobj, *ids = Py_None;
     long rr, rh, rs, rd, gpu;
     bufs bv;
-    if (!PyArg_ParseTuple(args, "OOlllll", &fobj, &pobj, &rr, &rh, &rs, &rd, &gpu))
+    if (!PyArg_ParseTuple(args, "OOlllll|O", &fobj, &pobj, &rr, &rh, &rs, &rd, &gpu, &ids))
         return NULL;
+    if (ids != Py_None && !PyList_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "touch_device: ids must be a list or None");
+        return NULL;
+    }
     if (take_bufs(&bv, "touch_device", "Mn", fobj, pobj) < 0)
         return NULL;
     PyObject *res = NULL, *blocks = NULL;
@@ -855,11 +862,16 @@ static PyObject *touch_device(PyObject *self, PyObject *args) {
     if (blocks == NULL)
         goto done;
     long unused = 0;
+    Py_ssize_t nids = ids == Py_None ? 0 : PyList_GET_SIZE(ids);
     for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t v = path[i];
-        PyObject *b = PyLong_FromLong(DEV[v]);
-        if (b == NULL)
+        int32_t d = DEV[path[i]];
+        PyObject *b;
+        if (d >= 0 && d < nids) {
+            b = PyList_GET_ITEM(ids, d);
+            Py_INCREF(b);
+        } else if ((b = PyLong_FromLong(d)) == NULL) {
             goto done;
+        }
         PyList_SET_ITEM(blocks, i, b);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -3164,7 +3176,7 @@ static PyMethodDef methods[] = {
     {"sketch_raise", sketch_raise, METH_VARARGS,
      "sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes"},
     {"touch_device", touch_device, METH_VARARGS,
-     "touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu) -> (unused, blocks) or None"},
+     "touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu[, ids]) -> (unused, blocks) or None"},
     {"deref", deref, METH_VARARGS, "deref(f, path, ref_row, state_row, gpu, out) -> (k, all_gpu)"},
     {"drop_run", drop_run, METH_VARARGS,
      "drop_run(f, drop, par, top, rows, reset, node_keys, kmap, devs, stack, at) -> parents left without device children"},

@@ -115,7 +115,8 @@ class MatchRecord(NodeStore):
         entries -1 until issued) when the device has no free blocks for it yet. Returns
         (device hits, host hits)."""
         f = self._f
-        done = _touch_c(f, a, REF, HITS, STATE, DEV, GPU)  # all on the device (the common case): one call
+        # all on the device (the common case): one call, the blocks as the pool's int objects
+        done = _touch_c(f, a, REF, HITS, STATE, DEV, GPU, self.device_pool.ids)
         if done is not None:
             self._dev_lru.discard(a)
             self._idle -= done[0]

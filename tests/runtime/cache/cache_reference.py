@@ -107,7 +107,7 @@ def walk(f: np.ndarray, cont_row: int, parent_row: int, node_keys: list, kmap: d
 
 
 def touch_device(f: np.ndarray, path: np.ndarray, ref_row: int, hits_row: int, state_row: int, dev_row: int,
-                 gpu: int) -> tuple[int, list[int]] | None:
+                 gpu: int, ids: list | None = None) -> tuple[int, list[int]] | None:
     if (f[state_row, path] != gpu).any():
         return None
     refs = f[ref_row, path]

@@ -650,3 +650,16 @@ def test_adaptive_calls_in_c_equal_python_on_random_queues(monkeypatch):
         assert a == b, f"step {step}: {[k for k in a if a[k] != b[k]]}"
     assert set(calls) == set(ADAPTIVE) - {"_ghost_c"}
     assert queues[0].gains and queues[0].losses and queues[0].lead
+
+
+def test_touch_device_hands_out_the_pools_ints():
+    """touch_device's block table holds the device pool's own int objects where it is given them
+    (no new int per hit, which the request would free again), and the same values without."""
+    f = np.full((11, 6), -1, dtype=np.int32)
+    f[STATE], f[REF], f[HITS] = GPU, 0, 0
+    f[DEV, [2, 4]] = 1000, 700
+    ids = list(range(900))  # (blocks past 256: not ints the interpreter keeps one object of)
+    unused, blocks = touch_device(f, np.array([2, 4], dtype=np.int32), REF, HITS, STATE, DEV, GPU, ids)
+    assert unused == 2 and blocks == [1000, 700] and blocks[1] is ids[700]  # (1000: past the list, a new int)
+    assert touch_device(f, np.array([4, 2], dtype=np.int32), REF, HITS, STATE, DEV, GPU) == (0, [700, 1000])
+    assert f[REF, [2, 4]].tolist() == [2, 2] and f[HITS, [2, 4]].tolist() == [2, 2]
