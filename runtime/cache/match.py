@@ -33,6 +33,8 @@ from kvrt.runtime.cache.core import (deref as _deref_c, record_chain as _record_
 
 # the node matrix rows a new chain writes, in the order runtime/cache/_cache_core.c's record_chain takes them
 CHAIN_ROWS = (PARENT, CHILD, DEV, REF, NDEV, STATE, CONT, NEXT, PREV)
+# (a dtype object: numpy looks a type such as np.int32 up anew at every call)
+_I32 = np.dtype(np.int32)
 
 
 @dataclass(slots=True)
@@ -97,7 +99,7 @@ class MatchRecord(NodeStore):
     def _walk(self, keys: Sequence[bytes], limit: int) -> np.ndarray:
         """The tree nodes of keys[:limit]'s longest cached prefix, from the root down: follow
         each node's continuation while its key matches, ask the key map where it does not."""
-        path = np.empty(limit, dtype=np.int32)
+        path = np.empty(limit, _I32)
         return path[:_walk_c(self._f, CONT, PARENT, self._keys, self._map, keys, limit, path)]
 
     def _child(self, n: int, key: bytes) -> int:
@@ -251,7 +253,7 @@ class MatchRecord(NodeStore):
         columns, its link under the parent and the request's new path)."""
         path = req.path
         i0 = len(path)
-        out = np.empty(n_full, dtype=np.int32)
+        out = np.empty(n_full, _I32)
         top = self._top
         k = _record_chain_c(self._f, path, self._stack, top, req.keys, req.blocks, n_full, CHAIN_ROWS, GPU, DETACHED,
                             self._keys, self._map, out)
@@ -351,7 +353,7 @@ class MatchRecord(NodeStore):
         if not len(path):
             return
         f = self._f
-        zero = np.empty(len(path), dtype=np.int32)
+        zero = np.empty(len(path), _I32)
         k, all_gpu = _deref_c(f, path, REF, STATE, GPU, zero)
         zero = zero[:k]
         if not k:
