@@ -45,12 +45,18 @@ static kv_xxh3_128 xxh3_128; /* set once, at module init */
 
 /* xxhash's canonical form of a 128-bit hash: high64 then low64, each big-endian */
 static void canonical128(kv_h128 h, unsigned char *out) {
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t hi = __builtin_bswap64(h.high64), lo = __builtin_bswap64(h.low64); /* (two stores, not 16) */
+    memcpy(out, &hi, 8);
+    memcpy(out + 8, &lo, 8);
+#else
     for (int i = 7; i >= 0; i--) {
         out[i] = (unsigned char)h.high64;
         out[8 + i] = (unsigned char)h.low64;
         h.high64 >>= 8;
         h.low64 >>= 8;
     }
+#endif
 }
 
 static PyObject *chain_keys(PyObject *self, PyObject *args) {
@@ -486,68 +492,134 @@ done:
     return sketch_end(&s, res);
 }
 
-/* new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): the columns `ids` (int32) of the
-   node matrix `f` (int32, C order, one row per field) become a chain under `parent`: row
-   rows[0] (PARENT) the node before (parent for the first), rows[1] (CHILD) and rows[6] (CONT)
-   the node after (-1 for the last), rows[2] (DEV) the block, rows[3] (REF) 1, rows[4] (NDEV) 1
-   (0 for the last), rows[5] (STATE) `gpu`; and node_keys[id] = keys[j]. What
-   `MatchRecord._new_chain` wrote with a dozen numpy operations and a loop. */
-static PyObject *new_chain(PyObject *self, PyObject *args) {
+/* record_chain(f, path, stack, top, keys, blocks, n_full, rows, gpu, detached, node_keys, kmap, out) -> k:
+   a request's blocks [len(path), n_full) become a new chain of the tree under the last node of
+   its `path` (int32; the root, node 0, if empty), as `MatchRecord._record` records them when none
+   of their keys is in the tree: -1 (nothing written) if that parent is in state `detached`; 0
+   (nothing written) if keys[len(path)] is a child of it already (its continuation, whose key in
+   `node_keys` equals it, or a node of `kmap` whose parent it is: the caller adopts nodes one at
+   a time); else k = n_full - len(path) nodes, the ids stack[top - k:top] (int32) in that order,
+   get the chain's columns of the node matrix `f` (int32, C order, one row per field): rows[0]
+   (PARENT) the node before (the parent for the first), rows[1] (CHILD) and rows[6] (CONT) the
+   node after (-1 for the last), rows[2] (DEV) blocks[i], rows[3] (REF) 1, rows[4] (NDEV) 1 (0 for
+   the last), rows[5] (STATE) `gpu`, node_keys[id] = keys[i]; the first is linked as the parent's
+   first child (rows[7] NEXT the old first child, whose rows[8] PREV it becomes; its own PREV
+   -1), its continuation if it has none, else kmap[key] = id; the parent gains a device child
+   (NDEV); and out (int32, n_full long) is path then the new ids, the request's new path. The
+   slices, stack copy, child lookup, chain write, link and concatenation `_record` made in Python
+   and numpy, in one call. Everything is checked before anything is written. */
+static PyObject *record_chain(PyObject *self, PyObject *args) {
     bufs bv;
-    long parent, gpu;
-    PyObject *fobj, *idobj, *blocks, *rows, *node_keys, *keys, *res = NULL;
+    long gpu, detached;
+    Py_ssize_t top, n_full;
+    PyObject *fobj, *pobj, *sobj, *keys, *blocks, *rows, *node_keys, *kmap, *oobj, *res = NULL;
     PyObject *fb = NULL, *fk = NULL;
-    if (!PyArg_ParseTuple(args, "OOlOOlO!O", &fobj, &idobj, &parent, &blocks, &rows, &gpu,
-                          &PyList_Type, &node_keys, &keys))
+    if (!PyArg_ParseTuple(args, "OOOnOOnOllO!O!O", &fobj, &pobj, &sobj, &top, &keys, &blocks, &n_full, &rows, &gpu,
+                          &detached, &PyList_Type, &node_keys, &PyDict_Type, &kmap, &oobj))
         return NULL;
-    if (take_bufs(&bv, "new_chain", "Mn", fobj, idobj) < 0)
+    if (take_bufs(&bv, "record_chain", "MnII", fobj, pobj, sobj, oobj) < 0)
         return NULL;
     const Py_buffer *f = &bv.b[0];
-    Py_ssize_t k = bv.b[1].shape[0], ncols = f->shape[1], nkeys = PyList_GET_SIZE(node_keys);
-    long r[7];
-    if (row_tuple(rows, 7, f, r, "new_chain") < 0)
+    Py_ssize_t ncols = f->shape[1], nkeys = PyList_GET_SIZE(node_keys), i0 = bv.b[1].shape[0];
+    Py_ssize_t k = n_full - i0;
+    long r[9];
+    if (row_tuple(rows, 9, f, r, "record_chain") < 0)
         goto done;
-    fb = PySequence_Fast(blocks, "blocks must be a sequence");
-    fk = fb ? PySequence_Fast(keys, "keys must be a sequence") : NULL;
-    if (fk == NULL)
+    fk = PySequence_Fast(keys, "keys must be a sequence");
+    fb = fk ? PySequence_Fast(blocks, "blocks must be a sequence") : NULL;
+    if (fb == NULL)
         goto done;
-    if (PySequence_Fast_GET_SIZE(fb) != k || PySequence_Fast_GET_SIZE(fk) != k) {
-        PyErr_SetString(PyExc_ValueError, "new_chain: ids, blocks and keys differ in length");
+    if (k <= 0 || n_full > PySequence_Fast_GET_SIZE(fk) || n_full > PySequence_Fast_GET_SIZE(fb) ||
+        bv.b[3].shape[0] != n_full || top < k || top > bv.b[2].shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "record_chain: need len(path) < n_full <= len(keys), len(blocks); "
+                                          "k <= top <= len(stack); len(out) == n_full");
         goto done;
     }
-    const int32_t *id = bv.b[1].buf;
-    for (Py_ssize_t j = 0; j < k; j++) { /* check everything before writing anything */
-        if (id[j] >= nkeys) {
-            PyErr_SetString(PyExc_IndexError, "new_chain: node id out of range");
+    int32_t *M = f->buf;
+    int32_t *PARENT = M + r[0] * ncols, *CHILD = M + r[1] * ncols, *DEV = M + r[2] * ncols, *REF = M + r[3] * ncols,
+            *NDEV = M + r[4] * ncols, *STATE = M + r[5] * ncols, *CONT = M + r[6] * ncols, *NEXT = M + r[7] * ncols,
+            *PREV = M + r[8] * ncols;
+    const int32_t *path = bv.b[1].buf, *id = (const int32_t *)bv.b[2].buf + (top - k);
+    int32_t parent = i0 ? path[i0 - 1] : 0;
+    if (STATE[parent] == detached) {
+        res = PyLong_FromLong(-1);
+        goto done;
+    }
+    PyObject **kv = PySequence_Fast_ITEMS(fk), **bl = PySequence_Fast_ITEMS(fb);
+    PyObject *key0 = kv[i0];
+    int32_t c = CONT[parent];
+    if (c >= 0 && c < nkeys) { /* (MatchRecord._child) */
+        int same = PyObject_RichCompareBool(PyList_GET_ITEM(node_keys, c), key0, Py_EQ);
+        if (same < 0)
+            goto done;
+        if (same) {
+            res = PyLong_FromLong(0);
             goto done;
         }
-        long b = PyLong_AsLong(PySequence_Fast_GET_ITEM(fb, j));
+    }
+    PyObject *hit = PyDict_GetItemWithError(kmap, key0);
+    if (hit == NULL && PyErr_Occurred())
+        goto done;
+    if (hit != NULL) {
+        long x = PyLong_AsLong(hit);
+        if (x == -1 && PyErr_Occurred())
+            goto done;
+        if (x >= 0 && x < ncols && PARENT[x] == parent) {
+            res = PyLong_FromLong(0);
+            goto done;
+        }
+    }
+    for (Py_ssize_t j = 0; j < k; j++) { /* check everything before writing anything */
+        if (id[j] < 0 || id[j] >= ncols || id[j] >= nkeys) {
+            PyErr_SetString(PyExc_IndexError, "record_chain: node id out of range");
+            goto done;
+        }
+        long b = PyLong_AsLong(bl[i0 + j]);
         if (b == -1 && PyErr_Occurred())
             goto done;
         if (b < INT32_MIN || b > INT32_MAX) {
-            PyErr_SetString(PyExc_OverflowError, "new_chain: block id does not fit int32");
+            PyErr_SetString(PyExc_OverflowError, "record_chain: block id does not fit int32");
             goto done;
         }
     }
-    int32_t *m = f->buf;
+    int32_t first = id[0];
+    if (CONT[parent] >= 0) { /* (the one write that can fail, first) */
+        PyObject *v = PyLong_FromLong(first);
+        if (v == NULL || PyDict_SetItem(kmap, key0, v) < 0) {
+            Py_XDECREF(v);
+            goto done;
+        }
+        Py_DECREF(v);
+    } else {
+        CONT[parent] = first;
+    }
+    int32_t *o = bv.b[3].buf;
+    memcpy(o, path, (size_t)i0 * sizeof(int32_t));
     for (Py_ssize_t j = 0; j < k; j++) {
-        Py_ssize_t c = id[j];
+        Py_ssize_t n = id[j];
         int32_t next = j + 1 < k ? id[j + 1] : -1;
-        m[r[0] * ncols + c] = j ? id[j - 1] : (int32_t)parent;
-        m[r[1] * ncols + c] = next;
-        m[r[2] * ncols + c] = (int32_t)PyLong_AsLong(PySequence_Fast_GET_ITEM(fb, j));
-        m[r[3] * ncols + c] = 1;
-        m[r[4] * ncols + c] = j + 1 < k;
-        m[r[5] * ncols + c] = (int32_t)gpu;
-        m[r[6] * ncols + c] = next;
-        PyObject *key = PySequence_Fast_GET_ITEM(fk, j);
+        o[i0 + j] = (int32_t)n;
+        PARENT[n] = j ? id[j - 1] : parent;
+        CHILD[n] = next;
+        DEV[n] = (int32_t)PyLong_AsLong(bl[i0 + j]);
+        REF[n] = 1;
+        NDEV[n] = j + 1 < k;
+        STATE[n] = (int32_t)gpu;
+        CONT[n] = next;
+        PyObject *key = kv[i0 + j];
         Py_INCREF(key);
-        PyObject *old = PyList_GET_ITEM(node_keys, c);
-        PyList_SET_ITEM(node_keys, c, key);
+        PyObject *old = PyList_GET_ITEM(node_keys, n);
+        PyList_SET_ITEM(node_keys, n, key);
         Py_XDECREF(old);
     }
-    res = Py_None;
-    Py_INCREF(res);
+    int32_t head = CHILD[parent]; /* (NodeStore._link) */
+    PREV[first] = -1;
+    NEXT[first] = head;
+    if (head >= 0)
+        PREV[head] = first;
+    CHILD[parent] = first;
+    NDEV[parent] += 1;
+    res = PyLong_FromSsize_t(k);
 done:
     Py_XDECREF(fb);
     Py_XDECREF(fk);
@@ -753,16 +825,23 @@ static int row_index(long r, const Py_buffer *f) {
     return 0;
 }
 
-/* touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu) -> (unused, blocks) or None:
+/* touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu[, ids]) -> (unused, blocks) or None:
    when every node of `path` is in state `gpu`, take a reference on each and count a hit (what
    `MatchRecord._touch` does for an all-device match) and return how many were unreferenced
-   and their device blocks, in path order; otherwise change nothing and return None. */
+   and their device blocks, in path order; otherwise change nothing and return None. `ids`
+   (optional, a list whose item b is the int b: the device pool's, runtime/cache/pool.py) gives
+   the blocks' int objects, rather than a new int per block that the request frees again when it
+   ends. */
 static PyObject *touch_device(PyObject *self, PyObject *args) {
-    PyObject *fobj, *pobj;
+    PyObject *fobj, *pobj, *ids = Py_None;
     long rr, rh, rs, rd, gpu;
     bufs bv;
-    if (!PyArg_ParseTuple(args, "OOlllll", &fobj, &pobj, &rr, &rh, &rs, &rd, &gpu))
+    if (!PyArg_ParseTuple(args, "OOlllll|O", &fobj, &pobj, &rr, &rh, &rs, &rd, &gpu, &ids))
         return NULL;
+    if (ids != Py_None && !PyList_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "touch_device: ids must be a list or None");
+        return NULL;
+    }
     if (take_bufs(&bv, "touch_device", "Mn", fobj, pobj) < 0)
         return NULL;
     PyObject *res = NULL, *blocks = NULL;
@@ -783,11 +862,16 @@ static PyObject *touch_device(PyObject *self, PyObject *args) {
     if (blocks == NULL)
         goto done;
     long unused = 0;
+    Py_ssize_t nids = ids == Py_None ? 0 : PyList_GET_SIZE(ids);
     for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t v = path[i];
-        PyObject *b = PyLong_FromLong(DEV[v]);
-        if (b == NULL)
+        int32_t d = DEV[path[i]];
+        PyObject *b;
+        if (d >= 0 && d < nids) {
+            b = PyList_GET_ITEM(ids, d);
+            Py_INCREF(b);
+        } else if ((b = PyLong_FromLong(d)) == NULL) {
             goto done;
+        }
         PyList_SET_ITEM(blocks, i, b);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -3092,12 +3176,13 @@ static PyMethodDef methods[] = {
     {"sketch_raise", sketch_raise, METH_VARARGS,
      "sketch_raise(row0, row1, keys, mask, hits, nodes, cap) -> False if a key is not 16 bytes"},
     {"touch_device", touch_device, METH_VARARGS,
-     "touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu) -> (unused, blocks) or None"},
+     "touch_device(f, path, ref_row, hits_row, state_row, dev_row, gpu[, ids]) -> (unused, blocks) or None"},
     {"deref", deref, METH_VARARGS, "deref(f, path, ref_row, state_row, gpu, out) -> (k, all_gpu)"},
     {"drop_run", drop_run, METH_VARARGS,
      "drop_run(f, drop, par, top, rows, reset, node_keys, kmap, devs, stack, at) -> parents left without device children"},
-    {"new_chain", new_chain, METH_VARARGS,
-     "new_chain(f, ids, parent, blocks, rows, gpu, node_keys, keys): write a new chain's columns"},
+    {"record_chain", record_chain, METH_VARARGS,
+     "record_chain(f, path, stack, top, keys, blocks, n_full, rows, gpu, detached, node_keys, kmap, out) -> "
+     "k, 0 (a key in the tree already) or -1 (the parent detached)"},
     {"sketch_add", sketch_add, METH_VARARGS,
      "sketch_add(row0, row1, keys, mask[, stamps0, stamps1, now, ages]) -> False if a key is not 16 bytes "
      "(nothing added); with the stamps, ages (int64) before now"},

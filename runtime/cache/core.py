@@ -12,8 +12,7 @@ try:
                                                 adapt_push, adapt_recall,
                                                 chain_keys, chain_tops, deref, drop_chains, drop_host_nodes, drop_host_run,
                                                 drop_run, finish_swap_out, free_host_nodes, gaps_rank, ghost_ages, give_uses, mark_chains, mark_swap_out,
-                                                new_chain,
-                                                policy_discard, policy_release, pop_live, sketch_add,
+                                                policy_discard, policy_release, pop_live, record_chain, sketch_add,
                                                 sketch_count, sketch_raise, stamp_runs, swap_chains,
                                                 touch_device, walk)
 except ImportError as e:
@@ -23,5 +22,5 @@ except ImportError as e:
                       f"older source ({e}): build it with `pip install -e .` in the checkout") from e
 
 __all__ = ["adapt_discard", "adapt_forget", "adapt_front", "adapt_missed", "adapt_pop", "adapt_push", "adapt_recall", "chain_keys", "chain_tops", "deref", "drop_chains", "drop_host_nodes", "drop_host_run", "drop_run", "finish_swap_out",
-           "free_host_nodes", "gaps_rank", "ghost_ages", "give_uses", "mark_chains", "mark_swap_out", "new_chain", "policy_discard", "policy_release", "pop_live",
+           "free_host_nodes", "gaps_rank", "ghost_ages", "give_uses", "mark_chains", "mark_swap_out", "policy_discard", "policy_release", "pop_live", "record_chain",
            "sketch_add", "sketch_count", "sketch_raise", "stamp_runs", "swap_chains", "touch_device", "walk"]

@@ -69,7 +69,7 @@ class Eviction(NodeStore):
         Deferred swap-ins come first unless `urgent`. Nothing is evicted when free, returning
         and evictable blocks together cannot cover the need: that allocation fails anyway."""
         pool = self.device_pool
-        if not urgent:
+        if not urgent and self._deferred:
             self._start_deferred()
         ahead = 0 if urgent else self._deferred_need
         short = n + ahead - pool.num_free
@@ -83,15 +83,18 @@ class Eviction(NodeStore):
                 self._start_deferred()
                 return None
         got = pool.allocate(n)
-        self._start_deferred()
+        if self._deferred:
+            self._start_deferred()
         return got
 
     def _swap_ahead(self) -> None:
         """With a host tier, keep a few device blocks free or on their way back: a swap-out
         takes a round trip to the cache-transfer ranks, and a request that needs a block
         should not wait for one (nor anyone be preempted) while it is under way."""
+        if not self.host_pool.num_blocks:
+            return
         short = self._low_water - self.device_pool.num_free - self._dev_returning - self._deferred_need
-        if short > 0 and self.host_pool.num_blocks and self._idle:
+        if short > 0 and self._idle:
             self._evict_device(min(short, self._idle))
 
     def _evict_device(self, n: int) -> None:
@@ -100,7 +103,9 @@ class Eviction(NodeStore):
         dropped: list[int] = []
         if not self.host_pool.num_blocks:
             evicted = self._drop_batched(n, dropped)
-            self._finish_eviction(dropped, [], [], [], [], evicted, -1, ([], []))
+            self.device_pool.free(dropped)  # (`_finish_eviction` with nothing on the host side)
+            self.metrics.evicted_device_blocks += evicted
+            log.debug("evicted %d device blocks (0 to host)", evicted)
             return
         # the victims' host blocks, in the order they take them: free ones first, in one batch,
         # then those of host leaves evicted as needed; their ids and device blocks alongside (int32

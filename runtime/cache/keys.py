@@ -130,8 +130,8 @@ class BlockHasher:
         full = len(arr) // self.block_size
         if full <= done:
             return []
-        data = memoryview(arr[done * self.block_size:full * self.block_size]).cast("B")  # (no copy)
         parent = self.keys[-1] if done else self.root
-        new = chain_keys(data, self.block_size, parent)
+        # (the array's bytes as they are: chain_keys reads any contiguous buffer, no copy)
+        new = _chain_keys_c(arr[done * self.block_size:full * self.block_size], self.block_size, parent)
         self.keys.extend(new)
         return new

@@ -23,15 +23,18 @@ import numpy as np
 
 from kvrt.ipc.protocol import TaskKind
 
-from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, HOST, NDEV, NO_NODES, PARENT, REF,
-                          ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
+from kvrt.runtime.cache.nodes import (CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, HOST, NDEV, NEXT, NO_NODES, PARENT, PREV,
+                                      REF, ON_DEVICE, ON_HOST, ROOT, STATE, SWAP2CPU, SWAP2GPU, NodeStore)
 
 # the per-request node matrix work, in C (runtime/cache/_cache_core.c; tests/runtime/cache/cache_reference.py holds
 # the numpy code it is tested against)
-from kvrt.runtime.cache.core import deref as _deref_c, new_chain as _new_chain_c, touch_device as _touch_c, walk as _walk_c
+from kvrt.runtime.cache.core import (deref as _deref_c, record_chain as _record_chain_c, touch_device as _touch_c,
+                                    walk as _walk_c)
 
-# the node matrix rows a new chain writes, in the order runtime/cache/_cache_core.c's new_chain takes them
-CHAIN_ROWS = (PARENT, CHILD, DEV, REF, NDEV, STATE, CONT)
+# the node matrix rows a new chain writes, in the order runtime/cache/_cache_core.c's record_chain takes them
+CHAIN_ROWS = (PARENT, CHILD, DEV, REF, NDEV, STATE, CONT, NEXT, PREV)
+# (a dtype object: numpy looks a type such as np.int32 up anew at every call)
+_I32 = np.dtype(np.int32)
 
 
 @dataclass(slots=True)
@@ -96,7 +99,7 @@ class MatchRecord(NodeStore):
     def _walk(self, keys: Sequence[bytes], limit: int) -> np.ndarray:
         """The tree nodes of keys[:limit]'s longest cached prefix, from the root down: follow
         each node's continuation while its key matches, ask the key map where it does not."""
-        path = np.empty(limit, dtype=np.int32)
+        path = np.empty(limit, _I32)
         return path[:_walk_c(self._f, CONT, PARENT, self._keys, self._map, keys, limit, path)]
 
     def _child(self, n: int, key: bytes) -> int:
@@ -114,7 +117,8 @@ class MatchRecord(NodeStore):
         entries -1 until issued) when the device has no free blocks for it yet. Returns
         (device hits, host hits)."""
         f = self._f
-        done = _touch_c(f, a, REF, HITS, STATE, DEV, GPU)  # all on the device (the common case): one call
+        # all on the device (the common case): one call, the blocks as the pool's int objects
+        done = _touch_c(f, a, REF, HITS, STATE, DEV, GPU, self.device_pool.ids)
         if done is not None:
             self._dev_lru.discard(a)
             self._idle -= done[0]
@@ -244,34 +248,34 @@ class MatchRecord(NodeStore):
 
     # ---- recording
     def _record(self, req: Request, n_full: int) -> None:
-        """Put the request's blocks [len(path), n_full) into the tree under its path."""
+        """Put the request's blocks [len(path), n_full) into the tree under its path: the usual
+        case, none of their keys in the tree yet, is one C call (record_chain: the new chain's
+        columns, its link under the parent and the request's new path)."""
         path = req.path
         i0 = len(path)
-        parent = int(path[-1]) if i0 else ROOT
-        if self._state_v[parent] == DETACHED:
+        out = np.empty(n_full, _I32)
+        top = self._top
+        k = _record_chain_c(self._f, path, self._stack, top, req.keys, req.blocks, n_full, CHAIN_ROWS, GPU, DETACHED,
+                            self._keys, self._map, out)
+        if k > 0:
+            self._top = top - k
+            self._dev_cached += k
+            if self._side_w:  # (a recycled id may have been a side node's)
+                self._group[out[i0:]] = 0
+            if self._obs is not None:
+                self._tell_stored(ON_DEVICE, out[i0:].tolist())
+            req.path = out
+            return
+        if k < 0:  # the parent was detached
             req.frozen = True
             return
-        keys = req.keys[i0:n_full]
-        blocks = req.blocks[i0:n_full]
-        k = len(keys)
-        top = self._top
-        ids = self._stack[top - k:top].copy()
+        # another request computed some of these blocks first: adopt those nodes, create the rest
+        k = n_full - i0
+        parent = int(path[-1]) if i0 else ROOT
+        ids = self._stack[top - k:top].tolist()
         self._top = top - k
-        if self._child(parent, keys[0]) < 0:  # then no later key is in the tree either
-            self._new_chain(parent, ids, keys, blocks)
-        else:
-            ids = np.array(self._record_slow(req, parent, ids.tolist(), keys, blocks, i0), dtype=np.int32)
-        req.path = np.concatenate((path, ids))
-
-    def _new_chain(self, parent: int, ids: np.ndarray, keys: list[bytes], blocks: list[int]) -> None:
-        _new_chain_c(self._f, ids, parent, blocks, CHAIN_ROWS, GPU, self._keys, keys)
-        if self._side_w:  # (a recycled id may have been a side node's)
-            self._group[ids] = 0
-        self._link(int(ids[0]), keys[0], parent)
-        self._ndev_v[parent] += 1
-        self._dev_cached += len(ids)
-        if self._obs is not None:
-            self._tell_stored(ON_DEVICE, ids.tolist())
+        got = self._record_slow(req, parent, ids, req.keys[i0:n_full], req.blocks[i0:n_full], i0)
+        req.path = np.concatenate((path, np.array(got, dtype=np.int32)))
 
     def _record_slow(self, req: Request, parent: int, cand: list[int], keys: list[bytes],
                      blocks: list[int], i0: int) -> list[int]:
@@ -349,7 +353,7 @@ class MatchRecord(NodeStore):
         if not len(path):
             return
         f = self._f
-        zero = np.empty(len(path), dtype=np.int32)
+        zero = np.empty(len(path), _I32)
         k, all_gpu = _deref_c(f, path, REF, STATE, GPU, zero)
         zero = zero[:k]
         if not k:

@@ -178,7 +178,7 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         if count:
             self._count_match(req, keys, limit, dev_hits, host_hits, storage_hits)
         return MatchResult(list(req.blocks), dev_hits * bs, host_hits * bs, storage_hits * bs,
-                           sorted(req.waiting))
+                           sorted(req.waiting) if req.waiting else [])
 
     def _touch_groups(self, request_id: Hashable, req: Request, path: np.ndarray, side: np.ndarray) -> tuple[int, int]:
         """`_touch` of group 0's path and the side nodes of the hit together (one reference
@@ -218,7 +218,7 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         if req.dups:
             self._drop_dups(req)
         side = self._side_need(req, need, reads_from) if self._side_w else []
-        got = self._take_device(need + sum(side), urgent=req.admitted or req.loaded)
+        got = self._take_device(need + sum(side) if side else need, urgent=req.admitted or req.loaded)
         if got is not None:
             if side:
                 self._side_grow(req, need, got[need:], side)
@@ -341,7 +341,7 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         if not len(nodes) or lo < 0:
             return
         # the uses, capped and a running minimum, in one C call (a dozen numpy calls per request)
-        cap = self._hits_v[int(req.path[before - 1])] if before else 0
+        cap = self._hits_v[req.path[before - 1]] if before else 0
         _give_uses_c(self._f, HITS, nodes, uses, lo, before > 0, cap)
         got_ages = ages[lo:lo + len(nodes)]
         if len(got_ages) < len(nodes):  # (keys the request grew by after its match: not recalled)
@@ -393,7 +393,8 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         if self.write_through and n > req.num_matched:
             self._write_back(req, side)
         else:
-            self._deref(side)
+            if len(side):
+                self._deref(side)
             self._deref(req.path)
         for t in unwanted:  # (a request that adopted one of its nodes still holds it: keep it)
             if not any(self._ref_v[n] for n in t.nodes):

@@ -25,10 +25,12 @@ from kvrt.runtime.cache.nodes import DEV, HOST, ROOT, SWAP2CPU
 from kvrt.runtime.cache.prefix_cache import PrefixCache
 
 
-def chain_keys(token_bytes: bytes, block_size: int, parent: bytes) -> list[bytes]:
-    """Keys of the full blocks of `token_bytes`: xxh3-128 of (parent key || block's bytes)."""
+def chain_keys(token_bytes, block_size: int, parent: bytes) -> list[bytes]:
+    """Keys of the full blocks of `token_bytes` (any contiguous buffer: its bytes as they are):
+    xxh3-128 of (parent key || block's bytes)."""
     if block_size <= 0 or len(parent) != KEY_BYTES:
         raise ValueError(f"chain_keys: need block_size > 0 and a {KEY_BYTES}-byte parent key")
+    token_bytes = memoryview(token_bytes).cast("B").tobytes()
     step = block_size * TOKEN_DTYPE.itemsize
     keys = []
     key = parent
@@ -105,7 +107,7 @@ def walk(f: np.ndarray, cont_row: int, parent_row: int, node_keys: list, kmap: d
 
 
 def touch_device(f: np.ndarray, path: np.ndarray, ref_row: int, hits_row: int, state_row: int, dev_row: int,
-                 gpu: int) -> tuple[int, list[int]] | None:
+                 gpu: int, ids: list | None = None) -> tuple[int, list[int]] | None:
     if (f[state_row, path] != gpu).any():
         return None
     refs = f[ref_row, path]
@@ -124,19 +126,47 @@ def deref(f: np.ndarray, path: np.ndarray, ref_row: int, state_row: int, gpu: in
     return len(zero), bool((f[state_row, zero] == gpu).all())
 
 
-def new_chain(f: np.ndarray, ids: np.ndarray, parent: int, blocks: list[int], rows: tuple, gpu: int,
-              node_keys: list, keys: Sequence[bytes]) -> None:
-    parent_r, child_r, dev_r, ref_r, ndev_r, state_r, cont_r = rows
-    for n, key in zip(ids.tolist(), keys):
+def record_chain(f: np.ndarray, path: np.ndarray, stack: np.ndarray, top: int, keys: Sequence[bytes],
+                 blocks: list[int], n_full: int, rows: tuple, gpu: int, detached: int, node_keys: list, kmap: dict,
+                 out: np.ndarray) -> int:
+    parent_r, child_r, dev_r, ref_r, ndev_r, state_r, cont_r, next_r, prev_r = rows
+    i0 = len(path)
+    parent = int(path[-1]) if i0 else 0
+    if f[state_r, parent] == detached:
+        return -1
+    key0 = keys[i0]
+    c = int(f[cont_r, parent])
+    if c >= 0 and node_keys[c] == key0:
+        return 0
+    c = kmap.get(key0, -1)
+    if c >= 0 and f[parent_r, c] == parent:
+        return 0
+    k = n_full - i0
+    ids = stack[top - k:top].copy()
+    for n, key in zip(ids.tolist(), keys[i0:n_full]):
         node_keys[n] = key
     child = np.append(ids[1:], -1)
     f[parent_r, ids] = np.insert(ids[:-1], 0, parent)
     f[child_r, ids] = child
-    f[dev_r, ids] = blocks
+    f[dev_r, ids] = blocks[i0:n_full]
     f[ref_r, ids] = 1
     f[ndev_r, ids] = child >= 0  # each node's one child is the next, on the device
     f[state_r, ids] = gpu
     f[cont_r, ids] = child
+    first = int(ids[0])  # linked as the parent's first child (NodeStore._link)
+    if f[cont_r, parent] < 0:
+        f[cont_r, parent] = first
+    else:
+        kmap[key0] = first
+    head = int(f[child_r, parent])
+    f[prev_r, first] = -1
+    f[next_r, first] = head
+    if head >= 0:
+        f[prev_r, head] = first
+    f[child_r, parent] = first
+    f[ndev_r, parent] += 1
+    out[:] = np.concatenate((path, ids))
+    return k
 
 
 # ---- eviction runs (runtime/cache/eviction.py)

@@ -13,9 +13,9 @@ import xxhash
 
 from kvrt.runtime.cache import (eviction as cache_eviction, keys as hashing, match as cache_match,
                                 prefix_cache as cache_prefix, tasks as cache_tasks, use_sketch)
-from kvrt.runtime.cache._cache_core import deref, drop_run, free_host_nodes, mark_swap_out, new_chain, touch_device
+from kvrt.runtime.cache._cache_core import deref, drop_run, free_host_nodes, mark_swap_out, record_chain, touch_device
 from kvrt.runtime.cache.keys import BlockHasher
-from kvrt.runtime.cache.nodes import CHILD, CONT, CPU, DEV, GPU, HITS, NDEV, PARENT, REF, STATE
+from kvrt.runtime.cache.nodes import CHILD, CONT, CPU, DETACHED, DEV, GPU, HITS, NDEV, NEXT, PARENT, PREV, REF, STATE
 from kvrt.runtime.cache.policies import adaptive, gaps as reuse_gaps, reuse as reuse_levels
 from kvrt.runtime.cache.policies.base import make_policy
 from kvrt.runtime.cache.prefix_cache import PrefixCache
@@ -98,7 +98,7 @@ POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"),
 @pytest.mark.parametrize("host", [0, 300])
 @pytest.mark.parametrize("module,attr,reference", [
     pytest.param(module, attr, reference, id=attr) for module, attr, reference in (
-        (cache_match, "_new_chain_c", ref.new_chain), (cache_eviction, "_drop_run_c", ref.drop_run),
+        (cache_match, "_record_chain_c", ref.record_chain), (cache_eviction, "_drop_run_c", ref.drop_run),
         (cache_eviction, "_drop_chains_c", ref.drop_chains),
         (cache_match, "_touch_c", ref.touch_device), (cache_match, "_deref_c", ref.deref),
         (use_sketch, "_raise_c", ref.sketch_raise), (cache_eviction, "_chain_tops_c", ref.chain_tops),
@@ -109,7 +109,7 @@ POLICIES_USING = {"_add_c": ("gaps", "reuse"), "_raise_c": ("gaps", "reuse"),
         (reuse_gaps, "_rank_c", ref.gaps_rank), (reuse_gaps, "_ghost_c", ref.ghost_ages),
         (cache_prefix, "_give_uses_c", ref.give_uses))])
 def test_c_node_work_equals_numpy(name, seed, host, module, attr, reference, monkeypatch):
-    """Matching (walk), recording a new chain (new_chain), telling whole chains in an eviction run (chain_tops)
+    """Matching (walk), recording a new chain and linking it under its parent (record_chain), telling whole chains in an eviction run (chain_tops)
     and dropping such a run (drop_run, the batched path without a host tier), referencing a matched path (touch_device, all on the device; a path
     with host hits takes the general path), releasing one (deref), counting a request's keys
     in the use sketch (sketch_add, stamping when each was last used too) and giving recorded blocks the uses the
@@ -305,22 +305,52 @@ def _host_replay(cls) -> list:
     return states
 
 
-def test_new_chain_checks_before_it_writes():
+def test_record_chain_checks_before_it_writes():
+    """record_chain writes nothing when an argument is wrong, when its parent is detached or when
+    the first key is a child already; else the chain's columns, its link and the new path."""
+    rows = (PARENT, CHILD, DEV, REF, NDEV, STATE, CONT, NEXT, PREV)
     f = np.full((11, 8), -7, dtype=np.int32)
+    f[:, 1] = -1
+    f[STATE, 1], f[NDEV, 1] = GPU, 0
+    stack = np.array([5, 3], dtype=np.int32)
     keys: list = [None] * 8
-    rows = (PARENT, CHILD, DEV, REF, NDEV, STATE, CONT)
+    kmap: dict = {}
+    path = np.array([1], dtype=np.int32)
+    out = np.empty(3, dtype=np.int32)
+    before = f.copy()
     with pytest.raises(IndexError):
-        new_chain(f, np.array([3, 8], dtype=np.int32), 0, [1, 2], rows, GPU, keys, [b"a", b"b"])
+        record_chain(f, path, np.array([9, 3], dtype=np.int32), 2, [b"r", b"a", b"b"], [0, 1, 2], 3, rows, GPU,
+                     DETACHED, keys, kmap, out)
     with pytest.raises(ValueError):
-        new_chain(f, np.array([3, 4], dtype=np.int64), 0, [1, 2], rows, GPU, keys, [b"a", b"b"])
+        record_chain(f, path.astype(np.int64), stack, 2, [b"r", b"a", b"b"], [0, 1, 2], 3, rows, GPU, DETACHED, keys,
+                     kmap, out)
     with pytest.raises(ValueError):
-        new_chain(f, np.array([3, 4], dtype=np.int32), 0, [1], rows, GPU, keys, [b"a", b"b"])
-    assert (f == -7).all() and keys == [None] * 8
-    new_chain(f, np.array([3, 5], dtype=np.int32), 1, [10, 11], rows, GPU, keys, [b"a", b"b"])
-    assert f[PARENT, [3, 5]].tolist() == [1, 3] and f[CHILD, [3, 5]].tolist() == [5, -1]
-    assert f[CONT, [3, 5]].tolist() == [5, -1] and f[DEV, [3, 5]].tolist() == [10, 11]
-    assert f[REF, [3, 5]].tolist() == [1, 1] and f[NDEV, [3, 5]].tolist() == [1, 0]
-    assert f[STATE, [3, 5]].tolist() == [GPU, GPU] and keys[3] == b"a" and keys[5] == b"b"
+        record_chain(f, path, stack, 2, [b"r", b"a", b"b"], [0, 1], 3, rows, GPU, DETACHED, keys, kmap, out)
+    with pytest.raises(ValueError):
+        record_chain(f, path, stack, 1, [b"r", b"a", b"b"], [0, 1, 2], 3, rows, GPU, DETACHED, keys, kmap, out)
+    with pytest.raises(OverflowError):
+        record_chain(f, path, stack, 2, [b"r", b"a", b"b"], [0, 1, 1 << 40], 3, rows, GPU, DETACHED, keys, kmap, out)
+    assert (f == before).all() and keys == [None] * 8 and not kmap
+    f[STATE, 1] = DETACHED
+    assert record_chain(f, path, stack, 2, [b"r", b"a", b"b"], [0, 1, 2], 3, rows, GPU, DETACHED, keys, kmap, out) == -1
+    f[STATE, 1] = GPU
+    f[PARENT, 6], kmap[b"a"] = 1, 6  # b"a" is node 1's child already (through the key map)
+    assert record_chain(f, path, stack, 2, [b"r", b"a", b"b"], [0, 1, 2], 3, rows, GPU, DETACHED, keys, kmap, out) == 0
+    assert (f[:, :6] == before[:, :6]).all() and keys == [None] * 8
+    del kmap[b"a"]
+    assert record_chain(f, path, stack, 2, [b"r", b"a", b"b"], [0, 10, 11], 3, rows, GPU, DETACHED, keys, kmap,
+                        out) == 2
+    assert out.tolist() == [1, 5, 3] and f[CONT, 1] == 5 and f[CHILD, 1] == 5 and f[NDEV, 1] == 1 and not kmap
+    assert f[PARENT, [5, 3]].tolist() == [1, 5] and f[CHILD, [5, 3]].tolist() == [3, -1]
+    assert f[CONT, [5, 3]].tolist() == [3, -1] and f[DEV, [5, 3]].tolist() == [10, 11]
+    assert f[REF, [5, 3]].tolist() == [1, 1] and f[NDEV, [5, 3]].tolist() == [1, 0]
+    assert f[STATE, [5, 3]].tolist() == [GPU, GPU] and keys[5] == b"a" and keys[3] == b"b"
+    assert f[PREV, 5] == -1 and f[NEXT, 5] == -1
+    # a second chain under node 1: its first child now, found through the key map
+    f[:, 2] = f[:, 4] = -1
+    assert record_chain(f, path, np.array([4, 2], dtype=np.int32), 2, [b"r", b"c", b"d"], [0, 12, 13], 3, rows, GPU,
+                        DETACHED, keys, kmap, out) == 2
+    assert kmap == {b"c": 4} and f[CHILD, 1] == 4 and f[NEXT, 4] == 5 and f[PREV, 5] == 4 and f[NDEV, 1] == 2
 
 
 def test_drop_run_checks_before_it_writes():
@@ -620,3 +650,16 @@ def test_adaptive_calls_in_c_equal_python_on_random_queues(monkeypatch):
         assert a == b, f"step {step}: {[k for k in a if a[k] != b[k]]}"
     assert set(calls) == set(ADAPTIVE) - {"_ghost_c"}
     assert queues[0].gains and queues[0].losses and queues[0].lead
+
+
+def test_touch_device_hands_out_the_pools_ints():
+    """touch_device's block table holds the device pool's own int objects where it is given them
+    (no new int per hit, which the request would free again), and the same values without."""
+    f = np.full((11, 6), -1, dtype=np.int32)
+    f[STATE], f[REF], f[HITS] = GPU, 0, 0
+    f[DEV, [2, 4]] = 1000, 700
+    ids = list(range(900))  # (blocks past 256: not ints the interpreter keeps one object of)
+    unused, blocks = touch_device(f, np.array([2, 4], dtype=np.int32), REF, HITS, STATE, DEV, GPU, ids)
+    assert unused == 2 and blocks == [1000, 700] and blocks[1] is ids[700]  # (1000: past the list, a new int)
+    assert touch_device(f, np.array([4, 2], dtype=np.int32), REF, HITS, STATE, DEV, GPU) == (0, [700, 1000])
+    assert f[REF, [2, 4]].tolist() == [2, 2] and f[HITS, [2, 4]].tolist() == [2, 2]
