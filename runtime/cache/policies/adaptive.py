@@ -25,9 +25,7 @@ plus an allowance, never below 0. The allowance is EXPLORE of the capacity, RATE
 and LEAD of the lead `gaps`' order with no budget would have over LRU so far, when it has one,
 at most LEAD_CAP of the capacity plus LEAD_RATE of the lookups: the evidence that a larger P
 pays, which it may then risk (the part that grows with the lookups lets a workload whose reuse
-order pays only later, after P has spent its first allowance, try again). The exploring part
-(EXPLORE and RATE) is withheld while P is behind LRU and that lead is below 0: P has lost what it
-explored with and the evidence says reuse order loses too. That lead is read
+order pays only later, after P has spent its first allowance, try again). That lead is read
 from this cache's own blocks, both ways: `gaps`' order holds the blocks of the latest due
 releases (release plus bonus), as many as the cache holds, so with F the lowest due release at
 which as many evicted blocks are due at F or later as queued ones before F (counts per due
@@ -47,8 +45,8 @@ tests/runtime/cache/test_cache_core.py holds it to, state for state.
 The bound, structural rather than windowed: a loss needs a block of P's, P never holds more than
 the budget, and every loss lowers the bank by a block. So from a cold cache, at every request,
 the blocks it served are at least LRU's minus the largest allowance it has had (the lead's
-part, and the exploring part while P is behind, can shrink; a debt P ran up under a larger
-allowance is kept, not forgiven: 1/64 + 1/4 of the capacity at most, plus 0.25% of the lookups); over any stretch it loses at most the lead
+part can shrink; a debt P ran up under a larger allowance is kept, not forgiven: 1/64 + 1/4 of
+the capacity at most, plus 0.15% of the lookups); over any stretch it loses at most the lead
 over LRU it had at the stretch's start (the bank keeps up to BANK_CAP capacities of it) plus
 that allowance. The
 counts are exact for requests served one after another (the benchmark's replay, where the
@@ -92,7 +90,7 @@ RATE = 0.0005
 # larger P, which it may then risk; at most LEAD_CAP of the capacity plus LEAD_RATE of the
 # lookups, so that a workload whose reuse order starts to pay late (after P has lost its first
 # allowance) can try again as the evidence comes in
-LEAD, LEAD_CAP, LEAD_RATE = 1.0, 1 / 4, 0.002
+LEAD, LEAD_CAP, LEAD_RATE = 1.0, 1 / 4, 0.001
 # the lead it remembers, either way, in multiples of that cap: a workload that turns (from where
 # `gaps` loses to where it wins, or back) turns the evidence within a few caps' worth of blocks
 LEAD_MEMORY = 2
@@ -170,13 +168,9 @@ class Adaptive(EvictionPolicy):
 
     # ---- the budget
     def allowance(self) -> float:
-        """What P may lose before it has won anything (blocks). The exploring part (EXPLORE of
-        the capacity, RATE of the lookups) is withheld while P is behind LRU (the bank below 0)
-        and the evidence says `gaps`' order is too (the lead below 0): P has lost what it
-        explored with, and exploring again, with the share of the lookups grown since, would
-        lose it again; it tries again once the evidence turns or P is level."""
-        explore = 0.0 if self.bank < 0 and self.lead < 0 else EXPLORE * self._n + RATE * self.lookups
-        return explore + min(LEAD * max(0, self.lead), LEAD_CAP * self._n + LEAD_RATE * self.lookups)
+        """What P may lose before it has won anything (blocks)."""
+        return EXPLORE * self._n + RATE * self.lookups + min(LEAD * max(0, self.lead),
+                                                             LEAD_CAP * self._n + LEAD_RATE * self.lookups)
 
     def budget(self) -> int:
         """How many nodes P may hold now."""
