@@ -69,7 +69,7 @@ class Eviction(NodeStore):
         Deferred swap-ins come first unless `urgent`. Nothing is evicted when free, returning
         and evictable blocks together cannot cover the need: that allocation fails anyway."""
         pool = self.device_pool
-        if not urgent and self._deferred:
+        if not urgent:
             self._start_deferred()
         ahead = 0 if urgent else self._deferred_need
         short = n + ahead - pool.num_free
@@ -83,8 +83,7 @@ class Eviction(NodeStore):
                 self._start_deferred()
                 return None
         got = pool.allocate(n)
-        if self._deferred:
-            self._start_deferred()
+        self._start_deferred()
         return got
 
     def _swap_ahead(self) -> None:
@@ -103,9 +102,7 @@ class Eviction(NodeStore):
         dropped: list[int] = []
         if not self.host_pool.num_blocks:
             evicted = self._drop_batched(n, dropped)
-            self.device_pool.free(dropped)  # (`_finish_eviction` with nothing on the host side)
-            self.metrics.evicted_device_blocks += evicted
-            log.debug("evicted %d device blocks (0 to host)", evicted)
+            self._finish_eviction(dropped, [], [], [], [], evicted, -1, ([], []))
             return
         # the victims' host blocks, in the order they take them: free ones first, in one batch,
         # then those of host leaves evicted as needed; their ids and device blocks alongside (int32

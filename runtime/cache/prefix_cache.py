@@ -393,8 +393,7 @@ class PrefixCache(SideGroups, TaskBook, Eviction, CacheReset):
         if self.write_through and n > req.num_matched:
             self._write_back(req, side)
         else:
-            if len(side):
-                self._deref(side)
+            self._deref(side)
             self._deref(req.path)
         for t in unwanted:  # (a request that adopted one of its nodes still holds it: keep it)
             if not any(self._ref_v[n] for n in t.nodes):

@@ -303,8 +303,6 @@ class TaskBook(NodeStore):
         room). The backlog is served in turn: the oldest swap-in that fits alone gets its room
         even when the whole backlog would not fit, which is what keeps many swap-ins that
         wait together from waiting for ever."""
-        if not self._deferred:
-            return
         self._start_deferred()
         if not self._deferred:
             return
